@@ -1,0 +1,90 @@
+#include "checks.h"
+
+#include <c10/util/Exception.h>
+
+namespace ring_attention {
+namespace {
+
+void check_same_geometry(const char* name, const at::Tensor& t, at::IntArrayRef sizes,
+                         at::ScalarType dtype, const at::Tensor& like) {
+  TORCH_CHECK(t.sizes() == sizes, name, " must have shape ", sizes, ", got ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == dtype, name, " must have dtype ", dtype, ", got ",
+              t.scalar_type());
+  TORCH_CHECK(t.device() == like.device(), name, " must be on ", like.device(), ", got ",
+              t.device());
+}
+
+void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t q_start,
+               int64_t k_start, at::IntArrayRef segs, at::IntArrayRef dils, bool head_groups,
+               const std::optional<at::Tensor>& kpm) {
+  check_pattern(segs, dils);
+  TORCH_CHECK(q.dim() == 4, "q must be 4-D (batch, seq, heads, head_dim), got ", q.dim(), "-D");
+  TORCH_CHECK(k.dim() == 4 && v.dim() == 4, "k and v must be 4-D (batch, seq, heads, head_dim)");
+  TORCH_CHECK(k.sizes() == v.sizes(), "k and v must have the same shape, got ", k.sizes(), " and ",
+              v.sizes());
+  TORCH_CHECK(k.size(0) == q.size(0) && k.size(2) == q.size(2) && k.size(3) == q.size(3),
+              "k must match q in batch, heads and head_dim: q ", q.sizes(), ", k ", k.sizes());
+  TORCH_CHECK(at::isFloatingType(q.scalar_type()), "q must have a floating dtype, got ",
+              q.scalar_type());
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "q, k and v must have the same dtype, got ", q.scalar_type(), ", ", k.scalar_type(),
+              ", ", v.scalar_type());
+  TORCH_CHECK(k.device() == q.device() && v.device() == q.device(),
+              "q, k and v must be on the same device");
+  TORCH_CHECK(q_start >= 0 && k_start >= 0, "q_start and k_start must be >= 0");
+  TORCH_CHECK(!head_groups || q.size(2) >= static_cast<int64_t>(segs.size()),
+              "head_groups needs at least as many heads as branches: ", q.size(2), " heads, ",
+              segs.size(), " branches");
+  if (kpm.has_value()) {
+    check_same_geometry("key_padding_mask", *kpm, {k.size(0), k.size(1)}, at::kBool, q);
+  }
+}
+
+}  // namespace
+
+at::ScalarType acc_dtype(at::ScalarType input) {
+  return input == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+void check_pattern(at::IntArrayRef segs, at::IntArrayRef dils) {
+  TORCH_CHECK(!segs.empty(), "segment_lengths must not be empty");
+  TORCH_CHECK(segs.size() == dils.size(),
+              "segment_lengths and dilation_rates must have the same length, got ", segs.size(),
+              " and ", dils.size());
+  for (size_t i = 0; i < segs.size(); ++i) {
+    TORCH_CHECK(segs[i] >= 1, "segment_lengths[", i, "] must be >= 1, got ", segs[i]);
+    TORCH_CHECK(dils[i] >= 1 && dils[i] <= segs[i], "dilation_rates[", i,
+                "] must be in [1, segment_lengths[", i, "] = ", segs[i], "], got ", dils[i]);
+  }
+}
+
+void check_block_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const at::Tensor& out, const at::Tensor& lse, int64_t q_start,
+                         int64_t k_start, at::IntArrayRef segs, at::IntArrayRef dils,
+                         bool head_groups, const std::optional<at::Tensor>& kpm) {
+  check_qkv(q, k, v, q_start, k_start, segs, dils, head_groups, kpm);
+  const at::ScalarType acc = acc_dtype(q.scalar_type());
+  check_same_geometry("out", out, q.sizes(), acc, q);
+  check_same_geometry("lse", lse, {q.size(0), q.size(2), q.size(1)}, acc, q);
+  TORCH_CHECK(out.is_contiguous() && lse.is_contiguous(), "out and lse must be contiguous");
+}
+
+void check_block_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+                          const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                          const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv,
+                          int64_t q_start, int64_t k_start, at::IntArrayRef segs,
+                          at::IntArrayRef dils, bool head_groups,
+                          const std::optional<at::Tensor>& kpm) {
+  check_qkv(q, k, v, q_start, k_start, segs, dils, head_groups, kpm);
+  const at::ScalarType acc = acc_dtype(q.scalar_type());
+  check_same_geometry("grad_out", grad_out, q.sizes(), q.scalar_type(), q);
+  check_same_geometry("out", out, q.sizes(), q.scalar_type(), q);
+  check_same_geometry("lse", lse, {q.size(0), q.size(2), q.size(1)}, acc, q);
+  check_same_geometry("dq", dq, q.sizes(), acc, q);
+  check_same_geometry("dk", dk, k.sizes(), acc, q);
+  check_same_geometry("dv", dv, k.sizes(), acc, q);
+  TORCH_CHECK(dq.is_contiguous() && dk.is_contiguous() && dv.is_contiguous(),
+              "dq, dk and dv must be contiguous");
+}
+
+}  // namespace ring_attention

@@ -1,0 +1,163 @@
+// CPU block forward: flash-style tiles over the active rows of each
+// (branch, head, segment), online softmax in acc_t, merged into the running
+// (out, lse) accumulators. Memory is O(tile), never seq x seq.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include <vector>
+
+#include "../checks.h"
+#include "block_tasks.h"
+#include "kernels.h"
+#include "tile_math.h"
+
+namespace ring_attention::cpu {
+namespace {
+
+constexpr int64_t kTileQ = 64;
+constexpr int64_t kTileK = 128;
+
+template <typename scalar_t, typename acc_t>
+struct ForwardTile {
+  const BlockGeometry& g;
+  const scalar_t *q, *k, *v;
+  const bool* kpm;  // (B, Lk) or nullptr
+  acc_t *out, *lse;
+  acc_t scale;
+  // Scratch, padded tile shapes.
+  std::vector<acc_t> qt, kt, vt, s, o, m, l;
+
+  ForwardTile(const BlockGeometry& g_, const scalar_t* q_, const scalar_t* k_, const scalar_t* v_,
+              const bool* kpm_, acc_t* out_, acc_t* lse_, acc_t scale_)
+      : g(g_), q(q_), k(k_), v(v_), kpm(kpm_), out(out_), lse(lse_), scale(scale_) {
+    const int64_t d = g.dim;
+    qt.resize(kTileQ * d);
+    kt.resize(d * kTileK);
+    vt.resize(kTileK * d);
+    s.resize(kTileQ * kTileK);
+    o.resize(kTileQ * d);
+    m.resize(kTileQ);
+    l.resize(kTileQ);
+  }
+
+  const scalar_t* row(const scalar_t* base, int64_t b, int64_t len, int64_t pos, int64_t start,
+                      int64_t h) const {
+    return base + ((b * len + (pos - start)) * g.heads + h) * g.dim;
+  }
+
+  // Attend tq active queries (first at position t0, stride r) to the key run.
+  void run(int64_t b, int64_t h, int64_t r, int64_t t0, int64_t tq, ActiveRun keys) {
+    constexpr acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
+    const int64_t d = g.dim, tqp = pad_tile(tq);
+    const int64_t t_last = t0 + (tq - 1) * r;
+    int64_t nk = keys.count;
+    if (g.causal) nk = t_last < keys.first ? 0 : std::min(nk, (t_last - keys.first) / r + 1);
+    if (nk == 0) return;
+
+    std::fill(qt.begin(), qt.begin() + tqp * d, acc_t(0));
+    for (int64_t i = 0; i < tq; ++i)
+      load_row(&qt[i * d], row(q, b, g.q_len, t0 + i * r, g.q_start, h), d, scale);
+    std::fill(o.begin(), o.begin() + tqp * d, acc_t(0));
+    std::fill(m.begin(), m.end(), neg_inf);
+    std::fill(l.begin(), l.end(), acc_t(0));
+
+    for (int64_t n0 = 0; n0 < nk; n0 += kTileK) {
+      const int64_t tk = std::min(kTileK, nk - n0), tkp = pad_tile(tk);
+      const int64_t u0 = keys.first + n0 * r;
+      std::fill(kt.begin(), kt.begin() + d * tkp, acc_t(0));
+      std::fill(vt.begin(), vt.begin() + tkp * d, acc_t(0));
+      for (int64_t j = 0; j < tk; ++j) {
+        const scalar_t* kr = row(k, b, g.k_len, u0 + j * r, g.k_start, h);
+        for (int64_t c = 0; c < d; ++c) kt[c * tkp + j] = static_cast<acc_t>(kr[c]);
+        load_row(&vt[j * d], row(v, b, g.k_len, u0 + j * r, g.k_start, h), d, acc_t(1));
+      }
+      gemm<acc_t>(tqp, tkp, d, qt.data(), d, kt.data(), tkp, s.data(), tkp, false);
+
+      for (int64_t i = 0; i < tq; ++i) {
+        acc_t* srow = &s[i * tkp];
+        const int64_t t = t0 + i * r;
+        // Keys past the query (causal) or past the tile are not reached.
+        int64_t valid = tk;
+        if (g.causal) valid = t < u0 ? 0 : std::min(tk, (t - u0) / r + 1);
+        for (int64_t j = valid; j < tkp; ++j) srow[j] = neg_inf;
+        if (kpm != nullptr) {
+          const bool* mrow = kpm + b * g.k_len + (u0 - g.k_start);
+          for (int64_t j = 0; j < valid; ++j)
+            if (mrow[j * r]) srow[j] = neg_inf;
+        }
+        const acc_t m_new = max_nan(row_max(srow, tkp), m[i]);
+        if (m_new == neg_inf) {
+          std::fill(srow, srow + tkp, acc_t(0));
+          continue;
+        }
+        const acc_t alpha = std::exp(m[i] - m_new);
+        l[i] = l[i] * alpha + exp_sub_sum(srow, tkp, m_new);
+        if (alpha != acc_t(1)) scale_row(&o[i * d], d, alpha);
+        m[i] = m_new;
+      }
+      for (int64_t i = tq; i < tqp; ++i) std::fill(&s[i * tkp], &s[i * tkp] + tkp, acc_t(0));
+      gemm<acc_t>(tqp, d, tkp, s.data(), tkp, vt.data(), d, o.data(), d, true);
+    }
+
+    for (int64_t i = 0; i < tq; ++i) {
+      if (!(l[i] > acc_t(0)) && !std::isnan(l[i])) continue;
+      scale_row(&o[i * d], d, acc_t(1) / l[i]);
+      const int64_t row_idx = t0 + i * r - g.q_start;
+      acc_t* out_row = out + ((b * g.q_len + row_idx) * g.heads + h) * d;
+      acc_t& lse_ref = lse[(b * g.heads + h) * g.q_len + row_idx];
+      merge_row(out_row, lse_ref, &o[i * d], m[i] + std::log(l[i]), d);
+    }
+  }
+};
+
+template <typename scalar_t>
+void forward_kernel(const BlockGeometry& g, const at::Tensor& q, const at::Tensor& k,
+                    const at::Tensor& v, at::Tensor& out, at::Tensor& lse, at::IntArrayRef segs,
+                    at::IntArrayRef dils, double scale, const bool* kpm) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const scalar_t *qp = q.const_data_ptr<scalar_t>(), *kp = k.const_data_ptr<scalar_t>(),
+                 *vp = v.const_data_ptr<scalar_t>();
+  acc_t *op = out.mutable_data_ptr<acc_t>(), *lp = lse.mutable_data_ptr<acc_t>();
+  for (int64_t i = 0; i < g.n_branches; ++i) {
+    const int64_t w = segs[i], r = dils[i];
+    const std::vector<SegmentTask> tasks = branch_tasks(g, i, w, r);
+    at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t lo, int64_t hi) {
+      ForwardTile<scalar_t, acc_t> tile(g, qp, kp, vp, kpm, op, lp, static_cast<acc_t>(scale));
+      for (int64_t ti = lo; ti < hi; ++ti) {
+        const SegmentTask& task = tasks[ti];
+        for (int64_t s = task.seg_begin; s < task.seg_end; ++s) {
+          const SegmentRuns runs = segment_runs(g, s, w, r, task.h);
+          if (runs.k.count == 0) continue;
+          for (int64_t m0 = 0; m0 < runs.q.count; m0 += kTileQ) {
+            tile.run(task.b, task.h, r, runs.q.first + m0 * r, std::min(kTileQ, runs.q.count - m0),
+                     runs.k);
+          }
+        }
+      }
+    });
+  }
+}
+
+}  // namespace
+
+void block_forward_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       at::Tensor& out, at::Tensor& lse, int64_t q_start, int64_t k_start,
+                       at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates, bool causal,
+                       double scale, bool head_groups,
+                       const std::optional<at::Tensor>& key_padding_mask) {
+  check_block_forward(q, k, v, out, lse, q_start, k_start, segment_lengths, dilation_rates,
+                      head_groups, key_padding_mask);
+  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  at::Tensor mask;
+  if (key_padding_mask.has_value()) mask = key_padding_mask->contiguous();
+  const BlockGeometry g{q.size(0), q.size(2), q.size(3), q_start, q.size(1), k_start, k.size(1),
+                        causal, head_groups, static_cast<int64_t>(segment_lengths.size())};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "block_forward_cpu",
+                                  [&] {
+                                    forward_kernel<scalar_t>(
+                                        g, qc, kc, vc, out, lse, segment_lengths, dilation_rates,
+                                        scale, mask.defined() ? mask.const_data_ptr<bool>() : nullptr);
+                                  });
+}
+
+}  // namespace ring_attention::cpu

@@ -1,0 +1,55 @@
+"""Build ring_attention._C: a C++ extension, or a CUDA extension when the
+installed torch has CUDA and a CUDA toolkit is found."""
+
+import glob
+import os
+import platform
+
+import torch
+from setuptools import setup
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _cpu_vector_flags() -> list[str]:
+    """AVX2/FMA code for the CPU kernels when the build machine has them (the
+    extension is built where it runs). RING_ATTENTION_GENERIC_CPU=1 opts out."""
+    if os.environ.get("RING_ATTENTION_GENERIC_CPU") == "1" or platform.machine() != "x86_64":
+        return []
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return []
+    if "avx2" in flags and "fma" in flags:
+        return ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    return []
+
+
+def _extension():
+    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
+    cxx = ["-O3", "-std=c++20", "-fvisibility=hidden", *_cpu_vector_flags()]
+    with_cuda = (
+        torch.version.cuda is not None
+        and CUDA_HOME is not None
+        and os.environ.get("RING_ATTENTION_CPU_ONLY") != "1"
+    )
+    if not with_cuda:
+        return CppExtension("ring_attention._C", sources, extra_compile_args={"cxx": cxx})
+    arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if not arch:
+        major, minor = torch.cuda.get_device_capability() if torch.cuda.is_available() else (8, 0)
+        os.environ["TORCH_CUDA_ARCH_LIST"] = f"{major}.{minor}"
+    nvcc = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
+    return CUDAExtension(
+        "ring_attention._C",
+        sources + sorted(glob.glob("csrc/cuda/*.cu")),
+        extra_compile_args={"cxx": cxx, "nvcc": nvcc},
+    )
+
+
+setup(
+    ext_modules=[_extension()],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+)
