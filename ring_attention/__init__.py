@@ -6,6 +6,15 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 from . import _C  # noqa: F401  (registers torch.ops.ring_attention)
 from .dtypes import select_dtype
 from .functional import dilated_attention
+from .ring import RingDilatedAttention, ring_dilated_attention
+from .sharding import gather_sequence, shard_sequence
 
-__all__ = ["dilated_attention", "select_dtype"]
+__all__ = [
+    "RingDilatedAttention",
+    "dilated_attention",
+    "gather_sequence",
+    "ring_dilated_attention",
+    "select_dtype",
+    "shard_sequence",
+]
 __version__ = "0.1.0"

@@ -1,7 +1,7 @@
 // CPU block backward: recompute P from the final global lse, then
 //   dV += P^T dO,  dS = P * (dO V^T - delta),  dQ += scale dS K,  dK += scale dS^T Q
-// with key tiles outer (dK, dV stay in registers of the tile) and query tiles
-// inner. A task owns its segments' rows, so no atomics are needed.
+// with key tiles outer and query tiles inner. A task owns its segments' rows
+// (per branch), so no atomics are needed.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
@@ -15,29 +15,33 @@
 namespace ring_attention::cpu {
 namespace {
 
-constexpr int64_t kTileQ = 64;
+constexpr int64_t kTileQ = 128;
 constexpr int64_t kTileK = 64;
 
 template <typename scalar_t, typename acc_t>
 struct BackwardTile {
   const BlockGeometry& g;
-  const scalar_t *dout, *q, *k, *v, *out;
-  const acc_t* lse;
+  const scalar_t *dout, *q, *k, *v;
+  const acc_t *lse, *delta;  // delta = rowsum(dout * out), laid out like lse
   const bool* kpm;
   acc_t *dq, *dk, *dv;
   acc_t scale;
-  std::vector<acc_t> qt, dot, kr, kt, vt, s, dp, pt, dst, dk_acc, dv_acc, dq_tile, delta;
+  std::vector<acc_t> qbuf, dobuf, kbuf, vbuf, s, dp;
 
   BackwardTile(const BlockGeometry& g_, const scalar_t* dout_, const scalar_t* q_,
-               const scalar_t* k_, const scalar_t* v_, const scalar_t* out_, const acc_t* lse_,
+               const scalar_t* k_, const scalar_t* v_, const acc_t* lse_, const acc_t* delta_,
                const bool* kpm_, acc_t* dq_, acc_t* dk_, acc_t* dv_, acc_t scale_)
-      : g(g_), dout(dout_), q(q_), k(k_), v(v_), out(out_), lse(lse_), kpm(kpm_), dq(dq_),
+      : g(g_), dout(dout_), q(q_), k(k_), v(v_), lse(lse_), delta(delta_), kpm(kpm_), dq(dq_),
         dk(dk_), dv(dv_), scale(scale_) {
     const int64_t d = g.dim;
-    for (auto* buf : {&qt, &dot, &dq_tile}) buf->resize(kTileQ * d);
-    for (auto* buf : {&kr, &kt, &vt, &dk_acc, &dv_acc}) buf->resize(kTileK * d);
-    for (auto* buf : {&s, &dp, &pt, &dst}) buf->resize(kTileQ * kTileK);
-    delta.resize(kTileQ);
+    if constexpr (!std::is_same_v<scalar_t, acc_t>) {
+      qbuf.resize(kTileQ * d);
+      dobuf.resize(kTileQ * d);
+      kbuf.resize(kTileK * d);
+      vbuf.resize(kTileK * d);
+    }
+    s.resize(kTileQ * kTileK);
+    dp.resize(kTileQ * kTileK);
   }
 
   int64_t q_offset(int64_t b, int64_t pos, int64_t h) const {
@@ -50,79 +54,52 @@ struct BackwardTile {
   // One key tile of tk keys (first at u0, stride r) against all its queries.
   void run(int64_t b, int64_t h, int64_t r, int64_t u0, int64_t tk, ActiveRun queries) {
     constexpr acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
-    const int64_t d = g.dim, tkp = pad_tile(tk);
-    std::fill(kr.begin(), kr.end(), acc_t(0));
-    std::fill(kt.begin(), kt.end(), acc_t(0));
-    std::fill(vt.begin(), vt.end(), acc_t(0));
-    for (int64_t j = 0; j < tk; ++j) {
-      const int64_t off = k_offset(b, u0 + j * r, h);
-      load_row(&kr[j * d], k + off, d, acc_t(1));
-      for (int64_t c = 0; c < d; ++c) {
-        kt[c * tkp + j] = static_cast<acc_t>(k[off + c]);
-        vt[c * tkp + j] = static_cast<acc_t>(v[off + c]);
-      }
-    }
-    std::fill(dk_acc.begin(), dk_acc.end(), acc_t(0));
-    std::fill(dv_acc.begin(), dv_acc.end(), acc_t(0));
+    const int64_t d = g.dim, stride = r * g.heads * d;
+    const int64_t koff = k_offset(b, u0, h);
+    const TileRef<acc_t> kt = tile_rows<acc_t>(k + koff, stride, tk, d, kbuf);
+    const TileRef<acc_t> vt = tile_rows<acc_t>(v + koff, stride, tk, d, vbuf);
 
     // Causal: queries before the first key of the tile reach none of it.
     int64_t m_begin = 0;
     if (g.causal && u0 > queries.first) m_begin = ceil_div(u0 - queries.first, r);
     for (int64_t m0 = m_begin; m0 < queries.count; m0 += kTileQ) {
-      const int64_t tq = std::min(kTileQ, queries.count - m0), tqp = pad_tile(tq);
+      const int64_t tq = std::min(kTileQ, queries.count - m0);
       const int64_t t0 = queries.first + m0 * r;
-      std::fill(qt.begin(), qt.begin() + tqp * d, acc_t(0));
-      std::fill(dot.begin(), dot.begin() + tqp * d, acc_t(0));
+      const int64_t qoff = q_offset(b, t0, h);
+      const TileRef<acc_t> qt = tile_rows<acc_t>(q + qoff, stride, tq, d, qbuf);
+      const TileRef<acc_t> dot = tile_rows<acc_t>(dout + qoff, stride, tq, d, dobuf);
+      gemm(false, true, tq, tk, d, scale, qt.ptr, qt.ld, kt.ptr, kt.ld, acc_t(0), s.data(), tk);
+      gemm(false, true, tq, tk, d, acc_t(1), dot.ptr, dot.ld, vt.ptr, vt.ld, acc_t(0), dp.data(),
+           tk);
       for (int64_t i = 0; i < tq; ++i) {
-        const int64_t off = q_offset(b, t0 + i * r, h);
-        load_row(&qt[i * d], q + off, d, scale);
-        load_row(&dot[i * d], dout + off, d, acc_t(1));
-        acc_t dsum = 0;
-        for (int64_t c = 0; c < d; ++c) dsum += dot[i * d + c] * static_cast<acc_t>(out[off + c]);
-        delta[i] = dsum;
-      }
-      gemm<acc_t>(tqp, tkp, d, qt.data(), d, kt.data(), tkp, s.data(), tkp, false);
-      gemm<acc_t>(tqp, tkp, d, dot.data(), d, vt.data(), tkp, dp.data(), tkp, false);
-      for (int64_t i = 0; i < tqp; ++i) {
-        acc_t* srow = &s[i * tkp];
-        acc_t* dprow = &dp[i * tkp];
-        if (i >= tq) {
-          std::fill(srow, srow + tkp, acc_t(0));
-          std::fill(dprow, dprow + tkp, acc_t(0));
+        acc_t* srow = &s[i * tk];
+        acc_t* dprow = &dp[i * tk];
+        const int64_t t = t0 + i * r;
+        const int64_t row = (b * g.heads + h) * g.q_len + (t - g.q_start);
+        const acc_t row_lse = lse[row], row_delta = delta[row];
+        if (row_lse == neg_inf) {  // reaches nothing: no gradient
+          std::fill(srow, srow + tk, acc_t(0));
+          std::fill(dprow, dprow + tk, acc_t(0));
           continue;
         }
-        const int64_t t = t0 + i * r;
-        const acc_t row_lse = lse[(b * g.heads + h) * g.q_len + (t - g.q_start)];
         int64_t valid = tk;
         if (g.causal) valid = t < u0 ? 0 : std::min(tk, (t - u0) / r + 1);
-        for (int64_t j = 0; j < tkp; ++j) {
-          bool reached = j < valid && row_lse != neg_inf;
-          if (reached && kpm != nullptr) reached = !kpm[b * g.k_len + (u0 + j * r - g.k_start)];
-          const acc_t p = reached ? std::exp(srow[j] - row_lse) : acc_t(0);
-          srow[j] = p;
-          dprow[j] = reached ? p * (dprow[j] - delta[i]) : acc_t(0);
+        for (int64_t j = valid; j < tk; ++j) srow[j] = neg_inf;
+        if (kpm != nullptr) {
+          const bool* mrow = kpm + b * g.k_len + (u0 - g.k_start);
+          for (int64_t j = 0; j < valid; ++j)
+            if (mrow[j * r]) srow[j] = neg_inf;
         }
+        softmax_grad_row(srow, dprow, tk, row_lse, row_delta);
       }
-      // pt = P^T, dst = dS^T (tkp x tqp).
-      for (int64_t i = 0; i < tqp; ++i)
-        for (int64_t j = 0; j < tkp; ++j) {
-          pt[j * tqp + i] = s[i * tkp + j];
-          dst[j * tqp + i] = dp[i * tkp + j];
-        }
-      gemm<acc_t>(tkp, d, tqp, pt.data(), tqp, dot.data(), d, dv_acc.data(), d, true);
-      gemm<acc_t>(tkp, d, tqp, dst.data(), tqp, qt.data(), d, dk_acc.data(), d, true);
-      gemm<acc_t>(tqp, d, tkp, dp.data(), tkp, kr.data(), d, dq_tile.data(), d, false);
-      for (int64_t i = 0; i < tq; ++i) {
-        acc_t* dst_row = dq + q_offset(b, t0 + i * r, h);
-        for (int64_t c = 0; c < d; ++c) dst_row[c] += scale * dq_tile[i * d + c];
-      }
-    }
-    for (int64_t j = 0; j < tk; ++j) {
-      const int64_t off = k_offset(b, u0 + j * r, h);
-      for (int64_t c = 0; c < d; ++c) {
-        dk[off + c] += dk_acc[j * d + c];
-        dv[off + c] += dv_acc[j * d + c];
-      }
+      // dV += P^T dO, dK += scale dS^T Q, dQ += scale dS K, straight into the
+      // accumulators through the same row stride.
+      gemm(true, false, tk, d, tq, acc_t(1), s.data(), tk, dot.ptr, dot.ld, acc_t(1), dv + koff,
+           stride);
+      gemm(true, false, tk, d, tq, scale, dp.data(), tk, qt.ptr, qt.ld, acc_t(1), dk + koff,
+           stride);
+      gemm(false, false, tq, d, tk, scale, dp.data(), tk, kt.ptr, kt.ld, acc_t(1), dq + qoff,
+           stride);
     }
   }
 };
@@ -133,14 +110,29 @@ void backward_kernel(const BlockGeometry& g, const at::Tensor& dout, const at::T
                      const at::Tensor& lse, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
                      at::IntArrayRef segs, at::IntArrayRef dils, double scale, const bool* kpm) {
   using acc_t = at::opmath_type<scalar_t>;
+  // delta[b, h, t] = sum_c dout[b, t, h, c] * out[b, t, h, c]
+  std::vector<acc_t> delta(g.batch * g.heads * g.q_len);
+  const scalar_t *dp = dout.const_data_ptr<scalar_t>(), *op = out.const_data_ptr<scalar_t>();
+  at::parallel_for(0, g.batch * g.q_len, 64, [&](int64_t lo, int64_t hi) {
+    for (int64_t bt = lo; bt < hi; ++bt) {
+      const int64_t b = bt / g.q_len, t = bt % g.q_len;
+      for (int64_t h = 0; h < g.heads; ++h) {
+        const int64_t off = (bt * g.heads + h) * g.dim;
+        acc_t sum = 0;
+        for (int64_t c = 0; c < g.dim; ++c)
+          sum += static_cast<acc_t>(dp[off + c]) * static_cast<acc_t>(op[off + c]);
+        delta[(b * g.heads + h) * g.q_len + t] = sum;
+      }
+    }
+  });
   for (int64_t i = 0; i < g.n_branches; ++i) {
     const int64_t w = segs[i], r = dils[i];
     const std::vector<SegmentTask> tasks = branch_tasks(g, i, w, r);
     at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t lo, int64_t hi) {
       BackwardTile<scalar_t, acc_t> tile(
           g, dout.const_data_ptr<scalar_t>(), q.const_data_ptr<scalar_t>(),
-          k.const_data_ptr<scalar_t>(), v.const_data_ptr<scalar_t>(),
-          out.const_data_ptr<scalar_t>(), lse.const_data_ptr<acc_t>(), kpm,
+          k.const_data_ptr<scalar_t>(), v.const_data_ptr<scalar_t>(), lse.const_data_ptr<acc_t>(),
+          delta.data(), kpm,
           dq.mutable_data_ptr<acc_t>(), dk.mutable_data_ptr<acc_t>(), dv.mutable_data_ptr<acc_t>(),
           static_cast<acc_t>(scale));
       for (int64_t ti = lo; ti < hi; ++ti) {

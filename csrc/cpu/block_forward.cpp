@@ -1,6 +1,7 @@
 // CPU block forward: flash-style tiles over the active rows of each
 // (branch, head, segment), online softmax in acc_t, merged into the running
-// (out, lse) accumulators. Memory is O(tile), never seq x seq.
+// (out, lse) accumulators. Dilated rows are read in place through their row
+// stride r*H*D; memory is O(tile), never seq x seq.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
@@ -14,8 +15,8 @@
 namespace ring_attention::cpu {
 namespace {
 
-constexpr int64_t kTileQ = 64;
-constexpr int64_t kTileK = 128;
+constexpr int64_t kTileQ = 128;
+constexpr int64_t kTileK = 512;
 
 template <typename scalar_t, typename acc_t>
 struct ForwardTile {
@@ -24,79 +25,74 @@ struct ForwardTile {
   const bool* kpm;  // (B, Lk) or nullptr
   acc_t *out, *lse;
   acc_t scale;
-  // Scratch, padded tile shapes.
-  std::vector<acc_t> qt, kt, vt, s, o, m, l;
+  std::vector<acc_t> qbuf, kbuf, vbuf, s, o, m, l;
 
   ForwardTile(const BlockGeometry& g_, const scalar_t* q_, const scalar_t* k_, const scalar_t* v_,
               const bool* kpm_, acc_t* out_, acc_t* lse_, acc_t scale_)
       : g(g_), q(q_), k(k_), v(v_), kpm(kpm_), out(out_), lse(lse_), scale(scale_) {
     const int64_t d = g.dim;
-    qt.resize(kTileQ * d);
-    kt.resize(d * kTileK);
-    vt.resize(kTileK * d);
+    if constexpr (!std::is_same_v<scalar_t, acc_t>) {
+      qbuf.resize(kTileQ * d);
+      kbuf.resize(kTileK * d);
+      vbuf.resize(kTileK * d);
+    }
     s.resize(kTileQ * kTileK);
     o.resize(kTileQ * d);
     m.resize(kTileQ);
     l.resize(kTileQ);
   }
 
-  const scalar_t* row(const scalar_t* base, int64_t b, int64_t len, int64_t pos, int64_t start,
-                      int64_t h) const {
-    return base + ((b * len + (pos - start)) * g.heads + h) * g.dim;
+  int64_t q_offset(int64_t b, int64_t pos, int64_t h) const {
+    return ((b * g.q_len + (pos - g.q_start)) * g.heads + h) * g.dim;
+  }
+  int64_t k_offset(int64_t b, int64_t pos, int64_t h) const {
+    return ((b * g.k_len + (pos - g.k_start)) * g.heads + h) * g.dim;
   }
 
   // Attend tq active queries (first at position t0, stride r) to the key run.
   void run(int64_t b, int64_t h, int64_t r, int64_t t0, int64_t tq, ActiveRun keys) {
     constexpr acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
-    const int64_t d = g.dim, tqp = pad_tile(tq);
+    const int64_t d = g.dim, stride = r * g.heads * d;
     const int64_t t_last = t0 + (tq - 1) * r;
     int64_t nk = keys.count;
     if (g.causal) nk = t_last < keys.first ? 0 : std::min(nk, (t_last - keys.first) / r + 1);
     if (nk == 0) return;
 
-    std::fill(qt.begin(), qt.begin() + tqp * d, acc_t(0));
-    for (int64_t i = 0; i < tq; ++i)
-      load_row(&qt[i * d], row(q, b, g.q_len, t0 + i * r, g.q_start, h), d, scale);
-    std::fill(o.begin(), o.begin() + tqp * d, acc_t(0));
+    const TileRef<acc_t> qt = tile_rows<acc_t>(q + q_offset(b, t0, h), stride, tq, d, qbuf);
+    std::fill(o.begin(), o.begin() + tq * d, acc_t(0));
     std::fill(m.begin(), m.end(), neg_inf);
     std::fill(l.begin(), l.end(), acc_t(0));
 
     for (int64_t n0 = 0; n0 < nk; n0 += kTileK) {
-      const int64_t tk = std::min(kTileK, nk - n0), tkp = pad_tile(tk);
+      const int64_t tk = std::min(kTileK, nk - n0);
       const int64_t u0 = keys.first + n0 * r;
-      std::fill(kt.begin(), kt.begin() + d * tkp, acc_t(0));
-      std::fill(vt.begin(), vt.begin() + tkp * d, acc_t(0));
-      for (int64_t j = 0; j < tk; ++j) {
-        const scalar_t* kr = row(k, b, g.k_len, u0 + j * r, g.k_start, h);
-        for (int64_t c = 0; c < d; ++c) kt[c * tkp + j] = static_cast<acc_t>(kr[c]);
-        load_row(&vt[j * d], row(v, b, g.k_len, u0 + j * r, g.k_start, h), d, acc_t(1));
-      }
-      gemm<acc_t>(tqp, tkp, d, qt.data(), d, kt.data(), tkp, s.data(), tkp, false);
+      const TileRef<acc_t> kt = tile_rows<acc_t>(k + k_offset(b, u0, h), stride, tk, d, kbuf);
+      const TileRef<acc_t> vt = tile_rows<acc_t>(v + k_offset(b, u0, h), stride, tk, d, vbuf);
+      gemm(false, true, tq, tk, d, scale, qt.ptr, qt.ld, kt.ptr, kt.ld, acc_t(0), s.data(), tk);
 
       for (int64_t i = 0; i < tq; ++i) {
-        acc_t* srow = &s[i * tkp];
+        acc_t* srow = &s[i * tk];
         const int64_t t = t0 + i * r;
-        // Keys past the query (causal) or past the tile are not reached.
+        // Keys past the query (causal) are not reached.
         int64_t valid = tk;
         if (g.causal) valid = t < u0 ? 0 : std::min(tk, (t - u0) / r + 1);
-        for (int64_t j = valid; j < tkp; ++j) srow[j] = neg_inf;
+        for (int64_t j = valid; j < tk; ++j) srow[j] = neg_inf;
         if (kpm != nullptr) {
           const bool* mrow = kpm + b * g.k_len + (u0 - g.k_start);
           for (int64_t j = 0; j < valid; ++j)
             if (mrow[j * r]) srow[j] = neg_inf;
         }
-        const acc_t m_new = max_nan(row_max(srow, tkp), m[i]);
+        const acc_t m_new = max_nan(row_max(srow, tk), m[i]);
         if (m_new == neg_inf) {
-          std::fill(srow, srow + tkp, acc_t(0));
+          std::fill(srow, srow + tk, acc_t(0));
           continue;
         }
         const acc_t alpha = std::exp(m[i] - m_new);
-        l[i] = l[i] * alpha + exp_sub_sum(srow, tkp, m_new);
+        l[i] = l[i] * alpha + exp_sub_sum(srow, tk, m_new);
         if (alpha != acc_t(1)) scale_row(&o[i * d], d, alpha);
         m[i] = m_new;
       }
-      for (int64_t i = tq; i < tqp; ++i) std::fill(&s[i * tkp], &s[i * tkp] + tkp, acc_t(0));
-      gemm<acc_t>(tqp, d, tkp, s.data(), tkp, vt.data(), d, o.data(), d, true);
+      gemm(false, false, tq, d, tk, acc_t(1), s.data(), tk, vt.ptr, vt.ld, acc_t(1), o.data(), d);
     }
 
     for (int64_t i = 0; i < tq; ++i) {

@@ -3,67 +3,53 @@
 // double (fp64 inputs).
 #pragma once
 
+#include <ATen/OpMathType.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
-#include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 namespace ring_attention::cpu {
 
-// Tiles are padded to multiples of this, so oneDNN's brgemm JIT cache sees a
-// bounded set of shapes.
-constexpr int64_t kTilePad = 16;
+// Row-major GEMM on strided tiles:
+//   C[M,N] = alpha * op(A)[M,K] @ op(B)[K,N] + beta * C
+// where op(X) = X, or X^T when trans_X (then X is stored as K x M / N x K).
+// Tiles are read in place from (B, L, H, D) tensors through their row stride,
+// so fp32/fp64 inputs are never copied. Backed by the BLAS that libtorch
+// exports (sgemm_/dgemm_), with a portable loop as fallback.
+void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+          const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
+          int64_t ldc);
+void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, double alpha,
+          const double* A, int64_t lda, const double* B, int64_t ldb, double beta, double* C,
+          int64_t ldc);
 
-inline int64_t pad_tile(int64_t n) { return (n + kTilePad - 1) / kTilePad * kTilePad; }
-
-// True when ATen's brgemm (oneDNN ukernel) runs fp32 on this CPU.
-bool brgemm_f32_available();
-
-// C[M,N] (+)= A[M,K] @ B[K,N], all row-major with leading dimensions.
+// A matrix tile: base pointer and row stride, in elements.
 template <typename T>
-inline void gemm_fallback(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda,
-                          const T* B, int64_t ldb, T* C, int64_t ldc, bool add_c) {
-  using Vec = at::vec::Vectorized<T>;
-  const int64_t vn = N - N % Vec::size();
-  for (int64_t i = 0; i < M; ++i) {
-    T* c = C + i * ldc;
-    if (!add_c) std::fill(c, c + N, T(0));
-    for (int64_t kk = 0; kk < K; ++kk) {
-      const T a = A[i * lda + kk];
-      if (a == T(0)) continue;
-      const T* b = B + kk * ldb;
-      const Vec av(a);
-      int64_t j = 0;
-      for (; j < vn; j += Vec::size()) {
-        at::vec::fmadd(av, Vec::loadu(b + j), Vec::loadu(c + j)).store(c + j);
-      }
-      for (; j < N; ++j) c[j] += a * b[j];
-    }
-  }
-}
-
-template <typename T>
-inline void gemm(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B,
-                 int64_t ldb, T* C, int64_t ldc, bool add_c) {
-  if constexpr (std::is_same_v<T, float>) {
-    if (brgemm_f32_available()) {
-      at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add_c, A, B, C);
-      return;
-    }
-  }
-  gemm_fallback<T>(M, N, K, A, lda, B, ldb, C, ldc, add_c);
-}
+struct TileRef {
+  const T* ptr;
+  int64_t ld;
+};
 
 // Row maximum that propagates NaN (a NaN score must not be hidden).
 template <typename T>
 inline T row_max(const T* x, int64_t n) {
+  using Vec = at::vec::Vectorized<T>;
   T m = -std::numeric_limits<T>::infinity();
-  for (int64_t j = 0; j < n; ++j) m = (x[j] > m || std::isnan(x[j])) ? x[j] : m;
+  int64_t j = 0;
+  if (n >= Vec::size()) {
+    // at::vec::maximum propagates NaN.
+    Vec vm = Vec::loadu(x);
+    for (j = Vec::size(); j + Vec::size() <= n; j += Vec::size())
+      vm = at::vec::maximum(vm, Vec::loadu(x + j));
+    m = at::vec::vec_reduce_all<T>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vm);
+  }
+  for (; j < n; ++j) m = (x[j] > m || std::isnan(x[j])) ? x[j] : m;
   return m;
 }
 
@@ -95,6 +81,26 @@ inline T exp_sub_sum(T* x, int64_t n, T sub) {
   return sum;
 }
 
+// Backward of one score row: p = exp(s - lse), ds = p * (dp - delta), in
+// place (s becomes p, dp becomes ds). Masked scores are -inf, so p = 0.
+template <typename T>
+inline void softmax_grad_row(T* s, T* dp, int64_t n, T lse, T delta) {
+  using Vec = at::vec::Vectorized<T>;
+  int64_t j = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    const Vec vl(lse), vd(delta);
+    for (; j + Vec::size() <= n; j += Vec::size()) {
+      const Vec p = (Vec::loadu(s + j) - vl).exp_u20();
+      p.store(s + j);
+      (p * (Vec::loadu(dp + j) - vd)).store(dp + j);
+    }
+  }
+  for (; j < n; ++j) {
+    s[j] = std::exp(s[j] - lse);
+    dp[j] = s[j] * (dp[j] - delta);
+  }
+}
+
 template <typename T>
 inline void scale_row(T* x, int64_t n, T s) {
   using Vec = at::vec::Vectorized<T>;
@@ -105,6 +111,19 @@ inline void scale_row(T* x, int64_t n, T s) {
 template <typename acc_t, typename scalar_t>
 inline void load_row(acc_t* dst, const scalar_t* src, int64_t n, acc_t s) {
   for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<acc_t>(src[j]) * s;
+}
+
+// Rows first, first + stride, ... of a (B, L, H, D) tensor as an acc_t tile:
+// in place when the dtypes agree, else converted into buf (ld = d).
+template <typename acc_t, typename scalar_t>
+inline TileRef<acc_t> tile_rows(const scalar_t* first, int64_t stride, int64_t rows, int64_t d,
+                                std::vector<acc_t>& buf) {
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    return {first, stride};
+  } else {
+    for (int64_t i = 0; i < rows; ++i) load_row(&buf[i * d], first + i * stride, d, acc_t(1));
+    return {buf.data(), d};
+  }
 }
 
 // Merge a block's normalised (o, lse) into running accumulators (out, lse).

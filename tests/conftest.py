@@ -1,0 +1,35 @@
+"""Shared pytest fixtures for the ring_attention test suite.
+
+``device`` parametrises a test over ``"cpu"`` and ``"cuda"``; the CUDA variant
+is skipped (with a reason saying there is no GPU) when
+``torch.cuda.is_available()`` is false. That is the only skip in the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+# Make ``import oracle`` work whatever pytest import mode the project uses.
+_TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+if _TESTS_DIR not in sys.path:
+    sys.path.insert(0, _TESTS_DIR)
+
+NO_GPU_REASON = "no GPU: torch.cuda.is_available() is False"
+
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU_REASON),
+    ),
+]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> str:
+    """The device a test runs on: ``"cpu"``, and ``"cuda"`` when a GPU exists."""
+    return request.param
