@@ -1,0 +1,467 @@
+"""The exchange plan of ring dilated attention (DESIGN.md §4).
+
+For a rank ``j`` of ``p`` and every ring distance ``d = 1 .. p-1``, rank ``j``
+sends to ``(j + d) % p`` exactly the K/V rows (per head, compacted) that the
+queries of that rank reach, and receives from ``(j - d) % p`` the rows its own
+queries reach. The rows come from ``torch.ops.ring_attention.exchange_rows``,
+the C++ planner that shares ``csrc/pattern.h`` with the kernels, as flat
+indices ``row * heads + h`` relative to the start of a key range.
+
+Both ends of a transfer compute the same ``exchange_rows`` call, so the sizes
+of every send and receive match without any size exchange. Steps in which a
+rank neither sends nor receives are dropped from its plan; empty sends or
+receives inside a step are omitted (``send_to`` / ``recv_from`` is ``None``).
+
+A plan depends only on ``(world_size, rank, seq_len, heads, pattern, causal,
+head_groups, layout)``: it holds group-relative ranks, translated to global
+ranks at send time, so one plan serves every group of the same size. Plans are
+cached in :data:`PLAN_CACHE`, a bounded thread-safe LRU with hit/miss counters.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .sharding import Piece, check_layout, layout_pieces
+
+__all__ = [
+    "PLAN_CACHE",
+    "ExchangePlan",
+    "PlanCache",
+    "Step",
+    "build_plan",
+    "exchange_rows",
+    "get_plan",
+]
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+def exchange_rows(
+    q_pieces: Sequence[Piece | tuple[int, int]],
+    k_start: int,
+    k_len: int,
+    heads: int,
+    segment_lengths: Sequence[int],
+    dilation_rates: Sequence[int],
+    causal: bool,
+    head_groups: bool,
+) -> torch.Tensor:
+    """Sorted flat indices ``row * heads + h`` (``row`` relative to ``k_start``)
+    of the key rows that some query in ``q_pieces`` reaches.
+
+    A thin wrapper over ``torch.ops.ring_attention.exchange_rows`` that drops
+    empty query ranges and answers an empty key range without calling the op.
+    ``q_pieces`` holds :class:`Piece` or ``(start, length)`` pairs.
+    """
+    ranges = [(int(p[0]), int(p[1])) for p in q_pieces if int(p[1]) > 0]
+    if k_len <= 0 or not ranges:
+        return _EMPTY
+    idx = torch.ops.ring_attention.exchange_rows(
+        [r[0] for r in ranges],
+        [r[1] for r in ranges],
+        int(k_start),
+        int(k_len),
+        int(heads),
+        list(segment_lengths),
+        list(dilation_rates),
+        bool(causal),
+        bool(head_groups),
+    )
+    return idx.to(torch.int64)
+
+
+@dataclass(frozen=True, eq=False)
+class Step:
+    """One ring distance of one rank's plan.
+
+    Attributes:
+        distance: ``d``; this rank sends to ``(rank + d) % p`` and receives
+            from ``(rank - d) % p``.
+        send_to: group rank sent to, or ``None`` when it needs nothing.
+        recv_from: group rank received from, or ``None`` when nothing is needed.
+        send_idx: per local piece of this rank, the flat indices
+            ``row * heads + h`` (row relative to the piece) ``send_to`` needs.
+        recv_idx: per piece of the sender, the flat indices this rank needs.
+        recv_pieces: the sender's pieces (global start, length, local offset).
+        pairs: ``(query piece of this rank, key piece of the sender)`` pairs
+            with at least one reached (query, key) pair: the blocks to compute.
+    """
+
+    distance: int
+    send_to: int | None
+    recv_from: int | None
+    send_idx: tuple[torch.Tensor, ...]
+    recv_idx: tuple[torch.Tensor, ...]
+    recv_pieces: tuple[Piece, ...]
+    pairs: tuple[tuple[int, int], ...]
+
+    @property
+    def send_counts(self) -> tuple[int, ...]:
+        """Rows (row, head pairs) sent per local piece."""
+        return tuple(int(i.numel()) for i in self.send_idx)
+
+    @property
+    def recv_counts(self) -> tuple[int, ...]:
+        """Rows (row, head pairs) received per sender piece."""
+        return tuple(int(i.numel()) for i in self.recv_idx)
+
+    @property
+    def send_rows(self) -> int:
+        """Total (row, head) pairs sent: each is one ``head_dim`` vector of K and one of V."""
+        return sum(self.send_counts)
+
+    @property
+    def recv_rows(self) -> int:
+        """Total (row, head) pairs received."""
+        return sum(self.recv_counts)
+
+
+@dataclass(frozen=True, eq=False)
+class ExchangePlan:
+    """Everything one rank needs to run the ring for one configuration.
+
+    Attributes:
+        world_size, rank, seq_len, heads, segment_lengths, dilation_rates,
+        causal, head_groups, layout: the configuration (the cache key).
+        pieces: this rank's runs of global positions (one for ``contiguous``,
+            two for ``zigzag``).
+        all_pieces: the pieces of every rank.
+        local_pairs: ``(query piece, key piece)`` pairs of this rank's own
+            pieces with at least one reached pair.
+        steps: the active steps (this rank sends or receives), by distance.
+    """
+
+    world_size: int
+    rank: int
+    seq_len: int
+    heads: int
+    segment_lengths: tuple[int, ...]
+    dilation_rates: tuple[int, ...]
+    causal: bool
+    head_groups: bool
+    layout: str
+    pieces: tuple[Piece, ...]
+    all_pieces: tuple[tuple[Piece, ...], ...]
+    local_pairs: tuple[tuple[int, int], ...]
+    steps: tuple[Step, ...]
+    _device_idx: dict = field(default_factory=dict, repr=False, compare=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    # -- sizes ---------------------------------------------------------------
+    @property
+    def local_len(self) -> int:
+        """This rank's local sequence length."""
+        return sum(p.length for p in self.pieces)
+
+    @property
+    def max_local_len(self) -> int:
+        """The longest local sequence length of any rank."""
+        return max(sum(p.length for p in ps) for ps in self.all_pieces)
+
+    @property
+    def rows_sent(self) -> int:
+        """(row, head) pairs of K (and as many of V) this rank sends per forward."""
+        return sum(s.send_rows for s in self.steps)
+
+    @property
+    def rows_received(self) -> int:
+        """(row, head) pairs of K (and as many of V) this rank receives per forward."""
+        return sum(s.recv_rows for s in self.steps)
+
+    def step_for(self, distance: int) -> Step | None:
+        """The step at ring distance ``distance``, or ``None`` if it is skipped."""
+        for s in self.steps:
+            if s.distance == distance:
+                return s
+        return None
+
+    def bytes_sent(
+        self,
+        batch: int,
+        head_dim: int,
+        itemsize: int,
+        *,
+        backward: bool = False,
+        grad_itemsize: int = 4,
+    ) -> int:
+        """Bytes this rank sends per layer.
+
+        Forward: K and V rows, ``2 * rows_sent * batch * head_dim * itemsize``.
+        With ``backward=True`` add the backward pass: K and V are sent again and
+        the fp32 (``grad_itemsize``) dK/dV of the rows this rank received go
+        back to their owners.
+        """
+        fwd = 2 * self.rows_sent * batch * head_dim * itemsize
+        if not backward:
+            return fwd
+        return 2 * fwd + 2 * self.rows_received * batch * head_dim * grad_itemsize
+
+    def bytes_received(
+        self,
+        batch: int,
+        head_dim: int,
+        itemsize: int,
+        *,
+        backward: bool = False,
+        grad_itemsize: int = 4,
+    ) -> int:
+        """Bytes this rank receives per layer (see :meth:`bytes_sent`)."""
+        fwd = 2 * self.rows_received * batch * head_dim * itemsize
+        if not backward:
+            return fwd
+        return 2 * fwd + 2 * self.rows_sent * batch * head_dim * grad_itemsize
+
+    def summary(self) -> list[dict[str, object]]:
+        """One dict per active step: distance, peers and row counts."""
+        return [
+            {
+                "distance": s.distance,
+                "send_to": s.send_to,
+                "recv_from": s.recv_from,
+                "send_rows": s.send_rows,
+                "recv_rows": s.recv_rows,
+                "blocks": len(s.pairs),
+            }
+            for s in self.steps
+        ]
+
+    def indices_on(
+        self, device: torch.device
+    ) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+        """``(send_idx, recv_idx)`` of every step as tensors on ``device``
+        (copied once per device and kept)."""
+        key = str(device)
+        with self._lock:
+            cached = self._device_idx.get(key)
+            if cached is None:
+                cached = [
+                    (
+                        [i.to(device) for i in s.send_idx],
+                        [i.to(device) for i in s.recv_idx],
+                    )
+                    for s in self.steps
+                ]
+                self._device_idx[key] = cached
+            return cached
+
+
+def build_plan(
+    world_size: int,
+    rank: int,
+    seq_len: int,
+    heads: int,
+    segment_lengths: Sequence[int],
+    dilation_rates: Sequence[int],
+    causal: bool,
+    head_groups: bool,
+    layout: str = "contiguous",
+) -> ExchangePlan:
+    """Build (without caching) the exchange plan of ``rank`` in a ring of
+    ``world_size`` for a sequence of ``seq_len`` sharded per ``layout``."""
+    check_layout(layout)
+    segs = tuple(int(w) for w in segment_lengths)
+    dils = tuple(int(r) for r in dilation_rates)
+    p = int(world_size)
+    all_pieces = tuple(tuple(layout_pieces(seq_len, p, r, layout)) for r in range(p))
+    mine = all_pieces[rank]
+
+    def rows(q_pieces: Sequence[Piece], k_piece: Piece) -> torch.Tensor:
+        return exchange_rows(
+            q_pieces, k_piece.start, k_piece.length, heads, segs, dils, causal, head_groups
+        )
+
+    local_pairs = tuple(
+        (qi, ki)
+        for qi, qp in enumerate(mine)
+        for ki, kp in enumerate(mine)
+        if rows([qp], kp).numel() > 0
+    )
+
+    steps = []
+    for d in range(1, p):
+        to = (rank + d) % p
+        frm = (rank - d) % p
+        send_idx = tuple(rows(all_pieces[to], kp) for kp in mine)
+        sender = all_pieces[frm]
+        recv_idx = tuple(rows(mine, kp) for kp in sender)
+        pairs = tuple(
+            (qi, kj)
+            for kj, kp in enumerate(sender)
+            if recv_idx[kj].numel() > 0
+            for qi, qp in enumerate(mine)
+            if rows([qp], kp).numel() > 0
+        )
+        sends = any(i.numel() > 0 for i in send_idx)
+        recvs = any(i.numel() > 0 for i in recv_idx)
+        if not (sends or recvs):
+            continue
+        steps.append(
+            Step(
+                distance=d,
+                send_to=to if sends else None,
+                recv_from=frm if recvs else None,
+                send_idx=send_idx,
+                recv_idx=recv_idx,
+                recv_pieces=sender,
+                pairs=pairs,
+            )
+        )
+
+    return ExchangePlan(
+        world_size=p,
+        rank=int(rank),
+        seq_len=int(seq_len),
+        heads=int(heads),
+        segment_lengths=segs,
+        dilation_rates=dils,
+        causal=bool(causal),
+        head_groups=bool(head_groups),
+        layout=layout,
+        pieces=mine,
+        all_pieces=all_pieces,
+        local_pairs=local_pairs,
+        steps=tuple(steps),
+    )
+
+
+class PlanCache:
+    """A bounded, thread-safe LRU cache of exchange plans.
+
+    Attributes:
+        maxsize: the most plans kept; the least recently used is evicted.
+        hits: lookups answered from the cache.
+        misses: lookups that built a plan.
+    """
+
+    def __init__(self, maxsize: int = 64) -> None:
+        if maxsize < 1:
+            raise ValueError(f"maxsize must be >= 1, got {maxsize}")
+        self.maxsize = int(maxsize)
+        self.hits = 0
+        self.misses = 0
+        self._data: OrderedDict[Hashable, ExchangePlan] = OrderedDict()
+        self._lock = threading.RLock()
+
+    def get(self, key: Hashable, build: Callable[[], ExchangePlan]) -> ExchangePlan:
+        """The plan under ``key``, built with ``build()`` on a miss."""
+        with self._lock:
+            plan = self._data.get(key)
+            if plan is not None:
+                self._data.move_to_end(key)
+                self.hits += 1
+                return plan
+            self.misses += 1
+            plan = build()
+            self._data[key] = plan
+            while len(self._data) > self.maxsize:
+                self._data.popitem(last=False)
+            return plan
+
+    def __contains__(self, key: Hashable) -> bool:
+        with self._lock:
+            return key in self._data
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._data)
+
+    def clear(self) -> None:
+        """Drop every plan and reset the counters."""
+        with self._lock:
+            self._data.clear()
+            self.hits = 0
+            self.misses = 0
+
+    def info(self) -> dict[str, int]:
+        """``{"hits", "misses", "size", "maxsize"}``."""
+        with self._lock:
+            return {
+                "hits": self.hits,
+                "misses": self.misses,
+                "size": len(self._data),
+                "maxsize": self.maxsize,
+            }
+
+    def __repr__(self) -> str:
+        i = self.info()
+        return (
+            f"PlanCache(maxsize={i['maxsize']}, size={i['size']}, "
+            f"hits={i['hits']}, misses={i['misses']})"
+        )
+
+
+#: The module-level plan cache used by ``ring_dilated_attention``.
+PLAN_CACHE = PlanCache(maxsize=64)
+
+
+def plan_key(
+    world_size: int,
+    rank: int,
+    seq_len: int,
+    heads: int,
+    segment_lengths: Sequence[int],
+    dilation_rates: Sequence[int],
+    causal: bool,
+    head_groups: bool,
+    layout: str,
+) -> tuple:
+    """The cache key of a plan (everything a plan depends on)."""
+    return (
+        int(world_size),
+        int(rank),
+        int(seq_len),
+        int(heads),
+        tuple(int(w) for w in segment_lengths),
+        tuple(int(r) for r in dilation_rates),
+        bool(causal),
+        bool(head_groups),
+        str(layout),
+    )
+
+
+def get_plan(
+    world_size: int,
+    rank: int,
+    seq_len: int,
+    heads: int,
+    segment_lengths: Sequence[int],
+    dilation_rates: Sequence[int],
+    causal: bool,
+    head_groups: bool,
+    layout: str = "contiguous",
+    *,
+    cache: PlanCache | None = None,
+) -> ExchangePlan:
+    """The cached plan for this configuration (built on first use)."""
+    cache = PLAN_CACHE if cache is None else cache
+    key = plan_key(
+        world_size,
+        rank,
+        seq_len,
+        heads,
+        segment_lengths,
+        dilation_rates,
+        causal,
+        head_groups,
+        layout,
+    )
+    return cache.get(
+        key,
+        lambda: build_plan(
+            world_size,
+            rank,
+            seq_len,
+            heads,
+            segment_lengths,
+            dilation_rates,
+            causal,
+            head_groups,
+            layout,
+        ),
+    )

@@ -1,0 +1,172 @@
+"""Run test code in real processes joined by a gloo process group.
+
+``run_distributed(fn, world_size, *args)`` starts ``world_size`` fresh
+processes (``spawn``), joins them with ``init_process_group("gloo")`` through a
+``FileStore`` in a temporary directory (no ports to race for), calls
+``fn(rank, world_size, *args)`` in each and returns the ``world_size`` return
+values, rank order. Nothing is mocked: the ring's P2P traffic really goes
+through gloo.
+
+``fn`` must be a module-level function (spawn pickles it by reference), its
+arguments and return value picklable; tensors are returned by value. A worker
+that raises makes ``run_distributed`` raise ``WorkerError`` with the worker's
+traceback; a run that takes longer than ``timeout`` seconds is killed (its
+processes terminated by pid) and raises ``TimeoutError``.
+
+Spawning costs ~2-3 s per launch (each process imports torch), so tests run
+many cases per launch.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["WorkerError", "run_distributed", "worker_threads"]
+
+# Each process gets this many intra-op threads (the CI machines have 2 cores
+# and a run may have 5 processes).
+WORKER_THREADS = 1
+
+
+class WorkerError(RuntimeError):
+    """A worker process raised; the message holds its rank and traceback."""
+
+
+def worker_threads() -> int:
+    """Intra-op threads per worker process."""
+    return WORKER_THREADS
+
+
+def _entry(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    init_file: str,
+    args: tuple,
+    results: mp.Queue,
+    pg_timeout_s: float,
+    sys_path: list[str],
+) -> None:
+    for p in reversed(sys_path):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(WORKER_THREADS)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=pg_timeout_s),
+        )
+        try:
+            value = fn(rank, world_size, *args)
+        finally:
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+        results.put((rank, True, pickle.dumps(value)))
+    except BaseException:  # report everything, including assertion errors
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 150.0,
+    pg_timeout: float = 60.0,
+    expect_dead: tuple[int, ...] = (),
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks.
+
+    Args:
+        fn: module-level worker function.
+        world_size: number of processes.
+        *args: extra picklable arguments.
+        timeout: seconds before the whole run is killed (``TimeoutError``).
+        pg_timeout: the process group's own timeout (a hung collective raises
+            inside the workers after this long).
+        expect_dead: ranks that are meant to die without reporting (their
+            value is ``None``).
+
+    Returns:
+        The workers' return values, rank order.
+    """
+    ctx = mp.get_context("spawn")
+    results: mp.Queue = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="ra_dist_") as tmp:
+        init_file = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(
+                target=_entry,
+                args=(fn, r, world_size, init_file, args, results, pg_timeout, list(sys.path)),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        out: dict[int, Any] = {}
+        errors: list[str] = []
+        deadline = time.monotonic() + timeout
+        try:
+            while len(out) + len(errors) < world_size - len(expect_dead):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    if errors:
+                        break
+                    raise TimeoutError(
+                        f"distributed run of {getattr(fn, '__name__', fn)} with world_size="
+                        f"{world_size} did not finish in {timeout} s (ranks done: {sorted(out)})"
+                    )
+                try:
+                    rank, ok, payload = results.get(timeout=min(remaining, 1.0))
+                except queue.Empty:
+                    dead = [
+                        i
+                        for i, p in enumerate(procs)
+                        if p.exitcode not in (None, 0) and i not in out and i not in expect_dead
+                    ]
+                    if dead and results.empty():
+                        time.sleep(0.5)
+                        if results.empty():
+                            raise WorkerError(
+                                f"worker(s) {dead} died with exit codes "
+                                f"{[procs[i].exitcode for i in dead]} before reporting"
+                            ) from None
+                    continue
+                if ok:
+                    out[rank] = pickle.loads(payload)
+                else:
+                    errors.append(f"--- rank {rank} ---\n{payload}")
+                    # The other ranks may now wait in a collective: give them a
+                    # moment to report, then stop them.
+                    deadline = min(deadline, time.monotonic() + 5.0)
+        finally:
+            for p in procs:
+                p.join(timeout=5 if not errors else 1)
+            for p in procs:  # only the processes started above
+                if p.is_alive():
+                    p.terminate()
+                    p.join(timeout=5)
+        if errors:
+            raise WorkerError(
+                f"{len(errors)} worker(s) of {getattr(fn, '__name__', fn)} failed:\n"
+                + "\n".join(errors)
+            )
+        return [out.get(r) for r in range(world_size)]
