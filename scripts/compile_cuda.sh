@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Compile every csrc/cuda/*.cu to an object file for sm_80 and sm_90 with the
+# flags torch's CUDAExtension uses. Needs nvcc and torch (headers), no GPU.
+# Prints one line per file; exits non-zero if any file fails.
+#   usage: scripts/compile_cuda.sh [-j N]     (N parallel nvcc jobs, default 2)
+set -euo pipefail
+
+jobs=2
+if [[ "${1:-}" == "-j" && -n "${2:-}" ]]; then jobs="$2"; fi
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+nvcc_bin="$(command -v nvcc || true)"
+if [[ -z "$nvcc_bin" && -x /usr/local/cuda/bin/nvcc ]]; then nvcc_bin=/usr/local/cuda/bin/nvcc; fi
+if [[ -z "$nvcc_bin" ]]; then
+  echo "compile_cuda: nvcc not found (PATH or /usr/local/cuda/bin)" >&2
+  exit 1
+fi
+python="${PYTHON:-python3}"
+
+mapfile -t includes < <("$python" -c '
+import sysconfig
+from torch.utils.cpp_extension import include_paths
+for p in include_paths():
+    print(p)
+print(sysconfig.get_paths()["include"])')
+abi="$("$python" -c 'import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))')"
+
+flags=(-std=c++17 -O3 --expt-relaxed-constexpr -Xcompiler -fPIC
+  -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90
+  "-D_GLIBCXX_USE_CXX11_ABI=${abi}" -DTORCH_EXTENSION_NAME=_C -DTORCH_API_INCLUDE_EXTENSION_H
+  -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__
+  -D__CUDA_NO_BFLOAT16_CONVERSIONS__ -D__CUDA_NO_HALF2_OPERATORS__)
+for inc in "${includes[@]}"; do flags+=(-isystem "$inc"); done
+# A CPU-only torch wheel ships c10/cuda headers without their generated config
+# header; it only carries export macros, so skip it there.
+if [[ ! -f "${includes[0]}/c10/cuda/impl/cuda_cmake_macros.h" ]]; then
+  flags+=(-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE)
+fi
+
+out="$(mktemp -d)"
+trap 'rm -rf "$out"' EXIT
+
+shopt -s nullglob
+sources=("$root"/csrc/cuda/*.cu)
+if [[ ${#sources[@]} -eq 0 ]]; then
+  echo "compile_cuda: no csrc/cuda/*.cu files" >&2
+  exit 1
+fi
+
+compile_one() {
+  local src="$1" name log start
+  name="$(basename "$src" .cu)"
+  log="$out/$name.log"
+  start=$SECONDS
+  if "$nvcc_bin" "${flags[@]}" -c "$src" -o "$out/$name.o" >"$log" 2>&1; then
+    echo "ok   csrc/cuda/$name.cu ($((SECONDS - start)) s)"
+  else
+    rm -f "$out/$name.o"
+    echo "FAIL csrc/cuda/$name.cu ($((SECONDS - start)) s)"
+    sed 's/^/    /' "$log"
+    return 1
+  fi
+}
+
+for src in "${sources[@]}"; do
+  while (($(jobs -rp | wc -l) >= jobs)); do wait -n || true; done
+  compile_one "$src" &
+done
+wait || true
+
+status=0
+for src in "${sources[@]}"; do
+  [[ -f "$out/$(basename "$src" .cu).o" ]] || status=1
+done
+exit "$status"

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Install whatever is missing for ring_attention and build its extension in
+# place. Idempotent: a second run only rebuilds when csrc/ changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+PIP=("$PY" -m pip install -q --disable-pip-version-check)
+
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  echo "setup: installing torch (${RING_ATTENTION_TORCH:-torch==2.13.0})"
+  "${PIP[@]}" "${RING_ATTENTION_TORCH:-torch==2.13.0}"
+fi
+# Build tools and test tools (small; skipped when present).
+missing=()
+for mod in setuptools wheel pytest ninja; do
+  "$PY" -c "import $mod" 2>/dev/null || missing+=("$mod")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing ${missing[*]}"
+  "${PIP[@]}" "${missing[@]}"
+fi
+
+# (Re)build when the extension is missing or older than any C++/CUDA source.
+so=$(ls ring_attention/_C*.so 2>/dev/null | head -n 1 || true)
+if [ -z "$so" ] || [ -n "$(find csrc setup.py -newer "$so" -type f 2>/dev/null | head -n 1)" ]; then
+  echo "setup: building ring_attention._C"
+  MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PY" setup.py -q build_ext --inplace >/tmp/ring_attention_build.log 2>&1 ||
+    { tail -n 40 /tmp/ring_attention_build.log; exit 1; }
+fi
+# Make the checkout importable from anywhere (editable, no rebuild).
+if ! (cd / && "$PY" -c "import ring_attention" 2>/dev/null); then
+  "${PIP[@]}" --no-build-isolation --no-deps -e . >/tmp/ring_attention_install.log 2>&1 ||
+    { tail -n 40 /tmp/ring_attention_install.log; exit 1; }
+fi
