@@ -4,6 +4,7 @@ and the call into ``torch.ops.ring_attention``."""
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -33,16 +34,9 @@ def _as_int_list(values: Sequence[int] | int, name: str) -> tuple[int, ...]:
         raise ValueError(f"{name} must be a sequence of ints, got {values!r}") from None
     out = []
     for i, v in enumerate(items):
-        if isinstance(v, bool) or not isinstance(v, int):
-            if isinstance(v, float) and v.is_integer():
-                raise ValueError(f"{name}[{i}] must be an int, got float {v!r}")
-            try:
-                import operator
-
-                v = operator.index(v)
-            except TypeError:
-                raise ValueError(f"{name}[{i}] must be an int, got {v!r}") from None
-        out.append(int(v))
+        if isinstance(v, bool) or not hasattr(v, "__index__"):
+            raise ValueError(f"{name}[{i}] must be an int, got {v!r}")
+        out.append(operator.index(v))
     return tuple(out)
 
 
@@ -63,15 +57,13 @@ def normalize_pattern(
             f"segment_lengths and dilation_rates must have the same length, got "
             f"{len(segs)} segment_lengths and {len(dils)} dilation_rates"
         )
-    for i, (w, r) in enumerate(zip(segs, dils)):
+    for i, (w, r) in enumerate(zip(segs, dils, strict=True)):
         if w < 1:
             raise ValueError(f"segment_lengths[{i}] must be >= 1, got {w}")
         if r < 1:
             raise ValueError(f"dilation_rates[{i}] must be >= 1, got {r}")
         if r > w:
-            raise ValueError(
-                f"dilation_rates[{i}] must be <= segment_lengths[{i}] = {w}, got {r}"
-            )
+            raise ValueError(f"dilation_rates[{i}] must be <= segment_lengths[{i}] = {w}, got {r}")
     return segs, dils
 
 
@@ -109,7 +101,9 @@ def check_qkv(
         )
     if q.dtype not in supported_dtypes(q.device):
         allowed = ", ".join(str(d) for d in supported_dtypes(q.device))
-        raise ValueError(f"dtype {q.dtype} is not supported on {q.device.type}; use one of {allowed}")
+        raise ValueError(
+            f"dtype {q.dtype} is not supported on {q.device.type}; use one of {allowed}"
+        )
 
 
 def resolve_scale(scale: float | None, head_dim: int) -> float:
