@@ -5,9 +5,10 @@
 namespace ring_attention {
 namespace {
 
-void check_same_geometry(const char* name, const at::Tensor& t, at::IntArrayRef sizes,
+// Sizes are compared as SymInts so the Meta kernels work under dynamic shapes.
+void check_same_geometry(const char* name, const at::Tensor& t, c10::SymIntArrayRef sizes,
                          at::ScalarType dtype, const at::Tensor& like) {
-  TORCH_CHECK(t.sizes() == sizes, name, " must have shape ", sizes, ", got ", t.sizes());
+  TORCH_CHECK(t.sym_sizes() == sizes, name, " must have shape ", sizes, ", got ", t.sym_sizes());
   TORCH_CHECK(t.scalar_type() == dtype, name, " must have dtype ", dtype, ", got ",
               t.scalar_type());
   TORCH_CHECK(t.device() == like.device(), name, " must be on ", like.device(), ", got ",
@@ -20,10 +21,12 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, in
   check_pattern(segs, dils);
   TORCH_CHECK(q.dim() == 4, "q must be 4-D (batch, seq, heads, head_dim), got ", q.dim(), "-D");
   TORCH_CHECK(k.dim() == 4 && v.dim() == 4, "k and v must be 4-D (batch, seq, heads, head_dim)");
-  TORCH_CHECK(k.sizes() == v.sizes(), "k and v must have the same shape, got ", k.sizes(), " and ",
-              v.sizes());
-  TORCH_CHECK(k.size(0) == q.size(0) && k.size(2) == q.size(2) && k.size(3) == q.size(3),
-              "k must match q in batch, heads and head_dim: q ", q.sizes(), ", k ", k.sizes());
+  TORCH_CHECK(k.sym_sizes() == v.sym_sizes(), "k and v must have the same shape, got ",
+              k.sym_sizes(), " and ", v.sym_sizes());
+  TORCH_CHECK(k.sym_size(0) == q.sym_size(0) && k.sym_size(2) == q.sym_size(2) &&
+                  k.sym_size(3) == q.sym_size(3),
+              "k must match q in batch, heads and head_dim: q ", q.sym_sizes(), ", k ",
+              k.sym_sizes());
   TORCH_CHECK(at::isFloatingType(q.scalar_type()), "q must have a floating dtype, got ",
               q.scalar_type());
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
@@ -32,15 +35,19 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, in
   TORCH_CHECK(k.device() == q.device() && v.device() == q.device(),
               "q, k and v must be on the same device");
   TORCH_CHECK(q_start >= 0 && k_start >= 0, "q_start and k_start must be >= 0");
-  TORCH_CHECK(!head_groups || q.size(2) >= static_cast<int64_t>(segs.size()),
-              "head_groups needs at least as many heads as branches: ", q.size(2), " heads, ",
-              segs.size(), " branches");
+  TORCH_CHECK(!head_groups || q.sym_size(2) >= static_cast<int64_t>(segs.size()),
+              "head_groups needs at least as many heads as branches: ", q.sym_size(2),
+              " heads, ", segs.size(), " branches");
   if (kpm.has_value()) {
-    check_same_geometry("key_padding_mask", *kpm, {k.size(0), k.size(1)}, at::kBool, q);
+    check_same_geometry("key_padding_mask", *kpm, {k.sym_size(0), k.sym_size(1)}, at::kBool, q);
   }
 }
 
 }  // namespace
+
+std::vector<c10::SymInt> lse_sizes(const at::Tensor& q) {
+  return {q.sym_size(0), q.sym_size(2), q.sym_size(1)};
+}
 
 at::ScalarType acc_dtype(at::ScalarType input) {
   return input == at::kDouble ? at::kDouble : at::kFloat;
@@ -64,8 +71,8 @@ void check_block_forward(const at::Tensor& q, const at::Tensor& k, const at::Ten
                          bool head_groups, const std::optional<at::Tensor>& kpm) {
   check_qkv(q, k, v, q_start, k_start, segs, dils, head_groups, kpm);
   const at::ScalarType acc = acc_dtype(q.scalar_type());
-  check_same_geometry("out", out, q.sizes(), acc, q);
-  check_same_geometry("lse", lse, {q.size(0), q.size(2), q.size(1)}, acc, q);
+  check_same_geometry("out", out, q.sym_sizes(), acc, q);
+  check_same_geometry("lse", lse, lse_sizes(q), acc, q);
   TORCH_CHECK(out.is_contiguous() && lse.is_contiguous(), "out and lse must be contiguous");
 }
 
@@ -77,12 +84,12 @@ void check_block_backward(const at::Tensor& grad_out, const at::Tensor& q, const
                           const std::optional<at::Tensor>& kpm) {
   check_qkv(q, k, v, q_start, k_start, segs, dils, head_groups, kpm);
   const at::ScalarType acc = acc_dtype(q.scalar_type());
-  check_same_geometry("grad_out", grad_out, q.sizes(), q.scalar_type(), q);
-  check_same_geometry("out", out, q.sizes(), q.scalar_type(), q);
-  check_same_geometry("lse", lse, {q.size(0), q.size(2), q.size(1)}, acc, q);
-  check_same_geometry("dq", dq, q.sizes(), acc, q);
-  check_same_geometry("dk", dk, k.sizes(), acc, q);
-  check_same_geometry("dv", dv, k.sizes(), acc, q);
+  check_same_geometry("grad_out", grad_out, q.sym_sizes(), q.scalar_type(), q);
+  check_same_geometry("out", out, q.sym_sizes(), q.scalar_type(), q);
+  check_same_geometry("lse", lse, lse_sizes(q), acc, q);
+  check_same_geometry("dq", dq, q.sym_sizes(), acc, q);
+  check_same_geometry("dk", dk, k.sym_sizes(), acc, q);
+  check_same_geometry("dv", dv, k.sym_sizes(), acc, q);
   TORCH_CHECK(dq.is_contiguous() && dk.is_contiguous() && dv.is_contiguous(),
               "dq, dk and dv must be contiguous");
 }

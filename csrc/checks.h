@@ -5,11 +5,15 @@
 #include <ATen/core/Tensor.h>
 
 #include <optional>
+#include <vector>
 
 namespace ring_attention {
 
 // Accumulator dtype: float64 for float64 inputs, float32 otherwise.
 at::ScalarType acc_dtype(at::ScalarType input);
+
+// Shape of the log-sum-exp of queries q (batch, seq, heads, dim): (batch, heads, seq).
+std::vector<c10::SymInt> lse_sizes(const at::Tensor& q);
 
 void check_pattern(at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates);
 

@@ -44,9 +44,9 @@ void call_block_backward(const Tensor& grad_out, const Tensor& q, const Tensor& 
 
 void check_local(const Tensor& q, const Tensor& k, const Tensor& v) {
   TORCH_CHECK(q.dim() == 4, "q must be 4-D (batch, seq, heads, head_dim), got ", q.dim(), "-D");
-  TORCH_CHECK(q.sizes() == k.sizes() && q.sizes() == v.sizes(),
-              "q, k and v must have the same shape, got ", q.sizes(), ", ", k.sizes(), ", ",
-              v.sizes());
+  TORCH_CHECK(q.sym_sizes() == k.sym_sizes() && q.sym_sizes() == v.sym_sizes(),
+              "q, k and v must have the same shape, got ", q.sym_sizes(), ", ", k.sym_sizes(),
+              ", ", v.sym_sizes());
 }
 
 // Device-agnostic: the block kernels do the work on whatever device q is on.
@@ -83,7 +83,7 @@ std::tuple<Tensor, Tensor> dilated_attention_meta(const Tensor& q, const Tensor&
   check_local(q, k, v);
   check_pattern(segs, dils);
   return {at::empty_like(q),
-          at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(acc_dtype(q.scalar_type())))};
+          at::empty_symint(lse_sizes(q), q.options().dtype(acc_dtype(q.scalar_type())))};
 }
 
 std::tuple<Tensor, Tensor, Tensor> dilated_attention_backward_meta(
