@@ -1,0 +1,323 @@
+#!/usr/bin/env bash
+# One command for the GPU machine: versions, build the CUDA extension, CUDA tests,
+# ring smoke, benchmark, summary. Run from anywhere; works in the repo root.
+#
+#   bash scripts/gpu_check.sh                 # everything, ~9 minutes at most
+#   bash scripts/gpu_check.sh --dry-run       # the plan (and bench_gpu.py --dry-run); no GPU needed
+#   bash scripts/gpu_check.sh --stages build,tests    # a subset (build tests ring bench)
+#
+# Results go to $OUT (default /tmp/gpu_check_out), 7 files:
+#   summary.txt (versions + final table), build.log, tests.log, ring.log,
+#   bench.log, bench.md, bench.json
+# Each stage runs under `timeout` inside a total budget (GPU_CHECK_TOTAL_S,
+# default 540 s); a failing stage is recorded and the next one runs. Exit
+# status: non-zero iff the build or the tests failed.
+#
+# Environment:
+#   OUT                    output folder (the device tool sets it)
+#   PYTHON                 interpreter (default python3)
+#   GPU_CHECK_TOTAL_S      total budget in seconds (default 540)
+#   GPU_CHECK_PYTEST_ARGS  extra pytest arguments (default: -x)
+#   GPU_CHECK_TESTS        test files (default tests/test_ops.py)
+#   GPU_CHECK_PTXAS_V      1 (default): nvcc --ptxas-options=-v resource report in build.log
+#   GPU_CHECK_ARCH         TORCH_CUDA_ARCH_LIST for the build (default: the device's, e.g. 9.0)
+#   BENCH_ARGS             extra arguments for benchmarks/bench_gpu.py
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
+ROOT=$PWD
+# Compiled FlexAttention / Triton kernels land in build/ (git-ignored), so a
+# second call on a still-warm machine reuses them.
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$ROOT/build/torchinductor_cache}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$ROOT/build/triton_cache}
+PY=${PYTHON:-python3}
+OUT=${OUT:-/tmp/gpu_check_out}
+TOTAL=${GPU_CHECK_TOTAL_S:-540}
+PYTEST_ARGS=${GPU_CHECK_PYTEST_ARGS:--x}
+TESTS=${GPU_CHECK_TESTS:-tests/test_ops.py}
+BENCH_ARGS=${BENCH_ARGS:-}
+DRY=0
+STAGES="build,tests,ring,bench"
+
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --dry-run) DRY=1 ;;
+    --stages) STAGES="${2:?--stages needs a value, e.g. build,tests}"; shift ;;
+    --stages=*) STAGES="${1#--stages=}" ;;
+    -h | --help) sed -n '2,24p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    *) echo "gpu_check: unknown argument $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+
+# Caps per stage (seconds); each is also cut to what the total budget leaves
+# after the reserves of the stages that follow it.
+CAP_INFO=30
+CAP_BUILD=300
+CAP_TESTS=300
+CAP_RING=120
+RESERVE_AFTER_BUILD=240 # tests + ring + some bench must still fit
+RESERVE_AFTER_TESTS=200 # ring + some bench
+RESERVE_AFTER_RING=150  # bench
+BENCH_MIN=60            # skip the bench when less is left
+BENCH_MARGIN=45         # between bench_gpu's own --budget-s and its hard timeout
+SUMMARY_MARGIN=15
+
+T0=$SECONDS
+elapsed() { echo $((SECONDS - T0)); }
+remaining() { echo $((TOTAL - (SECONDS - T0))); }
+# budget CAP RESERVE: min(CAP, remaining - RESERVE), at least 0
+budget() {
+  local cap=$1 reserve=$2 r
+  r=$(($(remaining) - reserve))
+  ((r > cap)) && r=$cap
+  ((r < 0)) && r=0
+  echo "$r"
+}
+want() { [[ ",$STAGES," == *",$1,"* ]]; }
+
+NAMES=()
+STATUS=()
+SECS=()
+NOTES=()
+record() { # name status seconds note
+  NAMES+=("$1")
+  STATUS+=("$2")
+  SECS+=("$3")
+  NOTES+=("$4")
+  echo "== [$1] $2 (${3} s) $4"
+}
+
+banner() { echo; echo "=================== $* (t=$(elapsed) s, $(remaining) s left)"; }
+
+if [[ $DRY -eq 1 ]]; then
+  echo "gpu_check dry run: repo $ROOT, python $PY, OUT=$OUT, total budget ${TOTAL} s, stages $STAGES"
+  echo "  info : nvidia-smi, torch/CUDA/cuDNN/Triton versions, nvcc, git commit  -> summary.txt"
+  echo "  build: rm ring_attention/_C*.so; TORCH_CUDA_ARCH_LIST=<device cc, e.g. 9.0> MAX_JOBS=16" \
+    "$PY setup.py build_ext --inplace (timeout <= $CAP_BUILD s) + a tiny CUDA call -> build.log"
+  echo "  tests: timeout <= $CAP_TESTS s $PY -m pytest -q $TESTS -k cuda $PYTEST_ARGS -> tests.log"
+  echo "  ring : timeout <= $CAP_RING s $PY benchmarks/bench_gpu.py --ring-smoke;" \
+    "benchmarks/ring_main.py (1 process, bf16, fwd+bwd, --check yes) -> ring.log"
+  echo "  bench: the rest of the budget: $PY benchmarks/bench_gpu.py --out \$OUT/bench.md" \
+    "--json \$OUT/bench.json --budget-s <left - $BENCH_MARGIN s> $BENCH_ARGS -> bench.log"
+  echo "  exit status: non-zero iff build or tests failed"
+  bash -n "${BASH_SOURCE[0]}" && echo "  bash -n: ok"
+  # shellcheck disable=SC2086
+  "$PY" benchmarks/bench_gpu.py --dry-run $BENCH_ARGS
+  exit $?
+fi
+
+mkdir -p "$OUT"
+SUMMARY=$OUT/summary.txt
+: >"$SUMMARY"
+
+# ------------------------------------------------------------------ info
+banner info
+t=$SECONDS
+{
+  echo "# gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ) on ${HOSTNAME:-?}"
+  echo "## git"
+  git rev-parse HEAD 2>/dev/null || echo "(no git metadata in this copy)"
+  git status --short 2>/dev/null | head -n 30
+  echo "## nvidia-smi"
+  timeout 20 nvidia-smi 2>&1 || echo "nvidia-smi failed"
+  timeout 10 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw \
+    --format=csv 2>&1 || true
+  echo "## nvcc"
+  (nvcc --version || /usr/local/cuda/bin/nvcc --version) 2>&1 | tail -n 2
+  echo "## python / torch"
+  timeout 60 "$PY" - <<'EOF' 2>&1
+import platform, sys
+import torch
+print("python", sys.version.split()[0], platform.machine())
+print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version())
+try:
+    import triton
+    print("triton", triton.__version__)
+except Exception as exc:
+    print("triton: not importable", exc)
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print(f"device {p.name}, cc {p.major}.{p.minor}, {p.multi_processor_count} SMs, "
+          f"{p.total_memory / 2**30:.1f} GiB")
+else:
+    print("torch.cuda.is_available() is False")
+EOF
+} 2>&1 | tee -a "$SUMMARY"
+record info done $((SECONDS - t)) ""
+
+CC=$("$PY" -c 'import torch; m, n = torch.cuda.get_device_capability(0); print(f"{m}.{n}")' 2>/dev/null || echo "")
+HAVE_GPU=1
+if [[ -z "$CC" ]]; then
+  HAVE_GPU=0
+  CC=9.0
+  echo "gpu_check: no CUDA device visible to torch; building for $CC anyway"
+fi
+CC=${GPU_CHECK_ARCH:-$CC}
+
+BUILD_OK=1
+TESTS_OK=1
+# ------------------------------------------------------------------ build
+if want build; then
+  banner build
+  b=$(budget $CAP_BUILD $RESERVE_AFTER_BUILD)
+  ((b < 120)) && b=120 # a build cut short helps nobody
+  t=$SECONDS
+  rm -f ring_attention/_C*.so
+  extra=()
+  if [[ "${GPU_CHECK_PTXAS_V:-1}" == 1 ]]; then extra=(NVCC_APPEND_FLAGS="${NVCC_APPEND_FLAGS:+$NVCC_APPEND_FLAGS }--ptxas-options=-v"); fi
+  echo "TORCH_CUDA_ARCH_LIST=$CC MAX_JOBS=16 ${extra[*]} $PY setup.py build_ext --inplace (timeout $b s)"
+  env TORCH_CUDA_ARCH_LIST="$CC" MAX_JOBS=16 "${extra[@]}" \
+    timeout --kill-after=10 "$b" "$PY" setup.py build_ext --inplace >"$OUT/build.log" 2>&1
+  rc=$?
+  note="rc=$rc"
+  if [[ $rc -ne 0 ]]; then
+    BUILD_OK=0
+    [[ $rc -eq 124 ]] && note="timed out after $b s"
+    tail -n 60 "$OUT/build.log"
+  else
+    # the freshly built extension imports and runs a tiny CUDA call
+    timeout 120 "$PY" - >>"$OUT/build.log" 2>&1 <<'EOF'
+import torch
+import ring_attention as ra
+print("extension:", ra._C.__file__)
+if torch.cuda.is_available():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 640, 4, 64, generator=g) for _ in range(3))
+    ref = ra.dilated_attention(q.double(), k.double(), v.double(), [128, 256], [1, 2])
+    out = ra.dilated_attention(*(t.cuda().bfloat16() for t in (q, k, v)), [128, 256], [1, 2])
+    torch.cuda.synchronize()
+    err = ((out.double().cpu() - ref).norm() / ref.norm()).item()
+    print(f"tiny CUDA call: rel. error vs float64 CPU {err:.2e}")
+    assert err < 2e-2, err
+EOF
+    rc=$?
+    tail -n 3 "$OUT/build.log"
+    if [[ $rc -ne 0 ]]; then
+      BUILD_OK=0
+      note="built, but import / tiny CUDA call failed (rc=$rc)"
+    else
+      note="$(grep -c 'registers' "$OUT/build.log" || true) ptxas reports"
+      spills=$(grep -E 'bytes spill (stores|loads)' "$OUT/build.log" | grep -vc ' 0 bytes spill stores, 0 bytes spill loads' || true)
+      stack=$(grep -Eo '[0-9]+ bytes stack frame' "$OUT/build.log" | grep -vc '^0 bytes' || true)
+      note="$note; $spills with spills, $stack with a stack frame"
+    fi
+  fi
+  ((BUILD_OK)) && st=ok || st=FAIL
+  record build "$st" $((SECONDS - t)) "$note"
+  if [[ "${GPU_CHECK_PTXAS_V:-1}" == 1 && -s "$OUT/build.log" ]]; then
+    echo "ptxas resource report (kernels with spills or a stack frame, first 20):"
+    grep -B2 -E '([1-9][0-9]* bytes stack frame|[1-9][0-9]* bytes spill)' "$OUT/build.log" |
+      grep -E 'Compiling entry|Function properties|stack frame|registers' | head -n 20
+  fi
+fi
+
+# ------------------------------------------------------------------ tests
+if want tests; then
+  banner tests
+  t=$SECONDS
+  if ((!BUILD_OK)); then
+    TESTS_OK=0
+    echo "skipped: the build failed" >"$OUT/tests.log"
+    record tests "SKIP/FAIL" 0 "build failed"
+  elif ((!HAVE_GPU)); then
+    TESTS_OK=0
+    echo "skipped: no GPU" >"$OUT/tests.log"
+    record tests "SKIP/FAIL" 0 "no GPU"
+  else
+    b=$(budget $CAP_TESTS $RESERVE_AFTER_TESTS)
+    ((b < 60)) && b=60
+    # shellcheck disable=SC2086
+    timeout --kill-after=10 "$b" "$PY" -m pytest -q -p no:cacheprovider -rfE --durations=10 \
+      $TESTS -k cuda $PYTEST_ARGS 2>&1 | tee "$OUT/tests.log"
+    rc=$?
+    last=$(grep -E '(passed|failed|error|no tests ran)' "$OUT/tests.log" | tail -n 1)
+    note="rc=$rc: $last"
+    [[ $rc -eq 124 ]] && note="timed out after $b s: $(tail -n 1 "$OUT/tests.log")"
+    [[ $rc -eq 5 ]] && note="no CUDA tests were collected"
+    if [[ $rc -ne 0 ]]; then TESTS_OK=0; fi
+    ((TESTS_OK)) && st=ok || st=FAIL
+    record tests "$st" $((SECONDS - t)) "$note"
+  fi
+fi
+
+# ------------------------------------------------------------------ ring smoke
+if want ring; then
+  banner ring
+  t=$SECONDS
+  if ((!BUILD_OK)); then
+    echo "skipped: the build failed" >"$OUT/ring.log"
+    record ring SKIP 0 "build failed"
+  else
+    b=$(budget $CAP_RING $RESERVE_AFTER_RING)
+    ((b < 30)) && b=30
+    {
+      echo "## bench_gpu.py --ring-smoke (1 process, and 2 gloo processes on one GPU)"
+      timeout --kill-after=10 "$b" "$PY" benchmarks/bench_gpu.py --ring-smoke
+      echo "rc=$?"
+    } 2>&1 | tee "$OUT/ring.log"
+    rc1=$(grep -Eo '^rc=[0-9]+' "$OUT/ring.log" | tail -n 1 | cut -d= -f2)
+    left=$((b - (SECONDS - t)))
+    rc2=skip
+    if ((left >= 20)); then
+      {
+        echo "## benchmarks/ring_main.py, 1 process, bf16, fwd+bwd"
+        timeout --kill-after=5 "$left" "$PY" benchmarks/ring_main.py --seq-len 32768 \
+          --segments 2048 4096 8192 16384 32768 --dilations 1 2 4 6 12 --heads 12 --head-dim 64 \
+          --dtype bfloat16 --backward --check yes --iters 3
+        echo "rc=$?"
+      } 2>&1 | tee -a "$OUT/ring.log"
+      rc2=$(grep -Eo '^rc=[0-9]+' "$OUT/ring.log" | tail -n 1 | cut -d= -f2)
+    fi
+    [[ "$rc1" == 0 && ("$rc2" == 0 || "$rc2" == skip) ]] && st=ok || st=FAIL
+    record ring "$st" $((SECONDS - t)) "ring smoke rc=$rc1, ring_main rc=$rc2; $(grep -E '^ring smoke:' "$OUT/ring.log" | tail -n 1)"
+  fi
+fi
+
+# ------------------------------------------------------------------ bench
+if want bench; then
+  banner bench
+  t=$SECONDS
+  hard=$(($(remaining) - SUMMARY_MARGIN))
+  if ((hard < BENCH_MIN)); then
+    echo "skipped: budget ($hard s left)" >"$OUT/bench.log"
+    record bench SKIP 0 "only $hard s left"
+  else
+    soft=$((hard - BENCH_MARGIN))
+    ((BUILD_OK)) || echo "note: the build failed: 'ours' rows will show errors; baselines still run"
+    # shellcheck disable=SC2086
+    timeout --kill-after=10 "$hard" "$PY" benchmarks/bench_gpu.py --out "$OUT/bench.md" \
+      --json "$OUT/bench.json" --budget-s "$soft" $BENCH_ARGS 2>&1 | tee "$OUT/bench.log"
+    rc=$?
+    note="rc=$rc (budget $soft s, hard limit $hard s)"
+    [[ $rc -eq 124 || $rc -eq 137 ]] && note="killed at the hard limit ($hard s); bench.md holds the rows so far"
+    largest=$(grep -E '^largest n that ran' "$OUT/bench.md" 2>/dev/null | tail -n 1)
+    [[ -n "$largest" ]] && note="$note; $largest"
+    [[ $rc -eq 0 ]] && st=ok || st=FAIL
+    record bench "$st" $((SECONDS - t)) "$note"
+  fi
+fi
+
+# ------------------------------------------------------------------ summary
+{
+  echo
+  echo "## gpu_check summary ($(elapsed) s of ${TOTAL} s)"
+  printf '| %-6s | %-9s | %6s | %s\n' stage status seconds note
+  printf '|--------|-----------|--------|------\n'
+  for i in "${!NAMES[@]}"; do
+    printf '| %-6s | %-9s | %6s | %s\n' "${NAMES[$i]}" "${STATUS[$i]}" "${SECS[$i]}" "${NOTES[$i]}"
+  done
+  if [[ -s "$OUT/bench.md" ]]; then
+    echo
+    echo "### targets (from bench.md)"
+    sed -n '/^### targets/,/^total wall time/p' "$OUT/bench.md" | sed '1d'
+  fi
+  echo
+  echo "files in $OUT: $(cd "$OUT" && ls | tr '\n' ' ')"
+} | tee -a "$SUMMARY"
+
+if ((!BUILD_OK || !TESTS_OK)); then
+  exit 1
+fi
+exit 0
