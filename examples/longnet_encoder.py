@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ring_attention.modules import MultiheadDilatedAttention, pattern_multiplicity
+from ring_attention import MultiheadDilatedAttention
+from ring_attention.patterns import pattern_multiplicity
 
 VOCAB = 8  # plain tokens 0..7, marked tokens 8..15, query token 16
 QUERY_EVERY = 16  # a query token at every 16th position

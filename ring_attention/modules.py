@@ -23,14 +23,13 @@ Execution paths of ``MultiheadDilatedAttention.forward`` (all exact):
   the ``(batch, heads, L, S)`` scores, like ``nn.MultiheadAttention``, with the
   pattern entering as an additive ``log(multiplicity)`` bias, so the softmax is
   the multiset softmax of DESIGN.md §1. The multiplicity matrices are cached in
-  :data:`PATTERN_CACHE`, a bounded thread-safe LRU (the class of the
-  exchange-plan cache) with hit/miss counters.
+  :data:`ring_attention.patterns.PATTERN_CACHE`, a bounded thread-safe LRU
+  with hit/miss counters.
 """
 
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Sequence
 from typing import ClassVar
 
@@ -41,6 +40,7 @@ from torch import nn
 from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
+from .dense import dense_attention
 from .dtypes import select_dtype
 from .functional import (
     check_head_groups,
@@ -48,119 +48,8 @@ from .functional import (
     normalize_pattern,
     resolve_scale,
 )
-from .plan import PlanCache
 
-__all__ = [
-    "PATTERN_CACHE",
-    "DilatedAttention",
-    "MultiheadDilatedAttention",
-    "pattern_log_multiplicity",
-    "pattern_multiplicity",
-]
-
-#: Cache of the dense ``log(multiplicity)`` bias of a pattern, keyed by
-#: ``(seq_len, heads, pattern, causal, head_groups, device, dtype)``; used by
-#: the dense path of :class:`MultiheadDilatedAttention` (attention weights,
-#: masks, dropout). Same LRU class as the exchange-plan cache.
-PATTERN_CACHE = PlanCache(maxsize=32)
-
-
-# ---------------------------------------------------------------------------
-# Pattern matrices.
-
-
-def _head_group_bounds(heads: int, n_branches: int) -> list[tuple[int, int]]:
-    base, extra = divmod(heads, n_branches)
-    bounds, begin = [], 0
-    for i in range(n_branches):
-        size = base + (1 if i < extra else 0)
-        bounds.append((begin, begin + size))
-        begin += size
-    return bounds
-
-
-def pattern_multiplicity(
-    seq_len: int,
-    heads: int,
-    segment_lengths: Sequence[int],
-    dilation_rates: Sequence[int],
-    *,
-    causal: bool = False,
-    head_groups: bool = False,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """``M[h, t, u]``, ``(heads, seq_len, seq_len)``: the number of branches in
-    which query ``t`` reaches key ``u`` for head ``h`` (DESIGN.md §1).
-
-    Built fresh (not cached); O(heads * seq_len**2) memory.
-    """
-    segs, dils = normalize_pattern(segment_lengths, dilation_rates)
-    check_head_groups(heads, len(segs), head_groups)
-    t = torch.arange(seq_len, device=device)
-    h = torch.arange(heads, device=device)
-    groups = _head_group_bounds(heads, len(segs))
-    m = torch.zeros(heads, seq_len, seq_len, dtype=dtype, device=device)
-    for i, (w, r) in enumerate(zip(segs, dils, strict=True)):
-        act = ((t % w) % r)[None, :] == (h % r)[:, None]  # (H, L)
-        if head_groups:
-            lo, hi = groups[i]
-            act = act & ((h >= lo) & (h < hi))[:, None]
-        seg = t // w
-        same = seg[:, None] == seg[None, :]  # (L, L)
-        m += (act[:, :, None] & act[:, None, :] & same).to(dtype)
-    if causal:
-        m = m.tril()
-    return m
-
-
-def pattern_log_multiplicity(
-    seq_len: int,
-    heads: int,
-    segment_lengths: Sequence[int],
-    dilation_rates: Sequence[int],
-    *,
-    causal: bool = False,
-    head_groups: bool = False,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """``log(M)`` of :func:`pattern_multiplicity` (``-inf`` where a key is not
-    reached), ``(heads, seq_len, seq_len)``, from :data:`PATTERN_CACHE`
-    (built in the graph instead when called under ``torch.compile``).
-
-    Adding it to the scores makes an ordinary softmax the multiset softmax of
-    the pattern. The returned tensor is shared by every caller: do not modify
-    it in place.
-    """
-    segs, dils = normalize_pattern(segment_lengths, dilation_rates)
-    device = torch.device("cpu") if device is None else torch.device(device)
-    key = (
-        "log_multiplicity",
-        int(seq_len),
-        int(heads),
-        segs,
-        dils,
-        bool(causal),
-        bool(head_groups),
-        str(device),
-        dtype,
-    )
-
-    def build() -> torch.Tensor:
-        with torch.no_grad():
-            m = pattern_multiplicity(
-                seq_len, heads, segs, dils, causal=causal, head_groups=head_groups,
-                device=device, dtype=torch.float64,
-            )  # fmt: skip
-            return torch.log(m).to(dtype)
-
-    if torch.compiler.is_compiling():
-        # Under torch.compile the matrix is built inside the graph (a lock-
-        # protected cache would be a graph break).
-        return build()
-    return PATTERN_CACHE.get(key, build)
-
+__all__ = ["DilatedAttention", "MultiheadDilatedAttention"]
 
 # ---------------------------------------------------------------------------
 # DilatedAttention: the local op as a module.
@@ -255,13 +144,6 @@ def _check_mask_dtype(mask: torch.Tensor | None, name: str) -> None:
         raise ValueError(f"{name} must be a bool or floating tensor, got {type(mask).__name__}")
     if mask.dtype != torch.bool and not torch.is_floating_point(mask):
         raise ValueError(f"{name} must have dtype torch.bool or a floating dtype, got {mask.dtype}")
-
-
-def _as_float_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """Bool (True = masked) -> additive float mask (``-inf``); float unchanged."""
-    if mask is None or torch.is_floating_point(mask):
-        return mask
-    return torch.zeros_like(mask, dtype=dtype).masked_fill_(mask, float("-inf"))
 
 
 class MultiheadDilatedAttention(nn.Module):
@@ -716,8 +598,22 @@ class MultiheadDilatedAttention(nn.Module):
                 key_padding_mask=key_padding_mask,
             ).reshape(B, L, E)
         else:
-            out, weights = self._dense_attention(
-                q, k, v, cdt, key_padding_mask, attn_mask, causal, dropout_p, need_weights
+            out, weights = dense_attention(
+                q,
+                k,
+                v,
+                num_heads=H,
+                compute_dtype=cdt,
+                key_padding_mask=key_padding_mask,
+                attn_mask=attn_mask,
+                causal=causal,
+                dropout_p=dropout_p,
+                need_weights=need_weights,
+                bias_k=self.bias_k,
+                bias_v=self.bias_v,
+                add_zero_attn=self.add_zero_attn,
+                pattern=(self.segment_lengths, self.dilation_rates) if self.has_pattern else None,
+                head_groups=self.head_groups,
             )
             if weights is not None:
                 weights = weights.to(out_dtype)
@@ -776,72 +672,3 @@ class MultiheadDilatedAttention(nn.Module):
             group=self.group,
         )
         return out.reshape(B, L, E)
-
-    def _dense_attention(
-        self, q, k, v, cdt, key_padding_mask, attn_mask, causal, dropout_p, need_weights
-    ):
-        """Exact attention with materialised scores (see the class docstring)."""
-        B, L, E = q.shape
-        H, D = self.num_heads, self.head_dim
-        kpm = _as_float_mask(key_padding_mask, cdt)
-        am = _as_float_mask(attn_mask, cdt)
-        if self.bias_k is not None:
-            k = torch.cat([k, self.bias_k.expand(B, 1, E).to(k.dtype)], dim=1)
-            v = torch.cat([v, self.bias_v.expand(B, 1, E).to(v.dtype)], dim=1)
-            am = None if am is None else F.pad(am, (0, 1))
-            kpm = None if kpm is None else F.pad(kpm, (0, 1))
-        q = q.reshape(B, L, H, D).transpose(1, 2).to(cdt)
-        k = k.reshape(B, k.shape[1], H, D).transpose(1, 2).to(cdt)
-        v = v.reshape(B, v.shape[1], H, D).transpose(1, 2).to(cdt)
-        if self.add_zero_attn:
-            zeros = q.new_zeros(B, H, 1, D)
-            k = torch.cat([k, zeros], dim=2)
-            v = torch.cat([v, zeros], dim=2)
-            am = None if am is None else F.pad(am, (0, 1))
-            kpm = None if kpm is None else F.pad(kpm, (0, 1))
-        S = k.shape[2]
-
-        bias = None
-        if am is not None:
-            bias = am.view(1, 1, L, S) if am.dim() == 2 else am.view(B, H, L, S)
-        if kpm is not None:
-            kb = kpm.view(B, 1, 1, S)
-            bias = kb if bias is None else bias + kb
-        if self.has_pattern:
-            logm = pattern_log_multiplicity(
-                L, H, self.segment_lengths, self.dilation_rates, causal=causal,
-                head_groups=self.head_groups, device=q.device, dtype=cdt,
-            )  # fmt: skip
-            if S > L:  # add_bias_kv / add_zero_attn keys: reached once by every query
-                logm = F.pad(logm, (0, S - L))
-            logm = logm.unsqueeze(0)
-            bias = logm if bias is None else bias + logm
-            causal = False  # inside the multiplicity
-        if bias is not None:
-            bias = bias.to(cdt)
-            empty = torch.isneginf(bias).all(dim=-1, keepdim=True)
-        else:
-            empty = None
-
-        if need_weights:
-            scores = torch.matmul(q * math.sqrt(1.0 / D), k.transpose(-2, -1))
-            if bias is not None:
-                scores = scores + bias
-            if empty is not None:
-                # Rows reaching nothing: zero weights, finite gradients.
-                scores = scores.masked_fill(empty, 0.0)
-                weights = torch.softmax(scores, dim=-1).masked_fill(empty, 0.0)
-            else:
-                weights = torch.softmax(scores, dim=-1)
-            if dropout_p > 0.0:
-                weights = F.dropout(weights, p=dropout_p)
-            out = torch.matmul(weights, v)
-        else:
-            weights = None
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=bias, dropout_p=dropout_p, is_causal=causal
-            )
-            if empty is not None:
-                out = out.masked_fill(empty, 0.0)
-        out = out.transpose(1, 2).reshape(B, L, E)
-        return out, weights

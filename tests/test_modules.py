@@ -20,13 +20,9 @@ from oracle import multiplicity, reference_attention
 
 import ring_attention as ra
 from ring_attention import modules as ra_modules
-from ring_attention.modules import (
-    PATTERN_CACHE,
-    DilatedAttention,
-    MultiheadDilatedAttention,
-    pattern_log_multiplicity,
-    pattern_multiplicity,
-)
+from ring_attention import patterns as ra_patterns
+from ring_attention.modules import DilatedAttention, MultiheadDilatedAttention
+from ring_attention.patterns import PATTERN_CACHE, pattern_log_multiplicity, pattern_multiplicity
 
 E, H = 16, 4
 TOL = 1e-5
@@ -556,8 +552,8 @@ def test_repeated_call_hits_the_pattern_cache() -> None:
 
 
 def test_pattern_cache_is_bounded_and_thread_safe(monkeypatch) -> None:
-    small = ra_modules.PlanCache(maxsize=3)
-    monkeypatch.setattr(ra_modules, "PATTERN_CACHE", small)
+    small = ra_patterns.PlanCache(maxsize=3)
+    monkeypatch.setattr(ra_patterns, "PATTERN_CACHE", small)
     for n in range(1, 6):
         pattern_log_multiplicity(n, 2, [2], [1])
     assert small.info() == {"hits": 0, "misses": 5, "size": 3, "maxsize": 3}
