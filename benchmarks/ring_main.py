@@ -20,7 +20,7 @@ its shard ``--iters`` times after ``--warmup`` runs, and rank 0 prints a table:
   the tensors the benchmark holds (shards, output, grads) and the growth of
   the process's peak RSS (``ru_maxrss``) during the ring calls;
 * bytes sent per rank per layer, from the exchange plan and as measured
-  (``ring_attention.ring.last_exchange_stats``);
+  (``ring_attention.exchange.last_exchange_stats``);
 * max abs error of the gathered output (and grads) against single-process
   ``ring_attention.dilated_attention`` on rank 0 (``--check auto``: when
   ``seq_len <= 16384``).
@@ -44,7 +44,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import ring_attention as ra
-from ring_attention.ring import exchange_plan, last_exchange_stats, ring_dilated_attention
+from ring_attention.exchange import last_exchange_stats
+from ring_attention.ring import exchange_plan, ring_dilated_attention
 from ring_attention.sharding import gather_sequence, layout_pieces
 
 DTYPES = {

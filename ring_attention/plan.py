@@ -155,11 +155,6 @@ class ExchangePlan:
 
     # -- sizes ---------------------------------------------------------------
     @property
-    def local_len(self) -> int:
-        """This rank's local sequence length."""
-        return sum(p.length for p in self.pieces)
-
-    @property
     def max_local_len(self) -> int:
         """The longest local sequence length of any rank."""
         return max(sum(p.length for p in ps) for ps in self.all_pieces)
@@ -217,36 +212,22 @@ class ExchangePlan:
             return fwd
         return 2 * fwd + 2 * self.rows_sent * batch * head_dim * grad_itemsize
 
-    def summary(self) -> list[dict[str, object]]:
-        """One dict per active step: distance, peers and row counts."""
-        return [
-            {
-                "distance": s.distance,
-                "send_to": s.send_to,
-                "recv_from": s.recv_from,
-                "send_rows": s.send_rows,
-                "recv_rows": s.recv_rows,
-                "blocks": len(s.pairs),
-            }
-            for s in self.steps
-        ]
-
     def indices_on(
         self, device: torch.device
-    ) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
-        """``(send_idx, recv_idx)`` of every step as tensors on ``device``
-        (copied once per device and kept)."""
+    ) -> dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]]:
+        """``distance -> (send_idx, recv_idx)`` of every step, as tensors on
+        ``device`` (copied once per device and kept)."""
         key = str(device)
         with self._lock:
             cached = self._device_idx.get(key)
             if cached is None:
-                cached = [
-                    (
+                cached = {
+                    s.distance: (
                         [i.to(device) for i in s.send_idx],
                         [i.to(device) for i in s.recv_idx],
                     )
                     for s in self.steps
-                ]
+                }
                 self._device_idx[key] = cached
             return cached
 
@@ -439,29 +420,8 @@ def get_plan(
     cache: PlanCache | None = None,
 ) -> ExchangePlan:
     """The cached plan for this configuration (built on first use)."""
-    cache = PLAN_CACHE if cache is None else cache
     key = plan_key(
-        world_size,
-        rank,
-        seq_len,
-        heads,
-        segment_lengths,
-        dilation_rates,
-        causal,
-        head_groups,
+        world_size, rank, seq_len, heads, segment_lengths, dilation_rates, causal, head_groups,
         layout,
-    )
-    return cache.get(
-        key,
-        lambda: build_plan(
-            world_size,
-            rank,
-            seq_len,
-            heads,
-            segment_lengths,
-            dilation_rates,
-            causal,
-            head_groups,
-            layout,
-        ),
-    )
+    )  # fmt: skip
+    return (PLAN_CACHE if cache is None else cache).get(key, lambda: build_plan(*key))

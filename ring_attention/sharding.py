@@ -109,7 +109,7 @@ def layout_shard_lengths(n: int, world_size: int, layout: str = "contiguous") ->
 
 
 # ---------------------------------------------------------------------------
-# Process-group helpers (shared with ring.py).
+# Process-group helpers (shared with the ring: exchange.py, handshake.py).
 
 
 def world_info(group: dist.ProcessGroup | None = None) -> tuple[int, int]:

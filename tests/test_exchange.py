@@ -23,10 +23,11 @@ from dist_utils import run_distributed
 from oracle import multiplicity
 
 import ring_attention
-from ring_attention import ring as ring_mod
+from ring_attention import exchange, ring
+from ring_attention.exchange import last_exchange_stats, register_exchange_hook
 from ring_attention.plan import PLAN_CACHE, PlanCache, build_plan, get_plan
-from ring_attention.ring import register_exchange_hook, ring_dilated_attention
-from ring_attention.sharding import layout_pieces, shard_sequence
+from ring_attention.ring import ring_dilated_attention
+from ring_attention.sharding import layout_pieces, layout_shard_lengths, shard_sequence
 
 LONGNET = ([8, 16, 32], [1, 2, 4])
 
@@ -208,6 +209,14 @@ def test_plan_cache_lru_and_counters() -> None:
         PlanCache(maxsize=0)
 
 
+def test_exchange_names_reexported_by_ring() -> None:
+    """The transport's public names are importable from ``ring_attention.ring``
+    too, as the same objects (``last_exchange_stats`` is mutated in place)."""
+    for name in ("ExchangeEvent", "ExchangeStats", "last_exchange_stats", "register_exchange_hook"):
+        assert getattr(ring, name) is getattr(exchange, name)
+        assert name in ring.__all__
+
+
 # ---------------------------------------------------------------------------
 # Distributed: real traffic, mismatches, cache.
 
@@ -246,8 +255,13 @@ def _stat_run(c: dict) -> dict:
     ref = ring_attention.dilated_attention(
         q, k, v, segs, dils, causal=c["causal"], head_groups=c.get("head_groups", False)
     )
-    events = [e.__dict__.copy() for e in ring_mod.last_exchange_stats.events]
-    return {"events": events, "hooked": hooked, "err": (out - shard(ref)).abs().max().item()}
+    events = [e.__dict__.copy() for e in last_exchange_stats.events]
+    return {
+        "events": events,
+        "hooked": hooked,
+        "err": (out - shard(ref)).abs().max().item(),
+        "buffer_bytes": dict(last_exchange_stats.buffer_bytes),
+    }
 
 
 def _exchange_suite(rank: int, world: int) -> dict:
@@ -321,7 +335,7 @@ def _exchange_suite(rank: int, world: int) -> dict:
         (p.grad - shard_sequence(f.grad, 1, group)).abs().max().item()
         for p, f in zip(parts, full, strict=True)
     ]
-    res["subgroup"] = (max(errs), ring_mod.last_exchange_stats.bytes_sent())
+    res["subgroup"] = (max(errs), last_exchange_stats.bytes_sent())
     return res
 
 
@@ -364,6 +378,24 @@ def test_real_traffic_matches_oracle(case: str) -> None:
                 assert e["rows_sent"] == want_out, (rank, phase, d)
                 assert e["bytes_received"] == 2 * B * D * itemsize * want_in
                 assert e["bytes_sent"] == 2 * B * D * itemsize * want_out
+
+
+def test_transport_buffers_are_counted() -> None:
+    """Each pass reports its transport buffers: on a rank that receives, the
+    two shard-sized K/V unpack buffers (and the fp32 dK/dV ones backward) plus
+    at most two packed send and two packed receive buffers of the largest
+    step; none for an all-local pattern."""
+    for res in _results():
+        assert res["local"]["buffer_bytes"] == {}
+        for case, c in STAT_CASES.items():
+            r = res[case]
+            kv = [e for e in r["events"] if e["phase"] == "forward_kv"]
+            if not any(e["rows_received"] for e in kv):
+                continue
+            shard = B * max(layout_shard_lengths(c["n"], WORLD, c["layout"])) * c["heads"] * D * 4
+            packed = 2 * (max(e["bytes_sent"] for e in kv) + max(e["bytes_received"] for e in kv))
+            assert 2 * shard <= r["buffer_bytes"]["forward"] <= 2 * shard + packed, case
+            assert 4 * shard <= r["buffer_bytes"]["backward"] <= 4 * shard + 2 * packed, case
 
 
 def test_all_local_pattern_sends_zero_bytes_in_real_run() -> None:
