@@ -36,8 +36,8 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, in
               "q, k and v must be on the same device");
   TORCH_CHECK(q_start >= 0 && k_start >= 0, "q_start and k_start must be >= 0");
   TORCH_CHECK(!head_groups || q.sym_size(2) >= static_cast<int64_t>(segs.size()),
-              "head_groups needs at least as many heads as branches: ", q.sym_size(2),
-              " heads, ", segs.size(), " branches");
+              "head_groups needs at least as many heads as branches: ", q.sym_size(2), " heads, ",
+              segs.size(), " branches");
   if (kpm.has_value()) {
     check_same_geometry("key_padding_mask", *kpm, {k.sym_size(0), k.sym_size(1)}, at::kBool, q);
   }

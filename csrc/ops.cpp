@@ -17,21 +17,21 @@ using at::IntArrayRef;
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
 
-void call_block_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
-                        Tensor& lse, IntArrayRef segs, IntArrayRef dils, bool causal,
-                        double scale, bool head_groups, const OptTensor& kpm) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("ring_attention::block_forward", "")
-                       .typed<void(const Tensor&, const Tensor&, const Tensor&, Tensor&, Tensor&,
-                                   int64_t, int64_t, IntArrayRef, IntArrayRef, bool, double, bool,
-                                   const OptTensor&)>();
+void call_block_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse,
+                        IntArrayRef segs, IntArrayRef dils, bool causal, double scale,
+                        bool head_groups, const OptTensor& kpm) {
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("ring_attention::block_forward", "")
+          .typed<void(const Tensor&, const Tensor&, const Tensor&, Tensor&, Tensor&, int64_t,
+                      int64_t, IntArrayRef, IntArrayRef, bool, double, bool, const OptTensor&)>();
   op.call(q, k, v, out, lse, 0, 0, segs, dils, causal, scale, head_groups, kpm);
 }
 
-void call_block_backward(const Tensor& grad_out, const Tensor& q, const Tensor& k,
-                         const Tensor& v, const Tensor& out, const Tensor& lse, Tensor& dq,
-                         Tensor& dk, Tensor& dv, IntArrayRef segs, IntArrayRef dils, bool causal,
-                         double scale, bool head_groups, const OptTensor& kpm) {
+void call_block_backward(const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
+                         const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv,
+                         IntArrayRef segs, IntArrayRef dils, bool causal, double scale,
+                         bool head_groups, const OptTensor& kpm) {
   static auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("ring_attention::block_backward", "")
@@ -45,20 +45,20 @@ void call_block_backward(const Tensor& grad_out, const Tensor& q, const Tensor& 
 void check_local(const Tensor& q, const Tensor& k, const Tensor& v) {
   TORCH_CHECK(q.dim() == 4, "q must be 4-D (batch, seq, heads, head_dim), got ", q.dim(), "-D");
   TORCH_CHECK(q.sym_sizes() == k.sym_sizes() && q.sym_sizes() == v.sym_sizes(),
-              "q, k and v must have the same shape, got ", q.sym_sizes(), ", ", k.sym_sizes(),
-              ", ", v.sym_sizes());
+              "q, k and v must have the same shape, got ", q.sym_sizes(), ", ", k.sym_sizes(), ", ",
+              v.sym_sizes());
 }
 
 // Device-agnostic: the block kernels do the work on whatever device q is on.
-std::tuple<Tensor, Tensor> dilated_attention_impl(const Tensor& q, const Tensor& k,
-                                                  const Tensor& v, IntArrayRef segs,
-                                                  IntArrayRef dils, bool causal, double scale,
-                                                  bool head_groups, const OptTensor& kpm) {
+std::tuple<Tensor, Tensor> dilated_attention_impl(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                  IntArrayRef segs, IntArrayRef dils, bool causal,
+                                                  double scale, bool head_groups,
+                                                  const OptTensor& kpm) {
   check_local(q, k, v);
   const auto acc = q.options().dtype(acc_dtype(q.scalar_type()));
   Tensor out = at::zeros(q.sizes(), acc);
-  Tensor lse = at::full({q.size(0), q.size(2), q.size(1)},
-                        -std::numeric_limits<double>::infinity(), acc);
+  Tensor lse =
+      at::full({q.size(0), q.size(2), q.size(1)}, -std::numeric_limits<double>::infinity(), acc);
   call_block_forward(q, k, v, out, lse, segs, dils, causal, scale, head_groups, kpm);
   return {out.to(q.scalar_type()), lse};
 }
@@ -76,10 +76,9 @@ std::tuple<Tensor, Tensor, Tensor> dilated_attention_backward_impl(
   return {dq.to(q.scalar_type()), dk.to(q.scalar_type()), dv.to(q.scalar_type())};
 }
 
-std::tuple<Tensor, Tensor> dilated_attention_meta(const Tensor& q, const Tensor& k,
-                                                  const Tensor& v, IntArrayRef segs,
-                                                  IntArrayRef dils, bool, double, bool,
-                                                  const OptTensor&) {
+std::tuple<Tensor, Tensor> dilated_attention_meta(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                  IntArrayRef segs, IntArrayRef dils, bool, double,
+                                                  bool, const OptTensor&) {
   check_local(q, k, v);
   check_pattern(segs, dils);
   return {at::empty_like(q),
@@ -87,24 +86,23 @@ std::tuple<Tensor, Tensor> dilated_attention_meta(const Tensor& q, const Tensor&
 }
 
 std::tuple<Tensor, Tensor, Tensor> dilated_attention_backward_meta(
-    const Tensor&, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor&,
-    const Tensor&, IntArrayRef segs, IntArrayRef dils, bool, double, bool, const OptTensor&) {
+    const Tensor&, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor&, const Tensor&,
+    IntArrayRef segs, IntArrayRef dils, bool, double, bool, const OptTensor&) {
   check_local(q, k, v);
   check_pattern(segs, dils);
   return {at::empty_like(q), at::empty_like(k), at::empty_like(v)};
 }
 
-void block_forward_meta(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out,
-                        Tensor& lse, int64_t q_start, int64_t k_start, IntArrayRef segs,
-                        IntArrayRef dils, bool, double, bool head_groups, const OptTensor& kpm) {
+void block_forward_meta(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse,
+                        int64_t q_start, int64_t k_start, IntArrayRef segs, IntArrayRef dils, bool,
+                        double, bool head_groups, const OptTensor& kpm) {
   check_block_forward(q, k, v, out, lse, q_start, k_start, segs, dils, head_groups, kpm);
 }
 
-void block_backward_meta(const Tensor& grad_out, const Tensor& q, const Tensor& k,
-                         const Tensor& v, const Tensor& out, const Tensor& lse, Tensor& dq,
-                         Tensor& dk, Tensor& dv, int64_t q_start, int64_t k_start,
-                         IntArrayRef segs, IntArrayRef dils, bool, double, bool head_groups,
-                         const OptTensor& kpm) {
+void block_backward_meta(const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
+                         const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv,
+                         int64_t q_start, int64_t k_start, IntArrayRef segs, IntArrayRef dils, bool,
+                         double, bool head_groups, const OptTensor& kpm) {
   check_block_backward(grad_out, q, k, v, out, lse, dq, dk, dv, q_start, k_start, segs, dils,
                        head_groups, kpm);
 }
@@ -112,10 +110,10 @@ void block_backward_meta(const Tensor& grad_out, const Tensor& q, const Tensor& 
 class DilatedAttentionFunction : public torch::autograd::Function<DilatedAttentionFunction> {
  public:
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
-                                                const Tensor& q, const Tensor& k,
-                                                const Tensor& v, IntArrayRef segs,
-                                                IntArrayRef dils, bool causal, double scale,
-                                                bool head_groups, const OptTensor& kpm) {
+                                                const Tensor& q, const Tensor& k, const Tensor& v,
+                                                IntArrayRef segs, IntArrayRef dils, bool causal,
+                                                double scale, bool head_groups,
+                                                const OptTensor& kpm) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("ring_attention::dilated_attention", "")
@@ -142,11 +140,10 @@ class DilatedAttentionFunction : public torch::autograd::Function<DilatedAttenti
                          .typed<decltype(dilated_attention_backward_impl)>();
     const auto segs = ctx->saved_data["segs"].toIntVector();
     const auto dils = ctx->saved_data["dils"].toIntVector();
-    auto [dq, dk, dv] = op.call(grad_out, q, k, v, out, lse, segs, dils,
-                                ctx->saved_data["causal"].toBool(),
-                                ctx->saved_data["scale"].toDouble(),
-                                ctx->saved_data["head_groups"].toBool(),
-                                ctx->saved_data["kpm"].toOptional<Tensor>());
+    auto [dq, dk, dv] =
+        op.call(grad_out, q, k, v, out, lse, segs, dils, ctx->saved_data["causal"].toBool(),
+                ctx->saved_data["scale"].toDouble(), ctx->saved_data["head_groups"].toBool(),
+                ctx->saved_data["kpm"].toOptional<Tensor>());
     return {dq, dk, dv, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
@@ -155,8 +152,7 @@ std::tuple<Tensor, Tensor> dilated_attention_autograd(const Tensor& q, const Ten
                                                       const Tensor& v, IntArrayRef segs,
                                                       IntArrayRef dils, bool causal, double scale,
                                                       bool head_groups, const OptTensor& kpm) {
-  auto res =
-      DilatedAttentionFunction::apply(q, k, v, segs, dils, causal, scale, head_groups, kpm);
+  auto res = DilatedAttentionFunction::apply(q, k, v, segs, dils, causal, scale, head_groups, kpm);
   return {res[0], res[1]};
 }
 
@@ -167,20 +163,22 @@ Tensor exchange_rows(IntArrayRef q_starts, IntArrayRef q_lens, int64_t k_start, 
                      bool head_groups);
 
 // Arguments every attention operator shares.
-#define RA_PATTERN_ARGS                                                                \
+#define RA_PATTERN_ARGS                                                                       \
   "int[] segment_lengths, int[] dilation_rates, bool causal, float scale, bool head_groups, " \
   "Tensor? key_padding_mask"
 
 TORCH_LIBRARY(ring_attention, m) {
-  m.def("block_forward(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor(b!) lse, "
-        "int q_start, int k_start, " RA_PATTERN_ARGS ") -> ()");
-  m.def("block_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-        "Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, int q_start, int k_start, " RA_PATTERN_ARGS
-        ") -> ()");
-  m.def("dilated_attention(Tensor q, Tensor k, Tensor v, " RA_PATTERN_ARGS
-        ") -> (Tensor, Tensor)");
-  m.def("dilated_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
-        "Tensor lse, " RA_PATTERN_ARGS ") -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "block_forward(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor(b!) lse, "
+      "int q_start, int k_start, " RA_PATTERN_ARGS ") -> ()");
+  m.def(
+      "block_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+      "Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, int q_start, int k_start, " RA_PATTERN_ARGS
+      ") -> ()");
+  m.def("dilated_attention(Tensor q, Tensor k, Tensor v, " RA_PATTERN_ARGS ") -> (Tensor, Tensor)");
+  m.def(
+      "dilated_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
+      "Tensor lse, " RA_PATTERN_ARGS ") -> (Tensor, Tensor, Tensor)");
   m.def(
       "exchange_rows(int[] q_starts, int[] q_lens, int k_start, int k_len, int heads, "
       "int[] segment_lengths, int[] dilation_rates, bool causal, bool head_groups) -> Tensor",

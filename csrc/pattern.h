@@ -16,19 +16,16 @@
 
 namespace ring_attention {
 
-RA_HOST_DEVICE inline int64_t ceil_div(int64_t a, int64_t b) {
-  return (a + b - 1) / b;
-}
+RA_HOST_DEVICE inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Position t is active for head h in branch (w, r).
-RA_HOST_DEVICE inline bool is_active(int64_t t, int64_t w, int64_t r,
-                                     int64_t h) {
+RA_HOST_DEVICE inline bool is_active(int64_t t, int64_t w, int64_t r, int64_t h) {
   return (t % w) % r == h % r;
 }
 
 // Smallest p >= lo with (p - seg_start) % r == offset, for lo >= seg_start.
-RA_HOST_DEVICE inline int64_t first_active(int64_t lo, int64_t seg_start,
-                                           int64_t r, int64_t offset) {
+RA_HOST_DEVICE inline int64_t first_active(int64_t lo, int64_t seg_start, int64_t r,
+                                           int64_t offset) {
   const int64_t rel = lo - seg_start;
   if (rel <= offset) return seg_start + offset;
   return seg_start + offset + ceil_div(rel - offset, r) * r;
@@ -41,15 +38,13 @@ RA_HOST_DEVICE inline int64_t active_count(int64_t p0, int64_t hi, int64_t r) {
 
 // head_groups=True: heads split into n_branches contiguous groups whose sizes
 // differ by at most one, the first groups taking the extra heads.
-RA_HOST_DEVICE inline int64_t head_group_begin(int64_t group, int64_t heads,
-                                               int64_t n_branches) {
+RA_HOST_DEVICE inline int64_t head_group_begin(int64_t group, int64_t heads, int64_t n_branches) {
   const int64_t base = heads / n_branches, extra = heads % n_branches;
   return group * base + (group < extra ? group : extra);
 }
 
-RA_HOST_DEVICE inline bool branch_applies(int64_t h, int64_t branch,
-                                          int64_t heads, int64_t n_branches,
-                                          bool head_groups) {
+RA_HOST_DEVICE inline bool branch_applies(int64_t h, int64_t branch, int64_t heads,
+                                          int64_t n_branches, bool head_groups) {
   if (!head_groups) return true;
   return h >= head_group_begin(branch, heads, n_branches) &&
          h < head_group_begin(branch + 1, heads, n_branches);
@@ -64,9 +59,8 @@ struct ActiveRun {
 
 // Active positions of head h in segment [seg_start, seg_start + w) that also
 // lie in [lo, hi).
-RA_HOST_DEVICE inline ActiveRun active_run(int64_t seg_start, int64_t w,
-                                           int64_t r, int64_t h, int64_t lo,
-                                           int64_t hi) {
+RA_HOST_DEVICE inline ActiveRun active_run(int64_t seg_start, int64_t w, int64_t r, int64_t h,
+                                           int64_t lo, int64_t hi) {
   const int64_t a = lo > seg_start ? lo : seg_start;
   const int64_t seg_end = seg_start + w;
   const int64_t b = hi < seg_end ? hi : seg_end;
@@ -82,11 +76,9 @@ struct SegmentRuns {
   ActiveRun q, k;
 };
 
-RA_HOST_DEVICE inline SegmentRuns segment_runs(int64_t seg_start, int64_t w,
-                                               int64_t r, int64_t h,
-                                               int64_t q_lo, int64_t q_hi,
-                                               int64_t k_lo, int64_t k_hi,
-                                               bool causal) {
+RA_HOST_DEVICE inline SegmentRuns segment_runs(int64_t seg_start, int64_t w, int64_t r, int64_t h,
+                                               int64_t q_lo, int64_t q_hi, int64_t k_lo,
+                                               int64_t k_hi, bool causal) {
   SegmentRuns runs;
   runs.q = active_run(seg_start, w, r, h, q_lo, q_hi);
   if (runs.q.count == 0) {

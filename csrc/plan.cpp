@@ -10,8 +10,8 @@
 namespace ring_attention {
 
 at::Tensor exchange_rows(at::IntArrayRef q_starts, at::IntArrayRef q_lens, int64_t k_start,
-                         int64_t k_len, int64_t heads, at::IntArrayRef segs,
-                         at::IntArrayRef dils, bool causal, bool head_groups) {
+                         int64_t k_len, int64_t heads, at::IntArrayRef segs, at::IntArrayRef dils,
+                         bool causal, bool head_groups) {
   check_pattern(segs, dils);
   TORCH_CHECK(q_starts.size() == q_lens.size(), "q_starts and q_lens must have the same length");
   TORCH_CHECK(heads >= 1 && k_len >= 0 && k_start >= 0, "heads >= 1, k_start >= 0, k_len >= 0");

@@ -31,8 +31,18 @@ struct BackwardTile {
   BackwardTile(const BlockGeometry& g_, const scalar_t* dout_, const scalar_t* q_,
                const scalar_t* k_, const scalar_t* v_, const acc_t* lse_, const acc_t* delta_,
                const bool* kpm_, acc_t* dq_, acc_t* dk_, acc_t* dv_, acc_t scale_)
-      : g(g_), dout(dout_), q(q_), k(k_), v(v_), lse(lse_), delta(delta_), kpm(kpm_), dq(dq_),
-        dk(dk_), dv(dv_), scale(scale_) {
+      : g(g_),
+        dout(dout_),
+        q(q_),
+        k(k_),
+        v(v_),
+        lse(lse_),
+        delta(delta_),
+        kpm(kpm_),
+        dq(dq_),
+        dk(dk_),
+        dv(dv_),
+        scale(scale_) {
     const int64_t d = g.dim;
     if constexpr (!std::is_same_v<scalar_t, acc_t>) {
       qbuf.resize(kTileQ * d);
@@ -132,9 +142,8 @@ void backward_kernel(const BlockGeometry& g, const at::Tensor& dout, const at::T
       BackwardTile<scalar_t, acc_t> tile(
           g, dout.const_data_ptr<scalar_t>(), q.const_data_ptr<scalar_t>(),
           k.const_data_ptr<scalar_t>(), v.const_data_ptr<scalar_t>(), lse.const_data_ptr<acc_t>(),
-          delta.data(), kpm,
-          dq.mutable_data_ptr<acc_t>(), dk.mutable_data_ptr<acc_t>(), dv.mutable_data_ptr<acc_t>(),
-          static_cast<acc_t>(scale));
+          delta.data(), kpm, dq.mutable_data_ptr<acc_t>(), dk.mutable_data_ptr<acc_t>(),
+          dv.mutable_data_ptr<acc_t>(), static_cast<acc_t>(scale));
       for (int64_t ti = lo; ti < hi; ++ti) {
         const SegmentTask& task = tasks[ti];
         for (int64_t s = task.seg_begin; s < task.seg_end; ++s) {
@@ -155,16 +164,17 @@ void block_backward_cpu(const at::Tensor& grad_out, const at::Tensor& q, const a
                         const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                         at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, int64_t q_start,
                         int64_t k_start, at::IntArrayRef segment_lengths,
-                        at::IntArrayRef dilation_rates, bool causal, double scale,
-                        bool head_groups, const std::optional<at::Tensor>& key_padding_mask) {
+                        at::IntArrayRef dilation_rates, bool causal, double scale, bool head_groups,
+                        const std::optional<at::Tensor>& key_padding_mask) {
   check_block_backward(grad_out, q, k, v, out, lse, dq, dk, dv, q_start, k_start, segment_lengths,
                        dilation_rates, head_groups, key_padding_mask);
   const at::Tensor dc = grad_out.contiguous(), qc = q.contiguous(), kc = k.contiguous(),
                    vc = v.contiguous(), oc = out.contiguous(), lc = lse.contiguous();
   at::Tensor mask;
   if (key_padding_mask.has_value()) mask = key_padding_mask->contiguous();
-  const BlockGeometry g{q.size(0), q.size(2), q.size(3), q_start, q.size(1), k_start, k.size(1),
-                        causal, head_groups, static_cast<int64_t>(segment_lengths.size())};
+  const BlockGeometry g{
+      q.size(0), q.size(2), q.size(3), q_start,     q.size(1),
+      k_start,   k.size(1), causal,    head_groups, static_cast<int64_t>(segment_lengths.size())};
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, q.scalar_type(), "block_backward_cpu", [&] {
         backward_kernel<scalar_t>(g, dc, qc, kc, vc, oc, lc, dq, dk, dv, segment_lengths,

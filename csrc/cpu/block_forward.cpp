@@ -146,14 +146,14 @@ void block_forward_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
   at::Tensor mask;
   if (key_padding_mask.has_value()) mask = key_padding_mask->contiguous();
-  const BlockGeometry g{q.size(0), q.size(2), q.size(3), q_start, q.size(1), k_start, k.size(1),
-                        causal, head_groups, static_cast<int64_t>(segment_lengths.size())};
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "block_forward_cpu",
-                                  [&] {
-                                    forward_kernel<scalar_t>(
-                                        g, qc, kc, vc, out, lse, segment_lengths, dilation_rates,
-                                        scale, mask.defined() ? mask.const_data_ptr<bool>() : nullptr);
-                                  });
+  const BlockGeometry g{
+      q.size(0), q.size(2), q.size(3), q_start,     q.size(1),
+      k_start,   k.size(1), causal,    head_groups, static_cast<int64_t>(segment_lengths.size())};
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, q.scalar_type(), "block_forward_cpu", [&] {
+        forward_kernel<scalar_t>(g, qc, kc, vc, out, lse, segment_lengths, dilation_rates, scale,
+                                 mask.defined() ? mask.const_data_ptr<bool>() : nullptr);
+      });
 }
 
 }  // namespace ring_attention::cpu

@@ -22,8 +22,8 @@ blas_gemm_fn<T> find_blas(const char* name) {
 }
 
 template <typename T>
-void gemm_loops(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const T* A,
-                int64_t lda, const T* B, int64_t ldb, T beta, T* C, int64_t ldc) {
+void gemm_loops(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, const T* A, int64_t lda,
+                const T* B, int64_t ldb, T beta, T* C, int64_t ldc) {
   for (int64_t i = 0; i < M; ++i) {
     for (int64_t j = 0; j < N; ++j) {
       T acc = 0;

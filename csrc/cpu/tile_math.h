@@ -22,9 +22,8 @@ namespace ring_attention::cpu {
 // Tiles are read in place from (B, L, H, D) tensors through their row stride,
 // so fp32/fp64 inputs are never copied. Backed by the BLAS that libtorch
 // exports (sgemm_/dgemm_), with a portable loop as fallback.
-void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
-          const float* A, int64_t lda, const float* B, int64_t ldb, float beta, float* C,
-          int64_t ldc);
+void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A,
+          int64_t lda, const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, double alpha,
           const double* A, int64_t lda, const double* B, int64_t ldb, double beta, double* C,
           int64_t ldc);
