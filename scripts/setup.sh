@@ -20,15 +20,17 @@ if [ ${#missing[@]} -gt 0 ]; then
   "${PIP[@]}" "${missing[@]}"
 fi
 
-# (Re)build when the extension is missing or older than any C++/CUDA source.
+# The package must import from THIS checkout (not another editable install).
+here=$(pwd -P)
+if ! (cd / && "$PY" -c "import os, sys, ring_attention as r; sys.exit(os.path.realpath(r.__file__).startswith('$here/') == 0)") 2>/dev/null; then
+  echo "setup: building ring_attention._C and installing this checkout (editable)"
+  MAX_JOBS=${MAX_JOBS:-$(nproc)} "${PIP[@]}" --no-build-isolation --no-deps -e . \
+    >/tmp/ring_attention_install.log 2>&1 || { tail -n 40 /tmp/ring_attention_install.log; exit 1; }
+fi
+# Rebuild in place when any C++/CUDA source is newer than the extension.
 so=$(ls ring_attention/_C*.so 2>/dev/null | head -n 1 || true)
 if [ -z "$so" ] || [ -n "$(find csrc setup.py -newer "$so" -type f 2>/dev/null | head -n 1)" ]; then
-  echo "setup: building ring_attention._C"
+  echo "setup: rebuilding ring_attention._C"
   MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PY" setup.py -q build_ext --inplace >/tmp/ring_attention_build.log 2>&1 ||
     { tail -n 40 /tmp/ring_attention_build.log; exit 1; }
-fi
-# Make the checkout importable from anywhere (editable, no rebuild).
-if ! (cd / && "$PY" -c "import ring_attention" 2>/dev/null); then
-  "${PIP[@]}" --no-build-isolation --no-deps -e . >/tmp/ring_attention_install.log 2>&1 ||
-    { tail -n 40 /tmp/ring_attention_install.log; exit 1; }
 fi
