@@ -29,14 +29,21 @@ def _cpu_vector_flags() -> list[str]:
 
 def _extension():
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
-    cxx = ["-O3", "-std=c++20", "-fvisibility=hidden", *_cpu_vector_flags()]
+    # -fopenmp: at::parallel_for is an inline OpenMP template; without it the
+    # CPU kernels run on one thread and BLAS forks its own team per tile.
+    cxx = ["-O3", "-std=c++20", "-fvisibility=hidden", "-fopenmp", *_cpu_vector_flags()]
     with_cuda = (
         torch.version.cuda is not None
         and CUDA_HOME is not None
         and os.environ.get("RING_ATTENTION_CPU_ONLY") != "1"
     )
     if not with_cuda:
-        return CppExtension("ring_attention._C", sources, extra_compile_args={"cxx": cxx})
+        return CppExtension(
+            "ring_attention._C",
+            sources,
+            extra_compile_args={"cxx": cxx},
+            extra_link_args=["-fopenmp"],
+        )
     arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
     if not arch:
         major, minor = torch.cuda.get_device_capability() if torch.cuda.is_available() else (8, 0)
@@ -46,6 +53,7 @@ def _extension():
         "ring_attention._C",
         sources + sorted(glob.glob("csrc/cuda/*.cu")),
         extra_compile_args={"cxx": cxx, "nvcc": nvcc},
+        extra_link_args=["-fopenmp"],
     )
 
 
