@@ -13,10 +13,15 @@ names between the ranks of one ring call:
 Rows travel packed: per piece of the sending rank, the selected
 ``(batch, rows, head_dim)`` K rows, then as many V rows; a row is one
 ``(position, head)`` pair, the flat index ``position * heads + head`` of the
-plan. Each kind has two send and two receive buffers (``slot`` 0 and 1), so the
-communication of one step overlaps the compute of the previous one; a ring
-schedule alternates the slots. The received rows are unpacked into shard-sized
-buffers (``index_copy_`` for K/V, ``index_add_`` for returned gradients).
+plan. Received rows have two buffers (``slot`` 0 and 1; one when a single step
+receives), so the communication of one step overlaps the compute of the
+previous one; a ring schedule alternates the slots; a send buffer has one.
+Where every (row, head) pair between the first and the last needed row of a
+sender piece is needed (a dense ring: the whole piece), the packed rows are
+that ``(B, rows, H, D)`` range itself: the kernels read the received K/V and
+accumulate the returned dK/dV in place in the packed buffers. Other rows are
+unpacked into buffers that span only the needed rows of the piece
+(``index_copy_``; returned gradients ``index_add_``).
 
 Transports: NCCL for CUDA tensors, gloo for CPU tensors; CUDA tensors on a
 gloo group are staged through host memory (:func:`~ring_attention.sharding.comm_device`).
@@ -29,12 +34,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from .plan import ExchangePlan, Step
-from .sharding import Piece, comm_device
+from .sharding import comm_device
 
 __all__ = [
     "ExchangeEvent",
@@ -85,7 +91,7 @@ class ExchangeStats:
     Attributes:
         events: the posted batches, in order.
         buffer_bytes: bytes of the transport buffers (packed send/receive
-            double buffers and shard-sized unpack buffers) allocated per pass,
+            buffers and the span buffers of partly needed pieces) allocated per pass,
             ``{"forward": ..., "backward": ...}``; each pass frees its own when
             it returns (host staging copies of CUDA tensors on gloo are not
             counted).
@@ -197,6 +203,19 @@ class Transfer:
         return self._recv.to(self._device)  # staged through host memory
 
 
+class _Span(NamedTuple):
+    """The needed rows of one sender piece at one step: positions ``first``
+    to ``first + rows - 1`` of the piece, ``idx`` their flat indices relative
+    to ``first``. ``whole``: every (row, head) pair of that range is needed
+    (a dense ring: the whole piece), so the packed rows are the ``(B, rows,
+    H, D)`` range itself and are used in place."""
+
+    first: int
+    rows: int
+    idx: torch.Tensor
+    whole: bool
+
+
 class Exchanger:
     """Packs, posts and unpacks the rows of one ring call.
 
@@ -232,17 +251,39 @@ class Exchanger:
         self.B, self.H, self.D = batch, plan.heads, head_dim
         self.comm_dev = comm_device(group, device)
         self.idx = plan.indices_on(device)
-        max_send = max((s.send_rows for s in plan.steps), default=0)
-        max_recv = max((s.recv_rows for s in plan.steps), default=0)
-        # packed buffer kind -> (capacity in rows, dtype, device); the
-        # gradients of the received rows go back, those of the sent rows return
+        self.spans = {s.distance: self._spans(s) for s in plan.steps}
+        # rows of the span buffers: the pieces of a step not used in place
+        self._span_rows = max(
+            (sum(sp.rows for sp in spans if not sp.whole) for spans in self.spans.values()),
+            default=0,
+        )
+        sends = [s.send_rows for s in plan.steps if s.send_rows]
+        recvs = [s.recv_rows for s in plan.steps if s.recv_rows]
+        # packed buffer kind -> (capacity in rows, slots, dtype, device). A send
+        # buffer is free once its step is waited for, before the next post: one
+        # slot. Received K/V (read while the next step arrives) and gradients
+        # (a step's return travels while the next one is computed) need two
+        # when two steps use them. The gradients of the received rows go back,
+        # those of the sent rows return.
         self._kinds = {
-            "send_kv": (max_send, self.dtype, device),
-            "recv_kv": (max_recv, self.dtype, self.comm_dev),
-            "send_grad": (max_recv, self.acc, device),
-            "recv_grad": (max_send, self.acc, self.comm_dev),
+            "send_kv": (max(sends, default=0), 1, self.dtype, device),
+            "recv_kv": (max(recvs, default=0), min(2, len(recvs)), self.dtype, self.comm_dev),
+            "send_grad": (max(recvs, default=0), min(2, len(recvs)), self.acc, device),
+            "recv_grad": (max(sends, default=0), min(2, len(sends)), self.acc, self.comm_dev),
         }
         self._bufs: dict[tuple[str, int], torch.Tensor] = {}
+
+    def _spans(self, step: Step) -> list[_Span]:
+        """The :class:`_Span` of every sender piece of ``step``."""
+        out = []
+        for ix, dev_ix in zip(step.recv_idx, self.idx[step.distance][1], strict=True):
+            if ix.numel() == 0:
+                out.append(_Span(0, 0, dev_ix, False))
+                continue
+            lo, hi = int(ix[0]) // self.H, int(ix[-1]) // self.H + 1  # sorted, unique
+            rel = dev_ix - lo * self.H if lo else dev_ix
+            out.append(_Span(lo, hi - lo, rel, ix.numel() == (hi - lo) * self.H))
+        return out
 
     # -- buffers -----------------------------------------------------------
     def _keep(self, key: tuple[str, int], buf: torch.Tensor) -> torch.Tensor:
@@ -254,26 +295,42 @@ class Exchanger:
     def _packed(self, kind: str, slot: int, rows: int) -> torch.Tensor:
         """A packed buffer of ``rows`` K and V rows: a view of the ``(kind,
         slot)`` buffer, allocated once for the largest step."""
-        buf = self._bufs.get((kind, slot))
+        capacity, slots, dtype, device = self._kinds[kind]
+        key = (kind, slot % slots)
+        buf = self._bufs.get(key)
         if buf is None:
-            capacity, dtype, device = self._kinds[kind]
             buf = torch.empty(2 * self.B * capacity * self.D, dtype=dtype, device=device)
-            buf = self._keep((kind, slot), buf)
+            buf = self._keep(key, buf)
         return buf[: 2 * self.B * rows * self.D]
 
-    def _shard_views(self, kind: str, dtype: torch.dtype, pieces: Sequence[Piece]):
-        """Contiguous ``(B, length, H, D)`` views, one per piece, of a zeroed
-        buffer that holds the longest shard (allocated once per kind)."""
+    def _piece_views(
+        self, kind: str, dtype: torch.dtype, packed: torch.Tensor, step: Step
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
+        """Per sender piece of ``step``, contiguous ``(B, rows, H, D)`` K and V
+        views of the span of its needed rows and the global position of the
+        span's first row: the rows in ``packed`` when the span is needed
+        whole, else a buffer of ``kind`` (allocated once, for the widest step;
+        rows not needed hold stale values, no query reaches them)."""
+        spans, recv_idx = self.spans[step.distance], self.idx[step.distance][1]
         buf = self._bufs.get((kind, -1))
-        if buf is None:
-            n = self.B * self.plan.max_local_len * self.H * self.D
-            buf = self._keep((kind, -1), torch.zeros(n, dtype=dtype, device=self.device))
-        views, off = [], 0
-        for p in pieces:
-            n = self.B * p.length * self.H * self.D
-            views.append(buf[off : off + n].view(self.B, p.length, self.H, self.D))
-            off += n
-        return views
+        if buf is None:  # empty (and not kept) when every span is needed whole
+            n = 2 * self.B * self._span_rows * self.H * self.D
+            buf = torch.zeros(n, dtype=dtype, device=self.device)
+            buf = self._keep((kind, -1), buf) if n else buf
+        chunks = {j: (krows, vrows) for j, _, krows, vrows in self._chunks(packed, recv_idx)}
+        ks, vs, starts, off = [], [], [], 0
+        for j, (p, span) in enumerate(zip(step.recv_pieces, spans, strict=True)):
+            shape = (self.B, span.rows, self.H, self.D)
+            if span.whole:
+                k, v = (rows.view(shape) for rows in chunks[j])
+            else:
+                n = self.B * span.rows * self.H * self.D
+                k, v = (buf[o : o + n].view(shape) for o in (off, off + n))
+                off += 2 * n
+            ks.append(k)
+            vs.append(v)
+            starts.append(p.start + span.first)
+        return ks, vs, starts
 
     # -- packing -----------------------------------------------------------
     def _rows(self, t: torch.Tensor) -> torch.Tensor:
@@ -300,9 +357,14 @@ class Exchanger:
             off += 2 * n
 
     def _pack(self, out, ks, vs, idx) -> None:
+        """Gather the ``idx`` rows of ``ks``/``vs`` into ``out`` (every row of
+        a piece: a plain copy)."""
         for j, ix, krows, vrows in self._chunks(out, idx):
-            torch.index_select(self._rows(ks[j]), 1, ix, out=krows)
-            torch.index_select(self._rows(vs[j]), 1, ix, out=vrows)
+            for rows, t in ((krows, ks[j]), (vrows, vs[j])):
+                if ix.numel() == t.shape[1] * self.H:
+                    rows.copy_(self._rows(t))
+                else:
+                    torch.index_select(self._rows(t), 1, ix, out=rows)
 
     # -- posting -----------------------------------------------------------
     def _post(self, phase: str, distance: int, send, recv) -> Transfer:
@@ -347,38 +409,49 @@ class Exchanger:
 
     def unpack_kv(
         self, packed: torch.Tensor, step: Step
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Scatter received K/V rows into per-piece views of shard buffers
-        (rows not received keep stale values; no query reaches them)."""
-        _, recv_idx = self.idx[step.distance]
-        kp = self._shard_views("k", self.dtype, step.recv_pieces)
-        vp = self._shard_views("v", self.dtype, step.recv_pieces)
-        for j, ix, krows, vrows in self._chunks(packed, recv_idx):
-            self._rows(kp[j]).index_copy_(1, ix, krows)
-            self._rows(vp[j]).index_copy_(1, ix, vrows)
-        return kp, vp
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
+        """``(K views, V views, first positions)`` per sender piece (see
+        :meth:`_piece_views`): spans received whole are read in place, the
+        others scattered into their span buffer."""
+        kp, vp, starts = self._piece_views("kv", self.dtype, packed, step)
+        for (j, _, krows, vrows), span in self._partial(packed, step):
+            self._rows(kp[j]).index_copy_(1, span.idx, krows)
+            self._rows(vp[j]).index_copy_(1, span.idx, vrows)
+        return kp, vp, starts
 
-    def grad_views(self, step: Step) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _partial(self, packed: torch.Tensor, step: Step):
+        """The chunks of ``packed`` whose span is not used in place, with the span."""
+        spans = self.spans[step.distance]
+        for chunk in self._chunks(packed, self.idx[step.distance][1]):
+            if not spans[chunk[0]].whole:
+                yield chunk, spans[chunk[0]]
+
+    def grad_views(self, step: Step, slot: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """fp32 dK/dV views for the sender's pieces, zeroed on the rows that
-        will be returned."""
-        _, recv_idx = self.idx[step.distance]
-        dkp = self._shard_views("dk", self.acc, step.recv_pieces)
-        dvp = self._shard_views("dv", self.acc, step.recv_pieces)
-        for j, ix in enumerate(recv_idx):
-            if ix.numel():
-                self._rows(dkp[j]).index_fill_(1, ix, 0)
-                self._rows(dvp[j]).index_fill_(1, ix, 0)
+        will be returned: spans received whole accumulate straight into the
+        packed return buffer of ``slot``, the others into span buffers."""
+        packed = self._packed("send_grad", slot, step.recv_rows)
+        dkp, dvp, _ = self._piece_views("dkv", self.acc, packed, step)
+        for j, span in enumerate(self.spans[step.distance]):
+            if span.whole:
+                dkp[j].zero_()
+                dvp[j].zero_()
+            elif span.rows:
+                self._rows(dkp[j]).index_fill_(1, span.idx, 0)
+                self._rows(dvp[j]).index_fill_(1, span.idx, 0)
         return dkp, dvp
 
     def post_grad(self, step: Step, slot: int, dkp, dvp) -> Transfer:
         """Return the dK/dV of the rows received at ``step`` to their owner
-        (``dkp``/``dvp`` from :meth:`grad_views`, ``None`` when nothing was
-        received) and receive this rank's own rows' dK/dV from ``step.send_to``."""
-        _, recv_idx = self.idx[step.distance]
+        (``dkp``/``dvp`` from :meth:`grad_views` of the same ``slot``,
+        ``None`` when nothing was received) and receive this rank's own rows'
+        dK/dV from ``step.send_to``."""
         send = recv = None
         if step.recv_from is not None and dkp is not None:
             buf = self._packed("send_grad", slot, step.recv_rows)
-            self._pack(buf, dkp, dvp, recv_idx)
+            for (j, _, krows, vrows), span in self._partial(buf, step):
+                torch.index_select(self._rows(dkp[j]), 1, span.idx, out=krows)
+                torch.index_select(self._rows(dvp[j]), 1, span.idx, out=vrows)
             send = (step.recv_from, buf, step.recv_rows)
         if step.send_to is not None:
             buf = self._packed("recv_grad", slot, step.send_rows)
@@ -386,11 +459,15 @@ class Exchanger:
         return self._post("backward_grad", step.distance, send, recv)
 
     def finish_grad(self, transfer: Transfer, step: Step, dks, dvs) -> None:
-        """Wait for this rank's returned dK/dV rows and add them into ``dks``/``dvs``."""
+        """Wait for this rank's returned dK/dV rows and add them into ``dks``/``dvs``
+        (every row of a piece: a plain add)."""
         packed = transfer.wait()
         if packed is None:
             return
         send_idx, _ = self.idx[step.distance]
         for j, ix, krows, vrows in self._chunks(packed, send_idx):
-            self._rows(dks[j]).index_add_(1, ix, krows)
-            self._rows(dvs[j]).index_add_(1, ix, vrows)
+            for rows, t in ((krows, dks[j]), (vrows, dvs[j])):
+                if ix.numel() == t.shape[1] * self.H:
+                    self._rows(t).add_(rows)
+                else:
+                    self._rows(t).index_add_(1, ix, rows)

@@ -16,8 +16,10 @@ Forward, per rank:
    ``torch.ops.ring_attention.block_forward`` while it travels.
 3. For every active step of the plan: wait for the step's K/V rows, post the
    next active step into the other buffers (communication of step ``i+1``
-   overlaps the compute of step ``i``), unpack the rows into a shard-sized
-   buffer and merge the blocks into the accumulators.
+   overlaps the compute of step ``i``), unpack the rows (used in place when
+   a sender piece's needed rows are a whole range, e.g. the whole piece;
+   else into a buffer spanning them) and merge the blocks into the
+   accumulators.
 4. Cast ``out`` once.
 
 Backward re-exchanges K/V along the same schedule, computes
@@ -147,9 +149,9 @@ def _ring_forward(cfg: _RingConfig, q: Tensor, k: Tensor, v: Tensor) -> tuple[Te
             pending = ex.post_kv("forward_kv", steps[i + 1], (i + 1) % 2, ks, vs)
         if packed is None:
             continue
-        kp, vp = ex.unpack_kv(packed, step)
+        kp, vp, starts = ex.unpack_kv(packed, step)
         for qi, kj in step.pairs:
-            attend(qi, kp[kj], vp[kj], step.recv_pieces[kj].start)
+            attend(qi, kp[kj], vp[kj], starts[kj])
 
     return _cat([o.to(q.dtype) for o in outs], dim=1), _cat(lses, dim=2)
 
@@ -190,10 +192,10 @@ def _ring_backward(
         if step is not None:
             dkp = dvp = None
             if packed is not None:
-                kp, vp = ex.unpack_kv(packed, step)
-                dkp, dvp = ex.grad_views(step)
+                kp, vp, starts = ex.unpack_kv(packed, step)
+                dkp, dvp = ex.grad_views(step, d % 2)
                 for qi, kj in step.pairs:
-                    attend(qi, kp[kj], vp[kj], dkp[kj], dvp[kj], step.recv_pieces[kj].start)
+                    attend(qi, kp[kj], vp[kj], dkp[kj], dvp[kj], starts[kj])
             g_now = (ex.post_grad(step, d % 2, dkp, dvp), step)
         if g_prev is not None:
             ex.finish_grad(*g_prev, dks, dvs)
