@@ -11,19 +11,24 @@ from collections.abc import Sequence
 
 import torch
 
+from .cache import LRUCache
 from .functional import check_head_groups, normalize_pattern
-from .plan import PlanCache
 
-__all__ = ["PATTERN_CACHE", "pattern_log_multiplicity", "pattern_multiplicity"]
+__all__ = [
+    "PATTERN_CACHE",
+    "head_group_bounds",
+    "pattern_log_multiplicity",
+    "pattern_multiplicity",
+]
 
 #: Cache of the dense ``log(multiplicity)`` bias of a pattern, keyed by
 #: ``(seq_len, heads, pattern, causal, head_groups, device, dtype)``; used by
 #: the dense path of :class:`MultiheadDilatedAttention` (attention weights,
 #: masks, dropout). Same LRU class as the exchange-plan cache.
-PATTERN_CACHE = PlanCache(maxsize=32)
+PATTERN_CACHE: LRUCache[torch.Tensor] = LRUCache(maxsize=32)
 
 
-def _head_group_bounds(heads: int, n_branches: int) -> list[tuple[int, int]]:
+def head_group_bounds(heads: int, n_branches: int) -> list[tuple[int, int]]:
     base, extra = divmod(heads, n_branches)
     bounds, begin = [], 0
     for i in range(n_branches):
@@ -53,7 +58,7 @@ def pattern_multiplicity(
     check_head_groups(heads, len(segs), head_groups)
     t = torch.arange(seq_len, device=device)
     h = torch.arange(heads, device=device)
-    groups = _head_group_bounds(heads, len(segs))
+    groups = head_group_bounds(heads, len(segs))
     m = torch.zeros(heads, seq_len, seq_len, dtype=dtype, device=device)
     for i, (w, r) in enumerate(zip(segs, dils, strict=True)):
         act = ((t % w) % r)[None, :] == (h % r)[:, None]  # (H, L)

@@ -21,18 +21,17 @@ cached in :data:`PLAN_CACHE`, a bounded thread-safe LRU with hit/miss counters.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from .cache import LRUCache
 from .sharding import Piece, check_layout, layout_pieces
 
 __all__ = [
     "PLAN_CACHE",
     "ExchangePlan",
-    "PlanCache",
     "Step",
     "build_plan",
     "exchange_rows",
@@ -311,74 +310,8 @@ def build_plan(
     )
 
 
-class PlanCache:
-    """A bounded, thread-safe LRU cache of exchange plans.
-
-    Attributes:
-        maxsize: the most plans kept; the least recently used is evicted.
-        hits: lookups answered from the cache.
-        misses: lookups that built a plan.
-    """
-
-    def __init__(self, maxsize: int = 64) -> None:
-        if maxsize < 1:
-            raise ValueError(f"maxsize must be >= 1, got {maxsize}")
-        self.maxsize = int(maxsize)
-        self.hits = 0
-        self.misses = 0
-        self._data: OrderedDict[Hashable, ExchangePlan] = OrderedDict()
-        self._lock = threading.RLock()
-
-    def get(self, key: Hashable, build: Callable[[], ExchangePlan]) -> ExchangePlan:
-        """The plan under ``key``, built with ``build()`` on a miss."""
-        with self._lock:
-            plan = self._data.get(key)
-            if plan is not None:
-                self._data.move_to_end(key)
-                self.hits += 1
-                return plan
-            self.misses += 1
-            plan = build()
-            self._data[key] = plan
-            while len(self._data) > self.maxsize:
-                self._data.popitem(last=False)
-            return plan
-
-    def __contains__(self, key: Hashable) -> bool:
-        with self._lock:
-            return key in self._data
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._data)
-
-    def clear(self) -> None:
-        """Drop every plan and reset the counters."""
-        with self._lock:
-            self._data.clear()
-            self.hits = 0
-            self.misses = 0
-
-    def info(self) -> dict[str, int]:
-        """``{"hits", "misses", "size", "maxsize"}``."""
-        with self._lock:
-            return {
-                "hits": self.hits,
-                "misses": self.misses,
-                "size": len(self._data),
-                "maxsize": self.maxsize,
-            }
-
-    def __repr__(self) -> str:
-        i = self.info()
-        return (
-            f"PlanCache(maxsize={i['maxsize']}, size={i['size']}, "
-            f"hits={i['hits']}, misses={i['misses']})"
-        )
-
-
 #: The module-level plan cache used by ``ring_dilated_attention``.
-PLAN_CACHE = PlanCache(maxsize=64)
+PLAN_CACHE: LRUCache[ExchangePlan] = LRUCache(maxsize=64)
 
 
 def plan_key(
@@ -417,7 +350,7 @@ def get_plan(
     head_groups: bool,
     layout: str = "contiguous",
     *,
-    cache: PlanCache | None = None,
+    cache: LRUCache[ExchangePlan] | None = None,
 ) -> ExchangePlan:
     """The cached plan for this configuration (built on first use)."""
     key = plan_key(

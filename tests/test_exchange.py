@@ -24,8 +24,9 @@ from oracle import multiplicity
 
 import ring_attention
 from ring_attention import exchange, ring
+from ring_attention.cache import LRUCache
 from ring_attention.exchange import last_exchange_stats, register_exchange_hook
-from ring_attention.plan import PLAN_CACHE, PlanCache, build_plan, get_plan
+from ring_attention.plan import PLAN_CACHE, build_plan, get_plan
 from ring_attention.ring import ring_dilated_attention
 from ring_attention.sharding import layout_pieces, shard_sequence
 
@@ -192,7 +193,7 @@ def test_longnet_bytes_per_rank_bounded_in_world_size(world: int) -> None:
 
 
 def test_plan_cache_lru_and_counters() -> None:
-    cache = PlanCache(maxsize=2)
+    cache = LRUCache(maxsize=2)
     args = (4, 1, 101, 4, *LONGNET, True, False)
     p1 = get_plan(*args, cache=cache)
     assert (cache.hits, cache.misses) == (0, 1)
@@ -206,7 +207,7 @@ def test_plan_cache_lru_and_counters() -> None:
     cache.clear()
     assert (len(cache), cache.hits, cache.misses) == (0, 0, 0)
     with pytest.raises(ValueError):
-        PlanCache(maxsize=0)
+        LRUCache(maxsize=0)
 
 
 def test_exchange_names_reexported_by_ring() -> None:

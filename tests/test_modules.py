@@ -552,7 +552,7 @@ def test_repeated_call_hits_the_pattern_cache() -> None:
 
 
 def test_pattern_cache_is_bounded_and_thread_safe(monkeypatch) -> None:
-    small = ra_patterns.PlanCache(maxsize=3)
+    small = ra_patterns.LRUCache(maxsize=3)
     monkeypatch.setattr(ra_patterns, "PATTERN_CACHE", small)
     for n in range(1, 6):
         pattern_log_multiplicity(n, 2, [2], [1])
