@@ -18,7 +18,8 @@
 
 Device-agnostic: CPU uses ``aten._scaled_dot_product_flash_attention_for_cpu``
 (and its backward); CUDA uses the memory-efficient kernel
-(``aten._scaled_dot_product_efficient_attention``); any other device falls back
+(``aten._scaled_dot_product_efficient_attention``) unless ``backend=`` picks
+flash or cuDNN (the ``aten`` op, so the LSE comes back); any other device falls back
 to a plain (materialising) math implementation.
 """
 
@@ -29,7 +30,13 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+LONGNET_SEGMENTS = (2048, 4096, 8192, 16384, 32768)
+LONGNET_DILATIONS = (1, 2, 4, 6, 12)
+
 __all__ = [
+    "LONGNET_DILATIONS",
+    "LONGNET_SEGMENTS",
+    "SDPA_BACKENDS",
     "dense_sdpa",
     "gather_sdpa_dilated",
     "head_group_bounds",
@@ -148,11 +155,69 @@ def _math_bwd(do, q, k, v, out, lse, causal, scale):
     return torch.matmul(ds, kf), torch.matmul(ds.transpose(-1, -2), qf), dv
 
 
-def sdpa_with_lse(q, k, v, causal: bool, scale: float):
+SDPA_BACKENDS = ("flash", "cudnn", "efficient")
+
+
+def _lse_rows(lse: torch.Tensor, length: int) -> torch.Tensor:
+    """Any backend's LSE ((B, H, L), padded (B, H, Lpad) or (B, H, L, 1)) -> (B, H, L)."""
+    return lse.reshape(lse.shape[0], lse.shape[1], -1)[..., :length]
+
+
+def _cuda_sdpa_fwd(backend: str, q, k, v, causal: bool, scale: float):
+    """One CUDA SDPA backend's fused op, which (unlike F.sdpa) returns the LSE."""
+    aten = torch.ops.aten
+    if backend == "flash":
+        out, lse, cq, ck, mq, mk, rng, unused, _ = aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=scale
+        )
+        extra = (cq, ck, mq, mk, rng, unused)
+    elif backend == "cudnn":
+        out, lse, cq, ck, mq, mk, seed, off, _ = aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, causal, False, scale=scale
+        )
+        extra = (cq, ck, mq, mk, seed, off)
+    elif backend == "efficient":
+        out, lse, seed, off = aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, True, 0.0, causal, scale=scale
+        )
+        extra = (seed, off)
+    else:
+        raise ValueError(f"unknown SDPA backend {backend!r}")
+    state = (backend, tuple(lse.shape), extra)
+    return out, _lse_rows(lse, q.shape[-2]), state
+
+
+def _cuda_sdpa_bwd(do, q, k, v, out, lse, state, causal: bool, scale: float):
+    aten = torch.ops.aten
+    backend, lse_shape, extra = state
+    buf = torch.zeros(lse_shape, dtype=torch.float32, device=q.device)
+    _lse_rows(buf, lse.shape[-1]).copy_(lse)
+    if backend == "flash":
+        cq, ck, mq, mk, rng, unused = extra
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+            do, q, k, v, out, buf, cq, ck, mq, mk, 0.0, causal, rng, unused, scale=scale
+        )
+    elif backend == "cudnn":
+        cq, ck, mq, mk, seed, off = extra
+        dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
+            do, q, k, v, out, buf, seed, off, None, cq, ck, mq, mk, 0.0, causal, scale=scale
+        )
+    else:
+        seed, off = extra
+        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+            do, q, k, v, None, out, buf, seed, off, 0.0, [True, True, True, False], causal,
+            scale=scale,
+        )  # fmt: skip
+    return dq, dk, dv
+
+
+def sdpa_with_lse(q, k, v, causal: bool, scale: float, backend: str | None = None):
     """Fused SDPA on ``(B, H, L, D)`` (any strides) returning ``(out, lse, state)``.
 
     ``lse`` is float32 ``(B, H, L)``; ``state`` is what :func:`_sdpa_bwd` needs
-    besides the tensors (the CUDA kernel's lse padding and RNG state).
+    besides the tensors (the CUDA kernel's backend, lse padding and RNG state).
+    ``backend`` (one of :data:`SDPA_BACKENDS`) picks the CUDA kernel for
+    non-float64 CUDA inputs (default ``"efficient"``); it is ignored elsewhere.
     """
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -160,11 +225,7 @@ def sdpa_with_lse(q, k, v, causal: bool, scale: float):
         )
         return out, lse, None
     if q.device.type == "cuda" and q.dtype != torch.float64:
-        out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, k, v, None, True, 0.0, causal, scale=scale
-        )
-        state = (tuple(lse.shape), seed, offset)
-        return out, lse[..., : q.shape[-2]], state
+        return _cuda_sdpa_fwd(backend or "efficient", q, k, v, causal, scale)
     out, lse = _math_fwd(q, k, v, causal, scale)
     return out, lse, None
 
@@ -176,14 +237,7 @@ def _sdpa_bwd(do, q, k, v, out, lse, state, causal: bool, scale: float):
             do, q, k, v, out, lse.contiguous(), 0.0, causal, scale=scale
         )
     if q.device.type == "cuda" and q.dtype != torch.float64:
-        lse_shape, seed, offset = state
-        lse_buf = lse.new_zeros(lse_shape)
-        lse_buf[..., : lse.shape[-1]] = lse
-        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            do, q, k, v, None, out, lse_buf, seed, offset, 0.0,
-            [True, True, True, False], causal, scale=scale,
-        )  # fmt: skip
-        return dq, dk, dv
+        return _cuda_sdpa_bwd(do, q, k, v, out, lse, state, causal, scale)
     return _math_bwd(do, q, k, v, out, lse, causal, scale)
 
 
@@ -204,7 +258,7 @@ def _flat_rows(x, bsz):
 
 class _GatherSDPA(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, segs, dils, causal, scale, head_groups):
+    def forward(ctx, q, k, v, segs, dils, causal, scale, head_groups, backend):
         bsz, n, heads, d = q.shape
         acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         qf, kf, vf = (t.reshape(bsz, n * heads, d) for t in (q, k, v))
@@ -216,7 +270,7 @@ class _GatherSDPA(torch.autograd.Function):
             flat = idx.reshape(-1)
             o_c, l_c, st = sdpa_with_lse(
                 _gather(qf, idx, bsz), _gather(kf, idx, bsz), _gather(vf, idx, bsz),
-                causal, scale,
+                causal, scale, backend,
             )  # fmt: skip
             states.append(st)
             o_c = _flat_rows(o_c, bsz).to(acc_dtype)
@@ -257,7 +311,7 @@ class _GatherSDPA(torch.autograd.Function):
             for acc, g in zip(grads, (dq, dk, dv), strict=True):
                 acc.index_add_(1, flat, _flat_rows(g, bsz).to(acc_dtype))
         dq, dk, dv = (g.view(bsz, n, heads, d).to(q.dtype) for g in grads)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def gather_sdpa_dilated(
@@ -270,17 +324,19 @@ def gather_sdpa_dilated(
     scale: float | None = None,
     head_groups: bool = False,
     return_lse: bool = False,
+    backend: str | None = None,
 ):
     """Dilated attention by gather + fused SDPA per branch, merged by LSE.
 
     Same semantics and layout as ``ra.dilated_attention`` (``(B, N, H, D)``,
     multiset branches, per-head offsets ``h mod r``); no key padding mask.
-    Differentiable w.r.t. ``q, k, v``.
+    Differentiable w.r.t. ``q, k, v``. ``backend``: the CUDA SDPA kernel
+    (:data:`SDPA_BACKENDS`; default ``"efficient"``), see :func:`sdpa_with_lse`.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     out, lse = _GatherSDPA.apply(
         q, k, v, tuple(int(s) for s in segs), tuple(int(r) for r in dils),
-        bool(causal), scale, bool(head_groups),
+        bool(causal), scale, bool(head_groups), backend,
     )  # fmt: skip
     return (out, lse) if return_lse else out
 

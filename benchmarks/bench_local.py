@@ -43,14 +43,18 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from baselines import dense_sdpa, gather_sdpa_dilated, pattern_pairs
+from baselines import (
+    LONGNET_DILATIONS,
+    LONGNET_SEGMENTS,
+    dense_sdpa,
+    gather_sdpa_dilated,
+    pattern_pairs,
+)
 
 import ring_attention as ra
 
 __all__ = ["pattern_pairs"]
 
-LONGNET_SEGMENTS = (2048, 4096, 8192, 16384, 32768)
-LONGNET_DILATIONS = (1, 2, 4, 6, 12)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 METHODS = ("ours", "gather", "dense")
 GB = 1024**3
