@@ -30,6 +30,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from ring_attention.patterns import head_group_bounds
+
 LONGNET_SEGMENTS = (2048, 4096, 8192, 16384, 32768)
 LONGNET_DILATIONS = (1, 2, 4, 6, 12)
 
@@ -39,7 +41,6 @@ __all__ = [
     "SDPA_BACKENDS",
     "dense_sdpa",
     "gather_sdpa_dilated",
-    "head_group_bounds",
     "pattern_pairs",
     "sdpa_with_lse",
 ]
@@ -48,17 +49,6 @@ __all__ = [
 # --------------------------------------------------------------------------- #
 # pattern bookkeeping
 # --------------------------------------------------------------------------- #
-def head_group_bounds(heads: int, n_branches: int) -> list[tuple[int, int]]:
-    """Contiguous head ranges ``[begin, end)`` of the ``head_groups`` layout."""
-    base, extra = divmod(heads, n_branches)
-    bounds, begin = [], 0
-    for i in range(n_branches):
-        size = base + (1 if i < extra else 0)
-        bounds.append((begin, begin + size))
-        begin += size
-    return bounds
-
-
 def _branch_classes(heads: int, segs, dils, head_groups: bool):
     """Yield ``(w, r, o, head_list)`` for every branch and head-offset class."""
     groups = head_group_bounds(heads, len(segs)) if head_groups else None
