@@ -344,9 +344,16 @@ def print_report(args, world, device, dtype, rows, errors, ref_ms, check) -> Non
         ("plan_fwdbwd_MiB", "{:>15.3f}"),
         ("measured_all_MiB", "{:>16.3f}"),
     ]
+
+    def cell(fmt: str, value) -> str:
+        # Columns of a pass that was not run (e.g. fwdbwd without --backward) show "-".
+        if isinstance(value, float) and math.isnan(value):
+            return "-".rjust(len(fmt.format(0)))
+        return fmt.format(value)
+
     print(" ".join(name.rjust(len(fmt.format(0))) for name, fmt in cols))
     for r in rows:
-        print(" ".join(fmt.format(r.get(name, float("nan"))) for name, fmt in cols))
+        print(" ".join(cell(fmt, r.get(name, float("nan"))) for name, fmt in cols))
     if device.type != "cuda":
         print(
             "  held_MiB: bytes of the shards, output and grads this rank holds; "
