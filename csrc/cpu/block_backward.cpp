@@ -54,18 +54,11 @@ struct BackwardTile {
     dp.resize(kTileQ * kTileK);
   }
 
-  int64_t q_offset(int64_t b, int64_t pos, int64_t h) const {
-    return ((b * g.q_len + (pos - g.q_start)) * g.heads + h) * g.dim;
-  }
-  int64_t k_offset(int64_t b, int64_t pos, int64_t h) const {
-    return ((b * g.k_len + (pos - g.k_start)) * g.heads + h) * g.dim;
-  }
-
   // One key tile of tk keys (first at u0, stride r) against all its queries.
   void run(int64_t b, int64_t h, int64_t r, int64_t u0, int64_t tk, ActiveRun queries) {
     constexpr acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
     const int64_t d = g.dim, stride = r * g.heads * d;
-    const int64_t koff = k_offset(b, u0, h);
+    const int64_t koff = g.k_offset(b, u0, h);
     const TileRef<acc_t> kt = tile_rows<acc_t>(k + koff, stride, tk, d, kbuf);
     const TileRef<acc_t> vt = tile_rows<acc_t>(v + koff, stride, tk, d, vbuf);
 
@@ -75,7 +68,7 @@ struct BackwardTile {
     for (int64_t m0 = m_begin; m0 < queries.count; m0 += kTileQ) {
       const int64_t tq = std::min(kTileQ, queries.count - m0);
       const int64_t t0 = queries.first + m0 * r;
-      const int64_t qoff = q_offset(b, t0, h);
+      const int64_t qoff = g.q_offset(b, t0, h);
       const TileRef<acc_t> qt = tile_rows<acc_t>(q + qoff, stride, tq, d, qbuf);
       const TileRef<acc_t> dot = tile_rows<acc_t>(dout + qoff, stride, tq, d, dobuf);
       gemm(false, true, tq, tk, d, scale, qt.ptr, qt.ld, kt.ptr, kt.ld, acc_t(0), s.data(), tk);

@@ -42,13 +42,6 @@ struct ForwardTile {
     l.resize(kTileQ);
   }
 
-  int64_t q_offset(int64_t b, int64_t pos, int64_t h) const {
-    return ((b * g.q_len + (pos - g.q_start)) * g.heads + h) * g.dim;
-  }
-  int64_t k_offset(int64_t b, int64_t pos, int64_t h) const {
-    return ((b * g.k_len + (pos - g.k_start)) * g.heads + h) * g.dim;
-  }
-
   // Attend tq active queries (first at position t0, stride r) to the key run.
   void run(int64_t b, int64_t h, int64_t r, int64_t t0, int64_t tq, ActiveRun keys) {
     constexpr acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
@@ -58,7 +51,7 @@ struct ForwardTile {
     if (g.causal) nk = t_last < keys.first ? 0 : std::min(nk, (t_last - keys.first) / r + 1);
     if (nk == 0) return;
 
-    const TileRef<acc_t> qt = tile_rows<acc_t>(q + q_offset(b, t0, h), stride, tq, d, qbuf);
+    const TileRef<acc_t> qt = tile_rows<acc_t>(q + g.q_offset(b, t0, h), stride, tq, d, qbuf);
     std::fill(o.begin(), o.begin() + tq * d, acc_t(0));
     std::fill(m.begin(), m.end(), neg_inf);
     std::fill(l.begin(), l.end(), acc_t(0));
@@ -66,8 +59,8 @@ struct ForwardTile {
     for (int64_t n0 = 0; n0 < nk; n0 += kTileK) {
       const int64_t tk = std::min(kTileK, nk - n0);
       const int64_t u0 = keys.first + n0 * r;
-      const TileRef<acc_t> kt = tile_rows<acc_t>(k + k_offset(b, u0, h), stride, tk, d, kbuf);
-      const TileRef<acc_t> vt = tile_rows<acc_t>(v + k_offset(b, u0, h), stride, tk, d, vbuf);
+      const TileRef<acc_t> kt = tile_rows<acc_t>(k + g.k_offset(b, u0, h), stride, tk, d, kbuf);
+      const TileRef<acc_t> vt = tile_rows<acc_t>(v + g.k_offset(b, u0, h), stride, tk, d, vbuf);
       gemm(false, true, tq, tk, d, scale, qt.ptr, qt.ld, kt.ptr, kt.ld, acc_t(0), s.data(), tk);
 
       for (int64_t i = 0; i < tq; ++i) {
@@ -99,7 +92,7 @@ struct ForwardTile {
       if (!(l[i] > acc_t(0)) && !std::isnan(l[i])) continue;
       scale_row(&o[i * d], d, acc_t(1) / l[i]);
       const int64_t row_idx = t0 + i * r - g.q_start;
-      acc_t* out_row = out + ((b * g.q_len + row_idx) * g.heads + h) * d;
+      acc_t* out_row = out + g.q_offset(b, t0 + i * r, h);
       acc_t& lse_ref = lse[(b * g.heads + h) * g.q_len + row_idx];
       merge_row(out_row, lse_ref, &o[i * d], m[i] + std::log(l[i]), d);
     }

@@ -18,6 +18,15 @@ struct BlockGeometry {
   int64_t q_start, q_len, k_start, k_len;
   bool causal, head_groups;
   int64_t n_branches;
+
+  // Element offset of (batch b, global position pos, head h) in a
+  // (B, L, H, D) query-block / key-block tensor.
+  int64_t q_offset(int64_t b, int64_t pos, int64_t h) const {
+    return ((b * q_len + (pos - q_start)) * heads + h) * dim;
+  }
+  int64_t k_offset(int64_t b, int64_t pos, int64_t h) const {
+    return ((b * k_len + (pos - k_start)) * heads + h) * dim;
+  }
 };
 
 struct SegmentTask {
