@@ -7,5 +7,5 @@ PY=${PYTHON:-python3}
 command -v clang-format >/dev/null 2>&1 || "$PY" -m pip install -q --disable-pip-version-check clang-format
 "$PY" -m ruff check .
 "$PY" -m ruff format --check .
-git ls-files 'csrc/*.h' 'csrc/*.cpp' 'csrc/*.cu' 'csrc/*.cuh' | xargs clang-format --dry-run --Werror
+git ls-files 'csrc/*.h' 'csrc/*.cpp' 'csrc/*.cu' 'csrc/*.cuh' 'tests/*.h' 'tests/*.cpp' | xargs clang-format --dry-run --Werror
 echo "lint: clean"

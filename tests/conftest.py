@@ -2,7 +2,9 @@
 
 ``device`` parametrises a test over ``"cpu"`` and ``"cuda"``; the CUDA variant
 is skipped (with a reason saying there is no GPU) when
-``torch.cuda.is_available()`` is false. That is the only skip in the suite.
+``torch.cuda.is_available()`` is false. The only other skip: the CUDA
+emulator tests (test_cuda_emulated.py) where the CUDA toolkit's headers are
+missing, and never under CI (there they fail instead).
 """
 
 from __future__ import annotations

@@ -16,7 +16,6 @@
 //  * otherwise: SIMT, one lane per column of a 32-column tile.
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -115,7 +114,7 @@ __device__ inline C* out_row(const Problem& p, const Tile& t, int64_t idx, bool 
 template <typename T, typename C, int NPL, int ROWS, bool DKDV>
 __global__ void __launch_bounds__(kThreads) bwd_simt_kernel(const Problem p) {
   constexpr int DP = 32 * NPL, BM = 4 * ROWS, LDC = DP + 1;
-  extern __shared__ __align__(16) unsigned char smem[];
+  RING_ATTENTION_DYNAMIC_SMEM(smem);
   C* c1s = reinterpret_cast<C*>(smem);  // 32 x LDC
   C* c2s = c1s + 32 * LDC;              // 32 x LDC
   C* col_lse = c2s + 32 * LDC;          // dkdv: per query column
@@ -232,7 +231,7 @@ __global__ void __launch_bounds__(kThreads) bwd_mma_kernel(const Problem p) {
 #else
   constexpr int BM = 64, BN = mma_cols<DP>(), LD = DP + 8, LDT = BN + 8;
   constexpr int NJ = BN / 8, ND = DP / 8, NA = DKDV ? ND : 1;
-  extern __shared__ __align__(16) unsigned char smem[];
+  RING_ATTENTION_DYNAMIC_SMEM(smem);
   uint16_t* r1s = reinterpret_cast<uint16_t*>(smem);  // BM x LD
   uint16_t* r2s = r1s + BM * LD;                      // BM x LD
   uint16_t* c1s = r2s + BM * LD;                      // BN x LD
@@ -382,9 +381,9 @@ void block_backward_cuda(const at::Tensor& grad_out, const at::Tensor& q, const 
                          bool head_groups, const std::optional<at::Tensor>& key_padding_mask) {
   check_block_backward(grad_out, q, k, v, out, lse, dq, dk, dv, q_start, k_start, segment_lengths,
                        dilation_rates, head_groups, key_padding_mask);
-  TORCH_CHECK(q.is_cuda(), "q must be a CUDA tensor");
+  check_device(q);
   TORCH_CHECK(q.size(3) <= 256, "head_dim must be <= 256 on CUDA, got ", q.size(3));
-  const c10::cuda::OptionalCUDAGuard guard(q.device());
+  const DeviceGuard guard(q.device());
   const at::Tensor dc = grad_out.contiguous(), qc = q.contiguous(), kc = k.contiguous(),
                    vc = v.contiguous(), oc = out.contiguous(), lc = lse.contiguous();
   at::Tensor mask;
@@ -415,7 +414,7 @@ void block_backward_cuda(const at::Tensor& grad_out, const at::Tensor& q, const 
   p.head_groups = head_groups;
   p.vec = p.D % 8 == 0 && aligned16(p.q) && aligned16(p.k) && aligned16(p.v) && aligned16(p.dout);
   const bool tensor_cores = device_attribute(cudaDevAttrComputeCapabilityMajor) >= 8 && p.D <= 128;
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = current_stream();
   const int64_t rows = p.B * p.Lq * p.H;
   const unsigned delta_blocks =
       static_cast<unsigned>(std::min<int64_t>(ceil_div(rows, kThreads / 32), 1 << 20));
@@ -423,10 +422,9 @@ void block_backward_cuda(const at::Tensor& grad_out, const at::Tensor& q, const 
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, q.scalar_type(), "block_backward_cuda", [&] {
         using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-        delta_kernel<scalar_t, acc_t><<<delta_blocks, kThreads, 0, stream>>>(
-            dc.const_data_ptr<scalar_t>(), oc.const_data_ptr<scalar_t>(),
-            delta.mutable_data_ptr<acc_t>(), p.B, p.Lq, p.H, p.D);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        launch(delta_kernel<scalar_t, acc_t>, dim3(delta_blocks), dim3(kThreads), 0, stream,
+               dc.const_data_ptr<scalar_t>(), oc.const_data_ptr<scalar_t>(),
+               delta.mutable_data_ptr<acc_t>(), p.B, p.Lq, p.H, p.D);
         if constexpr (std::is_same_v<scalar_t, double> || std::is_same_v<scalar_t, float>) {
           dispatch_simt<scalar_t, acc_t>(p, segment_lengths, dilation_rates);
         } else {
@@ -442,6 +440,8 @@ void block_backward_cuda(const at::Tensor& grad_out, const at::Tensor& q, const 
 }  // namespace
 }  // namespace ring_attention::gpu
 
+#ifndef RING_ATTENTION_CUDA_EMULATOR  // the emulator registers its own op
 TORCH_LIBRARY_IMPL(ring_attention, CUDA, m) {
   m.impl("block_backward", &ring_attention::gpu::block_backward_cuda);
 }
+#endif

@@ -9,7 +9,6 @@
 //  * otherwise (fp32, fp64, head_dim up to 256, older GPUs): SIMT kernel, one
 //    lane per key of a 32-key tile, each warp owns ROWS query rows.
 #include <ATen/Dispatch.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -26,7 +25,7 @@ namespace {
 template <typename T, typename C, int NPL, int ROWS>
 __global__ void __launch_bounds__(kThreads) fwd_simt_kernel(const Problem p) {
   constexpr int DP = 32 * NPL, BM = 4 * ROWS, LDK = DP + 1;
-  extern __shared__ __align__(16) unsigned char smem[];
+  RING_ATTENTION_DYNAMIC_SMEM(smem);
   C* ks = reinterpret_cast<C*>(smem);  // 32 x LDK
   C* vs = ks + 32 * LDK;               // 32 x DP
   uint8_t* kok = reinterpret_cast<uint8_t*>(vs + 32 * DP);
@@ -127,7 +126,7 @@ __global__ void __launch_bounds__(kThreads) fwd_mma_kernel(const Problem p) {
   __trap();  // host only launches this on sm_80+
 #else
   constexpr int BM = 64, BN = 64, LD = DP + 8, LDT = BN + 8, NJ = BN / 8, ND = DP / 8;
-  extern __shared__ __align__(16) unsigned char smem[];
+  RING_ATTENTION_DYNAMIC_SMEM(smem);
   uint16_t* qs = reinterpret_cast<uint16_t*>(smem);  // BM x LD
   uint16_t* ks = qs + BM * LD;                       // BN x LD
   uint16_t* vt = ks + BN * LD;                       // DP x LDT (V transposed)
@@ -288,9 +287,9 @@ void block_forward_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tens
                         const std::optional<at::Tensor>& key_padding_mask) {
   check_block_forward(q, k, v, out, lse, q_start, k_start, segment_lengths, dilation_rates,
                       head_groups, key_padding_mask);
-  TORCH_CHECK(q.is_cuda(), "q must be a CUDA tensor");
+  check_device(q);
   TORCH_CHECK(q.size(3) <= 256, "head_dim must be <= 256 on CUDA, got ", q.size(3));
-  const c10::cuda::OptionalCUDAGuard guard(q.device());
+  const DeviceGuard guard(q.device());
   const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
   at::Tensor mask;
   if (key_padding_mask.has_value()) mask = key_padding_mask->contiguous();
@@ -335,6 +334,8 @@ void block_forward_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tens
 }  // namespace
 }  // namespace ring_attention::gpu
 
+#ifndef RING_ATTENTION_CUDA_EMULATOR  // the emulator registers its own op
 TORCH_LIBRARY_IMPL(ring_attention, CUDA, m) {
   m.impl("block_forward", &ring_attention::gpu::block_forward_cuda);
 }
+#endif

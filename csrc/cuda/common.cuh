@@ -11,18 +11,15 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAFunctions.h>
-#include <c10/cuda/CUDAStream.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "../pattern.h"
+#include "runtime.cuh"
 
 namespace ring_attention::gpu {
 
@@ -209,40 +206,19 @@ __device__ inline void load_rows16(uint16_t* s, int ld, uint16_t* st, int ldt, c
   }
 }
 
+// Two floats rounded to T and packed into one register (lo in the low half).
 template <typename T>
-struct Mma;
-
-template <>
-struct Mma<c10::Half> {
-  __device__ static inline void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                    uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+__device__ inline uint32_t pack2(float lo, float hi) {
+  uint32_t bits;
+  if constexpr (std::is_same_v<T, c10::Half>) {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    memcpy(&bits, &h, sizeof(bits));
+  } else {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    memcpy(&bits, &h, sizeof(bits));
   }
-  __device__ static inline uint32_t pack(float lo, float hi) {
-    __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&h);
-  }
-};
-
-template <>
-struct Mma<c10::BFloat16> {
-  __device__ static inline void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                    uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-  __device__ static inline uint32_t pack(float lo, float hi) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&h);
-  }
-};
+  return bits;
+}
 
 __device__ inline uint32_t lds32(const uint16_t* p) {
   return *reinterpret_cast<const uint32_t*>(p);
@@ -263,7 +239,7 @@ __device__ inline void mma_ss(float (&c)[NJ][4], const uint16_t* A, int lda, con
 #pragma unroll
     for (int j = 0; j < NJ; ++j) {
       const uint16_t* pb = B + (j * 8 + g) * ldb + k0 + 2 * tg;
-      Mma<T>::run(c[j], a, lds32(pb), lds32(pb + 8));
+      mma_m16n8k16<T>(c[j], a, lds32(pb), lds32(pb + 8));
     }
   }
 }
@@ -275,14 +251,13 @@ __device__ inline void mma_rs(float (&c)[NJ][4], const float (&x)[KJ][4], const 
                               int ldb, int g, int tg) {
 #pragma unroll
   for (int kk = 0; kk < KJ / 2; ++kk) {
-    const uint32_t a[4] = {Mma<T>::pack(x[2 * kk][0], x[2 * kk][1]),
-                           Mma<T>::pack(x[2 * kk][2], x[2 * kk][3]),
-                           Mma<T>::pack(x[2 * kk + 1][0], x[2 * kk + 1][1]),
-                           Mma<T>::pack(x[2 * kk + 1][2], x[2 * kk + 1][3])};
+    const uint32_t a[4] = {
+        pack2<T>(x[2 * kk][0], x[2 * kk][1]), pack2<T>(x[2 * kk][2], x[2 * kk][3]),
+        pack2<T>(x[2 * kk + 1][0], x[2 * kk + 1][1]), pack2<T>(x[2 * kk + 1][2], x[2 * kk + 1][3])};
 #pragma unroll
     for (int j = 0; j < NJ; ++j) {
       const uint16_t* pb = B + (j * 8 + g) * ldb + kk * 16 + 2 * tg;
-      Mma<T>::run(c[j], a, lds32(pb), lds32(pb + 8));
+      mma_m16n8k16<T>(c[j], a, lds32(pb), lds32(pb + 8));
     }
   }
 }
@@ -298,24 +273,13 @@ inline bool shared_segments(const Problem& p, int64_t w, int64_t& lo, int64_t& h
   return lo < hi;
 }
 
-// Attribute of the current device. (ATen/cuda/CUDAContext.h would need the
-// cuBLAS/cuSPARSE headers, which a bare nvcc install lacks.)
-inline int device_attribute(cudaDeviceAttr attr) {
-  int value = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, attr, c10::cuda::current_device()));
-  return value;
-}
-
 // Raise the dynamic shared memory limit of a kernel when it needs > 48 KiB.
 template <typename Kernel>
 inline void prepare_smem(Kernel kernel, size_t bytes) {
   const int limit = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin);
   TORCH_CHECK(bytes <= static_cast<size_t>(limit), "ring_attention: kernel needs ", bytes,
               " bytes of shared memory, the device allows ", limit);
-  if (bytes > 48 * 1024) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(bytes)));
-  }
+  if (bytes > 48 * 1024) set_max_dynamic_smem(kernel, bytes);
 }
 
 // Launch `kernel` once per branch; rows_len is the length of the block whose
@@ -325,7 +289,7 @@ inline void launch_branches(Kernel kernel, Problem p, at::IntArrayRef segs, at::
                             int64_t rows_len, int bm, size_t smem) {
   prepare_smem(kernel, smem);
   TORCH_CHECK(p.B <= 65535 && p.H <= 65535, "ring_attention: batch and heads must be <= 65535");
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = current_stream();
   p.n_branches = static_cast<int64_t>(segs.size());
   for (int64_t i = 0; i < p.n_branches; ++i) {
     const int64_t w = segs[i], r = dils[i];
@@ -345,8 +309,7 @@ inline void launch_branches(Kernel kernel, Problem p, at::IntArrayRef segs, at::
     TORCH_CHECK(blocks <= 0x7fffffff, "ring_attention: too many tiles (", blocks, ")");
     const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(h_hi - h_lo),
                     static_cast<unsigned>(p.B));
-    kernel<<<grid, kThreads, smem, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch(kernel, grid, dim3(kThreads), smem, stream, p);
   }
 }
 

@@ -1,0 +1,57 @@
+// torch.ops.ring_attention_emulated: the CUDA block operators run by the CPU
+// emulator on CPU tensors, plus the emulator's settings and counters.
+#include <cuda_emulator/runtime.h>
+#include <torch/library.h>
+
+namespace ring_attention::emulated {
+
+void block_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
+                   at::Tensor& lse, int64_t q_start, int64_t k_start, at::IntArrayRef segs,
+                   at::IntArrayRef dils, bool causal, double scale, bool head_groups,
+                   const std::optional<at::Tensor>& kpm);
+void block_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+                    const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                    at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, int64_t q_start,
+                    int64_t k_start, at::IntArrayRef segs, at::IntArrayRef dils, bool causal,
+                    double scale, bool head_groups, const std::optional<at::Tensor>& kpm);
+
+namespace {
+
+// seed 0 runs fibers and blocks in index order; any other seed shuffles both.
+void configure(int64_t seed, int64_t compute_capability) {
+  cuda_emulator::config().seed = static_cast<uint64_t>(seed);
+  cuda_emulator::config().compute_capability = static_cast<int>(compute_capability);
+}
+
+// [launches, blocks, warp collectives] since the last call; resets them.
+std::vector<int64_t> take_stats() {
+  cuda_emulator::Stats& s = cuda_emulator::stats();
+  std::vector<int64_t> r{s.launches, s.blocks, s.collectives};
+  s = cuda_emulator::Stats{};
+  return r;
+}
+
+}  // namespace
+
+#define RA_PATTERN_ARGS                                                                       \
+  "int[] segment_lengths, int[] dilation_rates, bool causal, float scale, bool head_groups, " \
+  "Tensor? key_padding_mask"
+
+TORCH_LIBRARY(ring_attention_emulated, m) {
+  m.def(
+      "block_forward(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor(b!) lse, "
+      "int q_start, int k_start, " RA_PATTERN_ARGS ") -> ()");
+  m.def(
+      "block_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+      "Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, int q_start, int k_start, " RA_PATTERN_ARGS
+      ") -> ()");
+  m.def("configure(int seed, int compute_capability) -> ()", &configure);
+  m.def("take_stats() -> int[]", &take_stats);
+}
+
+TORCH_LIBRARY_IMPL(ring_attention_emulated, CPU, m) {
+  m.impl("block_forward", &block_forward);
+  m.impl("block_backward", &block_backward);
+}
+
+}  // namespace ring_attention::emulated

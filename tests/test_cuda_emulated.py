@@ -1,0 +1,332 @@
+"""The CUDA block kernels, run on the CPU by the emulator in tests/cuda_emulator.
+
+``csrc/cuda/block_{forward,backward}.cu`` are compiled for the CPU against
+``tests/cuda_emulator/runtime.h`` (each thread block runs as 128 cooperative
+fibers; shuffles, votes, barriers and ``mma.sync`` are done in software, with
+the PTX fragment layouts) and checked like the CPU kernels of test_ops.py:
+against the float64 oracle, forward and backward, on every kernel path (the
+tensor-core kernels for each padded head dim, aligned or not; the SIMT kernels
+for float32, float64, fp16/bf16 before sm_80 and head_dim > 128), ragged
+lengths, causal, ``head_groups`` with odd head counts, ``key_padding_mask``,
+query/key blocks at offsets, rows that are never reached. Results must not
+depend on the order in which threads and blocks run (a missing barrier or two
+blocks writing one row would make them), and shared memory is poisoned with
+NaN and bounded exactly.
+
+This verifies the kernels' logic, not the hardware: speed, occupancy and the
+real memory system are measured by ``scripts/gpu_check.sh`` on a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+from cuda_emulator import build
+from oracle import reference_attention
+from test_ops import (
+    GRAD_TOL,
+    LSE_TOL,
+    OUT_TOL,
+    UNREACHED_CASES,
+    Cfg,
+    _reached_rows,
+    _splits,
+    acc_dtype,
+    close,
+    make_inputs,
+    run_oracle,
+)
+
+F64, F32, F16, BF16 = torch.float64, torch.float32, torch.float16, torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def emu():
+    """torch.ops.ring_attention_emulated, built on first use."""
+    ops = build.load()
+    if ops is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must run the CUDA emulator: {build.MISSING}")
+        pytest.skip(build.MISSING)
+    ops.configure(0, 90)
+    yield ops
+    ops.configure(0, 90)
+
+
+# Kernel paths: (dtype, head_dim, compute capability). The dispatch in
+# csrc/cuda/*.cu picks the tensor-core kernel for fp16/bf16 with head_dim <=
+# 128 on sm_80+ (padded head dim 64, 96 or 128; 16-byte loads when head_dim %
+# 8 == 0), else the SIMT kernel (lanes per row: head_dim <= 64, <= 128, more).
+PATHS = {
+    "mma64-bf16": (BF16, 64, 90),
+    "mma64-fp16-unvectorised": (F16, 20, 80),
+    "mma96-fp16": (F16, 80, 90),
+    "mma128-bf16": (BF16, 128, 90),
+    "simt-f32-d32": (F32, 32, 90),
+    "simt-f32-d72": (F32, 72, 90),
+    "simt-f32-d136": (F32, 136, 90),
+    "simt-f64": (F64, 16, 90),
+    "simt-fp16-sm75": (F16, 24, 75),
+    "simt-bf16-d160": (BF16, 160, 90),
+}
+
+# (segment_lengths, dilation_rates, heads, head_groups, mask): segments of more
+# than 64 active rows (several query and key tiles), lengths that divide
+# nothing, odd head counts, every branch active at once.
+PATTERNS = {
+    "two-branches": ([40, 150], [1, 2], 3, False, False),
+    "longnet-groups-mask": ([16, 32, 64, 128], [1, 2, 4, 2], 5, True, True),
+    "dense-mask": ([256], [1], 1, False, True),
+}
+
+
+def _cfg(path: str, pattern: str, causal: bool, n: int = 150, batch: int = 2) -> Cfg:
+    _, d, _ = PATHS[path]
+    ws, rs, heads, hg, mask = PATTERNS[pattern]
+    if d > 128 or PATHS[path][0] == F64:
+        batch = 1  # the emulated SIMT kernels are slow; one batch row suffices
+    return Cfg(batch, n, heads, d, ws, rs, causal, hg, None, mask)
+
+
+def _forward(emu, cfg: Cfg, q, k, v, kpm, q_start=0, k_start=0, acc=None):
+    out, lse = acc if acc is not None else _fresh(q)
+    emu.block_forward(
+        q,
+        k,
+        v,
+        out,
+        lse,
+        q_start,
+        k_start,
+        cfg.segment_lengths,
+        cfg.dilation_rates,
+        cfg.causal,
+        cfg.resolved_scale(),
+        cfg.head_groups,
+        kpm,
+    )
+    return out, lse
+
+
+def _backward(emu, cfg: Cfg, go, q, k, v, out, lse, kpm, q_start=0, k_start=0, grads=None):
+    acc = acc_dtype(q.dtype)
+    if grads is None:
+        grads = tuple(torch.zeros(x.shape, dtype=acc) for x in (q, k, v))
+    dq, dk, dv = grads
+    emu.block_backward(
+        go,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        dq,
+        dk,
+        dv,
+        q_start,
+        k_start,
+        cfg.segment_lengths,
+        cfg.dilation_rates,
+        cfg.causal,
+        cfg.resolved_scale(),
+        cfg.head_groups,
+        kpm,
+    )
+    return dq, dk, dv
+
+
+def _fresh(q: torch.Tensor):
+    b, n, h, d = q.shape
+    acc = acc_dtype(q.dtype)
+    return torch.zeros(b, n, h, d, dtype=acc), torch.full((b, h, n), float("-inf"), dtype=acc)
+
+
+def _forward_backward(emu, cfg: Cfg, q, k, v, go, kpm):
+    out, lse = _forward(emu, cfg, q, k, v, kpm)
+    dq, dk, dv = _backward(emu, cfg, go, q, k, v, out.to(q.dtype), lse, kpm)
+    return out, lse, dq, dk, dv
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+@pytest.mark.parametrize("path", list(PATHS))
+def test_kernels_match_oracle(emu, path, pattern, causal) -> None:
+    dtype, _, cc = PATHS[path]
+    emu.configure(0, cc)
+    cfg = _cfg(path, pattern, causal)
+    seed = 7 * list(PATHS).index(path) + 2 * list(PATTERNS).index(pattern) + causal
+    q, k, v, go, kpm = make_inputs(cfg, dtype, "cpu", seed)
+    out, lse, dq, dk, dv = _forward_backward(emu, cfg, q, k, v, go, kpm)
+    r_out, r_lse, r_dq, r_dk, r_dv = run_oracle(cfg, q, k, v, go, kpm)
+    ctx = f"{path} {pattern} causal={causal} seed={seed}"
+    launches, blocks, _ = emu.take_stats()
+    assert launches > 0 and blocks > 0, ctx
+    close(out, r_out, OUT_TOL[dtype], "out", ctx)
+    close(lse, r_lse, LSE_TOL[dtype], "lse", ctx)
+    close(dq, r_dq, GRAD_TOL[dtype], "dq", ctx)
+    close(dk, r_dk, GRAD_TOL[dtype], "dk", ctx)
+    close(dv, r_dv, GRAD_TOL[dtype], "dv", ctx)
+
+
+SPLIT_PATHS = ["mma64-bf16", "mma128-bf16", "simt-f32-d32", "simt-f64"]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("path", SPLIT_PATHS)
+def test_blocks_at_offsets_match_oracle(emu, path, causal) -> None:
+    """Query blocks x key blocks at offsets (a ring's calls), merged in random order."""
+    dtype, _, cc = PATHS[path]
+    emu.configure(0, cc)
+    cfg = _cfg(path, "longnet-groups-mask", causal, n=170, batch=1)
+    seed = 40 + SPLIT_PATHS.index(path) * 2 + causal
+    rng = random.Random(seed)
+    q, k, v, go, kpm = make_inputs(cfg, dtype, "cpu", seed)
+    r_out, r_lse, r_dq, r_dk, r_dv = run_oracle(cfg, q, k, v, go, kpm)
+    q_blocks, k_blocks = _splits(cfg.n, 2, rng), _splits(cfg.n, 3, rng)
+    ctx = f"{path} causal={causal} q={q_blocks} k={k_blocks}"
+
+    out, lse = _fresh(q)
+    for qa, qb in q_blocks:
+        acc = _fresh(q[:, qa:qb])
+        for ka, kb in rng.sample(k_blocks, len(k_blocks)):
+            _forward(emu, cfg, q[:, qa:qb], k[:, ka:kb], v[:, ka:kb], kpm[:, ka:kb], qa, ka, acc)
+        out[:, qa:qb], lse[:, :, qa:qb] = acc
+    close(out, r_out, OUT_TOL[dtype], "out", ctx)
+    close(lse, r_lse, LSE_TOL[dtype], "lse", ctx)
+
+    final = out.to(dtype)
+    dq, dk, dv = (torch.zeros(x.shape, dtype=acc_dtype(dtype)) for x in (q, k, v))
+    for qa, qb in q_blocks:
+        for ka, kb in k_blocks:
+            grads = (dq[:, qa:qb], dk[:, ka:kb], dv[:, ka:kb])
+            args = (go[:, qa:qb], q[:, qa:qb], k[:, ka:kb], v[:, ka:kb], final[:, qa:qb])
+            args = tuple(a.contiguous() for a in args)
+            parts = tuple(g.clone() for g in grads)
+            lse_b = lse[:, :, qa:qb].contiguous()
+            _backward(emu, cfg, *args, lse_b, kpm[:, ka:kb].contiguous(), qa, ka, parts)
+            for g, p in zip(grads, parts, strict=True):
+                g.copy_(p)
+    close(dq, r_dq, GRAD_TOL[dtype], "dq", ctx)
+    close(dk, r_dk, GRAD_TOL[dtype], "dk", ctx)
+    close(dv, r_dv, GRAD_TOL[dtype], "dv", ctx)
+
+
+@pytest.mark.parametrize("path", ["mma64-bf16", "mma96-fp16", "simt-f32-d32", "simt-fp16-sm75"])
+def test_results_do_not_depend_on_the_schedule(emu, path) -> None:
+    """Fibers and blocks in other orders give bitwise the same results."""
+    dtype, _, cc = PATHS[path]
+    cfg = _cfg(path, "longnet-groups-mask", True, n=130)
+    q, k, v, go, kpm = make_inputs(cfg, dtype, "cpu", seed=61)
+    results = []
+    for seed in (0, 1, 2):
+        emu.configure(seed, cc)
+        results.append(_forward_backward(emu, cfg, q, k, v, go, kpm))
+    names = ("out", "lse", "dq", "dk", "dv")
+    for other in results[1:]:
+        for name, a, b in zip(names, results[0], other, strict=True):
+            assert torch.equal(a, b), f"{path}: {name} changed with the schedule"
+
+
+@pytest.mark.parametrize("path", ["mma64-bf16", "simt-f32-d32"])
+@pytest.mark.parametrize("case", range(len(UNREACHED_CASES)))
+def test_never_read_unreached_rows(emu, case, path) -> None:
+    """NaN in key/value rows no query of the block reaches changes nothing."""
+    dtype, d, cc = PATHS[path]
+    emu.configure(0, cc)
+    ws, rs, causal, hg, (qa, qb), (ka, kb) = UNREACHED_CASES[case]
+    cfg = Cfg(1, 48, 5, d, ws, rs, causal, hg, 0.3)
+    q, k, v, go, _ = make_inputs(cfg, dtype, "cpu", seed=300 + case)
+    reached = _reached_rows(cfg, (qa, qb), (ka, kb))
+    ctx = f"{path} case={case}"
+    qb_, go_b = q[:, qa:qb].contiguous(), go[:, qa:qb].contiguous()
+    kc, vc = k[:, ka:kb].contiguous(), v[:, ka:kb].contiguous()
+    kn, vn = kc.clone(), vc.clone()
+    kn[:, ~reached] = float("nan")
+    vn[:, ~reached] = float("nan")
+    whole_out, whole_lse = _forward(emu, cfg, q, k, v, None)
+    out_f = whole_out[:, qa:qb].to(dtype).contiguous()
+    lse_f = whole_lse[:, :, qa:qb].contiguous()
+    res = []
+    for kk, vv in ((kc, vc), (kn, vn)):
+        out, lse = _forward(emu, cfg, qb_, kk, vv, None, qa, ka)
+        grads = _backward(emu, cfg, go_b, qb_, kk, vv, out_f, lse_f, None, qa, ka)
+        res.append((out, lse, *grads))
+    (out_c, lse_c, dq_c, dk_c, dv_c), (out_n, lse_n, dq_n, dk_n, dv_n) = res
+    assert torch.isfinite(out_n).all() and torch.isfinite(dq_n).all(), ctx
+    close(out_n, out_c, 0.0, "out", ctx)
+    close(lse_n, lse_c, 0.0, "lse", ctx)
+    close(dq_n, dq_c, 0.0, "dq", ctx)
+    close(dk_n[:, reached], dk_c[:, reached], 0.0, "dk", ctx)
+    close(dv_n[:, reached], dv_c[:, reached], 0.0, "dv", ctx)
+
+
+@pytest.mark.parametrize("path", ["mma64-bf16", "simt-f32-d32"])
+def test_fully_masked_batch_reaches_nothing(emu, path) -> None:
+    """A batch row whose keys are all padding: out 0, lse -inf, no gradient, no NaN."""
+    dtype, d, cc = PATHS[path]
+    emu.configure(0, cc)
+    cfg = Cfg(2, 90, 3, d, [30, 90], [1, 3], True, False, None, True)
+    q, k, v, go, _ = make_inputs(cfg, dtype, "cpu", seed=71)
+    kpm = torch.zeros(2, 90, dtype=torch.bool)
+    kpm[0] = True
+    out, lse, dq, dk, dv = _forward_backward(emu, cfg, q, k, v, go, kpm)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    assert torch.isneginf(lse[0]).all()
+    for g in (dq, dk, dv):
+        assert torch.isfinite(g).all() and torch.equal(g[0], torch.zeros_like(g[0]))
+    r_out, r_lse, *_ = run_oracle(cfg, q, k, v, go, kpm)
+    close(out[1], r_out[1], OUT_TOL[dtype], "out", path)
+    close(lse[1], r_lse[1], LSE_TOL[dtype], "lse", path)
+
+
+def _misaligned(x: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of x whose data pointer is 2 bytes past 16-byte alignment."""
+    flat = torch.empty(x.numel() + 8, dtype=x.dtype)
+    base = (16 - flat.data_ptr() % 16) % 16 // x.element_size()
+    y = flat[base + 1 : base + 1 + x.numel()].view(x.shape)
+    y.copy_(x)
+    assert y.is_contiguous() and y.data_ptr() % 16 != 0
+    return y
+
+
+def test_misaligned_inputs_take_the_scalar_loads(emu) -> None:
+    """Unaligned q/k/v/grad_out (16-byte loads impossible) give the same bits."""
+    emu.configure(0, 90)
+    cfg = _cfg("mma64-bf16", "longnet-groups-mask", True, n=100, batch=1)
+    q, k, v, go, kpm = make_inputs(cfg, BF16, "cpu", seed=81)
+    aligned = _forward_backward(emu, cfg, q, k, v, go, kpm)
+    shifted = _forward_backward(emu, cfg, *(_misaligned(x) for x in (q, k, v, go)), kpm)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), aligned, shifted, strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_empty_key_block_is_a_noop(emu) -> None:
+    emu.configure(0, 90)
+    cfg = Cfg(1, 40, 2, 64, [8, 16], [1, 2], False)
+    q, k, v, _, _ = make_inputs(cfg, BF16, "cpu", seed=91)
+    out, lse = _forward(emu, cfg, q, k, v, None)
+    before = (out.clone(), lse.clone())
+    _forward(emu, cfg, q, k[:, :0], v[:, :0], None, 0, 40, (out, lse))
+    assert torch.equal(out, before[0]) and torch.equal(lse, before[1])
+
+
+def test_compute_capability_selects_the_kernel(emu) -> None:
+    """fp16 runs the tensor-core kernel on sm_80 and the SIMT one on sm_75; both exact."""
+    cfg = Cfg(1, 70, 3, 32, [20, 70], [1, 2], True)
+    q, k, v, _, _ = make_inputs(cfg, F16, "cpu", seed=101)
+    ref, ref_lse = reference_attention(
+        *(x.to(F64) for x in (q, k, v)), cfg.segment_lengths, cfg.dilation_rates, causal=True
+    )
+    blocks = []
+    for cc in (80, 75):
+        emu.configure(0, cc)
+        emu.take_stats()
+        out, lse = _forward(emu, cfg, q, k, v, None)
+        blocks.append(emu.take_stats()[1])
+        close(out, ref, OUT_TOL[F16], "out", f"sm_{cc}")
+        close(lse, ref_lse, LSE_TOL[F16], "lse", f"sm_{cc}")
+    # 64-row tiles (tensor cores) against 8-row tiles (SIMT, head_dim 32 fp16)
+    assert blocks[0] < blocks[1], blocks
