@@ -78,20 +78,25 @@ void check_block_forward(const at::Tensor& q, const at::Tensor& k, const at::Ten
 
 void check_block_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
                           const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
-                          const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv,
-                          int64_t q_start, int64_t k_start, at::IntArrayRef segs,
-                          at::IntArrayRef dils, bool head_groups,
+                          const std::optional<at::Tensor>& dq, const std::optional<at::Tensor>& dk,
+                          const std::optional<at::Tensor>& dv, int64_t q_start, int64_t k_start,
+                          at::IntArrayRef segs, at::IntArrayRef dils, bool head_groups,
                           const std::optional<at::Tensor>& kpm) {
   check_qkv(q, k, v, q_start, k_start, segs, dils, head_groups, kpm);
   const at::ScalarType acc = acc_dtype(q.scalar_type());
   check_same_geometry("grad_out", grad_out, q.sym_sizes(), q.scalar_type(), q);
   check_same_geometry("out", out, q.sym_sizes(), q.scalar_type(), q);
   check_same_geometry("lse", lse, lse_sizes(q), acc, q);
-  check_same_geometry("dq", dq, q.sym_sizes(), acc, q);
-  check_same_geometry("dk", dk, k.sym_sizes(), acc, q);
-  check_same_geometry("dv", dv, k.sym_sizes(), acc, q);
-  TORCH_CHECK(dq.is_contiguous() && dk.is_contiguous() && dv.is_contiguous(),
-              "dq, dk and dv must be contiguous");
+  TORCH_CHECK(dk.has_value() == dv.has_value(), "dk and dv must be given together");
+  const auto check_grad = [&](const char* name, const std::optional<at::Tensor>& grad,
+                              const at::Tensor& like) {
+    if (!grad.has_value()) return;
+    check_same_geometry(name, *grad, like.sym_sizes(), acc, q);
+    TORCH_CHECK(grad->is_contiguous(), name, " must be contiguous");
+  };
+  check_grad("dq", dq, q);
+  check_grad("dk", dk, k);
+  check_grad("dv", dv, k);
 }
 
 }  // namespace ring_attention

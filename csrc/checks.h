@@ -23,11 +23,13 @@ void check_block_forward(const at::Tensor& q, const at::Tensor& k, const at::Ten
                          at::IntArrayRef dilation_rates, bool head_groups,
                          const std::optional<at::Tensor>& key_padding_mask);
 
+// dq, dk, dv are optional (a gradient not asked for is not computed); dk and
+// dv come together.
 void check_block_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
                           const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
-                          const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv,
-                          int64_t q_start, int64_t k_start, at::IntArrayRef segment_lengths,
-                          at::IntArrayRef dilation_rates, bool head_groups,
-                          const std::optional<at::Tensor>& key_padding_mask);
+                          const std::optional<at::Tensor>& dq, const std::optional<at::Tensor>& dk,
+                          const std::optional<at::Tensor>& dv, int64_t q_start, int64_t k_start,
+                          at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates,
+                          bool head_groups, const std::optional<at::Tensor>& key_padding_mask);
 
 }  // namespace ring_attention

@@ -5,6 +5,7 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <limits>
 
 #include "checks.h"
@@ -18,28 +19,29 @@ using at::Tensor;
 using OptTensor = std::optional<Tensor>;
 
 void call_block_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse,
-                        IntArrayRef segs, IntArrayRef dils, bool causal, double scale,
-                        bool head_groups, const OptTensor& kpm) {
+                        int64_t q_start, int64_t k_start, IntArrayRef segs, IntArrayRef dils,
+                        bool causal, double scale, bool head_groups, const OptTensor& kpm) {
   static auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("ring_attention::block_forward", "")
           .typed<void(const Tensor&, const Tensor&, const Tensor&, Tensor&, Tensor&, int64_t,
                       int64_t, IntArrayRef, IntArrayRef, bool, double, bool, const OptTensor&)>();
-  op.call(q, k, v, out, lse, 0, 0, segs, dils, causal, scale, head_groups, kpm);
+  op.call(q, k, v, out, lse, q_start, k_start, segs, dils, causal, scale, head_groups, kpm);
 }
 
 void call_block_backward(const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
-                         const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv,
+                         const Tensor& out, const Tensor& lse, const OptTensor& dq,
+                         const OptTensor& dk, const OptTensor& dv, int64_t q_start, int64_t k_start,
                          IntArrayRef segs, IntArrayRef dils, bool causal, double scale,
                          bool head_groups, const OptTensor& kpm) {
   static auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("ring_attention::block_backward", "")
           .typed<void(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                      const Tensor&, Tensor&, Tensor&, Tensor&, int64_t, int64_t, IntArrayRef,
-                      IntArrayRef, bool, double, bool, const OptTensor&)>();
-  op.call(grad_out, q, k, v, out, lse, dq, dk, dv, 0, 0, segs, dils, causal, scale, head_groups,
-          kpm);
+                      const Tensor&, const OptTensor&, const OptTensor&, const OptTensor&, int64_t,
+                      int64_t, IntArrayRef, IntArrayRef, bool, double, bool, const OptTensor&)>();
+  op.call(grad_out, q, k, v, out, lse, dq, dk, dv, q_start, k_start, segs, dils, causal, scale,
+          head_groups, kpm);
 }
 
 void check_local(const Tensor& q, const Tensor& k, const Tensor& v) {
@@ -49,31 +51,94 @@ void check_local(const Tensor& q, const Tensor& k, const Tensor& v) {
               v.sym_sizes());
 }
 
+// Low-precision inputs accumulate in fp32 one chunk of rows at a time and cast
+// each chunk into the output, so no full-length fp32 copy of out / dq / dk /
+// dv exists: at most kChunks chunks, each at least kMinChunkRows rows and a
+// whole number of the longest segment when that fits.
+constexpr int64_t kChunks = 8;
+constexpr int64_t kMinChunkRows = 1024;
+
+int64_t chunk_rows(int64_t len, IntArrayRef segs) {
+  int64_t rows = std::max(kMinChunkRows, (len + kChunks - 1) / kChunks);
+  const int64_t w = *std::max_element(segs.begin(), segs.end());
+  if (w <= rows) rows = (rows + w - 1) / w * w;
+  return std::min(rows, len);
+}
+
+Tensor neg_inf_lse(const Tensor& q, int64_t rows, at::ScalarType acc) {
+  return at::full({q.size(0), q.size(2), rows}, -std::numeric_limits<double>::infinity(),
+                  q.options().dtype(acc));
+}
+
 // Device-agnostic: the block kernels do the work on whatever device q is on.
 std::tuple<Tensor, Tensor> dilated_attention_impl(const Tensor& q, const Tensor& k, const Tensor& v,
                                                   IntArrayRef segs, IntArrayRef dils, bool causal,
                                                   double scale, bool head_groups,
                                                   const OptTensor& kpm) {
   check_local(q, k, v);
-  const auto acc = q.options().dtype(acc_dtype(q.scalar_type()));
-  Tensor out = at::zeros(q.sizes(), acc);
-  Tensor lse =
-      at::full({q.size(0), q.size(2), q.size(1)}, -std::numeric_limits<double>::infinity(), acc);
-  call_block_forward(q, k, v, out, lse, segs, dils, causal, scale, head_groups, kpm);
-  return {out.to(q.scalar_type()), lse};
+  check_pattern(segs, dils);
+  const at::ScalarType acc = acc_dtype(q.scalar_type());
+  const int64_t len = q.size(1);
+  Tensor lse = neg_inf_lse(q, len, acc);
+  if (acc == q.scalar_type()) {  // the output is its own accumulator
+    Tensor out = at::zeros(q.sizes(), q.options());
+    call_block_forward(q, k, v, out, lse, 0, 0, segs, dils, causal, scale, head_groups, kpm);
+    return {out, lse};
+  }
+  Tensor out = at::empty(q.sizes(), q.options());
+  const int64_t rows = chunk_rows(len, segs);
+  for (int64_t a = 0; a < len; a += rows) {
+    const int64_t b = std::min(a + rows, len);
+    Tensor out_c = at::zeros({q.size(0), b - a, q.size(2), q.size(3)}, q.options().dtype(acc));
+    Tensor lse_c = neg_inf_lse(q, b - a, acc);
+    call_block_forward(q.slice(1, a, b), k, v, out_c, lse_c, a, 0, segs, dils, causal, scale,
+                       head_groups, kpm);
+    out.slice(1, a, b).copy_(out_c);
+    lse.slice(2, a, b).copy_(lse_c);
+  }
+  return {out, lse};
 }
 
 std::tuple<Tensor, Tensor, Tensor> dilated_attention_backward_impl(
-    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+    const Tensor& grad_out_in, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
     const Tensor& lse, IntArrayRef segs, IntArrayRef dils, bool causal, double scale,
     bool head_groups, const OptTensor& kpm) {
   check_local(q, k, v);
-  const auto acc = q.options().dtype(acc_dtype(q.scalar_type()));
-  Tensor dq = at::zeros(q.sizes(), acc), dk = at::zeros(q.sizes(), acc),
-         dv = at::zeros(q.sizes(), acc);
-  call_block_backward(grad_out.to(q.scalar_type()), q, k, v, out, lse, dq, dk, dv, segs, dils,
-                      causal, scale, head_groups, kpm);
-  return {dq.to(q.scalar_type()), dk.to(q.scalar_type()), dv.to(q.scalar_type())};
+  check_pattern(segs, dils);
+  const at::ScalarType acc = acc_dtype(q.scalar_type());
+  const Tensor grad_out = grad_out_in.to(q.scalar_type());
+  if (acc == q.scalar_type()) {  // the gradients are their own accumulators
+    Tensor dq = at::zeros(q.sizes(), q.options()), dk = at::zeros(q.sizes(), q.options()),
+           dv = at::zeros(q.sizes(), q.options());
+    call_block_backward(grad_out, q, k, v, out, lse, dq, dk, dv, 0, 0, segs, dils, causal, scale,
+                        head_groups, kpm);
+    return {dq, dk, dv};
+  }
+  // dq by chunks of queries (against all keys), then dk, dv by chunks of keys
+  // (against all queries): the kernels compute the two separately anyway.
+  Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options()),
+         dv = at::empty(v.sizes(), v.options());
+  const auto acc_opts = q.options().dtype(acc);
+  const int64_t len = q.size(1), rows = chunk_rows(len, segs);
+  for (int64_t a = 0; a < len; a += rows) {
+    const int64_t b = std::min(a + rows, len);
+    const Tensor dq_c = at::zeros({q.size(0), b - a, q.size(2), q.size(3)}, acc_opts);
+    call_block_backward(grad_out.slice(1, a, b), q.slice(1, a, b), k, v, out.slice(1, a, b),
+                        lse.slice(2, a, b).contiguous(), dq_c, std::nullopt, std::nullopt, a, 0,
+                        segs, dils, causal, scale, head_groups, kpm);
+    dq.slice(1, a, b).copy_(dq_c);
+  }
+  for (int64_t a = 0; a < len; a += rows) {
+    const int64_t b = std::min(a + rows, len);
+    const Tensor dk_c = at::zeros({k.size(0), b - a, k.size(2), k.size(3)}, acc_opts);
+    const Tensor dv_c = at::zeros_like(dk_c);
+    const OptTensor kpm_c = kpm.has_value() ? OptTensor(kpm->slice(1, a, b)) : std::nullopt;
+    call_block_backward(grad_out, q, k.slice(1, a, b), v.slice(1, a, b), out, lse, std::nullopt,
+                        dk_c, dv_c, 0, a, segs, dils, causal, scale, head_groups, kpm_c);
+    dk.slice(1, a, b).copy_(dk_c);
+    dv.slice(1, a, b).copy_(dv_c);
+  }
+  return {dq, dk, dv};
 }
 
 std::tuple<Tensor, Tensor> dilated_attention_meta(const Tensor& q, const Tensor& k, const Tensor& v,
@@ -100,9 +165,10 @@ void block_forward_meta(const Tensor& q, const Tensor& k, const Tensor& v, Tenso
 }
 
 void block_backward_meta(const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
-                         const Tensor& out, const Tensor& lse, Tensor& dq, Tensor& dk, Tensor& dv,
-                         int64_t q_start, int64_t k_start, IntArrayRef segs, IntArrayRef dils, bool,
-                         double, bool head_groups, const OptTensor& kpm) {
+                         const Tensor& out, const Tensor& lse, const OptTensor& dq,
+                         const OptTensor& dk, const OptTensor& dv, int64_t q_start, int64_t k_start,
+                         IntArrayRef segs, IntArrayRef dils, bool, double, bool head_groups,
+                         const OptTensor& kpm) {
   check_block_backward(grad_out, q, k, v, out, lse, dq, dk, dv, q_start, k_start, segs, dils,
                        head_groups, kpm);
 }
@@ -173,7 +239,7 @@ TORCH_LIBRARY(ring_attention, m) {
       "int q_start, int k_start, " RA_PATTERN_ARGS ") -> ()");
   m.def(
       "block_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-      "Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, int q_start, int k_start, " RA_PATTERN_ARGS
+      "Tensor(a!)? dq, Tensor(b!)? dk, Tensor(c!)? dv, int q_start, int k_start, " RA_PATTERN_ARGS
       ") -> ()");
   m.def("dilated_attention(Tensor q, Tensor k, Tensor v, " RA_PATTERN_ARGS ") -> (Tensor, Tensor)");
   m.def(

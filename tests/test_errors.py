@@ -259,6 +259,8 @@ _OP_SCRIPT = textwrap.dedent(
             q, q, k, v, out, lse, *grads(lk=11), 0, 0, *P),
         "block_backward: lse dtype": lambda: ops.block_backward(
             q, q, k, v, out, lse.double(), *grads(), 0, 0, *P),
+        "block_backward: dk without dv": lambda: ops.block_backward(
+            q, q, k, v, out, lse, grads()[0], grads()[1], None, 0, 0, *P),
     })
 
     results = {}
@@ -298,6 +300,7 @@ _OP_EXPECT = {
     "q/k heads": r"\bk\b",
     "dk shape": r"\bdk\b",
     "lse dtype": r"\blse\b",
+    "dk without dv": r"\bdk\b.*\bdv\b",
 }
 
 

@@ -1,7 +1,8 @@
 // CPU block backward: recompute P from the final global lse, then
 //   dV += P^T dO,  dS = P * (dO V^T - delta),  dQ += scale dS K,  dK += scale dS^T Q
 // with key tiles outer and query tiles inner. A task owns its segments' rows
-// (per branch), so no atomics are needed.
+// (per branch), so no atomics are needed. A gradient not asked for (dq, or dk
+// with dv) is not computed.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
@@ -24,7 +25,7 @@ struct BackwardTile {
   const scalar_t *dout, *q, *k, *v;
   const acc_t *lse, *delta;  // delta = rowsum(dout * out), laid out like lse
   const bool* kpm;
-  acc_t *dq, *dk, *dv;
+  acc_t *dq, *dk, *dv;  // nullptr: not asked for
   acc_t scale;
   std::vector<acc_t> qbuf, dobuf, kbuf, vbuf, s, dp;
 
@@ -97,12 +98,16 @@ struct BackwardTile {
       }
       // dV += P^T dO, dK += scale dS^T Q, dQ += scale dS K, straight into the
       // accumulators through the same row stride.
-      gemm(true, false, tk, d, tq, acc_t(1), s.data(), tk, dot.ptr, dot.ld, acc_t(1), dv + koff,
-           stride);
-      gemm(true, false, tk, d, tq, scale, dp.data(), tk, qt.ptr, qt.ld, acc_t(1), dk + koff,
-           stride);
-      gemm(false, false, tq, d, tk, scale, dp.data(), tk, kt.ptr, kt.ld, acc_t(1), dq + qoff,
-           stride);
+      if (dv != nullptr) {
+        gemm(true, false, tk, d, tq, acc_t(1), s.data(), tk, dot.ptr, dot.ld, acc_t(1), dv + koff,
+             stride);
+        gemm(true, false, tk, d, tq, scale, dp.data(), tk, qt.ptr, qt.ld, acc_t(1), dk + koff,
+             stride);
+      }
+      if (dq != nullptr) {
+        gemm(false, false, tq, d, tk, scale, dp.data(), tk, kt.ptr, kt.ld, acc_t(1), dq + qoff,
+             stride);
+      }
     }
   }
 };
@@ -110,9 +115,14 @@ struct BackwardTile {
 template <typename scalar_t>
 void backward_kernel(const BlockGeometry& g, const at::Tensor& dout, const at::Tensor& q,
                      const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-                     const at::Tensor& lse, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
+                     const at::Tensor& lse, const std::optional<at::Tensor>& dq,
+                     const std::optional<at::Tensor>& dk, const std::optional<at::Tensor>& dv,
                      at::IntArrayRef segs, at::IntArrayRef dils, double scale, const bool* kpm) {
   using acc_t = at::opmath_type<scalar_t>;
+  const auto ptr = [](const std::optional<at::Tensor>& t) {
+    return t.has_value() ? t->mutable_data_ptr<acc_t>() : nullptr;
+  };
+  acc_t *dq_ptr = ptr(dq), *dk_ptr = ptr(dk), *dv_ptr = ptr(dv);
   // delta[b, h, t] = sum_c dout[b, t, h, c] * out[b, t, h, c]
   std::vector<acc_t> delta(g.batch * g.heads * g.q_len);
   const scalar_t *dp = dout.const_data_ptr<scalar_t>(), *op = out.const_data_ptr<scalar_t>();
@@ -135,8 +145,7 @@ void backward_kernel(const BlockGeometry& g, const at::Tensor& dout, const at::T
       BackwardTile<scalar_t, acc_t> tile(
           g, dout.const_data_ptr<scalar_t>(), q.const_data_ptr<scalar_t>(),
           k.const_data_ptr<scalar_t>(), v.const_data_ptr<scalar_t>(), lse.const_data_ptr<acc_t>(),
-          delta.data(), kpm, dq.mutable_data_ptr<acc_t>(), dk.mutable_data_ptr<acc_t>(),
-          dv.mutable_data_ptr<acc_t>(), static_cast<acc_t>(scale));
+          delta.data(), kpm, dq_ptr, dk_ptr, dv_ptr, static_cast<acc_t>(scale));
       for (int64_t ti = lo; ti < hi; ++ti) {
         const SegmentTask& task = tasks[ti];
         for (int64_t s = task.seg_begin; s < task.seg_end; ++s) {
@@ -155,12 +164,14 @@ void backward_kernel(const BlockGeometry& g, const at::Tensor& dout, const at::T
 
 void block_backward_cpu(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
                         const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
-                        at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, int64_t q_start,
-                        int64_t k_start, at::IntArrayRef segment_lengths,
-                        at::IntArrayRef dilation_rates, bool causal, double scale, bool head_groups,
+                        const std::optional<at::Tensor>& dq, const std::optional<at::Tensor>& dk,
+                        const std::optional<at::Tensor>& dv, int64_t q_start, int64_t k_start,
+                        at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates,
+                        bool causal, double scale, bool head_groups,
                         const std::optional<at::Tensor>& key_padding_mask) {
   check_block_backward(grad_out, q, k, v, out, lse, dq, dk, dv, q_start, k_start, segment_lengths,
                        dilation_rates, head_groups, key_padding_mask);
+  if (!dq.has_value() && !dk.has_value()) return;
   const at::Tensor dc = grad_out.contiguous(), qc = q.contiguous(), kc = k.contiguous(),
                    vc = v.contiguous(), oc = out.contiguous(), lc = lse.contiguous();
   at::Tensor mask;

@@ -15,9 +15,10 @@ void block_forward_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 
 void block_backward_cpu(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
                         const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
-                        at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, int64_t q_start,
-                        int64_t k_start, at::IntArrayRef segment_lengths,
-                        at::IntArrayRef dilation_rates, bool causal, double scale, bool head_groups,
+                        const std::optional<at::Tensor>& dq, const std::optional<at::Tensor>& dk,
+                        const std::optional<at::Tensor>& dv, int64_t q_start, int64_t k_start,
+                        at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates,
+                        bool causal, double scale, bool head_groups,
                         const std::optional<at::Tensor>& key_padding_mask);
 
 }  // namespace ring_attention::cpu

@@ -2,7 +2,8 @@
 // P = exp(scale q.k - lse) from the final global lse and accumulates
 //   dV += P^T dO,  dS = P * (dO V^T - delta),  dQ += scale dS K,  dK += scale dS^T Q
 // into fp32 (fp64 for fp64 inputs) dq, dk, dv; delta = rowsum(dO * O) comes
-// from a small pre-kernel. Per branch two launches of one kernel template:
+// from a small pre-kernel. Per branch two launches of one kernel template (the
+// first only if dq is asked for, the second only if dk and dv are):
 //   DKDV = false: rows are query tiles, columns stream over the reached keys
 //                 -> dq rows (owned by the block).
 //   DKDV = true:  rows are key tiles, columns stream over the queries reaching
@@ -11,8 +12,9 @@
 // (R1, R2, C1, C2) = (Q, dO, K, V) or (K, V, Q, dO), so X1 is S or S^T, X2 is
 // dP or dP^T, and the products with C1 (and C2) finish the gradients.
 //  * fp16 / bf16, head_dim <= 128, sm_80+: mma.sync m16n8k16 (fp32 accumulate),
-//    4 warps x 16 rows, 32 or 64 columns per tile, operands staged in shared
-//    memory (C1, C2 also transposed for the second products).
+//    4 warps x 16 rows, 32 or 64 columns per tile, operands row-major in
+//    shared memory, fragments loaded with ldmatrix (.trans for the second
+//    products, whose k dimension runs down the columns of C1 and C2).
 //  * otherwise: SIMT, one lane per column of a 32-column tile.
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
@@ -219,9 +221,8 @@ constexpr int mma_cols() {
 }
 template <int DP, bool DKDV>
 constexpr size_t mma_smem() {
-  constexpr int BM = 64, BN = mma_cols<DP>(), LD = DP + 8, LDT = BN + 8;
-  return (2 * BM * LD + 2 * BN * LD + (DKDV ? 2 : 1) * DP * LDT) * sizeof(uint16_t) +
-         BN * (2 * sizeof(float) + 1);
+  constexpr int BM = 64, BN = mma_cols<DP>(), LD = DP + 8;
+  return (2 * BM * LD + 2 * BN * LD) * sizeof(uint16_t) + BN * (2 * sizeof(float) + 1);
 }
 
 template <typename T, int DP, bool DKDV>
@@ -229,16 +230,14 @@ __global__ void __launch_bounds__(kThreads) bwd_mma_kernel(const Problem p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
   __trap();  // host only launches this on sm_80+
 #else
-  constexpr int BM = 64, BN = mma_cols<DP>(), LD = DP + 8, LDT = BN + 8;
+  constexpr int BM = 64, BN = mma_cols<DP>(), LD = DP + 8;
   constexpr int NJ = BN / 8, ND = DP / 8, NA = DKDV ? ND : 1;
   RING_ATTENTION_DYNAMIC_SMEM(smem);
   uint16_t* r1s = reinterpret_cast<uint16_t*>(smem);  // BM x LD
   uint16_t* r2s = r1s + BM * LD;                      // BM x LD
   uint16_t* c1s = r2s + BM * LD;                      // BN x LD
   uint16_t* c2s = c1s + BN * LD;                      // BN x LD
-  uint16_t* c1t = c2s + BN * LD;                      // DP x LDT (C1 transposed)
-  uint16_t* c2t = c1t + DP * LDT;                     // DP x LDT (dkdv only)
-  float* col_lse = reinterpret_cast<float*>(c2t + (DKDV ? DP * LDT : 0));
+  float* col_lse = reinterpret_cast<float*>(c2s + BN * LD);
   float* col_delta = col_lse + BN;
   uint8_t* col_ok = reinterpret_cast<uint8_t*>(col_delta + BN);
 
@@ -253,8 +252,8 @@ __global__ void __launch_bounds__(kThreads) bwd_mma_kernel(const Problem p) {
   const float* delta = static_cast<const float*>(p.delta);
 
   const Operands<uint16_t, DKDV> rows(p, t, sp.r0, 0);
-  load_rows16<BM, DP>(r1s, LD, nullptr, 0, rows.r1, stride, sp.nrows, rows.rmask, p.r, D, p.vec);
-  load_rows16<BM, DP>(r2s, LD, nullptr, 0, rows.r2, stride, sp.nrows, rows.rmask, p.r, D, p.vec);
+  load_rows16<BM, DP>(r1s, LD, rows.r1, stride, sp.nrows, rows.rmask, p.r, D, p.vec);
+  load_rows16<BM, DP>(r2s, LD, rows.r2, stride, sp.nrows, rows.rmask, p.r, D, p.vec);
 
   // This thread's rows warp * 16 + g + 8 * i.
   bool rok[2];
@@ -277,9 +276,8 @@ __global__ void __launch_bounds__(kThreads) bwd_mma_kernel(const Problem p) {
     const int nvalid = static_cast<int>(imin(BN, sp.c_end - c0));
     const Operands<uint16_t, DKDV> cols(p, t, sp.r0, c0);
     __syncthreads();
-    load_rows16<BN, DP>(c1s, LD, c1t, LDT, cols.c1, stride, nvalid, cols.cmask, p.r, D, p.vec);
-    load_rows16<BN, DP>(c2s, LD, DKDV ? c2t : nullptr, LDT, cols.c2, stride, nvalid, cols.cmask,
-                        p.r, D, p.vec);
+    load_rows16<BN, DP>(c1s, LD, cols.c1, stride, nvalid, cols.cmask, p.r, D, p.vec);
+    load_rows16<BN, DP>(c2s, LD, cols.c2, stride, nvalid, cols.cmask, p.r, D, p.vec);
     if (threadIdx.x < BN) {
       const int c = threadIdx.x;
       const bool ok = row_ok(c, nvalid, cols.cmask, p.r);
@@ -293,8 +291,8 @@ __global__ void __launch_bounds__(kThreads) bwd_mma_kernel(const Problem p) {
     __syncthreads();
 
     float x1[NJ][4] = {}, x2[NJ][4] = {};
-    mma_ss<T, NJ, DP>(x1, r1s + warp * 16 * LD, LD, c1s, LD, g, tg);
-    mma_ss<T, NJ, DP>(x2, r2s + warp * 16 * LD, LD, c2s, LD, g, tg);
+    mma_ss<T, NJ, DP>(x1, r1s + warp * 16 * LD, LD, c1s, LD, lane);
+    mma_ss<T, NJ, DP>(x2, r2s + warp * 16 * LD, LD, c2s, LD, lane);
 #pragma unroll
     for (int j = 0; j < NJ; ++j)
 #pragma unroll
@@ -309,8 +307,8 @@ __global__ void __launch_bounds__(kThreads) bwd_mma_kernel(const Problem p) {
         x2[j][e] = ok ? pr * (x2[j][e] - dl) : 0.f;  // dS (or dS^T)
         x1[j][e] = pr;                               // P (or P^T)
       }
-    mma_rs<T, ND, NJ>(a1, x2, c1t, LDT, g, tg);
-    if constexpr (DKDV) mma_rs<T, ND, NJ>(a2, x1, c2t, LDT, g, tg);
+    mma_rs<T, ND, NJ>(a1, x2, c1s, LD, lane);
+    if constexpr (DKDV) mma_rs<T, ND, NJ>(a2, x1, c2s, LD, lane);
   }
 
   const float scale = static_cast<float>(p.scale);
@@ -338,8 +336,10 @@ template <typename T, typename C, int NPL>
 void launch_simt(const Problem& p, at::IntArrayRef segs, at::IntArrayRef dils) {
   constexpr int ROWS = NPL <= 2 ? 4 : 2;
   const size_t smem = (2 * 32 * (32 * NPL + 1) + 64) * sizeof(C) + 32;
-  launch_branches(bwd_simt_kernel<T, C, NPL, ROWS, false>, p, segs, dils, p.Lq, 4 * ROWS, smem);
-  launch_branches(bwd_simt_kernel<T, C, NPL, ROWS, true>, p, segs, dils, p.Lk, 4 * ROWS, smem);
+  if (p.dq != nullptr)
+    launch_branches(bwd_simt_kernel<T, C, NPL, ROWS, false>, p, segs, dils, p.Lq, 4 * ROWS, smem);
+  if (p.dk != nullptr)
+    launch_branches(bwd_simt_kernel<T, C, NPL, ROWS, true>, p, segs, dils, p.Lk, 4 * ROWS, smem);
 }
 
 template <typename T, typename C>
@@ -357,8 +357,10 @@ void dispatch_simt(const Problem& p, at::IntArrayRef segs, at::IntArrayRef dils)
 
 template <typename T, int DP>
 void launch_mma(const Problem& p, at::IntArrayRef segs, at::IntArrayRef dils) {
-  launch_branches(bwd_mma_kernel<T, DP, false>, p, segs, dils, p.Lq, 64, mma_smem<DP, false>());
-  launch_branches(bwd_mma_kernel<T, DP, true>, p, segs, dils, p.Lk, 64, mma_smem<DP, true>());
+  if (p.dq != nullptr)
+    launch_branches(bwd_mma_kernel<T, DP, false>, p, segs, dils, p.Lq, 64, mma_smem<DP, false>());
+  if (p.dk != nullptr)
+    launch_branches(bwd_mma_kernel<T, DP, true>, p, segs, dils, p.Lk, 64, mma_smem<DP, true>());
 }
 
 template <typename T>
@@ -375,10 +377,11 @@ void dispatch_mma(const Problem& p, at::IntArrayRef segs, at::IntArrayRef dils) 
 
 void block_backward_cuda(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
                          const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
-                         at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, int64_t q_start,
-                         int64_t k_start, at::IntArrayRef segment_lengths,
-                         at::IntArrayRef dilation_rates, bool causal, double scale,
-                         bool head_groups, const std::optional<at::Tensor>& key_padding_mask) {
+                         const std::optional<at::Tensor>& dq, const std::optional<at::Tensor>& dk,
+                         const std::optional<at::Tensor>& dv, int64_t q_start, int64_t k_start,
+                         at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates,
+                         bool causal, double scale, bool head_groups,
+                         const std::optional<at::Tensor>& key_padding_mask) {
   check_block_backward(grad_out, q, k, v, out, lse, dq, dk, dv, q_start, k_start, segment_lengths,
                        dilation_rates, head_groups, key_padding_mask);
   check_device(q);
@@ -388,7 +391,7 @@ void block_backward_cuda(const at::Tensor& grad_out, const at::Tensor& q, const 
                    vc = v.contiguous(), oc = out.contiguous(), lc = lse.contiguous();
   at::Tensor mask;
   if (key_padding_mask.has_value()) mask = key_padding_mask->contiguous();
-  if (q.numel() == 0 || k.numel() == 0) return;
+  if (q.numel() == 0 || k.numel() == 0 || (!dq.has_value() && !dk.has_value())) return;
 
   Problem p{};
   p.B = q.size(0);
@@ -403,9 +406,9 @@ void block_backward_cuda(const at::Tensor& grad_out, const at::Tensor& q, const 
   p.dout = dc.const_data_ptr();
   p.lse_in = lc.const_data_ptr();
   p.delta = delta.const_data_ptr();
-  p.dq = dq.mutable_data_ptr();
-  p.dk = dk.mutable_data_ptr();
-  p.dv = dv.mutable_data_ptr();
+  p.dq = dq.has_value() ? dq->mutable_data_ptr() : nullptr;
+  p.dk = dk.has_value() ? dk->mutable_data_ptr() : nullptr;
+  p.dv = dv.has_value() ? dv->mutable_data_ptr() : nullptr;
   p.kpm = mask.defined() ? mask.const_data_ptr<bool>() : nullptr;
   p.q_start = q_start;
   p.k_start = k_start;

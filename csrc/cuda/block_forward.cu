@@ -5,7 +5,9 @@
 //
 //  * fp16 / bf16, head_dim <= 128, sm_80+: tensor cores (mma.sync m16n8k16,
 //    fp32 accumulate). 4 warps, 64 query rows (16 per warp) x 64 keys per
-//    tile; S and O live in registers, P is re-packed from the S fragments.
+//    tile; Q, K, V row-major in shared memory, fragments loaded with ldmatrix
+//    (V with .trans); S and O live in registers, P is re-packed from the S
+//    fragments.
 //  * otherwise (fp32, fp64, head_dim up to 256, older GPUs): SIMT kernel, one
 //    lane per key of a 32-key tile, each warp owns ROWS query rows.
 #include <ATen/Dispatch.h>
@@ -125,12 +127,12 @@ __global__ void __launch_bounds__(kThreads) fwd_mma_kernel(const Problem p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
   __trap();  // host only launches this on sm_80+
 #else
-  constexpr int BM = 64, BN = 64, LD = DP + 8, LDT = BN + 8, NJ = BN / 8, ND = DP / 8;
+  constexpr int BM = 64, BN = 64, LD = DP + 8, NJ = BN / 8, ND = DP / 8;
   RING_ATTENTION_DYNAMIC_SMEM(smem);
   uint16_t* qs = reinterpret_cast<uint16_t*>(smem);  // BM x LD
   uint16_t* ks = qs + BM * LD;                       // BN x LD
-  uint16_t* vt = ks + BN * LD;                       // DP x LDT (V transposed)
-  uint8_t* kok = reinterpret_cast<uint8_t*>(vt + DP * LDT);
+  uint16_t* vs = ks + BN * LD;                       // BN x LD
+  uint8_t* kok = reinterpret_cast<uint8_t*>(vs + BN * LD);
 
   Tile t;
   if (!decode_tile(p, t)) return;
@@ -148,8 +150,8 @@ __global__ void __launch_bounds__(kThreads) fwd_mma_kernel(const Problem p) {
   const int64_t stride = p.r * p.H * p.D;
   const float scale_log2 = static_cast<float>(p.scale) * kLog2e;
 
-  load_rows16<BM, DP>(qs, LD, nullptr, 0, q + q_offset(p, t.b, t.h, t.q.first + m0 * p.r), stride,
-                      nrows, nullptr, 0, D, p.vec);
+  load_rows16<BM, DP>(qs, LD, q + q_offset(p, t.b, t.h, t.q.first + m0 * p.r), stride, nrows,
+                      nullptr, 0, D, p.vec);
 
   // This thread's two rows: warp * 16 + g + 8 * i. Causal: key n <= lim[i].
   int64_t lim[2];
@@ -164,13 +166,13 @@ __global__ void __launch_bounds__(kThreads) fwd_mma_kernel(const Problem p) {
     const bool* mk = mask_at(p, t.b, pos0);
     const int64_t off = k_offset(p, t.b, t.h, pos0);
     __syncthreads();
-    load_rows16<BN, DP>(ks, LD, nullptr, 0, k + off, stride, nvalid, mk, p.r, D, p.vec);
-    load_rows16<BN, DP>(nullptr, 0, vt, LDT, v + off, stride, nvalid, mk, p.r, D, p.vec);
+    load_rows16<BN, DP>(ks, LD, k + off, stride, nvalid, mk, p.r, D, p.vec);
+    load_rows16<BN, DP>(vs, LD, v + off, stride, nvalid, mk, p.r, D, p.vec);
     if (threadIdx.x < BN) kok[threadIdx.x] = row_ok(threadIdx.x, nvalid, mk, p.r);
     __syncthreads();
 
     float s[NJ][4] = {};
-    mma_ss<T, NJ, DP>(s, qs + warp * 16 * LD, LD, ks, LD, g, tg);
+    mma_ss<T, NJ, DP>(s, qs + warp * 16 * LD, LD, ks, LD, lane);
 
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -204,7 +206,7 @@ __global__ void __launch_bounds__(kThreads) fwd_mma_kernel(const Problem p) {
     for (int j = 0; j < ND; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[j][e] *= alpha[e >> 1];
-    mma_rs<T, ND, NJ>(o, s, vt, LDT, g, tg);
+    mma_rs<T, ND, NJ>(o, s, vs, LD, lane);
   }
 
   float* out = static_cast<float*>(p.out);
@@ -264,7 +266,7 @@ void dispatch_simt(const Problem& p, at::IntArrayRef segs, at::IntArrayRef dils)
 template <typename T, int DP>
 void launch_mma(const Problem& p, at::IntArrayRef segs, at::IntArrayRef dils) {
   constexpr int BM = 64, BN = 64;
-  const size_t smem = ((BM + BN) * (DP + 8) + DP * (BN + 8)) * sizeof(uint16_t) + BN;
+  const size_t smem = (BM + 2 * BN) * (DP + 8) * sizeof(uint16_t) + BN;
   launch_branches(fwd_mma_kernel<T, DP>, p, segs, dils, p.Lq, BM, smem);
 }
 

@@ -179,11 +179,11 @@ __device__ inline C dot_bcast(const C (&x)[NPL], const C* y, int D) {
 // --------------------------------------------------- tensor-core (mma) path
 // Raw 16-bit tiles. Row i (i < nvalid and not masked) of the tile is at
 // src + i * stride; written to s[i * ld + d] for d < DP (zero past D and for
-// unreached rows) and, if st != nullptr, transposed to st[d * ldt + i].
+// unreached rows). Rows of s must start 16-byte aligned (ld % 8 == 0): the
+// ldmatrix loads below read them.
 template <int ROWS, int DP>
-__device__ inline void load_rows16(uint16_t* s, int ld, uint16_t* st, int ldt, const uint16_t* src,
-                                   int64_t stride, int nvalid, const bool* mask, int64_t mstride,
-                                   int D, bool vec) {
+__device__ inline void load_rows16(uint16_t* s, int ld, const uint16_t* src, int64_t stride,
+                                   int nvalid, const bool* mask, int64_t mstride, int D, bool vec) {
   constexpr int kChunks = DP / 8;
   for (int idx = threadIdx.x; idx < ROWS * kChunks; idx += kThreads) {
     const int i = idx / kChunks, c = (idx % kChunks) * 8;
@@ -198,11 +198,7 @@ __device__ inline void load_rows16(uint16_t* s, int ld, uint16_t* st, int ldt, c
 #pragma unroll
       for (int j = 0; j < 8; ++j) val.h[j] = (ok && c + j < D) ? src[i * stride + c + j] : 0;
     }
-    if (s != nullptr) *reinterpret_cast<uint4*>(s + i * ld + c) = val.u;
-    if (st != nullptr) {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) st[(c + j) * ldt + i] = val.h[j];
-    }
+    *reinterpret_cast<uint4*>(s + i * ld + c) = val.u;
   }
 }
 
@@ -220,44 +216,54 @@ __device__ inline uint32_t pack2(float lo, float hi) {
   return bits;
 }
 
-__device__ inline uint32_t lds32(const uint16_t* p) {
-  return *reinterpret_cast<const uint32_t*>(p);
-}
-
 // Fragment layouts of mma.m16n8k16 (g = lane / 4, tg = lane % 4):
 //   A (16x16, row-major): a0 (g, 2tg..), a1 (g+8, 2tg..), a2 (g, 2tg+8..), a3 (g+8, 2tg+8..)
 //   B (16x8, k x n):      b0 (k 2tg.., n g), b1 (k 2tg+8.., n g)
 //   C (16x8):             c0,c1 (g, 2tg..), c2,c3 (g+8, 2tg..)
-// c[NJ] += A * B^T, A: 16 x K row-major (lda), B: NJ*8 x K row-major (ldb).
+// ldmatrix.x4 gives register m of every lane from the 8x8 tile whose row
+// addresses lanes 8m..8m+7 pass: lane l gets row l/4, columns 2(l%4) and the
+// next (.trans: column l/4, rows 2(l%4) and the next). So A's four 8x8
+// quarters, or B's b0/b1 for two n-blocks, come with one instruction.
+
+// c[NJ] += A * B^T, A: 16 x K row-major (lda), B: NJ*8 x K row-major (ldb),
+// both in shared memory.
 template <typename T, int NJ, int K>
 __device__ inline void mma_ss(float (&c)[NJ][4], const uint16_t* A, int lda, const uint16_t* B,
-                              int ldb, int g, int tg) {
+                              int ldb, int lane) {
+  static_assert(NJ % 2 == 0 && K % 16 == 0, "mma_ss: NJ even, K a multiple of 16");
+  const int r = lane % 8, hi = (lane / 8) & 1, pair = lane / 16;
 #pragma unroll
   for (int k0 = 0; k0 < K; k0 += 16) {
-    const uint16_t* pa = A + g * lda + k0 + 2 * tg;
-    const uint32_t a[4] = {lds32(pa), lds32(pa + 8 * lda), lds32(pa + 8), lds32(pa + 8 * lda + 8)};
+    uint32_t a[4];
+    ldmatrix_x4(a, A + (r + 8 * hi) * lda + k0 + 8 * pair);
 #pragma unroll
-    for (int j = 0; j < NJ; ++j) {
-      const uint16_t* pb = B + (j * 8 + g) * ldb + k0 + 2 * tg;
-      mma_m16n8k16<T>(c[j], a, lds32(pb), lds32(pb + 8));
+    for (int j = 0; j < NJ; j += 2) {
+      uint32_t b[4];  // b0, b1 of n-block j, then of j + 1
+      ldmatrix_x4(b, B + ((j + pair) * 8 + r) * ldb + k0 + 8 * hi);
+      mma_m16n8k16<T>(c[j], a, b[0], b[1]);
+      mma_m16n8k16<T>(c[j + 1], a, b[2], b[3]);
     }
   }
 }
 
-// c[NJ] += X * B^T where X (16 x 8*KJ) is held as C fragments x[KJ] (rounded to
-// T), B: NJ*8 x 8*KJ row-major (ldb).
+// c[NJ] += X * V where X (16 x 8*KJ) is held as C fragments x[KJ] (rounded to
+// T) and V: 8*KJ x NJ*8 row-major (ldv) in shared memory.
 template <typename T, int NJ, int KJ>
-__device__ inline void mma_rs(float (&c)[NJ][4], const float (&x)[KJ][4], const uint16_t* B,
-                              int ldb, int g, int tg) {
+__device__ inline void mma_rs(float (&c)[NJ][4], const float (&x)[KJ][4], const uint16_t* V,
+                              int ldv, int lane) {
+  static_assert(NJ % 2 == 0 && KJ % 2 == 0, "mma_rs: NJ and KJ even");
+  const int r = lane % 8, hi = (lane / 8) & 1, pair = lane / 16;
 #pragma unroll
   for (int kk = 0; kk < KJ / 2; ++kk) {
     const uint32_t a[4] = {
         pack2<T>(x[2 * kk][0], x[2 * kk][1]), pack2<T>(x[2 * kk][2], x[2 * kk][3]),
         pack2<T>(x[2 * kk + 1][0], x[2 * kk + 1][1]), pack2<T>(x[2 * kk + 1][2], x[2 * kk + 1][3])};
 #pragma unroll
-    for (int j = 0; j < NJ; ++j) {
-      const uint16_t* pb = B + (j * 8 + g) * ldb + kk * 16 + 2 * tg;
-      mma_m16n8k16<T>(c[j], a, lds32(pb), lds32(pb + 8));
+    for (int j = 0; j < NJ; j += 2) {
+      uint32_t b[4];  // b0, b1 of n-block j, then of j + 1
+      ldmatrix_x4_trans(b, V + (kk * 16 + 8 * hi + r) * ldv + (j + pair) * 8);
+      mma_m16n8k16<T>(c[j], a, b[0], b[1]);
+      mma_m16n8k16<T>(c[j + 1], a, b[2], b[3]);
     }
   }
 }

@@ -1,6 +1,6 @@
 // The CUDA runtime surface of the block kernels, in one place: kernel launch,
 // device attributes, stream and device guard, dynamic shared memory and the
-// mma.sync instruction.
+// warp-level matrix instructions (mma.sync, ldmatrix).
 //
 // The test suite builds the same .cu sources for the CPU with
 // RING_ATTENTION_CUDA_EMULATOR naming a header that provides these names
@@ -83,6 +83,22 @@ __device__ inline void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[4], uint3
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
+}
+
+// Four 8x8 tiles of 16-bit values from shared memory (sm_75+): lanes 8m..8m+7
+// pass the 16-byte aligned addresses of the rows of tile m, which lands in
+// r[m]. The _trans form transposes each tile.
+__device__ inline void ldmatrix_x4(uint32_t (&r)[4], const uint16_t* rows) {
+  const auto addr = static_cast<unsigned>(__cvta_generic_to_shared(rows));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ inline void ldmatrix_x4_trans(uint32_t (&r)[4], const uint16_t* rows) {
+  const auto addr = static_cast<unsigned>(__cvta_generic_to_shared(rows));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
 }
 
 }  // namespace ring_attention::gpu

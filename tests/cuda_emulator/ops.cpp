@@ -11,9 +11,10 @@ void block_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
                    const std::optional<at::Tensor>& kpm);
 void block_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
                     const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
-                    at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, int64_t q_start,
-                    int64_t k_start, at::IntArrayRef segs, at::IntArrayRef dils, bool causal,
-                    double scale, bool head_groups, const std::optional<at::Tensor>& kpm);
+                    const std::optional<at::Tensor>& dq, const std::optional<at::Tensor>& dk,
+                    const std::optional<at::Tensor>& dv, int64_t q_start, int64_t k_start,
+                    at::IntArrayRef segs, at::IntArrayRef dils, bool causal, double scale,
+                    bool head_groups, const std::optional<at::Tensor>& kpm);
 
 namespace {
 
@@ -43,7 +44,7 @@ TORCH_LIBRARY(ring_attention_emulated, m) {
       "int q_start, int k_start, " RA_PATTERN_ARGS ") -> ()");
   m.def(
       "block_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-      "Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, int q_start, int k_start, " RA_PATTERN_ARGS
+      "Tensor(a!)? dq, Tensor(b!)? dk, Tensor(c!)? dv, int q_start, int k_start, " RA_PATTERN_ARGS
       ") -> ()");
   m.def("configure(int seed, int compute_capability) -> ()", &configure);
   m.def("take_stats() -> int[]", &take_stats);

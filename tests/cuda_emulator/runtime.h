@@ -16,7 +16,9 @@
 //   * launch limits of the real device: 48 KiB of dynamic shared memory
 //     unless raised for the kernel, the opt-in limit, grid.y/z <= 65535.
 // mma.sync.m16n8k16 is computed from its operand fragments as the PTX ISA
-// lays them out (products exact, sums in double, rounded to fp32).
+// lays them out (products exact, sums in double, rounded to fp32), and
+// ldmatrix gathers its tiles from the rows the lanes name, which must lie in
+// the block's shared memory, 16-byte aligned.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -77,7 +79,7 @@ constexpr size_t kStackBytes = 256 * 1024;
 constexpr size_t kGuardBytes = 256;
 
 enum class Wait { none, block, warp };
-enum class Kind : int { sync, shfl, vote, mma };
+enum class Kind : int { sync, shfl, vote, mma, ldmatrix };
 inline const char* kind_name(Kind k) {
   switch (k) {
     case Kind::sync:
@@ -86,6 +88,8 @@ inline const char* kind_name(Kind k) {
       return "shuffle";
     case Kind::vote:
       return "vote";
+    case Kind::ldmatrix:
+      return "ldmatrix";
     default:
       return "mma";
   }
@@ -179,6 +183,7 @@ struct BlockState {
   void (*body)(void*) = nullptr;
   void* body_arg = nullptr;
   unsigned char* smem = nullptr;
+  size_t smem_bytes = 0;
 };
 
 inline thread_local BlockState* g_block = nullptr;
@@ -300,6 +305,32 @@ inline void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1)
   }
 }
 
+// ldmatrix.sync.aligned.m8n8.x4(.trans).shared.b16: lanes 8m..8m+7 pass the
+// addresses of the 8 rows (8 x 16 bits, 16-byte aligned, in the block's
+// dynamic shared memory) of tile m; every lane receives register m from tile
+// m: row lane/4, columns 2(lane%4) and the next (low half first); with
+// .trans, column lane/4 of rows 2(lane%4) and the next.
+inline void ldmatrix(uint32_t (&r)[4], const uint16_t* rows, bool trans) {
+  const BlockState& b = *g_block;
+  const auto addr = reinterpret_cast<uintptr_t>(rows);
+  const auto lo = reinterpret_cast<uintptr_t>(b.smem);
+  if (addr % 16 != 0) fail("ldmatrix row address not 16-byte aligned");
+  if (addr < lo || addr + 16 > lo + b.smem_bytes) fail("ldmatrix row outside shared memory");
+  Slot s{Kind::ldmatrix, 0xffffffffu, {addr, trans ? 1u : 0u}};
+  const Slot* all = warp_collective(s);
+  const int lane = b.current % kWarp;
+  for (int m = 0; m < 4; ++m) {
+    uint16_t half[2];
+    for (int e = 0; e < 2; ++e) {
+      const int row = trans ? 2 * (lane % 4) + e : lane / 4;
+      const int col = trans ? lane / 4 : 2 * (lane % 4) + e;
+      if (all[8 * m + row].v[1] != s.v[1]) fail("ldmatrix lanes disagree on .trans");
+      half[e] = reinterpret_cast<const uint16_t*>(all[8 * m + row].v[0])[col];
+    }
+    r[m] = static_cast<uint32_t>(half[0]) | (static_cast<uint32_t>(half[1]) << 16);
+  }
+}
+
 [[noreturn]] inline void fiber_main() {
   BlockState& b = *g_block;
   b.body(b.body_arg);
@@ -339,7 +370,7 @@ inline std::string deadlock_report(const BlockState& b) {
 
 // Run one thread block of `nthreads` fibers, each calling body(arg).
 inline void run_block(int nthreads, void (*body)(void*), void* arg, unsigned char* smem,
-                      std::mt19937_64* rng) {
+                      size_t smem_bytes, std::mt19937_64* rng) {
   BlockState b;
   b.nthreads = nthreads;
   b.ctx.resize(nthreads);
@@ -350,6 +381,7 @@ inline void run_block(int nthreads, void (*body)(void*), void* arg, unsigned cha
   b.body = body;
   b.body_arg = arg;
   b.smem = smem;
+  b.smem_bytes = smem_bytes;
   while (static_cast<int>(g_stacks.size()) < nthreads) g_stacks.emplace_back(new char[kStackBytes]);
   BlockState* outer = g_block;
   g_block = &b;
@@ -431,7 +463,7 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, Args.
     std::fill(buffer.begin(), buffer.end(), 0xff);
     blockIdx = id;
     ++st.blocks;
-    run_block(nthreads, &LaunchArgs<Params...>::call, &call, buffer.data(),
+    run_block(nthreads, &LaunchArgs<Params...>::call, &call, buffer.data(), smem,
               seed != 0 ? &rng : nullptr);
     for (size_t i = smem; i < buffer.size(); ++i)
       TORCH_CHECK(buffer[i] == 0xff, "cuda_emulator: block ", id.x, ",", id.y, ",", id.z, " wrote ",
@@ -506,6 +538,13 @@ inline void launch(Kernel kernel, dim3 grid, dim3 block, size_t smem, cudaStream
 template <typename T>
 inline void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   cuda_emulator::mma<T>(c, a, b0, b1);
+}
+
+inline void ldmatrix_x4(uint32_t (&r)[4], const uint16_t* rows) {
+  cuda_emulator::ldmatrix(r, rows, false);
+}
+inline void ldmatrix_x4_trans(uint32_t (&r)[4], const uint16_t* rows) {
+  cuda_emulator::ldmatrix(r, rows, true);
 }
 
 }  // namespace ring_attention::gpu
