@@ -254,6 +254,7 @@ __global__ void __launch_bounds__(kThreads) bwd_mma_kernel(const Problem p) {
   const Operands<uint16_t, DKDV> rows(p, t, sp.r0, 0);
   load_rows16<BM, DP>(r1s, LD, rows.r1, stride, sp.nrows, rows.rmask, p.r, D, p.vec);
   load_rows16<BM, DP>(r2s, LD, rows.r2, stride, sp.nrows, rows.rmask, p.r, D, p.vec);
+  cp_async_commit();  // waited for with the first column tile
 
   // This thread's rows warp * 16 + g + 8 * i.
   bool rok[2];
@@ -278,6 +279,7 @@ __global__ void __launch_bounds__(kThreads) bwd_mma_kernel(const Problem p) {
     __syncthreads();
     load_rows16<BN, DP>(c1s, LD, cols.c1, stride, nvalid, cols.cmask, p.r, D, p.vec);
     load_rows16<BN, DP>(c2s, LD, cols.c2, stride, nvalid, cols.cmask, p.r, D, p.vec);
+    cp_async_commit();
     if (threadIdx.x < BN) {
       const int c = threadIdx.x;
       const bool ok = row_ok(c, nvalid, cols.cmask, p.r);
@@ -288,6 +290,7 @@ __global__ void __launch_bounds__(kThreads) bwd_mma_kernel(const Problem p) {
         col_delta[c] = ok ? delta[si] : 0.f;
       }
     }
+    cp_async_wait<0>();
     __syncthreads();
 
     float x1[NJ][4] = {}, x2[NJ][4] = {};

@@ -7,7 +7,8 @@
 //    fp32 accumulate). 4 warps, 64 query rows (16 per warp) x 64 keys per
 //    tile; Q, K, V row-major in shared memory, fragments loaded with ldmatrix
 //    (V with .trans); S and O live in registers, P is re-packed from the S
-//    fragments.
+//    fragments. K/V tiles are double-buffered: the copy (cp.async) of tile
+//    n+1 is in flight while tile n is computed.
 //  * otherwise (fp32, fp64, head_dim up to 256, older GPUs): SIMT kernel, one
 //    lane per key of a 32-key tile, each warp owns ROWS query rows.
 #include <ATen/Dispatch.h>
@@ -129,10 +130,10 @@ __global__ void __launch_bounds__(kThreads) fwd_mma_kernel(const Problem p) {
 #else
   constexpr int BM = 64, BN = 64, LD = DP + 8, NJ = BN / 8, ND = DP / 8;
   RING_ATTENTION_DYNAMIC_SMEM(smem);
-  uint16_t* qs = reinterpret_cast<uint16_t*>(smem);  // BM x LD
-  uint16_t* ks = qs + BM * LD;                       // BN x LD
-  uint16_t* vs = ks + BN * LD;                       // BN x LD
-  uint8_t* kok = reinterpret_cast<uint8_t*>(vs + BN * LD);
+  uint16_t* qs = reinterpret_cast<uint16_t*>(smem);             // BM x LD
+  uint16_t* ks = qs + BM * LD;                                  // 2 stages x BN x LD
+  uint16_t* vs = ks + 2 * BN * LD;                              // 2 stages x BN x LD
+  uint8_t* kok = reinterpret_cast<uint8_t*>(vs + 2 * BN * LD);  // 2 stages x BN
 
   Tile t;
   if (!decode_tile(p, t)) return;
@@ -150,8 +151,20 @@ __global__ void __launch_bounds__(kThreads) fwd_mma_kernel(const Problem p) {
   const int64_t stride = p.r * p.H * p.D;
   const float scale_log2 = static_cast<float>(p.scale) * kLog2e;
 
+  // Key tile at n0 into stage st (the copies form one cp.async group).
+  const auto stage_keys = [&](int64_t n0, int st) {
+    const int nvalid = static_cast<int>(imin(BN, nk - n0));
+    const int64_t pos0 = t.k.first + n0 * p.r;
+    const bool* mk = mask_at(p, t.b, pos0);
+    const int64_t off = k_offset(p, t.b, t.h, pos0);
+    load_rows16<BN, DP>(ks + st * BN * LD, LD, k + off, stride, nvalid, mk, p.r, D, p.vec);
+    load_rows16<BN, DP>(vs + st * BN * LD, LD, v + off, stride, nvalid, mk, p.r, D, p.vec);
+    if (threadIdx.x < BN) kok[st * BN + threadIdx.x] = row_ok(threadIdx.x, nvalid, mk, p.r);
+    cp_async_commit();
+  };
   load_rows16<BM, DP>(qs, LD, q + q_offset(p, t.b, t.h, t.q.first + m0 * p.r), stride, nrows,
                       nullptr, 0, D, p.vec);
+  stage_keys(0, 0);  // with the query tile: the first group
 
   // This thread's two rows: warp * 16 + g + 8 * i. Causal: key n <= lim[i].
   int64_t lim[2];
@@ -160,19 +173,21 @@ __global__ void __launch_bounds__(kThreads) fwd_mma_kernel(const Problem p) {
   float o[ND][4] = {};
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
 
-  for (int64_t n0 = 0; n0 < nk; n0 += BN) {
-    const int nvalid = static_cast<int>(imin(BN, nk - n0));
-    const int64_t pos0 = t.k.first + n0 * p.r;
-    const bool* mk = mask_at(p, t.b, pos0);
-    const int64_t off = k_offset(p, t.b, t.h, pos0);
-    __syncthreads();
-    load_rows16<BN, DP>(ks, LD, k + off, stride, nvalid, mk, p.r, D, p.vec);
-    load_rows16<BN, DP>(vs, LD, v + off, stride, nvalid, mk, p.r, D, p.vec);
-    if (threadIdx.x < BN) kok[threadIdx.x] = row_ok(threadIdx.x, nvalid, mk, p.r);
-    __syncthreads();
+  for (int64_t n0 = 0, it = 0; n0 < nk; n0 += BN, ++it) {
+    const int st = static_cast<int>(it & 1);
+    if (n0 + BN < nk) {
+      stage_keys(n0 + BN, st ^ 1);  // its stage was last read before the previous barrier
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();  // stage st complete for every thread
+    const uint16_t* kt = ks + st * BN * LD;
+    const uint16_t* vt = vs + st * BN * LD;
+    const uint8_t* kokt = kok + st * BN;
 
     float s[NJ][4] = {};
-    mma_ss<T, NJ, DP>(s, qs + warp * 16 * LD, LD, ks, LD, lane);
+    mma_ss<T, NJ, DP>(s, qs + warp * 16 * LD, LD, kt, LD, lane);
 
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -180,7 +195,7 @@ __global__ void __launch_bounds__(kThreads) fwd_mma_kernel(const Problem p) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int col = j * 8 + 2 * tg + (e & 1);
-        const bool ok = kok[col] && (!p.causal || n0 + col <= lim[e >> 1]);
+        const bool ok = kokt[col] && (!p.causal || n0 + col <= lim[e >> 1]);
         s[j][e] = ok ? s[j][e] * scale_log2 : -INFINITY;
         mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
       }
@@ -206,7 +221,8 @@ __global__ void __launch_bounds__(kThreads) fwd_mma_kernel(const Problem p) {
     for (int j = 0; j < ND; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[j][e] *= alpha[e >> 1];
-    mma_rs<T, ND, NJ>(o, s, vs, LD, lane);
+    mma_rs<T, ND, NJ>(o, s, vt, LD, lane);
+    __syncthreads();  // stage st fully read before it is refilled
   }
 
   float* out = static_cast<float*>(p.out);
@@ -266,7 +282,7 @@ void dispatch_simt(const Problem& p, at::IntArrayRef segs, at::IntArrayRef dils)
 template <typename T, int DP>
 void launch_mma(const Problem& p, at::IntArrayRef segs, at::IntArrayRef dils) {
   constexpr int BM = 64, BN = 64;
-  const size_t smem = (BM + 2 * BN) * (DP + 8) * sizeof(uint16_t) + BN;
+  const size_t smem = (BM + 4 * BN) * (DP + 8) * sizeof(uint16_t) + 2 * BN;
   launch_branches(fwd_mma_kernel<T, DP>, p, segs, dils, p.Lq, BM, smem);
 }
 

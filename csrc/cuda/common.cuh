@@ -177,10 +177,13 @@ __device__ inline C dot_bcast(const C (&x)[NPL], const C* y, int D) {
 }
 
 // --------------------------------------------------- tensor-core (mma) path
-// Raw 16-bit tiles. Row i (i < nvalid and not masked) of the tile is at
-// src + i * stride; written to s[i * ld + d] for d < DP (zero past D and for
-// unreached rows). Rows of s must start 16-byte aligned (ld % 8 == 0): the
-// ldmatrix loads below read them.
+// Stage a raw 16-bit tile in shared memory: row i (i < nvalid and not masked)
+// of the tile is at src + i * stride and goes to s[i * ld + d] for d < DP (zero
+// past D and for unreached rows). Rows of s must start 16-byte aligned (ld % 8
+// == 0): ldmatrix reads them. With vec (D % 8 == 0, 16-byte aligned rows) the
+// copies are cp.async: they land once the thread has committed and waited for
+// them (cp_async_commit, cp_async_wait) and the block is visible after the next
+// __syncthreads; otherwise they are plain stores.
 template <int ROWS, int DP>
 __device__ inline void load_rows16(uint16_t* s, int ld, const uint16_t* src, int64_t stride,
                                    int nvalid, const bool* mask, int64_t mstride, int D, bool vec) {
@@ -188,16 +191,17 @@ __device__ inline void load_rows16(uint16_t* s, int ld, const uint16_t* src, int
   for (int idx = threadIdx.x; idx < ROWS * kChunks; idx += kThreads) {
     const int i = idx / kChunks, c = (idx % kChunks) * 8;
     const bool ok = row_ok(i, nvalid, mask, mstride);
+    if (vec) {  // a chunk is wholly inside [0, D) or wholly past it
+      const bool in = ok && c < D;
+      cp_async_16(s + i * ld + c, in ? src + i * stride + c : src, in ? 16 : 0);
+      continue;
+    }
     union {
       uint4 u;
       uint16_t h[8];
     } val;
-    if (ok && vec && c < D) {
-      val.u = *reinterpret_cast<const uint4*>(src + i * stride + c);
-    } else {
 #pragma unroll
-      for (int j = 0; j < 8; ++j) val.h[j] = (ok && c + j < D) ? src[i * stride + c + j] : 0;
-    }
+    for (int j = 0; j < 8; ++j) val.h[j] = (ok && c + j < D) ? src[i * stride + c + j] : 0;
     *reinterpret_cast<uint4*>(s + i * ld + c) = val.u;
   }
 }

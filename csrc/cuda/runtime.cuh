@@ -101,6 +101,21 @@ __device__ inline void ldmatrix_x4_trans(uint32_t (&r)[4], const uint16_t* rows)
                : "r"(addr));
 }
 
+// 16 bytes global -> shared without passing through registers (sm_80+);
+// src_bytes < 16 zero-fills the rest (0: nothing is read). A thread's copies
+// form a group at cp_async_commit; cp_async_wait<N> returns when at most N of
+// its groups are still in flight.
+__device__ inline void cp_async_16(void* dst, const void* src, int src_bytes) {
+  const auto addr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(src),
+               "r"(src_bytes));
+}
+__device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ inline void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
 }  // namespace ring_attention::gpu
 
 #endif

@@ -5,8 +5,9 @@
 // on the calling OS thread. A fiber runs until it reaches a synchronisation
 // point (__syncthreads, __syncwarp, a shuffle, a vote, an mma), so the code
 // between two such points runs atomically; the order in which fibers and
-// blocks run is drawn from a seed, so a missing barrier or a write shared by
-// two blocks shows up as results that change with the seed. Strictness:
+// blocks run is drawn from a seed (odd seeds let one warp run as far ahead as
+// it can), so a missing barrier or a write shared by two blocks shows up as
+// results that change with the seed. Strictness:
 //   * a warp collective needs all 32 lanes, with a full mask, at the same
 //     kind of collective; otherwise (or if no fiber can go on) the launch
 //     fails with the state of every waiting thread;
@@ -18,7 +19,8 @@
 // mma.sync.m16n8k16 is computed from its operand fragments as the PTX ISA
 // lays them out (products exact, sums in double, rounded to fp32), and
 // ldmatrix gathers its tiles from the rows the lanes name, which must lie in
-// the block's shared memory, 16-byte aligned.
+// the block's shared memory, 16-byte aligned. cp.async copies are deferred to
+// the wait that covers them.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -54,7 +56,7 @@ namespace cuda_emulator {
 
 // Settings of the emulated device and of the scheduler.
 struct Config {
-  uint64_t seed = 0;            // 0: fibers and blocks in index order
+  uint64_t seed = 0;            // 0: index order; odd: warps run ahead; even: shuffled
   int compute_capability = 90;  // sm_90
   int smem_optin = 227 * 1024;  // cudaDevAttrMaxSharedMemoryPerBlockOptin (H100)
 };
@@ -184,6 +186,14 @@ struct BlockState {
   void* body_arg = nullptr;
   unsigned char* smem = nullptr;
   size_t smem_bytes = 0;
+  // cp.async per thread: the open group, then committed groups, oldest first.
+  struct Copy {
+    void* dst;
+    const void* src;
+    int bytes;
+  };
+  std::vector<std::vector<Copy>> open_copies;
+  std::vector<std::vector<std::vector<Copy>>> committed;
 };
 
 inline thread_local BlockState* g_block = nullptr;
@@ -331,6 +341,40 @@ inline void ldmatrix(uint32_t (&r)[4], const uint16_t* rows, bool trans) {
   }
 }
 
+// cp.async.cg 16 bytes: the destination turns to 0xff poison at once (a
+// reader that should have finished before the copy was issued sees it) and
+// gets its data (src, zero-filled past src_bytes) only when the thread waits
+// for the group (a reader that does not wait, or skips the barrier after the
+// wait, sees the poison).
+inline void cp_async_16(void* dst, const void* src, int src_bytes) {
+  BlockState& b = *g_block;
+  const auto d = reinterpret_cast<uintptr_t>(dst), lo = reinterpret_cast<uintptr_t>(b.smem);
+  if (d % 16 != 0 || reinterpret_cast<uintptr_t>(src) % 16 != 0)
+    fail("cp.async with an address that is not 16-byte aligned");
+  if (d < lo || d + 16 > lo + b.smem_bytes) fail("cp.async destination outside shared memory");
+  if (src_bytes < 0 || src_bytes > 16) fail("cp.async src-size outside [0, 16]");
+  std::memset(dst, 0xff, 16);  // in flight: a reader that is not yet done sees poison
+  b.open_copies[b.current].push_back({dst, src, src_bytes});
+}
+
+inline void cp_async_commit() {
+  BlockState& b = *g_block;
+  b.committed[b.current].push_back(std::move(b.open_copies[b.current]));
+  b.open_copies[b.current].clear();
+}
+
+inline void cp_async_wait(int pending) {
+  BlockState& b = *g_block;
+  auto& groups = b.committed[b.current];
+  while (static_cast<int>(groups.size()) > pending) {
+    for (const BlockState::Copy& c : groups.front()) {
+      std::memset(c.dst, 0, 16);
+      if (c.bytes > 0) std::memcpy(c.dst, c.src, c.bytes);
+    }
+    groups.erase(groups.begin());
+  }
+}
+
 [[noreturn]] inline void fiber_main() {
   BlockState& b = *g_block;
   b.body(b.body_arg);
@@ -370,7 +414,7 @@ inline std::string deadlock_report(const BlockState& b) {
 
 // Run one thread block of `nthreads` fibers, each calling body(arg).
 inline void run_block(int nthreads, void (*body)(void*), void* arg, unsigned char* smem,
-                      size_t smem_bytes, std::mt19937_64* rng) {
+                      size_t smem_bytes, std::mt19937_64* rng, bool run_ahead) {
   BlockState b;
   b.nthreads = nthreads;
   b.ctx.resize(nthreads);
@@ -382,26 +426,47 @@ inline void run_block(int nthreads, void (*body)(void*), void* arg, unsigned cha
   b.body_arg = arg;
   b.smem = smem;
   b.smem_bytes = smem_bytes;
+  b.open_copies.resize(nthreads);
+  b.committed.resize(nthreads);
   while (static_cast<int>(g_stacks.size()) < nthreads) g_stacks.emplace_back(new char[kStackBytes]);
   BlockState* outer = g_block;
   g_block = &b;
   for (int t = 0; t < nthreads; ++t) {
     make_context(b.ctx[t], g_stacks[t].get(), kStackBytes, fiber_main);
   }
-  std::vector<int> order(nthreads);
-  std::iota(order.begin(), order.end(), 0);
-  while (b.ndone < nthreads && b.error.empty()) {
-    if (rng != nullptr) std::shuffle(order.begin(), order.end(), *rng);
-    bool ran = false;
-    for (const int t : order) {
-      if (!runnable(b, t)) continue;
-      ran = true;
-      b.current = t;
-      b.wait[t] = Wait::none;
-      threadIdx = uint3{static_cast<unsigned>(t), 0, 0};
-      switch_context(b.scheduler, b.ctx[t]);
-      if (!b.error.empty()) break;
+  // Run the fibers of `group` (thread indices) until none of them can go on;
+  // true if any ran. The order is shuffled when a generator is given.
+  const auto run_group = [&](std::vector<int>& group) {
+    bool any = false;
+    for (bool ran = true; ran && b.error.empty();) {
+      ran = false;
+      if (rng != nullptr) std::shuffle(group.begin(), group.end(), *rng);
+      for (const int t : group) {
+        if (!runnable(b, t)) continue;
+        ran = any = true;
+        b.current = t;
+        b.wait[t] = Wait::none;
+        threadIdx = uint3{static_cast<unsigned>(t), 0, 0};
+        switch_context(b.scheduler, b.ctx[t]);
+        if (!b.error.empty()) break;
+      }
+      if (!run_ahead) break;
     }
+    return any;
+  };
+  // Round robin: every thread in turn (one step each), so warps keep pace.
+  // Run ahead: one warp as far as it can go (to a barrier), then the next in
+  // a random order, so a warp that overtakes the others exposes a missing
+  // barrier between its writes and their reads.
+  std::vector<std::vector<int>> groups;
+  for (int t = 0; t < nthreads; ++t) {
+    if (run_ahead ? t % kWarp == 0 : t == 0) groups.emplace_back();
+    groups.back().push_back(t);
+  }
+  while (b.ndone < nthreads && b.error.empty()) {
+    if (rng != nullptr) std::shuffle(groups.begin(), groups.end(), *rng);
+    bool ran = false;
+    for (std::vector<int>& group : groups) ran = run_group(group) || ran;
     if (!ran && b.error.empty()) b.error = deadlock_report(b);
   }
   g_block = outer;
@@ -464,7 +529,7 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, Args.
     blockIdx = id;
     ++st.blocks;
     run_block(nthreads, &LaunchArgs<Params...>::call, &call, buffer.data(), smem,
-              seed != 0 ? &rng : nullptr);
+              seed != 0 ? &rng : nullptr, seed % 2 == 1);
     for (size_t i = smem; i < buffer.size(); ++i)
       TORCH_CHECK(buffer[i] == 0xff, "cuda_emulator: block ", id.x, ",", id.y, ",", id.z, " wrote ",
                   i - smem, " bytes past its ", smem, " bytes of shared memory");
@@ -542,6 +607,14 @@ inline void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uin
 
 inline void ldmatrix_x4(uint32_t (&r)[4], const uint16_t* rows) {
   cuda_emulator::ldmatrix(r, rows, false);
+}
+inline void cp_async_16(void* dst, const void* src, int src_bytes) {
+  cuda_emulator::cp_async_16(dst, src, src_bytes);
+}
+inline void cp_async_commit() { cuda_emulator::cp_async_commit(); }
+template <int N>
+inline void cp_async_wait() {
+  cuda_emulator::cp_async_wait(N);
 }
 inline void ldmatrix_x4_trans(uint32_t (&r)[4], const uint16_t* rows) {
   cuda_emulator::ldmatrix(r, rows, true);
