@@ -10,6 +10,7 @@
 
 #include "checks.h"
 #include "cpu/kernels.h"
+#include "schemas.h"
 
 namespace ring_attention {
 namespace {
@@ -228,23 +229,11 @@ Tensor exchange_rows(IntArrayRef q_starts, IntArrayRef q_lens, int64_t k_start, 
                      int64_t heads, IntArrayRef segs, IntArrayRef dils, bool causal,
                      bool head_groups);
 
-// Arguments every attention operator shares.
-#define RA_PATTERN_ARGS                                                                       \
-  "int[] segment_lengths, int[] dilation_rates, bool causal, float scale, bool head_groups, " \
-  "Tensor? key_padding_mask"
-
 TORCH_LIBRARY(ring_attention, m) {
-  m.def(
-      "block_forward(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor(b!) lse, "
-      "int q_start, int k_start, " RA_PATTERN_ARGS ") -> ()");
-  m.def(
-      "block_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-      "Tensor(a!)? dq, Tensor(b!)? dk, Tensor(c!)? dv, int q_start, int k_start, " RA_PATTERN_ARGS
-      ") -> ()");
-  m.def("dilated_attention(Tensor q, Tensor k, Tensor v, " RA_PATTERN_ARGS ") -> (Tensor, Tensor)");
-  m.def(
-      "dilated_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
-      "Tensor lse, " RA_PATTERN_ARGS ") -> (Tensor, Tensor, Tensor)");
+  m.def(schema::kBlockForward);
+  m.def(schema::kBlockBackward);
+  m.def(schema::kDilatedAttention);
+  m.def(schema::kDilatedAttentionBackward);
   m.def(
       "exchange_rows(int[] q_starts, int[] q_lens, int k_start, int k_len, int heads, "
       "int[] segment_lengths, int[] dilation_rates, bool causal, bool head_groups) -> Tensor",

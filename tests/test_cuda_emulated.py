@@ -32,6 +32,9 @@ from test_ops import (
     OUT_TOL,
     UNREACHED_CASES,
     Cfg,
+    _bb,
+    _bf,
+    _fresh_acc,
     _reached_rows,
     _splits,
     acc_dtype,
@@ -92,56 +95,16 @@ def _cfg(path: str, pattern: str, causal: bool, n: int = 150, batch: int = 2) ->
 
 
 def _forward(emu, cfg: Cfg, q, k, v, kpm, q_start=0, k_start=0, acc=None):
-    out, lse = acc if acc is not None else _fresh(q)
-    emu.block_forward(
-        q,
-        k,
-        v,
-        out,
-        lse,
-        q_start,
-        k_start,
-        cfg.segment_lengths,
-        cfg.dilation_rates,
-        cfg.causal,
-        cfg.resolved_scale(),
-        cfg.head_groups,
-        kpm,
-    )
+    out, lse = acc if acc is not None else _fresh_acc(q)
+    _bf(cfg, q, k, v, out, lse, q_start, k_start, kpm, ops=emu)
     return out, lse
 
 
 def _backward(emu, cfg: Cfg, go, q, k, v, out, lse, kpm, q_start=0, k_start=0, grads=None):
-    acc = acc_dtype(q.dtype)
     if grads is None:
-        grads = tuple(torch.zeros(x.shape, dtype=acc) for x in (q, k, v))
-    dq, dk, dv = grads
-    emu.block_backward(
-        go,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        dq,
-        dk,
-        dv,
-        q_start,
-        k_start,
-        cfg.segment_lengths,
-        cfg.dilation_rates,
-        cfg.causal,
-        cfg.resolved_scale(),
-        cfg.head_groups,
-        kpm,
-    )
-    return dq, dk, dv
-
-
-def _fresh(q: torch.Tensor):
-    b, n, h, d = q.shape
-    acc = acc_dtype(q.dtype)
-    return torch.zeros(b, n, h, d, dtype=acc), torch.full((b, h, n), float("-inf"), dtype=acc)
+        grads = tuple(torch.zeros(x.shape, dtype=acc_dtype(q.dtype)) for x in (q, k, v))
+    _bb(cfg, go, q, k, v, out, lse, *grads, q_start, k_start, kpm, ops=emu)
+    return grads
 
 
 def _forward_backward(emu, cfg: Cfg, q, k, v, go, kpm):
@@ -188,9 +151,9 @@ def test_blocks_at_offsets_match_oracle(emu, path, causal) -> None:
     q_blocks, k_blocks = _splits(cfg.n, 2, rng), _splits(cfg.n, 3, rng)
     ctx = f"{path} causal={causal} q={q_blocks} k={k_blocks}"
 
-    out, lse = _fresh(q)
+    out, lse = _fresh_acc(q)
     for qa, qb in q_blocks:
-        acc = _fresh(q[:, qa:qb])
+        acc = _fresh_acc(q[:, qa:qb])
         for ka, kb in rng.sample(k_blocks, len(k_blocks)):
             _forward(emu, cfg, q[:, qa:qb], k[:, ka:kb], v[:, ka:kb], kpm[:, ka:kb], qa, ka, acc)
         out[:, qa:qb], lse[:, :, qa:qb] = acc
@@ -296,46 +259,10 @@ def test_backward_computes_only_the_gradients_asked_for(emu, path) -> None:
     emu.take_stats()
     acc = acc_dtype(dtype)
     dq = torch.zeros(q.shape, dtype=acc)
-    emu.block_backward(
-        go,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        dq,
-        None,
-        None,
-        0,
-        0,
-        cfg.segment_lengths,
-        cfg.dilation_rates,
-        True,
-        cfg.resolved_scale(),
-        True,
-        kpm,
-    )
+    _bb(cfg, go, q, k, v, out, lse, dq, None, None, 0, 0, kpm, ops=emu)
     dq_launches = emu.take_stats()[0]
     dk, dv = torch.zeros(k.shape, dtype=acc), torch.zeros(v.shape, dtype=acc)
-    emu.block_backward(
-        go,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        None,
-        dk,
-        dv,
-        0,
-        0,
-        cfg.segment_lengths,
-        cfg.dilation_rates,
-        True,
-        cfg.resolved_scale(),
-        True,
-        kpm,
-    )
+    _bb(cfg, go, q, k, v, out, lse, None, dk, dv, 0, 0, kpm, ops=emu)
     dkdv_launches = emu.take_stats()[0]
     # delta pre-kernel + one launch per branch each
     assert dq_launches == dkdv_launches == 1 + len(cfg.segment_lengths)

@@ -449,8 +449,8 @@ def _fresh_acc(q: torch.Tensor, lq: int | None = None):
     return out, lse
 
 
-def _bf(cfg: Cfg, q, k, v, out, lse, q_start, k_start, kpm) -> None:
-    OPS.block_forward(
+def _bf(cfg: Cfg, q, k, v, out, lse, q_start, k_start, kpm, ops=OPS) -> None:
+    ops.block_forward(
         q,
         k,
         v,
@@ -467,8 +467,8 @@ def _bf(cfg: Cfg, q, k, v, out, lse, q_start, k_start, kpm) -> None:
     )
 
 
-def _bb(cfg: Cfg, go, q, k, v, out, lse, dq, dk, dv, q_start, k_start, kpm) -> None:
-    OPS.block_backward(
+def _bb(cfg: Cfg, go, q, k, v, out, lse, dq, dk, dv, q_start, k_start, kpm, ops=OPS) -> None:
+    ops.block_backward(
         go,
         q,
         k,

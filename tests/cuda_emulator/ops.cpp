@@ -3,6 +3,8 @@
 #include <cuda_emulator/runtime.h>
 #include <torch/library.h>
 
+#include "../../csrc/schemas.h"
+
 namespace ring_attention::emulated {
 
 void block_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
@@ -35,18 +37,9 @@ std::vector<int64_t> take_stats() {
 
 }  // namespace
 
-#define RA_PATTERN_ARGS                                                                       \
-  "int[] segment_lengths, int[] dilation_rates, bool causal, float scale, bool head_groups, " \
-  "Tensor? key_padding_mask"
-
 TORCH_LIBRARY(ring_attention_emulated, m) {
-  m.def(
-      "block_forward(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor(b!) lse, "
-      "int q_start, int k_start, " RA_PATTERN_ARGS ") -> ()");
-  m.def(
-      "block_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-      "Tensor(a!)? dq, Tensor(b!)? dk, Tensor(c!)? dv, int q_start, int k_start, " RA_PATTERN_ARGS
-      ") -> ()");
+  m.def(schema::kBlockForward);
+  m.def(schema::kBlockBackward);
   m.def("configure(int seed, int compute_capability) -> ()", &configure);
   m.def("take_stats() -> int[]", &take_stats);
 }

@@ -1,0 +1,27 @@
+// Schemas of the attention operators (also used by the test suite's CUDA
+// emulator, whose ops must take exactly the same arguments).
+#pragma once
+
+// Arguments every attention operator shares.
+#define RA_PATTERN_ARGS                                                                       \
+  "int[] segment_lengths, int[] dilation_rates, bool causal, float scale, bool head_groups, " \
+  "Tensor? key_padding_mask"
+
+namespace ring_attention::schema {
+
+inline constexpr const char* kBlockForward =
+    "block_forward(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor(b!) lse, "
+    "int q_start, int k_start, " RA_PATTERN_ARGS ") -> ()";
+inline constexpr const char* kBlockBackward =
+    "block_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+    "Tensor(a!)? dq, Tensor(b!)? dk, Tensor(c!)? dv, int q_start, int k_start, " RA_PATTERN_ARGS
+    ") -> ()";
+inline constexpr const char* kDilatedAttention =
+    "dilated_attention(Tensor q, Tensor k, Tensor v, " RA_PATTERN_ARGS ") -> (Tensor, Tensor)";
+inline constexpr const char* kDilatedAttentionBackward =
+    "dilated_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
+    "Tensor lse, " RA_PATTERN_ARGS ") -> (Tensor, Tensor, Tensor)";
+
+}  // namespace ring_attention::schema
+
+#undef RA_PATTERN_ARGS
