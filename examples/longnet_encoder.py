@@ -36,7 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ring_attention import MultiheadDilatedAttention
-from ring_attention.patterns import pattern_multiplicity
+from ring_attention.multiplicity import multiplicity
+from ring_attention.pattern import Pattern
 
 VOCAB = 8  # plain tokens 0..7, marked tokens 8..15, query token 16
 QUERY_EVERY = 16  # a query token at every 16th position
@@ -98,7 +99,7 @@ def pattern_stats(n: int, heads: int, head_dim: int, layers: int, segs, dils) ->
     """(forward attention FLOPs of all layers, the fraction of positions whose
     token can reach a query position through ``layers`` layers, averaged over
     the query positions)."""
-    m = pattern_multiplicity(n, heads, segs, dils, dtype=torch.float64)
+    m = multiplicity(Pattern(segs, dils), n, heads, dtype=torch.float64)
     flops = int(4 * head_dim * m.sum().item()) * layers
     reach = (m > 0).any(dim=0).double() + torch.eye(n, dtype=torch.float64)  # + residual
     # seen[i, u] = 1 when what is at position u reaches query i through the
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[tuple[int, float, floa
 
     n, hd = args.seq_len, args.dim // args.heads
     dil_segs, dil_rates = [16, 64, 256], [1, 4, 16]
-    dil_pairs = pattern_multiplicity(n, 1, dil_segs, dil_rates).sum().item()
+    dil_pairs = multiplicity(Pattern(dil_segs, dil_rates), n, 1).sum().item()
     w = matched_window(n, dil_pairs)
     configs = {"dilated": (dil_segs, dil_rates), "local": ([w], [1])}
 

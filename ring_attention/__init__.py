@@ -6,13 +6,15 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 from . import _C  # noqa: F401  (registers torch.ops.ring_attention)
 from .dtypes import select_dtype
 from .functional import dilated_attention
-from .modules import DilatedAttention, MultiheadDilatedAttention
-from .ring import RingDilatedAttention, ring_dilated_attention
+from .modules import DilatedAttention, MultiheadDilatedAttention, RingDilatedAttention
+from .pattern import Pattern
+from .ring import ring_dilated_attention
 from .sharding import gather_sequence, shard_sequence
 
 __all__ = [
     "DilatedAttention",
     "MultiheadDilatedAttention",
+    "Pattern",
     "RingDilatedAttention",
     "dilated_attention",
     "gather_sequence",

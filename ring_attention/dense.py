@@ -5,12 +5,12 @@ cover (attention weights, arbitrary masks, extra bias/zero keys, dropout)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
-from .patterns import pattern_log_multiplicity
+from .multiplicity import log_multiplicity
+from .pattern import Pattern
 
 __all__ = ["as_float_mask", "dense_attention"]
 
@@ -37,15 +37,15 @@ def dense_attention(
     bias_k: torch.Tensor | None = None,
     bias_v: torch.Tensor | None = None,
     add_zero_attn: bool = False,
-    pattern: tuple[Sequence[int], Sequence[int]] | None = None,
-    head_groups: bool = False,
+    pattern: Pattern | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Exact attention of projected ``(batch, seq, embed)`` q/k/v with
     materialised ``(batch, heads, L, S)`` scores, as ``nn.MultiheadAttention``
     computes it: masks (bool ``True`` = masked, or additive float),
     ``bias_k``/``bias_v`` and ``add_zero_attn`` keys (reached once by every
     query), dropout on the probabilities, and a dilated ``pattern`` entering
-    as the ``log(multiplicity)`` bias. Rows that reach nothing give zeros.
+    as the ``log(multiplicity)`` bias (its ``causal`` replaces ``causal``).
+    Rows that reach nothing give zeros.
     Returns ``(out (batch, L, embed), weights (batch, heads, L, S) or None)``.
     """
     cdt = compute_dtype
@@ -77,10 +77,7 @@ def dense_attention(
         kb = kpm.view(B, 1, 1, S)
         bias = kb if bias is None else bias + kb
     if pattern is not None:
-        logm = pattern_log_multiplicity(
-            L, H, *pattern, causal=causal,
-            head_groups=head_groups, device=q.device, dtype=cdt,
-        )  # fmt: skip
+        logm = log_multiplicity(pattern, L, H, device=q.device, dtype=cdt)
         if S > L:  # add_bias_kv / add_zero_attn keys: reached once by every query
             logm = F.pad(logm, (0, S - L))
         logm = logm.unsqueeze(0)

@@ -1,13 +1,14 @@
-"""Dtype policy (DESIGN.md §5)."""
+"""Dtype policy (docs/design.md §5): the compute dtype per device, the dtypes
+the kernels accept, the accumulation dtype, and the small integer codes that
+name a dtype in the ranks' control messages."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["select_dtype", "supported_dtypes"]
+__all__ = ["acc_dtype", "dtype_code", "dtype_name", "select_dtype", "supported_dtypes"]
 
-_CPU_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-_CUDA_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_KERNEL_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 def select_dtype(device: torch.device | str | int | None = None) -> torch.dtype:
@@ -35,4 +36,37 @@ def select_dtype(device: torch.device | str | int | None = None) -> torch.dtype:
 
 def supported_dtypes(device: torch.device) -> tuple[torch.dtype, ...]:
     """Input dtypes the kernels accept on ``device``'s type."""
-    return _CUDA_DTYPES if device.type == "cuda" else _CPU_DTYPES
+    return _KERNEL_DTYPES
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The accumulation dtype of ``dtype``: float64 stays, everything else fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+_DTYPE_CODES: dict[torch.dtype, int] = {
+    torch.float32: 1,
+    torch.float64: 2,
+    torch.float16: 3,
+    torch.bfloat16: 4,
+    torch.int64: 5,
+    torch.int32: 6,
+    torch.int16: 7,
+    torch.int8: 8,
+    torch.uint8: 9,
+    torch.bool: 10,
+    torch.complex64: 11,
+    torch.complex128: 12,
+}
+_CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """A small int naming ``dtype`` in control messages (0 for dtypes not listed)."""
+    return _DTYPE_CODES.get(dtype, 0)
+
+
+def dtype_name(code: int) -> str:
+    """Inverse of :func:`dtype_code`, for messages."""
+    dtype = _CODE_DTYPES.get(int(code))
+    return str(dtype) if dtype is not None else f"<dtype code {int(code)}>"

@@ -1,4 +1,4 @@
-"""The point-to-point transport of the ring (DESIGN.md §4).
+"""The point-to-point transport of the ring (docs/design.md §4).
 
 :class:`Exchanger` moves the rows an :class:`~ring_attention.plan.ExchangePlan`
 names between the ranks of one ring call:
@@ -12,10 +12,11 @@ names between the ranks of one ring call:
 
 Rows travel packed: per piece of the sending rank, the selected
 ``(batch, rows, head_dim)`` K rows, then as many V rows; a row is one
-``(position, head)`` pair, the flat index ``position * heads + head`` of the
-plan. Received rows have two buffers (``slot`` 0 and 1; one when a single step
-receives), so the communication of one step overlaps the compute of the
-previous one; a ring schedule alternates the slots; a send buffer has one.
+``(position, K/V head)`` pair, the flat index ``position * kv_heads + g`` of
+the plan (K/V travel at K/V-head width). Received rows have two buffers
+(``slot`` 0 and 1; one when a single step receives), so the communication of
+one step overlaps the compute of the previous one; a ring schedule alternates
+the slots; a send buffer has one.
 Where every (row, head) pair between the first and the last needed row of a
 sender piece is needed (a dense ring: the whole piece), the packed rows are
 that ``(B, rows, H, D)`` range itself: the kernels read the received K/V and
@@ -24,7 +25,7 @@ unpacked into buffers that span only the needed rows of the piece
 (``index_copy_``; returned gradients ``index_add_``).
 
 Transports: NCCL for CUDA tensors, gloo for CPU tensors; CUDA tensors on a
-gloo group are staged through host memory (:func:`~ring_attention.sharding.comm_device`).
+gloo group are staged through host memory (:func:`~ring_attention._comm.comm_device`).
 
 Every posted batch of operations is reported as an :class:`ExchangeEvent` to
 :data:`last_exchange_stats` and to the hooks of :func:`register_exchange_hook`.
@@ -39,15 +40,15 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from ._comm import comm_device
+from .dtypes import acc_dtype
 from .plan import ExchangePlan, Step
-from .sharding import comm_device
 
 __all__ = [
     "ExchangeEvent",
     "ExchangeStats",
     "Exchanger",
     "Transfer",
-    "acc_dtype",
     "last_exchange_stats",
     "register_exchange_hook",
 ]
@@ -176,11 +177,6 @@ def _emit(event: ExchangeEvent) -> None:
 # Transport.
 
 
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The accumulation dtype of ``dtype``: float64 stays, everything else fp32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 _PHASE_TAG = {"forward_kv": 0, "backward_kv": 1, "backward_grad": 2}
 
 
@@ -248,7 +244,7 @@ class Exchanger:
         self.device = device
         self.dtype = dtype
         self.acc = acc_dtype(dtype)
-        self.B, self.H, self.D = batch, plan.heads, head_dim
+        self.B, self.H, self.D = batch, plan.kv_heads, head_dim  # K/V width
         self.comm_dev = comm_device(group, device)
         self.idx = plan.indices_on(device)
         self.spans = {s.distance: self._spans(s) for s in plan.steps}
@@ -334,7 +330,7 @@ class Exchanger:
 
     # -- packing -----------------------------------------------------------
     def _rows(self, t: torch.Tensor) -> torch.Tensor:
-        """``(B, L, H, D)`` as ``(B, L * H, D)``: one row per (position, head)."""
+        """``(B, L, Hkv, D)`` as ``(B, L * Hkv, D)``: one row per (position, K/V head)."""
         return t.view(self.B, t.shape[1] * self.H, self.D)
 
     def _chunks(

@@ -1,36 +1,86 @@
-"""The ring handshake: before any K/V moves, the ranks of a ring call agree.
+"""Agreement between ranks before anything large moves (docs/design.md §6).
 
-One small all-gather of int64 metadata per call (local length, batch, heads,
-head_dim, dtype, pattern hash, causal, head_groups, scale, layout, grad mode
-and an error flag). Ranks that disagree, or a rank whose own inputs failed
-validation, make every rank raise ``ValueError`` (DESIGN.md §6) instead of
-some ranks entering the ring and hanging.
+Every collective entry point of the library (the ring, ``gather_sequence``)
+starts with one control message per rank, all-gathered in one small
+collective. Every message has the same fixed size, ``WORDS`` int64 words::
+
+    [magic, call tag, error flag, payload ...]
+
+so ranks that are in different calls (the ring on one rank,
+``gather_sequence`` on another) still exchange messages of equal size: the
+mismatch becomes the library's own "ranks are out of step" error on every
+rank instead of an abort inside the transport. A rank whose own inputs failed
+validation sends the error flag (:func:`reject`), so every rank raises instead
+of some ranks entering the collective and waiting for the group's timeout.
+Ranks whose calls disagree (pattern, global length, dtype, shapes, flags)
+raise ``ValueError`` on every rank.
 """
 
 from __future__ import annotations
 
 import struct
-import zlib
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-from .sharding import LAYOUTS, all_gather_ints, dtype_code, dtype_name, layout_shard_lengths
+from ._comm import all_gather_ints
+from .dtypes import dtype_code, dtype_name
+from .layout import LAYOUTS, layout_shard_lengths
+from .pattern import Pattern
 
-__all__ = ["handshake", "ring_metadata"]
+__all__ = ["WORDS", "gather_handshake", "reject", "ring_handshake", "ring_message"]
 
-
+#: Words (int64) of every control message.
+WORDS = 16
 _MAGIC = 0x52494E47  # "RING"
-_FIELDS = (
-    "magic", "error", "seq_len_local", "batch", "heads", "head_dim", "dtype",
-    "pattern_hash", "n_branches", "causal", "head_groups", "scale", "layout",
-    "requires_grad",
+_CALLS = {"ring_dilated_attention": 1, "gather_sequence": 2}
+_NAMES = {v: k for k, v in _CALLS.items()}
+
+_RING_FIELDS = (
+    "seq_len_local", "batch", "heads", "kv_heads", "head_dim", "dtype", "pattern", "scale",
+    "layout", "requires_grad",
 )  # fmt: skip
+_GATHER_DIMS = WORDS - 3 - 4  # shapes of up to 9 dimensions
+_GATHER_FIELDS = ("ndim", "dim", "dtype", "layout", *(f"size{i}" for i in range(_GATHER_DIMS)))
 
 
-def _pattern_hash(segs: Sequence[int], dils: Sequence[int]) -> int:
-    return zlib.crc32(repr((tuple(segs), tuple(dils))).encode())
+def _exchange(
+    group: dist.ProcessGroup | None, call: str, payload: Sequence[int] | None
+) -> list[list[int]] | None:
+    """All-gather this rank's message; the payload rows of every rank.
+
+    ``payload=None`` says this rank rejected its inputs: it returns ``None``
+    after the collective and the caller raises its own error. Raises
+    ``ValueError`` on every rank when a rank is in another call (or not in a
+    library call at all) or when another rank rejected its inputs.
+    """
+    body = [-1] * (WORDS - 3) if payload is None else list(payload)
+    body += [0] * (WORDS - 3 - len(body))
+    rows = all_gather_ints([_MAGIC, _CALLS[call], int(payload is None), *body], group)
+    calls = [r[1] if r[0] == _MAGIC else 0 for r in rows]
+    if any(c != _CALLS[call] for c in calls):
+        where = ", ".join(
+            f"rank {i}: {_NAMES.get(c, 'not a ring_attention call')}" for i, c in enumerate(calls)
+        )
+        raise ValueError(
+            f"{call}: ranks are out of step (every rank must make the same call): {where}"
+        )
+    bad = [i for i, r in enumerate(rows) if r[2]]
+    if payload is None:
+        return None
+    if bad:
+        raise ValueError(
+            f"{call}: rank(s) {bad} rejected their inputs (see the error raised there); "
+            "nothing was communicated"
+        )
+    return [r[3:] for r in rows]
+
+
+def reject(group: dist.ProcessGroup | None, call: str = "ring_dilated_attention") -> None:
+    """Take part in ``call``'s handshake as a rank whose inputs failed
+    validation: the other ranks raise; the caller raises its own error."""
+    _exchange(group, call, None)
 
 
 def _scale_bits(scale: float) -> int:
@@ -41,72 +91,75 @@ def _bits_scale(bits: int) -> float:
     return struct.unpack("<d", struct.pack("<q", int(bits)))[0]
 
 
-def handshake(
-    group: dist.ProcessGroup | None, world: int, values: dict[str, int] | None, layout: str, pattern
-) -> int:
-    """All-gather the metadata of every rank and check it agrees.
+def ring_message(
+    q: torch.Tensor,
+    kv_heads: int,
+    pattern: Pattern,
+    *,
+    scale: float,
+    layout: str,
+    needs_grad: bool,
+) -> list[int]:
+    """This rank's ring handshake payload (``q``: the validated local query)."""
+    B, L, H, D = q.shape
+    values = {
+        "seq_len_local": L,
+        "batch": B,
+        "heads": H,
+        "kv_heads": kv_heads,
+        "head_dim": D,
+        "dtype": dtype_code(q.dtype),
+        "pattern": pattern.digest(),
+        "scale": _scale_bits(scale),
+        "layout": LAYOUTS.index(layout),
+        "requires_grad": int(needs_grad),
+    }
+    return [values[f] for f in _RING_FIELDS]
 
-    ``values`` is ``None`` when this rank's own inputs failed validation (it
-    then raises its own error after the handshake). Returns the global length.
+
+def ring_handshake(
+    group: dist.ProcessGroup | None,
+    world: int,
+    message: list[int] | None,
+    pattern: Pattern | None,
+    layout: str,
+) -> int:
+    """Check that every rank makes the same ring call; the global length.
+
+    ``message`` is :func:`ring_message`, or ``None`` when this rank's inputs
+    failed validation (it returns -1 and the caller raises its own error).
     Raises ``ValueError`` on every rank when ranks disagree.
     """
-    if values is None:
-        row = [_MAGIC, 1] + [-1] * (len(_FIELDS) - 2)
-    else:
-        row = [values.get(f, 0) for f in _FIELDS]
-        row[0], row[1] = _MAGIC, 0
-    rows = all_gather_ints(row, group)
-    table = {f: [r[i] for r in rows] for i, f in enumerate(_FIELDS)}
-    if any(m != _MAGIC for m in table["magic"]):
-        raise ValueError(
-            "ring_dilated_attention: ranks are out of step (a rank is running a different "
-            "collective than the ring handshake)"
-        )
-    bad = [r for r, e in enumerate(table["error"]) if e]
-    if bad:
-        if values is None:
-            return -1  # the caller raises its own error
-        raise ValueError(
-            f"ring_dilated_attention: rank(s) {bad} rejected their inputs (see the error "
-            "raised there); the ring was not run"
-        )
-
-    def differ(name: str) -> bool:
-        return len(set(table[name])) > 1
-
+    rows = _exchange(group, "ring_dilated_attention", message)
+    if rows is None:
+        return -1
+    table = {f: [r[i] for r in rows] for i, f in enumerate(_RING_FIELDS)}
     prefix = "ring_dilated_attention: ranks disagree on "
-    if differ("pattern_hash") or differ("n_branches"):
-        try:
-            patterns = [None] * world
-            dist.all_gather_object(patterns, pattern, group=group)
-            detail = ", ".join(
-                f"rank {r}: segment_lengths={list(p[0])} dilation_rates={list(p[1])}"
-                for r, p in enumerate(patterns)
-            )
-        except Exception:  # pragma: no cover - the message is a courtesy
-            detail = f"pattern hashes {table['pattern_hash']}"
-        raise ValueError(prefix + f"the pattern (segment_lengths/dilation_rates): {detail}")
-    if differ("dtype"):
+    if len(set(table["pattern"])) > 1:
+        descriptions: list = [None] * world
+        dist.all_gather_object(descriptions, pattern.describe() if pattern else "?", group=group)
+        detail = "; ".join(f"rank {r}: {d}" for r, d in enumerate(descriptions))
+        raise ValueError(prefix + f"the pattern: {detail}")
+    if len(set(table["dtype"])) > 1:
         raise ValueError(
             prefix + f"the dtype: {[dtype_name(c) for c in table['dtype']]} (rank order)"
         )
     for name, what in (
         ("heads", "the number of heads (q.shape[2])"),
+        ("kv_heads", "the number of K/V heads (k.shape[2])"),
         ("head_dim", "head_dim (q.shape[3])"),
         ("batch", "the batch size (q.shape[0])"),
-        ("causal", "causal"),
-        ("head_groups", "head_groups"),
         ("layout", "layout"),
         ("requires_grad", "whether a gradient is needed (every rank must run the backward)"),
     ):
-        if differ(name):
-            vals = table[name]
-            if name in ("causal", "head_groups", "requires_grad"):
+        vals = table[name]
+        if len(set(vals)) > 1:
+            if name == "requires_grad":
                 vals = [bool(x) for x in vals]
             if name == "layout":
                 vals = [LAYOUTS[x] if 0 <= x < len(LAYOUTS) else x for x in vals]
             raise ValueError(prefix + f"{what}: {vals} (rank order)")
-    if differ("scale"):
+    if len(set(table["scale"])) > 1:
         raise ValueError(prefix + f"scale: {[_bits_scale(b) for b in table['scale']]} (rank order)")
     lengths = table["seq_len_local"]
     n = sum(lengths)
@@ -120,30 +173,40 @@ def handshake(
     return n
 
 
-def ring_metadata(
-    q: torch.Tensor,
-    segs: Sequence[int],
-    dils: Sequence[int],
-    *,
-    causal: bool,
-    head_groups: bool,
-    scale: float,
-    layout: str,
-    needs_grad: bool,
-) -> dict[str, int]:
-    """This rank's row of the handshake (``q``: the validated local query)."""
-    B, L, H, D = q.shape
-    return {
-        "seq_len_local": L,
-        "batch": B,
-        "heads": H,
-        "head_dim": D,
-        "dtype": dtype_code(q.dtype),
-        "pattern_hash": _pattern_hash(segs, dils),
-        "n_branches": len(segs),
-        "causal": int(bool(causal)),
-        "head_groups": int(bool(head_groups)),
-        "scale": _scale_bits(scale),
-        "layout": LAYOUTS.index(layout),
-        "requires_grad": int(needs_grad),
-    }
+def gather_handshake(
+    group: dist.ProcessGroup | None, world: int, x_local: torch.Tensor, dim: int, layout: str
+) -> list[int]:
+    """Check that every rank gathers pieces of one tensor along ``dim``; the
+    local lengths along ``dim`` (rank order)."""
+    if x_local.dim() > _GATHER_DIMS:
+        reject(group, "gather_sequence")
+        raise ValueError(
+            f"gather_sequence supports tensors of at most {_GATHER_DIMS} dimensions, got "
+            f"{x_local.dim()}"
+        )
+    shape = list(x_local.shape) + [-1] * (_GATHER_DIMS - x_local.dim())
+    rows = _exchange(
+        group,
+        "gather_sequence",
+        [x_local.dim(), dim, dtype_code(x_local.dtype), LAYOUTS.index(layout), *shape],
+    )
+    assert rows is not None
+    table = {f: [r[i] for r in rows] for i, f in enumerate(_GATHER_FIELDS)}
+    prefix = "gather_sequence: ranks disagree on "
+    for name in ("ndim", "dim", "layout"):
+        if len(set(table[name])) > 1:
+            raise ValueError(prefix + f"{name}: {table[name]} (rank order)")
+    if len(set(table["dtype"])) > 1:
+        raise ValueError(prefix + f"the dtype: {[dtype_name(c) for c in table['dtype']]}")
+    shapes = [r[4 : 4 + x_local.dim()] for r in rows]
+    if len({tuple(s[:dim] + s[dim + 1 :]) for s in shapes}) > 1:
+        raise ValueError(prefix + f"the shape outside dim {dim}: {shapes}")
+    lengths = [s[dim] for s in shapes]
+    n = sum(lengths)
+    expected = layout_shard_lengths(n, world, layout)
+    if lengths != expected:
+        raise ValueError(
+            f"gather_sequence: local lengths along dim {dim} are {lengths} (global length "
+            f"{n}), but layout={layout!r} expects {expected} (torch.tensor_split convention)"
+        )
+    return lengths

@@ -1,67 +1,85 @@
-"""``nn.Module`` front ends: :class:`DilatedAttention` (the local op as a
-module) and :class:`MultiheadDilatedAttention`, a drop-in replacement for
-``torch.nn.MultiheadAttention``.
+"""``nn.Module`` front ends of the attention: :class:`DilatedAttention` (one
+process), :class:`RingDilatedAttention` (sequence sharded across a process
+group) and :class:`~ring_attention.multihead.MultiheadDilatedAttention` (a
+drop-in for ``torch.nn.MultiheadAttention``, in its own module).
 
-``MultiheadDilatedAttention`` has the constructor, parameters, state-dict keys,
-initialisation and ``forward`` of ``nn.MultiheadAttention``; with no pattern it
-computes the same dense attention. A pattern (``segment_lengths`` and
-``dilation_rates``) turns it into exact LongNet-style dilated attention
-(DESIGN.md §1); ``group=`` shards the sequence across the ranks of a process
-group (ring attention, ``ring_attention.ring``).
-
-Execution paths of ``MultiheadDilatedAttention.forward`` (all exact):
-
-- **fast**: ``ring_attention.dilated_attention`` (the C++ op, O(n) memory per
-  head for a dilated pattern) — used whenever it applies: query and key of the
-  same length, no ``attn_mask`` (an ``is_causal`` hint counts as none), no
-  ``add_bias_kv``/``add_zero_attn``, a boolean (or no) ``key_padding_mask``,
-  ``need_weights=False`` and no dropout in training.
-- **ring**: ``ring_attention.ring_dilated_attention`` when ``group`` is set.
-- **dense**: everything else (attention weights, float or boolean
-  ``attn_mask``, float ``key_padding_mask``, ``add_bias_kv``, ``add_zero_attn``,
-  cross-attention of different lengths, dropout in training). It materialises
-  the ``(batch, heads, L, S)`` scores, like ``nn.MultiheadAttention``, with the
-  pattern entering as an additive ``log(multiplicity)`` bias, so the softmax is
-  the multiset softmax of DESIGN.md §1. The multiplicity matrices are cached in
-  :data:`ring_attention.patterns.PATTERN_CACHE`, a bounded thread-safe LRU
-  with hit/miss counters.
+Each holds one :class:`~ring_attention.pattern.Pattern`, checked at
+construction (a bad pattern raises ``ValueError`` there, not at the first
+forward) and passed down unchanged.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
-from typing import ClassVar
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
-from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
-from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
-from .dense import dense_attention
-from .dtypes import select_dtype
-from .functional import (
-    check_head_groups,
-    dilated_attention,
-    normalize_pattern,
-    resolve_scale,
-)
+from .checks import resolve_scale
+from .functional import attend
+from .layout import check_layout
+from .multihead import MultiheadDilatedAttention
+from .pattern import Pattern
+from .ring import ring_attention
 
-__all__ = ["DilatedAttention", "MultiheadDilatedAttention"]
-
-# ---------------------------------------------------------------------------
-# DilatedAttention: the local op as a module.
+__all__ = ["DilatedAttention", "MultiheadDilatedAttention", "RingDilatedAttention"]
 
 
-class DilatedAttention(nn.Module):
-    """Exact dilated attention (DESIGN.md §1) over ``(batch, seq, heads,
+class _PatternModule(nn.Module):
+    """Holds the pattern and the score scale of an attention module."""
+
+    def __init__(
+        self,
+        segment_lengths: Sequence[int],
+        dilation_rates: Sequence[int],
+        causal: bool,
+        scale: float | None,
+        head_groups: bool,
+        head_offsets: str,
+    ) -> None:
+        super().__init__()
+        self.pattern = Pattern(
+            segment_lengths,
+            dilation_rates,
+            causal=causal,
+            head_groups=head_groups,
+            head_offsets=head_offsets,
+        )
+        self.scale = None if scale is None else resolve_scale(scale, 1)
+
+    @property
+    def segment_lengths(self) -> tuple[int, ...]:
+        return self.pattern.segment_lengths
+
+    @property
+    def dilation_rates(self) -> tuple[int, ...]:
+        return self.pattern.dilation_rates
+
+    @property
+    def causal(self) -> bool:
+        return self.pattern.causal
+
+    @property
+    def head_groups(self) -> bool:
+        return self.pattern.head_groups
+
+    def _pattern(self, cu_seqlens: torch.Tensor | Sequence[int] | None) -> Pattern:
+        return self.pattern.with_documents(cu_seqlens)
+
+    def extra_repr(self) -> str:
+        p = self.pattern
+        s = (
+            f"segment_lengths={list(p.segment_lengths)}, dilation_rates={list(p.dilation_rates)}, "
+            f"causal={p.causal}, scale={self.scale}, head_groups={p.head_groups}"
+        )
+        return s if p.head_offsets == "modulo" else s + f", head_offsets={p.head_offsets!r}"
+
+
+class DilatedAttention(_PatternModule):
+    """Exact dilated attention (docs/design.md §1) over ``(batch, seq, heads,
     head_dim)`` tensors: an ``nn.Module`` around
     :func:`ring_attention.dilated_attention`.
-
-    The pattern is checked and normalised once, at construction (a bad pattern
-    raises ``ValueError`` here, not at the first forward).
 
     Args:
         segment_lengths, dilation_rates: the pattern, one ``(w, r)`` per branch.
@@ -69,6 +87,7 @@ class DilatedAttention(nn.Module):
         scale: score scale, default ``head_dim ** -0.5``.
         head_groups: split heads into ``len(pattern)`` groups, branch ``i``
             applying only to group ``i``.
+        head_offsets: ``"modulo"`` (default) or ``"grouped"`` (torchscale).
     """
 
     def __init__(
@@ -78,16 +97,9 @@ class DilatedAttention(nn.Module):
         causal: bool = False,
         scale: float | None = None,
         head_groups: bool = False,
+        head_offsets: str = "modulo",
     ) -> None:
-        super().__init__()
-        segs, dils = normalize_pattern(segment_lengths, dilation_rates)
-        if scale is not None:
-            scale = resolve_scale(scale, 1)
-        self.segment_lengths: tuple[int, ...] = segs
-        self.dilation_rates: tuple[int, ...] = dils
-        self.causal = bool(causal)
-        self.scale = scale
-        self.head_groups = bool(head_groups)
+        super().__init__(segment_lengths, dilation_rates, causal, scale, head_groups, head_offsets)
 
     def forward(
         self,
@@ -95,580 +107,72 @@ class DilatedAttention(nn.Module):
         k: torch.Tensor,
         v: torch.Tensor,
         key_padding_mask: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``out`` of ``q``'s shape and dtype. ``key_padding_mask``: bool
-        ``(batch, seq)``, ``True`` = ignore that key."""
-        return dilated_attention(
+        """``out`` of ``q``'s shape and dtype. ``k``, ``v`` may have fewer
+        (K/V) heads than ``q``; ``key_padding_mask``: bool ``(batch, seq)``,
+        ``True`` = ignore that key; ``cu_seqlens``: document boundaries of a
+        packed sequence."""
+        return attend(
             q,
             k,
             v,
-            self.segment_lengths,
-            self.dilation_rates,
-            causal=self.causal,
+            self._pattern(cu_seqlens),
             scale=self.scale,
-            head_groups=self.head_groups,
             key_padding_mask=key_padding_mask,
         )
 
-    def extra_repr(self) -> str:
-        return (
-            f"segment_lengths={list(self.segment_lengths)}, "
-            f"dilation_rates={list(self.dilation_rates)}, causal={self.causal}, "
-            f"scale={self.scale}, head_groups={self.head_groups}"
-        )
 
+class RingDilatedAttention(_PatternModule):
+    """``nn.Module`` wrapper of :func:`ring_attention.ring_dilated_attention`.
 
-# ---------------------------------------------------------------------------
-# MultiheadDilatedAttention.
-
-
-def _block_mha_fastpath(module: nn.Module, args: tuple) -> None:
-    """A no-op forward pre-hook. ``nn.TransformerEncoderLayer`` skips its fused
-    inference kernel (which reads the projection weights and computes *dense*
-    attention itself, bypassing ``self_attn.forward``) when its submodules have
-    hooks; a dilated or sharded ``MultiheadDilatedAttention`` registers this
-    hook so that its ``forward`` is always the one that runs."""
-    return None
-
-
-_CAUSAL_HINT_ERROR = (
-    "Need attn_mask if specifying the is_causal hint. You may use the Transformer module "
-    "method `generate_square_subsequent_mask` to create this mask."
-)
-
-
-def _check_mask_dtype(mask: torch.Tensor | None, name: str) -> None:
-    if mask is None:
-        return
-    if not isinstance(mask, torch.Tensor):
-        raise ValueError(f"{name} must be a bool or floating tensor, got {type(mask).__name__}")
-    if mask.dtype != torch.bool and not torch.is_floating_point(mask):
-        raise ValueError(f"{name} must have dtype torch.bool or a floating dtype, got {mask.dtype}")
-
-
-class MultiheadDilatedAttention(nn.Module):
-    """Drop-in replacement for ``torch.nn.MultiheadAttention`` with optional
-    exact dilated attention and sequence sharding.
-
-    Constructor, parameter names/shapes/initialisation, state-dict keys and the
-    ``forward`` signature and return value are those of
-    ``nn.MultiheadAttention``, so ``load_state_dict`` works both ways and a
-    model keeps working unchanged. With no pattern the module computes dense
-    attention and matches ``nn.MultiheadAttention`` numerically, masks, biases,
-    ``add_zero_attn``, ``is_causal`` (a hint that needs ``attn_mask``) and
-    dropout included.
+    ``forward(q, k, v)`` takes and returns this rank's ``(batch, seq_local,
+    heads, head_dim)`` shards (``k``, ``v`` may have fewer K/V heads).
 
     Args:
-        embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim,
-        vdim, batch_first, device, dtype: as for ``nn.MultiheadAttention``.
-        segment_lengths, dilation_rates: a dilated pattern (both or neither).
-            ``None``: dense attention.
-        head_groups: branch ``i`` of the pattern applies only to head group
-            ``i`` (DESIGN.md §1).
-        group: a ``torch.distributed`` process group: ``query``/``key``/
-            ``value`` and the output are then this rank's shard of the
-            sequence (``torch.tensor_split`` convention, ``ra.shard_sequence``;
-            sequence dimension per ``batch_first``). Projections are local;
-            attention runs as ring attention over the group (with no pattern:
-            dense over the global sequence). Not supported with ``group``:
-            ``attn_mask`` (except as the ``is_causal`` hint, which is not
-            read), ``need_weights=True``, ``key_padding_mask``, dropout in
-            training, key/query of different lengths, ``add_bias_kv``,
-            ``add_zero_attn`` — each raises ``ValueError`` naming the argument.
-            Every rank must call ``forward`` (and the backward) together.
-        compute_dtype: dtype of the attention core: ``None`` (that of the
-            projected inputs), ``"auto"`` (``ra.select_dtype(device)``:
-            bfloat16 on Ampere and newer, float16 on 7.x, float32 on older
-            GPUs and the CPU) or a ``torch.dtype``. Projected q/k/v are cast to
-            it and the attention output cast back before ``out_proj``.
-
-    Semantics with a pattern:
-
-    - The attention of each head is the multiset softmax of DESIGN.md §1:
-      query ``t`` attends to key ``u`` with weight
-      ``M[h, t, u] * exp(s_tu - lse_t)``, ``M`` the number of branches reaching
-      ``u`` from ``t``. ``query`` and ``key`` must have the same length.
-    - ``is_causal=True`` (with an ``attn_mask``, as for
-      ``nn.MultiheadAttention``) makes the pattern causal when the hint is
-      used (no ``key_padding_mask``, ``need_weights=False``); otherwise the
-      given ``attn_mask`` is applied on top of the pattern.
-    - ``attn_mask`` (bool or float, ``(L, S)`` or ``(batch * heads, L, S)``)
-      is applied on top of the pattern through the exact dense path.
-    - ``need_weights=True`` returns the exact pattern weights, a dense
-      ``(batch, heads, L, S)`` matrix (averaged over heads when
-      ``average_attn_weights``); it is computed only when asked.
-    - ``dropout > 0`` in training drops attention probabilities (after the
-      softmax, before multiplying with V, as ``nn.MultiheadAttention`` does),
-      reproducibly under ``torch.manual_seed``; it uses the exact dense path
-      (O(L*S) memory per head).
-    - The keys added by ``add_bias_kv`` and ``add_zero_attn`` are reached by
-      every query once (multiplicity 1); they use the dense path.
-    - A query that reaches no key (all its keys masked) gets a zero output and
-      zero weights, never NaN (``nn.MultiheadAttention`` gives NaN there).
-
-    Performance: as for ``nn.MultiheadAttention``, ``need_weights`` defaults
-    to ``True``, which materialises the dense ``(batch, heads, L, S)`` weights.
-    Pass ``need_weights=False`` (``nn.Transformer*Layer`` does) to get the
-    C++ op, O(L) memory for a dilated pattern.
-
-    ``nn.TransformerEncoderLayer`` in inference mode would compute dense
-    attention from this module's weights itself (its fused fast path); a
-    module with a pattern or a ``group`` disables that path with a no-op
-    forward pre-hook. Nested-tensor inputs are not supported: with
-    ``nn.TransformerEncoder``, build it with ``enable_nested_tensor=False``.
+        segment_lengths, dilation_rates: the pattern.
+        causal: causal masking on global positions.
+        scale: score scale, default ``head_dim ** -0.5``.
+        head_groups: branch ``i`` applies only to head group ``i``.
+        head_offsets: ``"modulo"`` (default) or ``"grouped"`` (torchscale).
+        group: process group, default the default group.
+        layout: ``"contiguous"`` (default) or ``"zigzag"``.
     """
-
-    __constants__: ClassVar[list[str]] = ["batch_first"]
-    bias_k: torch.Tensor | None
-    bias_v: torch.Tensor | None
-
-    # nn.TransformerEncoderLayer's inference fast path calls self_attn.merge_masks.
-    merge_masks = nn.MultiheadAttention.merge_masks
 
     def __init__(
         self,
-        embed_dim: int,
-        num_heads: int,
-        dropout: float = 0.0,
-        bias: bool = True,
-        add_bias_kv: bool = False,
-        add_zero_attn: bool = False,
-        kdim: int | None = None,
-        vdim: int | None = None,
-        batch_first: bool = False,
-        device=None,
-        dtype=None,
-        *,
-        segment_lengths: Sequence[int] | None = None,
-        dilation_rates: Sequence[int] | None = None,
+        segment_lengths: Sequence[int],
+        dilation_rates: Sequence[int],
+        causal: bool = False,
+        scale: float | None = None,
         head_groups: bool = False,
         group: dist.ProcessGroup | None = None,
-        compute_dtype: torch.dtype | str | None = None,
+        layout: str = "contiguous",
+        head_offsets: str = "modulo",
     ) -> None:
-        if embed_dim <= 0 or num_heads <= 0:
-            raise ValueError(
-                f"embed_dim and num_heads must be greater than 0,"
-                f" got embed_dim={embed_dim} and num_heads={num_heads} instead"
-            )
-        if embed_dim % num_heads != 0:
-            raise ValueError(
-                f"embed_dim must be divisible by num_heads, got embed_dim={embed_dim} "
-                f"and num_heads={num_heads}"
-            )
-        if (
-            isinstance(dropout, bool)
-            or not isinstance(dropout, (int, float))
-            or not (0.0 <= dropout <= 1.0)
-        ):
-            raise ValueError(f"dropout must be a probability in [0, 1], got {dropout!r}")
-        if (segment_lengths is None) != (dilation_rates is None):
-            raise ValueError(
-                "segment_lengths and dilation_rates must be given together (or both None for "
-                f"dense attention), got segment_lengths={segment_lengths!r} and "
-                f"dilation_rates={dilation_rates!r}"
-            )
-        pattern = None
-        if segment_lengths is not None:
-            pattern = normalize_pattern(segment_lengths, dilation_rates)
-            check_head_groups(num_heads, len(pattern[0]), head_groups)
-        if not (
-            compute_dtype is None
-            or compute_dtype == "auto"
-            or (isinstance(compute_dtype, torch.dtype) and compute_dtype.is_floating_point)
-        ):
-            raise ValueError(
-                'compute_dtype must be None, "auto" or a floating torch.dtype, '
-                f"got {compute_dtype!r}"
-            )
-        if group is not None and (add_bias_kv or add_zero_attn):
-            which = "add_bias_kv" if add_bias_kv else "add_zero_attn"
-            raise ValueError(f"{which}=True is not supported with group= (sequence sharding)")
-
-        factory_kwargs = {"device": device, "dtype": dtype}
-        super().__init__()
-        self.embed_dim = embed_dim
-        self.kdim = kdim if kdim is not None else embed_dim
-        self.vdim = vdim if vdim is not None else embed_dim
-        self._qkv_same_embed_dim = self.kdim == embed_dim and self.vdim == embed_dim
-
-        self.num_heads = num_heads
-        self.dropout = dropout
-        self.batch_first = batch_first
-        self.head_dim = embed_dim // num_heads
-
-        # Same creation order as nn.MultiheadAttention, so the same seed gives
-        # the same initial parameters.
-        if not self._qkv_same_embed_dim:
-            self.q_proj_weight = nn.Parameter(torch.empty((embed_dim, embed_dim), **factory_kwargs))
-            self.k_proj_weight = nn.Parameter(torch.empty((embed_dim, self.kdim), **factory_kwargs))
-            self.v_proj_weight = nn.Parameter(torch.empty((embed_dim, self.vdim), **factory_kwargs))
-            self.register_parameter("in_proj_weight", None)
-        else:
-            self.in_proj_weight = nn.Parameter(
-                torch.empty((3 * embed_dim, embed_dim), **factory_kwargs)
-            )
-            self.register_parameter("q_proj_weight", None)
-            self.register_parameter("k_proj_weight", None)
-            self.register_parameter("v_proj_weight", None)
-
-        if bias:
-            self.in_proj_bias = nn.Parameter(torch.empty(3 * embed_dim, **factory_kwargs))
-        else:
-            self.register_parameter("in_proj_bias", None)
-        self.out_proj = NonDynamicallyQuantizableLinear(
-            embed_dim, embed_dim, bias=bias, **factory_kwargs
-        )
-
-        if add_bias_kv:
-            self.bias_k = nn.Parameter(torch.empty((1, 1, embed_dim), **factory_kwargs))
-            self.bias_v = nn.Parameter(torch.empty((1, 1, embed_dim), **factory_kwargs))
-        else:
-            self.bias_k = self.bias_v = None
-
-        self.add_zero_attn = add_zero_attn
-
-        self.segment_lengths: tuple[int, ...] | None = pattern[0] if pattern else None
-        self.dilation_rates: tuple[int, ...] | None = pattern[1] if pattern else None
-        self.head_groups = bool(head_groups)
+        super().__init__(segment_lengths, dilation_rates, causal, scale, head_groups, head_offsets)
         self.group = group
-        self.compute_dtype = compute_dtype
+        self.layout = check_layout(layout)
 
-        self._reset_parameters()
-        if pattern is not None or group is not None:
-            self.register_forward_pre_hook(_block_mha_fastpath)
-
-    def _reset_parameters(self) -> None:
-        if self._qkv_same_embed_dim:
-            xavier_uniform_(self.in_proj_weight)
-        else:
-            xavier_uniform_(self.q_proj_weight)
-            xavier_uniform_(self.k_proj_weight)
-            xavier_uniform_(self.v_proj_weight)
-
-        if self.in_proj_bias is not None:
-            constant_(self.in_proj_bias, 0.0)
-            constant_(self.out_proj.bias, 0.0)
-        if self.bias_k is not None:
-            xavier_normal_(self.bias_k)
-        if self.bias_v is not None:
-            xavier_normal_(self.bias_v)
-
-    def __setstate__(self, state):
-        if "_qkv_same_embed_dim" not in state:
-            state["_qkv_same_embed_dim"] = True
-        super().__setstate__(state)
-
-    def __deepcopy__(self, memo):
-        # A process group is shared, not copied (it cannot be), so that e.g.
-        # nn.TransformerEncoder can clone a layer holding a sharded module.
-        if self.group is not None:
-            memo[id(self.group)] = self.group
-        new = self.__class__.__new__(self.__class__)
-        memo[id(self)] = new
-        for name, value in self.__dict__.items():
-            object.__setattr__(new, name, copy.deepcopy(value, memo))
-        return new
-
-    @property
-    def has_pattern(self) -> bool:
-        """Whether a dilated pattern was given (``False``: dense attention)."""
-        return self.segment_lengths is not None
-
-    def extra_repr(self) -> str:
-        s = f"embed_dim={self.embed_dim}, num_heads={self.num_heads}"
-        if self.dropout:
-            s += f", dropout={self.dropout}"
-        if self.batch_first:
-            s += ", batch_first=True"
-        if self.has_pattern:
-            s += (
-                f", segment_lengths={list(self.segment_lengths)}, "
-                f"dilation_rates={list(self.dilation_rates)}"
-            )
-            if self.head_groups:
-                s += ", head_groups=True"
-        if self.group is not None:
-            s += ", group=<sharded>"
-        if self.compute_dtype is not None:
-            s += f", compute_dtype={self.compute_dtype}"
-        return s
-
-    # -- helpers -------------------------------------------------------------
-    def _resolve_compute_dtype(self, x: torch.Tensor) -> torch.dtype:
-        if self.compute_dtype is None:
-            return x.dtype
-        if self.compute_dtype == "auto":
-            return select_dtype(x.device)
-        return self.compute_dtype
-
-    def _check_inputs(self, query, key, value, key_padding_mask, attn_mask) -> bool:
-        """Shapes as ``nn.MultiheadAttention`` expects them; returns is_batched."""
-        for name, t in (("query", query), ("key", key), ("value", value)):
-            if not isinstance(t, torch.Tensor):
-                raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if t.is_nested:
-                raise ValueError(
-                    f"{name} is a nested tensor, which MultiheadDilatedAttention does not support "
-                    "(with nn.TransformerEncoder, pass enable_nested_tensor=False)"
-                )
-        _check_mask_dtype(key_padding_mask, "key_padding_mask")
-        _check_mask_dtype(attn_mask, "attn_mask")
-        if query.dim() not in (2, 3):
-            raise ValueError(
-                "query must be 2-D (unbatched) or 3-D (batched), got a "
-                f"{query.dim()}-D tensor of shape {tuple(query.shape)}"
-            )
-        batched = query.dim() == 3
-        if key.dim() != query.dim() or value.dim() != query.dim():
-            raise ValueError(
-                f"key and value must be {query.dim()}-D like query, got {key.dim()}-D and "
-                f"{value.dim()}-D tensors"
-            )
-        feat = (
-            ("query", query, self.embed_dim),
-            ("key", key, self.kdim),
-            ("value", value, self.vdim),
-        )
-        for name, t, e in feat:
-            if t.shape[-1] != e:
-                raise ValueError(
-                    f"{name} must have {e} features in its last dimension, "
-                    f"got shape {tuple(t.shape)}"
-                )
-        seq_dim = 1 if (batched and self.batch_first) else 0
-        batch_dim = 1 - seq_dim
-        if key.shape[seq_dim] != value.shape[seq_dim] or (
-            batched
-            and not (query.shape[batch_dim] == key.shape[batch_dim] == value.shape[batch_dim])
-        ):
-            raise ValueError(
-                "key and value must have the same sequence length and the batch size of "
-                f"query, got query {tuple(query.shape)}, key {tuple(key.shape)}, "
-                f"value {tuple(value.shape)}"
-                f" (batch_first={self.batch_first})"
-            )
-        if key_padding_mask is not None:
-            want = key_padding_mask.dim() == (2 if batched else 1)
-            if not want:
-                raise ValueError(
-                    f"key_padding_mask must be {'2-D (batch, S)' if batched else '1-D (S,)'} "
-                    f"for {'batched' if batched else 'unbatched'} query, got shape "
-                    f"{tuple(key_padding_mask.shape)}"
-                )
-        if attn_mask is not None and attn_mask.dim() not in (2, 3):
-            raise ValueError(
-                f"attn_mask must be 2-D (L, S) or 3-D (batch * num_heads, L, S), got shape "
-                f"{tuple(attn_mask.shape)}"
-            )
-        return batched
-
-    def _project(self, query, key, value, self_attn: bool, kv_same: bool):
-        E = self.embed_dim
-        b = self.in_proj_bias
-        bq, bk, bv = (None, None, None) if b is None else b.chunk(3)
-        if self._qkv_same_embed_dim:
-            w = self.in_proj_weight
-            if self_attn:
-                return F.linear(query, w, b).chunk(3, dim=-1)
-            wq, wk, wv = w.chunk(3)
-            if kv_same:
-                kv = F.linear(key, w[E:], None if b is None else b[E:])
-                k, v = kv.chunk(2, dim=-1)
-                return F.linear(query, wq, bq), k, v
-            return F.linear(query, wq, bq), F.linear(key, wk, bk), F.linear(value, wv, bv)
-        return (
-            F.linear(query, self.q_proj_weight, bq),
-            F.linear(key, self.k_proj_weight, bk),
-            F.linear(value, self.v_proj_weight, bv),
-        )
-
-    def _global_length(self, local_len: int) -> int:
-        """The global sequence length of the sharded input (one tiny all-gather)."""
-        from .sharding import all_gather_ints, world_info
-
-        world, _ = world_info(self.group)
-        if world == 1:
-            return local_len
-        return sum(r[0] for r in all_gather_ints([int(local_len)], self.group))
-
-    # -- forward -------------------------------------------------------------
     def forward(
         self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        key_padding_mask: torch.Tensor | None = None,
-        need_weights: bool = True,
-        attn_mask: torch.Tensor | None = None,
-        average_attn_weights: bool = True,
-        is_causal: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Attention as ``nn.MultiheadAttention.forward``.
-
-        Args:
-            query: ``(L, E)`` unbatched, ``(L, N, E)``, or ``(N, L, E)`` with
-                ``batch_first``.
-            key, value: ``(S, kdim/vdim)`` / ``(S, N, ·)`` / ``(N, S, ·)``.
-            key_padding_mask: ``(N, S)`` (``(S,)`` unbatched), bool (``True`` =
-                ignore) or float (added to the scores).
-            need_weights: also return the attention weights.
-            attn_mask: ``(L, S)`` or ``(N * num_heads, L, S)``, bool (``True``
-                = not allowed) or float (added).
-            average_attn_weights: average the returned weights over heads.
-            is_causal: hint that ``attn_mask`` is the causal mask (requires
-                ``attn_mask``); with no ``key_padding_mask`` and
-                ``need_weights=False`` causal attention is computed and
-                ``attn_mask`` is not read.
-
-        Returns:
-            ``(attn_output, attn_weights)``; ``attn_weights`` is ``None`` when
-            ``need_weights=False``, else ``(N, L, S)`` averaged or
-            ``(N, num_heads, L, S)`` (no batch dimension when unbatched).
-        """
-        batched = self._check_inputs(query, key, value, key_padding_mask, attn_mask)
-        self_attn = query is key and key is value
-        kv_same = key is value
-
-        if is_causal and attn_mask is None:
-            raise RuntimeError(_CAUSAL_HINT_ERROR)
-        # nn.MultiheadAttention: the hint replaces attn_mask only when nothing
-        # else needs the explicit mask.
-        causal = bool(is_causal and key_padding_mask is None and not need_weights)
-        if causal:
-            attn_mask = None
-
-        if self.group is not None:
-            self._check_group_call(query, key, key_padding_mask, need_weights, attn_mask, batched)
-
-        # To (batch, seq, features).
-        if not batched:
-            query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
-            if key_padding_mask is not None:
-                key_padding_mask = key_padding_mask.unsqueeze(0)
-        elif not self.batch_first:
-            query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
-        B, L, _ = query.shape
-        S = key.shape[1]
-        H, D, E = self.num_heads, self.head_dim, self.embed_dim
-
-        if key_padding_mask is not None and tuple(key_padding_mask.shape) != (B, S):
-            want = (B, S) if batched else (S,)
-            got = key_padding_mask.shape if batched else key_padding_mask.shape[1:]
-            raise ValueError(f"key_padding_mask must have shape {want}, got {tuple(got)}")
-        if attn_mask is not None:
-            want = (L, S) if attn_mask.dim() == 2 else (B * H, L, S)
-            if tuple(attn_mask.shape) != want:
-                raise ValueError(f"attn_mask must have shape {want}, got {tuple(attn_mask.shape)}")
-        if self.has_pattern and L != S:
-            raise ValueError(
-                "with a dilated pattern (segment_lengths/dilation_rates), query and key must have "
-                f"the same sequence length, got L={L} and S={S}"
-            )
-
-        q, k, v = self._project(query, key, value, self_attn, kv_same)
-        out_dtype = q.dtype
-        cdt = self._resolve_compute_dtype(q)
-        dropout_p = self.dropout if self.training else 0.0
-
-        weights = None
-        if self.group is not None:
-            out = self._ring_attention(q, k, v, cdt, causal)
-        elif (
-            not need_weights
-            and attn_mask is None
-            and self.bias_k is None
-            and not self.add_zero_attn
-            and L == S
-            and (key_padding_mask is None or key_padding_mask.dtype == torch.bool)
-            and dropout_p == 0.0
-        ):
-            segs, dils = (
-                (self.segment_lengths, self.dilation_rates)
-                if self.has_pattern
-                else ((max(L, 1),), (1,))
-            )
-            out = dilated_attention(
-                q.reshape(B, L, H, D).to(cdt),
-                k.reshape(B, L, H, D).to(cdt),
-                v.reshape(B, L, H, D).to(cdt),
-                segs,
-                dils,
-                causal=causal,
-                head_groups=self.head_groups,
-                key_padding_mask=key_padding_mask,
-            ).reshape(B, L, E)
-        else:
-            out, weights = dense_attention(
-                q,
-                k,
-                v,
-                num_heads=H,
-                compute_dtype=cdt,
-                key_padding_mask=key_padding_mask,
-                attn_mask=attn_mask,
-                causal=causal,
-                dropout_p=dropout_p,
-                need_weights=need_weights,
-                bias_k=self.bias_k,
-                bias_v=self.bias_v,
-                add_zero_attn=self.add_zero_attn,
-                pattern=(self.segment_lengths, self.dilation_rates) if self.has_pattern else None,
-                head_groups=self.head_groups,
-            )
-            if weights is not None:
-                weights = weights.to(out_dtype)
-                if average_attn_weights:
-                    weights = weights.mean(dim=1)
-                if not batched:
-                    weights = weights.squeeze(0)
-
-        out = self.out_proj(out.to(out_dtype))
-        if not batched:
-            out = out.squeeze(0)
-        elif not self.batch_first:
-            out = out.transpose(0, 1)
-        return out, weights
-
-    def _check_group_call(self, query, key, key_padding_mask, need_weights, attn_mask, batched):
-        where = "with group= (sequence-sharded MultiheadDilatedAttention)"
-        if need_weights:
-            raise ValueError(f"need_weights=True is not supported {where}; pass need_weights=False")
-        if attn_mask is not None:
-            raise ValueError(
-                f"attn_mask is not supported {where} (for causal attention pass is_causal=True "
-                "with any attn_mask as the hint)"
-            )
-        if key_padding_mask is not None:
-            raise ValueError(f"key_padding_mask is not supported {where}")
-        if self.training and self.dropout > 0:
-            raise ValueError(
-                f"dropout={self.dropout} in training is not supported {where}; "
-                "use dropout=0 or eval()"
-            )
-        seq_dim = 1 if (batched and self.batch_first) else 0
-        if query.shape[seq_dim] != key.shape[seq_dim]:
-            raise ValueError(
-                f"key must have the same local sequence length as query {where} (no "
-                f"cross-attention), got {query.shape[seq_dim]} and {key.shape[seq_dim]}"
-            )
-
-    def _ring_attention(self, q, k, v, cdt, causal):
-        from .ring import ring_dilated_attention
-
-        B, L, E = q.shape
-        H, D = self.num_heads, self.head_dim
-        if self.has_pattern:
-            segs, dils = self.segment_lengths, self.dilation_rates
-        else:
-            segs, dils = (max(self._global_length(L), 1),), (1,)
-        out = ring_dilated_attention(
-            q.reshape(B, L, H, D).to(cdt),
-            k.reshape(B, L, H, D).to(cdt),
-            v.reshape(B, L, H, D).to(cdt),
-            segs,
-            dils,
-            causal=causal,
-            head_groups=self.head_groups,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attend this rank's query shard to the whole (sharded) sequence;
+        ``cu_seqlens`` holds GLOBAL document boundaries (the same on every
+        rank)."""
+        return ring_attention(
+            q,
+            k,
+            v,
+            lambda: self._pattern(cu_seqlens),
+            scale=self.scale,
             group=self.group,
+            layout=self.layout,
         )
-        return out.reshape(B, L, E)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", layout={self.layout!r}"

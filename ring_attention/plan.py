@@ -1,19 +1,23 @@
-"""The exchange plan of ring dilated attention (DESIGN.md §4).
+"""The exchange plan of ring dilated attention (docs/design.md §4).
 
 For a rank ``j`` of ``p`` and every ring distance ``d = 1 .. p-1``, rank ``j``
 sends to ``(j + d) % p`` exactly the K/V rows (per head, compacted) that the
 queries of that rank reach, and receives from ``(j - d) % p`` the rows its own
 queries reach. The rows come from ``torch.ops.ring_attention.exchange_rows``,
 the C++ planner that shares ``csrc/pattern.h`` with the kernels, as flat
-indices ``row * heads + h`` relative to the start of a key range.
+indices ``row * kv_heads + g`` relative to the start of a key range: K/V travel
+at K/V-head width, a K/V head's row once for every query head of its group
+that reaches it.
 
 Both ends of a transfer compute the same ``exchange_rows`` call, so the sizes
 of every send and receive match without any size exchange. Steps in which a
 rank neither sends nor receives are dropped from its plan; empty sends or
 receives inside a step are omitted (``send_to`` / ``recv_from`` is ``None``).
 
-A plan depends only on ``(world_size, rank, seq_len, heads, pattern, causal,
-head_groups, layout)``: it holds group-relative ranks, translated to global
+A plan depends only on ``(pattern, seq_len, heads, kv_heads, world_size, rank,
+layout)`` (:class:`~ring_attention.pattern.Pattern` holds the branches,
+``causal``, ``head_groups``, the head offsets and the documents): it holds
+group-relative ranks, translated to global
 ranks at send time, so one plan serves every group of the same size. Plans are
 cached in :data:`PLAN_CACHE`, a bounded thread-safe LRU with hit/miss counters.
 """
@@ -27,7 +31,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import LRUCache
-from .sharding import Piece, check_layout, layout_pieces
+from .layout import Piece, layout_pieces
+from .pattern import Pattern
 
 __all__ = [
     "PLAN_CACHE",
@@ -46,13 +51,11 @@ def exchange_rows(
     k_start: int,
     k_len: int,
     heads: int,
-    segment_lengths: Sequence[int],
-    dilation_rates: Sequence[int],
-    causal: bool,
-    head_groups: bool,
+    kv_heads: int,
+    pattern: Pattern,
 ) -> torch.Tensor:
-    """Sorted flat indices ``row * heads + h`` (``row`` relative to ``k_start``)
-    of the key rows that some query in ``q_pieces`` reaches.
+    """Sorted flat indices ``row * kv_heads + g`` (``row`` relative to
+    ``k_start``) of the key rows that some query in ``q_pieces`` reaches.
 
     A thin wrapper over ``torch.ops.ring_attention.exchange_rows`` that drops
     empty query ranges and answers an empty key range without calling the op.
@@ -67,11 +70,11 @@ def exchange_rows(
         int(k_start),
         int(k_len),
         int(heads),
-        list(segment_lengths),
-        list(dilation_rates),
-        bool(causal),
-        bool(head_groups),
-    )
+        list(pattern.segment_lengths),
+        list(pattern.dilation_rates),
+        pattern.causal,
+        pattern.head_groups,
+    )  # TODO(schema): kv_heads, grouped offsets, documents
     return idx.to(torch.int64)
 
 
@@ -85,7 +88,7 @@ class Step:
         send_to: group rank sent to, or ``None`` when it needs nothing.
         recv_from: group rank received from, or ``None`` when nothing is needed.
         send_idx: per local piece of this rank, the flat indices
-            ``row * heads + h`` (row relative to the piece) ``send_to`` needs.
+            ``row * kv_heads + g`` (row relative to the piece) ``send_to`` needs.
         recv_idx: per piece of the sender, the flat indices this rank needs.
         recv_pieces: the sender's pieces (global start, length, local offset).
         pairs: ``(query piece of this rank, key piece of the sender)`` pairs
@@ -112,12 +115,12 @@ class Step:
 
     @property
     def send_rows(self) -> int:
-        """Total (row, head) pairs sent: each is one ``head_dim`` vector of K and one of V."""
+        """Total (row, K/V head) pairs sent: each is one ``head_dim`` vector of K and one of V."""
         return sum(self.send_counts)
 
     @property
     def recv_rows(self) -> int:
-        """Total (row, head) pairs received."""
+        """Total (row, K/V head) pairs received."""
         return sum(self.recv_counts)
 
 
@@ -126,8 +129,8 @@ class ExchangePlan:
     """Everything one rank needs to run the ring for one configuration.
 
     Attributes:
-        world_size, rank, seq_len, heads, segment_lengths, dilation_rates,
-        causal, head_groups, layout: the configuration (the cache key).
+        pattern, seq_len, heads, kv_heads, world_size, rank, layout: the
+            configuration (the cache key).
         pieces: this rank's runs of global positions (one for ``contiguous``,
             two for ``zigzag``).
         all_pieces: the pieces of every rank.
@@ -136,14 +139,12 @@ class ExchangePlan:
         steps: the active steps (this rank sends or receives), by distance.
     """
 
-    world_size: int
-    rank: int
+    pattern: Pattern
     seq_len: int
     heads: int
-    segment_lengths: tuple[int, ...]
-    dilation_rates: tuple[int, ...]
-    causal: bool
-    head_groups: bool
+    kv_heads: int
+    world_size: int
+    rank: int
     layout: str
     pieces: tuple[Piece, ...]
     all_pieces: tuple[tuple[Piece, ...], ...]
@@ -160,12 +161,12 @@ class ExchangePlan:
 
     @property
     def rows_sent(self) -> int:
-        """(row, head) pairs of K (and as many of V) this rank sends per forward."""
+        """(row, K/V head) pairs of K (and as many of V) this rank sends per forward."""
         return sum(s.send_rows for s in self.steps)
 
     @property
     def rows_received(self) -> int:
-        """(row, head) pairs of K (and as many of V) this rank receives per forward."""
+        """(row, K/V head) pairs of K (and as many of V) this rank receives per forward."""
         return sum(s.recv_rows for s in self.steps)
 
     def step_for(self, distance: int) -> Step | None:
@@ -232,29 +233,22 @@ class ExchangePlan:
 
 
 def build_plan(
-    world_size: int,
-    rank: int,
+    pattern: Pattern,
     seq_len: int,
     heads: int,
-    segment_lengths: Sequence[int],
-    dilation_rates: Sequence[int],
-    causal: bool,
-    head_groups: bool,
+    kv_heads: int,
+    world_size: int,
+    rank: int,
     layout: str = "contiguous",
 ) -> ExchangePlan:
     """Build (without caching) the exchange plan of ``rank`` in a ring of
     ``world_size`` for a sequence of ``seq_len`` sharded per ``layout``."""
-    check_layout(layout)
-    segs = tuple(int(w) for w in segment_lengths)
-    dils = tuple(int(r) for r in dilation_rates)
     p = int(world_size)
     all_pieces = tuple(tuple(layout_pieces(seq_len, p, r, layout)) for r in range(p))
     mine = all_pieces[rank]
 
     def rows(q_pieces: Sequence[Piece], k_piece: Piece) -> torch.Tensor:
-        return exchange_rows(
-            q_pieces, k_piece.start, k_piece.length, heads, segs, dils, causal, head_groups
-        )
+        return exchange_rows(q_pieces, k_piece.start, k_piece.length, heads, kv_heads, pattern)
 
     local_pairs = tuple(
         (qi, ki)
@@ -294,14 +288,12 @@ def build_plan(
         )
 
     return ExchangePlan(
-        world_size=p,
-        rank=int(rank),
+        pattern=pattern,
         seq_len=int(seq_len),
         heads=int(heads),
-        segment_lengths=segs,
-        dilation_rates=dils,
-        causal=bool(causal),
-        head_groups=bool(head_groups),
+        kv_heads=int(kv_heads),
+        world_size=p,
+        rank=int(rank),
         layout=layout,
         pieces=mine,
         all_pieces=all_pieces,
@@ -314,47 +306,17 @@ def build_plan(
 PLAN_CACHE: LRUCache[ExchangePlan] = LRUCache(maxsize=64)
 
 
-def plan_key(
-    world_size: int,
-    rank: int,
-    seq_len: int,
-    heads: int,
-    segment_lengths: Sequence[int],
-    dilation_rates: Sequence[int],
-    causal: bool,
-    head_groups: bool,
-    layout: str,
-) -> tuple:
-    """The cache key of a plan (everything a plan depends on)."""
-    return (
-        int(world_size),
-        int(rank),
-        int(seq_len),
-        int(heads),
-        tuple(int(w) for w in segment_lengths),
-        tuple(int(r) for r in dilation_rates),
-        bool(causal),
-        bool(head_groups),
-        str(layout),
-    )
-
-
 def get_plan(
-    world_size: int,
-    rank: int,
+    pattern: Pattern,
     seq_len: int,
     heads: int,
-    segment_lengths: Sequence[int],
-    dilation_rates: Sequence[int],
-    causal: bool,
-    head_groups: bool,
+    kv_heads: int,
+    world_size: int,
+    rank: int,
     layout: str = "contiguous",
     *,
     cache: LRUCache[ExchangePlan] | None = None,
 ) -> ExchangePlan:
     """The cached plan for this configuration (built on first use)."""
-    key = plan_key(
-        world_size, rank, seq_len, heads, segment_lengths, dilation_rates, causal, head_groups,
-        layout,
-    )  # fmt: skip
+    key = (pattern, int(seq_len), int(heads), int(kv_heads), int(world_size), int(rank), layout)
     return (PLAN_CACHE if cache is None else cache).get(key, lambda: build_plan(*key))

@@ -1,16 +1,16 @@
 """Ring dilated attention: the sequence sharded across the ranks of a process
 group, K/V rows exchanged point-to-point along a cached exchange plan
-(DESIGN.md §4). This module holds the schedule, the autograd function and the
+(docs/design.md §4). This module holds the schedule, the autograd function and the
 public API; the plan is :mod:`ring_attention.plan`, the transport
 :mod:`ring_attention.exchange`, the agreement check
 :mod:`ring_attention.handshake`.
 
 Forward, per rank:
 
-1. A handshake: one small all-gather of int64 metadata (local length, batch,
-   heads, head_dim, dtype, pattern hash, causal, head_groups, scale, layout,
-   grad mode, and an error flag), so ranks that disagree raise ``ValueError``
-   on every rank instead of hanging.
+1. A handshake: one fixed-size control message per rank (local length,
+   batch, heads, K/V heads, head_dim, dtype, the pattern's digest, scale,
+   layout, grad mode, and an error flag), so ranks that disagree raise
+   ``ValueError`` on every rank instead of hanging.
 2. ``out`` (fp32) and ``lse`` (-inf, fp32) accumulators; the exchange of the
    first active step is posted, then the local blocks are computed with
    ``torch.ops.ring_attention.block_forward`` while it travels.
@@ -20,51 +20,59 @@ Forward, per rank:
    a sender piece's needed rows are a whole range, e.g. the whole piece;
    else into a buffer spanning them) and merge the blocks into the
    accumulators.
-4. Cast ``out`` once.
+4. Cast ``out`` once; ``lse`` stays fp32 and is differentiable.
 
 Backward re-exchanges K/V along the same schedule, computes
-``block_backward`` into fp32 dK/dV buffers for the sender's rows and returns
+``block_backward`` (the gradient of ``lse`` entering its ``delta``) into fp32
+dK/dV buffers for the sender's rows and returns
 exactly the rows it received to their owner (reverse direction), which adds
 them into its own gradients. Steps run in the global order
 ``KV(1), KV(2), G(1), KV(3), G(2), ...`` (every rank posts a subsequence of
 that order), so NCCL's in-order streams cannot deadlock.
+
+Double backward is not supported: it raises ``RuntimeError``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.autograd.function import once_differentiable
 
+from ._comm import comm_device, global_ranks, world_info
+from .checks import check_qkv, resolve_scale
+from .dtypes import acc_dtype
 from .exchange import (
     ExchangeEvent,
     Exchanger,
     ExchangeStats,
-    acc_dtype,
     last_exchange_stats,
     register_exchange_hook,
 )
-from .functional import check_head_groups, check_qkv, normalize_pattern, resolve_scale
-from .handshake import handshake, ring_metadata
+from .handshake import ring_handshake, ring_message
+from .layout import Piece, check_layout
+from .pattern import Pattern
 from .plan import ExchangePlan, get_plan
-from .sharding import Piece, check_layout, comm_device, global_rank, world_info
 
 __all__ = [
     "ExchangeEvent",
     "ExchangeStats",
-    "RingDilatedAttention",
     "exchange_plan",
     "last_exchange_stats",
     "register_exchange_hook",
+    "ring_attention",
     "ring_dilated_attention",
 ]
 
 Tensor = torch.Tensor
+
+DOUBLE_BACKWARD_ERROR = (
+    "ring_attention: double backward (the gradient of a gradient) of dilated attention is not "
+    "supported"
+)
 
 
 # ---------------------------------------------------------------------------
@@ -72,15 +80,11 @@ Tensor = torch.Tensor
 
 
 @dataclass(frozen=True, eq=False)
-class _RingConfig:
+class _RingCall:
     plan: ExchangePlan
     group: dist.ProcessGroup | None
-    segs: list[int]
-    dils: list[int]
-    causal: bool
-    scale: float
-    head_groups: bool
     peers: tuple[int, ...]  # global rank of every group rank
+    op_args: tuple  # the pattern arguments of the block operators
 
     def block_forward(
         self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_start: int,
@@ -88,19 +92,17 @@ class _RingConfig:
     ) -> None:  # fmt: skip
         """Merge the block (queries at ``q_start``, keys at ``k_start``) into ``out``/``lse``."""
         torch.ops.ring_attention.block_forward(
-            q, k, v, out, lse, int(q_start), int(k_start), self.segs, self.dils,
-            self.causal, self.scale, self.head_groups, None,
-        )  # fmt: skip
+            q, k, v, out, lse, int(q_start), int(k_start), *self.op_args
+        )
 
     def block_backward(
-        self, go: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-        dq: Tensor, dk: Tensor, dv: Tensor, q_start: int, k_start: int,
+        self, go: Tensor, glse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+        lse: Tensor, dq: Tensor, dk: Tensor, dv: Tensor, q_start: int, k_start: int,
     ) -> None:  # fmt: skip
         """Accumulate the block's gradient into ``dq``/``dk``/``dv``."""
         torch.ops.ring_attention.block_backward(
-            go, q, k, v, out, lse, dq, dk, dv, int(q_start), int(k_start), self.segs,
-            self.dils, self.causal, self.scale, self.head_groups, None,
-        )  # fmt: skip
+            go, q, k, v, out, lse, dq, dk, dv, int(q_start), int(k_start), *self.op_args
+        )  # TODO(schema): glse
 
     def exchanger(self, q: Tensor, role: str) -> Exchanger:
         """The transport of one pass (``role``: ``"forward"``/``"backward"``)."""
@@ -126,8 +128,8 @@ def _zeros(like: Tensor, pieces: Sequence[Piece], dtype: torch.dtype) -> list[Te
     return [torch.zeros(B, p.length, H, D, dtype=dtype, device=like.device) for p in pieces]
 
 
-def _ring_forward(cfg: _RingConfig, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    plan, pieces = cfg.plan, cfg.plan.pieces
+def _ring_forward(call: _RingCall, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    plan, pieces = call.plan, call.plan.pieces
     qs, ks, vs = _split(q, pieces), _split(k, pieces), _split(v, pieces)
     B, _, H, _ = q.shape
     acc = acc_dtype(q.dtype)
@@ -135,10 +137,10 @@ def _ring_forward(cfg: _RingConfig, q: Tensor, k: Tensor, v: Tensor) -> tuple[Te
     lses = [torch.full((B, H, p.length), -math.inf, dtype=acc, device=q.device) for p in pieces]
 
     def attend(qi: int, k_j: Tensor, v_j: Tensor, k_start: int) -> None:
-        cfg.block_forward(qs[qi], k_j, v_j, outs[qi], lses[qi], pieces[qi].start, k_start)
+        call.block_forward(qs[qi], k_j, v_j, outs[qi], lses[qi], pieces[qi].start, k_start)
 
     steps = plan.steps
-    ex = cfg.exchanger(q, "forward") if steps else None
+    ex = call.exchanger(q, "forward") if steps else None
     pending = ex.post_kv("forward_kv", steps[0], 0, ks, vs) if steps else None
     for qi, ki in plan.local_pairs:  # overlaps the first exchange
         attend(qi, ks[ki], vs[ki], pieces[ki].start)
@@ -157,22 +159,30 @@ def _ring_forward(cfg: _RingConfig, q: Tensor, k: Tensor, v: Tensor) -> tuple[Te
 
 
 def _ring_backward(
-    cfg: _RingConfig, grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor
+    call: _RingCall,
+    grad_out: Tensor,
+    grad_lse: Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    plan, pieces = cfg.plan, cfg.plan.pieces
+    plan, pieces = call.plan, call.plan.pieces
     qs, ks, vs, outs, gos = (_split(t, pieces) for t in (q, k, v, out, grad_out.to(q.dtype)))
     lses = _split(lse, pieces, dim=2)
+    glses = [None] * len(pieces) if grad_lse is None else _split(grad_lse.to(lse.dtype), pieces, 2)
     acc = acc_dtype(q.dtype)
-    dqs, dks, dvs = _zeros(q, pieces, acc), _zeros(q, pieces, acc), _zeros(q, pieces, acc)
+    dqs, dks, dvs = _zeros(q, pieces, acc), _zeros(k, pieces, acc), _zeros(k, pieces, acc)
 
     def attend(qi: int, k_j: Tensor, v_j: Tensor, dk_j: Tensor, dv_j: Tensor, k_start: int) -> None:
-        cfg.block_backward(
-            gos[qi], qs[qi], k_j, v_j, outs[qi], lses[qi], dqs[qi], dk_j, dv_j, pieces[qi].start,
-            k_start,
+        call.block_backward(
+            gos[qi], glses[qi], qs[qi], k_j, v_j, outs[qi], lses[qi], dqs[qi], dk_j, dv_j,
+            pieces[qi].start, k_start,
         )  # fmt: skip
 
     steps = plan.steps
-    ex = cfg.exchanger(q, "backward") if steps else None
+    ex = call.exchanger(q, "backward") if steps else None
     first = plan.step_for(1)
     kv_pending = ex.post_kv("backward_kv", first, 1, ks, vs) if first is not None else None
     for qi, ki in plan.local_pairs:  # overlaps the first exchange
@@ -207,20 +217,40 @@ def _ring_backward(
 
 
 class _RingDilatedAttentionFn(torch.autograd.Function):
-    """Autograd wrapper: forward and backward each run the ring once."""
+    """Autograd wrapper: forward and backward each run the ring once; both
+    outputs (``out`` and ``lse``) are differentiable."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, cfg: _RingConfig) -> Tensor:  # type: ignore[override]
-        out, lse = _ring_forward(cfg, q, k, v)
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, call: _RingCall) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        out, lse = _ring_forward(call, q, k, v)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cfg = cfg
-        return out
+        ctx.call = call
+        ctx.set_materialize_grads(False)
+        return out, lse
 
     @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out: Tensor):  # type: ignore[override]
-        dq, dk, dv = _ring_backward(ctx.cfg, grad_out, *ctx.saved_tensors)
-        return dq, dk, dv, None
+    def backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        with torch.no_grad():
+            grads = _ring_backward(ctx.call, grad_out, grad_lse, q, k, v, out, lse)
+        if torch.is_grad_enabled():  # create_graph=True: the gradients are not differentiable
+            grads = _DoubleBackwardError.apply(*grads)
+        return (*grads, None)
+
+
+class _DoubleBackwardError(torch.autograd.Function):
+    """Passes gradients through; differentiating them raises (a gradient of a
+    gradient would otherwise be silently zero)."""
+
+    @staticmethod
+    def forward(ctx, *grads: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+        return tuple(g.view_as(g) for g in grads)
+
+    @staticmethod
+    def backward(ctx, *_: Tensor):  # type: ignore[override]
+        raise RuntimeError(DOUBLE_BACKWARD_ERROR)
 
 
 # ---------------------------------------------------------------------------
@@ -235,168 +265,159 @@ def exchange_plan(
     *,
     causal: bool = False,
     head_groups: bool = False,
+    kv_heads: int | None = None,
+    cu_seqlens: Sequence[int] | Tensor | None = None,
+    head_offsets: str = "modulo",
     group: dist.ProcessGroup | None = None,
     layout: str = "contiguous",
 ) -> ExchangePlan:
     """This rank's (cached) exchange plan for a global sequence of ``seq_len``.
 
     Useful to report the rows/bytes a rank exchanges per layer
-    (:meth:`ExchangePlan.bytes_sent`) without running anything.
+    (:meth:`ExchangePlan.bytes_sent`) without running anything. ``kv_heads``
+    defaults to ``heads``.
     """
-    segs, dils = normalize_pattern(segment_lengths, dilation_rates)
+    pattern = Pattern(
+        segment_lengths, dilation_rates, causal=causal, head_groups=head_groups,
+        head_offsets=head_offsets,
+    ).with_documents(cu_seqlens)  # fmt: skip
     check_layout(layout)
     world, rank = world_info(group)
-    return get_plan(world, rank, seq_len, heads, segs, dils, causal, head_groups, layout)
+    return get_plan(pattern, seq_len, heads, heads if kv_heads is None else kv_heads, world, rank,
+                    layout)  # fmt: skip
+
+
+def ring_attention(
+    q_local: Tensor,
+    k_local: Tensor,
+    v_local: Tensor,
+    pattern: Pattern | Callable[[], Pattern],
+    *,
+    scale: float | None = None,
+    group: dist.ProcessGroup | None = None,
+    layout: str = "contiguous",
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """:func:`ring_dilated_attention` with a :class:`Pattern` (or a function
+    building one: its errors, like every other check here, are reported
+    through the handshake so that every rank raises)."""
+    world, rank = world_info(group)
+    message = None
+    error: Exception | None = None
+    try:
+        if callable(pattern) and not isinstance(pattern, Pattern):
+            pattern = pattern()
+        check_layout(layout)
+        shape = check_qkv(q_local, k_local, v_local)
+        pattern.check_heads(shape.heads)
+        scale = resolve_scale(scale, shape.head_dim)
+        if world > 1:
+            comm_device(group, q_local.device)  # raises for unsupported transports
+        needs_grad = torch.is_grad_enabled() and any(
+            t.requires_grad for t in (q_local, k_local, v_local)
+        )
+        message = ring_message(
+            q_local, shape.kv_heads, pattern, scale=scale, layout=layout, needs_grad=needs_grad
+        )
+    except Exception as exc:  # every rank must hear of it: reported in the handshake
+        error = exc
+    if world > 1:
+        n = ring_handshake(
+            group, world, message, pattern if isinstance(pattern, Pattern) else None, layout
+        )
+    else:
+        n = q_local.shape[1] if error is None else -1
+    if error is not None:
+        raise error
+    pattern.check_length(n)
+
+    plan = get_plan(pattern, n, shape.heads, shape.kv_heads, world, rank, layout)
+    last_exchange_stats.reset()
+    call = _RingCall(
+        plan=plan,
+        group=group,
+        peers=global_ranks(group, world),
+        op_args=pattern.op_args(scale, None, q_local.device),
+    )
+    out, lse = _RingDilatedAttentionFn.apply(q_local, k_local, v_local, call)
+    return (out, lse) if return_lse else out
 
 
 def ring_dilated_attention(
-    q_local: torch.Tensor,
-    k_local: torch.Tensor,
-    v_local: torch.Tensor,
+    q_local: Tensor,
+    k_local: Tensor,
+    v_local: Tensor,
     segment_lengths: Sequence[int],
     dilation_rates: Sequence[int],
     *,
     causal: bool = False,
     scale: float | None = None,
     head_groups: bool = False,
+    cu_seqlens: Sequence[int] | Tensor | None = None,
+    head_offsets: str = "modulo",
     group: dist.ProcessGroup | None = None,
     layout: str = "contiguous",
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Dilated attention over a sequence sharded across the ranks of ``group``.
 
     Equal, forward and backward, to ``ring_attention.dilated_attention`` on the
     whole sequence, for every world size and global length.
 
     Args:
-        q_local, k_local, v_local: ``(batch, seq_local, heads, head_dim)``, this
-            rank's shard (``ring_attention.shard_sequence``): with
-            ``layout="contiguous"`` piece ``rank`` of
-            ``torch.tensor_split(x, world_size, dim=1)``.
-        segment_lengths, dilation_rates: the pattern (DESIGN.md §1).
+        q_local: ``(batch, seq_local, heads, head_dim)``, this rank's shard
+            (``ring_attention.shard_sequence``): with ``layout="contiguous"``
+            piece ``rank`` of ``torch.tensor_split(x, world_size, dim=1)``.
+        k_local, v_local: ``(batch, seq_local, kv_heads, head_dim)``;
+            ``kv_heads`` divides ``heads`` (grouped K/V heads: query head
+            ``h`` reads K/V head ``h // (heads // kv_heads)``; K/V travel
+            between ranks at K/V-head width).
+        segment_lengths, dilation_rates: the pattern (docs/design.md §1).
         causal: keys only at or before the query (global positions).
         scale: score scale, default ``head_dim ** -0.5``.
         head_groups: branch ``i`` applies only to head group ``i``.
+        cu_seqlens: document boundaries of a packed sequence, GLOBAL positions
+            ``[0, e_1, ..., seq]`` (the same on every rank; documents may span
+            ranks); every document starts its own segments.
+        head_offsets: ``"modulo"`` (default) or ``"grouped"`` (torchscale).
         group: the process group, default the default group. With no
             initialised process group (or a group of one) this is the
             single-process computation.
         layout: ``"contiguous"`` (default) or ``"zigzag"`` (balanced causal
-            work, see ``ring_attention.sharding``).
+            work, see ``ring_attention.layout``).
+        return_lse: also return this rank's ``lse`` ``(batch, heads,
+            seq_local)`` (float32; float64 for float64 inputs), differentiable.
 
     Returns:
-        This rank's output shard, shape and dtype of ``q_local``.
+        This rank's output shard, shape and dtype of ``q_local`` (and ``lse``).
 
     Raises:
-        ValueError: bad arguments (before anything is communicated on this
-            rank's side: a rank with bad inputs reports it in the handshake,
-            so every rank raises), or ranks that disagree on the pattern, the
-            global length (shard lengths not following the convention), the
-            dtype, the shape, ``causal``, ``head_groups``, ``scale`` or
-            ``layout`` — on every rank.
+        ValueError: bad arguments (before anything is communicated: a rank
+            with bad inputs reports it in the handshake, so every rank
+            raises), or ranks that disagree on the pattern, the global length
+            (shard lengths not following the convention), the dtype, the
+            shapes, ``scale`` or ``layout`` — on every rank.
 
     Every rank must call it with matching arguments, and, when gradients are
     needed, every rank must run the backward.
     """
-    world, rank = world_info(group)
-    values: dict[str, int] | None = None
-    error: Exception | None = None
-    segs = dils = ()
-    try:
-        check_layout(layout)
-        check_qkv(q_local, k_local, v_local)
-        segs, dils = normalize_pattern(segment_lengths, dilation_rates)
-        H, D = q_local.shape[2:]
-        check_head_groups(H, len(segs), head_groups)
-        scale = resolve_scale(scale, D)
-        if world > 1:
-            comm_device(group, q_local.device)  # raises for unsupported transports
-        needs_grad = torch.is_grad_enabled() and any(
-            t.requires_grad for t in (q_local, k_local, v_local)
-        )
-        values = ring_metadata(
-            q_local, segs, dils, causal=causal, head_groups=head_groups, scale=scale,
-            layout=layout, needs_grad=needs_grad,
-        )  # fmt: skip
-    except (ValueError, TypeError) as exc:
-        error = exc
 
-    if world > 1:
-        n = handshake(group, world, values, layout if error is None else "contiguous", (segs, dils))
-    else:
-        n = q_local.shape[1] if error is None else -1
-    if error is not None:
-        raise error
+    def pattern() -> Pattern:
+        return Pattern(
+            segment_lengths,
+            dilation_rates,
+            causal=causal,
+            head_groups=head_groups,
+            head_offsets=head_offsets,
+        ).with_documents(cu_seqlens)
 
-    plan = get_plan(world, rank, n, H, segs, dils, bool(causal), bool(head_groups), layout)
-    last_exchange_stats.reset()
-    cfg = _RingConfig(
-        plan=plan,
+    return ring_attention(
+        q_local,
+        k_local,
+        v_local,
+        pattern,
+        scale=scale,
         group=group,
-        segs=list(segs),
-        dils=list(dils),
-        causal=bool(causal),
-        scale=float(scale),
-        head_groups=bool(head_groups),
-        peers=tuple(global_rank(group, r) for r in range(world)) if world > 1 else (0,),
+        layout=layout,
+        return_lse=return_lse,
     )
-    return _RingDilatedAttentionFn.apply(q_local, k_local, v_local, cfg)
-
-
-class RingDilatedAttention(nn.Module):
-    """``nn.Module`` wrapper of :func:`ring_dilated_attention`.
-
-    ``forward(q, k, v)`` takes and returns this rank's
-    ``(batch, seq_local, heads, head_dim)`` shards.
-
-    Args:
-        segment_lengths, dilation_rates: the pattern.
-        causal: causal masking on global positions.
-        scale: score scale, default ``head_dim ** -0.5``.
-        head_groups: branch ``i`` applies only to head group ``i``.
-        group: process group, default the default group.
-        layout: ``"contiguous"`` (default) or ``"zigzag"``.
-    """
-
-    def __init__(
-        self,
-        segment_lengths: Sequence[int],
-        dilation_rates: Sequence[int],
-        causal: bool = False,
-        scale: float | None = None,
-        head_groups: bool = False,
-        group: dist.ProcessGroup | None = None,
-        layout: str = "contiguous",
-    ) -> None:
-        super().__init__()
-        segs, dils = normalize_pattern(segment_lengths, dilation_rates)
-        check_layout(layout)
-        if scale is not None:
-            resolve_scale(scale, 1)
-        self.segment_lengths = list(segs)
-        self.dilation_rates = list(dils)
-        self.causal = bool(causal)
-        self.scale = scale
-        self.head_groups = bool(head_groups)
-        self.group = group
-        self.layout = layout
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Attend this rank's query shard to the whole (sharded) sequence."""
-        return ring_dilated_attention(
-            q,
-            k,
-            v,
-            self.segment_lengths,
-            self.dilation_rates,
-            causal=self.causal,
-            scale=self.scale,
-            head_groups=self.head_groups,
-            group=self.group,
-            layout=self.layout,
-        )
-
-    def extra_repr(self) -> str:
-        return (
-            f"segment_lengths={self.segment_lengths}, dilation_rates={self.dilation_rates}, "
-            f"causal={self.causal}, scale={self.scale}, head_groups={self.head_groups}, "
-            f"layout={self.layout!r}"
-        )

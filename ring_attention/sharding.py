@@ -1,215 +1,32 @@
-"""Sequence sharding across the ranks of a process group.
+"""Sequence sharding across the ranks of a process group (user API).
 
-A rank holds the piece of the sequence that ``torch.tensor_split(x, world_size,
-dim)`` gives it (DESIGN.md §2): any global length, pieces differing by at most
-one, the first ``n % world_size`` pieces one longer. That is
-``layout="contiguous"``, the normative convention.
-
-``layout="zigzag"`` balances causal attention: the sequence is split by
-``torch.tensor_split`` into ``2 * world_size`` chunks and rank ``j`` holds
-chunks ``j`` and ``2 * world_size - 1 - j``, concatenated in that order, so
-every rank owns one early and one late chunk.
+A rank holds the piece of the sequence that ``torch.tensor_split(x,
+world_size, dim)`` gives it (docs/design.md §3): any global length, pieces
+differing by at most one. ``layout="zigzag"`` (balanced causal work) is
+described in :mod:`ring_attention.layout`.
 
 ``group=None`` means the default process group; with no initialised process
-group (or a group of one) every function here is the identity.
-
-This module also holds the small transport helpers the ring uses: which device
-a tensor travels on for a group's backend (NCCL: CUDA; gloo: CPU, CUDA tensors
-staged through host memory) and the dtype codes of the handshake.
+group (or a group of one) both functions are the identity.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.distributed as dist
+
+from ._comm import comm_device, world_info
+from .handshake import gather_handshake
+from .layout import LAYOUTS, Piece, check_layout, layout_pieces, layout_shard_lengths, shard_bounds
 
 __all__ = [
     "LAYOUTS",
     "Piece",
-    "check_layout",
     "gather_sequence",
     "layout_pieces",
     "layout_shard_lengths",
     "shard_bounds",
     "shard_sequence",
 ]
-
-#: The sequence layouts ``shard_sequence``/``ring_dilated_attention`` accept.
-LAYOUTS: tuple[str, ...] = ("contiguous", "zigzag")
-
-
-class Piece(NamedTuple):
-    """A contiguous run of global positions held by one rank.
-
-    Attributes:
-        start: first global position.
-        length: number of positions (may be 0 when the sequence is shorter
-            than the number of pieces).
-        offset: where the run starts inside the rank's local tensor.
-    """
-
-    start: int
-    length: int
-    offset: int
-
-
-def check_layout(layout: str) -> str:
-    """Return ``layout`` if it is one of :data:`LAYOUTS`, else raise ``ValueError``."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {layout!r}")
-    return layout
-
-
-def shard_bounds(n: int, world_size: int) -> list[tuple[int, int]]:
-    """``(start, length)`` of each of the ``world_size`` pieces of a length-``n``
-    sequence, exactly as ``torch.tensor_split(x, world_size)`` splits it.
-
-    The first ``n % world_size`` pieces have ``n // world_size + 1`` elements,
-    the others ``n // world_size``.
-    """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"n must be a non-negative int, got {n!r}")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    base, extra = divmod(n, world_size)
-    bounds = []
-    start = 0
-    for i in range(world_size):
-        length = base + (1 if i < extra else 0)
-        bounds.append((start, length))
-        start += length
-    return bounds
-
-
-def layout_pieces(n: int, world_size: int, rank: int, layout: str = "contiguous") -> list[Piece]:
-    """The runs of global positions rank ``rank`` holds, in local order.
-
-    One piece for ``"contiguous"``; two (chunks ``rank`` and
-    ``2 * world_size - 1 - rank`` of ``2 * world_size``) for ``"zigzag"``.
-    """
-    check_layout(layout)
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-    if layout == "contiguous":
-        start, length = shard_bounds(n, world_size)[rank]
-        return [Piece(start, length, 0)]
-    chunks = shard_bounds(n, 2 * world_size)
-    first = chunks[rank]
-    second = chunks[2 * world_size - 1 - rank]
-    return [Piece(first[0], first[1], 0), Piece(second[0], second[1], first[1])]
-
-
-def layout_shard_lengths(n: int, world_size: int, layout: str = "contiguous") -> list[int]:
-    """Local sequence length of every rank for a global length ``n``."""
-    return [
-        sum(p.length for p in layout_pieces(n, world_size, r, layout)) for r in range(world_size)
-    ]
-
-
-# ---------------------------------------------------------------------------
-# Process-group helpers (shared with the ring: exchange.py, handshake.py).
-
-
-def world_info(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
-    """``(world_size, rank)`` of ``group``; ``(1, 0)`` when torch.distributed is
-    unavailable or not initialised and ``group`` is None."""
-    if not dist.is_available() or not dist.is_initialized():
-        if group is not None:
-            raise ValueError(
-                "group was given but torch.distributed is not initialised; "
-                "call torch.distributed.init_process_group first (or pass group=None)"
-            )
-        return 1, 0
-    world = dist.get_world_size(group)
-    rank = dist.get_rank(group)
-    if rank < 0:
-        raise ValueError("this process is not a member of the given process group")
-    return world, rank
-
-
-def global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
-    """The global rank of ``group_rank`` in ``group`` (identity for the default group)."""
-    if group is None or group is dist.GroupMember.WORLD:
-        return group_rank
-    return dist.get_global_rank(group, group_rank)
-
-
-def backend_name(group: dist.ProcessGroup | None) -> str:
-    """The backend string of ``group``, lower case (e.g. ``"gloo"``, ``"nccl"``,
-    ``"cpu:gloo,cuda:nccl"``)."""
-    return str(dist.get_backend(group)).lower()
-
-
-def comm_device(group: dist.ProcessGroup | None, device: torch.device) -> torch.device:
-    """The device a tensor living on ``device`` is sent from/received into.
-
-    NCCL moves CUDA tensors directly. A CUDA tensor on a group without NCCL
-    (gloo) is staged through host memory. A CPU tensor needs a backend that
-    handles CPU tensors (gloo, mpi); an NCCL-only group raises ``ValueError``.
-    """
-    backend = backend_name(group)
-    if device.type == "cuda":
-        return device if "nccl" in backend else torch.device("cpu")
-    if device.type == "cpu":
-        if "nccl" in backend and "gloo" not in backend and "mpi" not in backend:
-            raise ValueError(
-                f"CPU tensors cannot travel over a {backend!r} process group; "
-                "use a gloo group (or move the tensors to the GPU)"
-            )
-        return device
-    raise ValueError(f"tensors on {device.type!r} are not supported by the ring transport")
-
-
-def control_device(group: dist.ProcessGroup | None) -> torch.device:
-    """Device of the small int64 control tensors (handshakes, length exchange)."""
-    backend = backend_name(group)
-    if "gloo" in backend or "mpi" in backend or "nccl" not in backend:
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
-
-
-_DTYPE_CODES: dict[torch.dtype, int] = {
-    torch.float32: 1,
-    torch.float64: 2,
-    torch.float16: 3,
-    torch.bfloat16: 4,
-    torch.int64: 5,
-    torch.int32: 6,
-    torch.int16: 7,
-    torch.int8: 8,
-    torch.uint8: 9,
-    torch.bool: 10,
-    torch.complex64: 11,
-    torch.complex128: 12,
-}
-_CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
-
-
-def dtype_code(dtype: torch.dtype) -> int:
-    """A small int naming ``dtype`` in handshakes (0 for dtypes not listed)."""
-    return _DTYPE_CODES.get(dtype, 0)
-
-
-def dtype_name(code: int) -> str:
-    """Inverse of :func:`dtype_code`, for messages."""
-    dtype = _CODE_DTYPES.get(int(code))
-    return str(dtype) if dtype is not None else f"<dtype code {int(code)}>"
-
-
-def all_gather_ints(values: list[int], group: dist.ProcessGroup | None) -> list[list[int]]:
-    """All-gather a fixed-length list of int64 from every rank (one small collective)."""
-    device = control_device(group)
-    world = dist.get_world_size(group)
-    mine = torch.tensor(values, dtype=torch.int64, device=device)
-    out = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(out, mine, group=group)
-    return [t.cpu().tolist() for t in out]
-
-
-# ---------------------------------------------------------------------------
-# Public API.
 
 
 def _check_dim(x: torch.Tensor, dim: int, name: str) -> int:
@@ -268,41 +85,8 @@ def _gather_varlen(
 
     Returns the full tensor and this rank's pieces (for the backward)."""
     world, rank = world_info(group)
-    if world == 1:
-        n = x_local.shape[dim]
-        return x_local, layout_pieces(n, 1, 0, layout)
-
-    # Handshake: shapes and dtypes, so a mismatch raises on every rank.
-    max_dims = 8
-    if x_local.dim() > max_dims:
-        raise ValueError(f"gather_sequence supports tensors of at most {max_dims} dims")
-    shape = list(x_local.shape) + [-1] * (max_dims - x_local.dim())
-    meta = all_gather_ints([x_local.dim(), dim, dtype_code(x_local.dtype), *shape], group)
-    ndims = {m[0] for m in meta}
-    if len(ndims) != 1 or len({m[1] for m in meta}) != 1:
-        raise ValueError(
-            f"gather_sequence: ranks disagree on the number of dimensions / dim: "
-            f"{[(m[0], m[1]) for m in meta]}"
-        )
-    if len({m[2] for m in meta}) != 1:
-        raise ValueError(
-            f"gather_sequence: ranks disagree on the dtype: {[dtype_name(m[2]) for m in meta]}"
-        )
-    shapes = [m[3 : 3 + x_local.dim()] for m in meta]
-    others = {tuple(s[:dim] + s[dim + 1 :]) for s in shapes}
-    if len(others) != 1:
-        raise ValueError(
-            f"gather_sequence: ranks disagree on the shape outside dim {dim}: {shapes}"
-        )
-    lengths = [s[dim] for s in shapes]
+    lengths = gather_handshake(group, world, x_local, dim, layout)
     n = sum(lengths)
-    expected = layout_shard_lengths(n, world, layout)
-    if lengths != expected:
-        raise ValueError(
-            f"gather_sequence: local lengths along dim {dim} are {lengths} (global length "
-            f"{n}), but layout={layout!r} expects {expected} (torch.tensor_split convention)"
-        )
-
     device = comm_device(group, x_local.device)
     max_len = max(lengths)
     send = x_local.to(device)

@@ -26,9 +26,19 @@ import ring_attention
 from ring_attention import exchange, ring
 from ring_attention.cache import LRUCache
 from ring_attention.exchange import last_exchange_stats, register_exchange_hook
+from ring_attention.pattern import Pattern
 from ring_attention.plan import PLAN_CACHE, build_plan, get_plan
 from ring_attention.ring import ring_dilated_attention
 from ring_attention.sharding import layout_pieces, shard_sequence
+
+
+def _plan(world, rank, n, heads, segs, dils, causal, head_groups, layout="contiguous", cache=None):
+    """The plan of ``rank`` (built fresh, or through ``cache``)."""
+    pattern = Pattern(segs, dils, causal=causal, head_groups=head_groups)
+    if cache is None:
+        return build_plan(pattern, n, heads, heads, world, rank, layout)
+    return get_plan(pattern, n, heads, heads, world, rank, layout, cache=cache)
+
 
 LONGNET = ([8, 16, 32], [1, 2, 4])
 
@@ -86,7 +96,7 @@ def _expected_traffic(n, world, heads, segs, dils, causal, head_groups, layout):
 def test_plan_rows_match_oracle_multiplicity(case: str) -> None:
     n, world, heads, segs, dils, causal, hg, layout = PLAN_CASES[case]
     needed, pieces = _expected_traffic(n, world, heads, segs, dils, causal, hg, layout)
-    plans = [build_plan(world, r, n, heads, segs, dils, causal, hg, layout) for r in range(world)]
+    plans = [_plan(world, r, n, heads, segs, dils, causal, hg, layout) for r in range(world)]
     for r, plan in enumerate(plans):
         assert plan.pieces == tuple(pieces[r])
         by_d = {s.distance: s for s in plan.steps}
@@ -138,7 +148,7 @@ def test_all_local_pattern_exchanges_nothing(n, world, segs, dils, causal, layou
         segs = [s // 2 for s in segs]  # zig-zag chunks are half a shard
         dils = [min(r, w) for r, w in zip(dils, segs, strict=True)]
     for r in range(world):
-        plan = build_plan(world, r, n, 4, segs, dils, causal, False, layout)
+        plan = _plan(world, r, n, 4, segs, dils, causal, False, layout)
         assert plan.steps == ()
         assert plan.bytes_sent(2, 64, 2, backward=True) == 0
         assert plan.bytes_received(2, 64, 2, backward=True) == 0
@@ -153,7 +163,7 @@ def _max_rows_sent(n: int, world: int, segs, dils, causal: bool, heads: int = 8)
     ``max(segs)`` positions, so ranks beyond one period add nothing new."""
     period = max(1, max(segs) * world // n) if n else 1
     ranks = range(min(world, period + 1))
-    return max(build_plan(world, r, n, heads, segs, dils, causal, False).rows_sent for r in ranks)
+    return max(_plan(world, r, n, heads, segs, dils, causal, False).rows_sent for r in ranks)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -169,7 +179,7 @@ def test_longnet_bytes_per_rank_flat_in_n(causal: bool) -> None:
         sent[n] = 2 * rows * head_dim * itemsize  # K and V, batch 1
         assert rows <= heads * sum(w // r for w, r in zip(segs, dils, strict=True)), (n, rows)
         if world <= 16:
-            dense[n] = build_plan(world, 0, n, 2, [n], [1], causal, False).rows_sent
+            dense[n] = _plan(world, 0, n, 2, [n], [1], causal, False).rows_sent
     values = list(sent.values())
     assert values[0] > 0
     assert max(values) == min(values), f"bytes sent per rank grow with n: {sent}"
@@ -195,14 +205,14 @@ def test_longnet_bytes_per_rank_bounded_in_world_size(world: int) -> None:
 def test_plan_cache_lru_and_counters() -> None:
     cache = LRUCache(maxsize=2)
     args = (4, 1, 101, 4, *LONGNET, True, False)
-    p1 = get_plan(*args, cache=cache)
+    p1 = _plan(*args, cache=cache)
     assert (cache.hits, cache.misses) == (0, 1)
-    assert get_plan(*args, cache=cache) is p1
+    assert _plan(*args, cache=cache) is p1
     assert (cache.hits, cache.misses) == (1, 1)
-    get_plan(4, 2, 101, 4, *LONGNET, True, False, cache=cache)
-    get_plan(4, 3, 101, 4, *LONGNET, True, False, cache=cache)
+    _plan(4, 2, 101, 4, *LONGNET, True, False, cache=cache)
+    _plan(4, 3, 101, 4, *LONGNET, True, False, cache=cache)
     assert len(cache) == 2  # bounded: the least recently used plan went
-    get_plan(*args, cache=cache)
+    _plan(*args, cache=cache)
     assert cache.misses == 4
     cache.clear()
     assert (len(cache), cache.hits, cache.misses) == (0, 0, 0)
@@ -407,7 +417,7 @@ def test_transport_buffers_are_counted() -> None:
         for case, c in STAT_CASES.items():
             r = res[case]
             kv = [e for e in r["events"] if e["phase"] == "forward_kv"]
-            plan = build_plan(
+            plan = _plan(
                 WORLD, rank, c["n"], c["heads"], *c["pattern"], c["causal"],
                 c.get("head_groups", False), c["layout"],
             )  # fmt: skip

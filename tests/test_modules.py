@@ -19,10 +19,12 @@ from dist_utils import run_distributed
 from oracle import multiplicity, reference_attention
 
 import ring_attention as ra
-from ring_attention import modules as ra_modules
-from ring_attention import patterns as ra_patterns
+from ring_attention import multihead as ra_multihead
+from ring_attention import multiplicity as ra_multiplicity
 from ring_attention.modules import DilatedAttention, MultiheadDilatedAttention
-from ring_attention.patterns import PATTERN_CACHE, pattern_log_multiplicity, pattern_multiplicity
+from ring_attention.multiplicity import PATTERN_CACHE, log_multiplicity
+from ring_attention.multiplicity import multiplicity as pattern_multiplicity
+from ring_attention.pattern import Pattern
 
 E, H = 16, 4
 TOL = 1e-5
@@ -181,20 +183,21 @@ def test_dense_gradients_match_nn_mha(batch_first, kind) -> None:
 def test_dense_fast_path_uses_the_op(monkeypatch) -> None:
     """Dense self-attention without attn_mask/weights runs the C++ op."""
     calls = []
-    real = ra_modules.dilated_attention
+    real = ra_multihead.attend
 
     def spy(*args, **kw):
-        calls.append(args[3:5])
+        p = args[3]
+        calls.append((p.segment_lengths[0] >= 11, p.dilation_rates))
         return real(*args, **kw)
 
-    monkeypatch.setattr(ra_modules, "dilated_attention", spy)
+    monkeypatch.setattr(ra_multihead, "attend", spy)
     ref, mine = pair(batch_first=True)
     x = torch.randn(2, 11, E)
     kpm = torch.rand(2, 11) < 0.3
     kpm[:, 0] = False
     o1, _ = ref(x, x, x, key_padding_mask=kpm, need_weights=False)
     o2, w = mine(x, x, x, key_padding_mask=kpm, need_weights=False)
-    assert w is None and calls == [((11,), (1,))]
+    assert w is None and calls == [(True, (1,))]  # one segment covering the sequence
     assert_close(o2, o1)
     mine(x, x, x, need_weights=True)  # weights: dense path, no op call
     assert len(calls) == 1
@@ -552,10 +555,10 @@ def test_repeated_call_hits_the_pattern_cache() -> None:
 
 
 def test_pattern_cache_is_bounded_and_thread_safe(monkeypatch) -> None:
-    small = ra_patterns.LRUCache(maxsize=3)
-    monkeypatch.setattr(ra_patterns, "PATTERN_CACHE", small)
+    small = ra_multiplicity.LRUCache(maxsize=3)
+    monkeypatch.setattr(ra_multiplicity, "PATTERN_CACHE", small)
     for n in range(1, 6):
-        pattern_log_multiplicity(n, 2, [2], [1])
+        log_multiplicity(Pattern([2], [1]), n, 2)
     assert small.info() == {"hits": 0, "misses": 5, "size": 3, "maxsize": 3}
 
     small.clear()
@@ -563,7 +566,7 @@ def test_pattern_cache_is_bounded_and_thread_safe(monkeypatch) -> None:
 
     def work() -> None:
         barrier.wait()
-        results.append(pattern_log_multiplicity(33, 4, [4, 8], [1, 2]))
+        results.append(log_multiplicity(Pattern([4, 8], [1, 2]), 33, 4))
 
     threads = [threading.Thread(target=work) for _ in range(8)]
     for t in threads:
@@ -577,8 +580,8 @@ def test_pattern_cache_is_bounded_and_thread_safe(monkeypatch) -> None:
 def test_pattern_multiplicity_matches_oracle() -> None:
     for segs, dils in PATTERNS:
         for causal, hg in itertools.product([False, True], [False, True]):
-            got = pattern_multiplicity(23, 5, segs, dils, causal=causal, head_groups=hg,
-                                       dtype=torch.float64)  # fmt: skip
+            pattern = Pattern(segs, dils, causal=causal, head_groups=hg)
+            got = pattern_multiplicity(pattern, 23, 5, dtype=torch.float64)
             assert torch.equal(got, multiplicity(23, 5, segs, dils, causal, hg))
 
 

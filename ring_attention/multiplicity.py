@@ -1,0 +1,92 @@
+"""Dense matrices of a pattern: the multiplicity ``M[h, t, u]`` of
+docs/design.md §1 (how many branches let query ``t`` reach key ``u`` for head
+``h``) and its log, an additive score bias under which an ordinary softmax is
+the pattern's multiset softmax.
+
+Used by the exact dense path of :class:`ring_attention.MultiheadDilatedAttention`
+(attention weights, arbitrary masks, dropout); O(heads * seq**2) memory, so
+never on the kernels' path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cache import LRUCache
+from .pattern import Pattern
+
+__all__ = ["PATTERN_CACHE", "log_multiplicity", "multiplicity"]
+
+#: Cache of the dense ``log(multiplicity)`` bias, keyed by ``(pattern,
+#: seq_len, heads, device, dtype)``. Bounded in entries and in bytes
+#: (``PATTERN_CACHE.max_bytes``, default 256 MiB; a matrix larger than the
+#: bound is built for the call and not kept).
+PATTERN_CACHE: LRUCache[torch.Tensor] = LRUCache(
+    maxsize=32, max_bytes=256 * 2**20, size_of=lambda t: t.numel() * t.element_size()
+)
+
+
+def multiplicity(
+    pattern: Pattern,
+    seq_len: int,
+    heads: int,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``M[h, t, u]``, ``(heads, seq_len, seq_len)``: the number of branches in
+    which query ``t`` reaches key ``u`` for head ``h`` (documents, head groups,
+    head offsets and ``causal`` included). Built fresh (not cached)."""
+    pattern.check_heads(heads)
+    pattern.check_length(seq_len)
+    t = torch.arange(seq_len, device=device)
+    if pattern.documents is None:
+        rel, doc = t, torch.zeros_like(t)
+    else:
+        cu = pattern.documents_tensor(t.device)
+        doc = torch.searchsorted(cu, t, right=True) - 1  # document of each position
+        rel = t - cu[doc]
+    same_doc = doc[:, None] == doc[None, :]
+    m = torch.zeros(heads, seq_len, seq_len, dtype=dtype, device=device)
+    for i, (w, r) in enumerate(pattern.branches):
+        heads_i = pattern.applies(i, heads)
+        if not heads_i:
+            continue
+        offsets = torch.tensor(
+            [pattern.offset(h, i, heads) for h in heads_i], device=t.device
+        )  # (h_i,)
+        act = ((rel % w) % r)[None, :] == offsets[:, None]  # (h_i, L)
+        seg = rel // w
+        same = same_doc & (seg[:, None] == seg[None, :])  # (L, L)
+        m[heads_i] += (act[:, :, None] & act[:, None, :] & same).to(dtype)
+    if pattern.causal:
+        m = m.tril()
+    return m
+
+
+def log_multiplicity(
+    pattern: Pattern,
+    seq_len: int,
+    heads: int,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``log(M)`` of :func:`multiplicity` (``-inf`` where a key is not reached),
+    from :data:`PATTERN_CACHE` (built in the graph instead under
+    ``torch.compile``).
+
+    The returned tensor is shared by every caller: do not modify it in place.
+    """
+    device = torch.device("cpu") if device is None else torch.device(device)
+
+    def build() -> torch.Tensor:
+        with torch.no_grad():
+            m = multiplicity(pattern, seq_len, heads, device=device, dtype=torch.float64)
+            return torch.log(m).to(dtype)
+
+    if torch.compiler.is_compiling():
+        # Under torch.compile the matrix is built inside the graph (a lock-
+        # protected cache would be a graph break).
+        return build()
+    return PATTERN_CACHE.get((pattern, int(seq_len), int(heads), str(device), dtype), build)

@@ -1,0 +1,308 @@
+"""The attention pattern: one frozen, hashable value, validated once.
+
+A :class:`Pattern` holds everything that defines which keys a query reaches
+(docs/design.md §1): the branches ``(w_i, r_i)``, ``causal``, ``head_groups``,
+how heads pick their dilation offsets, and the document boundaries of a packed
+sequence. It is built (and checked) once at the top — by
+:func:`ring_attention.dilated_attention`, the modules' constructors, the ring —
+and then passed down unchanged: it keys the exchange-plan and dense-matrix
+caches, the ring handshake serialises it, and :meth:`Pattern.op_args` turns it
+into the arguments of the C++ operators, where ``csrc/pattern.h`` is the same
+definition in C++.
+"""
+
+from __future__ import annotations
+
+import operator
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+import torch
+
+__all__ = ["HEAD_OFFSETS", "Pattern", "as_flag", "head_group_bounds", "head_offset"]
+
+#: How head ``h`` picks its offset in a branch with dilation ``r``:
+#: ``"modulo"``: ``h mod r`` (LongNet's per-head offsets, the default);
+#: ``"grouped"``: ``h // ceil(heads / r)``, contiguous groups of heads share an
+#: offset (torchscale's LongNet implementation).
+HEAD_OFFSETS: tuple[str, ...] = ("modulo", "grouped")
+
+HeadOffsets = Literal["modulo", "grouped"]
+
+
+def as_flag(value: Any, name: str) -> bool:
+    """``value`` as a ``bool``; only ``bool`` (and NumPy's ``bool_``) is accepted.
+
+    A string such as ``"no"`` is truthy in Python; taking it as ``True`` would
+    be a silent wrong answer, so anything but a real boolean raises
+    ``ValueError`` naming the argument.
+    """
+    if isinstance(value, bool):
+        return value
+    if type(value).__name__ == "bool_" and type(value).__module__ == "numpy":
+        return bool(value)
+    raise ValueError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+
+
+def _as_index(value: Any, name: str) -> int:
+    """A Python int from a Python/NumPy integer or a 0-d integer tensor."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or value.is_floating_point() or value.is_complex():
+            raise ValueError(
+                f"{name} must be an integer, got a tensor of shape {tuple(value.shape)}"
+            )
+        if value.dtype == torch.bool:
+            raise ValueError(f"{name} must be an integer, got a bool tensor")
+        return int(value.item())
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    return operator.index(value)
+
+
+def _as_ints(values: Any, name: str) -> tuple[int, ...]:
+    """A tuple of ints from one integer (a one-branch pattern) or a sequence /
+    1-D tensor of integers."""
+    if isinstance(values, torch.Tensor) and values.dim() == 1:
+        return tuple(_as_index(v, f"{name}[{i}]") for i, v in enumerate(values))
+    if isinstance(values, torch.Tensor) or hasattr(values, "__index__"):
+        return (_as_index(values, name),)
+    if isinstance(values, (str, bytes)):
+        raise ValueError(f"{name} must be a sequence of integers, got {values!r}")
+    try:
+        items = list(values)
+    except TypeError:
+        raise ValueError(
+            f"{name} must be an integer or a sequence of integers, got {values!r}"
+        ) from None
+    return tuple(_as_index(v, f"{name}[{i}]") for i, v in enumerate(items))
+
+
+def head_group_bounds(heads: int, n_branches: int) -> list[tuple[int, int]]:
+    """``[begin, end)`` of the ``n_branches`` contiguous head groups of
+    ``head_groups=True``: sizes differ by at most one, the first groups take
+    the extra heads."""
+    base, extra = divmod(heads, n_branches)
+    bounds, begin = [], 0
+    for i in range(n_branches):
+        size = base + (1 if i < extra else 0)
+        bounds.append((begin, begin + size))
+        begin += size
+    return bounds
+
+
+def head_offset(h: int, r: int, heads: int, head_offsets: str = "modulo") -> int:
+    """The offset of head ``h`` (of ``heads``) in a branch of dilation ``r``."""
+    if head_offsets == "grouped":
+        return h // -(-heads // r)
+    return h % r
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """A dilated-attention pattern (docs/design.md §1), validated at construction.
+
+    Args:
+        segment_lengths, dilation_rates: one ``(w, r)`` per branch, ``1 <= r <=
+            w``; Python/NumPy integers or 0-d integer tensors, or one integer
+            for a one-branch pattern.
+        causal: keys only at or before the query.
+        head_groups: split heads into ``len(segment_lengths)`` contiguous
+            groups, branch ``i`` applying only to group ``i``.
+        head_offsets: ``"modulo"`` (head ``h`` starts at ``h mod r``, the
+            default) or ``"grouped"`` (``h // ceil(heads / r)``, as torchscale's
+            LongNet assigns offsets to contiguous head groups).
+        documents: ``cu_seqlens`` of a packed sequence, ``(0, e_1, ..., e_m)``
+            non-decreasing; ``None`` for one document. Build it with
+            :meth:`with_documents`.
+
+    Raises:
+        ValueError: naming the argument, for an empty pattern, mismatched
+            lengths, ``w < 1``, ``r < 1``, ``r > w``, a non-integer value, a
+            flag that is not a ``bool`` or an unknown ``head_offsets``.
+
+    The value is immutable and hashable: equal patterns are interchangeable as
+    cache keys.
+    """
+
+    segment_lengths: tuple[int, ...]
+    dilation_rates: tuple[int, ...]
+    causal: bool = False
+    head_groups: bool = False
+    head_offsets: HeadOffsets = "modulo"
+    documents: tuple[int, ...] | None = None
+    # Tensors derived from the value (documents on a device), built once.
+    _tensors: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        segs = _as_ints(self.segment_lengths, "segment_lengths")
+        dils = _as_ints(self.dilation_rates, "dilation_rates")
+        if not segs:
+            raise ValueError(
+                "segment_lengths must not be empty: a pattern needs at least one branch"
+            )
+        if len(segs) != len(dils):
+            raise ValueError(
+                f"segment_lengths and dilation_rates must have the same length, got "
+                f"{len(segs)} segment_lengths and {len(dils)} dilation_rates"
+            )
+        for i, (w, r) in enumerate(zip(segs, dils, strict=True)):
+            if w < 1:
+                raise ValueError(f"segment_lengths[{i}] must be >= 1, got {w}")
+            if r < 1:
+                raise ValueError(f"dilation_rates[{i}] must be >= 1, got {r}")
+            if r > w:
+                raise ValueError(
+                    f"dilation_rates[{i}] must be <= segment_lengths[{i}] = {w}, got {r}"
+                )
+        if self.head_offsets not in HEAD_OFFSETS:
+            raise ValueError(
+                f"head_offsets must be one of {list(HEAD_OFFSETS)}, got {self.head_offsets!r}"
+            )
+        set_ = object.__setattr__
+        set_(self, "segment_lengths", segs)
+        set_(self, "dilation_rates", dils)
+        set_(self, "causal", as_flag(self.causal, "causal"))
+        set_(self, "head_groups", as_flag(self.head_groups, "head_groups"))
+        if self.documents is not None:
+            set_(self, "documents", _check_documents(self.documents))
+
+    # -- derived values ------------------------------------------------------
+    @property
+    def n_branches(self) -> int:
+        """Number of branches."""
+        return len(self.segment_lengths)
+
+    @property
+    def branches(self) -> tuple[tuple[int, int], ...]:
+        """``((w_0, r_0), (w_1, r_1), ...)``."""
+        return tuple(zip(self.segment_lengths, self.dilation_rates, strict=True))
+
+    def with_documents(self, cu_seqlens: Any) -> Pattern:
+        """This pattern on a packed sequence with boundaries ``cu_seqlens`` (a
+        1-D integer tensor or sequence ``[0, e_1, ..., e_m]``, non-decreasing;
+        ``None`` for one document). The last boundary is checked against the
+        sequence length where the pattern is used."""
+        if cu_seqlens is None:
+            return self if self.documents is None else replace(self, documents=None)
+        return replace(self, documents=_check_documents(cu_seqlens))
+
+    def check_heads(self, heads: int) -> None:
+        """``head_groups=True`` needs at least one head per branch."""
+        if self.head_groups and heads < self.n_branches:
+            raise ValueError(
+                f"head_groups=True needs at least as many heads as branches: "
+                f"got {heads} heads and {self.n_branches} branches"
+            )
+
+    def check_length(self, seq_len: int) -> None:
+        """The documents must end where the sequence does."""
+        if self.documents is not None and self.documents[-1] != seq_len:
+            raise ValueError(
+                f"cu_seqlens must end at the sequence length {seq_len}, got "
+                f"cu_seqlens[-1] = {self.documents[-1]}"
+            )
+
+    def applies(self, branch: int, heads: int) -> list[int]:
+        """The heads branch ``branch`` applies to."""
+        if not self.head_groups:
+            return list(range(heads))
+        lo, hi = head_group_bounds(heads, self.n_branches)[branch]
+        return list(range(lo, hi))
+
+    def offset(self, h: int, branch: int, heads: int) -> int:
+        """The dilation offset of head ``h`` in branch ``branch``."""
+        return head_offset(h, self.dilation_rates[branch], heads, self.head_offsets)
+
+    def documents_tensor(self, device: torch.device | str) -> torch.Tensor | None:
+        """``documents`` as an int64 tensor on ``device`` (built once per device)."""
+        if self.documents is None:
+            return None
+        key = str(device)
+        t = self._tensors.get(key)
+        if t is None:
+            t = torch.tensor(self.documents, dtype=torch.int64, device=device)
+            self._tensors[key] = t
+        return t
+
+    def op_args(
+        self, scale: float, key_padding_mask: torch.Tensor | None, device: torch.device
+    ) -> tuple:
+        """The pattern arguments of the ``torch.ops.ring_attention`` attention
+        operators, in schema order."""
+        return (
+            list(self.segment_lengths),
+            list(self.dilation_rates),
+            self.causal,
+            float(scale),
+            self.head_groups,
+            key_padding_mask,
+        )  # TODO(schema): grouped offsets, documents
+
+    def digest(self) -> int:
+        """A stable 63-bit digest of the value (the same in every process; the
+        ring handshake compares it across ranks)."""
+        text = repr(
+            (
+                self.segment_lengths,
+                self.dilation_rates,
+                self.causal,
+                self.head_groups,
+                self.head_offsets,
+                self.documents,
+            )
+        ).encode()
+        return (zlib.crc32(text) << 31) ^ zlib.adler32(text)
+
+    def describe(self) -> str:
+        """A short human-readable description (error messages)."""
+        s = f"segment_lengths={list(self.segment_lengths)} "
+        s += f"dilation_rates={list(self.dilation_rates)}"
+        if self.causal:
+            s += " causal"
+        if self.head_groups:
+            s += " head_groups"
+        if self.head_offsets != "modulo":
+            s += f" head_offsets={self.head_offsets}"
+        if self.documents is not None:
+            s += f" documents={len(self.documents) - 1}"
+        return s
+
+
+def _check_documents(cu_seqlens: Any) -> tuple[int, ...]:
+    """``cu_seqlens`` as a tuple of ints: 1-D integer, starting at 0,
+    non-decreasing (docs/design.md §6). Checked with vectorised tensor ops:
+    thousands of documents are normal."""
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1:
+            raise ValueError(
+                f"cu_seqlens must be a 1-D integer tensor, got shape {tuple(cu_seqlens.shape)}"
+            )
+        if (
+            cu_seqlens.is_floating_point()
+            or cu_seqlens.is_complex()
+            or cu_seqlens.dtype == torch.bool
+        ):
+            raise ValueError(f"cu_seqlens must have an integer dtype, got {cu_seqlens.dtype}")
+        cu = cu_seqlens.detach().to("cpu", torch.int64)
+    elif isinstance(cu_seqlens, Sequence) and not isinstance(cu_seqlens, (str, bytes)):
+        if not all(type(x) is int for x in cu_seqlens):
+            cu_seqlens = [_as_index(v, f"cu_seqlens[{i}]") for i, v in enumerate(cu_seqlens)]
+        cu = torch.tensor(cu_seqlens, dtype=torch.int64)
+    else:
+        raise ValueError(
+            f"cu_seqlens must be a 1-D integer tensor, got {type(cu_seqlens).__name__}"
+        )
+    if cu.numel() == 0:
+        raise ValueError("cu_seqlens must not be empty: it starts with 0 and ends at seq")
+    if int(cu[0]) != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got cu_seqlens[0] = {int(cu[0])}")
+    drops = torch.nonzero(cu[1:] < cu[:-1])
+    if drops.numel():
+        i = int(drops[0]) + 1
+        raise ValueError(
+            f"cu_seqlens must be non-decreasing, got cu_seqlens[{i - 1}] = {int(cu[i - 1])} > "
+            f"cu_seqlens[{i}] = {int(cu[i])}"
+        )
+    return tuple(cu.tolist())
