@@ -41,7 +41,7 @@ def as_flag(value: Any, name: str) -> bool:
     """
     if isinstance(value, bool):
         return value
-    if type(value).__name__ == "bool_" and type(value).__module__ == "numpy":
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
         return bool(value)
     raise ValueError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
 
@@ -58,13 +58,16 @@ def _as_index(value: Any, name: str) -> int:
         return int(value.item())
     if isinstance(value, bool) or not hasattr(value, "__index__"):
         raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
-    return operator.index(value)
+    try:
+        return operator.index(value)
+    except TypeError:  # e.g. a NumPy array of several values
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
 
 
 def _as_ints(values: Any, name: str) -> tuple[int, ...]:
     """A tuple of ints from one integer (a one-branch pattern) or a sequence /
     1-D tensor of integers."""
-    if isinstance(values, torch.Tensor) and values.dim() == 1:
+    if getattr(values, "ndim", None) == 1:  # a 1-D tensor or NumPy array
         return tuple(_as_index(v, f"{name}[{i}]") for i, v in enumerate(values))
     if isinstance(values, torch.Tensor) or hasattr(values, "__index__"):
         return (_as_index(values, name),)
@@ -274,6 +277,8 @@ def _check_documents(cu_seqlens: Any) -> tuple[int, ...]:
     """``cu_seqlens`` as a tuple of ints: 1-D integer, starting at 0,
     non-decreasing (docs/design.md §6). Checked with vectorised tensor ops:
     thousands of documents are normal."""
+    if not isinstance(cu_seqlens, torch.Tensor) and type(cu_seqlens).__module__ == "numpy":
+        cu_seqlens = torch.as_tensor(cu_seqlens)
     if isinstance(cu_seqlens, torch.Tensor):
         if cu_seqlens.dim() != 1:
             raise ValueError(

@@ -169,6 +169,15 @@ class ExchangePlan:
         """(row, K/V head) pairs of K (and as many of V) this rank receives per forward."""
         return sum(s.recv_rows for s in self.steps)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the plan's row indices on the host (device copies made by
+        :meth:`indices_on` add as much again per device)."""
+        return sum(
+            sum(i.numel() * i.element_size() for i in (*s.send_idx, *s.recv_idx))
+            for s in self.steps
+        )
+
     def step_for(self, distance: int) -> Step | None:
         """The step at ring distance ``distance``, or ``None`` if it is skipped."""
         for s in self.steps:
@@ -302,8 +311,12 @@ def build_plan(
     )
 
 
-#: The module-level plan cache used by ``ring_dilated_attention``.
-PLAN_CACHE: LRUCache[ExchangePlan] = LRUCache(maxsize=64)
+#: The module-level plan cache used by ``ring_dilated_attention``: at most 64
+#: plans and 512 MiB of row indices (``PLAN_CACHE.max_bytes``; a larger plan
+#: is used for its call and not kept).
+PLAN_CACHE: LRUCache[ExchangePlan] = LRUCache(
+    maxsize=64, max_bytes=512 * 2**20, size_of=lambda plan: plan.nbytes
+)
 
 
 def get_plan(

@@ -1,0 +1,113 @@
+"""Control messages between ranks (ring_attention/handshake.py), in real gloo
+processes: every message has one fixed size and names its call, so ranks in
+different calls, or ranks whose calls disagree, or a rank whose own checks
+fail, make every rank raise the library's own ValueError — never a transport
+abort and never a hang (docs/design.md §6)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_utils import run_distributed
+
+import ring_attention as ra
+
+WORLD = 3
+E, HEADS = 16, 4
+
+
+def _attempt(fn) -> tuple[str, str]:
+    try:
+        fn()
+    except Exception as exc:  # the test inspects the type and message
+        return type(exc).__name__, str(exc)
+    return "no error", ""
+
+
+def _suite(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    x = torch.randn(2, 31, HEADS, 8)
+    local = ra.shard_sequence(x, 1)
+    res: dict[str, tuple[str, str]] = {}
+
+    # A rank in gather_sequence while the others run the ring.
+    if rank == 0:
+        res["out_of_step"] = _attempt(lambda: ra.gather_sequence(local, 1))
+    else:
+        res["out_of_step"] = _attempt(
+            lambda: ra.ring_dilated_attention(local, local, local, [8], [1])
+        )
+
+    # MultiheadDilatedAttention with a pattern on rank 0, dense elsewhere.
+    kw = {"segment_lengths": [4, 8], "dilation_rates": [1, 2]} if rank == 0 else {}
+    group = torch.distributed.group.WORLD
+    mha = ra.MultiheadDilatedAttention(E, HEADS, batch_first=True, group=group, **kw)
+    y = ra.shard_sequence(torch.randn(2, 29, E), 1)
+    res["mha_pattern"] = _attempt(lambda: mha(y, y, y, need_weights=False))
+
+    # need_weights=True on rank 1 only: the module's own check fails there.
+    dense = ra.MultiheadDilatedAttention(E, HEADS, batch_first=True, group=group)
+    res["mha_need_weights"] = _attempt(lambda: dense(y, y, y, need_weights=rank == 1))
+
+    # head_dim 0 on rank 2 only.
+    z = local[..., :0] if rank == 2 else local
+    res["head_dim"] = _attempt(lambda: ra.ring_dilated_attention(z, z, z, [8], [1]))
+
+    # cu_seqlens that differ between ranks.
+    cu = [0, 10, 31] if rank else [0, 11, 31]
+    res["documents"] = _attempt(
+        lambda: ra.ring_dilated_attention(local, local, local, [8], [1], cu_seqlens=cu)
+    )
+
+    # The group is still usable afterwards.
+    out = ra.gather_sequence(ra.ring_dilated_attention(local, local, local, [8, 16], [1, 2]), 1)
+    ref = ra.dilated_attention(x, x, x, [8, 16], [1, 2])
+    res["after"] = ("ok", str((out - ref).abs().max().item()))
+    return res
+
+
+_RESULTS: list[dict] = []
+
+
+def _results() -> list[dict]:
+    if not _RESULTS:
+        _RESULTS.extend(run_distributed(_suite, WORLD, timeout=120, pg_timeout=30))
+    return _RESULTS
+
+
+def test_ranks_in_different_calls_are_out_of_step() -> None:
+    for rank, res in enumerate(_results()):
+        kind, msg = res["out_of_step"]
+        assert kind == "ValueError", (rank, kind, msg)
+        assert "out of step" in msg and "gather_sequence" in msg, (rank, msg)
+
+
+def test_modules_with_different_patterns_disagree_on_every_rank() -> None:
+    for rank, res in enumerate(_results()):
+        kind, msg = res["mha_pattern"]
+        assert kind == "ValueError", (rank, kind, msg)
+        assert "pattern" in msg, (rank, msg)
+
+
+@pytest.mark.parametrize("case,culprit,word", [("mha_need_weights", 1, "need_weights"),
+                                                ("head_dim", 2, "head_dim")])  # fmt: skip
+def test_a_rank_failing_its_own_checks_fails_every_rank(case, culprit, word) -> None:
+    for rank, res in enumerate(_results()):
+        kind, msg = res[case]
+        assert kind == "ValueError", (rank, kind, msg)
+        if rank == culprit:
+            assert word in msg, (rank, msg)
+        else:
+            assert f"rank(s) [{culprit}]" in msg, (rank, msg)
+
+
+def test_documents_that_differ_between_ranks_raise_on_every_rank() -> None:
+    for rank, res in enumerate(_results()):
+        kind, msg = res["documents"]
+        assert kind == "ValueError", (rank, kind, msg)
+        assert "pattern" in msg and "documents" in msg, (rank, msg)
+
+
+def test_the_group_is_usable_after_the_errors() -> None:
+    for res in _results():
+        assert float(res["after"][1]) < 1e-5
