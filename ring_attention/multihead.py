@@ -155,7 +155,9 @@ class MultiheadDilatedAttention(nn.MultiheadAttention):
     attention itself. Argument checks, their order, exception types and
     messages, the output's memory layout (strides), the dropout random stream
     and which nested-tensor inputs are accepted stay those of
-    ``nn.MultiheadAttention``; the differences:
+    ``nn.MultiheadAttention`` (its checks are those of its general path: where
+    it would run its fused inference kernel, which checks shapes in C++ with
+    its own words, this path never does); the differences:
 
     - The attention of each head is the multiset softmax of docs/design.md §1:
       query ``t`` attends to key ``u`` with weight

@@ -41,6 +41,8 @@ import torch.nn as nn
 
 from ring_attention.multihead import MultiheadAttentionError, MultiheadDilatedAttention
 
+pytestmark = pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+
 VARIANTS: dict[str, dict[str, Any]] = {
     "plain": {},
     "pattern": {"segment_lengths": [1 << 20], "dilation_rates": [1]},
@@ -508,12 +510,54 @@ def test_misuse_raises_like_nn_mha(name, ctor, call, mode, variant) -> None:
             call(m)
         errors.append(info.value)
     theirs, ours = errors
-    if mode == "eval_no_grad" and variant != "plain" and "batch_first" in ctor:
-        # nn.MultiheadAttention's fused kernel raises its own (C++) errors on
-        # shapes it does not check first; ours gives the other path's words.
-        assert type(ours) is type(theirs) or isinstance(ours, ValueError)
-        return
     check_error(theirs, ours, exact=variant == "plain")
+
+
+def _fused_misuse_cases() -> list[tuple[str, Any]]:
+    """Bad self-attention calls under the conditions of nn.MultiheadAttention's
+    fused inference kernel (batch_first, eval, no grad)."""
+    x = torch.randn(2, 5, E)
+    y = torch.randn(2, 5, E + 1)
+    return [
+        ("query embedding", lambda m: m(y, y, y)),
+        ("key_padding_mask length", lambda m: m(x, x, x, key_padding_mask=torch.zeros(2, 4) > 0)),
+        ("key_padding_mask 1-D", lambda m: m(x, x, x, key_padding_mask=torch.zeros(5) > 0)),
+        ("attn_mask 2-D shape", lambda m: m(x, x, x, attn_mask=torch.zeros(5, 4) > 0)),
+        ("attn_mask 3-D shape", lambda m: m(x, x, x, attn_mask=torch.zeros(3, 5, 5) > 0)),
+        ("attn_mask 4-D", lambda m: m(x, x, x, attn_mask=torch.zeros(1, 1, 5, 5) > 0)),
+    ]
+
+
+FUSED_MISUSE = _fused_misuse_cases()
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("name,call", FUSED_MISUSE, ids=[c[0] for c in FUSED_MISUSE])
+def test_misuse_on_the_fused_path(name, call, variant) -> None:
+    """The fused kernel checks shapes in C++ with its own words (and takes a
+    4-D attn_mask). A plain module runs it too: the same outcome. The own path
+    never runs it: it raises what nn.MultiheadAttention raises on its other
+    path (torch.backends.mha fast path disabled)."""
+    torch.manual_seed(0)
+    ref = nn.MultiheadAttention(E, H, batch_first=True).eval()
+    mine = ours_like(ref, **VARIANTS[variant])
+    fastpath = variant == "plain"
+    outcomes = []
+    for m, enabled in ((ref, fastpath), (mine, True)):
+        torch.backends.mha.set_fastpath_enabled(enabled)
+        try:
+            with torch.no_grad():
+                call(m)
+            outcomes.append(None)
+        except Exception as e:  # compared below
+            outcomes.append(e)
+        finally:
+            torch.backends.mha.set_fastpath_enabled(True)
+    theirs, ours = outcomes
+    if theirs is None:
+        assert ours is None and name == "attn_mask 4-D", ours
+    else:
+        check_error(theirs, ours, exact=True)
 
 
 def test_batch_mismatch_raises_runtime_error() -> None:
