@@ -7,12 +7,14 @@ from . import _C  # noqa: F401  (registers torch.ops.ring_attention)
 from .dtypes import select_dtype
 from .functional import dilated_attention
 from .modules import DilatedAttention, MultiheadDilatedAttention, RingDilatedAttention
+from .multihead import MultiheadAttentionError
 from .pattern import Pattern
 from .ring import ring_dilated_attention
 from .sharding import gather_sequence, shard_sequence
 
 __all__ = [
     "DilatedAttention",
+    "MultiheadAttentionError",
     "MultiheadDilatedAttention",
     "Pattern",
     "RingDilatedAttention",
