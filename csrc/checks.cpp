@@ -16,9 +16,8 @@ void check_same_geometry(const char* name, const at::Tensor& t, c10::SymIntArray
 }
 
 void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t q_start,
-               int64_t k_start, at::IntArrayRef segs, at::IntArrayRef dils, bool head_groups,
-               const std::optional<at::Tensor>& kpm) {
-  check_pattern(segs, dils);
+               int64_t k_start, const PatternArgs& pattern) {
+  check_pattern(pattern.segment_lengths, pattern.dilation_rates);
   TORCH_CHECK(q.dim() == 4, "q must be 4-D (batch, seq, heads, head_dim), got ", q.dim(), "-D");
   TORCH_CHECK(k.dim() == 4 && v.dim() == 4, "k and v must be 4-D (batch, seq, heads, head_dim)");
   TORCH_CHECK(k.sym_sizes() == v.sym_sizes(), "k and v must have the same shape, got ",
@@ -35,12 +34,54 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, in
   TORCH_CHECK(k.device() == q.device() && v.device() == q.device(),
               "q, k and v must be on the same device");
   TORCH_CHECK(q_start >= 0 && k_start >= 0, "q_start and k_start must be >= 0");
-  TORCH_CHECK(!head_groups || q.sym_size(2) >= static_cast<int64_t>(segs.size()),
+  const auto n_branches = static_cast<int64_t>(pattern.segment_lengths.size());
+  TORCH_CHECK(!pattern.head_groups || q.sym_size(2) >= n_branches,
               "head_groups needs at least as many heads as branches: ", q.sym_size(2), " heads, ",
-              segs.size(), " branches");
-  if (kpm.has_value()) {
-    check_same_geometry("key_padding_mask", *kpm, {k.sym_size(0), k.sym_size(1)}, at::kBool, q);
+              n_branches, " branches");
+  if (pattern.key_padding_mask.has_value()) {
+    check_same_geometry("key_padding_mask", *pattern.key_padding_mask,
+                        {k.sym_size(0), k.sym_size(1)}, at::kBool, q);
   }
+}
+
+// The params every block call shares; the op-specific pointers stay null.
+BlockCall make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t q_start,
+                    int64_t k_start, const PatternArgs& pattern) {
+  BlockCall call{
+      BlockParams{},
+      pattern.segment_lengths.vec(),
+      pattern.dilation_rates.vec(),
+      q.scalar_type(),
+      q.device(),
+      q.contiguous(),
+      k.contiguous(),
+      v.contiguous(),
+      pattern.key_padding_mask.has_value() ? pattern.key_padding_mask->contiguous() : at::Tensor(),
+      at::Tensor(),
+      at::Tensor(),
+      at::Tensor()};
+  BlockParams& p = call.params;
+  p.q = call.q.const_data_ptr();
+  p.k = call.k.const_data_ptr();
+  p.v = call.v.const_data_ptr();
+  p.key_padding_mask =
+      call.key_padding_mask.defined() ? call.key_padding_mask.const_data_ptr<bool>() : nullptr;
+  p.batch = q.size(0);
+  p.heads = q.size(2);
+  p.head_dim = q.size(3);
+  p.q_start = q_start;
+  p.q_len = q.size(1);
+  p.k_start = k_start;
+  p.k_len = k.size(1);
+  p.n_branches = static_cast<int64_t>(pattern.segment_lengths.size());
+  p.scale = pattern.scale;
+  p.causal = pattern.causal;
+  p.head_groups = pattern.head_groups;
+  return call;
+}
+
+void* optional_ptr(const std::optional<at::Tensor>& t) {
+  return t.has_value() ? t->mutable_data_ptr() : nullptr;
 }
 
 }  // namespace
@@ -67,9 +108,8 @@ void check_pattern(at::IntArrayRef segs, at::IntArrayRef dils) {
 
 void check_block_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                          const at::Tensor& out, const at::Tensor& lse, int64_t q_start,
-                         int64_t k_start, at::IntArrayRef segs, at::IntArrayRef dils,
-                         bool head_groups, const std::optional<at::Tensor>& kpm) {
-  check_qkv(q, k, v, q_start, k_start, segs, dils, head_groups, kpm);
+                         int64_t k_start, const PatternArgs& pattern) {
+  check_qkv(q, k, v, q_start, k_start, pattern);
   const at::ScalarType acc = acc_dtype(q.scalar_type());
   check_same_geometry("out", out, q.sym_sizes(), acc, q);
   check_same_geometry("lse", lse, lse_sizes(q), acc, q);
@@ -80,9 +120,8 @@ void check_block_backward(const at::Tensor& grad_out, const at::Tensor& q, const
                           const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                           const std::optional<at::Tensor>& dq, const std::optional<at::Tensor>& dk,
                           const std::optional<at::Tensor>& dv, int64_t q_start, int64_t k_start,
-                          at::IntArrayRef segs, at::IntArrayRef dils, bool head_groups,
-                          const std::optional<at::Tensor>& kpm) {
-  check_qkv(q, k, v, q_start, k_start, segs, dils, head_groups, kpm);
+                          const PatternArgs& pattern) {
+  check_qkv(q, k, v, q_start, k_start, pattern);
   const at::ScalarType acc = acc_dtype(q.scalar_type());
   check_same_geometry("grad_out", grad_out, q.sym_sizes(), q.scalar_type(), q);
   check_same_geometry("out", out, q.sym_sizes(), q.scalar_type(), q);
@@ -97,6 +136,36 @@ void check_block_backward(const at::Tensor& grad_out, const at::Tensor& q, const
   check_grad("dq", dq, q);
   check_grad("dk", dk, k);
   check_grad("dv", dv, k);
+}
+
+BlockCall forward_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       at::Tensor& out, at::Tensor& lse, int64_t q_start, int64_t k_start,
+                       const PatternArgs& pattern) {
+  check_block_forward(q, k, v, out, lse, q_start, k_start, pattern);
+  BlockCall call = make_call(q, k, v, q_start, k_start, pattern);
+  call.params.out = out.mutable_data_ptr();
+  call.params.lse = lse.mutable_data_ptr();
+  return call;
+}
+
+BlockCall backward_call(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+                        const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                        const std::optional<at::Tensor>& dq, const std::optional<at::Tensor>& dk,
+                        const std::optional<at::Tensor>& dv, int64_t q_start, int64_t k_start,
+                        const PatternArgs& pattern) {
+  check_block_backward(grad_out, q, k, v, out, lse, dq, dk, dv, q_start, k_start, pattern);
+  BlockCall call = make_call(q, k, v, q_start, k_start, pattern);
+  call.grad_out = grad_out.contiguous();
+  call.out = out.contiguous();
+  call.lse = lse.contiguous();
+  BlockParams& p = call.params;
+  p.grad_out = call.grad_out.const_data_ptr();
+  p.out_in = call.out.const_data_ptr();
+  p.lse_in = call.lse.const_data_ptr();
+  p.dq = optional_ptr(dq);
+  p.dk = optional_ptr(dk);
+  p.dv = optional_ptr(dv);
+  return call;
 }
 
 }  // namespace ring_attention

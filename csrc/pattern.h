@@ -1,4 +1,4 @@
-// The one definition of the dilated-attention pattern (DESIGN.md §1), shared
+// The one definition of the dilated-attention pattern (docs/design.md §1), shared
 // by every kernel (CPU and CUDA) and by the exchange planner.
 //
 // A branch (w, r) splits positions into segments [s*w, s*w + w). For head h,
@@ -91,6 +91,18 @@ RA_HOST_DEVICE inline SegmentRuns segment_runs(int64_t seg_start, int64_t w, int
   }
   runs.k = active_run(seg_start, w, r, h, k_lo, k_hi);
   return runs;
+}
+
+// Segments of branch w that meet both [q_lo, q_lo + q_len) and
+// [k_lo, k_lo + k_len): indices [lo, hi); false if there are none.
+RA_HOST_DEVICE inline bool shared_segments(int64_t w, int64_t q_lo, int64_t q_len, int64_t k_lo,
+                                           int64_t k_len, int64_t& lo, int64_t& hi) {
+  if (q_len <= 0 || k_len <= 0) return false;
+  const int64_t q_first = q_lo / w, q_last = (q_lo + q_len - 1) / w;
+  const int64_t k_first = k_lo / w, k_last = (k_lo + k_len - 1) / w;
+  lo = q_first > k_first ? q_first : k_first;
+  hi = (q_last < k_last ? q_last : k_last) + 1;
+  return lo < hi;
 }
 
 }  // namespace ring_attention

@@ -1,5 +1,5 @@
-// Exchange planner: which key rows of a block (per head) some query of a set
-// of query ranges reaches. The ring sends exactly these rows, compacted.
+#include "plan.h"
+
 #include <ATen/ATen.h>
 
 #include <vector>
@@ -23,11 +23,11 @@ at::Tensor exchange_rows(at::IntArrayRef q_starts, at::IntArrayRef q_lens, int64
     if (q_lens[qi] <= 0 || k_len <= 0) continue;
     for (int64_t i = 0; i < n_branches; ++i) {
       const int64_t w = segs[i], r = dils[i];
-      const int64_t s_lo = std::max(q_lo, k_start) / w;
-      const int64_t s_hi = (std::min(q_hi, k_end) - 1) / w;
+      int64_t s_lo, s_hi;
+      if (!shared_segments(w, q_lo, q_lens[qi], k_start, k_len, s_lo, s_hi)) continue;
       for (int64_t h = 0; h < heads; ++h) {
         if (!branch_applies(h, i, heads, n_branches, head_groups)) continue;
-        for (int64_t s = s_lo; s <= s_hi; ++s) {
+        for (int64_t s = s_lo; s < s_hi; ++s) {
           const SegmentRuns runs = segment_runs(s * w, w, r, h, q_lo, q_hi, k_start, k_end, causal);
           for (int64_t m = 0; m < runs.k.count; ++m) {
             needed[(runs.k.first + m * r - k_start) * heads + h] = 1;

@@ -1,5 +1,5 @@
-// Schemas of the attention operators (also used by the test suite's CUDA
-// emulator, whose ops must take exactly the same arguments).
+// Schemas of the operators (the block operators' are also used by the test
+// suite's CUDA emulator, whose ops must take exactly the same arguments).
 #pragma once
 
 // Arguments every attention operator shares.
@@ -21,6 +21,9 @@ inline constexpr const char* kDilatedAttention =
 inline constexpr const char* kDilatedAttentionBackward =
     "dilated_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
     "Tensor lse, " RA_PATTERN_ARGS ") -> (Tensor, Tensor, Tensor)";
+inline constexpr const char* kExchangeRows =
+    "exchange_rows(int[] q_starts, int[] q_lens, int k_start, int k_len, int heads, "
+    "int[] segment_lengths, int[] dilation_rates, bool causal, bool head_groups) -> Tensor";
 
 }  // namespace ring_attention::schema
 

@@ -8,7 +8,6 @@
 
 #include <vector>
 
-#include "../checks.h"
 #include "block_tasks.h"
 #include "kernels.h"
 #include "tile_math.h"
@@ -21,7 +20,7 @@ constexpr int64_t kTileK = 64;
 
 template <typename scalar_t, typename acc_t>
 struct BackwardTile {
-  const BlockGeometry& g;
+  const BlockParams& g;
   const scalar_t *dout, *q, *k, *v;
   const acc_t *lse, *delta;  // delta = rowsum(dout * out), laid out like lse
   const bool* kpm;
@@ -29,9 +28,9 @@ struct BackwardTile {
   acc_t scale;
   std::vector<acc_t> qbuf, dobuf, kbuf, vbuf, s, dp;
 
-  BackwardTile(const BlockGeometry& g_, const scalar_t* dout_, const scalar_t* q_,
-               const scalar_t* k_, const scalar_t* v_, const acc_t* lse_, const acc_t* delta_,
-               const bool* kpm_, acc_t* dq_, acc_t* dk_, acc_t* dv_, acc_t scale_)
+  BackwardTile(const BlockParams& g_, const scalar_t* dout_, const scalar_t* q_, const scalar_t* k_,
+               const scalar_t* v_, const acc_t* lse_, const acc_t* delta_, const bool* kpm_,
+               acc_t* dq_, acc_t* dk_, acc_t* dv_, acc_t scale_)
       : g(g_),
         dout(dout_),
         q(q_),
@@ -44,7 +43,7 @@ struct BackwardTile {
         dk(dk_),
         dv(dv_),
         scale(scale_) {
-    const int64_t d = g.dim;
+    const int64_t d = g.head_dim;
     if constexpr (!std::is_same_v<scalar_t, acc_t>) {
       qbuf.resize(kTileQ * d);
       dobuf.resize(kTileQ * d);
@@ -58,8 +57,8 @@ struct BackwardTile {
   // One key tile of tk keys (first at u0, stride r) against all its queries.
   void run(int64_t b, int64_t h, int64_t r, int64_t u0, int64_t tk, ActiveRun queries) {
     constexpr acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
-    const int64_t d = g.dim, stride = r * g.heads * d;
-    const int64_t koff = g.k_offset(b, u0, h);
+    const int64_t d = g.head_dim, stride = r * g.heads * d;
+    const int64_t koff = g.k_index(b, u0, h);
     const TileRef<acc_t> kt = tile_rows<acc_t>(k + koff, stride, tk, d, kbuf);
     const TileRef<acc_t> vt = tile_rows<acc_t>(v + koff, stride, tk, d, vbuf);
 
@@ -69,7 +68,7 @@ struct BackwardTile {
     for (int64_t m0 = m_begin; m0 < queries.count; m0 += kTileQ) {
       const int64_t tq = std::min(kTileQ, queries.count - m0);
       const int64_t t0 = queries.first + m0 * r;
-      const int64_t qoff = g.q_offset(b, t0, h);
+      const int64_t qoff = g.q_index(b, t0, h);
       const TileRef<acc_t> qt = tile_rows<acc_t>(q + qoff, stride, tq, d, qbuf);
       const TileRef<acc_t> dot = tile_rows<acc_t>(dout + qoff, stride, tq, d, dobuf);
       gemm(false, true, tq, tk, d, scale, qt.ptr, qt.ld, kt.ptr, kt.ld, acc_t(0), s.data(), tk);
@@ -79,7 +78,7 @@ struct BackwardTile {
         acc_t* srow = &s[i * tk];
         acc_t* dprow = &dp[i * tk];
         const int64_t t = t0 + i * r;
-        const int64_t row = (b * g.heads + h) * g.q_len + (t - g.q_start);
+        const int64_t row = g.row_index(b, h, t);
         const acc_t row_lse = lse[row], row_delta = delta[row];
         if (row_lse == neg_inf) {  // reaches nothing: no gradient
           std::fill(srow, srow + tk, acc_t(0));
@@ -113,39 +112,34 @@ struct BackwardTile {
 };
 
 template <typename scalar_t>
-void backward_kernel(const BlockGeometry& g, const at::Tensor& dout, const at::Tensor& q,
-                     const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-                     const at::Tensor& lse, const std::optional<at::Tensor>& dq,
-                     const std::optional<at::Tensor>& dk, const std::optional<at::Tensor>& dv,
-                     at::IntArrayRef segs, at::IntArrayRef dils, double scale, const bool* kpm) {
+void backward_kernel(const BlockCall& call) {
   using acc_t = at::opmath_type<scalar_t>;
-  const auto ptr = [](const std::optional<at::Tensor>& t) {
-    return t.has_value() ? t->mutable_data_ptr<acc_t>() : nullptr;
-  };
-  acc_t *dq_ptr = ptr(dq), *dk_ptr = ptr(dk), *dv_ptr = ptr(dv);
+  const BlockParams& g = call.params;
+  const auto* dout = static_cast<const scalar_t*>(g.grad_out);
+  const auto* out = static_cast<const scalar_t*>(g.out_in);
   // delta[b, h, t] = sum_c dout[b, t, h, c] * out[b, t, h, c]
   std::vector<acc_t> delta(g.batch * g.heads * g.q_len);
-  const scalar_t *dp = dout.const_data_ptr<scalar_t>(), *op = out.const_data_ptr<scalar_t>();
   at::parallel_for(0, g.batch * g.q_len, 64, [&](int64_t lo, int64_t hi) {
     for (int64_t bt = lo; bt < hi; ++bt) {
       const int64_t b = bt / g.q_len, t = bt % g.q_len;
       for (int64_t h = 0; h < g.heads; ++h) {
-        const int64_t off = (bt * g.heads + h) * g.dim;
+        const int64_t off = (bt * g.heads + h) * g.head_dim;
         acc_t sum = 0;
-        for (int64_t c = 0; c < g.dim; ++c)
-          sum += static_cast<acc_t>(dp[off + c]) * static_cast<acc_t>(op[off + c]);
+        for (int64_t c = 0; c < g.head_dim; ++c)
+          sum += static_cast<acc_t>(dout[off + c]) * static_cast<acc_t>(out[off + c]);
         delta[(b * g.heads + h) * g.q_len + t] = sum;
       }
     }
   });
   for (int64_t i = 0; i < g.n_branches; ++i) {
-    const int64_t w = segs[i], r = dils[i];
+    const int64_t w = call.segment_lengths[i], r = call.dilation_rates[i];
     const std::vector<SegmentTask> tasks = branch_tasks(g, i, w, r);
     at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t lo, int64_t hi) {
       BackwardTile<scalar_t, acc_t> tile(
-          g, dout.const_data_ptr<scalar_t>(), q.const_data_ptr<scalar_t>(),
-          k.const_data_ptr<scalar_t>(), v.const_data_ptr<scalar_t>(), lse.const_data_ptr<acc_t>(),
-          delta.data(), kpm, dq_ptr, dk_ptr, dv_ptr, static_cast<acc_t>(scale));
+          g, dout, static_cast<const scalar_t*>(g.q), static_cast<const scalar_t*>(g.k),
+          static_cast<const scalar_t*>(g.v), static_cast<const acc_t*>(g.lse_in), delta.data(),
+          g.key_padding_mask, static_cast<acc_t*>(g.dq), static_cast<acc_t*>(g.dk),
+          static_cast<acc_t*>(g.dv), static_cast<acc_t>(g.scale));
       for (int64_t ti = lo; ti < hi; ++ti) {
         const SegmentTask& task = tasks[ti];
         for (int64_t s = task.seg_begin; s < task.seg_end; ++s) {
@@ -162,29 +156,10 @@ void backward_kernel(const BlockGeometry& g, const at::Tensor& dout, const at::T
 
 }  // namespace
 
-void block_backward_cpu(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
-                        const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
-                        const std::optional<at::Tensor>& dq, const std::optional<at::Tensor>& dk,
-                        const std::optional<at::Tensor>& dv, int64_t q_start, int64_t k_start,
-                        at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates,
-                        bool causal, double scale, bool head_groups,
-                        const std::optional<at::Tensor>& key_padding_mask) {
-  check_block_backward(grad_out, q, k, v, out, lse, dq, dk, dv, q_start, k_start, segment_lengths,
-                       dilation_rates, head_groups, key_padding_mask);
-  if (!dq.has_value() && !dk.has_value()) return;
-  const at::Tensor dc = grad_out.contiguous(), qc = q.contiguous(), kc = k.contiguous(),
-                   vc = v.contiguous(), oc = out.contiguous(), lc = lse.contiguous();
-  at::Tensor mask;
-  if (key_padding_mask.has_value()) mask = key_padding_mask->contiguous();
-  const BlockGeometry g{
-      q.size(0), q.size(2), q.size(3), q_start,     q.size(1),
-      k_start,   k.size(1), causal,    head_groups, static_cast<int64_t>(segment_lengths.size())};
-  AT_DISPATCH_FLOATING_TYPES_AND2(
-      at::kHalf, at::kBFloat16, q.scalar_type(), "block_backward_cpu", [&] {
-        backward_kernel<scalar_t>(g, dc, qc, kc, vc, oc, lc, dq, dk, dv, segment_lengths,
-                                  dilation_rates, scale,
-                                  mask.defined() ? mask.const_data_ptr<bool>() : nullptr);
-      });
+void block_backward(const BlockCall& call) {
+  if (call.params.dq == nullptr && call.params.dk == nullptr) return;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, call.dtype, "block_backward_cpu",
+                                  [&] { backward_kernel<scalar_t>(call); });
 }
 
 }  // namespace ring_attention::cpu

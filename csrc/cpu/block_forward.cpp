@@ -7,7 +7,6 @@
 
 #include <vector>
 
-#include "../checks.h"
 #include "block_tasks.h"
 #include "kernels.h"
 #include "tile_math.h"
@@ -20,17 +19,17 @@ constexpr int64_t kTileK = 512;
 
 template <typename scalar_t, typename acc_t>
 struct ForwardTile {
-  const BlockGeometry& g;
+  const BlockParams& g;
   const scalar_t *q, *k, *v;
   const bool* kpm;  // (B, Lk) or nullptr
   acc_t *out, *lse;
   acc_t scale;
   std::vector<acc_t> qbuf, kbuf, vbuf, s, o, m, l;
 
-  ForwardTile(const BlockGeometry& g_, const scalar_t* q_, const scalar_t* k_, const scalar_t* v_,
+  ForwardTile(const BlockParams& g_, const scalar_t* q_, const scalar_t* k_, const scalar_t* v_,
               const bool* kpm_, acc_t* out_, acc_t* lse_, acc_t scale_)
       : g(g_), q(q_), k(k_), v(v_), kpm(kpm_), out(out_), lse(lse_), scale(scale_) {
-    const int64_t d = g.dim;
+    const int64_t d = g.head_dim;
     if constexpr (!std::is_same_v<scalar_t, acc_t>) {
       qbuf.resize(kTileQ * d);
       kbuf.resize(kTileK * d);
@@ -45,13 +44,13 @@ struct ForwardTile {
   // Attend tq active queries (first at position t0, stride r) to the key run.
   void run(int64_t b, int64_t h, int64_t r, int64_t t0, int64_t tq, ActiveRun keys) {
     constexpr acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
-    const int64_t d = g.dim, stride = r * g.heads * d;
+    const int64_t d = g.head_dim, stride = r * g.heads * d;
     const int64_t t_last = t0 + (tq - 1) * r;
     int64_t nk = keys.count;
     if (g.causal) nk = t_last < keys.first ? 0 : std::min(nk, (t_last - keys.first) / r + 1);
     if (nk == 0) return;
 
-    const TileRef<acc_t> qt = tile_rows<acc_t>(q + g.q_offset(b, t0, h), stride, tq, d, qbuf);
+    const TileRef<acc_t> qt = tile_rows<acc_t>(q + g.q_index(b, t0, h), stride, tq, d, qbuf);
     std::fill(o.begin(), o.begin() + tq * d, acc_t(0));
     std::fill(m.begin(), m.end(), neg_inf);
     std::fill(l.begin(), l.end(), acc_t(0));
@@ -59,8 +58,8 @@ struct ForwardTile {
     for (int64_t n0 = 0; n0 < nk; n0 += kTileK) {
       const int64_t tk = std::min(kTileK, nk - n0);
       const int64_t u0 = keys.first + n0 * r;
-      const TileRef<acc_t> kt = tile_rows<acc_t>(k + g.k_offset(b, u0, h), stride, tk, d, kbuf);
-      const TileRef<acc_t> vt = tile_rows<acc_t>(v + g.k_offset(b, u0, h), stride, tk, d, vbuf);
+      const TileRef<acc_t> kt = tile_rows<acc_t>(k + g.k_index(b, u0, h), stride, tk, d, kbuf);
+      const TileRef<acc_t> vt = tile_rows<acc_t>(v + g.k_index(b, u0, h), stride, tk, d, vbuf);
       gemm(false, true, tq, tk, d, scale, qt.ptr, qt.ld, kt.ptr, kt.ld, acc_t(0), s.data(), tk);
 
       for (int64_t i = 0; i < tq; ++i) {
@@ -91,27 +90,26 @@ struct ForwardTile {
     for (int64_t i = 0; i < tq; ++i) {
       if (!(l[i] > acc_t(0)) && !std::isnan(l[i])) continue;
       scale_row(&o[i * d], d, acc_t(1) / l[i]);
-      const int64_t row_idx = t0 + i * r - g.q_start;
-      acc_t* out_row = out + g.q_offset(b, t0 + i * r, h);
-      acc_t& lse_ref = lse[(b * g.heads + h) * g.q_len + row_idx];
+      acc_t* out_row = out + g.q_index(b, t0 + i * r, h);
+      acc_t& lse_ref = lse[g.row_index(b, h, t0 + i * r)];
       merge_row(out_row, lse_ref, &o[i * d], m[i] + std::log(l[i]), d);
     }
   }
 };
 
 template <typename scalar_t>
-void forward_kernel(const BlockGeometry& g, const at::Tensor& q, const at::Tensor& k,
-                    const at::Tensor& v, at::Tensor& out, at::Tensor& lse, at::IntArrayRef segs,
-                    at::IntArrayRef dils, double scale, const bool* kpm) {
+void forward_kernel(const BlockCall& call) {
   using acc_t = at::opmath_type<scalar_t>;
-  const scalar_t *qp = q.const_data_ptr<scalar_t>(), *kp = k.const_data_ptr<scalar_t>(),
-                 *vp = v.const_data_ptr<scalar_t>();
-  acc_t *op = out.mutable_data_ptr<acc_t>(), *lp = lse.mutable_data_ptr<acc_t>();
+  const BlockParams& g = call.params;
+  const auto *qp = static_cast<const scalar_t*>(g.q), *kp = static_cast<const scalar_t*>(g.k),
+             *vp = static_cast<const scalar_t*>(g.v);
+  acc_t *op = static_cast<acc_t*>(g.out), *lp = static_cast<acc_t*>(g.lse);
   for (int64_t i = 0; i < g.n_branches; ++i) {
-    const int64_t w = segs[i], r = dils[i];
+    const int64_t w = call.segment_lengths[i], r = call.dilation_rates[i];
     const std::vector<SegmentTask> tasks = branch_tasks(g, i, w, r);
     at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t lo, int64_t hi) {
-      ForwardTile<scalar_t, acc_t> tile(g, qp, kp, vp, kpm, op, lp, static_cast<acc_t>(scale));
+      ForwardTile<scalar_t, acc_t> tile(g, qp, kp, vp, g.key_padding_mask, op, lp,
+                                        static_cast<acc_t>(g.scale));
       for (int64_t ti = lo; ti < hi; ++ti) {
         const SegmentTask& task = tasks[ti];
         for (int64_t s = task.seg_begin; s < task.seg_end; ++s) {
@@ -129,24 +127,9 @@ void forward_kernel(const BlockGeometry& g, const at::Tensor& q, const at::Tenso
 
 }  // namespace
 
-void block_forward_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                       at::Tensor& out, at::Tensor& lse, int64_t q_start, int64_t k_start,
-                       at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates, bool causal,
-                       double scale, bool head_groups,
-                       const std::optional<at::Tensor>& key_padding_mask) {
-  check_block_forward(q, k, v, out, lse, q_start, k_start, segment_lengths, dilation_rates,
-                      head_groups, key_padding_mask);
-  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
-  at::Tensor mask;
-  if (key_padding_mask.has_value()) mask = key_padding_mask->contiguous();
-  const BlockGeometry g{
-      q.size(0), q.size(2), q.size(3), q_start,     q.size(1),
-      k_start,   k.size(1), causal,    head_groups, static_cast<int64_t>(segment_lengths.size())};
-  AT_DISPATCH_FLOATING_TYPES_AND2(
-      at::kHalf, at::kBFloat16, q.scalar_type(), "block_forward_cpu", [&] {
-        forward_kernel<scalar_t>(g, qc, kc, vc, out, lse, segment_lengths, dilation_rates, scale,
-                                 mask.defined() ? mask.const_data_ptr<bool>() : nullptr);
-      });
+void block_forward(const BlockCall& call) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, call.dtype, "block_forward_cpu",
+                                  [&] { forward_kernel<scalar_t>(call); });
 }
 
 }  // namespace ring_attention::cpu

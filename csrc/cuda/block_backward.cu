@@ -18,14 +18,13 @@
 //  * otherwise: SIMT, one lane per column of a 32-column tile.
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <optional>
 #include <type_traits>
 
-#include "../checks.h"
 #include "common.cuh"
+#include "kernels.h"
 
 namespace ring_attention::gpu {
 namespace {
@@ -378,76 +377,31 @@ void dispatch_mma(const Problem& p, at::IntArrayRef segs, at::IntArrayRef dils) 
   }
 }
 
-void block_backward_cuda(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
-                         const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
-                         const std::optional<at::Tensor>& dq, const std::optional<at::Tensor>& dk,
-                         const std::optional<at::Tensor>& dv, int64_t q_start, int64_t k_start,
-                         at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates,
-                         bool causal, double scale, bool head_groups,
-                         const std::optional<at::Tensor>& key_padding_mask) {
-  check_block_backward(grad_out, q, k, v, out, lse, dq, dk, dv, q_start, k_start, segment_lengths,
-                       dilation_rates, head_groups, key_padding_mask);
-  check_device(q);
-  TORCH_CHECK(q.size(3) <= 256, "head_dim must be <= 256 on CUDA, got ", q.size(3));
-  const DeviceGuard guard(q.device());
-  const at::Tensor dc = grad_out.contiguous(), qc = q.contiguous(), kc = k.contiguous(),
-                   vc = v.contiguous(), oc = out.contiguous(), lc = lse.contiguous();
-  at::Tensor mask;
-  if (key_padding_mask.has_value()) mask = key_padding_mask->contiguous();
-  if (q.numel() == 0 || k.numel() == 0 || (!dq.has_value() && !dk.has_value())) return;
+}  // namespace
 
-  Problem p{};
-  p.B = q.size(0);
-  p.Lq = q.size(1);
-  p.H = q.size(2);
-  p.D = q.size(3);
-  p.Lk = k.size(1);
-  const at::Tensor delta = at::empty({p.B, p.H, p.Lq}, lse.options());
-  p.q = qc.const_data_ptr();
-  p.k = kc.const_data_ptr();
-  p.v = vc.const_data_ptr();
-  p.dout = dc.const_data_ptr();
-  p.lse_in = lc.const_data_ptr();
+void block_backward(const BlockCall& call) {
+  Problem p = make_problem(call);
+  const DeviceGuard guard(call.device);
+  if (call.q.numel() == 0 || call.k.numel() == 0 || (p.dq == nullptr && p.dk == nullptr)) return;
+  const at::Tensor delta = at::empty({p.B, p.H, p.Lq}, call.lse.options());
   p.delta = delta.const_data_ptr();
-  p.dq = dq.has_value() ? dq->mutable_data_ptr() : nullptr;
-  p.dk = dk.has_value() ? dk->mutable_data_ptr() : nullptr;
-  p.dv = dv.has_value() ? dv->mutable_data_ptr() : nullptr;
-  p.kpm = mask.defined() ? mask.const_data_ptr<bool>() : nullptr;
-  p.q_start = q_start;
-  p.k_start = k_start;
-  p.scale = scale;
-  p.causal = causal;
-  p.head_groups = head_groups;
-  p.vec = p.D % 8 == 0 && aligned16(p.q) && aligned16(p.k) && aligned16(p.v) && aligned16(p.dout);
-  const bool tensor_cores = device_attribute(cudaDevAttrComputeCapabilityMajor) >= 8 && p.D <= 128;
-  const cudaStream_t stream = current_stream();
+  const at::IntArrayRef segs = call.segment_lengths, dils = call.dilation_rates;
   const int64_t rows = p.B * p.Lq * p.H;
   const unsigned delta_blocks =
       static_cast<unsigned>(std::min<int64_t>(ceil_div(rows, kThreads / 32), 1 << 20));
-
-  AT_DISPATCH_FLOATING_TYPES_AND2(
-      at::kHalf, at::kBFloat16, q.scalar_type(), "block_backward_cuda", [&] {
-        using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-        launch(delta_kernel<scalar_t, acc_t>, dim3(delta_blocks), dim3(kThreads), 0, stream,
-               dc.const_data_ptr<scalar_t>(), oc.const_data_ptr<scalar_t>(),
-               delta.mutable_data_ptr<acc_t>(), p.B, p.Lq, p.H, p.D);
-        if constexpr (std::is_same_v<scalar_t, double> || std::is_same_v<scalar_t, float>) {
-          dispatch_simt<scalar_t, acc_t>(p, segment_lengths, dilation_rates);
-        } else {
-          if (tensor_cores) {
-            dispatch_mma<scalar_t>(p, segment_lengths, dilation_rates);
-          } else {
-            dispatch_simt<scalar_t, float>(p, segment_lengths, dilation_rates);
-          }
-        }
-      });
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, call.dtype, "block_backward_cuda", [&] {
+    using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+    launch(delta_kernel<scalar_t, acc_t>, dim3(delta_blocks), dim3(kThreads), 0, current_stream(),
+           static_cast<const scalar_t*>(p.dout), static_cast<const scalar_t*>(call.params.out_in),
+           delta.mutable_data_ptr<acc_t>(), p.B, p.Lq, p.H, p.D);
+    if constexpr (std::is_same_v<scalar_t, double> || std::is_same_v<scalar_t, float>) {
+      dispatch_simt<scalar_t, acc_t>(p, segs, dils);
+    } else if (use_tensor_cores(p)) {
+      dispatch_mma<scalar_t>(p, segs, dils);
+    } else {
+      dispatch_simt<scalar_t, float>(p, segs, dils);
+    }
+  });
 }
 
-}  // namespace
 }  // namespace ring_attention::gpu
-
-#ifndef RING_ATTENTION_CUDA_EMULATOR  // the emulator registers its own op
-TORCH_LIBRARY_IMPL(ring_attention, CUDA, m) {
-  m.impl("block_backward", &ring_attention::gpu::block_backward_cuda);
-}
-#endif

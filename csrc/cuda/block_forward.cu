@@ -12,14 +12,13 @@
 //  * otherwise (fp32, fp64, head_dim up to 256, older GPUs): SIMT kernel, one
 //    lane per key of a 32-key tile, each warp owns ROWS query rows.
 #include <ATen/Dispatch.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <optional>
 #include <type_traits>
 
-#include "../checks.h"
 #include "common.cuh"
+#include "kernels.h"
 
 namespace ring_attention::gpu {
 namespace {
@@ -298,62 +297,22 @@ void dispatch_mma(const Problem& p, at::IntArrayRef segs, at::IntArrayRef dils) 
   }
 }
 
-void block_forward_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                        at::Tensor& out, at::Tensor& lse, int64_t q_start, int64_t k_start,
-                        at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates,
-                        bool causal, double scale, bool head_groups,
-                        const std::optional<at::Tensor>& key_padding_mask) {
-  check_block_forward(q, k, v, out, lse, q_start, k_start, segment_lengths, dilation_rates,
-                      head_groups, key_padding_mask);
-  check_device(q);
-  TORCH_CHECK(q.size(3) <= 256, "head_dim must be <= 256 on CUDA, got ", q.size(3));
-  const DeviceGuard guard(q.device());
-  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
-  at::Tensor mask;
-  if (key_padding_mask.has_value()) mask = key_padding_mask->contiguous();
-  if (q.numel() == 0 || k.numel() == 0) return;
-
-  Problem p{};
-  p.q = qc.const_data_ptr();
-  p.k = kc.const_data_ptr();
-  p.v = vc.const_data_ptr();
-  p.out = out.mutable_data_ptr();
-  p.lse = lse.mutable_data_ptr();
-  p.kpm = mask.defined() ? mask.const_data_ptr<bool>() : nullptr;
-  p.B = q.size(0);
-  p.Lq = q.size(1);
-  p.H = q.size(2);
-  p.D = q.size(3);
-  p.Lk = k.size(1);
-  p.q_start = q_start;
-  p.k_start = k_start;
-  p.scale = scale;
-  p.causal = causal;
-  p.head_groups = head_groups;
-  p.vec = p.D % 8 == 0 && aligned16(p.q) && aligned16(p.k) && aligned16(p.v);
-  const bool tensor_cores = device_attribute(cudaDevAttrComputeCapabilityMajor) >= 8 && p.D <= 128;
-
-  AT_DISPATCH_FLOATING_TYPES_AND2(
-      at::kHalf, at::kBFloat16, q.scalar_type(), "block_forward_cuda", [&] {
-        if constexpr (std::is_same_v<scalar_t, double>) {
-          dispatch_simt<double, double>(p, segment_lengths, dilation_rates);
-        } else if constexpr (std::is_same_v<scalar_t, float>) {
-          dispatch_simt<float, float>(p, segment_lengths, dilation_rates);
-        } else {
-          if (tensor_cores) {
-            dispatch_mma<scalar_t>(p, segment_lengths, dilation_rates);
-          } else {
-            dispatch_simt<scalar_t, float>(p, segment_lengths, dilation_rates);
-          }
-        }
-      });
-}
-
 }  // namespace
-}  // namespace ring_attention::gpu
 
-#ifndef RING_ATTENTION_CUDA_EMULATOR  // the emulator registers its own op
-TORCH_LIBRARY_IMPL(ring_attention, CUDA, m) {
-  m.impl("block_forward", &ring_attention::gpu::block_forward_cuda);
+void block_forward(const BlockCall& call) {
+  const Problem p = make_problem(call);
+  const DeviceGuard guard(call.device);
+  if (call.q.numel() == 0 || call.k.numel() == 0) return;
+  const at::IntArrayRef segs = call.segment_lengths, dils = call.dilation_rates;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, call.dtype, "block_forward_cuda", [&] {
+    if constexpr (std::is_same_v<scalar_t, double> || std::is_same_v<scalar_t, float>) {
+      dispatch_simt<scalar_t, scalar_t>(p, segs, dils);
+    } else if (use_tensor_cores(p)) {
+      dispatch_mma<scalar_t>(p, segs, dils);
+    } else {
+      dispatch_simt<scalar_t, float>(p, segs, dils);
+    }
+  });
 }
-#endif
+
+}  // namespace ring_attention::gpu

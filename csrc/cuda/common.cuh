@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "../checks.h"
 #include "../pattern.h"
 #include "runtime.cuh"
 
@@ -273,14 +274,44 @@ __device__ inline void mma_rs(float (&c)[NJ][4], const float (&x)[KJ][4], const 
 }
 
 // ---------------------------------------------------------------- host side
-// Segments shared by [q_start, q_start+Lq) and [k_start, k_start+Lk): [lo, hi).
-inline bool shared_segments(const Problem& p, int64_t w, int64_t& lo, int64_t& hi) {
-  if (p.Lq <= 0 || p.Lk <= 0) return false;
-  const int64_t q_lo = p.q_start / w, q_hi = (p.q_start + p.Lq - 1) / w;
-  const int64_t k_lo = p.k_start / w, k_hi = (p.k_start + p.Lk - 1) / w;
-  lo = q_lo > k_lo ? q_lo : k_lo;
-  hi = (q_hi < k_hi ? q_hi : k_hi) + 1;
-  return lo < hi;
+inline bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+// The launch description of a checked block call (the branch fields are set
+// per launch). head_dim <= 256 on CUDA.
+inline Problem make_problem(const BlockCall& call) {
+  const BlockParams& b = call.params;
+  check_device(call.q);
+  TORCH_CHECK(b.head_dim <= 256, "head_dim must be <= 256 on CUDA, got ", b.head_dim);
+  Problem p{};
+  p.q = b.q;
+  p.k = b.k;
+  p.v = b.v;
+  p.dout = b.grad_out;
+  p.out = b.out;
+  p.lse = b.lse;
+  p.lse_in = b.lse_in;
+  p.dq = b.dq;
+  p.dk = b.dk;
+  p.dv = b.dv;
+  p.kpm = b.key_padding_mask;
+  p.B = b.batch;
+  p.H = b.heads;
+  p.D = b.head_dim;
+  p.Lq = b.q_len;
+  p.Lk = b.k_len;
+  p.q_start = b.q_start;
+  p.k_start = b.k_start;
+  p.scale = b.scale;
+  p.causal = b.causal;
+  p.head_groups = b.head_groups;
+  p.vec = p.D % 8 == 0 && aligned16(p.q) && aligned16(p.k) && aligned16(p.v) &&
+          (p.dout == nullptr || aligned16(p.dout));
+  return p;
+}
+
+// Whether fp16/bf16 run on the tensor cores (sm_80+, head_dim <= 128).
+inline bool use_tensor_cores(const Problem& p) {
+  return device_attribute(cudaDevAttrComputeCapabilityMajor) >= 8 && p.D <= 128;
 }
 
 // Raise the dynamic shared memory limit of a kernel when it needs > 48 KiB.
@@ -304,7 +335,7 @@ inline void launch_branches(Kernel kernel, Problem p, at::IntArrayRef segs, at::
   for (int64_t i = 0; i < p.n_branches; ++i) {
     const int64_t w = segs[i], r = dils[i];
     int64_t s_lo, s_hi;
-    if (!shared_segments(p, w, s_lo, s_hi)) continue;
+    if (!shared_segments(w, p.q_start, p.Lq, p.k_start, p.Lk, s_lo, s_hi)) continue;
     const int64_t h_lo = p.head_groups ? head_group_begin(i, p.H, p.n_branches) : 0;
     const int64_t h_hi = p.head_groups ? head_group_begin(i + 1, p.H, p.n_branches) : p.H;
     if (h_hi <= h_lo) continue;
@@ -330,7 +361,5 @@ inline void launch_branches(Kernel kernel, Problem p, at::IntArrayRef segs, at::
 inline int simt_npl(int64_t D) { return D <= 64 ? 2 : D <= 128 ? 4 : 8; }
 // Padded head dim of the tensor-core kernels (D <= 128).
 inline int mma_dp(int64_t D) { return D <= 64 ? 64 : D <= 96 ? 96 : 128; }
-
-inline bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
 }  // namespace ring_attention::gpu
