@@ -21,36 +21,35 @@ using OptTensor = std::optional<Tensor>;
 
 void call_block_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse,
                         int64_t q_start, int64_t k_start, const PatternArgs& pa) {
-  static auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("ring_attention::block_forward", "")
-          .typed<void(const Tensor&, const Tensor&, const Tensor&, Tensor&, Tensor&, int64_t,
-                      int64_t, IntArrayRef, IntArrayRef, bool, double, bool, const OptTensor&)>();
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("ring_attention::block_forward", "")
+                       .typed<void(const Tensor&, const Tensor&, const Tensor&, Tensor&, Tensor&,
+                                   int64_t, int64_t, IntArrayRef, IntArrayRef, bool, double, bool,
+                                   bool, const OptTensor&, const OptTensor&)>();
   op.call(q, k, v, out, lse, q_start, k_start, pa.segment_lengths, pa.dilation_rates, pa.causal,
-          pa.scale, pa.head_groups, pa.key_padding_mask);
+          pa.scale, pa.head_groups, pa.grouped_offsets, pa.key_padding_mask, pa.cu_seqlens);
 }
 
-void call_block_backward(const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
-                         const Tensor& out, const Tensor& lse, const OptTensor& dq,
-                         const OptTensor& dk, const OptTensor& dv, int64_t q_start, int64_t k_start,
-                         const PatternArgs& pa) {
+void call_block_backward(const Tensor& grad_out, const OptTensor& grad_lse, const Tensor& q,
+                         const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
+                         const OptTensor& dq, const OptTensor& dk, const OptTensor& dv,
+                         int64_t q_start, int64_t k_start, const PatternArgs& pa) {
   static auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("ring_attention::block_backward", "")
-          .typed<void(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                      const Tensor&, const OptTensor&, const OptTensor&, const OptTensor&, int64_t,
-                      int64_t, IntArrayRef, IntArrayRef, bool, double, bool, const OptTensor&)>();
-  op.call(grad_out, q, k, v, out, lse, dq, dk, dv, q_start, k_start, pa.segment_lengths,
-          pa.dilation_rates, pa.causal, pa.scale, pa.head_groups, pa.key_padding_mask);
+          .typed<void(const Tensor&, const OptTensor&, const Tensor&, const Tensor&, const Tensor&,
+                      const Tensor&, const Tensor&, const OptTensor&, const OptTensor&,
+                      const OptTensor&, int64_t, int64_t, IntArrayRef, IntArrayRef, bool, double,
+                      bool, bool, const OptTensor&, const OptTensor&)>();
+  op.call(grad_out, grad_lse, q, k, v, out, lse, dq, dk, dv, q_start, k_start, pa.segment_lengths,
+          pa.dilation_rates, pa.causal, pa.scale, pa.head_groups, pa.grouped_offsets,
+          pa.key_padding_mask, pa.cu_seqlens);
 }
 
-void check_local(const Tensor& q, const Tensor& k, const Tensor& v, IntArrayRef segs,
-                 IntArrayRef dils) {
-  TORCH_CHECK(q.dim() == 4, "q must be 4-D (batch, seq, heads, head_dim), got ", q.dim(), "-D");
-  TORCH_CHECK(q.sym_sizes() == k.sym_sizes() && q.sym_sizes() == v.sym_sizes(),
-              "q, k and v must have the same shape, got ", q.sym_sizes(), ", ", k.sym_sizes(), ", ",
-              v.sym_sizes());
-  check_pattern(segs, dils);
+// The local op's own checks; the block operators check the rest.
+void check_local(const Tensor& q, const Tensor& k, const Tensor& v, const PatternArgs& pa) {
+  check_local_op(q, k, v, pa);
+  if (pa.cu_seqlens.has_value()) check_cu_seqlens(*pa.cu_seqlens, q.device(), q.size(1), true);
 }
 
 // Low-precision inputs accumulate in fp32 one chunk of rows at a time and cast
@@ -77,9 +76,10 @@ Tensor neg_inf_lse(const Tensor& q, int64_t rows, at::ScalarType acc) {
 std::tuple<Tensor, Tensor> dilated_attention_local(const Tensor& q, const Tensor& k,
                                                    const Tensor& v, IntArrayRef segs,
                                                    IntArrayRef dils, bool causal, double scale,
-                                                   bool head_groups, const OptTensor& kpm) {
-  check_local(q, k, v, segs, dils);
-  const PatternArgs pa{segs, dils, causal, scale, head_groups, kpm};
+                                                   bool head_groups, bool grouped_offsets,
+                                                   const OptTensor& kpm, const OptTensor& cu) {
+  const PatternArgs pa{segs, dils, causal, scale, head_groups, grouped_offsets, kpm, cu};
+  check_local(q, k, v, pa);
   const at::ScalarType acc = acc_dtype(q.scalar_type());
   const int64_t len = q.size(1);
   Tensor lse = neg_inf_lse(q, len, acc);
@@ -102,17 +102,18 @@ std::tuple<Tensor, Tensor> dilated_attention_local(const Tensor& q, const Tensor
 }
 
 std::tuple<Tensor, Tensor, Tensor> dilated_attention_backward_local(
-    const Tensor& grad_out_in, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-    const Tensor& lse, IntArrayRef segs, IntArrayRef dils, bool causal, double scale,
-    bool head_groups, const OptTensor& kpm) {
-  check_local(q, k, v, segs, dils);
-  const PatternArgs pa{segs, dils, causal, scale, head_groups, kpm};
+    const Tensor& grad_out_in, const OptTensor& grad_lse, const Tensor& q, const Tensor& k,
+    const Tensor& v, const Tensor& out, const Tensor& lse, IntArrayRef segs, IntArrayRef dils,
+    bool causal, double scale, bool head_groups, bool grouped_offsets, const OptTensor& kpm,
+    const OptTensor& cu) {
+  const PatternArgs pa{segs, dils, causal, scale, head_groups, grouped_offsets, kpm, cu};
+  check_local(q, k, v, pa);
   const at::ScalarType acc = acc_dtype(q.scalar_type());
   const Tensor grad_out = grad_out_in.to(q.scalar_type());
   if (acc == q.scalar_type()) {  // the gradients are their own accumulators
     Tensor dq = at::zeros(q.sizes(), q.options()), dk = at::zeros(k.sizes(), k.options()),
            dv = at::zeros(v.sizes(), v.options());
-    call_block_backward(grad_out, q, k, v, out, lse, dq, dk, dv, 0, 0, pa);
+    call_block_backward(grad_out, grad_lse, q, k, v, out, lse, dq, dk, dv, 0, 0, pa);
     return {dq, dk, dv};
   }
   // dq by chunks of queries (against all keys), then dk, dv by chunks of keys
@@ -124,9 +125,11 @@ std::tuple<Tensor, Tensor, Tensor> dilated_attention_backward_local(
   for (int64_t a = 0; a < len; a += rows) {
     const int64_t b = std::min(a + rows, len);
     const Tensor dq_c = at::zeros({q.size(0), b - a, q.size(2), q.size(3)}, acc_opts);
-    call_block_backward(grad_out.slice(1, a, b), q.slice(1, a, b), k, v, out.slice(1, a, b),
-                        lse.slice(2, a, b).contiguous(), dq_c, std::nullopt, std::nullopt, a, 0,
-                        pa);
+    const OptTensor grad_lse_c =
+        grad_lse.has_value() ? OptTensor(grad_lse->slice(2, a, b)) : std::nullopt;
+    call_block_backward(grad_out.slice(1, a, b), grad_lse_c, q.slice(1, a, b), k, v,
+                        out.slice(1, a, b), lse.slice(2, a, b).contiguous(), dq_c, std::nullopt,
+                        std::nullopt, a, 0, pa);
     dq.slice(1, a, b).copy_(dq_c);
   }
   for (int64_t a = 0; a < len; a += rows) {
@@ -134,9 +137,9 @@ std::tuple<Tensor, Tensor, Tensor> dilated_attention_backward_local(
     const Tensor dk_c = at::zeros({k.size(0), b - a, k.size(2), k.size(3)}, acc_opts);
     const Tensor dv_c = at::zeros_like(dk_c);
     const OptTensor kpm_c = kpm.has_value() ? OptTensor(kpm->slice(1, a, b)) : std::nullopt;
-    const PatternArgs pa_c{segs, dils, causal, scale, head_groups, kpm_c};
-    call_block_backward(grad_out, q, k.slice(1, a, b), v.slice(1, a, b), out, lse, std::nullopt,
-                        dk_c, dv_c, 0, a, pa_c);
+    const PatternArgs pa_c{segs, dils, causal, scale, head_groups, grouped_offsets, kpm_c, cu};
+    call_block_backward(grad_out, grad_lse, q, k.slice(1, a, b), v.slice(1, a, b), out, lse,
+                        std::nullopt, dk_c, dv_c, 0, a, pa_c);
     dk.slice(1, a, b).copy_(dk_c);
     dv.slice(1, a, b).copy_(dv_c);
   }
@@ -144,60 +147,103 @@ std::tuple<Tensor, Tensor, Tensor> dilated_attention_backward_local(
 }
 
 std::tuple<Tensor, Tensor> dilated_attention_meta(const Tensor& q, const Tensor& k, const Tensor& v,
-                                                  IntArrayRef segs, IntArrayRef dils, bool, double,
-                                                  bool, const OptTensor&) {
-  check_local(q, k, v, segs, dils);
+                                                  IntArrayRef segs, IntArrayRef dils, bool causal,
+                                                  double scale, bool head_groups,
+                                                  bool grouped_offsets, const OptTensor& kpm,
+                                                  const OptTensor& cu) {
+  check_local_op(q, k, v,
+                 PatternArgs{segs, dils, causal, scale, head_groups, grouped_offsets, kpm, cu});
   return {at::empty_like(q),
           at::empty_symint(lse_sizes(q), q.options().dtype(acc_dtype(q.scalar_type())))};
 }
 
 std::tuple<Tensor, Tensor, Tensor> dilated_attention_backward_meta(
-    const Tensor&, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor&, const Tensor&,
-    IntArrayRef segs, IntArrayRef dils, bool, double, bool, const OptTensor&) {
-  check_local(q, k, v, segs, dils);
+    const Tensor&, const OptTensor&, const Tensor& q, const Tensor& k, const Tensor& v,
+    const Tensor&, const Tensor&, IntArrayRef segs, IntArrayRef dils, bool causal, double scale,
+    bool head_groups, bool grouped_offsets, const OptTensor& kpm, const OptTensor& cu) {
+  check_local_op(q, k, v,
+                 PatternArgs{segs, dils, causal, scale, head_groups, grouped_offsets, kpm, cu});
   return {at::empty_like(q), at::empty_like(k), at::empty_like(v)};
 }
 
 namespace {
 
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// The pattern arguments of a call, kept for its backward.
+void save_pattern(AutogradContext* ctx, IntArrayRef segs, IntArrayRef dils, bool causal,
+                  double scale, bool head_groups, bool grouped_offsets, const OptTensor& kpm,
+                  const OptTensor& cu) {
+  ctx->saved_data["segs"] = segs.vec();
+  ctx->saved_data["dils"] = dils.vec();
+  ctx->saved_data["causal"] = causal;
+  ctx->saved_data["scale"] = scale;
+  ctx->saved_data["head_groups"] = head_groups;
+  ctx->saved_data["grouped_offsets"] = grouped_offsets;
+  ctx->saved_data["kpm"] = kpm;
+  ctx->saved_data["cu"] = cu;
+}
+
+// The backward as an autograd node of its own: with create_graph=True its
+// outputs get this node, whose backward (double backward) raises instead of
+// silently giving zeros.
+class DilatedAttentionBackwardFunction
+    : public torch::autograd::Function<DilatedAttentionBackwardFunction> {
+ public:
+  static variable_list forward(AutogradContext*, const Tensor& grad_out, const OptTensor& grad_lse,
+                               const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                               const Tensor& lse, IntArrayRef segs, IntArrayRef dils, bool causal,
+                               double scale, bool head_groups, bool grouped_offsets,
+                               const OptTensor& kpm, const OptTensor& cu) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("ring_attention::dilated_attention_backward", "")
+                         .typed<decltype(dilated_attention_backward_local)>();
+    auto [dq, dk, dv] = op.call(grad_out, grad_lse, q, k, v, out, lse, segs, dils, causal, scale,
+                                head_groups, grouped_offsets, kpm, cu);
+    return {dq, dk, dv};
+  }
+
+  static variable_list backward(AutogradContext*, variable_list) {
+    TORCH_CHECK(false,
+                "ring_attention.dilated_attention: double backward is not supported (the "
+                "gradients of q, k, v are not differentiable)");
+    return {};
+  }
+};
+
 class DilatedAttentionFunction : public torch::autograd::Function<DilatedAttentionFunction> {
  public:
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
-                                                const Tensor& q, const Tensor& k, const Tensor& v,
-                                                IntArrayRef segs, IntArrayRef dils, bool causal,
-                                                double scale, bool head_groups,
-                                                const OptTensor& kpm) {
+  static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k,
+                               const Tensor& v, IntArrayRef segs, IntArrayRef dils, bool causal,
+                               double scale, bool head_groups, bool grouped_offsets,
+                               const OptTensor& kpm, const OptTensor& cu) {
     at::AutoDispatchBelowADInplaceOrView guard;
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("ring_attention::dilated_attention", "")
                          .typed<decltype(dilated_attention_local)>();
-    auto [out, lse] = op.call(q, k, v, segs, dils, causal, scale, head_groups, kpm);
+    auto [out, lse] =
+        op.call(q, k, v, segs, dils, causal, scale, head_groups, grouped_offsets, kpm, cu);
     ctx->save_for_backward({q, k, v, out, lse});
-    ctx->saved_data["segs"] = segs.vec();
-    ctx->saved_data["dils"] = dils.vec();
-    ctx->saved_data["causal"] = causal;
-    ctx->saved_data["scale"] = scale;
-    ctx->saved_data["head_groups"] = head_groups;
-    ctx->saved_data["kpm"] = kpm;
-    ctx->mark_non_differentiable({lse});
+    save_pattern(ctx, segs, dils, causal, scale, head_groups, grouped_offsets, kpm, cu);
+    ctx->set_materialize_grads(false);  // an unused output's gradient stays undefined
     return {out, lse};
   }
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
-    Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(out);
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("ring_attention::dilated_attention_backward", "")
-                         .typed<decltype(dilated_attention_backward_local)>();
-    const auto segs = ctx->saved_data["segs"].toIntVector();
-    const auto dils = ctx->saved_data["dils"].toIntVector();
-    auto [dq, dk, dv] =
-        op.call(grad_out, q, k, v, out, lse, segs, dils, ctx->saved_data["causal"].toBool(),
-                ctx->saved_data["scale"].toDouble(), ctx->saved_data["head_groups"].toBool(),
-                ctx->saved_data["kpm"].toOptional<Tensor>());
-    return {dq, dk, dv, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+    const Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(out);
+    const OptTensor grad_lse = grads[1].defined() ? OptTensor(grads[1]) : std::nullopt;
+    const auto& d = ctx->saved_data;
+    const auto res = DilatedAttentionBackwardFunction::apply(
+        grad_out, grad_lse, q, k, v, out, lse, d.at("segs").toIntVector(),
+        d.at("dils").toIntVector(), d.at("causal").toBool(), d.at("scale").toDouble(),
+        d.at("head_groups").toBool(), d.at("grouped_offsets").toBool(),
+        d.at("kpm").toOptional<Tensor>(), d.at("cu").toOptional<Tensor>());
+    return {res[0],   res[1],   res[2],   Tensor(), Tensor(), Tensor(),
+            Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
   }
 };
 
@@ -206,8 +252,10 @@ class DilatedAttentionFunction : public torch::autograd::Function<DilatedAttenti
 std::tuple<Tensor, Tensor> dilated_attention_autograd(const Tensor& q, const Tensor& k,
                                                       const Tensor& v, IntArrayRef segs,
                                                       IntArrayRef dils, bool causal, double scale,
-                                                      bool head_groups, const OptTensor& kpm) {
-  auto res = DilatedAttentionFunction::apply(q, k, v, segs, dils, causal, scale, head_groups, kpm);
+                                                      bool head_groups, bool grouped_offsets,
+                                                      const OptTensor& kpm, const OptTensor& cu) {
+  auto res = DilatedAttentionFunction::apply(q, k, v, segs, dils, causal, scale, head_groups,
+                                             grouped_offsets, kpm, cu);
   return {res[0], res[1]};
 }
 

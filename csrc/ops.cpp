@@ -19,18 +19,22 @@ using OptTensor = std::optional<Tensor>;
 // Meta kernels of the block operators: the shape checks, on symbolic sizes.
 void block_forward_meta(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse,
                         int64_t q_start, int64_t k_start, IntArrayRef segs, IntArrayRef dils,
-                        bool causal, double scale, bool head_groups, const OptTensor& kpm) {
-  check_block_forward(q, k, v, out, lse, q_start, k_start,
-                      PatternArgs{segs, dils, causal, scale, head_groups, kpm});
+                        bool causal, double scale, bool head_groups, bool grouped_offsets,
+                        const OptTensor& kpm, const OptTensor& cu) {
+  check_block_forward(
+      q, k, v, out, lse, q_start, k_start,
+      PatternArgs{segs, dils, causal, scale, head_groups, grouped_offsets, kpm, cu});
 }
 
-void block_backward_meta(const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
-                         const Tensor& out, const Tensor& lse, const OptTensor& dq,
-                         const OptTensor& dk, const OptTensor& dv, int64_t q_start, int64_t k_start,
-                         IntArrayRef segs, IntArrayRef dils, bool causal, double scale,
-                         bool head_groups, const OptTensor& kpm) {
-  check_block_backward(grad_out, q, k, v, out, lse, dq, dk, dv, q_start, k_start,
-                       PatternArgs{segs, dils, causal, scale, head_groups, kpm});
+void block_backward_meta(const Tensor& grad_out, const OptTensor& grad_lse, const Tensor& q,
+                         const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
+                         const OptTensor& dq, const OptTensor& dk, const OptTensor& dv,
+                         int64_t q_start, int64_t k_start, IntArrayRef segs, IntArrayRef dils,
+                         bool causal, double scale, bool head_groups, bool grouped_offsets,
+                         const OptTensor& kpm, const OptTensor& cu) {
+  check_block_backward(
+      grad_out, grad_lse, q, k, v, out, lse, dq, dk, dv, q_start, k_start,
+      PatternArgs{segs, dils, causal, scale, head_groups, grouped_offsets, kpm, cu});
 }
 
 }  // namespace

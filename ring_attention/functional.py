@@ -183,6 +183,16 @@ def dilated_attention(
     check_key_padding_mask(key_padding_mask, q.shape[0], q.shape[1], q.device)
     scale = resolve_scale(scale, q.shape[-1])
     out, lse = torch.ops.ring_attention.dilated_attention(
-        q, k, v, list(segs), list(dils), bool(causal), scale, bool(head_groups), key_padding_mask
+        q,
+        k,
+        v,
+        list(segs),
+        list(dils),
+        bool(causal),
+        scale,
+        bool(head_groups),
+        False,
+        key_padding_mask,
+        None,
     )
     return (out, lse) if return_lse else out

@@ -67,10 +67,13 @@ def exchange_rows(
         int(k_start),
         int(k_len),
         int(heads),
+        int(heads),
         list(segment_lengths),
         list(dilation_rates),
         bool(causal),
         bool(head_groups),
+        False,
+        None,
     )
     return idx.to(torch.int64)
 

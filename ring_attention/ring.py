@@ -89,7 +89,7 @@ class _RingConfig:
         """Merge the block (queries at ``q_start``, keys at ``k_start``) into ``out``/``lse``."""
         torch.ops.ring_attention.block_forward(
             q, k, v, out, lse, int(q_start), int(k_start), self.segs, self.dils,
-            self.causal, self.scale, self.head_groups, None,
+            self.causal, self.scale, self.head_groups, False, None, None,
         )  # fmt: skip
 
     def block_backward(
@@ -98,8 +98,8 @@ class _RingConfig:
     ) -> None:  # fmt: skip
         """Accumulate the block's gradient into ``dq``/``dk``/``dv``."""
         torch.ops.ring_attention.block_backward(
-            go, q, k, v, out, lse, dq, dk, dv, int(q_start), int(k_start), self.segs,
-            self.dils, self.causal, self.scale, self.head_groups, None,
+            go, None, q, k, v, out, lse, dq, dk, dv, int(q_start), int(k_start), self.segs,
+            self.dils, self.causal, self.scale, self.head_groups, False, None, None,
         )  # fmt: skip
 
     def exchanger(self, q: Tensor, role: str) -> Exchanger:

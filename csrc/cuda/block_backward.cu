@@ -29,11 +29,12 @@
 namespace ring_attention::gpu {
 namespace {
 
-// delta[b, h, l] = sum_d dout[b, l, h, d] * out[b, l, h, d]; one warp per row.
+// delta[b, h, l] = sum_d dout[b, l, h, d] * out[b, l, h, d] - grad_lse[b, h, l]
+// (grad_lse may be nullptr: zero); one warp per row.
 template <typename T, typename C>
 __global__ void __launch_bounds__(kThreads)
-    delta_kernel(const T* dout, const T* out, C* delta, int64_t B, int64_t L, int64_t H,
-                 int64_t D) {
+    delta_kernel(const T* dout, const T* out, const C* grad_lse, C* delta, int64_t B, int64_t L,
+                 int64_t H, int64_t D) {
   const int lane = threadIdx.x % 32;
   const int64_t rows = B * L * H, step = static_cast<int64_t>(gridDim.x) * (kThreads / 32);
   for (int64_t row = blockIdx.x * (kThreads / 32) + threadIdx.x / 32; row < rows; row += step) {
@@ -43,34 +44,43 @@ __global__ void __launch_bounds__(kThreads)
     s = warp_sum(s);
     if (lane == 0) {
       const int64_t h = row % H, l = (row / H) % L, b = row / (H * L);
-      delta[(b * H + h) * L + l] = s;
+      const int64_t idx = (b * H + h) * L + l;
+      delta[idx] = grad_lse == nullptr ? s : s - grad_lse[idx];
     }
   }
 }
 
-// Rows and column range of a block. Rows are segment indices r0 + [0, nrows)
-// of queries (dq) or keys (dkdv); columns c in [c_begin, c_end) likewise of
-// keys (dq) or queries (dkdv).
+// The column range of a tile: keys (dq) or queries (dkdv) c in [c_begin,
+// c_end) of the segment meet some row of the tile.
 struct Span {
-  int64_t r0, c_begin, c_end;
+  int64_t c_begin, c_end;
   int nrows;
 };
 
 template <bool DKDV>
-__device__ inline bool decode_span(const Problem& p, const Tile& t, int bm, Span& s) {
-  s.r0 = t.tile * bm;
-  const int64_t count = DKDV ? t.k.count : t.q.count;
-  if (s.r0 >= count) return false;
-  s.nrows = static_cast<int>(imin(bm, count - s.r0));
+__device__ inline bool decode_span(const Problem& p, const Tile& t, Span& s) {
   if (DKDV) {  // queries m reach key n iff m >= n - dm
-    const int64_t lo = s.r0 - t.dm;
-    s.c_begin = p.causal && lo > 0 ? lo : 0;
+    s.nrows = static_cast<int>(t.k.count);
+    s.c_begin = p.causal && t.dm < 0 ? -t.dm : 0;
     s.c_end = t.q.count;
   } else {
+    s.nrows = static_cast<int>(t.q.count);
     s.c_begin = 0;
-    s.c_end = keys_reached(p, t, s.r0 + s.nrows - 1);
+    s.c_end = keys_reached(p, t, s.nrows - 1);
   }
   return s.c_begin < s.c_end;
+}
+
+// The query heads whose columns (dkdv) meet the rows of a tile: its
+// key-sharing set, whose contributions to dk, dv the block sums. dq mode: the
+// tile's head alone.
+template <bool DKDV>
+__device__ inline int64_t heads_end(const Problem& p, const Tile& t) {
+  return DKDV ? (t.kvh + 1) * (p.heads / p.kv_heads) : t.h + 1;
+}
+template <bool DKDV>
+__device__ inline bool column_head(const Problem& p, const Tile& t, int64_t hq) {
+  return !DKDV || p.shares_keys(hq, t.h, p.branch, p.r);
 }
 
 // lse in the units of the exponent; a row that reaches nothing (-inf) gives +inf
@@ -80,41 +90,45 @@ __device__ inline C lse_for_exp(C lse, C unit) {
   return lse == neg_inf<C>() ? static_cast<C>(INFINITY) : lse * unit;
 }
 
-// Global pointers of the row / column operands and of the row outputs.
+// Global pointers of the row / column operands of a tile, for query head hq:
+// rows from the tile's first row, columns from column c0.
 template <typename T, bool DKDV>
 struct Operands {
-  const T *r1, *r2, *c1, *c2;  // first row of the tile / of the column tile c0
-  const bool *rmask, *cmask;   // key padding flags of those rows, or nullptr
-  __device__ Operands(const Problem& p, const Tile& t, int64_t r0, int64_t c0) {
+  const T *r1, *r2, *c1, *c2;      // (Q, dO, K, V) or (K, V, Q, dO)
+  const bool *rmask, *cmask;       // key padding flags of those rows, or nullptr
+  int64_t row_stride, col_stride;  // between consecutive active rows
+  __device__ Operands(const Problem& p, const Tile& t, int64_t hq, int64_t c0) {
     const T *q = static_cast<const T*>(p.q), *k = static_cast<const T*>(p.k);
-    const T *v = static_cast<const T*>(p.v), *dout = static_cast<const T*>(p.dout);
-    const int64_t qpos = t.q.first + (DKDV ? c0 : r0) * p.r;
-    const int64_t kpos = t.k.first + (DKDV ? r0 : c0) * p.r;
-    const int64_t qo = q_offset(p, t.b, t.h, qpos), ko = k_offset(p, t.b, t.h, kpos);
+    const T *v = static_cast<const T*>(p.v), *dout = static_cast<const T*>(p.grad_out);
+    const int64_t qpos = t.q.first + (DKDV ? c0 : 0) * p.r;
+    const int64_t kpos = t.k.first + (DKDV ? 0 : c0) * p.r;
+    const int64_t qo = p.q_index(t.b, qpos, hq), ko = p.k_index(t.b, kpos, t.kvh);
     r1 = DKDV ? k + ko : q + qo;
     r2 = DKDV ? v + ko : dout + qo;
     c1 = DKDV ? q + qo : k + ko;
     c2 = DKDV ? dout + qo : v + ko;
     rmask = DKDV ? mask_at(p, t.b, kpos) : nullptr;
     cmask = DKDV ? nullptr : mask_at(p, t.b, kpos);
+    row_stride = DKDV ? p.k_stride(p.r) : p.q_stride(p.r);
+    col_stride = DKDV ? p.q_stride(p.r) : p.k_stride(p.r);
   }
 };
 
-// Output row of segment index idx: dq (dq mode) or dk / dv (dkdv mode,
-// second = dv). The block owns it: dq += scale a1, dk += scale a1, dv += a2.
+// Output row idx of the tile: dq (dq mode) or dk / dv (dkdv mode, second =
+// dv). The block owns it: dq += scale a1, dk += scale a1, dv += a2.
 template <typename C, bool DKDV>
 __device__ inline C* out_row(const Problem& p, const Tile& t, int64_t idx, bool second) {
   if (DKDV) {
     C* base = static_cast<C*>(second ? p.dv : p.dk);
-    return base + k_offset(p, t.b, t.h, t.k.first + idx * p.r);
+    return base + p.k_index(t.b, t.k.first + idx * p.r, t.kvh);
   }
-  return static_cast<C*>(p.dq) + q_offset(p, t.b, t.h, t.q.first + idx * p.r);
+  return static_cast<C*>(p.dq) + p.q_index(t.b, t.q.first + idx * p.r, t.h);
 }
 
 // ------------------------------------------------------------------- SIMT
 template <typename T, typename C, int NPL, int ROWS, bool DKDV>
 __global__ void __launch_bounds__(kThreads) bwd_simt_kernel(const Problem p) {
-  constexpr int DP = 32 * NPL, BM = 4 * ROWS, LDC = DP + 1;
+  constexpr int DP = 32 * NPL, LDC = DP + 1;
   RING_ATTENTION_DYNAMIC_SMEM(smem);
   C* c1s = reinterpret_cast<C*>(smem);  // 32 x LDC
   C* c2s = c1s + 32 * LDC;              // 32 x LDC
@@ -122,93 +136,98 @@ __global__ void __launch_bounds__(kThreads) bwd_simt_kernel(const Problem p) {
   C* col_delta = col_lse + 32;
   uint8_t* col_ok = reinterpret_cast<uint8_t*>(col_delta + 32);
 
-  Tile t;
-  Span sp;
-  if (!decode_tile(p, t) || !decode_span<DKDV>(p, t, BM, sp)) return;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, D = static_cast<int>(p.D);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, D = static_cast<int>(p.head_dim);
   const int dpr = (D + 31) / 32 * 32;  // columns the loops visit (<= DP)
-  const int64_t stride = p.r * p.H * p.D;
   const C scale = static_cast<C>(p.scale);
   const C* lse = static_cast<const C*>(p.lse_in);
   const C* delta = static_cast<const C*>(p.delta);
 
-  const Operands<T, DKDV> rows(p, t, sp.r0, 0);
-  C r1[ROWS][NPL], r2[ROWS][NPL], a1[ROWS][NPL], a2[ROWS][NPL], row_lse[ROWS], row_delta[ROWS];
+  Tile t;
+  Span sp;
+  for (BlockTiles<DKDV> tiles(p); tiles.next(t);) {
+    if (!decode_span<DKDV>(p, t, sp)) continue;
+    const Operands<T, DKDV> rows(p, t, t.h, 0);
+    C r1[ROWS][NPL], r2[ROWS][NPL], a1[ROWS][NPL], a2[ROWS][NPL], row_lse[ROWS], row_delta[ROWS];
 #pragma unroll
-  for (int i = 0; i < ROWS; ++i) {
-    const int row = warp * ROWS + i;
-    const bool ok = row_ok(row, sp.nrows, rows.rmask, p.r);
-    load_vec<T, C, NPL>(r1[i], ok ? rows.r1 + row * stride : rows.r1, ok, D, lane);
-    load_vec<T, C, NPL>(r2[i], ok ? rows.r2 + row * stride : rows.r2, ok, D, lane);
+    for (int i = 0; i < ROWS; ++i) {
+      const int row = warp * ROWS + i;
+      const bool ok = row_ok(row, sp.nrows, rows.rmask, p.r);
+      load_vec<T, C, NPL>(r1[i], ok ? rows.r1 + row * rows.row_stride : rows.r1, ok, D, lane);
+      load_vec<T, C, NPL>(r2[i], ok ? rows.r2 + row * rows.row_stride : rows.r2, ok, D, lane);
 #pragma unroll
-    for (int j = 0; j < NPL; ++j) a1[i][j] = a2[i][j] = 0;
-    row_lse[i] = static_cast<C>(INFINITY);
-    row_delta[i] = 0;
-    if (!DKDV && ok) {
-      const int64_t si = row_stat(p, t.b, t.h, t.q.first + (sp.r0 + row) * p.r);
-      row_lse[i] = lse_for_exp(lse[si], C(1));
-      row_delta[i] = delta[si];
-    }
-  }
-
-  for (int64_t c0 = sp.c_begin; c0 < sp.c_end; c0 += 32) {
-    const int nvalid = static_cast<int>(imin(32, sp.c_end - c0));
-    const Operands<T, DKDV> cols(p, t, sp.r0, c0);
-    __syncthreads();
-    load_rows_simt<T, C>(c1s, LDC, dpr, cols.c1, stride, nvalid, cols.cmask, p.r, D);
-    load_rows_simt<T, C>(c2s, LDC, dpr, cols.c2, stride, nvalid, cols.cmask, p.r, D);
-    if (threadIdx.x < 32) {
-      const int c = threadIdx.x;
-      const bool ok = row_ok(c, nvalid, cols.cmask, p.r);
-      col_ok[c] = ok;
-      if (DKDV) {
-        const int64_t si = row_stat(p, t.b, t.h, t.q.first + (c0 + c) * p.r);
-        col_lse[c] = ok ? lse_for_exp(lse[si], C(1)) : static_cast<C>(INFINITY);
-        col_delta[c] = ok ? delta[si] : C(0);
+      for (int j = 0; j < NPL; ++j) a1[i][j] = a2[i][j] = 0;
+      row_lse[i] = static_cast<C>(INFINITY);
+      row_delta[i] = 0;
+      if (!DKDV && ok) {
+        const int64_t si = p.row_index(t.b, t.h, t.q.first + row * p.r);
+        row_lse[i] = lse_for_exp(lse[si], C(1));
+        row_delta[i] = delta[si];
       }
     }
-    __syncthreads();
+
+    for (int64_t hq = t.h; hq < heads_end<DKDV>(p, t); ++hq) {
+      if (!column_head<DKDV>(p, t, hq)) continue;
+      for (int64_t c0 = sp.c_begin; c0 < sp.c_end; c0 += 32) {
+        const int nvalid = static_cast<int>(imin(32, sp.c_end - c0));
+        const Operands<T, DKDV> cols(p, t, hq, c0);
+        __syncthreads();  // the previous column tile fully consumed
+        load_rows_simt<T, C>(c1s, LDC, dpr, cols.c1, cols.col_stride, nvalid, cols.cmask, p.r, D);
+        load_rows_simt<T, C>(c2s, LDC, dpr, cols.c2, cols.col_stride, nvalid, cols.cmask, p.r, D);
+        if (threadIdx.x < 32) {
+          const int c = threadIdx.x;
+          const bool ok = row_ok(c, nvalid, cols.cmask, p.r);
+          col_ok[c] = ok;
+          if (DKDV) {
+            const int64_t si = p.row_index(t.b, hq, t.q.first + (c0 + c) * p.r);
+            col_lse[c] = ok ? lse_for_exp(lse[si], C(1)) : static_cast<C>(INFINITY);
+            col_delta[c] = ok ? delta[si] : C(0);
+          }
+        }
+        __syncthreads();
+
+#pragma unroll
+        for (int i = 0; i < ROWS; ++i) {
+          const int row = warp * ROWS + i;
+          if (row >= sp.nrows) continue;  // warp-uniform
+          const int64_t cidx = c0 + lane;
+          const int64_t qi = DKDV ? cidx : row, ki = DKDV ? row : cidx;
+          const bool ok = col_ok[lane] && row_ok(row, sp.nrows, rows.rmask, p.r) &&
+                          (!p.causal || ki <= qi + t.dm);
+          if (!__any_sync(kFull, ok)) continue;
+          const C x1 = dot_bcast<C, NPL>(r1[i], c1s + lane * LDC, D);
+          const C x2 = dot_bcast<C, NPL>(r2[i], c2s + lane * LDC, D);
+          const C l = DKDV ? col_lse[lane] : row_lse[i];
+          const C dl = DKDV ? col_delta[lane] : row_delta[i];
+          const C pr = ok ? cexp(x1 * scale - l) : C(0);
+          const C ds = ok ? pr * (x2 - dl) : C(0);
+#pragma unroll 4
+          for (int c = 0; c < 32; ++c) {
+            const C dsc = __shfl_sync(kFull, ds, c);
+            const C pc = __shfl_sync(kFull, pr, c);
+#pragma unroll
+            for (int j = 0; j < NPL; ++j) {
+              if (32 * j >= D) break;
+              a1[i][j] += dsc * c1s[c * LDC + 32 * j + lane];
+              if (DKDV) a2[i][j] += pc * c2s[c * LDC + 32 * j + lane];
+            }
+          }
+        }
+      }
+    }
 
 #pragma unroll
     for (int i = 0; i < ROWS; ++i) {
       const int row = warp * ROWS + i;
-      if (row >= sp.nrows) continue;  // warp-uniform
-      const int64_t ridx = sp.r0 + row, cidx = c0 + lane;
-      const int64_t qi = DKDV ? cidx : ridx, ki = DKDV ? ridx : cidx;
-      const bool ok =
-          col_ok[lane] && row_ok(row, sp.nrows, rows.rmask, p.r) && (!p.causal || ki <= qi + t.dm);
-      if (!__any_sync(kFull, ok)) continue;
-      const C x1 = dot_bcast<C, NPL>(r1[i], c1s + lane * LDC, D);
-      const C x2 = dot_bcast<C, NPL>(r2[i], c2s + lane * LDC, D);
-      const C l = DKDV ? col_lse[lane] : row_lse[i], dl = DKDV ? col_delta[lane] : row_delta[i];
-      const C pr = ok ? cexp(x1 * scale - l) : C(0);
-      const C ds = ok ? pr * (x2 - dl) : C(0);
-#pragma unroll 4
-      for (int c = 0; c < 32; ++c) {
-        const C dsc = __shfl_sync(kFull, ds, c);
-        const C pc = __shfl_sync(kFull, pr, c);
+      if (row >= sp.nrows) continue;
+      C* o1 = out_row<C, DKDV>(p, t, row, false);
+      C* o2 = DKDV ? out_row<C, DKDV>(p, t, row, true) : nullptr;
 #pragma unroll
-        for (int j = 0; j < NPL; ++j) {
-          if (32 * j >= D) break;
-          a1[i][j] += dsc * c1s[c * LDC + 32 * j + lane];
-          if (DKDV) a2[i][j] += pc * c2s[c * LDC + 32 * j + lane];
-        }
+      for (int j = 0; j < NPL; ++j) {
+        const int d = lane + 32 * j;
+        if (d >= D) continue;
+        o1[d] += scale * a1[i][j];
+        if (DKDV) o2[d] += a2[i][j];
       }
-    }
-  }
-
-#pragma unroll
-  for (int i = 0; i < ROWS; ++i) {
-    const int row = warp * ROWS + i;
-    if (row >= sp.nrows) continue;
-    C* o1 = out_row<C, DKDV>(p, t, sp.r0 + row, false);
-    C* o2 = DKDV ? out_row<C, DKDV>(p, t, sp.r0 + row, true) : nullptr;
-#pragma unroll
-    for (int j = 0; j < NPL; ++j) {
-      const int d = lane + 32 * j;
-      if (d >= D) continue;
-      o1[d] += scale * a1[i][j];
-      if (DKDV) o2[d] += a2[i][j];
     }
   }
 }
@@ -240,95 +259,100 @@ __global__ void __launch_bounds__(kThreads) bwd_mma_kernel(const Problem p) {
   float* col_delta = col_lse + BN;
   uint8_t* col_ok = reinterpret_cast<uint8_t*>(col_delta + BN);
 
-  Tile t;
-  Span sp;
-  if (!decode_tile(p, t) || !decode_span<DKDV>(p, t, BM, sp)) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tg = lane % 4;
-  const int D = static_cast<int>(p.D);
-  const int64_t stride = p.r * p.H * p.D;
+  const int D = static_cast<int>(p.head_dim);
   const float scale_log2 = static_cast<float>(p.scale) * kLog2e;
   const float* lse = static_cast<const float*>(p.lse_in);
   const float* delta = static_cast<const float*>(p.delta);
 
-  const Operands<uint16_t, DKDV> rows(p, t, sp.r0, 0);
-  load_rows16<BM, DP>(r1s, LD, rows.r1, stride, sp.nrows, rows.rmask, p.r, D, p.vec);
-  load_rows16<BM, DP>(r2s, LD, rows.r2, stride, sp.nrows, rows.rmask, p.r, D, p.vec);
-  cp_async_commit();  // waited for with the first column tile
+  Tile t;
+  Span sp;
+  for (BlockTiles<DKDV> tiles(p); tiles.next(t);) {
+    if (!decode_span<DKDV>(p, t, sp)) continue;
+    const Operands<uint16_t, DKDV> rows(p, t, t.h, 0);
+    __syncthreads();  // the previous tile's rows fully read
+    load_rows16<BM, DP>(r1s, LD, rows.r1, rows.row_stride, sp.nrows, rows.rmask, p.r, D, p.vec);
+    load_rows16<BM, DP>(r2s, LD, rows.r2, rows.row_stride, sp.nrows, rows.rmask, p.r, D, p.vec);
+    cp_async_commit();  // waited for with the first column tile
 
-  // This thread's rows warp * 16 + g + 8 * i.
-  bool rok[2];
-  float row_lse[2], row_delta[2];
+    // This thread's rows warp * 16 + g + 8 * i.
+    bool rok[2];
+    float row_lse[2], row_delta[2];
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int row = warp * 16 + g + 8 * i;
-    rok[i] = row_ok(row, sp.nrows, rows.rmask, p.r);
-    row_lse[i] = INFINITY;
-    row_delta[i] = 0.f;
-    if (!DKDV && rok[i]) {
-      const int64_t si = row_stat(p, t.b, t.h, t.q.first + (sp.r0 + row) * p.r);
-      row_lse[i] = lse_for_exp(lse[si], kLog2e);
-      row_delta[i] = delta[si];
-    }
-  }
-  float a1[ND][4] = {}, a2[NA][4] = {};
-
-  for (int64_t c0 = sp.c_begin; c0 < sp.c_end; c0 += BN) {
-    const int nvalid = static_cast<int>(imin(BN, sp.c_end - c0));
-    const Operands<uint16_t, DKDV> cols(p, t, sp.r0, c0);
-    __syncthreads();
-    load_rows16<BN, DP>(c1s, LD, cols.c1, stride, nvalid, cols.cmask, p.r, D, p.vec);
-    load_rows16<BN, DP>(c2s, LD, cols.c2, stride, nvalid, cols.cmask, p.r, D, p.vec);
-    cp_async_commit();
-    if (threadIdx.x < BN) {
-      const int c = threadIdx.x;
-      const bool ok = row_ok(c, nvalid, cols.cmask, p.r);
-      col_ok[c] = ok;
-      if (DKDV) {
-        const int64_t si = row_stat(p, t.b, t.h, t.q.first + (c0 + c) * p.r);
-        col_lse[c] = ok ? lse_for_exp(lse[si], kLog2e) : INFINITY;
-        col_delta[c] = ok ? delta[si] : 0.f;
+    for (int i = 0; i < 2; ++i) {
+      const int row = warp * 16 + g + 8 * i;
+      rok[i] = row_ok(row, sp.nrows, rows.rmask, p.r);
+      row_lse[i] = INFINITY;
+      row_delta[i] = 0.f;
+      if (!DKDV && rok[i]) {
+        const int64_t si = p.row_index(t.b, t.h, t.q.first + row * p.r);
+        row_lse[i] = lse_for_exp(lse[si], kLog2e);
+        row_delta[i] = delta[si];
       }
     }
-    cp_async_wait<0>();
-    __syncthreads();
+    float a1[ND][4] = {}, a2[NA][4] = {};
 
-    float x1[NJ][4] = {}, x2[NJ][4] = {};
-    mma_ss<T, NJ, DP>(x1, r1s + warp * 16 * LD, LD, c1s, LD, lane);
-    mma_ss<T, NJ, DP>(x2, r2s + warp * 16 * LD, LD, c2s, LD, lane);
-#pragma unroll
-    for (int j = 0; j < NJ; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = e >> 1, col = j * 8 + 2 * tg + (e & 1);
-        const int64_t ridx = sp.r0 + warp * 16 + g + 8 * i, cidx = c0 + col;
-        const int64_t qi = DKDV ? cidx : ridx, ki = DKDV ? ridx : cidx;
-        const bool ok = col_ok[col] && rok[i] && (!p.causal || ki <= qi + t.dm);
-        const float l = DKDV ? col_lse[col] : row_lse[i];
-        const float dl = DKDV ? col_delta[col] : row_delta[i];
-        const float pr = ok ? exp2f(x1[j][e] * scale_log2 - l) : 0.f;
-        x2[j][e] = ok ? pr * (x2[j][e] - dl) : 0.f;  // dS (or dS^T)
-        x1[j][e] = pr;                               // P (or P^T)
-      }
-    mma_rs<T, ND, NJ>(a1, x2, c1s, LD, lane);
-    if constexpr (DKDV) mma_rs<T, ND, NJ>(a2, x1, c2s, LD, lane);
-  }
+    for (int64_t hq = t.h; hq < heads_end<DKDV>(p, t); ++hq) {
+      if (!column_head<DKDV>(p, t, hq)) continue;
+      for (int64_t c0 = sp.c_begin; c0 < sp.c_end; c0 += BN) {
+        const int nvalid = static_cast<int>(imin(BN, sp.c_end - c0));
+        const Operands<uint16_t, DKDV> cols(p, t, hq, c0);
+        __syncthreads();  // the previous column tile fully read
+        load_rows16<BN, DP>(c1s, LD, cols.c1, cols.col_stride, nvalid, cols.cmask, p.r, D, p.vec);
+        load_rows16<BN, DP>(c2s, LD, cols.c2, cols.col_stride, nvalid, cols.cmask, p.r, D, p.vec);
+        cp_async_commit();
+        if (threadIdx.x < BN) {
+          const int c = threadIdx.x;
+          const bool ok = row_ok(c, nvalid, cols.cmask, p.r);
+          col_ok[c] = ok;
+          if (DKDV) {
+            const int64_t si = p.row_index(t.b, hq, t.q.first + (c0 + c) * p.r);
+            col_lse[c] = ok ? lse_for_exp(lse[si], kLog2e) : INFINITY;
+            col_delta[c] = ok ? delta[si] : 0.f;
+          }
+        }
+        cp_async_wait<0>();
+        __syncthreads();
 
-  const float scale = static_cast<float>(p.scale);
+        float x1[NJ][4] = {}, x2[NJ][4] = {};
+        mma_ss<T, NJ, DP>(x1, r1s + warp * 16 * LD, LD, c1s, LD, lane);
+        mma_ss<T, NJ, DP>(x2, r2s + warp * 16 * LD, LD, c2s, LD, lane);
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int row = warp * 16 + g + 8 * i;
-    if (row >= sp.nrows) continue;
-    float* o1 = out_row<float, DKDV>(p, t, sp.r0 + row, false);
-    float* o2 = DKDV ? out_row<float, DKDV>(p, t, sp.r0 + row, true) : nullptr;
+        for (int j = 0; j < NJ; ++j)
 #pragma unroll
-    for (int j = 0; j < ND; ++j)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int d = j * 8 + 2 * tg + e;
-        if (d >= D) continue;
-        o1[d] += scale * a1[j][2 * i + e];
-        if constexpr (DKDV) o2[d] += a2[j][2 * i + e];
+          for (int e = 0; e < 4; ++e) {
+            const int i = e >> 1, col = j * 8 + 2 * tg + (e & 1);
+            const int64_t ridx = warp * 16 + g + 8 * i, cidx = c0 + col;
+            const int64_t qi = DKDV ? cidx : ridx, ki = DKDV ? ridx : cidx;
+            const bool ok = col_ok[col] && rok[i] && (!p.causal || ki <= qi + t.dm);
+            const float l = DKDV ? col_lse[col] : row_lse[i];
+            const float dl = DKDV ? col_delta[col] : row_delta[i];
+            const float pr = ok ? exp2f(x1[j][e] * scale_log2 - l) : 0.f;
+            x2[j][e] = ok ? pr * (x2[j][e] - dl) : 0.f;  // dS (or dS^T)
+            x1[j][e] = pr;                               // P (or P^T)
+          }
+        mma_rs<T, ND, NJ>(a1, x2, c1s, LD, lane);
+        if constexpr (DKDV) mma_rs<T, ND, NJ>(a2, x1, c2s, LD, lane);
       }
+    }
+
+    const float scale = static_cast<float>(p.scale);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int row = warp * 16 + g + 8 * i;
+      if (row >= sp.nrows) continue;
+      float* o1 = out_row<float, DKDV>(p, t, row, false);
+      float* o2 = DKDV ? out_row<float, DKDV>(p, t, row, true) : nullptr;
+#pragma unroll
+      for (int j = 0; j < ND; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int d = j * 8 + 2 * tg + e;
+          if (d >= D) continue;
+          o1[d] += scale * a1[j][2 * i + e];
+          if constexpr (DKDV) o2[d] += a2[j][2 * i + e];
+        }
+    }
   }
 #endif
 }
@@ -339,15 +363,15 @@ void launch_simt(const Problem& p, at::IntArrayRef segs, at::IntArrayRef dils) {
   constexpr int ROWS = NPL <= 2 ? 4 : 2;
   const size_t smem = (2 * 32 * (32 * NPL + 1) + 64) * sizeof(C) + 32;
   if (p.dq != nullptr)
-    launch_branches(bwd_simt_kernel<T, C, NPL, ROWS, false>, p, segs, dils, p.Lq, 4 * ROWS, smem);
+    launch_branches(bwd_simt_kernel<T, C, NPL, ROWS, false>, p, segs, dils, false, 4 * ROWS, smem);
   if (p.dk != nullptr)
-    launch_branches(bwd_simt_kernel<T, C, NPL, ROWS, true>, p, segs, dils, p.Lk, 4 * ROWS, smem);
+    launch_branches(bwd_simt_kernel<T, C, NPL, ROWS, true>, p, segs, dils, true, 4 * ROWS, smem);
 }
 
 template <typename T, typename C>
 void dispatch_simt(const Problem& p, at::IntArrayRef segs, at::IntArrayRef dils) {
   if constexpr (std::is_same_v<T, float>) {
-    switch (simt_npl(p.D)) {
+    switch (simt_npl(p.head_dim)) {
       case 2:
         return launch_simt<T, C, 2>(p, segs, dils);
       case 4:
@@ -360,14 +384,14 @@ void dispatch_simt(const Problem& p, at::IntArrayRef segs, at::IntArrayRef dils)
 template <typename T, int DP>
 void launch_mma(const Problem& p, at::IntArrayRef segs, at::IntArrayRef dils) {
   if (p.dq != nullptr)
-    launch_branches(bwd_mma_kernel<T, DP, false>, p, segs, dils, p.Lq, 64, mma_smem<DP, false>());
+    launch_branches(bwd_mma_kernel<T, DP, false>, p, segs, dils, false, 64, mma_smem<DP, false>());
   if (p.dk != nullptr)
-    launch_branches(bwd_mma_kernel<T, DP, true>, p, segs, dils, p.Lk, 64, mma_smem<DP, true>());
+    launch_branches(bwd_mma_kernel<T, DP, true>, p, segs, dils, true, 64, mma_smem<DP, true>());
 }
 
 template <typename T>
 void dispatch_mma(const Problem& p, at::IntArrayRef segs, at::IntArrayRef dils) {
-  switch (mma_dp(p.D)) {
+  switch (mma_dp(p.head_dim)) {
     case 64:
       return launch_mma<T, 64>(p, segs, dils);
     case 96:
@@ -383,17 +407,18 @@ void block_backward(const BlockCall& call) {
   Problem p = make_problem(call);
   const DeviceGuard guard(call.device);
   if (call.q.numel() == 0 || call.k.numel() == 0 || (p.dq == nullptr && p.dk == nullptr)) return;
-  const at::Tensor delta = at::empty({p.B, p.H, p.Lq}, call.lse.options());
+  const at::Tensor delta = at::empty({p.batch, p.heads, p.q_len}, call.lse.options());
   p.delta = delta.const_data_ptr();
   const at::IntArrayRef segs = call.segment_lengths, dils = call.dilation_rates;
-  const int64_t rows = p.B * p.Lq * p.H;
+  const int64_t rows = p.batch * p.q_len * p.heads;
   const unsigned delta_blocks =
       static_cast<unsigned>(std::min<int64_t>(ceil_div(rows, kThreads / 32), 1 << 20));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, call.dtype, "block_backward_cuda", [&] {
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
     launch(delta_kernel<scalar_t, acc_t>, dim3(delta_blocks), dim3(kThreads), 0, current_stream(),
-           static_cast<const scalar_t*>(p.dout), static_cast<const scalar_t*>(call.params.out_in),
-           delta.mutable_data_ptr<acc_t>(), p.B, p.Lq, p.H, p.D);
+           static_cast<const scalar_t*>(p.grad_out), static_cast<const scalar_t*>(p.out_in),
+           static_cast<const acc_t*>(p.grad_lse), delta.mutable_data_ptr<acc_t>(), p.batch, p.q_len,
+           p.heads, p.head_dim);
     if constexpr (std::is_same_v<scalar_t, double> || std::is_same_v<scalar_t, float>) {
       dispatch_simt<scalar_t, acc_t>(p, segs, dils);
     } else if (use_tensor_cores(p)) {

@@ -32,92 +32,91 @@ __global__ void __launch_bounds__(kThreads) fwd_simt_kernel(const Problem p) {
   C* vs = ks + 32 * LDK;               // 32 x DP
   uint8_t* kok = reinterpret_cast<uint8_t*>(vs + 32 * DP);
 
-  Tile t;
-  if (!decode_tile(p, t)) return;
-  const int64_t m0 = t.tile * BM;
-  if (m0 >= t.q.count) return;
-  const int nrows = static_cast<int>(imin(BM, t.q.count - m0));
-  const int64_t nk = keys_reached(p, t, m0 + nrows - 1);
-  if (nk <= 0) return;
-
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, D = static_cast<int>(p.D);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, D = static_cast<int>(p.head_dim);
   const int dpr = (D + 31) / 32 * 32;  // columns the loops visit (<= DP)
   const T* q = static_cast<const T*>(p.q);
   const T* k = static_cast<const T*>(p.k);
   const T* v = static_cast<const T*>(p.v);
-  const int64_t stride = p.r * p.H * p.D;  // between consecutive active rows
+  const int64_t k_stride = p.k_stride(p.r);  // between consecutive active key rows
   const C scale = static_cast<C>(p.scale);
+  C* out = static_cast<C*>(p.out);
+  C* lse = static_cast<C*>(p.lse);
 
-  C qv[ROWS][NPL], acc[ROWS][NPL], m_run[ROWS], l_run[ROWS];
-#pragma unroll
-  for (int i = 0; i < ROWS; ++i) {
-    const int row = warp * ROWS + i;
-    const int64_t pos = t.q.first + (m0 + row) * p.r;
-    load_vec<T, C, NPL>(qv[i], row < nrows ? q + q_offset(p, t.b, t.h, pos) : q, row < nrows, D,
-                        lane);
-#pragma unroll
-    for (int j = 0; j < NPL; ++j) acc[i][j] = 0;
-    m_run[i] = neg_inf<C>();
-    l_run[i] = 0;
-  }
+  Tile t;
+  for (BlockTiles<false> tiles(p); tiles.next(t);) {
+    const int nrows = static_cast<int>(t.q.count);  // <= BM: one window
+    const int64_t nk = keys_reached(p, t, nrows - 1);
+    if (nk <= 0) continue;
 
-  for (int64_t n0 = 0; n0 < nk; n0 += 32) {
-    const int nvalid = static_cast<int>(imin(32, nk - n0));
-    const int64_t pos0 = t.k.first + n0 * p.r;
-    const bool* mk = mask_at(p, t.b, pos0);
-    const int64_t off = k_offset(p, t.b, t.h, pos0);
-    __syncthreads();  // previous tile fully consumed
-    load_rows_simt<T, C>(ks, LDK, dpr, k + off, stride, nvalid, mk, p.r, D);
-    load_rows_simt<T, C>(vs, DP, dpr, v + off, stride, nvalid, mk, p.r, D);
-    if (threadIdx.x < 32) kok[threadIdx.x] = row_ok(threadIdx.x, nvalid, mk, p.r);
-    __syncthreads();
+    C qv[ROWS][NPL], acc[ROWS][NPL], m_run[ROWS], l_run[ROWS];
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i) {
+      const int row = warp * ROWS + i;
+      const int64_t pos = t.q.first + row * p.r;
+      load_vec<T, C, NPL>(qv[i], row < nrows ? q + p.q_index(t.b, pos, t.h) : q, row < nrows, D,
+                          lane);
+#pragma unroll
+      for (int j = 0; j < NPL; ++j) acc[i][j] = 0;
+      m_run[i] = neg_inf<C>();
+      l_run[i] = 0;
+    }
+
+    for (int64_t n0 = 0; n0 < nk; n0 += 32) {
+      const int nvalid = static_cast<int>(imin(32, nk - n0));
+      const int64_t pos0 = t.k.first + n0 * p.r;
+      const bool* mk = mask_at(p, t.b, pos0);
+      const int64_t off = p.k_index(t.b, pos0, t.kvh);
+      __syncthreads();  // previous tile fully consumed
+      load_rows_simt<T, C>(ks, LDK, dpr, k + off, k_stride, nvalid, mk, p.r, D);
+      load_rows_simt<T, C>(vs, DP, dpr, v + off, k_stride, nvalid, mk, p.r, D);
+      if (threadIdx.x < 32) kok[threadIdx.x] = row_ok(threadIdx.x, nvalid, mk, p.r);
+      __syncthreads();
+
+#pragma unroll
+      for (int i = 0; i < ROWS; ++i) {
+        const int row = warp * ROWS + i;
+        if (row >= nrows) continue;  // warp-uniform
+        const C s = dot_bcast<C, NPL>(qv[i], ks + lane * LDK, D);
+        const bool ok = kok[lane] && (!p.causal || n0 + lane <= row + t.dm);
+        const C x = ok ? s * scale : neg_inf<C>();
+        const C m_new = cmax(m_run[i], warp_max(x));
+        const C m_use = m_new == neg_inf<C>() ? C(0) : m_new;
+        const C alpha = cexp(m_run[i] - m_use);
+        const C pr = cexp(x - m_use);
+        m_run[i] = m_new;
+        l_run[i] = l_run[i] * alpha + pr;  // lane-partial sums, reduced at the end
+#pragma unroll
+        for (int j = 0; j < NPL; ++j) acc[i][j] *= alpha;
+        if (!__any_sync(kFull, pr != C(0))) continue;
+#pragma unroll 4
+        for (int c = 0; c < 32; ++c) {
+          const C pc = __shfl_sync(kFull, pr, c);
+#pragma unroll
+          for (int j = 0; j < NPL; ++j)
+            if (32 * j < D) acc[i][j] += pc * vs[c * DP + 32 * j + lane];
+        }
+      }
+    }
 
 #pragma unroll
     for (int i = 0; i < ROWS; ++i) {
       const int row = warp * ROWS + i;
-      if (row >= nrows) continue;  // warp-uniform
-      const C s = dot_bcast<C, NPL>(qv[i], ks + lane * LDK, D);
-      const bool ok = kok[lane] && (!p.causal || n0 + lane <= m0 + row + t.dm);
-      const C x = ok ? s * scale : neg_inf<C>();
-      const C m_new = cmax(m_run[i], warp_max(x));
-      const C m_use = m_new == neg_inf<C>() ? C(0) : m_new;
-      const C alpha = cexp(m_run[i] - m_use);
-      const C pr = cexp(x - m_use);
-      m_run[i] = m_new;
-      l_run[i] = l_run[i] * alpha + pr;  // lane-partial sums, reduced at the end
+      const C l = warp_sum(l_run[i]);
+      if (row >= nrows || l == C(0)) continue;  // warp-uniform; no key reached
+      const int64_t pos = t.q.first + row * p.r;
+      const int64_t li = p.row_index(t.b, t.h, pos);
+      const C old = lse[li];
+      __syncwarp();  // every lane has read lse before lane 0 writes it
+      const C blk = m_run[i] + clog(l);
+      const C nl = merged_lse(old, blk);
+      C* orow = out + p.q_index(t.b, pos, t.h);
 #pragma unroll
-      for (int j = 0; j < NPL; ++j) acc[i][j] *= alpha;
-      if (!__any_sync(kFull, pr != C(0))) continue;
-#pragma unroll 4
-      for (int c = 0; c < 32; ++c) {
-        const C pc = __shfl_sync(kFull, pr, c);
-#pragma unroll
-        for (int j = 0; j < NPL; ++j)
-          if (32 * j < D) acc[i][j] += pc * vs[c * DP + 32 * j + lane];
+      for (int j = 0; j < NPL; ++j) {
+        const int d = lane + 32 * j;
+        if (d < D) orow[d] = merge_value(orow[d], acc[i][j] / l, old, blk, nl);
       }
+      if (lane == 0) lse[li] = nl;
     }
-  }
-
-  C* out = static_cast<C*>(p.out);
-  C* lse = static_cast<C*>(p.lse);
-#pragma unroll
-  for (int i = 0; i < ROWS; ++i) {
-    const int row = warp * ROWS + i;
-    const C l = warp_sum(l_run[i]);
-    if (row >= nrows || l == C(0)) continue;  // warp-uniform; no key reached
-    const int64_t pos = t.q.first + (m0 + row) * p.r;
-    const int64_t li = row_stat(p, t.b, t.h, pos);
-    const C old = lse[li];
-    __syncwarp();  // every lane has read lse before lane 0 writes it
-    const C blk = m_run[i] + clog(l);
-    const C nl = merged_lse(old, blk);
-    C* orow = out + q_offset(p, t.b, t.h, pos);
-#pragma unroll
-    for (int j = 0; j < NPL; ++j) {
-      const int d = lane + 32 * j;
-      if (d < D) orow[d] = merge_value(orow[d], acc[i][j] / l, old, blk, nl);
-    }
-    if (lane == 0) lse[li] = nl;
   }
 }
 
@@ -134,125 +133,124 @@ __global__ void __launch_bounds__(kThreads) fwd_mma_kernel(const Problem p) {
   uint16_t* vs = ks + 2 * BN * LD;                              // 2 stages x BN x LD
   uint8_t* kok = reinterpret_cast<uint8_t*>(vs + 2 * BN * LD);  // 2 stages x BN
 
-  Tile t;
-  if (!decode_tile(p, t)) return;
-  const int64_t m0 = t.tile * BM;
-  if (m0 >= t.q.count) return;
-  const int nrows = static_cast<int>(imin(BM, t.q.count - m0));
-  const int64_t nk = keys_reached(p, t, m0 + nrows - 1);
-  if (nk <= 0) return;
-
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tg = lane % 4;
-  const int D = static_cast<int>(p.D);
+  const int D = static_cast<int>(p.head_dim);
   const uint16_t* q = static_cast<const uint16_t*>(p.q);
   const uint16_t* k = static_cast<const uint16_t*>(p.k);
   const uint16_t* v = static_cast<const uint16_t*>(p.v);
-  const int64_t stride = p.r * p.H * p.D;
+  const int64_t q_stride = p.q_stride(p.r), k_stride = p.k_stride(p.r);
   const float scale_log2 = static_cast<float>(p.scale) * kLog2e;
-
-  // Key tile at n0 into stage st (the copies form one cp.async group).
-  const auto stage_keys = [&](int64_t n0, int st) {
-    const int nvalid = static_cast<int>(imin(BN, nk - n0));
-    const int64_t pos0 = t.k.first + n0 * p.r;
-    const bool* mk = mask_at(p, t.b, pos0);
-    const int64_t off = k_offset(p, t.b, t.h, pos0);
-    load_rows16<BN, DP>(ks + st * BN * LD, LD, k + off, stride, nvalid, mk, p.r, D, p.vec);
-    load_rows16<BN, DP>(vs + st * BN * LD, LD, v + off, stride, nvalid, mk, p.r, D, p.vec);
-    if (threadIdx.x < BN) kok[st * BN + threadIdx.x] = row_ok(threadIdx.x, nvalid, mk, p.r);
-    cp_async_commit();
-  };
-  load_rows16<BM, DP>(qs, LD, q + q_offset(p, t.b, t.h, t.q.first + m0 * p.r), stride, nrows,
-                      nullptr, 0, D, p.vec);
-  stage_keys(0, 0);  // with the query tile: the first group
-
-  // This thread's two rows: warp * 16 + g + 8 * i. Causal: key n <= lim[i].
-  int64_t lim[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) lim[i] = m0 + warp * 16 + g + 8 * i + t.dm;
-  float o[ND][4] = {};
-  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
-
-  for (int64_t n0 = 0, it = 0; n0 < nk; n0 += BN, ++it) {
-    const int st = static_cast<int>(it & 1);
-    if (n0 + BN < nk) {
-      stage_keys(n0 + BN, st ^ 1);  // its stage was last read before the previous barrier
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();  // stage st complete for every thread
-    const uint16_t* kt = ks + st * BN * LD;
-    const uint16_t* vt = vs + st * BN * LD;
-    const uint8_t* kokt = kok + st * BN;
-
-    float s[NJ][4] = {};
-    mma_ss<T, NJ, DP>(s, qs + warp * 16 * LD, LD, kt, LD, lane);
-
-    float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int j = 0; j < NJ; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int col = j * 8 + 2 * tg + (e & 1);
-        const bool ok = kokt[col] && (!p.causal || n0 + col <= lim[e >> 1]);
-        s[j][e] = ok ? s[j][e] * scale_log2 : -INFINITY;
-        mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
-      }
-    float alpha[2], m_use[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      mx[i] = fmaxf(mx[i], __shfl_xor_sync(kFull, mx[i], 1));
-      mx[i] = fmaxf(mx[i], __shfl_xor_sync(kFull, mx[i], 2));
-      const float m_new = fmaxf(m_run[i], mx[i]);
-      m_use[i] = m_new == -INFINITY ? 0.f : m_new;
-      alpha[i] = exp2f(m_run[i] - m_use[i]);
-      m_run[i] = m_new;
-      l_run[i] *= alpha[i];
-    }
-#pragma unroll
-    for (int j = 0; j < NJ; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        s[j][e] = exp2f(s[j][e] - m_use[e >> 1]);
-        l_run[e >> 1] += s[j][e];  // quad-partial sums, reduced at the end
-      }
-#pragma unroll
-    for (int j = 0; j < ND; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o[j][e] *= alpha[e >> 1];
-    mma_rs<T, ND, NJ>(o, s, vt, LD, lane);
-    __syncthreads();  // stage st fully read before it is refilled
-  }
-
   float* out = static_cast<float*>(p.out);
   float* lse = static_cast<float*>(p.lse);
-  float old[2], l[2];
-  bool write[2];
-  int64_t pos[2];
+
+  Tile t;
+  for (BlockTiles<false> tiles(p); tiles.next(t);) {
+    const int nrows = static_cast<int>(t.q.count);  // <= BM: one window
+    const int64_t nk = keys_reached(p, t, nrows - 1);
+    if (nk <= 0) continue;
+
+    // Key tile at n0 into stage st (the copies form one cp.async group).
+    const auto stage_keys = [&](int64_t n0, int st) {
+      const int nvalid = static_cast<int>(imin(BN, nk - n0));
+      const int64_t pos0 = t.k.first + n0 * p.r;
+      const bool* mk = mask_at(p, t.b, pos0);
+      const int64_t off = p.k_index(t.b, pos0, t.kvh);
+      load_rows16<BN, DP>(ks + st * BN * LD, LD, k + off, k_stride, nvalid, mk, p.r, D, p.vec);
+      load_rows16<BN, DP>(vs + st * BN * LD, LD, v + off, k_stride, nvalid, mk, p.r, D, p.vec);
+      if (threadIdx.x < BN) kok[st * BN + threadIdx.x] = row_ok(threadIdx.x, nvalid, mk, p.r);
+      cp_async_commit();
+    };
+    load_rows16<BM, DP>(qs, LD, q + p.q_index(t.b, t.q.first, t.h), q_stride, nrows, nullptr, 0, D,
+                        p.vec);
+    stage_keys(0, 0);  // with the query tile: the first group
+
+    // This thread's two rows: warp * 16 + g + 8 * i. Causal: key n <= lim[i].
+    int64_t lim[2];
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    l[i] = l_run[i] + __shfl_xor_sync(kFull, l_run[i], 1);
-    l[i] += __shfl_xor_sync(kFull, l[i], 2);
-    const int row = warp * 16 + g + 8 * i;
-    write[i] = row < nrows && l[i] != 0.f;
-    pos[i] = t.q.first + (m0 + row) * p.r;
-    old[i] = write[i] ? lse[row_stat(p, t.b, t.h, pos[i])] : 0.f;
-  }
-  __syncwarp();  // every lane has read lse before any lane writes it
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    if (!write[i]) continue;
-    const float blk = (m_run[i] + log2f(l[i])) / kLog2e, inv_l = 1.f / l[i];
-    const float nl = merged_lse(old[i], blk);
-    float* orow = out + q_offset(p, t.b, t.h, pos[i]);
-#pragma unroll
-    for (int j = 0; j < ND; ++j)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int d = j * 8 + 2 * tg + e;
-        if (d < D) orow[d] = merge_value(orow[d], o[j][2 * i + e] * inv_l, old[i], blk, nl);
+    for (int i = 0; i < 2; ++i) lim[i] = warp * 16 + g + 8 * i + t.dm;
+    float o[ND][4] = {};
+    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+
+    for (int64_t n0 = 0, it = 0; n0 < nk; n0 += BN, ++it) {
+      const int st = static_cast<int>(it & 1);
+      if (n0 + BN < nk) {
+        stage_keys(n0 + BN, st ^ 1);  // its stage was last read before the previous barrier
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
       }
-    if (tg == 0) lse[row_stat(p, t.b, t.h, pos[i])] = nl;
+      __syncthreads();  // stage st complete for every thread
+      const uint16_t* kt = ks + st * BN * LD;
+      const uint16_t* vt = vs + st * BN * LD;
+      const uint8_t* kokt = kok + st * BN;
+
+      float s[NJ][4] = {};
+      mma_ss<T, NJ, DP>(s, qs + warp * 16 * LD, LD, kt, LD, lane);
+
+      float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int j = 0; j < NJ; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = j * 8 + 2 * tg + (e & 1);
+          const bool ok = kokt[col] && (!p.causal || n0 + col <= lim[e >> 1]);
+          s[j][e] = ok ? s[j][e] * scale_log2 : -INFINITY;
+          mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
+        }
+      float alpha[2], m_use[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(kFull, mx[i], 1));
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(kFull, mx[i], 2));
+        const float m_new = fmaxf(m_run[i], mx[i]);
+        m_use[i] = m_new == -INFINITY ? 0.f : m_new;
+        alpha[i] = exp2f(m_run[i] - m_use[i]);
+        m_run[i] = m_new;
+        l_run[i] *= alpha[i];
+      }
+#pragma unroll
+      for (int j = 0; j < NJ; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[j][e] = exp2f(s[j][e] - m_use[e >> 1]);
+          l_run[e >> 1] += s[j][e];  // quad-partial sums, reduced at the end
+        }
+#pragma unroll
+      for (int j = 0; j < ND; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[j][e] *= alpha[e >> 1];
+      mma_rs<T, ND, NJ>(o, s, vt, LD, lane);
+      __syncthreads();  // stage st fully read before it is refilled
+    }
+
+    float old[2], l[2];
+    bool write[2];
+    int64_t pos[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      l[i] = l_run[i] + __shfl_xor_sync(kFull, l_run[i], 1);
+      l[i] += __shfl_xor_sync(kFull, l[i], 2);
+      const int row = warp * 16 + g + 8 * i;
+      write[i] = row < nrows && l[i] != 0.f;
+      pos[i] = t.q.first + row * p.r;
+      old[i] = write[i] ? lse[p.row_index(t.b, t.h, pos[i])] : 0.f;
+    }
+    __syncwarp();  // every lane has read lse before any lane writes it
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      if (!write[i]) continue;
+      const float blk = (m_run[i] + log2f(l[i])) / kLog2e, inv_l = 1.f / l[i];
+      const float nl = merged_lse(old[i], blk);
+      float* orow = out + p.q_index(t.b, pos[i], t.h);
+#pragma unroll
+      for (int j = 0; j < ND; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int d = j * 8 + 2 * tg + e;
+          if (d < D) orow[d] = merge_value(orow[d], o[j][2 * i + e] * inv_l, old[i], blk, nl);
+        }
+      if (tg == 0) lse[p.row_index(t.b, t.h, pos[i])] = nl;
+    }
   }
 #endif
 }
@@ -262,13 +260,13 @@ template <typename T, typename C, int NPL>
 void launch_simt(const Problem& p, at::IntArrayRef segs, at::IntArrayRef dils) {
   constexpr int ROWS = NPL <= 2 ? 4 : 2;
   const size_t smem = (32 * (32 * NPL + 1) + 32 * 32 * NPL) * sizeof(C) + 32;
-  launch_branches(fwd_simt_kernel<T, C, NPL, ROWS>, p, segs, dils, p.Lq, 4 * ROWS, smem);
+  launch_branches(fwd_simt_kernel<T, C, NPL, ROWS>, p, segs, dils, false, 4 * ROWS, smem);
 }
 
 template <typename T, typename C>
 void dispatch_simt(const Problem& p, at::IntArrayRef segs, at::IntArrayRef dils) {
   if constexpr (std::is_same_v<T, float>) {
-    switch (simt_npl(p.D)) {
+    switch (simt_npl(p.head_dim)) {
       case 2:
         return launch_simt<T, C, 2>(p, segs, dils);
       case 4:
@@ -282,12 +280,12 @@ template <typename T, int DP>
 void launch_mma(const Problem& p, at::IntArrayRef segs, at::IntArrayRef dils) {
   constexpr int BM = 64, BN = 64;
   const size_t smem = (BM + 4 * BN) * (DP + 8) * sizeof(uint16_t) + 2 * BN;
-  launch_branches(fwd_mma_kernel<T, DP>, p, segs, dils, p.Lq, BM, smem);
+  launch_branches(fwd_mma_kernel<T, DP>, p, segs, dils, false, BM, smem);
 }
 
 template <typename T>
 void dispatch_mma(const Problem& p, at::IntArrayRef segs, at::IntArrayRef dils) {
-  switch (mma_dp(p.D)) {
+  switch (mma_dp(p.head_dim)) {
     case 64:
       return launch_mma<T, 64>(p, segs, dils);
     case 96:
