@@ -46,12 +46,14 @@ struct BlockParams {
     return kv_head(h) == kv_head(leader) && offset(h, r) == offset(leader, r) &&
            applies(h, branch) && applies(leader, branch);
   }
-  // h is the first query head of its key-sharing set (see shares_keys).
-  RA_HOST_DEVICE bool leads_set(int64_t h, int64_t branch, int64_t r) const {
-    if (!applies(h, branch)) return false;
+  // Position of h among the query heads that share its key rows (0: the
+  // first of its key-sharing set), or -1 when the branch does not apply to h.
+  RA_HOST_DEVICE int64_t set_rank(int64_t h, int64_t branch, int64_t r) const {
+    if (!applies(h, branch)) return -1;
+    int64_t rank = 0;
     for (int64_t g = h / (heads / kv_heads) * (heads / kv_heads); g < h; ++g)
-      if (shares_keys(g, h, branch, r)) return false;
-    return true;
+      rank += shares_keys(g, h, branch, r) ? 1 : 0;
+    return rank;
   }
 
   // Element offset of (batch b, global position pos, head h) in a query-block

@@ -331,6 +331,8 @@ def test_compute_capability_selects_the_kernel(emu) -> None:
 # that are not multiples of any tile.
 FEATURES = {
     "gqa-documents": ([40, 150], [1, 3], 6, 2, False, False, True, [0, 1, 1, 50, 53, 120, 150]),
+    # 4 query heads per K/V head: tiles of 4 (r = 1) and 2 (r = 2) heads.
+    "mqa-packed-tiles": ([24, 150], [1, 2], 4, 1, False, False, True, [0, 70, 71, 150]),
     "mqa-groups-grouped-offsets": (
         [16, 64, 128],
         [1, 2, 4],
@@ -345,10 +347,9 @@ FEATURES = {
 
 
 def _feature_cfg(path: str, feature: str, causal: bool, n: int = 150) -> Cfg:
-    dtype, d, _ = PATHS[path]
+    _, d, _ = PATHS[path]
     ws, rs, heads, kv_heads, hg, grouped, mask, bounds = FEATURES[feature]
-    batch = 1 if d > 128 or dtype == F64 else 2
-    return Cfg(batch, n, heads, d, ws, rs, causal, hg, None, mask, kv_heads, grouped, bounds)
+    return Cfg(1, n, heads, d, ws, rs, causal, hg, None, mask, kv_heads, grouped, bounds)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -381,7 +382,6 @@ def test_blocks_with_features_at_offsets(emu, path, causal) -> None:
     dtype, _, cc = PATHS[path]
     emu.configure(0, cc)
     cfg = _feature_cfg(path, "gqa-documents", causal)
-    cfg.batch = 1
     seed = 960 + SPLIT_PATHS.index(path) * 2 + causal
     rng = random.Random(seed)
     q, k, v, go, kpm = make_inputs(cfg, dtype, "cpu", seed)
@@ -418,11 +418,27 @@ def test_blocks_with_features_at_offsets(emu, path, causal) -> None:
 
 
 @pytest.mark.parametrize("path", ["mma64-bf16", "simt-f32-d32"])
+def test_heads_sharing_keys_share_tiles(emu, path) -> None:
+    """With 4 query heads per K/V head a query tile holds 4 heads x a quarter
+    of the positions: 4 times the windows, 3 in 4 head blocks idle."""
+    dtype, d, cc = PATHS[path]
+    emu.configure(0, cc)
+    blocks = []
+    for kv_heads in (8, 2):
+        cfg = Cfg(1, 128, 8, d, [128], [1], False, False, None, False, kv_heads)
+        q, k, v, _, _ = make_inputs(cfg, dtype, "cpu", seed=970)
+        emu.take_stats()
+        _forward(emu, cfg, q, k, v, None)
+        blocks.append(emu.take_stats()[1])
+    assert blocks[1] == 4 * blocks[0], blocks
+
+
+@pytest.mark.parametrize("path", ["mma64-bf16", "simt-f32-d32"])
 def test_features_do_not_depend_on_the_schedule(emu, path) -> None:
     """The dk/dv block of a key-sharing head set sums over its query heads:
     bitwise the same results in any block and fiber order."""
     dtype, _, cc = PATHS[path]
-    cfg = _feature_cfg(path, "gqa-documents", True)
+    cfg = _feature_cfg(path, "mqa-packed-tiles", True)
     q, k, v, go, kpm = make_inputs(cfg, dtype, "cpu", seed=980)
     glse = lse_grad(cfg, "cpu", seed=981)
     results = []

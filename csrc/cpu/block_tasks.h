@@ -53,7 +53,7 @@ inline BranchWork branch_work(const BlockParams& p, int64_t i, int64_t w, int64_
 
   const int64_t group = p.heads / p.kv_heads;
   for (int64_t h = 0; h < p.heads; ++h) {
-    if (!p.leads_set(h, i, r)) continue;
+    if (p.set_rank(h, i, r) != 0) continue;
     HeadSet set{p.kv_head(h), p.offset(h, r), {}};
     for (int64_t g = h; g < (p.kv_head(h) + 1) * group; ++g) {
       if (!p.shares_keys(g, h, i, r)) continue;

@@ -1,13 +1,16 @@
 // CUDA block backward (ring_attention::block_backward): recomputes
 // P = exp(scale q.k - lse) from the final global lse and accumulates
 //   dV += P^T dO,  dS = P * (dO V^T - delta),  dQ += scale dS K,  dK += scale dS^T Q
-// into fp32 (fp64 for fp64 inputs) dq, dk, dv; delta = rowsum(dO * O) comes
-// from a small pre-kernel. Per branch two launches of one kernel template (the
-// first only if dq is asked for, the second only if dk and dv are):
-//   DKDV = false: rows are query tiles, columns stream over the reached keys
-//                 -> dq rows (owned by the block).
-//   DKDV = true:  rows are key tiles, columns stream over the queries reaching
-//                 them -> dk, dv rows (owned by the block).
+// into fp32 (fp64 for fp64 inputs) dq, dk, dv; delta = rowsum(dO * O) -
+// grad_lse comes from a small pre-kernel. Per branch two launches of one
+// kernel template (the first only if dq is asked for, the second only if dk
+// and dv are):
+//   DKDV = false: rows are query tiles (the queries of `pack` heads that read
+//                 the same keys, common.cuh), columns stream over the reached
+//                 keys -> dq rows (owned by the block).
+//   DKDV = true:  rows are key tiles of a K/V head, columns stream over the
+//                 queries reaching them, of every query head of the
+//                 key-sharing set in turn -> dk, dv rows (owned by the block).
 // No atomics, deterministic. In both modes X1 = R1 C1^T, X2 = R2 C2^T with
 // (R1, R2, C1, C2) = (Q, dO, K, V) or (K, V, Q, dO), so X1 is S or S^T, X2 is
 // dP or dP^T, and the products with C1 (and C2) finish the gradients.
@@ -73,14 +76,14 @@ __device__ inline bool decode_span(const Problem& p, const Tile& t, Span& s) {
 
 // The query heads whose columns (dkdv) meet the rows of a tile: its
 // key-sharing set, whose contributions to dk, dv the block sums. dq mode: the
-// tile's head alone.
+// columns (keys) are the same for all the tile's heads; one pass.
 template <bool DKDV>
 __device__ inline int64_t heads_end(const Problem& p, const Tile& t) {
-  return DKDV ? (t.kvh + 1) * (p.heads / p.kv_heads) : t.h + 1;
+  return DKDV ? (t.kvh + 1) * (p.heads / p.kv_heads) : t.heads[0] + 1;
 }
 template <bool DKDV>
 __device__ inline bool column_head(const Problem& p, const Tile& t, int64_t hq) {
-  return !DKDV || p.shares_keys(hq, t.h, p.branch, p.r);
+  return !DKDV || p.shares_keys(hq, t.heads[0], p.branch, p.r);
 }
 
 // lse in the units of the exponent; a row that reaches nothing (-inf) gives +inf
@@ -90,39 +93,69 @@ __device__ inline C lse_for_exp(C lse, C unit) {
   return lse == neg_inf<C>() ? static_cast<C>(INFINITY) : lse * unit;
 }
 
-// Global pointers of the row / column operands of a tile, for query head hq:
-// rows from the tile's first row, columns from column c0.
+// The row operands of head slot `slot` of a tile, from its first row: (Q, dO)
+// of heads[slot] (dq), or (K, V) of the K/V head (dkdv, one slot).
 template <typename T, bool DKDV>
-struct Operands {
-  const T *r1, *r2, *c1, *c2;      // (Q, dO, K, V) or (K, V, Q, dO)
-  const bool *rmask, *cmask;       // key padding flags of those rows, or nullptr
-  int64_t row_stride, col_stride;  // between consecutive active rows
-  __device__ Operands(const Problem& p, const Tile& t, int64_t hq, int64_t c0) {
-    const T *q = static_cast<const T*>(p.q), *k = static_cast<const T*>(p.k);
-    const T *v = static_cast<const T*>(p.v), *dout = static_cast<const T*>(p.grad_out);
-    const int64_t qpos = t.q.first + (DKDV ? c0 : 0) * p.r;
-    const int64_t kpos = t.k.first + (DKDV ? 0 : c0) * p.r;
-    const int64_t qo = p.q_index(t.b, qpos, hq), ko = p.k_index(t.b, kpos, t.kvh);
-    r1 = DKDV ? k + ko : q + qo;
-    r2 = DKDV ? v + ko : dout + qo;
-    c1 = DKDV ? q + qo : k + ko;
-    c2 = DKDV ? dout + qo : v + ko;
-    rmask = DKDV ? mask_at(p, t.b, kpos) : nullptr;
-    cmask = DKDV ? nullptr : mask_at(p, t.b, kpos);
-    row_stride = DKDV ? p.k_stride(p.r) : p.q_stride(p.r);
-    col_stride = DKDV ? p.q_stride(p.r) : p.k_stride(p.r);
+struct Rows {
+  const T *r1, *r2;
+  const bool* mask;  // key padding flags of the key rows (dkdv), or nullptr
+  int64_t stride;    // between consecutive active rows
+  __device__ Rows(const Problem& p, const Tile& t, int slot) {
+    if (DKDV) {
+      const int64_t ko = p.k_index(t.b, t.k.first, t.kvh);
+      r1 = static_cast<const T*>(p.k) + ko;
+      r2 = static_cast<const T*>(p.v) + ko;
+      mask = mask_at(p, t.b, t.k.first);
+      stride = p.k_stride(p.r);
+    } else {
+      const int64_t qo = p.q_index(t.b, t.q.first, t.heads[slot]);
+      r1 = static_cast<const T*>(p.q) + qo;
+      r2 = static_cast<const T*>(p.grad_out) + qo;
+      mask = nullptr;
+      stride = p.q_stride(p.r);
+    }
   }
 };
 
-// Output row idx of the tile: dq (dq mode) or dk / dv (dkdv mode, second =
-// dv). The block owns it: dq += scale a1, dk += scale a1, dv += a2.
+// The column operands of a tile from column c0: (K, V) of the K/V head (dq),
+// or (Q, dO) of query head hq (dkdv).
+template <typename T, bool DKDV>
+struct Columns {
+  const T *c1, *c2;
+  const bool* mask;  // key padding flags of the key columns (dq), or nullptr
+  int64_t stride;    // between consecutive active columns
+  __device__ Columns(const Problem& p, const Tile& t, int64_t hq, int64_t c0) {
+    if (DKDV) {
+      const int64_t qo = p.q_index(t.b, t.q.first + c0 * p.r, hq);
+      c1 = static_cast<const T*>(p.q) + qo;
+      c2 = static_cast<const T*>(p.grad_out) + qo;
+      mask = nullptr;
+      stride = p.q_stride(p.r);
+    } else {
+      const int64_t pos = t.k.first + c0 * p.r;
+      const int64_t ko = p.k_index(t.b, pos, t.kvh);
+      c1 = static_cast<const T*>(p.k) + ko;
+      c2 = static_cast<const T*>(p.v) + ko;
+      mask = mask_at(p, t.b, pos);
+      stride = p.k_stride(p.r);
+    }
+  }
+};
+
+// lse / delta index of query row m of head slot `slot` (dq mode).
+__device__ inline int64_t row_stat(const Problem& p, const Tile& t, int slot, int64_t m) {
+  return p.row_index(t.b, t.heads[slot], t.q.first + m * p.r);
+}
+
+// Output row m of head slot `slot`: dq (dq mode) or dk / dv (dkdv mode,
+// second = dv). The block owns it: dq += scale a1, dk += scale a1, dv += a2.
 template <typename C, bool DKDV>
-__device__ inline C* out_row(const Problem& p, const Tile& t, int64_t idx, bool second) {
+__device__ inline C* out_row(const Problem& p, const Tile& t, int slot, int64_t m, bool second) {
   if (DKDV) {
     C* base = static_cast<C*>(second ? p.dv : p.dk);
-    return base + p.k_index(t.b, t.k.first + idx * p.r, t.kvh);
+    return base + p.k_index(t.b, t.k.first + m * p.r, t.kvh);
   }
-  return static_cast<C*>(p.dq) + p.q_index(t.b, t.q.first + idx * p.r, t.h);
+  return static_cast<C*>(p.dq) + p.q_index(t.b, t.q.first + m * p.r, t.heads[slot]);
 }
 
 // ------------------------------------------------------------------- SIMT
@@ -142,40 +175,48 @@ __global__ void __launch_bounds__(kThreads) bwd_simt_kernel(const Problem p) {
   const C* lse = static_cast<const C*>(p.lse_in);
   const C* delta = static_cast<const C*>(p.delta);
 
+  // Row warp * ROWS + i is row m[i] of head slot `slot` (one slot per warp).
+  const int rph = 4 * ROWS / static_cast<int>(p.pack);
+  const int slot = row_slot(warp * ROWS, rph).slot;
+  int m[ROWS];
+#pragma unroll
+  for (int i = 0; i < ROWS; ++i) m[i] = row_slot(warp * ROWS + i, rph).m;
+
   Tile t;
   Span sp;
   for (BlockTiles<DKDV> tiles(p); tiles.next(t);) {
     if (!decode_span<DKDV>(p, t, sp)) continue;
-    const Operands<T, DKDV> rows(p, t, t.h, 0);
+    const Rows<T, DKDV> rows(p, t, slot);
     C r1[ROWS][NPL], r2[ROWS][NPL], a1[ROWS][NPL], a2[ROWS][NPL], row_lse[ROWS], row_delta[ROWS];
+    bool rok[ROWS];
 #pragma unroll
     for (int i = 0; i < ROWS; ++i) {
-      const int row = warp * ROWS + i;
-      const bool ok = row_ok(row, sp.nrows, rows.rmask, p.r);
-      load_vec<T, C, NPL>(r1[i], ok ? rows.r1 + row * rows.row_stride : rows.r1, ok, D, lane);
-      load_vec<T, C, NPL>(r2[i], ok ? rows.r2 + row * rows.row_stride : rows.r2, ok, D, lane);
+      rok[i] = row_ok(m[i], sp.nrows, rows.mask, p.r);
+      const int64_t off = rok[i] ? m[i] * rows.stride : 0;
+      load_vec<T, C, NPL>(r1[i], rows.r1 + off, rok[i], D, lane);
+      load_vec<T, C, NPL>(r2[i], rows.r2 + off, rok[i], D, lane);
 #pragma unroll
       for (int j = 0; j < NPL; ++j) a1[i][j] = a2[i][j] = 0;
       row_lse[i] = static_cast<C>(INFINITY);
       row_delta[i] = 0;
-      if (!DKDV && ok) {
-        const int64_t si = p.row_index(t.b, t.h, t.q.first + row * p.r);
+      if (!DKDV && rok[i]) {
+        const int64_t si = row_stat(p, t, slot, m[i]);
         row_lse[i] = lse_for_exp(lse[si], C(1));
         row_delta[i] = delta[si];
       }
     }
 
-    for (int64_t hq = t.h; hq < heads_end<DKDV>(p, t); ++hq) {
+    for (int64_t hq = t.heads[0]; hq < heads_end<DKDV>(p, t); ++hq) {
       if (!column_head<DKDV>(p, t, hq)) continue;
       for (int64_t c0 = sp.c_begin; c0 < sp.c_end; c0 += 32) {
         const int nvalid = static_cast<int>(imin(32, sp.c_end - c0));
-        const Operands<T, DKDV> cols(p, t, hq, c0);
+        const Columns<T, DKDV> cols(p, t, hq, c0);
         __syncthreads();  // the previous column tile fully consumed
-        load_rows_simt<T, C>(c1s, LDC, dpr, cols.c1, cols.col_stride, nvalid, cols.cmask, p.r, D);
-        load_rows_simt<T, C>(c2s, LDC, dpr, cols.c2, cols.col_stride, nvalid, cols.cmask, p.r, D);
+        load_rows_simt<T, C>(c1s, LDC, dpr, cols.c1, cols.stride, nvalid, cols.mask, p.r, D);
+        load_rows_simt<T, C>(c2s, LDC, dpr, cols.c2, cols.stride, nvalid, cols.mask, p.r, D);
         if (threadIdx.x < 32) {
           const int c = threadIdx.x;
-          const bool ok = row_ok(c, nvalid, cols.cmask, p.r);
+          const bool ok = row_ok(c, nvalid, cols.mask, p.r);
           col_ok[c] = ok;
           if (DKDV) {
             const int64_t si = p.row_index(t.b, hq, t.q.first + (c0 + c) * p.r);
@@ -187,12 +228,10 @@ __global__ void __launch_bounds__(kThreads) bwd_simt_kernel(const Problem p) {
 
 #pragma unroll
         for (int i = 0; i < ROWS; ++i) {
-          const int row = warp * ROWS + i;
-          if (row >= sp.nrows) continue;  // warp-uniform
+          if (m[i] >= sp.nrows) continue;  // warp-uniform
           const int64_t cidx = c0 + lane;
-          const int64_t qi = DKDV ? cidx : row, ki = DKDV ? row : cidx;
-          const bool ok = col_ok[lane] && row_ok(row, sp.nrows, rows.rmask, p.r) &&
-                          (!p.causal || ki <= qi + t.dm);
+          const int64_t qi = DKDV ? cidx : m[i], ki = DKDV ? m[i] : cidx;
+          const bool ok = col_ok[lane] && rok[i] && (!p.causal || ki <= qi + t.dm);
           if (!__any_sync(kFull, ok)) continue;
           const C x1 = dot_bcast<C, NPL>(r1[i], c1s + lane * LDC, D);
           const C x2 = dot_bcast<C, NPL>(r2[i], c2s + lane * LDC, D);
@@ -217,10 +256,9 @@ __global__ void __launch_bounds__(kThreads) bwd_simt_kernel(const Problem p) {
 
 #pragma unroll
     for (int i = 0; i < ROWS; ++i) {
-      const int row = warp * ROWS + i;
-      if (row >= sp.nrows) continue;
-      C* o1 = out_row<C, DKDV>(p, t, row, false);
-      C* o2 = DKDV ? out_row<C, DKDV>(p, t, row, true) : nullptr;
+      if (m[i] >= sp.nrows) continue;
+      C* o1 = out_row<C, DKDV>(p, t, slot, m[i], false);
+      C* o2 = DKDV ? out_row<C, DKDV>(p, t, slot, m[i], true) : nullptr;
 #pragma unroll
       for (int j = 0; j < NPL; ++j) {
         const int d = lane + 32 * j;
@@ -265,45 +303,55 @@ __global__ void __launch_bounds__(kThreads) bwd_mma_kernel(const Problem p) {
   const float* lse = static_cast<const float*>(p.lse_in);
   const float* delta = static_cast<const float*>(p.delta);
 
+  // This warp's 16 rows are rows m0 + [0, 16) of head slot `slot`.
+  const int rph = BM / static_cast<int>(p.pack);
+  const RowSlot ws = row_slot(warp * 16, rph);
+  const int slot = ws.slot, m0 = ws.m;
+
   Tile t;
   Span sp;
   for (BlockTiles<DKDV> tiles(p); tiles.next(t);) {
     if (!decode_span<DKDV>(p, t, sp)) continue;
-    const Operands<uint16_t, DKDV> rows(p, t, t.h, 0);
     __syncthreads();  // the previous tile's rows fully read
-    load_rows16<BM, DP>(r1s, LD, rows.r1, rows.row_stride, sp.nrows, rows.rmask, p.r, D, p.vec);
-    load_rows16<BM, DP>(r2s, LD, rows.r2, rows.row_stride, sp.nrows, rows.rmask, p.r, D, p.vec);
+    for (int j = 0; j < p.pack; ++j) {
+      const Rows<uint16_t, DKDV> rows(p, t, j);
+      uint16_t* r1t = r1s + j * rph * LD;
+      uint16_t* r2t = r2s + j * rph * LD;
+      load_rows16<DP>(r1t, LD, rph, rows.r1, rows.stride, sp.nrows, rows.mask, p.r, D, p.vec);
+      load_rows16<DP>(r2t, LD, rph, rows.r2, rows.stride, sp.nrows, rows.mask, p.r, D, p.vec);
+    }
     cp_async_commit();  // waited for with the first column tile
 
-    // This thread's rows warp * 16 + g + 8 * i.
+    // This thread's rows m0 + g + 8 * i of its slot.
+    const Rows<uint16_t, DKDV> rows(p, t, slot);
     bool rok[2];
     float row_lse[2], row_delta[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      const int row = warp * 16 + g + 8 * i;
-      rok[i] = row_ok(row, sp.nrows, rows.rmask, p.r);
+      const int m = m0 + g + 8 * i;
+      rok[i] = row_ok(m, sp.nrows, rows.mask, p.r);
       row_lse[i] = INFINITY;
       row_delta[i] = 0.f;
       if (!DKDV && rok[i]) {
-        const int64_t si = p.row_index(t.b, t.h, t.q.first + row * p.r);
+        const int64_t si = row_stat(p, t, slot, m);
         row_lse[i] = lse_for_exp(lse[si], kLog2e);
         row_delta[i] = delta[si];
       }
     }
     float a1[ND][4] = {}, a2[NA][4] = {};
 
-    for (int64_t hq = t.h; hq < heads_end<DKDV>(p, t); ++hq) {
+    for (int64_t hq = t.heads[0]; hq < heads_end<DKDV>(p, t); ++hq) {
       if (!column_head<DKDV>(p, t, hq)) continue;
       for (int64_t c0 = sp.c_begin; c0 < sp.c_end; c0 += BN) {
         const int nvalid = static_cast<int>(imin(BN, sp.c_end - c0));
-        const Operands<uint16_t, DKDV> cols(p, t, hq, c0);
+        const Columns<uint16_t, DKDV> cols(p, t, hq, c0);
         __syncthreads();  // the previous column tile fully read
-        load_rows16<BN, DP>(c1s, LD, cols.c1, cols.col_stride, nvalid, cols.cmask, p.r, D, p.vec);
-        load_rows16<BN, DP>(c2s, LD, cols.c2, cols.col_stride, nvalid, cols.cmask, p.r, D, p.vec);
+        load_rows16<DP>(c1s, LD, BN, cols.c1, cols.stride, nvalid, cols.mask, p.r, D, p.vec);
+        load_rows16<DP>(c2s, LD, BN, cols.c2, cols.stride, nvalid, cols.mask, p.r, D, p.vec);
         cp_async_commit();
         if (threadIdx.x < BN) {
           const int c = threadIdx.x;
-          const bool ok = row_ok(c, nvalid, cols.cmask, p.r);
+          const bool ok = row_ok(c, nvalid, cols.mask, p.r);
           col_ok[c] = ok;
           if (DKDV) {
             const int64_t si = p.row_index(t.b, hq, t.q.first + (c0 + c) * p.r);
@@ -322,7 +370,7 @@ __global__ void __launch_bounds__(kThreads) bwd_mma_kernel(const Problem p) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int i = e >> 1, col = j * 8 + 2 * tg + (e & 1);
-            const int64_t ridx = warp * 16 + g + 8 * i, cidx = c0 + col;
+            const int64_t ridx = m0 + g + 8 * i, cidx = c0 + col;
             const int64_t qi = DKDV ? cidx : ridx, ki = DKDV ? ridx : cidx;
             const bool ok = col_ok[col] && rok[i] && (!p.causal || ki <= qi + t.dm);
             const float l = DKDV ? col_lse[col] : row_lse[i];
@@ -339,10 +387,10 @@ __global__ void __launch_bounds__(kThreads) bwd_mma_kernel(const Problem p) {
     const float scale = static_cast<float>(p.scale);
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      const int row = warp * 16 + g + 8 * i;
-      if (row >= sp.nrows) continue;
-      float* o1 = out_row<float, DKDV>(p, t, row, false);
-      float* o2 = DKDV ? out_row<float, DKDV>(p, t, row, true) : nullptr;
+      const int m = m0 + g + 8 * i;
+      if (m >= sp.nrows) continue;
+      float* o1 = out_row<float, DKDV>(p, t, slot, m, false);
+      float* o2 = DKDV ? out_row<float, DKDV>(p, t, slot, m, true) : nullptr;
 #pragma unroll
       for (int j = 0; j < ND; ++j)
 #pragma unroll

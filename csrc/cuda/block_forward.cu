@@ -1,7 +1,9 @@
-// CUDA block forward (ring_attention::block_forward, contract in ops.cpp):
-// flash-style tiles over the active rows of each (branch, segment, head,
+// CUDA block forward (ring_attention::block_forward; arguments in params.h):
+// flash-style tiles over the active rows of each (branch, segment, head set,
 // batch), online softmax with fp32 (fp64 for fp64 inputs) state, merged into
-// the running (out, lse) accumulators. Never materialises seq x seq.
+// the running (out, lse) accumulators. Never materialises seq x seq. A tile's
+// rows are the queries of `pack` heads that read the same keys (common.cuh),
+// so each K/V tile serves all of them.
 //
 //  * fp16 / bf16, head_dim <= 128, sm_80+: tensor cores (mma.sync m16n8k16,
 //    fp32 accumulate). 4 warps, 64 query rows (16 per warp) x 64 keys per
@@ -41,19 +43,25 @@ __global__ void __launch_bounds__(kThreads) fwd_simt_kernel(const Problem p) {
   const C scale = static_cast<C>(p.scale);
   C* out = static_cast<C*>(p.out);
   C* lse = static_cast<C*>(p.lse);
+  // Row warp * ROWS + i is query m[i] of head heads[slot] (one slot per warp).
+  const int rph = BM / static_cast<int>(p.pack);
+  const int slot = row_slot(warp * ROWS, rph).slot;
+  int m[ROWS];
+#pragma unroll
+  for (int i = 0; i < ROWS; ++i) m[i] = row_slot(warp * ROWS + i, rph).m;
 
   Tile t;
   for (BlockTiles<false> tiles(p); tiles.next(t);) {
-    const int nrows = static_cast<int>(t.q.count);  // <= BM: one window
+    const int nrows = static_cast<int>(t.q.count);  // <= rph: one window
     const int64_t nk = keys_reached(p, t, nrows - 1);
     if (nk <= 0) continue;
+    const int64_t h = t.heads[slot];
 
     C qv[ROWS][NPL], acc[ROWS][NPL], m_run[ROWS], l_run[ROWS];
 #pragma unroll
     for (int i = 0; i < ROWS; ++i) {
-      const int row = warp * ROWS + i;
-      const int64_t pos = t.q.first + row * p.r;
-      load_vec<T, C, NPL>(qv[i], row < nrows ? q + p.q_index(t.b, pos, t.h) : q, row < nrows, D,
+      const int64_t pos = t.q.first + m[i] * p.r;
+      load_vec<T, C, NPL>(qv[i], m[i] < nrows ? q + p.q_index(t.b, pos, h) : q, m[i] < nrows, D,
                           lane);
 #pragma unroll
       for (int j = 0; j < NPL; ++j) acc[i][j] = 0;
@@ -74,10 +82,9 @@ __global__ void __launch_bounds__(kThreads) fwd_simt_kernel(const Problem p) {
 
 #pragma unroll
       for (int i = 0; i < ROWS; ++i) {
-        const int row = warp * ROWS + i;
-        if (row >= nrows) continue;  // warp-uniform
+        if (m[i] >= nrows) continue;  // warp-uniform
         const C s = dot_bcast<C, NPL>(qv[i], ks + lane * LDK, D);
-        const bool ok = kok[lane] && (!p.causal || n0 + lane <= row + t.dm);
+        const bool ok = kok[lane] && (!p.causal || n0 + lane <= m[i] + t.dm);
         const C x = ok ? s * scale : neg_inf<C>();
         const C m_new = cmax(m_run[i], warp_max(x));
         const C m_use = m_new == neg_inf<C>() ? C(0) : m_new;
@@ -100,16 +107,15 @@ __global__ void __launch_bounds__(kThreads) fwd_simt_kernel(const Problem p) {
 
 #pragma unroll
     for (int i = 0; i < ROWS; ++i) {
-      const int row = warp * ROWS + i;
       const C l = warp_sum(l_run[i]);
-      if (row >= nrows || l == C(0)) continue;  // warp-uniform; no key reached
-      const int64_t pos = t.q.first + row * p.r;
-      const int64_t li = p.row_index(t.b, t.h, pos);
+      if (m[i] >= nrows || l == C(0)) continue;  // warp-uniform; no key reached
+      const int64_t pos = t.q.first + m[i] * p.r;
+      const int64_t li = p.row_index(t.b, h, pos);
       const C old = lse[li];
       __syncwarp();  // every lane has read lse before lane 0 writes it
       const C blk = m_run[i] + clog(l);
       const C nl = merged_lse(old, blk);
-      C* orow = out + p.q_index(t.b, pos, t.h);
+      C* orow = out + p.q_index(t.b, pos, h);
 #pragma unroll
       for (int j = 0; j < NPL; ++j) {
         const int d = lane + 32 * j;
@@ -142,10 +148,14 @@ __global__ void __launch_bounds__(kThreads) fwd_mma_kernel(const Problem p) {
   const float scale_log2 = static_cast<float>(p.scale) * kLog2e;
   float* out = static_cast<float*>(p.out);
   float* lse = static_cast<float*>(p.lse);
+  // This warp's 16 rows are queries m0 + [0, 16) of head heads[slot].
+  const int rph = BM / static_cast<int>(p.pack);
+  const RowSlot ws = row_slot(warp * 16, rph);
+  const int slot = ws.slot, m0 = ws.m;
 
   Tile t;
   for (BlockTiles<false> tiles(p); tiles.next(t);) {
-    const int nrows = static_cast<int>(t.q.count);  // <= BM: one window
+    const int nrows = static_cast<int>(t.q.count);  // <= rph: one window
     const int64_t nk = keys_reached(p, t, nrows - 1);
     if (nk <= 0) continue;
 
@@ -155,19 +165,21 @@ __global__ void __launch_bounds__(kThreads) fwd_mma_kernel(const Problem p) {
       const int64_t pos0 = t.k.first + n0 * p.r;
       const bool* mk = mask_at(p, t.b, pos0);
       const int64_t off = p.k_index(t.b, pos0, t.kvh);
-      load_rows16<BN, DP>(ks + st * BN * LD, LD, k + off, k_stride, nvalid, mk, p.r, D, p.vec);
-      load_rows16<BN, DP>(vs + st * BN * LD, LD, v + off, k_stride, nvalid, mk, p.r, D, p.vec);
+      load_rows16<DP>(ks + st * BN * LD, LD, BN, k + off, k_stride, nvalid, mk, p.r, D, p.vec);
+      load_rows16<DP>(vs + st * BN * LD, LD, BN, v + off, k_stride, nvalid, mk, p.r, D, p.vec);
       if (threadIdx.x < BN) kok[st * BN + threadIdx.x] = row_ok(threadIdx.x, nvalid, mk, p.r);
       cp_async_commit();
     };
-    load_rows16<BM, DP>(qs, LD, q + p.q_index(t.b, t.q.first, t.h), q_stride, nrows, nullptr, 0, D,
-                        p.vec);
+    for (int j = 0; j < p.pack; ++j) {
+      load_rows16<DP>(qs + j * rph * LD, LD, rph, q + p.q_index(t.b, t.q.first, t.heads[j]),
+                      q_stride, nrows, nullptr, 0, D, p.vec);
+    }
     stage_keys(0, 0);  // with the query tile: the first group
 
-    // This thread's two rows: warp * 16 + g + 8 * i. Causal: key n <= lim[i].
+    // This thread's two rows: queries m0 + g + 8 * i. Causal: key n <= lim[i].
     int64_t lim[2];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) lim[i] = warp * 16 + g + 8 * i + t.dm;
+    for (int i = 0; i < 2; ++i) lim[i] = m0 + g + 8 * i + t.dm;
     float o[ND][4] = {};
     float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
 
@@ -230,10 +242,10 @@ __global__ void __launch_bounds__(kThreads) fwd_mma_kernel(const Problem p) {
     for (int i = 0; i < 2; ++i) {
       l[i] = l_run[i] + __shfl_xor_sync(kFull, l_run[i], 1);
       l[i] += __shfl_xor_sync(kFull, l[i], 2);
-      const int row = warp * 16 + g + 8 * i;
-      write[i] = row < nrows && l[i] != 0.f;
-      pos[i] = t.q.first + row * p.r;
-      old[i] = write[i] ? lse[p.row_index(t.b, t.h, pos[i])] : 0.f;
+      const int m = m0 + g + 8 * i;
+      write[i] = m < nrows && l[i] != 0.f;
+      pos[i] = t.q.first + m * p.r;
+      old[i] = write[i] ? lse[p.row_index(t.b, t.heads[slot], pos[i])] : 0.f;
     }
     __syncwarp();  // every lane has read lse before any lane writes it
 #pragma unroll
@@ -241,7 +253,7 @@ __global__ void __launch_bounds__(kThreads) fwd_mma_kernel(const Problem p) {
       if (!write[i]) continue;
       const float blk = (m_run[i] + log2f(l[i])) / kLog2e, inv_l = 1.f / l[i];
       const float nl = merged_lse(old[i], blk);
-      float* orow = out + p.q_index(t.b, pos[i], t.h);
+      float* orow = out + p.q_index(t.b, pos[i], t.heads[slot]);
 #pragma unroll
       for (int j = 0; j < ND; ++j)
 #pragma unroll
@@ -249,7 +261,7 @@ __global__ void __launch_bounds__(kThreads) fwd_mma_kernel(const Problem p) {
           const int d = j * 8 + 2 * tg + e;
           if (d < D) orow[d] = merge_value(orow[d], o[j][2 * i + e] * inv_l, old[i], blk, nl);
         }
-      if (tg == 0) lse[p.row_index(t.b, t.h, pos[i])] = nl;
+      if (tg == 0) lse[p.row_index(t.b, t.heads[slot], pos[i])] = nl;
     }
   }
 #endif

@@ -14,10 +14,13 @@
 // segment and one window, so blocks never write the same output row: plain
 // read-modify-write, no atomics. Branches run one after another on the stream.
 //
-// Grouped K/V heads: query head h reads K/V head h / (heads / kv_heads). Key
-// rows (dk/dv) are owned by the block of the first query head of each
-// key-sharing set (params.h: same K/V head and offset), which sums over the
-// set's heads: the K/V tile is loaded once for all of them.
+// Grouped K/V heads: query head h reads K/V head h / (heads / kv_heads), and
+// the query heads of a key-sharing set (params.h: same K/V head and offset)
+// read the same key rows. Query-row kernels (forward, dq) stack `pack` heads
+// of a set in a tile: its rows are (head, position) pairs, BM / pack
+// positions of each head, so a K/V tile serves all of them and tiles of short
+// segments (dilation, documents) fill up. Key rows (dk/dv) are owned by the
+// block of the first head of each set, which sums over the set's heads.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -45,9 +48,12 @@ struct Problem : BlockParams {
   const void* delta;  // backward: rowsum(dO * O) - grad_lse, laid out like lse
   int64_t w, r, branch;
   int64_t h_lo;                  // first query head of the launch (grid.y counts heads)
+  int64_t pack;                  // query heads per tile (1 for key rows), divides 4
   int64_t row_lo, row_hi, span;  // grid.x counts windows of span row positions
   bool vec;                      // 16-byte loads allowed (D % 8 == 0, aligned pointers)
 };
+
+constexpr int kMaxPack = 4;
 
 __device__ inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 __device__ inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
@@ -55,18 +61,21 @@ __device__ inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
 // One tile: query m of the tile's segment sits at position q.first + r*m,
 // key n at k.first + r*n (both active, same segment), and key n reaches query
 // m (causal) iff n <= m + dm. The run of the rows side (queries, or keys for
-// KEY_ROWS) is the tile's (at most BM rows), the other one the whole segment's
-// in its block (keys: only up to the tile's last query, causal).
+// KEY_ROWS) is the tile's (at most BM / pack rows per head), the other one
+// the whole segment's in its block (keys: only up to the tile's last query,
+// causal). Query rows: row slot * (BM / pack) + m is query m of heads[slot].
 struct Tile {
-  int64_t b, h, kvh;  // h: query head (KEY_ROWS: the first of its key-sharing set)
+  int64_t b, kvh;
+  int64_t heads[kMaxPack];  // KEY_ROWS: heads[0] is the first of its key-sharing set
   ActiveRun q, k;
   int64_t dm;
 };
 
 // The tiles of this thread block, in position order: blockIdx.z is the batch
-// row, h_lo + blockIdx.y the query head (KEY_ROWS: only the first head of a
-// key-sharing set has tiles), blockIdx.x the window [row_lo + x*span,
-// row_lo + (x+1)*span) of row positions.
+// row, h_lo + blockIdx.y the first query head of the tile's heads (only the
+// blocks of every pack-th head of a key-sharing set have tiles; KEY_ROWS: of
+// its first head), blockIdx.x the window [row_lo + x*span, row_lo +
+// (x+1)*span) of row positions.
 template <bool KEY_ROWS>
 class BlockTiles {
  public:
@@ -76,8 +85,14 @@ class BlockTiles {
         hi_(imin(lo_ + p.span, p.row_hi)),
         h_(p.h_lo + blockIdx.y),
         walk_(p.docs, p.w, lo_) {
-    live_ = KEY_ROWS ? p.leads_set(h_, p.branch, p.r) : p.applies(h_, p.branch);
+    const int64_t rank = p.set_rank(h_, p.branch, p.r);
+    live_ = KEY_ROWS ? rank == 0 : rank >= 0 && rank % p.pack == 0;
     offset_ = p.offset(h_, p.r);
+    // The next pack - 1 heads of the set (every set has a multiple of pack).
+    int n = 0;
+    const int64_t group = p.heads / p.kv_heads;
+    for (int64_t g = h_; live_ && n < p.pack && g < (h_ / group + 1) * group; ++g)
+      if (p.shares_keys(g, h_, p.branch, p.r)) heads_[n++] = g;
   }
 
   __device__ bool next(Tile& t) {
@@ -98,7 +113,7 @@ class BlockTiles {
         if (t.k.count == 0) continue;
       }
       t.b = blockIdx.z;
-      t.h = h_;
+      for (int j = 0; j < kMaxPack; ++j) t.heads[j] = heads_[j];
       t.kvh = p_.kv_head(h_);
       t.dm = (t.q.first - t.k.first) / r;  // exact: both are active in one segment
       walk_.next();
@@ -110,9 +125,19 @@ class BlockTiles {
  private:
   const Problem& p_;
   int64_t lo_, hi_, h_, offset_;
+  int64_t heads_[kMaxPack] = {};
   bool live_;
   SegmentWalk walk_;
 };
+
+// Row `row` of a query-row tile of rows_per_head rows per head: head slot and
+// query index in the segment.
+struct RowSlot {
+  int slot, m;
+};
+__device__ inline RowSlot row_slot(int row, int rows_per_head) {
+  return {row / rows_per_head, row % rows_per_head};
+}
 
 // Keys reached by queries m <= m_last of the tile (all of them if not causal).
 __device__ inline int64_t keys_reached(const Problem& p, const Tile& t, int64_t m_last) {
@@ -211,18 +236,20 @@ __device__ inline C dot_bcast(const C (&x)[NPL], const C* y, int D) {
 }
 
 // --------------------------------------------------- tensor-core (mma) path
-// Stage a raw 16-bit tile in shared memory: row i (i < nvalid and not masked)
+// Stage a raw 16-bit tile of `rows` rows in shared memory: row i (i < nvalid
+// and not masked)
 // of the tile is at src + i * stride and goes to s[i * ld + d] for d < DP (zero
 // past D and for unreached rows). Rows of s must start 16-byte aligned (ld % 8
 // == 0): ldmatrix reads them. With vec (D % 8 == 0, 16-byte aligned rows) the
 // copies are cp.async: they land once the thread has committed and waited for
 // them (cp_async_commit, cp_async_wait) and the block is visible after the next
 // __syncthreads; otherwise they are plain stores.
-template <int ROWS, int DP>
-__device__ inline void load_rows16(uint16_t* s, int ld, const uint16_t* src, int64_t stride,
-                                   int nvalid, const bool* mask, int64_t mstride, int D, bool vec) {
+template <int DP>
+__device__ inline void load_rows16(uint16_t* s, int ld, int rows, const uint16_t* src,
+                                   int64_t stride, int nvalid, const bool* mask, int64_t mstride,
+                                   int D, bool vec) {
   constexpr int kChunks = DP / 8;
-  for (int idx = threadIdx.x; idx < ROWS * kChunks; idx += kThreads) {
+  for (int idx = threadIdx.x; idx < rows * kChunks; idx += kThreads) {
     const int i = idx / kChunks, c = (idx % kChunks) * 8;
     const bool ok = row_ok(i, nvalid, mask, mstride);
     if (vec) {  // a chunk is wholly inside [0, D) or wholly past it
@@ -336,6 +363,20 @@ inline void prepare_smem(Kernel kernel, size_t bytes) {
   if (bytes > 48 * 1024) set_max_dynamic_smem(kernel, bytes);
 }
 
+// Query heads per tile of a query-row launch of branch i over heads [h_lo,
+// h_hi): the largest divisor of kMaxPack that divides the size of every
+// key-sharing set, so that no tile has an empty head slot.
+inline int64_t pack_heads(const Problem& p, int64_t i, int64_t h_lo, int64_t h_hi) {
+  int64_t pack = kMaxPack;
+  for (int64_t h = h_lo; h < h_hi; ++h) {
+    if (p.set_rank(h, i, p.r) != 0) continue;
+    int64_t size = 0;
+    for (int64_t g = h; g < h_hi; ++g) size += p.shares_keys(g, h, i, p.r) ? 1 : 0;
+    while (size % pack != 0) pack /= 2;
+  }
+  return pack;
+}
+
 // Launch `kernel` once per branch; key_rows: its rows are keys (else
 // queries), bm its tile height.
 template <typename Kernel>
@@ -358,7 +399,8 @@ inline void launch_branches(Kernel kernel, Problem p, at::IntArrayRef segs, at::
     // start and starts before the earlier end; windows start on multiples of
     // span, so that without documents a segment (w a multiple of span) is
     // covered by whole tiles.
-    p.span = bm * p.r;
+    p.pack = key_rows ? 1 : pack_heads(p, i, p.h_lo, h_hi);
+    p.span = bm / p.pack * p.r;
     const int64_t later_start = std::max(p.q_start, p.k_start);
     const int64_t earlier_end = std::min(q_end, k_end);
     p.row_lo = std::max(rows_lo, later_start - p.w + 1) / p.span * p.span;
