@@ -18,7 +18,7 @@
 #   PYTHON                 interpreter (default python3)
 #   GPU_CHECK_TOTAL_S      total budget in seconds (default 540)
 #   GPU_CHECK_PYTEST_ARGS  extra pytest arguments (default: -x)
-#   GPU_CHECK_TESTS        test files (default tests/test_ops.py)
+#   GPU_CHECK_TESTS        test files (default: the operator tests)
 #   GPU_CHECK_PTXAS_V      1 (default): nvcc --ptxas-options=-v resource report in build.log
 #   GPU_CHECK_ARCH         TORCH_CUDA_ARCH_LIST for the build (default: the device's, e.g. 9.0)
 #   BENCH_ARGS             extra arguments for benchmarks/bench_gpu.py
@@ -35,7 +35,7 @@ PY=${PYTHON:-python3}
 OUT=${OUT:-/tmp/gpu_check_out}
 TOTAL=${GPU_CHECK_TOTAL_S:-540}
 PYTEST_ARGS=${GPU_CHECK_PYTEST_ARGS:--x}
-TESTS=${GPU_CHECK_TESTS:-tests/test_ops.py}
+TESTS=${GPU_CHECK_TESTS:-tests/test_local_op.py tests/test_block_ops.py tests/test_opcheck.py}
 BENCH_ARGS=${BENCH_ARGS:-}
 DRY=0
 STAGES="build,tests,ring,bench"
