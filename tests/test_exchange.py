@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import run_distributed
 from oracle import multiplicity
 
 import ring_attention
@@ -29,6 +28,7 @@ from ring_attention.exchange import last_exchange_stats, register_exchange_hook
 from ring_attention.plan import PLAN_CACHE, build_plan, get_plan
 from ring_attention.ring import ring_dilated_attention
 from ring_attention.sharding import layout_pieces, shard_sequence
+from ring_attention.testing import run_distributed
 
 LONGNET = ([8, 16, 32], [1, 2, 4])
 

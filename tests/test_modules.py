@@ -15,7 +15,6 @@ import threading
 import pytest
 import torch
 import torch.nn as nn
-from dist_utils import run_distributed
 from oracle import multiplicity, reference_attention
 
 import ring_attention as ra
@@ -23,6 +22,7 @@ from ring_attention import modules as ra_modules
 from ring_attention import patterns as ra_patterns
 from ring_attention.modules import DilatedAttention, MultiheadDilatedAttention
 from ring_attention.patterns import PATTERN_CACHE, pattern_log_multiplicity, pattern_multiplicity
+from ring_attention.testing import run_distributed
 
 E, H = 16, 4
 TOL = 1e-5

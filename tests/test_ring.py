@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import run_distributed
 from oracle import reference_attention
 
 import ring_attention as ra
@@ -26,6 +25,7 @@ from ring_attention.exchange import last_exchange_stats
 from ring_attention.plan import PLAN_CACHE
 from ring_attention.ring import RingDilatedAttention, ring_dilated_attention
 from ring_attention.sharding import gather_sequence, layout_pieces, shard_bounds, shard_sequence
+from ring_attention.testing import run_distributed
 
 LONGNET = ([8, 16, 32], [1, 2, 4])
 
