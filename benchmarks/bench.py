@@ -154,32 +154,34 @@ def local_defaults(args: argparse.Namespace, device: torch.device) -> None:
         "iters": 5 if cuda else 3,
         "dense_max_n": 131072 if cuda else 8192,
         "search_step": 524288 if cuda else 0,
-        "max_case_s": 8.0 if cuda else 60.0,
+        "max_case_s": 8.0 if cuda else 20.0,
     }
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
 
 
-def local_points(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Every (config, n, method, pass) of the sweep, most informative first:
-    every method up to --small-max-n, then ours above it, then the baselines."""
-    pts = []
+def local_groups(args: argparse.Namespace) -> list[list[dict[str, Any]]]:
+    """The sweep's points, grouped: the methods of one (config, n, pass) are
+    timed round-robin on the same inputs, so that a load change on a shared
+    machine hits them alike. Most informative first: every method up to
+    --small-max-n, then ours above it, then the baselines above it."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
     for h, d in args.configs:
         for n in args.seq_lens:
-            for mi, m in enumerate(args.methods):
+            for m in args.methods:
                 if m == "dense" and n > args.dense_max_n:
                     continue
                 for p in args.passes:
-                    late = n > args.small_max_n
-                    order = (late and m != "ours", n, h, d, mi, p)
-                    pts.append(
-                        {"method": m, "pass": p, "n": n, "heads": h, "head_dim": d, "_order": order}
+                    late = n > args.small_max_n and m != "ours"
+                    groups.setdefault((late, n, h, d, p), []).append(
+                        {"method": m, "pass": p, "n": n, "heads": h, "head_dim": d}
                     )
-    pts.sort(key=lambda p: p["_order"])
-    for p in pts:
-        del p["_order"]
-    return pts
+    return [groups[k] for k in sorted(groups)]
+
+
+def local_points(args: argparse.Namespace) -> list[dict[str, Any]]:
+    return [pt for group in local_groups(args) for pt in group]
 
 
 def local_key(args: argparse.Namespace, device: torch.device, pt: dict[str, Any]) -> str:
@@ -270,83 +272,98 @@ class LocalSweep:
             )
         return pairs
 
-    def measure_point(self, pt: dict[str, Any], iters: int, warmup: int) -> dict[str, Any]:
-        """Time (and peak memory of) one point; the record (without key/env)."""
-        a, dev = self.args, self.device
-        backward = pt["pass"] == "fwdbwd"
-        pairs, fl = self.point_flops(pt, backward)
-        rec: dict[str, Any] = {
-            "kind": "local",
-            "run_id": self.run["run_id"],
-            **pt,
-            "batch": a.batch,
-            "dtype": dtype_name(a.dtype_t),
-            "causal": a.causal,
-            "segments": list(a.segments),
-            "dilations": list(a.dilations),
-            "device": dev.type,
-            "pairs": pairs,
-            "flops": fl,
+    def base_record(self, pt: dict[str, Any]) -> dict[str, Any]:
+        a = self.args
+        pairs, fl = self.point_flops(pt, pt["pass"] == "fwdbwd")
+        return {
+            "key": local_key(a, self.device, pt), "kind": "local", "run_id": self.run["run_id"],
+            **pt, "batch": a.batch, "dtype": dtype_name(a.dtype_t), "causal": a.causal,
+            "segments": list(a.segments), "dilations": list(a.dilations),
+            "device": self.device.type, "pairs": pairs, "flops": fl,
             "same_function": pt["method"] in methods.SAME_FUNCTION
             or self.meth.dense_is_pattern(pt["n"]),
-            "hardware_flop_rate": self.run["hardware_flop_rate"],
-        }
-        reason = self.meth.unsupported(pt["method"], backward)
-        if reason:
-            return {**rec, "status": "unsupported", "reason": reason}
-        tried: dict[str, str] = {}
-        best = None
-        wkey = (pt["method"], pt["pass"], pt["heads"], pt["head_dim"])
-        try:
-            (q, k, v), g = self.inputs(pt, backward)
-        except Exception as exc:  # the inputs did not fit
-            tried["inputs"] = "OOM" if measure.is_oom(exc) else measure.short_error(exc)
-        else:
-            in_bytes = measure.tensor_bytes(q, k, v, g)
+        }  # fmt: skip
+
+    def measure_group(self, pts: list[dict[str, Any]], iters: int, warmup: int) -> list[dict]:
+        """Time every method (and CUDA SDPA backend) of one (config, n, pass)
+        round-robin on the same inputs, then the peak memory of one call each;
+        one record per point."""
+        a, dev = self.args, self.device
+        backward = pts[0]["pass"] == "fwdbwd"
+        recs = [self.base_record(pt) for pt in pts]
+        variants: list[tuple[int, str | None]] = []
+        for i, pt in enumerate(pts):
+            reason = self.meth.unsupported(pt["method"], backward)
+            if reason:
+                recs[i].update(status="unsupported", reason=reason)
+                continue
+            wkey = (pt["method"], pt["pass"], pt["heads"], pt["head_dim"])
             backends = self.meth.backends(pt["method"], a.sdpa_backends)
             if pt["n"] > a.prune_after_n and wkey in self.winner:
                 backends = [self.winner[wkey]]
-            for backend in backends:
-                res = self.time_backend(pt["method"], backend, (q, k, v), g, iters, warmup)
-                tried[backend or "default"] = res["note"]
-                if "ms" in res and (best is None or res["ms"] < best["ms"]):
-                    best = {**res, "backend": backend}
-                if self.fatal:
+            variants += [(i, b) for b in backends]
+        if not variants:
+            return recs
+        # The hardware rate before and after (the load of a shared machine moves
+        # during a sweep); the higher sample is the points' reference.
+        hw = [measure.hardware_rate(dev, pts[0]["head_dim"])["flop_rate"]]
+        notes: dict[tuple, str] = {}
+        times: dict[tuple, list[float]] = {v: [] for v in variants}
+        extra: dict[tuple, dict[str, Any]] = {v: {} for v in variants}
+        in_bytes = 0
+        try:
+            (q, k, v_), g = self.inputs(pts[0], backward)
+        except Exception as exc:  # the inputs did not fit
+            for var in variants:
+                notes[var] = "OOM" if measure.is_oom(exc) else measure.short_error(exc)
+        else:
+            in_bytes = measure.tensor_bytes(q, k, v_, g)
+            calls = {var: self.make_call(pts[var[0]]["method"], var[1], (q, k, v_), g)
+                     for var in variants}  # fmt: skip
+
+            def attempt(var, what: Callable[[], Any]) -> Any:
+                try:
+                    return what()
+                except Exception as exc:  # recorded; the sweep goes on
+                    notes[var] = "OOM" if measure.is_oom(exc) else measure.short_error(exc)
+                    if measure.is_fatal(exc):
+                        self.fatal = notes[var]
+                    measure.free_memory(dev)
+                    return None
+
+            def alive() -> list[tuple]:
+                return [var for var in variants if var not in notes and not self.fatal]
+
+            for var in alive():  # warm-up: compilation, allocator
+                t0 = time.perf_counter()
+                attempt(var, lambda c=calls[var]: [c() for _ in range(warmup)])
+                measure.sync(dev)
+                extra[var]["warmup_s"] = time.perf_counter() - t0
+            start = time.perf_counter()
+            for _ in range(max(iters, 1)):
+                for var in alive():
+                    ms = attempt(var, lambda c=calls[var]: measure.time_once(c, dev))
+                    if ms is not None:
+                        times[var].append(ms)
+                if time.perf_counter() - start > a.max_case_s * max(len(alive()), 1):
                     break
-            del q, k, v, g
+            for var in alive():
+                if not a.no_memory:
+                    extra[var]["growth"] = attempt(
+                        var, lambda c=calls[var]: measure.peak_growth_bytes(c, dev)
+                    )
+            del q, k, v_, g, calls
         measure.free_memory(dev)
-        rec["tried"] = tried
-        if best is None:
-            oom = any(t == "OOM" for t in tried.values())
-            return {
-                **rec,
-                "status": "oom" if oom else "error",
-                "reason": "; ".join(f"{b}: {t}" for b, t in tried.items()),
-            }
-        if best["backend"] is not None:
-            self.winner[wkey] = best["backend"]
-        self.sec_per_flop[wkey] = best["ms"] * 1e-3 / fl
-        own = self.own_pairs(pt, pairs)
-        s = best["ms"] * 1e-3
-        return {
-            **rec,
-            "status": "ok",
-            "backend": best["backend"],
-            "ms": best["ms"],
-            "times_ms": best["times_ms"],
-            "runs": len(best["times_ms"]),
-            "warmup_s": best["warmup_s"],
-            "input_bytes": in_bytes,
-            "peak_bytes": None if best["growth"] is None else in_bytes + best["growth"],
-            "pattern_flop_rate": fl / s if rec["same_function"] else None,
-            "own_pairs": own,
-            "own_flop_rate": methods.flops(own, pt["head_dim"], backward) / s,
-        }
+        hw.append(measure.hardware_rate(dev, pts[0]["head_dim"])["flop_rate"])
+        for i, rec in enumerate(recs):
+            if "status" not in rec:
+                mine = [var for var in variants if var[0] == i]
+                self.finish_record(rec, mine, times, extra, notes, in_bytes)
+                rec.update(hardware_flop_rate=max(hw), hardware_samples=hw,
+                           load_avg=os.getloadavg()[0])  # fmt: skip
+        return recs
 
-    def time_backend(self, method, backend, qkv, g, iters: int, warmup: int) -> dict[str, Any]:
-        """Warm-up, timed calls and the peak memory of one call of one kernel."""
-        dev, a = self.device, self.args
-
+    def make_call(self, method: str, backend: str | None, qkv, g) -> Callable[[], None]:
         def call() -> None:
             if g is not None:
                 out = self.meth.call(method, backend, *qkv)
@@ -355,27 +372,38 @@ class LocalSweep:
                 with torch.no_grad():
                     self.meth.call(method, backend, *qkv)
 
-        try:
-            t_w = time.perf_counter()
-            call()  # warm-up: compiles, allocator
-            measure.sync(dev)
-            warm_s = time.perf_counter() - t_w
-            times = measure.time_call(call, dev, max(warmup - 1, 0), iters, a.max_case_s)
-            growth = None if a.no_memory else measure.peak_growth_bytes(call, dev)
-            ms = measure.median(times)
-            return {
-                "ms": ms,
-                "times_ms": times,
-                "warmup_s": warm_s,
-                "growth": growth,
-                "note": f"{ms:.3f} ms",
-            }
-        except Exception as exc:  # recorded; the sweep goes on
-            if measure.is_fatal(exc):
-                self.fatal = measure.short_error(exc)
-            return {"note": "OOM" if measure.is_oom(exc) else measure.short_error(exc)}
-        finally:
-            measure.free_memory(dev)
+        return call
+
+    def finish_record(self, rec, mine, times, extra, notes, in_bytes) -> None:
+        """Status, the fastest backend's time, rates and peak memory of one point."""
+        tried = {
+            (b or "default"): notes.get((i, b), f"{measure.median(times[(i, b)]):.3f} ms")
+            for i, b in mine
+        }
+        ok = [var for var in mine if var not in notes and times[var]]
+        rec["tried"] = tried
+        if not ok:
+            oom = any(t == "OOM" for t in tried.values())
+            rec.update(status="oom" if oom else "error",
+                       reason="; ".join(f"{b}: {t}" for b, t in tried.items()))  # fmt: skip
+            return
+        best = min(ok, key=lambda var: measure.median(times[var]))
+        ms = measure.median(times[best])
+        wkey = (rec["method"], rec["pass"], rec["heads"], rec["head_dim"])
+        if best[1] is not None:
+            self.winner[wkey] = best[1]
+        self.sec_per_flop[wkey] = ms * 1e-3 / rec["flops"]
+        own = self.own_pairs(rec, rec["pairs"])
+        own_flops = methods.flops(own, rec["head_dim"], rec["pass"] == "fwdbwd")
+        growth = extra[best].get("growth")
+        rec.update(
+            status="ok", backend=best[1], ms=ms, times_ms=times[best], runs=len(times[best]),
+            warmup_s=extra[best].get("warmup_s"), input_bytes=in_bytes,
+            peak_bytes=None if growth is None else in_bytes + growth,
+            pattern_flop_rate=rec["flops"] / (ms * 1e-3) if rec["same_function"] else None,
+            own_pairs=own,
+            own_flop_rate=own_flops / (ms * 1e-3),
+        )  # fmt: skip
 
     def predicted_s(self, pt: dict[str, Any], runs: int) -> float | None:
         spf = self.sec_per_flop.get((pt["method"], pt["pass"], pt["heads"], pt["head_dim"]))
@@ -383,18 +411,21 @@ class LocalSweep:
             return None
         return spf * self.point_flops(pt, pt["pass"] == "fwdbwd")[1] * runs
 
-    def run_point(self, pt: dict[str, Any], iters: int, warmup: int) -> dict[str, Any] | None:
-        """Measure and record one point; None when the budget skips it."""
+    def run_group(self, pts: list[dict[str, Any]], iters: int, warmup: int) -> list[dict] | None:
+        """Measure and record one group; None when the budget skips it."""
         a = self.args
-        key = local_key(a, self.device, pt)
-        pred = self.predicted_s(pt, warmup + iters + (0 if a.no_memory else 1))
-        if self.left_s() <= 0 or (pred is not None and pred > self.left_s()):
-            say(f"skipped (budget): {pt['method']} {pt['pass']} n={pt['n']}")
+        runs = warmup + iters + (0 if a.no_memory else 1)
+        pred = [self.predicted_s(pt, runs) for pt in pts]
+        total = sum(x for x in pred if x is not None)
+        if self.left_s() <= 0 or total > self.left_s():
+            say(f"skipped (budget): {pts[0]['pass']} n={pts[0]['n']} "
+                f"({', '.join(pt['method'] for pt in pts)})")  # fmt: skip
             return None
-        rec = {"key": key, **self.measure_point(pt, iters, warmup)}
-        self.store.append(rec)
-        say(local_line(rec))
-        return rec
+        recs = self.measure_group(pts, iters, warmup)
+        for rec in recs:
+            self.store.append(rec)
+            say(local_line(rec))
+        return recs
 
     def search(self) -> None:
         """Ours fwd+bwd at growing n (--search-step) until it does not fit: the
@@ -421,9 +452,11 @@ class LocalSweep:
             pt = {"method": "ours", "pass": "fwdbwd", "n": n, "heads": h, "head_dim": d}
             key = local_key(a, self.device, pt)
             rec = self.store.records.get(key) if self.store.done(key) else None
-            rec = rec or self.run_point(pt, iters=1, warmup=0)
             if rec is None:
-                return
+                recs = self.run_group([pt], iters=1, warmup=0)
+                if recs is None:
+                    return
+                rec = recs[0]
             if (rec["status"] == "ok") != (direction == 1):
                 return
             n += direction * step
@@ -519,26 +552,22 @@ def local_report(store: measure.ResultFile) -> list[str]:
         f"{unit}: pattern FLOPs (4·d per reached (query, key) pair forward, 3.5x for fwd+bwd, "
         "counted exactly) / median time; † dense SDPA computes all n² pairs (a different "
         "function unless the pattern is dense): its column counts its own FLOPs. 'of hw': "
-        "that rate / the hardware rate measured in the same run"
-        + (
-            f" ({run['hardware_what']}: {run['hardware_flop_rate'] / scale:.1f} {unit})"
-            if run
-            else ""
-        )
+        "that rate / the hardware rate measured beside the point (the higher of a sample "
+        "before and after it)"
+        + (f" ({run['hardware_what']})" if run else "")
         + ". time / ours > 1: ours is faster. peak: inputs + the peak growth of one call; "
         "qkvo: bytes of q, k, v, out.",
     ]
     if rows[0]["device"] == "cuda":
-        lines += ["", *cuda_targets(rows, by, run)]
+        lines += ["", *cuda_targets(rows, by)]
     return lines
 
 
-def cuda_targets(rows, by, run) -> list[str]:
+def cuda_targets(rows, by) -> list[str]:
     """The GPU goals, PASS/FAIL: >= 1.2x the best same-function baseline, >= 2x
     FlexAttention, forward >= 50% of the matmul rate, fwd+bwd peak <= 1.3x the
     bytes of q, k, v, out and their gradients."""
     out = ["### targets"]
-    mm = run["hardware_flop_rate"] if run else None
     for r in rows:
         if r["method"] != "ours" or r["status"] != "ok":
             continue
@@ -562,8 +591,8 @@ def cuda_targets(rows, by, run) -> list[str]:
             out.append(
                 f"- {where}: {x:.2f}x FlexAttention, target >= 2: {'PASS' if x >= 2 else 'FAIL'}"
             )
-        if r["pass"] == "fwd" and mm:
-            x = r["pattern_flop_rate"] / mm
+        if r["pass"] == "fwd" and r.get("hardware_flop_rate"):
+            x = r["pattern_flop_rate"] / r["hardware_flop_rate"]
             out.append(
                 f"- {where}: {x:.0%} of the matmul rate, target >= 50%: "
                 f"{'PASS' if x >= 0.5 else 'FAIL'}"
@@ -615,14 +644,11 @@ def local_plot(store: measure.ResultFile, path: str) -> bool:
                     axes[1].plot(ns, [r["pattern_flop_rate"] / scale for _, r in pts], **kw)
                 if all(r["peak_bytes"] for _, r in pts):
                     axes[2].plot(ns, [r["peak_bytes"] / MiB for _, r in pts], **kw)
+        hw = sorted((r["n"], r["hardware_flop_rate"]) for r in rows
+                    if (r["heads"], r["head_dim"], r["dtype"]) == (h, d, dt))  # fmt: skip
+        axes[1].plot([n for n, _ in hw], [x / scale for _, x in hw], "k:", marker=".",
+                     label="hardware rate (beside each point)")  # fmt: skip
     run = latest_run(store)
-    if run:
-        axes[1].axhline(
-            run["hardware_flop_rate"] / scale,
-            color="k",
-            linestyle=":",
-            label="hardware rate (same run)",
-        )
     titles = ("time per call (median)", f"pattern {unit} (exact FLOPs / time)", "peak memory")
     ylabels = ("ms", unit, "MiB")
     for ax, title, yl in zip(axes, titles, ylabels, strict=True):
@@ -707,28 +733,59 @@ def cmd_local(args: argparse.Namespace) -> int:
     if device.type == "cpu" and args.threads:
         torch.set_num_threads(args.threads)
     sweep = LocalSweep(args, device)
-    pts = local_points(args)
-    todo = [p for p in pts if not sweep.store.done(local_key(args, device, p))]
-    print(
-        f"{len(pts)} points: {len(pts) - len(todo)} already in {sweep.store.path}, "
-        f"{len(todo)} to run"
-    )
+    groups = local_groups(args)
+    todo = [[p for p in g if not sweep.store.done(local_key(args, device, p))] for g in groups]
+    todo = [g for g in todo if g]
+    n_all, n_todo = sum(map(len, groups)), sum(map(len, todo))
+    print(f"{n_all} points: {n_all - n_todo} already in {sweep.store.path}, {n_todo} to run")
     if todo or args.search_step:
         sweep.start_run()
-    for pt in progress(todo, "local"):
+    for group in progress(todo, "local"):
         if sweep.fatal:
             say(f"stopped: CUDA context broken ({sweep.fatal})")
             break
-        sweep.run_point(pt, args.iters, args.warmup)
+        sweep.run_group(group, args.iters, args.warmup)
     sweep.search()
     rc = finish_local(sweep.store, args.out_dir)
     return 1 if sweep.fatal else rc
+
+
+def local_summary(store: measure.ResultFile) -> list[str]:
+    """One row per (config, n, pass): every method's time, ours' rate against
+    the hardware's, ours' peak memory."""
+    rows = [r for r in local_rows(store.records.values()) if r["status"] == "ok"]
+    if not rows:
+        return []
+    unit, scale = rate_unit(rows[0]["device"])
+    cases = sorted({(r["dtype"], r["heads"], r["head_dim"], r["n"], r["pass"]) for r in rows},
+                   key=lambda c: (c[0], c[1], c[2], c[4], c[3]))  # fmt: skip
+    by = {(r["dtype"], r["heads"], r["head_dim"], r["n"], r["pass"], r["method"]): r for r in rows}
+    table = []
+    for case in cases:
+        ours = by.get((*case, "ours"))
+        ms = [by.get((*case, m)) for m in methods.METHODS]
+        table.append([
+            case[3], f"{case[1]}x{case[2]}", case[4],
+            *("—" if r is None else f"{r['ms']:.0f}" for r in ms),
+            "—" if ours is None else f"{ours['pattern_flop_rate'] / scale:.1f}",
+            "—" if ours is None else f"{ours['hardware_flop_rate'] / scale:.1f}",
+            "—" if ours is None or ours["peak_bytes"] is None
+            else f"{ours['peak_bytes'] / MiB:.0f}",
+        ])  # fmt: skip
+    return md_table(
+        ["n", "heads x dim", "pass", "ours ms", "gather+SDPA ms", "FlexAttention ms",
+         "dense SDPA† ms", f"ours {unit}", f"hardware {unit}", "ours peak MiB"],
+        table, "rrl" + "r" * 7,
+    )  # fmt: skip
 
 
 def finish_local(store: measure.ResultFile, out_dir: str) -> int:
     lines = local_report(store)
     run = latest_run(store)
     head = [f"# bench.py local — {measure.describe(run)}", ""] if run else []
+    summary = local_summary(store)
+    if summary:
+        head += ["## Summary", "", *summary, "", "## Every point", ""]
     write_text(os.path.join(out_dir, "local.md"), head + lines)
     png = os.path.join(out_dir, "local.png")
     plotted = local_plot(store, png)
@@ -1687,12 +1744,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=131072,
         help="order: every method up to this n first, then ours, then the baselines",
     )
-    p.add_argument("--warmup", type=int, default=1, help="untimed calls first (1)")
-    p.add_argument("--iters", type=int, help="timed calls, median reported (CPU 3, CUDA 5)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed calls of each method first (1)")
+    p.add_argument(
+        "--iters", type=int, help="timed rounds over the methods, median reported (CPU 3, CUDA 5)"
+    )
     p.add_argument(
         "--max-case-s",
         type=float,
-        help="stop repeating one timing after this long (CPU 60, CUDA 8)",
+        help="stop the round-robin timing of a (config, n, pass) after this many seconds "
+        "per method, at least one round (CPU 20, CUDA 8)",
     )
     p.add_argument(
         "--budget-s",

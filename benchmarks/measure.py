@@ -47,28 +47,32 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def time_once(fn: Callable[[], Any], device: torch.device) -> float:
+    """Milliseconds of one call (CUDA events on a GPU, the host clock elsewhere)."""
+    if device.type == "cuda":
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        fn()
+        e1.record()
+        e1.synchronize()
+        return e0.elapsed_time(e1)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
 def time_call(
     fn: Callable[[], Any], device: torch.device, warmup: int, iters: int, max_s: float
 ) -> list[float]:
-    """Milliseconds of ``iters`` calls after ``warmup`` (CUDA events on a GPU,
-    the host clock elsewhere); stops repeating after ``max_s`` (>= 1 call)."""
+    """Milliseconds of ``iters`` calls after ``warmup``; stops repeating after
+    ``max_s`` (>= 1 call)."""
     for _ in range(warmup):
         fn()
     sync(device)
     times: list[float] = []
     start = time.perf_counter()
     for _ in range(max(iters, 1)):
-        if device.type == "cuda":
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            fn()
-            e1.record()
-            e1.synchronize()
-            times.append(e0.elapsed_time(e1))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+        times.append(time_once(fn, device))
         if time.perf_counter() - start > max_s:
             break
     return times
