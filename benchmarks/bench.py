@@ -615,6 +615,12 @@ def cuda_targets(rows, by) -> list[str]:
     return out
 
 
+def load_range(rows: Iterable[dict[str, Any]]) -> str:
+    """The 1-minute load average over the points, ``min-max``."""
+    loads = [r["load_avg"] for r in rows if r.get("load_avg") is not None]
+    return f"{min(loads):.1f}-{max(loads):.1f}" if loads else "?"
+
+
 def local_plot(store: measure.ResultFile, path: str) -> bool:
     """Time, pattern rate and peak memory vs n (one line per method and pass)."""
     plt = pyplot()
@@ -644,10 +650,13 @@ def local_plot(store: measure.ResultFile, path: str) -> bool:
                     axes[1].plot(ns, [r["pattern_flop_rate"] / scale for _, r in pts], **kw)
                 if all(r["peak_bytes"] for _, r in pts):
                     axes[2].plot(ns, [r["peak_bytes"] / MiB for _, r in pts], **kw)
-        hw = sorted((r["n"], r["hardware_flop_rate"]) for r in rows
-                    if (r["heads"], r["head_dim"], r["dtype"]) == (h, d, dt))  # fmt: skip
-        axes[1].plot([n for n, _ in hw], [x / scale for _, x in hw], "k:", marker=".",
-                     label="hardware rate (beside each point)")  # fmt: skip
+        hw: dict[int, list[float]] = {}
+        for r in rows:
+            if (r["heads"], r["head_dim"], r["dtype"]) == (h, d, dt):
+                hw.setdefault(r["n"], []).append(r["hardware_flop_rate"])
+        ns = sorted(hw)
+        axes[1].plot(ns, [measure.median(hw[n]) / scale for n in ns], "k:", marker=".",
+                     label="hardware rate (median beside the points)")  # fmt: skip
     run = latest_run(store)
     titles = ("time per call (median)", f"pattern {unit} (exact FLOPs / time)", "peak memory")
     ylabels = ("ms", unit, "MiB")
@@ -661,13 +670,14 @@ def local_plot(store: measure.ResultFile, path: str) -> bool:
     axes[2].set_yscale("log")
     axes[1].set_ylim(bottom=0)
     axes[0].legend(fontsize=7)
+    axes[1].legend(fontsize=7, handles=axes[1].get_lines()[-1:])
     r0 = rows[0]
     sub = (
         f"{r0['dtype']}, batch {r0['batch']}, segments {r0['segments']}, dilations "
         f"{r0['dilations']}, causal={r0['causal']}"
     )
     if run:
-        sub += f" — {run['device_name']}, load {run['load_avg'][0]:.1f}, commit {run['commit']}"
+        sub += f" — {run['device_name']}, load {load_range(rows)}, commit {run['commit']}"
     fig.suptitle(f"ring_attention.dilated_attention vs baselines ({sub})", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -785,7 +795,9 @@ def finish_local(store: measure.ResultFile, out_dir: str) -> int:
     head = [f"# bench.py local — {measure.describe(run)}", ""] if run else []
     summary = local_summary(store)
     if summary:
-        head += ["## Summary", "", *summary, "", "## Every point", ""]
+        load = load_range(store.records.values())
+        head += [f"Load average (1 min) while the points ran: {load}.", "", "## Summary", "",
+                 *summary, "", "## Every point", ""]  # fmt: skip
     write_text(os.path.join(out_dir, "local.md"), head + lines)
     png = os.path.join(out_dir, "local.png")
     plotted = local_plot(store, png)
@@ -1246,7 +1258,7 @@ def cmd_ring(a: argparse.Namespace) -> int:
     )
     t0 = time.perf_counter()
     if todo:
-        env = measure.environment(torch.device(device))
+        env = {**measure.environment(torch.device(device)), "threads": a.threads}  # per process
         run = {"kind": "run", "run_id": uuid.uuid4().hex[:12], "sweep": "ring", **env}
         store.append(run)
         say(f"# {measure.describe(env)}")
