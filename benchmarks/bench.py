@@ -1711,7 +1711,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=LOCAL_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help=DEVICE_HELP)
     p.add_argument(
         "--seq-lens",
         type=int,
@@ -1724,7 +1724,7 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         help="HEADSxHEAD_DIM (CPU: 8x64; CUDA: 12x64 16x128)",
     )
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--batch", type=int, default=1, help="batch size (1)")
     add_pattern(p, list(methods.LONGNET_SEGMENTS), list(methods.LONGNET_DILATIONS))
     p.add_argument(
         "--dtype",
@@ -1732,8 +1732,20 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="auto: bfloat16 on CUDA, float32 on the CPU",
     )
-    p.add_argument("--methods", nargs="+", choices=methods.METHODS, default=list(methods.METHODS))
-    p.add_argument("--passes", nargs="+", choices=["fwd", "fwdbwd"], default=["fwd", "fwdbwd"])
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        choices=methods.METHODS,
+        default=list(methods.METHODS),
+        help="what to measure (all)",
+    )
+    p.add_argument(
+        "--passes",
+        nargs="+",
+        choices=["fwd", "fwdbwd"],
+        default=["fwd", "fwdbwd"],
+        help="forward (no_grad), forward + backward (both)",
+    )
     p.add_argument(
         "--sdpa-backends",
         nargs="+",
@@ -1785,7 +1797,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="then ours fwd+bwd at growing n in these steps until it does not fit "
         "(CPU 0 = off, CUDA 524288)",
     )
-    p.add_argument("--search-max-n", type=int, default=4194304)
+    p.add_argument(
+        "--search-max-n", type=int, default=4194304, help="the search stops here (4194304)"
+    )
     p.add_argument("--threads", type=int, default=0, help="CPU intra-op threads (0: torch's)")
     add_output(p)
     p.add_argument("--dry-run", action="store_true", help="print the plan; run nothing")
@@ -1798,17 +1812,33 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4, 8], help="p values")
-    p.add_argument("--scaling", nargs="+", choices=["strong", "weak"], default=["strong", "weak"])
+    p.add_argument(
+        "--scaling",
+        nargs="+",
+        choices=["strong", "weak"],
+        default=["strong", "weak"],
+        help="strong: n fixed; weak: n / p fixed (both)",
+    )
     p.add_argument("--seq-len", type=int, default=8192, help="strong scaling: n (8192)")
     p.add_argument("--shard", type=int, default=2048, help="weak scaling: n / p (2048)")
     add_pattern(p, list(RING_SEGMENTS), list(RING_DILATIONS))
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--layout", choices=["contiguous", "zigzag"], default="contiguous")
-    p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto")
-    p.add_argument("--iters", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--batch", type=int, default=1, help="batch size (1)")
+    p.add_argument("--heads", type=int, default=8, help="attention heads (8)")
+    p.add_argument("--head-dim", type=int, default=64, help="head dimension (64)")
+    p.add_argument(
+        "--layout",
+        choices=["contiguous", "zigzag"],
+        default="contiguous",
+        help="sharding of the sequence (contiguous)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["auto", *DTYPES],
+        default="auto",
+        help="auto: bfloat16 on CUDA, float32 on the CPU",
+    )
+    p.add_argument("--iters", type=int, default=3, help="timed calls per run, median reported (3)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed calls first (1)")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per process (1)")
     p.add_argument("--check", action="store_true", help="also check against one process")
     p.add_argument("--timeout-s", type=float, default=900.0, help="per torchrun launch")
@@ -1835,26 +1865,49 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_ring_run)
 
     p = sub.add_parser("bytes", help="bytes a rank sends per layer, from the exchange plans")
-    p.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536])
+    p.add_argument(
+        "--seq-lens",
+        type=int,
+        nargs="+",
+        default=[4096, 8192, 16384, 32768, 65536],
+        help="n of the first table (4096 ... 65536)",
+    )
     p.add_argument("--p", type=int, default=4, help="ranks of the bytes-vs-n table (4)")
     p.add_argument("--shard", type=int, default=4096, help="n / p of the second table (4096)")
-    p.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8, 16, 32])
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument(
+        "--worlds",
+        type=int,
+        nargs="+",
+        default=[2, 4, 8, 16, 32],
+        help="p of the second table (2 4 8 16 32)",
+    )
+    p.add_argument("--heads", type=int, default=8, help="attention heads (8)")
+    p.add_argument("--head-dim", type=int, default=64, help="head dimension (64)")
     add_pattern(p, list(RING_SEGMENTS), list(RING_DILATIONS))
     add_output(p, resumable=False)
     p.set_defaults(func=cmd_bytes)
 
     p = sub.add_parser("check", help="every method against a reference, then exit")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help=DEVICE_HELP)
     p.add_argument("--n", type=int, help="sequence length (CPU 1000, CUDA 10240)")
     p.add_argument(
         "--configs", type=parse_config, nargs="+", default=[(6, 32)], help="HEADSxHEAD_DIM (6x32)"
     )
     p.add_argument("--segments", type=int, nargs="+", help="(CPU 128 384 1024; CUDA LongNet)")
     p.add_argument("--dilations", type=int, nargs="+", help="(CPU 1 3 8; CUDA LongNet)")
-    p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto")
-    p.add_argument("--methods", nargs="+", choices=methods.METHODS, default=list(methods.METHODS))
+    p.add_argument(
+        "--dtype",
+        choices=["auto", *DTYPES],
+        default="auto",
+        help="auto: bfloat16 on CUDA, float32 on the CPU",
+    )
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        choices=methods.METHODS,
+        default=list(methods.METHODS),
+        help="what to check (all)",
+    )
     p.add_argument("--flex-eager", action="store_true", help="FlexAttention without compile")
     p.set_defaults(func=cmd_check)
 
@@ -1877,6 +1930,8 @@ def add_output(p: argparse.ArgumentParser, resumable: bool = True) -> None:
             help="measure again the points already in the result file",
         )
 
+
+DEVICE_HELP = "auto: CUDA when a GPU is visible, else the CPU"
 
 LOCAL_HELP = """\
 ring_attention.dilated_attention against baselines, on the same inputs:

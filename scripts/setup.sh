@@ -90,7 +90,7 @@ mapfile -t facts < <(probe)
 if [[ -z "$(value torch_dir)" ]]; then
   req=${RING_ATTENTION_TORCH:-torch==2.13.0}
   echo "setup: installing $req into .venv (a large download unless a local wheel is found)"
-  "${pip[@]}" "$req"
+  "${pip[@]}" "$req" 2>&1 | { grep -v '^WARNING: Location' || true; }
 fi
 mapfile -t missing < <(value missing)
 if ((${#missing[@]})); then
