@@ -39,6 +39,11 @@ if ! "$py" -c "" 2>/dev/null; then
   if "$base" -c 'import sys, torch; sys.exit(tuple(map(int, torch.__version__.split(".")[:2])) < (2, 4))' 2>/dev/null; then
     echo "setup: creating .venv (with $base's packages: torch $("$base" -c 'import torch; print(torch.__version__)'))"
     "$base" -m venv --system-site-packages "$venv"
+    # A base that is itself a virtual environment shares only ITS base's
+    # packages that way: point .venv at the base's site-packages too.
+    if ! "$py" -c "import torch" 2>/dev/null; then
+      "$base" -c 'import site; print("\n".join(site.getsitepackages()))' >"$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/base_environment.pth"
+    fi
   else
     echo "setup: creating .venv ($base)"
     "$base" -m venv "$venv"
