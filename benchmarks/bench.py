@@ -1136,8 +1136,8 @@ def print_ring_report(a, rows, device, world, cores, threads, errs, tol) -> None
     )
     if device.type == "cpu" and world * threads > cores:
         note(
-            f"{world} processes x {threads} thread(s) share {cores} CPU cores, so the ranks take "
-            f"turns: wall time cannot fall {world}x; cpu ms shows how the work splits"
+            f"{world} processes x {threads} thread(s) on {cores} cores take turns: wall time "
+            f"cannot fall {world}x, per-rank cpu ms can"
         )
     pairs = [r["pairs"] for r in rows]
     if world > 1 and max(pairs) > 0:

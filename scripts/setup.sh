@@ -55,7 +55,7 @@ fi
 # too old among the build tools and pyproject.toml's extras (test, bench,
 # lint), and whether ring_attention is installed from THIS checkout.
 probe() {
-  "$py" - "$root" <<'PY'
+  cd / && "$py" - "$root" <<'PY'
 import importlib.metadata as md
 import importlib.util
 import os
@@ -84,8 +84,7 @@ for text in dict.fromkeys(reqs):
         ok = False
     if not ok:
         print("missing=" + text)
-sys.path = [p for p in sys.path if p not in ("", os.getcwd())]
-spec = importlib.util.find_spec("ring_attention")
+spec = importlib.util.find_spec("ring_attention")  # run from /: not the checkout's folder
 here = spec is not None and os.path.realpath(spec.origin).startswith(root + os.sep)
 print("installed_here=" + str(int(here)))
 PY
