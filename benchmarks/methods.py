@@ -535,7 +535,15 @@ class FlexDilated:
         self.segs, self.dils, self.causal = list(segs), list(dils), causal
         self._mask: tuple[tuple, Any] | None = None
         _, self.score_mod = flex_mods(self.segs, self.dils, causal)
-        self.fn = torch.compile(fa.flex_attention) if compiled else fa.flex_attention
+        self.fn = fa.flex_attention
+        if compiled:
+            # every (n, heads, head_dim, pass, causal) of a sweep may recompile
+            import torch._dynamo.config as dynamo_config
+
+            for name in ("recompile_limit", "cache_size_limit"):
+                if hasattr(dynamo_config, name):
+                    setattr(dynamo_config, name, max(64, getattr(dynamo_config, name)))
+            self.fn = torch.compile(fa.flex_attention)
 
     def block_mask(self, n: int, device):
         key = (n, str(device))
