@@ -49,11 +49,7 @@ SOURCES = ("auto", "plan", "analytic")
 
 _PLAN_WORK_LIMIT = 1 << 24  # p * n * heads: build real plans up to this
 _CHUNK = 1 << 18  # (rank, distance) pairs evaluated at once
-# Odd 63-bit constants (from a fixed seed) mixing a key's columns into one hash.
-_HASH_MULTIPLIERS = [
-    (0x9E3779B97F4A7C15 * (2 * i + 1) + 0x632BE59BD9B4E019 * i * i) % (1 << 63) | 1
-    for i in range(1, 513)
-]
+_NONE = torch.empty(0, dtype=torch.int64)
 
 
 @dataclass(frozen=True, eq=False)
@@ -154,20 +150,53 @@ class _Segments:
         return start, torch.minimum(start + w, de)
 
 
-def _unique_rows(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.unique(keys, dim=0, return_inverse=True)`` (rows in another
-    order): rows are hashed to one int64 each and the hashes made unique;
-    rows sharing a hash are checked to be equal (else the exact, slower
-    row sort is used)."""
-    mult = torch.tensor(_HASH_MULTIPLIERS[: keys.shape[1]], dtype=torch.int64)
-    mixed = keys * mult  # wraps around modulo 2**64
-    h = mixed.sum(1) ^ (mixed[:, ::2].sum(1) * _HASH_MULTIPLIERS[0])
-    uniq_h, inverse = torch.unique(h, return_inverse=True)
-    rep = torch.empty(uniq_h.numel(), dtype=torch.int64)
-    rep.scatter_(0, inverse, torch.arange(keys.shape[0]))
-    if bool((keys == keys[rep][inverse]).all()):
-        return keys[rep], inverse
-    return torch.unique(keys, dim=0, return_inverse=True)
+def _odd_constant(i: int) -> int:
+    """An odd 63-bit constant, the ``i``-th output of splitmix64 (hash mixing)."""
+    m = (1 << 64) - 1
+    z = ((i + 1) * 0x9E3779B97F4A7C15) & m
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+    return ((z ^ (z >> 31)) & ((1 << 63) - 1)) | 1
+
+
+def _unique_keys(
+    n_rows: int, parts: list[tuple[torch.Tensor, torch.Tensor]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct keys of ``n_rows`` rows and each row's key index.
+
+    A row's key is the concatenation of its parts: part ``b`` is ``vals[k]``
+    (5 non-negative ints) for the rows ``rows[k]`` of ``parts[b] = (rows,
+    vals)``, and ``-1`` five times for the others (not shared). Rows are
+    hashed to one int64 each (linear mixing, wrapping modulo 2**64) and the
+    hashes made unique; every row is then checked to equal its
+    representative, else the exact row sort decides.
+    """
+    h = torch.zeros(n_rows, dtype=torch.int64)
+    for b, (rows, vals) in enumerate(parts):
+        if rows.numel():
+            mult = torch.tensor([_odd_constant(6 * b + k) for k in range(6)], dtype=torch.int64)
+            h.index_add_(0, rows, (vals * mult[:5]).sum(1) + mult[5])
+    uniq, inverse = torch.unique(h, return_inverse=True)
+    rep = torch.empty(uniq.numel(), dtype=torch.int64)
+    rep.scatter_(0, inverse, torch.arange(n_rows))
+    keys = torch.full((uniq.numel(), 5 * len(parts)), -1, dtype=torch.int64)
+    where = torch.full((n_rows,), -1, dtype=torch.int64)
+    exact = True
+    for b, (rows, vals) in enumerate(parts):
+        where.fill_(-1)
+        where[rows] = torch.arange(rows.numel())
+        at = where[rep]
+        have = at >= 0
+        keys[have, 5 * b : 5 * b + 5] = vals[at[have]]
+        if rows.numel():
+            exact &= bool((vals == keys[inverse[rows], 5 * b : 5 * b + 5]).all())
+        exact &= int(have[inverse].sum()) == rows.numel()
+    if exact:
+        return keys, inverse
+    full = torch.full((n_rows, 5 * len(parts)), -1, dtype=torch.int64)
+    for b, (rows, vals) in enumerate(parts):
+        full[rows, 5 * b : 5 * b + 5] = vals
+    return torch.unique(full, dim=0, return_inverse=True)
 
 
 def _rows_of_key(
@@ -232,10 +261,11 @@ def _analytic(
     out = {k: torch.zeros(p, p, dtype=torch.int64) for k in ("recv", "span", "pairs")}
     memo: dict[tuple[int, ...], tuple[int, int, int]] = {}
 
-    pairs_grid = [(j, d) for d in range(1, p) for j in range(p)]
-    for lo in range(0, len(pairs_grid), _CHUNK):
-        grid = torch.tensor(pairs_grid[lo : lo + _CHUNK], dtype=torch.int64).reshape(-1, 2)
-        j, d = grid[:, 0], grid[:, 1]
+    per_chunk = max(1, _CHUNK // p)  # distances per chunk
+    for d0 in range(1, p, per_chunk):
+        ds = torch.arange(d0, min(p, d0 + per_chunk), dtype=torch.int64)
+        j = torch.arange(p, dtype=torch.int64).repeat(ds.numel())
+        d = ds.repeat_interleave(p)
         sender = (j - d) % p
         recv = torch.zeros_like(j)
         span = torch.zeros_like(j)
@@ -252,8 +282,7 @@ def _analytic(
                 x = torch.where(left, qa, c)  # the segment must hold x ...
                 y = torch.where(left, e - 1, qb - 1)  # ... and y
                 for i, (w, r) in enumerate(branches):
-                    part = torch.full((j.numel(), 5), -1, dtype=torch.int64)
-                    parts.append(part)
+                    parts.append((_NONE, _NONE.reshape(0, 5)))
                     # only pairs of pieces less than a segment apart can share one
                     rows = torch.nonzero(valid & (x - y < w)).flatten()
                     if rows.numel() == 0:
@@ -273,15 +302,18 @@ def _analytic(
                     qlo = torch.where(rl, rqa, torch.maximum(rqa, s))
                     qhi = torch.where(rl, torch.minimum(rqb, se), rqb)
                     qlen = qhi - qlo
-                    part[rows] = torch.stack(
-                        [
-                            klo - rc,
-                            khi - rc,
-                            (s - rc) % r,
-                            torch.clamp(qlen, max=r),
-                            torch.where(qlen < r, (qlo - s) % r, 0),
-                        ],
-                        dim=1,
+                    parts[-1] = (
+                        rows,
+                        torch.stack(
+                            [
+                                klo - rc,
+                                khi - rc,
+                                (s - rc) % r,
+                                torch.clamp(qlen, max=r),
+                                torch.where(qlen < r, (qlo - s) % r, 0),
+                            ],
+                            dim=1,
+                        ),
                     )
                     acc = torch.zeros_like(s)
                     for o, nh in offsets[i].items():
@@ -289,7 +321,7 @@ def _analytic(
                         nk = _n_before(khi - s, o, r) - _n_before(klo - s, o, r)
                         acc += nh * nq * nk
                     pairs.index_add_(0, rows, acc)
-            keys, inverse = _unique_rows(torch.cat(parts, dim=1))
+            keys, inverse = _unique_keys(j.numel(), parts)
             stats = []
             for key in map(tuple, keys.tolist()):
                 if key not in memo:
