@@ -33,7 +33,7 @@ from ring_attention.pattern import Pattern
 from ring_attention.planner import progressions
 from ring_attention.planner.capacity import Setup, evaluate, fewest_ranks, largest_length
 from ring_attention.planner.cli import main, parse_size
-from ring_attention.planner.memory import layer_memory, transport_buffers
+from ring_attention.planner.memory import layer_memories, transport_buffers
 from ring_attention.planner.pairs import pattern_flops, reached_pairs
 from ring_attention.planner.presets import MODELS, longnet_pattern
 from ring_attention.planner.progressions import union_stats
@@ -295,12 +295,13 @@ def test_memory_model_matches_the_ring_accounting() -> None:
         pattern = Pattern(segs, dils, causal=causal)
         tr = predict_traffic(pattern, n, heads, heads, world, layout)
         itemsize = torch.empty(0, dtype=dtype).element_size()
+        bufs = transport_buffers(tr, batch, head_dim, itemsize)
+        memories = layer_memories(tr, batch, head_dim, itemsize)
         for rank in range(world):
             got = measured[rank][i]
-            bufs = transport_buffers(tr, rank, batch, head_dim, itemsize)
-            want = {k: sum(v.values()) for k, v in bufs.items()}
+            want = {k: int(sum(v.values())[rank]) for k, v in bufs.items()}
             assert {k: got["buffers"].get(k, 0) for k in want} == want, (i, rank)
-            m = layer_memory(tr, rank, batch, head_dim, itemsize)
+            m = memories[rank]
             call = max(
                 sum(m.forward.values()),
                 sum(v for k, v in m.backward.items() if k != "kernel delta"),

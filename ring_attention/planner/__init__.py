@@ -17,7 +17,7 @@ attention layer and for a whole model (``python -m ring_attention.planner``):
 """
 
 from .capacity import Evaluation, Setup, evaluate, fewest_ranks, largest_length
-from .memory import LayerMemory, layer_memory, transport_buffers
+from .memory import LayerMemory, layer_memories, layer_memory, transport_buffers
 from .pairs import pattern_flops, reached_pairs
 from .presets import MODELS, PATTERNS, ModelShape, longnet_pattern
 from .throughput import Rates, assumed_rates, load_records, rates_from_records
@@ -39,6 +39,7 @@ __all__ = [
     "evaluate",
     "fewest_ranks",
     "largest_length",
+    "layer_memories",
     "layer_memory",
     "layer_times",
     "load_records",

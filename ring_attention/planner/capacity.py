@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from ..pattern import Pattern
-from .memory import DTYPE_BYTES, LayerMemory, layer_memory
+from .memory import DTYPE_BYTES, LayerMemory, layer_memories
 from .model import model_memory, model_step_seconds
 from .presets import ModelShape, make_pattern
 from .throughput import Rates, assumed_rates, dtype_name, rates_from_records
@@ -132,10 +132,7 @@ class Evaluation:
     def memories(self) -> list[LayerMemory]:
         """Every rank's attention layer memory."""
         s = self.setup
-        return [
-            layer_memory(self.traffic, j, s.batch, s.head_dim, s.itemsize, device=s.device)
-            for j in range(s.ranks)
-        ]
+        return layer_memories(self.traffic, s.batch, s.head_dim, s.itemsize, device=s.device)
 
     @cached_property
     def rates(self) -> Rates:

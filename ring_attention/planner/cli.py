@@ -139,7 +139,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 class Impossible(Exception):
-    """A request that cannot be met; the message says why."""
+    """A request that cannot be met; the message says why (after the
+    ``report`` lines printed so far)."""
+
+    def __init__(self, message: str, report: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.report = list(report)
 
 
 def _fmt_bytes(x: float) -> str:
@@ -467,13 +472,13 @@ def run(args: argparse.Namespace) -> int:
                 out.append(f"  {_LABELS[name]:<52} {verdict}: {_fmt_bytes(need)} per rank")
             need = peaks[goal](details)
             if need > setup.usable:
-                more = fewest_ranks(setup, args.seq_len, peaks[goal])
-                hint = f"; {more.setup.ranks} ranks would fit it" if more is not None else ""
+                about = -(-setup.ranks * need // setup.usable)
                 raise Impossible(
-                    "\n".join(out)
-                    + f"\n\n{_fmt_tokens(args.seq_len)} tokens do not fit on {setup.ranks} "
-                    f"ranks ({goal}): {_fmt_bytes(need)} per rank needed, "
-                    f"{_fmt_bytes(setup.usable)} usable{hint}"
+                    f"{_fmt_tokens(args.seq_len)} tokens do not fit on {setup.ranks} ranks "
+                    f"({goal}): {_fmt_bytes(need)} per rank needed, {_fmt_bytes(setup.usable)} "
+                    f"usable; about {about} ranks would fit it (memory per rank falls about as "
+                    "1/p; without --gpus/--processes the planner searches the fewest)",
+                    out,
                 )
         else:  # the longest length on these ranks
             out += _header(setup, args)
@@ -518,8 +523,8 @@ def run(args: argparse.Namespace) -> int:
         print("\n".join(out))
         return 0
     except Impossible as exc:
-        print(f"Not possible: {exc}" if "\n" not in str(exc) else str(exc).replace(
-            "\n\n", "\n\nNot possible: ", 1))  # fmt: skip
+        print("\n".join([*exc.report, "", f"Not possible: {exc}"] if exc.report else
+                        [f"Not possible: {exc}"]))  # fmt: skip
         return 2
     except ValueError as exc:  # a bad pattern or configuration, named by the check
         print(f"Not possible: {exc}")

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from .traffic import Traffic
 
 __all__ = [
@@ -38,6 +40,7 @@ __all__ = [
     "KERNEL_WORKSPACE",
     "LayerMemory",
     "acc_bytes",
+    "layer_memories",
     "layer_memory",
     "transport_buffers",
 ]
@@ -55,44 +58,44 @@ def acc_bytes(itemsize: int) -> int:
     return 8 if itemsize == 8 else 4
 
 
-def _slots_used(indices: list[int], receiving: list[bool]) -> int:
-    """Distinct buffers the posting steps touch: a packed buffer of a kind
-    has ``min(2, steps using it)`` slots and step ``i`` takes slot
-    ``indices[i] % slots``."""
-    used = [ix for ix, r in zip(indices, receiving, strict=True) if r]
-    slots = min(2, len(used))
-    return len({ix % slots for ix in used}) if slots else 0
+def _slots_used(index: torch.Tensor, posting: torch.Tensor) -> torch.Tensor:
+    """``(p,)``: distinct buffers of one packed kind each rank touches. The
+    kind has ``min(2, steps posting it)`` slots and a step takes slot
+    ``index % slots`` (``index``, ``posting``: ``(p, p)`` by distance)."""
+    n = posting.sum(1)
+    even = (posting & (index % 2 == 0)).any(1).long()
+    odd = (posting & (index % 2 == 1)).any(1).long()
+    return torch.where(n >= 2, even + odd, n.clamp(max=1))
 
 
 def transport_buffers(
-    tr: Traffic, rank: int, batch: int, head_dim: int, itemsize: int
-) -> dict[str, dict[str, int]]:
-    """Bytes of every transport buffer ``rank`` allocates per pass:
-    ``{"forward": {kind: bytes}, "backward": {kind: bytes}}``; the sums are
-    what ``last_exchange_stats.buffer_bytes`` reports."""
+    tr: Traffic, batch: int, head_dim: int, itemsize: int
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Bytes of every transport buffer each rank allocates per pass:
+    ``{"forward": {kind: (p,) bytes}, "backward": {kind: (p,) bytes}}``; per
+    rank, the sums are what ``last_exchange_stats.buffer_bytes`` reports."""
     acc = acc_bytes(itemsize)
-    dists = tr.steps(rank)
-    sends = [int(tr.send_rows[rank, d]) for d in dists]
-    recvs = [int(tr.recv_rows[rank, d]) for d in dists]
-    spans = [int(tr.span_rows[rank, d]) for d in dists]
-    cap_s, cap_r = max(sends, default=0), max(recvs, default=0)
-    span = max(spans, default=0)
-    does_send = [s > 0 for s in sends]
-    does_recv = [r > 0 for r in recvs]
+    sends, recvs = tr.send_rows > 0, tr.recv_rows > 0
+    cap_s, cap_r = tr.send_rows.max(1).values, tr.recv_rows.max(1).values
+    span = tr.span_rows.max(1).values
+    any_s, any_r = sends.any(1).long(), recvs.any(1).long()
+    position = torch.cumsum(tr.active.long(), 1) - 1  # forward: slots by step position
+    distance = torch.arange(tr.world_size).expand_as(position)  # backward: by distance
     row = 2 * batch * head_dim  # a K and a V vector of one (row, K/V head)
     span_row = row * tr.kv_heads
     fwd = {
-        "send K/V": row * cap_s * itemsize if any(does_send) else 0,
-        "receive K/V": _slots_used(list(range(len(dists))), does_recv) * row * cap_r * itemsize,
-        "K/V spans": span_row * span * itemsize if any(does_recv) else 0,
+        "send K/V": any_s * row * cap_s * itemsize,
+        "receive K/V": _slots_used(position, recvs) * row * cap_r * itemsize,
+        "K/V spans": any_r * span_row * span * itemsize,
     }
+    back_r = _slots_used(distance, recvs)
     bwd = {
         "send K/V": fwd["send K/V"],
-        "receive K/V": _slots_used(dists, does_recv) * row * cap_r * itemsize,
+        "receive K/V": back_r * row * cap_r * itemsize,
         "K/V spans": fwd["K/V spans"],
-        "dK/dV spans": span_row * span * acc if any(does_recv) else 0,
-        "dK/dV returned": _slots_used(dists, does_recv) * row * cap_r * acc,
-        "dK/dV coming home": _slots_used(dists, does_send) * row * cap_s * acc,
+        "dK/dV spans": any_r * span_row * span * acc,
+        "dK/dV returned": back_r * row * cap_r * acc,
+        "dK/dV coming home": _slots_used(distance, sends) * row * cap_s * acc,
     }
     return {"forward": fwd, "backward": bwd}
 
@@ -132,13 +135,13 @@ class LayerMemory:
         return max(self.forward_peak, self.backward_peak)
 
 
-def layer_memory(
-    tr: Traffic, rank: int, batch: int, head_dim: int, itemsize: int, *, device: str = "cpu"
-) -> LayerMemory:
-    """The :class:`LayerMemory` of ``rank`` (see the module docstring);
+def layer_memories(
+    tr: Traffic, batch: int, head_dim: int, itemsize: int, *, device: str = "cpu"
+) -> list[LayerMemory]:
+    """The :class:`LayerMemory` of every rank (see the module docstring);
     ``device="cuda"`` adds the device copy of the plan's indices."""
     acc = acc_bytes(itemsize)
-    L = int(tr.local_len[rank])
+    L = tr.local_len
     H, Hkv = tr.heads, tr.kv_heads
     q = batch * L * H * head_dim
     kv = batch * L * Hkv * head_dim
@@ -146,12 +149,12 @@ def layer_memory(
     # Two pieces per rank (zigzag): narrowing a (B, L, H, D) tensor to a piece
     # copies unless B == 1, narrowing lse (B, H, L) unless B * H == 1; the
     # pieces' results are concatenated (new tensors) at the end.
-    two_pieces = tr.layout == "zigzag" and tr.world_size > 1
-    split = batch > 1
-    split_lse = lse if batch * H > 1 else 0
-    cast = itemsize != acc
-    plan_idx = 8 * int(tr.rows_sent[rank] + tr.rows_received[rank])
-    bufs = transport_buffers(tr, rank, batch, head_dim, itemsize)
+    two_pieces = int(tr.layout == "zigzag" and tr.world_size > 1)
+    split = int(batch > 1)
+    split_lse = lse * int(batch * H > 1)
+    cast = int(itemsize != acc)
+    plan_idx = 8 * (tr.rows_sent + tr.rows_received)
+    bufs = transport_buffers(tr, batch, head_dim, itemsize)
     inputs = {
         "q": q * itemsize,
         "k, v": 2 * kv * itemsize,
@@ -161,25 +164,39 @@ def layer_memory(
     forward = {
         "out accumulator": q * acc,
         "lse": lse,
-        "out (input dtype)": q * itemsize if cast else 0,
-        "piece copies (zigzag)": (
-            ((q + 2 * kv) * itemsize * split + q * itemsize + lse) if two_pieces else 0
-        ),
+        "out (input dtype)": q * itemsize * cast,
+        "piece copies (zigzag)": two_pieces
+        * ((q + 2 * kv) * itemsize * split + q * itemsize + lse),
         "transport buffers": sum(bufs["forward"].values()),
     }
+    # the cast pieces of one gradient live until their concatenation
+    last_cat = torch.maximum(q - 2 * kv, kv) if cast else q + 2 * kv
     backward = {
         "out, lse (saved)": q * itemsize + lse,
         "dq, dk, dv accumulators": (q + 2 * kv) * acc,
-        "dq, dk, dv (input dtype)": (q + 2 * kv) * itemsize if cast else 0,
-        "piece copies (zigzag)": (
-            # the cast pieces of one gradient live until their concatenation
-            (3 * q + 2 * kv) * itemsize * split
-            + split_lse
-            + (max(q - 2 * kv, kv) if cast else q + 2 * kv) * itemsize
-            if two_pieces
-            else 0
-        ),
+        "dq, dk, dv (input dtype)": (q + 2 * kv) * itemsize * cast,
+        "piece copies (zigzag)": two_pieces
+        * ((3 * q + 2 * kv) * itemsize * split + split_lse + last_cat * itemsize),
         "transport buffers": sum(bufs["backward"].values()),
         KERNEL_WORKSPACE: batch * H * L * acc,
     }
-    return LayerMemory(inputs=inputs, forward=forward, backward=backward, buffers=bufs)
+
+    def at(items: dict[str, torch.Tensor], j: int) -> dict[str, int]:
+        return {k: int(v[j]) if isinstance(v, torch.Tensor) else int(v) for k, v in items.items()}
+
+    return [
+        LayerMemory(
+            inputs=at(inputs, j),
+            forward=at(forward, j),
+            backward=at(backward, j),
+            buffers={k: at(v, j) for k, v in bufs.items()},
+        )
+        for j in range(tr.world_size)
+    ]
+
+
+def layer_memory(
+    tr: Traffic, rank: int, batch: int, head_dim: int, itemsize: int, *, device: str = "cpu"
+) -> LayerMemory:
+    """The :class:`LayerMemory` of one rank (:func:`layer_memories`)."""
+    return layer_memories(tr, batch, head_dim, itemsize, device=device)[rank]

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from .memory import acc_bytes
 from .pairs import BWD_FLOPS_PER_PAIR, FWD_FLOPS_PER_PAIR
 from .throughput import Rates
@@ -83,29 +85,56 @@ class RankTime:
 def layer_times(
     tr: Traffic, batch: int, head_dim: int, itemsize: int, rates: Rates, link: Link
 ) -> list[RankTime]:
-    """The :class:`RankTime` of every rank."""
-    kv_row = 2 * batch * head_dim * itemsize  # one K and one V vector
-    grad_row = 2 * batch * head_dim * acc_bytes(itemsize)
+    """The :class:`RankTime` of every rank (all ranks at once: ``(p, p)``
+    tensors by distance, inactive steps skipped by looking up each active
+    step's next and previous active step)."""
+    p = tr.world_size
+    act = tr.active
     f_pair = FWD_FLOPS_PER_PAIR * head_dim * batch / rates.forward
     b_pair = BWD_FLOPS_PER_PAIR * head_dim * batch / rates.backward
-    out = []
-    for j in range(tr.world_size):
-        steps = tr.steps(j)
-        send = [int(tr.send_rows[j, d]) for d in steps]
-        recv = [int(tr.recv_rows[j, d]) for d in steps]
-        pairs = [int(tr.step_pairs[j, d]) for d in steps]
-        local = int(tr.local_pairs[j])
-        x = [link.seconds(kv_row * max(s, r)) for s, r in zip(send, recv, strict=True)] + [0.0]
-        g = [0.0] + [link.seconds(grad_row * max(s, r)) for s, r in zip(send, recv, strict=True)]
-        c = [p * f_pair for p in pairs]
-        b = [p * b_pair for p in pairs]
-        fwd = max(local * f_pair, x[0]) + sum(max(c[k], x[k + 1]) for k in range(len(steps)))
-        bwd = (
-            max(local * b_pair, x[0])
-            + sum(max(b[k], x[k + 1] + g[k]) for k in range(len(steps)))
-            + g[-1]
+    rows = torch.maximum(tr.send_rows, tr.recv_rows).double()
+
+    def transfer(nbytes: torch.Tensor) -> torch.Tensor:
+        t = link.latency_us * 1e-6 + 8 * nbytes / (link.gbps * 1e9)
+        return torch.where(act & (nbytes > 0), t, 0.0)
+
+    x = transfer(rows * 2 * batch * head_dim * itemsize)  # K/V of a step
+    g = transfer(rows * 2 * batch * head_dim * acc_bytes(itemsize))  # its dK/dV
+    c = tr.step_pairs.double() * f_pair
+    b = tr.step_pairs.double() * b_pair
+    c0 = tr.local_pairs.double() * f_pair
+    b0 = tr.local_pairs.double() * b_pair
+    cols = torch.arange(p)
+    none = torch.zeros(p, 1, dtype=torch.float64)
+    # the next active step after d (p: none) and the previous one (-1: none)
+    nxt = torch.where(act, cols, p).flip(1).cummin(1).values.flip(1)
+    nxt = torch.cat([nxt[:, 1:], torch.full((p, 1), p)], 1)
+    prv = torch.where(act, cols, -1).cummax(1).values
+    prv = torch.cat([torch.full((p, 1), -1), prv[:, :-1]], 1)
+    x_pad, g_pad = torch.cat([x, none], 1), torch.cat([none, g], 1)
+    x_next = torch.gather(x_pad, 1, nxt)
+    g_prev = torch.gather(g_pad, 1, prv + 1)
+    first = torch.where(act, cols, p).min(1).values
+    last = torch.where(act, cols, -1).max(1).values
+    x_first = torch.gather(x_pad, 1, first[:, None])[:, 0]
+    g_last = torch.gather(g_pad, 1, (last + 1)[:, None])[:, 0]
+    fwd = torch.maximum(c0, x_first) + torch.where(act, torch.maximum(c, x_next), 0.0).sum(1)
+    bwd = (
+        torch.maximum(b0, x_first)
+        + torch.where(act, torch.maximum(b, x_next + g_prev), 0.0).sum(1)
+        + g_last
+    )
+    pairs = (tr.local_pairs + tr.step_pairs.sum(1)).double()
+    cf, cb = pairs * f_pair, pairs * b_pair
+    steps = act.sum(1)
+    return [
+        RankTime(
+            j,
+            float(fwd[j]),
+            float(fwd[j] + bwd[j]),
+            float(cf[j]),
+            float(cf[j] + cb[j]),
+            int(steps[j]),
         )
-        cf = (local + sum(pairs)) * f_pair
-        cb = (local + sum(pairs)) * b_pair
-        out.append(RankTime(j, fwd, fwd + bwd, cf, cf + cb, len(steps)))
-    return out
+        for j in range(p)
+    ]
