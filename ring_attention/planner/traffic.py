@@ -1,6 +1,6 @@
 """What every rank of a ring sends, receives and computes per layer.
 
-:func:`traffic` answers, for every rank ``j`` and ring distance ``d``, the
+:func:`predict_traffic` answers, for every rank ``j`` and ring distance ``d``, the
 numbers the ring's schedule and transport are built from (docs/design.md
 §4): the (row, K/V head) pairs ``j`` receives from ``j - d`` and sends to
 ``j + d``, the rows of the span buffers the received pieces need
@@ -13,7 +13,9 @@ Two sources give the rows:
 
 * ``"plan"``: :func:`ring_attention.plan.build_plan` for every rank, the
   ring's own plan (``O(p * n * heads)`` work: small sizes only);
-* ``"analytic"``: closed forms, instant at a billion tokens. Two disjoint
+* ``"analytic"``: closed forms, whose cost does not grow with ``n`` (it
+  grows with the ``p * (p - 1)`` pairs of ranks, vectorised: seconds for
+  thousands of ranks). Two disjoint
   pieces share at most one segment per branch (a segment is an interval, and
   it must contain the gap between them), so the rows rank ``j`` needs from a
   sender piece are, per branch and head offset, every ``r``-th row of that
@@ -23,7 +25,8 @@ Two sources give the rows:
   once per K/V head: :func:`~.progressions.union_stats` counts the union.
   Every quantity depends on the pieces only relative to the sender piece's
   start, so equal configurations (most pairs of ranks, far apart, inside one
-  long segment) are counted once.
+  long segment) are counted once: the pairs of ranks are reduced to their
+  distinct keys first.
 
 The pairs always come from the closed forms of :mod:`.pairs`.
 """
