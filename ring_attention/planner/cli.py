@@ -82,14 +82,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g = ap.add_argument_group("ranks")
     g.add_argument("--gpus", type=int, help="ranks, one per GPU (device cuda)")
     g.add_argument("--processes", type=int, help="ranks as processes (device from --device)")
-    g.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda with --gpus, else cpu")
     g.add_argument(
-        "--gpu-memory",
+        "--device", choices=["cuda", "cpu"], help="default: cuda with --gpus or --gpu-memory"
+    )
+    g.add_argument("--gpu-memory", type=parse_size, help="memory per GPU (default 80GB)")
+    g.add_argument(
         "--memory",
-        dest="memory",
         type=parse_size,
-        help="memory per GPU (default 80GB); with --device cpu the host memory shared by all "
-        "processes (default: this machine's)",
+        help="with --device cpu: the host memory shared by all processes (default: this "
+        "machine's); on GPUs the same as --gpu-memory",
     )
     g.add_argument(
         "--reserve",
@@ -177,7 +178,9 @@ def build_setup(args: argparse.Namespace, ranks: int) -> Setup:
     """The :class:`Setup` the arguments describe (``ranks`` processes)."""
     if args.gpus is not None and args.processes is not None:
         raise Impossible("give either --gpus or --processes, not both")
-    device = args.device or ("cuda" if args.gpus is not None else "cpu")
+    device = args.device or (
+        "cuda" if args.gpus is not None or args.gpu_memory is not None else "cpu"
+    )
     model = None
     heads, kv_heads, head_dim = args.heads, args.kv_heads, args.head_dim
     if args.model:
@@ -208,8 +211,10 @@ def build_setup(args: argparse.Namespace, ranks: int) -> Setup:
     if dtype not in DTYPE_BYTES:
         raise Impossible(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {args.dtype!r}")
     if device == "cuda":
-        memory = args.memory or 80 * 10**9
+        memory = args.gpu_memory or args.memory or 80 * 10**9
     else:
+        if args.gpu_memory is not None:
+            raise Impossible("--gpu-memory is for GPUs; with --device cpu give --memory")
         memory = (args.memory or _host_memory()) // ranks
     reserve_text = args.reserve or ("10%" if device == "cuda" else "400MB")
     if reserve_text.endswith("%"):
