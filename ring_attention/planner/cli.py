@@ -6,7 +6,7 @@ Examples::
         --pattern longnet --dtype bf16 --layers 24 --hidden 2048
     python -m ring_attention.planner --device cpu --processes 4 --memory 24GB --heads 8 \\
         --head-dim 64 --dtype float32
-    python -m ring_attention.planner --seq-len 1e9 --gpu-memory 80GB --model 1b --dtype bf16
+    python -m ring_attention.planner --seq-len 1e9 --gpu-memory 80GB --heads 16 --head-dim 128
 """
 
 from __future__ import annotations

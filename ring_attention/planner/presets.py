@@ -103,7 +103,7 @@ class ModelShape:
 
 #: Public shapes (layer counts, widths, heads, MLP and vocabulary sizes).
 MODELS = {
-    "1b": ModelShape(24, 2048, 16, 16, 128, 8192, False, 50304),
+    "24x2048": ModelShape(24, 2048, 16, 16, 128, 8192, False, 50304),
     "llama2-7b": ModelShape(32, 4096, 32, 32, 128, 11008, True, 32000),
     "llama3-8b": ModelShape(32, 4096, 32, 8, 128, 14336, True, 128256),
 }

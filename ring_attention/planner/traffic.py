@@ -395,6 +395,9 @@ def predict_traffic(
 
     Raises:
         ValueError: for a bad configuration (naming it).
+
+    The vectorised work runs with one intra-op thread (its tensors are
+    small; the previous setting is restored).
     """
     kv_heads = heads if kv_heads is None else kv_heads
     check_layout(layout)
