@@ -450,6 +450,7 @@ def test_cli_cpu_processes_at_a_length(capsys) -> None:
         (["--gpus", "2", "--gpu-memory", "1GB", "--heads", "1", "--head-dim", "8", "--seq-len",
           "2e7"], "do not fit on 2 ranks"),
         (["--gpus", "2", "--segments", "8", "--dilations", "9"], "dilation_rates[0]"),
+        (["--seq-len", "1e6", "--device", "cpu"], "fewest-ranks search is for GPUs"),
     ],
 )  # fmt: skip
 def test_cli_explains_impossible_requests(capsys, argv, reason) -> None:

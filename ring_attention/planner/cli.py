@@ -203,8 +203,8 @@ def build_setup(args: argparse.Namespace, ranks: int) -> Setup:
             args.layers, args.hidden, heads, kv_heads, head_dim,
             args.ffn or 4 * args.hidden, args.gated, args.vocab,
         )  # fmt: skip
-    if heads < 1 or head_dim < 1 or kv_heads < 1:
-        raise Impossible("heads, kv_heads and head_dim must be >= 1")
+    if min(heads, head_dim, kv_heads, args.batch, args.threads) < 1:
+        raise Impossible("heads, kv_heads, head_dim, batch and threads must be >= 1")
     if heads % kv_heads:
         raise Impossible(f"kv_heads must divide heads: got heads={heads}, kv_heads={kv_heads}")
     dtype = dtype_name(args.dtype or ("bfloat16" if device == "cuda" else "float32"))
@@ -441,6 +441,11 @@ def run(args: argparse.Namespace) -> int:
                 "give --gpus/--processes (longest sequence) or --seq-len (fewest ranks)"
             )
         setup = build_setup(args, ranks or 1)
+        if ranks is None and setup.device == "cpu":
+            raise Impossible(
+                "the fewest-ranks search is for GPUs (CPU processes on one machine share its "
+                "memory): give --gpus or --gpu-memory, or --processes"
+            )
         setup.pattern_at(max(args.seq_len or 1, 1)).check_heads(setup.heads)
         if setup.usable <= 0:
             raise Impossible(
