@@ -24,7 +24,6 @@ import sys
 
 import pytest
 import torch
-from dist_utils import run_distributed
 from oracle import multiplicity as oracle_multiplicity
 
 from ring_attention.layout import layout_pieces
@@ -40,6 +39,7 @@ from ring_attention.planner.progressions import union_stats
 from ring_attention.planner.throughput import Rates, assumed_rates, rates_from_records
 from ring_attention.planner.timing import Link, layer_times
 from ring_attention.planner.traffic import all_pieces, predict_traffic
+from ring_attention.testing import run_distributed
 
 
 def _random_pattern(rng: random.Random, n: int, heads: int, *, docs: bool, offsets: bool):

@@ -341,16 +341,6 @@ def _analytic(
     return out
 
 
-def _plan_supports(pattern: Pattern, heads: int, kv_heads: int) -> bool:
-    """Whether the installed planner operator takes every feature used."""
-    names = {a.name for a in torch.ops.ring_attention.exchange_rows.default._schema.arguments}
-    return (
-        (kv_heads == heads or "kv_heads" in names)
-        and (pattern.documents is None or "cu_seqlens" in names)
-        and (pattern.head_offsets == "modulo" or "grouped_offsets" in names)
-    )
-
-
 def _from_plans(
     pattern: Pattern, seq_len: int, heads: int, kv_heads: int, p: int, layout: str
 ) -> dict[str, torch.Tensor]:
@@ -390,8 +380,7 @@ def predict_traffic(
         world_size: ranks.
         layout: ``"contiguous"`` or ``"zigzag"``.
         source: ``"plan"`` (the ring's own plans), ``"analytic"``, or
-            ``"auto"``: the plans when ``p * n * heads <= 2**24`` and the
-            installed planner operator takes every feature the pattern uses.
+            ``"auto"``: the plans when ``p * n * heads <= 2**24``.
 
     Raises:
         ValueError: for a bad configuration (naming it).
@@ -423,11 +412,7 @@ def predict_traffic(
         counts = _analytic(pattern, seq_len, heads, kv_heads, pieces)
     finally:
         torch.set_num_threads(threads)
-    use_plan = source == "plan" or (
-        source == "auto"
-        and p * seq_len * heads <= _PLAN_WORK_LIMIT
-        and _plan_supports(pattern, heads, kv_heads)
-    )
+    use_plan = source == "plan" or (source == "auto" and p * seq_len * heads <= _PLAN_WORK_LIMIT)
     if use_plan:
         counts.update(_from_plans(pattern, seq_len, heads, kv_heads, p, layout))
     recv = counts["recv"]

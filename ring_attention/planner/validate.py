@@ -4,7 +4,7 @@
     python -m ring_attention.planner.validate --seq-len 8192 --worlds 1 2
 
 Run from a checkout (it starts real gloo processes with
-``tests/dist_utils.run_distributed``, one intra-op thread each). Steps:
+``ring_attention.testing.run_distributed``, one intra-op thread each). Steps:
 
 1. **Rates**: unless ``--bench-json`` is given, one process times the local
    operator ``ring_attention.dilated_attention`` (median of ``--iters``
@@ -43,7 +43,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -51,6 +50,7 @@ from pathlib import Path
 import torch
 
 from ..pattern import Pattern
+from ..testing import run_distributed
 from .capacity import Setup, evaluate
 from .memory import KERNEL_WORKSPACE
 from .pairs import pattern_flops, reached_pairs
@@ -59,19 +59,7 @@ from .timing import Link
 
 __all__ = ["main"]
 
-_REPO = Path(__file__).resolve().parents[2]
 MiB = 2**20
-
-
-def _run_distributed():
-    tests = str(_REPO / "tests")
-    if tests not in sys.path:
-        sys.path.insert(0, tests)
-    try:
-        from dist_utils import run_distributed
-    except ImportError as exc:  # pragma: no cover - only outside a checkout
-        raise SystemExit(f"validate needs a checkout with tests/dist_utils.py ({exc})") from None
-    return run_distributed
 
 
 # ---------------------------------------------------------------------------
@@ -398,7 +386,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> None:
     """Calibrate, run, predict, print."""
     args = parse_args(argv)
-    run_distributed = _run_distributed()
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the spawned workers
     spec = {
         "n": args.seq_len, "heads": args.heads, "head_dim": args.head_dim, "batch": args.batch,
