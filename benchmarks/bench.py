@@ -4,6 +4,7 @@
     python benchmarks/bench.py ring       # the ring under torchrun: p = 1, 2, 4, 8, strong + weak
     python benchmarks/bench.py ring-run   # one ring run (the main job; run it under torchrun)
     python benchmarks/bench.py bytes      # bytes a rank sends per layer, from the exchange plans
+    python benchmarks/bench.py llm        # grouped K/V heads and packed documents: bytes, time
     python benchmarks/bench.py check      # every method against a reference, then exit
     python benchmarks/bench.py report     # tables and plots again from the result files
 
@@ -33,6 +34,7 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import llm
 import measure
 import methods
 import torch
@@ -1886,6 +1888,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_pattern(p, list(RING_SEGMENTS), list(RING_DILATIONS))
     add_output(p, resumable=False)
     p.set_defaults(func=cmd_bytes)
+
+    llm.add_parser(sub)
 
     p = sub.add_parser("check", help="every method against a reference, then exit")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help=DEVICE_HELP)

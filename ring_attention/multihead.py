@@ -288,6 +288,8 @@ class MultiheadDilatedAttention(nn.MultiheadAttention):
         attn_mask: torch.Tensor | None = None,
         average_attn_weights: bool = True,
         is_causal: bool = False,
+        *,
+        cu_seqlens: torch.Tensor | Sequence[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attention as ``nn.MultiheadAttention.forward``.
 
@@ -305,6 +307,11 @@ class MultiheadDilatedAttention(nn.MultiheadAttention):
                 ``attn_mask``); with no ``key_padding_mask`` and
                 ``need_weights=False`` causal attention is computed and
                 ``attn_mask`` is not read.
+            cu_seqlens: keyword only; document boundaries of a packed
+                sequence, ``[0, e_1, ..., L]`` (self-attention, query and key of
+                equal length; with ``group=`` GLOBAL boundaries, the same on
+                every rank): every document starts its own segments and no
+                query reaches another document (docs/design.md §1).
 
         Returns:
             ``(attn_output, attn_weights)``; ``attn_weights`` is ``None`` when
@@ -320,7 +327,7 @@ class MultiheadDilatedAttention(nn.MultiheadAttention):
                 restrictions, query and key of different lengths with a
                 pattern).
         """
-        if self._is_plain():
+        if self._is_plain() and cu_seqlens is None:
             try:
                 return super().forward(
                     query, key, value, key_padding_mask, need_weights, attn_mask,
@@ -332,10 +339,23 @@ class MultiheadDilatedAttention(nn.MultiheadAttention):
             query, key, value, key_padding_mask, need_weights, attn_mask, is_causal
         )
         if call.kernels:
-            out, weights = self._kernel_attention(call), None
+            out, weights = self._kernel_attention(call, cu_seqlens), None
         else:
-            out, weights = self._dense_attention(call, need_weights)
+            out, weights = self._dense_attention(call, need_weights, cu_seqlens)
         return self._outputs(out, weights, call, average_attn_weights)
+
+    def _call_pattern(self, call: _Call, cu_seqlens) -> Pattern:
+        """The pattern of one call: the module's (dense when it has none),
+        causal per the ``is_causal`` hint, with the call's documents."""
+        pattern = self.pattern if self.pattern is not None else _DENSE
+        if call.causal != pattern.causal:
+            pattern = replace(pattern, causal=call.causal)
+        if cu_seqlens is not None and call.q.shape[1] != call.k.shape[1]:
+            raise ValueError(
+                "cu_seqlens needs query and key of the same sequence length (self-attention), "
+                f"got {call.q.shape[1]} and {call.k.shape[1]}"
+            )
+        return pattern.with_documents(cu_seqlens)
 
     # -- checks --------------------------------------------------------------
     def _checked_call(
@@ -497,13 +517,10 @@ class MultiheadDilatedAttention(nn.MultiheadAttention):
             return select_dtype(x.device)
         return self.compute_dtype
 
-    def _kernel_attention(self, call: _Call) -> torch.Tensor:
+    def _kernel_attention(self, call: _Call, cu_seqlens) -> torch.Tensor:
         """The C++ operators on the ``(batch, seq, embed)`` projections: one
         process, or the ring when sharded."""
         B, L, E = call.q.shape
-        pattern = self.pattern if self.pattern is not None else _DENSE
-        if call.causal != pattern.causal:
-            pattern = replace(pattern, causal=call.causal)
         cdt = self._compute_dtype(call.q)
         # Contiguous: the projections are (L, N, E)-major views, and the
         # operators' Meta kernels (torch.compile) give their outputs the
@@ -512,16 +529,20 @@ class MultiheadDilatedAttention(nn.MultiheadAttention):
             t.reshape(B, L, self.num_heads, self.head_dim).to(cdt).contiguous()
             for t in (call.q, call.k, call.v)
         )
-        if self.group is not None:
-            out = ring_attention(q, k, v, pattern, group=self.group)
+        if self.group is not None:  # pattern errors are reported on every rank
+            out = ring_attention(
+                q, k, v, lambda: self._call_pattern(call, cu_seqlens), group=self.group
+            )
         else:
-            out = attend(q, k, v, pattern, key_padding_mask=call.bool_kpm)
+            out = attend(
+                q, k, v, self._call_pattern(call, cu_seqlens), key_padding_mask=call.bool_kpm
+            )
         return out.reshape(B, L, E)
 
-    def _dense_attention(self, call: _Call, need_weights: bool):
+    def _dense_attention(self, call: _Call, need_weights: bool, cu_seqlens):
         pattern = self.pattern
-        if pattern is not None and call.causal != pattern.causal:
-            pattern = replace(pattern, causal=call.causal)
+        if pattern is not None or cu_seqlens is not None:
+            pattern = self._call_pattern(call, cu_seqlens)
         return dense_attention(
             call.q,
             call.k,

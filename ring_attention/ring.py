@@ -236,7 +236,9 @@ class _RingDilatedAttentionFn(torch.autograd.Function):
         with torch.no_grad():
             grads = _ring_backward(ctx.call, grad_out, grad_lse, q, k, v, out, lse)
         if torch.is_grad_enabled():  # create_graph=True: the gradients are not differentiable
-            grads = _DoubleBackwardError.apply(*grads)
+            # The error node hangs off the inputs the gradients depend on, so
+            # differentiating a gradient with respect to any of them reaches it.
+            grads = _DoubleBackwardError.apply(len(grads), *grads, q, k, v, grad_out, grad_lse)
         return (*grads, None)
 
 
@@ -245,8 +247,10 @@ class _DoubleBackwardError(torch.autograd.Function):
     gradient would otherwise be silently zero)."""
 
     @staticmethod
-    def forward(ctx, *grads: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
-        return tuple(g.view_as(g) for g in grads)
+    def forward(ctx, n: int, *tensors: Tensor | None) -> tuple[Tensor, ...]:  # type: ignore[override]
+        """The first ``n`` tensors (gradients), passed through; the others are
+        what they depend on."""
+        return tuple(g.view_as(g) for g in tensors[:n])
 
     @staticmethod
     def backward(ctx, *_: Tensor):  # type: ignore[override]

@@ -194,3 +194,19 @@ def test_local_sweep_on_cuda(tmp_path: Path) -> None:
           "--iters", "1", "--search-step", "0", "--out-dir", str(tmp_path))  # fmt: skip
     recs = [r for r in records(tmp_path / "local.jsonl") if r["kind"] == "local"]
     assert {r["status"] for r in recs if r["method"] in ("ours", "gather")} == {"ok"}
+
+
+def test_llm_subcommand_measures_gqa_bytes_and_packed_documents(tmp_path: Path) -> None:
+    out = bench(
+        "llm", "--seq-lens", "4096", "--worlds", "4", "--segments", "512", "2048",
+        "--dilations", "1", "2", "--cpu-seq-lens", "512", "--doc-seq-len", "1024",
+        "--documents", "40", "--iters", "1", "--threads", "1", "--out-dir", str(tmp_path),
+    )  # fmt: skip
+    text = (tmp_path / "llm.md").read_text()
+    assert text.strip() == out.strip()
+    # 32 query heads on 8 K/V heads: a dense branch (r = 1) alone would send a
+    # quarter; with dilation the union over a group's heads sends at most that
+    row = next(line for line in text.splitlines() if line.startswith("| 4096 | 4 |"))
+    gqa, rep, ratio = (float(x) for x in row.split("|")[3:6])
+    assert 0 < gqa < rep and 1 < ratio <= 4
+    assert "| packed |" in text and "| unpacked |" in text

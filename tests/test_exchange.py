@@ -515,3 +515,54 @@ def test_dead_rank_makes_the_others_raise() -> None:
     kind, msg, seconds = results[0]
     assert kind != "no error", "rank 0 ran the ring without its peer"
     assert seconds < 25, f"rank 0 raised only after {seconds:.0f} s: {kind}: {msg}"
+
+
+# ---------------------------------------------------------------------------
+# Documents and grouped K/V heads in the plan.
+
+
+def _doc_plans(n, world, cu, segs=(64,), dils=(1,), heads=2, kv_heads=2, causal=True):
+    pattern = Pattern(list(segs), list(dils), causal=causal).with_documents(cu)
+    return [build_plan(pattern, n, heads, kv_heads, world, r) for r in range(world)]
+
+
+def test_documents_inside_one_shard_exchange_nothing() -> None:
+    """Every document lies inside one shard: even a dense pattern sends nothing."""
+    plans = _doc_plans(64, 4, [0, 10, 16, 30, 32, 48, 64])
+    assert all(not p.steps for p in plans)
+    assert all(p.rows_sent == 0 for p in plans)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_only_rows_of_documents_crossing_shards_travel(causal: bool) -> None:
+    # shards of 16: documents [10, 20) and [40, 64) cross boundaries, the others do not
+    cu = [0, 10, 20, 32, 40, 64]
+    crossing = [(10, 20), (40, 64)]
+    plans = _doc_plans(64, 4, cu, segs=(8, 32), dils=(1, 2), causal=causal)
+    sent = 0
+    for p in plans:
+        for step in p.steps:
+            for piece, idx in zip(p.pieces, step.send_idx, strict=True):
+                rows = piece.start + idx // p.kv_heads
+                inside = torch.zeros_like(rows, dtype=torch.bool)
+                for a, b in crossing:
+                    inside |= (rows >= a) & (rows < b)
+                assert bool(inside.all()), f"rank {p.rank} sends rows outside crossing documents"
+                sent += idx.numel()
+    assert sent > 0  # the crossing documents do exchange rows
+
+
+@pytest.mark.parametrize("segs,dils", [([64], [1]), ([8, 16, 32], [1, 2, 4])])
+def test_grouped_kv_heads_travel_at_kv_width(segs, dils) -> None:
+    """A K/V head's rows go once for every query head of its group: never
+    more than the repeated-K/V plan sends, a quarter of it for 4 query heads
+    per K/V head when all of them read the same rows (r = 1)."""
+    pattern = Pattern(segs, dils, causal=True)
+    n, world, heads = 96, 3, 8
+    for r in range(world):
+        gqa = build_plan(pattern, n, heads, 2, world, r)
+        rep = build_plan(pattern, n, heads, heads, world, r)
+        assert gqa.rows_sent <= rep.rows_sent
+        if dils == [1]:
+            assert 4 * gqa.rows_sent == rep.rows_sent
+        assert gqa.bytes_sent(1, 64, 2) == 2 * gqa.rows_sent * 64 * 2

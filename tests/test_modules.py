@@ -8,6 +8,7 @@ import pytest
 import torch
 from oracle import reference_attention
 
+import ring_attention as ra
 from ring_attention.modules import DilatedAttention
 
 E, H = 16, 4
@@ -66,3 +67,15 @@ def test_dilated_attention_module() -> None:
 def test_dilated_attention_module_errors_at_construction(args, kw, match) -> None:
     with pytest.raises(ValueError, match=match):
         DilatedAttention(*args, **kw)
+
+
+def test_modules_take_grouped_kv_heads_and_documents() -> None:
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 29, 6, 8, generator=g)
+    k, v = (torch.randn(2, 29, 2, 8, generator=g) for _ in range(2))
+    cu = torch.tensor([0, 3, 3, 20, 29])
+    args = ([4, 8], [1, 2])
+    want = ra.dilated_attention(q, k, v, *args, causal=True, cu_seqlens=cu)
+    assert torch.equal(DilatedAttention(*args, causal=True)(q, k, v, cu_seqlens=cu), want)
+    ring = ra.RingDilatedAttention(*args, causal=True)  # no process group: one process
+    assert torch.equal(ring(q, k, v, cu_seqlens=cu), want)

@@ -619,3 +619,38 @@ def _sharded_worker(rank: int, world: int, n: int) -> list[str]:
 def test_sharded_module_equals_unsharded(world, n) -> None:
     results = run_distributed(_sharded_worker, world, n, timeout=120)
     assert results == [[]] * world, results
+
+
+# ---------------------------------------------------------------------------
+# Packed documents (keyword-only cu_seqlens).
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+@pytest.mark.parametrize("pattern", [None, ([4, 8], [1, 2])])
+def test_packed_documents_equal_separate_calls(need_weights, pattern) -> None:
+    """A packed sequence with cu_seqlens gives, on each document, what the
+    document alone gives (kernel path without weights, dense path with)."""
+    torch.manual_seed(0)
+    kw = {} if pattern is None else {"segment_lengths": pattern[0], "dilation_rates": pattern[1]}
+    m = ra.MultiheadDilatedAttention(16, 4, batch_first=True, **kw).eval()
+    cu = [0, 5, 5, 6, 17, 30]
+    x = torch.randn(2, 30, 16)
+    out, w = m(x, x, x, need_weights=need_weights, cu_seqlens=torch.tensor(cu))
+    for a, b in itertools.pairwise(cu):
+        if a == b:
+            continue
+        xs = x[:, a:b]
+        ref, wr = m(xs, xs, xs, need_weights=need_weights, cu_seqlens=[0, b - a])
+        torch.testing.assert_close(out[:, a:b], ref, atol=1e-5, rtol=1e-5)
+        if need_weights:
+            torch.testing.assert_close(w[:, a:b, a:b], wr, atol=1e-6, rtol=1e-5)
+            assert not w[:, a:b, :a].any() and not w[:, a:b, b:].any()
+
+
+def test_packed_documents_need_self_attention_lengths() -> None:
+    m = ra.MultiheadDilatedAttention(16, 4, batch_first=True)
+    x, y = torch.randn(1, 10, 16), torch.randn(1, 12, 16)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        m(x, y, y, need_weights=False, cu_seqlens=[0, 4, 10])
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        m(x, x, x, need_weights=False, cu_seqlens=[0, 4, 9])

@@ -46,6 +46,39 @@ CASES: dict[str, dict] = {
     "zigzag_longnet": dict(n=101, pattern=LONGNET, causal=True, layout="zigzag", heads=3),
     "zigzag_noncausal": dict(n=37, pattern=([8, 16], [1, 2]), causal=False, layout="zigzag"),
     "tiny": dict(n=4, pattern=([2, 4], [1, 2]), causal=True),
+    # grouped K/V heads: K/V travel at K/V-head width
+    "gqa": dict(n=101, pattern=LONGNET, causal=True, heads=4, kv_heads=2),
+    "mqa": dict(n=37, pattern=([8, 16], [1, 2]), causal=False, heads=3, kv_heads=1),
+    "gqa_head_groups": dict(
+        n=101, pattern=LONGNET, causal=True, heads=6, kv_heads=2, head_groups=True
+    ),
+    # packed documents (global boundaries): empty, length-1, shorter than a
+    # segment, spanning several ranks, boundaries shared with no shard
+    "documents": dict(n=101, pattern=LONGNET, causal=True, cu_seqlens=[0, 0, 1, 6, 6, 58, 59, 101]),
+    "documents_dense": dict(n=37, pattern=None, causal=True, cu_seqlens=[0, 13, 14, 30, 37]),
+    "documents_zigzag": dict(
+        n=101, pattern=LONGNET, causal=True, layout="zigzag", cu_seqlens=[0, 3, 40, 41, 90, 101]
+    ),
+    "documents_gqa_grouped": dict(
+        n=101,
+        pattern=LONGNET,
+        causal=False,
+        heads=4,
+        kv_heads=2,
+        head_offsets="grouped",
+        cu_seqlens=[0, 20, 77, 101],
+    ),
+    # a loss that uses lse: its gradient enters the backward
+    "lse": dict(n=101, pattern=LONGNET, causal=True, lse=True),
+    "lse_documents_gqa": dict(
+        n=37,
+        pattern=([8, 16], [1, 2]),
+        causal=False,
+        heads=4,
+        kv_heads=2,
+        cu_seqlens=[0, 9, 37],
+        lse=True,
+    ),
 }
 
 TOLERANCES = {
@@ -54,15 +87,20 @@ TOLERANCES = {
     torch.bfloat16: (2e-2, 2e-2),
 }
 
+LSE_TOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
 WORLD_SIZES = [1, 2, 3, 4, 5]
 
 
 def _config(case: dict) -> dict:
     c = dict(
-        batch=2, heads=4, head_dim=8, head_groups=False, scale=None, layout="contiguous",
-        dtype=torch.float32,
+        batch=2, heads=4, kv_heads=None, head_dim=8, head_groups=False, scale=None,
+        layout="contiguous", dtype=torch.float32, cu_seqlens=None, head_offsets="modulo",
+        lse=False,
     )  # fmt: skip
     c.update(case)
+    if c["kv_heads"] is None:
+        c["kv_heads"] = c["heads"]
     if c["pattern"] is None:
         c["pattern"] = ([c["n"]], [1])
     return c
@@ -71,14 +109,31 @@ def _config(case: dict) -> dict:
 def _inputs(c: dict) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(1234 + c["n"])
     shape = (c["batch"], c["n"], c["heads"], c["head_dim"])
-    q, k, v, go = (torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(4))
+    kv_shape = (c["batch"], c["n"], c["kv_heads"], c["head_dim"])
+    q, go = (torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(kv_shape, generator=g, dtype=torch.float64) for _ in range(2))
     return tuple(t.to(c["dtype"]) for t in (q, k, v, go))
+
+
+def _lse_weight(c: dict) -> torch.Tensor:
+    """Weights of lse in the loss of the ``lse`` cases: (batch, heads, n)."""
+    g = torch.Generator().manual_seed(99 + c["n"])
+    return torch.randn(c["batch"], c["heads"], c["n"], generator=g, dtype=torch.float64)
 
 
 def _maxerr(a: torch.Tensor, b: torch.Tensor) -> float:
     if a.numel() == 0:
         return 0.0
     return (a.double() - b.double()).abs().max().item()
+
+
+def _maxerr_finite(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Max error where ``b`` is finite; inf where ``a`` and ``b`` disagree on
+    which entries are -inf (rows that reach nothing)."""
+    if not torch.equal(torch.isinf(a), torch.isinf(b)):
+        return float("inf")
+    keep = torch.isfinite(b)
+    return _maxerr(a[keep], b[keep]) if keep.any() else 0.0
 
 
 def _maxabs(a: torch.Tensor) -> float:
@@ -89,25 +144,38 @@ def _run_case(c: dict, group=None) -> dict:
     """One rank's checks for one case (runs inside a worker)."""
     segs, dils = c["pattern"]
     kw = dict(causal=c["causal"], scale=c["scale"], head_groups=c["head_groups"])
+    feat = dict(cu_seqlens=c["cu_seqlens"], head_offsets=c["head_offsets"])
     layout = c["layout"]
     q, k, v, go = _inputs(c)
+    glse = _lse_weight(c) if c["lse"] else None
+
+    def loss(out: torch.Tensor, lse: torch.Tensor, go: torch.Tensor, glse) -> torch.Tensor:
+        value = (out.double() * go.double()).sum()
+        if glse is not None:  # a finite weight of every reached row's lse
+            value = value + (torch.where(torch.isinf(lse), 0, lse).double() * glse).sum()
+        return value
 
     # float64 oracle on the (dtype-rounded) inputs
     q64, k64, v64 = (t.to(torch.float64, copy=True).requires_grad_() for t in (q, k, v))
-    ref, _ = reference_attention(q64, k64, v64, segs, dils, **kw)
-    ref.backward(go.double())
+    ref, ref_lse = reference_attention(
+        q64, k64, v64, segs, dils, **kw, cu_seqlens=c["cu_seqlens"],
+        grouped_offsets=c["head_offsets"] == "grouped",
+    )  # fmt: skip
+    loss(ref, ref_lse, go, glse).backward()
 
     # single-process op, same dtype
     q1, k1, v1 = (t.clone().requires_grad_() for t in (q, k, v))
-    loc = ra.dilated_attention(q1, k1, v1, segs, dils, **kw)
-    loc.backward(go)
+    loc, loc_lse = ra.dilated_attention(q1, k1, v1, segs, dils, **kw, **feat, return_lse=True)
+    loss(loc, loc_lse, go, glse).backward()
 
-    def shard(t: torch.Tensor) -> torch.Tensor:
-        return shard_sequence(t, 1, group, layout=layout)
+    def shard(t: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        return shard_sequence(t, dim, group, layout=layout)
 
     ql, kl, vl = (shard(t).detach().clone().requires_grad_() for t in (q, k, v))
-    out = ring_dilated_attention(ql, kl, vl, segs, dils, group=group, layout=layout, **kw)
-    out.backward(shard(go))
+    out, lse = ring_dilated_attention(
+        ql, kl, vl, segs, dils, group=group, layout=layout, return_lse=True, **kw, **feat
+    )
+    loss(out, lse, shard(go), None if glse is None else shard(glse, 2)).backward()
     full = gather_sequence(out.detach(), 1, group, layout=layout)
 
     res = {
@@ -116,6 +184,7 @@ def _run_case(c: dict, group=None) -> dict:
         "out_vs_oracle": _maxerr(out, shard(ref.detach())),
         "out_vs_local": _maxerr(out, shard(loc.detach())),
         "gathered_vs_oracle": _maxerr(full, ref.detach()),
+        "lse_vs_oracle": _maxerr_finite(lse, shard(ref_lse.detach(), 2)),
         "scale_out": _maxabs(ref.detach()),
     }
     for name, mine, r64, r1 in (
@@ -208,6 +277,7 @@ def test_ring_matches_single_process_and_oracle(world: int, case: str) -> None:
         assert r["finite"], where
         for what in ("out_vs_oracle", "out_vs_local", "gathered_vs_oracle"):
             assert r[what] <= atol + rtol * r["scale_out"], f"{where}: {what}={r[what]:.3g}"
+        assert r["lse_vs_oracle"] <= LSE_TOL[c["dtype"]], f"{where}: lse={r['lse_vs_oracle']:.3g}"
         for g in ("dq", "dk", "dv"):
             for ref in ("oracle", "local"):
                 err = r[f"{g}_vs_{ref}"]
@@ -349,3 +419,30 @@ def test_public_exports() -> None:
     assert ra.RingDilatedAttention is RingDilatedAttention
     assert ra.shard_sequence is shard_sequence
     assert ra.gather_sequence is gather_sequence
+
+
+def test_gradcheck_lse_documents_grouped_kv_single_process() -> None:
+    """gradcheck on both outputs (out and lse) of the ring, with documents and
+    grouped K/V heads (float64)."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 11, 4, 3, dtype=torch.float64, generator=g).requires_grad_()
+    k, v = (
+        torch.randn(1, 11, 2, 3, dtype=torch.float64, generator=g).requires_grad_()
+        for _ in range(2)
+    )
+
+    def fn(a, b, d):
+        out, lse = ring_dilated_attention(
+            a, b, d, [4, 8], [1, 2], causal=True, cu_seqlens=[0, 1, 7, 11], return_lse=True
+        )
+        return out, lse
+
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+
+
+def test_double_backward_of_the_ring_raises() -> None:
+    q, k, v = (torch.randn(1, 9, 2, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    out = ring_dilated_attention(q, k, v, [4], [1], causal=True)
+    (gq,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(gq.sum(), k)
