@@ -10,9 +10,9 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   echo "setup: installing torch (${RING_ATTENTION_TORCH:-torch==2.13.0})"
   "${PIP[@]}" "${RING_ATTENTION_TORCH:-torch==2.13.0}"
 fi
-# Build tools and test tools (small; skipped when present).
+# Build tools and test tools (skipped when present; transformers: the hf extra's tests).
 missing=()
-for mod in setuptools wheel pytest ninja; do
+for mod in setuptools wheel pytest ninja transformers; do
   "$PY" -c "import $mod" 2>/dev/null || missing+=("$mod")
 done
 if [ ${#missing[@]} -gt 0 ]; then
