@@ -499,3 +499,24 @@ def test_shard_causal_lm_batch_without_a_group_is_the_whole_batch() -> None:
     model = build(tiny_config(), "ring_dilated")
     with torch.no_grad():
         torch.testing.assert_close(model(**batch).loss, model(ids, labels=labels).loss)
+
+
+# ---------------------------------------------------------------------------
+# The example.
+
+
+def test_llama_finetune_example_runs_on_two_processes() -> None:
+    script = os.path.join(ROOT, "examples", "hf_llama_finetune.py")
+    cmd = [sys.executable, script, "--steps", "6", "--seq-len", "64", "--batch", "4",
+           "--log-every", "3", "--world-size", "2"]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = res.stdout
+    assert "2 process(es)" in out and "32 tokens per rank" in out, out
+    rows = [line.split("|") for line in out.splitlines() if line.split("|")[0].strip().isdigit()]
+    assert [int(r[0]) for r in rows] == [0, 3, 6], out
+    losses = [float(r[1]) for r in rows]
+    assert all(0 < loss < 10 for loss in losses), out
+    assert losses[-1] < losses[0], out  # six steps already lower the loss
+    assert all(r[2].strip().endswith("%") for r in rows) and "runtime" in out
