@@ -67,7 +67,7 @@ def tiny_config(arch: str = "llama", kv_heads: int = 4, pattern: dict | None = N
     return cfg
 
 
-def build(cfg, attn: str, dtype: torch.dtype = torch.float32, state: dict | None = None):
+def build(cfg, attn: str = "sdpa", dtype: torch.dtype = torch.float32, state: dict | None = None):
     """A model of ``cfg`` (copied: from_config writes the implementation into
     its config) with ``state`` or the seed-0 weights, in eval mode."""
     torch.manual_seed(0)
@@ -520,3 +520,50 @@ def test_llama_finetune_example_runs_on_two_processes() -> None:
     assert all(0 < loss < 10 for loss in losses), out
     assert losses[-1] < losses[0], out  # six steps already lower the loss
     assert all(r[2].strip().endswith("%") for r in rows) and "runtime" in out
+
+
+# ---------------------------------------------------------------------------
+# The README's section, run as written under torchrun (a tiny saved model
+# stands in for the checkpoint).
+
+README_CHECKPOINT = "meta-llama/Llama-3.2-1B"
+
+README_REFERENCE = """
+import torch
+torch.manual_seed(0)
+input_ids = torch.randint(1, 61, (2, 45))
+labels = input_ids.clone()
+labels[1, 30:] = -100
+position_ids = None
+want = model(input_ids, labels=labels).loss
+want.backward()
+want_grads = [p.grad.clone() for p in model.parameters()]
+model.zero_grad()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+"""
+
+README_CHECK = """
+dist.all_reduce(loss)
+assert abs(loss.item() - want.item()) < 1e-5, (loss.item(), want.item())
+err = max((p.grad - g).abs().max().item() for p, g in zip(model.parameters(), want_grads))
+assert err < 1e-5, err
+print("rank", dist.get_rank(), "ok", err)
+dist.destroy_process_group()
+"""
+
+
+def test_readme_section_runs_under_torchrun(tmp_path) -> None:
+    text = open(os.path.join(ROOT, "README.md")).read()
+    section = text.split("## Hugging Face transformers\n", 1)[1].split("\n## ", 1)[0]
+    blocks = section.split("```python\n")[1:]
+    usage, parallel = (b.split("```", 1)[0] for b in blocks)
+    assert README_CHECKPOINT in usage and "register_transformers(group=" in parallel
+    build(tiny_config()).save_pretrained(tmp_path / "tiny")
+    usage = usage.replace(README_CHECKPOINT, str(tmp_path / "tiny"))
+    script = tmp_path / "readme_hf.py"
+    script.write_text(usage + README_REFERENCE + parallel + README_CHECK)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    proc = subprocess.run([*cmd, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.stdout.count(" ok ") == 2, proc.stdout
