@@ -8,12 +8,14 @@ from .dtypes import select_dtype
 from .functional import dilated_attention
 from .hf import register_transformers
 from .modules import DilatedAttention, MultiheadDilatedAttention, RingDilatedAttention
+from .multihead import MultiheadAttentionError
 from .pattern import Pattern
 from .ring import ring_dilated_attention
 from .sharding import gather_sequence, shard_sequence
 
 __all__ = [
     "DilatedAttention",
+    "MultiheadAttentionError",
     "MultiheadDilatedAttention",
     "Pattern",
     "RingDilatedAttention",

@@ -12,14 +12,7 @@ import torch.nn.functional as F
 from .multiplicity import log_multiplicity
 from .pattern import Pattern
 
-__all__ = ["as_float_mask", "dense_attention"]
-
-
-def as_float_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """Bool (True = masked) -> additive float mask (``-inf``); float unchanged."""
-    if mask is None or torch.is_floating_point(mask):
-        return mask
-    return torch.zeros_like(mask, dtype=dtype).masked_fill_(mask, float("-inf"))
+__all__ = ["dense_attention"]
 
 
 def dense_attention(
@@ -41,9 +34,9 @@ def dense_attention(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Exact attention of projected ``(batch, seq, embed)`` q/k/v with
     materialised ``(batch, heads, L, S)`` scores, as ``nn.MultiheadAttention``
-    computes it: masks (bool ``True`` = masked, or additive float),
-    ``bias_k``/``bias_v`` and ``add_zero_attn`` keys (reached once by every
-    query), dropout on the probabilities, and a dilated ``pattern`` entering
+    computes it: additive float masks (``-inf`` = masked; the caller converts
+    bool masks), ``bias_k``/``bias_v`` and ``add_zero_attn`` keys (reached
+    once by every query), dropout on the probabilities, and a dilated ``pattern`` entering
     as the ``log(multiplicity)`` bias (its ``causal`` replaces ``causal``).
     Rows that reach nothing give zeros.
     Returns ``(out (batch, L, embed), weights (batch, heads, L, S) or None)``.
@@ -52,8 +45,7 @@ def dense_attention(
     B, L, E = q.shape
     H = num_heads
     D = E // H
-    kpm = as_float_mask(key_padding_mask, cdt)
-    am = as_float_mask(attn_mask, cdt)
+    kpm, am = key_padding_mask, attn_mask
     if bias_k is not None:
         k = torch.cat([k, bias_k.expand(B, 1, E).to(k.dtype)], dim=1)
         v = torch.cat([v, bias_v.expand(B, 1, E).to(v.dtype)], dim=1)

@@ -1,10 +1,19 @@
-"""``MultiheadDilatedAttention``: a drop-in replacement for
-``torch.nn.MultiheadAttention`` with exact dilated attention (docs/design.md
-§1) and sequence sharding.
+"""``MultiheadDilatedAttention``: ``torch.nn.MultiheadAttention`` with exact
+dilated attention (docs/design.md §1) and sequence sharding.
 
-``forward`` reads: checks (through the ring's handshake when sharded) ->
-input projections -> one attention path -> output projection. The paths (all
-exact):
+The class derives from ``nn.MultiheadAttention``. With no pattern, no
+``group`` and no ``compute_dtype`` its ``forward`` *is*
+``nn.MultiheadAttention.forward`` (the only change: the ``AssertionError`` it
+raises for a bad argument becomes :class:`MultiheadAttentionError`, which is
+also a ``ValueError``), so outputs, weights, gradients, dropout, output
+strides, the fused inference path, nested tensors, warnings and errors are
+PyTorch's own.
+
+Otherwise ``forward`` reads: checks in ``nn.MultiheadAttention``'s order and
+words (``multihead_checks.py``; through the ring's handshake when sharded) ->
+input projections -> one attention path -> output projection, laid out as
+``nn.MultiheadAttention`` lays out its output for the same call. The paths
+(both exact):
 
 - **kernels**: the C++ operators, O(n) memory for a dilated pattern —
   ``ring_attention.attend`` on one process, ``ring_attention.ring_attention``
@@ -23,39 +32,39 @@ exact):
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import ClassVar, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
-from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from ._comm import world_info
 from .dense import dense_attention
 from .dtypes import select_dtype
 from .functional import attend
 from .handshake import reject
+from .multihead_checks import (
+    MultiheadAttentionError,
+    canonical_mask,
+    check_attn_mask_shape,
+    check_dims,
+    check_key_padding_mask_shape,
+    check_key_value,
+    check_mask_dtype,
+    check_separate_weights,
+    fast_path_reason,
+    nested_error,
+)
 from .pattern import Pattern
 from .ring import ring_attention
 
-__all__ = ["MultiheadDilatedAttention"]
+__all__ = ["MultiheadAttentionError", "MultiheadDilatedAttention"]
 
 #: A pattern whose one segment is longer than any sequence: dense attention.
 _DENSE = Pattern((2**62,), (1,))
-
-
-def _block_mha_fastpath(module: nn.Module, args: tuple) -> None:
-    """A no-op forward pre-hook. ``nn.TransformerEncoderLayer`` skips its fused
-    inference kernel (which reads the projection weights and computes *dense*
-    attention itself, bypassing ``self_attn.forward``) when its submodules have
-    hooks; a dilated or sharded ``MultiheadDilatedAttention`` registers this
-    hook so that its ``forward`` is always the one that runs."""
-    return None
-
 
 _CAUSAL_HINT_ERROR = (
     "Need attn_mask if specifying the is_causal hint. You may use the Transformer module "
@@ -63,39 +72,56 @@ _CAUSAL_HINT_ERROR = (
 )
 
 
-def _check_mask_dtype(mask: torch.Tensor | None, name: str) -> None:
-    if mask is None:
-        return
-    if not isinstance(mask, torch.Tensor):
-        raise ValueError(f"{name} must be a bool or floating tensor, got {type(mask).__name__}")
-    if mask.dtype != torch.bool and not torch.is_floating_point(mask):
-        raise ValueError(f"{name} must have dtype torch.bool or a floating dtype, got {mask.dtype}")
+def _keep_forward(module: nn.Module, args: tuple) -> None:
+    """A no-op forward pre-hook. ``nn.TransformerEncoderLayer`` in inference
+    skips its fused kernel (which reads the projection weights and computes
+    *dense* attention in their dtype, bypassing ``self_attn.forward``) when a
+    submodule has hooks. A module with a pattern, a ``group`` or a
+    ``compute_dtype`` registers this hook so that its own ``forward`` is always
+    the one that runs; a plain module does not, and the layer keeps PyTorch's
+    fused path."""
+    return None
+
+
+def _views(
+    fn: Callable[[torch.Tensor], torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``fn`` applied to ``q``, ``k``, ``v``, keeping which of them are the
+    same tensor (the projections, as PyTorch's, depend on it)."""
+    q2 = fn(q)
+    k2 = q2 if k is q else fn(k)
+    v2 = k2 if v is k else (q2 if v is q else fn(v))
+    return q2, k2, v2
 
 
 class _Call(NamedTuple):
-    """One checked ``forward`` call, inputs as ``(batch, seq, features)``."""
+    """One checked call of the module's own path."""
 
-    query: torch.Tensor
-    key: torch.Tensor
-    value: torch.Tensor
-    key_padding_mask: torch.Tensor | None
-    attn_mask: torch.Tensor | None
+    q: torch.Tensor  # projections, (batch, seq, embed)
+    k: torch.Tensor
+    v: torch.Tensor
+    bool_kpm: torch.Tensor | None  # the key_padding_mask when bool (the kernels take it)
+    kpm: torch.Tensor | None  # additive key_padding_mask (the dense path)
+    attn_mask: torch.Tensor | None  # additive; None when the is_causal hint replaces it
     batched: bool
     causal: bool
     kernels: bool  # the C++ operators apply (else: the dense path)
+    batch_major: bool  # nn.MultiheadAttention would return a contiguous (N, L, E) output
+    lengths: list[int] | None  # the sequence lengths of a nested-tensor input
 
 
-class MultiheadDilatedAttention(nn.Module):
+class MultiheadDilatedAttention(nn.MultiheadAttention):
     """Drop-in replacement for ``torch.nn.MultiheadAttention`` with optional
     exact dilated attention and sequence sharding.
 
-    Constructor, parameter names/shapes/initialisation, state-dict keys and the
-    ``forward`` signature and return value are those of
-    ``nn.MultiheadAttention``, so ``load_state_dict`` works both ways and a
-    model keeps working unchanged. With no pattern the module computes dense
-    attention and matches ``nn.MultiheadAttention`` numerically, masks, biases,
-    ``add_zero_attn``, ``is_causal`` (a hint that needs ``attn_mask``) and
-    dropout included.
+    It is an ``nn.MultiheadAttention``: same constructor, parameters,
+    initialisation, state-dict keys, ``forward`` signature and return value.
+    With no pattern, no ``group`` and no ``compute_dtype`` it runs
+    ``nn.MultiheadAttention.forward`` itself, so nothing observable changes
+    (inside ``nn.Transformer*`` too, fused inference paths and nested tensors
+    included); a bad argument raises the same error with the same message, as
+    :class:`MultiheadAttentionError` (an ``AssertionError`` that is also a
+    ``ValueError``) where PyTorch raises ``AssertionError``.
 
     Args:
         embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim,
@@ -115,21 +141,29 @@ class MultiheadDilatedAttention(nn.Module):
             ``attn_mask`` (except as the ``is_causal`` hint, which is not
             read), ``need_weights=True``, ``key_padding_mask``, dropout in
             training, key/query of different lengths, ``add_bias_kv``,
-            ``add_zero_attn`` — each raises ``ValueError`` naming the argument,
-            on every rank (the checks go through the ring's handshake). Every
-            rank must call ``forward`` (and the backward) together.
+            ``add_zero_attn``, nested tensors — each raises ``ValueError``
+            naming the argument, on every rank (the checks go through the
+            ring's handshake). Every rank must call ``forward`` (and the
+            backward) together.
         compute_dtype: dtype of the attention core: ``None`` (that of the
             projected inputs), ``"auto"`` (``ra.select_dtype(device)``:
             bfloat16 on Ampere and newer, float16 on 7.x, float32 on older
             GPUs and the CPU) or a ``torch.dtype``. Projected q/k/v are cast to
             it and the attention output cast back before ``out_proj``.
 
-    Semantics with a pattern:
+    With a pattern, a ``group`` or a ``compute_dtype`` the module computes
+    attention itself. Argument checks, their order, exception types and
+    messages, the output's memory layout (strides), the dropout random stream
+    and which nested-tensor inputs are accepted stay those of
+    ``nn.MultiheadAttention`` (its checks are those of its general path: where
+    it would run its fused inference kernel, which checks shapes in C++ with
+    its own words, this path never does); the differences:
 
     - The attention of each head is the multiset softmax of docs/design.md §1:
       query ``t`` attends to key ``u`` with weight
       ``M[h, t, u] * exp(s_tu - lse_t)``, ``M`` the number of branches reaching
-      ``u`` from ``t``. ``query`` and ``key`` must have the same length.
+      ``u`` from ``t``. ``query`` and ``key`` must have the same length
+      (``ValueError``).
     - ``is_causal=True`` (with an ``attn_mask``, as for
       ``nn.MultiheadAttention``) makes the pattern causal when the hint is
       used (no ``key_padding_mask``, ``need_weights=False``); otherwise the
@@ -140,32 +174,25 @@ class MultiheadDilatedAttention(nn.Module):
       ``(batch, heads, L, S)`` matrix (averaged over heads when
       ``average_attn_weights``); it is computed only when asked.
     - ``dropout > 0`` in training drops attention probabilities (after the
-      softmax, before multiplying with V, as ``nn.MultiheadAttention`` does),
-      reproducibly under ``torch.manual_seed``; it uses the exact dense path
-      (O(L*S) memory per head).
+      softmax, before multiplying with V, as ``nn.MultiheadAttention`` does,
+      with the same random stream); it uses the exact dense path (O(L*S)
+      memory per head).
     - The keys added by ``add_bias_kv`` and ``add_zero_attn`` are reached by
       every query once (multiplicity 1); they use the dense path.
     - A query that reaches no key (all its keys masked) gets a zero output and
       zero weights, never NaN (``nn.MultiheadAttention`` gives NaN there).
+    - Inference never takes PyTorch's fused kernels (they compute dense
+      attention): ``nn.TransformerEncoderLayer`` is kept off its fused path
+      by a no-op forward pre-hook. Nested-tensor inputs (as
+      ``nn.TransformerEncoder`` makes them in inference with a
+      ``src_key_padding_mask``) are attended as padded sequences with the
+      padding masked, and returned nested.
 
     Performance: as for ``nn.MultiheadAttention``, ``need_weights`` defaults
     to ``True``, which materialises the dense ``(batch, heads, L, S)`` weights.
     Pass ``need_weights=False`` (``nn.Transformer*Layer`` does) to get the
     C++ op, O(L) memory for a dilated pattern.
-
-    ``nn.TransformerEncoderLayer`` in inference mode would compute dense
-    attention from this module's weights itself (its fused fast path); a
-    module with a pattern or a ``group`` disables that path with a no-op
-    forward pre-hook. Nested-tensor inputs are not supported: with
-    ``nn.TransformerEncoder``, build it with ``enable_nested_tensor=False``.
     """
-
-    __constants__: ClassVar[list[str]] = ["batch_first"]
-    bias_k: torch.Tensor | None
-    bias_v: torch.Tensor | None
-
-    # nn.TransformerEncoderLayer's inference fast path calls self_attn.merge_masks.
-    merge_masks = nn.MultiheadAttention.merge_masks
 
     def __init__(
         self,
@@ -188,76 +215,21 @@ class MultiheadDilatedAttention(nn.Module):
         group: dist.ProcessGroup | None = None,
         compute_dtype: torch.dtype | str | None = None,
     ) -> None:
-        pattern = _check_constructor(
-            embed_dim, num_heads, dropout, segment_lengths, dilation_rates, head_groups,
-            head_offsets, group, add_bias_kv, add_zero_attn, compute_dtype,
+        try:
+            super().__init__(
+                embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim,
+                batch_first, device, dtype,
+            )  # fmt: skip
+        except AssertionError as e:
+            raise MultiheadAttentionError(*e.args).with_traceback(e.__traceback__) from None
+        self.pattern = _check_extensions(
+            num_heads, segment_lengths, dilation_rates, head_groups, head_offsets, group,
+            add_bias_kv, add_zero_attn, compute_dtype,
         )  # fmt: skip
-        factory_kwargs = {"device": device, "dtype": dtype}
-        super().__init__()
-        self.embed_dim = embed_dim
-        self.kdim = kdim if kdim is not None else embed_dim
-        self.vdim = vdim if vdim is not None else embed_dim
-        self._qkv_same_embed_dim = self.kdim == embed_dim and self.vdim == embed_dim
-        self.num_heads = num_heads
-        self.dropout = dropout
-        self.batch_first = batch_first
-        self.head_dim = embed_dim // num_heads
-
-        # Same creation order as nn.MultiheadAttention, so the same seed gives
-        # the same initial parameters.
-        if not self._qkv_same_embed_dim:
-            self.q_proj_weight = nn.Parameter(torch.empty((embed_dim, embed_dim), **factory_kwargs))
-            self.k_proj_weight = nn.Parameter(torch.empty((embed_dim, self.kdim), **factory_kwargs))
-            self.v_proj_weight = nn.Parameter(torch.empty((embed_dim, self.vdim), **factory_kwargs))
-            self.register_parameter("in_proj_weight", None)
-        else:
-            self.in_proj_weight = nn.Parameter(
-                torch.empty((3 * embed_dim, embed_dim), **factory_kwargs)
-            )
-            self.register_parameter("q_proj_weight", None)
-            self.register_parameter("k_proj_weight", None)
-            self.register_parameter("v_proj_weight", None)
-        if bias:
-            self.in_proj_bias = nn.Parameter(torch.empty(3 * embed_dim, **factory_kwargs))
-        else:
-            self.register_parameter("in_proj_bias", None)
-        self.out_proj = NonDynamicallyQuantizableLinear(
-            embed_dim, embed_dim, bias=bias, **factory_kwargs
-        )
-        if add_bias_kv:
-            self.bias_k = nn.Parameter(torch.empty((1, 1, embed_dim), **factory_kwargs))
-            self.bias_v = nn.Parameter(torch.empty((1, 1, embed_dim), **factory_kwargs))
-        else:
-            self.bias_k = self.bias_v = None
-        self.add_zero_attn = add_zero_attn
-
-        self.pattern = pattern
         self.group = group
         self.compute_dtype = compute_dtype
-        self._reset_parameters()
-        if pattern is not None or group is not None:
-            self.register_forward_pre_hook(_block_mha_fastpath)
-
-    def _reset_parameters(self) -> None:
-        if self._qkv_same_embed_dim:
-            xavier_uniform_(self.in_proj_weight)
-        else:
-            xavier_uniform_(self.q_proj_weight)
-            xavier_uniform_(self.k_proj_weight)
-            xavier_uniform_(self.v_proj_weight)
-
-        if self.in_proj_bias is not None:
-            constant_(self.in_proj_bias, 0.0)
-            constant_(self.out_proj.bias, 0.0)
-        if self.bias_k is not None:
-            xavier_normal_(self.bias_k)
-        if self.bias_v is not None:
-            xavier_normal_(self.bias_v)
-
-    def __setstate__(self, state):
-        if "_qkv_same_embed_dim" not in state:
-            state["_qkv_same_embed_dim"] = True
-        super().__setstate__(state)
+        if not self._is_plain():
+            self.register_forward_pre_hook(_keep_forward)
 
     def __deepcopy__(self, memo):
         # A process group is shared, not copied (it cannot be), so that e.g.
@@ -269,6 +241,10 @@ class MultiheadDilatedAttention(nn.Module):
         for name, value in self.__dict__.items():
             object.__setattr__(new, name, copy.deepcopy(value, memo))
         return new
+
+    def _is_plain(self) -> bool:
+        """No pattern, group or compute_dtype: ``nn.MultiheadAttention`` itself."""
+        return self.pattern is None and self.group is None and self.compute_dtype is None
 
     @property
     def has_pattern(self) -> bool:
@@ -334,34 +310,39 @@ class MultiheadDilatedAttention(nn.Module):
             ``(attn_output, attn_weights)``; ``attn_weights`` is ``None`` when
             ``need_weights=False``, else ``(N, L, S)`` averaged or
             ``(N, num_heads, L, S)`` (no batch dimension when unbatched).
+
+        Raises:
+            MultiheadAttentionError: where ``nn.MultiheadAttention`` raises
+                ``AssertionError``, with its message.
+            RuntimeError: where it raises ``RuntimeError`` (``is_causal``
+                without ``attn_mask``, an ``attn_mask`` of the wrong shape).
+            ValueError: for what only this module checks (``group=``
+                restrictions, query and key of different lengths with a
+                pattern).
         """
+        if self._is_plain():
+            try:
+                return super().forward(
+                    query, key, value, key_padding_mask, need_weights, attn_mask,
+                    average_attn_weights, is_causal,
+                )  # fmt: skip
+            except AssertionError as e:
+                raise MultiheadAttentionError(*e.args).with_traceback(e.__traceback__) from None
         call = self._checked_call(
             query, key, value, key_padding_mask, need_weights, attn_mask, is_causal
         )
-        q, k, v = self._project(
-            call.query, call.key, call.value, query is key and key is value, key is value
-        )
         if call.kernels:
-            out, weights = self._kernel_attention(q, k, v, call), None
+            out, weights = self._kernel_attention(call), None
         else:
-            out, weights = self._dense_attention(q, k, v, call, need_weights)
-            if weights is not None:
-                weights = weights.to(q.dtype)
-                if average_attn_weights:
-                    weights = weights.mean(dim=1)
-                if not call.batched:
-                    weights = weights.squeeze(0)
-        out = self.out_proj(out.to(q.dtype))
-        if not call.batched:
-            return out.squeeze(0), weights
-        return (out if self.batch_first else out.transpose(0, 1)), weights
+            out, weights = self._dense_attention(call, need_weights)
+        return self._outputs(out, weights, call, average_attn_weights)
 
     # -- checks --------------------------------------------------------------
     def _checked_call(
         self, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal
     ) -> _Call:
-        """Check one call; when sharded, a failure here makes every rank
-        raise (it is reported through the ring's handshake)."""
+        """Check and project one call; when sharded, a failure here makes
+        every rank raise (it is reported through the ring's handshake)."""
         if self.group is None:
             return self._check_call(
                 query, key, value, key_padding_mask, need_weights, attn_mask, is_causal
@@ -378,107 +359,94 @@ class MultiheadDilatedAttention(nn.Module):
     def _check_call(
         self, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal
     ) -> _Call:
-        batched = self._check_inputs(query, key, value, key_padding_mask, attn_mask)
+        """The steps of ``nn.MultiheadAttention.forward`` and
+        ``F.multi_head_attention_forward`` up to the attention itself, in
+        their order, then this module's own checks."""
+        float_masks = (attn_mask is not None and torch.is_floating_point(attn_mask)) or (
+            key_padding_mask is not None and torch.is_floating_point(key_padding_mask)
+        )
+        kpm = canonical_mask(
+            key_padding_mask, "key_padding_mask", attn_mask, "attn_mask", query.dtype
+        )
+        am = canonical_mask(attn_mask, "attn_mask", None, "", query.dtype)
+        bool_kpm = None if kpm is None or key_padding_mask.is_floating_point() else key_padding_mask
+        reason = fast_path_reason(self, query, key, value, kpm, am, float_masks)
+        # Where nn.MultiheadAttention runs its fused kernel (or would, but for
+        # make_fx tracing) its output is a contiguous (N, L, E) tensor.
+        batch_major = not reason and self.in_proj_bias is not None
+        lengths = None
+        if query.is_nested or key.is_nested or value.is_nested:
+            if not batch_major:
+                raise nested_error(reason)
+            if self.group is not None:
+                raise ValueError(
+                    "nested tensors are not supported with group= (sequence-sharded "
+                    "MultiheadDilatedAttention)"
+                )
+            # Self-attention without masks (the fused path's conditions):
+            # attend the padded batch with the padding masked.
+            lengths = [int(t.shape[0]) for t in query.unbind()]
+            query = key = value = torch.nested.to_padded_tensor(query, 0.0)
+            bool_kpm = torch.arange(query.shape[1], device=query.device) >= torch.tensor(
+                lengths, device=query.device
+            ).unsqueeze(1)
+            kpm = canonical_mask(bool_kpm, "key_padding_mask", None, "", query.dtype)
+
+        batched = check_dims(query, key, value, kpm, am, self.num_heads)
+        if not batched:  # each on its own, as PyTorch (the projections then split three ways)
+            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+            kpm = None if kpm is None else kpm.unsqueeze(0)
+            bool_kpm = None if bool_kpm is None else bool_kpm.unsqueeze(0)
+        elif self.batch_first:
+            query, key, value = _views(lambda t: t.transpose(0, 1), query, key, value)
+        # Now (L, N, E) as F.multi_head_attention_forward sees them.
+        L, B, _ = query.shape
+        S = key.shape[0]
+        # F.multi_head_attention_forward canonicalises it again (and may warn again).
+        kpm = canonical_mask(kpm, "key_padding_mask", am, "attn_mask", query.dtype)
         if is_causal and attn_mask is None:
             raise RuntimeError(_CAUSAL_HINT_ERROR)
         # nn.MultiheadAttention: the hint replaces attn_mask only when nothing
         # else needs the explicit mask.
-        causal = bool(is_causal and key_padding_mask is None and not need_weights)
+        causal = bool(is_causal and kpm is None and not need_weights)
         if causal:
-            attn_mask = None
-        if self.group is not None:
-            self._check_group_call(query, key, key_padding_mask, need_weights, attn_mask, batched)
-        # To (batch, seq, features).
-        if not batched:
-            query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
-            if key_padding_mask is not None:
-                key_padding_mask = key_padding_mask.unsqueeze(0)
-        elif not self.batch_first:
-            query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
-        B, L, _ = query.shape
-        S = key.shape[1]
-        if key_padding_mask is not None and tuple(key_padding_mask.shape) != (B, S):
-            want = (B, S) if batched else (S,)
-            got = key_padding_mask.shape if batched else key_padding_mask.shape[1:]
-            raise ValueError(f"key_padding_mask must have shape {want}, got {tuple(got)}")
-        if attn_mask is not None:
-            want = (L, S) if attn_mask.dim() == 2 else (B * self.num_heads, L, S)
-            if tuple(attn_mask.shape) != want:
-                raise ValueError(f"attn_mask must have shape {want}, got {tuple(attn_mask.shape)}")
+            am = None
+        check_key_value(query, key, value, self)
+        if not self._qkv_same_embed_dim:
+            check_separate_weights(self, key, value)
+        # Projected as PyTorch projects (the same errors), then (N, L, E) views.
+        q, k, v = (t.transpose(0, 1) for t in self._project(query, key, value))
+        if am is not None:
+            check_attn_mask_shape(am, B, self.num_heads, L, S)
+        if key.shape[1] != B:  # (PyTorch fails in a reshape here)
+            raise RuntimeError(
+                f"key and value must have the batch size of query ({B}), got key of shape "
+                f"{tuple(key.shape)} in (seq, batch, features) order"
+            )
+        extra_keys = int(self.bias_k is not None) + int(self.add_zero_attn)
+        if kpm is not None:
+            check_key_padding_mask_shape(kpm, B, S, extra_keys)
+        check_mask_dtype(kpm, am, q.dtype, need_weights)
+
+        # This module's own checks.
         if self.has_pattern and L != S:
             raise ValueError(
                 "with a dilated pattern (segment_lengths/dilation_rates), query and key must have "
                 f"the same sequence length, got L={L} and S={S}"
             )
+        if self.group is not None:
+            self._check_group_call(need_weights, am, kpm, L, S)
         kernels = self.group is not None or (
             not need_weights
-            and attn_mask is None
-            and self.bias_k is None
-            and not self.add_zero_attn
+            and am is None
+            and not extra_keys
             and L == S
-            and (key_padding_mask is None or key_padding_mask.dtype == torch.bool)
+            and (kpm is None or bool_kpm is not None)
             and not (self.training and self.dropout > 0)
         )
-        return _Call(query, key, value, key_padding_mask, attn_mask, batched, causal, kernels)
+        return _Call(q, k, v, bool_kpm, kpm, am, batched, causal, kernels, batch_major, lengths)
 
-    def _check_inputs(self, query, key, value, key_padding_mask, attn_mask) -> bool:
-        """Shapes as ``nn.MultiheadAttention`` expects them; returns is_batched."""
-        for name, t in (("query", query), ("key", key), ("value", value)):
-            if not isinstance(t, torch.Tensor):
-                raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if t.is_nested:
-                raise ValueError(
-                    f"{name} is a nested tensor, which MultiheadDilatedAttention does not support "
-                    "(with nn.TransformerEncoder, pass enable_nested_tensor=False)"
-                )
-        _check_mask_dtype(key_padding_mask, "key_padding_mask")
-        _check_mask_dtype(attn_mask, "attn_mask")
-        if query.dim() not in (2, 3):
-            raise ValueError(
-                "query must be 2-D (unbatched) or 3-D (batched), got a "
-                f"{query.dim()}-D tensor of shape {tuple(query.shape)}"
-            )
-        batched = query.dim() == 3
-        if key.dim() != query.dim() or value.dim() != query.dim():
-            raise ValueError(
-                f"key and value must be {query.dim()}-D like query, got {key.dim()}-D and "
-                f"{value.dim()}-D tensors"
-            )
-        for name, t, e in (
-            ("query", query, self.embed_dim),
-            ("key", key, self.kdim),
-            ("value", value, self.vdim),
-        ):
-            if t.shape[-1] != e:
-                raise ValueError(
-                    f"{name} must have {e} features in its last dimension, "
-                    f"got shape {tuple(t.shape)}"
-                )
-        seq_dim = 1 if (batched and self.batch_first) else 0
-        batch_dim = 1 - seq_dim
-        if key.shape[seq_dim] != value.shape[seq_dim] or (
-            batched
-            and not (query.shape[batch_dim] == key.shape[batch_dim] == value.shape[batch_dim])
-        ):
-            raise ValueError(
-                "key and value must have the same sequence length and the batch size of "
-                f"query, got query {tuple(query.shape)}, key {tuple(key.shape)}, "
-                f"value {tuple(value.shape)} (batch_first={self.batch_first})"
-            )
-        if key_padding_mask is not None and key_padding_mask.dim() != (2 if batched else 1):
-            raise ValueError(
-                f"key_padding_mask must be {'2-D (batch, S)' if batched else '1-D (S,)'} "
-                f"for {'batched' if batched else 'unbatched'} query, got shape "
-                f"{tuple(key_padding_mask.shape)}"
-            )
-        if attn_mask is not None and attn_mask.dim() not in (2, 3):
-            raise ValueError(
-                f"attn_mask must be 2-D (L, S) or 3-D (batch * num_heads, L, S), got shape "
-                f"{tuple(attn_mask.shape)}"
-            )
-        return batched
-
-    def _check_group_call(self, query, key, key_padding_mask, need_weights, attn_mask, batched):
+    def _check_group_call(self, need_weights, attn_mask, key_padding_mask, L, S) -> None:
         where = "with group= (sequence-sharded MultiheadDilatedAttention)"
         if need_weights:
             raise ValueError(f"need_weights=True is not supported {where}; pass need_weights=False")
@@ -494,33 +462,33 @@ class MultiheadDilatedAttention(nn.Module):
                 f"dropout={self.dropout} in training is not supported {where}; "
                 "use dropout=0 or eval()"
             )
-        seq_dim = 1 if (batched and self.batch_first) else 0
-        if query.shape[seq_dim] != key.shape[seq_dim]:
+        if L != S:
             raise ValueError(
                 f"key must have the same local sequence length as query {where} (no "
-                f"cross-attention), got {query.shape[seq_dim]} and {key.shape[seq_dim]}"
+                f"cross-attention), got {L} and {S}"
             )
 
     # -- attention paths -----------------------------------------------------
-    def _project(self, query, key, value, self_attn: bool, kv_same: bool):
+    def _project(self, query, key, value):
+        """Input projections, split as ``F.multi_head_attention_forward``
+        splits them (one, two or three matrix products)."""
         E = self.embed_dim
         b = self.in_proj_bias
         bq, bk, bv = (None, None, None) if b is None else b.chunk(3)
-        if self._qkv_same_embed_dim:
-            w = self.in_proj_weight
-            if self_attn:
+        if not self._qkv_same_embed_dim:
+            return (
+                F.linear(query, self.q_proj_weight, bq),
+                F.linear(key, self.k_proj_weight, bk),
+                F.linear(value, self.v_proj_weight, bv),
+            )
+        w = self.in_proj_weight
+        if key is value:
+            if query is key:
                 return F.linear(query, w, b).chunk(3, dim=-1)
-            wq, wk, wv = w.chunk(3)
-            if kv_same:
-                kv = F.linear(key, w[E:], None if b is None else b[E:])
-                k, v = kv.chunk(2, dim=-1)
-                return F.linear(query, wq, bq), k, v
-            return F.linear(query, wq, bq), F.linear(key, wk, bk), F.linear(value, wv, bv)
-        return (
-            F.linear(query, self.q_proj_weight, bq),
-            F.linear(key, self.k_proj_weight, bk),
-            F.linear(value, self.v_proj_weight, bv),
-        )
+            k, v = F.linear(key, w[E:], None if b is None else b[E:]).chunk(2, dim=-1)
+            return F.linear(query, w[:E], bq), k, v
+        wq, wk, wv = w.chunk(3)
+        return F.linear(query, wq, bq), F.linear(key, wk, bk), F.linear(value, wv, bv)
 
     def _compute_dtype(self, x: torch.Tensor) -> torch.dtype:
         if self.compute_dtype is None:
@@ -529,32 +497,38 @@ class MultiheadDilatedAttention(nn.Module):
             return select_dtype(x.device)
         return self.compute_dtype
 
-    def _kernel_attention(self, q, k, v, call: _Call) -> torch.Tensor:
-        """The C++ operators on ``(batch, seq, embed)`` projections: one
+    def _kernel_attention(self, call: _Call) -> torch.Tensor:
+        """The C++ operators on the ``(batch, seq, embed)`` projections: one
         process, or the ring when sharded."""
-        B, L, E = q.shape
+        B, L, E = call.q.shape
         pattern = self.pattern if self.pattern is not None else _DENSE
         if call.causal != pattern.causal:
             pattern = replace(pattern, causal=call.causal)
-        cdt = self._compute_dtype(q)
-        q, k, v = (t.reshape(B, L, self.num_heads, self.head_dim).to(cdt) for t in (q, k, v))
+        cdt = self._compute_dtype(call.q)
+        # Contiguous: the projections are (L, N, E)-major views, and the
+        # operators' Meta kernels (torch.compile) give their outputs the
+        # inputs' strides while the CPU/CUDA kernels return contiguous ones.
+        q, k, v = (
+            t.reshape(B, L, self.num_heads, self.head_dim).to(cdt).contiguous()
+            for t in (call.q, call.k, call.v)
+        )
         if self.group is not None:
             out = ring_attention(q, k, v, pattern, group=self.group)
         else:
-            out = attend(q, k, v, pattern, key_padding_mask=call.key_padding_mask)
+            out = attend(q, k, v, pattern, key_padding_mask=call.bool_kpm)
         return out.reshape(B, L, E)
 
-    def _dense_attention(self, q, k, v, call: _Call, need_weights: bool):
+    def _dense_attention(self, call: _Call, need_weights: bool):
         pattern = self.pattern
         if pattern is not None and call.causal != pattern.causal:
             pattern = replace(pattern, causal=call.causal)
         return dense_attention(
-            q,
-            k,
-            v,
+            call.q,
+            call.k,
+            call.v,
             num_heads=self.num_heads,
-            compute_dtype=self._compute_dtype(q),
-            key_padding_mask=call.key_padding_mask,
+            compute_dtype=self._compute_dtype(call.q),
+            key_padding_mask=call.kpm,
             attn_mask=call.attn_mask,
             causal=call.causal,
             dropout_p=self.dropout if self.training else 0.0,
@@ -565,24 +539,42 @@ class MultiheadDilatedAttention(nn.Module):
             pattern=pattern,
         )
 
+    def _outputs(self, out, weights, call: _Call, average_attn_weights: bool):
+        """The output projection and the return values, in the memory layout
+        ``nn.MultiheadAttention`` gives them: a contiguous ``(N, L, E)`` where
+        it runs its fused kernel, else projected as ``(L, N, E)`` (a transposed
+        view of that with ``batch_first``)."""
+        B, L, E = out.shape
+        out = out.to(call.q.dtype)
+        if call.batch_major:
+            y = self.out_proj(out)
+        else:
+            y = self.out_proj(out.transpose(0, 1).reshape(L * B, E)).view(L, B, E)
+            if not call.batched:
+                y = y.squeeze(1)
+            elif self.batch_first:
+                y = y.transpose(0, 1)
+        if call.lengths is not None:
+            y = torch.nested.as_nested_tensor(
+                [y[i, :n] for i, n in enumerate(call.lengths)], layout=torch.strided
+            )
+        if weights is not None:
+            weights = weights.to(call.q.dtype)
+            if call.lengths is not None:  # padding queries: no weights, as the fused path
+                weights = weights.masked_fill(call.bool_kpm[:, None, :, None], 0.0)
+            if average_attn_weights:
+                weights = weights.mean(dim=1)
+            if not call.batched:
+                weights = weights.squeeze(0)
+        return y, weights
 
-def _check_constructor(
-    embed_dim, num_heads, dropout, segment_lengths, dilation_rates, head_groups, head_offsets,
-    group, add_bias_kv, add_zero_attn, compute_dtype,
+
+def _check_extensions(
+    num_heads, segment_lengths, dilation_rates, head_groups, head_offsets, group, add_bias_kv,
+    add_zero_attn, compute_dtype,
 ) -> Pattern | None:  # fmt: skip
-    """The constructor's checks; the pattern (``None``: dense)."""
-    if embed_dim <= 0 or num_heads <= 0:
-        raise ValueError(
-            f"embed_dim and num_heads must be greater than 0,"
-            f" got embed_dim={embed_dim} and num_heads={num_heads} instead"
-        )
-    if embed_dim % num_heads != 0:
-        raise ValueError(
-            f"embed_dim must be divisible by num_heads, got embed_dim={embed_dim} "
-            f"and num_heads={num_heads}"
-        )
-    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout <= 1:
-        raise ValueError(f"dropout must be a probability in [0, 1], got {dropout!r}")
+    """The checks of the constructor's own arguments; the pattern (``None``:
+    dense)."""
     if (segment_lengths is None) != (dilation_rates is None):
         raise ValueError(
             "segment_lengths and dilation_rates must be given together (or both None for "

@@ -1,0 +1,300 @@
+"""Argument checks of :class:`ring_attention.MultiheadDilatedAttention` in
+``nn.MultiheadAttention``'s order and words.
+
+With no pattern, group or ``compute_dtype`` the module runs
+``nn.MultiheadAttention.forward`` itself, so every check there is PyTorch's
+own. Its other paths (``multihead.py``) check their inputs here, in the order
+``nn.MultiheadAttention.forward`` and ``F.multi_head_attention_forward`` do and
+with the same messages, so that code written against ``nn.MultiheadAttention``
+(including code that matches on messages) sees no difference. Where PyTorch
+raises ``AssertionError`` these raise :class:`MultiheadAttentionError`, which is
+also a ``ValueError``; where it raises ``RuntimeError``, ``RuntimeError``.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+__all__ = [
+    "MultiheadAttentionError",
+    "canonical_mask",
+    "check_attn_mask_shape",
+    "check_dims",
+    "check_key_padding_mask_shape",
+    "check_key_value",
+    "check_mask_dtype",
+    "check_separate_weights",
+    "fast_path_reason",
+    "nested_error",
+]
+
+
+class MultiheadAttentionError(AssertionError, ValueError):
+    """A bad argument that ``nn.MultiheadAttention`` reports with an
+    ``AssertionError``, with its message: catchable as ``AssertionError`` (code
+    written for ``nn.MultiheadAttention``) and as ``ValueError`` (this
+    project's error for bad arguments)."""
+
+
+def canonical_mask(
+    mask: torch.Tensor | None,
+    name: str,
+    other: torch.Tensor | None,
+    other_name: str,
+    dtype: torch.dtype,
+) -> torch.Tensor | None:
+    """A bool (``True`` = masked) or float mask as an additive float mask of
+    ``dtype`` (``F._canonical_mask``): other dtypes raise, and a mask whose
+    dtype differs from ``other``'s warns as PyTorch does."""
+    if other is not None and not isinstance(other, torch.Tensor):
+        raise RuntimeError("input to _none_or_dtype() must be None or torch.Tensor")
+    if mask is None:
+        return None
+    if mask.dtype != torch.bool and not torch.is_floating_point(mask):
+        raise MultiheadAttentionError(f"only bool and floating types of {name} are supported")
+    if other is not None and mask.dtype != other.dtype:
+        warnings.warn(
+            f"Support for mismatched {name} and {other_name} is deprecated. "
+            "Use same type for both instead.",
+            stacklevel=4,
+        )
+    if torch.is_floating_point(mask):
+        return mask
+    return torch.zeros_like(mask, dtype=dtype).masked_fill_(mask, float("-inf"))
+
+
+def fast_path_reason(
+    m: nn.MultiheadAttention,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    attn_mask: torch.Tensor | None,
+    float_masks: bool,
+) -> str:
+    """Why ``nn.MultiheadAttention.forward`` would not run its fused inference
+    kernel (``torch._native_multi_head_attention``) for this call; ``""`` when
+    it would. The module's other paths follow it for the output layout (the
+    fused kernel returns a contiguous ``(N, L, E)`` tensor, the other path a
+    transposed view) and for which nested-tensor inputs are accepted.
+    ``float_masks``: a mask was given as a float tensor."""
+    if not torch.backends.mha.get_fastpath_enabled():
+        return "torch.backends.mha.get_fastpath_enabled() was not True"
+    if query.dim() != 3:
+        return f"input not batched; expected query.dim() of 3 but got {query.dim()}"
+    if query is not key or key is not value:
+        return "non-self attention was used (query, key, and value are not the same Tensor)"
+    b, w = m.in_proj_bias, m.in_proj_weight
+    if b is not None and query.dtype != b.dtype:
+        return f"dtypes of query ({query.dtype}) and self.in_proj_bias ({b.dtype}) don't match"
+    if w is None:
+        return "in_proj_weight was None"
+    if query.dtype != w.dtype:
+        return f"dtypes of query ({query.dtype}) and self.in_proj_weight ({w.dtype}) don't match"
+    if m.training:
+        return "training is enabled"
+    if m.num_heads % 2 != 0:
+        return "self.num_heads is not even"
+    if not m.batch_first:
+        return "batch_first was not True"
+    if m.bias_k is not None:
+        return "self.bias_k was not None"
+    if m.bias_v is not None:
+        return "self.bias_v was not None"
+    if m.add_zero_attn:
+        return "add_zero_attn was enabled"
+    if not m._qkv_same_embed_dim:
+        return "_qkv_same_embed_dim was not True"
+    if query.is_nested and (key_padding_mask is not None or attn_mask is not None):
+        # PyTorch's message, line-continuation spaces included.
+        return (
+            "supplying both src_key_padding_mask and src_mask at the same time "
+            + " " * 33
+            + "is not supported with NestedTensor input"
+        )
+    if torch.is_autocast_enabled():
+        return "autocast is enabled"
+    if float_masks:
+        return "floating-point masks are not supported for fast path."
+    tensors = (query, key, value, w, b, m.out_proj.weight, m.out_proj.bias)
+    if torch.overrides.has_torch_function(tensors):
+        return "some Tensor argument has_torch_function"
+    devices = ("cpu", "cuda", torch.utils.backend_registration._privateuse1_backend_name)
+    if not all(t is None or t.device.type in devices for t in tensors):
+        return f"some Tensor argument's device is neither one of cpu, cuda or {devices[2]}"
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return (
+            "grad is enabled and at least one of query or the input/output projection "
+            "weights or biases requires_grad"
+        )
+    return ""
+
+
+def nested_error(reason: str) -> MultiheadAttentionError:
+    """A nested-tensor input where the fused path does not run."""
+    return MultiheadAttentionError(
+        "MultiheadAttention does not support NestedTensor outside of its fast path. "
+        f"The fast path was not hit because {reason}"
+    )
+
+
+def check_dims(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    attn_mask: torch.Tensor | None,
+    num_heads: int,
+) -> bool:
+    """Numbers of dimensions (``F._mha_shape_check``); whether batched."""
+    if query.dim() == 3:
+        what = "batched (3-D) `query`"
+        if key.dim() != 3 or value.dim() != 3:
+            raise MultiheadAttentionError(
+                f"For {what}, expected `key` and `value` to be 3-D but found {key.dim()}-D and "
+                f"{value.dim()}-D tensors respectively"
+            )
+        if key_padding_mask is not None and key_padding_mask.dim() != 2:
+            raise MultiheadAttentionError(
+                f"For {what}, expected `key_padding_mask` to be `None` or 2-D but found "
+                f"{key_padding_mask.dim()}-D tensor instead"
+            )
+        if attn_mask is not None and attn_mask.dim() not in (2, 3):
+            raise MultiheadAttentionError(
+                f"For {what}, expected `attn_mask` to be `None`, 2-D or 3-D but found "
+                f"{attn_mask.dim()}-D tensor instead"
+            )
+        return True
+    if query.dim() == 2:
+        what = "unbatched (2-D) `query`"
+        if key.dim() != 2 or value.dim() != 2:
+            raise MultiheadAttentionError(
+                f"For {what}, expected `key` and `value` to be 2-D but found {key.dim()}-D and "
+                f"{value.dim()}-D tensors respectively"
+            )
+        if key_padding_mask is not None and key_padding_mask.dim() != 1:
+            raise MultiheadAttentionError(
+                f"For {what}, expected `key_padding_mask` to be `None` or 1-D but found "
+                f"{key_padding_mask.dim()}-D tensor instead"
+            )
+        if attn_mask is not None:
+            if attn_mask.dim() not in (2, 3):
+                raise MultiheadAttentionError(
+                    f"For {what}, expected `attn_mask` to be `None`, 2-D or 3-D but found "
+                    f"{attn_mask.dim()}-D tensor instead"
+                )
+            expected = (num_heads, query.shape[0], key.shape[0])
+            if attn_mask.dim() == 3 and attn_mask.shape != expected:
+                raise MultiheadAttentionError(
+                    f"Expected `attn_mask` shape to be {expected} but got {attn_mask.shape}"
+                )
+        return False
+    raise MultiheadAttentionError(
+        "query should be unbatched 2D or batched 3D tensor but received "
+        f"{query.dim()}-D query tensor"
+    )
+
+
+def check_key_value(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m: nn.MultiheadAttention
+) -> None:
+    """Embedding size of ``query``; ``key`` against ``value`` (``(L, N, E)``
+    layout, as ``F.multi_head_attention_forward`` sees them)."""
+    if query.shape[-1] != m.embed_dim:
+        raise MultiheadAttentionError(
+            f"was expecting embedding dimension of {m.embed_dim}, but got {query.shape[-1]}"
+        )
+    if not m._qkv_same_embed_dim:
+        if key.shape[:2] != value.shape[:2]:
+            raise MultiheadAttentionError(
+                f"key's sequence and batch dims {key.shape[:2]} do not match value's "
+                f"{value.shape[:2]}"
+            )
+    elif key.shape != value.shape:
+        raise MultiheadAttentionError(
+            f"key shape {key.shape} does not match value shape {value.shape}"
+        )
+
+
+def check_attn_mask_shape(attn_mask: torch.Tensor, batch: int, heads: int, L: int, S: int) -> None:
+    """``(L, S)`` or ``(batch * heads, L, S)``."""
+    if attn_mask.dim() == 2:
+        if attn_mask.shape != (L, S):
+            raise RuntimeError(
+                f"The shape of the 2D attn_mask is {attn_mask.shape}, but should be {(L, S)}."
+            )
+    elif attn_mask.shape != (batch * heads, L, S):
+        raise RuntimeError(
+            f"The shape of the 3D attn_mask is {attn_mask.shape}, but should be "
+            f"{(batch * heads, L, S)}."
+        )
+
+
+def check_key_padding_mask_shape(
+    key_padding_mask: torch.Tensor, batch: int, S: int, extra_keys: int
+) -> None:
+    """``(batch, S)``. PyTorch checks it after appending the ``extra_keys``
+    (``add_bias_kv``, ``add_zero_attn``) to both, and its message counts them."""
+    if key_padding_mask.shape[0] != batch:
+        raise MultiheadAttentionError(
+            f"Expected key_padded_mask.shape[0] to be {batch}, but got {key_padding_mask.shape[0]}"
+        )
+    if key_padding_mask.shape[1] != S:
+        raise MultiheadAttentionError(
+            f"Expected key_padded_mask.shape[1] to be {S + extra_keys}, but got "
+            f"{key_padding_mask.shape[1] + extra_keys}"
+        )
+
+
+def check_separate_weights(
+    m: nn.MultiheadAttention, key: torch.Tensor, value: torch.Tensor
+) -> None:
+    """``kdim``/``vdim`` projections against the key and value features
+    (``F._in_projection``)."""
+    E = m.embed_dim
+    for name, w, t in (("key", m.k_proj_weight, key), ("value", m.v_proj_weight, value)):
+        if w.shape != (E, t.shape[-1]):
+            raise MultiheadAttentionError(
+                f"expecting {name} weights shape of {(E, t.shape[-1])}, but got {w.shape}"
+            )
+
+
+#: How ATen names dtypes in its messages.
+_ATEN_NAMES = {
+    torch.float32: "float",
+    torch.float64: "double",
+    torch.float16: "c10::Half",
+    torch.bfloat16: "c10::BFloat16",
+}
+
+
+def check_mask_dtype(
+    key_padding_mask: torch.Tensor | None,
+    attn_mask: torch.Tensor | None,
+    dtype: torch.dtype,
+    need_weights: bool,
+) -> None:
+    """Float masks of another dtype than the query: PyTorch adds the two
+    masks and hands the sum to ``torch.baddbmm`` (``need_weights=True``),
+    which wants ``dtype``, or to ``F.scaled_dot_product_attention``, which
+    also takes float32; anything else fails there. ``attn_mask``: ``None``
+    when the ``is_causal`` hint replaces it."""
+    if key_padding_mask is None and attn_mask is None:
+        return
+    if key_padding_mask is None or attn_mask is None:
+        merged = (attn_mask if key_padding_mask is None else key_padding_mask).dtype
+    else:
+        merged = torch.promote_types(attn_mask.dtype, key_padding_mask.dtype)
+    m, q = (_ATEN_NAMES.get(d, str(d)) for d in (merged, dtype))
+    if need_weights and merged != dtype:
+        raise RuntimeError(
+            f"Input dtypes must be the same, got: input {m}, batch1: {q}, batch2: {q}"
+        )
+    if not need_weights and merged not in (torch.float32, dtype):
+        raise RuntimeError(
+            "Expected attn_mask dtype to be bool or float or to match query dtype, but got "
+            f"attn_mask.dtype: {m} and  query.dtype: {q} instead."
+        )
