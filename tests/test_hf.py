@@ -543,12 +543,20 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
 """
 
 README_CHECK = """
+import os
+import sys
+
 dist.all_reduce(loss)
 assert abs(loss.item() - want.item()) < 1e-5, (loss.item(), want.item())
 err = max((p.grad - g).abs().max().item() for p, g in zip(model.parameters(), want_grads))
 assert err < 1e-5, err
-print("rank", dist.get_rank(), "ok", err)
+sys.stdout.write(f"rank {dist.get_rank()} ok {err}\\n")  # one write: lines do not interleave
+sys.stdout.flush()
 dist.destroy_process_group()
+# Leave without interpreter finalization: under load a process very rarely
+# aborts there ("terminate called without an active exception", after all of
+# the above has completed); that is not what this test checks.
+os._exit(0)
 """
 
 
@@ -566,4 +574,5 @@ def test_readme_section_runs_under_torchrun(tmp_path) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     proc = subprocess.run([*cmd, str(script)], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert proc.stdout.count(" ok ") == 2, proc.stdout
+    oks = sorted(line.split()[1] for line in proc.stdout.splitlines() if " ok " in line)
+    assert oks == ["0", "1"], proc.stdout
