@@ -1,15 +1,12 @@
-// Operator schemas, the local (single-process) operator built from the block
-// kernels, and its C++ autograd. Kernels live in csrc/cpu and csrc/cuda.
-#include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/autograd.h>
+// The operator library: schemas, and the CPU, Meta and Autograd kernels. The
+// CUDA kernels are registered in cuda/registration.cu (CUDA builds only).
 #include <torch/library.h>
 
-#include <algorithm>
-#include <limits>
-
+#include "block_ops.h"
 #include "checks.h"
 #include "cpu/kernels.h"
+#include "local_op.h"
+#include "plan.h"
 #include "schemas.h"
 
 namespace ring_attention {
@@ -19,237 +16,42 @@ using at::IntArrayRef;
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
 
-void call_block_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse,
-                        int64_t q_start, int64_t k_start, IntArrayRef segs, IntArrayRef dils,
-                        bool causal, double scale, bool head_groups, const OptTensor& kpm) {
-  static auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("ring_attention::block_forward", "")
-          .typed<void(const Tensor&, const Tensor&, const Tensor&, Tensor&, Tensor&, int64_t,
-                      int64_t, IntArrayRef, IntArrayRef, bool, double, bool, const OptTensor&)>();
-  op.call(q, k, v, out, lse, q_start, k_start, segs, dils, causal, scale, head_groups, kpm);
-}
-
-void call_block_backward(const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
-                         const Tensor& out, const Tensor& lse, const OptTensor& dq,
-                         const OptTensor& dk, const OptTensor& dv, int64_t q_start, int64_t k_start,
-                         IntArrayRef segs, IntArrayRef dils, bool causal, double scale,
-                         bool head_groups, const OptTensor& kpm) {
-  static auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("ring_attention::block_backward", "")
-          .typed<void(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                      const Tensor&, const OptTensor&, const OptTensor&, const OptTensor&, int64_t,
-                      int64_t, IntArrayRef, IntArrayRef, bool, double, bool, const OptTensor&)>();
-  op.call(grad_out, q, k, v, out, lse, dq, dk, dv, q_start, k_start, segs, dils, causal, scale,
-          head_groups, kpm);
-}
-
-void check_local(const Tensor& q, const Tensor& k, const Tensor& v) {
-  TORCH_CHECK(q.dim() == 4, "q must be 4-D (batch, seq, heads, head_dim), got ", q.dim(), "-D");
-  TORCH_CHECK(q.sym_sizes() == k.sym_sizes() && q.sym_sizes() == v.sym_sizes(),
-              "q, k and v must have the same shape, got ", q.sym_sizes(), ", ", k.sym_sizes(), ", ",
-              v.sym_sizes());
-}
-
-// Low-precision inputs accumulate in fp32 one chunk of rows at a time and cast
-// each chunk into the output, so no full-length fp32 copy of out / dq / dk /
-// dv exists: at most kChunks chunks, each at least kMinChunkRows rows and a
-// whole number of the longest segment when that fits.
-constexpr int64_t kChunks = 8;
-constexpr int64_t kMinChunkRows = 1024;
-
-int64_t chunk_rows(int64_t len, IntArrayRef segs) {
-  int64_t rows = std::max(kMinChunkRows, (len + kChunks - 1) / kChunks);
-  const int64_t w = *std::max_element(segs.begin(), segs.end());
-  if (w <= rows) rows = (rows + w - 1) / w * w;
-  return std::min(rows, len);
-}
-
-Tensor neg_inf_lse(const Tensor& q, int64_t rows, at::ScalarType acc) {
-  return at::full({q.size(0), q.size(2), rows}, -std::numeric_limits<double>::infinity(),
-                  q.options().dtype(acc));
-}
-
-// Device-agnostic: the block kernels do the work on whatever device q is on.
-std::tuple<Tensor, Tensor> dilated_attention_impl(const Tensor& q, const Tensor& k, const Tensor& v,
-                                                  IntArrayRef segs, IntArrayRef dils, bool causal,
-                                                  double scale, bool head_groups,
-                                                  const OptTensor& kpm) {
-  check_local(q, k, v);
-  check_pattern(segs, dils);
-  const at::ScalarType acc = acc_dtype(q.scalar_type());
-  const int64_t len = q.size(1);
-  Tensor lse = neg_inf_lse(q, len, acc);
-  if (acc == q.scalar_type()) {  // the output is its own accumulator
-    Tensor out = at::zeros(q.sizes(), q.options());
-    call_block_forward(q, k, v, out, lse, 0, 0, segs, dils, causal, scale, head_groups, kpm);
-    return {out, lse};
-  }
-  Tensor out = at::empty(q.sizes(), q.options());
-  const int64_t rows = chunk_rows(len, segs);
-  for (int64_t a = 0; a < len; a += rows) {
-    const int64_t b = std::min(a + rows, len);
-    Tensor out_c = at::zeros({q.size(0), b - a, q.size(2), q.size(3)}, q.options().dtype(acc));
-    Tensor lse_c = neg_inf_lse(q, b - a, acc);
-    call_block_forward(q.slice(1, a, b), k, v, out_c, lse_c, a, 0, segs, dils, causal, scale,
-                       head_groups, kpm);
-    out.slice(1, a, b).copy_(out_c);
-    lse.slice(2, a, b).copy_(lse_c);
-  }
-  return {out, lse};
-}
-
-std::tuple<Tensor, Tensor, Tensor> dilated_attention_backward_impl(
-    const Tensor& grad_out_in, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-    const Tensor& lse, IntArrayRef segs, IntArrayRef dils, bool causal, double scale,
-    bool head_groups, const OptTensor& kpm) {
-  check_local(q, k, v);
-  check_pattern(segs, dils);
-  const at::ScalarType acc = acc_dtype(q.scalar_type());
-  const Tensor grad_out = grad_out_in.to(q.scalar_type());
-  if (acc == q.scalar_type()) {  // the gradients are their own accumulators
-    Tensor dq = at::zeros(q.sizes(), q.options()), dk = at::zeros(q.sizes(), q.options()),
-           dv = at::zeros(q.sizes(), q.options());
-    call_block_backward(grad_out, q, k, v, out, lse, dq, dk, dv, 0, 0, segs, dils, causal, scale,
-                        head_groups, kpm);
-    return {dq, dk, dv};
-  }
-  // dq by chunks of queries (against all keys), then dk, dv by chunks of keys
-  // (against all queries): the kernels compute the two separately anyway.
-  Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options()),
-         dv = at::empty(v.sizes(), v.options());
-  const auto acc_opts = q.options().dtype(acc);
-  const int64_t len = q.size(1), rows = chunk_rows(len, segs);
-  for (int64_t a = 0; a < len; a += rows) {
-    const int64_t b = std::min(a + rows, len);
-    const Tensor dq_c = at::zeros({q.size(0), b - a, q.size(2), q.size(3)}, acc_opts);
-    call_block_backward(grad_out.slice(1, a, b), q.slice(1, a, b), k, v, out.slice(1, a, b),
-                        lse.slice(2, a, b).contiguous(), dq_c, std::nullopt, std::nullopt, a, 0,
-                        segs, dils, causal, scale, head_groups, kpm);
-    dq.slice(1, a, b).copy_(dq_c);
-  }
-  for (int64_t a = 0; a < len; a += rows) {
-    const int64_t b = std::min(a + rows, len);
-    const Tensor dk_c = at::zeros({k.size(0), b - a, k.size(2), k.size(3)}, acc_opts);
-    const Tensor dv_c = at::zeros_like(dk_c);
-    const OptTensor kpm_c = kpm.has_value() ? OptTensor(kpm->slice(1, a, b)) : std::nullopt;
-    call_block_backward(grad_out, q, k.slice(1, a, b), v.slice(1, a, b), out, lse, std::nullopt,
-                        dk_c, dv_c, 0, a, segs, dils, causal, scale, head_groups, kpm_c);
-    dk.slice(1, a, b).copy_(dk_c);
-    dv.slice(1, a, b).copy_(dv_c);
-  }
-  return {dq, dk, dv};
-}
-
-std::tuple<Tensor, Tensor> dilated_attention_meta(const Tensor& q, const Tensor& k, const Tensor& v,
-                                                  IntArrayRef segs, IntArrayRef dils, bool, double,
-                                                  bool, const OptTensor&) {
-  check_local(q, k, v);
-  check_pattern(segs, dils);
-  return {at::empty_like(q),
-          at::empty_symint(lse_sizes(q), q.options().dtype(acc_dtype(q.scalar_type())))};
-}
-
-std::tuple<Tensor, Tensor, Tensor> dilated_attention_backward_meta(
-    const Tensor&, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor&, const Tensor&,
-    IntArrayRef segs, IntArrayRef dils, bool, double, bool, const OptTensor&) {
-  check_local(q, k, v);
-  check_pattern(segs, dils);
-  return {at::empty_like(q), at::empty_like(k), at::empty_like(v)};
-}
-
+// Meta kernels of the block operators: the shape checks, on symbolic sizes.
 void block_forward_meta(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse,
-                        int64_t q_start, int64_t k_start, IntArrayRef segs, IntArrayRef dils, bool,
-                        double, bool head_groups, const OptTensor& kpm) {
-  check_block_forward(q, k, v, out, lse, q_start, k_start, segs, dils, head_groups, kpm);
+                        int64_t q_start, int64_t k_start, IntArrayRef segs, IntArrayRef dils,
+                        bool causal, double scale, bool head_groups, bool grouped_offsets,
+                        const OptTensor& kpm, const OptTensor& cu) {
+  check_block_forward(
+      q, k, v, out, lse, q_start, k_start,
+      PatternArgs{segs, dils, causal, scale, head_groups, grouped_offsets, kpm, cu});
 }
 
-void block_backward_meta(const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
-                         const Tensor& out, const Tensor& lse, const OptTensor& dq,
-                         const OptTensor& dk, const OptTensor& dv, int64_t q_start, int64_t k_start,
-                         IntArrayRef segs, IntArrayRef dils, bool, double, bool head_groups,
-                         const OptTensor& kpm) {
-  check_block_backward(grad_out, q, k, v, out, lse, dq, dk, dv, q_start, k_start, segs, dils,
-                       head_groups, kpm);
-}
-
-class DilatedAttentionFunction : public torch::autograd::Function<DilatedAttentionFunction> {
- public:
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
-                                                const Tensor& q, const Tensor& k, const Tensor& v,
-                                                IntArrayRef segs, IntArrayRef dils, bool causal,
-                                                double scale, bool head_groups,
-                                                const OptTensor& kpm) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("ring_attention::dilated_attention", "")
-                         .typed<decltype(dilated_attention_impl)>();
-    auto [out, lse] = op.call(q, k, v, segs, dils, causal, scale, head_groups, kpm);
-    ctx->save_for_backward({q, k, v, out, lse});
-    ctx->saved_data["segs"] = segs.vec();
-    ctx->saved_data["dils"] = dils.vec();
-    ctx->saved_data["causal"] = causal;
-    ctx->saved_data["scale"] = scale;
-    ctx->saved_data["head_groups"] = head_groups;
-    ctx->saved_data["kpm"] = kpm;
-    ctx->mark_non_differentiable({lse});
-    return {out, lse};
-  }
-
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
-    Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(out);
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("ring_attention::dilated_attention_backward", "")
-                         .typed<decltype(dilated_attention_backward_impl)>();
-    const auto segs = ctx->saved_data["segs"].toIntVector();
-    const auto dils = ctx->saved_data["dils"].toIntVector();
-    auto [dq, dk, dv] =
-        op.call(grad_out, q, k, v, out, lse, segs, dils, ctx->saved_data["causal"].toBool(),
-                ctx->saved_data["scale"].toDouble(), ctx->saved_data["head_groups"].toBool(),
-                ctx->saved_data["kpm"].toOptional<Tensor>());
-    return {dq, dk, dv, Tensor(), Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
-  }
-};
-
-std::tuple<Tensor, Tensor> dilated_attention_autograd(const Tensor& q, const Tensor& k,
-                                                      const Tensor& v, IntArrayRef segs,
-                                                      IntArrayRef dils, bool causal, double scale,
-                                                      bool head_groups, const OptTensor& kpm) {
-  auto res = DilatedAttentionFunction::apply(q, k, v, segs, dils, causal, scale, head_groups, kpm);
-  return {res[0], res[1]};
+void block_backward_meta(const Tensor& grad_out, const OptTensor& grad_lse, const Tensor& q,
+                         const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
+                         const OptTensor& dq, const OptTensor& dk, const OptTensor& dv,
+                         int64_t q_start, int64_t k_start, IntArrayRef segs, IntArrayRef dils,
+                         bool causal, double scale, bool head_groups, bool grouped_offsets,
+                         const OptTensor& kpm, const OptTensor& cu) {
+  check_block_backward(
+      grad_out, grad_lse, q, k, v, out, lse, dq, dk, dv, q_start, k_start,
+      PatternArgs{segs, dils, causal, scale, head_groups, grouped_offsets, kpm, cu});
 }
 
 }  // namespace
-
-Tensor exchange_rows(IntArrayRef q_starts, IntArrayRef q_lens, int64_t k_start, int64_t k_len,
-                     int64_t heads, IntArrayRef segs, IntArrayRef dils, bool causal,
-                     bool head_groups);
 
 TORCH_LIBRARY(ring_attention, m) {
   m.def(schema::kBlockForward);
   m.def(schema::kBlockBackward);
   m.def(schema::kDilatedAttention);
   m.def(schema::kDilatedAttentionBackward);
-  m.def(
-      "exchange_rows(int[] q_starts, int[] q_lens, int k_start, int k_len, int heads, "
-      "int[] segment_lengths, int[] dilation_rates, bool causal, bool head_groups) -> Tensor",
-      &exchange_rows);
+  m.def(schema::kExchangeRows, &exchange_rows);
 }
 
 TORCH_LIBRARY_IMPL(ring_attention, CPU, m) {
-  m.impl("block_forward", &cpu::block_forward_cpu);
-  m.impl("block_backward", &cpu::block_backward_cpu);
-  m.impl("dilated_attention", &dilated_attention_impl);
-  m.impl("dilated_attention_backward", &dilated_attention_backward_impl);
-}
-
-TORCH_LIBRARY_IMPL(ring_attention, CUDA, m) {
-  m.impl("dilated_attention", &dilated_attention_impl);
-  m.impl("dilated_attention_backward", &dilated_attention_backward_impl);
+  m.impl("block_forward", &block_forward_op<cpu::block_forward>);
+  m.impl("block_backward", &block_backward_op<cpu::block_backward>);
+  m.impl("dilated_attention", &dilated_attention_local);
+  m.impl("dilated_attention_backward", &dilated_attention_backward_local);
 }
 
 TORCH_LIBRARY_IMPL(ring_attention, Meta, m) {

@@ -1,9 +1,13 @@
-// The one definition of the dilated-attention pattern (DESIGN.md §1), shared
-// by every kernel (CPU and CUDA) and by the exchange planner.
+// The one definition of the dilated-attention pattern (docs/design.md §1),
+// shared by every kernel (CPU and CUDA) and by the exchange planner.
 //
-// A branch (w, r) splits positions into segments [s*w, s*w + w). For head h,
-// position t is active iff (t mod w) mod r == h mod r. Active positions of a
-// segment therefore form the progression seg_start + (h mod r) + r*m.
+// Positions are global. Documents (cu_seqlens) cut them into [d_j, d_j+1);
+// without documents there is one unbounded document. Branch (w, r) cuts each
+// document [d, e) into segments [d + s*w, min(d + (s+1)*w, e)). Position t of
+// segment [a, b) is active for query head h iff (t - a) mod r == offset(h, r),
+// so the active positions of a segment are a + offset + r*m. Query t reaches
+// key u in the branch iff both are active and in one segment (and u <= t for
+// causal attention).
 #pragma once
 
 #include <cstdint>
@@ -18,22 +22,11 @@ namespace ring_attention {
 
 RA_HOST_DEVICE inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Position t is active for head h in branch (w, r).
-RA_HOST_DEVICE inline bool is_active(int64_t t, int64_t w, int64_t r, int64_t h) {
-  return (t % w) % r == h % r;
-}
-
-// Smallest p >= lo with (p - seg_start) % r == offset, for lo >= seg_start.
-RA_HOST_DEVICE inline int64_t first_active(int64_t lo, int64_t seg_start, int64_t r,
-                                           int64_t offset) {
-  const int64_t rel = lo - seg_start;
-  if (rel <= offset) return seg_start + offset;
-  return seg_start + offset + ceil_div(rel - offset, r) * r;
-}
-
-// Number of active positions in [lo, hi) when the first active one is p0.
-RA_HOST_DEVICE inline int64_t active_count(int64_t p0, int64_t hi, int64_t r) {
-  return p0 < hi ? ceil_div(hi - p0, r) : 0;
+// Offset of query head h in a branch of dilation r: h mod r, or with grouped
+// offsets (torchscale's LongNet) h / ceil(heads / r), which gives contiguous
+// groups of heads one offset each.
+RA_HOST_DEVICE inline int64_t head_offset(int64_t h, int64_t r, int64_t heads, bool grouped) {
+  return grouped ? h / ceil_div(heads, r) : h % r;
 }
 
 // head_groups=True: heads split into n_branches contiguous groups whose sizes
@@ -50,6 +43,79 @@ RA_HOST_DEVICE inline bool branch_applies(int64_t h, int64_t branch, int64_t hea
          h < head_group_begin(branch + 1, heads, n_branches);
 }
 
+// Document boundaries bounds[0] = 0 <= bounds[1] <= ... <= bounds[count], on
+// the device that reads them; bounds == nullptr: no documents.
+struct Documents {
+  const int64_t* bounds;
+  int64_t count;
+};
+
+struct Segment {
+  int64_t start, end;
+};
+
+// The segments of branch w in position order, from the one that contains
+// position t on. Touches O(log documents) bounds to start and O(1) per step.
+// Malformed bounds (only the CPU checks their values) give wrong segments,
+// never a read out of bounds or a step that does not advance.
+class SegmentWalk {
+ public:
+  RA_HOST_DEVICE SegmentWalk(Documents docs, int64_t w, int64_t t) : docs_(docs), w_(w) {
+    if (docs_.bounds == nullptr || docs_.count <= 0) {
+      doc_ = -1;
+      doc_start_ = 0;
+      doc_end_ = kNoEnd;
+    } else {
+      int64_t lo = 0, hi = docs_.count - 1;  // the last document starting at or before t
+      while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) / 2;
+        if (docs_.bounds[mid] <= t) {
+          lo = mid;
+        } else {
+          hi = mid - 1;
+        }
+      }
+      doc_ = lo;
+      const int64_t start = docs_.bounds[doc_];
+      doc_start_ = start < t ? start : t;
+      doc_end_ = document_end(t);
+    }
+    seg_.start = doc_start_ + (t - doc_start_) / w_ * w_;
+    seg_.end = clip(seg_.start + w_);
+  }
+
+  RA_HOST_DEVICE const Segment& segment() const { return seg_; }
+
+  RA_HOST_DEVICE void next() {
+    const int64_t t = seg_.end;
+    if (t >= doc_end_) {  // the next non-empty document starts at t
+      ++doc_;
+      while (doc_ + 1 < docs_.count && docs_.bounds[doc_ + 1] <= t) ++doc_;
+      doc_start_ = t;
+      doc_end_ = document_end(t);
+    }
+    seg_.start = t;
+    seg_.end = clip(t + w_);
+  }
+
+ private:
+  static constexpr int64_t kNoEnd = INT64_MAX / 4;
+
+  // End of the current document, which holds position t (past the last
+  // document: unbounded).
+  RA_HOST_DEVICE int64_t document_end(int64_t t) const {
+    if (doc_ >= docs_.count) return kNoEnd;
+    const int64_t end = docs_.bounds[doc_ + 1];
+    return end > t ? end : t + 1;
+  }
+  RA_HOST_DEVICE int64_t clip(int64_t end) const { return end < doc_end_ ? end : doc_end_; }
+
+  Documents docs_;
+  int64_t w_;
+  int64_t doc_, doc_start_, doc_end_;
+  Segment seg_;
+};
+
 // The active rows of one (branch, head, segment) restricted to a position
 // range: positions first + r*m for m in [0, count).
 struct ActiveRun {
@@ -57,39 +123,39 @@ struct ActiveRun {
   int64_t count;
 };
 
-// Active positions of head h in segment [seg_start, seg_start + w) that also
-// lie in [lo, hi).
-RA_HOST_DEVICE inline ActiveRun active_run(int64_t seg_start, int64_t w, int64_t r, int64_t h,
-                                           int64_t lo, int64_t hi) {
-  const int64_t a = lo > seg_start ? lo : seg_start;
-  const int64_t seg_end = seg_start + w;
-  const int64_t b = hi < seg_end ? hi : seg_end;
-  const int64_t p0 = first_active(a, seg_start, r, h % r);
-  return {p0, a < b ? active_count(p0, b, r) : 0};
+// Active positions (offset, dilation r) of segment seg that lie in [lo, hi).
+RA_HOST_DEVICE inline ActiveRun active_run(Segment seg, int64_t r, int64_t offset, int64_t lo,
+                                           int64_t hi) {
+  const int64_t a = lo > seg.start ? lo : seg.start;
+  const int64_t b = hi < seg.end ? hi : seg.end;
+  const int64_t rel = a - seg.start;  // first p >= a with (p - seg.start) mod r == offset
+  const int64_t p0 = seg.start + offset + (rel <= offset ? 0 : ceil_div(rel - offset, r) * r);
+  return {p0, p0 < b ? ceil_div(b - p0, r) : 0};
 }
 
-// The active query rows of head h in one segment that lie in [q_lo, q_hi),
-// and the key rows in [k_lo, k_hi) they reach: same head, same segment, and
-// for causal attention no later than the last of those queries. This is the
-// whole reachability rule; kernels and the exchange planner all use it.
+// The active query rows of one (branch, head offset, segment) that lie in
+// [q_lo, q_hi), and the key rows in [k_lo, k_hi) they reach: same segment,
+// same offset, and for causal attention no later than the last of those
+// queries. This is the whole reachability rule; kernels and the exchange
+// planner all use it.
 struct SegmentRuns {
   ActiveRun q, k;
 };
 
-RA_HOST_DEVICE inline SegmentRuns segment_runs(int64_t seg_start, int64_t w, int64_t r, int64_t h,
-                                               int64_t q_lo, int64_t q_hi, int64_t k_lo,
-                                               int64_t k_hi, bool causal) {
+RA_HOST_DEVICE inline SegmentRuns segment_runs(Segment seg, int64_t r, int64_t offset, int64_t q_lo,
+                                               int64_t q_hi, int64_t k_lo, int64_t k_hi,
+                                               bool causal) {
   SegmentRuns runs;
-  runs.q = active_run(seg_start, w, r, h, q_lo, q_hi);
+  runs.q = active_run(seg, r, offset, q_lo, q_hi);
   if (runs.q.count == 0) {
-    runs.k = {seg_start, 0};
+    runs.k = {seg.start, 0};
     return runs;
   }
   if (causal) {
     const int64_t last_q = runs.q.first + (runs.q.count - 1) * r;
     if (last_q + 1 < k_hi) k_hi = last_q + 1;
   }
-  runs.k = active_run(seg_start, w, r, h, k_lo, k_hi);
+  runs.k = active_run(seg, r, offset, k_lo, k_hi);
   return runs;
 }
 

@@ -1,11 +1,11 @@
-// Schemas of the attention operators (also used by the test suite's CUDA
-// emulator, whose ops must take exactly the same arguments).
+// Schemas of the operators (the block operators' are also used by the test
+// suite's CUDA emulator, whose ops must take exactly the same arguments).
 #pragma once
 
 // Arguments every attention operator shares.
 #define RA_PATTERN_ARGS                                                                       \
   "int[] segment_lengths, int[] dilation_rates, bool causal, float scale, bool head_groups, " \
-  "Tensor? key_padding_mask"
+  "bool grouped_offsets, Tensor? key_padding_mask, Tensor? cu_seqlens"
 
 namespace ring_attention::schema {
 
@@ -13,14 +13,18 @@ inline constexpr const char* kBlockForward =
     "block_forward(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor(b!) lse, "
     "int q_start, int k_start, " RA_PATTERN_ARGS ") -> ()";
 inline constexpr const char* kBlockBackward =
-    "block_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-    "Tensor(a!)? dq, Tensor(b!)? dk, Tensor(c!)? dv, int q_start, int k_start, " RA_PATTERN_ARGS
-    ") -> ()";
+    "block_backward(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, "
+    "Tensor lse, Tensor(a!)? dq, Tensor(b!)? dk, Tensor(c!)? dv, int q_start, int "
+    "k_start, " RA_PATTERN_ARGS ") -> ()";
 inline constexpr const char* kDilatedAttention =
     "dilated_attention(Tensor q, Tensor k, Tensor v, " RA_PATTERN_ARGS ") -> (Tensor, Tensor)";
 inline constexpr const char* kDilatedAttentionBackward =
-    "dilated_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
-    "Tensor lse, " RA_PATTERN_ARGS ") -> (Tensor, Tensor, Tensor)";
+    "dilated_attention_backward(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, "
+    "Tensor out, Tensor lse, " RA_PATTERN_ARGS ") -> (Tensor, Tensor, Tensor)";
+inline constexpr const char* kExchangeRows =
+    "exchange_rows(int[] q_starts, int[] q_lens, int k_start, int k_len, int heads, int kv_heads, "
+    "int[] segment_lengths, int[] dilation_rates, bool causal, bool head_groups, "
+    "bool grouped_offsets, Tensor? cu_seqlens) -> Tensor";
 
 }  // namespace ring_attention::schema
 

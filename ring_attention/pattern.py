@@ -240,8 +240,10 @@ class Pattern:
             self.causal,
             float(scale),
             self.head_groups,
+            self.head_offsets == "grouped",
             key_padding_mask,
-        )  # TODO(schema): grouped offsets, documents
+            self.documents_tensor(device),
+        )
 
     def digest(self) -> int:
         """A stable 63-bit digest of the value (the same in every process; the

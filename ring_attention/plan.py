@@ -70,11 +70,14 @@ def exchange_rows(
         int(k_start),
         int(k_len),
         int(heads),
+        int(kv_heads),
         list(pattern.segment_lengths),
         list(pattern.dilation_rates),
         pattern.causal,
         pattern.head_groups,
-    )  # TODO(schema): kv_heads, grouped offsets, documents
+        pattern.head_offsets == "grouped",
+        pattern.documents_tensor("cpu"),
+    )
     return idx.to(torch.int64)
 
 

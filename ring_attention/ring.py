@@ -101,8 +101,8 @@ class _RingCall:
     ) -> None:  # fmt: skip
         """Accumulate the block's gradient into ``dq``/``dk``/``dv``."""
         torch.ops.ring_attention.block_backward(
-            go, q, k, v, out, lse, dq, dk, dv, int(q_start), int(k_start), *self.op_args
-        )  # TODO(schema): glse
+            go, glse, q, k, v, out, lse, dq, dk, dv, int(q_start), int(k_start), *self.op_args
+        )
 
     def exchanger(self, q: Tensor, role: str) -> Exchanger:
         """The transport of one pass (``role``: ``"forward"``/``"backward"``)."""

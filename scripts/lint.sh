@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
-# ruff (Python) and clang-format (C++/CUDA) must be clean.
+# ruff (Python) and clang-format (C++/CUDA) from the project's .venv must be clean.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-"$PY" -m ruff --version >/dev/null 2>&1 || "$PY" -m pip install -q --disable-pip-version-check ruff
-command -v clang-format >/dev/null 2>&1 || "$PY" -m pip install -q --disable-pip-version-check clang-format
-"$PY" -m ruff check .
-"$PY" -m ruff format --check .
-git ls-files 'csrc/*.h' 'csrc/*.cpp' 'csrc/*.cu' 'csrc/*.cuh' 'tests/*.h' 'tests/*.cpp' | xargs clang-format --dry-run --Werror
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+bash scripts/setup.sh --no-build
+.venv/bin/python -m ruff check .
+.venv/bin/python -m ruff format --check .
+git ls-files 'csrc/*.h' 'csrc/*.cpp' 'csrc/*.cu' 'csrc/*.cuh' 'tests/*.h' 'tests/*.cpp' |
+  xargs .venv/bin/clang-format --dry-run --Werror
 echo "lint: clean"

@@ -1,7 +1,40 @@
 #!/usr/bin/env bash
-# The whole test suite (CPU; CUDA tests run too where a GPU is present).
-# Extra arguments go to pytest, e.g. scripts/test.sh -k ring -x
+# Set up (scripts/setup.sh), build the CUDA-emulator test extension, then run
+# the whole test suite (CPU; the CUDA tests run too where a GPU is present).
+# Extra arguments go to pytest, e.g.  bash scripts/test.sh -k ring -x
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
-exec "${PYTHON:-python3}" -m pytest -q "$@"
+py=.venv/bin/python
+
+# tests/cuda_emulator runs the .cu kernels on the CPU; its extension takes about
+# 40 s to compile the first time. Built here, with a clock, rather than silently
+# inside the first test that needs it; a second run only checks it is current.
+if [[ -f tests/cuda_emulator/build.py ]]; then
+  log=build/logs/cuda_emulator.log
+  mkdir -p build/logs
+  start=$SECONDS
+  (cd tests && exec "../$py" -c '
+from cuda_emulator import build
+if build.load() is None:
+    print("not built:", build.MISSING)
+') >"$log" 2>&1 &
+  pid=$!
+  shown=0
+  while kill -0 "$pid" 2>/dev/null; do
+    sleep 1
+    if (((SECONDS - start) % 10 == 5)); then
+      echo "test: building the CUDA emulator (tests/cuda_emulator) ... $((SECONDS - start)) s"
+      shown=1
+    fi
+  done
+  if ! wait "$pid"; then
+    echo "test: the CUDA emulator did not build (its tests will fail); the end of $log:" >&2
+    tail -n 30 "$log" >&2
+  elif grep -q "^not built:" "$log"; then
+    echo "test: CUDA emulator $(grep '^not built:' "$log")"
+  elif ((shown)); then
+    echo "test: CUDA emulator built in $((SECONDS - start)) s"
+  fi
+fi
+exec "$py" -m pytest -q "$@"

@@ -1,4 +1,4 @@
-"""Float64 reference ("oracle") of dilated attention, DESIGN.md section 1.
+"""Float64 reference ("oracle") of dilated attention, docs/design.md section 1.
 
 This module is the executable definition of the semantics and is deliberately
 independent of the kernels: it builds an explicit multiplicity matrix
@@ -8,7 +8,9 @@ head ``h``, and then computes one softmax weighted by ``M``::
     out_t = sum_u M[h, t, u] exp(s_tu) v_u / sum_u M[h, t, u] exp(s_tu)
     lse_t = log sum_u M[h, t, u] exp(s_tu)
 
-with ``s_tu = scale * <q_t, k_u>``. Everything is O(n^2) and meant for small
+with ``s_tu = scale * <q_t, k_u>``. Positions are active per segment, and
+segments restart at every document start (``cu_seqlens``), so nothing
+crosses a document. Everything is O(n^2) and meant for small
 test shapes only. The functions are differentiable with autograd, so
 ``reference_attention`` also gives the reference gradients.
 
@@ -20,6 +22,7 @@ kernels against themselves on clean inputs instead.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -40,10 +43,50 @@ def head_group_bounds(heads: int, n_branches: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def active(n: int, w: int, r: int, h: int) -> torch.Tensor:
-    """Bool ``(n,)``: position ``t`` is active for head ``h`` in branch ``(w, r)``."""
+def head_offset(h: int, r: int, heads: int, grouped_offsets: bool = False) -> int:
+    """Offset of query head ``h`` in a branch of dilation ``r``: ``h mod r``, or
+    ``h // ceil(heads / r)`` with grouped offsets (torchscale's LongNet)."""
+    return h // -(-heads // r) if grouped_offsets else h % r
+
+
+def document_starts(n: int, cu_seqlens: Sequence[int] | torch.Tensor | None) -> torch.Tensor:
+    """Long ``(n,)``: start of the document holding each position (0 without documents)."""
+    if cu_seqlens is None:
+        return torch.zeros(n, dtype=torch.long)
+    bounds = [int(b) for b in cu_seqlens]
+    assert bounds[0] == 0 and bounds[-1] == n, bounds
+    assert all(a <= b for a, b in itertools.pairwise(bounds)), bounds
+    starts = torch.empty(n, dtype=torch.long)
+    for a, b in itertools.pairwise(bounds):
+        starts[a:b] = a
+    return starts
+
+
+def segment_starts(
+    n: int, w: int, cu_seqlens: Sequence[int] | torch.Tensor | None = None
+) -> torch.Tensor:
+    """Long ``(n,)``: start of the segment of branch length ``w`` holding each
+    position. Every document starts its own segments."""
+    doc = document_starts(n, cu_seqlens)
     t = torch.arange(n)
-    return (t % w) % r == h % r
+    return doc + (t - doc) // w * w
+
+
+def active(
+    n: int,
+    w: int,
+    r: int,
+    h: int,
+    heads: int | None = None,
+    grouped_offsets: bool = False,
+    cu_seqlens: Sequence[int] | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Bool ``(n,)``: position ``t`` is active for query head ``h`` in branch ``(w, r)``
+    (``heads``, the number of query heads, is needed for grouped offsets only)."""
+    assert heads is not None or not grouped_offsets
+    offset = head_offset(h, r, heads or 1, grouped_offsets)
+    t = torch.arange(n)
+    return (t - segment_starts(n, w, cu_seqlens)) % r == offset
 
 
 def multiplicity(
@@ -53,6 +96,8 @@ def multiplicity(
     dilation_rates: Sequence[int],
     causal: bool = False,
     head_groups: bool = False,
+    grouped_offsets: bool = False,
+    cu_seqlens: Sequence[int] | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Float64 ``(heads, n, n)``: ``M[h, t, u]`` = branches in which ``t`` reaches ``u``."""
     segment_lengths = list(segment_lengths)
@@ -68,11 +113,12 @@ def multiplicity(
     m = torch.zeros(heads, n, n, dtype=torch.float64)
     for i, (w, r) in enumerate(zip(segment_lengths, dilation_rates, strict=True)):
         assert 1 <= r <= w
-        same_segment = (t // w) == (u // w)
+        seg = segment_starts(n, w, cu_seqlens)
+        same_segment = seg[:, None] == seg[None, :]  # implies the same document
         for h in range(heads):
             if head_groups and not (groups[i][0] <= h < groups[i][1]):
                 continue
-            act = active(n, w, r, h)
+            act = active(n, w, r, h, heads, grouped_offsets, cu_seqlens)
             reach = act[:, None] & act[None, :] & same_segment
             if causal:
                 reach = reach & (u <= t)
@@ -90,23 +136,41 @@ def reference_attention(
     scale: float | None = None,
     head_groups: bool = False,
     key_padding_mask: torch.Tensor | None = None,
+    grouped_offsets: bool = False,
+    cu_seqlens: Sequence[int] | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dilated attention in float64. Returns ``(out (B,N,H,D), lse (B,H,N))``.
 
-    ``key_padding_mask`` is bool ``(B, N)``, ``True`` = ignore that key.
-    Rows that reach no key get ``out = 0``, ``lse = -inf`` and zero gradients.
+    ``k`` and ``v`` may have ``kv_heads`` heads (a divisor of ``heads``): query
+    head ``h`` reads K/V head ``h // (heads // kv_heads)``. ``key_padding_mask``
+    is bool ``(B, N)``, ``True`` = ignore that key. ``cu_seqlens`` holds the
+    document boundaries ``[0, ..., N]``. Rows that reach no key get
+    ``out = 0``, ``lse = -inf`` and zero gradients. Both outputs are
+    differentiable.
     """
     batch, n, heads, head_dim = q.shape
-    assert k.shape == q.shape and v.shape == q.shape
+    kv_heads = k.shape[2]
+    assert k.shape == (batch, n, kv_heads, head_dim) and v.shape == k.shape
+    assert heads % kv_heads == 0
     if scale is None:
         scale = head_dim**-0.5
 
     q64 = q.to(torch.float64)
-    k64 = k.to(torch.float64)
-    v64 = v.to(torch.float64)
+    # Every query head gets its K/V head's rows (the gradient sums over them).
+    k64 = k.to(torch.float64).repeat_interleave(heads // kv_heads, dim=2)
+    v64 = v.to(torch.float64).repeat_interleave(heads // kv_heads, dim=2)
 
     # (B, H, N, N) multiplicities, padded keys removed from every branch.
-    mult = multiplicity(n, heads, segment_lengths, dilation_rates, causal, head_groups)
+    mult = multiplicity(
+        n,
+        heads,
+        segment_lengths,
+        dilation_rates,
+        causal,
+        head_groups,
+        grouped_offsets,
+        cu_seqlens,
+    )
     mult = mult.to(q.device).expand(batch, heads, n, n)
     if key_padding_mask is not None:
         assert key_padding_mask.shape == (batch, n)

@@ -3,7 +3,7 @@
 ``csrc/cuda/block_{forward,backward}.cu`` are compiled for the CPU against
 ``tests/cuda_emulator/runtime.h`` (each thread block runs as 128 cooperative
 fibers; shuffles, votes, barriers and ``mma.sync`` are done in software, with
-the PTX fragment layouts) and checked like the CPU kernels of test_ops.py:
+the PTX fragment layouts) and checked like the CPU kernels (test_local_op.py, test_block_ops.py):
 against the float64 oracle, forward and backward, on every kernel path (the
 tensor-core kernels for each padded head dim, aligned or not; the SIMT kernels
 for float32, float64, fp16/bf16 before sm_80 and head_dim > 128), ragged
@@ -25,23 +25,24 @@ import random
 import pytest
 import torch
 from cuda_emulator import build
-from oracle import reference_attention
-from test_ops import (
+from op_helpers import (
     GRAD_TOL,
     LSE_TOL,
     OUT_TOL,
     UNREACHED_CASES,
     Cfg,
-    _bb,
-    _bf,
-    _fresh_acc,
-    _reached_rows,
-    _splits,
     acc_dtype,
+    block_backward,
+    block_forward,
     close,
+    fresh_acc,
+    lse_grad,
     make_inputs,
+    reached_rows,
     run_oracle,
+    splits,
 )
+from oracle import reference_attention
 
 F64, F32, F16, BF16 = torch.float64, torch.float32, torch.float16, torch.bfloat16
 
@@ -95,21 +96,23 @@ def _cfg(path: str, pattern: str, causal: bool, n: int = 150, batch: int = 2) ->
 
 
 def _forward(emu, cfg: Cfg, q, k, v, kpm, q_start=0, k_start=0, acc=None):
-    out, lse = acc if acc is not None else _fresh_acc(q)
-    _bf(cfg, q, k, v, out, lse, q_start, k_start, kpm, ops=emu)
+    out, lse = acc if acc is not None else fresh_acc(q)
+    block_forward(cfg, q, k, v, out, lse, q_start, k_start, kpm, ops=emu)
     return out, lse
 
 
-def _backward(emu, cfg: Cfg, go, q, k, v, out, lse, kpm, q_start=0, k_start=0, grads=None):
+def _backward(
+    emu, cfg: Cfg, go, q, k, v, out, lse, kpm, q_start=0, k_start=0, grads=None, glse=None
+):
     if grads is None:
         grads = tuple(torch.zeros(x.shape, dtype=acc_dtype(q.dtype)) for x in (q, k, v))
-    _bb(cfg, go, q, k, v, out, lse, *grads, q_start, k_start, kpm, ops=emu)
+    block_backward(cfg, go, q, k, v, out, lse, *grads, q_start, k_start, kpm, ops=emu, glse=glse)
     return grads
 
 
-def _forward_backward(emu, cfg: Cfg, q, k, v, go, kpm):
+def _forward_backward(emu, cfg: Cfg, q, k, v, go, kpm, glse=None):
     out, lse = _forward(emu, cfg, q, k, v, kpm)
-    dq, dk, dv = _backward(emu, cfg, go, q, k, v, out.to(q.dtype), lse, kpm)
+    dq, dk, dv = _backward(emu, cfg, go, q, k, v, out.to(q.dtype), lse, kpm, glse=glse)
     return out, lse, dq, dk, dv
 
 
@@ -148,12 +151,12 @@ def test_blocks_at_offsets_match_oracle(emu, path, causal) -> None:
     rng = random.Random(seed)
     q, k, v, go, kpm = make_inputs(cfg, dtype, "cpu", seed)
     r_out, r_lse, r_dq, r_dk, r_dv = run_oracle(cfg, q, k, v, go, kpm)
-    q_blocks, k_blocks = _splits(cfg.n, 2, rng), _splits(cfg.n, 3, rng)
+    q_blocks, k_blocks = splits(cfg.n, 2, rng), splits(cfg.n, 3, rng)
     ctx = f"{path} causal={causal} q={q_blocks} k={k_blocks}"
 
-    out, lse = _fresh_acc(q)
+    out, lse = fresh_acc(q)
     for qa, qb in q_blocks:
-        acc = _fresh_acc(q[:, qa:qb])
+        acc = fresh_acc(q[:, qa:qb])
         for ka, kb in rng.sample(k_blocks, len(k_blocks)):
             _forward(emu, cfg, q[:, qa:qb], k[:, ka:kb], v[:, ka:kb], kpm[:, ka:kb], qa, ka, acc)
         out[:, qa:qb], lse[:, :, qa:qb] = acc
@@ -203,7 +206,7 @@ def test_never_read_unreached_rows(emu, case, path) -> None:
     ws, rs, causal, hg, (qa, qb), (ka, kb) = UNREACHED_CASES[case]
     cfg = Cfg(1, 48, 5, d, ws, rs, causal, hg, 0.3)
     q, k, v, go, _ = make_inputs(cfg, dtype, "cpu", seed=300 + case)
-    reached = _reached_rows(cfg, (qa, qb), (ka, kb))
+    reached = reached_rows(cfg, (qa, qb), (ka, kb))
     ctx = f"{path} case={case}"
     qb_, go_b = q[:, qa:qb].contiguous(), go[:, qa:qb].contiguous()
     kc, vc = k[:, ka:kb].contiguous(), v[:, ka:kb].contiguous()
@@ -259,10 +262,10 @@ def test_backward_computes_only_the_gradients_asked_for(emu, path) -> None:
     emu.take_stats()
     acc = acc_dtype(dtype)
     dq = torch.zeros(q.shape, dtype=acc)
-    _bb(cfg, go, q, k, v, out, lse, dq, None, None, 0, 0, kpm, ops=emu)
+    block_backward(cfg, go, q, k, v, out, lse, dq, None, None, 0, 0, kpm, ops=emu)
     dq_launches = emu.take_stats()[0]
     dk, dv = torch.zeros(k.shape, dtype=acc), torch.zeros(v.shape, dtype=acc)
-    _bb(cfg, go, q, k, v, out, lse, None, dk, dv, 0, 0, kpm, ops=emu)
+    block_backward(cfg, go, q, k, v, out, lse, None, dk, dv, 0, 0, kpm, ops=emu)
     dkdv_launches = emu.take_stats()[0]
     # delta pre-kernel + one launch per branch each
     assert dq_launches == dkdv_launches == 1 + len(cfg.segment_lengths)
@@ -318,3 +321,166 @@ def test_compute_capability_selects_the_kernel(emu) -> None:
         close(lse, ref_lse, LSE_TOL[F16], "lse", f"sm_{cc}")
     # 64-row tiles (tensor cores) against 8-row tiles (SIMT, head_dim 32 fp16)
     assert blocks[0] < blocks[1], blocks
+
+
+# ------------------------------------------- grouped K/V heads, documents, grouped offsets
+
+# Cfg fields past the path's head_dim: (segment_lengths, dilation_rates, heads,
+# kv_heads, head_groups, grouped_offsets, mask, cu_seqlens). Documents with
+# empty and length-1 ones, one of 67 tokens (two 64-row tiles), boundaries
+# that are not multiples of any tile.
+FEATURES = {
+    "gqa-documents": ([40, 150], [1, 3], 6, 2, False, False, True, [0, 1, 1, 50, 53, 120, 150]),
+    # 4 query heads per K/V head: tiles of 4 (r = 1) and 2 (r = 2) heads.
+    "mqa-packed-tiles": ([24, 150], [1, 2], 4, 1, False, False, True, [0, 70, 71, 150]),
+    "mqa-groups-grouped-offsets": (
+        [16, 64, 128],
+        [1, 2, 4],
+        5,
+        1,
+        True,
+        True,
+        False,
+        [0, 100, 100, 150],
+    ),
+}
+
+
+def _feature_cfg(path: str, feature: str, causal: bool, n: int = 150) -> Cfg:
+    _, d, _ = PATHS[path]
+    ws, rs, heads, kv_heads, hg, grouped, mask, bounds = FEATURES[feature]
+    return Cfg(1, n, heads, d, ws, rs, causal, hg, None, mask, kv_heads, grouped, bounds)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("path", list(PATHS))
+def test_features_match_oracle(emu, path, feature, causal) -> None:
+    """Grouped K/V heads, documents, grouped offsets and grad_lse on every kernel path."""
+    dtype, _, cc = PATHS[path]
+    emu.configure(0, cc)
+    cfg = _feature_cfg(path, feature, causal)
+    seed = 900 + 7 * list(PATHS).index(path) + 2 * list(FEATURES).index(feature) + causal
+    q, k, v, go, kpm = make_inputs(cfg, dtype, "cpu", seed)
+    glse = lse_grad(cfg, "cpu", seed + 1)
+    out, lse, dq, dk, dv = _forward_backward(emu, cfg, q, k, v, go, kpm, glse)
+    r_out, r_lse, r_dq, r_dk, r_dv = run_oracle(cfg, q, k, v, go, kpm, glse)
+    ctx = f"{path} {feature} causal={causal} seed={seed}"
+    assert dk.shape == k.shape and dv.shape == v.shape, ctx
+    close(out, r_out, OUT_TOL[dtype], "out", ctx)
+    close(lse, r_lse, LSE_TOL[dtype], "lse", ctx)
+    close(dq, r_dq, GRAD_TOL[dtype], "dq", ctx)
+    close(dk, r_dk, GRAD_TOL[dtype], "dk", ctx)
+    close(dv, r_dv, GRAD_TOL[dtype], "dv", ctx)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("path", SPLIT_PATHS)
+def test_blocks_with_features_at_offsets(emu, path, causal) -> None:
+    """Query x key blocks whose boundaries share nothing with the documents,
+    with grouped K/V heads and an lse gradient, against the oracle."""
+    dtype, _, cc = PATHS[path]
+    emu.configure(0, cc)
+    cfg = _feature_cfg(path, "gqa-documents", causal)
+    seed = 960 + SPLIT_PATHS.index(path) * 2 + causal
+    rng = random.Random(seed)
+    q, k, v, go, kpm = make_inputs(cfg, dtype, "cpu", seed)
+    glse = lse_grad(cfg, "cpu", seed + 1)
+    r_out, r_lse, r_dq, r_dk, r_dv = run_oracle(cfg, q, k, v, go, kpm, glse)
+    q_blocks, k_blocks = splits(cfg.n, 2, rng), splits(cfg.n, 3, rng)
+    ctx = f"{path} causal={causal} q={q_blocks} k={k_blocks}"
+
+    out, lse = fresh_acc(q)
+    for qa, qb in q_blocks:
+        acc = fresh_acc(q[:, qa:qb])
+        for ka, kb in rng.sample(k_blocks, len(k_blocks)):
+            _forward(emu, cfg, q[:, qa:qb], k[:, ka:kb], v[:, ka:kb], kpm[:, ka:kb], qa, ka, acc)
+        out[:, qa:qb], lse[:, :, qa:qb] = acc
+    close(out, r_out, OUT_TOL[dtype], "out", ctx)
+    close(lse, r_lse, LSE_TOL[dtype], "lse", ctx)
+
+    final = out.to(dtype)
+    dq, dk, dv = (torch.zeros(x.shape, dtype=acc_dtype(dtype)) for x in (q, k, v))
+    for qa, qb in q_blocks:
+        for ka, kb in k_blocks:
+            grads = (dq[:, qa:qb], dk[:, ka:kb], dv[:, ka:kb])
+            args = (go[:, qa:qb], q[:, qa:qb], k[:, ka:kb], v[:, ka:kb], final[:, qa:qb])
+            args = tuple(a.contiguous() for a in args)
+            parts = tuple(g.clone() for g in grads)
+            lse_b, glse_b = lse[:, :, qa:qb].contiguous(), glse[:, :, qa:qb].contiguous()
+            mask_b = kpm[:, ka:kb].contiguous()
+            _backward(emu, cfg, *args, lse_b, mask_b, qa, ka, parts, glse_b)
+            for g, p in zip(grads, parts, strict=True):
+                g.copy_(p)
+    close(dq, r_dq, GRAD_TOL[dtype], "dq", ctx)
+    close(dk, r_dk, GRAD_TOL[dtype], "dk", ctx)
+    close(dv, r_dv, GRAD_TOL[dtype], "dv", ctx)
+
+
+@pytest.mark.parametrize("path", ["mma64-bf16", "simt-f32-d32"])
+def test_heads_sharing_keys_share_tiles(emu, path) -> None:
+    """With 4 query heads per K/V head a query tile holds 4 heads x a quarter
+    of the positions: 4 times the windows, 3 in 4 head blocks idle."""
+    dtype, d, cc = PATHS[path]
+    emu.configure(0, cc)
+    blocks = []
+    for kv_heads in (8, 2):
+        cfg = Cfg(1, 128, 8, d, [128], [1], False, False, None, False, kv_heads)
+        q, k, v, _, _ = make_inputs(cfg, dtype, "cpu", seed=970)
+        emu.take_stats()
+        _forward(emu, cfg, q, k, v, None)
+        blocks.append(emu.take_stats()[1])
+    assert blocks[1] == 4 * blocks[0], blocks
+
+
+@pytest.mark.parametrize("path", ["mma64-bf16", "simt-f32-d32"])
+def test_features_do_not_depend_on_the_schedule(emu, path) -> None:
+    """The dk/dv block of a key-sharing head set sums over its query heads:
+    bitwise the same results in any block and fiber order."""
+    dtype, _, cc = PATHS[path]
+    cfg = _feature_cfg(path, "mqa-packed-tiles", True)
+    q, k, v, go, kpm = make_inputs(cfg, dtype, "cpu", seed=980)
+    glse = lse_grad(cfg, "cpu", seed=981)
+    results = []
+    for seed in (0, 1, 2):
+        emu.configure(seed, cc)
+        results.append(_forward_backward(emu, cfg, q, k, v, go, kpm, glse))
+    for other in results[1:]:
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), results[0], other, strict=True):
+            assert torch.equal(a, b), f"{path}: {name} changed with the schedule"
+
+
+@pytest.mark.parametrize("path", ["mma64-bf16", "simt-f32-d32"])
+@pytest.mark.parametrize("case", range(len(UNREACHED_CASES)))
+def test_features_never_read_unreached_rows(emu, case, path) -> None:
+    """Grouped K/V heads and documents: NaN in key rows no query of the block
+    reaches (for any query head of the K/V head) changes nothing."""
+    dtype, d, cc = PATHS[path]
+    emu.configure(0, cc)
+    ws, rs, causal, hg, (qa, qb), (ka, kb) = UNREACHED_CASES[case]
+    cfg = Cfg(1, 48, 6, d, ws, rs, causal, hg, 0.3, False, 2, case % 2 == 1)
+    cfg.cu_seqlens = [0, 5, 5, 19, 20, 33, 48]
+    q, k, v, go, _ = make_inputs(cfg, dtype, "cpu", seed=990 + case)
+    reached = reached_rows(cfg, (qa, qb), (ka, kb))
+    assert reached.any() and not reached.all()
+    ctx = f"{path} case={case}"
+    qb_, go_b = q[:, qa:qb].contiguous(), go[:, qa:qb].contiguous()
+    kc, vc = k[:, ka:kb].contiguous(), v[:, ka:kb].contiguous()
+    kn, vn = kc.clone(), vc.clone()
+    kn[:, ~reached] = float("nan")
+    vn[:, ~reached] = float("nan")
+    whole_out, whole_lse = _forward(emu, cfg, q, k, v, None)
+    out_f = whole_out[:, qa:qb].to(dtype).contiguous()
+    lse_f = whole_lse[:, :, qa:qb].contiguous()
+    res = []
+    for kk, vv in ((kc, vc), (kn, vn)):
+        out, lse = _forward(emu, cfg, qb_, kk, vv, None, qa, ka)
+        grads = _backward(emu, cfg, go_b, qb_, kk, vv, out_f, lse_f, None, qa, ka)
+        res.append((out, lse, *grads))
+    (out_c, lse_c, dq_c, dk_c, dv_c), (out_n, lse_n, dq_n, dk_n, dv_n) = res
+    assert torch.isfinite(out_n).all() and torch.isfinite(dq_n).all(), ctx
+    close(out_n, out_c, 0.0, "out", ctx)
+    close(lse_n, lse_c, 0.0, "lse", ctx)
+    close(dq_n, dq_c, 0.0, "dq", ctx)
+    close(dk_n[:, reached], dk_c[:, reached], 0.0, "dk", ctx)
+    close(dv_n[:, reached], dv_c[:, reached], 0.0, "dv", ctx)

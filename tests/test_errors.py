@@ -200,7 +200,7 @@ _OP_SCRIPT = textwrap.dedent(
     f32 = torch.float32
     q = torch.randn(2, 12, 3, 8)
     k, v = torch.randn_like(q), torch.randn_like(q)
-    P = ([4, 8], [1, 2], False, 0.5, False, None)
+    P = ([4, 8], [1, 2], False, 0.5, False, False, None, None)
 
     def acc(lq=12):
         return torch.zeros(2, lq, 3, 8), torch.full((2, 3, lq), float("-inf"))
@@ -214,14 +214,17 @@ _OP_SCRIPT = textwrap.dedent(
 
     def pattern_cases(run):
         return {
-            "empty pattern": lambda: run([], [], False, 0.5, False, None),
-            "w = 0": lambda: run([0], [1], False, 0.5, False, None),
-            "r = 0": lambda: run([4], [0], False, 0.5, False, None),
-            "r > w": lambda: run([4], [5], False, 0.5, False, None),
-            "lengths differ": lambda: run([4, 8], [1], False, 0.5, False, None),
-            "head_groups": lambda: run([2, 4, 6, 8], [1, 1, 1, 1], False, 0.5, True, None),
-            "mask shape": lambda: run([4], [1], False, 0.5, False, torch.zeros(2, 13) > 0),
-            "mask dtype": lambda: run([4], [1], False, 0.5, False, torch.zeros(2, 12)),
+            "empty pattern": lambda: run([], [], False, 0.5, False, False, None, None),
+            "w = 0": lambda: run([0], [1], False, 0.5, False, False, None, None),
+            "r = 0": lambda: run([4], [0], False, 0.5, False, False, None, None),
+            "r > w": lambda: run([4], [5], False, 0.5, False, False, None, None),
+            "lengths differ": lambda: run([4, 8], [1], False, 0.5, False, False, None, None),
+            "head_groups": lambda: run(
+                [2, 4, 6, 8], [1, 1, 1, 1], False, 0.5, True, False, None, None),
+            "mask shape": lambda: run(
+                [4], [1], False, 0.5, False, False, torch.zeros(2, 13) > 0, None),
+            "mask dtype": lambda: run(
+                [4], [1], False, 0.5, False, False, torch.zeros(2, 12), None),
         }
 
     cases = {}
@@ -231,11 +234,11 @@ _OP_SCRIPT = textwrap.dedent(
         cases["block_forward: " + name] = fn
     out, lse = ops.dilated_attention(q, k, v, *P)
     for name, fn in pattern_cases(
-        lambda *a: ops.dilated_attention_backward(q, q, k, v, out, lse, *a)
+        lambda *a: ops.dilated_attention_backward(q, None, q, k, v, out, lse, *a)
     ).items():
         cases["dilated_attention_backward: " + name] = fn
     for name, fn in pattern_cases(
-        lambda *a: ops.block_backward(q, q, k, v, out, lse, *grads(), 0, 0, *a)
+        lambda *a: ops.block_backward(q, None, q, k, v, out, lse, *grads(), 0, 0, *a)
     ).items():
         cases["block_backward: " + name] = fn
 
@@ -256,11 +259,11 @@ _OP_SCRIPT = textwrap.dedent(
         "block_forward: q/k heads": lambda: ops.block_forward(
             q, k[:, :, :2], v[:, :, :2], o, l, 0, 0, *P),
         "block_backward: dk shape": lambda: ops.block_backward(
-            q, q, k, v, out, lse, *grads(lk=11), 0, 0, *P),
+            q, None, q, k, v, out, lse, *grads(lk=11), 0, 0, *P),
         "block_backward: lse dtype": lambda: ops.block_backward(
-            q, q, k, v, out, lse.double(), *grads(), 0, 0, *P),
+            q, None, q, k, v, out, lse.double(), *grads(), 0, 0, *P),
         "block_backward: dk without dv": lambda: ops.block_backward(
-            q, q, k, v, out, lse, grads()[0], grads()[1], None, 0, 0, *P),
+            q, None, q, k, v, out, lse, grads()[0], grads()[1], None, 0, 0, *P),
     })
 
     results = {}

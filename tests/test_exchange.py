@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import run_distributed
 from oracle import multiplicity
 
 import ring_attention
@@ -30,6 +29,7 @@ from ring_attention.pattern import Pattern
 from ring_attention.plan import PLAN_CACHE, build_plan, get_plan
 from ring_attention.ring import ring_dilated_attention
 from ring_attention.sharding import layout_pieces, shard_sequence
+from ring_attention.testing import run_distributed
 
 
 def _plan(world, rank, n, heads, segs, dils, causal, head_groups, layout="contiguous", cache=None):

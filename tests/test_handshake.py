@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import run_distributed
 
 import ring_attention as ra
+from ring_attention.testing import run_distributed
 
 WORLD = 3
 E, HEADS = 16, 4

@@ -18,7 +18,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import transformers
-from dist_utils import run_distributed
 from oracle import reference_attention
 from transformers import (
     AttentionInterface,
@@ -34,6 +33,7 @@ from transformers.masking_utils import AttentionMaskInterface, create_causal_mas
 
 import ring_attention as ra
 from ring_attention import hf
+from ring_attention.testing import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 61
@@ -198,16 +198,15 @@ def test_grouped_kv_heads_equal_sdpa_without_repeating(kv_heads: int, monkeypatc
 
 
 def oracle_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """Dilated attention by the float64 oracle (K/V heads repeated: the
-    oracle is the definition, not an implementation)."""
+    """Dilated attention by the float64 oracle, the pattern read from the
+    config as the integration reads it."""
     entry = module.config.dilated_attention
-    g = query.shape[1] // key.shape[1]
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    k, v = (t.repeat_interleave(g, dim=2) for t in (k, v))
     kpm = None if attention_mask is None else ~attention_mask.bool()
     out, _ = reference_attention(
         q, k, v, entry["segment_lengths"], entry["dilation_rates"], causal=True, scale=scaling,
         head_groups=entry.get("head_groups", False), key_padding_mask=kpm,
+        grouped_offsets=entry.get("head_offsets") == "grouped",
     )  # fmt: skip
     return out.to(query.dtype), None
 
@@ -221,6 +220,8 @@ def oracle_attention(module, query, key, value, attention_mask, scaling=None, **
                         "head_groups": True}, "right"),
         ("llama", 2, {"segment_lengths": [8, 32], "dilation_rates": [1, 4]}, "none"),
         ("qwen3", 1, {"segment_lengths": [7, 16], "dilation_rates": [1, 2]}, "right"),
+        ("llama", 2, {"segment_lengths": [12, 43], "dilation_rates": [3, 4],
+                      "head_offsets": "grouped"}, "right"),
     ],
 )  # fmt: skip
 def test_dilated_pattern_matches_oracle(arch, kv_heads, pattern, padding) -> None:

@@ -16,7 +16,6 @@ import threading
 import pytest
 import torch
 import torch.nn as nn
-from dist_utils import run_distributed
 from oracle import multiplicity, reference_attention
 
 import ring_attention as ra
@@ -26,6 +25,7 @@ from ring_attention.multihead import MultiheadAttentionError, MultiheadDilatedAt
 from ring_attention.multiplicity import PATTERN_CACHE, log_multiplicity
 from ring_attention.multiplicity import multiplicity as pattern_multiplicity
 from ring_attention.pattern import Pattern
+from ring_attention.testing import run_distributed
 
 E, H = 16, 4
 TOL = 1e-5

@@ -22,25 +22,20 @@ def test_readme_usage_example_runs() -> None:
 
 
 def test_readme_ring_example_runs_under_torchrun(tmp_path) -> None:
-    """The README's ring example, launched as it says (torchrun, gloo), gives
-    the single-process result on every rank."""
+    """The README's ring example, launched as it says (torchrun, gloo), runs
+    as written and prints its check once: a max error that is small."""
     import os
     import subprocess
     import sys
 
     blocks = python_blocks()
     assert len(blocks) >= 2, "README has no ring example"
-    check = (
-        "\nref = ra.dilated_attention(q, k, v, [512, 2048, 8192], [1, 4, 16])\n"
-        "err = (out - ref).abs().max().item()\n"
-        "assert err < 1e-5, err\n"
-        "print('rank', dist.get_rank(), 'ok', err)\n"
-        "dist.destroy_process_group()\n"
-    )
     script = tmp_path / "ring_example.py"
-    script.write_text(blocks[1] + check)
+    script.write_text(blocks[1])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     proc = subprocess.run([*cmd, str(script)], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert proc.stdout.count(" ok ") == 2, proc.stdout
+    found = re.findall(r"max \|ring - one process\| = (\S+)", proc.stdout)
+    assert len(found) == 1, proc.stdout
+    assert float(found[0]) < 1e-5, proc.stdout

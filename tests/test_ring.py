@@ -1,6 +1,6 @@
 """Ring dilated attention across real processes (gloo on CPU).
 
-Each world size 1..5 is launched once (``dist_utils.run_distributed``) and
+Each world size 1..5 is launched once (``ring_attention.testing.run_distributed``) and
 runs every case of ``CASES`` plus the sharding checks; the parametrised tests
 below read the cached results. On every rank the full-sequence reference is
 recomputed from the same seed, so each rank checks its own shard of:
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import run_distributed
 from oracle import reference_attention
 
 import ring_attention as ra
@@ -27,6 +26,7 @@ from ring_attention.exchange import last_exchange_stats
 from ring_attention.plan import PLAN_CACHE
 from ring_attention.ring import ring_dilated_attention
 from ring_attention.sharding import gather_sequence, layout_pieces, shard_bounds, shard_sequence
+from ring_attention.testing import run_distributed
 
 LONGNET = ([8, 16, 32], [1, 2, 4])
 

@@ -1,14 +1,16 @@
 // CPU block backward: recompute P from the final global lse, then
 //   dV += P^T dO,  dS = P * (dO V^T - delta),  dQ += scale dS K,  dK += scale dS^T Q
-// with key tiles outer and query tiles inner. A task owns its segments' rows
-// (per branch), so no atomics are needed. A gradient not asked for (dq, or dk
-// with dv) is not computed.
+// with delta = rowsum(dO * O) - grad_lse, key tiles outer and query tiles
+// inner. The query rows of a head set (heads that read the same key rows,
+// block_tasks.h) are stacked, so the products with P^T and dS^T sum over the
+// set's heads into the shared K/V rows. A task owns its segments' rows of
+// its head set (per branch), so no atomics are needed. A gradient not asked
+// for (dq, or dk with dv) is not computed.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
 #include <vector>
 
-#include "../checks.h"
 #include "block_tasks.h"
 #include "kernels.h"
 #include "tile_math.h"
@@ -16,142 +18,156 @@
 namespace ring_attention::cpu {
 namespace {
 
-constexpr int64_t kTileQ = 128;
+constexpr int64_t kTileRows = 128;  // stacked query rows (heads x positions)
 constexpr int64_t kTileK = 64;
 
 template <typename scalar_t, typename acc_t>
 struct BackwardTile {
-  const BlockGeometry& g;
+  const BlockParams& p;
   const scalar_t *dout, *q, *k, *v;
-  const acc_t *lse, *delta;  // delta = rowsum(dout * out), laid out like lse
-  const bool* kpm;
-  acc_t *dq, *dk, *dv;  // nullptr: not asked for
+  const acc_t *lse, *delta;  // delta = rowsum(dout * out) - grad_lse, laid out like lse
+  acc_t *dq, *dk, *dv;       // nullptr: not asked for
   acc_t scale;
-  std::vector<acc_t> qbuf, dobuf, kbuf, vbuf, s, dp;
+  std::vector<acc_t> qbuf, dobuf, kbuf, vbuf, s, dp, dqbuf;
 
-  BackwardTile(const BlockGeometry& g_, const scalar_t* dout_, const scalar_t* q_,
-               const scalar_t* k_, const scalar_t* v_, const acc_t* lse_, const acc_t* delta_,
-               const bool* kpm_, acc_t* dq_, acc_t* dk_, acc_t* dv_, acc_t scale_)
-      : g(g_),
-        dout(dout_),
-        q(q_),
-        k(k_),
-        v(v_),
-        lse(lse_),
+  BackwardTile(const BlockParams& p_, const acc_t* delta_)
+      : p(p_),
+        dout(static_cast<const scalar_t*>(p_.grad_out)),
+        q(static_cast<const scalar_t*>(p_.q)),
+        k(static_cast<const scalar_t*>(p_.k)),
+        v(static_cast<const scalar_t*>(p_.v)),
+        lse(static_cast<const acc_t*>(p_.lse_in)),
         delta(delta_),
-        kpm(kpm_),
-        dq(dq_),
-        dk(dk_),
-        dv(dv_),
-        scale(scale_) {
-    const int64_t d = g.dim;
-    if constexpr (!std::is_same_v<scalar_t, acc_t>) {
-      qbuf.resize(kTileQ * d);
-      dobuf.resize(kTileQ * d);
-      kbuf.resize(kTileK * d);
-      vbuf.resize(kTileK * d);
-    }
-    s.resize(kTileQ * kTileK);
-    dp.resize(kTileQ * kTileK);
-  }
+        dq(static_cast<acc_t*>(p_.dq)),
+        dk(static_cast<acc_t*>(p_.dk)),
+        dv(static_cast<acc_t*>(p_.dv)),
+        scale(static_cast<acc_t>(p_.scale)) {}
 
-  // One key tile of tk keys (first at u0, stride r) against all its queries.
-  void run(int64_t b, int64_t h, int64_t r, int64_t u0, int64_t tk, ActiveRun queries) {
+  // One key tile of tk keys (first at u0, stride r) of the set's K/V head
+  // against all the queries of the set's heads.
+  void run(int64_t b, const HeadSet& set, int64_t r, int64_t u0, int64_t tk, ActiveRun queries) {
     constexpr acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
-    const int64_t d = g.dim, stride = r * g.heads * d;
-    const int64_t koff = g.k_offset(b, u0, h);
-    const TileRef<acc_t> kt = tile_rows<acc_t>(k + koff, stride, tk, d, kbuf);
-    const TileRef<acc_t> vt = tile_rows<acc_t>(v + koff, stride, tk, d, vbuf);
+    const int64_t d = p.head_dim, nh = static_cast<int64_t>(set.heads.size());
+    const int64_t q_stride = p.q_stride(r), k_stride = p.k_stride(r);
+    const int64_t koff = p.k_index(b, u0, set.kv_head);
+    const TileRef<acc_t> kt = tile_rows<acc_t>(k + koff, k_stride, tk, d, kbuf);
+    const TileRef<acc_t> vt = tile_rows<acc_t>(v + koff, k_stride, tk, d, vbuf);
+    const bool* mrow = p.key_padding_mask == nullptr
+                           ? nullptr
+                           : p.key_padding_mask + b * p.k_len + (u0 - p.k_start);
 
     // Causal: queries before the first key of the tile reach none of it.
     int64_t m_begin = 0;
-    if (g.causal && u0 > queries.first) m_begin = ceil_div(u0 - queries.first, r);
-    for (int64_t m0 = m_begin; m0 < queries.count; m0 += kTileQ) {
-      const int64_t tq = std::min(kTileQ, queries.count - m0);
+    if (p.causal && u0 > queries.first) m_begin = ceil_div(u0 - queries.first, r);
+    const int64_t tq_max = std::max<int64_t>(1, kTileRows / nh);
+    for (int64_t m0 = m_begin; m0 < queries.count; m0 += tq_max) {
+      // Tile row j * tq + i is position t0 + r*i of head j.
+      const int64_t tq = std::min(tq_max, queries.count - m0), rows = nh * tq;
       const int64_t t0 = queries.first + m0 * r;
-      const int64_t qoff = g.q_offset(b, t0, h);
-      const TileRef<acc_t> qt = tile_rows<acc_t>(q + qoff, stride, tq, d, qbuf);
-      const TileRef<acc_t> dot = tile_rows<acc_t>(dout + qoff, stride, tq, d, dobuf);
-      gemm(false, true, tq, tk, d, scale, qt.ptr, qt.ld, kt.ptr, kt.ld, acc_t(0), s.data(), tk);
-      gemm(false, true, tq, tk, d, acc_t(1), dot.ptr, dot.ld, vt.ptr, vt.ld, acc_t(0), dp.data(),
+      const auto row_head = [&](int64_t row) { return set.heads[row / tq]; };
+      const auto row_pos = [&](int64_t row) { return t0 + (row % tq) * r; };
+      const auto row_index = [&](int64_t row) { return p.q_index(b, row_pos(row), row_head(row)); };
+      const int64_t qoff = p.q_index(b, t0, set.heads[0]);
+      const TileRef<acc_t> qt =
+          nh == 1 ? tile_rows<acc_t>(q + qoff, q_stride, tq, d, qbuf)
+                  : gather_rows<acc_t>(rows, d, qbuf, [&](int64_t i) { return q + row_index(i); });
+      const TileRef<acc_t> dot =
+          nh == 1
+              ? tile_rows<acc_t>(dout + qoff, q_stride, tq, d, dobuf)
+              : gather_rows<acc_t>(rows, d, dobuf, [&](int64_t i) { return dout + row_index(i); });
+      s.resize(rows * tk);
+      dp.resize(rows * tk);
+      gemm(false, true, rows, tk, d, scale, qt.ptr, qt.ld, kt.ptr, kt.ld, acc_t(0), s.data(), tk);
+      gemm(false, true, rows, tk, d, acc_t(1), dot.ptr, dot.ld, vt.ptr, vt.ld, acc_t(0), dp.data(),
            tk);
-      for (int64_t i = 0; i < tq; ++i) {
+      for (int64_t i = 0; i < rows; ++i) {
         acc_t* srow = &s[i * tk];
         acc_t* dprow = &dp[i * tk];
-        const int64_t t = t0 + i * r;
-        const int64_t row = (b * g.heads + h) * g.q_len + (t - g.q_start);
-        const acc_t row_lse = lse[row], row_delta = delta[row];
-        if (row_lse == neg_inf) {  // reaches nothing: no gradient
+        const int64_t t = row_pos(i);
+        const int64_t stat = p.row_index(b, row_head(i), t);
+        if (lse[stat] == neg_inf) {  // reaches nothing: no gradient
           std::fill(srow, srow + tk, acc_t(0));
           std::fill(dprow, dprow + tk, acc_t(0));
           continue;
         }
         int64_t valid = tk;
-        if (g.causal) valid = t < u0 ? 0 : std::min(tk, (t - u0) / r + 1);
+        if (p.causal) valid = t < u0 ? 0 : std::min(tk, (t - u0) / r + 1);
         for (int64_t j = valid; j < tk; ++j) srow[j] = neg_inf;
-        if (kpm != nullptr) {
-          const bool* mrow = kpm + b * g.k_len + (u0 - g.k_start);
+        if (mrow != nullptr) {
           for (int64_t j = 0; j < valid; ++j)
             if (mrow[j * r]) srow[j] = neg_inf;
         }
-        softmax_grad_row(srow, dprow, tk, row_lse, row_delta);
+        softmax_grad_row(srow, dprow, tk, lse[stat], delta[stat]);
       }
-      // dV += P^T dO, dK += scale dS^T Q, dQ += scale dS K, straight into the
-      // accumulators through the same row stride.
+      // dV += P^T dO, dK += scale dS^T Q (summed over the stacked heads),
+      // straight into the accumulators through the key row stride.
       if (dv != nullptr) {
-        gemm(true, false, tk, d, tq, acc_t(1), s.data(), tk, dot.ptr, dot.ld, acc_t(1), dv + koff,
-             stride);
-        gemm(true, false, tk, d, tq, scale, dp.data(), tk, qt.ptr, qt.ld, acc_t(1), dk + koff,
-             stride);
+        gemm(true, false, tk, d, rows, acc_t(1), s.data(), tk, dot.ptr, dot.ld, acc_t(1), dv + koff,
+             k_stride);
+        gemm(true, false, tk, d, rows, scale, dp.data(), tk, qt.ptr, qt.ld, acc_t(1), dk + koff,
+             k_stride);
       }
-      if (dq != nullptr) {
+      if (dq == nullptr) continue;
+      // dQ += scale dS K: in place for one head, else through a buffer.
+      if (nh == 1) {
         gemm(false, false, tq, d, tk, scale, dp.data(), tk, kt.ptr, kt.ld, acc_t(1), dq + qoff,
-             stride);
+             q_stride);
+        continue;
+      }
+      dqbuf.resize(rows * d);
+      gemm(false, false, rows, d, tk, scale, dp.data(), tk, kt.ptr, kt.ld, acc_t(0), dqbuf.data(),
+           d);
+      for (int64_t i = 0; i < rows; ++i) {
+        acc_t* dst = dq + row_index(i);
+        const acc_t* src = &dqbuf[i * d];
+        for (int64_t c = 0; c < d; ++c) dst[c] += src[c];
       }
     }
   }
 };
 
-template <typename scalar_t>
-void backward_kernel(const BlockGeometry& g, const at::Tensor& dout, const at::Tensor& q,
-                     const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-                     const at::Tensor& lse, const std::optional<at::Tensor>& dq,
-                     const std::optional<at::Tensor>& dk, const std::optional<at::Tensor>& dv,
-                     at::IntArrayRef segs, at::IntArrayRef dils, double scale, const bool* kpm) {
-  using acc_t = at::opmath_type<scalar_t>;
-  const auto ptr = [](const std::optional<at::Tensor>& t) {
-    return t.has_value() ? t->mutable_data_ptr<acc_t>() : nullptr;
-  };
-  acc_t *dq_ptr = ptr(dq), *dk_ptr = ptr(dk), *dv_ptr = ptr(dv);
-  // delta[b, h, t] = sum_c dout[b, t, h, c] * out[b, t, h, c]
-  std::vector<acc_t> delta(g.batch * g.heads * g.q_len);
-  const scalar_t *dp = dout.const_data_ptr<scalar_t>(), *op = out.const_data_ptr<scalar_t>();
-  at::parallel_for(0, g.batch * g.q_len, 64, [&](int64_t lo, int64_t hi) {
+// delta[b, h, t] = sum_c dout[b, t, h, c] * out[b, t, h, c] - grad_lse[b, h, t]
+template <typename scalar_t, typename acc_t>
+std::vector<acc_t> softmax_delta(const BlockParams& p) {
+  const auto* dout = static_cast<const scalar_t*>(p.grad_out);
+  const auto* out = static_cast<const scalar_t*>(p.out_in);
+  const auto* grad_lse = static_cast<const acc_t*>(p.grad_lse);
+  std::vector<acc_t> delta(p.batch * p.heads * p.q_len);
+  at::parallel_for(0, p.batch * p.q_len, 64, [&](int64_t lo, int64_t hi) {
     for (int64_t bt = lo; bt < hi; ++bt) {
-      const int64_t b = bt / g.q_len, t = bt % g.q_len;
-      for (int64_t h = 0; h < g.heads; ++h) {
-        const int64_t off = (bt * g.heads + h) * g.dim;
+      const int64_t b = bt / p.q_len, t = bt % p.q_len;
+      for (int64_t h = 0; h < p.heads; ++h) {
+        const int64_t off = (bt * p.heads + h) * p.head_dim;
         acc_t sum = 0;
-        for (int64_t c = 0; c < g.dim; ++c)
-          sum += static_cast<acc_t>(dp[off + c]) * static_cast<acc_t>(op[off + c]);
-        delta[(b * g.heads + h) * g.q_len + t] = sum;
+        for (int64_t c = 0; c < p.head_dim; ++c)
+          sum += static_cast<acc_t>(dout[off + c]) * static_cast<acc_t>(out[off + c]);
+        const int64_t idx = (b * p.heads + h) * p.q_len + t;
+        delta[idx] = grad_lse == nullptr ? sum : sum - grad_lse[idx];
       }
     }
   });
-  for (int64_t i = 0; i < g.n_branches; ++i) {
-    const int64_t w = segs[i], r = dils[i];
-    const std::vector<SegmentTask> tasks = branch_tasks(g, i, w, r);
-    at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t lo, int64_t hi) {
-      BackwardTile<scalar_t, acc_t> tile(
-          g, dout.const_data_ptr<scalar_t>(), q.const_data_ptr<scalar_t>(),
-          k.const_data_ptr<scalar_t>(), v.const_data_ptr<scalar_t>(), lse.const_data_ptr<acc_t>(),
-          delta.data(), kpm, dq_ptr, dk_ptr, dv_ptr, static_cast<acc_t>(scale));
+  return delta;
+}
+
+template <typename scalar_t>
+void backward_kernel(const BlockCall& call) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const BlockParams& p = call.params;
+  const std::vector<acc_t> delta = softmax_delta<scalar_t, acc_t>(p);
+  for (int64_t i = 0; i < p.n_branches; ++i) {
+    // Whole head sets: a set's task owns the K/V rows it writes.
+    const BranchWork work = branch_work(p, i, call.segment_lengths[i], call.dilation_rates[i],
+                                        static_cast<size_t>(p.heads));
+    const int64_t r = work.r;
+    at::parallel_for(0, static_cast<int64_t>(work.tasks.size()), 1, [&](int64_t lo, int64_t hi) {
+      BackwardTile<scalar_t, acc_t> tile(p, delta.data());
       for (int64_t ti = lo; ti < hi; ++ti) {
-        const SegmentTask& task = tasks[ti];
-        for (int64_t s = task.seg_begin; s < task.seg_end; ++s) {
-          const SegmentRuns runs = segment_runs(g, s, w, r, task.h);
+        const SegmentTask& task = work.tasks[ti];
+        const HeadSet& set = work.head_sets[task.head_set];
+        for (size_t s = task.seg_begin; s < task.seg_end; ++s) {
+          const SegmentRuns runs = segment_runs(p, work, s, set.offset);
           for (int64_t n0 = 0; n0 < runs.k.count; n0 += kTileK) {
-            tile.run(task.b, task.h, r, runs.k.first + n0 * r, std::min(kTileK, runs.k.count - n0),
+            tile.run(task.b, set, r, runs.k.first + n0 * r, std::min(kTileK, runs.k.count - n0),
                      runs.q);
           }
         }
@@ -162,29 +178,10 @@ void backward_kernel(const BlockGeometry& g, const at::Tensor& dout, const at::T
 
 }  // namespace
 
-void block_backward_cpu(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
-                        const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
-                        const std::optional<at::Tensor>& dq, const std::optional<at::Tensor>& dk,
-                        const std::optional<at::Tensor>& dv, int64_t q_start, int64_t k_start,
-                        at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates,
-                        bool causal, double scale, bool head_groups,
-                        const std::optional<at::Tensor>& key_padding_mask) {
-  check_block_backward(grad_out, q, k, v, out, lse, dq, dk, dv, q_start, k_start, segment_lengths,
-                       dilation_rates, head_groups, key_padding_mask);
-  if (!dq.has_value() && !dk.has_value()) return;
-  const at::Tensor dc = grad_out.contiguous(), qc = q.contiguous(), kc = k.contiguous(),
-                   vc = v.contiguous(), oc = out.contiguous(), lc = lse.contiguous();
-  at::Tensor mask;
-  if (key_padding_mask.has_value()) mask = key_padding_mask->contiguous();
-  const BlockGeometry g{
-      q.size(0), q.size(2), q.size(3), q_start,     q.size(1),
-      k_start,   k.size(1), causal,    head_groups, static_cast<int64_t>(segment_lengths.size())};
-  AT_DISPATCH_FLOATING_TYPES_AND2(
-      at::kHalf, at::kBFloat16, q.scalar_type(), "block_backward_cpu", [&] {
-        backward_kernel<scalar_t>(g, dc, qc, kc, vc, oc, lc, dq, dk, dv, segment_lengths,
-                                  dilation_rates, scale,
-                                  mask.defined() ? mask.const_data_ptr<bool>() : nullptr);
-      });
+void block_backward(const BlockCall& call) {
+  if (call.params.dq == nullptr && call.params.dk == nullptr) return;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, call.dtype, "block_backward_cpu",
+                                  [&] { backward_kernel<scalar_t>(call); });
 }
 
 }  // namespace ring_attention::cpu

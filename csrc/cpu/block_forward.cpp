@@ -1,13 +1,14 @@
 // CPU block forward: flash-style tiles over the active rows of each
-// (branch, head, segment), online softmax in acc_t, merged into the running
-// (out, lse) accumulators. Dilated rows are read in place through their row
-// stride r*H*D; memory is O(tile), never seq x seq.
+// (branch, head set, segment), online softmax in acc_t, merged into the
+// running (out, lse) accumulators. The query rows of a head set (heads that
+// read the same key rows, block_tasks.h) are stacked in one tile, so a K/V
+// tile is loaded once for all of them. Dilated rows are read in place through
+// their row stride; memory is O(tile), never seq x seq.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
 #include <vector>
 
-#include "../checks.h"
 #include "block_tasks.h"
 #include "kernels.h"
 #include "tile_math.h"
@@ -15,63 +16,71 @@
 namespace ring_attention::cpu {
 namespace {
 
-constexpr int64_t kTileQ = 128;
+constexpr int64_t kTileRows = 128;  // stacked query rows (heads x positions)
 constexpr int64_t kTileK = 512;
+// Forward tasks may split a head set (they write query rows only): at most
+// this many heads share a tile, so that MQA still has tasks to spread.
+constexpr size_t kMaxSetHeads = 4;
 
 template <typename scalar_t, typename acc_t>
 struct ForwardTile {
-  const BlockGeometry& g;
+  const BlockParams& p;
   const scalar_t *q, *k, *v;
-  const bool* kpm;  // (B, Lk) or nullptr
   acc_t *out, *lse;
   acc_t scale;
   std::vector<acc_t> qbuf, kbuf, vbuf, s, o, m, l;
 
-  ForwardTile(const BlockGeometry& g_, const scalar_t* q_, const scalar_t* k_, const scalar_t* v_,
-              const bool* kpm_, acc_t* out_, acc_t* lse_, acc_t scale_)
-      : g(g_), q(q_), k(k_), v(v_), kpm(kpm_), out(out_), lse(lse_), scale(scale_) {
-    const int64_t d = g.dim;
-    if constexpr (!std::is_same_v<scalar_t, acc_t>) {
-      qbuf.resize(kTileQ * d);
-      kbuf.resize(kTileK * d);
-      vbuf.resize(kTileK * d);
-    }
-    s.resize(kTileQ * kTileK);
-    o.resize(kTileQ * d);
-    m.resize(kTileQ);
-    l.resize(kTileQ);
-  }
+  explicit ForwardTile(const BlockParams& p_)
+      : p(p_),
+        q(static_cast<const scalar_t*>(p_.q)),
+        k(static_cast<const scalar_t*>(p_.k)),
+        v(static_cast<const scalar_t*>(p_.v)),
+        out(static_cast<acc_t*>(p_.out)),
+        lse(static_cast<acc_t*>(p_.lse)),
+        scale(static_cast<acc_t>(p_.scale)) {}
 
-  // Attend tq active queries (first at position t0, stride r) to the key run.
-  void run(int64_t b, int64_t h, int64_t r, int64_t t0, int64_t tq, ActiveRun keys) {
+  // Attend the queries of the set's heads at positions t0 + r*i, i < tq, to
+  // the key run. Tile row j * tq + i is position i of head j.
+  void run(int64_t b, const HeadSet& set, int64_t r, int64_t t0, int64_t tq, ActiveRun keys) {
     constexpr acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
-    const int64_t d = g.dim, stride = r * g.heads * d;
+    const int64_t d = p.head_dim, nh = static_cast<int64_t>(set.heads.size()), rows = nh * tq;
     const int64_t t_last = t0 + (tq - 1) * r;
     int64_t nk = keys.count;
-    if (g.causal) nk = t_last < keys.first ? 0 : std::min(nk, (t_last - keys.first) / r + 1);
+    if (p.causal) nk = t_last < keys.first ? 0 : std::min(nk, (t_last - keys.first) / r + 1);
     if (nk == 0) return;
 
-    const TileRef<acc_t> qt = tile_rows<acc_t>(q + g.q_offset(b, t0, h), stride, tq, d, qbuf);
-    std::fill(o.begin(), o.begin() + tq * d, acc_t(0));
-    std::fill(m.begin(), m.end(), neg_inf);
-    std::fill(l.begin(), l.end(), acc_t(0));
+    const auto row_head = [&](int64_t row) { return set.heads[row / tq]; };
+    const auto row_pos = [&](int64_t row) { return t0 + (row % tq) * r; };
+    const TileRef<acc_t> qt =
+        nh == 1 ? tile_rows<acc_t>(q + p.q_index(b, t0, set.heads[0]), p.q_stride(r), tq, d, qbuf)
+                : gather_rows<acc_t>(rows, d, qbuf, [&](int64_t row) {
+                    return q + p.q_index(b, row_pos(row), row_head(row));
+                  });
+    s.resize(rows * kTileK);
+    o.assign(rows * d, acc_t(0));
+    m.assign(rows, neg_inf);
+    l.assign(rows, acc_t(0));
 
+    const int64_t k_stride = p.k_stride(r);
     for (int64_t n0 = 0; n0 < nk; n0 += kTileK) {
       const int64_t tk = std::min(kTileK, nk - n0);
       const int64_t u0 = keys.first + n0 * r;
-      const TileRef<acc_t> kt = tile_rows<acc_t>(k + g.k_offset(b, u0, h), stride, tk, d, kbuf);
-      const TileRef<acc_t> vt = tile_rows<acc_t>(v + g.k_offset(b, u0, h), stride, tk, d, vbuf);
-      gemm(false, true, tq, tk, d, scale, qt.ptr, qt.ld, kt.ptr, kt.ld, acc_t(0), s.data(), tk);
+      const int64_t koff = p.k_index(b, u0, set.kv_head);
+      const TileRef<acc_t> kt = tile_rows<acc_t>(k + koff, k_stride, tk, d, kbuf);
+      const TileRef<acc_t> vt = tile_rows<acc_t>(v + koff, k_stride, tk, d, vbuf);
+      gemm(false, true, rows, tk, d, scale, qt.ptr, qt.ld, kt.ptr, kt.ld, acc_t(0), s.data(), tk);
 
-      for (int64_t i = 0; i < tq; ++i) {
+      const bool* mrow = p.key_padding_mask == nullptr
+                             ? nullptr
+                             : p.key_padding_mask + b * p.k_len + (u0 - p.k_start);
+      for (int64_t i = 0; i < rows; ++i) {
         acc_t* srow = &s[i * tk];
-        const int64_t t = t0 + i * r;
+        const int64_t t = row_pos(i);
         // Keys past the query (causal) are not reached.
         int64_t valid = tk;
-        if (g.causal) valid = t < u0 ? 0 : std::min(tk, (t - u0) / r + 1);
+        if (p.causal) valid = t < u0 ? 0 : std::min(tk, (t - u0) / r + 1);
         for (int64_t j = valid; j < tk; ++j) srow[j] = neg_inf;
-        if (kpm != nullptr) {
-          const bool* mrow = kpm + b * g.k_len + (u0 - g.k_start);
+        if (mrow != nullptr) {
           for (int64_t j = 0; j < valid; ++j)
             if (mrow[j * r]) srow[j] = neg_inf;
         }
@@ -85,40 +94,38 @@ struct ForwardTile {
         if (alpha != acc_t(1)) scale_row(&o[i * d], d, alpha);
         m[i] = m_new;
       }
-      gemm(false, false, tq, d, tk, acc_t(1), s.data(), tk, vt.ptr, vt.ld, acc_t(1), o.data(), d);
+      gemm(false, false, rows, d, tk, acc_t(1), s.data(), tk, vt.ptr, vt.ld, acc_t(1), o.data(), d);
     }
 
-    for (int64_t i = 0; i < tq; ++i) {
+    for (int64_t i = 0; i < rows; ++i) {
       if (!(l[i] > acc_t(0)) && !std::isnan(l[i])) continue;
       scale_row(&o[i * d], d, acc_t(1) / l[i]);
-      const int64_t row_idx = t0 + i * r - g.q_start;
-      acc_t* out_row = out + g.q_offset(b, t0 + i * r, h);
-      acc_t& lse_ref = lse[(b * g.heads + h) * g.q_len + row_idx];
-      merge_row(out_row, lse_ref, &o[i * d], m[i] + std::log(l[i]), d);
+      const int64_t h = row_head(i), t = row_pos(i);
+      merge_row(out + p.q_index(b, t, h), lse[p.row_index(b, h, t)], &o[i * d],
+                m[i] + std::log(l[i]), d);
     }
   }
 };
 
 template <typename scalar_t>
-void forward_kernel(const BlockGeometry& g, const at::Tensor& q, const at::Tensor& k,
-                    const at::Tensor& v, at::Tensor& out, at::Tensor& lse, at::IntArrayRef segs,
-                    at::IntArrayRef dils, double scale, const bool* kpm) {
+void forward_kernel(const BlockCall& call) {
   using acc_t = at::opmath_type<scalar_t>;
-  const scalar_t *qp = q.const_data_ptr<scalar_t>(), *kp = k.const_data_ptr<scalar_t>(),
-                 *vp = v.const_data_ptr<scalar_t>();
-  acc_t *op = out.mutable_data_ptr<acc_t>(), *lp = lse.mutable_data_ptr<acc_t>();
-  for (int64_t i = 0; i < g.n_branches; ++i) {
-    const int64_t w = segs[i], r = dils[i];
-    const std::vector<SegmentTask> tasks = branch_tasks(g, i, w, r);
-    at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t lo, int64_t hi) {
-      ForwardTile<scalar_t, acc_t> tile(g, qp, kp, vp, kpm, op, lp, static_cast<acc_t>(scale));
+  const BlockParams& p = call.params;
+  for (int64_t i = 0; i < p.n_branches; ++i) {
+    const BranchWork work =
+        branch_work(p, i, call.segment_lengths[i], call.dilation_rates[i], kMaxSetHeads);
+    const int64_t r = work.r;
+    at::parallel_for(0, static_cast<int64_t>(work.tasks.size()), 1, [&](int64_t lo, int64_t hi) {
+      ForwardTile<scalar_t, acc_t> tile(p);
       for (int64_t ti = lo; ti < hi; ++ti) {
-        const SegmentTask& task = tasks[ti];
-        for (int64_t s = task.seg_begin; s < task.seg_end; ++s) {
-          const SegmentRuns runs = segment_runs(g, s, w, r, task.h);
+        const SegmentTask& task = work.tasks[ti];
+        const HeadSet& set = work.head_sets[task.head_set];
+        const int64_t tq = std::max<int64_t>(1, kTileRows / static_cast<int64_t>(set.heads.size()));
+        for (size_t s = task.seg_begin; s < task.seg_end; ++s) {
+          const SegmentRuns runs = segment_runs(p, work, s, set.offset);
           if (runs.k.count == 0) continue;
-          for (int64_t m0 = 0; m0 < runs.q.count; m0 += kTileQ) {
-            tile.run(task.b, task.h, r, runs.q.first + m0 * r, std::min(kTileQ, runs.q.count - m0),
+          for (int64_t m0 = 0; m0 < runs.q.count; m0 += tq) {
+            tile.run(task.b, set, r, runs.q.first + m0 * r, std::min(tq, runs.q.count - m0),
                      runs.k);
           }
         }
@@ -129,24 +136,9 @@ void forward_kernel(const BlockGeometry& g, const at::Tensor& q, const at::Tenso
 
 }  // namespace
 
-void block_forward_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                       at::Tensor& out, at::Tensor& lse, int64_t q_start, int64_t k_start,
-                       at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates, bool causal,
-                       double scale, bool head_groups,
-                       const std::optional<at::Tensor>& key_padding_mask) {
-  check_block_forward(q, k, v, out, lse, q_start, k_start, segment_lengths, dilation_rates,
-                      head_groups, key_padding_mask);
-  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
-  at::Tensor mask;
-  if (key_padding_mask.has_value()) mask = key_padding_mask->contiguous();
-  const BlockGeometry g{
-      q.size(0), q.size(2), q.size(3), q_start,     q.size(1),
-      k_start,   k.size(1), causal,    head_groups, static_cast<int64_t>(segment_lengths.size())};
-  AT_DISPATCH_FLOATING_TYPES_AND2(
-      at::kHalf, at::kBFloat16, q.scalar_type(), "block_forward_cpu", [&] {
-        forward_kernel<scalar_t>(g, qc, kc, vc, out, lse, segment_lengths, dilation_rates, scale,
-                                 mask.defined() ? mask.const_data_ptr<bool>() : nullptr);
-      });
+void block_forward(const BlockCall& call) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, call.dtype, "block_forward_cpu",
+                                  [&] { forward_kernel<scalar_t>(call); });
 }
 
 }  // namespace ring_attention::cpu

@@ -1,71 +1,95 @@
 // Work decomposition shared by the CPU forward and backward kernels.
 //
-// For one branch (w, r), a task is (batch, head, run of segments). Within a
-// branch a query row and a key row belong to exactly one segment, so tasks of
-// one branch never touch the same output rows: they run in parallel without
-// atomics, and branches run one after another.
+// For one branch (w, r), a task is (batch, head set, run of segments). A head
+// set holds the query heads that read the same key rows: one K/V head, one
+// offset, the branch applying to each. Their query rows are stacked into one
+// tile, so every K/V tile is loaded (converted, for fp16/bf16) once for all
+// of them. Within a branch a query row belongs to one head set and segment,
+// and a key row of a K/V head to one offset and segment, so the tasks of a
+// branch never write the same output rows (when a K/V head's head sets are
+// whole): they run in parallel without atomics, branches one after another.
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
+#include "../params.h"
 #include "../pattern.h"
 
 namespace ring_attention::cpu {
 
-struct BlockGeometry {
-  int64_t batch, heads, dim;
-  int64_t q_start, q_len, k_start, k_len;
-  bool causal, head_groups;
-  int64_t n_branches;
-
-  // Element offset of (batch b, global position pos, head h) in a
-  // (B, L, H, D) query-block / key-block tensor.
-  int64_t q_offset(int64_t b, int64_t pos, int64_t h) const {
-    return ((b * q_len + (pos - q_start)) * heads + h) * dim;
-  }
-  int64_t k_offset(int64_t b, int64_t pos, int64_t h) const {
-    return ((b * k_len + (pos - k_start)) * heads + h) * dim;
-  }
+struct HeadSet {
+  int64_t kv_head, offset;
+  std::vector<int64_t> heads;
 };
 
 struct SegmentTask {
-  int64_t b, h, seg_begin, seg_end;  // segment indices [seg_begin, seg_end)
+  int64_t b;
+  size_t head_set;            // index into BranchWork::head_sets
+  size_t seg_begin, seg_end;  // indices into BranchWork::segments
 };
 
-// Segments that intersect both the query and the key range.
-inline bool shared_segments(const BlockGeometry& g, int64_t w, int64_t& s_lo, int64_t& s_hi) {
-  if (g.q_len <= 0 || g.k_len <= 0) return false;
-  const int64_t q_lo = g.q_start / w, q_hi = (g.q_start + g.q_len - 1) / w;
-  const int64_t k_lo = g.k_start / w, k_hi = (g.k_start + g.k_len - 1) / w;
-  s_lo = q_lo > k_lo ? q_lo : k_lo;
-  s_hi = (q_hi < k_hi ? q_hi : k_hi) + 1;
-  return s_lo < s_hi;
-}
-
-inline std::vector<SegmentTask> branch_tasks(const BlockGeometry& g, int64_t branch, int64_t w,
-                                             int64_t r) {
+struct BranchWork {
+  int64_t w, r;
+  std::vector<Segment> segments;  // meeting both the query and the key block, in order
+  std::vector<HeadSet> head_sets;
   std::vector<SegmentTask> tasks;
-  int64_t s_lo, s_hi;
-  if (!shared_segments(g, w, s_lo, s_hi)) return tasks;
-  // Group small segments so a task holds a few hundred active rows.
-  const int64_t rows_per_segment = ceil_div(w, r);
-  const int64_t chunk = rows_per_segment >= 256 ? 1 : 256 / rows_per_segment;
-  for (int64_t b = 0; b < g.batch; ++b) {
-    for (int64_t h = 0; h < g.heads; ++h) {
-      if (!branch_applies(h, branch, g.heads, g.n_branches, g.head_groups)) continue;
-      for (int64_t s = s_lo; s < s_hi; s += chunk) {
-        tasks.push_back({b, h, s, s + chunk < s_hi ? s + chunk : s_hi});
+};
+
+// The work of branch i. Head sets hold at most max_set_heads heads (larger
+// sets are split; only a kernel that writes no key rows may ask for that).
+inline BranchWork branch_work(const BlockParams& p, int64_t i, int64_t w, int64_t r,
+                              size_t max_set_heads) {
+  BranchWork work{w, r, {}, {}, {}};
+  if (p.q_len <= 0 || p.k_len <= 0) return work;
+  // A segment meeting both blocks ends after the later of their starts, so
+  // the walk starts at the segment holding that position.
+  const int64_t q_end = p.q_start + p.q_len, k_end = p.k_start + p.k_len;
+  const int64_t lo = p.q_start > p.k_start ? p.q_start : p.k_start;
+  const int64_t hi = q_end < k_end ? q_end : k_end;
+  for (SegmentWalk walk(p.docs, w, lo); walk.segment().start < hi; walk.next())
+    work.segments.push_back(walk.segment());
+  if (work.segments.empty()) return work;
+
+  const int64_t group = p.heads / p.kv_heads;
+  for (int64_t h = 0; h < p.heads; ++h) {
+    if (p.set_rank(h, i, r) != 0) continue;
+    HeadSet set{p.kv_head(h), p.offset(h, r), {}};
+    for (int64_t g = h; g < (p.kv_head(h) + 1) * group; ++g) {
+      if (!p.shares_keys(g, h, i, r)) continue;
+      if (set.heads.size() == max_set_heads) {
+        work.head_sets.push_back(set);
+        set.heads.clear();
+      }
+      set.heads.push_back(g);
+    }
+    work.head_sets.push_back(set);
+  }
+
+  // Group small segments so a task holds a few hundred active rows per head.
+  constexpr int64_t kTaskRows = 256;
+  for (int64_t b = 0; b < p.batch; ++b) {
+    for (size_t set = 0; set < work.head_sets.size(); ++set) {
+      size_t begin = 0;
+      int64_t rows = 0;
+      for (size_t s = 0; s < work.segments.size(); ++s) {
+        rows += ceil_div(work.segments[s].end - work.segments[s].start, r);
+        if (rows >= kTaskRows || s + 1 == work.segments.size()) {
+          work.tasks.push_back({b, set, begin, s + 1});
+          begin = s + 1;
+          rows = 0;
+        }
       }
     }
   }
-  return tasks;
+  return work;
 }
 
-inline SegmentRuns segment_runs(const BlockGeometry& g, int64_t s, int64_t w, int64_t r,
-                                int64_t h) {
-  return ring_attention::segment_runs(s * w, w, r, h, g.q_start, g.q_start + g.q_len, g.k_start,
-                                      g.k_start + g.k_len, g.causal);
+inline SegmentRuns segment_runs(const BlockParams& p, const BranchWork& work, size_t s,
+                                int64_t offset) {
+  return ring_attention::segment_runs(work.segments[s], work.r, offset, p.q_start,
+                                      p.q_start + p.q_len, p.k_start, p.k_start + p.k_len,
+                                      p.causal);
 }
 
 }  // namespace ring_attention::cpu

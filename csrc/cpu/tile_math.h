@@ -120,9 +120,20 @@ inline TileRef<acc_t> tile_rows(const scalar_t* first, int64_t stride, int64_t r
   if constexpr (std::is_same_v<scalar_t, acc_t>) {
     return {first, stride};
   } else {
+    if (static_cast<int64_t>(buf.size()) < rows * d) buf.resize(rows * d);
     for (int64_t i = 0; i < rows; ++i) load_row(&buf[i * d], first + i * stride, d, acc_t(1));
     return {buf.data(), d};
   }
+}
+
+// Rows row_ptr(0), ..., row_ptr(rows - 1) (pointers into (B, L, H, D)
+// tensors, e.g. the rows of several heads stacked) as one acc_t tile in buf.
+template <typename acc_t, typename RowPtr>
+inline TileRef<acc_t> gather_rows(int64_t rows, int64_t d, std::vector<acc_t>& buf,
+                                  RowPtr row_ptr) {
+  if (static_cast<int64_t>(buf.size()) < rows * d) buf.resize(rows * d);
+  for (int64_t i = 0; i < rows; ++i) load_row(&buf[i * d], row_ptr(i), d, acc_t(1));
+  return {buf.data(), d};
 }
 
 // Merge a block's normalised (o, lse) into running accumulators (out, lse).

@@ -1,13 +1,16 @@
 // CUDA block backward (ring_attention::block_backward): recomputes
 // P = exp(scale q.k - lse) from the final global lse and accumulates
 //   dV += P^T dO,  dS = P * (dO V^T - delta),  dQ += scale dS K,  dK += scale dS^T Q
-// into fp32 (fp64 for fp64 inputs) dq, dk, dv; delta = rowsum(dO * O) comes
-// from a small pre-kernel. Per branch two launches of one kernel template (the
-// first only if dq is asked for, the second only if dk and dv are):
-//   DKDV = false: rows are query tiles, columns stream over the reached keys
-//                 -> dq rows (owned by the block).
-//   DKDV = true:  rows are key tiles, columns stream over the queries reaching
-//                 them -> dk, dv rows (owned by the block).
+// into fp32 (fp64 for fp64 inputs) dq, dk, dv; delta = rowsum(dO * O) -
+// grad_lse comes from a small pre-kernel. Per branch two launches of one
+// kernel template (the first only if dq is asked for, the second only if dk
+// and dv are):
+//   DKDV = false: rows are query tiles (the queries of `pack` heads that read
+//                 the same keys, common.cuh), columns stream over the reached
+//                 keys -> dq rows (owned by the block).
+//   DKDV = true:  rows are key tiles of a K/V head, columns stream over the
+//                 queries reaching them, of every query head of the
+//                 key-sharing set in turn -> dk, dv rows (owned by the block).
 // No atomics, deterministic. In both modes X1 = R1 C1^T, X2 = R2 C2^T with
 // (R1, R2, C1, C2) = (Q, dO, K, V) or (K, V, Q, dO), so X1 is S or S^T, X2 is
 // dP or dP^T, and the products with C1 (and C2) finish the gradients.
@@ -18,23 +21,23 @@
 //  * otherwise: SIMT, one lane per column of a 32-column tile.
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <optional>
 #include <type_traits>
 
-#include "../checks.h"
 #include "common.cuh"
+#include "kernels.h"
 
 namespace ring_attention::gpu {
 namespace {
 
-// delta[b, h, l] = sum_d dout[b, l, h, d] * out[b, l, h, d]; one warp per row.
+// delta[b, h, l] = sum_d dout[b, l, h, d] * out[b, l, h, d] - grad_lse[b, h, l]
+// (grad_lse may be nullptr: zero); one warp per row.
 template <typename T, typename C>
 __global__ void __launch_bounds__(kThreads)
-    delta_kernel(const T* dout, const T* out, C* delta, int64_t B, int64_t L, int64_t H,
-                 int64_t D) {
+    delta_kernel(const T* dout, const T* out, const C* grad_lse, C* delta, int64_t B, int64_t L,
+                 int64_t H, int64_t D) {
   const int lane = threadIdx.x % 32;
   const int64_t rows = B * L * H, step = static_cast<int64_t>(gridDim.x) * (kThreads / 32);
   for (int64_t row = blockIdx.x * (kThreads / 32) + threadIdx.x / 32; row < rows; row += step) {
@@ -44,34 +47,43 @@ __global__ void __launch_bounds__(kThreads)
     s = warp_sum(s);
     if (lane == 0) {
       const int64_t h = row % H, l = (row / H) % L, b = row / (H * L);
-      delta[(b * H + h) * L + l] = s;
+      const int64_t idx = (b * H + h) * L + l;
+      delta[idx] = grad_lse == nullptr ? s : s - grad_lse[idx];
     }
   }
 }
 
-// Rows and column range of a block. Rows are segment indices r0 + [0, nrows)
-// of queries (dq) or keys (dkdv); columns c in [c_begin, c_end) likewise of
-// keys (dq) or queries (dkdv).
+// The column range of a tile: keys (dq) or queries (dkdv) c in [c_begin,
+// c_end) of the segment meet some row of the tile.
 struct Span {
-  int64_t r0, c_begin, c_end;
+  int64_t c_begin, c_end;
   int nrows;
 };
 
 template <bool DKDV>
-__device__ inline bool decode_span(const Problem& p, const Tile& t, int bm, Span& s) {
-  s.r0 = t.tile * bm;
-  const int64_t count = DKDV ? t.k.count : t.q.count;
-  if (s.r0 >= count) return false;
-  s.nrows = static_cast<int>(imin(bm, count - s.r0));
+__device__ inline bool decode_span(const Problem& p, const Tile& t, Span& s) {
   if (DKDV) {  // queries m reach key n iff m >= n - dm
-    const int64_t lo = s.r0 - t.dm;
-    s.c_begin = p.causal && lo > 0 ? lo : 0;
+    s.nrows = static_cast<int>(t.k.count);
+    s.c_begin = p.causal && t.dm < 0 ? -t.dm : 0;
     s.c_end = t.q.count;
   } else {
+    s.nrows = static_cast<int>(t.q.count);
     s.c_begin = 0;
-    s.c_end = keys_reached(p, t, s.r0 + s.nrows - 1);
+    s.c_end = keys_reached(p, t, s.nrows - 1);
   }
   return s.c_begin < s.c_end;
+}
+
+// The query heads whose columns (dkdv) meet the rows of a tile: its
+// key-sharing set, whose contributions to dk, dv the block sums. dq mode: the
+// columns (keys) are the same for all the tile's heads; one pass.
+template <bool DKDV>
+__device__ inline int64_t heads_end(const Problem& p, const Tile& t) {
+  return DKDV ? (t.kvh + 1) * (p.heads / p.kv_heads) : t.heads[0] + 1;
+}
+template <bool DKDV>
+__device__ inline bool column_head(const Problem& p, const Tile& t, int64_t hq) {
+  return !DKDV || p.shares_keys(hq, t.heads[0], p.branch, p.r);
 }
 
 // lse in the units of the exponent; a row that reaches nothing (-inf) gives +inf
@@ -81,41 +93,75 @@ __device__ inline C lse_for_exp(C lse, C unit) {
   return lse == neg_inf<C>() ? static_cast<C>(INFINITY) : lse * unit;
 }
 
-// Global pointers of the row / column operands and of the row outputs.
+// The row operands of head slot `slot` of a tile, from its first row: (Q, dO)
+// of heads[slot] (dq), or (K, V) of the K/V head (dkdv, one slot).
 template <typename T, bool DKDV>
-struct Operands {
-  const T *r1, *r2, *c1, *c2;  // first row of the tile / of the column tile c0
-  const bool *rmask, *cmask;   // key padding flags of those rows, or nullptr
-  __device__ Operands(const Problem& p, const Tile& t, int64_t r0, int64_t c0) {
-    const T *q = static_cast<const T*>(p.q), *k = static_cast<const T*>(p.k);
-    const T *v = static_cast<const T*>(p.v), *dout = static_cast<const T*>(p.dout);
-    const int64_t qpos = t.q.first + (DKDV ? c0 : r0) * p.r;
-    const int64_t kpos = t.k.first + (DKDV ? r0 : c0) * p.r;
-    const int64_t qo = q_offset(p, t.b, t.h, qpos), ko = k_offset(p, t.b, t.h, kpos);
-    r1 = DKDV ? k + ko : q + qo;
-    r2 = DKDV ? v + ko : dout + qo;
-    c1 = DKDV ? q + qo : k + ko;
-    c2 = DKDV ? dout + qo : v + ko;
-    rmask = DKDV ? mask_at(p, t.b, kpos) : nullptr;
-    cmask = DKDV ? nullptr : mask_at(p, t.b, kpos);
+struct Rows {
+  const T *r1, *r2;
+  const bool* mask;  // key padding flags of the key rows (dkdv), or nullptr
+  int64_t stride;    // between consecutive active rows
+  __device__ Rows(const Problem& p, const Tile& t, int slot) {
+    if (DKDV) {
+      const int64_t ko = p.k_index(t.b, t.k.first, t.kvh);
+      r1 = static_cast<const T*>(p.k) + ko;
+      r2 = static_cast<const T*>(p.v) + ko;
+      mask = mask_at(p, t.b, t.k.first);
+      stride = p.k_stride(p.r);
+    } else {
+      const int64_t qo = p.q_index(t.b, t.q.first, t.heads[slot]);
+      r1 = static_cast<const T*>(p.q) + qo;
+      r2 = static_cast<const T*>(p.grad_out) + qo;
+      mask = nullptr;
+      stride = p.q_stride(p.r);
+    }
   }
 };
 
-// Output row of segment index idx: dq (dq mode) or dk / dv (dkdv mode,
+// The column operands of a tile from column c0: (K, V) of the K/V head (dq),
+// or (Q, dO) of query head hq (dkdv).
+template <typename T, bool DKDV>
+struct Columns {
+  const T *c1, *c2;
+  const bool* mask;  // key padding flags of the key columns (dq), or nullptr
+  int64_t stride;    // between consecutive active columns
+  __device__ Columns(const Problem& p, const Tile& t, int64_t hq, int64_t c0) {
+    if (DKDV) {
+      const int64_t qo = p.q_index(t.b, t.q.first + c0 * p.r, hq);
+      c1 = static_cast<const T*>(p.q) + qo;
+      c2 = static_cast<const T*>(p.grad_out) + qo;
+      mask = nullptr;
+      stride = p.q_stride(p.r);
+    } else {
+      const int64_t pos = t.k.first + c0 * p.r;
+      const int64_t ko = p.k_index(t.b, pos, t.kvh);
+      c1 = static_cast<const T*>(p.k) + ko;
+      c2 = static_cast<const T*>(p.v) + ko;
+      mask = mask_at(p, t.b, pos);
+      stride = p.k_stride(p.r);
+    }
+  }
+};
+
+// lse / delta index of query row m of head slot `slot` (dq mode).
+__device__ inline int64_t row_stat(const Problem& p, const Tile& t, int slot, int64_t m) {
+  return p.row_index(t.b, t.heads[slot], t.q.first + m * p.r);
+}
+
+// Output row m of head slot `slot`: dq (dq mode) or dk / dv (dkdv mode,
 // second = dv). The block owns it: dq += scale a1, dk += scale a1, dv += a2.
 template <typename C, bool DKDV>
-__device__ inline C* out_row(const Problem& p, const Tile& t, int64_t idx, bool second) {
+__device__ inline C* out_row(const Problem& p, const Tile& t, int slot, int64_t m, bool second) {
   if (DKDV) {
     C* base = static_cast<C*>(second ? p.dv : p.dk);
-    return base + k_offset(p, t.b, t.h, t.k.first + idx * p.r);
+    return base + p.k_index(t.b, t.k.first + m * p.r, t.kvh);
   }
-  return static_cast<C*>(p.dq) + q_offset(p, t.b, t.h, t.q.first + idx * p.r);
+  return static_cast<C*>(p.dq) + p.q_index(t.b, t.q.first + m * p.r, t.heads[slot]);
 }
 
 // ------------------------------------------------------------------- SIMT
 template <typename T, typename C, int NPL, int ROWS, bool DKDV>
 __global__ void __launch_bounds__(kThreads) bwd_simt_kernel(const Problem p) {
-  constexpr int DP = 32 * NPL, BM = 4 * ROWS, LDC = DP + 1;
+  constexpr int DP = 32 * NPL, LDC = DP + 1;
   RING_ATTENTION_DYNAMIC_SMEM(smem);
   C* c1s = reinterpret_cast<C*>(smem);  // 32 x LDC
   C* c2s = c1s + 32 * LDC;              // 32 x LDC
@@ -123,93 +169,103 @@ __global__ void __launch_bounds__(kThreads) bwd_simt_kernel(const Problem p) {
   C* col_delta = col_lse + 32;
   uint8_t* col_ok = reinterpret_cast<uint8_t*>(col_delta + 32);
 
-  Tile t;
-  Span sp;
-  if (!decode_tile(p, t) || !decode_span<DKDV>(p, t, BM, sp)) return;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, D = static_cast<int>(p.D);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, D = static_cast<int>(p.head_dim);
   const int dpr = (D + 31) / 32 * 32;  // columns the loops visit (<= DP)
-  const int64_t stride = p.r * p.H * p.D;
   const C scale = static_cast<C>(p.scale);
   const C* lse = static_cast<const C*>(p.lse_in);
   const C* delta = static_cast<const C*>(p.delta);
 
-  const Operands<T, DKDV> rows(p, t, sp.r0, 0);
-  C r1[ROWS][NPL], r2[ROWS][NPL], a1[ROWS][NPL], a2[ROWS][NPL], row_lse[ROWS], row_delta[ROWS];
+  // Row warp * ROWS + i is row m[i] of head slot `slot` (one slot per warp).
+  const int rph = 4 * ROWS / static_cast<int>(p.pack);
+  const int slot = row_slot(warp * ROWS, rph).slot;
+  int m[ROWS];
 #pragma unroll
-  for (int i = 0; i < ROWS; ++i) {
-    const int row = warp * ROWS + i;
-    const bool ok = row_ok(row, sp.nrows, rows.rmask, p.r);
-    load_vec<T, C, NPL>(r1[i], ok ? rows.r1 + row * stride : rows.r1, ok, D, lane);
-    load_vec<T, C, NPL>(r2[i], ok ? rows.r2 + row * stride : rows.r2, ok, D, lane);
-#pragma unroll
-    for (int j = 0; j < NPL; ++j) a1[i][j] = a2[i][j] = 0;
-    row_lse[i] = static_cast<C>(INFINITY);
-    row_delta[i] = 0;
-    if (!DKDV && ok) {
-      const int64_t si = row_stat(p, t.b, t.h, t.q.first + (sp.r0 + row) * p.r);
-      row_lse[i] = lse_for_exp(lse[si], C(1));
-      row_delta[i] = delta[si];
-    }
-  }
+  for (int i = 0; i < ROWS; ++i) m[i] = row_slot(warp * ROWS + i, rph).m;
 
-  for (int64_t c0 = sp.c_begin; c0 < sp.c_end; c0 += 32) {
-    const int nvalid = static_cast<int>(imin(32, sp.c_end - c0));
-    const Operands<T, DKDV> cols(p, t, sp.r0, c0);
-    __syncthreads();
-    load_rows_simt<T, C>(c1s, LDC, dpr, cols.c1, stride, nvalid, cols.cmask, p.r, D);
-    load_rows_simt<T, C>(c2s, LDC, dpr, cols.c2, stride, nvalid, cols.cmask, p.r, D);
-    if (threadIdx.x < 32) {
-      const int c = threadIdx.x;
-      const bool ok = row_ok(c, nvalid, cols.cmask, p.r);
-      col_ok[c] = ok;
-      if (DKDV) {
-        const int64_t si = row_stat(p, t.b, t.h, t.q.first + (c0 + c) * p.r);
-        col_lse[c] = ok ? lse_for_exp(lse[si], C(1)) : static_cast<C>(INFINITY);
-        col_delta[c] = ok ? delta[si] : C(0);
-      }
-    }
-    __syncthreads();
-
+  Tile t;
+  Span sp;
+  for (BlockTiles<DKDV> tiles(p); tiles.next(t);) {
+    if (!decode_span<DKDV>(p, t, sp)) continue;
+    const Rows<T, DKDV> rows(p, t, slot);
+    C r1[ROWS][NPL], r2[ROWS][NPL], a1[ROWS][NPL], a2[ROWS][NPL], row_lse[ROWS], row_delta[ROWS];
+    bool rok[ROWS];
 #pragma unroll
     for (int i = 0; i < ROWS; ++i) {
-      const int row = warp * ROWS + i;
-      if (row >= sp.nrows) continue;  // warp-uniform
-      const int64_t ridx = sp.r0 + row, cidx = c0 + lane;
-      const int64_t qi = DKDV ? cidx : ridx, ki = DKDV ? ridx : cidx;
-      const bool ok =
-          col_ok[lane] && row_ok(row, sp.nrows, rows.rmask, p.r) && (!p.causal || ki <= qi + t.dm);
-      if (!__any_sync(kFull, ok)) continue;
-      const C x1 = dot_bcast<C, NPL>(r1[i], c1s + lane * LDC, D);
-      const C x2 = dot_bcast<C, NPL>(r2[i], c2s + lane * LDC, D);
-      const C l = DKDV ? col_lse[lane] : row_lse[i], dl = DKDV ? col_delta[lane] : row_delta[i];
-      const C pr = ok ? cexp(x1 * scale - l) : C(0);
-      const C ds = ok ? pr * (x2 - dl) : C(0);
-#pragma unroll 4
-      for (int c = 0; c < 32; ++c) {
-        const C dsc = __shfl_sync(kFull, ds, c);
-        const C pc = __shfl_sync(kFull, pr, c);
+      rok[i] = row_ok(m[i], sp.nrows, rows.mask, p.r);
+      const int64_t off = rok[i] ? m[i] * rows.stride : 0;
+      load_vec<T, C, NPL>(r1[i], rows.r1 + off, rok[i], D, lane);
+      load_vec<T, C, NPL>(r2[i], rows.r2 + off, rok[i], D, lane);
 #pragma unroll
-        for (int j = 0; j < NPL; ++j) {
-          if (32 * j >= D) break;
-          a1[i][j] += dsc * c1s[c * LDC + 32 * j + lane];
-          if (DKDV) a2[i][j] += pc * c2s[c * LDC + 32 * j + lane];
+      for (int j = 0; j < NPL; ++j) a1[i][j] = a2[i][j] = 0;
+      row_lse[i] = static_cast<C>(INFINITY);
+      row_delta[i] = 0;
+      if (!DKDV && rok[i]) {
+        const int64_t si = row_stat(p, t, slot, m[i]);
+        row_lse[i] = lse_for_exp(lse[si], C(1));
+        row_delta[i] = delta[si];
+      }
+    }
+
+    for (int64_t hq = t.heads[0]; hq < heads_end<DKDV>(p, t); ++hq) {
+      if (!column_head<DKDV>(p, t, hq)) continue;
+      for (int64_t c0 = sp.c_begin; c0 < sp.c_end; c0 += 32) {
+        const int nvalid = static_cast<int>(imin(32, sp.c_end - c0));
+        const Columns<T, DKDV> cols(p, t, hq, c0);
+        __syncthreads();  // the previous column tile fully consumed
+        load_rows_simt<T, C>(c1s, LDC, dpr, cols.c1, cols.stride, nvalid, cols.mask, p.r, D);
+        load_rows_simt<T, C>(c2s, LDC, dpr, cols.c2, cols.stride, nvalid, cols.mask, p.r, D);
+        if (threadIdx.x < 32) {
+          const int c = threadIdx.x;
+          const bool ok = row_ok(c, nvalid, cols.mask, p.r);
+          col_ok[c] = ok;
+          if (DKDV) {
+            const int64_t si = p.row_index(t.b, hq, t.q.first + (c0 + c) * p.r);
+            col_lse[c] = ok ? lse_for_exp(lse[si], C(1)) : static_cast<C>(INFINITY);
+            col_delta[c] = ok ? delta[si] : C(0);
+          }
+        }
+        __syncthreads();
+
+#pragma unroll
+        for (int i = 0; i < ROWS; ++i) {
+          if (m[i] >= sp.nrows) continue;  // warp-uniform
+          const int64_t cidx = c0 + lane;
+          const int64_t qi = DKDV ? cidx : m[i], ki = DKDV ? m[i] : cidx;
+          const bool ok = col_ok[lane] && rok[i] && (!p.causal || ki <= qi + t.dm);
+          if (!__any_sync(kFull, ok)) continue;
+          const C x1 = dot_bcast<C, NPL>(r1[i], c1s + lane * LDC, D);
+          const C x2 = dot_bcast<C, NPL>(r2[i], c2s + lane * LDC, D);
+          const C l = DKDV ? col_lse[lane] : row_lse[i];
+          const C dl = DKDV ? col_delta[lane] : row_delta[i];
+          const C pr = ok ? cexp(x1 * scale - l) : C(0);
+          const C ds = ok ? pr * (x2 - dl) : C(0);
+#pragma unroll 4
+          for (int c = 0; c < 32; ++c) {
+            const C dsc = __shfl_sync(kFull, ds, c);
+            const C pc = __shfl_sync(kFull, pr, c);
+#pragma unroll
+            for (int j = 0; j < NPL; ++j) {
+              if (32 * j >= D) break;
+              a1[i][j] += dsc * c1s[c * LDC + 32 * j + lane];
+              if (DKDV) a2[i][j] += pc * c2s[c * LDC + 32 * j + lane];
+            }
+          }
         }
       }
     }
-  }
 
 #pragma unroll
-  for (int i = 0; i < ROWS; ++i) {
-    const int row = warp * ROWS + i;
-    if (row >= sp.nrows) continue;
-    C* o1 = out_row<C, DKDV>(p, t, sp.r0 + row, false);
-    C* o2 = DKDV ? out_row<C, DKDV>(p, t, sp.r0 + row, true) : nullptr;
+    for (int i = 0; i < ROWS; ++i) {
+      if (m[i] >= sp.nrows) continue;
+      C* o1 = out_row<C, DKDV>(p, t, slot, m[i], false);
+      C* o2 = DKDV ? out_row<C, DKDV>(p, t, slot, m[i], true) : nullptr;
 #pragma unroll
-    for (int j = 0; j < NPL; ++j) {
-      const int d = lane + 32 * j;
-      if (d >= D) continue;
-      o1[d] += scale * a1[i][j];
-      if (DKDV) o2[d] += a2[i][j];
+      for (int j = 0; j < NPL; ++j) {
+        const int d = lane + 32 * j;
+        if (d >= D) continue;
+        o1[d] += scale * a1[i][j];
+        if (DKDV) o2[d] += a2[i][j];
+      }
     }
   }
 }
@@ -241,95 +297,110 @@ __global__ void __launch_bounds__(kThreads) bwd_mma_kernel(const Problem p) {
   float* col_delta = col_lse + BN;
   uint8_t* col_ok = reinterpret_cast<uint8_t*>(col_delta + BN);
 
-  Tile t;
-  Span sp;
-  if (!decode_tile(p, t) || !decode_span<DKDV>(p, t, BM, sp)) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tg = lane % 4;
-  const int D = static_cast<int>(p.D);
-  const int64_t stride = p.r * p.H * p.D;
+  const int D = static_cast<int>(p.head_dim);
   const float scale_log2 = static_cast<float>(p.scale) * kLog2e;
   const float* lse = static_cast<const float*>(p.lse_in);
   const float* delta = static_cast<const float*>(p.delta);
 
-  const Operands<uint16_t, DKDV> rows(p, t, sp.r0, 0);
-  load_rows16<BM, DP>(r1s, LD, rows.r1, stride, sp.nrows, rows.rmask, p.r, D, p.vec);
-  load_rows16<BM, DP>(r2s, LD, rows.r2, stride, sp.nrows, rows.rmask, p.r, D, p.vec);
-  cp_async_commit();  // waited for with the first column tile
+  // This warp's 16 rows are rows m0 + [0, 16) of head slot `slot`.
+  const int rph = BM / static_cast<int>(p.pack);
+  const RowSlot ws = row_slot(warp * 16, rph);
+  const int slot = ws.slot, m0 = ws.m;
 
-  // This thread's rows warp * 16 + g + 8 * i.
-  bool rok[2];
-  float row_lse[2], row_delta[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int row = warp * 16 + g + 8 * i;
-    rok[i] = row_ok(row, sp.nrows, rows.rmask, p.r);
-    row_lse[i] = INFINITY;
-    row_delta[i] = 0.f;
-    if (!DKDV && rok[i]) {
-      const int64_t si = row_stat(p, t.b, t.h, t.q.first + (sp.r0 + row) * p.r);
-      row_lse[i] = lse_for_exp(lse[si], kLog2e);
-      row_delta[i] = delta[si];
+  Tile t;
+  Span sp;
+  for (BlockTiles<DKDV> tiles(p); tiles.next(t);) {
+    if (!decode_span<DKDV>(p, t, sp)) continue;
+    __syncthreads();  // the previous tile's rows fully read
+    for (int j = 0; j < p.pack; ++j) {
+      const Rows<uint16_t, DKDV> rows(p, t, j);
+      uint16_t* r1t = r1s + j * rph * LD;
+      uint16_t* r2t = r2s + j * rph * LD;
+      load_rows16<DP>(r1t, LD, rph, rows.r1, rows.stride, sp.nrows, rows.mask, p.r, D, p.vec);
+      load_rows16<DP>(r2t, LD, rph, rows.r2, rows.stride, sp.nrows, rows.mask, p.r, D, p.vec);
     }
-  }
-  float a1[ND][4] = {}, a2[NA][4] = {};
+    cp_async_commit();  // waited for with the first column tile
 
-  for (int64_t c0 = sp.c_begin; c0 < sp.c_end; c0 += BN) {
-    const int nvalid = static_cast<int>(imin(BN, sp.c_end - c0));
-    const Operands<uint16_t, DKDV> cols(p, t, sp.r0, c0);
-    __syncthreads();
-    load_rows16<BN, DP>(c1s, LD, cols.c1, stride, nvalid, cols.cmask, p.r, D, p.vec);
-    load_rows16<BN, DP>(c2s, LD, cols.c2, stride, nvalid, cols.cmask, p.r, D, p.vec);
-    cp_async_commit();
-    if (threadIdx.x < BN) {
-      const int c = threadIdx.x;
-      const bool ok = row_ok(c, nvalid, cols.cmask, p.r);
-      col_ok[c] = ok;
-      if (DKDV) {
-        const int64_t si = row_stat(p, t.b, t.h, t.q.first + (c0 + c) * p.r);
-        col_lse[c] = ok ? lse_for_exp(lse[si], kLog2e) : INFINITY;
-        col_delta[c] = ok ? delta[si] : 0.f;
+    // This thread's rows m0 + g + 8 * i of its slot.
+    const Rows<uint16_t, DKDV> rows(p, t, slot);
+    bool rok[2];
+    float row_lse[2], row_delta[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int m = m0 + g + 8 * i;
+      rok[i] = row_ok(m, sp.nrows, rows.mask, p.r);
+      row_lse[i] = INFINITY;
+      row_delta[i] = 0.f;
+      if (!DKDV && rok[i]) {
+        const int64_t si = row_stat(p, t, slot, m);
+        row_lse[i] = lse_for_exp(lse[si], kLog2e);
+        row_delta[i] = delta[si];
       }
     }
-    cp_async_wait<0>();
-    __syncthreads();
+    float a1[ND][4] = {}, a2[NA][4] = {};
 
-    float x1[NJ][4] = {}, x2[NJ][4] = {};
-    mma_ss<T, NJ, DP>(x1, r1s + warp * 16 * LD, LD, c1s, LD, lane);
-    mma_ss<T, NJ, DP>(x2, r2s + warp * 16 * LD, LD, c2s, LD, lane);
-#pragma unroll
-    for (int j = 0; j < NJ; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = e >> 1, col = j * 8 + 2 * tg + (e & 1);
-        const int64_t ridx = sp.r0 + warp * 16 + g + 8 * i, cidx = c0 + col;
-        const int64_t qi = DKDV ? cidx : ridx, ki = DKDV ? ridx : cidx;
-        const bool ok = col_ok[col] && rok[i] && (!p.causal || ki <= qi + t.dm);
-        const float l = DKDV ? col_lse[col] : row_lse[i];
-        const float dl = DKDV ? col_delta[col] : row_delta[i];
-        const float pr = ok ? exp2f(x1[j][e] * scale_log2 - l) : 0.f;
-        x2[j][e] = ok ? pr * (x2[j][e] - dl) : 0.f;  // dS (or dS^T)
-        x1[j][e] = pr;                               // P (or P^T)
-      }
-    mma_rs<T, ND, NJ>(a1, x2, c1s, LD, lane);
-    if constexpr (DKDV) mma_rs<T, ND, NJ>(a2, x1, c2s, LD, lane);
-  }
+    for (int64_t hq = t.heads[0]; hq < heads_end<DKDV>(p, t); ++hq) {
+      if (!column_head<DKDV>(p, t, hq)) continue;
+      for (int64_t c0 = sp.c_begin; c0 < sp.c_end; c0 += BN) {
+        const int nvalid = static_cast<int>(imin(BN, sp.c_end - c0));
+        const Columns<uint16_t, DKDV> cols(p, t, hq, c0);
+        __syncthreads();  // the previous column tile fully read
+        load_rows16<DP>(c1s, LD, BN, cols.c1, cols.stride, nvalid, cols.mask, p.r, D, p.vec);
+        load_rows16<DP>(c2s, LD, BN, cols.c2, cols.stride, nvalid, cols.mask, p.r, D, p.vec);
+        cp_async_commit();
+        if (threadIdx.x < BN) {
+          const int c = threadIdx.x;
+          const bool ok = row_ok(c, nvalid, cols.mask, p.r);
+          col_ok[c] = ok;
+          if (DKDV) {
+            const int64_t si = p.row_index(t.b, hq, t.q.first + (c0 + c) * p.r);
+            col_lse[c] = ok ? lse_for_exp(lse[si], kLog2e) : INFINITY;
+            col_delta[c] = ok ? delta[si] : 0.f;
+          }
+        }
+        cp_async_wait<0>();
+        __syncthreads();
 
-  const float scale = static_cast<float>(p.scale);
+        float x1[NJ][4] = {}, x2[NJ][4] = {};
+        mma_ss<T, NJ, DP>(x1, r1s + warp * 16 * LD, LD, c1s, LD, lane);
+        mma_ss<T, NJ, DP>(x2, r2s + warp * 16 * LD, LD, c2s, LD, lane);
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int row = warp * 16 + g + 8 * i;
-    if (row >= sp.nrows) continue;
-    float* o1 = out_row<float, DKDV>(p, t, sp.r0 + row, false);
-    float* o2 = DKDV ? out_row<float, DKDV>(p, t, sp.r0 + row, true) : nullptr;
+        for (int j = 0; j < NJ; ++j)
 #pragma unroll
-    for (int j = 0; j < ND; ++j)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int d = j * 8 + 2 * tg + e;
-        if (d >= D) continue;
-        o1[d] += scale * a1[j][2 * i + e];
-        if constexpr (DKDV) o2[d] += a2[j][2 * i + e];
+          for (int e = 0; e < 4; ++e) {
+            const int i = e >> 1, col = j * 8 + 2 * tg + (e & 1);
+            const int64_t ridx = m0 + g + 8 * i, cidx = c0 + col;
+            const int64_t qi = DKDV ? cidx : ridx, ki = DKDV ? ridx : cidx;
+            const bool ok = col_ok[col] && rok[i] && (!p.causal || ki <= qi + t.dm);
+            const float l = DKDV ? col_lse[col] : row_lse[i];
+            const float dl = DKDV ? col_delta[col] : row_delta[i];
+            const float pr = ok ? exp2f(x1[j][e] * scale_log2 - l) : 0.f;
+            x2[j][e] = ok ? pr * (x2[j][e] - dl) : 0.f;  // dS (or dS^T)
+            x1[j][e] = pr;                               // P (or P^T)
+          }
+        mma_rs<T, ND, NJ>(a1, x2, c1s, LD, lane);
+        if constexpr (DKDV) mma_rs<T, ND, NJ>(a2, x1, c2s, LD, lane);
       }
+    }
+
+    const float scale = static_cast<float>(p.scale);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int m = m0 + g + 8 * i;
+      if (m >= sp.nrows) continue;
+      float* o1 = out_row<float, DKDV>(p, t, slot, m, false);
+      float* o2 = DKDV ? out_row<float, DKDV>(p, t, slot, m, true) : nullptr;
+#pragma unroll
+      for (int j = 0; j < ND; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int d = j * 8 + 2 * tg + e;
+          if (d >= D) continue;
+          o1[d] += scale * a1[j][2 * i + e];
+          if constexpr (DKDV) o2[d] += a2[j][2 * i + e];
+        }
+    }
   }
 #endif
 }
@@ -340,15 +411,15 @@ void launch_simt(const Problem& p, at::IntArrayRef segs, at::IntArrayRef dils) {
   constexpr int ROWS = NPL <= 2 ? 4 : 2;
   const size_t smem = (2 * 32 * (32 * NPL + 1) + 64) * sizeof(C) + 32;
   if (p.dq != nullptr)
-    launch_branches(bwd_simt_kernel<T, C, NPL, ROWS, false>, p, segs, dils, p.Lq, 4 * ROWS, smem);
+    launch_branches(bwd_simt_kernel<T, C, NPL, ROWS, false>, p, segs, dils, false, 4 * ROWS, smem);
   if (p.dk != nullptr)
-    launch_branches(bwd_simt_kernel<T, C, NPL, ROWS, true>, p, segs, dils, p.Lk, 4 * ROWS, smem);
+    launch_branches(bwd_simt_kernel<T, C, NPL, ROWS, true>, p, segs, dils, true, 4 * ROWS, smem);
 }
 
 template <typename T, typename C>
 void dispatch_simt(const Problem& p, at::IntArrayRef segs, at::IntArrayRef dils) {
   if constexpr (std::is_same_v<T, float>) {
-    switch (simt_npl(p.D)) {
+    switch (simt_npl(p.head_dim)) {
       case 2:
         return launch_simt<T, C, 2>(p, segs, dils);
       case 4:
@@ -361,14 +432,14 @@ void dispatch_simt(const Problem& p, at::IntArrayRef segs, at::IntArrayRef dils)
 template <typename T, int DP>
 void launch_mma(const Problem& p, at::IntArrayRef segs, at::IntArrayRef dils) {
   if (p.dq != nullptr)
-    launch_branches(bwd_mma_kernel<T, DP, false>, p, segs, dils, p.Lq, 64, mma_smem<DP, false>());
+    launch_branches(bwd_mma_kernel<T, DP, false>, p, segs, dils, false, 64, mma_smem<DP, false>());
   if (p.dk != nullptr)
-    launch_branches(bwd_mma_kernel<T, DP, true>, p, segs, dils, p.Lk, 64, mma_smem<DP, true>());
+    launch_branches(bwd_mma_kernel<T, DP, true>, p, segs, dils, true, 64, mma_smem<DP, true>());
 }
 
 template <typename T>
 void dispatch_mma(const Problem& p, at::IntArrayRef segs, at::IntArrayRef dils) {
-  switch (mma_dp(p.D)) {
+  switch (mma_dp(p.head_dim)) {
     case 64:
       return launch_mma<T, 64>(p, segs, dils);
     case 96:
@@ -378,76 +449,32 @@ void dispatch_mma(const Problem& p, at::IntArrayRef segs, at::IntArrayRef dils) 
   }
 }
 
-void block_backward_cuda(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
-                         const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
-                         const std::optional<at::Tensor>& dq, const std::optional<at::Tensor>& dk,
-                         const std::optional<at::Tensor>& dv, int64_t q_start, int64_t k_start,
-                         at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates,
-                         bool causal, double scale, bool head_groups,
-                         const std::optional<at::Tensor>& key_padding_mask) {
-  check_block_backward(grad_out, q, k, v, out, lse, dq, dk, dv, q_start, k_start, segment_lengths,
-                       dilation_rates, head_groups, key_padding_mask);
-  check_device(q);
-  TORCH_CHECK(q.size(3) <= 256, "head_dim must be <= 256 on CUDA, got ", q.size(3));
-  const DeviceGuard guard(q.device());
-  const at::Tensor dc = grad_out.contiguous(), qc = q.contiguous(), kc = k.contiguous(),
-                   vc = v.contiguous(), oc = out.contiguous(), lc = lse.contiguous();
-  at::Tensor mask;
-  if (key_padding_mask.has_value()) mask = key_padding_mask->contiguous();
-  if (q.numel() == 0 || k.numel() == 0 || (!dq.has_value() && !dk.has_value())) return;
+}  // namespace
 
-  Problem p{};
-  p.B = q.size(0);
-  p.Lq = q.size(1);
-  p.H = q.size(2);
-  p.D = q.size(3);
-  p.Lk = k.size(1);
-  const at::Tensor delta = at::empty({p.B, p.H, p.Lq}, lse.options());
-  p.q = qc.const_data_ptr();
-  p.k = kc.const_data_ptr();
-  p.v = vc.const_data_ptr();
-  p.dout = dc.const_data_ptr();
-  p.lse_in = lc.const_data_ptr();
+void block_backward(const BlockCall& call) {
+  Problem p = make_problem(call);
+  const DeviceGuard guard(call.device);
+  if (call.q.numel() == 0 || call.k.numel() == 0 || (p.dq == nullptr && p.dk == nullptr)) return;
+  const at::Tensor delta = at::empty({p.batch, p.heads, p.q_len}, call.lse.options());
   p.delta = delta.const_data_ptr();
-  p.dq = dq.has_value() ? dq->mutable_data_ptr() : nullptr;
-  p.dk = dk.has_value() ? dk->mutable_data_ptr() : nullptr;
-  p.dv = dv.has_value() ? dv->mutable_data_ptr() : nullptr;
-  p.kpm = mask.defined() ? mask.const_data_ptr<bool>() : nullptr;
-  p.q_start = q_start;
-  p.k_start = k_start;
-  p.scale = scale;
-  p.causal = causal;
-  p.head_groups = head_groups;
-  p.vec = p.D % 8 == 0 && aligned16(p.q) && aligned16(p.k) && aligned16(p.v) && aligned16(p.dout);
-  const bool tensor_cores = device_attribute(cudaDevAttrComputeCapabilityMajor) >= 8 && p.D <= 128;
-  const cudaStream_t stream = current_stream();
-  const int64_t rows = p.B * p.Lq * p.H;
+  const at::IntArrayRef segs = call.segment_lengths, dils = call.dilation_rates;
+  const int64_t rows = p.batch * p.q_len * p.heads;
   const unsigned delta_blocks =
       static_cast<unsigned>(std::min<int64_t>(ceil_div(rows, kThreads / 32), 1 << 20));
-
-  AT_DISPATCH_FLOATING_TYPES_AND2(
-      at::kHalf, at::kBFloat16, q.scalar_type(), "block_backward_cuda", [&] {
-        using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-        launch(delta_kernel<scalar_t, acc_t>, dim3(delta_blocks), dim3(kThreads), 0, stream,
-               dc.const_data_ptr<scalar_t>(), oc.const_data_ptr<scalar_t>(),
-               delta.mutable_data_ptr<acc_t>(), p.B, p.Lq, p.H, p.D);
-        if constexpr (std::is_same_v<scalar_t, double> || std::is_same_v<scalar_t, float>) {
-          dispatch_simt<scalar_t, acc_t>(p, segment_lengths, dilation_rates);
-        } else {
-          if (tensor_cores) {
-            dispatch_mma<scalar_t>(p, segment_lengths, dilation_rates);
-          } else {
-            dispatch_simt<scalar_t, float>(p, segment_lengths, dilation_rates);
-          }
-        }
-      });
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, call.dtype, "block_backward_cuda", [&] {
+    using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+    launch(delta_kernel<scalar_t, acc_t>, dim3(delta_blocks), dim3(kThreads), 0, current_stream(),
+           static_cast<const scalar_t*>(p.grad_out), static_cast<const scalar_t*>(p.out_in),
+           static_cast<const acc_t*>(p.grad_lse), delta.mutable_data_ptr<acc_t>(), p.batch, p.q_len,
+           p.heads, p.head_dim);
+    if constexpr (std::is_same_v<scalar_t, double> || std::is_same_v<scalar_t, float>) {
+      dispatch_simt<scalar_t, acc_t>(p, segs, dils);
+    } else if (use_tensor_cores(p)) {
+      dispatch_mma<scalar_t>(p, segs, dils);
+    } else {
+      dispatch_simt<scalar_t, float>(p, segs, dils);
+    }
+  });
 }
 
-}  // namespace
 }  // namespace ring_attention::gpu
-
-#ifndef RING_ATTENTION_CUDA_EMULATOR  // the emulator registers its own op
-TORCH_LIBRARY_IMPL(ring_attention, CUDA, m) {
-  m.impl("block_backward", &ring_attention::gpu::block_backward_cuda);
-}
-#endif

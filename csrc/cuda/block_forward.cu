@@ -1,7 +1,9 @@
-// CUDA block forward (ring_attention::block_forward, contract in ops.cpp):
-// flash-style tiles over the active rows of each (branch, segment, head,
+// CUDA block forward (ring_attention::block_forward; arguments in params.h):
+// flash-style tiles over the active rows of each (branch, segment, head set,
 // batch), online softmax with fp32 (fp64 for fp64 inputs) state, merged into
-// the running (out, lse) accumulators. Never materialises seq x seq.
+// the running (out, lse) accumulators. Never materialises seq x seq. A tile's
+// rows are the queries of `pack` heads that read the same keys (common.cuh),
+// so each K/V tile serves all of them.
 //
 //  * fp16 / bf16, head_dim <= 128, sm_80+: tensor cores (mma.sync m16n8k16,
 //    fp32 accumulate). 4 warps, 64 query rows (16 per warp) x 64 keys per
@@ -12,14 +14,13 @@
 //  * otherwise (fp32, fp64, head_dim up to 256, older GPUs): SIMT kernel, one
 //    lane per key of a 32-key tile, each warp owns ROWS query rows.
 #include <ATen/Dispatch.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <optional>
 #include <type_traits>
 
-#include "../checks.h"
 #include "common.cuh"
+#include "kernels.h"
 
 namespace ring_attention::gpu {
 namespace {
@@ -33,92 +34,95 @@ __global__ void __launch_bounds__(kThreads) fwd_simt_kernel(const Problem p) {
   C* vs = ks + 32 * LDK;               // 32 x DP
   uint8_t* kok = reinterpret_cast<uint8_t*>(vs + 32 * DP);
 
-  Tile t;
-  if (!decode_tile(p, t)) return;
-  const int64_t m0 = t.tile * BM;
-  if (m0 >= t.q.count) return;
-  const int nrows = static_cast<int>(imin(BM, t.q.count - m0));
-  const int64_t nk = keys_reached(p, t, m0 + nrows - 1);
-  if (nk <= 0) return;
-
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, D = static_cast<int>(p.D);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, D = static_cast<int>(p.head_dim);
   const int dpr = (D + 31) / 32 * 32;  // columns the loops visit (<= DP)
   const T* q = static_cast<const T*>(p.q);
   const T* k = static_cast<const T*>(p.k);
   const T* v = static_cast<const T*>(p.v);
-  const int64_t stride = p.r * p.H * p.D;  // between consecutive active rows
+  const int64_t k_stride = p.k_stride(p.r);  // between consecutive active key rows
   const C scale = static_cast<C>(p.scale);
-
-  C qv[ROWS][NPL], acc[ROWS][NPL], m_run[ROWS], l_run[ROWS];
+  C* out = static_cast<C*>(p.out);
+  C* lse = static_cast<C*>(p.lse);
+  // Row warp * ROWS + i is query m[i] of head heads[slot] (one slot per warp).
+  const int rph = BM / static_cast<int>(p.pack);
+  const int slot = row_slot(warp * ROWS, rph).slot;
+  int m[ROWS];
 #pragma unroll
-  for (int i = 0; i < ROWS; ++i) {
-    const int row = warp * ROWS + i;
-    const int64_t pos = t.q.first + (m0 + row) * p.r;
-    load_vec<T, C, NPL>(qv[i], row < nrows ? q + q_offset(p, t.b, t.h, pos) : q, row < nrows, D,
-                        lane);
-#pragma unroll
-    for (int j = 0; j < NPL; ++j) acc[i][j] = 0;
-    m_run[i] = neg_inf<C>();
-    l_run[i] = 0;
-  }
+  for (int i = 0; i < ROWS; ++i) m[i] = row_slot(warp * ROWS + i, rph).m;
 
-  for (int64_t n0 = 0; n0 < nk; n0 += 32) {
-    const int nvalid = static_cast<int>(imin(32, nk - n0));
-    const int64_t pos0 = t.k.first + n0 * p.r;
-    const bool* mk = mask_at(p, t.b, pos0);
-    const int64_t off = k_offset(p, t.b, t.h, pos0);
-    __syncthreads();  // previous tile fully consumed
-    load_rows_simt<T, C>(ks, LDK, dpr, k + off, stride, nvalid, mk, p.r, D);
-    load_rows_simt<T, C>(vs, DP, dpr, v + off, stride, nvalid, mk, p.r, D);
-    if (threadIdx.x < 32) kok[threadIdx.x] = row_ok(threadIdx.x, nvalid, mk, p.r);
-    __syncthreads();
+  Tile t;
+  for (BlockTiles<false> tiles(p); tiles.next(t);) {
+    const int nrows = static_cast<int>(t.q.count);  // <= rph: one window
+    const int64_t nk = keys_reached(p, t, nrows - 1);
+    if (nk <= 0) continue;
+    const int64_t h = t.heads[slot];
+
+    C qv[ROWS][NPL], acc[ROWS][NPL], m_run[ROWS], l_run[ROWS];
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i) {
+      const int64_t pos = t.q.first + m[i] * p.r;
+      load_vec<T, C, NPL>(qv[i], m[i] < nrows ? q + p.q_index(t.b, pos, h) : q, m[i] < nrows, D,
+                          lane);
+#pragma unroll
+      for (int j = 0; j < NPL; ++j) acc[i][j] = 0;
+      m_run[i] = neg_inf<C>();
+      l_run[i] = 0;
+    }
+
+    for (int64_t n0 = 0; n0 < nk; n0 += 32) {
+      const int nvalid = static_cast<int>(imin(32, nk - n0));
+      const int64_t pos0 = t.k.first + n0 * p.r;
+      const bool* mk = mask_at(p, t.b, pos0);
+      const int64_t off = p.k_index(t.b, pos0, t.kvh);
+      __syncthreads();  // previous tile fully consumed
+      load_rows_simt<T, C>(ks, LDK, dpr, k + off, k_stride, nvalid, mk, p.r, D);
+      load_rows_simt<T, C>(vs, DP, dpr, v + off, k_stride, nvalid, mk, p.r, D);
+      if (threadIdx.x < 32) kok[threadIdx.x] = row_ok(threadIdx.x, nvalid, mk, p.r);
+      __syncthreads();
+
+#pragma unroll
+      for (int i = 0; i < ROWS; ++i) {
+        if (m[i] >= nrows) continue;  // warp-uniform
+        const C s = dot_bcast<C, NPL>(qv[i], ks + lane * LDK, D);
+        const bool ok = kok[lane] && (!p.causal || n0 + lane <= m[i] + t.dm);
+        const C x = ok ? s * scale : neg_inf<C>();
+        const C m_new = cmax(m_run[i], warp_max(x));
+        const C m_use = m_new == neg_inf<C>() ? C(0) : m_new;
+        const C alpha = cexp(m_run[i] - m_use);
+        const C pr = cexp(x - m_use);
+        m_run[i] = m_new;
+        l_run[i] = l_run[i] * alpha + pr;  // lane-partial sums, reduced at the end
+#pragma unroll
+        for (int j = 0; j < NPL; ++j) acc[i][j] *= alpha;
+        if (!__any_sync(kFull, pr != C(0))) continue;
+#pragma unroll 4
+        for (int c = 0; c < 32; ++c) {
+          const C pc = __shfl_sync(kFull, pr, c);
+#pragma unroll
+          for (int j = 0; j < NPL; ++j)
+            if (32 * j < D) acc[i][j] += pc * vs[c * DP + 32 * j + lane];
+        }
+      }
+    }
 
 #pragma unroll
     for (int i = 0; i < ROWS; ++i) {
-      const int row = warp * ROWS + i;
-      if (row >= nrows) continue;  // warp-uniform
-      const C s = dot_bcast<C, NPL>(qv[i], ks + lane * LDK, D);
-      const bool ok = kok[lane] && (!p.causal || n0 + lane <= m0 + row + t.dm);
-      const C x = ok ? s * scale : neg_inf<C>();
-      const C m_new = cmax(m_run[i], warp_max(x));
-      const C m_use = m_new == neg_inf<C>() ? C(0) : m_new;
-      const C alpha = cexp(m_run[i] - m_use);
-      const C pr = cexp(x - m_use);
-      m_run[i] = m_new;
-      l_run[i] = l_run[i] * alpha + pr;  // lane-partial sums, reduced at the end
+      const C l = warp_sum(l_run[i]);
+      if (m[i] >= nrows || l == C(0)) continue;  // warp-uniform; no key reached
+      const int64_t pos = t.q.first + m[i] * p.r;
+      const int64_t li = p.row_index(t.b, h, pos);
+      const C old = lse[li];
+      __syncwarp();  // every lane has read lse before lane 0 writes it
+      const C blk = m_run[i] + clog(l);
+      const C nl = merged_lse(old, blk);
+      C* orow = out + p.q_index(t.b, pos, h);
 #pragma unroll
-      for (int j = 0; j < NPL; ++j) acc[i][j] *= alpha;
-      if (!__any_sync(kFull, pr != C(0))) continue;
-#pragma unroll 4
-      for (int c = 0; c < 32; ++c) {
-        const C pc = __shfl_sync(kFull, pr, c);
-#pragma unroll
-        for (int j = 0; j < NPL; ++j)
-          if (32 * j < D) acc[i][j] += pc * vs[c * DP + 32 * j + lane];
+      for (int j = 0; j < NPL; ++j) {
+        const int d = lane + 32 * j;
+        if (d < D) orow[d] = merge_value(orow[d], acc[i][j] / l, old, blk, nl);
       }
+      if (lane == 0) lse[li] = nl;
     }
-  }
-
-  C* out = static_cast<C*>(p.out);
-  C* lse = static_cast<C*>(p.lse);
-#pragma unroll
-  for (int i = 0; i < ROWS; ++i) {
-    const int row = warp * ROWS + i;
-    const C l = warp_sum(l_run[i]);
-    if (row >= nrows || l == C(0)) continue;  // warp-uniform; no key reached
-    const int64_t pos = t.q.first + (m0 + row) * p.r;
-    const int64_t li = row_stat(p, t.b, t.h, pos);
-    const C old = lse[li];
-    __syncwarp();  // every lane has read lse before lane 0 writes it
-    const C blk = m_run[i] + clog(l);
-    const C nl = merged_lse(old, blk);
-    C* orow = out + q_offset(p, t.b, t.h, pos);
-#pragma unroll
-    for (int j = 0; j < NPL; ++j) {
-      const int d = lane + 32 * j;
-      if (d < D) orow[d] = merge_value(orow[d], acc[i][j] / l, old, blk, nl);
-    }
-    if (lane == 0) lse[li] = nl;
   }
 }
 
@@ -135,125 +139,130 @@ __global__ void __launch_bounds__(kThreads) fwd_mma_kernel(const Problem p) {
   uint16_t* vs = ks + 2 * BN * LD;                              // 2 stages x BN x LD
   uint8_t* kok = reinterpret_cast<uint8_t*>(vs + 2 * BN * LD);  // 2 stages x BN
 
-  Tile t;
-  if (!decode_tile(p, t)) return;
-  const int64_t m0 = t.tile * BM;
-  if (m0 >= t.q.count) return;
-  const int nrows = static_cast<int>(imin(BM, t.q.count - m0));
-  const int64_t nk = keys_reached(p, t, m0 + nrows - 1);
-  if (nk <= 0) return;
-
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tg = lane % 4;
-  const int D = static_cast<int>(p.D);
+  const int D = static_cast<int>(p.head_dim);
   const uint16_t* q = static_cast<const uint16_t*>(p.q);
   const uint16_t* k = static_cast<const uint16_t*>(p.k);
   const uint16_t* v = static_cast<const uint16_t*>(p.v);
-  const int64_t stride = p.r * p.H * p.D;
+  const int64_t q_stride = p.q_stride(p.r), k_stride = p.k_stride(p.r);
   const float scale_log2 = static_cast<float>(p.scale) * kLog2e;
-
-  // Key tile at n0 into stage st (the copies form one cp.async group).
-  const auto stage_keys = [&](int64_t n0, int st) {
-    const int nvalid = static_cast<int>(imin(BN, nk - n0));
-    const int64_t pos0 = t.k.first + n0 * p.r;
-    const bool* mk = mask_at(p, t.b, pos0);
-    const int64_t off = k_offset(p, t.b, t.h, pos0);
-    load_rows16<BN, DP>(ks + st * BN * LD, LD, k + off, stride, nvalid, mk, p.r, D, p.vec);
-    load_rows16<BN, DP>(vs + st * BN * LD, LD, v + off, stride, nvalid, mk, p.r, D, p.vec);
-    if (threadIdx.x < BN) kok[st * BN + threadIdx.x] = row_ok(threadIdx.x, nvalid, mk, p.r);
-    cp_async_commit();
-  };
-  load_rows16<BM, DP>(qs, LD, q + q_offset(p, t.b, t.h, t.q.first + m0 * p.r), stride, nrows,
-                      nullptr, 0, D, p.vec);
-  stage_keys(0, 0);  // with the query tile: the first group
-
-  // This thread's two rows: warp * 16 + g + 8 * i. Causal: key n <= lim[i].
-  int64_t lim[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) lim[i] = m0 + warp * 16 + g + 8 * i + t.dm;
-  float o[ND][4] = {};
-  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
-
-  for (int64_t n0 = 0, it = 0; n0 < nk; n0 += BN, ++it) {
-    const int st = static_cast<int>(it & 1);
-    if (n0 + BN < nk) {
-      stage_keys(n0 + BN, st ^ 1);  // its stage was last read before the previous barrier
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();  // stage st complete for every thread
-    const uint16_t* kt = ks + st * BN * LD;
-    const uint16_t* vt = vs + st * BN * LD;
-    const uint8_t* kokt = kok + st * BN;
-
-    float s[NJ][4] = {};
-    mma_ss<T, NJ, DP>(s, qs + warp * 16 * LD, LD, kt, LD, lane);
-
-    float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int j = 0; j < NJ; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int col = j * 8 + 2 * tg + (e & 1);
-        const bool ok = kokt[col] && (!p.causal || n0 + col <= lim[e >> 1]);
-        s[j][e] = ok ? s[j][e] * scale_log2 : -INFINITY;
-        mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
-      }
-    float alpha[2], m_use[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      mx[i] = fmaxf(mx[i], __shfl_xor_sync(kFull, mx[i], 1));
-      mx[i] = fmaxf(mx[i], __shfl_xor_sync(kFull, mx[i], 2));
-      const float m_new = fmaxf(m_run[i], mx[i]);
-      m_use[i] = m_new == -INFINITY ? 0.f : m_new;
-      alpha[i] = exp2f(m_run[i] - m_use[i]);
-      m_run[i] = m_new;
-      l_run[i] *= alpha[i];
-    }
-#pragma unroll
-    for (int j = 0; j < NJ; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        s[j][e] = exp2f(s[j][e] - m_use[e >> 1]);
-        l_run[e >> 1] += s[j][e];  // quad-partial sums, reduced at the end
-      }
-#pragma unroll
-    for (int j = 0; j < ND; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o[j][e] *= alpha[e >> 1];
-    mma_rs<T, ND, NJ>(o, s, vt, LD, lane);
-    __syncthreads();  // stage st fully read before it is refilled
-  }
-
   float* out = static_cast<float*>(p.out);
   float* lse = static_cast<float*>(p.lse);
-  float old[2], l[2];
-  bool write[2];
-  int64_t pos[2];
+  // This warp's 16 rows are queries m0 + [0, 16) of head heads[slot].
+  const int rph = BM / static_cast<int>(p.pack);
+  const RowSlot ws = row_slot(warp * 16, rph);
+  const int slot = ws.slot, m0 = ws.m;
+
+  Tile t;
+  for (BlockTiles<false> tiles(p); tiles.next(t);) {
+    const int nrows = static_cast<int>(t.q.count);  // <= rph: one window
+    const int64_t nk = keys_reached(p, t, nrows - 1);
+    if (nk <= 0) continue;
+
+    // Key tile at n0 into stage st (the copies form one cp.async group).
+    const auto stage_keys = [&](int64_t n0, int st) {
+      const int nvalid = static_cast<int>(imin(BN, nk - n0));
+      const int64_t pos0 = t.k.first + n0 * p.r;
+      const bool* mk = mask_at(p, t.b, pos0);
+      const int64_t off = p.k_index(t.b, pos0, t.kvh);
+      load_rows16<DP>(ks + st * BN * LD, LD, BN, k + off, k_stride, nvalid, mk, p.r, D, p.vec);
+      load_rows16<DP>(vs + st * BN * LD, LD, BN, v + off, k_stride, nvalid, mk, p.r, D, p.vec);
+      if (threadIdx.x < BN) kok[st * BN + threadIdx.x] = row_ok(threadIdx.x, nvalid, mk, p.r);
+      cp_async_commit();
+    };
+    for (int j = 0; j < p.pack; ++j) {
+      load_rows16<DP>(qs + j * rph * LD, LD, rph, q + p.q_index(t.b, t.q.first, t.heads[j]),
+                      q_stride, nrows, nullptr, 0, D, p.vec);
+    }
+    stage_keys(0, 0);  // with the query tile: the first group
+
+    // This thread's two rows: queries m0 + g + 8 * i. Causal: key n <= lim[i].
+    int64_t lim[2];
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    l[i] = l_run[i] + __shfl_xor_sync(kFull, l_run[i], 1);
-    l[i] += __shfl_xor_sync(kFull, l[i], 2);
-    const int row = warp * 16 + g + 8 * i;
-    write[i] = row < nrows && l[i] != 0.f;
-    pos[i] = t.q.first + (m0 + row) * p.r;
-    old[i] = write[i] ? lse[row_stat(p, t.b, t.h, pos[i])] : 0.f;
-  }
-  __syncwarp();  // every lane has read lse before any lane writes it
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    if (!write[i]) continue;
-    const float blk = (m_run[i] + log2f(l[i])) / kLog2e, inv_l = 1.f / l[i];
-    const float nl = merged_lse(old[i], blk);
-    float* orow = out + q_offset(p, t.b, t.h, pos[i]);
-#pragma unroll
-    for (int j = 0; j < ND; ++j)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int d = j * 8 + 2 * tg + e;
-        if (d < D) orow[d] = merge_value(orow[d], o[j][2 * i + e] * inv_l, old[i], blk, nl);
+    for (int i = 0; i < 2; ++i) lim[i] = m0 + g + 8 * i + t.dm;
+    float o[ND][4] = {};
+    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+
+    for (int64_t n0 = 0, it = 0; n0 < nk; n0 += BN, ++it) {
+      const int st = static_cast<int>(it & 1);
+      if (n0 + BN < nk) {
+        stage_keys(n0 + BN, st ^ 1);  // its stage was last read before the previous barrier
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
       }
-    if (tg == 0) lse[row_stat(p, t.b, t.h, pos[i])] = nl;
+      __syncthreads();  // stage st complete for every thread
+      const uint16_t* kt = ks + st * BN * LD;
+      const uint16_t* vt = vs + st * BN * LD;
+      const uint8_t* kokt = kok + st * BN;
+
+      float s[NJ][4] = {};
+      mma_ss<T, NJ, DP>(s, qs + warp * 16 * LD, LD, kt, LD, lane);
+
+      float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int j = 0; j < NJ; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = j * 8 + 2 * tg + (e & 1);
+          const bool ok = kokt[col] && (!p.causal || n0 + col <= lim[e >> 1]);
+          s[j][e] = ok ? s[j][e] * scale_log2 : -INFINITY;
+          mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
+        }
+      float alpha[2], m_use[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(kFull, mx[i], 1));
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(kFull, mx[i], 2));
+        const float m_new = fmaxf(m_run[i], mx[i]);
+        m_use[i] = m_new == -INFINITY ? 0.f : m_new;
+        alpha[i] = exp2f(m_run[i] - m_use[i]);
+        m_run[i] = m_new;
+        l_run[i] *= alpha[i];
+      }
+#pragma unroll
+      for (int j = 0; j < NJ; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[j][e] = exp2f(s[j][e] - m_use[e >> 1]);
+          l_run[e >> 1] += s[j][e];  // quad-partial sums, reduced at the end
+        }
+#pragma unroll
+      for (int j = 0; j < ND; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[j][e] *= alpha[e >> 1];
+      mma_rs<T, ND, NJ>(o, s, vt, LD, lane);
+      __syncthreads();  // stage st fully read before it is refilled
+    }
+
+    float old[2], l[2];
+    bool write[2];
+    int64_t pos[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      l[i] = l_run[i] + __shfl_xor_sync(kFull, l_run[i], 1);
+      l[i] += __shfl_xor_sync(kFull, l[i], 2);
+      const int m = m0 + g + 8 * i;
+      write[i] = m < nrows && l[i] != 0.f;
+      pos[i] = t.q.first + m * p.r;
+      old[i] = write[i] ? lse[p.row_index(t.b, t.heads[slot], pos[i])] : 0.f;
+    }
+    __syncwarp();  // every lane has read lse before any lane writes it
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      if (!write[i]) continue;
+      const float blk = (m_run[i] + log2f(l[i])) / kLog2e, inv_l = 1.f / l[i];
+      const float nl = merged_lse(old[i], blk);
+      float* orow = out + p.q_index(t.b, pos[i], t.heads[slot]);
+#pragma unroll
+      for (int j = 0; j < ND; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int d = j * 8 + 2 * tg + e;
+          if (d < D) orow[d] = merge_value(orow[d], o[j][2 * i + e] * inv_l, old[i], blk, nl);
+        }
+      if (tg == 0) lse[p.row_index(t.b, t.heads[slot], pos[i])] = nl;
+    }
   }
 #endif
 }
@@ -263,13 +272,13 @@ template <typename T, typename C, int NPL>
 void launch_simt(const Problem& p, at::IntArrayRef segs, at::IntArrayRef dils) {
   constexpr int ROWS = NPL <= 2 ? 4 : 2;
   const size_t smem = (32 * (32 * NPL + 1) + 32 * 32 * NPL) * sizeof(C) + 32;
-  launch_branches(fwd_simt_kernel<T, C, NPL, ROWS>, p, segs, dils, p.Lq, 4 * ROWS, smem);
+  launch_branches(fwd_simt_kernel<T, C, NPL, ROWS>, p, segs, dils, false, 4 * ROWS, smem);
 }
 
 template <typename T, typename C>
 void dispatch_simt(const Problem& p, at::IntArrayRef segs, at::IntArrayRef dils) {
   if constexpr (std::is_same_v<T, float>) {
-    switch (simt_npl(p.D)) {
+    switch (simt_npl(p.head_dim)) {
       case 2:
         return launch_simt<T, C, 2>(p, segs, dils);
       case 4:
@@ -283,12 +292,12 @@ template <typename T, int DP>
 void launch_mma(const Problem& p, at::IntArrayRef segs, at::IntArrayRef dils) {
   constexpr int BM = 64, BN = 64;
   const size_t smem = (BM + 4 * BN) * (DP + 8) * sizeof(uint16_t) + 2 * BN;
-  launch_branches(fwd_mma_kernel<T, DP>, p, segs, dils, p.Lq, BM, smem);
+  launch_branches(fwd_mma_kernel<T, DP>, p, segs, dils, false, BM, smem);
 }
 
 template <typename T>
 void dispatch_mma(const Problem& p, at::IntArrayRef segs, at::IntArrayRef dils) {
-  switch (mma_dp(p.D)) {
+  switch (mma_dp(p.head_dim)) {
     case 64:
       return launch_mma<T, 64>(p, segs, dils);
     case 96:
@@ -298,62 +307,22 @@ void dispatch_mma(const Problem& p, at::IntArrayRef segs, at::IntArrayRef dils) 
   }
 }
 
-void block_forward_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                        at::Tensor& out, at::Tensor& lse, int64_t q_start, int64_t k_start,
-                        at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates,
-                        bool causal, double scale, bool head_groups,
-                        const std::optional<at::Tensor>& key_padding_mask) {
-  check_block_forward(q, k, v, out, lse, q_start, k_start, segment_lengths, dilation_rates,
-                      head_groups, key_padding_mask);
-  check_device(q);
-  TORCH_CHECK(q.size(3) <= 256, "head_dim must be <= 256 on CUDA, got ", q.size(3));
-  const DeviceGuard guard(q.device());
-  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
-  at::Tensor mask;
-  if (key_padding_mask.has_value()) mask = key_padding_mask->contiguous();
-  if (q.numel() == 0 || k.numel() == 0) return;
-
-  Problem p{};
-  p.q = qc.const_data_ptr();
-  p.k = kc.const_data_ptr();
-  p.v = vc.const_data_ptr();
-  p.out = out.mutable_data_ptr();
-  p.lse = lse.mutable_data_ptr();
-  p.kpm = mask.defined() ? mask.const_data_ptr<bool>() : nullptr;
-  p.B = q.size(0);
-  p.Lq = q.size(1);
-  p.H = q.size(2);
-  p.D = q.size(3);
-  p.Lk = k.size(1);
-  p.q_start = q_start;
-  p.k_start = k_start;
-  p.scale = scale;
-  p.causal = causal;
-  p.head_groups = head_groups;
-  p.vec = p.D % 8 == 0 && aligned16(p.q) && aligned16(p.k) && aligned16(p.v);
-  const bool tensor_cores = device_attribute(cudaDevAttrComputeCapabilityMajor) >= 8 && p.D <= 128;
-
-  AT_DISPATCH_FLOATING_TYPES_AND2(
-      at::kHalf, at::kBFloat16, q.scalar_type(), "block_forward_cuda", [&] {
-        if constexpr (std::is_same_v<scalar_t, double>) {
-          dispatch_simt<double, double>(p, segment_lengths, dilation_rates);
-        } else if constexpr (std::is_same_v<scalar_t, float>) {
-          dispatch_simt<float, float>(p, segment_lengths, dilation_rates);
-        } else {
-          if (tensor_cores) {
-            dispatch_mma<scalar_t>(p, segment_lengths, dilation_rates);
-          } else {
-            dispatch_simt<scalar_t, float>(p, segment_lengths, dilation_rates);
-          }
-        }
-      });
-}
-
 }  // namespace
-}  // namespace ring_attention::gpu
 
-#ifndef RING_ATTENTION_CUDA_EMULATOR  // the emulator registers its own op
-TORCH_LIBRARY_IMPL(ring_attention, CUDA, m) {
-  m.impl("block_forward", &ring_attention::gpu::block_forward_cuda);
+void block_forward(const BlockCall& call) {
+  const Problem p = make_problem(call);
+  const DeviceGuard guard(call.device);
+  if (call.q.numel() == 0 || call.k.numel() == 0) return;
+  const at::IntArrayRef segs = call.segment_lengths, dils = call.dilation_rates;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, call.dtype, "block_forward_cuda", [&] {
+    if constexpr (std::is_same_v<scalar_t, double> || std::is_same_v<scalar_t, float>) {
+      dispatch_simt<scalar_t, scalar_t>(p, segs, dils);
+    } else if (use_tensor_cores(p)) {
+      dispatch_mma<scalar_t>(p, segs, dils);
+    } else {
+      dispatch_simt<scalar_t, float>(p, segs, dils);
+    }
+  });
 }
-#endif
+
+}  // namespace ring_attention::gpu

@@ -1,23 +1,39 @@
 // Shared pieces of the CUDA block kernels: the per-launch problem description,
-// tile decoding (which segment / rows a thread block owns), warp reductions,
+// tile decoding (which rows a thread block owns), warp reductions,
 // dilated-row tile loaders and the mma.sync (m16n8k16, fp32 accumulate)
 // building blocks of the fp16/bf16 tensor-core kernels.
 //
-// Work decomposition (both ops): one launch per branch (w, r); a thread block
-// owns one tile of up to BM active rows of one (segment, head, batch). Rows are
-// queries (forward, dq) or keys (dk/dv). Within a branch a row belongs to one
-// segment and one tile, so blocks never write the same output row: plain
+// Work decomposition (both ops): one launch per branch (w, r). Rows are
+// queries (forward, dq) or keys (dk/dv). A thread block owns the rows of one
+// (batch, head) in one window of span = BM * r consecutive positions: for
+// each segment the window meets, the at most BM active rows of that segment
+// in the window form a tile. The grid is sized from the block lengths alone
+// (documents only make segments shorter), so documents need no host-device
+// synchronisation: a block finds its segments by a binary search in
+// cu_seqlens and exits when it has none. Within a branch a row belongs to one
+// segment and one window, so blocks never write the same output row: plain
 // read-modify-write, no atomics. Branches run one after another on the stream.
+//
+// Grouped K/V heads: query head h reads K/V head h / (heads / kv_heads), and
+// the query heads of a key-sharing set (params.h: same K/V head and offset)
+// read the same key rows. Query-row kernels (forward, dq) stack `pack` heads
+// of a set in a tile: its rows are (head, position) pairs, BM / pack
+// positions of each head, so a K/V tile serves all of them and tiles of short
+// segments (dilation, documents) fill up. Key rows (dk/dv) are owned by the
+// block of the first head of each set, which sums over the set's heads.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
+#include "../checks.h"
+#include "../params.h"
 #include "../pattern.h"
 #include "runtime.cuh"
 
@@ -27,76 +43,119 @@ constexpr int kThreads = 128;  // 4 warps in every kernel
 constexpr unsigned kFull = 0xffffffffu;
 constexpr float kLog2e = 1.4426950408889634f;
 
-// One launch: a q block, a k/v block and one branch of the pattern.
-struct Problem {
-  const void *q, *k, *v, *dout;  // (B, L, H, D), input dtype
-  void *out, *lse;               // forward accumulators (acc dtype)
-  const void *lse_in, *delta;    // backward: final lse, rowsum(dO * O)
-  void *dq, *dk, *dv;            // backward accumulators (acc dtype)
-  const bool* kpm;               // (B, Lk), true = ignore key; or nullptr
-  int64_t B, H, D, Lq, Lk, q_start, k_start;
-  int64_t w, r, branch, n_branches;
-  int64_t h_lo;           // first head of this launch (grid.y counts heads)
-  int64_t seg_lo;         // first segment shared by the q and k blocks
-  int64_t tiles_per_seg;  // grid.x = segments * tiles_per_seg
-  double scale;
-  bool causal, head_groups;
-  bool vec;  // 16-byte loads allowed (D % 8 == 0, aligned pointers)
+// One launch: a checked block call and one branch of the pattern.
+struct Problem : BlockParams {
+  const void* delta;  // backward: rowsum(dO * O) - grad_lse, laid out like lse
+  int64_t w, r, branch;
+  int64_t h_lo;                  // first query head of the launch (grid.y counts heads)
+  int64_t pack;                  // query heads per tile (1 for key rows), divides 4
+  int64_t row_lo, row_hi, span;  // grid.x counts windows of span row positions
+  bool vec;                      // 16-byte loads allowed (D % 8 == 0, aligned pointers)
 };
 
-// What one thread block works on. Query m of the segment sits at position
-// q.first + r*m, key n at k.first + r*n (both active, same segment), and key n
-// reaches query m (causal) iff n <= m + dm.
+constexpr int kMaxPack = 4;
+
+__device__ inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+__device__ inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
+
+// One tile: query m of the tile's segment sits at position q.first + r*m,
+// key n at k.first + r*n (both active, same segment), and key n reaches query
+// m (causal) iff n <= m + dm. The run of the rows side (queries, or keys for
+// KEY_ROWS) is the tile's (at most BM / pack rows per head), the other one
+// the whole segment's in its block (keys: only up to the tile's last query,
+// causal). Query rows: row slot * (BM / pack) + m is query m of heads[slot].
 struct Tile {
-  int64_t b, h, tile;
+  int64_t b, kvh;
+  int64_t heads[kMaxPack];  // KEY_ROWS: heads[0] is the first of its key-sharing set
   ActiveRun q, k;
   int64_t dm;
 };
 
-__device__ inline bool decode_tile(const Problem& p, Tile& t) {
-  t.b = blockIdx.z;
-  t.h = p.h_lo + blockIdx.y;
-  if (!branch_applies(t.h, p.branch, p.H, p.n_branches, p.head_groups)) return false;
-  const int64_t seg = p.seg_lo + blockIdx.x / p.tiles_per_seg;
-  t.tile = blockIdx.x % p.tiles_per_seg;
-  const SegmentRuns runs = segment_runs(seg * p.w, p.w, p.r, t.h, p.q_start, p.q_start + p.Lq,
-                                        p.k_start, p.k_start + p.Lk, p.causal);
-  t.q = runs.q;
-  t.k = runs.k;
-  if (t.q.count <= 0 || t.k.count <= 0) return false;
-  t.dm = (t.q.first - t.k.first) / p.r;  // exact: both are active in one segment
-  return true;
+// The tiles of this thread block, in position order: blockIdx.z is the batch
+// row, h_lo + blockIdx.y the first query head of the tile's heads (only the
+// blocks of every pack-th head of a key-sharing set have tiles; KEY_ROWS: of
+// its first head), blockIdx.x the window [row_lo + x*span, row_lo +
+// (x+1)*span) of row positions.
+template <bool KEY_ROWS>
+class BlockTiles {
+ public:
+  __device__ explicit BlockTiles(const Problem& p)
+      : p_(p),
+        lo_(p.row_lo + static_cast<int64_t>(blockIdx.x) * p.span),
+        hi_(imin(lo_ + p.span, p.row_hi)),
+        h_(p.h_lo + blockIdx.y),
+        walk_(p.docs, p.w, lo_) {
+    const int64_t rank = p.set_rank(h_, p.branch, p.r);
+    live_ = KEY_ROWS ? rank == 0 : rank >= 0 && rank % p.pack == 0;
+    offset_ = p.offset(h_, p.r);
+    // The next pack - 1 heads of the set (every set has a multiple of pack).
+    int n = 0;
+    const int64_t group = p.heads / p.kv_heads;
+    for (int64_t g = h_; live_ && n < p.pack && g < (h_ / group + 1) * group; ++g)
+      if (p.shares_keys(g, h_, p.branch, p.r)) heads_[n++] = g;
+  }
+
+  __device__ bool next(Tile& t) {
+    if (!live_) return false;
+    const int64_t r = p_.r, q_end = p_.q_start + p_.q_len, k_end = p_.k_start + p_.k_len;
+    for (; walk_.segment().start < hi_; walk_.next()) {
+      const Segment seg = walk_.segment();
+      if (KEY_ROWS) {
+        t.k = active_run(seg, r, offset_, imax(lo_, p_.k_start), imin(hi_, k_end));
+        if (t.k.count == 0) continue;
+        t.q = active_run(seg, r, offset_, p_.q_start, q_end);
+        if (t.q.count == 0 || (p_.causal && t.q.first + (t.q.count - 1) * r < t.k.first)) continue;
+      } else {
+        t.q = active_run(seg, r, offset_, imax(lo_, p_.q_start), imin(hi_, q_end));
+        if (t.q.count == 0) continue;
+        const int64_t last_q = t.q.first + (t.q.count - 1) * r;
+        t.k = active_run(seg, r, offset_, p_.k_start, p_.causal ? imin(k_end, last_q + 1) : k_end);
+        if (t.k.count == 0) continue;
+      }
+      t.b = blockIdx.z;
+      for (int j = 0; j < kMaxPack; ++j) t.heads[j] = heads_[j];
+      t.kvh = p_.kv_head(h_);
+      t.dm = (t.q.first - t.k.first) / r;  // exact: both are active in one segment
+      walk_.next();
+      return true;
+    }
+    return false;
+  }
+
+ private:
+  const Problem& p_;
+  int64_t lo_, hi_, h_, offset_;
+  int64_t heads_[kMaxPack] = {};
+  bool live_;
+  SegmentWalk walk_;
+};
+
+// Row `row` of a query-row tile of rows_per_head rows per head: head slot and
+// query index in the segment.
+struct RowSlot {
+  int slot, m;
+};
+__device__ inline RowSlot row_slot(int row, int rows_per_head) {
+  return {row / rows_per_head, row % rows_per_head};
 }
 
-// Keys reached by queries m <= m_last of the segment (all of them if not causal).
+// Keys reached by queries m <= m_last of the tile (all of them if not causal).
 __device__ inline int64_t keys_reached(const Problem& p, const Tile& t, int64_t m_last) {
   if (!p.causal) return t.k.count;
   const int64_t lim = m_last + t.dm + 1;
   return lim < 0 ? 0 : (lim < t.k.count ? lim : t.k.count);
 }
 
-// Element offsets of a row (position pos, head h) in a (B, L, H, D) tensor.
-__device__ inline int64_t q_offset(const Problem& p, int64_t b, int64_t h, int64_t pos) {
-  return ((b * p.Lq + (pos - p.q_start)) * p.H + h) * p.D;
-}
-__device__ inline int64_t k_offset(const Problem& p, int64_t b, int64_t h, int64_t pos) {
-  return ((b * p.Lk + (pos - p.k_start)) * p.H + h) * p.D;
-}
-// Index into a (B, H, Lq) tensor (lse, delta).
-__device__ inline int64_t row_stat(const Problem& p, int64_t b, int64_t h, int64_t pos) {
-  return (b * p.H + h) * p.Lq + (pos - p.q_start);
-}
 // Key padding mask entry of the key at position pos, or nullptr.
 __device__ inline const bool* mask_at(const Problem& p, int64_t b, int64_t pos) {
-  return p.kpm == nullptr ? nullptr : p.kpm + b * p.Lk + (pos - p.k_start);
+  return p.key_padding_mask == nullptr ? nullptr
+                                       : p.key_padding_mask + b * p.k_len + (pos - p.k_start);
 }
 
 // Row i of a tile (mask[i * mstride] is its padding flag) holds a reached row.
 __device__ inline bool row_ok(int i, int nvalid, const bool* mask, int64_t mstride) {
   return i < nvalid && (mask == nullptr || !mask[i * mstride]);
 }
-
-__device__ inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 
 template <typename C>
 __device__ inline C neg_inf() {
@@ -177,18 +236,20 @@ __device__ inline C dot_bcast(const C (&x)[NPL], const C* y, int D) {
 }
 
 // --------------------------------------------------- tensor-core (mma) path
-// Stage a raw 16-bit tile in shared memory: row i (i < nvalid and not masked)
+// Stage a raw 16-bit tile of `rows` rows in shared memory: row i (i < nvalid
+// and not masked)
 // of the tile is at src + i * stride and goes to s[i * ld + d] for d < DP (zero
 // past D and for unreached rows). Rows of s must start 16-byte aligned (ld % 8
 // == 0): ldmatrix reads them. With vec (D % 8 == 0, 16-byte aligned rows) the
 // copies are cp.async: they land once the thread has committed and waited for
 // them (cp_async_commit, cp_async_wait) and the block is visible after the next
 // __syncthreads; otherwise they are plain stores.
-template <int ROWS, int DP>
-__device__ inline void load_rows16(uint16_t* s, int ld, const uint16_t* src, int64_t stride,
-                                   int nvalid, const bool* mask, int64_t mstride, int D, bool vec) {
+template <int DP>
+__device__ inline void load_rows16(uint16_t* s, int ld, int rows, const uint16_t* src,
+                                   int64_t stride, int nvalid, const bool* mask, int64_t mstride,
+                                   int D, bool vec) {
   constexpr int kChunks = DP / 8;
-  for (int idx = threadIdx.x; idx < ROWS * kChunks; idx += kThreads) {
+  for (int idx = threadIdx.x; idx < rows * kChunks; idx += kThreads) {
     const int i = idx / kChunks, c = (idx % kChunks) * 8;
     const bool ok = row_ok(i, nvalid, mask, mstride);
     if (vec) {  // a chunk is wholly inside [0, D) or wholly past it
@@ -273,14 +334,24 @@ __device__ inline void mma_rs(float (&c)[NJ][4], const float (&x)[KJ][4], const 
 }
 
 // ---------------------------------------------------------------- host side
-// Segments shared by [q_start, q_start+Lq) and [k_start, k_start+Lk): [lo, hi).
-inline bool shared_segments(const Problem& p, int64_t w, int64_t& lo, int64_t& hi) {
-  if (p.Lq <= 0 || p.Lk <= 0) return false;
-  const int64_t q_lo = p.q_start / w, q_hi = (p.q_start + p.Lq - 1) / w;
-  const int64_t k_lo = p.k_start / w, k_hi = (p.k_start + p.Lk - 1) / w;
-  lo = q_lo > k_lo ? q_lo : k_lo;
-  hi = (q_hi < k_hi ? q_hi : k_hi) + 1;
-  return lo < hi;
+inline bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+// The launch description of a checked block call (the branch fields are set
+// per launch). head_dim <= 256 on CUDA.
+inline Problem make_problem(const BlockCall& call) {
+  check_device(call.q);
+  TORCH_CHECK(call.params.head_dim <= 256, "head_dim must be <= 256 on CUDA, got ",
+              call.params.head_dim);
+  Problem p{};
+  static_cast<BlockParams&>(p) = call.params;
+  p.vec = p.head_dim % 8 == 0 && aligned16(p.q) && aligned16(p.k) && aligned16(p.v) &&
+          (p.grad_out == nullptr || aligned16(p.grad_out));
+  return p;
+}
+
+// Whether fp16/bf16 run on the tensor cores (sm_80+, head_dim <= 128).
+inline bool use_tensor_cores(const Problem& p) {
+  return device_attribute(cudaDevAttrComputeCapabilityMajor) >= 8 && p.head_dim <= 128;
 }
 
 // Raise the dynamic shared memory limit of a kernel when it needs > 48 KiB.
@@ -292,33 +363,53 @@ inline void prepare_smem(Kernel kernel, size_t bytes) {
   if (bytes > 48 * 1024) set_max_dynamic_smem(kernel, bytes);
 }
 
-// Launch `kernel` once per branch; rows_len is the length of the block whose
-// rows the kernel tiles (Lq for queries, Lk for keys), bm its tile height.
+// Query heads per tile of a query-row launch of branch i over heads [h_lo,
+// h_hi): the largest divisor of kMaxPack that divides the size of every
+// key-sharing set, so that no tile has an empty head slot.
+inline int64_t pack_heads(const Problem& p, int64_t i, int64_t h_lo, int64_t h_hi) {
+  int64_t pack = kMaxPack;
+  for (int64_t h = h_lo; h < h_hi; ++h) {
+    if (p.set_rank(h, i, p.r) != 0) continue;
+    int64_t size = 0;
+    for (int64_t g = h; g < h_hi; ++g) size += p.shares_keys(g, h, i, p.r) ? 1 : 0;
+    while (size % pack != 0) pack /= 2;
+  }
+  return pack;
+}
+
+// Launch `kernel` once per branch; key_rows: its rows are keys (else
+// queries), bm its tile height.
 template <typename Kernel>
 inline void launch_branches(Kernel kernel, Problem p, at::IntArrayRef segs, at::IntArrayRef dils,
-                            int64_t rows_len, int bm, size_t smem) {
+                            bool key_rows, int bm, size_t smem) {
+  const int64_t q_end = p.q_start + p.q_len, k_end = p.k_start + p.k_len;
+  if (p.q_len <= 0 || p.k_len <= 0 || (p.causal && q_end <= p.k_start)) return;
   prepare_smem(kernel, smem);
-  TORCH_CHECK(p.B <= 65535 && p.H <= 65535, "ring_attention: batch and heads must be <= 65535");
+  TORCH_CHECK(p.batch <= 65535 && p.heads <= 65535,
+              "ring_attention: batch and heads must be <= 65535");
   const cudaStream_t stream = current_stream();
-  p.n_branches = static_cast<int64_t>(segs.size());
+  const int64_t rows_lo = key_rows ? p.k_start : p.q_start, rows_hi = key_rows ? k_end : q_end;
   for (int64_t i = 0; i < p.n_branches; ++i) {
-    const int64_t w = segs[i], r = dils[i];
-    int64_t s_lo, s_hi;
-    if (!shared_segments(p, w, s_lo, s_hi)) continue;
-    const int64_t h_lo = p.head_groups ? head_group_begin(i, p.H, p.n_branches) : 0;
-    const int64_t h_hi = p.head_groups ? head_group_begin(i + 1, p.H, p.n_branches) : p.H;
-    if (h_hi <= h_lo) continue;
-    const int64_t rows = ceil_div(w < rows_len ? w : rows_len, r);  // max rows per segment
-    p.w = w;
-    p.r = r;
+    p.w = segs[i];
+    p.r = dils[i];
     p.branch = i;
-    p.h_lo = h_lo;
-    p.seg_lo = s_lo;
-    p.tiles_per_seg = ceil_div(rows, bm);
-    const int64_t blocks = (s_hi - s_lo) * p.tiles_per_seg;
-    TORCH_CHECK(blocks <= 0x7fffffff, "ring_attention: too many tiles (", blocks, ")");
-    const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(h_hi - h_lo),
-                    static_cast<unsigned>(p.B));
+    p.h_lo = p.head_groups ? head_group_begin(i, p.heads, p.n_branches) : 0;
+    const int64_t h_hi = p.head_groups ? head_group_begin(i + 1, p.heads, p.n_branches) : p.heads;
+    // A segment meeting both blocks (at most w long) ends after the later
+    // start and starts before the earlier end; windows start on multiples of
+    // span, so that without documents a segment (w a multiple of span) is
+    // covered by whole tiles.
+    p.pack = key_rows ? 1 : pack_heads(p, i, p.h_lo, h_hi);
+    p.span = bm / p.pack * p.r;
+    const int64_t later_start = std::max(p.q_start, p.k_start);
+    const int64_t earlier_end = std::min(q_end, k_end);
+    p.row_lo = std::max(rows_lo, later_start - p.w + 1) / p.span * p.span;
+    p.row_hi = std::min(rows_hi, earlier_end + p.w - 1);
+    if (p.row_hi <= p.row_lo || h_hi <= p.h_lo) continue;
+    const int64_t windows = ceil_div(p.row_hi - p.row_lo, p.span);
+    TORCH_CHECK(windows <= 0x7fffffff, "ring_attention: too many tiles (", windows, ")");
+    const dim3 grid(static_cast<unsigned>(windows), static_cast<unsigned>(h_hi - p.h_lo),
+                    static_cast<unsigned>(p.batch));
     launch(kernel, grid, dim3(kThreads), smem, stream, p);
   }
 }
@@ -330,7 +421,5 @@ inline void launch_branches(Kernel kernel, Problem p, at::IntArrayRef segs, at::
 inline int simt_npl(int64_t D) { return D <= 64 ? 2 : D <= 128 ? 4 : 8; }
 // Padded head dim of the tensor-core kernels (D <= 128).
 inline int mma_dp(int64_t D) { return D <= 64 ? 64 : D <= 96 ? 96 : 128; }
-
-inline bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
 }  // namespace ring_attention::gpu

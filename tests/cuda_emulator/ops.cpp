@@ -3,20 +3,11 @@
 #include <cuda_emulator/runtime.h>
 #include <torch/library.h>
 
+#include "../../csrc/block_ops.h"
+#include "../../csrc/cuda/kernels.h"
 #include "../../csrc/schemas.h"
 
 namespace ring_attention::emulated {
-
-void block_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
-                   at::Tensor& lse, int64_t q_start, int64_t k_start, at::IntArrayRef segs,
-                   at::IntArrayRef dils, bool causal, double scale, bool head_groups,
-                   const std::optional<at::Tensor>& kpm);
-void block_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
-                    const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
-                    const std::optional<at::Tensor>& dq, const std::optional<at::Tensor>& dk,
-                    const std::optional<at::Tensor>& dv, int64_t q_start, int64_t k_start,
-                    at::IntArrayRef segs, at::IntArrayRef dils, bool causal, double scale,
-                    bool head_groups, const std::optional<at::Tensor>& kpm);
 
 namespace {
 
@@ -45,8 +36,8 @@ TORCH_LIBRARY(ring_attention_emulated, m) {
 }
 
 TORCH_LIBRARY_IMPL(ring_attention_emulated, CPU, m) {
-  m.impl("block_forward", &block_forward);
-  m.impl("block_backward", &block_backward);
+  m.impl("block_forward", &block_forward_op<gpu::block_forward>);
+  m.impl("block_backward", &block_backward_op<gpu::block_backward>);
 }
 
 }  // namespace ring_attention::emulated

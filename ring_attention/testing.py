@@ -1,4 +1,4 @@
-"""Run test code in real processes joined by a gloo process group.
+"""Run code in real processes joined by a gloo process group (tests, benchmarks).
 
 ``run_distributed(fn, world_size, *args)`` starts ``world_size`` fresh
 processes (``spawn``), joins them with ``init_process_group("gloo")`` through a
@@ -7,14 +7,25 @@ processes (``spawn``), joins them with ``init_process_group("gloo")`` through a
 values, rank order. Nothing is mocked: the ring's P2P traffic really goes
 through gloo.
 
-``fn`` must be a module-level function (spawn pickles it by reference), its
-arguments and return value picklable; tensors are returned by value. A worker
-that raises makes ``run_distributed`` raise ``WorkerError`` with the worker's
-traceback; a run that takes longer than ``timeout`` seconds is killed (its
-processes terminated by pid) and raises ``TimeoutError``.
+``fn`` must be a module-level function (spawn pickles it by reference and the
+children get the parent's ``sys.path``), its arguments and return value
+picklable; tensors are returned by value. A worker that raises makes
+``run_distributed`` raise :class:`WorkerError` with the worker's traceback; a
+run that takes longer than ``timeout`` seconds is killed (its processes
+terminated by pid) and raises ``TimeoutError``.
 
-Spawning costs ~2-3 s per launch (each process imports torch), so tests run
-many cases per launch.
+Spawning costs ~2-3 s per launch (each process imports torch), so run many
+cases per launch.
+
+Example::
+
+    from ring_attention.testing import run_distributed
+
+    def worker(rank: int, world_size: int, n: int) -> int:
+        import torch.distributed as dist
+        return dist.get_world_size() * n
+
+    assert run_distributed(worker, 2, 10) == [20, 20]
 """
 
 from __future__ import annotations
@@ -24,27 +35,17 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["WorkerError", "run_distributed", "worker_threads"]
-
-# Each process gets this many intra-op threads (the CI machines have 2 cores
-# and a run may have 5 processes).
-WORKER_THREADS = 1
+__all__ = ["WorkerError", "run_distributed"]
 
 
 class WorkerError(RuntimeError):
-    """A worker process raised; the message holds its rank and traceback."""
-
-
-def worker_threads() -> int:
-    """Intra-op threads per worker process."""
-    return WORKER_THREADS
+    """A worker process raised or died; the message holds its rank and traceback."""
 
 
 def _entry(
@@ -55,16 +56,13 @@ def _entry(
     args: tuple,
     results: mp.Queue,
     pg_timeout_s: float,
-    sys_path: list[str],
+    threads: int,
 ) -> None:
-    for p in reversed(sys_path):
-        if p not in sys.path:
-            sys.path.insert(0, p)
     try:
         import torch
         import torch.distributed as dist
 
-        torch.set_num_threads(WORKER_THREADS)
+        torch.set_num_threads(threads)
         dist.init_process_group(
             "gloo",
             init_method=f"file://{init_file}",
@@ -91,6 +89,7 @@ def run_distributed(
     timeout: float = 150.0,
     pg_timeout: float = 60.0,
     expect_dead: tuple[int, ...] = (),
+    threads: int = 1,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks.
 
@@ -103,6 +102,8 @@ def run_distributed(
             inside the workers after this long).
         expect_dead: ranks that are meant to die without reporting (their
             value is ``None``).
+        threads: intra-op threads per process (default 1: a run may have more
+            processes than the machine has cores).
 
     Returns:
         The workers' return values, rank order.
@@ -114,7 +115,7 @@ def run_distributed(
         procs = [
             ctx.Process(
                 target=_entry,
-                args=(fn, r, world_size, init_file, args, results, pg_timeout, list(sys.path)),
+                args=(fn, r, world_size, init_file, args, results, pg_timeout, threads),
                 daemon=True,
             )
             for r in range(world_size)

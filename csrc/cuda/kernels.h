@@ -1,0 +1,12 @@
+// CUDA kernels of the block operators (registered in cuda/registration.cu;
+// the test suite's CPU emulator registers the same functions as its own ops).
+#pragma once
+
+#include "../checks.h"
+
+namespace ring_attention::gpu {
+
+void block_forward(const BlockCall& call);
+void block_backward(const BlockCall& call);
+
+}  // namespace ring_attention::gpu

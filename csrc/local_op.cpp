@@ -1,0 +1,262 @@
+// The local operator: the whole sequence is one query block and one key
+// block, computed by the block operators through the dispatcher (so on any
+// device they are registered for).
+#include "local_op.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
+
+#include <algorithm>
+#include <limits>
+
+#include "checks.h"
+
+namespace ring_attention {
+namespace {
+
+using at::IntArrayRef;
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+
+void call_block_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse,
+                        int64_t q_start, int64_t k_start, const PatternArgs& pa) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("ring_attention::block_forward", "")
+                       .typed<void(const Tensor&, const Tensor&, const Tensor&, Tensor&, Tensor&,
+                                   int64_t, int64_t, IntArrayRef, IntArrayRef, bool, double, bool,
+                                   bool, const OptTensor&, const OptTensor&)>();
+  op.call(q, k, v, out, lse, q_start, k_start, pa.segment_lengths, pa.dilation_rates, pa.causal,
+          pa.scale, pa.head_groups, pa.grouped_offsets, pa.key_padding_mask, pa.cu_seqlens);
+}
+
+void call_block_backward(const Tensor& grad_out, const OptTensor& grad_lse, const Tensor& q,
+                         const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
+                         const OptTensor& dq, const OptTensor& dk, const OptTensor& dv,
+                         int64_t q_start, int64_t k_start, const PatternArgs& pa) {
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("ring_attention::block_backward", "")
+          .typed<void(const Tensor&, const OptTensor&, const Tensor&, const Tensor&, const Tensor&,
+                      const Tensor&, const Tensor&, const OptTensor&, const OptTensor&,
+                      const OptTensor&, int64_t, int64_t, IntArrayRef, IntArrayRef, bool, double,
+                      bool, bool, const OptTensor&, const OptTensor&)>();
+  op.call(grad_out, grad_lse, q, k, v, out, lse, dq, dk, dv, q_start, k_start, pa.segment_lengths,
+          pa.dilation_rates, pa.causal, pa.scale, pa.head_groups, pa.grouped_offsets,
+          pa.key_padding_mask, pa.cu_seqlens);
+}
+
+// The local op's own checks; the block operators check the rest.
+void check_local(const Tensor& q, const Tensor& k, const Tensor& v, const PatternArgs& pa) {
+  check_local_op(q, k, v, pa);
+  if (pa.cu_seqlens.has_value()) check_cu_seqlens(*pa.cu_seqlens, q.device(), q.size(1), true);
+}
+
+// Low-precision inputs accumulate in fp32 one chunk of rows at a time and cast
+// each chunk into the output, so no full-length fp32 copy of out / dq / dk /
+// dv exists: at most kChunks chunks, each at least kMinChunkRows rows and a
+// whole number of the longest segment when that fits.
+constexpr int64_t kChunks = 8;
+constexpr int64_t kMinChunkRows = 1024;
+
+int64_t chunk_rows(int64_t len, IntArrayRef segs) {
+  int64_t rows = std::max(kMinChunkRows, (len + kChunks - 1) / kChunks);
+  const int64_t w = *std::max_element(segs.begin(), segs.end());
+  if (w <= rows) rows = (rows + w - 1) / w * w;
+  return std::min(rows, len);
+}
+
+Tensor neg_inf_lse(const Tensor& q, int64_t rows, at::ScalarType acc) {
+  return at::full({q.size(0), q.size(2), rows}, -std::numeric_limits<double>::infinity(),
+                  q.options().dtype(acc));
+}
+
+}  // namespace
+
+std::tuple<Tensor, Tensor> dilated_attention_local(const Tensor& q, const Tensor& k,
+                                                   const Tensor& v, IntArrayRef segs,
+                                                   IntArrayRef dils, bool causal, double scale,
+                                                   bool head_groups, bool grouped_offsets,
+                                                   const OptTensor& kpm, const OptTensor& cu) {
+  const PatternArgs pa{segs, dils, causal, scale, head_groups, grouped_offsets, kpm, cu};
+  check_local(q, k, v, pa);
+  const at::ScalarType acc = acc_dtype(q.scalar_type());
+  const int64_t len = q.size(1);
+  Tensor lse = neg_inf_lse(q, len, acc);
+  if (acc == q.scalar_type()) {  // the output is its own accumulator
+    Tensor out = at::zeros(q.sizes(), q.options());
+    call_block_forward(q, k, v, out, lse, 0, 0, pa);
+    return {out, lse};
+  }
+  Tensor out = at::empty(q.sizes(), q.options());
+  const int64_t rows = chunk_rows(len, segs);
+  for (int64_t a = 0; a < len; a += rows) {
+    const int64_t b = std::min(a + rows, len);
+    Tensor out_c = at::zeros({q.size(0), b - a, q.size(2), q.size(3)}, q.options().dtype(acc));
+    Tensor lse_c = neg_inf_lse(q, b - a, acc);
+    call_block_forward(q.slice(1, a, b), k, v, out_c, lse_c, a, 0, pa);
+    out.slice(1, a, b).copy_(out_c);
+    lse.slice(2, a, b).copy_(lse_c);
+  }
+  return {out, lse};
+}
+
+std::tuple<Tensor, Tensor, Tensor> dilated_attention_backward_local(
+    const Tensor& grad_out_in, const OptTensor& grad_lse, const Tensor& q, const Tensor& k,
+    const Tensor& v, const Tensor& out, const Tensor& lse, IntArrayRef segs, IntArrayRef dils,
+    bool causal, double scale, bool head_groups, bool grouped_offsets, const OptTensor& kpm,
+    const OptTensor& cu) {
+  const PatternArgs pa{segs, dils, causal, scale, head_groups, grouped_offsets, kpm, cu};
+  check_local(q, k, v, pa);
+  const at::ScalarType acc = acc_dtype(q.scalar_type());
+  const Tensor grad_out = grad_out_in.to(q.scalar_type());
+  if (acc == q.scalar_type()) {  // the gradients are their own accumulators
+    Tensor dq = at::zeros(q.sizes(), q.options()), dk = at::zeros(k.sizes(), k.options()),
+           dv = at::zeros(v.sizes(), v.options());
+    call_block_backward(grad_out, grad_lse, q, k, v, out, lse, dq, dk, dv, 0, 0, pa);
+    return {dq, dk, dv};
+  }
+  // dq by chunks of queries (against all keys), then dk, dv by chunks of keys
+  // (against all queries): the kernels compute the two separately anyway.
+  Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options()),
+         dv = at::empty(v.sizes(), v.options());
+  const auto acc_opts = q.options().dtype(acc);
+  const int64_t len = q.size(1), rows = chunk_rows(len, segs);
+  for (int64_t a = 0; a < len; a += rows) {
+    const int64_t b = std::min(a + rows, len);
+    const Tensor dq_c = at::zeros({q.size(0), b - a, q.size(2), q.size(3)}, acc_opts);
+    const OptTensor grad_lse_c =
+        grad_lse.has_value() ? OptTensor(grad_lse->slice(2, a, b)) : std::nullopt;
+    call_block_backward(grad_out.slice(1, a, b), grad_lse_c, q.slice(1, a, b), k, v,
+                        out.slice(1, a, b), lse.slice(2, a, b).contiguous(), dq_c, std::nullopt,
+                        std::nullopt, a, 0, pa);
+    dq.slice(1, a, b).copy_(dq_c);
+  }
+  for (int64_t a = 0; a < len; a += rows) {
+    const int64_t b = std::min(a + rows, len);
+    const Tensor dk_c = at::zeros({k.size(0), b - a, k.size(2), k.size(3)}, acc_opts);
+    const Tensor dv_c = at::zeros_like(dk_c);
+    const OptTensor kpm_c = kpm.has_value() ? OptTensor(kpm->slice(1, a, b)) : std::nullopt;
+    const PatternArgs pa_c{segs, dils, causal, scale, head_groups, grouped_offsets, kpm_c, cu};
+    call_block_backward(grad_out, grad_lse, q, k.slice(1, a, b), v.slice(1, a, b), out, lse,
+                        std::nullopt, dk_c, dv_c, 0, a, pa_c);
+    dk.slice(1, a, b).copy_(dk_c);
+    dv.slice(1, a, b).copy_(dv_c);
+  }
+  return {dq, dk, dv};
+}
+
+std::tuple<Tensor, Tensor> dilated_attention_meta(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                  IntArrayRef segs, IntArrayRef dils, bool causal,
+                                                  double scale, bool head_groups,
+                                                  bool grouped_offsets, const OptTensor& kpm,
+                                                  const OptTensor& cu) {
+  check_local_op(q, k, v,
+                 PatternArgs{segs, dils, causal, scale, head_groups, grouped_offsets, kpm, cu});
+  return {at::empty_like(q),
+          at::empty_symint(lse_sizes(q), q.options().dtype(acc_dtype(q.scalar_type())))};
+}
+
+std::tuple<Tensor, Tensor, Tensor> dilated_attention_backward_meta(
+    const Tensor&, const OptTensor&, const Tensor& q, const Tensor& k, const Tensor& v,
+    const Tensor&, const Tensor&, IntArrayRef segs, IntArrayRef dils, bool causal, double scale,
+    bool head_groups, bool grouped_offsets, const OptTensor& kpm, const OptTensor& cu) {
+  check_local_op(q, k, v,
+                 PatternArgs{segs, dils, causal, scale, head_groups, grouped_offsets, kpm, cu});
+  return {at::empty_like(q), at::empty_like(k), at::empty_like(v)};
+}
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// The pattern arguments of a call, kept for its backward.
+void save_pattern(AutogradContext* ctx, IntArrayRef segs, IntArrayRef dils, bool causal,
+                  double scale, bool head_groups, bool grouped_offsets, const OptTensor& kpm,
+                  const OptTensor& cu) {
+  ctx->saved_data["segs"] = segs.vec();
+  ctx->saved_data["dils"] = dils.vec();
+  ctx->saved_data["causal"] = causal;
+  ctx->saved_data["scale"] = scale;
+  ctx->saved_data["head_groups"] = head_groups;
+  ctx->saved_data["grouped_offsets"] = grouped_offsets;
+  ctx->saved_data["kpm"] = kpm;
+  ctx->saved_data["cu"] = cu;
+}
+
+// The backward as an autograd node of its own: with create_graph=True its
+// outputs get this node, whose backward (double backward) raises instead of
+// silently giving zeros.
+class DilatedAttentionBackwardFunction
+    : public torch::autograd::Function<DilatedAttentionBackwardFunction> {
+ public:
+  static variable_list forward(AutogradContext*, const Tensor& grad_out, const OptTensor& grad_lse,
+                               const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                               const Tensor& lse, IntArrayRef segs, IntArrayRef dils, bool causal,
+                               double scale, bool head_groups, bool grouped_offsets,
+                               const OptTensor& kpm, const OptTensor& cu) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("ring_attention::dilated_attention_backward", "")
+                         .typed<decltype(dilated_attention_backward_local)>();
+    auto [dq, dk, dv] = op.call(grad_out, grad_lse, q, k, v, out, lse, segs, dils, causal, scale,
+                                head_groups, grouped_offsets, kpm, cu);
+    return {dq, dk, dv};
+  }
+
+  static variable_list backward(AutogradContext*, variable_list) {
+    TORCH_CHECK(false,
+                "ring_attention.dilated_attention: double backward is not supported (the "
+                "gradients of q, k, v are not differentiable)");
+    return {};
+  }
+};
+
+class DilatedAttentionFunction : public torch::autograd::Function<DilatedAttentionFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k,
+                               const Tensor& v, IntArrayRef segs, IntArrayRef dils, bool causal,
+                               double scale, bool head_groups, bool grouped_offsets,
+                               const OptTensor& kpm, const OptTensor& cu) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("ring_attention::dilated_attention", "")
+                         .typed<decltype(dilated_attention_local)>();
+    auto [out, lse] =
+        op.call(q, k, v, segs, dils, causal, scale, head_groups, grouped_offsets, kpm, cu);
+    ctx->save_for_backward({q, k, v, out, lse});
+    save_pattern(ctx, segs, dils, causal, scale, head_groups, grouped_offsets, kpm, cu);
+    ctx->set_materialize_grads(false);  // an unused output's gradient stays undefined
+    return {out, lse};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
+    const Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(out);
+    const OptTensor grad_lse = grads[1].defined() ? OptTensor(grads[1]) : std::nullopt;
+    const auto& d = ctx->saved_data;
+    const auto res = DilatedAttentionBackwardFunction::apply(
+        grad_out, grad_lse, q, k, v, out, lse, d.at("segs").toIntVector(),
+        d.at("dils").toIntVector(), d.at("causal").toBool(), d.at("scale").toDouble(),
+        d.at("head_groups").toBool(), d.at("grouped_offsets").toBool(),
+        d.at("kpm").toOptional<Tensor>(), d.at("cu").toOptional<Tensor>());
+    return {res[0],   res[1],   res[2],   Tensor(), Tensor(), Tensor(),
+            Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+};
+
+}  // namespace
+
+std::tuple<Tensor, Tensor> dilated_attention_autograd(const Tensor& q, const Tensor& k,
+                                                      const Tensor& v, IntArrayRef segs,
+                                                      IntArrayRef dils, bool causal, double scale,
+                                                      bool head_groups, bool grouped_offsets,
+                                                      const OptTensor& kpm, const OptTensor& cu) {
+  auto res = DilatedAttentionFunction::apply(q, k, v, segs, dils, causal, scale, head_groups,
+                                             grouped_offsets, kpm, cu);
+  return {res[0], res[1]};
+}
+
+}  // namespace ring_attention

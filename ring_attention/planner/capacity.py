@@ -1,0 +1,333 @@
+"""A configuration's numbers at one sequence length, and the searches over
+lengths and rank counts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+
+from ..pattern import Pattern
+from .memory import DTYPE_BYTES, LayerMemory, layer_memories
+from .model import model_memory, model_step_seconds
+from .presets import ModelShape, make_pattern
+from .throughput import Rates, assumed_rates, dtype_name, rates_from_records
+from .timing import Link, RankTime, layer_times
+from .traffic import Traffic, predict_traffic
+
+__all__ = ["Evaluation", "Setup", "evaluate", "fewest_ranks", "largest_length"]
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Everything but the sequence length.
+
+    Attributes:
+        ranks: processes (one per GPU).
+        device: ``"cuda"`` or ``"cpu"``.
+        memory, reserve: bytes per rank, and the bytes kept free of them.
+        heads, kv_heads, head_dim, batch, dtype: the attention inputs.
+        pattern: a preset name, or ``None`` with ``segments`` and ``dilations``.
+        causal, head_groups, head_offsets, document_length, layout: as in
+            :func:`ring_attention.ring_dilated_attention` (documents of
+            ``document_length`` tokens packed back to back).
+        records: benchmark records (:mod:`.throughput`), or ``None``.
+        tflops: ``(forward, forward+backward)`` TFLOP/s overriding the rates.
+        threads: CPU threads per process (the assumed CPU rate scales with it).
+        link: the link model.
+        matmul_tflops: dense matmul rate for the whole model (``None``: the
+            assumed default).
+        model: the whole model's shape, or ``None``.
+        checkpointing, shard_params: whole-model options (:mod:`.model`).
+        source: where the exchanged rows come from (:func:`.traffic.predict_traffic`).
+    """
+
+    ranks: int
+    device: str
+    memory: int
+    reserve: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    batch: int
+    dtype: str
+    pattern: str | None = "longnet"
+    segments: tuple[int, ...] | None = None
+    dilations: tuple[int, ...] | None = None
+    causal: bool = False
+    head_groups: bool = False
+    head_offsets: str = "modulo"
+    document_length: int | None = None
+    layout: str = "contiguous"
+    records: tuple[dict, ...] | None = None
+    tflops: tuple[float, float] | None = None
+    threads: int = 1
+    link: Link = field(default_factory=lambda: Link(400.0, 10.0))
+    matmul_tflops: float | None = None
+    model: ModelShape | None = None
+    checkpointing: bool = True
+    shard_params: bool = True
+    source: str = "auto"
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element of the inputs."""
+        return DTYPE_BYTES[dtype_name(self.dtype)]
+
+    @property
+    def usable(self) -> int:
+        """Bytes per rank the plan may use."""
+        return self.memory - self.reserve
+
+    def pattern_at(self, seq_len: int) -> Pattern:
+        """The pattern at ``seq_len`` (presets grow with it)."""
+        return make_pattern(
+            self.pattern,
+            seq_len,
+            segments=list(self.segments) if self.segments else None,
+            dilations=list(self.dilations) if self.dilations else None,
+            causal=self.causal,
+            head_groups=self.head_groups,
+            head_offsets=self.head_offsets,
+            document_length=self.document_length,
+        )
+
+    def rates(self, local_len: int) -> Rates:
+        """Kernel rates for calls on ``local_len`` rows."""
+        if self.tflops is not None:
+            f, b = self.tflops
+            return Rates(f * 1e12, b * 1e12, f"given: {f:g} / {b:g} TFLOP/s (--tflops)")
+        if self.records:
+            found = rates_from_records(
+                list(self.records),
+                n=max(local_len, 1),
+                heads=self.heads,
+                head_dim=self.head_dim,
+                dtype=self.dtype,
+                device=self.device,
+            )
+            if found is not None:
+                return found
+        return assumed_rates(self.device, self.dtype, self.threads)
+
+    def matmul_rate(self, rates: Rates) -> tuple[float, str]:
+        """Dense matmul FLOP/s for the whole model, and where it comes from."""
+        if self.matmul_tflops is not None:
+            return self.matmul_tflops * 1e12, f"given: {self.matmul_tflops:g} TFLOP/s"
+        if self.device == "cpu":
+            return rates.forward, "the attention forward rate (CPU)"
+        return 400e12, "ASSUMED 400 TFLOP/s (bf16 GEMMs at ~40-60% of an H100's peak)"
+
+
+@dataclass(frozen=True, eq=False)
+class Evaluation:
+    """A setup at one sequence length: traffic, memory and time per rank."""
+
+    setup: Setup
+    seq_len: int
+    pattern: Pattern
+    traffic: Traffic
+
+    @cached_property
+    def memories(self) -> list[LayerMemory]:
+        """Every rank's attention layer memory."""
+        s = self.setup
+        return layer_memories(self.traffic, s.batch, s.head_dim, s.itemsize, device=s.device)
+
+    @cached_property
+    def rates(self) -> Rates:
+        """Kernel rates at the longest local length."""
+        return self.setup.rates(int(self.traffic.local_len.max()))
+
+    @cached_property
+    def times(self) -> list[RankTime]:
+        """Every rank's predicted layer time."""
+        s = self.setup
+        return layer_times(self.traffic, s.batch, s.head_dim, s.itemsize, self.rates, s.link)
+
+    def worst(self, key: Callable[[int], float]) -> int:
+        """The rank maximising ``key(rank)``."""
+        return max(range(self.setup.ranks), key=key)
+
+    @property
+    def forward_peak(self) -> int:
+        """Worst rank's peak of an inference forward of one layer."""
+        return max(m.forward_peak for m in self.memories)
+
+    @property
+    def training_peak(self) -> int:
+        """Worst rank's peak of forward + backward of one layer."""
+        return max(m.training_peak for m in self.memories)
+
+    def model_items(self, rank: int) -> dict[str, int]:
+        """Whole-model memory items of ``rank`` (a model must be set)."""
+        s = self.setup
+        assert s.model is not None
+        tokens = s.batch * int(self.traffic.local_len[rank])
+        return model_memory(
+            s.model,
+            self.memories[rank],
+            tokens,
+            s.itemsize,
+            s.ranks,
+            checkpointing=s.checkpointing,
+            shard_params=s.shard_params,
+        )
+
+    @property
+    def model_peak(self) -> int:
+        """Worst rank's whole-model training peak."""
+        return max(sum(self.model_items(j).values()) for j in range(self.setup.ranks))
+
+    def model_seconds(self) -> dict[str, float]:
+        """Whole-model step time of the slowest rank, per item."""
+        s = self.setup
+        assert s.model is not None
+        rank = self.worst(lambda j: self.times[j].forward_backward)
+        t = self.times[rank]
+        rate, _ = s.matmul_rate(self.rates)
+        tokens = s.batch * int(self.traffic.local_len.max())
+        return model_step_seconds(
+            s.model, tokens, t.forward, t.forward_backward, rate, checkpointing=s.checkpointing
+        )
+
+
+def evaluate(setup: Setup, seq_len: int) -> Evaluation:
+    """The :class:`Evaluation` of ``setup`` at ``seq_len`` tokens."""
+    pattern = setup.pattern_at(seq_len)
+    tr = predict_traffic(
+        pattern,
+        seq_len,
+        setup.heads,
+        setup.kv_heads,
+        setup.ranks,
+        setup.layout,
+        source=setup.source,
+    )
+    return Evaluation(setup, seq_len, pattern, tr)
+
+
+Peak = Callable[[Evaluation], int]
+
+
+def largest_length(
+    setup: Setup,
+    peak: Peak,
+    *,
+    rel_tol: float = 0.005,
+    cache: dict[int, Evaluation] | None = None,
+) -> Evaluation | None:
+    """The longest sequence (within ``rel_tol``, or one token per rank)
+    whose ``peak`` fits in ``setup.usable``; ``None`` when one token per rank
+    does not fit. ``cache`` (length -> evaluation) shares evaluations
+    between searches of one setup.
+
+    Memory grows about linearly with ``n``: after ``n = p`` and ``n = 1024
+    p`` the next length is where the line through the last two fitting
+    lengths meets the budget (plus 1 %); once bracketed, regula falsi and
+    bisection alternate. A billion tokens take about five evaluations.
+    """
+    p, budget = setup.ranks, setup.usable
+    cache = {} if cache is None else cache
+
+    def at(n: int) -> Evaluation:
+        if n not in cache:
+            cache[n] = evaluate(setup, n)
+        return cache[n]
+
+    def over(ev: Evaluation) -> int:  # <= 0: fits
+        return peak(ev) - budget
+
+    lo = at(p)
+    if over(lo) > 0:
+        return None
+    prev: Evaluation | None = None  # the fitting length before lo
+    hi: Evaluation | None = None  # the shortest length seen not to fit
+
+    def tried(ev: Evaluation) -> None:
+        nonlocal lo, hi, prev
+        if over(ev) <= 0:
+            if ev.seq_len > lo.seq_len:
+                prev, lo = lo, ev
+        elif hi is None or ev.seq_len < hi.seq_len:
+            hi = ev
+
+    for _ in range(40):  # unbracketed: follow the line through two fitting lengths
+        if hi is not None:
+            break
+        cand = 1024 * lo.seq_len
+        if prev is not None:
+            slope = (over(lo) - over(prev)) / (lo.seq_len - prev.seq_len)
+            if slope > 0:
+                cand = int(1.01 * (lo.seq_len - over(lo) / slope))
+        tried(at(min(max(cand, lo.seq_len + p), 1024 * lo.seq_len)))
+    while hi is not None and hi.seq_len - lo.seq_len > max(p, rel_tol * lo.seq_len):
+        # the line through lo and hi meets the budget at est: try just below and above it
+        width = hi.seq_len - lo.seq_len
+        est = lo.seq_len + width * -over(lo) / (over(hi) - over(lo))
+        for cand in (est * (1 - rel_tol / 3), est * (1 + rel_tol / 3)):
+            cand = min(max(int(cand), lo.seq_len + 1), hi.seq_len - 1)
+            if lo.seq_len < cand < hi.seq_len:
+                tried(at(cand))
+        if hi.seq_len - lo.seq_len > width / 2:  # the line misled: bisect once
+            mid = (lo.seq_len + hi.seq_len) // 2
+            if lo.seq_len < mid < hi.seq_len:
+                tried(at(mid))
+    return lo
+
+
+def fewest_ranks(
+    setup: Setup, seq_len: int, peak: Peak, *, rel_tol: float = 0.02, limit: int = 1 << 17
+) -> Evaluation | None:
+    """The fewest ranks at which ``seq_len`` tokens fit (exact up to 50
+    ranks, within ``rel_tol`` above), or ``None`` when more than ``limit``
+    would be needed.
+
+    The peak per rank is about ``a + b / p``: two cheap evaluations (1 and 2
+    ranks) give the first guess, steps of 25 % bracket it, bisection closes
+    the bracket.
+    """
+    budget = setup.usable
+
+    def at(p: int) -> Evaluation:
+        return evaluate(replace(setup, ranks=p), seq_len)
+
+    one, two = at(1), at(2)
+    if peak(one) <= budget:
+        return one
+    if peak(two) <= budget:
+        return two
+    b = 2 * (peak(one) - peak(two))
+    a = peak(one) - b
+    guess = int(b / (budget - a)) + 1 if budget > a and b > 0 else 4
+    p = min(max(guess, 3), limit)
+    ev = at(p)
+    lo, hi, best = 2, None, None  # lo does not fit, hi fits
+    if peak(ev) <= budget:
+        hi, best = p, ev
+        while hi > 3:  # step down until a count does not fit
+            p = max(3, int(hi * 0.8))
+            ev = at(p)
+            if peak(ev) > budget:
+                lo = p
+                break
+            hi, best = p, ev
+    else:
+        lo = p
+        while hi is None:
+            if lo >= limit:
+                return None
+            p = min(limit, int(lo * 1.25) + 1)
+            ev = at(p)
+            if peak(ev) <= budget:
+                hi, best = p, ev
+            else:
+                lo = p
+    while hi - lo > max(1, int(rel_tol * hi) if hi > 50 else 1):
+        mid = (lo + hi) // 2
+        ev = at(mid)
+        if peak(ev) <= budget:
+            hi, best = mid, ev
+        else:
+            lo = mid
+    return best

@@ -1,0 +1,202 @@
+"""Peak memory per rank of one ring attention layer, item by item.
+
+The items follow what ``ring.py`` and ``exchange.py`` allocate (docs/design.md
+§4.3-§4.5), so that the transport buffers agree byte for byte with
+``last_exchange_stats.buffer_bytes``:
+
+forward (``_ring_forward``)
+    inputs q, k, v (K/V at ``kv_heads`` width); the accumulators ``out``
+    (``acc`` dtype: float32, float64 for float64) and ``lse``; the output
+    cast to the input dtype (a copy only when it differs from ``acc``); with
+    two pieces per rank (zigzag) contiguous copies of the pieces of q, k, v
+    and the concatenated results; the transport buffers: one packed send
+    buffer (the largest step), packed receive buffers (one per slot the
+    receiving steps use: steps alternate two slots by position), and K/V
+    span buffers for pieces needed only in part (the widest step).
+backward (``_ring_backward``)
+    inputs q, k, v and grad_out; ``out`` and ``lse`` saved by the forward;
+    fp32 accumulators dq, dk, dv; their casts; zigzag piece copies; the
+    transport buffers: K/V as forward (slots by distance parity), returned
+    gradients (``acc`` dtype) going back (per receiving slot) and coming home
+    (per sending slot), and K/V and dK/dV span buffers; the kernel's ``delta``
+    (``batch * heads * rows``, one block at a time).
+before the call
+    the cached plan's row indices (int64, every row sent and received; a
+    device copy too on CUDA).
+
+Per-thread kernel tiles (a few KiB) are not counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .traffic import Traffic
+
+__all__ = [
+    "DTYPE_BYTES",
+    "KERNEL_WORKSPACE",
+    "LayerMemory",
+    "acc_bytes",
+    "layer_memories",
+    "layer_memory",
+    "transport_buffers",
+]
+
+#: The one item that is not a tensor: the backward kernel's ``delta`` (a
+#: host vector on the CPU), invisible to a tensor-allocation profiler.
+KERNEL_WORKSPACE = "kernel delta"
+
+#: Bytes per element of the dtypes the kernels take.
+DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def acc_bytes(itemsize: int) -> int:
+    """Accumulation bytes: float64 stays float64, everything else float32."""
+    return 8 if itemsize == 8 else 4
+
+
+def _slots_used(index: torch.Tensor, posting: torch.Tensor) -> torch.Tensor:
+    """``(p,)``: distinct buffers of one packed kind each rank touches. The
+    kind has ``min(2, steps posting it)`` slots and a step takes slot
+    ``index % slots`` (``index``, ``posting``: ``(p, p)`` by distance)."""
+    n = posting.sum(1)
+    even = (posting & (index % 2 == 0)).any(1).long()
+    odd = (posting & (index % 2 == 1)).any(1).long()
+    return torch.where(n >= 2, even + odd, n.clamp(max=1))
+
+
+def transport_buffers(
+    tr: Traffic, batch: int, head_dim: int, itemsize: int
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Bytes of every transport buffer each rank allocates per pass:
+    ``{"forward": {kind: (p,) bytes}, "backward": {kind: (p,) bytes}}``; per
+    rank, the sums are what ``last_exchange_stats.buffer_bytes`` reports."""
+    acc = acc_bytes(itemsize)
+    sends, recvs = tr.send_rows > 0, tr.recv_rows > 0
+    cap_s, cap_r = tr.send_rows.max(1).values, tr.recv_rows.max(1).values
+    span = tr.span_rows.max(1).values
+    any_s, any_r = sends.any(1).long(), recvs.any(1).long()
+    position = torch.cumsum(tr.active.long(), 1) - 1  # forward: slots by step position
+    distance = torch.arange(tr.world_size).expand_as(position)  # backward: by distance
+    row = 2 * batch * head_dim  # a K and a V vector of one (row, K/V head)
+    span_row = row * tr.kv_heads
+    fwd = {
+        "send K/V": any_s * row * cap_s * itemsize,
+        "receive K/V": _slots_used(position, recvs) * row * cap_r * itemsize,
+        "K/V spans": any_r * span_row * span * itemsize,
+    }
+    back_r = _slots_used(distance, recvs)
+    bwd = {
+        "send K/V": fwd["send K/V"],
+        "receive K/V": back_r * row * cap_r * itemsize,
+        "K/V spans": fwd["K/V spans"],
+        "dK/dV spans": any_r * span_row * span * acc,
+        "dK/dV returned": back_r * row * cap_r * acc,
+        "dK/dV coming home": _slots_used(distance, sends) * row * cap_s * acc,
+    }
+    return {"forward": fwd, "backward": bwd}
+
+
+@dataclass(frozen=True)
+class LayerMemory:
+    """Bytes per rank of one attention layer, per item.
+
+    Attributes:
+        inputs: what exists before the call (q, k, v; grad_out for the
+            backward; the cached plan's indices).
+        forward: what the forward allocates, at its peak.
+        backward: what the backward allocates or keeps alive, at its peak.
+        buffers: the transport buffers per pass (part of forward/backward).
+    """
+
+    inputs: dict[str, int]
+    forward: dict[str, int]
+    backward: dict[str, int]
+    buffers: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    @property
+    def forward_peak(self) -> int:
+        """Peak of an inference forward: q, k, v plus the forward's items."""
+        return sum(v for k, v in self.inputs.items() if k != "grad_out") + sum(
+            self.forward.values()
+        )
+
+    @property
+    def backward_peak(self) -> int:
+        """Peak of the backward: inputs with grad_out plus its items."""
+        return sum(self.inputs.values()) + sum(self.backward.values())
+
+    @property
+    def training_peak(self) -> int:
+        """Peak of forward + backward (grad_out exists during the backward only)."""
+        return max(self.forward_peak, self.backward_peak)
+
+
+def layer_memories(
+    tr: Traffic, batch: int, head_dim: int, itemsize: int, *, device: str = "cpu"
+) -> list[LayerMemory]:
+    """The :class:`LayerMemory` of every rank (see the module docstring);
+    ``device="cuda"`` adds the device copy of the plan's indices."""
+    acc = acc_bytes(itemsize)
+    L = tr.local_len
+    H, Hkv = tr.heads, tr.kv_heads
+    q = batch * L * H * head_dim
+    kv = batch * L * Hkv * head_dim
+    lse = batch * H * L * acc
+    # Two pieces per rank (zigzag): narrowing a (B, L, H, D) tensor to a piece
+    # copies unless B == 1, narrowing lse (B, H, L) unless B * H == 1; the
+    # pieces' results are concatenated (new tensors) at the end.
+    two_pieces = int(tr.layout == "zigzag" and tr.world_size > 1)
+    split = int(batch > 1)
+    split_lse = lse * int(batch * H > 1)
+    cast = int(itemsize != acc)
+    plan_idx = 8 * (tr.rows_sent + tr.rows_received)
+    bufs = transport_buffers(tr, batch, head_dim, itemsize)
+    inputs = {
+        "q": q * itemsize,
+        "k, v": 2 * kv * itemsize,
+        "grad_out": q * itemsize,
+        "plan indices (cached)": plan_idx * (2 if device == "cuda" else 1),
+    }
+    forward = {
+        "out accumulator": q * acc,
+        "lse": lse,
+        "out (input dtype)": q * itemsize * cast,
+        "piece copies (zigzag)": two_pieces
+        * ((q + 2 * kv) * itemsize * split + q * itemsize + lse),
+        "transport buffers": sum(bufs["forward"].values()),
+    }
+    # the cast pieces of one gradient live until their concatenation
+    last_cat = torch.maximum(q - 2 * kv, kv) if cast else q + 2 * kv
+    backward = {
+        "out, lse (saved)": q * itemsize + lse,
+        "dq, dk, dv accumulators": (q + 2 * kv) * acc,
+        "dq, dk, dv (input dtype)": (q + 2 * kv) * itemsize * cast,
+        "piece copies (zigzag)": two_pieces
+        * ((3 * q + 2 * kv) * itemsize * split + split_lse + last_cat * itemsize),
+        "transport buffers": sum(bufs["backward"].values()),
+        KERNEL_WORKSPACE: batch * H * L * acc,
+    }
+
+    def at(items: dict[str, torch.Tensor], j: int) -> dict[str, int]:
+        return {k: int(v[j]) if isinstance(v, torch.Tensor) else int(v) for k, v in items.items()}
+
+    return [
+        LayerMemory(
+            inputs=at(inputs, j),
+            forward=at(forward, j),
+            backward=at(backward, j),
+            buffers={k: at(v, j) for k, v in bufs.items()},
+        )
+        for j in range(tr.world_size)
+    ]
+
+
+def layer_memory(
+    tr: Traffic, rank: int, batch: int, head_dim: int, itemsize: int, *, device: str = "cpu"
+) -> LayerMemory:
+    """The :class:`LayerMemory` of one rank (:func:`layer_memories`)."""
+    return layer_memories(tr, batch, head_dim, itemsize, device=device)[rank]

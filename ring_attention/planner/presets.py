@@ -1,0 +1,109 @@
+"""Named patterns and model shapes for the planner's command line."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..pattern import Pattern
+
+__all__ = ["MODELS", "PATTERNS", "ModelShape", "longnet_pattern", "make_pattern"]
+
+
+def longnet_pattern(seq_len: int, base: int = 2048, factor: int = 4) -> tuple[list[int], list[int]]:
+    """LongNet grown to ``seq_len``: segments ``base * factor**i`` below
+    ``seq_len`` and one of ``seq_len``, dilation ``segment // base`` (every
+    branch reaches about ``base`` keys per query and head)."""
+    segs = []
+    w = base
+    while w < seq_len:
+        segs.append(w)
+        w *= factor
+    segs.append(max(seq_len, 1))
+    return segs, [max(1, s // base) for s in segs]
+
+
+#: name -> (description, function of the sequence length giving (segments, dilations)).
+PATTERNS = {
+    "longnet": (
+        "LongNet grown to n: segments 2048*4^i below n and n, dilations segment/2048",
+        longnet_pattern,
+    ),
+    "longnet-paper": (
+        "segments [2048, 4096, 8192, 16384, 32768], dilations [1, 2, 4, 6, 12]",
+        lambda n: ([2048, 4096, 8192, 16384, 32768], [1, 2, 4, 6, 12]),
+    ),
+    "dense": ("one segment of n, dilation 1 (dense attention)", lambda n: ([max(n, 1)], [1])),
+}
+
+
+def make_pattern(
+    name: str | None,
+    seq_len: int,
+    *,
+    segments: list[int] | None = None,
+    dilations: list[int] | None = None,
+    causal: bool = False,
+    head_groups: bool = False,
+    head_offsets: str = "modulo",
+    document_length: int | None = None,
+) -> Pattern:
+    """The :class:`Pattern` of a preset (or of explicit segments and
+    dilations) at ``seq_len``; ``document_length`` packs documents of that
+    length (the last one shorter)."""
+    if segments is not None or dilations is not None:
+        if segments is None or dilations is None:
+            raise ValueError("--segments and --dilations go together")
+        segs, dils = list(segments), list(dilations)
+    else:
+        if name not in PATTERNS:
+            raise ValueError(f"pattern must be one of {sorted(PATTERNS)}, got {name!r}")
+        segs, dils = PATTERNS[name][1](seq_len)
+    pattern = Pattern(segs, dils, causal=causal, head_groups=head_groups, head_offsets=head_offsets)
+    if document_length:
+        if document_length < 1:
+            raise ValueError(f"document_length must be >= 1, got {document_length}")
+        cuts = list(range(0, seq_len, document_length)) + [seq_len]
+        pattern = pattern.with_documents(cuts if seq_len else [0])
+    return pattern
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A decoder/encoder stack: ``layers`` blocks of attention and MLP.
+
+    Attributes:
+        layers: transformer blocks.
+        hidden: model width.
+        heads, kv_heads, head_dim: attention shape (projections ``hidden ->
+            heads * head_dim`` for q, ``kv_heads * head_dim`` for k and v).
+        ffn: MLP width.
+        gated: gated MLP (SwiGLU: three matrices) instead of two.
+        vocab: vocabulary (input embedding and an untied output head).
+    """
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    gated: bool = False
+    vocab: int = 0
+
+    def layer_params(self) -> int:
+        """Parameters of one block (weights and norms, no biases)."""
+        attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        mlp = (3 if self.gated else 2) * self.hidden * self.ffn
+        return attn + mlp + 2 * self.hidden
+
+    def params(self) -> int:
+        """All parameters: blocks, final norm, embedding and output head."""
+        return self.layers * self.layer_params() + self.hidden + 2 * self.vocab * self.hidden
+
+
+#: Public shapes (layer counts, widths, heads, MLP and vocabulary sizes).
+MODELS = {
+    "24x2048": ModelShape(24, 2048, 16, 16, 128, 8192, False, 50304),
+    "llama2-7b": ModelShape(32, 4096, 32, 32, 128, 11008, True, 32000),
+    "llama3-8b": ModelShape(32, 4096, 32, 8, 128, 14336, True, 128256),
+}

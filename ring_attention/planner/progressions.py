@@ -1,0 +1,167 @@
+"""Unions of arithmetic progressions cut to intervals, counted without
+visiting their elements.
+
+The K/V rows one rank needs from another's piece are, per branch and head
+offset, every ``r``-th position of an interval (the active rows of the one
+segment the two ranks share, docs/design.md §4.1). A row needed by two
+branches (or by two query heads of one K/V head) travels once, so the rows
+that travel are the *union* of such progressions. :func:`union_stats` counts
+it exactly. Small unions are listed; otherwise, between consecutive interval
+ends the union is periodic with the
+lcm of the rates, so a count is whole periods times the members of one period
+plus a prefix. A few classes are counted by inclusion-exclusion over their
+intersections (Chinese remainder theorem); more classes by tabulating one
+period (cached per set of residues) when it is short enough, else by
+inclusion-exclusion again, and only where that needs too many terms by
+enumerating the interval.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable
+from functools import lru_cache
+
+import torch
+
+__all__ = ["Progression", "union_stats"]
+
+#: A set ``{u in [lo, hi) : u ≡ residue (mod rate)}``.
+Progression = tuple[int, int, int, int]  # (lo, hi, rate, residue)
+
+_MAX_LISTED = 1 << 12  # unions of at most this many rows are listed
+_FEW_CLASSES = 5  # unions of this many classes go straight to inclusion-exclusion
+_MAX_PERIOD = 1 << 20  # longest period tabulated
+_MAX_ENUMERATED = 1 << 22  # longest interval enumerated when the period is longer
+_MAX_TERMS = 1 << 14  # non-empty intersections summed by inclusion-exclusion
+
+
+def _first(lo: int, rate: int, residue: int) -> int:
+    return lo + (residue - lo) % rate
+
+
+def _count(lo: int, hi: int, rate: int, residue: int) -> int:
+    f = _first(lo, rate, residue)
+    return (hi - f + rate - 1) // rate if f < hi else 0
+
+
+def _minimal(classes: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """Residue classes ``(rate, residue)`` without those contained in another
+    (``b`` in ``a`` when ``rate_a`` divides ``rate_b`` and the residues agree
+    modulo ``rate_a``), sorted."""
+    keep: list[tuple[int, int]] = []
+    for rb, pb in sorted(set(classes)):  # a container's rate is never larger
+        if not any(rb % ra == 0 and pb % ra == pa for ra, pa in keep):
+            keep.append((rb, pb))
+    return tuple(keep)
+
+
+@lru_cache(maxsize=256)
+def _period_table(classes: tuple[tuple[int, int], ...], period: int) -> tuple[int, torch.Tensor]:
+    """Members of one period of the union of ``classes``: their number and
+    the prefix counts ``pre[k]`` = members in ``[0, k]``."""
+    member = torch.zeros(period, dtype=torch.bool)
+    for rate, residue in classes:
+        member[residue::rate] = True
+    pre = torch.cumsum(member, 0)
+    return int(pre[-1]), pre
+
+
+def _crt(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
+    """The intersection of two residue classes, or ``None`` when empty."""
+    (r1, p1), (r2, p2) = a, b
+    g = math.gcd(r1, r2)
+    if (p2 - p1) % g:
+        return None
+    m = r2 // g
+    t = ((p2 - p1) // g * pow(r1 // g, -1, m)) % m if m > 1 else 0
+    lcm = r1 // g * r2
+    return lcm, (p1 + r1 * t) % lcm
+
+
+def _inclusion_exclusion(x: int, y: int, classes: tuple[tuple[int, int], ...]) -> int | None:
+    """Members of ``[x, y)`` in the union by inclusion-exclusion over the
+    intersections (residue classes again, by the Chinese remainder theorem),
+    depth first: an empty intersection ends its branch. ``None`` when more
+    than ``_MAX_TERMS`` non-empty intersections would be needed."""
+    total, terms = 0, 0
+    stack = [(i + 1, cls, 1) for i, cls in enumerate(classes)]
+    while stack:
+        nxt, cls, size = stack.pop()
+        n = _count(x, y, *cls)
+        if n == 0:
+            continue  # so is every intersection with more classes
+        terms += 1
+        if terms > _MAX_TERMS:
+            return None
+        total += n if size % 2 else -n
+        for i in range(nxt, len(classes)):
+            both = _crt(cls, classes[i])
+            if both is not None:
+                stack.append((i + 1, both, size + 1))
+    return total
+
+
+@lru_cache(maxsize=1 << 16)
+def _periodic_count(x: int, y: int, classes: tuple[tuple[int, int], ...]) -> int:
+    """Members of ``[x, y)`` in the union of the residue classes."""
+    if len(classes) == 1:
+        return _count(x, y, *classes[0])
+    if len(classes) <= _FEW_CLASSES:
+        count = _inclusion_exclusion(x, y, classes)
+        if count is not None:
+            return count
+    period = math.lcm(*(r for r, _ in classes))
+    if period <= _MAX_PERIOD:
+        total, pre = _period_table(classes, period)
+
+        def upto(z: int) -> int:  # members in [0, z)
+            q, rem = divmod(z, period)
+            return q * total + (int(pre[rem - 1]) if rem else 0)
+
+        return upto(y) - upto(x)
+    count = _inclusion_exclusion(x, y, classes)
+    if count is not None:
+        return count
+    if y - x > _MAX_ENUMERATED:
+        raise ValueError(
+            f"the exchange model cannot count a union of {len(classes)} residue classes with "
+            f"period {period} over {y - x} rows; use dilation rates that divide each other"
+        )
+    u = torch.arange(x, y, dtype=torch.int64)
+    hit = torch.zeros(y - x, dtype=torch.bool)
+    for rate, residue in classes:
+        hit |= (u - residue) % rate == 0
+    return int(hit.sum())
+
+
+def union_stats(sets: Iterable[Progression]) -> tuple[int, int, int]:
+    """``(count, first, last)`` of the union of the progressions ``sets``;
+    ``(0, -1, -1)`` when it is empty."""
+    live = []
+    first = last = -1
+    for lo, hi, r, p in sets:
+        p %= r
+        f = lo + (p - lo) % r
+        if f >= hi:
+            continue
+        live.append((lo, hi, r, p))
+        l = hi - 1 - (hi - 1 - p) % r
+        first = f if first < 0 else min(first, f)
+        last = max(last, l)
+    if len(live) <= 1:
+        return (_count(*live[0]), first, last) if live else (0, -1, -1)
+    if sum((hi - lo) // r + 1 for lo, hi, r, _ in live) <= _MAX_LISTED:
+        # few rows (dilated branches near the gap, or far apart): list them
+        rows = set()
+        for lo, hi, r, p in live:
+            rows.update(range(lo + (p - lo) % r, hi, r))
+        return len(rows), first, last
+    cuts = sorted({s[0] for s in live} | {s[1] for s in live})
+    count = 0
+    for x, y in itertools.pairwise(cuts):
+        classes = _minimal((r, p) for lo, hi, r, p in live if lo <= x and y <= hi)
+        if classes:
+            count += _periodic_count(x, y, classes)
+    return count, first, last

@@ -1,0 +1,176 @@
+"""Kernel throughput: measured records, or labelled assumptions.
+
+A benchmark JSON is a list of records (or an object whose ``"records"`` is
+one), each one timed call of an attention implementation::
+
+    {"impl": "ours", "pass": "forward" | "forward+backward",
+     "n": 16384, "heads": 8, "head_dim": 64, "dtype": "float32",
+     "device": "cpu" | "cuda", "seconds": 0.42,
+     "flops": 1.2e11}          # pattern FLOPs of the call, or
+     "gflops": 285.0}          # the rate, GFLOP/s
+
+Only ``impl == "ours"`` records of the requested pass, dtype and device type
+count; of those the one nearest in shape is used: the smallest sum of
+``|log|`` ratios of ``n`` (matched against a rank's local length, the size of
+the kernel calls a rank makes), ``head_dim`` and ``heads`` (the median rate
+where several records share that shape). Other keys are ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["Rates", "assumed_rates", "load_records", "rates_from_records"]
+
+PASSES = ("forward", "forward+backward")
+
+_DTYPE_ALIASES = {
+    "fp32": "float32",
+    "float": "float32",
+    "torch.float32": "float32",
+    "fp64": "float64",
+    "double": "float64",
+    "torch.float64": "float64",
+    "bf16": "bfloat16",
+    "torch.bfloat16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "torch.float16": "float16",
+}
+
+
+def dtype_name(name: str) -> str:
+    """Canonical dtype name (``bf16`` -> ``bfloat16``, ...)."""
+    return _DTYPE_ALIASES.get(str(name).lower(), str(name).lower())
+
+
+def _device_type(name: str) -> str:
+    return str(name).split(":")[0].lower()
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Effective kernel rates in FLOP/s (pattern FLOPs per second).
+
+    Attributes:
+        forward: rate of the forward pass.
+        forward_backward: rate of forward + backward together.
+        source: where they come from (printed with every prediction).
+    """
+
+    forward: float
+    forward_backward: float
+    source: str
+
+    @property
+    def backward(self) -> float:
+        """Rate of the backward alone, so that ``4 d/forward + 10 d/backward
+        = 14 d/forward_backward`` (the rate of fwd+bwd where that is not
+        consistent with a slower forward)."""
+        inv = 14 / self.forward_backward - 4 / self.forward
+        return 10 / inv if inv > 0 else self.forward_backward
+
+
+def load_records(path: str | Path) -> list[dict]:
+    """The records of a benchmark JSON file (see the module docstring)."""
+    data = json.loads(Path(path).read_text())
+    if isinstance(data, dict):
+        data = data.get("records")
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: expected a list of records or {{'records': [...]}}")
+    return [r for r in data if isinstance(r, dict)]
+
+
+def _rate(rec: dict) -> float | None:
+    try:
+        if "flops" in rec and rec["flops"] is not None:
+            return float(rec["flops"]) / float(rec["seconds"])
+        if "gflops" in rec and rec["gflops"] is not None:
+            return float(rec["gflops"]) * 1e9
+    except (TypeError, ValueError, ZeroDivisionError):
+        return None
+    return None
+
+
+def _nearest(records: list[dict], n: int, heads: int, head_dim: int) -> tuple[float, dict] | None:
+    best: dict[tuple, list[float]] = {}
+    for rec in records:
+        rate = _rate(rec)
+        try:
+            shape = (int(rec["n"]), int(rec["heads"]), int(rec["head_dim"]))
+        except (KeyError, TypeError, ValueError):
+            continue
+        if rate and rate > 0 and min(shape) > 0:
+            best.setdefault(shape, []).append(rate)
+    if not best:
+        return None
+
+    def dist(shape: tuple) -> float:
+        return sum(abs(math.log(a / b)) for a, b in zip(shape, (n, heads, head_dim), strict=True))
+
+    shape = min(best, key=lambda s: (dist(s), -s[0]))
+    return statistics.median(best[shape]), {"n": shape[0], "heads": shape[1], "head_dim": shape[2]}
+
+
+def rates_from_records(
+    records: list[dict], *, n: int, heads: int, head_dim: int, dtype: str, device: str
+) -> Rates | None:
+    """Rates at the nearest shape, or ``None`` when the records hold no
+    forward and forward+backward rate of ``ours`` for this dtype and device."""
+    dtype, device = dtype_name(dtype), _device_type(device)
+    found = {}
+    for pass_ in PASSES:
+        pool = [
+            r
+            for r in records
+            if r.get("impl") == "ours"
+            and r.get("pass") == pass_
+            and dtype_name(r.get("dtype", "")) == dtype
+            and _device_type(r.get("device", "")) == device
+        ]
+        hit = _nearest(pool, n, heads, head_dim)
+        if hit is None:
+            return None
+        found[pass_] = hit
+    (fwd, fs), (fb, bs) = found["forward"], found["forward+backward"]
+    return Rates(
+        forward=fwd,
+        forward_backward=fb,
+        source=(
+            f"measured: benchmark records of 'ours' {dtype} {device}, nearest shapes "
+            f"n={fs['n']} heads={fs['heads']} head_dim={fs['head_dim']} (forward), "
+            f"n={bs['n']} heads={bs['heads']} head_dim={bs['head_dim']} (forward+backward)"
+        ),
+    )
+
+
+def assumed_rates(device: str, dtype: str, threads: int = 1) -> Rates:
+    """Labelled defaults when nothing was measured.
+
+    CPU: 50 GFLOP/s per thread (float32; float64 half of it), the one-thread
+    rate of the CPU kernels on a LongNet pattern in ``benchmarks/RESULTS.md``.
+    CUDA: ASSUMED 200 TFLOP/s forward and 150 TFLOP/s forward+backward for
+    bf16/fp16 (tensor cores), 20 / 15 for float32 and 10 / 7.5 for float64:
+    the CUDA kernels have not been timed on a GPU, so these are placeholders
+    to replace with ``--bench-json`` or ``--tflops``.
+    """
+    dtype, device = dtype_name(dtype), _device_type(device)
+    if device == "cpu":
+        per = 50e9 * (0.5 if dtype == "float64" else 1.0) * max(1, threads)
+        return Rates(
+            per,
+            per,
+            f"ASSUMED {per / 1e9:.0f} GFLOP/s ({threads} thread(s) x 50, the one-thread "
+            "float32 rate in benchmarks/RESULTS.md); pass --bench-json or --tflops",
+        )
+    fwd, fb = {"float32": (20e12, 15e12), "float64": (10e12, 7.5e12)}.get(dtype, (200e12, 150e12))
+    return Rates(
+        fwd,
+        fb,
+        f"ASSUMED {fwd / 1e12:.0f} / {fb / 1e12:.0f} TFLOP/s (forward / forward+backward): the "
+        "CUDA kernels have not been timed on a GPU; pass --bench-json or --tflops",
+    )

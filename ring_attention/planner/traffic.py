@@ -1,0 +1,439 @@
+"""What every rank of a ring sends, receives and computes per layer.
+
+:func:`predict_traffic` answers, for every rank ``j`` and ring distance ``d``, the
+numbers the ring's schedule and transport are built from (docs/design.md
+§4): the (row, K/V head) pairs ``j`` receives from ``j - d`` and sends to
+``j + d``, the rows of the span buffers the received pieces need
+(``Exchanger``: a sender piece whose needed rows are not a whole range is
+unpacked into a buffer spanning its first to last needed row), and the
+reached pairs computed on the received rows; plus the pairs among the rank's
+own pieces.
+
+Two sources give the rows:
+
+* ``"plan"``: :func:`ring_attention.plan.build_plan` for every rank, the
+  ring's own plan (``O(p * n * heads)`` work: small sizes only);
+* ``"analytic"``: closed forms, whose cost does not grow with ``n`` (it
+  grows with the ``p * (p - 1)`` pairs of ranks, vectorised: seconds for
+  thousands of ranks). Two disjoint
+  pieces share at most one segment per branch (a segment is an interval, and
+  it must contain the gap between them), so the rows rank ``j`` needs from a
+  sender piece are, per branch and head offset, every ``r``-th row of that
+  segment's part of the piece, provided the segment's part of ``j``'s piece
+  holds an active query of that offset; and none when causal and the sender
+  piece lies after. A row needed by several branches or query heads travels
+  once per K/V head: :func:`~.progressions.union_stats` counts the union.
+  Every quantity depends on the pieces only relative to the sender piece's
+  start, so equal configurations (most pairs of ranks, far apart, inside one
+  long segment) are counted once: the pairs of ranks are reduced to their
+  distinct keys first.
+
+The pairs always come from the closed forms of :mod:`.pairs`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from ..layout import Piece, check_layout, shard_bounds
+from ..pattern import Pattern
+from .pairs import branch_offsets, reached_pairs
+from .progressions import union_stats
+
+__all__ = ["SOURCES", "Traffic", "kv_classes", "predict_traffic"]
+
+#: Where the rows come from: the real plan, the closed forms, or the plan
+#: when it is cheap to build and the installed planner takes every feature used.
+SOURCES = ("auto", "plan", "analytic")
+
+_PLAN_WORK_LIMIT = 1 << 24  # p * n * heads: build real plans up to this
+_CHUNK = 1 << 18  # (rank, distance) pairs evaluated at once
+_NONE = torch.empty(0, dtype=torch.int64)
+
+
+@dataclass(frozen=True, eq=False)
+class Traffic:
+    """Per rank and ring distance: rows exchanged, span rows, pairs computed.
+
+    Matrices are ``(p, p)`` int64 tensors indexed ``[rank, distance]``
+    (column 0, distance 0, is zero). Rows are (row, K/V head) pairs: each
+    is one ``head_dim`` vector of K and one of V per batch row. Pairs are per
+    batch row, summed over query heads and branches.
+
+    Attributes:
+        pattern, seq_len, heads, kv_heads, world_size, layout: the configuration.
+        source: ``"plan"`` or ``"analytic"`` (where the rows came from).
+        local_len: ``(p,)`` local sequence length of every rank.
+        total_pairs: ``(p,)`` reached pairs of every rank's queries.
+        local_pairs: ``(p,)`` pairs among the rank's own pieces.
+        recv_rows, send_rows: rows rank ``j`` receives from ``j - d`` /
+            sends to ``j + d`` (mod ``p``).
+        span_rows: rows of the span buffers of the pieces received at ``d``.
+        step_pairs: pairs computed on the rows received at ``d``.
+    """
+
+    pattern: Pattern
+    seq_len: int
+    heads: int
+    kv_heads: int
+    world_size: int
+    layout: str
+    source: str
+    local_len: torch.Tensor
+    total_pairs: torch.Tensor
+    local_pairs: torch.Tensor
+    recv_rows: torch.Tensor
+    send_rows: torch.Tensor
+    span_rows: torch.Tensor
+    step_pairs: torch.Tensor
+
+    @cached_property
+    def active(self) -> torch.Tensor:
+        """``(p, p)`` bool: rank ``j`` sends or receives at distance ``d``
+        (the plan keeps exactly these steps)."""
+        return (self.recv_rows > 0) | (self.send_rows > 0)
+
+    def steps(self, rank: int) -> list[int]:
+        """The distances of ``rank``'s active steps, in order."""
+        return torch.nonzero(self.active[rank]).flatten().tolist()
+
+    @property
+    def rows_sent(self) -> torch.Tensor:
+        """``(p,)`` rows every rank sends per forward."""
+        return self.send_rows.sum(1)
+
+    @property
+    def rows_received(self) -> torch.Tensor:
+        """``(p,)`` rows every rank receives per forward."""
+        return self.recv_rows.sum(1)
+
+
+def kv_classes(pattern: Pattern, heads: int, kv_heads: int) -> Counter:
+    """K/V heads grouped by what their query heads read: ``{(offsets of
+    branch 0, offsets of branch 1, ...): number of K/V heads}``, the offsets
+    of the query heads of the group to which the branch applies."""
+    if kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"kv_heads must divide heads: got heads={heads}, kv_heads={kv_heads}")
+    pattern.check_heads(heads)
+    g = heads // kv_heads
+    applies = [set(pattern.applies(i, heads)) for i in range(pattern.n_branches)]
+
+    def offsets(kv: int, i: int) -> tuple[int, ...]:
+        group = applies[i].intersection(range(kv * g, kv * g + g))
+        return tuple(sorted({pattern.offset(h, i, heads) for h in group}))
+
+    return Counter(
+        tuple(offsets(kv, i) for i in range(pattern.n_branches)) for kv in range(kv_heads)
+    )
+
+
+def _n_before(z: torch.Tensor, o: int, r: int) -> torch.Tensor:
+    """Elementwise: how many of ``o, o + r, ...`` lie below ``z``."""
+    return torch.clamp(torch.div(z - o + r - 1, r, rounding_mode="floor"), min=0)
+
+
+class _Segments:
+    """The segment of branch ``(w, r)`` holding given positions (documents
+    restart segments)."""
+
+    def __init__(self, pattern: Pattern, seq_len: int) -> None:
+        cu = pattern.documents_tensor("cpu")
+        self.cu = torch.tensor([0, seq_len]) if cu is None else cu
+
+    def around(self, x: torch.Tensor, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(start, end)`` of the segment containing each position of ``x``."""
+        doc = torch.searchsorted(self.cu, x, right=True) - 1
+        doc = doc.clamp(0, self.cu.numel() - 2)
+        ds, de = self.cu[doc], self.cu[doc + 1]
+        start = ds + torch.div(x - ds, w, rounding_mode="floor") * w
+        return start, torch.minimum(start + w, de)
+
+
+def _odd_constant(i: int) -> int:
+    """An odd 63-bit constant, the ``i``-th output of splitmix64 (hash mixing)."""
+    m = (1 << 64) - 1
+    z = ((i + 1) * 0x9E3779B97F4A7C15) & m
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+    return ((z ^ (z >> 31)) & ((1 << 63) - 1)) | 1
+
+
+def _unique_keys(
+    n_rows: int, parts: list[tuple[torch.Tensor, torch.Tensor]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct keys of ``n_rows`` rows and each row's key index.
+
+    A row's key is the concatenation of its parts: part ``b`` is ``vals[k]``
+    (5 non-negative ints) for the rows ``rows[k]`` of ``parts[b] = (rows,
+    vals)``, and ``-1`` five times for the others (not shared). Rows are
+    hashed to one int64 each (linear mixing, wrapping modulo 2**64) and the
+    hashes made unique; every row is then checked to equal its
+    representative, else the exact row sort decides.
+    """
+    h = torch.zeros(n_rows, dtype=torch.int64)
+    for b, (rows, vals) in enumerate(parts):
+        if rows.numel():
+            mult = torch.tensor([_odd_constant(6 * b + k) for k in range(6)], dtype=torch.int64)
+            h.index_add_(0, rows, (vals * mult[:5]).sum(1) + mult[5])
+    uniq, inverse = torch.unique(h, return_inverse=True)
+    rep = torch.empty(uniq.numel(), dtype=torch.int64)
+    rep.scatter_(0, inverse, torch.arange(n_rows))
+    keys = torch.full((uniq.numel(), 5 * len(parts)), -1, dtype=torch.int64)
+    where = torch.full((n_rows,), -1, dtype=torch.int64)
+    exact = True
+    for b, (rows, vals) in enumerate(parts):
+        where.fill_(-1)
+        where[rows] = torch.arange(rows.numel())
+        at = where[rep]
+        have = at >= 0
+        keys[have, 5 * b : 5 * b + 5] = vals[at[have]]
+        if rows.numel():
+            exact &= bool((vals == keys[inverse[rows], 5 * b : 5 * b + 5]).all())
+        exact &= int(have[inverse].sum()) == rows.numel()
+    if exact:
+        return keys, inverse
+    full = torch.full((n_rows, 5 * len(parts)), -1, dtype=torch.int64)
+    for b, (rows, vals) in enumerate(parts):
+        full[rows, 5 * b : 5 * b + 5] = vals
+    return torch.unique(full, dim=0, return_inverse=True)
+
+
+def _rows_of_key(
+    key: tuple[int, ...], branches: list[tuple[int, int]], classes: Counter, n_q: int
+) -> tuple[int, int, int]:
+    """``(rows, first, last)`` of one sender piece (relative to its start)
+    from a key of :func:`_analytic`: per query piece and branch, the shared
+    segment's part of the sender piece ``[klo, khi)``, the residue of the
+    segment start, and the extent of the query piece's part (length capped at
+    ``r``, phase) that decides which offsets have an active query there."""
+    shared = []
+    for q in range(n_q):
+        for i, (_, r) in enumerate(branches):
+            at = 5 * (q * len(branches) + i)
+            if key[at] >= 0:
+                shared.append((i, r, *key[at : at + 5]))
+    by_sets: Counter = Counter()
+    for offsets, count in classes.items():
+        sets = tuple(
+            sorted(
+                (klo, khi, r, (res + o) % r)
+                for i, r, klo, khi, res, qlen, qph in shared
+                for o in offsets[i]
+                if qlen >= r or (o - qph) % r < qlen
+            )
+        )
+        by_sets[sets] += count
+    rows, first, last = 0, -1, -1
+    for sets, count in by_sets.items():
+        n, f, l = union_stats(sets)
+        if n:
+            rows += count * n
+            first = f if first < 0 else min(first, f)
+            last = max(last, l)
+    return rows, first, last
+
+
+def all_pieces(seq_len: int, p: int, layout: str) -> list[list[Piece]]:
+    """Every rank's pieces, as :func:`ring_attention.layout.layout_pieces`
+    gives them (computed from one split instead of one per rank)."""
+    if layout == "contiguous":
+        return [[Piece(s, n, 0)] for s, n in shard_bounds(seq_len, p)]
+    chunks = shard_bounds(seq_len, 2 * p)
+    return [[Piece(*chunks[j], 0), Piece(*chunks[2 * p - 1 - j], chunks[j][1])] for j in range(p)]
+
+
+def _analytic(
+    pattern: Pattern,
+    seq_len: int,
+    heads: int,
+    kv_heads: int,
+    pieces: list[list[Piece]],
+) -> dict[str, torch.Tensor]:
+    p = len(pieces)
+    branches = list(pattern.branches)
+    offsets = branch_offsets(pattern, heads)
+    classes = kv_classes(pattern, heads, kv_heads)
+    starts = torch.tensor([[pc.start for pc in ps] for ps in pieces], dtype=torch.int64)
+    lens = torch.tensor([[pc.length for pc in ps] for ps in pieces], dtype=torch.int64)
+    n_pc = starts.shape[1]
+    segments = _Segments(pattern, seq_len)
+    out = {k: torch.zeros(p, p, dtype=torch.int64) for k in ("recv", "span", "pairs")}
+    memo: dict[tuple[int, ...], tuple[int, int, int]] = {}
+
+    per_chunk = max(1, _CHUNK // p)  # distances per chunk
+    for d0 in range(1, p, per_chunk):
+        ds = torch.arange(d0, min(p, d0 + per_chunk), dtype=torch.int64)
+        j = torch.arange(p, dtype=torch.int64).repeat(ds.numel())
+        d = ds.repeat_interleave(p)
+        sender = (j - d) % p
+        recv = torch.zeros_like(j)
+        span = torch.zeros_like(j)
+        pairs = torch.zeros_like(j)
+        for kp in range(n_pc):
+            c = starts[sender, kp]
+            e = c + lens[sender, kp]
+            parts = []
+            for qp in range(n_pc):
+                qa = starts[j, qp]
+                qb = qa + lens[j, qp]
+                valid = (qb > qa) & (e > c)
+                left = e <= qa  # the sender piece lies before the query piece
+                x = torch.where(left, qa, c)  # the segment must hold x ...
+                y = torch.where(left, e - 1, qb - 1)  # ... and y
+                for i, (w, r) in enumerate(branches):
+                    parts.append((_NONE, _NONE.reshape(0, 5)))
+                    # only pairs of pieces less than a segment apart can share one
+                    rows = torch.nonzero(valid & (x - y < w)).flatten()
+                    if rows.numel() == 0:
+                        continue
+                    rl, rx, ry = left[rows], x[rows], y[rows]
+                    rc, re, rqa, rqb = c[rows], e[rows], qa[rows], qb[rows]
+                    s, se = segments.around(rx, w)
+                    shared = s <= ry
+                    if pattern.causal:
+                        shared &= rl
+                    rows, s, se = rows[shared], s[shared], se[shared]
+                    rl, rc, re, rqa, rqb = (t[shared] for t in (rl, rc, re, rqa, rqb))
+                    if rows.numel() == 0:
+                        continue
+                    klo = torch.where(rl, torch.maximum(rc, s), rc)
+                    khi = torch.where(rl, re, torch.minimum(re, se))
+                    qlo = torch.where(rl, rqa, torch.maximum(rqa, s))
+                    qhi = torch.where(rl, torch.minimum(rqb, se), rqb)
+                    qlen = qhi - qlo
+                    parts[-1] = (
+                        rows,
+                        torch.stack(
+                            [
+                                klo - rc,
+                                khi - rc,
+                                (s - rc) % r,
+                                torch.clamp(qlen, max=r),
+                                torch.where(qlen < r, (qlo - s) % r, 0),
+                            ],
+                            dim=1,
+                        ),
+                    )
+                    acc = torch.zeros_like(s)
+                    for o, nh in offsets[i].items():
+                        nq = _n_before(qhi - s, o, r) - _n_before(qlo - s, o, r)
+                        nk = _n_before(khi - s, o, r) - _n_before(klo - s, o, r)
+                        acc += nh * nq * nk
+                    pairs.index_add_(0, rows, acc)
+            keys, inverse = _unique_keys(j.numel(), parts)
+            stats = []
+            for key in map(tuple, keys.tolist()):
+                if key not in memo:
+                    memo[key] = _rows_of_key(key, branches, classes, n_pc)
+                stats.append(memo[key])
+            stats_t = torch.tensor(stats, dtype=torch.int64).reshape(-1, 3)[inverse]
+            rows, first, last = stats_t.unbind(1)
+            width = torch.where(rows > 0, last - first + 1, 0)
+            recv += rows
+            span += torch.where(rows == width * kv_heads, 0, width)
+        out["recv"][j, d] = recv
+        out["span"][j, d] = span
+        out["pairs"][j, d] = pairs
+    return out
+
+
+def _from_plans(
+    pattern: Pattern, seq_len: int, heads: int, kv_heads: int, p: int, layout: str
+) -> dict[str, torch.Tensor]:
+    from ..plan import build_plan
+
+    recv = torch.zeros(p, p, dtype=torch.int64)
+    span = torch.zeros(p, p, dtype=torch.int64)
+    for j in range(p):
+        plan = build_plan(pattern, seq_len, heads, kv_heads, p, j, layout)
+        for step in plan.steps:
+            recv[j, step.distance] = step.recv_rows
+            for ix in step.recv_idx:
+                if ix.numel():
+                    lo, hi = int(ix[0]) // kv_heads, int(ix[-1]) // kv_heads + 1
+                    if ix.numel() != (hi - lo) * kv_heads:
+                        span[j, step.distance] += hi - lo
+    return {"recv": recv, "span": span}
+
+
+def predict_traffic(
+    pattern: Pattern,
+    seq_len: int,
+    heads: int,
+    kv_heads: int | None = None,
+    world_size: int = 1,
+    layout: str = "contiguous",
+    *,
+    source: str = "auto",
+) -> Traffic:
+    """The :class:`Traffic` of every rank of a ring of ``world_size``.
+
+    Args:
+        pattern: the pattern (documents, head offsets included).
+        seq_len: global sequence length.
+        heads, kv_heads: query and K/V heads (``kv_heads`` divides ``heads``;
+            default ``heads``).
+        world_size: ranks.
+        layout: ``"contiguous"`` or ``"zigzag"``.
+        source: ``"plan"`` (the ring's own plans), ``"analytic"``, or
+            ``"auto"``: the plans when ``p * n * heads <= 2**24``.
+
+    Raises:
+        ValueError: for a bad configuration (naming it).
+
+    The vectorised work runs with one intra-op thread (its tensors are
+    small; the previous setting is restored).
+    """
+    kv_heads = heads if kv_heads is None else kv_heads
+    check_layout(layout)
+    if source not in SOURCES:
+        raise ValueError(f"source must be one of {list(SOURCES)}, got {source!r}")
+    if world_size < 1 or seq_len < 0:
+        raise ValueError(f"need world_size >= 1 and seq_len >= 0, got {world_size}, {seq_len}")
+    pattern.check_length(seq_len)
+    p = int(world_size)
+    pieces = all_pieces(seq_len, p, layout)
+    total = [
+        reached_pairs(pattern, seq_len, heads, [(pc.start, pc.length) for pc in ps])
+        for ps in pieces
+    ]
+    if max(total) >= 1 << 62:
+        raise ValueError(
+            f"{seq_len} tokens on {p} ranks with {heads} heads: a rank's {max(total)} reached "
+            "pairs exceed the planner's int64 counters"
+        )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small tensors: threads only add synchronisation
+    try:
+        counts = _analytic(pattern, seq_len, heads, kv_heads, pieces)
+    finally:
+        torch.set_num_threads(threads)
+    use_plan = source == "plan" or (source == "auto" and p * seq_len * heads <= _PLAN_WORK_LIMIT)
+    if use_plan:
+        counts.update(_from_plans(pattern, seq_len, heads, kv_heads, p, layout))
+    recv = counts["recv"]
+    send = torch.zeros_like(recv)
+    ranks = torch.arange(p)
+    for d in range(1, p):
+        send[:, d] = recv[(ranks + d) % p, d]
+    total_t = torch.tensor(total, dtype=torch.int64)
+    return Traffic(
+        pattern=pattern,
+        seq_len=int(seq_len),
+        heads=int(heads),
+        kv_heads=int(kv_heads),
+        world_size=p,
+        layout=layout,
+        source="plan" if use_plan else "analytic",
+        local_len=torch.tensor([sum(pc.length for pc in ps) for ps in pieces], dtype=torch.int64),
+        total_pairs=total_t,
+        local_pairs=total_t - counts["pairs"].sum(1),
+        recv_rows=recv,
+        send_rows=send,
+        span_rows=counts["span"],
+        step_pairs=counts["pairs"],
+    )

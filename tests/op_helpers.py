@@ -1,0 +1,312 @@
+"""Helpers shared by the operator tests (test_local_op, test_block_ops,
+test_opcheck, test_exchange_rows, test_cuda_emulated): configurations, inputs,
+calls of the operators and of the float64 oracle, tolerances.
+
+Tolerances (inputs are unit-variance ``randn``; ``out`` is compared absolutely
+and relatively, ``atol = rtol``):
+
+==========  ========  =========================  ==========
+dtype       out       dq, dk, dv                 lse (fp32)
+==========  ========  =========================  ==========
+float64     1e-10     1e-10                      1e-10 [1]_
+float32     1e-5      1e-4                       1e-5
+float16     2e-3      1e-2                       1e-3
+bfloat16    2e-2      5e-2                       1e-3
+==========  ========  =========================  ==========
+
+.. [1] float64 inputs accumulate in float64 (the accumulators and ``lse`` are
+   float64); every other dtype accumulates in float32 and returns a float32
+   ``lse`` (docs/design.md section 2).
+
+Block accumulators: float64 for float64 inputs, float32 otherwise (the dtype
+``csrc/checks.h:acc_dtype`` requires).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from oracle import multiplicity, reference_attention
+
+import ring_attention as ra
+
+OPS = torch.ops.ring_attention
+F64 = torch.float64
+
+OUT_TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+GRAD_TOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+LSE_TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-3}
+
+
+@dataclass
+class Cfg:
+    """One test configuration of the operators.
+
+    ``kv_heads``: heads of k and v (``None``: as many as q). ``cu_seqlens``:
+    document boundaries ``[0, ..., n]`` (``None``: no documents).
+    """
+
+    batch: int
+    n: int
+    heads: int
+    head_dim: int
+    segment_lengths: list[int]
+    dilation_rates: list[int]
+    causal: bool = False
+    head_groups: bool = False
+    scale: float | None = None
+    mask: bool = False
+    kv_heads: int | None = None
+    grouped_offsets: bool = False
+    cu_seqlens: list[int] | None = None
+
+    def kwargs(self) -> dict:
+        """Keyword arguments of ``ra.dilated_attention``."""
+        return {
+            "causal": self.causal,
+            "scale": self.scale,
+            "head_groups": self.head_groups,
+        }
+
+    def oracle_kwargs(self) -> dict:
+        return {
+            **self.kwargs(),
+            "grouped_offsets": self.grouped_offsets,
+            "cu_seqlens": self.cu_seqlens,
+        }
+
+    def resolved_scale(self) -> float:
+        return self.head_dim**-0.5 if self.scale is None else self.scale
+
+    def resolved_kv_heads(self) -> int:
+        return self.heads if self.kv_heads is None else self.kv_heads
+
+    def documents(self, device: str | torch.device) -> torch.Tensor | None:
+        """cu_seqlens as an int32 tensor on ``device``, or None."""
+        if self.cu_seqlens is None:
+            return None
+        return torch.tensor(self.cu_seqlens, dtype=torch.int32, device=device)
+
+    def pattern(self, kpm: torch.Tensor | None, device: str | torch.device) -> tuple:
+        """The pattern arguments of the operators (schema RA_PATTERN_ARGS)."""
+        return (
+            self.segment_lengths,
+            self.dilation_rates,
+            self.causal,
+            self.resolved_scale(),
+            self.head_groups,
+            self.grouped_offsets,
+            kpm,
+            self.documents(device),
+        )
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return F64 if dtype == F64 else torch.float32
+
+
+def make_inputs(
+    cfg: Cfg, dtype: torch.dtype, device: str, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """q, k, v, grad_out (unit variance) and an optional key_padding_mask."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (cfg.batch, cfg.n, cfg.heads, cfg.head_dim)
+    kv_shape = (cfg.batch, cfg.n, cfg.resolved_kv_heads(), cfg.head_dim)
+    q, k, v, go = (
+        torch.randn(s, generator=g, dtype=F64) for s in (shape, kv_shape, kv_shape, shape)
+    )
+    mask = None
+    if cfg.mask:
+        mask = torch.rand(cfg.batch, cfg.n, generator=g) < 0.25
+        if cfg.n >= 8:  # a masked run of keys, possibly a whole segment
+            a = int(torch.randint(0, cfg.n - 4, (1,), generator=g))
+            mask[-1, a : a + min(cfg.n // 3, 32)] = True
+        mask = mask.to(device)
+    return (*(x.to(device=device, dtype=dtype) for x in (q, k, v, go)), mask)
+
+
+def lse_grad(cfg: Cfg, device: str, seed: int) -> torch.Tensor:
+    """A unit-variance gradient of lse, (batch, heads, n), float32."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(cfg.batch, cfg.heads, cfg.n, generator=g).to(device)
+
+
+def run_op(cfg: Cfg, q, k, v, go, mask):
+    """ra.dilated_attention forward + backward: out, lse, dq, dk, dv."""
+    q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    out, lse = ra.dilated_attention(
+        q,
+        k,
+        v,
+        cfg.segment_lengths,
+        cfg.dilation_rates,
+        key_padding_mask=mask,
+        return_lse=True,
+        **cfg.kwargs(),
+    )
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), go)
+    return out, lse, dq, dk, dv
+
+
+def _grads(outputs, inputs, go, glse):
+    """Gradients of (out, lse) with (go, glse); lse not differentiated when glse is None."""
+    if glse is None:
+        return torch.autograd.grad(outputs[0], inputs, go)
+    return torch.autograd.grad(outputs, inputs, (go, glse.to(outputs[1].dtype)))
+
+
+def run_local(cfg: Cfg, q, k, v, go, mask, glse=None, ops=OPS):
+    """The local op (torch.ops.ring_attention.dilated_attention, its C++
+    autograd) forward + backward through out (and lse when glse is given):
+    out, lse, dq, dk, dv."""
+    q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    out, lse = ops.dilated_attention(q, k, v, *cfg.pattern(mask, q.device))
+    return (out, lse, *_grads((out, lse), (q, k, v), go, glse))
+
+
+def run_oracle(cfg: Cfg, q, k, v, go, mask, glse=None):
+    """The oracle on the same (upcast) inputs: out, lse, dq, dk, dv in float64."""
+    q, k, v = (x.detach().to(F64).requires_grad_() for x in (q, k, v))
+    out, lse = reference_attention(
+        q,
+        k,
+        v,
+        cfg.segment_lengths,
+        cfg.dilation_rates,
+        key_padding_mask=mask,
+        **cfg.oracle_kwargs(),
+    )
+    return (out, lse, *_grads((out, lse), (q, k, v), go.to(F64), glse))
+
+
+def close(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    tol: float,
+    what: str,
+    ctx: object,
+    rtol: float | None = None,
+) -> None:
+    """assert_close in float64 on CPU (atol = tol, rtol = tol unless given)."""
+    a = actual.detach().to(device="cpu", dtype=F64)
+    e = expected.detach().to(device="cpu", dtype=F64)
+    torch.testing.assert_close(
+        a,
+        e,
+        rtol=tol if rtol is None else rtol,
+        atol=tol,
+        msg=lambda m: f"{what} mismatch [{ctx}]\n{m}",
+    )
+
+
+def check_results(cfg: Cfg, dtype: torch.dtype, got, want, ctx: object) -> None:
+    """(out, lse, dq, dk, dv) of an operator against the oracle's, with the
+    dtype's tolerances; shapes and dtypes too."""
+    out, lse, dq, dk, dv = got
+    r_out, r_lse, r_dq, r_dk, r_dv = want
+    assert out.dtype == dtype and out.shape == r_out.shape, ctx
+    assert lse.shape == (cfg.batch, cfg.heads, cfg.n), ctx
+    assert lse.dtype == acc_dtype(dtype), ctx
+    for g, r in ((dq, r_dq), (dk, r_dk), (dv, r_dv)):
+        assert g.dtype == dtype and g.shape == r.shape, ctx
+    close(out, r_out, OUT_TOL[dtype], "out", ctx)
+    close(lse, r_lse, LSE_TOL[dtype], "lse", ctx)
+    close(dq, r_dq, GRAD_TOL[dtype], "dq", ctx)
+    close(dk, r_dk, GRAD_TOL[dtype], "dk", ctx)
+    close(dv, r_dv, GRAD_TOL[dtype], "dv", ctx)
+
+
+def check_against_oracle(cfg: Cfg, dtype: torch.dtype, device: str, seed: int) -> None:
+    """ra.dilated_attention against the oracle, forward and backward."""
+    q, k, v, go, mask = make_inputs(cfg, dtype, device, seed)
+    got = run_op(cfg, q, k, v, go, mask)
+    want = run_oracle(cfg, q, k, v, go, mask)
+    check_results(cfg, dtype, got, want, f"seed={seed} dtype={dtype} device={device} {cfg}")
+
+
+def sdpa(q, k, v, *, attn_mask=None, is_causal=False, scale=None):
+    """torch SDPA in the (B, N, H, D) layout."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=attn_mask,
+        is_causal=is_causal,
+        scale=scale,
+    )
+    return out.transpose(1, 2)
+
+
+# ------------------------------------------------------------------ block operators
+
+
+def splits(n: int, parts: int, rng: random.Random) -> list[tuple[int, int]]:
+    """``parts`` contiguous non-empty ranges covering [0, n)."""
+    cuts = sorted(rng.sample(range(1, n), parts - 1))
+    edges = [0, *cuts, n]
+    return list(itertools.pairwise(edges))
+
+
+def fresh_acc(q: torch.Tensor, lq: int | None = None):
+    """Empty block accumulators (out 0, lse -inf) for lq rows of q."""
+    b, n, h, d = q.shape
+    lq = n if lq is None else lq
+    acc = acc_dtype(q.dtype)
+    out = torch.zeros(b, lq, h, d, dtype=acc, device=q.device)
+    lse = torch.full((b, h, lq), float("-inf"), dtype=acc, device=q.device)
+    return out, lse
+
+
+def block_forward(cfg: Cfg, q, k, v, out, lse, q_start, k_start, kpm, ops=OPS) -> None:
+    ops.block_forward(q, k, v, out, lse, q_start, k_start, *cfg.pattern(kpm, q.device))
+
+
+def block_backward(
+    cfg: Cfg, go, q, k, v, out, lse, dq, dk, dv, q_start, k_start, kpm, ops=OPS, glse=None
+) -> None:
+    """block_backward; glse (the gradient of lse) is cast to the accumulator dtype."""
+    if glse is not None:
+        glse = glse.to(acc_dtype(q.dtype))
+    ops.block_backward(
+        go, glse, q, k, v, out, lse, dq, dk, dv, q_start, k_start, *cfg.pattern(kpm, q.device)
+    )
+
+
+def kslice(kpm, a, b):
+    """Columns [a, b) of a key padding mask (or None)."""
+    return None if kpm is None else kpm[:, a:b].contiguous()
+
+
+# Query block, key block and pattern of the "never reads unreached rows" tests:
+# queries [qa, qb), keys [ka, kb) with qa >= kb (an earlier rank's keys) or
+# overlapping, so only some key rows of the block are reached.
+UNREACHED_CASES = [
+    # (segment_lengths, dilation_rates, causal, head_groups, (qa, qb), (ka, kb))
+    ([16, 32, 64], [2, 4, 8], False, False, (24, 40), (0, 24)),
+    ([16, 32, 64], [2, 4, 8], True, False, (24, 40), (8, 30)),
+    ([12, 40], [3, 5], True, True, (20, 37), (10, 32)),
+    ([64], [4], True, False, (30, 44), (0, 30)),
+    ([10, 20], [1, 2], False, False, (0, 15), (15, 45)),
+]
+
+
+def reached_rows(cfg: Cfg, qr: tuple[int, int], kr: tuple[int, int]) -> torch.Tensor:
+    """Bool (Lk, kv_heads): key row u (relative to kr) of a K/V head is reached
+    by some query of qr of a query head reading it."""
+    m = multiplicity(
+        cfg.n,
+        cfg.heads,
+        cfg.segment_lengths,
+        cfg.dilation_rates,
+        cfg.causal,
+        cfg.head_groups,
+        cfg.grouped_offsets,
+        cfg.cu_seqlens,
+    )
+    per_head = (m[:, qr[0] : qr[1], kr[0] : kr[1]] > 0).any(dim=1)  # (H, Lk)
+    group = cfg.heads // cfg.resolved_kv_heads()
+    return per_head.view(cfg.resolved_kv_heads(), group, -1).any(dim=1).T
