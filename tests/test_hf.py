@@ -325,7 +325,8 @@ def test_packed_batch_equals_documents_run_separately(kv_heads: int) -> None:
         for s, d in zip(separate, docs, strict=True)
     ]
     scored = sum(len(d) - 1 for d in docs)
-    torch.testing.assert_close(packed.loss, sum(token_losses) / scored, rtol=1e-10, atol=1e-10)
+    want_loss = (sum(token_losses) / scored).float()  # transformers' loss is float32
+    torch.testing.assert_close(packed.loss, want_loss, rtol=1e-6, atol=1e-6)
     # Packing is what makes the difference: the same tokens as one document differ.
     with torch.no_grad():
         one_document = model(input_ids=ids).logits[0]
@@ -465,7 +466,8 @@ def run_sp(world: int, cases: list[tuple[str, int, str]]) -> None:
         for (loss, grads), (want_loss, want_grads), case in zip(
             rank_results, wants, cases, strict=True
         ):
-            torch.testing.assert_close(loss, want_loss, rtol=1e-12, atol=1e-12, msg=str(case))
+            # transformers computes the loss in float32, the ranks' partial sums round apart
+            torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6, msg=str(case))
             for name, g in want_grads.items():
                 torch.testing.assert_close(grads[name], g, rtol=1e-10, atol=1e-12, msg=name)
         assert "cu_seq_lens_q" in errors[0] and "shard_causal_lm_batch" in errors[0], errors
