@@ -12,7 +12,9 @@ so of the pattern ``segment_lengths=[16, 64, 256]``,
 loss falls to about 0 within ~100 steps; ``--local`` drops that branch, and
 the model stays at chance.
 
-Every rank builds the same model (same seed) and the same global batch,
+The model has 4 query heads and 2 K/V heads (``--kv-heads``); the K/V
+heads reach the kernels, and travel between ranks, unrepeated. Every rank
+builds the same model (same seed) and the same global batch,
 keeps its shard of the tokens (``ring_attention.hf.shard_causal_lm_batch``:
 input ids, global position ids, labels shifted over the whole sequence) and
 runs the model on it; the attention is ring attention across the ranks. The
@@ -84,7 +86,8 @@ def train(rank: int, world: int, args: argparse.Namespace) -> None:
 
     if rank == 0:
         params = sum(p.numel() for p in model.parameters())
-        print(f"Llama, {params} parameters, pattern {pattern}, {world} process(es), "
+        print(f"Llama, {params} parameters, 4 heads reading {args.kv_heads} K/V heads, "
+              f"pattern {pattern}, {world} process(es), "
               f"sequence {args.seq_len} ({args.seq_len // world} tokens per rank)")  # fmt: skip
         print(f"recall: chance accuracy {1 / VALUES:.0%}, loss ln({VALUES}) = "
               f"{torch.log(torch.tensor(float(VALUES))):.2f}")  # fmt: skip
@@ -130,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--kv-heads", type=int, default=4, help="K/V heads (of 4 query heads)")
+    parser.add_argument("--kv-heads", type=int, default=2, help="K/V heads (of 4 query heads)")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--world-size", type=int, default=2, help="processes to spawn")
