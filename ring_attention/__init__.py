@@ -6,6 +6,7 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 from . import _C  # noqa: F401  (registers torch.ops.ring_attention)
 from .dtypes import select_dtype
 from .functional import dilated_attention
+from .hf import register_transformers
 from .modules import DilatedAttention, MultiheadDilatedAttention, RingDilatedAttention
 from .multihead import MultiheadAttentionError
 from .pattern import Pattern
@@ -20,6 +21,7 @@ __all__ = [
     "RingDilatedAttention",
     "dilated_attention",
     "gather_sequence",
+    "register_transformers",
     "ring_dilated_attention",
     "select_dtype",
     "shard_sequence",
