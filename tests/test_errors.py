@@ -1,4 +1,4 @@
-"""Bad input (DESIGN.md section 6): every misuse raises ValueError/RuntimeError
+"""Bad input (docs/design.md §6): every misuse raises ValueError/RuntimeError
 whose message names the offending argument.
 
 The public API ``ra.dilated_attention`` is checked in-process. The C++
