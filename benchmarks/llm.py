@@ -75,17 +75,27 @@ def cmd_llm(a: argparse.Namespace) -> int:
         "",
     ]
     rows = []
+    grouped = Pattern(segs, dils, causal=True, head_offsets="grouped")
     for n in a.seq_lens:
         for p in a.worlds:
             g = _plan_bytes(pattern, n, a.heads, a.kv_heads, p, a.head_dim, a.itemsize)
+            o = _plan_bytes(grouped, n, a.heads, a.kv_heads, p, a.head_dim, a.itemsize)
             r = _plan_bytes(pattern, n, a.heads, a.heads, p, a.head_dim, a.itemsize)
-            rows.append(
-                [n, p, f"{g[0] / MiB:.2f}", f"{r[0] / MiB:.2f}", f"{r[0] / max(g[0], 1):.2f}",
-                 f"{g[1] / MiB:.2f}", f"{r[1] / MiB:.2f}"]
-            )  # fmt: skip
+            rows.append([n, p] + [f"{x / MiB:.2f}" for x in (r[0], g[0], o[0], r[1], g[1], o[1])])
     out += _table(
-        ["n", "p", "GQA fwd", "repeated fwd", "ratio", "GQA fwd+bwd", "repeated fwd+bwd"], rows
-    )
+        ["n", "p", "repeated fwd", "GQA fwd", "GQA grouped-offsets fwd", "repeated fwd+bwd",
+         "GQA fwd+bwd", "GQA grouped-offsets fwd+bwd"],
+        rows,
+    )  # fmt: skip
+    out += [
+        "",
+        "K/V travel at K/V-head width: a K/V head's row goes once for all query heads of its "
+        "group that reach it. With the default offsets (h mod r) the query heads of one group "
+        "have different offsets in branches with r > 1, so they read different rows and the "
+        "union is as large as the repeated heads' rows; with head_offsets='grouped' (contiguous "
+        "heads share an offset) they read the same rows.",
+        "",
+    ]
 
     torch.set_num_threads(a.threads)
     h, hk, d = a.cpu_heads, a.cpu_kv_heads, a.cpu_head_dim
@@ -138,21 +148,39 @@ def cmd_llm(a: argparse.Namespace) -> int:
         f"{h} heads, head_dim {d}, {a.threads} threads (median of {a.iters})",
         "",
     ]
+    from ring_attention.planner.pairs import reached_pairs
+
     rows = []
     for name, extra in (("unpacked", {}), ("packed", {"cu_seqlens": cu})):
         row = [name]
+        pairs = reached_pairs(
+            Pattern(segs, dils, causal=True).with_documents(extra.get("cu_seqlens")), n, h
+        )
         for backward in (False, True):
             qs, ks, vs = (t.clone().requires_grad_(backward) for t in (q, k, v))
-            row.append(f"{_time(_step(qs, ks, vs, {**kw, **extra}, backward), a) / 1e3:.2f}")
+            ms = _time(_step(qs, ks, vs, {**kw, **extra}, backward), a)
+            flops = 4 * d * pairs * (3.5 if backward else 1.0)
+            row += [f"{ms / 1e3:.2f}", f"{flops / ms / 1e6:.0f}"]
         m = measure.peak_growth_bytes(_step(q, k, v, {**kw, **extra}, False), torch.device("cpu"))
         row.append(f"{(measure.tensor_bytes(q, k, v) + (m or 0)) / MiB:.0f}")
         rows.append(row)
-    out += _table(["", "fwd s", "fwd+bwd s", "fwd peak MiB (inputs + call)"], rows)
+    out += _table(
+        [
+            "",
+            "fwd s",
+            "fwd GFLOP/s",
+            "fwd+bwd s",
+            "fwd+bwd GFLOP/s",
+            "fwd peak MiB (inputs + call)",
+        ],
+        rows,
+    )
     out += [
         "",
         f"Checking {a.documents + 1} boundaries (Pattern.with_documents): {check_ms:.2f} ms per "
         "call. The packed sequence reaches fewer keys (nothing crosses a document), so it is "
-        "faster; its memory is that of the unpacked call.",
+        "faster; GFLOP/s counts each call's own reached pairs (4·d per pair forward, 3.5x for "
+        "forward + backward); its memory is that of the unpacked call.",
     ]
     os.makedirs(a.out_dir, exist_ok=True)
     with open(os.path.join(a.out_dir, "llm.md"), "w") as f:
@@ -173,8 +201,8 @@ def add_parser(sub) -> None:
                    help="segment lengths w_i (LongNet 2048 ... 32768)")  # fmt: skip
     p.add_argument("--dilations", type=int, nargs="+", default=[1, 2, 4, 6, 12],
                    help="dilation rates r_i (1 2 4 6 12)")  # fmt: skip
-    p.add_argument("--seq-lens", type=int, nargs="+", default=[65536, 262144],
-                   help="n of the bytes table (65536 262144)")  # fmt: skip
+    p.add_argument("--seq-lens", type=int, nargs="+", default=[65536, 131072],
+                   help="n of the bytes table (65536 131072)")  # fmt: skip
     p.add_argument("--worlds", type=int, nargs="+", default=[4, 8],
                    help="p of the bytes table (4 8)")  # fmt: skip
     p.add_argument("--heads", type=int, default=32, help="query heads of the bytes table (32)")
