@@ -39,3 +39,16 @@ def test_readme_ring_example_runs_under_torchrun(tmp_path) -> None:
     found = re.findall(r"max \|ring - one process\| = (\S+)", proc.stdout)
     assert len(found) == 1, proc.stdout
     assert float(found[0]) < 1e-5, proc.stdout
+
+
+def test_readme_llm_features_example_runs() -> None:
+    """The README's grouped-K/V, packed-documents and lse example runs as
+    written (after the first block, which imports torch and ring_attention)."""
+    blocks = python_blocks()
+    (block,) = [b for b in blocks if "cu_seqlens = torch.tensor" in b]
+    namespace: dict = {}
+    exec(compile(blocks[0], "README.md", "exec"), namespace)
+    exec(compile(block, "README.md", "exec"), namespace)
+    assert namespace["out"].shape == (1, 4096, 32, 64)
+    assert namespace["lse"].shape == (1, 32, 4096)
+    assert namespace["k"].grad.shape == (1, 4096, 8, 64)
