@@ -78,6 +78,8 @@ for extra in project["project"].get("optional-dependencies", {}).values():
     reqs += extra
 for text in dict.fromkeys(reqs):
     req = Requirement(text)
+    if req.name == project["project"]["name"]:
+        continue  # an extra naming another extra ("ring_attention[hf]"): listed above
     try:
         ok = req.specifier.contains(md.version(req.name), prereleases=True)
     except md.PackageNotFoundError:
