@@ -49,8 +49,11 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, in
               ", ", v.scalar_type());
   TORCH_CHECK(k.device() == q.device() && v.device() == q.device(),
               "q, k and v must be on the same device");
-  TORCH_CHECK(q_start >= 0 && k_start >= 0, "q_start and k_start must be >= 0, got ", q_start,
-              " and ", k_start);
+  // Block starts at most 2**62 (and lengths, tensor sizes, far below): block
+  // ends and the clamped branches (pattern.h) cannot overflow.
+  constexpr int64_t kMaxStart = int64_t{1} << 62;
+  TORCH_CHECK(q_start >= 0 && k_start >= 0 && q_start <= kMaxStart && k_start <= kMaxStart,
+              "q_start and k_start must be in [0, 2**62], got ", q_start, " and ", k_start);
   const auto n_branches = static_cast<int64_t>(pattern.segment_lengths.size());
   TORCH_CHECK(!pattern.head_groups || heads >= n_branches,
               "head_groups needs at least as many heads as branches: ", heads, " heads, ",
@@ -73,8 +76,8 @@ BlockCall make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   }
   BlockCall call{
       BlockParams{},
-      pattern.segment_lengths.vec(),
-      pattern.dilation_rates.vec(),
+      clamped_branches(pattern.segment_lengths, branch_cap(blocks_end, q.size(2))),
+      clamped_branches(pattern.dilation_rates, branch_cap(blocks_end, q.size(2))),
       q.scalar_type(),
       q.device(),
       q.contiguous(),
@@ -111,6 +114,12 @@ void* optional_ptr(const std::optional<at::Tensor>& t) {
 }
 
 }  // namespace
+
+std::vector<int64_t> clamped_branches(at::IntArrayRef values, int64_t cap) {
+  std::vector<int64_t> out(values.begin(), values.end());
+  for (int64_t& x : out) x = std::min(x, cap);
+  return out;
+}
 
 std::vector<c10::SymInt> lse_sizes(const at::Tensor& q) {
   return {q.sym_size(0), q.sym_size(2), q.sym_size(1)};

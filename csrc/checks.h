@@ -28,6 +28,10 @@ at::ScalarType acc_dtype(at::ScalarType input);
 // Shape of the log-sum-exp of queries q (batch, seq, heads, dim): (batch, heads, seq).
 std::vector<c10::SymInt> lse_sizes(const at::Tensor& q);
 
+// Segment lengths or dilation rates clamped to `cap` (branch_cap in
+// pattern.h): the same attention, sizes that cannot overflow.
+std::vector<int64_t> clamped_branches(at::IntArrayRef values, int64_t cap);
+
 void check_pattern(at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates);
 
 // cu_seqlens: a 1-D integer tensor on `device`. Its values are checked only

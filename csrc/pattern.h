@@ -22,6 +22,16 @@ namespace ring_attention {
 
 RA_HOST_DEVICE inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Branch (w, r) seen by positions below `extent` (relative positions are
+// below it too) and `heads` query heads equals branch (min(w, cap), min(r, cap))
+// with cap = max(extent, heads) + 1: a segment longer than every document is
+// the document, and a dilation above both every relative position and every
+// head index activates exactly relative position offset(h, r) = h. Kernels and
+// the planner take clamped values, so no size computation sees a huge w or r.
+inline int64_t branch_cap(int64_t extent, int64_t heads) {
+  return (extent > heads ? extent : heads) + 1;
+}
+
 // Offset of query head h in a branch of dilation r: h mod r, or with grouped
 // offsets (torchscale's LongNet) h / ceil(heads / r), which gives contiguous
 // groups of heads one offset each.

@@ -29,6 +29,8 @@ at::Tensor exchange_rows(at::IntArrayRef q_starts, at::IntArrayRef q_lens, int64
     TORCH_CHECK(q_starts[i] >= 0 && q_lens[i] >= 0, "q_starts and q_lens must be >= 0");
     end = std::max(end, q_starts[i] + q_lens[i]);
   }
+  const std::vector<int64_t> ws = clamped_branches(segs, branch_cap(end, heads)),
+                             rs = clamped_branches(dils, branch_cap(end, heads));
   at::Tensor cu;
   if (cu_seqlens.has_value()) {
     check_cu_seqlens(*cu_seqlens, at::kCPU, end, false);
@@ -43,7 +45,7 @@ at::Tensor exchange_rows(at::IntArrayRef q_starts, at::IntArrayRef q_lens, int64
   std::vector<uint8_t> needed(static_cast<size_t>(k_len * kv_heads), 0);
   std::vector<int64_t> offsets;
   for (int64_t i = 0; i < n_branches; ++i) {
-    const int64_t w = segs[i], r = dils[i];
+    const int64_t w = ws[i], r = rs[i];
     for (int64_t kvh = 0; kvh < kv_heads; ++kvh) {
       offsets.clear();
       for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {

@@ -84,6 +84,8 @@ PATTERNS = {
     "two-branches": ([40, 150], [1, 2], 3, False, False),
     "longnet-groups-mask": ([16, 32, 64, 128], [1, 2, 4, 2], 5, True, True),
     "dense-mask": ([256], [1], 1, False, True),
+    # values far beyond the sequence (the kernels see them clamped, pattern.h)
+    "huge-values": ([2**63 - 1, 2**40], [2**63 - 1, 3], 3, False, True),
 }
 
 

@@ -79,6 +79,17 @@ CASES: dict[str, dict] = {
         cu_seqlens=[0, 9, 37],
         lse=True,
     ),
+    # pattern values far beyond the sequence (docs/design.md §6: they work)
+    "huge_values": dict(n=37, pattern=([2**63 - 1, 8], [2**63 - 1, 2]), causal=True, heads=5),
+    "huge_values_documents_gqa": dict(
+        n=37,
+        pattern=([10**18], [10**17]),
+        causal=False,
+        heads=4,
+        kv_heads=2,
+        head_offsets="grouped",
+        cu_seqlens=[0, 5, 20, 37],
+    ),
 }
 
 TOLERANCES = {

@@ -2,6 +2,10 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
+#include <limits>
+#include <vector>
+
 namespace ring_attention::cpu {
 namespace {
 
@@ -34,11 +38,45 @@ void gemm_loops(bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha, cons
   }
 }
 
+// BLAS takes 32-bit strides. A row stride beyond that (dilated rows of many
+// wide heads: r * heads * head_dim > 2**31 - 1) goes through a dense copy.
+constexpr int64_t kMaxLd = std::numeric_limits<int>::max();
+
+template <typename T>
+void copy_rows(const T* src, int64_t src_ld, T* dst, int64_t dst_ld, int64_t rows, int64_t cols) {
+  for (int64_t i = 0; i < rows; ++i)
+    std::copy(src + i * src_ld, src + i * src_ld + cols, dst + i * dst_ld);
+}
+
 template <typename T>
 void gemm_impl(blas_gemm_fn<T> blas, bool ta, bool tb, int64_t M, int64_t N, int64_t K, T alpha,
                const T* A, int64_t lda, const T* B, int64_t ldb, T beta, T* C, int64_t ldc) {
   if (M == 0 || N == 0) return;
   if (blas == nullptr) return gemm_loops(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  if (lda > kMaxLd || ldb > kMaxLd || ldc > kMaxLd) {
+    // Stored shapes: A is (K, M) when transposed else (M, K); B (N, K) or (K, N).
+    const int64_t a_rows = ta ? K : M, a_cols = ta ? M : K;
+    const int64_t b_rows = tb ? N : K, b_cols = tb ? K : N;
+    std::vector<T> a, b, c;
+    if (lda > kMaxLd) {
+      a.resize(a_rows * a_cols);
+      copy_rows(A, lda, a.data(), a_cols, a_rows, a_cols);
+      A = a.data();
+      lda = a_cols;
+    }
+    if (ldb > kMaxLd) {
+      b.resize(b_rows * b_cols);
+      copy_rows(B, ldb, b.data(), b_cols, b_rows, b_cols);
+      B = b.data();
+      ldb = b_cols;
+    }
+    if (ldc <= kMaxLd) return gemm_impl(blas, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    c.resize(M * N);
+    copy_rows<T>(C, ldc, c.data(), N, M, N);
+    gemm_impl(blas, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, c.data(), N);
+    copy_rows<T>(c.data(), N, C, ldc, M, N);
+    return;
+  }
   // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T.
   const char ca = ta ? 'T' : 'N', cb = tb ? 'T' : 'N';
   const int m = static_cast<int>(N), n = static_cast<int>(M), k = static_cast<int>(K);
