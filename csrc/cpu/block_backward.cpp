@@ -28,7 +28,8 @@ struct BackwardTile {
   const acc_t *lse, *delta;  // delta = rowsum(dout * out) - grad_lse, laid out like lse
   acc_t *dq, *dk, *dv;       // nullptr: not asked for
   acc_t scale;
-  std::vector<acc_t> qbuf, dobuf, kbuf, vbuf, s, dp, dqbuf;
+  std::vector<acc_t> qbuf, dobuf, kbuf, vbuf, s, dp, dqbuf, wbuf;
+  std::vector<int64_t> bad;
 
   BackwardTile(const BlockParams& p_, const acc_t* delta_)
       : p(p_),
@@ -110,13 +111,11 @@ struct BackwardTile {
       if (dq == nullptr) continue;
       // dQ += scale dS K: in place for one head, else through a buffer.
       if (nh == 1) {
-        gemm(false, false, tq, d, tk, scale, dp.data(), tk, kt.ptr, kt.ld, acc_t(1), dq + qoff,
-             q_stride);
+        gemm_weights(tq, d, tk, scale, dp.data(), kt, acc_t(1), dq + qoff, q_stride, wbuf, bad);
         continue;
       }
       dqbuf.resize(rows * d);
-      gemm(false, false, rows, d, tk, scale, dp.data(), tk, kt.ptr, kt.ld, acc_t(0), dqbuf.data(),
-           d);
+      gemm_weights(rows, d, tk, scale, dp.data(), kt, acc_t(0), dqbuf.data(), d, wbuf, bad);
       for (int64_t i = 0; i < rows; ++i) {
         acc_t* dst = dq + row_index(i);
         const acc_t* src = &dqbuf[i * d];

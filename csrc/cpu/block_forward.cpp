@@ -28,7 +28,8 @@ struct ForwardTile {
   const scalar_t *q, *k, *v;
   acc_t *out, *lse;
   acc_t scale;
-  std::vector<acc_t> qbuf, kbuf, vbuf, s, o, m, l;
+  std::vector<acc_t> qbuf, kbuf, vbuf, s, o, m, l, wbuf;
+  std::vector<int64_t> bad;
 
   explicit ForwardTile(const BlockParams& p_)
       : p(p_),
@@ -94,7 +95,7 @@ struct ForwardTile {
         if (alpha != acc_t(1)) scale_row(&o[i * d], d, alpha);
         m[i] = m_new;
       }
-      gemm(false, false, rows, d, tk, acc_t(1), s.data(), tk, vt.ptr, vt.ld, acc_t(1), o.data(), d);
+      gemm_weights(rows, d, tk, acc_t(1), s.data(), vt, acc_t(1), o.data(), d, wbuf, bad);
     }
 
     for (int64_t i = 0; i < rows; ++i) {

@@ -35,6 +35,42 @@ struct TileRef {
   int64_t ld;
 };
 
+// Whether x[0..n) holds no NaN and no infinity (x - x is 0 exactly then).
+template <typename T>
+inline bool all_finite(const T* x, int64_t n) {
+  using Vec = at::vec::Vectorized<T>;
+  const T sum = at::vec::map_reduce_all<T>([](Vec a) { return a - a; },
+                                           [](Vec a, Vec b) { return a + b; }, x, n);
+  return sum == T(0);
+}
+
+// C = alpha * A[M,K] @ B[K,N] + beta * C, where A (lda = K) holds weights
+// that are 0 for the keys a row does not reach (masked, future, another
+// row's segment). 0 * NaN is NaN, so a non-finite K/V row of a key nobody
+// reaches would otherwise spread to every row of the tile: such rows of B
+// enter as zeros, and their products are added back where the weight is not
+// 0 (a reached key still propagates). The check costs K * N reads against the
+// GEMM's M * K * N.
+template <typename T>
+void gemm_weights(int64_t M, int64_t N, int64_t K, T alpha, const T* A, TileRef<T> B, T beta, T* C,
+                  int64_t ldc, std::vector<T>& buf, std::vector<int64_t>& bad) {
+  bad.clear();
+  for (int64_t j = 0; j < K; ++j)
+    if (!all_finite(B.ptr + j * B.ld, N)) bad.push_back(j);
+  if (bad.empty()) return gemm(false, false, M, N, K, alpha, A, K, B.ptr, B.ld, beta, C, ldc);
+  buf.resize(K * N);
+  for (int64_t j = 0; j < K; ++j) std::copy(B.ptr + j * B.ld, B.ptr + j * B.ld + N, &buf[j * N]);
+  for (const int64_t j : bad) std::fill(&buf[j * N], &buf[(j + 1) * N], T(0));
+  gemm(false, false, M, N, K, alpha, A, K, buf.data(), N, beta, C, ldc);
+  for (const int64_t j : bad) {
+    for (int64_t i = 0; i < M; ++i) {
+      const T a = A[i * K + j];
+      if (a == T(0)) continue;
+      for (int64_t c = 0; c < N; ++c) C[i * ldc + c] += alpha * a * B.ptr[j * B.ld + c];
+    }
+  }
+}
+
 // Row maximum that propagates NaN (a NaN score must not be hidden).
 template <typename T>
 inline T row_max(const T* x, int64_t n) {
@@ -81,22 +117,24 @@ inline T exp_sub_sum(T* x, int64_t n, T sub) {
 }
 
 // Backward of one score row: p = exp(s - lse), ds = p * (dp - delta), in
-// place (s becomes p, dp becomes ds). Masked scores are -inf, so p = 0.
+// place (s becomes p, dp becomes ds). Masked scores are -inf, so p = 0, and
+// ds = 0 there even when dp is not finite (the key's V row may hold NaN).
 template <typename T>
 inline void softmax_grad_row(T* s, T* dp, int64_t n, T lse, T delta) {
   using Vec = at::vec::Vectorized<T>;
   int64_t j = 0;
   if constexpr (std::is_same_v<T, float>) {
     const Vec vl(lse), vd(delta);
+    const Vec zero(0);
     for (; j + Vec::size() <= n; j += Vec::size()) {
       const Vec p = (Vec::loadu(s + j) - vl).exp_u20();
       p.store(s + j);
-      (p * (Vec::loadu(dp + j) - vd)).store(dp + j);
+      Vec::blendv(p * (Vec::loadu(dp + j) - vd), zero, p == zero).store(dp + j);
     }
   }
   for (; j < n; ++j) {
     s[j] = std::exp(s[j] - lse);
-    dp[j] = s[j] * (dp[j] - delta);
+    dp[j] = s[j] == T(0) ? T(0) : s[j] * (dp[j] - delta);
   }
 }
 

@@ -1,0 +1,79 @@
+"""Keys the definition excludes never reach the output (docs/design.md §1, §5).
+
+A NaN or an infinity in ``k`` or ``v`` at a padded key (``key_padding_mask``),
+at a future key under causal attention, or at a key of another segment must
+not change any row that does not reach that key: a kernel that multiplies a
+zero weight by that row (0 · NaN = NaN) would. Rows that do reach it still get
+NaN: inputs that are used are not hidden.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ring_attention as ra
+from oracle import multiplicity
+
+SEGS, DILS = [8, 16, 32], [1, 2, 4]
+
+
+def _inputs(n: int, heads: int, kv_heads: int, dtype: torch.dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, n, heads, 8, generator=g, dtype=torch.float64).to(dtype)
+    k, v = (
+        torch.randn(2, n, kv_heads, 8, generator=g, dtype=torch.float64).to(dtype) for _ in range(2)
+    )
+    go = torch.randn(2, n, heads, 8, generator=g, dtype=torch.float64).to(dtype)
+    return q, k, v, go
+
+
+def _run(q, k, v, go, **kw):
+    q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
+    out = ra.dilated_attention(q, k, v, SEGS, DILS, **kw)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), go)
+    return out.detach(), dq, dk, dv
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_padded_keys_never_reach_any_row(bad: float, dtype: torch.dtype, causal: bool) -> None:
+    n, heads, kv_heads = 45, 4, 2
+    q, k, v, go = _inputs(n, heads, kv_heads, dtype, seed=3)
+    mask = torch.zeros(2, n, dtype=torch.bool)
+    padded = [0, 5, 17, 30, 44]
+    mask[:, padded] = True
+    kw = dict(causal=causal, key_padding_mask=mask)
+    want = _run(q, k, v, go, **kw)
+    k_bad, v_bad = k.clone(), v.clone()
+    k_bad[:, padded] = bad
+    v_bad[:, padded] = bad
+    got = _run(q, k_bad, v_bad, go, **kw)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        assert torch.isfinite(a).all(), f"{name}: a padded key's {bad} reached it"
+        torch.testing.assert_close(a, b, msg=lambda m, name=name: f"{name}: {m}")
+    assert (got[2][:, padded] == 0).all() and (got[3][:, padded] == 0).all()
+
+
+@pytest.mark.parametrize("where", ["k", "v"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unreached_keys_leave_other_rows_alone(where: str, causal: bool, dtype) -> None:
+    """NaN at key u: rows reaching u become NaN, every other row (earlier
+    queries under causal, other segments, other offsets) is unchanged, forward
+    and dq."""
+    n, heads = 45, 3
+    q, k, v, go = _inputs(n, heads, heads, dtype, seed=5)
+    u = 20
+    want = _run(q, k, v, go, causal=causal)
+    k_bad, v_bad = k.clone(), v.clone()
+    (k_bad if where == "k" else v_bad)[:, u] = float("nan")
+    got = _run(q, k_bad, v_bad, go, causal=causal)
+    reaches = multiplicity(n, heads, SEGS, DILS, causal)[:, :, u] > 0  # (heads, n)
+    rows = reaches.t()[None, :, :].expand(2, n, heads)  # (batch, n, heads)
+    assert rows.any() and (~rows).any()
+    out, dq = got[0], got[1]
+    assert torch.isnan(out[rows]).any(dim=-1).all(), "a row that reaches the NaN key hid it"
+    torch.testing.assert_close(out[~rows], want[0][~rows])
+    torch.testing.assert_close(dq[~rows], want[1][~rows])
