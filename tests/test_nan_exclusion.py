@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from oracle import multiplicity
 
 import ring_attention as ra
-from oracle import multiplicity
 
 SEGS, DILS = [8, 16, 32], [1, 2, 4]
 
