@@ -153,7 +153,8 @@ std::tuple<Tensor, Tensor> dilated_attention_meta(const Tensor& q, const Tensor&
                                                   const OptTensor& cu) {
   check_local_op(q, k, v,
                  PatternArgs{segs, dils, causal, scale, head_groups, grouped_offsets, kpm, cu});
-  return {at::empty_like(q),
+  // Contiguous, as the CPU and CUDA kernels return them (whatever q's strides).
+  return {at::empty_like(q, at::MemoryFormat::Contiguous),
           at::empty_symint(lse_sizes(q), q.options().dtype(acc_dtype(q.scalar_type())))};
 }
 
@@ -163,7 +164,9 @@ std::tuple<Tensor, Tensor, Tensor> dilated_attention_backward_meta(
     bool head_groups, bool grouped_offsets, const OptTensor& kpm, const OptTensor& cu) {
   check_local_op(q, k, v,
                  PatternArgs{segs, dils, causal, scale, head_groups, grouped_offsets, kpm, cu});
-  return {at::empty_like(q), at::empty_like(k), at::empty_like(v)};
+  const auto contiguous = at::MemoryFormat::Contiguous;
+  return {at::empty_like(q, contiguous), at::empty_like(k, contiguous),
+          at::empty_like(v, contiguous)};
 }
 
 namespace {
