@@ -7,7 +7,13 @@ import platform
 
 import torch
 from setuptools import setup
-from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+from torch.utils.cpp_extension import (
+    CUDA_HOME,
+    BuildExtension,
+    CppExtension,
+    CUDAExtension,
+    include_paths,
+)
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -27,11 +33,23 @@ def _cpu_vector_flags() -> list[str]:
     return []
 
 
+def _default_arch_list() -> str:
+    """The visible GPU's architecture; with none visible (a build machine),
+    Ampere and Hopper machine code plus PTX that newer GPUs compile at load
+    (sm_80 code alone would not run on an H100: "no kernel image")."""
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return f"{major}.{minor}"
+    return "8.0;9.0+PTX"
+
+
 def _extension():
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
     # -fopenmp: at::parallel_for is an inline OpenMP template; without it the
     # CPU kernels run on one thread and BLAS forks its own team per tile.
-    cxx = ["-O3", "-std=c++20", "-fvisibility=hidden", "-fopenmp", *_cpu_vector_flags()]
+    cxx = ["-O3", "-std=c++20", "-fvisibility=hidden", "-fopenmp", "-Wall", "-Wextra"]
+    # PyTorch's headers as system headers: -Wall -Wextra report our code only.
+    cxx += [f"-isystem{d}" for d in include_paths()] + _cpu_vector_flags()
     with_cuda = (
         torch.version.cuda is not None
         and CUDA_HOME is not None
@@ -44,10 +62,8 @@ def _extension():
             extra_compile_args={"cxx": cxx},
             extra_link_args=["-fopenmp"],
         )
-    arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
-    if not arch:
-        major, minor = torch.cuda.get_device_capability() if torch.cuda.is_available() else (8, 0)
-        os.environ["TORCH_CUDA_ARCH_LIST"] = f"{major}.{minor}"
+    if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        os.environ["TORCH_CUDA_ARCH_LIST"] = _default_arch_list()
     nvcc = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
     return CUDAExtension(
         "ring_attention._C",

@@ -84,7 +84,11 @@ BlockCall make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
       k.contiguous(),
       v.contiguous(),
       pattern.key_padding_mask.has_value() ? pattern.key_padding_mask->contiguous() : at::Tensor(),
-      cu};
+      cu,
+      {},  // grad_out, grad_lse, out, lse: set by backward_call
+      {},
+      {},
+      {}};
   BlockParams& p = call.params;
   p.q = call.q.const_data_ptr();
   p.k = call.k.const_data_ptr();

@@ -486,3 +486,57 @@ def test_features_never_read_unreached_rows(emu, case, path) -> None:
     close(dq_n, dq_c, 0.0, "dq", ctx)
     close(dk_n[:, reached], dk_c[:, reached], 0.0, "dk", ctx)
     close(dv_n[:, reached], dv_c[:, reached], 0.0, "dv", ctx)
+
+
+# Opt-in shared memory per block of each architecture (KiB; the emulator's
+# configure() uses the same table) and the launches that exceed it: the SIMT
+# kernels' widest tier (head_dim > 128: 32 lanes x 8 values per row) needs
+# 64.2 KiB (fp32 accumulators) or 128.3 KiB (fp64); fp64 at head_dim <= 128
+# needs 64.3 KiB.
+SMEM_KIB = {70: 96, 75: 64, 80: 163, 86: 99, 89: 99, 90: 227}
+
+
+def _refused(cc: int, dtype: torch.dtype, d: int) -> bool:
+    if dtype == F64:
+        need_kib = 33 if d <= 64 else 65 if d <= 128 else 130
+    elif d > 128:
+        need_kib = 65
+    else:
+        return False  # tensor-core or narrower SIMT tiers: at most 85 KiB, within every limit
+    return need_kib > SMEM_KIB[cc]
+
+
+@pytest.mark.parametrize("cc", list(SMEM_KIB))
+def test_every_launch_fits_the_architecture_or_is_refused_before_it(emu, cc) -> None:
+    """Every kernel the dispatch can choose (dtype x head_dim tier x forward /
+    backward) on each architecture: it runs and matches the oracle, or it is
+    refused with a clear error naming the shared memory (never launched past
+    the limit). The dtype select_dtype picks there runs at every head_dim up to 128."""
+    refused = set()
+    for dtype in (F16, BF16, F32, F64):
+        for d in (64, 96, 128, 160):
+            emu.configure(0, cc)
+            cfg = Cfg(1, 9, 2, d, [4, 8], [1, 2], True)
+            q, k, v, go, kpm = make_inputs(cfg, dtype, "cpu", seed=d)
+            try:
+                got = _forward_backward(emu, cfg, q, k, v, go, kpm)
+            except RuntimeError as e:
+                assert "shared memory" in str(e), (cc, dtype, d, e)
+                refused.add((dtype, d))
+                continue
+            want = run_oracle(cfg, q, k, v, go, kpm)
+            for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want, strict=True):
+                tol = (
+                    LSE_TOL[dtype]
+                    if name == "lse"
+                    else OUT_TOL[dtype]
+                    if name == "out"
+                    else GRAD_TOL[dtype]
+                )
+                close(a, b, tol, name, (cc, dtype, d))
+    expected = {
+        (t, d) for t in (F16, BF16, F32, F64) for d in (64, 96, 128, 160) if _refused(cc, t, d)
+    }
+    assert refused == expected, (cc, sorted(map(str, refused)))
+    chosen = BF16 if cc >= 80 else F16  # select_dtype's choice on that architecture
+    assert not any(t == chosen and d <= 128 for t, d in refused)

@@ -277,13 +277,13 @@ void launch_simt(const Problem& p, at::IntArrayRef segs, at::IntArrayRef dils) {
 
 template <typename T, typename C>
 void dispatch_simt(const Problem& p, at::IntArrayRef segs, at::IntArrayRef dils) {
-  if constexpr (std::is_same_v<T, float>) {
-    switch (simt_npl(p.head_dim)) {
-      case 2:
-        return launch_simt<T, C, 2>(p, segs, dils);
-      case 4:
-        return launch_simt<T, C, 4>(p, segs, dils);
-    }
+  // Every dtype takes the narrowest tier its head_dim allows: the shared
+  // memory grows with NPL (tier 8 needs > 64 KiB, beyond sm_75's limit).
+  switch (simt_npl(p.head_dim)) {
+    case 2:
+      return launch_simt<T, C, 2>(p, segs, dils);
+    case 4:
+      return launch_simt<T, C, 4>(p, segs, dils);
   }
   launch_simt<T, C, 8>(p, segs, dils);
 }

@@ -41,13 +41,17 @@ def load():
     if include is None:
         MISSING = "CUDA toolkit headers (cuda_bf16.h) not found; set CUDA_HOME"
         return None
-    build_dir = os.path.join(ROOT, "build", "cuda_emulator")
+    # scripts/sanitize.sh builds a sanitized copy (its own build directory).
+    sanitize = os.environ.get("RING_ATTENTION_EMULATOR_SANITIZE", "").split()
+    name = "cuda_emulator_sanitized" if sanitize else "cuda_emulator"
+    build_dir = os.path.join(ROOT, "build", name)
     os.makedirs(build_dir, exist_ok=True)
     cpp_extension.load(
         name="ring_attention_emulated",
         sources=SOURCES,
         extra_include_paths=[os.path.dirname(HERE), include],
-        extra_cflags=["-O2", "-std=c++20", "-Wno-attributes", "-fno-strict-aliasing"],
+        extra_cflags=["-O2", "-std=c++20", "-Wno-attributes", "-fno-strict-aliasing", *sanitize],
+        extra_ldflags=sanitize,
         build_directory=build_dir,
         is_python_module=False,
         verbose=False,

@@ -13,9 +13,33 @@ namespace {
 
 // seed 0 runs fibers and blocks in index order; any other seed shuffles both,
 // and an odd one lets each warp run as far ahead of the others as it can.
+// The device is that compute capability's, with its opt-in shared memory per
+// block (the CUDA C Programming Guide's table of technical specifications).
 void configure(int64_t seed, int64_t compute_capability) {
   cuda_emulator::config().seed = static_cast<uint64_t>(seed);
   cuda_emulator::config().compute_capability = static_cast<int>(compute_capability);
+  int kib = 227;  // sm_90
+  switch (compute_capability) {
+    case 70:
+      kib = 96;
+      break;
+    case 75:
+      kib = 64;
+      break;
+    case 80:
+      kib = 163;
+      break;
+    case 86:
+    case 89:
+      kib = 99;
+      break;
+    case 90:
+      kib = 227;
+      break;
+    default:
+      TORCH_CHECK(false, "configure: no shared-memory limit known for sm_", compute_capability);
+  }
+  cuda_emulator::config().smem_optin = kib * 1024;
 }
 
 // [launches, blocks, warp collectives] since the last call; resets them.
