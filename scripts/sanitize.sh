@@ -53,7 +53,7 @@ export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
 export RING_ATTENTION_EMULATOR_SANITIZE="-fsanitize=undefined -fno-sanitize-recover=undefined"
 # libstdc++ too: ASan finds the real __cxa_throw only in a library loaded with it.
 asan="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so)"
-echo "sanitize: running ${#tests[@]} test files under LD_PRELOAD=$asan"
+echo "sanitize: running ${#tests[@]} test targets under LD_PRELOAD=$asan"
 start=$SECONDS
 cd "$src"
 LD_PRELOAD=$asan "$py" -m pytest -q -p no:cacheprovider "${tests[@]}" "${extra[@]}"
