@@ -77,3 +77,82 @@ def test_unreached_keys_leave_other_rows_alone(where: str, causal: bool, dtype) 
     assert torch.isnan(out[rows]).any(dim=-1).all(), "a row that reaches the NaN key hid it"
     torch.testing.assert_close(out[~rows], want[0][~rows])
     torch.testing.assert_close(dq[~rows], want[1][~rows])
+
+
+# ---------------------------------------------------------------- CUDA kernels
+# The same properties for the CUDA kernels, run by the CPU emulator
+# (tests/cuda_emulator): every kernel path, through the block operators.
+
+EMU_PATHS = {  # name: (dtype, head_dim, compute capability)
+    "mma64-bf16": (torch.bfloat16, 64, 90),
+    "mma128-fp16": (torch.float16, 128, 80),
+    "simt-f32": (torch.float32, 32, 90),
+    "simt-f64": (torch.float64, 16, 90),
+    "simt-fp16-sm75": (torch.float16, 24, 75),
+}
+
+
+@pytest.fixture(scope="module")
+def emu():
+    import os
+
+    from cuda_emulator import build
+
+    ops = build.load()
+    if ops is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must run the CUDA emulator: {build.MISSING}")
+        pytest.skip(build.MISSING)
+    yield ops
+    ops.configure(0, 90)
+
+
+def _emu_run(emu, cfg, q, k, v, go, mask):
+    from op_helpers import acc_dtype, block_backward, block_forward, fresh_acc
+
+    out, lse = fresh_acc(q)
+    block_forward(cfg, q, k, v, out, lse, 0, 0, mask, ops=emu)
+    grads = tuple(torch.zeros(x.shape, dtype=acc_dtype(q.dtype)) for x in (q, k, v))
+    block_backward(cfg, go, q, k, v, out.to(q.dtype), lse, *grads, 0, 0, mask, ops=emu)
+    return (out, *grads)
+
+
+@pytest.mark.parametrize("path", list(EMU_PATHS))
+def test_cuda_kernels_keep_excluded_keys_out(emu, path: str) -> None:
+    """NaN in k and v at padded keys and at key u (causal): rows that do not
+    reach them are unchanged (out, dq; dk and dv of the other keys), rows
+    that reach u get NaN, padded keys get zero gradients."""
+    from op_helpers import Cfg
+
+    dtype, d, cc = EMU_PATHS[path]
+    emu.configure(0, cc)
+    n, heads = 70, 2
+    cfg = Cfg(1, n, heads, d, [32, 64], [1, 2], causal=True, mask=True)
+    g = torch.Generator().manual_seed(11)
+    q, k, v, go = (torch.randn(1, n, heads, d, generator=g).to(dtype) for _ in range(4))
+    mask = torch.zeros(1, n, dtype=torch.bool)
+    padded = [3, 40, 41]
+    mask[:, padded] = True
+    u = 50
+    want = _emu_run(emu, cfg, q, k, v, go, mask)
+    k_bad, v_bad = k.clone(), v.clone()
+    k_bad[:, padded] = float("nan")
+    v_bad[:, padded] = float("inf")
+    v_bad[:, u] = float("nan")
+    got = _emu_run(emu, cfg, q, k_bad, v_bad, go, mask)
+    keep = ~mask[0]
+    reach = multiplicity(n, heads, cfg.segment_lengths, cfg.dilation_rates, True)
+    reach = reach * keep.double()  # the mask removes keys from every branch
+    rows_u = (reach[:, :, u] > 0).t()[None]  # (1, n, heads): rows reaching u
+    assert rows_u.any() and (~rows_u).any()
+    out, dq, dk, dv = got
+    assert torch.isnan(out[rows_u]).all(dim=-1).all(), path
+    torch.testing.assert_close(out[~rows_u], want[0][~rows_u], msg=lambda m: f"{path} out: {m}")
+    torch.testing.assert_close(dq[~rows_u], want[1][~rows_u], msg=lambda m: f"{path} dq: {m}")
+    assert (dk[:, padded] == 0).all() and (dv[:, padded] == 0).all(), path
+    # keys that no row reaching u reaches keep their gradients
+    tainted = (reach * rows_u[0].t()[:, :, None].double()).sum(dim=1) > 0  # (heads, keys)
+    clean = ~tainted.t()[None]  # (1, n, heads) over keys
+    clean[:, u] = False
+    torch.testing.assert_close(dk[clean], want[2][clean], msg=lambda m: f"{path} dk: {m}")
+    torch.testing.assert_close(dv[clean], want[3][clean], msg=lambda m: f"{path} dv: {m}")

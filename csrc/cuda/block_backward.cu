@@ -243,11 +243,13 @@ __global__ void __launch_bounds__(kThreads) bwd_simt_kernel(const Problem p) {
           for (int c = 0; c < 32; ++c) {
             const C dsc = __shfl_sync(kFull, ds, c);
             const C pc = __shfl_sync(kFull, pr, c);
+            // Warp-uniform: an unreached column's K (dq) may be NaN, 0 * NaN = NaN.
+            if (dsc == C(0) && (!DKDV || pc == C(0))) continue;
 #pragma unroll
             for (int j = 0; j < NPL; ++j) {
               if (32 * j >= D) break;
-              a1[i][j] += dsc * c1s[c * LDC + 32 * j + lane];
-              if (DKDV) a2[i][j] += pc * c2s[c * LDC + 32 * j + lane];
+              if (dsc != C(0)) a1[i][j] += dsc * c1s[c * LDC + 32 * j + lane];
+              if (DKDV && pc != C(0)) a2[i][j] += pc * c2s[c * LDC + 32 * j + lane];
             }
           }
         }
@@ -361,6 +363,13 @@ __global__ void __launch_bounds__(kThreads) bwd_mma_kernel(const Problem p) {
         }
         cp_async_wait<0>();
         __syncthreads();
+        if constexpr (!DKDV) {
+          // dQ += dS K: a key no row reaches has dS = 0 and its K row may be
+          // non-finite: zeroed. A row that reaches it has a non-finite lse
+          // (the forward's), so its P, dS and dQ stay NaN without that row.
+          zero_nonfinite16<T, DP, BN>(c1s, LD);
+          __syncthreads();
+        }
 
         float x1[NJ][4] = {}, x2[NJ][4] = {};
         mma_ss<T, NJ, DP>(x1, r1s + warp * 16 * LD, LD, c1s, LD, lane);

@@ -98,6 +98,7 @@ __global__ void __launch_bounds__(kThreads) fwd_simt_kernel(const Problem p) {
 #pragma unroll 4
         for (int c = 0; c < 32; ++c) {
           const C pc = __shfl_sync(kFull, pr, c);
+          if (pc == C(0)) continue;  // warp-uniform; an unreached key's V may be NaN
 #pragma unroll
           for (int j = 0; j < NPL; ++j)
             if (32 * j < D) acc[i][j] += pc * vs[c * DP + 32 * j + lane];
@@ -138,6 +139,7 @@ __global__ void __launch_bounds__(kThreads) fwd_mma_kernel(const Problem p) {
   uint16_t* ks = qs + BM * LD;                                  // 2 stages x BN x LD
   uint16_t* vs = ks + 2 * BN * LD;                              // 2 stages x BN x LD
   uint8_t* kok = reinterpret_cast<uint8_t*>(vs + 2 * BN * LD);  // 2 stages x BN
+  uint8_t* vbad = kok + 2 * BN;                                 // BN: V row had inf/NaN
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tg = lane % 4;
   const int D = static_cast<int>(p.head_dim);
@@ -182,6 +184,7 @@ __global__ void __launch_bounds__(kThreads) fwd_mma_kernel(const Problem p) {
     for (int i = 0; i < 2; ++i) lim[i] = m0 + g + 8 * i + t.dm;
     float o[ND][4] = {};
     float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+    bool poisoned[2] = {false, false};  // the row reached a non-finite V row
 
     for (int64_t n0 = 0, it = 0; n0 < nk; n0 += BN, ++it) {
       const int st = static_cast<int>(it & 1);
@@ -193,8 +196,13 @@ __global__ void __launch_bounds__(kThreads) fwd_mma_kernel(const Problem p) {
       }
       __syncthreads();  // stage st complete for every thread
       const uint16_t* kt = ks + st * BN * LD;
-      const uint16_t* vt = vs + st * BN * LD;
+      uint16_t* vt = vs + st * BN * LD;
       const uint8_t* kokt = kok + st * BN;
+      // Non-finite V rows enter P.V as zeros; the rows that reach them are
+      // poisoned (NaN) below, the others never see them.
+      const bool vrow_bad = zero_nonfinite16<T, DP, BN>(vt, LD);
+      if (threadIdx.x % (kThreads / BN) == 0) vbad[threadIdx.x / (kThreads / BN)] = vrow_bad;
+      __syncthreads();
 
       float s[NJ][4] = {};
       mma_ss<T, NJ, DP>(s, qs + warp * 16 * LD, LD, kt, LD, lane);
@@ -226,13 +234,14 @@ __global__ void __launch_bounds__(kThreads) fwd_mma_kernel(const Problem p) {
         for (int e = 0; e < 4; ++e) {
           s[j][e] = exp2f(s[j][e] - m_use[e >> 1]);
           l_run[e >> 1] += s[j][e];  // quad-partial sums, reduced at the end
+          if (s[j][e] != 0.f && vbad[j * 8 + 2 * tg + (e & 1)]) poisoned[e >> 1] = true;
         }
 #pragma unroll
       for (int j = 0; j < ND; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) o[j][e] *= alpha[e >> 1];
       mma_rs<T, ND, NJ>(o, s, vt, LD, lane);
-      __syncthreads();  // stage st fully read before it is refilled
+      __syncthreads();  // stage st and vbad fully read before they are rewritten
     }
 
     float old[2], l[2];
@@ -242,6 +251,9 @@ __global__ void __launch_bounds__(kThreads) fwd_mma_kernel(const Problem p) {
     for (int i = 0; i < 2; ++i) {
       l[i] = l_run[i] + __shfl_xor_sync(kFull, l_run[i], 1);
       l[i] += __shfl_xor_sync(kFull, l[i], 2);
+      // (every lane shuffles: no short-circuit)
+      poisoned[i] |= __shfl_xor_sync(kFull, poisoned[i] ? 1 : 0, 1) != 0;
+      poisoned[i] |= __shfl_xor_sync(kFull, poisoned[i] ? 1 : 0, 2) != 0;
       const int m = m0 + g + 8 * i;
       write[i] = m < nrows && l[i] != 0.f;
       pos[i] = t.q.first + m * p.r;
@@ -259,7 +271,8 @@ __global__ void __launch_bounds__(kThreads) fwd_mma_kernel(const Problem p) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int d = j * 8 + 2 * tg + e;
-          if (d < D) orow[d] = merge_value(orow[d], o[j][2 * i + e] * inv_l, old[i], blk, nl);
+          const float value = poisoned[i] ? NAN : o[j][2 * i + e] * inv_l;
+          if (d < D) orow[d] = merge_value(orow[d], value, old[i], blk, nl);
         }
       if (tg == 0) lse[p.row_index(t.b, t.heads[slot], pos[i])] = nl;
     }
@@ -291,7 +304,7 @@ void dispatch_simt(const Problem& p, at::IntArrayRef segs, at::IntArrayRef dils)
 template <typename T, int DP>
 void launch_mma(const Problem& p, at::IntArrayRef segs, at::IntArrayRef dils) {
   constexpr int BM = 64, BN = 64;
-  const size_t smem = (BM + 4 * BN) * (DP + 8) * sizeof(uint16_t) + 2 * BN;
+  const size_t smem = (BM + 4 * BN) * (DP + 8) * sizeof(uint16_t) + 3 * BN;
   launch_branches(fwd_mma_kernel<T, DP>, p, segs, dils, false, BM, smem);
 }
 

@@ -267,6 +267,32 @@ __device__ inline void load_rows16(uint16_t* s, int ld, int rows, const uint16_t
   }
 }
 
+// Keys a row does not reach have weight 0, and 0 * NaN = NaN: a non-finite
+// K or V row of such a key must not enter a product with the tile's weights.
+// Zeroes the non-finite values (inf, NaN) of a ROWS x DP tile of 16-bit T in
+// shared memory, each thread its part of one row (kThreads / ROWS threads per
+// row, adjacent lanes); returns whether the thread's row held any (the same on
+// the row's threads). The tile must be complete (after a barrier) and is
+// readable again after the next one.
+template <typename T, int DP, int ROWS>
+__device__ inline bool zero_nonfinite16(uint16_t* s, int ld) {
+  static_assert(kThreads % ROWS == 0 && DP % (kThreads / ROWS) == 0);
+  constexpr int kParts = kThreads / ROWS, kCols = DP / kParts;
+  constexpr uint16_t kExp = std::is_same_v<T, c10::BFloat16> ? 0x7F80 : 0x7C00;
+  uint16_t* row = s + (threadIdx.x / kParts) * ld + (threadIdx.x % kParts) * kCols;
+  bool bad = false;
+#pragma unroll 8
+  for (int c = 0; c < kCols; ++c) {
+    if ((row[c] & kExp) == kExp) {
+      row[c] = 0;
+      bad = true;
+    }
+  }
+#pragma unroll
+  for (int o = 1; o < kParts; o <<= 1) bad |= __shfl_xor_sync(kFull, bad ? 1 : 0, o) != 0;
+  return bad;
+}
+
 // Two floats rounded to T and packed into one register (lo in the low half).
 template <typename T>
 __device__ inline uint32_t pack2(float lo, float hi) {
