@@ -18,14 +18,13 @@ import ring_attention as ra
 SEGS, DILS = [8, 16, 32], [1, 2, 4]
 
 
-def _inputs(n: int, heads: int, kv_heads: int, dtype: torch.dtype, seed: int):
+def _inputs(n: int, heads: int, kv_heads: int, dtype: torch.dtype, seed: int, device: str):
+    """q, k, v, grad_out (the same values on every device)."""
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(2, n, heads, 8, generator=g, dtype=torch.float64).to(dtype)
-    k, v = (
-        torch.randn(2, n, kv_heads, 8, generator=g, dtype=torch.float64).to(dtype) for _ in range(2)
-    )
-    go = torch.randn(2, n, heads, 8, generator=g, dtype=torch.float64).to(dtype)
-    return q, k, v, go
+    q = torch.randn(2, n, heads, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, n, kv_heads, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    go = torch.randn(2, n, heads, 8, generator=g, dtype=torch.float64)
+    return tuple(t.to(device=device, dtype=dtype) for t in (q, k, v, go))
 
 
 def _run(q, k, v, go, **kw):
@@ -38,10 +37,10 @@ def _run(q, k, v, go, **kw):
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("causal", [False, True])
-def test_padded_keys_never_reach_any_row(bad: float, dtype: torch.dtype, causal: bool) -> None:
+def test_padded_keys_never_reach_any_row(bad: float, dtype, causal: bool, device: str) -> None:
     n, heads, kv_heads = 45, 4, 2
-    q, k, v, go = _inputs(n, heads, kv_heads, dtype, seed=3)
-    mask = torch.zeros(2, n, dtype=torch.bool)
+    q, k, v, go = _inputs(n, heads, kv_heads, dtype, seed=3, device=device)
+    mask = torch.zeros(2, n, dtype=torch.bool, device=device)
     padded = [0, 5, 17, 30, 44]
     mask[:, padded] = True
     kw = dict(causal=causal, key_padding_mask=mask)
@@ -59,19 +58,19 @@ def test_padded_keys_never_reach_any_row(bad: float, dtype: torch.dtype, causal:
 @pytest.mark.parametrize("where", ["k", "v"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_unreached_keys_leave_other_rows_alone(where: str, causal: bool, dtype) -> None:
+def test_unreached_keys_leave_other_rows_alone(where: str, causal: bool, dtype, device) -> None:
     """NaN at key u: rows reaching u become NaN, every other row (earlier
     queries under causal, other segments, other offsets) is unchanged, forward
     and dq."""
     n, heads = 45, 3
-    q, k, v, go = _inputs(n, heads, heads, dtype, seed=5)
+    q, k, v, go = _inputs(n, heads, heads, dtype, seed=5, device=device)
     u = 20
     want = _run(q, k, v, go, causal=causal)
     k_bad, v_bad = k.clone(), v.clone()
     (k_bad if where == "k" else v_bad)[:, u] = float("nan")
     got = _run(q, k_bad, v_bad, go, causal=causal)
     reaches = multiplicity(n, heads, SEGS, DILS, causal)[:, :, u] > 0  # (heads, n)
-    rows = reaches.t()[None, :, :].expand(2, n, heads)  # (batch, n, heads)
+    rows = reaches.t()[None, :, :].expand(2, n, heads).to(device)  # (batch, n, heads)
     assert rows.any() and (~rows).any()
     out, dq = got[0], got[1]
     assert torch.isnan(out[rows]).any(dim=-1).all(), "a row that reaches the NaN key hid it"
@@ -118,7 +117,7 @@ def _emu_run(emu, cfg, q, k, v, go, mask):
 
 
 @pytest.mark.parametrize("path", list(EMU_PATHS))
-def test_cuda_kernels_keep_excluded_keys_out(emu, path: str) -> None:
+def test_emulated_cuda_kernels_keep_excluded_keys_out(emu, path: str) -> None:
     """NaN in k and v at padded keys and at key u (causal): rows that do not
     reach them are unchanged (out, dq; dk and dv of the other keys), rows
     that reach u get NaN, padded keys get zero gradients."""
