@@ -35,3 +35,20 @@ DEVICES = [
 def device(request: pytest.FixtureRequest) -> str:
     """The device a test runs on: ``"cpu"``, and ``"cuda"`` when a GPU exists."""
     return request.param
+
+
+@pytest.fixture(scope="module")
+def emu():
+    """torch.ops.ring_attention_emulated (the CUDA kernels run on the CPU by
+    tests/cuda_emulator), built on first use, configured as sm_90 with seed 0
+    before and after the module's tests."""
+    from cuda_emulator import build
+
+    ops = build.load()
+    if ops is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must run the CUDA emulator: {build.MISSING}")
+        pytest.skip(build.MISSING)
+    ops.configure(0, 90)
+    yield ops
+    ops.configure(0, 90)

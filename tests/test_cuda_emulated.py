@@ -19,12 +19,10 @@ real memory system are measured by ``scripts/gpu_check.sh`` on a GPU.
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
-from cuda_emulator import build
 from op_helpers import (
     GRAD_TOL,
     LSE_TOL,
@@ -45,19 +43,6 @@ from op_helpers import (
 from oracle import reference_attention
 
 F64, F32, F16, BF16 = torch.float64, torch.float32, torch.float16, torch.bfloat16
-
-
-@pytest.fixture(scope="module")
-def emu():
-    """torch.ops.ring_attention_emulated, built on first use."""
-    ops = build.load()
-    if ops is None:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must run the CUDA emulator: {build.MISSING}")
-        pytest.skip(build.MISSING)
-    ops.configure(0, 90)
-    yield ops
-    ops.configure(0, 90)
 
 
 # Kernel paths: (dtype, head_dim, compute capability). The dispatch in

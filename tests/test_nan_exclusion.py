@@ -80,7 +80,7 @@ def test_unreached_keys_leave_other_rows_alone(where: str, causal: bool, dtype, 
 
 # ---------------------------------------------------------------- CUDA kernels
 # The same properties for the CUDA kernels, run by the CPU emulator
-# (tests/cuda_emulator): every kernel path, through the block operators.
+# (tests/cuda_emulator; the ``emu`` fixture is in conftest.py), through the block operators.
 
 EMU_PATHS = {  # name: (dtype, head_dim, compute capability)
     "mma64-bf16": (torch.bfloat16, 64, 90),
@@ -89,21 +89,6 @@ EMU_PATHS = {  # name: (dtype, head_dim, compute capability)
     "simt-f64": (torch.float64, 16, 90),
     "simt-fp16-sm75": (torch.float16, 24, 75),
 }
-
-
-@pytest.fixture(scope="module")
-def emu():
-    import os
-
-    from cuda_emulator import build
-
-    ops = build.load()
-    if ops is None:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must run the CUDA emulator: {build.MISSING}")
-        pytest.skip(build.MISSING)
-    yield ops
-    ops.configure(0, 90)
 
 
 def _emu_run(emu, cfg, q, k, v, go, mask):
