@@ -53,6 +53,25 @@ def cmd_report(a: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- #
 # the command line
 # --------------------------------------------------------------------------- #
+def add_dtype(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--dtype",
+        choices=["auto", *DTYPES],
+        default="auto",
+        help="auto: bfloat16 on CUDA, float32 on the CPU",
+    )
+
+
+def add_methods(p: argparse.ArgumentParser, verb: str) -> None:
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        choices=methods.METHODS,
+        default=list(methods.METHODS),
+        help=f"what to {verb} (all)",
+    )
+
+
 def add_pattern(p: argparse.ArgumentParser, segs, dils) -> None:
     p.add_argument(
         "--segments",
@@ -87,12 +106,7 @@ def add_ring_run_options(p: argparse.ArgumentParser) -> None:
         default="contiguous",
         help="how the sequence is sharded; zigzag balances causal work (contiguous)",
     )
-    p.add_argument(
-        "--dtype",
-        choices=["auto", *DTYPES],
-        default="auto",
-        help="auto: bfloat16 on CUDA, float32 on the CPU",
-    )
+    add_dtype(p)
     p.add_argument("--backward", action="store_true", help="also time forward + backward")
     p.add_argument("--iters", type=int, default=3, help="timed calls; the median is shown (3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed calls first (1)")
@@ -154,19 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--batch", type=int, default=1, help="batch size (1)")
     add_pattern(p, list(methods.LONGNET_SEGMENTS), list(methods.LONGNET_DILATIONS))
-    p.add_argument(
-        "--dtype",
-        choices=["auto", *DTYPES],
-        default="auto",
-        help="auto: bfloat16 on CUDA, float32 on the CPU",
-    )
-    p.add_argument(
-        "--methods",
-        nargs="+",
-        choices=methods.METHODS,
-        default=list(methods.METHODS),
-        help="what to measure (all)",
-    )
+    add_dtype(p)
+    add_methods(p, "measure")
     p.add_argument(
         "--passes",
         nargs="+",
@@ -259,12 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="contiguous",
         help="sharding of the sequence (contiguous)",
     )
-    p.add_argument(
-        "--dtype",
-        choices=["auto", *DTYPES],
-        default="auto",
-        help="auto: bfloat16 on CUDA, float32 on the CPU",
-    )
+    add_dtype(p)
     p.add_argument("--iters", type=int, default=3, help="timed calls per run, median reported (3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed calls first (1)")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per process (1)")
@@ -325,19 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--segments", type=int, nargs="+", help="(CPU 128 384 1024; CUDA LongNet)")
     p.add_argument("--dilations", type=int, nargs="+", help="(CPU 1 3 8; CUDA LongNet)")
-    p.add_argument(
-        "--dtype",
-        choices=["auto", *DTYPES],
-        default="auto",
-        help="auto: bfloat16 on CUDA, float32 on the CPU",
-    )
-    p.add_argument(
-        "--methods",
-        nargs="+",
-        choices=methods.METHODS,
-        default=list(methods.METHODS),
-        help="what to check (all)",
-    )
+    add_dtype(p)
+    add_methods(p, "check")
     p.add_argument("--flex-eager", action="store_true", help="FlexAttention without compile")
     p.set_defaults(func=cmd_check)
 
