@@ -192,7 +192,7 @@ class LocalSweep:
             return recs
         # The hardware rate before and after (the load of a shared machine moves
         # during a sweep); the higher sample is the points' reference.
-        hw = [measure.hardware_rate(dev, pts[0]["head_dim"])["flop_rate"]]
+        hw = [measure.hardware_rate(dev, pts[0]["head_dim"])]
         notes: dict[tuple, str] = {}
         times: dict[tuple, list[float]] = {v: [] for v in variants}
         extra: dict[tuple, dict[str, Any]] = {v: {} for v in variants}
@@ -240,12 +240,15 @@ class LocalSweep:
                     )
             del q, k, v_, g, calls
         measure.free_memory(dev)
-        hw.append(measure.hardware_rate(dev, pts[0]["head_dim"])["flop_rate"])
+        hw.append(measure.hardware_rate(dev, pts[0]["head_dim"]))
+        rates = [h["flop_rate"] for h in hw]
+        sgemm = [h["sgemm_rate"] for h in hw if h["sgemm_rate"]]
         for i, rec in enumerate(recs):
             if "status" not in rec:
                 mine = [var for var in variants if var[0] == i]
                 self.finish_record(rec, mine, times, extra, notes, in_bytes)
-                rec.update(hardware_flop_rate=max(hw), hardware_samples=hw,
+                rec.update(hardware_flop_rate=max(rates), hardware_samples=rates,
+                           sgemm_flop_rate=max(sgemm) if sgemm else None,
                            load_avg=os.getloadavg()[0])  # fmt: skip
         return recs
 

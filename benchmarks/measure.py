@@ -166,7 +166,9 @@ def hardware_rate(device: torch.device, head_dim: int) -> dict[str, Any]:
 
     CPU: float32 batched GEMMs at the CPU kernel's forward tile shapes,
     ``(128 x d) @ (d x 512)`` and ``(128 x 512) @ (512 x d)``, 64 tiles per
-    call, all intra-op threads. CUDA: a bf16 ``8192 x 8192 x 8192`` matmul.
+    call, all intra-op threads; and, as ``sgemm_rate``, one large square
+    float32 GEMM (``2048^3``), the usual yardstick. CUDA: a bf16
+    ``8192 x 8192 x 8192`` matmul (``sgemm_rate`` None).
     """
     if device.type == "cuda":
         size = 8192
@@ -174,6 +176,7 @@ def hardware_rate(device: torch.device, head_dim: int) -> dict[str, Any]:
         ms = median(time_call(lambda: torch.mm(a, b), device, 3, 20, 10.0))
         what = f"bf16 torch.mm {size}x{size}x{size}"
         rate = 2 * size**3 / (ms * 1e-3)
+        sgemm = None
     else:
         tiles, d = 64, head_dim
         q = torch.randn(tiles, CPU_TILE_Q, d)
@@ -192,8 +195,11 @@ def hardware_rate(device: torch.device, head_dim: int) -> dict[str, Any]:
             f"{torch.get_num_threads()} threads"
         )
         rate = 2 * 2 * tiles * CPU_TILE_Q * CPU_TILE_K * d / (ms * 1e-3)
+        size = 2048
+        a, b = (torch.randn(size, size) for _ in range(2))
+        sgemm = 2 * size**3 / (median(time_call(lambda: torch.mm(a, b), device, 1, 5, 3.0)) * 1e-3)
     free_memory(device)
-    return {"flop_rate": rate, "what": what}
+    return {"flop_rate": rate, "what": what, "sgemm_rate": sgemm}
 
 
 # --------------------------------------------------------------------------- #
