@@ -21,14 +21,16 @@ namespace {
 constexpr int64_t kTileRows = 128;  // stacked query rows (heads x positions)
 constexpr int64_t kTileK = 64;
 
-template <typename scalar_t, typename acc_t>
+// tile_t: the type the GEMMs read (tile_math.h).
+template <typename scalar_t, typename tile_t, typename acc_t>
 struct BackwardTile {
   const BlockParams& p;
   const scalar_t *dout, *q, *k, *v;
   const acc_t *lse, *delta;  // delta = rowsum(dout * out) - grad_lse, laid out like lse
   acc_t *dq, *dk, *dv;       // nullptr: not asked for
   acc_t scale;
-  std::vector<acc_t> qbuf, dobuf, kbuf, vbuf, s, dp, dqbuf, wbuf;
+  std::vector<tile_t> qbuf, dobuf, kbuf, vbuf, pbuf, dsbuf, wbuf;
+  std::vector<acc_t> s, dp, dqbuf;
   std::vector<int64_t> bad;
 
   BackwardTile(const BlockParams& p_, const acc_t* delta_)
@@ -51,8 +53,8 @@ struct BackwardTile {
     const int64_t d = p.head_dim, nh = static_cast<int64_t>(set.heads.size());
     const int64_t q_stride = p.q_stride(r), k_stride = p.k_stride(r);
     const int64_t koff = p.k_index(b, u0, set.kv_head);
-    const TileRef<acc_t> kt = tile_rows<acc_t>(k + koff, k_stride, tk, d, kbuf);
-    const TileRef<acc_t> vt = tile_rows<acc_t>(v + koff, k_stride, tk, d, vbuf);
+    const TileRef<tile_t> kt = tile_rows<tile_t>(k + koff, k_stride, tk, d, kbuf);
+    const TileRef<tile_t> vt = tile_rows<tile_t>(v + koff, k_stride, tk, d, vbuf);
     const bool* mrow = p.key_padding_mask == nullptr
                            ? nullptr
                            : p.key_padding_mask + b * p.k_len + (u0 - p.k_start);
@@ -69,13 +71,13 @@ struct BackwardTile {
       const auto row_pos = [&](int64_t row) { return t0 + (row % tq) * r; };
       const auto row_index = [&](int64_t row) { return p.q_index(b, row_pos(row), row_head(row)); };
       const int64_t qoff = p.q_index(b, t0, set.heads[0]);
-      const TileRef<acc_t> qt =
-          nh == 1 ? tile_rows<acc_t>(q + qoff, q_stride, tq, d, qbuf)
-                  : gather_rows<acc_t>(rows, d, qbuf, [&](int64_t i) { return q + row_index(i); });
-      const TileRef<acc_t> dot =
+      const TileRef<tile_t> qt =
+          nh == 1 ? tile_rows<tile_t>(q + qoff, q_stride, tq, d, qbuf)
+                  : gather_rows<tile_t>(rows, d, qbuf, [&](int64_t i) { return q + row_index(i); });
+      const TileRef<tile_t> dot =
           nh == 1
-              ? tile_rows<acc_t>(dout + qoff, q_stride, tq, d, dobuf)
-              : gather_rows<acc_t>(rows, d, dobuf, [&](int64_t i) { return dout + row_index(i); });
+              ? tile_rows<tile_t>(dout + qoff, q_stride, tq, d, dobuf)
+              : gather_rows<tile_t>(rows, d, dobuf, [&](int64_t i) { return dout + row_index(i); });
       s.resize(rows * tk);
       dp.resize(rows * tk);
       gemm(false, true, rows, tk, d, scale, qt.ptr, qt.ld, kt.ptr, kt.ld, acc_t(0), s.data(), tk);
@@ -100,22 +102,24 @@ struct BackwardTile {
         }
         softmax_grad_row(srow, dprow, tk, lse[stat], delta[stat]);
       }
+      const tile_t* dsw = weights_as<tile_t>(dp.data(), rows * tk, dsbuf);
       // dV += P^T dO, dK += scale dS^T Q (summed over the stacked heads),
       // straight into the accumulators through the key row stride.
       if (dv != nullptr) {
-        gemm(true, false, tk, d, rows, acc_t(1), s.data(), tk, dot.ptr, dot.ld, acc_t(1), dv + koff,
+        const tile_t* pw = weights_as<tile_t>(s.data(), rows * tk, pbuf);
+        gemm(true, false, tk, d, rows, acc_t(1), pw, tk, dot.ptr, dot.ld, acc_t(1), dv + koff,
              k_stride);
-        gemm(true, false, tk, d, rows, scale, dp.data(), tk, qt.ptr, qt.ld, acc_t(1), dk + koff,
+        gemm(true, false, tk, d, rows, scale, dsw, tk, qt.ptr, qt.ld, acc_t(1), dk + koff,
              k_stride);
       }
       if (dq == nullptr) continue;
       // dQ += scale dS K: in place for one head, else through a buffer.
       if (nh == 1) {
-        gemm_weights(tq, d, tk, scale, dp.data(), kt, acc_t(1), dq + qoff, q_stride, wbuf, bad);
+        gemm_weights(tq, d, tk, scale, dsw, kt, acc_t(1), dq + qoff, q_stride, wbuf, bad);
         continue;
       }
       dqbuf.resize(rows * d);
-      gemm_weights(rows, d, tk, scale, dp.data(), kt, acc_t(0), dqbuf.data(), d, wbuf, bad);
+      gemm_weights(rows, d, tk, scale, dsw, kt, acc_t(0), dqbuf.data(), d, wbuf, bad);
       for (int64_t i = 0; i < rows; ++i) {
         acc_t* dst = dq + row_index(i);
         const acc_t* src = &dqbuf[i * d];
@@ -148,7 +152,7 @@ std::vector<acc_t> softmax_delta(const BlockParams& p) {
   return delta;
 }
 
-template <typename scalar_t>
+template <typename scalar_t, typename tile_t>
 void backward_kernel(const BlockCall& call) {
   using acc_t = at::opmath_type<scalar_t>;
   const BlockParams& p = call.params;
@@ -159,7 +163,7 @@ void backward_kernel(const BlockCall& call) {
                                         static_cast<size_t>(p.heads));
     const int64_t r = work.r;
     at::parallel_for(0, static_cast<int64_t>(work.tasks.size()), 1, [&](int64_t lo, int64_t hi) {
-      BackwardTile<scalar_t, acc_t> tile(p, delta.data());
+      BackwardTile<scalar_t, tile_t, acc_t> tile(p, delta.data());
       for (int64_t ti = lo; ti < hi; ++ti) {
         const SegmentTask& task = work.tasks[ti];
         const HeadSet& set = work.head_sets[task.head_set];
@@ -179,8 +183,12 @@ void backward_kernel(const BlockCall& call) {
 
 void block_backward(const BlockCall& call) {
   if (call.params.dq == nullptr && call.params.dk == nullptr) return;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, call.dtype, "block_backward_cpu",
-                                  [&] { backward_kernel<scalar_t>(call); });
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, call.dtype, "block_backward_cpu", [&] {
+    if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+      if (bf16_tiles()) return backward_kernel<scalar_t, scalar_t>(call);
+    }
+    backward_kernel<scalar_t, at::opmath_type<scalar_t>>(call);
+  });
 }
 
 }  // namespace ring_attention::cpu

@@ -22,13 +22,15 @@ constexpr int64_t kTileK = 512;
 // this many heads share a tile, so that MQA still has tasks to spread.
 constexpr size_t kMaxSetHeads = 4;
 
-template <typename scalar_t, typename acc_t>
+// tile_t: the type the GEMMs read (tile_math.h).
+template <typename scalar_t, typename tile_t, typename acc_t>
 struct ForwardTile {
   const BlockParams& p;
   const scalar_t *q, *k, *v;
   acc_t *out, *lse;
   acc_t scale;
-  std::vector<acc_t> qbuf, kbuf, vbuf, s, o, m, l, wbuf;
+  std::vector<tile_t> qbuf, kbuf, vbuf, pbuf, wbuf;
+  std::vector<acc_t> s, o, m, l;
   std::vector<int64_t> bad;
 
   explicit ForwardTile(const BlockParams& p_)
@@ -52,9 +54,9 @@ struct ForwardTile {
 
     const auto row_head = [&](int64_t row) { return set.heads[row / tq]; };
     const auto row_pos = [&](int64_t row) { return t0 + (row % tq) * r; };
-    const TileRef<acc_t> qt =
-        nh == 1 ? tile_rows<acc_t>(q + p.q_index(b, t0, set.heads[0]), p.q_stride(r), tq, d, qbuf)
-                : gather_rows<acc_t>(rows, d, qbuf, [&](int64_t row) {
+    const TileRef<tile_t> qt =
+        nh == 1 ? tile_rows<tile_t>(q + p.q_index(b, t0, set.heads[0]), p.q_stride(r), tq, d, qbuf)
+                : gather_rows<tile_t>(rows, d, qbuf, [&](int64_t row) {
                     return q + p.q_index(b, row_pos(row), row_head(row));
                   });
     s.resize(rows * kTileK);
@@ -67,8 +69,8 @@ struct ForwardTile {
       const int64_t tk = std::min(kTileK, nk - n0);
       const int64_t u0 = keys.first + n0 * r;
       const int64_t koff = p.k_index(b, u0, set.kv_head);
-      const TileRef<acc_t> kt = tile_rows<acc_t>(k + koff, k_stride, tk, d, kbuf);
-      const TileRef<acc_t> vt = tile_rows<acc_t>(v + koff, k_stride, tk, d, vbuf);
+      const TileRef<tile_t> kt = tile_rows<tile_t>(k + koff, k_stride, tk, d, kbuf);
+      const TileRef<tile_t> vt = tile_rows<tile_t>(v + koff, k_stride, tk, d, vbuf);
       gemm(false, true, rows, tk, d, scale, qt.ptr, qt.ld, kt.ptr, kt.ld, acc_t(0), s.data(), tk);
 
       const bool* mrow = p.key_padding_mask == nullptr
@@ -95,7 +97,8 @@ struct ForwardTile {
         if (alpha != acc_t(1)) scale_row(&o[i * d], d, alpha);
         m[i] = m_new;
       }
-      gemm_weights(rows, d, tk, acc_t(1), s.data(), vt, acc_t(1), o.data(), d, wbuf, bad);
+      const tile_t* pw = weights_as<tile_t>(s.data(), rows * tk, pbuf);
+      gemm_weights(rows, d, tk, acc_t(1), pw, vt, acc_t(1), o.data(), d, wbuf, bad);
     }
 
     for (int64_t i = 0; i < rows; ++i) {
@@ -108,7 +111,7 @@ struct ForwardTile {
   }
 };
 
-template <typename scalar_t>
+template <typename scalar_t, typename tile_t>
 void forward_kernel(const BlockCall& call) {
   using acc_t = at::opmath_type<scalar_t>;
   const BlockParams& p = call.params;
@@ -117,7 +120,7 @@ void forward_kernel(const BlockCall& call) {
         branch_work(p, i, call.segment_lengths[i], call.dilation_rates[i], kMaxSetHeads);
     const int64_t r = work.r;
     at::parallel_for(0, static_cast<int64_t>(work.tasks.size()), 1, [&](int64_t lo, int64_t hi) {
-      ForwardTile<scalar_t, acc_t> tile(p);
+      ForwardTile<scalar_t, tile_t, acc_t> tile(p);
       for (int64_t ti = lo; ti < hi; ++ti) {
         const SegmentTask& task = work.tasks[ti];
         const HeadSet& set = work.head_sets[task.head_set];
@@ -138,8 +141,12 @@ void forward_kernel(const BlockCall& call) {
 }  // namespace
 
 void block_forward(const BlockCall& call) {
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, call.dtype, "block_forward_cpu",
-                                  [&] { forward_kernel<scalar_t>(call); });
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, call.dtype, "block_forward_cpu", [&] {
+    if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+      if (bf16_tiles()) return forward_kernel<scalar_t, scalar_t>(call);
+    }
+    forward_kernel<scalar_t, at::opmath_type<scalar_t>>(call);
+  });
 }
 
 }  // namespace ring_attention::cpu

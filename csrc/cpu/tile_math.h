@@ -1,11 +1,13 @@
 // Small dense building blocks of the CPU kernels: row-major tile GEMM and
 // vectorised row operations. acc_t is float (fp16/bf16/fp32 inputs) or
-// double (fp64 inputs).
+// double (fp64 inputs); tile_t, the type the GEMMs read, is acc_t, or bf16
+// where bf16_tiles() says so.
 #pragma once
 
 #include <ATen/OpMathType.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
 
 #include <algorithm>
 #include <cmath>
@@ -27,6 +29,20 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, double alpha,
           const double* A, int64_t lda, const double* B, int64_t ldb, double beta, double* C,
           int64_t ldc);
+// bf16 tiles, fp32 C: MKL's gemm_bf16bf16f32 (exported by libtorch_cpu
+// when it is built with MKL), else a plain loop (the kernels call it only
+// where bf16_tiles()).
+void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
+          const c10::BFloat16* A, int64_t lda, const c10::BFloat16* B, int64_t ldb, float beta,
+          float* C, int64_t ldc);
+
+// Whether the bf16 kernels multiply bf16 tiles as they are (Q, K, V, dO read
+// in place; P and dS rounded to bf16 for their GEMMs, as flash attention
+// does; fp32 accumulation) instead of converting every tile to fp32: when
+// the bf16 GEMM is there and the CPU has bf16 dot products (avx512_bf16,
+// AMX), where it runs 2-3x the fp32 rate at the kernels' tile shapes.
+// RING_ATTENTION_CPU_BF16_GEMM=0 turns it off (read at every call).
+bool bf16_tiles();
 
 // A matrix tile: base pointer and row stride, in elements.
 template <typename T>
@@ -38,10 +54,19 @@ struct TileRef {
 // Whether x[0..n) holds no NaN and no infinity (x - x is 0 exactly then).
 template <typename T>
 inline bool all_finite(const T* x, int64_t n) {
-  using Vec = at::vec::Vectorized<T>;
-  const T sum = at::vec::map_reduce_all<T>([](Vec a) { return a - a; },
-                                           [](Vec a, Vec b) { return a + b; }, x, n);
-  return sum == T(0);
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    // Exponent bits all set: infinity or NaN. (A max over the bits, so that
+    // the loop vectorises.)
+    const auto* u = reinterpret_cast<const uint16_t*>(x);
+    uint16_t e = 0;
+    for (int64_t j = 0; j < n; ++j) e = std::max<uint16_t>(e, u[j] & 0x7F80);
+    return e != 0x7F80;
+  } else {
+    using Vec = at::vec::Vectorized<T>;
+    const T sum = at::vec::map_reduce_all<T>([](Vec a) { return a - a; },
+                                             [](Vec a, Vec b) { return a + b; }, x, n);
+    return sum == T(0);
+  }
 }
 
 // C = alpha * A[M,K] @ B[K,N] + beta * C, where A (lda = K) holds weights
@@ -51,22 +76,23 @@ inline bool all_finite(const T* x, int64_t n) {
 // enter as zeros, and their products are added back where the weight is not
 // 0 (a reached key still propagates). The check costs K * N reads against the
 // GEMM's M * K * N.
-template <typename T>
-void gemm_weights(int64_t M, int64_t N, int64_t K, T alpha, const T* A, TileRef<T> B, T beta, T* C,
-                  int64_t ldc, std::vector<T>& buf, std::vector<int64_t>& bad) {
+template <typename In, typename T>
+void gemm_weights(int64_t M, int64_t N, int64_t K, T alpha, const In* A, TileRef<In> B, T beta,
+                  T* C, int64_t ldc, std::vector<In>& buf, std::vector<int64_t>& bad) {
   bad.clear();
   for (int64_t j = 0; j < K; ++j)
     if (!all_finite(B.ptr + j * B.ld, N)) bad.push_back(j);
   if (bad.empty()) return gemm(false, false, M, N, K, alpha, A, K, B.ptr, B.ld, beta, C, ldc);
   buf.resize(K * N);
   for (int64_t j = 0; j < K; ++j) std::copy(B.ptr + j * B.ld, B.ptr + j * B.ld + N, &buf[j * N]);
-  for (const int64_t j : bad) std::fill(&buf[j * N], &buf[(j + 1) * N], T(0));
+  for (const int64_t j : bad) std::fill(&buf[j * N], &buf[(j + 1) * N], In(0));
   gemm(false, false, M, N, K, alpha, A, K, buf.data(), N, beta, C, ldc);
   for (const int64_t j : bad) {
     for (int64_t i = 0; i < M; ++i) {
-      const T a = A[i * K + j];
+      const T a = static_cast<T>(A[i * K + j]);
       if (a == T(0)) continue;
-      for (int64_t c = 0; c < N; ++c) C[i * ldc + c] += alpha * a * B.ptr[j * B.ld + c];
+      for (int64_t c = 0; c < N; ++c)
+        C[i * ldc + c] += alpha * a * static_cast<T>(B.ptr[j * B.ld + c]);
     }
   }
 }
@@ -144,34 +170,50 @@ inline void scale_row(T* x, int64_t n, T s) {
   at::vec::map([s](Vec a) { return a * Vec(s); }, x, x, n);
 }
 
-// Convert n elements of src to acc_t, multiplied by s.
-template <typename acc_t, typename scalar_t>
-inline void load_row(acc_t* dst, const scalar_t* src, int64_t n, acc_t s) {
-  for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<acc_t>(src[j]) * s;
+// dst[0..n) = src[0..n), converted.
+template <typename D, typename S>
+inline void convert_row(D* dst, const S* src, int64_t n) {
+  if constexpr (std::is_same_v<D, S>)
+    std::copy(src, src + n, dst);
+  else
+    at::vec::convert(src, dst, n);
 }
 
-// Rows first, first + stride, ... of a (B, L, H, D) tensor as an acc_t tile:
-// in place when the dtypes agree, else converted into buf (ld = d).
-template <typename acc_t, typename scalar_t>
-inline TileRef<acc_t> tile_rows(const scalar_t* first, int64_t stride, int64_t rows, int64_t d,
-                                std::vector<acc_t>& buf) {
-  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+// Rows first, first + stride, ... of a (B, L, H, D) tensor as a tile_t
+// tile: in place when the types agree, else converted into buf (ld = d).
+template <typename tile_t, typename scalar_t>
+inline TileRef<tile_t> tile_rows(const scalar_t* first, int64_t stride, int64_t rows, int64_t d,
+                                 std::vector<tile_t>& buf) {
+  if constexpr (std::is_same_v<scalar_t, tile_t>) {
     return {first, stride};
   } else {
     if (static_cast<int64_t>(buf.size()) < rows * d) buf.resize(rows * d);
-    for (int64_t i = 0; i < rows; ++i) load_row(&buf[i * d], first + i * stride, d, acc_t(1));
+    for (int64_t i = 0; i < rows; ++i) convert_row(&buf[i * d], first + i * stride, d);
     return {buf.data(), d};
   }
 }
 
 // Rows row_ptr(0), ..., row_ptr(rows - 1) (pointers into (B, L, H, D)
-// tensors, e.g. the rows of several heads stacked) as one acc_t tile in buf.
-template <typename acc_t, typename RowPtr>
-inline TileRef<acc_t> gather_rows(int64_t rows, int64_t d, std::vector<acc_t>& buf,
-                                  RowPtr row_ptr) {
+// tensors, e.g. the rows of several heads stacked) as one tile_t tile in buf.
+template <typename tile_t, typename RowPtr>
+inline TileRef<tile_t> gather_rows(int64_t rows, int64_t d, std::vector<tile_t>& buf,
+                                   RowPtr row_ptr) {
   if (static_cast<int64_t>(buf.size()) < rows * d) buf.resize(rows * d);
-  for (int64_t i = 0; i < rows; ++i) load_row(&buf[i * d], row_ptr(i), d, acc_t(1));
+  for (int64_t i = 0; i < rows; ++i) convert_row(&buf[i * d], row_ptr(i), d);
   return {buf.data(), d};
+}
+
+// The acc_t weights w[0..n) (P or dS) as the GEMM's tile_t: in place, or
+// rounded into buf.
+template <typename tile_t, typename acc_t>
+inline const tile_t* weights_as(const acc_t* w, int64_t n, std::vector<tile_t>& buf) {
+  if constexpr (std::is_same_v<tile_t, acc_t>) {
+    return w;
+  } else {
+    if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+    at::vec::convert(w, buf.data(), n);
+    return buf.data();
+  }
 }
 
 // Merge a block's normalised (o, lse) into running accumulators (out, lse).

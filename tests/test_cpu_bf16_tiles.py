@@ -1,0 +1,150 @@
+"""The CPU kernels' two bfloat16 paths (csrc/cpu/tile_math.h, ``bf16_tiles``).
+
+Where the BLAS has a bf16 GEMM (MKL's) and the CPU has bf16 dot products
+(avx512_bf16), the kernels multiply bf16 tiles as they are: Q, K, V and dO
+read in place, P and dS rounded to bf16 for their products, fp32
+accumulation. Elsewhere, or with ``RING_ATTENTION_CPU_BF16_GEMM=0``, every
+tile is converted to fp32 first. Both paths are checked against the float64
+oracle, forward and backward (lse gradients, grouped K/V heads, documents,
+chunked accumulation, the block operators at offsets), and the switch is
+checked to take effect exactly where the machine has the native path.
+"""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+from op_helpers import (
+    Cfg,
+    block_backward,
+    block_forward,
+    check_against_oracle,
+    check_results,
+    fresh_acc,
+    lse_grad,
+    make_inputs,
+    run_local,
+    run_oracle,
+)
+
+import ring_attention as ra
+
+BF16 = torch.bfloat16
+ENV = "RING_ATTENTION_CPU_BF16_GEMM"
+
+
+def native_bf16_expected() -> bool:
+    """What bf16_tiles() decides on this machine (env unset)."""
+    if platform.machine() != "x86_64" or not torch.backends.mkl.is_available():
+        return False
+    with open("/proc/cpuinfo") as f:
+        flags = next((line for line in f if line.startswith("flags")), "").split()
+    return "avx512_bf16" in flags
+
+
+@pytest.fixture(params=["native", "fp32"])
+def bf16_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs the test with the native bf16 tiles allowed (the default) or off."""
+    if request.param == "fp32":
+        monkeypatch.setenv(ENV, "0")
+    else:
+        monkeypatch.delenv(ENV, raising=False)
+    return request.param
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_matches_oracle(bf16_path, causal) -> None:
+    cfg = Cfg(2, 150, 3, 64, [16, 64, 128], [1, 2, 4], causal, False, None, True)
+    check_against_oracle(cfg, BF16, "cpu", seed=7100 + causal)
+
+
+def test_features_with_lse_gradient(bf16_path) -> None:
+    """Grouped K/V heads, documents, grouped offsets, head groups, a key padding
+    mask and a gradient through lse."""
+    cfg = Cfg(2, 140, 8, 32, [16, 64], [2, 4], True, True, None, True, 2, True)
+    cfg.cu_seqlens = [0, 1, 40, 40, 97, 140]
+    q, k, v, go, mask = make_inputs(cfg, BF16, "cpu", 7200)
+    glse = lse_grad(cfg, "cpu", 7201)
+    got = run_local(cfg, q, k, v, go, mask, glse)
+    want = run_oracle(cfg, q, k, v, go, mask, glse)
+    check_results(cfg, BF16, got, want, f"{bf16_path} {cfg}")
+
+
+def test_long_sequence_by_chunks(bf16_path) -> None:
+    """Past 1024 rows bf16 accumulates chunk by chunk."""
+    cfg = Cfg(1, 2300, 2, 64, [300, 2048], [1, 4], True, True, None, True)
+    check_against_oracle(cfg, BF16, "cpu", seed=7300)
+
+
+def test_block_ops_at_offsets(bf16_path) -> None:
+    """The block operators (what the ring calls) on a query block and a key
+    block that start mid-sequence, against the oracle rows of the whole call."""
+    n, q0, q1, k0, k1 = 200, 64, 170, 30, 200
+    cfg = Cfg(1, n, 4, 64, [32, 128], [1, 2], True, False, None, False, 2)
+    q, k, v, go, _ = make_inputs(cfg, BF16, "cpu", 7400)
+    qb, kb, vb, gb = q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], go[:, q0:q1]
+    out, lse = fresh_acc(qb)
+    block_forward(cfg, qb, kb, vb, out, lse, q0, k0, None)
+    # The oracle of q[q0:q1] against k[k0:k1] alone: zero the other keys' reach
+    # by running the oracle on the whole sequence with those keys padded.
+    pad = torch.ones(1, n, dtype=torch.bool)
+    pad[:, k0:k1] = False
+    want_out, want_lse, *_ = run_oracle(cfg, q, k, v, go, pad)
+    rows = slice(q0, q1)
+    reached = torch.isfinite(want_lse[:, :, rows])
+    torch.testing.assert_close(
+        lse[reached], want_lse[:, :, rows][reached].float(), atol=1e-3, rtol=1e-3
+    )
+    torch.testing.assert_close(
+        out.double(), want_out[:, rows].double().nan_to_num(0), atol=2e-2, rtol=2e-2
+    )
+    dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32) for t in (qb, kb, vb))
+    # The backward of these rows alone: the oracle's gradients with grad_out
+    # zero outside them.
+    go_rows = torch.zeros_like(go)
+    go_rows[:, rows] = gb
+    _, _, want_dq, want_dk, want_dv = run_oracle(cfg, q, k, v, go_rows, pad)
+    block_backward(cfg, gb, qb, kb, vb, out.to(BF16), lse, dq, dk, dv, q0, k0, None)
+    torch.testing.assert_close(dq.double(), want_dq[:, rows].double(), atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(dk.double(), want_dk[:, k0:k1].double(), atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(dv.double(), want_dv[:, k0:k1].double(), atol=5e-2, rtol=5e-2)
+
+
+def test_non_finite_unreached_values_stay_out(bf16_path) -> None:
+    """A NaN in the V row of a padded key: no row sees it (0 * NaN kept out of
+    the bf16 P @ V and dS @ K products)."""
+    g = torch.Generator().manual_seed(7500)
+    q, k, v, go = (torch.randn(1, 96, 2, 64, generator=g).to(BF16) for _ in range(4))
+    mask = torch.zeros(1, 96, dtype=torch.bool)
+    mask[:, 40] = True
+    v_bad, k_bad = v.clone(), k.clone()
+    v_bad[:, 40] = float("nan")
+    k_bad[:, 40] = float("inf")
+
+    def run(k_, v_):
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k_, v_))
+        out = ra.dilated_attention(qq, kk, vv, [32, 96], [1, 2], key_padding_mask=mask)
+        out.backward(go)
+        return out, qq.grad, kk.grad, vv.grad
+
+    for got, want in zip(run(k_bad, v_bad), run(k, v), strict=True):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want)
+
+
+def test_switch_takes_effect_where_the_machine_has_it(monkeypatch) -> None:
+    """With the native path, P is rounded to bf16 before P @ V, so the outputs
+    differ from the fp32-converted path's; without it the two are one path."""
+    g = torch.Generator().manual_seed(7600)
+    q, k, v = (torch.randn(1, 512, 4, 64, generator=g).to(BF16) for _ in range(3))
+
+    def run():
+        return ra.dilated_attention(q, k, v, [128, 512], [1, 2])
+
+    monkeypatch.delenv(ENV, raising=False)
+    default = run()
+    monkeypatch.setenv(ENV, "0")
+    converted = run()
+    assert torch.equal(default, converted) != native_bf16_expected()
