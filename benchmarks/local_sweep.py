@@ -111,7 +111,7 @@ class LocalSweep:
 
     def start_run(self) -> None:
         env = measure.environment(self.device)
-        hw = measure.hardware_rate(self.device, self.args.configs[0][1])
+        hw = measure.hardware_rate(self.device, self.args.configs[0][1], self.args.dtype_t)
         unit, scale = rate_unit(self.device.type)
         self.run = {
             "kind": "run",
@@ -192,7 +192,7 @@ class LocalSweep:
             return recs
         # The hardware rate before and after (the load of a shared machine moves
         # during a sweep); the higher sample is the points' reference.
-        hw = [measure.hardware_rate(dev, pts[0]["head_dim"])]
+        hw = [measure.hardware_rate(dev, pts[0]["head_dim"], a.dtype_t)]
         notes: dict[tuple, str] = {}
         times: dict[tuple, list[float]] = {v: [] for v in variants}
         extra: dict[tuple, dict[str, Any]] = {v: {} for v in variants}
@@ -240,7 +240,7 @@ class LocalSweep:
                     )
             del q, k, v_, g, calls
         measure.free_memory(dev)
-        hw.append(measure.hardware_rate(dev, pts[0]["head_dim"]))
+        hw.append(measure.hardware_rate(dev, pts[0]["head_dim"], a.dtype_t))
         rates = [h["flop_rate"] for h in hw]
         sgemm = [h["sgemm_rate"] for h in hw if h["sgemm_rate"]]
         for i, rec in enumerate(recs):

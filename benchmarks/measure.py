@@ -161,14 +161,18 @@ def available_bytes(device: torch.device) -> int | None:
 # --------------------------------------------------------------------------- #
 # the hardware's rate, measured in the same run
 # --------------------------------------------------------------------------- #
-def hardware_rate(device: torch.device, head_dim: int) -> dict[str, Any]:
+def hardware_rate(
+    device: torch.device, head_dim: int, dtype: torch.dtype = torch.float32
+) -> dict[str, Any]:
     """FLOP/s of the matrix products the kernels are made of.
 
-    CPU: float32 batched GEMMs at the CPU kernel's forward tile shapes,
+    CPU: batched GEMMs at the CPU kernel's forward tile shapes,
     ``(128 x d) @ (d x 512)`` and ``(128 x 512) @ (512 x d)``, 64 tiles per
-    call, all intra-op threads; and, as ``sgemm_rate``, one large square
-    float32 GEMM (``2048^3``), the usual yardstick. CUDA: a bf16
-    ``8192 x 8192 x 8192`` matmul (``sgemm_rate`` None).
+    call, all intra-op threads, in the type the kernel multiplies in (bf16
+    for bfloat16 runs, where the CPU has bf16 GEMMs; float32 otherwise); and,
+    as ``sgemm_rate``, one large square float32 GEMM (``2048^3``), the usual
+    yardstick. CUDA: a bf16 ``8192 x 8192 x 8192`` matmul (``sgemm_rate``
+    None).
     """
     if device.type == "cuda":
         size = 8192
@@ -179,18 +183,20 @@ def hardware_rate(device: torch.device, head_dim: int) -> dict[str, Any]:
         sgemm = None
     else:
         tiles, d = 64, head_dim
-        q = torch.randn(tiles, CPU_TILE_Q, d)
-        k = torch.randn(tiles, d, CPU_TILE_K)
-        p = torch.randn(tiles, CPU_TILE_Q, CPU_TILE_K)
-        v = torch.randn(tiles, CPU_TILE_K, d)
+        tile_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+        q = torch.randn(tiles, CPU_TILE_Q, d, dtype=tile_dtype)
+        k = torch.randn(tiles, d, CPU_TILE_K, dtype=tile_dtype)
+        p = torch.randn(tiles, CPU_TILE_Q, CPU_TILE_K, dtype=tile_dtype)
+        v = torch.randn(tiles, CPU_TILE_K, d, dtype=tile_dtype)
 
         def tile_products():
             torch.bmm(q, k)
             torch.bmm(p, v)
 
         ms = median(time_call(tile_products, device, 2, 15, 5.0))
+        kind = "bf16" if tile_dtype == torch.bfloat16 else "fp32"
         what = (
-            f"fp32 bmm at the CPU kernel's tile shapes ({CPU_TILE_Q}x{d})@({d}x{CPU_TILE_K}) and "
+            f"{kind} bmm at the CPU kernel's tile shapes ({CPU_TILE_Q}x{d})@({d}x{CPU_TILE_K}) and "
             f"({CPU_TILE_Q}x{CPU_TILE_K})@({CPU_TILE_K}x{d}), {tiles} tiles, "
             f"{torch.get_num_threads()} threads"
         )
