@@ -29,8 +29,8 @@ SCHEMA = 1
 MiB = 2**20
 GiB = 2**30
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The CPU kernel's forward tile (csrc/cpu/block_forward.cpp): 128 queries x 512 keys.
-CPU_TILE_Q, CPU_TILE_K = 128, 512
+# The CPU kernel's forward tile (csrc/cpu/block_forward.cpp): 256 queries x 512 keys.
+CPU_TILE_Q, CPU_TILE_K = 256, 512
 
 
 # --------------------------------------------------------------------------- #
@@ -167,7 +167,7 @@ def hardware_rate(
     """FLOP/s of the matrix products the kernels are made of.
 
     CPU: batched GEMMs at the CPU kernel's forward tile shapes,
-    ``(128 x d) @ (d x 512)`` and ``(128 x 512) @ (512 x d)``, 64 tiles per
+    ``(256 x d) @ (d x 512)`` and ``(256 x 512) @ (512 x d)``, 64 tiles per
     call, all intra-op threads, in the type the kernel multiplies in (bf16
     for bfloat16 runs, where the CPU has bf16 GEMMs; float32 otherwise); and,
     as ``sgemm_rate``, one large square float32 GEMM (``2048^3``), the usual

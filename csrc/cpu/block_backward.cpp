@@ -18,8 +18,8 @@
 namespace ring_attention::cpu {
 namespace {
 
-constexpr int64_t kTileRows = 128;  // stacked query rows (heads x positions)
-constexpr int64_t kTileK = 64;
+constexpr int64_t kTileRows = 256;  // stacked query rows (heads x positions)
+constexpr int64_t kTileK = 256;
 
 // tile_t: the type the GEMMs read (tile_math.h).
 template <typename scalar_t, typename tile_t, typename acc_t>

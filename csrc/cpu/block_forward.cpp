@@ -16,7 +16,7 @@
 namespace ring_attention::cpu {
 namespace {
 
-constexpr int64_t kTileRows = 128;  // stacked query rows (heads x positions)
+constexpr int64_t kTileRows = 256;  // stacked query rows (heads x positions)
 constexpr int64_t kTileK = 512;
 // Forward tasks may split a head set (they write query rows only): at most
 // this many heads share a tile, so that MQA still has tasks to spread.
