@@ -29,9 +29,10 @@ struct BackwardTile {
   const acc_t *lse, *delta;  // delta = rowsum(dout * out) - grad_lse, laid out like lse
   acc_t *dq, *dk, *dv;       // nullptr: not asked for
   acc_t scale;
-  std::vector<tile_t> qbuf, dobuf, kbuf, vbuf, pbuf, dsbuf, wbuf;
+  std::vector<tile_t> qbuf, dobuf, kbuf, vbuf, wbuf;
+  Weights<tile_t, acc_t> pw, dsw;
   std::vector<acc_t> s, dp, dqbuf;
-  std::vector<int64_t> bad;
+  std::vector<int64_t> kbad;  // non-finite K rows of the key tile
 
   BackwardTile(const BlockParams& p_, const acc_t* delta_)
       : p(p_),
@@ -55,6 +56,8 @@ struct BackwardTile {
     const int64_t koff = p.k_index(b, u0, set.kv_head);
     const TileRef<tile_t> kt = tile_rows<tile_t>(k + koff, k_stride, tk, d, kbuf);
     const TileRef<tile_t> vt = tile_rows<tile_t>(v + koff, k_stride, tk, d, vbuf);
+    kbad.clear();
+    if (dq != nullptr) non_finite_rows(kt, 0, tk, d, 0, kbad);
     const bool* mrow = p.key_padding_mask == nullptr
                            ? nullptr
                            : p.key_padding_mask + b * p.k_len + (u0 - p.k_start);
@@ -83,6 +86,8 @@ struct BackwardTile {
       gemm(false, true, rows, tk, d, scale, qt.ptr, qt.ld, kt.ptr, kt.ld, acc_t(0), s.data(), tk);
       gemm(false, true, rows, tk, d, acc_t(1), dot.ptr, dot.ld, vt.ptr, vt.ld, acc_t(0), dp.data(),
            tk);
+      if (dv != nullptr) pw.reserve(rows * tk);
+      dsw.reserve(rows * tk);
       for (int64_t i = 0; i < rows; ++i) {
         acc_t* srow = &s[i * tk];
         acc_t* dprow = &dp[i * tk];
@@ -91,35 +96,37 @@ struct BackwardTile {
         if (lse[stat] == neg_inf) {  // reaches nothing: no gradient
           std::fill(srow, srow + tk, acc_t(0));
           std::fill(dprow, dprow + tk, acc_t(0));
-          continue;
+        } else {
+          int64_t valid = tk;
+          if (p.causal) valid = t < u0 ? 0 : std::min(tk, (t - u0) / r + 1);
+          for (int64_t j = valid; j < tk; ++j) srow[j] = neg_inf;
+          if (mrow != nullptr) {
+            for (int64_t j = 0; j < valid; ++j)
+              if (mrow[j * r]) srow[j] = neg_inf;
+          }
+          softmax_grad_row(srow, dprow, tk, lse[stat], delta[stat]);
         }
-        int64_t valid = tk;
-        if (p.causal) valid = t < u0 ? 0 : std::min(tk, (t - u0) / r + 1);
-        for (int64_t j = valid; j < tk; ++j) srow[j] = neg_inf;
-        if (mrow != nullptr) {
-          for (int64_t j = 0; j < valid; ++j)
-            if (mrow[j * r]) srow[j] = neg_inf;
-        }
-        softmax_grad_row(srow, dprow, tk, lse[stat], delta[stat]);
+        if (dv != nullptr) pw.round_row(srow, i * tk, tk);
+        dsw.round_row(dprow, i * tk, tk);
       }
-      const tile_t* dsw = weights_as<tile_t>(dp.data(), rows * tk, dsbuf);
       // dV += P^T dO, dK += scale dS^T Q (summed over the stacked heads),
       // straight into the accumulators through the key row stride.
       if (dv != nullptr) {
-        const tile_t* pw = weights_as<tile_t>(s.data(), rows * tk, pbuf);
-        gemm(true, false, tk, d, rows, acc_t(1), pw, tk, dot.ptr, dot.ld, acc_t(1), dv + koff,
-             k_stride);
-        gemm(true, false, tk, d, rows, scale, dsw, tk, qt.ptr, qt.ld, acc_t(1), dk + koff,
-             k_stride);
+        gemm(true, false, tk, d, rows, acc_t(1), pw.of(s.data()), tk, dot.ptr, dot.ld, acc_t(1),
+             dv + koff, k_stride);
+        gemm(true, false, tk, d, rows, scale, dsw.of(dp.data()), tk, qt.ptr, qt.ld, acc_t(1),
+             dk + koff, k_stride);
       }
       if (dq == nullptr) continue;
       // dQ += scale dS K: in place for one head, else through a buffer.
       if (nh == 1) {
-        gemm_weights(tq, d, tk, scale, dsw, kt, acc_t(1), dq + qoff, q_stride, wbuf, bad);
+        gemm_weights(tq, d, tk, scale, dsw.of(dp.data()), kt, acc_t(1), dq + qoff, q_stride, kbad,
+                     wbuf);
         continue;
       }
       dqbuf.resize(rows * d);
-      gemm_weights(rows, d, tk, scale, dsw, kt, acc_t(0), dqbuf.data(), d, wbuf, bad);
+      gemm_weights(rows, d, tk, scale, dsw.of(dp.data()), kt, acc_t(0), dqbuf.data(), d, kbad,
+                   wbuf);
       for (int64_t i = 0; i < rows; ++i) {
         acc_t* dst = dq + row_index(i);
         const acc_t* src = &dqbuf[i * d];

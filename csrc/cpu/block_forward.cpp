@@ -29,9 +29,16 @@ struct ForwardTile {
   const scalar_t *q, *k, *v;
   acc_t *out, *lse;
   acc_t scale;
-  std::vector<tile_t> qbuf, kbuf, vbuf, pbuf, wbuf;
+  std::vector<tile_t> qbuf, kbuf, vbuf, wbuf;
+  Weights<tile_t, acc_t> pw;
   std::vector<acc_t> s, o, m, l;
   std::vector<int64_t> bad;
+  // Non-finite V rows of the key run last attended (indices into the run,
+  // ascending), found once for all its query tiles: rows [0, checked).
+  struct {
+    int64_t b = -1, kv_head = -1, first = -1, r = -1, checked = 0;
+    std::vector<int64_t> rows;
+  } vbad;
 
   explicit ForwardTile(const BlockParams& p_)
       : p(p_),
@@ -65,6 +72,11 @@ struct ForwardTile {
     l.assign(rows, acc_t(0));
 
     const int64_t k_stride = p.k_stride(r);
+    if (vbad.b != b || vbad.kv_head != set.kv_head || vbad.first != keys.first || vbad.r != r) {
+      vbad.b = b, vbad.kv_head = set.kv_head, vbad.first = keys.first, vbad.r = r;
+      vbad.checked = 0;
+      vbad.rows.clear();
+    }
     for (int64_t n0 = 0; n0 < nk; n0 += kTileK) {
       const int64_t tk = std::min(kTileK, nk - n0);
       const int64_t u0 = keys.first + n0 * r;
@@ -76,6 +88,7 @@ struct ForwardTile {
       const bool* mrow = p.key_padding_mask == nullptr
                              ? nullptr
                              : p.key_padding_mask + b * p.k_len + (u0 - p.k_start);
+      pw.reserve(rows * tk);
       for (int64_t i = 0; i < rows; ++i) {
         acc_t* srow = &s[i * tk];
         const int64_t t = row_pos(i);
@@ -90,15 +103,23 @@ struct ForwardTile {
         const acc_t m_new = max_nan(row_max(srow, tk), m[i]);
         if (m_new == neg_inf) {
           std::fill(srow, srow + tk, acc_t(0));
-          continue;
+        } else {
+          const acc_t alpha = std::exp(m[i] - m_new);
+          l[i] = l[i] * alpha + exp_sub_sum(srow, tk, m_new);
+          if (alpha != acc_t(1)) scale_row(&o[i * d], d, alpha);
+          m[i] = m_new;
         }
-        const acc_t alpha = std::exp(m[i] - m_new);
-        l[i] = l[i] * alpha + exp_sub_sum(srow, tk, m_new);
-        if (alpha != acc_t(1)) scale_row(&o[i * d], d, alpha);
-        m[i] = m_new;
+        pw.round_row(srow, i * tk, tk);
       }
-      const tile_t* pw = weights_as<tile_t>(s.data(), rows * tk, pbuf);
-      gemm_weights(rows, d, tk, acc_t(1), pw, vt, acc_t(1), o.data(), d, wbuf, bad);
+      if (vbad.checked < n0 + tk) {
+        non_finite_rows(vt, vbad.checked - n0, tk, d, n0, vbad.rows);
+        vbad.checked = n0 + tk;
+      }
+      const auto lo = std::lower_bound(vbad.rows.begin(), vbad.rows.end(), n0);
+      const auto hi = std::lower_bound(lo, vbad.rows.end(), n0 + tk);
+      bad.assign(lo, hi);
+      for (int64_t& j : bad) j -= n0;
+      gemm_weights(rows, d, tk, acc_t(1), pw.of(s.data()), vt, acc_t(1), o.data(), d, bad, wbuf);
     }
 
     for (int64_t i = 0; i < rows; ++i) {

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <span>
 #include <type_traits>
 #include <vector>
 
@@ -69,19 +70,25 @@ inline bool all_finite(const T* x, int64_t n) {
   }
 }
 
+// Appends j + shift to bad for every row j in [j0, j1) of the tile B (n
+// values a row) that holds a NaN or an infinity.
+template <typename In>
+void non_finite_rows(TileRef<In> B, int64_t j0, int64_t j1, int64_t n, int64_t shift,
+                     std::vector<int64_t>& bad) {
+  for (int64_t j = j0; j < j1; ++j)
+    if (!all_finite(B.ptr + j * B.ld, n)) bad.push_back(j + shift);
+}
+
 // C = alpha * A[M,K] @ B[K,N] + beta * C, where A (lda = K) holds weights
 // that are 0 for the keys a row does not reach (masked, future, another
 // row's segment). 0 * NaN is NaN, so a non-finite K/V row of a key nobody
-// reaches would otherwise spread to every row of the tile: such rows of B
-// enter as zeros, and their products are added back where the weight is not
-// 0 (a reached key still propagates). The check costs K * N reads against the
-// GEMM's M * K * N.
+// reaches would otherwise spread to every row of the tile: the rows of B in
+// bad (non_finite_rows, ascending; the callers find them once per tile and
+// reuse them) enter as zeros, and their products are added back where the
+// weight is not 0 (a reached key still propagates).
 template <typename In, typename T>
 void gemm_weights(int64_t M, int64_t N, int64_t K, T alpha, const In* A, TileRef<In> B, T beta,
-                  T* C, int64_t ldc, std::vector<In>& buf, std::vector<int64_t>& bad) {
-  bad.clear();
-  for (int64_t j = 0; j < K; ++j)
-    if (!all_finite(B.ptr + j * B.ld, N)) bad.push_back(j);
+                  T* C, int64_t ldc, std::span<const int64_t> bad, std::vector<In>& buf) {
   if (bad.empty()) return gemm(false, false, M, N, K, alpha, A, K, B.ptr, B.ld, beta, C, ldc);
   buf.resize(K * N);
   for (int64_t j = 0; j < K; ++j) std::copy(B.ptr + j * B.ld, B.ptr + j * B.ld + N, &buf[j * N]);
@@ -97,17 +104,25 @@ void gemm_weights(int64_t M, int64_t N, int64_t K, T alpha, const In* A, TileRef
   }
 }
 
-// Row maximum that propagates NaN (a NaN score must not be hidden).
+// Row maximum that propagates NaN (a NaN score must not be hidden). Four
+// independent running maxima, so the loop is not one dependency chain.
 template <typename T>
 inline T row_max(const T* x, int64_t n) {
   using Vec = at::vec::Vectorized<T>;
+  constexpr int64_t W = Vec::size();
   T m = -std::numeric_limits<T>::infinity();
   int64_t j = 0;
-  if (n >= Vec::size()) {
+  if (n >= W) {
     // at::vec::maximum propagates NaN.
-    Vec vm = Vec::loadu(x);
-    for (j = Vec::size(); j + Vec::size() <= n; j += Vec::size())
-      vm = at::vec::maximum(vm, Vec::loadu(x + j));
+    Vec m0 = Vec::loadu(x), m1 = m0, m2 = m0, m3 = m0;
+    for (j = W; j + 4 * W <= n; j += 4 * W) {
+      m0 = at::vec::maximum(m0, Vec::loadu(x + j));
+      m1 = at::vec::maximum(m1, Vec::loadu(x + j + W));
+      m2 = at::vec::maximum(m2, Vec::loadu(x + j + 2 * W));
+      m3 = at::vec::maximum(m3, Vec::loadu(x + j + 3 * W));
+    }
+    for (; j + W <= n; j += W) m0 = at::vec::maximum(m0, Vec::loadu(x + j));
+    const Vec vm = at::vec::maximum(at::vec::maximum(m0, m1), at::vec::maximum(m2, m3));
     m = at::vec::vec_reduce_all<T>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vm);
   }
   for (; j < n; ++j) m = (x[j] > m || std::isnan(x[j])) ? x[j] : m;
@@ -126,14 +141,23 @@ inline T exp_sub_sum(T* x, int64_t n, T sub) {
   T sum = 0;
   int64_t j = 0;
   if constexpr (std::is_same_v<T, float>) {
+    constexpr int64_t W = Vec::size();
     const Vec vs(sub);
-    Vec acc(0);
-    for (; j + Vec::size() <= n; j += Vec::size()) {
-      Vec e = (Vec::loadu(x + j) - vs).exp_u20();
-      e.store(x + j);
-      acc = acc + e;
+    Vec acc[4] = {Vec(0), Vec(0), Vec(0), Vec(0)};  // four independent sums
+    for (; j + 4 * W <= n; j += 4 * W) {
+      for (int u = 0; u < 4; ++u) {
+        const Vec e = (Vec::loadu(x + j + u * W) - vs).exp_u20();
+        e.store(x + j + u * W);
+        acc[u] = acc[u] + e;
+      }
     }
-    sum = at::vec::vec_reduce_all<T>([](Vec& a, Vec& b) { return a + b; }, acc);
+    for (; j + W <= n; j += W) {
+      const Vec e = (Vec::loadu(x + j) - vs).exp_u20();
+      e.store(x + j);
+      acc[0] = acc[0] + e;
+    }
+    const Vec total = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+    sum = at::vec::vec_reduce_all<T>([](Vec& a, Vec& b) { return a + b; }, total);
   }
   for (; j < n; ++j) {
     x[j] = std::exp(x[j] - sub);
@@ -203,18 +227,27 @@ inline TileRef<tile_t> gather_rows(int64_t rows, int64_t d, std::vector<tile_t>&
   return {buf.data(), d};
 }
 
-// The acc_t weights w[0..n) (P or dS) as the GEMM's tile_t: in place, or
-// rounded into buf.
+// The weights (P or dS, acc_t) as the GEMMs read them: the acc_t rows
+// themselves, or rows rounded to tile_t into buf, row by row while they are
+// in cache (round_row; a no-op when the types agree).
 template <typename tile_t, typename acc_t>
-inline const tile_t* weights_as(const acc_t* w, int64_t n, std::vector<tile_t>& buf) {
-  if constexpr (std::is_same_v<tile_t, acc_t>) {
-    return w;
-  } else {
-    if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
-    at::vec::convert(w, buf.data(), n);
-    return buf.data();
+struct Weights {
+  std::vector<tile_t> buf;
+
+  void reserve(int64_t n) {
+    if constexpr (!std::is_same_v<tile_t, acc_t>)
+      if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
   }
-}
+  void round_row(const acc_t* w, int64_t offset, int64_t n) {
+    if constexpr (!std::is_same_v<tile_t, acc_t>) at::vec::convert(w, buf.data() + offset, n);
+  }
+  const tile_t* of(const acc_t* w) const {
+    if constexpr (std::is_same_v<tile_t, acc_t>)
+      return w;
+    else
+      return buf.data();
+  }
+};
 
 // Merge a block's normalised (o, lse) into running accumulators (out, lse).
 template <typename acc_t>
