@@ -97,13 +97,7 @@ struct BackwardTile {
           std::fill(srow, srow + tk, acc_t(0));
           std::fill(dprow, dprow + tk, acc_t(0));
         } else {
-          int64_t valid = tk;
-          if (p.causal) valid = t < u0 ? 0 : std::min(tk, (t - u0) / r + 1);
-          for (int64_t j = valid; j < tk; ++j) srow[j] = neg_inf;
-          if (mrow != nullptr) {
-            for (int64_t j = 0; j < valid; ++j)
-              if (mrow[j * r]) srow[j] = neg_inf;
-          }
+          mask_row(srow, tk, t, u0, r, p.causal, mrow);
           softmax_grad_row(srow, dprow, tk, lse[stat], delta[stat]);
         }
         if (dv != nullptr) pw.round_row(srow, i * tk, tk);

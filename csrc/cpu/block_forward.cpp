@@ -91,15 +91,7 @@ struct ForwardTile {
       pw.reserve(rows * tk);
       for (int64_t i = 0; i < rows; ++i) {
         acc_t* srow = &s[i * tk];
-        const int64_t t = row_pos(i);
-        // Keys past the query (causal) are not reached.
-        int64_t valid = tk;
-        if (p.causal) valid = t < u0 ? 0 : std::min(tk, (t - u0) / r + 1);
-        for (int64_t j = valid; j < tk; ++j) srow[j] = neg_inf;
-        if (mrow != nullptr) {
-          for (int64_t j = 0; j < valid; ++j)
-            if (mrow[j * r]) srow[j] = neg_inf;
-        }
+        mask_row(srow, tk, row_pos(i), u0, r, p.causal, mrow);
         const acc_t m_new = max_nan(row_max(srow, tk), m[i]);
         if (m_new == neg_inf) {
           std::fill(srow, srow + tk, acc_t(0));

@@ -104,6 +104,23 @@ void gemm_weights(int64_t M, int64_t N, int64_t K, T alpha, const In* A, TileRef
   }
 }
 
+// Scores of one query row (position t) against a key tile (positions u0,
+// u0 + r, ..., tk keys) set to -inf where the row does not reach the key:
+// after t (causal), or padded (mrow: the tile's key_padding_mask entries at
+// stride r, or nullptr).
+template <typename T>
+inline void mask_row(T* srow, int64_t tk, int64_t t, int64_t u0, int64_t r, bool causal,
+                     const bool* mrow) {
+  constexpr T neg_inf = -std::numeric_limits<T>::infinity();
+  int64_t valid = tk;
+  if (causal) valid = t < u0 ? 0 : std::min(tk, (t - u0) / r + 1);
+  for (int64_t j = valid; j < tk; ++j) srow[j] = neg_inf;
+  if (mrow != nullptr) {
+    for (int64_t j = 0; j < valid; ++j)
+      if (mrow[j * r]) srow[j] = neg_inf;
+  }
+}
+
 // Row maximum that propagates NaN (a NaN score must not be hidden). Four
 // independent running maxima, so the loop is not one dependency chain.
 template <typename T>
