@@ -25,12 +25,16 @@
 #                          id, but the CPU emulator's)
 #   GPU_CHECK_PTXAS_V      1 (default): nvcc --ptxas-options=-v resource report in build.log
 #   GPU_CHECK_ARCH         TORCH_CUDA_ARCH_LIST for the build (default: the device's, e.g. 9.0)
+#   GPU_CHECK_CHECK_ARGS   extra arguments for benchmarks/bench.py check
 #   BENCH_ARGS             extra arguments for benchmarks/bench.py local
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 ROOT=$PWD
+# The extension is built in place, not installed: benchmarks/ and torchrun's
+# workers import ring_attention from the checkout.
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 # Compiled FlexAttention / Triton kernels land in build/ (git-ignored), so a
 # second call on a still-warm machine reuses them.
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$ROOT/build/torchinductor_cache}
@@ -42,6 +46,7 @@ PYTEST_ARGS=${GPU_CHECK_PYTEST_ARGS:--x}
 TESTS=${GPU_CHECK_TESTS:-tests}
 TEST_FILTER="cuda and not emulated"
 BENCH_ARGS=${BENCH_ARGS:-}
+CHECK_ARGS=${GPU_CHECK_CHECK_ARGS:-}
 DRY=0
 STAGES="build,tests,ring,bench"
 
@@ -107,7 +112,7 @@ if [[ $DRY -eq 1 ]]; then
     "1 process (bf16, n=32768, fwd+bwd), 2 gloo processes on one GPU (fp32 causal zigzag," \
     "bf16) -> ring.log"
   echo "  bench: the rest of the budget: $PY benchmarks/bench.py check --device cuda --configs" \
-    "12x64 16x128" \
+    "12x64 16x128 $CHECK_ARGS" \
     "(timeout <= $CHECK_CAP s), then bench.py local --device cuda --out-dir \$OUT/bench" \
     "--budget-s <left - $BENCH_MARGIN s> $BENCH_ARGS -> bench.log, bench/local.{jsonl,md,png}"
   echo "  exit status: non-zero iff build or tests failed"
@@ -156,14 +161,15 @@ EOF
 } 2>&1 | tee -a "$SUMMARY"
 record info done $((SECONDS - t)) ""
 
-CC=$("$PY" -c 'import torch; m, n = torch.cuda.get_device_capability(0); print(f"{m}.{n}")' 2>/dev/null || echo "")
+# (not $CC: that is the C compiler variable, which nvcc and Inductor read)
+ARCH=$("$PY" -c 'import torch; m, n = torch.cuda.get_device_capability(0); print(f"{m}.{n}")' 2>/dev/null || echo "")
 HAVE_GPU=1
-if [[ -z "$CC" ]]; then
+if [[ -z "$ARCH" ]]; then
   HAVE_GPU=0
-  CC=9.0
-  echo "gpu_check: no CUDA device visible to torch; building for $CC anyway"
+  ARCH=9.0
+  echo "gpu_check: no CUDA device visible to torch; building for $ARCH anyway"
 fi
-CC=${GPU_CHECK_ARCH:-$CC}
+ARCH=${GPU_CHECK_ARCH:-$ARCH}
 
 BUILD_OK=1
 TESTS_OK=1
@@ -176,8 +182,8 @@ if want build; then
   rm -f ring_attention/_C*.so
   extra=()
   if [[ "${GPU_CHECK_PTXAS_V:-1}" == 1 ]]; then extra=(NVCC_APPEND_FLAGS="${NVCC_APPEND_FLAGS:+$NVCC_APPEND_FLAGS }--ptxas-options=-v"); fi
-  echo "TORCH_CUDA_ARCH_LIST=$CC MAX_JOBS=16 ${extra[*]} $PY setup.py build_ext --inplace (timeout $b s)"
-  env TORCH_CUDA_ARCH_LIST="$CC" MAX_JOBS=16 "${extra[@]}" \
+  echo "TORCH_CUDA_ARCH_LIST=$ARCH MAX_JOBS=16 ${extra[*]} $PY setup.py build_ext --inplace (timeout $b s)"
+  env TORCH_CUDA_ARCH_LIST="$ARCH" MAX_JOBS=16 "${extra[@]}" \
     timeout --kill-after=10 "$b" "$PY" setup.py build_ext --inplace >"$OUT/build.log" 2>&1
   rc=$?
   note="rc=$rc"
@@ -304,8 +310,9 @@ if want bench; then
     ((BUILD_OK)) || echo "note: the build failed: 'ours' is recorded as failed; the baselines still run"
     {
       echo "## bench.py check"
+      # shellcheck disable=SC2086
       timeout --kill-after=10 "$CHECK_CAP" "$PY" benchmarks/bench.py check --device cuda \
-        --configs 12x64 16x128
+        --configs 12x64 16x128 $CHECK_ARGS
       echo "rc=$?"
     } 2>&1 | tee "$OUT/bench.log"
     check_rc=$(grep -Eo '^rc=[0-9]+' "$OUT/bench.log" | tail -n 1 | cut -d= -f2)
