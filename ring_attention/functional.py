@@ -9,6 +9,7 @@ import torch
 
 from .checks import check_key_padding_mask, check_qkv, resolve_scale
 from .pattern import Pattern, as_flag
+from .sdpa_backward import KernelForwardSDPABackward, sdpa_backward_applies
 
 __all__ = ["attend", "dilated_attention"]
 
@@ -31,9 +32,13 @@ def attend(
     check_key_padding_mask(key_padding_mask, shape.batch, shape.seq_k, q.device)
     scale = resolve_scale(scale, shape.head_dim)
     return_lse = as_flag(return_lse, "return_lse")
-    out, lse = torch.ops.ring_attention.dilated_attention(
-        q, k, v, *pattern.op_args(scale, key_padding_mask, q.device)
-    )
+    if sdpa_backward_applies(q, k, v, pattern, key_padding_mask):
+        # our forward, PyTorch's fused SDPA backward per branch (sdpa_backward.py)
+        out, lse = KernelForwardSDPABackward.apply(q, k, v, pattern, scale)
+    else:
+        out, lse = torch.ops.ring_attention.dilated_attention(
+            q, k, v, *pattern.op_args(scale, key_padding_mask, q.device)
+        )
     return (out, lse) if return_lse else out
 
 

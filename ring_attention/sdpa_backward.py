@@ -1,0 +1,333 @@
+"""The local op's backward through PyTorch's fused SDPA backward.
+
+Measured on an H100 (benchmarks/RESULTS.md, 2026-11-25): our forward kernel
+beats gather + SDPA at head_dim 64, but our backward kernel is the slow half;
+PyTorch's flash-attention backward run per branch on the compacted rows makes
+forward+backward 1.5x faster at n = 512K (h 12 d 64 and h 16 d 128, bf16). So
+on CUDA (fp16/bf16, head_dim a multiple of 8 up to 128) the forward stays ours
+and the backward, by default, runs SDPA's backward per (branch, head-offset
+class) on the active rows of each segment, given the FINAL merged ``out`` and
+``lse``: its ``P = exp(S - lse)`` is then the multiset softmax's probability
+and its ``D = rowsum(dO * out)`` the merged one, so the per-branch gradients
+add up exactly (as in ring and flash attention).
+
+Memory stays bounded: the sequence is processed in windows of whole longest
+segments (every segment length divides the longest, as in LongNet), at least
+131072 rows and about 1/16 of the sequence each, so the gathered rows and the
+float32 gradient accumulators cover one window at a time.
+
+``RING_ATTENTION_BACKWARD`` picks the path: ``auto`` (default: SDPA where the
+measurement says it wins, i.e. CUDA fp16/bf16), ``kernel`` (always ours) or
+``sdpa`` (SDPA wherever it applies, the CPU included: how the tests check it
+against the float64 oracle). The kernel runs instead whenever SDPA cannot give
+the same answer: a gradient reaching ``lse``, a key padding mask, documents,
+segment lengths that do not nest, or non-finite K/V (SDPA's backward lets a
+NaN in a causally masked key reach earlier queries). A double backward raises,
+as the kernel's does.
+
+The price is memory at short lengths: below about 2 * 131072 rows one window
+is the whole sequence, and its gathered rows (the dilation-1 branch gathers
+every row) and float32 accumulators come on top (H100, 32K rows: peak 3.0x
+the bytes of q, k, v, out and their gradients, against 1.07x for the kernel;
+at 2M rows 1.13x).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import torch
+
+from .cache import LRUCache
+from .pattern import Pattern
+
+__all__ = ["BACKWARD_ENV", "SDPA_BACKEND_ENV", "backward_mode", "sdpa_backward_applies"]
+
+BACKWARD_ENV = "RING_ATTENTION_BACKWARD"
+BACKWARD_MODES = ("auto", "kernel", "sdpa")
+#: the CUDA SDPA kernel whose backward runs: flash (default) or efficient. Not
+#: cuDNN's: on an H100 (2026-11-25) it was the fastest but disagreed with the
+#: float64 oracle on 7 of 10 small ragged cases that flash and efficient passed.
+SDPA_BACKEND_ENV = "RING_ATTENTION_SDPA_BACKEND"
+SDPA_BACKENDS = ("flash", "efficient")
+_CUDA_DTYPES = (torch.float16, torch.bfloat16)
+# Rows per window: at least this many (the SDPA calls stay large), at most
+# about 1/_WINDOWS of the sequence (the per-window buffers stay small).
+_MIN_WINDOW_ROWS = 131072
+_WINDOWS = 16
+
+_DOUBLE_BACKWARD = (
+    "ring_attention.dilated_attention: double backward is not supported (the "
+    "backward is not itself differentiable)"
+)
+
+
+def backward_mode() -> str:
+    """``RING_ATTENTION_BACKWARD``, checked."""
+    mode = os.environ.get(BACKWARD_ENV, "auto")
+    if mode not in BACKWARD_MODES:
+        raise ValueError(f"{BACKWARD_ENV} must be one of {list(BACKWARD_MODES)}, got {mode!r}")
+    return mode
+
+
+def _sdpa_backend() -> str:
+    backend = os.environ.get(SDPA_BACKEND_ENV, "flash")
+    if backend not in SDPA_BACKENDS:
+        raise ValueError(
+            f"{SDPA_BACKEND_ENV} must be one of {list(SDPA_BACKENDS)}, got {backend!r}"
+        )
+    return backend
+
+
+def _nested(pattern: Pattern, n: int) -> bool:
+    """Windows of whole longest segments hold whole segments of every branch."""
+    longest = max(pattern.segment_lengths)
+    return n <= longest or all(longest % w == 0 for w in pattern.segment_lengths)
+
+
+def sdpa_backward_applies(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pattern: Pattern,
+    key_padding_mask: torch.Tensor | None,
+) -> bool:
+    """Whether :func:`attend` routes this call's backward through SDPA."""
+    mode = backward_mode()
+    if mode == "kernel" or not torch.is_grad_enabled():
+        return False
+    if not (q.requires_grad or k.requires_grad or v.requires_grad):
+        return False
+    if key_padding_mask is not None or pattern.documents is not None:
+        return False
+    if q.shape[1] == 0 or q.shape[-1] == 0 or not _nested(pattern, q.shape[1]):
+        return False
+    if q.device.type == "cuda":
+        d = q.shape[-1]
+        return (
+            q.dtype in _CUDA_DTYPES
+            and d % 8 == 0
+            and d <= 128
+            and torch.cuda.get_device_capability(q.device) >= (8, 0)
+        )
+    return mode == "sdpa" and q.device.type == "cpu"
+
+
+# --------------------------------------------------------------------------- #
+# which rows each SDPA call covers
+# --------------------------------------------------------------------------- #
+def _window_rows(n: int, longest: int) -> int:
+    if n <= longest:
+        return n
+    rows = max(_MIN_WINDOW_ROWS, math.ceil(n / _WINDOWS))
+    return min(math.ceil(rows / longest) * longest, math.ceil(n / longest) * longest)
+
+
+def _build_calls(
+    length: int, heads: int, kv_heads: int, pattern: Pattern, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """For a window of ``length`` rows: one ``(q_index, kv_index)`` per SDPA
+    call, each ``(segments, rows, heads_of_class)`` of flat row indices
+    ``pos * heads + h`` (K/V: ``pos * kv_heads + h // group``). Full segments
+    of a (branch, offset class) form one call, a short last segment another."""
+    group = heads // kv_heads
+    calls = []
+    for b, (w, r) in enumerate(pattern.branches):
+        by_offset: dict[int, list[int]] = {}
+        for h in pattern.applies(b, heads):
+            by_offset.setdefault(pattern.offset(h, b, heads), []).append(h)
+        nfull, rem = divmod(length, w)
+        for o, hs in sorted(by_offset.items()):
+            h_idx = torch.tensor(hs, dtype=torch.long)
+            parts = []
+            if nfull and o < w:
+                parts.append((torch.arange(nfull) * w)[:, None] + torch.arange(o, w, r)[None, :])
+            if rem > o:
+                parts.append(nfull * w + torch.arange(o, rem, r)[None, :])
+            for pos in parts:
+                pos = pos[:, :, None]
+                calls.append(
+                    (
+                        (pos * heads + h_idx).to(device),
+                        (pos * kv_heads + h_idx // group).to(device),
+                    )
+                )
+    return calls
+
+
+_CALLS: LRUCache[list[tuple[torch.Tensor, torch.Tensor]]] = LRUCache(
+    16,
+    max_bytes=1 << 30,
+    size_of=lambda calls: sum(a.nbytes + b.nbytes for a, b in calls),
+)
+
+
+def _calls(length, heads, kv_heads, pattern, device):
+    key = (length, heads, kv_heads, pattern, str(device))
+    return _CALLS.get(key, lambda: _build_calls(length, heads, kv_heads, pattern, device))
+
+
+# --------------------------------------------------------------------------- #
+# one SDPA backward on (B, H, L, D) rows
+# --------------------------------------------------------------------------- #
+_TEMPLATES: dict[tuple[str, str, torch.dtype, int], tuple[tuple[Any, ...], bool]] = {}
+
+
+def _template(
+    backend: str, device: torch.device, dtype: torch.dtype, d: int
+) -> tuple[tuple[Any, ...], bool]:
+    """The forward's side outputs (RNG state, sequence offsets) that a CUDA
+    backend's backward takes, from one tiny forward per (backend, device,
+    dtype, head_dim): with no dropout and no nesting they do not depend on
+    the shapes. Also whether its LSE rows are padded (the efficient kernel's)."""
+    key = (backend, str(device), dtype, d)
+    if key not in _TEMPLATES:
+        x = torch.zeros(1, 1, 8, d, dtype=dtype, device=device)
+        aten = torch.ops.aten
+        if backend == "flash":
+            _, lse, cq, ck, _, _, rng, unused, _ = aten._scaled_dot_product_flash_attention(
+                x, x, x, 0.0, False, False
+            )
+            side = (cq, ck, rng, unused)
+        else:
+            _, lse, seed, off = aten._scaled_dot_product_efficient_attention(
+                x, x, x, None, True, 0.0, False
+            )
+            side = (seed, off)
+        _TEMPLATES[key] = (side, lse.shape[-1] != 8)
+    return _TEMPLATES[key]
+
+
+def _lse_buffer(lse: torch.Tensor, padded: bool) -> torch.Tensor:
+    """``(B, H, L)`` float32 into the backend's layout (padded to a multiple
+    of 32 rows for the efficient kernel)."""
+    if padded:
+        rows = math.ceil(lse.shape[-1] / 32) * 32
+        buf = lse.new_zeros(*lse.shape[:-1], rows)
+        buf[..., : lse.shape[-1]] = lse
+        lse = buf
+    return lse.contiguous()
+
+
+def _sdpa_backward(do, q, k, v, out, lse, causal: bool, scale: float):
+    """dq, dk, dv of one SDPA call given its rows' final ``out`` and ``lse``."""
+    aten = torch.ops.aten
+    if q.device.type == "cpu":
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do, q, k, v, out, lse.contiguous(), 0.0, causal, scale=scale
+        )
+        return dq, dk, dv
+    backend = _sdpa_backend()
+    side, padded = _template(backend, q.device, q.dtype, q.shape[-1])
+    lse = _lse_buffer(lse.float(), padded)
+    lq, lk = q.shape[2], k.shape[2]
+    if backend == "flash":
+        cq, ck, rng, unused = side
+        dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+            do, q, k, v, out, lse, cq, ck, lq, lk, 0.0, causal, rng, unused, scale=scale
+        )
+    else:
+        seed, off = side
+        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+            do, q, k, v, None, out, lse, seed, off, 0.0, [True, True, True, False], causal,
+            scale=scale,
+        )  # fmt: skip
+    return dq, dk, dv
+
+
+# --------------------------------------------------------------------------- #
+# the whole backward
+# --------------------------------------------------------------------------- #
+def _gather(flat: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``(B, rows, D)`` and ``(S, a, c)`` indices -> ``(B*S, c, a, D)``."""
+    s, a, c = idx.shape
+    g = flat.index_select(1, idx.reshape(-1))
+    return g.view(flat.shape[0] * s, a, c, flat.shape[-1]).transpose(1, 2)
+
+
+def _scatter_rows(x: torch.Tensor, bsz: int) -> torch.Tensor:
+    """``(B*S, c, a, D)`` -> ``(B, S*a*c, D)`` in the order of its indices."""
+    return x.transpose(1, 2).reshape(bsz, -1, x.shape[-1])
+
+
+def sdpa_dilated_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    pattern: Pattern,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of ``dilated_attention`` (no mask, no documents, nested
+    segments) by SDPA's backward per branch and offset class, one window of
+    whole longest segments at a time."""
+    bsz, n, heads, d = q.shape
+    kv_heads = k.shape[2]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q_f, o_f, do_f = (t.reshape(bsz, n * heads, d) for t in (q, out, grad_out))
+    k_f, v_f = (t.reshape(bsz, n * kv_heads, d) for t in (k, v))
+    lse_f = lse.transpose(1, 2).reshape(bsz, n * heads)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    rows = _window_rows(n, max(pattern.segment_lengths))
+    for a in range(0, n, rows):
+        length = min(rows, n - a)
+        g_q = torch.zeros(bsz, length * heads, d, dtype=acc, device=q.device)
+        g_k = torch.zeros(bsz, length * kv_heads, d, dtype=acc, device=q.device)
+        g_v = torch.zeros_like(g_k)
+        # views of this window's rows: the cached indices are window-relative
+        win = [t[:, a * heads : (a + length) * heads] for t in (q_f, o_f, do_f)]
+        kv = [t[:, a * kv_heads : (a + length) * kv_heads] for t in (k_f, v_f)]
+        lse_w = lse_f[:, a * heads : (a + length) * heads]
+        for qi, ki in _calls(length, heads, kv_heads, pattern, q.device):
+            qc, oc, doc = (_gather(t, qi) for t in win)
+            kc, vc = (_gather(t, ki) for t in kv)
+            s, rws, c = qi.shape
+            lc = lse_w.index_select(1, qi.reshape(-1)).view(bsz * s, rws, c).transpose(1, 2)
+            gq, gk, gv = _sdpa_backward(doc, qc, kc, vc, oc, lc, pattern.causal, scale)
+            g_q.index_add_(1, qi.reshape(-1), _scatter_rows(gq, bsz).to(acc))
+            g_k.index_add_(1, ki.reshape(-1), _scatter_rows(gk, bsz).to(acc))
+            g_v.index_add_(1, ki.reshape(-1), _scatter_rows(gv, bsz).to(acc))
+        dq[:, a : a + length] = g_q.view(bsz, length, heads, d)
+        dk[:, a : a + length] = g_k.view(bsz, length, kv_heads, d)
+        dv[:, a : a + length] = g_v.view(bsz, length, kv_heads, d)
+    return dq, dk, dv
+
+
+class KernelForwardSDPABackward(torch.autograd.Function):
+    """Our forward kernel; the backward by :func:`sdpa_dilated_backward`, or
+    by our backward kernel where SDPA cannot give the same answer."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, pattern: Pattern, scale: float):
+        out, lse = torch.ops.ring_attention.dilated_attention(
+            q, k, v, *pattern.op_args(scale, None, q.device)
+        )
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.pattern, ctx.scale = pattern, scale
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        if torch.is_grad_enabled():
+            raise RuntimeError(_DOUBLE_BACKWARD)
+        q, k, v, out, lse = ctx.saved_tensors
+        pattern, scale = ctx.pattern, ctx.scale
+        if grad_out is None and grad_lse is None:
+            return None, None, None, None, None
+        use_sdpa = (
+            grad_lse is None and bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all())
+        )
+        if use_sdpa:
+            dq, dk, dv = sdpa_dilated_backward(grad_out, q, k, v, out, lse, pattern, scale)
+        else:
+            if grad_out is None:
+                grad_out = torch.zeros_like(out)
+            dq, dk, dv = torch.ops.ring_attention.dilated_attention_backward(
+                grad_out, grad_lse, q, k, v, out, lse, *pattern.op_args(scale, None, q.device)
+            )
+        return dq, dk, dv, None, None
