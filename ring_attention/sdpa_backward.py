@@ -25,7 +25,7 @@ segment lengths that do not nest, or non-finite K/V (SDPA's backward lets a
 NaN in a causally masked key reach earlier queries). A double backward raises,
 as the kernel's does.
 
-The price is memory at short lengths: below about 2 * 131072 rows one window
+The price is memory at short lengths: up to 131072 rows one window
 is the whole sequence, and its gathered rows (the dilation-1 branch gathers
 every row) and float32 accumulators come on top (H100, 32K rows: peak 3.0x
 the bytes of q, k, v, out and their gradients, against 1.07x for the kernel;

@@ -153,10 +153,11 @@ def assumed_rates(device: str, dtype: str, threads: int = 1) -> Rates:
 
     CPU: 50 GFLOP/s per thread (float32; float64 half of it), the one-thread
     rate of the CPU kernels on a LongNet pattern in ``benchmarks/RESULTS.md``.
-    CUDA: ASSUMED 200 TFLOP/s forward and 150 TFLOP/s forward+backward for
-    bf16/fp16 (tensor cores), 20 / 15 for float32 and 10 / 7.5 for float64:
-    the CUDA kernels have not been timed on a GPU, so these are placeholders
-    to replace with ``--bench-json`` or ``--tflops``.
+    CUDA bf16/fp16: 95 TFLOP/s forward and 87 TFLOP/s forward+backward, the
+    rates of our kernels measured on one H100 (local op, LongNet, 16 heads of
+    128, n 512K-2M; benchmarks/RESULTS.md, 2026-11-25), ASSUMED for other GPUs
+    and for the ring's partial blocks. float32 20 / 15 and float64 10 / 7.5:
+    not timed, placeholders. Replace them with ``--bench-json`` or ``--tflops``.
     """
     dtype, device = dtype_name(dtype), _device_type(device)
     if device == "cpu":
@@ -167,10 +168,15 @@ def assumed_rates(device: str, dtype: str, threads: int = 1) -> Rates:
             f"ASSUMED {per / 1e9:.0f} GFLOP/s ({threads} thread(s) x 50, the one-thread "
             "float32 rate in benchmarks/RESULTS.md); pass --bench-json or --tflops",
         )
-    fwd, fb = {"float32": (20e12, 15e12), "float64": (10e12, 7.5e12)}.get(dtype, (200e12, 150e12))
+    if dtype in ("float32", "float64"):
+        fwd, fb = (20e12, 15e12) if dtype == "float32" else (10e12, 7.5e12)
+        why = f"{dtype} kernels not timed on a GPU"
+    else:
+        fwd, fb = 95e12, 87e12
+        why = "our kernels on one H100, 2026-11-25 (benchmarks/RESULTS.md)"
     return Rates(
         fwd,
         fb,
-        f"ASSUMED {fwd / 1e12:.0f} / {fb / 1e12:.0f} TFLOP/s (forward / forward+backward): the "
-        "CUDA kernels have not been timed on a GPU; pass --bench-json or --tflops",
+        f"ASSUMED {fwd / 1e12:.0f} / {fb / 1e12:.0f} TFLOP/s (forward / forward+backward): "
+        f"{why}; pass --bench-json or --tflops",
     )
