@@ -21,9 +21,12 @@ measurement says it wins, i.e. CUDA fp16/bf16), ``kernel`` (always ours) or
 ``sdpa`` (SDPA wherever it applies, the CPU included: how the tests check it
 against the float64 oracle). The kernel runs instead whenever SDPA cannot give
 the same answer: a gradient reaching ``lse``, a key padding mask, documents,
-segment lengths that do not nest, or non-finite K/V (SDPA's backward lets a
-NaN in a causally masked key reach earlier queries). A double backward raises,
-as the kernel's does.
+segment lengths that do not nest, or non-finite K/V (checked once per
+backward, a host sync: SDPA's backward multiplies the zero weights of masked
+keys by NaN, spreading a non-finite key or a NaN row's ``D`` to keys and
+queries that do not reach it). A double backward raises, as the kernel's does.
+Capturing the backward in a CUDA graph needs ``RING_ATTENTION_BACKWARD=kernel``
+(the check syncs).
 
 The price is memory at short lengths: up to 131072 rows one window
 is the whole sequence, and its gathered rows (the dilation-1 branch gathers
@@ -299,7 +302,8 @@ def sdpa_dilated_backward(
 
 class KernelForwardSDPABackward(torch.autograd.Function):
     """Our forward kernel; the backward by :func:`sdpa_dilated_backward`, or
-    by our backward kernel where SDPA cannot give the same answer."""
+    by our backward kernel when a gradient reaches ``lse`` (SDPA's backward
+    has no input for it) or K/V hold a non-finite value."""
 
     @staticmethod
     def forward(ctx, q, k, v, pattern: Pattern, scale: float):

@@ -78,6 +78,29 @@ def test_unreached_keys_leave_other_rows_alone(where: str, causal: bool, dtype, 
     torch.testing.assert_close(dq[~rows], want[1][~rows])
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("where", ["k", "v"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_unreached_keys_leave_other_keys_gradients_alone(bad, where, causal, dtype, device):
+    """A non-finite key u: dk and dv of every key that no row reaching u also
+    reaches stay what they were (a row whose lse is NaN must not turn the
+    zero weights of its masked keys into NaN: exp(-inf - NaN))."""
+    n, heads, u = 45, 3, 20
+    q, k, v, go = _inputs(n, heads, heads, dtype, seed=6, device=device)
+    want = _run(q, k, v, go, causal=causal)
+    k_bad, v_bad = k.clone(), v.clone()
+    (k_bad if where == "k" else v_bad)[:, u] = bad
+    got = _run(q, k_bad, v_bad, go, causal=causal)
+    reach = multiplicity(n, heads, SEGS, DILS, causal) > 0  # (heads, query, key)
+    shares_a_row = (reach & reach[:, :, u : u + 1]).any(dim=1).t().to(device)  # (key, head)
+    assert (~shares_a_row).any() and shares_a_row.any()
+    for name, a, b in (("dk", got[2], want[2]), ("dv", got[3], want[3])):
+        a, b = a[:, ~shares_a_row], b[:, ~shares_a_row]
+        assert torch.isfinite(a).all(), f"{name}: the non-finite key reached an unrelated key"
+        torch.testing.assert_close(a, b, msg=lambda m, name=name: f"{name}: {m}")
+
+
 # ---------------------------------------------------------------- CUDA kernels
 # The same properties for the CUDA kernels, run by the CPU emulator
 # (tests/cuda_emulator; the ``emu`` fixture is in conftest.py), through the block operators.

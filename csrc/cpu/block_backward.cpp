@@ -9,6 +9,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
+#include <cmath>
 #include <vector>
 
 #include "block_tasks.h"
@@ -98,7 +99,11 @@ struct BackwardTile {
           std::fill(dprow, dprow + tk, acc_t(0));
         } else {
           mask_row(srow, tk, t, u0, r, p.causal, mrow);
-          softmax_grad_row(srow, dprow, tk, lse[stat], delta[stat]);
+          if (std::isfinite(lse[stat])) {
+            softmax_grad_row(srow, dprow, tk, lse[stat], delta[stat]);
+          } else {
+            softmax_grad_row_nonfinite(srow, dprow, tk, lse[stat], delta[stat]);
+          }
         }
         if (dv != nullptr) pw.round_row(srow, i * tk, tk);
         dsw.round_row(dprow, i * tk, tk);

@@ -205,6 +205,23 @@ inline void softmax_grad_row(T* s, T* dp, int64_t n, T lse, T delta) {
   }
 }
 
+// softmax_grad_row for a row whose lse is not finite (it reaches a
+// non-finite key): its masked keys (score -inf) keep P = dS = 0, since
+// exp(-inf - NaN) would be NaN and reach the gradients of keys the row does
+// not reach; its reached keys give NaN, as they should.
+template <typename T>
+inline void softmax_grad_row_nonfinite(T* s, T* dp, int64_t n, T lse, T delta) {
+  for (int64_t j = 0; j < n; ++j) {
+    if (s[j] == -std::numeric_limits<T>::infinity()) {
+      s[j] = T(0);
+      dp[j] = T(0);
+    } else {
+      s[j] = std::exp(s[j] - lse);
+      dp[j] = s[j] == T(0) ? T(0) : s[j] * (dp[j] - delta);
+    }
+  }
+}
+
 template <typename T>
 inline void scale_row(T* x, int64_t n, T s) {
   using Vec = at::vec::Vectorized<T>;
