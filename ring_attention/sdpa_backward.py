@@ -101,6 +101,9 @@ def sdpa_backward_applies(
     mode = backward_mode()
     if mode == "kernel" or not torch.is_grad_enabled():
         return False
+    if torch.compiler.is_compiling():
+        # graphs keep the operator's own autograd (one traced op, no host sync)
+        return False
     if not (q.requires_grad or k.requires_grad or v.requires_grad):
         return False
     if key_padding_mask is not None or pattern.documents is not None:

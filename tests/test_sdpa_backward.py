@@ -148,6 +148,19 @@ def test_non_finite_keys_take_the_kernel(bad, where, causal, sdpa_mode, monkeypa
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
 
 
+def test_compiled_calls_keep_the_operator_autograd(sdpa_mode, monkeypatch) -> None:
+    """Under torch.compile the SDPA backward is not used: the graph holds the
+    operator (its autograd, its Meta kernel), so gradients are the kernel's."""
+    q, k, v, go = _inputs(64, 2, 2, 8, torch.float32, "cpu", seed=8)
+    qc = q.clone().requires_grad_()
+    f = torch.compile(lambda q: ra.dilated_attention(q, k, v, [16, 32], [1, 2]), fullgraph=True)
+    (got,) = torch.autograd.grad(f(qc), qc, go)
+    monkeypatch.setenv(sdpa_backward.BACKWARD_ENV, "kernel")
+    qe = q.clone().requires_grad_()
+    (want,) = torch.autograd.grad(ra.dilated_attention(qe, k, v, [16, 32], [1, 2]), qe, go)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_double_backward_raises(sdpa_mode) -> None:
     q, k, v, _ = _inputs(24, 2, 2, 4, F64, "cpu", seed=6)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
