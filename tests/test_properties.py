@@ -149,6 +149,36 @@ def test_dilated_attention_matches_the_oracle(c: dict) -> None:
         _assert_close(name, g, w, t_grad, c)
 
 
+@_seeded
+@_settings(EXAMPLES)
+@given(problems())
+def test_sdpa_backward_matches_the_oracle(c: dict) -> None:
+    """The backward through PyTorch's SDPA per branch (sdpa_backward.py, on the
+    CPU when asked for), windows of one longest segment: random patterns,
+    without masks, documents or an lse gradient (those take the kernel)."""
+    from ring_attention import sdpa_backward
+
+    c = dict(c, mask=False, cu_seqlens=None, lse_weight=False)
+    q, k, v, go, mask, glse = _inputs(c)
+    want = _oracle(c, q, k, v, go, mask, glse)
+    saved = (os.environ.get(sdpa_backward.BACKWARD_ENV), sdpa_backward._MIN_WINDOW_ROWS)
+    os.environ[sdpa_backward.BACKWARD_ENV] = "sdpa"
+    sdpa_backward._MIN_WINDOW_ROWS = 1
+    try:
+        qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        out, lse = ra.dilated_attention(qg, kg, vg, c["segs"], c["dils"], **_kwargs(c))
+        _loss(out, lse, go, glse).backward()
+    finally:
+        if saved[0] is None:
+            del os.environ[sdpa_backward.BACKWARD_ENV]
+        else:
+            os.environ[sdpa_backward.BACKWARD_ENV] = saved[0]
+        sdpa_backward._MIN_WINDOW_ROWS = saved[1]
+    t_grad = TOL[c["dtype"]][2]
+    for name, g, w in zip(("dq", "dk", "dv"), (qg.grad, kg.grad, vg.grad), want[2:], strict=True):
+        _assert_close(name, g, w, t_grad, c)
+
+
 def _ring_worker(rank: int, world: int, c: dict) -> float:
     """Max error of this rank's ring output and gradients against one process."""
     q, k, v, go, _, glse = _inputs(c)
