@@ -4,11 +4,16 @@
 #
 #   bash scripts/gpu_check.sh                 # everything, ~9 minutes at most
 #   bash scripts/gpu_check.sh --dry-run       # the plan (and bench.py local --dry-run); no GPU needed
-#   bash scripts/gpu_check.sh --stages build,tests    # a subset (build tests ring bench)
+#   bash scripts/gpu_check.sh --stages build,tests    # a subset (build tests ring bench kbwd)
+#   GPU_CHECK_TOTAL_S=570 bash scripts/gpu_check.sh --stages build,bench,kbwd
+#                                             # kbwd (not in the default): ours forward+backward
+#                                             # with our backward kernel, beside bench's default
+#                                             # (SDPA backward on CUDA), for the same-run comparison
 #
 # Results go to $OUT (default /tmp/gpu_check_out):
 #   summary.txt (versions + final table), build.log, tests.log, ring.log,
-#   bench.log (bench.py check, then bench.py local), bench/local.{jsonl,md,png}
+#   bench.log (bench.py check, then bench.py local), bench/local.{jsonl,md,png},
+#   kbwd.log, bench_kernel_backward/local.{jsonl,md,png} (stage kbwd)
 # Each stage runs under `timeout` inside a total budget (GPU_CHECK_TOTAL_S,
 # default 540 s); a failing stage is recorded and the next one runs. If the
 # build fails, the benchmark still runs its baselines ('ours' is recorded as
@@ -20,7 +25,7 @@
 #   OUT                    output folder (the device tool sets it)
 #   PYTHON                 interpreter (default python3)
 #   GPU_CHECK_TOTAL_S      total budget in seconds (default 540)
-#   GPU_CHECK_PYTEST_ARGS  extra pytest arguments (default: -x)
+#   GPU_CHECK_PYTEST_ARGS  extra pytest arguments (default: --maxfail=20)
 #   GPU_CHECK_TESTS        test paths (default tests: every test with "cuda" in its
 #                          id, but the CPU emulator's)
 #   GPU_CHECK_PTXAS_V      1 (default): nvcc --ptxas-options=-v resource report in build.log
@@ -42,7 +47,7 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$ROOT/build/triton_cache}
 PY=${PYTHON:-python3}
 OUT=${OUT:-/tmp/gpu_check_out}
 TOTAL=${GPU_CHECK_TOTAL_S:-540}
-PYTEST_ARGS=${GPU_CHECK_PYTEST_ARGS:--x}
+PYTEST_ARGS=${GPU_CHECK_PYTEST_ARGS:---maxfail=20}
 TESTS=${GPU_CHECK_TESTS:-tests}
 TEST_FILTER="cuda and not emulated"
 BENCH_ARGS=${BENCH_ARGS:-}
@@ -72,6 +77,7 @@ RESERVE_AFTER_TESTS=200 # ring + some bench
 RESERVE_AFTER_RING=150  # bench
 BENCH_MIN=60            # skip the bench when less is left
 BENCH_MARGIN=45         # between bench.py's own --budget-s and its hard timeout
+KBWD_RESERVE=120        # what bench leaves for kbwd when that stage is asked for
 CHECK_CAP=150           # bench.py check, inside the bench stage
 SUMMARY_MARGIN=15
 
@@ -115,6 +121,9 @@ if [[ $DRY -eq 1 ]]; then
     "12x64 16x128 $CHECK_ARGS" \
     "(timeout <= $CHECK_CAP s), then bench.py local --device cuda --out-dir \$OUT/bench" \
     "--budget-s <left - $BENCH_MARGIN s> $BENCH_ARGS -> bench.log, bench/local.{jsonl,md,png}"
+  echo "  kbwd : (only when named in --stages; bench leaves it ${KBWD_RESERVE} s)" \
+    "RING_ATTENTION_BACKWARD=kernel $PY benchmarks/bench.py local --device cuda --passes fwdbwd" \
+    "--methods ours --search-step 0 --out-dir \$OUT/bench_kernel_backward -> kbwd.log"
   echo "  exit status: non-zero iff build or tests failed"
   bash -n "${BASH_SOURCE[0]}" && echo "  bash -n: ok"
   # shellcheck disable=SC2086
@@ -302,7 +311,9 @@ fi
 if want bench; then
   banner bench
   t=$SECONDS
-  hard=$(($(remaining) - SUMMARY_MARGIN))
+  reserve=$SUMMARY_MARGIN
+  want kbwd && reserve=$((reserve + KBWD_RESERVE))
+  hard=$(($(remaining) - reserve))
   if ((hard < BENCH_MIN)); then
     echo "skipped: budget ($hard s left)" >"$OUT/bench.log"
     record bench SKIP 0 "only $hard s left"
@@ -316,7 +327,7 @@ if want bench; then
       echo "rc=$?"
     } 2>&1 | tee "$OUT/bench.log"
     check_rc=$(grep -Eo '^rc=[0-9]+' "$OUT/bench.log" | tail -n 1 | cut -d= -f2)
-    hard=$(($(remaining) - SUMMARY_MARGIN))
+    hard=$(($(remaining) - reserve))
     soft=$((hard - BENCH_MARGIN))
     ((soft < 30)) && soft=30
     echo "## bench.py local" | tee -a "$OUT/bench.log"
@@ -330,6 +341,26 @@ if want bench; then
     [[ -n "$largest" ]] && note="$note; ${largest#- }"
     [[ $rc -eq 0 && "$check_rc" == 0 ]] && st=ok || st=FAIL
     record bench "$st" $((SECONDS - t)) "$note"
+  fi
+fi
+
+# ------------------------------------------------------------------ kbwd
+if want kbwd; then
+  banner kbwd
+  t=$SECONDS
+  hard=$(($(remaining) - SUMMARY_MARGIN))
+  if ((!BUILD_OK || hard < BENCH_MIN)); then
+    echo "skipped: build failed or budget ($hard s left)" >"$OUT/kbwd.log"
+    record kbwd SKIP 0 "build failed or only $hard s left"
+  else
+    soft=$((hard - BENCH_MARGIN))
+    ((soft < 30)) && soft=30
+    RING_ATTENTION_BACKWARD=kernel timeout --kill-after=10 "$hard" "$PY" benchmarks/bench.py \
+      local --device cuda --passes fwdbwd --methods ours --search-step 0 \
+      --out-dir "$OUT/bench_kernel_backward" --budget-s "$soft" 2>&1 | tee "$OUT/kbwd.log"
+    rc=$?
+    ((rc == 0)) && st=ok || st=FAIL
+    record kbwd "$st" $((SECONDS - t)) "rc=$rc (our backward kernel; budget $soft s)"
   fi
 fi
 
