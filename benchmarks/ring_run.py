@@ -62,7 +62,10 @@ def ring_setup(a: argparse.Namespace) -> tuple[torch.device, int, int, int]:
     backend = a.backend
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" and local_world <= gpus else "gloo"
-    if world > 1:
+    # One process joins a process group too when a backend is named: the
+    # ring then runs its collectives (handshake, exchange plan) through it
+    # (NCCL on a single GPU, as far as one GPU allows).
+    if world > 1 or a.backend != "auto":
         dist.init_process_group(
             backend,
             timeout=datetime.timedelta(minutes=a.timeout_min),
@@ -276,7 +279,7 @@ def cmd_ring_run(a: argparse.Namespace) -> int:
     a.check_on, check_line = decision[0]
     threads = torch.get_num_threads()
     if rank == 0 and not a.quiet:
-        backend = dist.get_backend() if world > 1 else "none"
+        backend = dist.get_backend() if dist.is_initialized() else "none"
         print(
             f"ring_dilated_attention: {world} process(es), backend {backend}, {device.type}, "
             f"{dtype_name(dtype)}, {threads} thread(s) per process"
@@ -328,7 +331,7 @@ def cmd_ring_run(a: argparse.Namespace) -> int:
                     )
                 ],
             )
-    if world > 1:
+    if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
     return rc

@@ -116,7 +116,7 @@ if [[ $DRY -eq 1 ]]; then
   echo "  tests: timeout <= $CAP_TESTS s $PY -m pytest -q $TESTS -k '$TEST_FILTER' $PYTEST_ARGS -> tests.log"
   echo "  ring : timeout <= $CAP_RING s, torchrun + benchmarks/bench.py ring-run --check yes:" \
     "1 process (bf16, n=32768, fwd+bwd), 2 gloo processes on one GPU (fp32 causal zigzag," \
-    "bf16) -> ring.log"
+    "bf16), 1 process in an NCCL group (bf16) -> ring.log"
   echo "  bench: the rest of the budget: $PY benchmarks/bench.py check --device cuda --configs" \
     "12x64 16x128 $CHECK_ARGS" \
     "(timeout <= $CHECK_CAP s), then bench.py local --device cuda --out-dir \$OUT/bench" \
@@ -299,6 +299,8 @@ if want ring; then
         --backend gloo --dtype float32 --seq-len 8192 --causal --layout zigzag
       ring_run "2 gloo processes on one GPU, bf16" 2 --device cuda --backend gloo \
         --dtype bfloat16 --seq-len 8192
+      ring_run "1 process in an NCCL group (handshake and plan through NCCL), bf16" 1 \
+        --device cuda --backend nccl --dtype bfloat16 --seq-len 8192
     } 2>&1 | tee "$OUT/ring.log"
     fails=$(grep -Ec '^rc=[1-9]' "$OUT/ring.log" || true)
     runs=$(grep -Ec '^rc=' "$OUT/ring.log" || true)
