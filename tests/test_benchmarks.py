@@ -164,6 +164,19 @@ def test_ring_sweep_two_gloo_processes(tmp_path: Path) -> None:
     assert (tmp_path / "ring.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_ring_run_one_process_in_a_named_backend_group() -> None:
+    """With --backend named, one process joins a process group, so the ring's
+    handshake runs through it (how gpu_check.sh reaches NCCL on one GPU)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+         str(BENCH), "ring-run", "--device", "cpu", "--backend", "gloo", "--seq-len", "300",
+         "--heads", "2", "--head-dim", "8", *TINY, "--iters", "1", "--check", "yes", "--backward"],
+        capture_output=True, text=True, timeout=180, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "1 process(es), backend gloo" in proc.stdout and "PASS" in proc.stdout
+
+
 def test_ring_run_help_and_bad_arguments_print_once() -> None:
     out = bench("ring-run", "--help")
     assert out.count("usage:") == 1
