@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(kThreads) fwd_simt_kernel(const Problem p) {
 
 // ------------------------------------------------------------ tensor cores
 template <typename T, int DP>
-__global__ void __launch_bounds__(kThreads) fwd_mma_kernel(const Problem p) {
+__global__ void __launch_bounds__(kThreads) fwd_mma_kernel(__grid_constant__ const Problem p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
   __trap();  // host only launches this on sm_80+
 #else

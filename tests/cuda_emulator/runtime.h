@@ -15,6 +15,9 @@
 #ifndef __launch_bounds__
 #define __launch_bounds__(...)
 #endif
+#ifndef __grid_constant__
+#define __grid_constant__
+#endif
 
 using std::isnan;
 
