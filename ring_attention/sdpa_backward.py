@@ -148,7 +148,7 @@ def _build_calls(
         for o, hs in sorted(by_offset.items()):
             h_idx = torch.tensor(hs, dtype=torch.long)
             parts = []
-            if nfull and o < w:
+            if nfull:
                 parts.append((torch.arange(nfull) * w)[:, None] + torch.arange(o, w, r)[None, :])
             if rem > o:
                 parts.append(nfull * w + torch.arange(o, rem, r)[None, :])
@@ -217,15 +217,15 @@ def _lse_buffer(lse: torch.Tensor, padded: bool) -> torch.Tensor:
     return lse.contiguous()
 
 
-def _sdpa_backward(do, q, k, v, out, lse, causal: bool, scale: float):
-    """dq, dk, dv of one SDPA call given its rows' final ``out`` and ``lse``."""
+def _sdpa_backward(do, q, k, v, out, lse, causal: bool, scale: float, backend: str):
+    """dq, dk, dv of one SDPA call given its rows' final ``out`` and ``lse``
+    (``backend``: the CUDA kernel, :data:`SDPA_BACKENDS`; unused on the CPU)."""
     aten = torch.ops.aten
     if q.device.type == "cpu":
         dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
             do, q, k, v, out, lse.contiguous(), 0.0, causal, scale=scale
         )
         return dq, dk, dv
-    backend = _sdpa_backend()
     side, padded = _template(backend, q.device, q.dtype, q.shape[-1])
     lse = _lse_buffer(lse.float(), padded)
     lq, lk = q.shape[2], k.shape[2]
@@ -278,6 +278,7 @@ def sdpa_dilated_backward(
     k_f, v_f = (t.reshape(bsz, n * kv_heads, d) for t in (k, v))
     lse_f = lse.transpose(1, 2).reshape(bsz, n * heads)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    backend = _sdpa_backend() if q.device.type == "cuda" else "cpu"
     rows = _window_rows(n, max(pattern.segment_lengths))
     for a in range(0, n, rows):
         length = min(rows, n - a)
@@ -293,7 +294,7 @@ def sdpa_dilated_backward(
             kc, vc = (_gather(t, ki) for t in kv)
             s, rws, c = qi.shape
             lc = lse_w.index_select(1, qi.reshape(-1)).view(bsz * s, rws, c).transpose(1, 2)
-            gq, gk, gv = _sdpa_backward(doc, qc, kc, vc, oc, lc, pattern.causal, scale)
+            gq, gk, gv = _sdpa_backward(doc, qc, kc, vc, oc, lc, pattern.causal, scale, backend)
             g_q.index_add_(1, qi.reshape(-1), _scatter_rows(gq, bsz).to(acc))
             g_k.index_add_(1, ki.reshape(-1), _scatter_rows(gk, bsz).to(acc))
             g_v.index_add_(1, ki.reshape(-1), _scatter_rows(gv, bsz).to(acc))
@@ -326,9 +327,7 @@ class KernelForwardSDPABackward(torch.autograd.Function):
         pattern, scale = ctx.pattern, ctx.scale
         if grad_out is None and grad_lse is None:
             return None, None, None, None, None
-        use_sdpa = (
-            grad_lse is None and bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all())
-        )
+        use_sdpa = grad_lse is None and bool(torch.isfinite(k).all() & torch.isfinite(v).all())
         if use_sdpa:
             dq, dk, dv = sdpa_dilated_backward(grad_out, q, k, v, out, lse, pattern, scale)
         else:
