@@ -87,25 +87,30 @@ struct BackwardTile {
       gemm(false, true, rows, tk, d, scale, qt.ptr, qt.ld, kt.ptr, kt.ld, acc_t(0), s.data(), tk);
       gemm(false, true, rows, tk, d, acc_t(1), dot.ptr, dot.ld, vt.ptr, vt.ld, acc_t(0), dp.data(),
            tk);
-      if (dv != nullptr) pw.reserve(rows * tk);
+      pw.reserve(rows * tk);
       dsw.reserve(rows * tk);
       for (int64_t i = 0; i < rows; ++i) {
         acc_t* srow = &s[i * tk];
         acc_t* dprow = &dp[i * tk];
         const int64_t t = row_pos(i);
         const int64_t stat = p.row_index(b, row_head(i), t);
+        if (lse[stat] != neg_inf) mask_row(srow, tk, t, u0, r, p.causal, mrow);
+        if (std::isfinite(lse[stat])) {
+          if constexpr (Weights<tile_t, acc_t>::kRounded) {
+            softmax_grad_row(srow, dprow, tk, lse[stat], delta[stat], pw.row(i * tk),
+                             dsw.row(i * tk));
+          } else {
+            softmax_grad_row(srow, dprow, tk, lse[stat], delta[stat]);
+          }
+          continue;
+        }
         if (lse[stat] == neg_inf) {  // reaches nothing: no gradient
           std::fill(srow, srow + tk, acc_t(0));
           std::fill(dprow, dprow + tk, acc_t(0));
         } else {
-          mask_row(srow, tk, t, u0, r, p.causal, mrow);
-          if (std::isfinite(lse[stat])) {
-            softmax_grad_row(srow, dprow, tk, lse[stat], delta[stat]);
-          } else {
-            softmax_grad_row_nonfinite(srow, dprow, tk, lse[stat], delta[stat]);
-          }
+          softmax_grad_row_nonfinite(srow, dprow, tk, lse[stat], delta[stat]);
         }
-        if (dv != nullptr) pw.round_row(srow, i * tk, tk);
+        pw.round_row(srow, i * tk, tk);
         dsw.round_row(dprow, i * tk, tk);
       }
       // dV += P^T dO, dK += scale dS^T Q (summed over the stacked heads),

@@ -92,16 +92,17 @@ struct ForwardTile {
       for (int64_t i = 0; i < rows; ++i) {
         acc_t* srow = &s[i * tk];
         mask_row(srow, tk, row_pos(i), u0, r, p.causal, mrow);
-        const acc_t m_new = max_nan(row_max(srow, tk), m[i]);
-        if (m_new == neg_inf) {
-          std::fill(srow, srow + tk, acc_t(0));
-        } else {
-          const acc_t alpha = std::exp(m[i] - m_new);
-          l[i] = l[i] * alpha + exp_sub_sum(srow, tk, m_new);
-          if (alpha != acc_t(1)) scale_row(&o[i * d], d, alpha);
-          m[i] = m_new;
+        // The maximum skips NaN scores; they turn l and the row's P to NaN.
+        acc_t m_new = std::max(row_max(srow, tk), m[i]);
+        if (m_new == neg_inf && !has_nan(srow, tk)) {
+          pw.zero_row(srow, i * tk, tk);  // reaches nothing yet
+          continue;
         }
-        pw.round_row(srow, i * tk, tk);
+        if (m_new == neg_inf) m_new = 0;  // only NaN: any finite shift
+        const acc_t alpha = std::exp(m[i] - m_new);
+        l[i] = l[i] * alpha + pw.exp_row(srow, i * tk, tk, m_new);
+        if (alpha != acc_t(1)) scale_row(&o[i * d], d, alpha);
+        m[i] = m_new;
       }
       if (vbad.checked < n0 + tk) {
         non_finite_rows(vt, vbad.checked - n0, tk, d, n0, vbad.rows);

@@ -17,6 +17,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "softmax_rows.h"
+
 namespace ring_attention::cpu {
 
 // Row-major GEMM on strided tiles:
@@ -121,107 +123,6 @@ inline void mask_row(T* srow, int64_t tk, int64_t t, int64_t u0, int64_t r, bool
   }
 }
 
-// Row maximum that propagates NaN (a NaN score must not be hidden). Four
-// independent running maxima, so the loop is not one dependency chain.
-template <typename T>
-inline T row_max(const T* x, int64_t n) {
-  using Vec = at::vec::Vectorized<T>;
-  constexpr int64_t W = Vec::size();
-  T m = -std::numeric_limits<T>::infinity();
-  int64_t j = 0;
-  if (n >= W) {
-    // at::vec::maximum propagates NaN.
-    Vec m0 = Vec::loadu(x), m1 = m0, m2 = m0, m3 = m0;
-    for (j = W; j + 4 * W <= n; j += 4 * W) {
-      m0 = at::vec::maximum(m0, Vec::loadu(x + j));
-      m1 = at::vec::maximum(m1, Vec::loadu(x + j + W));
-      m2 = at::vec::maximum(m2, Vec::loadu(x + j + 2 * W));
-      m3 = at::vec::maximum(m3, Vec::loadu(x + j + 3 * W));
-    }
-    for (; j + W <= n; j += W) m0 = at::vec::maximum(m0, Vec::loadu(x + j));
-    const Vec vm = at::vec::maximum(at::vec::maximum(m0, m1), at::vec::maximum(m2, m3));
-    m = at::vec::vec_reduce_all<T>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vm);
-  }
-  for (; j < n; ++j) m = (x[j] > m || std::isnan(x[j])) ? x[j] : m;
-  return m;
-}
-
-template <typename T>
-inline T max_nan(T a, T b) {
-  return (std::isnan(a) || a > b) ? a : b;
-}
-
-// x[j] = exp(x[j] - sub); returns the sum. exp(-inf) = 0 for masked entries.
-template <typename T>
-inline T exp_sub_sum(T* x, int64_t n, T sub) {
-  using Vec = at::vec::Vectorized<T>;
-  T sum = 0;
-  int64_t j = 0;
-  if constexpr (std::is_same_v<T, float>) {
-    constexpr int64_t W = Vec::size();
-    const Vec vs(sub);
-    Vec acc[4] = {Vec(0), Vec(0), Vec(0), Vec(0)};  // four independent sums
-    for (; j + 4 * W <= n; j += 4 * W) {
-      for (int u = 0; u < 4; ++u) {
-        const Vec e = (Vec::loadu(x + j + u * W) - vs).exp_u20();
-        e.store(x + j + u * W);
-        acc[u] = acc[u] + e;
-      }
-    }
-    for (; j + W <= n; j += W) {
-      const Vec e = (Vec::loadu(x + j) - vs).exp_u20();
-      e.store(x + j);
-      acc[0] = acc[0] + e;
-    }
-    const Vec total = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-    sum = at::vec::vec_reduce_all<T>([](Vec& a, Vec& b) { return a + b; }, total);
-  }
-  for (; j < n; ++j) {
-    x[j] = std::exp(x[j] - sub);
-    sum += x[j];
-  }
-  return sum;
-}
-
-// Backward of one score row: p = exp(s - lse), ds = p * (dp - delta), in
-// place (s becomes p, dp becomes ds). Masked scores are -inf, so p = 0, and
-// ds = 0 there even when dp is not finite (the key's V row may hold NaN).
-template <typename T>
-inline void softmax_grad_row(T* s, T* dp, int64_t n, T lse, T delta) {
-  using Vec = at::vec::Vectorized<T>;
-  int64_t j = 0;
-  if constexpr (std::is_same_v<T, float>) {
-    const Vec vl(lse), vd(delta);
-    const Vec zero(0);
-    for (; j + Vec::size() <= n; j += Vec::size()) {
-      const Vec p = (Vec::loadu(s + j) - vl).exp_u20();
-      p.store(s + j);
-      Vec::blendv(p * (Vec::loadu(dp + j) - vd), zero, p == zero).store(dp + j);
-    }
-  }
-  for (; j < n; ++j) {
-    s[j] = std::exp(s[j] - lse);
-    dp[j] = s[j] == T(0) ? T(0) : s[j] * (dp[j] - delta);
-  }
-}
-
-// softmax_grad_row for a row whose lse is not finite (it reaches a
-// non-finite key): its masked keys (score -inf) keep P = dS = 0, since
-// exp(-inf - NaN) would be NaN and reach the gradients of keys the row does
-// not reach; its reached keys give NaN, as they should.
-template <typename T>
-inline void softmax_grad_row_nonfinite(T* s, T* dp, int64_t n, T lse, T delta) {
-  for (int64_t j = 0; j < n; ++j) {
-    if (s[j] == -std::numeric_limits<T>::infinity()) {
-      s[j] = T(0);
-      dp[j] = T(0);
-    } else {
-      s[j] = std::exp(s[j] - lse);
-      dp[j] = s[j] == T(0) ? T(0) : s[j] * (dp[j] - delta);
-    }
-  }
-}
-
 template <typename T>
 inline void scale_row(T* x, int64_t n, T s) {
   using Vec = at::vec::Vectorized<T>;
@@ -262,18 +163,34 @@ inline TileRef<tile_t> gather_rows(int64_t rows, int64_t d, std::vector<tile_t>&
 }
 
 // The weights (P or dS, acc_t) as the GEMMs read them: the acc_t rows
-// themselves, or rows rounded to tile_t into buf, row by row while they are
-// in cache (round_row; a no-op when the types agree).
+// themselves, or rows rounded to tile_t into buf (round_row; a no-op when
+// the types agree; the softmax passes of softmax_rows.h write the rounded
+// rows directly, into row(offset)).
 template <typename tile_t, typename acc_t>
 struct Weights {
+  static constexpr bool kRounded = !std::is_same_v<tile_t, acc_t>;
   std::vector<tile_t> buf;
 
   void reserve(int64_t n) {
-    if constexpr (!std::is_same_v<tile_t, acc_t>)
+    if constexpr (kRounded)
       if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
   }
   void round_row(const acc_t* w, int64_t offset, int64_t n) {
-    if constexpr (!std::is_same_v<tile_t, acc_t>) at::vec::convert(w, buf.data() + offset, n);
+    if constexpr (kRounded) at::vec::convert(w, buf.data() + offset, n);
+  }
+  tile_t* row(int64_t offset) { return buf.data() + offset; }
+  // Row w (at offset) set to exp(w - sub); returns the sum of the exponentials.
+  acc_t exp_row(acc_t* w, int64_t offset, int64_t n, acc_t sub) {
+    if constexpr (kRounded)
+      return cpu::exp_row(w, n, sub, row(offset));
+    else
+      return cpu::exp_row(w, n, sub);
+  }
+  void zero_row(acc_t* w, int64_t offset, int64_t n) {
+    if constexpr (kRounded)
+      std::fill(row(offset), row(offset) + n, tile_t(0));
+    else
+      std::fill(w, w + n, acc_t(0));
   }
   const tile_t* of(const acc_t* w) const {
     if constexpr (std::is_same_v<tile_t, acc_t>)

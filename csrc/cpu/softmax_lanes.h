@@ -1,0 +1,174 @@
+// Internal to softmax_rows*.cpp: the vector loops of the softmax passes.
+// Each translation unit gets its own copy (anonymous namespace), compiled
+// with its own target options (softmax_rows_bf16.cpp adds avx512_bf16).
+#pragma once
+
+#include <ATen/cpu/vec/vec.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
+namespace ring_attention::cpu {
+namespace {
+
+// Portable versions (fp64; fp32 without AVX-512): at::vec with Sleef's exp,
+// which keeps exp(-inf) = 0 and exp(NaN) = NaN.
+template <typename T>
+T row_max_vec(const T* x, int64_t n) {
+  using Vec = at::vec::Vectorized<T>;
+  constexpr int64_t W = Vec::size();
+  T m = -std::numeric_limits<T>::infinity();
+  int64_t j = 0;
+  if (n >= W) {
+    Vec vm(m);
+    for (; j + W <= n; j += W) {
+      const Vec v = Vec::loadu(x + j);
+      vm = Vec::blendv(vm, v, v > vm);  // an ordered compare: NaN keeps vm
+    }
+    T lanes[W];
+    vm.store(lanes);
+    for (const T a : lanes) m = a > m ? a : m;
+  }
+  for (; j < n; ++j) m = x[j] > m ? x[j] : m;
+  return m;
+}
+
+// out[j] = exp(x[j] - sub) (out may be x); returns their sum.
+template <typename T>
+T exp_row_vec(const T* x, int64_t n, T sub, T* out) {
+  using Vec = at::vec::Vectorized<T>;
+  constexpr int64_t W = Vec::size();
+  const Vec vs(sub);
+  Vec acc(0);
+  int64_t j = 0;
+  for (; j + W <= n; j += W) {
+    const Vec e = (Vec::loadu(x + j) - vs).exp();
+    e.store(out + j);
+    acc = acc + e;
+  }
+  T lanes[W];
+  acc.store(lanes);
+  T sum = 0;
+  for (const T a : lanes) sum += a;
+  for (; j < n; ++j) {
+    out[j] = std::exp(x[j] - sub);
+    sum += out[j];
+  }
+  return sum;
+}
+
+// p_out = exp(s - lse), ds_out = p * (dp - delta), 0 where p is 0 (the
+// outputs may be s and dp).
+template <typename T>
+void softmax_grad_row_vec(const T* s, const T* dp, int64_t n, T lse, T delta, T* p_out,
+                          T* ds_out) {
+  using Vec = at::vec::Vectorized<T>;
+  constexpr int64_t W = Vec::size();
+  const Vec vl(lse), vd(delta), zero(0);
+  int64_t j = 0;
+  for (; j + W <= n; j += W) {
+    const Vec p = (Vec::loadu(s + j) - vl).exp();
+    const Vec ds = Vec::blendv(p * (Vec::loadu(dp + j) - vd), zero, p == zero);
+    p.store(p_out + j);
+    ds.store(ds_out + j);
+  }
+  for (; j < n; ++j) {
+    const T p = std::exp(s[j] - lse);
+    ds_out[j] = p == T(0) ? T(0) : p * (dp[j] - delta);
+    p_out[j] = p;
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+
+// Horizontal max / sum through memory (GCC 12's _mm512_reduce_* read an
+// undefined register and warn).
+inline float lanes_max(__m512 v) {
+  alignas(64) float a[16];
+  _mm512_store_ps(a, v);
+  float m = a[0];
+  for (int i = 1; i < 16; ++i) m = a[i] > m ? a[i] : m;
+  return m;
+}
+inline float lanes_sum(__m512 v) {
+  alignas(64) float a[16];
+  _mm512_store_ps(a, v);
+  float s = 0;
+  for (const float x : a) s += x;
+  return s;
+}
+
+inline __mmask16 tail_mask(int64_t left) {
+  return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+}
+
+// exp(x) for x below about 88 (the callers' x = score - max is <= 0):
+// 2^n * 2^f with n = round(x log2 e), 2^f by its degree-6 Taylor polynomial
+// on |f| <= 1/2 (relative error ~2e-7). Exactly 0 below ln(FLT_MIN) and at
+// -inf; NaN stays NaN (the compare keeps unordered lanes).
+inline __m512 exp_ps(__m512 x) {
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.33f), _CMP_NLT_UQ);
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_fmsub_ps(x, log2e, n);
+  __m512 y = _mm512_set1_ps(1.5403530393381606e-4f);
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_scalef_ps(keep, y, n);
+}
+
+// exp(x - sub) of a row, 16 lanes at a time, handed to store(j, e, mask);
+// returns their sum.
+template <typename Store>
+inline float exp_row_lanes(const float* x, int64_t n, float sub, Store store) {
+  const __m512 vs = _mm512_set1_ps(sub);
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0;
+  int64_t j = 0;
+  for (; j + 32 <= n; j += 32) {
+    const __m512 e0 = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(x + j), vs));
+    const __m512 e1 = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(x + j + 16), vs));
+    store(j, e0, __mmask16(0xFFFF));
+    store(j + 16, e1, __mmask16(0xFFFF));
+    acc0 = _mm512_add_ps(acc0, e0);
+    acc1 = _mm512_add_ps(acc1, e1);
+  }
+  for (; j < n; j += 16) {
+    const __mmask16 k = tail_mask(n - j);
+    // Lanes past the end load -inf: their exponential is 0.
+    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_mask_loadu_ps(neg_inf, k, x + j), vs));
+    store(j, e, k);
+    acc0 = _mm512_add_ps(acc0, e);
+  }
+  return lanes_sum(_mm512_add_ps(acc0, acc1));
+}
+
+// p and ds of a row's lanes j .. j + 15, handed to store(j, p, ds, mask).
+template <typename Store>
+inline void softmax_grad_lanes(const float* s, const float* dp, int64_t n, float lse, float delta,
+                               Store store) {
+  const __m512 vl = _mm512_set1_ps(lse), vd = _mm512_set1_ps(delta);
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 k = tail_mask(n - j);
+    const __m512 p = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), vl));
+    const __mmask16 nonzero = _mm512_cmp_ps_mask(p, _mm512_setzero_ps(), _CMP_NEQ_UQ);
+    const __m512 ds =
+        _mm512_maskz_mul_ps(nonzero, p, _mm512_sub_ps(_mm512_maskz_loadu_ps(k, dp + j), vd));
+    store(j, p, ds, k);
+  }
+}
+
+#endif
+
+}  // namespace
+}  // namespace ring_attention::cpu

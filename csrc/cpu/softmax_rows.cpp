@@ -1,0 +1,65 @@
+#include "softmax_rows.h"
+
+#include "softmax_lanes.h"
+
+namespace ring_attention::cpu {
+
+float row_max(const float* x, int64_t n) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  // vmaxps returns its second operand when either is NaN: the running max.
+  // (The zero-masking form with a full mask: GCC 12's plain _mm512_max_ps
+  // reads an undefined register and warns.)
+  const auto max = [](__m512 x, __m512 m) { return _mm512_maskz_max_ps(__mmask16(0xFFFF), x, m); };
+  __m512 m0 = neg_inf, m1 = neg_inf, m2 = neg_inf, m3 = neg_inf;
+  int64_t j = 0;
+  for (; j + 64 <= n; j += 64) {
+    m0 = max(_mm512_loadu_ps(x + j), m0);
+    m1 = max(_mm512_loadu_ps(x + j + 16), m1);
+    m2 = max(_mm512_loadu_ps(x + j + 32), m2);
+    m3 = max(_mm512_loadu_ps(x + j + 48), m3);
+  }
+  for (; j < n; j += 16)
+    m0 = max(_mm512_mask_loadu_ps(neg_inf, tail_mask(n - j), x + j), m0);
+  return lanes_max(max(max(m0, m1), max(m2, m3)));
+#else
+  return row_max_vec(x, n);
+#endif
+}
+double row_max(const double* x, int64_t n) { return row_max_vec(x, n); }
+
+template <typename T>
+static bool has_nan_loop(const T* x, int64_t n) {
+  bool nan = false;
+  for (int64_t j = 0; j < n; ++j) nan |= x[j] != x[j];
+  return nan;
+}
+bool has_nan(const float* x, int64_t n) { return has_nan_loop(x, n); }
+bool has_nan(const double* x, int64_t n) { return has_nan_loop(x, n); }
+
+float exp_row(float* x, int64_t n, float sub) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return exp_row_lanes(x, n, sub, [x](int64_t j, __m512 e, __mmask16 k) {
+    _mm512_mask_storeu_ps(x + j, k, e);
+  });
+#else
+  return exp_row_vec(x, n, sub, x);
+#endif
+}
+double exp_row(double* x, int64_t n, double sub) { return exp_row_vec(x, n, sub, x); }
+
+void softmax_grad_row(float* s, float* dp, int64_t n, float lse, float delta) {
+#if defined(CPU_CAPABILITY_AVX512)
+  softmax_grad_lanes(s, dp, n, lse, delta, [s, dp](int64_t j, __m512 p, __m512 ds, __mmask16 k) {
+    _mm512_mask_storeu_ps(s + j, k, p);
+    _mm512_mask_storeu_ps(dp + j, k, ds);
+  });
+#else
+  softmax_grad_row_vec(s, dp, n, lse, delta, s, dp);
+#endif
+}
+void softmax_grad_row(double* s, double* dp, int64_t n, double lse, double delta) {
+  softmax_grad_row_vec(s, dp, n, lse, delta, s, dp);
+}
+
+}  // namespace ring_attention::cpu

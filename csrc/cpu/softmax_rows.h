@@ -1,0 +1,60 @@
+// The softmax passes over one row of scores (fp32 or fp64), between the
+// GEMMs of the CPU kernels. With AVX-512 (fp32) they run 16 lanes wide with
+// an exponential of 11 instructions, and the bf16-tile kernels get P and dS
+// already rounded to bf16 from the same pass (one read of the row instead of
+// three passes over it).
+//
+// Non-finite values: a masked score is -inf and its weight is exactly 0; a
+// NaN score stays NaN through exp (so it reaches l, P and the output); the
+// row maximum skips NaN, so a finite maximum still scales the other entries.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+#include <limits>
+
+namespace ring_attention::cpu {
+
+// Maximum of x[0..n) over its non-NaN entries; -inf when there are none.
+float row_max(const float* x, int64_t n);
+double row_max(const double* x, int64_t n);
+
+// Whether x[0..n) holds a NaN.
+bool has_nan(const float* x, int64_t n);
+bool has_nan(const double* x, int64_t n);
+
+// x[j] = exp(x[j] - sub) for j < n; returns the sum of the new x.
+float exp_row(float* x, int64_t n, float sub);
+double exp_row(double* x, int64_t n, double sub);
+// p[j] = bf16(exp(x[j] - sub)), x unchanged; returns the sum of the
+// unrounded exponentials. Only where the CPU has avx512_bf16 (bf16_tiles()).
+float exp_row(const float* x, int64_t n, float sub, c10::BFloat16* p);
+
+// Backward of one row with a finite lse: p = exp(s - lse) and
+// ds = p * (dp - delta), with ds = 0 where p = 0 (a masked key's dp may be
+// NaN from its V row). In place (s becomes p, dp becomes ds), or rounded to
+// bf16 into p_out and ds_out (s and dp unchanged; avx512_bf16 only).
+void softmax_grad_row(float* s, float* dp, int64_t n, float lse, float delta);
+void softmax_grad_row(double* s, double* dp, int64_t n, double lse, double delta);
+void softmax_grad_row(const float* s, const float* dp, int64_t n, float lse, float delta,
+                      c10::BFloat16* p_out, c10::BFloat16* ds_out);
+
+// softmax_grad_row for a row whose lse is not finite (it reaches a
+// non-finite key): its masked keys (score -inf) keep P = dS = 0, since
+// exp(-inf - NaN) would be NaN and reach the gradients of keys the row does
+// not reach; its reached keys give NaN, as they should.
+template <typename T>
+inline void softmax_grad_row_nonfinite(T* s, T* dp, int64_t n, T lse, T delta) {
+  for (int64_t j = 0; j < n; ++j) {
+    if (s[j] == -std::numeric_limits<T>::infinity()) {
+      s[j] = T(0);
+      dp[j] = T(0);
+    } else {
+      s[j] = std::exp(s[j] - lse);
+      dp[j] = s[j] == T(0) ? T(0) : s[j] * (dp[j] - delta);
+    }
+  }
+}
+
+}  // namespace ring_attention::cpu
