@@ -1,13 +1,18 @@
-"""The CPU kernels' two bfloat16 paths (csrc/cpu/tile_math.h, ``bf16_tiles``).
+"""The CPU kernels' bfloat16 paths (csrc/cpu/tile_math.h ``bf16_tiles``,
+csrc/cpu/packed_tiles.h ``packed_tiles``).
 
 Where the BLAS has a bf16 GEMM (MKL's) and the CPU has bf16 dot products
 (avx512_bf16), the kernels multiply bf16 tiles as they are: Q, K, V and dO
 read in place, P and dS rounded to bf16 for their products, fp32
-accumulation. Elsewhere, or with ``RING_ATTENTION_CPU_BF16_GEMM=0``, every
-tile is converted to fp32 first. Both paths are checked against the float64
-oracle, forward and backward (lse gradients, grouped K/V heads, documents,
-chunked accumulation, the block operators at offsets), and the switch is
-checked to take effect exactly where the machine has the native path.
+accumulation; where the CPU also has AMX, the forward packs each K/V tile
+once for oneDNN's brgemm (even head dims) unless
+``RING_ATTENTION_CPU_BF16_GEMM=mkl``. Elsewhere, or with
+``RING_ATTENTION_CPU_BF16_GEMM=0``, every tile is converted to fp32 first.
+Each path is checked against the float64 oracle, forward and backward (lse
+gradients, grouped K/V heads, documents, chunked accumulation, the block
+operators at offsets, causal tiles that use part of a packed key tile), and
+the fp32 switch is checked to take effect exactly where the machine has the
+native path.
 """
 
 from __future__ import annotations
@@ -44,13 +49,14 @@ def native_bf16_expected() -> bool:
     return "avx512_bf16" in flags
 
 
-@pytest.fixture(params=["native", "fp32"])
+@pytest.fixture(params=["native", "mkl", "fp32"])
 def bf16_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Runs the test with the native bf16 tiles allowed (the default) or off."""
-    if request.param == "fp32":
-        monkeypatch.setenv(ENV, "0")
-    else:
+    """Runs the test with the native bf16 tiles allowed (the default: packed
+    for AMX where the CPU has it), with MKL's bf16 GEMM only, or off."""
+    if request.param == "native":
         monkeypatch.delenv(ENV, raising=False)
+    else:
+        monkeypatch.setenv(ENV, "0" if request.param == "fp32" else "mkl")
     return request.param
 
 
@@ -76,6 +82,29 @@ def test_long_sequence_by_chunks(bf16_path) -> None:
     """Past 1024 rows bf16 accumulates chunk by chunk."""
     cfg = Cfg(1, 2300, 2, 64, [300, 2048], [1, 4], True, True, None, True)
     check_against_oracle(cfg, BF16, "cpu", seed=7300)
+
+
+@pytest.mark.parametrize("head_dim", [128, 40])
+def test_long_key_runs_in_several_tiles(bf16_path, head_dim: int) -> None:
+    """Key runs of 2601 and 1300-1301 keys: several key tiles, odd last tiles
+    (packed in row pairs with a zero pad), causal query tiles that reach part
+    of a tile, more key tiles than a thread keeps packed (4 at head dim 128),
+    and a NaN in a V row that only later queries reach (head dim 40 packs
+    too; only odd head dims take MKL's GEMM)."""
+    cfg = Cfg(1, 2601, 3, head_dim, [2601], [1], True, False, None, False)
+    check_against_oracle(cfg, BF16, "cpu", seed=7350)
+    cfg = Cfg(1, 2601, 2, head_dim, [2601], [2], True, False, None, False)
+    q, k, v, go, _ = make_inputs(cfg, BF16, "cpu", 7351)
+    u = 2201  # the second key tile of the run of odd positions
+    v_bad = v.clone()
+    v_bad[:, u] = float("nan")
+    got = run_local(cfg, q, k, v_bad, go, None, None)
+    want = run_oracle(cfg, q, k, v, go, None)
+    early = slice(0, u)  # causal: earlier queries never reach key u
+    torch.testing.assert_close(
+        got[0][:, early].double(), want[0][:, early].double(), atol=2e-2, rtol=2e-2
+    )
+    assert torch.isnan(got[0][:, u:]).any()
 
 
 def test_block_ops_at_offsets(bf16_path) -> None:

@@ -30,9 +30,9 @@ struct BackwardTile {
   const acc_t *lse, *delta;  // delta = rowsum(dout * out) - grad_lse, laid out like lse
   acc_t *dq, *dk, *dv;       // nullptr: not asked for
   acc_t scale;
-  std::vector<tile_t> qbuf, dobuf, kbuf, vbuf, wbuf;
+  TileBuffer<tile_t> qbuf, dobuf, kbuf, vbuf, wbuf;
   Weights<tile_t, acc_t> pw, dsw;
-  std::vector<acc_t> s, dp, dqbuf;
+  TileBuffer<acc_t> s, dp, dqbuf;
   std::vector<int64_t> kbad;  // non-finite K rows of the key tile
 
   BackwardTile(const BlockParams& p_, const acc_t* delta_)
@@ -124,12 +124,12 @@ struct BackwardTile {
       if (dq == nullptr) continue;
       // dQ += scale dS K: in place for one head, else through a buffer.
       if (nh == 1) {
-        gemm_weights(tq, d, tk, scale, dsw.of(dp.data()), kt, acc_t(1), dq + qoff, q_stride, kbad,
-                     wbuf);
+        gemm_weights(tq, d, tk, scale, dsw.of(dp.data()), tk, kt, acc_t(1), dq + qoff, q_stride,
+                     kbad, wbuf);
         continue;
       }
       dqbuf.resize(rows * d);
-      gemm_weights(rows, d, tk, scale, dsw.of(dp.data()), kt, acc_t(0), dqbuf.data(), d, kbad,
+      gemm_weights(rows, d, tk, scale, dsw.of(dp.data()), tk, kt, acc_t(0), dqbuf.data(), d, kbad,
                    wbuf);
       for (int64_t i = 0; i < rows; ++i) {
         acc_t* dst = dq + row_index(i);

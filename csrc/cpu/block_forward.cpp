@@ -11,6 +11,7 @@
 
 #include "block_tasks.h"
 #include "kernels.h"
+#include "packed_tiles.h"
 #include "tile_math.h"
 
 namespace ring_attention::cpu {
@@ -18,27 +19,41 @@ namespace {
 
 constexpr int64_t kTileRows = 256;  // stacked query rows (heads x positions)
 constexpr int64_t kTileK = 512;
+// Row stride of the score and weight tiles: a cache line more than kTileK,
+// so that a tile's rows do not share cache sets (MKL's bf16 S = Q K^T, 256 x
+// 512 x 64, one thread: 22 against 29 us at a stride of 512).
+constexpr int64_t kLd = kTileK + 16;
 // Forward tasks may split a head set (they write query rows only): at most
 // this many heads share a tile, so that MQA still has tasks to spread.
 constexpr size_t kMaxSetHeads = 4;
+// Packed K (and V) kept for a key run, per thread: at most this many
+// elements (512 KiB of bf16; LongNet's runs at head dim 64 fit whole).
+constexpr int64_t kMaxPacked = int64_t(1) << 18;
 
 // tile_t: the type the GEMMs read (tile_math.h).
 template <typename scalar_t, typename tile_t, typename acc_t>
 struct ForwardTile {
+  static constexpr bool kBf16Tiles = std::is_same_v<tile_t, c10::BFloat16>;
   const BlockParams& p;
   const scalar_t *q, *k, *v;
   acc_t *out, *lse;
   acc_t scale;
-  std::vector<tile_t> qbuf, kbuf, vbuf, wbuf;
+  // bf16 tiles with K and V packed once per key run for AMX (packed_tiles.h);
+  // the scale then enters in the softmax pass.
+  const bool packed;
+  TileBuffer<tile_t> qbuf, kbuf, vbuf, wbuf;
   Weights<tile_t, acc_t> pw;
-  std::vector<acc_t> s, o, m, l;
+  TileBuffer<acc_t> s, o;
+  std::vector<acc_t> m, l;
   std::vector<int64_t> bad;
-  // Non-finite V rows of the key run last attended (indices into the run,
-  // ascending), found once for all its query tiles: rows [0, checked).
+  // The key run last attended, kept for all its query tiles: its non-finite
+  // V rows (indices into the run, ascending; rows [0, checked) looked at)
+  // and, when packed, its K/V tiles: tile t in slot t % slot_tile.size().
   struct {
     int64_t b = -1, kv_head = -1, first = -1, r = -1, checked = 0;
-    std::vector<int64_t> rows;
-  } vbad;
+    std::vector<int64_t> bad_v, slot_tile;
+    TileBuffer<tile_t> k, v;
+  } keyrun;
 
   explicit ForwardTile(const BlockParams& p_)
       : p(p_),
@@ -47,7 +62,26 @@ struct ForwardTile {
         v(static_cast<const scalar_t*>(p_.v)),
         out(static_cast<acc_t*>(p_.out)),
         lse(static_cast<acc_t*>(p_.lse)),
-        scale(static_cast<acc_t>(p_.scale)) {}
+        scale(static_cast<acc_t>(p_.scale)),
+        packed(kBf16Tiles && p_.scale > 0 && packed_tiles(p_.head_dim)) {}
+
+  ~ForwardTile() {
+    if (packed) release_packed_gemm();
+  }
+
+  void start_key_run(int64_t b, int64_t kv_head, ActiveRun keys, int64_t r) {
+    if (keyrun.b == b && keyrun.kv_head == kv_head && keyrun.first == keys.first && keyrun.r == r)
+      return;
+    keyrun.b = b, keyrun.kv_head = kv_head, keyrun.first = keys.first, keyrun.r = r;
+    keyrun.checked = 0;
+    keyrun.bad_v.clear();
+    if (!packed) return;
+    const int64_t d = p.head_dim, fit = std::max<int64_t>(1, kMaxPacked / (kTileK * d));
+    const int64_t slots = std::min(ceil_div(keys.count, kTileK), fit);
+    keyrun.slot_tile.assign(slots, -1);
+    keyrun.k.resize(slots * kTileK * d);
+    keyrun.v.resize(slots * kTileK * d);
+  }
 
   // Attend the queries of the set's heads at positions t0 + r*i, i < tq, to
   // the key run. Tile row j * tq + i is position i of head j.
@@ -66,53 +100,87 @@ struct ForwardTile {
                 : gather_rows<tile_t>(rows, d, qbuf, [&](int64_t row) {
                     return q + p.q_index(b, row_pos(row), row_head(row));
                   });
-    s.resize(rows * kTileK);
+    s.resize(rows * kLd);
+    pw.reserve(rows * kLd);
     o.assign(rows * d, acc_t(0));
     m.assign(rows, neg_inf);
     l.assign(rows, acc_t(0));
+    start_key_run(b, set.kv_head, keys, r);
+    // Packed: S comes out unscaled and the softmax pass scales it.
+    const acc_t s_scale = packed ? scale : acc_t(1);
 
     const int64_t k_stride = p.k_stride(r);
-    if (vbad.b != b || vbad.kv_head != set.kv_head || vbad.first != keys.first || vbad.r != r) {
-      vbad.b = b, vbad.kv_head = set.kv_head, vbad.first = keys.first, vbad.r = r;
-      vbad.checked = 0;
-      vbad.rows.clear();
-    }
     for (int64_t n0 = 0; n0 < nk; n0 += kTileK) {
       const int64_t tk = std::min(kTileK, nk - n0);
       const int64_t u0 = keys.first + n0 * r;
       const int64_t koff = p.k_index(b, u0, set.kv_head);
       const TileRef<tile_t> kt = tile_rows<tile_t>(k + koff, k_stride, tk, d, kbuf);
       const TileRef<tile_t> vt = tile_rows<tile_t>(v + koff, k_stride, tk, d, vbuf);
-      gemm(false, true, rows, tk, d, scale, qt.ptr, qt.ld, kt.ptr, kt.ld, acc_t(0), s.data(), tk);
+      // Packed tiles hold the whole tile of the run (tw keys; a causal query
+      // tile may use fewer), read in place: look at all its V rows.
+      const int64_t tw = packed ? std::min(kTileK, keys.count - n0) : tk;
+      if (keyrun.checked < n0 + tw) {
+        non_finite_rows(vt, keyrun.checked - n0, tw, d, n0, keyrun.bad_v);
+        keyrun.checked = n0 + tw;
+      }
+      const auto lo = std::lower_bound(keyrun.bad_v.begin(), keyrun.bad_v.end(), n0);
+      const auto hi = std::lower_bound(lo, keyrun.bad_v.end(), n0 + tw);
+      bad.assign(lo, hi);
+      for (int64_t& j : bad) j -= n0;
+
+      const tile_t *kp = nullptr, *vp = nullptr;
+      if constexpr (kBf16Tiles) {
+        if (packed) {
+          const int64_t tile = n0 / kTileK;
+          const int64_t slot = tile % static_cast<int64_t>(keyrun.slot_tile.size());
+          tile_t* kslot = keyrun.k.data() + slot * kTileK * d;
+          tile_t* vslot = keyrun.v.data() + slot * kTileK * d;
+          if (keyrun.slot_tile[slot] != tile) {
+            pack_keys(kt.ptr, kt.ld, tw, d, kslot);
+            pack_values(vt.ptr, vt.ld, tw, d, bad, vslot);
+            keyrun.slot_tile[slot] = tile;
+          }
+          kp = kslot, vp = vslot;
+          gemm_packed(rows, tk, d, qt.ptr, qt.ld, kp, tw, s.data(), kLd, false);
+          // The products of the non-finite V rows a query row reaches are
+          // added back after P V; those past tk it does not reach.
+          bad.erase(std::lower_bound(bad.begin(), bad.end(), tk), bad.end());
+        }
+      }
+      if (!packed)
+        gemm(false, true, rows, tk, d, scale, qt.ptr, qt.ld, kt.ptr, kt.ld, acc_t(0), s.data(),
+             kLd);
 
       const bool* mrow = p.key_padding_mask == nullptr
                              ? nullptr
                              : p.key_padding_mask + b * p.k_len + (u0 - p.k_start);
-      pw.reserve(rows * tk);
       for (int64_t i = 0; i < rows; ++i) {
-        acc_t* srow = &s[i * tk];
+        acc_t* srow = &s[i * kLd];
         mask_row(srow, tk, row_pos(i), u0, r, p.causal, mrow);
         // The maximum skips NaN scores; they turn l and the row's P to NaN.
-        acc_t m_new = std::max(row_max(srow, tk), m[i]);
+        acc_t m_new = std::max(row_max(srow, tk) * s_scale, m[i]);
         if (m_new == neg_inf && !has_nan(srow, tk)) {
-          pw.zero_row(srow, i * tk, tk);  // reaches nothing yet
+          pw.zero_row(srow, i * kLd, tk);  // reaches nothing yet
           continue;
         }
         if (m_new == neg_inf) m_new = 0;  // only NaN: any finite shift
         const acc_t alpha = std::exp(m[i] - m_new);
-        l[i] = l[i] * alpha + pw.exp_row(srow, i * tk, tk, m_new);
+        l[i] = l[i] * alpha + pw.exp_row(srow, i * kLd, tk, s_scale, m_new);
         if (alpha != acc_t(1)) scale_row(&o[i * d], d, alpha);
         m[i] = m_new;
       }
-      if (vbad.checked < n0 + tk) {
-        non_finite_rows(vt, vbad.checked - n0, tk, d, n0, vbad.rows);
-        vbad.checked = n0 + tk;
+      if constexpr (kBf16Tiles) {
+        if (packed) {
+          // V is packed in row pairs: an odd tile's pad key gets weight 0.
+          if (tk % 2 == 1)
+            for (int64_t i = 0; i < rows; ++i) pw.row(i * kLd)[tk] = tile_t(0);
+          gemm_packed(rows, d, tk + tk % 2, pw.row(0), kLd, vp, d, o.data(), d, true);
+          add_bad_rows(rows, d, acc_t(1), pw.row(0), kLd, vt, bad, o.data(), d);
+          continue;
+        }
       }
-      const auto lo = std::lower_bound(vbad.rows.begin(), vbad.rows.end(), n0);
-      const auto hi = std::lower_bound(lo, vbad.rows.end(), n0 + tk);
-      bad.assign(lo, hi);
-      for (int64_t& j : bad) j -= n0;
-      gemm_weights(rows, d, tk, acc_t(1), pw.of(s.data()), vt, acc_t(1), o.data(), d, bad, wbuf);
+      gemm_weights(rows, d, tk, acc_t(1), pw.of(s.data()), kLd, vt, acc_t(1), o.data(), d, bad,
+                   wbuf);
     }
 
     for (int64_t i = 0; i < rows; ++i) {

@@ -38,16 +38,16 @@ T row_max_vec(const T* x, int64_t n) {
   return m;
 }
 
-// out[j] = exp(x[j] - sub) (out may be x); returns their sum.
+// out[j] = exp(scale * x[j] - sub) (out may be x); returns their sum.
 template <typename T>
-T exp_row_vec(const T* x, int64_t n, T sub, T* out) {
+T exp_row_vec(const T* x, int64_t n, T scale, T sub, T* out) {
   using Vec = at::vec::Vectorized<T>;
   constexpr int64_t W = Vec::size();
-  const Vec vs(sub);
+  const Vec vs(sub), va(scale);
   Vec acc(0);
   int64_t j = 0;
   for (; j + W <= n; j += W) {
-    const Vec e = (Vec::loadu(x + j) - vs).exp();
+    const Vec e = (Vec::loadu(x + j) * va - vs).exp();
     e.store(out + j);
     acc = acc + e;
   }
@@ -56,7 +56,7 @@ T exp_row_vec(const T* x, int64_t n, T sub, T* out) {
   T sum = 0;
   for (const T a : lanes) sum += a;
   for (; j < n; ++j) {
-    out[j] = std::exp(x[j] - sub);
+    out[j] = std::exp(scale * x[j] - sub);
     sum += out[j];
   }
   return sum;
@@ -65,8 +65,7 @@ T exp_row_vec(const T* x, int64_t n, T sub, T* out) {
 // p_out = exp(s - lse), ds_out = p * (dp - delta), 0 where p is 0 (the
 // outputs may be s and dp).
 template <typename T>
-void softmax_grad_row_vec(const T* s, const T* dp, int64_t n, T lse, T delta, T* p_out,
-                          T* ds_out) {
+void softmax_grad_row_vec(const T* s, const T* dp, int64_t n, T lse, T delta, T* p_out, T* ds_out) {
   using Vec = at::vec::Vectorized<T>;
   constexpr int64_t W = Vec::size();
   const Vec vl(lse), vd(delta), zero(0);
@@ -114,8 +113,8 @@ inline __mmask16 tail_mask(int64_t left) {
 inline __m512 exp_ps(__m512 x) {
   const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.33f), _CMP_NLT_UQ);
   const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 n =
+      _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_fmsub_ps(x, log2e, n);
   __m512 y = _mm512_set1_ps(1.5403530393381606e-4f);
   y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.3333558146428443e-3f));
@@ -127,17 +126,17 @@ inline __m512 exp_ps(__m512 x) {
   return _mm512_maskz_scalef_ps(keep, y, n);
 }
 
-// exp(x - sub) of a row, 16 lanes at a time, handed to store(j, e, mask);
-// returns their sum.
+// exp(scale * x - sub) of a row, 16 lanes at a time, handed to
+// store(j, e, mask); returns their sum.
 template <typename Store>
-inline float exp_row_lanes(const float* x, int64_t n, float sub, Store store) {
-  const __m512 vs = _mm512_set1_ps(sub);
+inline float exp_row_lanes(const float* x, int64_t n, float scale, float sub, Store store) {
+  const __m512 vs = _mm512_set1_ps(sub), va = _mm512_set1_ps(scale);
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0;
   int64_t j = 0;
   for (; j + 32 <= n; j += 32) {
-    const __m512 e0 = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(x + j), vs));
-    const __m512 e1 = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(x + j + 16), vs));
+    const __m512 e0 = exp_ps(_mm512_fmsub_ps(_mm512_loadu_ps(x + j), va, vs));
+    const __m512 e1 = exp_ps(_mm512_fmsub_ps(_mm512_loadu_ps(x + j + 16), va, vs));
     store(j, e0, __mmask16(0xFFFF));
     store(j + 16, e1, __mmask16(0xFFFF));
     acc0 = _mm512_add_ps(acc0, e0);
@@ -146,7 +145,7 @@ inline float exp_row_lanes(const float* x, int64_t n, float sub, Store store) {
   for (; j < n; j += 16) {
     const __mmask16 k = tail_mask(n - j);
     // Lanes past the end load -inf: their exponential is 0.
-    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_mask_loadu_ps(neg_inf, k, x + j), vs));
+    const __m512 e = exp_ps(_mm512_fmsub_ps(_mm512_mask_loadu_ps(neg_inf, k, x + j), va, vs));
     store(j, e, k);
     acc0 = _mm512_add_ps(acc0, e);
   }

@@ -19,8 +19,7 @@ float row_max(const float* x, int64_t n) {
     m2 = max(_mm512_loadu_ps(x + j + 32), m2);
     m3 = max(_mm512_loadu_ps(x + j + 48), m3);
   }
-  for (; j < n; j += 16)
-    m0 = max(_mm512_mask_loadu_ps(neg_inf, tail_mask(n - j), x + j), m0);
+  for (; j < n; j += 16) m0 = max(_mm512_mask_loadu_ps(neg_inf, tail_mask(n - j), x + j), m0);
   return lanes_max(max(max(m0, m1), max(m2, m3)));
 #else
   return row_max_vec(x, n);
@@ -37,16 +36,18 @@ static bool has_nan_loop(const T* x, int64_t n) {
 bool has_nan(const float* x, int64_t n) { return has_nan_loop(x, n); }
 bool has_nan(const double* x, int64_t n) { return has_nan_loop(x, n); }
 
-float exp_row(float* x, int64_t n, float sub) {
+float exp_row(float* x, int64_t n, float scale, float sub) {
 #if defined(CPU_CAPABILITY_AVX512)
-  return exp_row_lanes(x, n, sub, [x](int64_t j, __m512 e, __mmask16 k) {
+  return exp_row_lanes(x, n, scale, sub, [x](int64_t j, __m512 e, __mmask16 k) {
     _mm512_mask_storeu_ps(x + j, k, e);
   });
 #else
-  return exp_row_vec(x, n, sub, x);
+  return exp_row_vec(x, n, scale, sub, x);
 #endif
 }
-double exp_row(double* x, int64_t n, double sub) { return exp_row_vec(x, n, sub, x); }
+double exp_row(double* x, int64_t n, double scale, double sub) {
+  return exp_row_vec(x, n, scale, sub, x);
+}
 
 void softmax_grad_row(float* s, float* dp, int64_t n, float lse, float delta) {
 #if defined(CPU_CAPABILITY_AVX512)

@@ -24,12 +24,12 @@ double row_max(const double* x, int64_t n);
 bool has_nan(const float* x, int64_t n);
 bool has_nan(const double* x, int64_t n);
 
-// x[j] = exp(x[j] - sub) for j < n; returns the sum of the new x.
-float exp_row(float* x, int64_t n, float sub);
-double exp_row(double* x, int64_t n, double sub);
-// p[j] = bf16(exp(x[j] - sub)), x unchanged; returns the sum of the
+// x[j] = exp(scale * x[j] - sub) for j < n; returns the sum of the new x.
+float exp_row(float* x, int64_t n, float scale, float sub);
+double exp_row(double* x, int64_t n, double scale, double sub);
+// p[j] = bf16(exp(scale * x[j] - sub)), x unchanged; returns the sum of the
 // unrounded exponentials. Only where the CPU has avx512_bf16 (bf16_tiles()).
-float exp_row(const float* x, int64_t n, float sub, c10::BFloat16* p);
+float exp_row(const float* x, int64_t n, float scale, float sub, c10::BFloat16* p);
 
 // Backward of one row with a finite lse: p = exp(s - lse) and
 // ds = p * (dp - delta), with ds = 0 where p = 0 (a masked key's dp may be

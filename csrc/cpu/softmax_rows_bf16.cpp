@@ -35,16 +35,16 @@ constexpr int64_t kChunk = 256;  // fp32 lanes converted while in cache
 
 }  // namespace
 
-float exp_row(const float* x, int64_t n, float sub, c10::BFloat16* p) {
+float exp_row(const float* x, int64_t n, float scale, float sub, c10::BFloat16* p) {
 #if defined(CPU_CAPABILITY_AVX512)
-  return exp_row_lanes(x, n, sub,
+  return exp_row_lanes(x, n, scale, sub,
                        [p](int64_t j, __m512 e, __mmask16 k) { store_bf16(p + j, e, k); });
 #else
   float e[kChunk];
   float sum = 0;
   for (int64_t j = 0; j < n; j += kChunk) {
     const int64_t len = std::min(kChunk, n - j);
-    sum += exp_row_vec(x + j, len, sub, e);
+    sum += exp_row_vec(x + j, len, scale, sub, e);
     at::vec::convert(e, p + j, len);
   }
   return sum;

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <new>
 #include <span>
 #include <type_traits>
 #include <vector>
@@ -46,6 +47,26 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
 // AMX), where it runs 2-3x the fp32 rate at the kernels' tile shapes.
 // RING_ATTENTION_CPU_BF16_GEMM=0 turns it off (read at every call).
 bool bf16_tiles();
+
+// Buffers of the kernels' tiles start on a cache line: MKL's bf16 GEMM, for
+// one, runs 1.5x slower into an fp32 C that does not (256 x 512 x 64, one
+// thread; a plain std::vector of that size starts 16 bytes into a page).
+template <typename T>
+struct CacheLineAllocator {
+  using value_type = T;
+  static constexpr std::align_val_t kAlign{64};
+  CacheLineAllocator() = default;
+  template <typename U>
+  CacheLineAllocator(const CacheLineAllocator<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), kAlign)); }
+  void deallocate(T* ptr, size_t) { ::operator delete(ptr, kAlign); }
+  template <typename U>
+  bool operator==(const CacheLineAllocator<U>&) const {
+    return true;
+  }
+};
+template <typename T>
+using TileBuffer = std::vector<T, CacheLineAllocator<T>>;
 
 // A matrix tile: base pointer and row stride, in elements.
 template <typename T>
@@ -81,29 +102,38 @@ void non_finite_rows(TileRef<In> B, int64_t j0, int64_t j1, int64_t n, int64_t s
     if (!all_finite(B.ptr + j * B.ld, n)) bad.push_back(j + shift);
 }
 
-// C = alpha * A[M,K] @ B[K,N] + beta * C, where A (lda = K) holds weights
-// that are 0 for the keys a row does not reach (masked, future, another
-// row's segment). 0 * NaN is NaN, so a non-finite K/V row of a key nobody
-// reaches would otherwise spread to every row of the tile: the rows of B in
-// bad (non_finite_rows, ascending; the callers find them once per tile and
-// reuse them) enter as zeros, and their products are added back where the
-// weight is not 0 (a reached key still propagates).
+// C[i] += alpha * A[i, j] * B[j] for the rows j of B in bad (non-finite K/V
+// rows the GEMM took as zeros) and the rows i whose weight A[i, j] (row
+// stride lda) is not 0: a key a row reaches still propagates its NaN.
 template <typename In, typename T>
-void gemm_weights(int64_t M, int64_t N, int64_t K, T alpha, const In* A, TileRef<In> B, T beta,
-                  T* C, int64_t ldc, std::span<const int64_t> bad, std::vector<In>& buf) {
-  if (bad.empty()) return gemm(false, false, M, N, K, alpha, A, K, B.ptr, B.ld, beta, C, ldc);
-  buf.resize(K * N);
-  for (int64_t j = 0; j < K; ++j) std::copy(B.ptr + j * B.ld, B.ptr + j * B.ld + N, &buf[j * N]);
-  for (const int64_t j : bad) std::fill(&buf[j * N], &buf[(j + 1) * N], In(0));
-  gemm(false, false, M, N, K, alpha, A, K, buf.data(), N, beta, C, ldc);
+void add_bad_rows(int64_t M, int64_t N, T alpha, const In* A, int64_t lda, TileRef<In> B,
+                  std::span<const int64_t> bad, T* C, int64_t ldc) {
   for (const int64_t j : bad) {
     for (int64_t i = 0; i < M; ++i) {
-      const T a = static_cast<T>(A[i * K + j]);
+      const T a = static_cast<T>(A[i * lda + j]);
       if (a == T(0)) continue;
       for (int64_t c = 0; c < N; ++c)
         C[i * ldc + c] += alpha * a * static_cast<T>(B.ptr[j * B.ld + c]);
     }
   }
+}
+
+// C = alpha * A[M,K] @ B[K,N] + beta * C, where A (row stride lda) holds
+// weights that are 0 for the keys a row does not reach (masked, future,
+// another row's segment). 0 * NaN is NaN, so a non-finite K/V row of a key
+// nobody reaches would otherwise spread to every row of the tile: the rows
+// of B in bad (non_finite_rows, ascending; the callers find them once per
+// tile and reuse them) enter as zeros, and their products are added back
+// where the weight is not 0.
+template <typename In, typename T>
+void gemm_weights(int64_t M, int64_t N, int64_t K, T alpha, const In* A, int64_t lda, TileRef<In> B,
+                  T beta, T* C, int64_t ldc, std::span<const int64_t> bad, TileBuffer<In>& buf) {
+  if (bad.empty()) return gemm(false, false, M, N, K, alpha, A, lda, B.ptr, B.ld, beta, C, ldc);
+  buf.resize(K * N);
+  for (int64_t j = 0; j < K; ++j) std::copy(B.ptr + j * B.ld, B.ptr + j * B.ld + N, &buf[j * N]);
+  for (const int64_t j : bad) std::fill(&buf[j * N], &buf[(j + 1) * N], In(0));
+  gemm(false, false, M, N, K, alpha, A, lda, buf.data(), N, beta, C, ldc);
+  add_bad_rows(M, N, alpha, A, lda, B, bad, C, ldc);
 }
 
 // Scores of one query row (position t) against a key tile (positions u0,
@@ -142,7 +172,7 @@ inline void convert_row(D* dst, const S* src, int64_t n) {
 // tile: in place when the types agree, else converted into buf (ld = d).
 template <typename tile_t, typename scalar_t>
 inline TileRef<tile_t> tile_rows(const scalar_t* first, int64_t stride, int64_t rows, int64_t d,
-                                 std::vector<tile_t>& buf) {
+                                 TileBuffer<tile_t>& buf) {
   if constexpr (std::is_same_v<scalar_t, tile_t>) {
     return {first, stride};
   } else {
@@ -155,7 +185,7 @@ inline TileRef<tile_t> tile_rows(const scalar_t* first, int64_t stride, int64_t 
 // Rows row_ptr(0), ..., row_ptr(rows - 1) (pointers into (B, L, H, D)
 // tensors, e.g. the rows of several heads stacked) as one tile_t tile in buf.
 template <typename tile_t, typename RowPtr>
-inline TileRef<tile_t> gather_rows(int64_t rows, int64_t d, std::vector<tile_t>& buf,
+inline TileRef<tile_t> gather_rows(int64_t rows, int64_t d, TileBuffer<tile_t>& buf,
                                    RowPtr row_ptr) {
   if (static_cast<int64_t>(buf.size()) < rows * d) buf.resize(rows * d);
   for (int64_t i = 0; i < rows; ++i) convert_row(&buf[i * d], row_ptr(i), d);
@@ -169,7 +199,7 @@ inline TileRef<tile_t> gather_rows(int64_t rows, int64_t d, std::vector<tile_t>&
 template <typename tile_t, typename acc_t>
 struct Weights {
   static constexpr bool kRounded = !std::is_same_v<tile_t, acc_t>;
-  std::vector<tile_t> buf;
+  TileBuffer<tile_t> buf;
 
   void reserve(int64_t n) {
     if constexpr (kRounded)
@@ -179,12 +209,13 @@ struct Weights {
     if constexpr (kRounded) at::vec::convert(w, buf.data() + offset, n);
   }
   tile_t* row(int64_t offset) { return buf.data() + offset; }
-  // Row w (at offset) set to exp(w - sub); returns the sum of the exponentials.
-  acc_t exp_row(acc_t* w, int64_t offset, int64_t n, acc_t sub) {
+  // Row w (at offset) set to exp(scale * w - sub); returns the sum of the
+  // exponentials.
+  acc_t exp_row(acc_t* w, int64_t offset, int64_t n, acc_t scale, acc_t sub) {
     if constexpr (kRounded)
-      return cpu::exp_row(w, n, sub, row(offset));
+      return cpu::exp_row(w, n, scale, sub, row(offset));
     else
-      return cpu::exp_row(w, n, sub);
+      return cpu::exp_row(w, n, scale, sub);
   }
   void zero_row(acc_t* w, int64_t offset, int64_t n) {
     if constexpr (kRounded)

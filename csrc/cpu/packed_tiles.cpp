@@ -1,0 +1,61 @@
+#include "packed_tiles.h"
+
+#include <ATen/native/CPUBlas.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+#include "tile_math.h"
+
+namespace ring_attention::cpu {
+
+bool packed_tiles(int64_t d) {
+  static const bool amx = at::native::cpublas::could_pack(at::kBFloat16);
+  const char* env = std::getenv("RING_ATTENTION_CPU_BF16_GEMM");
+  return amx && d % 2 == 0 && !(env != nullptr && std::strcmp(env, "mkl") == 0);
+}
+
+// VNNI for bf16: element (r, c) of a K x N operand sits at
+// (r / 2) * 2N + 2c + r % 2, so each 32-bit word holds rows 2i and 2i + 1 of
+// one column.
+void pack_keys(const c10::BFloat16* k, int64_t ld, int64_t w, int64_t d, c10::BFloat16* out) {
+  // B = K^T: row c of B is column c of K, so word i of key j (its elements
+  // 2i, 2i + 1) goes to word (i, j): a transpose of 32-bit words.
+  auto* dst = reinterpret_cast<uint32_t*>(out);
+  const int64_t words = d / 2;
+  for (int64_t j = 0; j < w; ++j) {
+    const c10::BFloat16* row = k + j * ld;
+    for (int64_t i = 0; i < words; ++i) std::memcpy(&dst[i * w + j], row + 2 * i, sizeof(uint32_t));
+  }
+}
+
+void pack_values(const c10::BFloat16* v, int64_t ld, int64_t w, int64_t d,
+                 std::span<const int64_t> zero, c10::BFloat16* out) {
+  const auto* src = reinterpret_cast<const uint16_t*>(v);
+  auto* dst = reinterpret_cast<uint16_t*>(out);
+  auto z = zero.begin();
+  const auto row = [&](int64_t j) -> const uint16_t* {
+    while (z != zero.end() && *z < j) ++z;
+    return (j < w && (z == zero.end() || *z != j)) ? src + j * ld : nullptr;
+  };
+  for (int64_t j = 0; j < w; j += 2) {
+    const uint16_t* a = row(j);
+    const uint16_t* b = row(j + 1);
+    uint16_t* o = dst + j * d;
+    for (int64_t c = 0; c < d; ++c) {
+      o[2 * c] = a != nullptr ? a[c] : 0;
+      o[2 * c + 1] = b != nullptr ? b[c] : 0;
+    }
+  }
+}
+
+void gemm_packed(int64_t M, int64_t N, int64_t K, const c10::BFloat16* A, int64_t lda,
+                 const c10::BFloat16* B, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  if (M == 0 || N == 0) return;
+  at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, accumulate, A, B, C, /*is_vnni=*/true);
+}
+
+void release_packed_gemm() { at::native::cpublas::brgemm_release(/*is_vnni=*/true); }
+
+}  // namespace ring_attention::cpu
