@@ -14,6 +14,7 @@
 
 #include "block_tasks.h"
 #include "kernels.h"
+#include "packed_tiles.h"
 #include "tile_math.h"
 
 namespace ring_attention::cpu {
@@ -21,16 +22,24 @@ namespace {
 
 constexpr int64_t kTileRows = 256;  // stacked query rows (heads x positions)
 constexpr int64_t kTileK = 256;
+// Row stride of the score tiles: a cache line more than kTileK (see the forward).
+constexpr int64_t kLd = kTileK + 16;
 
 // tile_t: the type the GEMMs read (tile_math.h).
 template <typename scalar_t, typename tile_t, typename acc_t>
 struct BackwardTile {
+  static constexpr bool kBf16Tiles = std::is_same_v<tile_t, c10::BFloat16>;
   const BlockParams& p;
   const scalar_t *dout, *q, *k, *v;
   const acc_t *lse, *delta;  // delta = rowsum(dout * out) - grad_lse, laid out like lse
   acc_t *dq, *dk, *dv;       // nullptr: not asked for
   acc_t scale;
+  // bf16 tiles with the key tile packed for AMX (packed_tiles.h) for the
+  // products with K^T, V^T and K: S and dP come out unscaled, and dS carries
+  // the scale (the softmax pass applies both).
+  const bool packed;
   TileBuffer<tile_t> qbuf, dobuf, kbuf, vbuf, wbuf;
+  TileBuffer<tile_t> k_t, v_t, k_rows;  // packed: K^T, V^T, K
   Weights<tile_t, acc_t> pw, dsw;
   TileBuffer<acc_t> s, dp, dqbuf;
   std::vector<int64_t> kbad;  // non-finite K rows of the key tile
@@ -46,7 +55,12 @@ struct BackwardTile {
         dq(static_cast<acc_t*>(p_.dq)),
         dk(static_cast<acc_t*>(p_.dk)),
         dv(static_cast<acc_t*>(p_.dv)),
-        scale(static_cast<acc_t>(p_.scale)) {}
+        scale(static_cast<acc_t>(p_.scale)),
+        packed(kBf16Tiles && p_.scale > 0 && packed_tiles(p_.head_dim)) {}
+
+  ~BackwardTile() {
+    if (packed) release_packed_gemm();
+  }
 
   // One key tile of tk keys (first at u0, stride r) of the set's K/V head
   // against all the queries of the set's heads.
@@ -59,6 +73,16 @@ struct BackwardTile {
     const TileRef<tile_t> vt = tile_rows<tile_t>(v + koff, k_stride, tk, d, vbuf);
     kbad.clear();
     if (dq != nullptr) non_finite_rows(kt, 0, tk, d, 0, kbad);
+    if constexpr (kBf16Tiles) {
+      if (packed) {
+        k_t.resize(tk * d), v_t.resize(tk * d), k_rows.resize((tk + 1) * d);
+        pack_keys(kt.ptr, kt.ld, tk, d, k_t.data());
+        pack_keys(vt.ptr, vt.ld, tk, d, v_t.data());
+        if (dq != nullptr) pack_values(kt.ptr, kt.ld, tk, d, kbad, k_rows.data());
+      }
+    }
+    // The factor the GEMMs with dS still apply (packed: dS holds it).
+    const acc_t ds_gemm_scale = packed ? acc_t(1) : scale;
     const bool* mrow = p.key_padding_mask == nullptr
                            ? nullptr
                            : p.key_padding_mask + b * p.k_len + (u0 - p.k_start);
@@ -82,25 +106,36 @@ struct BackwardTile {
           nh == 1
               ? tile_rows<tile_t>(dout + qoff, q_stride, tq, d, dobuf)
               : gather_rows<tile_t>(rows, d, dobuf, [&](int64_t i) { return dout + row_index(i); });
-      s.resize(rows * tk);
-      dp.resize(rows * tk);
-      gemm(false, true, rows, tk, d, scale, qt.ptr, qt.ld, kt.ptr, kt.ld, acc_t(0), s.data(), tk);
-      gemm(false, true, rows, tk, d, acc_t(1), dot.ptr, dot.ld, vt.ptr, vt.ld, acc_t(0), dp.data(),
-           tk);
-      pw.reserve(rows * tk);
-      dsw.reserve(rows * tk);
+      s.resize(rows * kLd);
+      dp.resize(rows * kLd);
+      pw.reserve(rows * kLd);
+      dsw.reserve(rows * kLd);
+      if constexpr (kBf16Tiles) {
+        if (packed) {
+          gemm_packed(rows, tk, d, qt.ptr, qt.ld, k_t.data(), tk, s.data(), kLd, false);
+          gemm_packed(rows, tk, d, dot.ptr, dot.ld, v_t.data(), tk, dp.data(), kLd, false);
+          release_packed_gemm();  // MKL's GEMMs come next
+        }
+      }
+      if (!packed) {
+        gemm(false, true, rows, tk, d, scale, qt.ptr, qt.ld, kt.ptr, kt.ld, acc_t(0), s.data(),
+             kLd);
+        gemm(false, true, rows, tk, d, acc_t(1), dot.ptr, dot.ld, vt.ptr, vt.ld, acc_t(0),
+             dp.data(), kLd);
+      }
       for (int64_t i = 0; i < rows; ++i) {
-        acc_t* srow = &s[i * tk];
-        acc_t* dprow = &dp[i * tk];
+        acc_t* srow = &s[i * kLd];
+        acc_t* dprow = &dp[i * kLd];
         const int64_t t = row_pos(i);
         const int64_t stat = p.row_index(b, row_head(i), t);
+        const RowGrad<acc_t> g{packed ? scale : acc_t(1), lse[stat], packed ? scale : acc_t(1),
+                               delta[stat]};
         if (lse[stat] != neg_inf) mask_row(srow, tk, t, u0, r, p.causal, mrow);
         if (std::isfinite(lse[stat])) {
           if constexpr (Weights<tile_t, acc_t>::kRounded) {
-            softmax_grad_row(srow, dprow, tk, lse[stat], delta[stat], pw.row(i * tk),
-                             dsw.row(i * tk));
+            softmax_grad_row(srow, dprow, tk, g, pw.row(i * kLd), dsw.row(i * kLd));
           } else {
-            softmax_grad_row(srow, dprow, tk, lse[stat], delta[stat]);
+            softmax_grad_row(srow, dprow, tk, g);
           }
           continue;
         }
@@ -108,29 +143,47 @@ struct BackwardTile {
           std::fill(srow, srow + tk, acc_t(0));
           std::fill(dprow, dprow + tk, acc_t(0));
         } else {
-          softmax_grad_row_nonfinite(srow, dprow, tk, lse[stat], delta[stat]);
+          softmax_grad_row_nonfinite(srow, dprow, tk, g);
         }
-        pw.round_row(srow, i * tk, tk);
-        dsw.round_row(dprow, i * tk, tk);
+        pw.round_row(srow, i * kLd, tk);
+        dsw.round_row(dprow, i * kLd, tk);
       }
       // dV += P^T dO, dK += scale dS^T Q (summed over the stacked heads),
       // straight into the accumulators through the key row stride.
       if (dv != nullptr) {
-        gemm(true, false, tk, d, rows, acc_t(1), pw.of(s.data()), tk, dot.ptr, dot.ld, acc_t(1),
+        gemm(true, false, tk, d, rows, acc_t(1), pw.of(s.data()), kLd, dot.ptr, dot.ld, acc_t(1),
              dv + koff, k_stride);
-        gemm(true, false, tk, d, rows, scale, dsw.of(dp.data()), tk, qt.ptr, qt.ld, acc_t(1),
-             dk + koff, k_stride);
+        gemm(true, false, tk, d, rows, ds_gemm_scale, dsw.of(dp.data()), kLd, qt.ptr, qt.ld,
+             acc_t(1), dk + koff, k_stride);
       }
       if (dq == nullptr) continue;
       // dQ += scale dS K: in place for one head, else through a buffer.
-      if (nh == 1) {
-        gemm_weights(tq, d, tk, scale, dsw.of(dp.data()), tk, kt, acc_t(1), dq + qoff, q_stride,
-                     kbad, wbuf);
-        continue;
+      acc_t* dq_dst = nh == 1 ? dq + qoff : nullptr;
+      if (nh != 1) dqbuf.resize(rows * d);
+      const int64_t dq_ld = nh == 1 ? q_stride : d;
+      bool dq_done = false;
+      if constexpr (kBf16Tiles) {
+        if (packed) {
+          // K is packed in row pairs: an odd tile's pad key gets weight 0.
+          if (tk % 2 == 1)
+            for (int64_t i = 0; i < rows; ++i) dsw.row(i * kLd)[tk] = tile_t(0);
+          acc_t* c = nh == 1 ? dq_dst : dqbuf.data();
+          gemm_packed(rows, d, tk + tk % 2, dsw.row(0), kLd, k_rows.data(), d, c, dq_ld, nh == 1);
+          release_packed_gemm();
+          add_bad_rows(rows, d, acc_t(1), dsw.row(0), kLd, kt, kbad, c, dq_ld);
+          dq_done = true;
+        }
       }
-      dqbuf.resize(rows * d);
-      gemm_weights(rows, d, tk, scale, dsw.of(dp.data()), tk, kt, acc_t(0), dqbuf.data(), d, kbad,
-                   wbuf);
+      if (!dq_done) {
+        if (nh == 1) {
+          gemm_weights(tq, d, tk, scale, dsw.of(dp.data()), kLd, kt, acc_t(1), dq_dst, dq_ld, kbad,
+                       wbuf);
+        } else {
+          gemm_weights(rows, d, tk, scale, dsw.of(dp.data()), kLd, kt, acc_t(0), dqbuf.data(), d,
+                       kbad, wbuf);
+        }
+      }
+      if (nh == 1) continue;
       for (int64_t i = 0; i < rows; ++i) {
         acc_t* dst = dq + row_index(i);
         const acc_t* src = &dqbuf[i * d];

@@ -33,10 +33,13 @@ void pack_values(const c10::BFloat16* v, int64_t ld, int64_t w, int64_t d,
 // C[M, N] (row stride ldc) = A[M, K] (row stride lda) @ B, or += when
 // accumulate; B packed by pack_keys (ldb = w; N <= w: its first N keys) or
 // pack_values (ldb = d = N; K <= w', even: its first K rows).
+//
+// libtorch's brgemm sets up the AMX tiles only when its kernel changes, so
+// a thread calls release_packed_gemm() before any other GEMM (MKL's release
+// the tiles when they finish) and after its last gemm_packed.
 void gemm_packed(int64_t M, int64_t N, int64_t K, const c10::BFloat16* A, int64_t lda,
                  const c10::BFloat16* B, int64_t ldb, float* C, int64_t ldc, bool accumulate);
 
-// Releases the AMX state of the calling thread (after its last gemm_packed).
 void release_packed_gemm();
 
 }  // namespace ring_attention::cpu

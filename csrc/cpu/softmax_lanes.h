@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <limits>
 
+#include "softmax_rows.h"
+
 #if defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
 #endif
@@ -62,23 +64,23 @@ T exp_row_vec(const T* x, int64_t n, T scale, T sub, T* out) {
   return sum;
 }
 
-// p_out = exp(s - lse), ds_out = p * (dp - delta), 0 where p is 0 (the
-// outputs may be s and dp).
+// p_out and ds_out of a row as RowGrad says, ds 0 where p is 0 (the outputs
+// may be s and dp).
 template <typename T>
-void softmax_grad_row_vec(const T* s, const T* dp, int64_t n, T lse, T delta, T* p_out, T* ds_out) {
+void softmax_grad_row_vec(const T* s, const T* dp, int64_t n, RowGrad<T> g, T* p_out, T* ds_out) {
   using Vec = at::vec::Vectorized<T>;
   constexpr int64_t W = Vec::size();
-  const Vec vl(lse), vd(delta), zero(0);
+  const Vec vs(g.s_scale), vl(g.lse), vc(g.ds_scale), vd(g.ds_scale * g.delta), zero(0);
   int64_t j = 0;
   for (; j + W <= n; j += W) {
-    const Vec p = (Vec::loadu(s + j) - vl).exp();
-    const Vec ds = Vec::blendv(p * (Vec::loadu(dp + j) - vd), zero, p == zero);
+    const Vec p = (Vec::loadu(s + j) * vs - vl).exp();
+    const Vec ds = Vec::blendv(p * (Vec::loadu(dp + j) * vc - vd), zero, p == zero);
     p.store(p_out + j);
     ds.store(ds_out + j);
   }
   for (; j < n; ++j) {
-    const T p = std::exp(s[j] - lse);
-    ds_out[j] = p == T(0) ? T(0) : p * (dp[j] - delta);
+    const T p = std::exp(g.s_scale * s[j] - g.lse);
+    ds_out[j] = p == T(0) ? T(0) : g.ds_scale * p * (dp[j] - g.delta);
     p_out[j] = p;
   }
 }
@@ -154,15 +156,16 @@ inline float exp_row_lanes(const float* x, int64_t n, float scale, float sub, St
 
 // p and ds of a row's lanes j .. j + 15, handed to store(j, p, ds, mask).
 template <typename Store>
-inline void softmax_grad_lanes(const float* s, const float* dp, int64_t n, float lse, float delta,
+inline void softmax_grad_lanes(const float* s, const float* dp, int64_t n, RowGrad<float> g,
                                Store store) {
-  const __m512 vl = _mm512_set1_ps(lse), vd = _mm512_set1_ps(delta);
+  const __m512 vs = _mm512_set1_ps(g.s_scale), vl = _mm512_set1_ps(g.lse);
+  const __m512 vc = _mm512_set1_ps(g.ds_scale), vd = _mm512_set1_ps(g.ds_scale * g.delta);
   for (int64_t j = 0; j < n; j += 16) {
     const __mmask16 k = tail_mask(n - j);
-    const __m512 p = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), vl));
+    const __m512 p = exp_ps(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, s + j), vs, vl));
     const __mmask16 nonzero = _mm512_cmp_ps_mask(p, _mm512_setzero_ps(), _CMP_NEQ_UQ);
     const __m512 ds =
-        _mm512_maskz_mul_ps(nonzero, p, _mm512_sub_ps(_mm512_maskz_loadu_ps(k, dp + j), vd));
+        _mm512_maskz_mul_ps(nonzero, p, _mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, dp + j), vc, vd));
     store(j, p, ds, k);
   }
 }

@@ -49,18 +49,18 @@ double exp_row(double* x, int64_t n, double scale, double sub) {
   return exp_row_vec(x, n, scale, sub, x);
 }
 
-void softmax_grad_row(float* s, float* dp, int64_t n, float lse, float delta) {
+void softmax_grad_row(float* s, float* dp, int64_t n, RowGrad<float> g) {
 #if defined(CPU_CAPABILITY_AVX512)
-  softmax_grad_lanes(s, dp, n, lse, delta, [s, dp](int64_t j, __m512 p, __m512 ds, __mmask16 k) {
+  softmax_grad_lanes(s, dp, n, g, [s, dp](int64_t j, __m512 p, __m512 ds, __mmask16 k) {
     _mm512_mask_storeu_ps(s + j, k, p);
     _mm512_mask_storeu_ps(dp + j, k, ds);
   });
 #else
-  softmax_grad_row_vec(s, dp, n, lse, delta, s, dp);
+  softmax_grad_row_vec(s, dp, n, g, s, dp);
 #endif
 }
-void softmax_grad_row(double* s, double* dp, int64_t n, double lse, double delta) {
-  softmax_grad_row_vec(s, dp, n, lse, delta, s, dp);
+void softmax_grad_row(double* s, double* dp, int64_t n, RowGrad<double> g) {
+  softmax_grad_row_vec(s, dp, n, g, s, dp);
 }
 
 }  // namespace ring_attention::cpu

@@ -31,13 +31,21 @@ double exp_row(double* x, int64_t n, double scale, double sub);
 // unrounded exponentials. Only where the CPU has avx512_bf16 (bf16_tiles()).
 float exp_row(const float* x, int64_t n, float scale, float sub, c10::BFloat16* p);
 
-// Backward of one row with a finite lse: p = exp(s - lse) and
-// ds = p * (dp - delta), with ds = 0 where p = 0 (a masked key's dp may be
-// NaN from its V row). In place (s becomes p, dp becomes ds), or rounded to
-// bf16 into p_out and ds_out (s and dp unchanged; avx512_bf16 only).
-void softmax_grad_row(float* s, float* dp, int64_t n, float lse, float delta);
-void softmax_grad_row(double* s, double* dp, int64_t n, double lse, double delta);
-void softmax_grad_row(const float* s, const float* dp, int64_t n, float lse, float delta,
+// The constants of one row's backward: p = exp(s_scale * s - lse) and
+// ds = ds_scale * p * (dp - delta). (The scale enters here where a GEMM
+// left S unscaled, and through ds_scale where dS feeds GEMMs without one.)
+template <typename T>
+struct RowGrad {
+  T s_scale, lse, ds_scale, delta;
+};
+
+// Backward of one row with a finite lse: p and ds as RowGrad says, with
+// ds = 0 where p = 0 (a masked key's dp may be NaN from its V row). In place
+// (s becomes p, dp becomes ds), or rounded to bf16 into p_out and ds_out (s
+// and dp unchanged; avx512_bf16 only).
+void softmax_grad_row(float* s, float* dp, int64_t n, RowGrad<float> g);
+void softmax_grad_row(double* s, double* dp, int64_t n, RowGrad<double> g);
+void softmax_grad_row(const float* s, const float* dp, int64_t n, RowGrad<float> g,
                       c10::BFloat16* p_out, c10::BFloat16* ds_out);
 
 // softmax_grad_row for a row whose lse is not finite (it reaches a
@@ -45,14 +53,14 @@ void softmax_grad_row(const float* s, const float* dp, int64_t n, float lse, flo
 // exp(-inf - NaN) would be NaN and reach the gradients of keys the row does
 // not reach; its reached keys give NaN, as they should.
 template <typename T>
-inline void softmax_grad_row_nonfinite(T* s, T* dp, int64_t n, T lse, T delta) {
+inline void softmax_grad_row_nonfinite(T* s, T* dp, int64_t n, RowGrad<T> g) {
   for (int64_t j = 0; j < n; ++j) {
     if (s[j] == -std::numeric_limits<T>::infinity()) {
       s[j] = T(0);
       dp[j] = T(0);
     } else {
-      s[j] = std::exp(s[j] - lse);
-      dp[j] = s[j] == T(0) ? T(0) : s[j] * (dp[j] - delta);
+      s[j] = std::exp(g.s_scale * s[j] - g.lse);
+      dp[j] = s[j] == T(0) ? T(0) : g.ds_scale * s[j] * (dp[j] - g.delta);
     }
   }
 }

@@ -51,19 +51,18 @@ float exp_row(const float* x, int64_t n, float scale, float sub, c10::BFloat16* 
 #endif
 }
 
-void softmax_grad_row(const float* s, const float* dp, int64_t n, float lse, float delta,
+void softmax_grad_row(const float* s, const float* dp, int64_t n, RowGrad<float> g,
                       c10::BFloat16* p_out, c10::BFloat16* ds_out) {
 #if defined(CPU_CAPABILITY_AVX512)
-  softmax_grad_lanes(s, dp, n, lse, delta,
-                     [p_out, ds_out](int64_t j, __m512 p, __m512 ds, __mmask16 k) {
-                       store_bf16(p_out + j, p, k);
-                       store_bf16(ds_out + j, ds, k);
-                     });
+  softmax_grad_lanes(s, dp, n, g, [p_out, ds_out](int64_t j, __m512 p, __m512 ds, __mmask16 k) {
+    store_bf16(p_out + j, p, k);
+    store_bf16(ds_out + j, ds, k);
+  });
 #else
   float p[kChunk], ds[kChunk];
   for (int64_t j = 0; j < n; j += kChunk) {
     const int64_t len = std::min(kChunk, n - j);
-    softmax_grad_row_vec(s + j, dp + j, len, lse, delta, p, ds);
+    softmax_grad_row_vec(s + j, dp + j, len, g, p, ds);
     at::vec::convert(p, p_out + j, len);
     at::vec::convert(ds, ds_out + j, len);
   }
