@@ -29,6 +29,8 @@ constexpr int64_t kLd = kTileK + 16;
 template <typename scalar_t, typename tile_t, typename acc_t>
 struct BackwardTile {
   static constexpr bool kBf16Tiles = std::is_same_v<tile_t, c10::BFloat16>;
+  static constexpr bool kFp32Tiles =
+      std::is_same_v<tile_t, float> && std::is_same_v<scalar_t, float>;
   const BlockParams& p;
   const scalar_t *dout, *q, *k, *v;
   const acc_t *lse, *delta;  // delta = rowsum(dout * out) - grad_lse, laid out like lse
@@ -56,10 +58,12 @@ struct BackwardTile {
         dk(static_cast<acc_t*>(p_.dk)),
         dv(static_cast<acc_t*>(p_.dv)),
         scale(static_cast<acc_t>(p_.scale)),
-        packed(kBf16Tiles && p_.scale > 0 && packed_tiles(p_.head_dim)) {}
+        packed(p_.scale > 0 &&
+               ((kBf16Tiles && packed_tiles(p_.head_dim)) || (kFp32Tiles && packed_tiles_fp32()))) {
+  }
 
   ~BackwardTile() {
-    if (packed) release_packed_gemm();
+    if (kBf16Tiles && packed) release_packed_gemm();
   }
 
   // One key tile of tk keys (first at u0, stride r) of the set's K/V head
@@ -73,7 +77,7 @@ struct BackwardTile {
     const TileRef<tile_t> vt = tile_rows<tile_t>(v + koff, k_stride, tk, d, vbuf);
     kbad.clear();
     if (dq != nullptr) non_finite_rows(kt, 0, tk, d, 0, kbad);
-    if constexpr (kBf16Tiles) {
+    if constexpr (kBf16Tiles || kFp32Tiles) {
       if (packed) {
         k_t.resize(tk * d), v_t.resize(tk * d), k_rows.resize((tk + 1) * d);
         pack_keys(kt.ptr, kt.ld, tk, d, k_t.data());
@@ -110,11 +114,11 @@ struct BackwardTile {
       dp.resize(rows * kLd);
       pw.reserve(rows * kLd);
       dsw.reserve(rows * kLd);
-      if constexpr (kBf16Tiles) {
+      if constexpr (kBf16Tiles || kFp32Tiles) {
         if (packed) {
           gemm_packed(rows, tk, d, qt.ptr, qt.ld, k_t.data(), tk, s.data(), kLd, false);
           gemm_packed(rows, tk, d, dot.ptr, dot.ld, v_t.data(), tk, dp.data(), kLd, false);
-          release_packed_gemm();  // MKL's GEMMs come next
+          if constexpr (kBf16Tiles) release_packed_gemm();  // MKL's GEMMs come next
         }
       }
       if (!packed) {
@@ -162,15 +166,17 @@ struct BackwardTile {
       if (nh != 1) dqbuf.resize(rows * d);
       const int64_t dq_ld = nh == 1 ? q_stride : d;
       bool dq_done = false;
-      if constexpr (kBf16Tiles) {
+      if constexpr (kBf16Tiles || kFp32Tiles) {
         if (packed) {
-          // K is packed in row pairs: an odd tile's pad key gets weight 0.
-          if (tk % 2 == 1)
+          // bf16 K is packed in row pairs: an odd tile's pad key gets weight 0.
+          const int64_t pad = kBf16Tiles ? tk % 2 : 0;
+          const tile_t* ds = dsw.of(dp.data());
+          if (pad == 1)
             for (int64_t i = 0; i < rows; ++i) dsw.row(i * kLd)[tk] = tile_t(0);
           acc_t* c = nh == 1 ? dq_dst : dqbuf.data();
-          gemm_packed(rows, d, tk + tk % 2, dsw.row(0), kLd, k_rows.data(), d, c, dq_ld, nh == 1);
-          release_packed_gemm();
-          add_bad_rows(rows, d, acc_t(1), dsw.row(0), kLd, kt, kbad, c, dq_ld);
+          gemm_packed(rows, d, tk + pad, ds, kLd, k_rows.data(), d, c, dq_ld, nh == 1);
+          if constexpr (kBf16Tiles) release_packed_gemm();
+          add_bad_rows(rows, d, acc_t(1), ds, kLd, kt, kbad, c, dq_ld);
           dq_done = true;
         }
       }

@@ -34,6 +34,9 @@ constexpr int64_t kMaxPacked = int64_t(1) << 18;
 template <typename scalar_t, typename tile_t, typename acc_t>
 struct ForwardTile {
   static constexpr bool kBf16Tiles = std::is_same_v<tile_t, c10::BFloat16>;
+  // fp32 inputs, read in place (packing reads whole key tiles).
+  static constexpr bool kFp32Tiles =
+      std::is_same_v<tile_t, float> && std::is_same_v<scalar_t, float>;
   const BlockParams& p;
   const scalar_t *q, *k, *v;
   acc_t *out, *lse;
@@ -63,10 +66,12 @@ struct ForwardTile {
         out(static_cast<acc_t*>(p_.out)),
         lse(static_cast<acc_t*>(p_.lse)),
         scale(static_cast<acc_t>(p_.scale)),
-        packed(kBf16Tiles && p_.scale > 0 && packed_tiles(p_.head_dim)) {}
+        packed(p_.scale > 0 &&
+               ((kBf16Tiles && packed_tiles(p_.head_dim)) || (kFp32Tiles && packed_tiles_fp32()))) {
+  }
 
   ~ForwardTile() {
-    if (packed) release_packed_gemm();
+    if (kBf16Tiles && packed) release_packed_gemm();
   }
 
   void start_key_run(int64_t b, int64_t kv_head, ActiveRun keys, int64_t r) {
@@ -129,7 +134,7 @@ struct ForwardTile {
       for (int64_t& j : bad) j -= n0;
 
       const tile_t *kp = nullptr, *vp = nullptr;
-      if constexpr (kBf16Tiles) {
+      if constexpr (kBf16Tiles || kFp32Tiles) {
         if (packed) {
           const int64_t tile = n0 / kTileK;
           const int64_t slot = tile % static_cast<int64_t>(keyrun.slot_tile.size());
@@ -169,13 +174,15 @@ struct ForwardTile {
         if (alpha != acc_t(1)) scale_row(&o[i * d], d, alpha);
         m[i] = m_new;
       }
-      if constexpr (kBf16Tiles) {
+      if constexpr (kBf16Tiles || kFp32Tiles) {
         if (packed) {
-          // V is packed in row pairs: an odd tile's pad key gets weight 0.
-          if (tk % 2 == 1)
+          // bf16 V is packed in row pairs: an odd tile's pad key gets weight 0.
+          const int64_t pad = kBf16Tiles ? tk % 2 : 0;
+          const tile_t* pt = pw.of(s.data());
+          if (pad == 1)
             for (int64_t i = 0; i < rows; ++i) pw.row(i * kLd)[tk] = tile_t(0);
-          gemm_packed(rows, d, tk + tk % 2, pw.row(0), kLd, vp, d, o.data(), d, true);
-          add_bad_rows(rows, d, acc_t(1), pw.row(0), kLd, vt, bad, o.data(), d);
+          gemm_packed(rows, d, tk + pad, pt, kLd, vp, d, o.data(), d, true);
+          add_bad_rows(rows, d, acc_t(1), pt, kLd, vt, bad, o.data(), d);
           continue;
         }
       }

@@ -58,4 +58,31 @@ void gemm_packed(int64_t M, int64_t N, int64_t K, const c10::BFloat16* A, int64_
 
 void release_packed_gemm() { at::native::cpublas::brgemm_release(/*is_vnni=*/true); }
 
+bool packed_tiles_fp32() {
+#if defined(__x86_64__)
+  static const bool avx512 = __builtin_cpu_supports("avx512f");
+#else
+  constexpr bool avx512 = false;
+#endif
+  const char* env = std::getenv("RING_ATTENTION_CPU_FP32_PACK");
+  return avx512 && !(env != nullptr && std::strcmp(env, "0") == 0);
+}
+
+void pack_keys(const float* k, int64_t ld, int64_t w, int64_t d, float* out) {
+  for (int64_t j = 0; j < w; ++j)
+    for (int64_t c = 0; c < d; ++c) out[c * w + j] = k[j * ld + c];
+}
+
+void pack_values(const float* v, int64_t ld, int64_t w, int64_t d, std::span<const int64_t> zero,
+                 float* out) {
+  for (int64_t j = 0; j < w; ++j) std::copy(v + j * ld, v + j * ld + d, out + j * d);
+  for (const int64_t j : zero) std::fill(out + j * d, out + (j + 1) * d, 0.0f);
+}
+
+void gemm_packed(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
+                 int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  if (M == 0 || N == 0) return;
+  at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, accumulate, A, B, C, /*is_vnni=*/false);
+}
+
 }  // namespace ring_attention::cpu

@@ -1,11 +1,11 @@
-// bf16 K and V tiles packed once for AMX, and the GEMMs that read them:
-// oneDNN's batch-reduce GEMM (at::native::cpublas::brgemm, exported by
-// libtorch), whose B operand is in VNNI layout (pairs of rows along the
-// reduction interleaved). A key tile is packed once and reused by every
-// query tile that attends to it; the GEMM reads Q and P in place. At the
-// forward's tile shapes (256 x 512 x 64, one thread) this runs S = Q K^T in
-// about 0.6x and P V in about 0.45x the time of MKL's bf16 GEMM, which copies
-// both operands at every call.
+// K and V tiles packed once, and the GEMMs that read them: oneDNN's
+// batch-reduce GEMM (at::native::cpublas::brgemm, exported by libtorch). For
+// bf16 (AMX) its B operand is in VNNI layout (pairs of rows along the
+// reduction interleaved); for fp32 plain and contiguous. A key tile is packed
+// once and reused by every query tile that attends to it; the GEMM reads Q and
+// P in place. At the forward's tile shapes (256 x 512 x 64, one thread) this
+// runs bf16 S = Q K^T in about 0.6x and P V in about 0.45x the time of MKL's
+// bf16 GEMM, which copies both operands at every call (fp32: 0.9x).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -41,5 +41,15 @@ void gemm_packed(int64_t M, int64_t N, int64_t K, const c10::BFloat16* A, int64_
                  const c10::BFloat16* B, int64_t ldb, float* C, int64_t ldc, bool accumulate);
 
 void release_packed_gemm();
+
+// fp32 K and V in the same roles, plain row-major and contiguous (K^T as
+// d x w, V as w x d), for brgemm's fp32 kernels: packed_tiles_fp32() where
+// the CPU has AVX-512 (RING_ATTENTION_CPU_FP32_PACK=0 turns it off).
+bool packed_tiles_fp32();
+void pack_keys(const float* k, int64_t ld, int64_t w, int64_t d, float* out);
+void pack_values(const float* v, int64_t ld, int64_t w, int64_t d, std::span<const int64_t> zero,
+                 float* out);
+void gemm_packed(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
+                 int64_t ldb, float* C, int64_t ldc, bool accumulate);
 
 }  // namespace ring_attention::cpu
