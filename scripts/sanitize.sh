@@ -42,12 +42,12 @@ ring=tests/test_ring.py::test_ring_matches_single_process_and_oracle
 emu=tests/test_cuda_emulated.py::test_kernels_match_oracle
 if ((fast)); then
   tests=(tests/test_limits.py tests/test_nan_exclusion.py tests/test_exchange_rows.py tests/test_block_ops.py
-    tests/test_cpu_bf16_tiles.py
+    tests/test_cpu_tile_paths.py
     "$ring[3-documents]" "$ring[3-gqa]" "$ring[3-huge_values]" "$ring[2-lse_documents_gqa]"
     "$emu[mma64-bf16-longnet-groups-mask-causal]" "$emu[simt-f32-d32-longnet-groups-mask-full]")
 else
   tests=(tests/test_local_op.py tests/test_block_ops.py tests/test_opcheck.py tests/test_exchange_rows.py
-    tests/test_limits.py tests/test_nan_exclusion.py tests/test_cpu_bf16_tiles.py tests/test_ring.py
+    tests/test_limits.py tests/test_nan_exclusion.py tests/test_cpu_tile_paths.py tests/test_ring.py
     tests/test_cuda_emulated.py)
 fi
 export ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:abort_on_error=1:alloc_dealloc_mismatch=0:new_delete_type_mismatch=0

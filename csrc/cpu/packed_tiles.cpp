@@ -21,12 +21,18 @@ bool packed_tiles(int64_t d) {
 // one column.
 void pack_keys(const c10::BFloat16* k, int64_t ld, int64_t w, int64_t d, c10::BFloat16* out) {
   // B = K^T: row c of B is column c of K, so word i of key j (its elements
-  // 2i, 2i + 1) goes to word (i, j): a transpose of 32-bit words.
+  // 2i, 2i + 1) goes to word (i, j): a transpose of 32-bit words, 16 keys at
+  // a time so that the reads stay in L1 and the writes are whole lines.
   auto* dst = reinterpret_cast<uint32_t*>(out);
   const int64_t words = d / 2;
-  for (int64_t j = 0; j < w; ++j) {
-    const c10::BFloat16* row = k + j * ld;
-    for (int64_t i = 0; i < words; ++i) std::memcpy(&dst[i * w + j], row + 2 * i, sizeof(uint32_t));
+  constexpr int64_t kBlock = 16;
+  for (int64_t j0 = 0; j0 < w; j0 += kBlock) {
+    const int64_t jn = std::min(kBlock, w - j0);
+    for (int64_t i = 0; i < words; ++i) {
+      uint32_t* o = dst + i * w + j0;
+      for (int64_t j = 0; j < jn; ++j)
+        std::memcpy(o + j, k + (j0 + j) * ld + 2 * i, sizeof(uint32_t));
+    }
   }
 }
 
@@ -69,8 +75,12 @@ bool packed_tiles_fp32() {
 }
 
 void pack_keys(const float* k, int64_t ld, int64_t w, int64_t d, float* out) {
-  for (int64_t j = 0; j < w; ++j)
-    for (int64_t c = 0; c < d; ++c) out[c * w + j] = k[j * ld + c];
+  constexpr int64_t kBlock = 16;  // as for bf16: reads in L1, whole-line writes
+  for (int64_t j0 = 0; j0 < w; j0 += kBlock) {
+    const int64_t jn = std::min(kBlock, w - j0);
+    for (int64_t c = 0; c < d; ++c)
+      for (int64_t j = 0; j < jn; ++j) out[c * w + j0 + j] = k[(j0 + j) * ld + c];
+  }
 }
 
 void pack_values(const float* v, int64_t ld, int64_t w, int64_t d, std::span<const int64_t> zero,

@@ -37,8 +37,8 @@ constexpr int64_t kChunk = 256;  // fp32 lanes converted while in cache
 
 float exp_row(const float* x, int64_t n, float scale, float sub, c10::BFloat16* p) {
 #if defined(CPU_CAPABILITY_AVX512)
-  return exp_row_lanes(x, n, scale, sub,
-                       [p](int64_t j, __m512 e, __mmask16 k) { store_bf16(p + j, e, k); });
+  return exp_row_lanes<true>(x, n, scale, sub,
+                             [p](int64_t j, __m512 e, __mmask16 k) { store_bf16(p + j, e, k); });
 #else
   float e[kChunk];
   float sum = 0;
@@ -54,10 +54,11 @@ float exp_row(const float* x, int64_t n, float scale, float sub, c10::BFloat16* 
 void softmax_grad_row(const float* s, const float* dp, int64_t n, RowGrad<float> g,
                       c10::BFloat16* p_out, c10::BFloat16* ds_out) {
 #if defined(CPU_CAPABILITY_AVX512)
-  softmax_grad_lanes(s, dp, n, g, [p_out, ds_out](int64_t j, __m512 p, __m512 ds, __mmask16 k) {
-    store_bf16(p_out + j, p, k);
-    store_bf16(ds_out + j, ds, k);
-  });
+  softmax_grad_lanes<true>(s, dp, n, g,
+                           [p_out, ds_out](int64_t j, __m512 p, __m512 ds, __mmask16 k) {
+                             store_bf16(p_out + j, p, k);
+                             store_bf16(ds_out + j, ds, k);
+                           });
 #else
   float p[kChunk], ds[kChunk];
   for (int64_t j = 0; j < n; j += kChunk) {

@@ -1,18 +1,21 @@
-"""The CPU kernels' bfloat16 paths (csrc/cpu/tile_math.h ``bf16_tiles``,
-csrc/cpu/packed_tiles.h ``packed_tiles``).
+"""The CPU kernels' GEMM paths (csrc/cpu/tile_math.h ``bf16_tiles``,
+csrc/cpu/packed_tiles.h ``packed_tiles``, ``packed_tiles_fp32``).
 
-Where the BLAS has a bf16 GEMM (MKL's) and the CPU has bf16 dot products
-(avx512_bf16), the kernels multiply bf16 tiles as they are: Q, K, V and dO
-read in place, P and dS rounded to bf16 for their products, fp32
-accumulation; where the CPU also has AMX, the forward packs each K/V tile
-once for oneDNN's brgemm (even head dims) unless
-``RING_ATTENTION_CPU_BF16_GEMM=mkl``. Elsewhere, or with
-``RING_ATTENTION_CPU_BF16_GEMM=0``, every tile is converted to fp32 first.
+bf16: where the BLAS has a bf16 GEMM (MKL's) and the CPU has bf16 dot
+products (avx512_bf16), the kernels multiply bf16 tiles as they are: Q, K, V
+and dO read in place, P and dS rounded to bf16 for their products, fp32
+accumulation; where the CPU also has AMX, K/V tiles are packed once for
+oneDNN's brgemm (even head dims) unless ``RING_ATTENTION_CPU_BF16_GEMM=mkl``.
+Elsewhere, or with ``RING_ATTENTION_CPU_BF16_GEMM=0``, every tile is
+converted to fp32 first. fp32: on CPUs with AVX-512 K/V tiles are copied once
+(K transposed) for brgemm's fp32 kernels unless
+``RING_ATTENTION_CPU_FP32_PACK=0`` (sgemm on the tiles in place).
+
 Each path is checked against the float64 oracle, forward and backward (lse
-gradients, grouped K/V heads, documents, chunked accumulation, the block
-operators at offsets, causal tiles that use part of a packed key tile), and
-the fp32 switch is checked to take effect exactly where the machine has the
-native path.
+gradients, grouped K/V heads, documents, several key tiles per run, causal
+tiles that use part of a packed key tile, NaN V rows; for bf16 also chunked
+accumulation and the block operators at offsets), and the bf16 switch is
+checked to take effect exactly where the machine has the native path.
 """
 
 from __future__ import annotations
@@ -36,8 +39,16 @@ from op_helpers import (
 
 import ring_attention as ra
 
-BF16 = torch.bfloat16
+BF16, F32 = torch.bfloat16, torch.float32
 ENV = "RING_ATTENTION_CPU_BF16_GEMM"
+FP32_ENV = "RING_ATTENTION_CPU_FP32_PACK"
+PATHS = {  # name: (dtype, environment; None: unset)
+    "bf16-native": (BF16, {ENV: None}),
+    "bf16-mkl": (BF16, {ENV: "mkl"}),
+    "bf16-converted": (BF16, {ENV: "0"}),
+    "fp32-packed": (F32, {FP32_ENV: None}),
+    "fp32-sgemm": (F32, {FP32_ENV: "0"}),
+}
 
 
 def native_bf16_expected() -> bool:
@@ -49,33 +60,46 @@ def native_bf16_expected() -> bool:
     return "avx512_bf16" in flags
 
 
-@pytest.fixture(params=["native", "mkl", "fp32"])
+def _use(name: str, monkeypatch: pytest.MonkeyPatch) -> torch.dtype:
+    dtype, env = PATHS[name]
+    for var, value in env.items():
+        if value is None:
+            monkeypatch.delenv(var, raising=False)
+        else:
+            monkeypatch.setenv(var, value)
+    return dtype
+
+
+@pytest.fixture(params=list(PATHS))
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> torch.dtype:
+    """Runs the test on one GEMM path; returns its dtype."""
+    return _use(request.param, monkeypatch)
+
+
+@pytest.fixture(params=[name for name in PATHS if name.startswith("bf16")])
 def bf16_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Runs the test with the native bf16 tiles allowed (the default: packed
-    for AMX where the CPU has it), with MKL's bf16 GEMM only, or off."""
-    if request.param == "native":
-        monkeypatch.delenv(ENV, raising=False)
-    else:
-        monkeypatch.setenv(ENV, "0" if request.param == "fp32" else "mkl")
+    """Runs the test on one of the bf16 paths."""
+    _use(request.param, monkeypatch)
     return request.param
 
 
+@pytest.mark.parametrize("head_dim", [64, 33])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_matches_oracle(bf16_path, causal) -> None:
-    cfg = Cfg(2, 150, 3, 64, [16, 64, 128], [1, 2, 4], causal, False, None, True)
-    check_against_oracle(cfg, BF16, "cpu", seed=7100 + causal)
+def test_matches_oracle(path, causal, head_dim) -> None:
+    cfg = Cfg(2, 150, 3, head_dim, [16, 64, 128], [1, 2, 4], causal, False, None, True)
+    check_against_oracle(cfg, path, "cpu", seed=7100 + causal)
 
 
-def test_features_with_lse_gradient(bf16_path) -> None:
+def test_features_with_lse_gradient(path) -> None:
     """Grouped K/V heads, documents, grouped offsets, head groups, a key padding
     mask and a gradient through lse."""
     cfg = Cfg(2, 140, 8, 32, [16, 64], [2, 4], True, True, None, True, 2, True)
     cfg.cu_seqlens = [0, 1, 40, 40, 97, 140]
-    q, k, v, go, mask = make_inputs(cfg, BF16, "cpu", 7200)
+    q, k, v, go, mask = make_inputs(cfg, path, "cpu", 7200)
     glse = lse_grad(cfg, "cpu", 7201)
     got = run_local(cfg, q, k, v, go, mask, glse)
     want = run_oracle(cfg, q, k, v, go, mask, glse)
-    check_results(cfg, BF16, got, want, f"{bf16_path} {cfg}")
+    check_results(cfg, path, got, want, f"{path} {cfg}")
 
 
 def test_long_sequence_by_chunks(bf16_path) -> None:
@@ -85,24 +109,25 @@ def test_long_sequence_by_chunks(bf16_path) -> None:
 
 
 @pytest.mark.parametrize("head_dim", [128, 40])
-def test_long_key_runs_in_several_tiles(bf16_path, head_dim: int) -> None:
+def test_long_key_runs_in_several_tiles(path, head_dim: int) -> None:
     """Key runs of 2601 and 1300-1301 keys: several key tiles, odd last tiles
     (packed in row pairs with a zero pad), causal query tiles that reach part
     of a tile, more key tiles than a thread keeps packed (4 at head dim 128),
     and a NaN in a V row that only later queries reach (head dim 40 packs
     too; only odd head dims take MKL's GEMM)."""
     cfg = Cfg(1, 2601, 3, head_dim, [2601], [1], True, False, None, False)
-    check_against_oracle(cfg, BF16, "cpu", seed=7350)
+    check_against_oracle(cfg, path, "cpu", seed=7350)
     cfg = Cfg(1, 2601, 2, head_dim, [2601], [2], True, False, None, False)
-    q, k, v, go, _ = make_inputs(cfg, BF16, "cpu", 7351)
+    q, k, v, go, _ = make_inputs(cfg, path, "cpu", 7351)
     u = 2201  # the second key tile of the run of odd positions
     v_bad = v.clone()
     v_bad[:, u] = float("nan")
     got = run_local(cfg, q, k, v_bad, go, None, None)
     want = run_oracle(cfg, q, k, v, go, None)
     early = slice(0, u)  # causal: earlier queries never reach key u
+    tol = 2e-2 if path == BF16 else 1e-4
     torch.testing.assert_close(
-        got[0][:, early].double(), want[0][:, early].double(), atol=2e-2, rtol=2e-2
+        got[0][:, early].double(), want[0][:, early].double(), atol=tol, rtol=tol
     )
     assert torch.isnan(got[0][:, u:]).any()
 
