@@ -168,15 +168,9 @@ struct BackwardTile {
       bool dq_done = false;
       if constexpr (kBf16Tiles || kFp32Tiles) {
         if (packed) {
-          // bf16 K is packed in row pairs: an odd tile's pad key gets weight 0.
-          const int64_t pad = kBf16Tiles ? tk % 2 : 0;
-          const tile_t* ds = dsw.of(dp.data());
-          if (pad == 1)
-            for (int64_t i = 0; i < rows; ++i) dsw.row(i * kLd)[tk] = tile_t(0);
-          acc_t* c = nh == 1 ? dq_dst : dqbuf.data();
-          gemm_packed(rows, d, tk + pad, ds, kLd, k_rows.data(), d, c, dq_ld, nh == 1);
+          gemm_weights_packed(rows, d, tk, dsw.of(dp.data()), kLd, k_rows.data(), kt, kbad,
+                              nh == 1 ? dq_dst : dqbuf.data(), dq_ld, nh == 1);
           if constexpr (kBf16Tiles) release_packed_gemm();
-          add_bad_rows(rows, d, acc_t(1), ds, kLd, kt, kbad, c, dq_ld);
           dq_done = true;
         }
       }

@@ -176,13 +176,7 @@ struct ForwardTile {
       }
       if constexpr (kBf16Tiles || kFp32Tiles) {
         if (packed) {
-          // bf16 V is packed in row pairs: an odd tile's pad key gets weight 0.
-          const int64_t pad = kBf16Tiles ? tk % 2 : 0;
-          const tile_t* pt = pw.of(s.data());
-          if (pad == 1)
-            for (int64_t i = 0; i < rows; ++i) pw.row(i * kLd)[tk] = tile_t(0);
-          gemm_packed(rows, d, tk + pad, pt, kLd, vp, d, o.data(), d, true);
-          add_bad_rows(rows, d, acc_t(1), pt, kLd, vt, bad, o.data(), d);
+          gemm_weights_packed(rows, d, tk, pw.of(s.data()), kLd, vp, vt, bad, o.data(), d, true);
           continue;
         }
       }

@@ -13,6 +13,8 @@
 #include <cstdint>
 #include <span>
 
+#include "tile_math.h"
+
 namespace ring_attention::cpu {
 
 // Whether the bf16-tile kernels use the packed path for head dim d: the CPU
@@ -51,5 +53,22 @@ void pack_values(const float* v, int64_t ld, int64_t w, int64_t d, std::span<con
                  float* out);
 void gemm_packed(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
                  int64_t ldb, float* C, int64_t ldc, bool accumulate);
+
+// C[rows, N] (+)= W[rows, tk] @ B for weights W (P or dS; row stride ldw,
+// rows of at least tk + 1 values) and B the tile's rows bt as pack_values
+// packed them (its non-finite rows bad entered as zeros): an odd bf16 tile's
+// pad weight is set to 0 first, and the products of the bad rows are added
+// back where a weight is not 0 (tile_math.h, gemm_weights).
+template <typename T>
+void gemm_weights_packed(int64_t rows, int64_t N, int64_t tk, T* W, int64_t ldw, const T* packed,
+                         TileRef<T> bt, std::span<const int64_t> bad, float* C, int64_t ldc,
+                         bool accumulate) {
+  constexpr bool kPairs = std::is_same_v<T, c10::BFloat16>;
+  const int64_t pad = kPairs ? tk % 2 : 0;
+  if (pad == 1)
+    for (int64_t i = 0; i < rows; ++i) W[i * ldw + tk] = T(0);
+  gemm_packed(rows, N, tk + pad, W, ldw, packed, N, C, ldc, accumulate);
+  add_bad_rows(rows, N, 1.0f, W, ldw, bt, bad, C, ldc);
+}
 
 }  // namespace ring_attention::cpu

@@ -229,6 +229,12 @@ struct Weights {
     else
       return buf.data();
   }
+  tile_t* of(acc_t* w) {
+    if constexpr (std::is_same_v<tile_t, acc_t>)
+      return w;
+    else
+      return buf.data();
+  }
 };
 
 // Merge a block's normalised (o, lse) into running accumulators (out, lse).
