@@ -5,6 +5,9 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
 
 #include "tile_math.h"
 
@@ -56,10 +59,39 @@ void pack_values(const c10::BFloat16* v, int64_t ld, int64_t w, int64_t d,
   }
 }
 
+namespace {
+
+// oneDNN's brgemm takes 32-bit strides (beyond them it fails to allocate):
+// a row stride past that (dilated rows of many wide heads) goes through a
+// dense copy of A, or of C.
+constexpr int64_t kMaxLd = std::numeric_limits<int>::max();
+
+template <typename T>
+void brgemm_dense(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B, int64_t ldb,
+                  float* C, int64_t ldc, bool accumulate) {
+  if (M == 0 || N == 0) return;
+  constexpr bool vnni = std::is_same_v<T, c10::BFloat16>;
+  if (lda > kMaxLd) {
+    std::vector<T> a(M * K);
+    for (int64_t i = 0; i < M; ++i) std::copy(A + i * lda, A + i * lda + K, a.data() + i * K);
+    return brgemm_dense(M, N, K, a.data(), K, B, ldb, C, ldc, accumulate);
+  }
+  if (ldc > kMaxLd) {
+    std::vector<float> c(M * N, 0.0f);
+    brgemm_dense(M, N, K, A, lda, B, ldb, c.data(), N, false);
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < N; ++j)
+        C[i * ldc + j] = accumulate ? C[i * ldc + j] + c[i * N + j] : c[i * N + j];
+    return;
+  }
+  at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, accumulate, A, B, C, vnni);
+}
+
+}  // namespace
+
 void gemm_packed(int64_t M, int64_t N, int64_t K, const c10::BFloat16* A, int64_t lda,
                  const c10::BFloat16* B, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
-  if (M == 0 || N == 0) return;
-  at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, accumulate, A, B, C, /*is_vnni=*/true);
+  brgemm_dense(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
 }
 
 void release_packed_gemm() { at::native::cpublas::brgemm_release(/*is_vnni=*/true); }
@@ -91,8 +123,7 @@ void pack_values(const float* v, int64_t ld, int64_t w, int64_t d, std::span<con
 
 void gemm_packed(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
                  int64_t ldb, float* C, int64_t ldc, bool accumulate) {
-  if (M == 0 || N == 0) return;
-  at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, accumulate, A, B, C, /*is_vnni=*/false);
+  brgemm_dense(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
 }
 
 }  // namespace ring_attention::cpu
