@@ -36,9 +36,9 @@ struct BackwardTile {
   const acc_t *lse, *delta;  // delta = rowsum(dout * out) - grad_lse, laid out like lse
   acc_t *dq, *dk, *dv;       // nullptr: not asked for
   acc_t scale;
-  // bf16 tiles with the key tile packed for AMX (packed_tiles.h) for the
-  // products with K^T, V^T and K: S and dP come out unscaled, and dS carries
-  // the scale (the softmax pass applies both).
+  // The key tile packed for brgemm (packed_tiles.h: bf16 on AMX, fp32 on
+  // AVX-512) for the products with K^T, V^T and K: S and dP come out
+  // unscaled, and dS carries the scale (the softmax pass applies both).
   const bool packed;
   TileBuffer<tile_t> qbuf, dobuf, kbuf, vbuf, wbuf;
   TileBuffer<tile_t> k_t, v_t, k_rows;  // packed: K^T, V^T, K
@@ -85,7 +85,8 @@ struct BackwardTile {
         if (dq != nullptr) pack_values(kt.ptr, kt.ld, tk, d, kbad, k_rows.data());
       }
     }
-    // The factor the GEMMs with dS still apply (packed: dS holds it).
+    // Packed: the softmax pass scales S and dS; else the GEMMs with K and dS do.
+    const acc_t pass_scale = packed ? scale : acc_t(1);
     const acc_t ds_gemm_scale = packed ? acc_t(1) : scale;
     const bool* mrow = p.key_padding_mask == nullptr
                            ? nullptr
@@ -132,8 +133,7 @@ struct BackwardTile {
         acc_t* dprow = &dp[i * kLd];
         const int64_t t = row_pos(i);
         const int64_t stat = p.row_index(b, row_head(i), t);
-        const RowGrad<acc_t> g{packed ? scale : acc_t(1), lse[stat], packed ? scale : acc_t(1),
-                               delta[stat]};
+        const RowGrad<acc_t> g{pass_scale, lse[stat], pass_scale, delta[stat]};
         if (lse[stat] != neg_inf) mask_row(srow, tk, t, u0, r, p.causal, mrow);
         if (std::isfinite(lse[stat])) {
           if constexpr (Weights<tile_t, acc_t>::kRounded) {
@@ -162,27 +162,19 @@ struct BackwardTile {
       }
       if (dq == nullptr) continue;
       // dQ += scale dS K: in place for one head, else through a buffer.
-      acc_t* dq_dst = nh == 1 ? dq + qoff : nullptr;
       if (nh != 1) dqbuf.resize(rows * d);
+      acc_t* dq_c = nh == 1 ? dq + qoff : dqbuf.data();
       const int64_t dq_ld = nh == 1 ? q_stride : d;
-      bool dq_done = false;
       if constexpr (kBf16Tiles || kFp32Tiles) {
         if (packed) {
-          gemm_weights_packed(rows, d, tk, dsw.of(dp.data()), kLd, k_rows.data(), kt, kbad,
-                              nh == 1 ? dq_dst : dqbuf.data(), dq_ld, nh == 1);
+          gemm_weights_packed(rows, d, tk, dsw.of(dp.data()), kLd, k_rows.data(), kt, kbad, dq_c,
+                              dq_ld, nh == 1);
           if constexpr (kBf16Tiles) release_packed_gemm();
-          dq_done = true;
         }
       }
-      if (!dq_done) {
-        if (nh == 1) {
-          gemm_weights(tq, d, tk, scale, dsw.of(dp.data()), kLd, kt, acc_t(1), dq_dst, dq_ld, kbad,
-                       wbuf);
-        } else {
-          gemm_weights(rows, d, tk, scale, dsw.of(dp.data()), kLd, kt, acc_t(0), dqbuf.data(), d,
-                       kbad, wbuf);
-        }
-      }
+      if (!packed)
+        gemm_weights(rows, d, tk, ds_gemm_scale, dsw.of(dp.data()), kLd, kt,
+                     nh == 1 ? acc_t(1) : acc_t(0), dq_c, dq_ld, kbad, wbuf);
       if (nh == 1) continue;
       for (int64_t i = 0; i < rows; ++i) {
         acc_t* dst = dq + row_index(i);

@@ -21,7 +21,8 @@ constexpr int64_t kTileRows = 256;  // stacked query rows (heads x positions)
 constexpr int64_t kTileK = 512;
 // Row stride of the score and weight tiles: a cache line more than kTileK,
 // so that a tile's rows do not share cache sets (MKL's bf16 S = Q K^T, 256 x
-// 512 x 64, one thread: 22 against 29 us at a stride of 512).
+// 512 x 64, one thread: 22 against 29 us at a stride of 512;
+// benchmarks/bench.py tiles).
 constexpr int64_t kLd = kTileK + 16;
 // Forward tasks may split a head set (they write query rows only): at most
 // this many heads share a tile, so that MQA still has tasks to spread.
@@ -41,8 +42,8 @@ struct ForwardTile {
   const scalar_t *q, *k, *v;
   acc_t *out, *lse;
   acc_t scale;
-  // bf16 tiles with K and V packed once per key run for AMX (packed_tiles.h);
-  // the scale then enters in the softmax pass.
+  // K and V packed once per key run for brgemm (packed_tiles.h: bf16 on AMX,
+  // fp32 on AVX-512); the scale then enters in the softmax pass.
   const bool packed;
   TileBuffer<tile_t> qbuf, kbuf, vbuf, wbuf;
   Weights<tile_t, acc_t> pw;
@@ -133,7 +134,7 @@ struct ForwardTile {
       bad.assign(lo, hi);
       for (int64_t& j : bad) j -= n0;
 
-      const tile_t *kp = nullptr, *vp = nullptr;
+      const tile_t* vp = nullptr;  // packed V of the tile
       if constexpr (kBf16Tiles || kFp32Tiles) {
         if (packed) {
           const int64_t tile = n0 / kTileK;
@@ -145,8 +146,8 @@ struct ForwardTile {
             pack_values(vt.ptr, vt.ld, tw, d, bad, vslot);
             keyrun.slot_tile[slot] = tile;
           }
-          kp = kslot, vp = vslot;
-          gemm_packed(rows, tk, d, qt.ptr, qt.ld, kp, tw, s.data(), kLd, false);
+          vp = vslot;
+          gemm_packed(rows, tk, d, qt.ptr, qt.ld, kslot, tw, s.data(), kLd, false);
           // The products of the non-finite V rows a query row reaches are
           // added back after P V; those past tk it does not reach.
           bad.erase(std::lower_bound(bad.begin(), bad.end(), tk), bad.end());

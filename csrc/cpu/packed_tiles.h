@@ -5,7 +5,8 @@
 // once and reused by every query tile that attends to it; the GEMM reads Q and
 // P in place. At the forward's tile shapes (256 x 512 x 64, one thread) this
 // runs bf16 S = Q K^T in about 0.6x and P V in about 0.45x the time of MKL's
-// bf16 GEMM, which copies both operands at every call (fp32: 0.9x).
+// bf16 GEMM, which copies both operands at every call (fp32: 0.9x;
+// benchmarks/bench.py tiles).
 #pragma once
 
 #include <c10/util/BFloat16.h>

@@ -1,0 +1,92 @@
+// The tile products timed by benchmarks/cpu_tile_gemm.py (see its docstring).
+#include <ATen/native/CPUBlas.h>
+#include <dlfcn.h>
+#include <torch/extension.h>
+
+#include <chrono>
+#include <cstdlib>
+using bf = c10::BFloat16;
+using clk = std::chrono::steady_clock;
+template <class T>
+using blas = void (*)(const char*, const char*, const int*, const int*, const int*, const float*,
+                      const T*, const int*, const T*, const int*, const float*, float*, const int*);
+template <class F>
+double us(F f, int iters) {
+  for (int i = 0; i < 20; ++i) f();
+  auto t0 = clk::now();
+  for (int i = 0; i < iters; ++i) f();
+  return std::chrono::duration<double, std::micro>(clk::now() - t0).count() / iters;
+}
+template <class T>
+T* buf(int64_t n, int64_t byte_offset) {
+  char* p =
+      static_cast<char*>(std::aligned_alloc(4096, ((n * sizeof(T) + 4095) / 4096 + 1) * 4096));
+  for (int64_t i = 0; i < n * int64_t(sizeof(T)) + byte_offset; ++i) p[i] = 0;
+  return reinterpret_cast<T*>(p + byte_offset);  // (leaked: a one-shot benchmark)
+}
+template <class T>
+void fill(T* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] = 0.01f * (i % 97) - 0.4f;
+}
+
+std::map<std::string, double> run(int iters) {
+  const int64_t M = 256, N = 512, D = 64, ldq = 512;  // 8 heads x 64: rows 512 apart
+  void* lib = dlopen("libtorch_cpu.so", RTLD_LAZY | RTLD_NOLOAD);
+  auto bgemm = reinterpret_cast<blas<bf>>(dlsym(lib, "gemm_bf16bf16f32_"));
+  auto sgemm = reinterpret_cast<blas<float>>(dlsym(lib, "sgemm_"));
+  std::map<std::string, double> r;
+  const float one = 1, zero = 0;
+  bf *Q = buf<bf>(M * ldq, 0), *K = buf<bf>(N * ldq, 0), *V = buf<bf>(N * ldq, 0),
+     *P = buf<bf>(M * 528, 0);
+  fill(Q, M * ldq), fill(K, N * ldq), fill(V, N * ldq), fill(P, M * 528);
+  // bf16 S = Q K^T via MKL, C aligned or not, stride 512 or 528
+  for (int64_t ldc : {512, 528})
+    for (int64_t off : {0, 16}) {
+      float* S = buf<float>(M * ldc, off);
+      int m = N, n = M, k = D, ia = ldq, ib = ldq, ic = ldc;
+      r["bf16 S mkl ldc=" + std::to_string(ldc) + " c_offset=" + std::to_string(off)] =
+          us([&] { bgemm("T", "N", &m, &n, &k, &one, K, &ib, Q, &ia, &zero, S, &ic); }, iters);
+    }
+  // bf16 packed (VNNI): K^T as d x N, V as N x d in row pairs
+  bf *Kp = buf<bf>(N * D, 0), *Vp = buf<bf>(N * D, 0);
+  for (int64_t j = 0; j < N; ++j)
+    for (int64_t c = 0; c < D; ++c) {
+      Kp[(c / 2) * N * 2 + j * 2 + c % 2] = K[j * ldq + c];
+      Vp[(j / 2) * D * 2 + c * 2 + j % 2] = V[j * ldq + c];
+    }
+  float *S = buf<float>(M * 528, 0), *O = buf<float>(M * D, 0);
+  r["bf16 S brgemm packed ldc=528"] =
+      us([&] { at::native::cpublas::brgemm(M, N, D, ldq, N, 528, false, Q, Kp, S, true); }, iters);
+  r["bf16 PV brgemm packed"] =
+      us([&] { at::native::cpublas::brgemm(M, D, N, 528, D, D, true, P, Vp, O, true); }, iters);
+  at::native::cpublas::brgemm_release(true);
+  {
+    int m = D, n = M, k = N, ia = 528, ib = ldq, ic = D;
+    r["bf16 PV mkl"] =
+        us([&] { bgemm("N", "N", &m, &n, &k, &one, V, &ib, P, &ia, &one, O, &ic); }, iters);
+  }
+  // fp32: sgemm in place against brgemm on K^T and V contiguous
+  float *Qf = buf<float>(M * ldq, 0), *Kf = buf<float>(N * ldq, 0), *Vf = buf<float>(N * ldq, 0);
+  float *Pf = buf<float>(M * 528, 0), *Kt = buf<float>(D * N, 0), *Vc = buf<float>(N * D, 0);
+  fill(Qf, M * ldq), fill(Kf, N * ldq), fill(Vf, N * ldq), fill(Pf, M * 528);
+  for (int64_t j = 0; j < N; ++j)
+    for (int64_t c = 0; c < D; ++c)
+      Kt[c * N + j] = Kf[j * ldq + c], Vc[j * D + c] = Vf[j * ldq + c];
+  {
+    int m = N, n = M, k = D, ia = ldq, ib = ldq, ic = 528;
+    r["fp32 S sgemm in place"] =
+        us([&] { sgemm("T", "N", &m, &n, &k, &one, Kf, &ib, Qf, &ia, &zero, S, &ic); }, iters);
+  }
+  r["fp32 S brgemm K^T"] = us(
+      [&] { at::native::cpublas::brgemm(M, N, D, ldq, N, 528, false, Qf, Kt, S, false); }, iters);
+  {
+    int m = D, n = M, k = N, ia = 528, ib = ldq, ic = D;
+    r["fp32 PV sgemm in place"] =
+        us([&] { sgemm("N", "N", &m, &n, &k, &one, Vf, &ib, Pf, &ia, &one, O, &ic); }, iters);
+  }
+  r["fp32 PV brgemm V copied"] =
+      us([&] { at::native::cpublas::brgemm(M, D, N, 528, D, D, true, Pf, Vc, O, false); }, iters);
+  return r;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("run", &run); }

@@ -1,0 +1,56 @@
+"""One-thread micro-benchmark of the CPU kernels' tile products (forward shape:
+256 query rows, 512 keys, head dim 64), the figures behind the choices in
+csrc/cpu/packed_tiles.h and the kLd padding of csrc/cpu/block_forward.cpp:
+
+* S = Q K^T in bf16 through MKL's gemm_bf16bf16f32 into an fp32 C on a
+  cache line or 16 bytes off one (where a large std::vector starts), with
+  the row stride of C 512 or 528;
+* the same S and O += P V through oneDNN's brgemm (at::native::cpublas) on K
+  and V packed once (VNNI), against MKL on the tiles in place;
+* fp32: S and P V through sgemm in place against brgemm on K^T and V copied
+  contiguous, and a 2048³ torch.mm (the sgemm rate the benchmarks compare to).
+
+    .venv/bin/python benchmarks/bench.py tiles [--iters 2000] [--rounds 5]
+
+Builds a small C++ extension on first use (about 30 s). Microseconds per
+product, median of 5 rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+from torch.utils.cpp_extension import load
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_tile_gemm.cpp")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("tiles", help="one-thread timings of the CPU kernels' tile products")
+    p.add_argument("--iters", type=int, default=2000, help="products per timing (2000)")
+    p.add_argument("--rounds", type=int, default=5, help="timings per product (5)")
+    p.set_defaults(func=cmd_tiles)
+
+
+def cmd_tiles(args: argparse.Namespace) -> int:
+    torch.set_num_threads(1)
+    ext = load("ra_cpu_tile_gemm", [SOURCE], extra_cflags=["-O2"])
+    rounds = [ext.run(args.iters) for _ in range(args.rounds)]
+    flops = 2 * 256 * 512 * 64
+    print(f"one thread, 256 x 512 x 64 products; median of {args.rounds} rounds")
+    print(f"{'product':<44} {'us':>8} {'GFLOP/s':>9}")
+    for name in rounds[0]:
+        t = sorted(r[name] for r in rounds)[len(rounds) // 2]
+        print(f"{name:<44} {t:8.1f} {flops / t / 1e3:9.0f}")
+    x = torch.randn(2048, 2048)
+    for _ in range(3):
+        x @ x
+    t0 = time.perf_counter()
+    for _ in range(10):
+        x @ x
+    rate = 2 * 2048**3 * 10 / (time.perf_counter() - t0) / 1e9
+    print(f"{'fp32 torch.mm 2048^3 (the sgemm rate)':<44} {'':>8} {rate:9.0f}")
+    return 0
