@@ -42,6 +42,11 @@ struct BackwardTile {
   const bool packed;
   TileBuffer<tile_t> qbuf, dobuf, kbuf, vbuf, wbuf;
   TileBuffer<tile_t> k_t, v_t, k_rows;  // packed: K^T, V^T, K
+  // fp32 packed: dV and dK of the key tile as dV^T += dO^T P and dK^T +=
+  // Q^T dS (d x tk, added to dv and dk at the end of the tile), so that P and
+  // dS are brgemm's B operand as the softmax pass leaves them; dO^T and Q^T
+  // of the query tile are its A operand.
+  TileBuffer<acc_t> dv_t, dk_t, do_t, q_t;
   Weights<tile_t, acc_t> pw, dsw;
   TileBuffer<acc_t> s, dp, dqbuf;
   std::vector<int64_t> kbad;  // non-finite K rows of the key tile
@@ -85,6 +90,8 @@ struct BackwardTile {
         if (dq != nullptr) pack_values(kt.ptr, kt.ld, tk, d, kbad, k_rows.data());
       }
     }
+    const bool transposed_dkv = kFp32Tiles && packed && dv != nullptr;
+    if (transposed_dkv) dv_t.assign(d * tk, acc_t(0)), dk_t.assign(d * tk, acc_t(0));
     // Packed: the softmax pass scales S and dS; else the GEMMs with K and dS do.
     const acc_t pass_scale = packed ? scale : acc_t(1);
     const acc_t ds_gemm_scale = packed ? acc_t(1) : scale;
@@ -154,7 +161,16 @@ struct BackwardTile {
       }
       // dV += P^T dO, dK += scale dS^T Q (summed over the stacked heads),
       // straight into the accumulators through the key row stride.
-      if (dv != nullptr) {
+      if constexpr (kFp32Tiles) {
+        if (transposed_dkv) {
+          do_t.resize(d * rows), q_t.resize(d * rows);
+          transpose_tile(dot.ptr, dot.ld, rows, d, do_t.data());
+          transpose_tile(qt.ptr, qt.ld, rows, d, q_t.data());
+          gemm_packed(d, tk, rows, do_t.data(), rows, s.data(), kLd, dv_t.data(), tk, true);
+          gemm_packed(d, tk, rows, q_t.data(), rows, dp.data(), kLd, dk_t.data(), tk, true);
+        }
+      }
+      if (dv != nullptr && !transposed_dkv) {
         gemm(true, false, tk, d, rows, acc_t(1), pw.of(s.data()), kLd, dot.ptr, dot.ld, acc_t(1),
              dv + koff, k_stride);
         gemm(true, false, tk, d, rows, ds_gemm_scale, dsw.of(dp.data()), kLd, qt.ptr, qt.ld,
@@ -181,6 +197,23 @@ struct BackwardTile {
         const acc_t* src = &dqbuf[i * d];
         for (int64_t c = 0; c < d; ++c) dst[c] += src[c];
       }
+    }
+    if constexpr (kFp32Tiles) {
+      if (transposed_dkv) {
+        add_transposed(dv_t.data(), tk, d, dv + koff, k_stride);
+        add_transposed(dk_t.data(), tk, d, dk + koff, k_stride);
+      }
+    }
+  }
+
+  // dst[j * ld + c] += src_t[c * tk + j] for j < tk, c < d (src_t is d x tk).
+  void add_transposed(const acc_t* src_t, int64_t tk, int64_t d, acc_t* dst, int64_t ld) {
+    do_t.resize(tk * d);
+    transpose_tile(src_t, tk, d, tk, do_t.data());
+    for (int64_t j = 0; j < tk; ++j) {
+      acc_t* row = dst + j * ld;
+      const acc_t* add = do_t.data() + j * d;
+      for (int64_t c = 0; c < d; ++c) row[c] += add[c];
     }
   }
 };

@@ -9,6 +9,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
 #include "tile_math.h"
 
 namespace ring_attention::cpu {
@@ -106,13 +110,55 @@ bool packed_tiles_fp32() {
   return avx512 && !(env != nullptr && std::strcmp(env, "0") == 0);
 }
 
-void pack_keys(const float* k, int64_t ld, int64_t w, int64_t d, float* out) {
-  constexpr int64_t kBlock = 16;  // as for bf16: reads in L1, whole-line writes
-  for (int64_t j0 = 0; j0 < w; j0 += kBlock) {
-    const int64_t jn = std::min(kBlock, w - j0);
-    for (int64_t c = 0; c < d; ++c)
-      for (int64_t j = 0; j < jn; ++j) out[c * w + j0 + j] = k[(j0 + j) * ld + c];
+void transpose_tile(const float* src, int64_t ld, int64_t rows, int64_t cols, float* out) {
+  int64_t i0 = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  // 16 x 16 blocks in registers: 32-bit and 64-bit interleaves within
+  // 128-bit lanes, then two exchanges of 128-bit lanes.
+  for (; i0 + 16 <= rows; i0 += 16) {
+    int64_t c0 = 0;
+    for (; c0 + 16 <= cols; c0 += 16) {
+      __m512 r[16], t[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + (i0 + i) * ld + c0);
+      for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+      }
+      // r[4g + m]: rows 4g .. 4g + 3 of columns 4L + m, lane L.
+      for (int g = 0; g < 4; ++g) {
+        const auto pd = [&](int i) { return _mm512_castps_pd(t[4 * g + i]); };
+        r[4 * g + 0] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(0), pd(2)));
+        r[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(0), pd(2)));
+        r[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(1), pd(3)));
+        r[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(1), pd(3)));
+      }
+      for (int h = 0; h < 2; ++h) {
+        for (int m = 0; m < 4; ++m) {
+          t[8 * h + m] = _mm512_shuffle_f32x4(r[8 * h + m], r[8 * h + 4 + m], 0x88);
+          t[8 * h + 4 + m] = _mm512_shuffle_f32x4(r[8 * h + m], r[8 * h + 4 + m], 0xdd);
+        }
+      }
+      for (int m = 0; m < 8; ++m) {
+        // Columns c0 + m and c0 + 8 + m.
+        _mm512_storeu_ps(out + (c0 + m) * rows + i0, _mm512_shuffle_f32x4(t[m], t[8 + m], 0x88));
+        _mm512_storeu_ps(out + (c0 + 8 + m) * rows + i0,
+                         _mm512_shuffle_f32x4(t[m], t[8 + m], 0xdd));
+      }
+    }
+    for (int64_t c = c0; c < cols; ++c)
+      for (int64_t i = i0; i < i0 + 16; ++i) out[c * rows + i] = src[i * ld + c];
   }
+#endif
+  constexpr int64_t kBlock = 16;  // reads in L1, whole-line writes
+  for (; i0 < rows; i0 += kBlock) {
+    const int64_t in = std::min(kBlock, rows - i0);
+    for (int64_t c = 0; c < cols; ++c)
+      for (int64_t i = 0; i < in; ++i) out[c * rows + i0 + i] = src[(i0 + i) * ld + c];
+  }
+}
+
+void pack_keys(const float* k, int64_t ld, int64_t w, int64_t d, float* out) {
+  transpose_tile(k, ld, w, d, out);
 }
 
 void pack_values(const float* v, int64_t ld, int64_t w, int64_t d, std::span<const int64_t> zero,

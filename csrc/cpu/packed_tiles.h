@@ -49,6 +49,9 @@ void release_packed_gemm();
 // d x w, V as w x d), for brgemm's fp32 kernels: packed_tiles_fp32() where
 // the CPU has AVX-512 (RING_ATTENTION_CPU_FP32_PACK=0 turns it off).
 bool packed_tiles_fp32();
+// out (cols x rows, contiguous) = the transpose of rows x cols at src (row
+// stride ld): 16 x 16 blocks in AVX-512 registers where built for it.
+void transpose_tile(const float* src, int64_t ld, int64_t rows, int64_t cols, float* out);
 void pack_keys(const float* k, int64_t ld, int64_t w, int64_t d, float* out);
 void pack_values(const float* v, int64_t ld, int64_t w, int64_t d, std::span<const int64_t> zero,
                  float* out);
