@@ -48,7 +48,8 @@ struct ForwardTile {
   TileBuffer<tile_t> qbuf, kbuf, vbuf, wbuf;
   Weights<tile_t, acc_t> pw;
   TileBuffer<acc_t> s, o;
-  std::vector<acc_t> m, l;
+  // Per query row: running maximum and sum, the tile's maximum and sum.
+  std::vector<acc_t> m, l, m_next, row_sum, scratch;
   std::vector<int64_t> bad;
   // The key run last attended, kept for all its query tiles: its non-finite
   // V rows (indices into the run, ascending; rows [0, checked) looked at)
@@ -111,6 +112,7 @@ struct ForwardTile {
     o.assign(rows * d, acc_t(0));
     m.assign(rows, neg_inf);
     l.assign(rows, acc_t(0));
+    m_next.resize(rows), row_sum.resize(rows), scratch.resize(4 * rows);
     start_key_run(b, set.kv_head, keys, r);
     // Packed: S comes out unscaled and the softmax pass scales it.
     const acc_t s_scale = packed ? scale : acc_t(1);
@@ -165,16 +167,17 @@ struct ForwardTile {
         mask_row(srow, tk, row_pos(i), u0, r, p.causal, mrow);
         // The maximum skips NaN scores; they turn l and the row's P to NaN.
         acc_t m_new = std::max(row_max(srow, tk) * s_scale, m[i]);
+        row_sum[i] = 0;
+        m_next[i] = m_new;
         if (m_new == neg_inf && !has_nan(srow, tk)) {
           pw.zero_row(srow, i * kLd, tk);  // reaches nothing yet
           continue;
         }
-        if (m_new == neg_inf) m_new = 0;  // only NaN: any finite shift
-        const acc_t alpha = std::exp(m[i] - m_new);
-        l[i] = l[i] * alpha + pw.exp_row(srow, i * kLd, tk, s_scale, m_new);
-        if (alpha != acc_t(1)) scale_row(&o[i * d], d, alpha);
-        m[i] = m_new;
+        if (m_new == neg_inf) m_new = m_next[i] = 0;  // only NaN: any finite shift
+        row_sum[i] = pw.exp_row(srow, i * kLd, tk, s_scale, m_new);
       }
+      rescale_rows(rows, d, m.data(), m_next.data(), l.data(), row_sum.data(), o.data(),
+                   scratch.data());
       if constexpr (kBf16Tiles || kFp32Tiles) {
         if (packed) {
           gemm_weights_packed(rows, d, tk, pw.of(s.data()), kLd, vp, vt, bad, o.data(), d, true);
@@ -185,13 +188,10 @@ struct ForwardTile {
                    wbuf);
     }
 
-    for (int64_t i = 0; i < rows; ++i) {
-      if (!(l[i] > acc_t(0)) && !std::isnan(l[i])) continue;
-      scale_row(&o[i * d], d, acc_t(1) / l[i]);
-      const int64_t h = row_head(i), t = row_pos(i);
-      merge_row(out + p.q_index(b, t, h), lse[p.row_index(b, h, t)], &o[i * d],
-                m[i] + std::log(l[i]), d);
-    }
+    merge_rows(
+        rows, d, o.data(), m.data(), l.data(),
+        [&](int64_t i) { return out + p.q_index(b, row_pos(i), row_head(i)); },
+        [&](int64_t i) { return lse + p.row_index(b, row_head(i), row_pos(i)); }, scratch.data());
   }
 };
 

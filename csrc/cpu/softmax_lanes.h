@@ -108,19 +108,19 @@ inline __mmask16 tail_mask(int64_t left) {
   return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
 }
 
-// exp(x) for x below about 88 (the callers' x = score - max is <= 0):
-// 2^n * 2^f with n = round(x log2 e) and a polynomial for 2^f on |f| <= 1/2:
-// Taylor's of degree 6 (relative error ~2e-7) for fp32 results, or a fitted
-// one of degree 3 (7.5e-5) where the result is rounded to bf16 (2^-9)
-// anyway. Exactly 0 below ln(FLT_MIN) and at -inf; NaN stays NaN (the
-// compare keeps unordered lanes).
+// 2^t for t below 128 (the callers' t = (score - max) log2 e is <= 0):
+// 2^n * 2^f with n = round(t), f = t - n (vreduceps) and a polynomial for 2^f
+// on |f| <= 1/2, fitted for relative error: degree 5 (7.5e-8; 2.3e-7
+// evaluated in fp32, as the degree-6 Taylor polynomial) for fp32 results,
+// degree 3 (7.5e-5) where the result is rounded to bf16 (2^-9) anyway.
+// Exactly 0 at -inf (vreduceps gives f = 0 and vscalefps 2^-inf = 0) and
+// below -149; NaN stays NaN. The callers fold log2 e into their scale and
+// shift, so exp(a x - b) costs one fused multiply-add more.
 template <bool kForBf16 = false>
-inline __m512 exp_ps(__m512 x) {
-  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.33f), _CMP_NLT_UQ);
-  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
-  const __m512 n =
-      _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_fmsub_ps(x, log2e, n);
+inline __m512 exp2_ps(__m512 t) {
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512 n = _mm512_roundscale_ps(t, kNearest);
+  const __m512 f = _mm512_reduce_ps(t, kNearest);
   __m512 y;
   if constexpr (kForBf16) {
     y = _mm512_set1_ps(5.517161265e-2f);
@@ -128,28 +128,33 @@ inline __m512 exp_ps(__m512 x) {
     y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.932610273e-1f));
     y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.999280572e-1f));
   } else {
-    y = _mm512_set1_ps(1.5403530393381606e-4f);
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.3333558146428443e-3f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.6181291076284772e-3f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.5504108664821580e-2f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.4022650695910071e-1f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.9314718055994531e-1f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.0f));
+    y = _mm512_set1_ps(1.327643986e-3f);
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.675533511e-3f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.550713465e-2f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.402212024e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.931469440e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.000000119e+00f));
   }
-  return _mm512_maskz_scalef_ps(keep, y, n);
+  return _mm512_scalef_ps(y, n);
+}
+
+// a * log2 e and b * log2 e, rounded once from double: the base-2 scale and
+// shift of exp(a x - b).
+inline __m512 log2e_times(double a) {
+  return _mm512_set1_ps(static_cast<float>(a * 1.4426950408889634));
 }
 
 // exp(scale * x - sub) of a row, 16 lanes at a time, handed to
 // store(j, e, mask); returns their sum.
 template <bool kForBf16 = false, typename Store>
 inline float exp_row_lanes(const float* x, int64_t n, float scale, float sub, Store store) {
-  const __m512 vs = _mm512_set1_ps(sub), va = _mm512_set1_ps(scale);
+  const __m512 vs = log2e_times(sub), va = log2e_times(scale);
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0;
   int64_t j = 0;
   for (; j + 32 <= n; j += 32) {
-    const __m512 e0 = exp_ps<kForBf16>(_mm512_fmsub_ps(_mm512_loadu_ps(x + j), va, vs));
-    const __m512 e1 = exp_ps<kForBf16>(_mm512_fmsub_ps(_mm512_loadu_ps(x + j + 16), va, vs));
+    const __m512 e0 = exp2_ps<kForBf16>(_mm512_fmsub_ps(_mm512_loadu_ps(x + j), va, vs));
+    const __m512 e1 = exp2_ps<kForBf16>(_mm512_fmsub_ps(_mm512_loadu_ps(x + j + 16), va, vs));
     store(j, e0, __mmask16(0xFFFF));
     store(j + 16, e1, __mmask16(0xFFFF));
     acc0 = _mm512_add_ps(acc0, e0);
@@ -159,7 +164,7 @@ inline float exp_row_lanes(const float* x, int64_t n, float scale, float sub, St
     const __mmask16 k = tail_mask(n - j);
     // Lanes past the end load -inf: their exponential is 0.
     const __m512 e =
-        exp_ps<kForBf16>(_mm512_fmsub_ps(_mm512_mask_loadu_ps(neg_inf, k, x + j), va, vs));
+        exp2_ps<kForBf16>(_mm512_fmsub_ps(_mm512_mask_loadu_ps(neg_inf, k, x + j), va, vs));
     store(j, e, k);
     acc0 = _mm512_add_ps(acc0, e);
   }
@@ -170,11 +175,11 @@ inline float exp_row_lanes(const float* x, int64_t n, float scale, float sub, St
 template <bool kForBf16 = false, typename Store>
 inline void softmax_grad_lanes(const float* s, const float* dp, int64_t n, RowGrad<float> g,
                                Store store) {
-  const __m512 vs = _mm512_set1_ps(g.s_scale), vl = _mm512_set1_ps(g.lse);
+  const __m512 vs = log2e_times(g.s_scale), vl = log2e_times(g.lse);
   const __m512 vc = _mm512_set1_ps(g.ds_scale), vd = _mm512_set1_ps(g.ds_scale * g.delta);
   for (int64_t j = 0; j < n; j += 16) {
     const __mmask16 k = tail_mask(n - j);
-    const __m512 p = exp_ps<kForBf16>(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, s + j), vs, vl));
+    const __m512 p = exp2_ps<kForBf16>(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, s + j), vs, vl));
     const __mmask16 nonzero = _mm512_cmp_ps_mask(p, _mm512_setzero_ps(), _CMP_NEQ_UQ);
     const __m512 ds =
         _mm512_maskz_mul_ps(nonzero, p, _mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, dp + j), vc, vd));

@@ -20,6 +20,10 @@
 
 #include "softmax_rows.h"
 
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
 namespace ring_attention::cpu {
 
 // Row-major GEMM on strided tiles:
@@ -86,6 +90,19 @@ inline bool all_finite(const T* x, int64_t n) {
     for (int64_t j = 0; j < n; ++j) e = std::max<uint16_t>(e, u[j] & 0x7F80);
     return e != 0x7F80;
   } else {
+#if defined(CPU_CAPABILITY_AVX512)
+    if constexpr (std::is_same_v<T, float>) {
+      // x * 0 is 0 for finite x, NaN otherwise: one compare at the end.
+      const __m512 zero = _mm512_setzero_ps();
+      __m512 acc = zero;
+      int64_t j = 0;
+      for (; j + 16 <= n; j += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + j), zero, acc);
+      if (j < n)
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(__mmask16((1u << (n - j)) - 1), x + j), zero,
+                              acc);
+      return _mm512_cmp_ps_mask(acc, acc, _CMP_UNORD_Q) == 0;
+    }
+#endif
     using Vec = at::vec::Vectorized<T>;
     const T sum = at::vec::map_reduce_all<T>([](Vec a) { return a - a; },
                                              [](Vec a, Vec b) { return a + b; }, x, n);
@@ -237,21 +254,64 @@ struct Weights {
   }
 };
 
-// Merge a block's normalised (o, lse) into running accumulators (out, lse).
+// The online softmax's rescale after a key tile, for rows [0, n): a row
+// whose maximum rose from m to m_next has its sum l and output row o_i (d
+// values) scaled by exp(m - m_next) before the tile's row sum is added
+// (alpha: n values of scratch; the exponentials run vectorised over rows).
 template <typename acc_t>
-inline void merge_row(acc_t* out, acc_t& lse, const acc_t* o, acc_t blk_lse, int64_t d) {
-  constexpr acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
-  if (blk_lse == neg_inf) return;
-  if (lse == neg_inf || std::isnan(blk_lse)) {
-    std::copy(o, o + d, out);
-    lse = blk_lse;
-    return;
+void rescale_rows(int64_t n, int64_t d, acc_t* m, const acc_t* m_next, acc_t* l,
+                  const acc_t* row_sum, acc_t* o, acc_t* alpha) {
+  // exp(m - m_next): 1 where the maximum stayed (-inf included), 0 where it
+  // rose from -inf (the row's o is still 0 then).
+  for (int64_t i = 0; i < n; ++i) alpha[i] = m[i] == m_next[i] ? acc_t(0) : m[i] - m_next[i];
+  exp_row(alpha, n, acc_t(1), acc_t(0));
+  for (int64_t i = 0; i < n; ++i) {
+    l[i] = l[i] * alpha[i] + row_sum[i];
+    if (alpha[i] != acc_t(1)) scale_row(o + i * d, d, alpha[i]);
+    m[i] = m_next[i];
   }
-  const acc_t hi = std::max(lse, blk_lse), lo = std::min(lse, blk_lse);
-  const acc_t new_lse = hi + std::log1p(std::exp(lo - hi));
-  const acc_t a = std::exp(lse - new_lse), b = std::exp(blk_lse - new_lse);
-  for (int64_t j = 0; j < d; ++j) out[j] = out[j] * a + o[j] * b;
-  lse = new_lse;
+}
+
+// Merge a block's unnormalised rows (o_i / l_i with lse m_i + log l_i) into
+// the running accumulators (out(i) -> d values, lse(i) -> one), for rows
+// [0, n). The logarithms and exponentials run vectorised over the rows (a
+// tile's rows merge once per branch, and per row they cost as much as the
+// merge's arithmetic); scratch: 4n values.
+template <typename acc_t, typename RowOut, typename RowLse>
+void merge_rows(int64_t n, int64_t d, const acc_t* o, const acc_t* m, const acc_t* l, RowOut out,
+                RowLse lse, acc_t* scratch) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  constexpr acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
+  // The block's lse, the merged lse, and the weights of the running and the
+  // block's rows (1 / l folded into the latter).
+  acc_t *blk = scratch, *merged = scratch + n, *wa = scratch + 2 * n, *wb = scratch + 3 * n;
+  for (int64_t i = 0; i < n; ++i) merged[i] = *lse(i);
+  for (int64_t i = 0; i < n; i += Vec::size()) {
+    const int64_t c = std::min<int64_t>(Vec::size(), n - i);
+    const Vec run = Vec::loadu(merged + i, c), vl = Vec::loadu(l + i, c);
+    const Vec b = Vec::loadu(m + i, c) + vl.log();
+    const Vec hi = at::vec::maximum(run, b), lo = at::vec::minimum(run, b);
+    const Vec both = hi + (lo - hi).exp().log1p();
+    b.store(blk + i, c);
+    both.store(merged + i, c);
+    (run - both).exp().store(wa + i, c);
+    ((b - both).exp() / vl).store(wb + i, c);
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    if (!(l[i] > acc_t(0)) && !std::isnan(l[i])) continue;  // reaches nothing
+    acc_t* dst = out(i);
+    acc_t& row_lse = *lse(i);
+    const acc_t* src = o + i * d;
+    if (row_lse == neg_inf || std::isnan(blk[i])) {  // first block, or a NaN one: taken as is
+      const acc_t inv = acc_t(1) / l[i];
+      for (int64_t j = 0; j < d; ++j) dst[j] = src[j] * inv;
+      row_lse = blk[i];
+      continue;
+    }
+    const acc_t a = wa[i], b = wb[i];
+    for (int64_t j = 0; j < d; ++j) dst[j] = dst[j] * a + src[j] * b;
+    row_lse = merged[i];
+  }
 }
 
 }  // namespace ring_attention::cpu
