@@ -110,13 +110,17 @@ def test_long_sequence_by_chunks(bf16_path) -> None:
 
 @pytest.mark.parametrize("head_dim", [128, 40])
 def test_long_key_runs_in_several_tiles(path, head_dim: int) -> None:
-    """Key runs of 2601 and 1300-1301 keys: several key tiles, odd last tiles
+    """Key runs of 2601 and 1300-1301 keys: several key tiles and chunks of them, odd last tiles
     (packed in row pairs with a zero pad), causal query tiles that reach part
     of a tile, more key tiles than a thread keeps packed (4 at head dim 128),
     and a NaN in a V row that only later queries reach (head dim 40 packs
     too; only odd head dims take MKL's GEMM)."""
-    cfg = Cfg(1, 2601, 3, head_dim, [2601], [1], True, False, None, False)
-    check_against_oracle(cfg, path, "cpu", seed=7350)
+    # The backward's chunks of 4 key tiles (1024, 1024, 553 keys), with 3
+    # query heads stacked on one K/V head (dQ summed over a chunk in a buffer)
+    # and with one head per tile (dQ in place).
+    for causal, kv_heads in ((True, 1), (False, None)):
+        cfg = Cfg(1, 2601, 3, head_dim, [2601], [1], causal, False, None, False, kv_heads)
+        check_against_oracle(cfg, path, "cpu", seed=7350 + causal)
     cfg = Cfg(1, 2601, 2, head_dim, [2601], [2], True, False, None, False)
     q, k, v, go, _ = make_inputs(cfg, path, "cpu", 7351)
     u = 2201  # the second key tile of the run of odd positions

@@ -1,14 +1,17 @@
 // CPU block backward: recompute P from the final global lse, then
 //   dV += P^T dO,  dS = P * (dO V^T - delta),  dQ += scale dS K,  dK += scale dS^T Q
-// with delta = rowsum(dO * O) - grad_lse, key tiles outer and query tiles
-// inner. The query rows of a head set (heads that read the same key rows,
-// block_tasks.h) are stacked, so the products with P^T and dS^T sum over the
-// set's heads into the shared K/V rows. A task owns its segments' rows of
-// its head set (per branch), so no atomics are needed. A gradient not asked
-// for (dq, or dk with dv) is not computed.
+// with delta = rowsum(dO * O) - grad_lse: chunks of a few key tiles outer,
+// query tiles inner, the chunk's key tiles innermost (a query tile's rows
+// are read once per chunk, a key tile's once). The query rows of a head set
+// (heads that read the same key rows, block_tasks.h) are stacked, so the
+// products with P^T and dS^T sum over the set's heads into the shared K/V
+// rows. A task owns its segments' rows of its head set (per branch), so no
+// atomics are needed. A gradient not asked for (dq, or dk with dv) is not
+// computed.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
+#include <array>
 #include <cmath>
 #include <vector>
 
@@ -24,6 +27,9 @@ constexpr int64_t kTileRows = 256;  // stacked query rows (heads x positions)
 constexpr int64_t kTileK = 256;
 // Row stride of the score tiles: a cache line more than kTileK (see the forward).
 constexpr int64_t kLd = kTileK + 16;
+// Key tiles a query tile meets in turn: its Q and dO rows (and, fp32 packed,
+// their transposes) are read once for all of them.
+constexpr int64_t kChunkTiles = 4;
 
 // tile_t: the type the GEMMs read (tile_math.h).
 template <typename scalar_t, typename tile_t, typename acc_t>
@@ -36,20 +42,29 @@ struct BackwardTile {
   const acc_t *lse, *delta;  // delta = rowsum(dout * out) - grad_lse, laid out like lse
   acc_t *dq, *dk, *dv;       // nullptr: not asked for
   acc_t scale;
-  // The key tile packed for brgemm (packed_tiles.h: bf16 on AMX, fp32 on
+  // Key tiles packed for brgemm (packed_tiles.h: bf16 on AMX, fp32 on
   // AVX-512) for the products with K^T, V^T and K: S and dP come out
   // unscaled, and dS carries the scale (the softmax pass applies both).
   const bool packed;
-  TileBuffer<tile_t> qbuf, dobuf, kbuf, vbuf, wbuf;
-  TileBuffer<tile_t> k_t, v_t, k_rows;  // packed: K^T, V^T, K
-  // fp32 packed: dV and dK of the key tile as dV^T += dO^T P and dK^T +=
-  // Q^T dS (d x tk, added to dv and dk at the end of the tile), so that P and
-  // dS are brgemm's B operand as the softmax pass leaves them; dO^T and Q^T
-  // of the query tile are its A operand.
-  TileBuffer<acc_t> dv_t, dk_t, do_t, q_t;
+  // fp32 packed: dV and dK of a key tile as dV^T += dO^T P and dK^T += Q^T dS
+  // (d x tk, added to dv and dk at the end of the chunk), so that P and dS
+  // are brgemm's B operand as the softmax pass leaves them; dO^T and Q^T of
+  // the query tile are its A operand.
+  const bool transposed_dkv;
+  // One key tile of the chunk: its rows (kt, vt: in place or converted),
+  // packed operands, non-finite K rows and (transposed_dkv) dV^T, dK^T.
+  struct KeyTile {
+    int64_t u0 = 0, tk = 0, koff = 0;
+    TileBuffer<tile_t> kbuf, vbuf, k_t, v_t, k_rows;
+    TileRef<tile_t> kt{}, vt{};
+    std::vector<int64_t> kbad;
+    TileBuffer<acc_t> dv_t, dk_t;
+  };
+  std::array<KeyTile, kChunkTiles> tiles;
+  TileBuffer<tile_t> qbuf, dobuf, wbuf;
+  TileBuffer<acc_t> do_t, q_t;  // transposed_dkv: dO^T, Q^T of the query tile
   Weights<tile_t, acc_t> pw, dsw;
   TileBuffer<acc_t> s, dp, dqbuf;
-  std::vector<int64_t> kbad;  // non-finite K rows of the key tile
 
   BackwardTile(const BlockParams& p_, const acc_t* delta_)
       : p(p_),
@@ -64,52 +79,51 @@ struct BackwardTile {
         dv(static_cast<acc_t*>(p_.dv)),
         scale(static_cast<acc_t>(p_.scale)),
         packed(p_.scale > 0 &&
-               ((kBf16Tiles && packed_tiles(p_.head_dim)) || (kFp32Tiles && packed_tiles_fp32()))) {
-  }
+               ((kBf16Tiles && packed_tiles(p_.head_dim)) || (kFp32Tiles && packed_tiles_fp32()))),
+        transposed_dkv(kFp32Tiles && packed && p_.dv != nullptr) {}
 
   ~BackwardTile() {
     if (kBf16Tiles && packed) release_packed_gemm();
   }
 
-  // One key tile of tk keys (first at u0, stride r) of the set's K/V head
-  // against all the queries of the set's heads.
-  void run(int64_t b, const HeadSet& set, int64_t r, int64_t u0, int64_t tk, ActiveRun queries) {
-    constexpr acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
-    const int64_t d = p.head_dim, nh = static_cast<int64_t>(set.heads.size());
-    const int64_t q_stride = p.q_stride(r), k_stride = p.k_stride(r);
-    const int64_t koff = p.k_index(b, u0, set.kv_head);
-    const TileRef<tile_t> kt = tile_rows<tile_t>(k + koff, k_stride, tk, d, kbuf);
-    const TileRef<tile_t> vt = tile_rows<tile_t>(v + koff, k_stride, tk, d, vbuf);
-    kbad.clear();
-    if (dq != nullptr) non_finite_rows(kt, 0, tk, d, 0, kbad);
+  void load_keys(KeyTile& key, int64_t b, const HeadSet& set, int64_t r, int64_t u0, int64_t tk) {
+    const int64_t d = p.head_dim, k_stride = p.k_stride(r);
+    key.u0 = u0, key.tk = tk, key.koff = p.k_index(b, u0, set.kv_head);
+    key.kt = tile_rows<tile_t>(k + key.koff, k_stride, tk, d, key.kbuf);
+    key.vt = tile_rows<tile_t>(v + key.koff, k_stride, tk, d, key.vbuf);
+    key.kbad.clear();
+    if (dq != nullptr) non_finite_rows(key.kt, 0, tk, d, 0, key.kbad);
     if constexpr (kBf16Tiles || kFp32Tiles) {
       if (packed) {
-        k_t.resize(tk * d), v_t.resize(tk * d), k_rows.resize((tk + 1) * d);
-        pack_keys(kt.ptr, kt.ld, tk, d, k_t.data());
-        pack_keys(vt.ptr, vt.ld, tk, d, v_t.data());
-        if (dq != nullptr) pack_values(kt.ptr, kt.ld, tk, d, kbad, k_rows.data());
+        key.k_t.resize(tk * d), key.v_t.resize(tk * d), key.k_rows.resize((tk + 1) * d);
+        pack_keys(key.kt.ptr, key.kt.ld, tk, d, key.k_t.data());
+        pack_keys(key.vt.ptr, key.vt.ld, tk, d, key.v_t.data());
+        if (dq != nullptr) pack_values(key.kt.ptr, key.kt.ld, tk, d, key.kbad, key.k_rows.data());
       }
     }
-    const bool transposed_dkv = kFp32Tiles && packed && dv != nullptr;
-    if (transposed_dkv) dv_t.assign(d * tk, acc_t(0)), dk_t.assign(d * tk, acc_t(0));
-    // Packed: the softmax pass scales S and dS; else the GEMMs with K and dS do.
-    const acc_t pass_scale = packed ? scale : acc_t(1);
-    const acc_t ds_gemm_scale = packed ? acc_t(1) : scale;
-    const bool* mrow = p.key_padding_mask == nullptr
-                           ? nullptr
-                           : p.key_padding_mask + b * p.k_len + (u0 - p.k_start);
+    if (transposed_dkv) key.dv_t.assign(d * tk, acc_t(0)), key.dk_t.assign(d * tk, acc_t(0));
+  }
 
-    // Causal: queries before the first key of the tile reach none of it.
+  // A chunk of nk keys (first at u0, stride r; at most kChunkTiles key
+  // tiles) of the set's K/V head against all the queries of the set's heads.
+  void run(int64_t b, const HeadSet& set, int64_t r, int64_t u0, int64_t nk, ActiveRun queries) {
+    const int64_t d = p.head_dim, nh = static_cast<int64_t>(set.heads.size());
+    const int64_t q_stride = p.q_stride(r);
+    const int64_t n_tiles = ceil_div(nk, kTileK);
+    for (int64_t t = 0; t < n_tiles; ++t)
+      load_keys(tiles[t], b, set, r, u0 + t * kTileK * r, std::min(kTileK, nk - t * kTileK));
+
+    // Causal: queries before the first key of the chunk reach none of it.
     int64_t m_begin = 0;
     if (p.causal && u0 > queries.first) m_begin = ceil_div(u0 - queries.first, r);
     const int64_t tq_max = std::max<int64_t>(1, kTileRows / nh);
     for (int64_t m0 = m_begin; m0 < queries.count; m0 += tq_max) {
       // Tile row j * tq + i is position t0 + r*i of head j.
       const int64_t tq = std::min(tq_max, queries.count - m0), rows = nh * tq;
-      const int64_t t0 = queries.first + m0 * r;
-      const auto row_head = [&](int64_t row) { return set.heads[row / tq]; };
-      const auto row_pos = [&](int64_t row) { return t0 + (row % tq) * r; };
-      const auto row_index = [&](int64_t row) { return p.q_index(b, row_pos(row), row_head(row)); };
+      const int64_t t0 = queries.first + m0 * r, t_last = t0 + (tq - 1) * r;
+      const auto row_index = [&](int64_t row) {
+        return p.q_index(b, t0 + (row % tq) * r, set.heads[row / tq]);
+      };
       const int64_t qoff = p.q_index(b, t0, set.heads[0]);
       const TileRef<tile_t> qt =
           nh == 1 ? tile_rows<tile_t>(q + qoff, q_stride, tq, d, qbuf)
@@ -118,80 +132,21 @@ struct BackwardTile {
           nh == 1
               ? tile_rows<tile_t>(dout + qoff, q_stride, tq, d, dobuf)
               : gather_rows<tile_t>(rows, d, dobuf, [&](int64_t i) { return dout + row_index(i); });
-      s.resize(rows * kLd);
-      dp.resize(rows * kLd);
-      pw.reserve(rows * kLd);
-      dsw.reserve(rows * kLd);
-      if constexpr (kBf16Tiles || kFp32Tiles) {
-        if (packed) {
-          gemm_packed(rows, tk, d, qt.ptr, qt.ld, k_t.data(), tk, s.data(), kLd, false);
-          gemm_packed(rows, tk, d, dot.ptr, dot.ld, v_t.data(), tk, dp.data(), kLd, false);
-          if constexpr (kBf16Tiles) release_packed_gemm();  // MKL's GEMMs come next
-        }
-      }
-      if (!packed) {
-        gemm(false, true, rows, tk, d, scale, qt.ptr, qt.ld, kt.ptr, kt.ld, acc_t(0), s.data(),
-             kLd);
-        gemm(false, true, rows, tk, d, acc_t(1), dot.ptr, dot.ld, vt.ptr, vt.ld, acc_t(0),
-             dp.data(), kLd);
-      }
-      for (int64_t i = 0; i < rows; ++i) {
-        acc_t* srow = &s[i * kLd];
-        acc_t* dprow = &dp[i * kLd];
-        const int64_t t = row_pos(i);
-        const int64_t stat = p.row_index(b, row_head(i), t);
-        const RowGrad<acc_t> g{pass_scale, lse[stat], pass_scale, delta[stat]};
-        if (lse[stat] != neg_inf) mask_row(srow, tk, t, u0, r, p.causal, mrow);
-        if (std::isfinite(lse[stat])) {
-          if constexpr (Weights<tile_t, acc_t>::kRounded) {
-            softmax_grad_row(srow, dprow, tk, g, pw.row(i * kLd), dsw.row(i * kLd));
-          } else {
-            softmax_grad_row(srow, dprow, tk, g);
-          }
-          continue;
-        }
-        if (lse[stat] == neg_inf) {  // reaches nothing: no gradient
-          std::fill(srow, srow + tk, acc_t(0));
-          std::fill(dprow, dprow + tk, acc_t(0));
-        } else {
-          softmax_grad_row_nonfinite(srow, dprow, tk, g);
-        }
-        pw.round_row(srow, i * kLd, tk);
-        dsw.round_row(dprow, i * kLd, tk);
-      }
-      // dV += P^T dO, dK += scale dS^T Q (summed over the stacked heads),
-      // straight into the accumulators through the key row stride.
       if constexpr (kFp32Tiles) {
         if (transposed_dkv) {
           do_t.resize(d * rows), q_t.resize(d * rows);
           transpose_tile(dot.ptr, dot.ld, rows, d, do_t.data());
           transpose_tile(qt.ptr, qt.ld, rows, d, q_t.data());
-          gemm_packed(d, tk, rows, do_t.data(), rows, s.data(), kLd, dv_t.data(), tk, true);
-          gemm_packed(d, tk, rows, q_t.data(), rows, dp.data(), kLd, dk_t.data(), tk, true);
         }
       }
-      if (dv != nullptr && !transposed_dkv) {
-        gemm(true, false, tk, d, rows, acc_t(1), pw.of(s.data()), kLd, dot.ptr, dot.ld, acc_t(1),
-             dv + koff, k_stride);
-        gemm(true, false, tk, d, rows, ds_gemm_scale, dsw.of(dp.data()), kLd, qt.ptr, qt.ld,
-             acc_t(1), dk + koff, k_stride);
-      }
-      if (dq == nullptr) continue;
-      // dQ += scale dS K: in place for one head, else through a buffer.
-      if (nh != 1) dqbuf.resize(rows * d);
-      acc_t* dq_c = nh == 1 ? dq + qoff : dqbuf.data();
+      // dQ: in place for one head, else summed in a buffer over the chunk.
+      if (dq != nullptr && nh != 1) dqbuf.resize(rows * d);
+      acc_t* dq_c = dq == nullptr ? nullptr : nh == 1 ? dq + qoff : dqbuf.data();
       const int64_t dq_ld = nh == 1 ? q_stride : d;
-      if constexpr (kBf16Tiles || kFp32Tiles) {
-        if (packed) {
-          gemm_weights_packed(rows, d, tk, dsw.of(dp.data()), kLd, k_rows.data(), kt, kbad, dq_c,
-                              dq_ld, nh == 1);
-          if constexpr (kBf16Tiles) release_packed_gemm();
-        }
-      }
-      if (!packed)
-        gemm_weights(rows, d, tk, ds_gemm_scale, dsw.of(dp.data()), kLd, kt,
-                     nh == 1 ? acc_t(1) : acc_t(0), dq_c, dq_ld, kbad, wbuf);
-      if (nh == 1) continue;
+      int64_t t = 0;
+      for (; t < n_tiles && !(p.causal && tiles[t].u0 > t_last); ++t)
+        attend(tiles[t], b, set, r, t0, tq, qt, dot, dq_c, dq_ld, nh == 1 || t > 0);
+      if (dq == nullptr || nh == 1 || t == 0) continue;
       for (int64_t i = 0; i < rows; ++i) {
         acc_t* dst = dq + row_index(i);
         const acc_t* src = &dqbuf[i * d];
@@ -200,10 +155,99 @@ struct BackwardTile {
     }
     if constexpr (kFp32Tiles) {
       if (transposed_dkv) {
-        add_transposed(dv_t.data(), tk, d, dv + koff, k_stride);
-        add_transposed(dk_t.data(), tk, d, dk + koff, k_stride);
+        for (int64_t t = 0; t < n_tiles; ++t) {
+          const KeyTile& key = tiles[t];
+          add_transposed(key.dv_t.data(), key.tk, d, dv + key.koff, p.k_stride(r));
+          add_transposed(key.dk_t.data(), key.tk, d, dk + key.koff, p.k_stride(r));
+        }
       }
     }
+  }
+
+  // The query tile (tq positions from t0, stride r, of each of the set's
+  // heads; rows qt, dot) against one key tile: dV, dK (or their transposes)
+  // and dQ into dq_c (row stride dq_ld), added to it when dq_accumulate.
+  void attend(KeyTile& key, int64_t b, const HeadSet& set, int64_t r, int64_t t0, int64_t tq,
+              TileRef<tile_t> qt, TileRef<tile_t> dot, acc_t* dq_c, int64_t dq_ld,
+              bool dq_accumulate) {
+    constexpr acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
+    const int64_t d = p.head_dim, nh = static_cast<int64_t>(set.heads.size()), rows = nh * tq;
+    const int64_t tk = key.tk, u0 = key.u0;
+    // Packed: the softmax pass scales S and dS; else the GEMMs with K and dS do.
+    const acc_t pass_scale = packed ? scale : acc_t(1);
+    const acc_t ds_gemm_scale = packed ? acc_t(1) : scale;
+    const bool* mrow = p.key_padding_mask == nullptr
+                           ? nullptr
+                           : p.key_padding_mask + b * p.k_len + (u0 - p.k_start);
+    s.resize(rows * kLd);
+    dp.resize(rows * kLd);
+    pw.reserve(rows * kLd);
+    dsw.reserve(rows * kLd);
+    if constexpr (kBf16Tiles || kFp32Tiles) {
+      if (packed) {
+        gemm_packed(rows, tk, d, qt.ptr, qt.ld, key.k_t.data(), tk, s.data(), kLd, false);
+        gemm_packed(rows, tk, d, dot.ptr, dot.ld, key.v_t.data(), tk, dp.data(), kLd, false);
+        if constexpr (kBf16Tiles) release_packed_gemm();  // MKL's GEMMs come next
+      }
+    }
+    if (!packed) {
+      gemm(false, true, rows, tk, d, scale, qt.ptr, qt.ld, key.kt.ptr, key.kt.ld, acc_t(0),
+           s.data(), kLd);
+      gemm(false, true, rows, tk, d, acc_t(1), dot.ptr, dot.ld, key.vt.ptr, key.vt.ld, acc_t(0),
+           dp.data(), kLd);
+    }
+    for (int64_t i = 0; i < rows; ++i) {
+      acc_t* srow = &s[i * kLd];
+      acc_t* dprow = &dp[i * kLd];
+      const int64_t t = t0 + (i % tq) * r;
+      const int64_t stat = p.row_index(b, set.heads[i / tq], t);
+      const RowGrad<acc_t> g{pass_scale, lse[stat], pass_scale, delta[stat]};
+      if (lse[stat] != neg_inf) mask_row(srow, tk, t, u0, r, p.causal, mrow);
+      if (std::isfinite(lse[stat])) {
+        if constexpr (Weights<tile_t, acc_t>::kRounded) {
+          softmax_grad_row(srow, dprow, tk, g, pw.row(i * kLd), dsw.row(i * kLd));
+        } else {
+          softmax_grad_row(srow, dprow, tk, g);
+        }
+        continue;
+      }
+      if (lse[stat] == neg_inf) {  // reaches nothing: no gradient
+        std::fill(srow, srow + tk, acc_t(0));
+        std::fill(dprow, dprow + tk, acc_t(0));
+      } else {
+        softmax_grad_row_nonfinite(srow, dprow, tk, g);
+      }
+      pw.round_row(srow, i * kLd, tk);
+      dsw.round_row(dprow, i * kLd, tk);
+    }
+    // dV += P^T dO, dK += scale dS^T Q (summed over the stacked heads): as
+    // transposes in the key tile's buffers, or straight into the
+    // accumulators through the key row stride.
+    if constexpr (kFp32Tiles) {
+      if (transposed_dkv) {
+        gemm_packed(d, tk, rows, do_t.data(), rows, s.data(), kLd, key.dv_t.data(), tk, true);
+        gemm_packed(d, tk, rows, q_t.data(), rows, dp.data(), kLd, key.dk_t.data(), tk, true);
+      }
+    }
+    if (dv != nullptr && !transposed_dkv) {
+      const int64_t k_stride = p.k_stride(r);
+      gemm(true, false, tk, d, rows, acc_t(1), pw.of(s.data()), kLd, dot.ptr, dot.ld, acc_t(1),
+           dv + key.koff, k_stride);
+      gemm(true, false, tk, d, rows, ds_gemm_scale, dsw.of(dp.data()), kLd, qt.ptr, qt.ld, acc_t(1),
+           dk + key.koff, k_stride);
+    }
+    if (dq == nullptr) return;
+    // dQ += scale dS K.
+    if constexpr (kBf16Tiles || kFp32Tiles) {
+      if (packed) {
+        gemm_weights_packed(rows, d, tk, dsw.of(dp.data()), kLd, key.k_rows.data(), key.kt,
+                            key.kbad, dq_c, dq_ld, dq_accumulate);
+        if constexpr (kBf16Tiles) release_packed_gemm();
+      }
+    }
+    if (!packed)
+      gemm_weights(rows, d, tk, ds_gemm_scale, dsw.of(dp.data()), kLd, key.kt,
+                   dq_accumulate ? acc_t(1) : acc_t(0), dq_c, dq_ld, key.kbad, wbuf);
   }
 
   // dst[j * ld + c] += src_t[c * tk + j] for j < tk, c < d (src_t is d x tk).
@@ -258,8 +302,9 @@ void backward_kernel(const BlockCall& call) {
         const HeadSet& set = work.head_sets[task.head_set];
         for (size_t s = task.seg_begin; s < task.seg_end; ++s) {
           const SegmentRuns runs = segment_runs(p, work, s, set.offset);
-          for (int64_t n0 = 0; n0 < runs.k.count; n0 += kTileK) {
-            tile.run(task.b, set, r, runs.k.first + n0 * r, std::min(kTileK, runs.k.count - n0),
+          constexpr int64_t chunk = kTileK * kChunkTiles;
+          for (int64_t n0 = 0; n0 < runs.k.count; n0 += chunk) {
+            tile.run(task.b, set, r, runs.k.first + n0 * r, std::min(chunk, runs.k.count - n0),
                      runs.q);
           }
         }
