@@ -8,7 +8,11 @@ csrc/cpu/packed_tiles.h and the kLd padding of csrc/cpu/block_forward.cpp:
 * the same S and O += P V through oneDNN's brgemm (at::native::cpublas) on K
   and V packed once (VNNI), against MKL on the tiles in place;
 * fp32: S and P V through sgemm in place against brgemm on K^T and V copied
-  contiguous, and a 2048³ torch.mm (the sgemm rate the benchmarks compare to).
+  contiguous, and a 2048³ torch.mm (the sgemm rate the benchmarks compare to);
+* the fp32 softmax pass between the two products (csrc/cpu/softmax_rows.cpp:
+  row maximum, then exp and sum, over the 256 x 512 S tile): with the fp32
+  products it bounds the forward's rate, rate <= (S + PV) / (S + PV + pass)
+  of theirs.
 
     .venv/bin/python benchmarks/bench.py tiles [--iters 2000] [--rounds 5]
 
@@ -25,7 +29,14 @@ import time
 import torch
 from torch.utils.cpp_extension import load
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_tile_gemm.cpp")
+HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCES = [
+    os.path.join(HERE, "cpu_tile_gemm.cpp"),
+    os.path.join(HERE, "..", "csrc", "cpu", "softmax_rows.cpp"),
+]
+# The vector code the extension's build picks for the softmax passes (setup.py).
+AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]
+AVX512_FLAGS += ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-Wno-maybe-uninitialized"]
 
 
 def add_parser(sub) -> None:
@@ -37,14 +48,17 @@ def add_parser(sub) -> None:
 
 def cmd_tiles(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
-    ext = load("ra_cpu_tile_gemm", [SOURCE], extra_cflags=["-O2"])
+    avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
+    flags = ["-O2", "-std=c++20"] + (AVX512_FLAGS if avx512 else [])
+    ext = load("ra_cpu_tile_gemm", SOURCES, extra_cflags=flags)
     rounds = [ext.run(args.iters) for _ in range(args.rounds)]
     flops = 2 * 256 * 512 * 64
     print(f"one thread, 256 x 512 x 64 products; median of {args.rounds} rounds")
     print(f"{'product':<44} {'us':>8} {'GFLOP/s':>9}")
     for name in rounds[0]:
         t = sorted(r[name] for r in rounds)[len(rounds) // 2]
-        print(f"{name:<44} {t:8.1f} {flops / t / 1e3:9.0f}")
+        rate = "" if name.startswith("pass:") else f"{flops / t / 1e3:.0f}"
+        print(f"{name:<44} {t:8.1f} {rate:>9}")
     x = torch.randn(2048, 2048)
     for _ in range(3):
         x @ x
