@@ -88,6 +88,21 @@ std::map<std::string, double> run(int iters) {
   }
   r["fp32 PV brgemm V copied"] =
       us([&] { at::native::cpublas::brgemm(M, D, N, 528, D, D, true, Pf, Vc, O, false); }, iters);
+  // The fp32 backward's products per (query tile, key tile), 256 rows x 256
+  // keys (csrc/cpu/block_backward.cpp): S and dP on K^T / V^T, dV^T += dO^T P
+  // and dK^T += Q^T dS on the score tile, dQ += dS K.
+  {
+    const int64_t T = 256, lds = 272;
+    float *Sb = buf<float>(T * lds, 0), *Dt = buf<float>(D * T, 0), *Acc = buf<float>(D * T, 0);
+    fill(Sb, T * lds), fill(Dt, D * T);
+    r["bwd fp32 S brgemm 256x256x64"] = us(
+        [&] { at::native::cpublas::brgemm(T, T, D, ldq, T, lds, false, Qf, Kt, Sb, false); },
+        iters);
+    r["bwd fp32 dV^T brgemm 64x256x256"] = us(
+        [&] { at::native::cpublas::brgemm(D, T, T, T, lds, T, true, Dt, Sb, Acc, false); }, iters);
+    r["bwd fp32 dQ brgemm 256x64x256"] = us(
+        [&] { at::native::cpublas::brgemm(T, D, T, lds, D, ldq, true, Sb, Vc, Qf, false); }, iters);
+  }
   // The forward's pass between its two products, over the S tile in place:
   // each row's maximum, then exp(scale * s - max) and its sum.
   fill(S, M * 528);

@@ -9,6 +9,8 @@ csrc/cpu/packed_tiles.h and the kLd padding of csrc/cpu/block_forward.cpp:
   and V packed once (VNNI), against MKL on the tiles in place;
 * fp32: S and P V through sgemm in place against brgemm on K^T and V copied
   contiguous, and a 2048³ torch.mm (the sgemm rate the benchmarks compare to);
+* the fp32 backward's products at its tile shape (256 rows x 256 keys): S,
+  dV^T += dO^T P (the score tile as B) and dQ += dS K;
 * the fp32 softmax pass between the two products (csrc/cpu/softmax_rows.cpp:
   row maximum, then exp and sum, over the 256 x 512 S tile): with the fp32
   products it bounds the forward's rate, rate <= (S + PV) / (S + PV + pass)
@@ -53,11 +55,13 @@ def cmd_tiles(args: argparse.Namespace) -> int:
     ext = load("ra_cpu_tile_gemm", SOURCES, extra_cflags=flags)
     rounds = [ext.run(args.iters) for _ in range(args.rounds)]
     flops = 2 * 256 * 512 * 64
-    print(f"one thread, 256 x 512 x 64 products; median of {args.rounds} rounds")
+    shapes = "256 x 512 x 64 products (bwd: 256 x 256 x 64)"
+    print(f"one thread, {shapes}; median of {args.rounds} rounds")
     print(f"{'product':<44} {'us':>8} {'GFLOP/s':>9}")
     for name in rounds[0]:
         t = sorted(r[name] for r in rounds)[len(rounds) // 2]
-        rate = "" if name.startswith("pass:") else f"{flops / t / 1e3:.0f}"
+        f = flops // 2 if name.startswith("bwd") else flops  # 256 x 256 x 64
+        rate = "" if name.startswith("pass:") else f"{f / t / 1e3:.0f}"
         print(f"{name:<44} {t:8.1f} {rate:>9}")
     x = torch.randn(2048, 2048)
     for _ in range(3):
