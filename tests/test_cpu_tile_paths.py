@@ -25,11 +25,14 @@ import platform
 import pytest
 import torch
 from op_helpers import (
+    LSE_TOL,
+    OUT_TOL,
     Cfg,
     block_backward,
     block_forward,
     check_against_oracle,
     check_results,
+    close,
     fresh_acc,
     lse_grad,
     make_inputs,
@@ -134,6 +137,27 @@ def test_long_key_runs_in_several_tiles(path, head_dim: int) -> None:
         got[0][:, early].double(), want[0][:, early].double(), atol=tol, rtol=tol
     )
     assert torch.isnan(got[0][:, u:]).any()
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_scores_rising_past_the_running_shift(path, causal: bool) -> None:
+    """A row keeps its shift over key tiles until a tile's scores pass it by
+    the cap (e^8): keys from 700 on (mid-way through the second key tile)
+    score far above the first tile's, and keys 900-904 (a 64-lane block) and
+    the last five (the last tile's 16-lane tail) past e^88 above the shift
+    before them, so the shift rises inside a tile's pass and in its tail
+    (the forward's softmax; the backward shifts by the final lse)."""
+    cfg = Cfg(1, 1100, 2, 64, [1100], [1], causal, False, None, False)
+    q, k, v, go, _ = make_inputs(cfg, path, "cpu", 7380 + causal)
+    k = k.clone()
+    k[:, 700:] *= 4
+    k[:, 900:905] *= 30
+    k[:, 1095:] *= 30
+    out, lse = ra.dilated_attention(q, k, v, [1100], [1], causal=causal, return_lse=True)
+    want_out, want_lse, *_ = run_oracle(cfg, q, k, v, go, None)
+    # Scores of a few hundred: fp32's rounding of S alone moves out by ~1e-4.
+    close(out, want_out, max(OUT_TOL[path], 1e-3), "out", causal)
+    close(lse, want_lse, LSE_TOL[path], "lse", causal)
 
 
 def test_block_ops_at_offsets(bf16_path) -> None:

@@ -30,6 +30,11 @@ constexpr size_t kMaxSetHeads = 4;
 // Packed K (and V) kept for a key run, per thread: at most this many
 // elements (512 KiB of bf16; LongNet's runs at head dim 64 fit whole).
 constexpr int64_t kMaxPacked = int64_t(1) << 18;
+// A row's shift (its running m) rises only when a key tile's scores pass it
+// by this much: its weights stay below e^8 (fp32 and bf16 hold them as
+// precisely as weights below 1), and the tiles after its first need no pass
+// for their maximum and rarely a rescale.
+constexpr double kCap = 8.0;
 
 // tile_t: the type the GEMMs read (tile_math.h).
 template <typename scalar_t, typename tile_t, typename acc_t>
@@ -48,7 +53,8 @@ struct ForwardTile {
   TileBuffer<tile_t> qbuf, kbuf, vbuf, wbuf;
   Weights<tile_t, acc_t> pw;
   TileBuffer<acc_t> s, o;
-  // Per query row: running maximum and sum, the tile's maximum and sum.
+  // Per query row: running shift (at most kCap below the running maximum) and
+  // sum, and the tile's shift and sum.
   std::vector<acc_t> m, l, m_next, row_sum, scratch;
   std::vector<int64_t> bad;
   // The key run last attended, kept for all its query tiles: its non-finite
@@ -165,8 +171,15 @@ struct ForwardTile {
       for (int64_t i = 0; i < rows; ++i) {
         acc_t* srow = &s[i * kLd];
         mask_row(srow, tk, row_pos(i), u0, r, p.causal, mrow);
-        // The maximum skips NaN scores; they turn l and the row's P to NaN.
-        acc_t m_new = std::max(row_max(srow, tk) * s_scale, m[i]);
+        if (m[i] != neg_inf) {
+          // The running shift stays unless the tile's scores pass it by kCap.
+          m_next[i] = m[i];
+          row_sum[i] = pw.exp_row_lazy(srow, i * kLd, tk, s_scale, &m_next[i], kCap);
+          continue;
+        }
+        // The first scores a row reaches: shift by their maximum, which skips
+        // NaN scores (they turn l and the row's P to NaN).
+        acc_t m_new = row_max(srow, tk) * s_scale;
         row_sum[i] = 0;
         m_next[i] = m_new;
         if (m_new == neg_inf && !has_nan(srow, tk)) {

@@ -64,6 +64,14 @@ T exp_row_vec(const T* x, int64_t n, T scale, T sub, T* out) {
   return sum;
 }
 
+// exp_row_lazy (softmax_rows.h) without AVX-512: the row's maximum first.
+template <typename T>
+T exp_row_lazy_vec(const T* x, int64_t n, T scale, T* shift, T cap, T* out) {
+  const T m = row_max_vec(x, n) * scale;
+  if (m - *shift > cap) *shift = m;
+  return exp_row_vec(x, n, scale, *shift, out);
+}
+
 // p_out and ds_out of a row as RowGrad says, ds 0 where p is 0 (the outputs
 // may be s and dp).
 template <typename T>
@@ -168,6 +176,52 @@ inline float exp_row_lanes(const float* x, int64_t n, float scale, float sub, St
     store(j, e, k);
     acc0 = _mm512_add_ps(acc0, e);
   }
+  return lanes_sum(_mm512_add_ps(acc0, acc1));
+}
+
+// exp_row_lanes while each lane's exponent scale * x - sub stays at most cap
+// (natural units): returns the sum of the lanes done, and in *done how many:
+// n, or the start of the first block (64 lanes, 16 in the tail) with an
+// exponent past cap (+inf included), which and whose successors are left
+// untouched. NaN lanes pass (their exponential is NaN).
+template <bool kForBf16 = false, typename Store>
+inline float exp_row_capped_lanes(const float* x, int64_t n, float scale, float sub, float cap,
+                                  int64_t* done, Store store) {
+  const __m512 vs = log2e_times(sub), va = log2e_times(scale), vcap = log2e_times(cap);
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  // vmaxps returns its second operand when either is NaN: the running max.
+  const auto max = [](__m512 t, __m512 m) { return _mm512_maskz_max_ps(__mmask16(0xFFFF), t, m); };
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0;
+  int64_t j = 0;
+  for (; j + 64 <= n; j += 64) {
+    __m512 t[4];
+    __m512 m = neg_inf;
+    for (int u = 0; u < 4; ++u) {
+      t[u] = _mm512_fmsub_ps(_mm512_loadu_ps(x + j + 16 * u), va, vs);
+      m = max(t[u], m);
+    }
+    if (_mm512_cmp_ps_mask(m, vcap, _CMP_GT_OQ) != 0) break;
+    for (int u = 0; u < 4; ++u) {
+      const __m512 e = exp2_ps<kForBf16>(t[u]);
+      store(j + 16 * u, e, __mmask16(0xFFFF));
+      if (u % 2 == 0)
+        acc0 = _mm512_add_ps(acc0, e);
+      else
+        acc1 = _mm512_add_ps(acc1, e);
+    }
+  }
+  if (j + 64 > n) {
+    for (; j < n; j += 16) {
+      const __mmask16 k = tail_mask(n - j);
+      // Lanes past the end load -inf: their exponential is 0.
+      const __m512 t = _mm512_fmsub_ps(_mm512_mask_loadu_ps(neg_inf, k, x + j), va, vs);
+      if (_mm512_cmp_ps_mask(t, vcap, _CMP_GT_OQ) != 0) break;
+      const __m512 e = exp2_ps<kForBf16>(t);
+      store(j, e, k);
+      acc0 = _mm512_add_ps(acc0, e);
+    }
+  }
+  *done = std::min(j, n);
   return lanes_sum(_mm512_add_ps(acc0, acc1));
 }
 

@@ -49,6 +49,28 @@ double exp_row(double* x, int64_t n, double scale, double sub) {
   return exp_row_vec(x, n, scale, sub, x);
 }
 
+float exp_row_lazy(float* x, int64_t n, float scale, float* shift, float cap) {
+#if defined(CPU_CAPABILITY_AVX512)
+  int64_t done = 0;
+  const float sum = exp_row_capped_lanes(
+      x, n, scale, *shift, cap, &done,
+      [x](int64_t j, __m512 e, __mmask16 k) { _mm512_mask_storeu_ps(x + j, k, e); });
+  if (done == n) return sum;
+  // Past the cap: shift by the maximum of the lanes left (all those done are
+  // below it) and bring the lanes done to that shift.
+  const float m = row_max(x + done, n - done) * scale;
+  const float f = std::exp(*shift - m);
+  for (int64_t j = 0; j < done; ++j) x[j] *= f;
+  *shift = m;
+  return sum * f + exp_row(x + done, n - done, scale, m);
+#else
+  return exp_row_lazy_vec(x, n, scale, shift, cap, x);
+#endif
+}
+double exp_row_lazy(double* x, int64_t n, double scale, double* shift, double cap) {
+  return exp_row_lazy_vec(x, n, scale, shift, cap, x);
+}
+
 void softmax_grad_row(float* s, float* dp, int64_t n, RowGrad<float> g) {
 #if defined(CPU_CAPABILITY_AVX512)
   softmax_grad_lanes(s, dp, n, g, [s, dp](int64_t j, __m512 p, __m512 ds, __mmask16 k) {

@@ -32,6 +32,19 @@ double exp_row(double* x, int64_t n, double scale, double sub);
 // 4e-3). Only where the CPU has avx512_bf16 (bf16_tiles()).
 float exp_row(const float* x, int64_t n, float scale, float sub, c10::BFloat16* p);
 
+// exp_row with a shift that need not be the row's maximum: x[j] =
+// exp(scale * x[j] - *shift) while every scale * x[j] - *shift <= cap (so
+// the weights stay below e^cap); where the row's maximum passes that,
+// *shift is raised to scale * max first. Returns the sum. The online
+// softmax keeps its running shift (and skips rescaling its accumulators)
+// unless a tile's maximum rises past it by cap, and needs no separate pass
+// for the maximum. *shift finite.
+float exp_row_lazy(float* x, int64_t n, float scale, float* shift, float cap);
+double exp_row_lazy(double* x, int64_t n, double scale, double* shift, double cap);
+// The same with p[j] = bf16(...), x unchanged (avx512_bf16 only).
+float exp_row_lazy(const float* x, int64_t n, float scale, float* shift, float cap,
+                   c10::BFloat16* p);
+
 // The constants of one row's backward: p = exp(s_scale * s - lse) and
 // ds = ds_scale * p * (dp - delta). (The scale enters here where a GEMM
 // left S unscaled, and through ds_scale where dS feeds GEMMs without one.)

@@ -51,6 +51,24 @@ float exp_row(const float* x, int64_t n, float scale, float sub, c10::BFloat16* 
 #endif
 }
 
+float exp_row_lazy(const float* x, int64_t n, float scale, float* shift, float cap,
+                   c10::BFloat16* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  int64_t done = 0;
+  const float sum = exp_row_capped_lanes<true>(
+      x, n, scale, *shift, cap, &done,
+      [p](int64_t j, __m512 e, __mmask16 k) { store_bf16(p + j, e, k); });
+  if (done == n) return sum;
+  // Past the cap: the whole row again (x is unchanged), shifted by its maximum.
+  *shift = row_max(x, n) * scale;
+  return exp_row(x, n, scale, *shift, p);
+#else
+  const float m = row_max(x, n) * scale;
+  if (m - *shift > cap) *shift = m;
+  return exp_row(x, n, scale, *shift, p);
+#endif
+}
+
 void softmax_grad_row(const float* s, const float* dp, int64_t n, RowGrad<float> g,
                       c10::BFloat16* p_out, c10::BFloat16* ds_out) {
 #if defined(CPU_CAPABILITY_AVX512)

@@ -234,6 +234,13 @@ struct Weights {
     else
       return cpu::exp_row(w, n, scale, sub);
   }
+  // The same with a shift that rises only past cap (softmax_rows.h).
+  acc_t exp_row_lazy(acc_t* w, int64_t offset, int64_t n, acc_t scale, acc_t* shift, acc_t cap) {
+    if constexpr (kRounded)
+      return cpu::exp_row_lazy(w, n, scale, shift, cap, row(offset));
+    else
+      return cpu::exp_row_lazy(w, n, scale, shift, cap);
+  }
   void zero_row(acc_t* w, int64_t offset, int64_t n) {
     if constexpr (kRounded)
       std::fill(row(offset), row(offset) + n, tile_t(0));
