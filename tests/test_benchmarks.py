@@ -223,3 +223,24 @@ def test_llm_subcommand_measures_gqa_bytes_and_packed_documents(tmp_path: Path) 
     rep, gqa, grouped = (float(x) for x in row.split("|")[3:6])
     assert 0 < grouped <= gqa < rep <= 4 * grouped
     assert "| packed |" in text and "| unpacked |" in text
+
+
+def test_tiles_microbenchmark_runs() -> None:
+    """``bench.py tiles`` builds its one-thread C++ micro-benchmark (with the
+    kernels' softmax pass compiled in) and prints every product it times."""
+    with open("/proc/cpuinfo") as f:
+        flags = set(next((line for line in f if line.startswith("flags")), "").split())
+    if not {"amx_bf16", "avx512f"} <= flags:
+        pytest.skip("bench.py tiles times oneDNN's bf16 brgemm on AMX: no amx_bf16 here")
+    out = bench("tiles", "--iters", "3", "--rounds", "1", timeout=900)
+    for product in (
+        "bf16 S brgemm packed",
+        "bf16 PV mkl",
+        "fp32 S brgemm K^T",
+        "fp32 PV sgemm in place",
+        "bwd fp32 dV^T brgemm",
+        "bwd fp32 dQ brgemm",
+        "pass: fp32 softmax",
+        "fp32 torch.mm 2048^3",
+    ):
+        assert product in out, out
