@@ -262,13 +262,13 @@ struct Weights {
 };
 
 // The online softmax's rescale after a key tile, for rows [0, n): a row
-// whose maximum rose from m to m_next has its sum l and output row o_i (d
+// whose shift rose from m to m_next has its sum l and output row o_i (d
 // values) scaled by exp(m - m_next) before the tile's row sum is added
 // (alpha: n values of scratch; the exponentials run vectorised over rows).
 template <typename acc_t>
 void rescale_rows(int64_t n, int64_t d, acc_t* m, const acc_t* m_next, acc_t* l,
                   const acc_t* row_sum, acc_t* o, acc_t* alpha) {
-  // exp(m - m_next): 1 where the maximum stayed (-inf included), 0 where it
+  // exp(m - m_next): 1 where the shift stayed (-inf included), 0 where it
   // rose from -inf (the row's o is still 0 then).
   for (int64_t i = 0; i < n; ++i) alpha[i] = m[i] == m_next[i] ? acc_t(0) : m[i] - m_next[i];
   exp_row(alpha, n, acc_t(1), acc_t(0));
