@@ -11,9 +11,10 @@ csrc/cpu/packed_tiles.h and the kLd padding of csrc/cpu/block_forward.cpp:
   contiguous, and a 2048³ torch.mm (the sgemm rate the benchmarks compare to);
 * the fp32 backward's products at its tile shape (256 rows x 256 keys): S,
   dV^T += dO^T P (the score tile as B) and dQ += dS K;
-* the fp32 softmax pass between the two products (csrc/cpu/softmax_rows.cpp:
-  row maximum, then exp and sum, over the 256 x 512 S tile): with the fp32
-  products it bounds the forward's rate, rate <= (S + PV) / (S + PV + pass)
+* the fp32 softmax passes between the two products (csrc/cpu/softmax_rows.cpp,
+  over the 256 x 512 S tile): a row's first tile (row maximum, then exp and
+  sum) and the later ones (one sweep, the running shift kept); with the fp32
+  products they bound the forward's rate, rate <= (S + PV) / (S + PV + pass)
   of theirs.
 
     .venv/bin/python benchmarks/bench.py tiles [--iters 2000] [--rounds 5]
