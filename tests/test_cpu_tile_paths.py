@@ -139,19 +139,21 @@ def test_long_key_runs_in_several_tiles(path, head_dim: int) -> None:
     assert torch.isnan(got[0][:, u:]).any()
 
 
+@pytest.mark.parametrize("rise", [700, 300], ids=["second-tile", "first-tile"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_scores_rising_past_the_running_shift(path, causal: bool) -> None:
+def test_scores_rising_past_the_running_shift(path, causal: bool, rise: int) -> None:
     """A row keeps its shift over key tiles until a tile's scores pass it by
-    the cap (e^8): keys from 700 on (mid-way through the second key tile)
-    score far above the first tile's, and keys 900-904 (a 64-lane block) and
-    the last five (the last tile's 16-lane tail) past e^88 above the shift
-    before them, so the shift rises inside a tile's pass and in its tail
-    (the forward's softmax; the backward shifts by the final lse)."""
+    the cap (e^8): keys from `rise` on score far above those before, either
+    mid-way through the second key tile or through the first (whose shift
+    comes from its first 64 keys), and five keys 200 on (a 64-lane block of
+    the same tile) and the last five (the last tile's 16-lane tail) past e^88
+    above the shift before them, so the shift rises inside a tile's pass and
+    in its tail (the forward's softmax; the backward shifts by the final lse)."""
     cfg = Cfg(1, 1100, 2, 64, [1100], [1], causal, False, None, False)
-    q, k, v, go, _ = make_inputs(cfg, path, "cpu", 7380 + causal)
+    q, k, v, go, _ = make_inputs(cfg, path, "cpu", 7380 + causal + 2 * (rise == 300))
     k = k.clone()
-    k[:, 700:] *= 4
-    k[:, 900:905] *= 30
+    k[:, rise:] *= 4
+    k[:, rise + 200 : rise + 205] *= 30
     k[:, 1095:] *= 30
     out, lse = ra.dilated_attention(q, k, v, [1100], [1], causal=causal, return_lse=True)
     want_out, want_lse, *_ = run_oracle(cfg, q, k, v, go, None)

@@ -92,15 +92,16 @@ struct BackwardTile {
     key.kt = tile_rows<tile_t>(k + key.koff, k_stride, tk, d, key.kbuf);
     key.vt = tile_rows<tile_t>(v + key.koff, k_stride, tk, d, key.vbuf);
     key.kbad.clear();
-    if (dq != nullptr) non_finite_rows(key.kt, 0, tk, d, 0, key.kbad);
     if constexpr (kBf16Tiles || kFp32Tiles) {
       if (packed) {
         key.k_t.resize(tk * d), key.v_t.resize(tk * d), key.k_rows.resize((tk + 1) * d);
         pack_keys(key.kt.ptr, key.kt.ld, tk, d, key.k_t.data());
         pack_keys(key.vt.ptr, key.vt.ld, tk, d, key.v_t.data());
-        if (dq != nullptr) pack_values(key.kt.ptr, key.kt.ld, tk, d, key.kbad, key.k_rows.data());
+        if (dq != nullptr)
+          pack_values_checked(key.kt.ptr, key.kt.ld, tk, d, 0, key.kbad, key.k_rows.data());
       }
     }
+    if (dq != nullptr && !packed) non_finite_rows(key.kt, 0, tk, d, 0, key.kbad);
     if (transposed_dkv) key.dv_t.assign(d * tk, acc_t(0)), key.dk_t.assign(d * tk, acc_t(0));
   }
 

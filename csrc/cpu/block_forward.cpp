@@ -35,6 +35,8 @@ constexpr int64_t kMaxPacked = int64_t(1) << 18;
 // precisely as weights below 1), and the tiles after its first need no pass
 // for their maximum and rarely a rescale.
 constexpr double kCap = 8.0;
+// A row's first shift: the maximum of its first scores in the tile.
+constexpr int64_t kGuessKeys = 64;
 
 // tile_t: the type the GEMMs read (tile_math.h).
 template <typename scalar_t, typename tile_t, typename acc_t>
@@ -131,16 +133,15 @@ struct ForwardTile {
       const TileRef<tile_t> kt = tile_rows<tile_t>(k + koff, k_stride, tk, d, kbuf);
       const TileRef<tile_t> vt = tile_rows<tile_t>(v + koff, k_stride, tk, d, vbuf);
       // Packed tiles hold the whole tile of the run (tw keys; a causal query
-      // tile may use fewer), read in place: look at all its V rows.
+      // tile may use fewer), read in place: look at all its V rows, once per
+      // run (while packing them, where packed).
       const int64_t tw = packed ? std::min(kTileK, keys.count - n0) : tk;
-      if (keyrun.checked < n0 + tw) {
-        non_finite_rows(vt, keyrun.checked - n0, tw, d, n0, keyrun.bad_v);
-        keyrun.checked = n0 + tw;
-      }
-      const auto lo = std::lower_bound(keyrun.bad_v.begin(), keyrun.bad_v.end(), n0);
-      const auto hi = std::lower_bound(lo, keyrun.bad_v.end(), n0 + tw);
-      bad.assign(lo, hi);
-      for (int64_t& j : bad) j -= n0;
+      const auto tile_bad = [&] {
+        const auto lo = std::lower_bound(keyrun.bad_v.begin(), keyrun.bad_v.end(), n0);
+        const auto hi = std::lower_bound(lo, keyrun.bad_v.end(), n0 + tw);
+        bad.assign(lo, hi);
+        for (int64_t& j : bad) j -= n0;
+      };
 
       const tile_t* vp = nullptr;  // packed V of the tile
       if constexpr (kBf16Tiles || kFp32Tiles) {
@@ -151,8 +152,19 @@ struct ForwardTile {
           tile_t* vslot = keyrun.v.data() + slot * kTileK * d;
           if (keyrun.slot_tile[slot] != tile) {
             pack_keys(kt.ptr, kt.ld, tw, d, kslot);
-            pack_values(vt.ptr, vt.ld, tw, d, bad, vslot);
+            if (keyrun.checked < n0 + tw) {
+              // Whole tiles: the run's first visit of this one.
+              TORCH_INTERNAL_ASSERT(keyrun.checked == n0);
+              pack_values_checked(vt.ptr, vt.ld, tw, d, n0, keyrun.bad_v, vslot);
+              keyrun.checked = n0 + tw;
+              tile_bad();
+            } else {
+              tile_bad();
+              pack_values(vt.ptr, vt.ld, tw, d, bad, vslot);
+            }
             keyrun.slot_tile[slot] = tile;
+          } else {
+            tile_bad();
           }
           vp = vslot;
           gemm_packed(rows, tk, d, qt.ptr, qt.ld, kslot, tw, s.data(), kLd, false);
@@ -161,9 +173,15 @@ struct ForwardTile {
           bad.erase(std::lower_bound(bad.begin(), bad.end(), tk), bad.end());
         }
       }
-      if (!packed)
+      if (!packed) {
+        if (keyrun.checked < n0 + tw) {
+          non_finite_rows(vt, keyrun.checked - n0, tw, d, n0, keyrun.bad_v);
+          keyrun.checked = n0 + tw;
+        }
+        tile_bad();
         gemm(false, true, rows, tk, d, scale, qt.ptr, qt.ld, kt.ptr, kt.ld, acc_t(0), s.data(),
              kLd);
+      }
 
       const bool* mrow = p.key_padding_mask == nullptr
                              ? nullptr
@@ -177,8 +195,17 @@ struct ForwardTile {
           row_sum[i] = pw.exp_row_lazy(srow, i * kLd, tk, s_scale, &m_next[i], kCap);
           continue;
         }
-        // The first scores a row reaches: shift by their maximum, which skips
-        // NaN scores (they turn l and the row's P to NaN).
+        // The first scores a row reaches: shift by the maximum of its first
+        // kGuessKeys, kept as later tiles keep theirs (one pass, not one for
+        // the maximum and one for exp).
+        const acc_t guess = row_max(srow, std::min(tk, kGuessKeys)) * s_scale;
+        if (std::isfinite(guess)) {
+          m_next[i] = guess;
+          row_sum[i] = pw.exp_row_lazy(srow, i * kLd, tk, s_scale, &m_next[i], kCap);
+          continue;
+        }
+        // None of those reached (masked), or not finite: shift by the row's
+        // maximum, which skips NaN scores (they turn l and the row's P to NaN).
         acc_t m_new = row_max(srow, tk) * s_scale;
         row_sum[i] = 0;
         m_next[i] = m_new;

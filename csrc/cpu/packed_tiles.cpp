@@ -63,6 +63,17 @@ void pack_values(const c10::BFloat16* v, int64_t ld, int64_t w, int64_t d,
   }
 }
 
+void pack_values_checked(const c10::BFloat16* v, int64_t ld, int64_t w, int64_t d, int64_t shift,
+                         std::vector<int64_t>& bad, c10::BFloat16* out) {
+  // The VNNI pairs interleave two rows: check the rows first (they are then
+  // in cache for the copy).
+  std::vector<int64_t> zero;
+  for (int64_t j = 0; j < w; ++j)
+    if (!all_finite(v + j * ld, d)) zero.push_back(j);
+  pack_values(v, ld, w, d, zero, out);
+  for (const int64_t j : zero) bad.push_back(j + shift);
+}
+
 namespace {
 
 // oneDNN's brgemm takes 32-bit strides (beyond them it fails to allocate):
@@ -165,6 +176,17 @@ void pack_values(const float* v, int64_t ld, int64_t w, int64_t d, std::span<con
                  float* out) {
   for (int64_t j = 0; j < w; ++j) std::copy(v + j * ld, v + j * ld + d, out + j * d);
   for (const int64_t j : zero) std::fill(out + j * d, out + (j + 1) * d, 0.0f);
+}
+
+void pack_values_checked(const float* v, int64_t ld, int64_t w, int64_t d, int64_t shift,
+                         std::vector<int64_t>& bad, float* out) {
+  for (int64_t j = 0; j < w; ++j) {
+    float* row = out + j * d;
+    std::copy(v + j * ld, v + j * ld + d, row);
+    if (all_finite(row, d)) continue;
+    std::fill(row, row + d, 0.0f);
+    bad.push_back(j + shift);
+  }
 }
 
 void gemm_packed(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <span>
+#include <vector>
 
 #include "tile_math.h"
 
@@ -55,6 +56,15 @@ void transpose_tile(const float* src, int64_t ld, int64_t rows, int64_t cols, fl
 void pack_keys(const float* k, int64_t ld, int64_t w, int64_t d, float* out);
 void pack_values(const float* v, int64_t ld, int64_t w, int64_t d, std::span<const int64_t> zero,
                  float* out);
+
+// pack_values of rows not yet looked at: appends j + shift to bad (in
+// order) for each row j < w holding a NaN or an infinity, which enters as
+// zeros. The rows are read once, not by a check (non_finite_rows) and then a
+// copy: the strided rows come from memory, and the copy checks them in L1.
+void pack_values_checked(const c10::BFloat16* v, int64_t ld, int64_t w, int64_t d, int64_t shift,
+                         std::vector<int64_t>& bad, c10::BFloat16* out);
+void pack_values_checked(const float* v, int64_t ld, int64_t w, int64_t d, int64_t shift,
+                         std::vector<int64_t>& bad, float* out);
 void gemm_packed(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
                  int64_t ldb, float* C, int64_t ldc, bool accumulate);
 
