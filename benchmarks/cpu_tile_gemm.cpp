@@ -96,9 +96,9 @@ std::map<std::string, double> run(int iters) {
     const int64_t T = 256, lds = 272;
     float *Sb = buf<float>(T * lds, 0), *Dt = buf<float>(D * T, 0), *Acc = buf<float>(D * T, 0);
     fill(Sb, T * lds), fill(Dt, D * T);
-    r["bwd fp32 S brgemm 256x256x64"] = us(
-        [&] { at::native::cpublas::brgemm(T, T, D, ldq, T, lds, false, Qf, Kt, Sb, false); },
-        iters);
+    r["bwd fp32 S brgemm 256x256x64"] =
+        us([&] { at::native::cpublas::brgemm(T, T, D, ldq, T, lds, false, Qf, Kt, Sb, false); },
+           iters);
     r["bwd fp32 dV^T brgemm 64x256x256"] = us(
         [&] { at::native::cpublas::brgemm(D, T, T, T, lds, T, true, Dt, Sb, Acc, false); }, iters);
     r["bwd fp32 dQ brgemm 256x64x256"] = us(
