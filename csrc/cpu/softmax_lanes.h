@@ -117,36 +117,37 @@ inline __mmask16 tail_mask(int64_t left) {
 }
 
 // 2^t for t below 128 (the callers' t = (score - max) log2 e is <= 0):
-// 2^n * 2^f with f = t - round(t) (vreduceps), n = t - f (exact; one
-// subtraction is a micro-op less than vrndscaleps, which the pass between
-// the forward's products felt: 22.3 -> 20.1 us a 256 x 512 tile, bench.py
-// tiles) and a polynomial for 2^f on |f| <= 1/2, fitted for relative error:
-// degree 5 (7.5e-8; 2.3e-7 evaluated in fp32, as the degree-6 Taylor
-// polynomial) for fp32 results, degree 3 (7.5e-5) where the result is
-// rounded to bf16 (2^-9) anyway. Exactly 0 at -inf (vreduceps gives f = 0,
-// so n = -inf and vscalefps 2^-inf = 0) and below -149; NaN stays NaN. The
-// callers fold log2 e into their scale and shift, so exp(a x - b) costs one
-// fused multiply-add more.
+// 2^floor(t) * 2^f with f = t - floor(t) in [0, 1] (vreduceps, rounding
+// down; within 2^-24 of exact) and a polynomial for 2^f, fitted for
+// relative error on [0, 1]: degree 5 (7.5e-8; 1.6e-7 evaluated in fp32) for
+// fp32 results, degree 3 (7.5e-5) where the result is rounded to bf16 (2^-9)
+// anyway. vscalefps multiplies by 2^floor(t) itself, so the integer part
+// costs no instruction: 7 per 16 lanes (bench.py tiles, the forward's
+// one-sweep pass over a 256 x 512 tile: 19.1 us; 22.3 us with vrndscaleps
+// for the integer part and f = t - round(t), 20.1 with n = t - f). Exactly
+// 0 at -inf (vreduceps gives f = 0 and vscalefps 2^-inf = 0) and below
+// -149; NaN stays NaN. The callers
+// fold log2 e into their scale and shift, so exp(a x - b) costs one fused
+// multiply-add more.
 template <bool kForBf16 = false>
 inline __m512 exp2_ps(__m512 t) {
-  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-  const __m512 f = _mm512_reduce_ps(t, kNearest);
-  const __m512 n = _mm512_sub_ps(t, f);  // exact; -inf at -inf (f is 0 there)
+  constexpr int kDown = _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC;
+  const __m512 f = _mm512_reduce_ps(t, kDown);
   __m512 y;
   if constexpr (kForBf16) {
-    y = _mm512_set1_ps(5.517161265e-2f);
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.426111400e-1f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.932610273e-1f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.999280572e-1f));
+    y = _mm512_set1_ps(7.802452147e-2f);
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.260671556e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.958335638e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.999251962e-1f));
   } else {
-    y = _mm512_set1_ps(1.327643986e-3f);
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.675533511e-3f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.550713465e-2f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.402212024e-1f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.931469440e-1f));
-    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.000000119e+00f));
+    y = _mm512_set1_ps(1.877576695e-3f);
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(8.989340626e-3f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.582631752e-2f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(2.401536107e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(6.931530833e-1f));
+    y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(9.999999404e-1f));
   }
-  return _mm512_scalef_ps(y, n);
+  return _mm512_scalef_ps(y, t);
 }
 
 // a * log2 e and b * log2 e, rounded once from double: the base-2 scale and

@@ -1,6 +1,6 @@
 // The softmax passes over one row of scores (fp32 or fp64), between the
 // GEMMs of the CPU kernels. With AVX-512 (fp32) they run 16 lanes wide with
-// an exponential of 8 vector instructions (fp32 results), and the bf16-tile
+// an exponential of 7 vector instructions (fp32 results), and the bf16-tile
 // kernels get P and dS already rounded to bf16 from the same pass (one read
 // of the row instead of three passes over it).
 //
