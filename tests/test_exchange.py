@@ -498,6 +498,12 @@ def _dying_rank(rank: int, world: int) -> tuple[str, str, float]:
     import os
     import time
 
+    import torch.distributed as dist
+
+    # Both ranks finish joining the group first: gloo connects its mesh in
+    # init_process_group, and a rank that died while its peer was still
+    # connecting failed the peer's init instead of the ring under test.
+    dist.barrier()
     if rank == 1:
         os._exit(3)  # dies without a word
     q = shard_sequence(torch.randn(1, 40, 2, 8), 1)
