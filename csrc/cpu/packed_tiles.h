@@ -59,8 +59,9 @@ void pack_values(const float* v, int64_t ld, int64_t w, int64_t d, std::span<con
 
 // pack_values of rows not yet looked at: appends j + shift to bad (in
 // order) for each row j < w holding a NaN or an infinity, which enters as
-// zeros. The rows are read once, not by a check (non_finite_rows) and then a
-// copy: the strided rows come from memory, and the copy checks them in L1.
+// zeros. fp32 reads the strided rows from memory once (the copy is checked
+// in L1) instead of a check (non_finite_rows) and then a copy; bf16 (VNNI
+// interleaves rows in pairs) checks first and packs from cache.
 void pack_values_checked(const c10::BFloat16* v, int64_t ld, int64_t w, int64_t d, int64_t shift,
                          std::vector<int64_t>& bad, c10::BFloat16* out);
 void pack_values_checked(const float* v, int64_t ld, int64_t w, int64_t d, int64_t shift,

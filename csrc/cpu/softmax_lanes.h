@@ -126,9 +126,8 @@ inline __mmask16 tail_mask(int64_t left) {
 // one-sweep pass over a 256 x 512 tile: 19.1 us; 22.3 us with vrndscaleps
 // for the integer part and f = t - round(t), 20.1 with n = t - f). Exactly
 // 0 at -inf (vreduceps gives f = 0 and vscalefps 2^-inf = 0) and below
-// -149; NaN stays NaN. The callers
-// fold log2 e into their scale and shift, so exp(a x - b) costs one fused
-// multiply-add more.
+// -149; NaN stays NaN. The callers fold log2 e into their scale and shift,
+// so exp(a x - b) costs one fused multiply-add more.
 template <bool kForBf16 = false>
 inline __m512 exp2_ps(__m512 t) {
   constexpr int kDown = _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC;
