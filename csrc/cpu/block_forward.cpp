@@ -189,18 +189,12 @@ struct ForwardTile {
       for (int64_t i = 0; i < rows; ++i) {
         acc_t* srow = &s[i * kLd];
         mask_row(srow, tk, row_pos(i), u0, r, p.causal, mrow);
-        if (m[i] != neg_inf) {
-          // The running shift stays unless the tile's scores pass it by kCap.
-          m_next[i] = m[i];
-          row_sum[i] = pw.exp_row_lazy(srow, i * kLd, tk, s_scale, &m_next[i], kCap);
-          continue;
-        }
-        // The first scores a row reaches: shift by the maximum of its first
-        // kGuessKeys, kept as later tiles keep theirs (one pass, not one for
-        // the maximum and one for exp).
-        const acc_t guess = row_max(srow, std::min(tk, kGuessKeys)) * s_scale;
-        if (std::isfinite(guess)) {
-          m_next[i] = guess;
+        // The running shift stays unless the tile's scores pass it by kCap.
+        // A row's first scores start it at the maximum of their first
+        // kGuessKeys (one pass, not one for the maximum and one for exp).
+        const bool started = m[i] != neg_inf;
+        m_next[i] = started ? m[i] : row_max(srow, std::min(tk, kGuessKeys)) * s_scale;
+        if (started || std::isfinite(m_next[i])) {
           row_sum[i] = pw.exp_row_lazy(srow, i * kLd, tk, s_scale, &m_next[i], kCap);
           continue;
         }

@@ -66,12 +66,12 @@ void pack_values(const c10::BFloat16* v, int64_t ld, int64_t w, int64_t d,
 void pack_values_checked(const c10::BFloat16* v, int64_t ld, int64_t w, int64_t d, int64_t shift,
                          std::vector<int64_t>& bad, c10::BFloat16* out) {
   // The VNNI pairs interleave two rows: check the rows first (they are then
-  // in cache for the copy).
-  std::vector<int64_t> zero;
+  // in cache for the copy), listed in the tile's own indices until packed.
+  const size_t first = bad.size();
   for (int64_t j = 0; j < w; ++j)
-    if (!all_finite(v + j * ld, d)) zero.push_back(j);
-  pack_values(v, ld, w, d, zero, out);
-  for (const int64_t j : zero) bad.push_back(j + shift);
+    if (!all_finite(v + j * ld, d)) bad.push_back(j);
+  pack_values(v, ld, w, d, std::span<const int64_t>(bad).subspan(first), out);
+  for (size_t i = first; i < bad.size(); ++i) bad[i] += shift;
 }
 
 namespace {
