@@ -4,16 +4,17 @@
 #
 #   bash scripts/gpu_check.sh                 # everything, ~9 minutes at most
 #   bash scripts/gpu_check.sh --dry-run       # the plan (and bench.py local --dry-run); no GPU needed
-#   bash scripts/gpu_check.sh --stages build,tests    # a subset (build tests ring bench kbwd)
-#   GPU_CHECK_TOTAL_S=570 bash scripts/gpu_check.sh --stages build,bench,kbwd
-#                                             # kbwd (not in the default): ours forward+backward
-#                                             # with our backward kernel, beside bench's default
-#                                             # (SDPA backward on CUDA), for the same-run comparison
+#   bash scripts/gpu_check.sh --stages build,tests    # a subset (build tests ring bench kernels)
+#   GPU_CHECK_TOTAL_S=570 bash scripts/gpu_check.sh --stages build,bench,kernels
+#                                             # kernels (not in the default): ours forward and
+#                                             # forward+backward with our kernels both ways,
+#                                             # beside bench's default (SDPA per branch where
+#                                             # the dispatch takes it), for the same-run comparison
 #
 # Results go to $OUT (default /tmp/gpu_check_out):
 #   summary.txt (versions + final table), build.log, tests.log, ring.log,
 #   bench.log (bench.py check, then bench.py local), bench/local.{jsonl,md,png},
-#   kbwd.log, bench_kernel_backward/local.{jsonl,md,png} (stage kbwd)
+#   kernels.log, bench_kernels/local.{jsonl,md,png} (stage kernels)
 # Each stage runs under `timeout` inside a total budget (GPU_CHECK_TOTAL_S,
 # default 540 s); a failing stage is recorded and the next one runs. If the
 # build fails, the benchmark still runs its baselines ('ours' is recorded as
@@ -65,6 +66,13 @@ while [[ $# -gt 0 ]]; do
   esac
   shift
 done
+IFS=, read -ra _stages <<<"$STAGES"
+for _s in "${_stages[@]}"; do
+  case "$_s" in
+    build | tests | ring | bench | kernels) ;;
+    *) echo "gpu_check: unknown stage '$_s' (stages: build tests ring bench kernels)" >&2; exit 2 ;;
+  esac
+done
 
 # Caps per stage (seconds); each is also cut to what the total budget leaves
 # after the reserves of the stages that follow it.
@@ -77,7 +85,7 @@ RESERVE_AFTER_TESTS=200 # ring + some bench
 RESERVE_AFTER_RING=150  # bench
 BENCH_MIN=60            # skip the bench when less is left
 BENCH_MARGIN=45         # between bench.py's own --budget-s and its hard timeout
-KBWD_RESERVE=120        # what bench leaves for kbwd when that stage is asked for
+KERNELS_RESERVE=150     # what bench leaves for kernels when that stage is asked for
 CHECK_CAP=150           # bench.py check, inside the bench stage
 SUMMARY_MARGIN=15
 
@@ -121,9 +129,10 @@ if [[ $DRY -eq 1 ]]; then
     "12x64 16x128 $CHECK_ARGS" \
     "(timeout <= $CHECK_CAP s), then bench.py local --device cuda --out-dir \$OUT/bench" \
     "--budget-s <left - $BENCH_MARGIN s> $BENCH_ARGS -> bench.log, bench/local.{jsonl,md,png}"
-  echo "  kbwd : (only when named in --stages; bench leaves it ${KBWD_RESERVE} s)" \
-    "RING_ATTENTION_BACKWARD=kernel $PY benchmarks/bench.py local --device cuda --passes fwdbwd" \
-    "--methods ours --search-step 0 --out-dir \$OUT/bench_kernel_backward -> kbwd.log"
+  echo "  kernels: (only when named in --stages; bench leaves it ${KERNELS_RESERVE} s)" \
+    "RING_ATTENTION_FORWARD=kernel RING_ATTENTION_BACKWARD=kernel $PY benchmarks/bench.py local" \
+    "--device cuda --passes fwd fwdbwd --methods ours --search-step 0" \
+    "--out-dir \$OUT/bench_kernels -> kernels.log"
   echo "  exit status: non-zero iff build or tests failed"
   bash -n "${BASH_SOURCE[0]}" && echo "  bash -n: ok"
   # shellcheck disable=SC2086
@@ -314,7 +323,7 @@ if want bench; then
   banner bench
   t=$SECONDS
   reserve=$SUMMARY_MARGIN
-  want kbwd && reserve=$((reserve + KBWD_RESERVE))
+  want kernels && reserve=$((reserve + KERNELS_RESERVE))
   hard=$(($(remaining) - reserve))
   if ((hard < BENCH_MIN)); then
     echo "skipped: budget ($hard s left)" >"$OUT/bench.log"
@@ -346,23 +355,24 @@ if want bench; then
   fi
 fi
 
-# ------------------------------------------------------------------ kbwd
-if want kbwd; then
-  banner kbwd
+# ------------------------------------------------------------------ kernels
+if want kernels; then
+  banner kernels
   t=$SECONDS
   hard=$(($(remaining) - SUMMARY_MARGIN))
   if ((!BUILD_OK || hard < BENCH_MIN)); then
-    echo "skipped: build failed or budget ($hard s left)" >"$OUT/kbwd.log"
-    record kbwd SKIP 0 "build failed or only $hard s left"
+    echo "skipped: build failed or budget ($hard s left)" >"$OUT/kernels.log"
+    record kernels SKIP 0 "build failed or only $hard s left"
   else
     soft=$((hard - BENCH_MARGIN))
     ((soft < 30)) && soft=30
-    RING_ATTENTION_BACKWARD=kernel timeout --kill-after=10 "$hard" "$PY" benchmarks/bench.py \
-      local --device cuda --passes fwdbwd --methods ours --search-step 0 \
-      --out-dir "$OUT/bench_kernel_backward" --budget-s "$soft" 2>&1 | tee "$OUT/kbwd.log"
+    RING_ATTENTION_FORWARD=kernel RING_ATTENTION_BACKWARD=kernel timeout --kill-after=10 \
+      "$hard" "$PY" benchmarks/bench.py local --device cuda --passes fwd fwdbwd --methods ours \
+      --search-step 0 --out-dir "$OUT/bench_kernels" --budget-s "$soft" 2>&1 |
+      tee "$OUT/kernels.log"
     rc=$?
     ((rc == 0)) && st=ok || st=FAIL
-    record kbwd "$st" $((SECONDS - t)) "rc=$rc (our backward kernel; budget $soft s)"
+    record kernels "$st" $((SECONDS - t)) "rc=$rc (our kernels both ways; budget $soft s)"
   fi
 fi
 

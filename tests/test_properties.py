@@ -152,28 +152,35 @@ def test_dilated_attention_matches_the_oracle(c: dict) -> None:
 @_seeded
 @_settings(EXAMPLES)
 @given(problems())
-def test_sdpa_backward_matches_the_oracle(c: dict) -> None:
-    """The backward through PyTorch's SDPA per branch (sdpa_backward.py, on the
-    CPU when asked for), windows of one longest segment: random patterns,
-    without masks, documents or an lse gradient (those take the kernel)."""
-    from ring_attention import sdpa_backward
+def test_sdpa_branches_match_the_oracle(c: dict) -> None:
+    """The forward and the backward through PyTorch's SDPA per branch
+    (sdpa_branches.py, on the CPU when asked for), windows of one longest
+    segment: random patterns, without masks, documents or an lse gradient
+    (those take the kernel)."""
+    from ring_attention import sdpa_branches as sb
 
     c = dict(c, mask=False, cu_seqlens=None, lse_weight=False)
     q, k, v, go, mask, glse = _inputs(c)
     want = _oracle(c, q, k, v, go, mask, glse)
-    saved = (os.environ.get(sdpa_backward.BACKWARD_ENV), sdpa_backward._MIN_WINDOW_ROWS)
-    os.environ[sdpa_backward.BACKWARD_ENV] = "sdpa"
-    sdpa_backward._MIN_WINDOW_ROWS = 1
+    envs = (sb.FORWARD_ENV, sb.BACKWARD_ENV)
+    saved = ([os.environ.get(e) for e in envs], sb._MIN_WINDOW_ROWS)
+    for e in envs:
+        os.environ[e] = "sdpa"
+    sb._MIN_WINDOW_ROWS = 1
     try:
         qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
         out, lse = ra.dilated_attention(qg, kg, vg, c["segs"], c["dils"], **_kwargs(c))
         _loss(out, lse, go, glse).backward()
     finally:
-        if saved[0] is None:
-            del os.environ[sdpa_backward.BACKWARD_ENV]
-        else:
-            os.environ[sdpa_backward.BACKWARD_ENV] = saved[0]
-        sdpa_backward._MIN_WINDOW_ROWS = saved[1]
+        for e, value in zip(envs, saved[0], strict=True):
+            if value is None:
+                del os.environ[e]
+            else:
+                os.environ[e] = value
+        sb._MIN_WINDOW_ROWS = saved[1]
+    t_out, t_lse, t_grad = TOL[c["dtype"]]
+    _assert_close("out", out, want[0], t_out, c)
+    _assert_close("lse", lse, want[1], t_lse, c)
     t_grad = TOL[c["dtype"]][2]
     for name, g, w in zip(("dq", "dk", "dv"), (qg.grad, kg.grad, vg.grad), want[2:], strict=True):
         _assert_close(name, g, w, t_grad, c)

@@ -1,36 +1,45 @@
-"""The local op's backward through PyTorch's fused SDPA backward.
+"""The local op through PyTorch's fused SDPA, per branch: its forward and its
+backward, each where a measurement says it beats our kernel.
 
-Measured on an H100 (benchmarks/RESULTS.md, 2026-11-25): our forward kernel
-beats gather + SDPA at head_dim 64, but our backward kernel is the slow half;
-PyTorch's flash-attention backward run per branch on the compacted rows makes
-forward+backward 1.5x faster at n = 512K (h 12 d 64 and h 16 d 128, bf16). So
-on CUDA (fp16/bf16, head_dim a multiple of 8 up to 128) the forward stays ours
-and the backward, by default, runs SDPA's backward per (branch, head-offset
-class) on the active rows of each segment, given the FINAL merged ``out`` and
-``lse``: its ``P = exp(S - lse)`` is then the multiset softmax's probability
-and its ``D = rowsum(dO * out)`` the merged one, so the per-branch gradients
-add up exactly (as in ring and flash attention).
+Both run SDPA per (branch, head-offset class) on the compacted active rows of
+each segment (one call for a branch's full segments, one for a short last
+segment), one window of whole longest segments at a time, so that the gathered
+rows and the float32 accumulators stay bounded: at least 131072 rows and about
+1/16 of the sequence per window (every segment length divides the longest, as
+in LongNet).
 
-Memory stays bounded: the sequence is processed in windows of whole longest
-segments (every segment length divides the longest, as in LongNet), at least
-131072 rows and about 1/16 of the sequence each, so the gathered rows and the
-float32 gradient accumulators cover one window at a time.
+**Backward** (``RING_ATTENTION_BACKWARD``). Measured on an H100
+(benchmarks/RESULTS.md, 2026-11-25): our forward kernel beats gather + SDPA at
+head_dim 64, but our backward kernel is the slow half; PyTorch's
+flash-attention backward run per branch makes forward+backward 1.5x faster at
+n = 512K (h 12 d 64 and h 16 d 128, bf16). It is given the FINAL merged
+``out`` and ``lse``: its ``P = exp(S - lse)`` is then the multiset softmax's
+probability and its ``D = rowsum(dO * out)`` the merged one, so the per-branch
+gradients add up exactly (as in ring and flash attention). ``auto`` (default)
+takes it on CUDA for fp16/bf16, head_dim a multiple of 8 up to 128.
 
-``RING_ATTENTION_BACKWARD`` picks the path: ``auto`` (default: SDPA where the
-measurement says it wins, i.e. CUDA fp16/bf16), ``kernel`` (always ours) or
-``sdpa`` (SDPA wherever it applies, the CPU included: how the tests check it
-against the float64 oracle). The kernel runs instead whenever SDPA cannot give
-the same answer: a gradient reaching ``lse``, a key padding mask, documents,
-segment lengths that do not nest, or non-finite K/V (checked once per
-backward, a host sync: SDPA's backward multiplies the zero weights of masked
-keys by NaN, spreading a non-finite key or a NaN row's ``D`` to keys and
-queries that do not reach it). A double backward raises, as the kernel's does.
-Capturing the backward in a CUDA graph needs ``RING_ATTENTION_BACKWARD=kernel``
-(the check syncs).
+**Forward** (``RING_ATTENTION_FORWARD``). In the same measurement gather +
+flash SDPA beat our forward kernel at head_dim 128 from n = 131072 on (ours
+0.85-0.90x; at 32K a tie, at head_dim 64 ours 1.31-1.64x). ``auto`` takes
+SDPA's flash forward there (CUDA, fp16/bf16, head_dim 128, n >= 131072): per
+branch ``(out_b, lse_b)``, merged into ``out`` and ``lse`` by their
+log-sum-exp in float32, rows that reach no key left at ``out = 0``,
+``lse = -inf``.
 
-The price is memory at short lengths: up to 131072 rows one window
-is the whole sequence, and its gathered rows (the dilation-1 branch gathers
-every row) and float32 accumulators come on top (H100, 32K rows: peak 3.0x
+Each variable is ``auto``, ``kernel`` (always ours) or ``sdpa`` (SDPA wherever
+it applies, the CPU included: how the tests check it against the float64
+oracle). Our kernel runs instead whenever SDPA cannot give the same answer: a
+key padding mask, documents, segment lengths that do not nest, non-finite K/V
+(checked once per call, a host sync: SDPA multiplies the zero weights of masked
+keys by the values, spreading a non-finite key, or a NaN row's ``D`` in the
+backward, to rows that do not reach it), and for the backward a gradient
+reaching ``lse``. A double backward raises, as the kernel's does. Under
+``torch.compile`` the operator runs (one traced op, no host sync); capturing a
+CUDA graph needs both variables at ``kernel``.
+
+The price is memory at short lengths: up to 131072 rows one window is the
+whole sequence, and its gathered rows (the dilation-1 branch gathers every
+row) and float32 accumulators come on top (H100, backward, 32K rows: peak 3.0x
 the bytes of q, k, v, out and their gradients, against 1.07x for the kernel;
 at 2M rows 1.13x).
 """
@@ -46,10 +55,20 @@ import torch
 from .cache import LRUCache
 from .pattern import Pattern
 
-__all__ = ["BACKWARD_ENV", "SDPA_BACKEND_ENV", "backward_mode", "sdpa_backward_applies"]
+__all__ = [
+    "BACKWARD_ENV",
+    "FORWARD_ENV",
+    "SDPA_BACKEND_ENV",
+    "BranchSDPA",
+    "backward_mode",
+    "forward_mode",
+    "sdpa_backward_applies",
+    "sdpa_forward_applies",
+]
 
 BACKWARD_ENV = "RING_ATTENTION_BACKWARD"
-BACKWARD_MODES = ("auto", "kernel", "sdpa")
+FORWARD_ENV = "RING_ATTENTION_FORWARD"
+MODES = ("auto", "kernel", "sdpa")
 #: the CUDA SDPA kernel whose backward runs: flash (default) or efficient. Not
 #: cuDNN's: on an H100 (2026-11-25) it was the fastest but disagreed with the
 #: float64 oracle on 7 of 10 small ragged cases that flash and efficient passed.
@@ -60,6 +79,11 @@ _CUDA_DTYPES = (torch.float16, torch.bfloat16)
 # about 1/_WINDOWS of the sequence (the per-window buffers stay small).
 _MIN_WINDOW_ROWS = 131072
 _WINDOWS = 16
+# Where auto takes SDPA's forward on CUDA (H100, 2026-11-25, run 3 of
+# benchmarks/RESULTS.md): gather + flash 1.11-1.18x our kernel at head_dim 128
+# from n = 131072 on; 1.02x at 32768, and ours faster at head_dim 64.
+_FORWARD_HEAD_DIMS = (128,)
+_FORWARD_MIN_ROWS = 131072
 
 _DOUBLE_BACKWARD = (
     "ring_attention.dilated_attention: double backward is not supported (the "
@@ -67,12 +91,21 @@ _DOUBLE_BACKWARD = (
 )
 
 
+def _mode(env: str) -> str:
+    mode = os.environ.get(env, "auto")
+    if mode not in MODES:
+        raise ValueError(f"{env} must be one of {list(MODES)}, got {mode!r}")
+    return mode
+
+
 def backward_mode() -> str:
     """``RING_ATTENTION_BACKWARD``, checked."""
-    mode = os.environ.get(BACKWARD_ENV, "auto")
-    if mode not in BACKWARD_MODES:
-        raise ValueError(f"{BACKWARD_ENV} must be one of {list(BACKWARD_MODES)}, got {mode!r}")
-    return mode
+    return _mode(BACKWARD_ENV)
+
+
+def forward_mode() -> str:
+    """``RING_ATTENTION_FORWARD``, checked."""
+    return _mode(FORWARD_ENV)
 
 
 def _sdpa_backend() -> str:
@@ -90,21 +123,11 @@ def _nested(pattern: Pattern, n: int) -> bool:
     return n <= longest or all(longest % w == 0 for w in pattern.segment_lengths)
 
 
-def sdpa_backward_applies(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    pattern: Pattern,
-    key_padding_mask: torch.Tensor | None,
-) -> bool:
-    """Whether :func:`attend` routes this call's backward through SDPA."""
-    mode = backward_mode()
-    if mode == "kernel" or not torch.is_grad_enabled():
-        return False
+def _sdpa_can_run(q: torch.Tensor, pattern: Pattern, key_padding_mask) -> bool:
+    """Whether SDPA per branch gives this call's answer at all (eager mode,
+    no mask, no documents, nested segments, CUDA kernels that take it)."""
     if torch.compiler.is_compiling():
-        # graphs keep the operator's own autograd (one traced op, no host sync)
-        return False
-    if not (q.requires_grad or k.requires_grad or v.requires_grad):
+        # graphs keep the operator (one traced op, no host sync)
         return False
     if key_padding_mask is not None or pattern.documents is not None:
         return False
@@ -118,7 +141,46 @@ def sdpa_backward_applies(
             and d <= 128
             and torch.cuda.get_device_capability(q.device) >= (8, 0)
         )
-    return mode == "sdpa" and q.device.type == "cpu"
+    return q.device.type == "cpu"
+
+
+def sdpa_backward_applies(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pattern: Pattern,
+    key_padding_mask: torch.Tensor | None,
+) -> bool:
+    """Whether :func:`attend` routes this call's backward through SDPA."""
+    mode = backward_mode()
+    if mode == "kernel" or not torch.is_grad_enabled():
+        return False
+    if not (q.requires_grad or k.requires_grad or v.requires_grad):
+        return False
+    if not _sdpa_can_run(q, pattern, key_padding_mask):
+        return False
+    return q.device.type == "cuda" or mode == "sdpa"
+
+
+def sdpa_forward_applies(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pattern: Pattern,
+    key_padding_mask: torch.Tensor | None,
+) -> bool:
+    """Whether :func:`attend` runs this call's forward through SDPA (K/V
+    finite, checked when it runs)."""
+    mode = forward_mode()
+    if mode == "kernel" or not _sdpa_can_run(q, pattern, key_padding_mask):
+        return False
+    if mode == "sdpa":
+        return True
+    return (
+        q.device.type == "cuda"
+        and q.shape[-1] in _FORWARD_HEAD_DIMS
+        and q.shape[1] >= _FORWARD_MIN_ROWS
+    )
 
 
 # --------------------------------------------------------------------------- #
@@ -217,6 +279,20 @@ def _lse_buffer(lse: torch.Tensor, padded: bool) -> torch.Tensor:
     return lse.contiguous()
 
 
+def _sdpa_forward(q, k, v, causal: bool, scale: float):
+    """``out`` and ``lse`` (float32; float64 for float64) of one SDPA call."""
+    aten = torch.ops.aten
+    if q.device.type == "cpu":
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, scale=scale
+        )
+        return out, lse
+    out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[
+        :2
+    ]
+    return out, lse
+
+
 def _sdpa_backward(do, q, k, v, out, lse, causal: bool, scale: float, backend: str):
     """dq, dk, dv of one SDPA call given its rows' final ``out`` and ``lse``
     (``backend``: the CUDA kernel, :data:`SDPA_BACKENDS`; unused on the CPU)."""
@@ -304,18 +380,73 @@ def sdpa_dilated_backward(
     return dq, dk, dv
 
 
-class KernelForwardSDPABackward(torch.autograd.Function):
-    """Our forward kernel; the backward by :func:`sdpa_dilated_backward`, or
-    by our backward kernel when a gradient reaches ``lse`` (SDPA's backward
-    has no input for it) or K/V hold a non-finite value."""
+def sdpa_dilated_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Pattern, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out`` and ``lse`` of ``dilated_attention`` (no mask, no documents,
+    nested segments, finite K/V) by SDPA's forward per branch and offset
+    class, merged by log-sum-exp, one window of whole longest segments at a
+    time."""
+    bsz, n, heads, d = q.shape
+    kv_heads = k.shape[2]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    q_f = q.reshape(bsz, n * heads, d)
+    k_f, v_f = (t.reshape(bsz, n * kv_heads, d) for t in (k, v))
+    out = torch.empty_like(q)
+    lse = torch.empty(bsz, heads, n, dtype=acc, device=q.device)
+    rows = _window_rows(n, max(pattern.segment_lengths))
+    for a in range(0, n, rows):
+        length = min(rows, n - a)
+        # the window's rows as merged so far: a row no branch reaches keeps
+        # out = 0, lse = -inf
+        o_w = torch.zeros(bsz, length * heads, d, dtype=acc, device=q.device)
+        l_w = torch.full((bsz, length * heads), -math.inf, dtype=acc, device=q.device)
+        q_w = q_f[:, a * heads : (a + length) * heads]
+        kv = [t[:, a * kv_heads : (a + length) * kv_heads] for t in (k_f, v_f)]
+        for qi, ki in _calls(length, heads, kv_heads, pattern, q.device):
+            kc, vc = (_gather(t, ki) for t in kv)
+            oc, lc = _sdpa_forward(_gather(q_w, qi), kc, vc, pattern.causal, scale)
+            # every row of a call reaches a key (its own), and a call holds
+            # a row once: merge by gathering its rows and writing them back
+            idx = qi.reshape(-1)
+            lc = lc.transpose(1, 2).reshape(bsz, -1).to(acc)
+            l_old = l_w.index_select(1, idx)
+            l_new = torch.logaddexp(l_old, lc)
+            o_new = o_w.index_select(1, idx) * (l_old - l_new).exp_().unsqueeze(-1)
+            o_new += _scatter_rows(oc, bsz).to(acc) * (lc - l_new).exp_().unsqueeze(-1)
+            o_w.index_copy_(1, idx, o_new)
+            l_w.index_copy_(1, idx, l_new)
+        out[:, a : a + length] = o_w.view(bsz, length, heads, d)
+        lse[:, :, a : a + length] = l_w.view(bsz, length, heads).transpose(1, 2)
+    return out, lse
+
+
+def _finite(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether K and V hold no NaN and no infinity (a host sync)."""
+    return bool(torch.isfinite(k).all() & torch.isfinite(v).all())
+
+
+class BranchSDPA(torch.autograd.Function):
+    """The local op with its forward and / or its backward by SDPA per branch
+    (``sdpa_forward``, ``sdpa_backward``): :func:`sdpa_dilated_forward` and
+    :func:`sdpa_dilated_backward` where K/V are finite, our kernels otherwise,
+    and our backward kernel too when a gradient reaches ``lse`` (SDPA's
+    backward has no input for it)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, pattern: Pattern, scale: float):
-        out, lse = torch.ops.ring_attention.dilated_attention(
-            q, k, v, *pattern.op_args(scale, None, q.device)
-        )
+    def forward(
+        ctx, q, k, v, pattern: Pattern, scale: float, sdpa_forward: bool, sdpa_backward: bool
+    ):
+        finite = _finite(k, v) if sdpa_forward else None
+        if finite:
+            out, lse = sdpa_dilated_forward(q, k, v, pattern, scale)
+        else:
+            out, lse = torch.ops.ring_attention.dilated_attention(
+                q, k, v, *pattern.op_args(scale, None, q.device)
+            )
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.pattern, ctx.scale = pattern, scale
+        ctx.sdpa_backward, ctx.finite = sdpa_backward, finite
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -326,8 +457,12 @@ class KernelForwardSDPABackward(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         pattern, scale = ctx.pattern, ctx.scale
         if grad_out is None and grad_lse is None:
-            return None, None, None, None, None
-        use_sdpa = grad_lse is None and bool(torch.isfinite(k).all() & torch.isfinite(v).all())
+            return (None,) * 7
+        use_sdpa = ctx.sdpa_backward and grad_lse is None
+        if use_sdpa:
+            if ctx.finite is None:  # the forward was ours: not checked yet
+                ctx.finite = _finite(k, v)
+            use_sdpa = ctx.finite
         if use_sdpa:
             dq, dk, dv = sdpa_dilated_backward(grad_out, q, k, v, out, lse, pattern, scale)
         else:
@@ -336,4 +471,4 @@ class KernelForwardSDPABackward(torch.autograd.Function):
             dq, dk, dv = torch.ops.ring_attention.dilated_attention_backward(
                 grad_out, grad_lse, q, k, v, out, lse, *pattern.op_args(scale, None, q.device)
             )
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None, None
