@@ -131,7 +131,7 @@ def _sdpa_can_run(q: torch.Tensor, pattern: Pattern, key_padding_mask) -> bool:
         return False
     if key_padding_mask is not None or pattern.documents is not None:
         return False
-    if q.shape[1] == 0 or q.shape[-1] == 0 or not _nested(pattern, q.shape[1]):
+    if q.numel() == 0 or not _nested(pattern, q.shape[1]):
         return False
     if q.device.type == "cuda":
         d = q.shape[-1]

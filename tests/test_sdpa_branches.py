@@ -295,6 +295,22 @@ def test_non_finite_keys_take_the_kernel_forward(
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("shape", [(0, 40, 4, 8), (2, 0, 4, 8)])
+def test_empty_inputs_take_the_kernel(shape, sdpa_mode, sdpa_forward_mode) -> None:
+    """No batch or no rows: the kernel's empty answers (the SDPA
+    paths' row bookkeeping needs rows)."""
+    b, n, h, d = shape
+    q = torch.randn(b, n, h, d, dtype=F64, requires_grad=True)
+    k, v = (torch.randn(b, n, 2, d, dtype=F64, requires_grad=True) for _ in range(2))
+    pattern = ra.Pattern([8, 16], [1, 2])
+    assert not sdpa_branches.sdpa_forward_applies(q, k, v, pattern, None)
+    assert not sdpa_branches.sdpa_backward_applies(q, k, v, pattern, None)
+    out, lse = ra.dilated_attention(q, k, v, [8, 16], [1, 2], return_lse=True)
+    assert out.shape == q.shape and lse.shape == (b, h, n)
+    (out.sum() + lse.clamp_min(0).sum()).backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+
+
 def test_forward_mode_is_checked_and_cpu_default_is_the_kernel(monkeypatch) -> None:
     q, k, v, _ = _inputs(24, 2, 2, 4, torch.float32, "cpu", seed=14)
     pattern = ra.Pattern([8], [2])
