@@ -204,6 +204,9 @@ class LocalSweep:
                 notes[var] = "OOM" if measure.is_oom(exc) else measure.short_error(exc)
         else:
             in_bytes = measure.tensor_bytes(q, k, v_, g)
+            for i, pt in enumerate(pts):
+                if pt["method"] == "ours" and self.meth.ra is not None:
+                    recs[i]["paths"] = self.meth.ours_paths(q, k, v_)
             calls = {var: self.make_call(pts[var[0]]["method"], var[1], (q, k, v_), g)
                      for var in variants}  # fmt: skip
 

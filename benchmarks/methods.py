@@ -609,6 +609,21 @@ class Methods:
     def dense_is_pattern(self, n: int) -> bool:
         return len(self.segs) == 1 and self.dils[0] == 1 and self.segs[0] >= n
 
+    def ours_paths(self, q, k, v) -> dict[str, str | None]:
+        """Which path ``ours`` takes on these inputs (ring_attention/sdpa_branches.py):
+        ``{"forward": "kernel" | "sdpa", "backward": ... | None}`` (None: no
+        backward; K/V assumed finite)."""
+        from ring_attention import sdpa_branches as sb
+
+        pattern = self.ra.Pattern(self.segs, self.dils, causal=self.causal)
+        grad = q.requires_grad or k.requires_grad or v.requires_grad
+        return {
+            "forward": "sdpa" if sb.sdpa_forward_applies(q, k, v, pattern, None) else "kernel",
+            "backward": None
+            if not grad
+            else ("sdpa" if sb.sdpa_backward_applies(q, k, v, pattern, None) else "kernel"),
+        }
+
     def call(self, method: str, backend: str | None, q, k, v, return_lse: bool = False):
         if method == "ours":
             if self.ra is None:

@@ -111,6 +111,11 @@ def test_local_sweep_records_resumes_and_plots(tmp_path: Path) -> None:
             assert not r["same_function"] and r["own_pairs"] == 2 * r["n"] ** 2
         else:
             assert r["pattern_flop_rate"] > 0
+        if r["method"] == "ours":  # the CPU default: our kernels both ways
+            backward = "kernel" if r["pass"] == "fwdbwd" else None
+            assert r["paths"] == {"forward": "kernel", "backward": backward}
+        else:
+            assert "paths" not in r
     assert (tmp_path / "local.md").read_text().count("| ours |") == 4
     assert (tmp_path / "local.png").read_bytes()[:4] == b"\x89PNG"
     # a second run finds every point done and measures nothing
@@ -207,6 +212,11 @@ def test_local_sweep_on_cuda(tmp_path: Path) -> None:
           "--iters", "1", "--search-step", "0", "--out-dir", str(tmp_path))  # fmt: skip
     recs = [r for r in records(tmp_path / "local.jsonl") if r["kind"] == "local"]
     assert {r["status"] for r in recs if r["method"] in ("ours", "gather")} == {"ok"}
+    # bf16 on CUDA: SDPA's backward per branch; the forward ours below 131072 rows
+    for r in recs:
+        if r["method"] == "ours":
+            backward = "sdpa" if r["pass"] == "fwdbwd" else None
+            assert r["paths"] == {"forward": "kernel", "backward": backward}, r
 
 
 def test_llm_subcommand_measures_gqa_bytes_and_packed_documents(tmp_path: Path) -> None:
