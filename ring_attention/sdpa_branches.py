@@ -172,15 +172,15 @@ def sdpa_forward_applies(
     """Whether :func:`attend` runs this call's forward through SDPA (K/V
     finite, checked when it runs)."""
     mode = forward_mode()
-    if mode == "kernel" or not _sdpa_can_run(q, pattern, key_padding_mask):
+    if mode == "kernel":
         return False
-    if mode == "sdpa":
-        return True
-    return (
+    if mode == "auto" and not (
         q.device.type == "cuda"
         and q.shape[-1] in _FORWARD_HEAD_DIMS
         and q.shape[1] >= _FORWARD_MIN_ROWS
-    )
+    ):
+        return False
+    return _sdpa_can_run(q, pattern, key_padding_mask)
 
 
 # --------------------------------------------------------------------------- #
@@ -237,6 +237,23 @@ def _calls(length, heads, kv_heads, pattern, device):
     return _CALLS.get(key, lambda: _build_calls(length, heads, kv_heads, pattern, device))
 
 
+def _windows(n: int, heads: int, kv_heads: int, pattern: Pattern, device: torch.device):
+    """Per window of whole longest segments: its first position and length,
+    the slices of its flat query rows (``pos * heads + h``) and K/V rows, and
+    its SDPA calls (indices relative to the window)."""
+    rows = _window_rows(n, max(pattern.segment_lengths))
+    for a in range(0, n, rows):
+        length = min(rows, n - a)
+        q_rows = slice(a * heads, (a + length) * heads)
+        kv_rows = slice(a * kv_heads, (a + length) * kv_heads)
+        yield a, length, q_rows, kv_rows, _calls(length, heads, kv_heads, pattern, device)
+
+
+def _acc_dtype(q: torch.Tensor) -> torch.dtype:
+    """The accumulators' dtype: float64 for float64, else float32."""
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
 # --------------------------------------------------------------------------- #
 # one SDPA backward on (B, H, L, D) rows
 # --------------------------------------------------------------------------- #
@@ -283,14 +300,10 @@ def _sdpa_forward(q, k, v, causal: bool, scale: float):
     """``out`` and ``lse`` (float32; float64 for float64) of one SDPA call."""
     aten = torch.ops.aten
     if q.device.type == "cpu":
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, scale=scale
-        )
-        return out, lse
-    out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[
-        :2
-    ]
-    return out, lse
+        return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    # (out, logsumexp, then what only its backward takes)
+    res = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+    return res[0], res[1]
 
 
 def _sdpa_backward(do, q, k, v, out, lse, causal: bool, scale: float, backend: str):
@@ -349,23 +362,21 @@ def sdpa_dilated_backward(
     whole longest segments at a time."""
     bsz, n, heads, d = q.shape
     kv_heads = k.shape[2]
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = _acc_dtype(q)
     q_f, o_f, do_f = (t.reshape(bsz, n * heads, d) for t in (q, out, grad_out))
     k_f, v_f = (t.reshape(bsz, n * kv_heads, d) for t in (k, v))
     lse_f = lse.transpose(1, 2).reshape(bsz, n * heads)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     backend = _sdpa_backend() if q.device.type == "cuda" else "cpu"
-    rows = _window_rows(n, max(pattern.segment_lengths))
-    for a in range(0, n, rows):
-        length = min(rows, n - a)
+    for a, length, q_rows, kv_rows, calls in _windows(n, heads, kv_heads, pattern, q.device):
         g_q = torch.zeros(bsz, length * heads, d, dtype=acc, device=q.device)
         g_k = torch.zeros(bsz, length * kv_heads, d, dtype=acc, device=q.device)
         g_v = torch.zeros_like(g_k)
         # views of this window's rows: the cached indices are window-relative
-        win = [t[:, a * heads : (a + length) * heads] for t in (q_f, o_f, do_f)]
-        kv = [t[:, a * kv_heads : (a + length) * kv_heads] for t in (k_f, v_f)]
-        lse_w = lse_f[:, a * heads : (a + length) * heads]
-        for qi, ki in _calls(length, heads, kv_heads, pattern, q.device):
+        win = [t[:, q_rows] for t in (q_f, o_f, do_f)]
+        kv = [t[:, kv_rows] for t in (k_f, v_f)]
+        lse_w = lse_f[:, q_rows]
+        for qi, ki in calls:
             qc, oc, doc = (_gather(t, qi) for t in win)
             kc, vc = (_gather(t, ki) for t in kv)
             s, rws, c = qi.shape
@@ -389,21 +400,19 @@ def sdpa_dilated_forward(
     time."""
     bsz, n, heads, d = q.shape
     kv_heads = k.shape[2]
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = _acc_dtype(q)
     q_f = q.reshape(bsz, n * heads, d)
     k_f, v_f = (t.reshape(bsz, n * kv_heads, d) for t in (k, v))
     out = torch.empty_like(q)
     lse = torch.empty(bsz, heads, n, dtype=acc, device=q.device)
-    rows = _window_rows(n, max(pattern.segment_lengths))
-    for a in range(0, n, rows):
-        length = min(rows, n - a)
+    for a, length, q_rows, kv_rows, calls in _windows(n, heads, kv_heads, pattern, q.device):
         # the window's rows as merged so far: a row no branch reaches keeps
         # out = 0, lse = -inf
         o_w = torch.zeros(bsz, length * heads, d, dtype=acc, device=q.device)
         l_w = torch.full((bsz, length * heads), -math.inf, dtype=acc, device=q.device)
-        q_w = q_f[:, a * heads : (a + length) * heads]
-        kv = [t[:, a * kv_heads : (a + length) * kv_heads] for t in (k_f, v_f)]
-        for qi, ki in _calls(length, heads, kv_heads, pattern, q.device):
+        q_w = q_f[:, q_rows]
+        kv = [t[:, kv_rows] for t in (k_f, v_f)]
+        for qi, ki in calls:
             kc, vc = (_gather(t, ki) for t in kv)
             oc, lc = _sdpa_forward(_gather(q_w, qi), kc, vc, pattern.causal, scale)
             # every row of a call reaches a key (its own), and a call holds
