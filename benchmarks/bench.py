@@ -69,8 +69,8 @@ def add_methods(p: argparse.ArgumentParser, verb: str) -> None:
         "--methods",
         nargs="+",
         choices=methods.METHODS,
-        default=list(methods.METHODS),
-        help=f"what to {verb} (all)",
+        default=None,
+        help=f"what to {verb} (default: all; fa4, flash-attn-4, on CUDA only)",
     )
 
 

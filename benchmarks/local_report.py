@@ -17,6 +17,14 @@ from common import (
 )
 from measure import MiB
 
+# What the tables call each method.
+LABELS = {
+    "gather": "gather+SDPA",
+    "fa4": "gather+FA4",
+    "dense": "dense SDPA†",
+    "flex": "FlexAttention",
+}
+
 # --------------------------------------------------------------------------- #
 # bench.py local
 # --------------------------------------------------------------------------- #
@@ -52,10 +60,8 @@ def local_report(store: measure.ResultFile) -> list[str]:
     table = []
     for r in rows:
         ours = by.get((r["dtype"], r["heads"], r["head_dim"], r["n"], r["pass"], "ours"))
-        label = {"gather": "gather+SDPA", "dense": "dense SDPA†", "flex": "FlexAttention"}.get(
-            r["method"], r["method"]
-        )
-        if r.get("backend"):
+        label = LABELS.get(r["method"], r["method"])
+        if r.get("backend") and r["method"] != "fa4":
             label += f" [{r['backend']}]"
         if r["status"] != "ok":
             cells = [r["status"] + (": " + r["reason"][:60] if r.get("reason") else "")] + [""] * 6
@@ -125,7 +131,7 @@ def cuda_targets(rows, by) -> list[str]:
         where = f"n={r['n']} h={r['heads']} d={r['head_dim']} {r['pass']}"
         base = [
             (by[(*k, m)]["ms"], m)
-            for m in ("gather", "flex")
+            for m in ("gather", "fa4", "flex")
             if (*k, m) in by and by[(*k, m)]["status"] == "ok"
         ]
         if base:
@@ -179,7 +185,7 @@ def local_plot(store: measure.ResultFile, path: str) -> bool:
         return False
     unit, scale = rate_unit(rows[0]["device"])
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
-    styles = {"ours": "C0", "gather": "C1", "flex": "C2", "dense": "C3"}
+    styles = {"ours": "C0", "gather": "C1", "flex": "C2", "dense": "C3", "fa4": "C4"}
     configs = sorted({(r["heads"], r["head_dim"], r["dtype"]) for r in rows})
     for h, d, dt in configs:
         for m in methods.METHODS:
@@ -258,9 +264,9 @@ def local_summary(store: measure.ResultFile) -> list[str]:
             else f"{ours['peak_bytes'] / MiB:.0f}",
         ])  # fmt: skip
     return md_table(
-        ["n", "heads x dim", "pass", "ours ms", "gather+SDPA ms", "FlexAttention ms",
-         "dense SDPA† ms", f"ours {unit}", f"hardware {unit}", "ours peak MiB"],
-        table, "rrl" + "r" * 7,
+        ["n", "heads x dim", "pass", *(f"{LABELS.get(m, m)} ms" for m in methods.METHODS),
+         f"ours {unit}", f"hardware {unit}", "ours peak MiB"],
+        table, "rrl" + "r" * (len(methods.METHODS) + 3),
     )  # fmt: skip
 
 

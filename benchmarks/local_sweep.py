@@ -45,6 +45,8 @@ def local_defaults(args: argparse.Namespace, device: torch.device) -> None:
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.methods is None:
+        args.methods = methods.default_methods(device)
 
 
 def local_groups(args: argparse.Namespace) -> list[list[dict[str, Any]]]:

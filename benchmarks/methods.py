@@ -9,6 +9,9 @@
   ``ra.dilated_attention``) and differentiable: its backward runs SDPA's fused
   backward per chunk with the *final* merged ``out`` and ``lse``, as ring and
   flash attention do;
+* ``fa4`` — the same gather and merge with flash-attn-4 (``flash_attn.cute``,
+  the CuTe-DSL FlashAttention for Hopper and Blackwell) in place of SDPA, on
+  CUDA where it is installed (:func:`fa4_interface`);
 * ``flex`` — :class:`FlexDilated`: one FlexAttention call with a ``mask_mod``
   for reachability and a ``score_mod`` adding ``log(multiplicity)`` (how many
   branches reach the pair), under which an ordinary softmax is the multiset
@@ -31,8 +34,8 @@ import torch.nn.functional as F
 
 LONGNET_SEGMENTS = (2048, 4096, 8192, 16384, 32768)
 LONGNET_DILATIONS = (1, 2, 4, 6, 12)
-METHODS = ("ours", "gather", "flex", "dense")
-SAME_FUNCTION = ("ours", "gather", "flex")  # compute ra.dilated_attention exactly
+METHODS = ("ours", "gather", "fa4", "flex", "dense")
+SAME_FUNCTION = ("ours", "gather", "fa4", "flex")  # compute ra.dilated_attention exactly
 SDPA_BACKENDS = ("flash", "cudnn", "efficient")  # CUDA kernels tried for gather / dense
 FLEX_BLOCK = 128
 
@@ -261,9 +264,48 @@ def _cuda_sdpa_bwd(do, q, k, v, out, lse, state, causal: bool, scale: float):
     return dq, dk, dv
 
 
+def fa4_interface() -> Any:
+    """flash-attn-4's ``flash_attn.cute.interface``: ``flash_attn_func`` (the
+    forward, with ``return_lse``) and ``_flash_attn_bwd`` (the backward from a
+    given ``out`` and ``lse``, as SDPA's aten backward ops take them). Raises
+    ImportError where flash-attn-4 is not installed."""
+    from flash_attn.cute import interface
+
+    return interface
+
+
+def fa4_missing() -> str | None:
+    """Why flash-attn-4 does not import here (None when it does)."""
+    try:
+        fa4_interface()
+    except Exception as exc:  # ImportError, or a broken install of its CUDA libraries
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _fa4_fwd(q, k, v, causal: bool, scale: float):
+    """flash-attn-4 on ``(B, H, L, D)`` (it takes ``(B, L, H, D)``; the
+    compacted chunks are contiguous in that layout): ``(out, lse, state)``."""
+    out, lse = fa4_interface().flash_attn_func(
+        *(t.transpose(1, 2) for t in (q, k, v)), softmax_scale=scale, causal=causal,
+        return_lse=True,
+    )  # fmt: skip
+    return out.transpose(1, 2), lse, ("fa4",)
+
+
+def _fa4_bwd(do, q, k, v, out, lse, causal: bool, scale: float):
+    dq, dk, dv = fa4_interface()._flash_attn_bwd(
+        *(t.transpose(1, 2) for t in (q, k, v, out, do)), lse.float().contiguous(), scale, causal
+    )
+    return tuple(t.transpose(1, 2) for t in (dq, dk, dv))
+
+
 def sdpa_with_lse(q, k, v, causal: bool, scale: float, backend: str | None = None):
     """Fused SDPA on ``(B, H, L, D)`` returning ``(out, lse, state)``; ``lse``
-    float32 ``(B, H, L)``. ``backend`` picks the CUDA kernel (default efficient)."""
+    float32 ``(B, H, L)``. ``backend`` picks the CUDA kernel (default efficient),
+    or ``"fa4"``: flash-attn-4 (on whatever device its interface runs)."""
+    if backend == "fa4":
+        return _fa4_fwd(q, k, v, causal, scale)
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, scale=scale
@@ -277,6 +319,8 @@ def sdpa_with_lse(q, k, v, causal: bool, scale: float, backend: str | None = Non
 
 def _sdpa_bwd(do, q, k, v, out, lse, state, causal: bool, scale: float):
     """Gradient of one SDPA call given the FINAL ``out`` / ``lse`` of its rows."""
+    if state is not None and state[0] == "fa4":
+        return _fa4_bwd(do, q, k, v, out, lse, causal, scale)
     if q.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             do, q, k, v, out, lse.contiguous(), 0.0, causal, scale=scale
@@ -391,7 +435,8 @@ def gather_sdpa_dilated(
     """Dilated attention by gather + fused SDPA per branch and offset class,
     merged by LSE: ``(B, N, H, D)`` in and out, the semantics of
     ``ra.dilated_attention`` (no key padding mask). ``backend``: the CUDA SDPA
-    kernel (:data:`SDPA_BACKENDS`, default efficient); ignored elsewhere."""
+    kernel (:data:`SDPA_BACKENDS`, default efficient; ignored elsewhere), or
+    ``"fa4"`` for flash-attn-4."""
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     out, lse = _GatherSDPA.apply(
         q, k, v, tuple(int(s) for s in segs), tuple(int(r) for r in dils),
@@ -581,6 +626,13 @@ def flex_visited_pairs(n: int, heads: int, segs, dils, causal: bool, batch: int 
 # --------------------------------------------------------------------------- #
 # the dispatch
 # --------------------------------------------------------------------------- #
+def default_methods(device: torch.device) -> list[str]:
+    """What ``bench.py local`` and ``check`` run unless told: every method,
+    flash-attn-4 only on CUDA (where it is reported unsupported unless it
+    imports)."""
+    return [m for m in METHODS if m != "fa4" or device.type == "cuda"]
+
+
 class Methods:
     """Calls every method on ``(B, N, H, D)`` inputs with one pattern."""
 
@@ -588,6 +640,7 @@ class Methods:
         self.segs, self.dils, self.causal, self.device = list(segs), list(dils), causal, device
         self.flex_compiled = flex_compiled
         self._flex: FlexDilated | None = None
+        self._fa4_missing: str | None = None  # "" once it imported
         try:
             self.ra, self.ra_error = ring_attention(), None
         except Exception as exc:  # the extension may have failed to build: baselines still run
@@ -598,12 +651,21 @@ class Methods:
         and dense (the fastest is kept), else one (``None``)."""
         if method in ("gather", "dense") and self.device.type == "cuda":
             return list(sdpa_backends)
+        if method == "fa4":
+            return ["fa4"]
         return [None]
 
     def unsupported(self, method: str, backward: bool) -> str | None:
         """Why ``method`` cannot run this case (None when it can)."""
         if method == "flex" and self.device.type == "cpu" and backward:
             return "FlexAttention has no backward on the CPU (torch raises NotImplementedError)"
+        if method == "fa4":
+            if self.device.type != "cuda":
+                return "flash-attn-4 runs on CUDA GPUs only"
+            if self._fa4_missing is None:
+                self._fa4_missing = fa4_missing() or ""
+            if self._fa4_missing:
+                return f"flash-attn-4 not importable ({self._fa4_missing})"
         return None
 
     def dense_is_pattern(self, n: int) -> bool:
@@ -631,7 +693,7 @@ class Methods:
             return self.ra.dilated_attention(
                 q, k, v, self.segs, self.dils, causal=self.causal, return_lse=return_lse
             )
-        if method == "gather":
+        if method in ("gather", "fa4"):
             return gather_sdpa_dilated(
                 q, k, v, self.segs, self.dils, self.causal, return_lse=return_lse, backend=backend
             )

@@ -104,6 +104,7 @@ def cmd_check(a: argparse.Namespace) -> int:
     )
     dils = a.dilations or (list(methods.LONGNET_DILATIONS) if device.type == "cuda" else [1, 3, 8])
     tol = CHECK_TOL[dtype]
+    a.methods = a.methods or methods.default_methods(device)
     print(
         f"check on {device.type}: n={n}, {dtype_name(dtype)} vs gather+SDPA in "
         f"{dtype_name(ref_dtype)}, segments {segs}, dilations {dils}; rel. error, "
@@ -122,6 +123,10 @@ def cmd_check(a: argparse.Namespace) -> int:
             rgrads = torch.autograd.grad(ro, leaves, base[3].to(device, ref_dtype))
             for m in a.methods:
                 if m == "dense" and not meth.dense_is_pattern(n):
+                    continue
+                skip = meth.unsupported(m, False)
+                if skip:
+                    print(f"  {h}x{d} causal={causal} {m}: not run: {skip}", flush=True)
                     continue
                 for backend in meth.backends(m, methods.SDPA_BACKENDS):
                     name = m + (f"[{backend}]" if backend else "")

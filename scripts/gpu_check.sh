@@ -4,17 +4,23 @@
 #
 #   bash scripts/gpu_check.sh                 # everything, ~9 minutes at most
 #   bash scripts/gpu_check.sh --dry-run       # the plan (and bench.py local --dry-run); no GPU needed
-#   bash scripts/gpu_check.sh --stages build,tests    # a subset (build tests ring bench kernels)
+#   bash scripts/gpu_check.sh --stages build,tests    # a subset (build tests ring bench kernels fa4)
 #   GPU_CHECK_TOTAL_S=570 bash scripts/gpu_check.sh --stages build,bench,kernels
 #                                             # kernels (not in the default): ours forward and
 #                                             # forward+backward with our kernels both ways,
 #                                             # beside bench's default (SDPA per branch where
 #                                             # the dispatch takes it), for the same-run comparison
+#   bash scripts/gpu_check.sh --stages fa4    # flash-attn-4 (not in the default): installs it
+#                                             # (scripts/fa4_install.sh; its wheels travel in two
+#                                             # calls, see scripts/fa4_wheels.sh), its CUDA test,
+#                                             # then bench.py local: ours, gather+SDPA, gather+FA4
 #
-# Results go to $OUT (default /tmp/gpu_check_out):
-#   summary.txt (versions + final table), build.log, tests.log, ring.log,
-#   bench.log (bench.py check, then bench.py local), bench/local.{jsonl,md,png},
-#   kernels.log, bench_kernels/local.{jsonl,md,png} (stage kernels)
+# Results go to $OUT (default /tmp/gpu_check_out): summary.txt (versions + final
+# table) and gpu_check.tar.gz holding build.log, tests.log, ring.log, bench.log
+# (bench.py check, then bench.py local), bench/local.{jsonl,md,png}, kernels.log,
+# bench_kernels/local.{jsonl,md,png} (stage kernels), fa4.log and
+# bench_fa4/local.{jsonl,md,png} (stage fa4): two files, since the device tool
+# brings back at most 8 (GPU_CHECK_PACK=0 leaves them unpacked).
 # Each stage runs under `timeout` inside a total budget (GPU_CHECK_TOTAL_S,
 # default 540 s); a failing stage is recorded and the next one runs. If the
 # build fails, the benchmark still runs its baselines ('ours' is recorded as
@@ -61,7 +67,7 @@ while [[ $# -gt 0 ]]; do
     --dry-run) DRY=1 ;;
     --stages) STAGES="${2:?--stages needs a value, e.g. build,tests}"; shift ;;
     --stages=*) STAGES="${1#--stages=}" ;;
-    -h | --help) sed -n '2,30p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    -h | --help) sed -n '2,/^set -uo/{/^set -uo/d;p}' "${BASH_SOURCE[0]}"; exit 0 ;;
     *) echo "gpu_check: unknown argument $1" >&2; exit 2 ;;
   esac
   shift
@@ -69,8 +75,8 @@ done
 IFS=, read -ra _stages <<<"$STAGES"
 for _s in "${_stages[@]}"; do
   case "$_s" in
-    build | tests | ring | bench | kernels) ;;
-    *) echo "gpu_check: unknown stage '$_s' (stages: build tests ring bench kernels)" >&2; exit 2 ;;
+    build | tests | ring | bench | kernels | fa4) ;;
+    *) echo "gpu_check: unknown stage '$_s' (stages: build tests ring bench kernels fa4)" >&2; exit 2 ;;
   esac
 done
 
@@ -86,6 +92,7 @@ RESERVE_AFTER_RING=150  # bench
 BENCH_MIN=60            # skip the bench when less is left
 BENCH_MARGIN=45         # between bench.py's own --budget-s and its hard timeout
 KERNELS_RESERVE=150     # what bench leaves for kernels when that stage is asked for
+FA4_RESERVE=150         # what bench and kernels leave for fa4 when that stage is asked for
 CHECK_CAP=150           # bench.py check, inside the bench stage
 SUMMARY_MARGIN=15
 
@@ -133,6 +140,11 @@ if [[ $DRY -eq 1 ]]; then
     "RING_ATTENTION_FORWARD=kernel RING_ATTENTION_BACKWARD=kernel $PY benchmarks/bench.py local" \
     "--device cuda --passes fwd fwdbwd --methods ours --search-step 0" \
     "--out-dir \$OUT/bench_kernels -> kernels.log"
+  echo "  fa4  : (only when named in --stages; bench and kernels leave it ${FA4_RESERVE} s)" \
+    "bash scripts/fa4_install.sh (the wheels of scripts/fa4_wheels.sh, carried as .fa4/a and" \
+    ".fa4/b), pytest -k 'fa4 and cuda', bench.py local --methods ours gather fa4" \
+    "--search-step 0 --out-dir \$OUT/bench_fa4 -> fa4.log"
+  echo "  then : everything but summary.txt packed into \$OUT/gpu_check.tar.gz (GPU_CHECK_PACK=0: not)"
   echo "  exit status: non-zero iff build or tests failed"
   bash -n "${BASH_SOURCE[0]}" && echo "  bash -n: ok"
   # shellcheck disable=SC2086
@@ -324,6 +336,7 @@ if want bench; then
   t=$SECONDS
   reserve=$SUMMARY_MARGIN
   want kernels && reserve=$((reserve + KERNELS_RESERVE))
+  want fa4 && reserve=$((reserve + FA4_RESERVE))
   hard=$(($(remaining) - reserve))
   if ((hard < BENCH_MIN)); then
     echo "skipped: budget ($hard s left)" >"$OUT/bench.log"
@@ -360,6 +373,7 @@ if want kernels; then
   banner kernels
   t=$SECONDS
   hard=$(($(remaining) - SUMMARY_MARGIN))
+  want fa4 && hard=$((hard - FA4_RESERVE))
   if ((!BUILD_OK || hard < BENCH_MIN)); then
     echo "skipped: build failed or budget ($hard s left)" >"$OUT/kernels.log"
     record kernels SKIP 0 "build failed or only $hard s left"
@@ -373,6 +387,41 @@ if want kernels; then
     rc=$?
     ((rc == 0)) && st=ok || st=FAIL
     record kernels "$st" $((SECONDS - t)) "rc=$rc (our kernels both ways; budget $soft s)"
+  fi
+fi
+
+# ------------------------------------------------------------------ fa4
+if want fa4; then
+  banner fa4
+  t=$SECONDS
+  bash scripts/fa4_install.sh >"$OUT/fa4.log" 2>&1
+  rc=$?
+  cat "$OUT/fa4.log"
+  hard=$(($(remaining) - SUMMARY_MARGIN))
+  if ((rc != 0)); then
+    record fa4 SKIP $((SECONDS - t)) "not installed (fa4_install.sh rc=$rc: $(tail -n 1 "$OUT/fa4.log"))"
+  elif ((!BUILD_OK || hard < BENCH_MIN)); then
+    record fa4 SKIP $((SECONDS - t)) "build failed or only $hard s left"
+  else
+    # shellcheck disable=SC1090
+    source <(bash scripts/fa4_install.sh --env)
+    {
+      echo "## the CUDA test of gather + flash-attn-4"
+      timeout --kill-after=10 120 "$PY" -m pytest -q -p no:cacheprovider -rfEs \
+        tests/test_benchmarks.py -k "fa4 and cuda"
+      echo "rc=$?"
+    } 2>&1 | tee -a "$OUT/fa4.log"
+    test_rc=$(grep -Eo '^rc=[0-9]+' "$OUT/fa4.log" | tail -n 1 | cut -d= -f2)
+    hard=$(($(remaining) - SUMMARY_MARGIN))
+    soft=$((hard - BENCH_MARGIN))
+    ((soft < 30)) && soft=30
+    echo "## bench.py local" | tee -a "$OUT/fa4.log"
+    timeout --kill-after=10 "$hard" "$PY" benchmarks/bench.py local --device cuda \
+      --methods ours gather fa4 --search-step 0 --out-dir "$OUT/bench_fa4" --budget-s "$soft" \
+      2>&1 | tee -a "$OUT/fa4.log"
+    rc=$?
+    ((rc == 0 && test_rc == 0)) && st=ok || st=FAIL
+    record fa4 "$st" $((SECONDS - t)) "test rc=$test_rc; local rc=$rc (budget $soft s)"
   fi
 fi
 
@@ -390,9 +439,21 @@ fi
     echo "### targets (from bench/local.md)"
     sed -n '/^### targets/,$p' "$OUT/bench/local.md" | sed '1d'
   fi
-  echo
-  echo "files in $OUT: $(cd "$OUT" && find . -type f | sed 's|^\./||' | sort | tr '\n' ' ')"
 } | tee -a "$SUMMARY"
+
+# The device tool brings back at most 8 files: what this run wrote beside the
+# summary goes into one archive.
+written=()
+for f in build.log tests.log ring.log bench.log kernels.log fa4.log bench bench_kernels bench_fa4; do
+  [[ -e "$OUT/$f" ]] && written+=("$f")
+done
+if [[ "${GPU_CHECK_PACK:-1}" == 1 && ${#written[@]} -gt 0 ]]; then
+  if tar -C "$OUT" -czf "$OUT/gpu_check.tar.gz" "${written[@]}"; then
+    (cd "$OUT" && rm -rf "${written[@]}")
+    echo "packed into $OUT/gpu_check.tar.gz (tar -xzf): ${written[*]}" | tee -a "$SUMMARY"
+  fi
+fi
+echo "files in $OUT: $(cd "$OUT" && find . -type f | sed 's|^\./||' | sort | tr '\n' ' ')" | tee -a "$SUMMARY"
 
 if ((!BUILD_OK || !TESTS_OK)); then
   exit 1

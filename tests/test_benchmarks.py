@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import lzma
 import os
 import random
 import subprocess
 import sys
+import tarfile
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -79,6 +82,90 @@ def test_flex_block_masks_cover_the_pattern(methods) -> None:
             assert (ref > 0).any()
 
 
+class _FA4StandIn:
+    """flash-attn-4's calling convention ((B, L, H, D) in and out, lse (B, H, L)
+    float32, a backward from a given out / lse) over plain float32 math: what
+    the fa4 baseline's own code (layouts, LSE, merge) is checked against on a
+    machine where flash-attn-4 cannot run."""
+
+    def __init__(self, methods) -> None:
+        self.m = methods
+        self.calls = 0
+
+    def flash_attn_func(self, q, k, v, *, softmax_scale, causal, return_lse):
+        assert return_lse and q.dim() == 4 and q.stride(-1) == 1
+        self.calls += 1
+        out, lse = self.m._math_fwd(*(t.transpose(1, 2) for t in (q, k, v)), causal, softmax_scale)
+        return out.transpose(1, 2), lse
+
+    def _flash_attn_bwd(self, q, k, v, out, dout, lse, softmax_scale, causal):
+        assert lse.dtype == torch.float32 and lse.is_contiguous()
+        assert lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+        grads = self.m._math_bwd(
+            *(t.transpose(1, 2) for t in (dout, q, k, v, out)), lse, causal, softmax_scale
+        )
+        return tuple(g.transpose(1, 2) for g in grads)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fa4_baseline_layout_and_merge(methods, monkeypatch, causal: bool) -> None:
+    """gather + flash-attn-4 computes ra.dilated_attention, forward and
+    gradients (with flash-attn-4's calling convention stood in by math: the
+    adapter's transposes and LSE shapes are what this checks; a run of the
+    real library is the CUDA test below)."""
+    import ring_attention as ra
+
+    stand_in = _FA4StandIn(methods)
+    monkeypatch.setattr(methods, "fa4_interface", lambda: stand_in)
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    n, h, d, segs, dils = 700, 5, 16, [64, 160, 384], [1, 3, 4]
+    q, k, v, g = (torch.randn(2, n, h, d, generator=gen) for _ in range(4))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = methods.gather_sdpa_dilated(
+        *leaves, segs, dils, causal, return_lse=True, backend="fa4"
+    )
+    grads = torch.autograd.grad(out, leaves, g)
+    ref = [t.double().requires_grad_() for t in (q, k, v)]
+    rout, rlse = ra.dilated_attention(*ref, segs, dils, causal=causal, return_lse=True)
+    rgrads = torch.autograd.grad(rout, ref, g.double())
+    assert stand_in.calls > len(segs)  # per branch and offset class, full and ragged chunks
+    torch.testing.assert_close(out.double(), rout, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(lse.double(), rlse, atol=2e-5, rtol=1e-4)
+    for a, b in zip(grads, rgrads, strict=True):
+        torch.testing.assert_close(a.double(), b, atol=5e-5, rtol=1e-4)
+
+
+def test_fa4_is_reported_where_it_cannot_run(methods) -> None:
+    cpu = torch.device("cpu")
+    assert "fa4" not in methods.default_methods(cpu)
+    assert "fa4" in methods.default_methods(torch.device("cuda"))
+    meth = methods.Methods([64], [1], False, cpu)
+    assert "CUDA" in meth.unsupported("fa4", False)
+    assert meth.backends("fa4", methods.SDPA_BACKENDS) == ["fa4"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU: flash-attn-4 not run")
+def test_fa4_baseline_on_cuda_matches_the_oracle(methods) -> None:
+    missing = methods.fa4_missing()
+    if missing:
+        pytest.skip(f"flash-attn-4 does not import here: {missing}")
+    import ring_attention as ra
+
+    gen = torch.Generator().manual_seed(random.randrange(2**31))
+    n, h, d, segs, dils = 5000, 4, 128, [512, 1024, 2048], [1, 2, 4]
+    q, k, v, g = (torch.randn(1, n, h, d, generator=gen) for _ in range(4))
+    for causal in (False, True):
+        x = [t.cuda().bfloat16().requires_grad_() for t in (q, k, v)]
+        out = methods.gather_sdpa_dilated(*x, segs, dils, causal, backend="fa4")
+        grads = torch.autograd.grad(out, x, g.cuda().bfloat16())
+        ref = [t.double().requires_grad_() for t in (q, k, v)]
+        rout = ra.dilated_attention(*ref, segs, dils, causal=causal)
+        rgrads = torch.autograd.grad(rout, ref, g.double())
+        for a, b in zip((out, *grads), (rout, *rgrads), strict=True):
+            err = (a.double().cpu() - b).norm() / b.norm()
+            assert err < 2e-2, (causal, err.item())
+
+
 def test_check_subcommand_passes_for_every_method() -> None:
     """ours, gather+SDPA, FlexAttention (eager: the CPU has no compiled LSE) and
     dense SDPA (a dense pattern) against gather+SDPA in float64."""
@@ -126,7 +213,7 @@ def test_local_sweep_records_resumes_and_plots(tmp_path: Path) -> None:
 
 def test_local_dry_run_plans_the_gpu_sweep_without_a_gpu() -> None:
     out = bench("local", "--dry-run", "--device", "cuda")
-    assert "56 points" in out and "1048576" in out and "bfloat16" in out
+    assert "72 points" in out and "1048576" in out and "bfloat16" in out
 
 
 def test_baselines_run_when_the_extension_does_not_import(tmp_path: Path) -> None:
@@ -203,7 +290,67 @@ def test_gpu_check_dry_run_without_a_gpu(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     out = proc.stdout
     assert "bash -n: ok" in out and "bench.py local" in out and "ring-run" in out
-    assert "56 points" in out
+    assert "72 points" in out
+
+
+def test_gpu_check_brings_back_two_files(tmp_path: Path) -> None:
+    """The device tool returns at most 8 files: gpu_check.sh leaves the summary
+    and one archive of its logs (here without a GPU: the tests stage fails,
+    the fa4 stage finds no wheels)."""
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(out),
+           "FA4_PARTS": str(tmp_path / "none"), "FA4_DEST": str(tmp_path / "fa4")}  # fmt: skip
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--stages", "tests,fa4"],
+        capture_output=True, text=True, timeout=300, env=env, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_check.tar.gz", "summary.txt"]
+    with tarfile.open(out / "gpu_check.tar.gz") as tar:
+        assert sorted(tar.getnames()) == ["fa4.log", "tests.log"]
+        log = tar.extractfile("fa4.log").read().decode()
+    assert "part a missing" in log
+    summary = (out / "summary.txt").read_text()
+    assert "| fa4    | SKIP" in summary and "| tests  | SKIP/FAIL" in summary
+
+
+def test_fa4_install_puts_the_two_parts_together(tmp_path: Path) -> None:
+    """scripts/fa4_install.sh, with stand-in packages in the layout that
+    scripts/fa4_wheels.sh makes: part a and part b arrive in separate calls;
+    the second installs, and flash_attn.cute and cutlass (found through the
+    DSL's package folder, which PYTHONPATH must name) import."""
+    big = "./nvidia_cutlass_dsl/dsl_packages/cutlass/_mlir/_cutlass_ir.cu13.so"
+    a, b = tmp_path / "call1" / "a", tmp_path / "call2" / "b"
+    a.mkdir(parents=True)
+    b.mkdir(parents=True)
+    (a / "path.txt").write_text(big + "\n")
+    (a / "cutlass_ir.so.xz").write_bytes(lzma.compress(b"module bytes"))
+    with zipfile.ZipFile(b / "stand_in-1.0-py3-none-any.whl", "w") as whl:
+        whl.writestr("flash_attn/__init__.py", "")
+        whl.writestr("flash_attn/cute/__init__.py", "__version__ = 'stand-in'\n")
+    rest = tmp_path / "rest"
+    (rest / "nvidia_cutlass_dsl/dsl_packages/cutlass").mkdir(parents=True)
+    (rest / "nvidia_cutlass_dsl/dsl_packages/cutlass/__init__.py").write_text("")
+    with tarfile.open(b / "libs_cu13_rest.tar.xz", "w:xz") as tar:
+        tar.add(rest, arcname=".")
+    dest = tmp_path / "dest"
+
+    def install(parts: Path, *args: str) -> subprocess.CompletedProcess:
+        env = {**os.environ, "PYTHON": sys.executable, "FA4_PARTS": str(parts),
+               "FA4_DEST": str(dest), "PYTHONPATH": ""}  # fmt: skip
+        return subprocess.run(
+            ["bash", str(ROOT / "scripts" / "fa4_install.sh"), *args],
+            capture_output=True, text=True, timeout=120, env=env, cwd=ROOT,
+        )  # fmt: skip
+
+    first = install(tmp_path / "call1")
+    assert first.returncode == 3 and "part b missing" in first.stdout, first.stdout
+    second = install(tmp_path / "call2")
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "imports from" in second.stdout
+    assert (dest / "site" / big).read_bytes() == b"module bytes"
+    env_line = install(tmp_path / "call2", "--env").stdout
+    assert "dsl_packages" in env_line and str(dest) in env_line
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU: CUDA sweep not run")
