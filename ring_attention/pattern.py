@@ -31,6 +31,8 @@ HEAD_OFFSETS: tuple[str, ...] = ("modulo", "grouped")
 
 HeadOffsets = Literal["modulo", "grouped"]
 
+INT64_MAX = 2**63 - 1  # the operators' integers are int64
+
 
 def as_flag(value: Any, name: str) -> bool:
     """``value`` as a ``bool``; only ``bool`` (and NumPy's ``bool_``) is accepted.
@@ -122,8 +124,9 @@ class Pattern:
 
     Raises:
         ValueError: naming the argument, for an empty pattern, mismatched
-            lengths, ``w < 1``, ``r < 1``, ``r > w``, a non-integer value, a
-            flag that is not a ``bool`` or an unknown ``head_offsets``.
+            lengths, ``w < 1``, ``r < 1``, ``r > w``, ``w`` beyond int64, a
+            non-integer value, a flag that is not a ``bool`` or an unknown
+            ``head_offsets``.
 
     The value is immutable and hashable: equal patterns are interchangeable as
     cache keys.
@@ -153,6 +156,11 @@ class Pattern:
         for i, (w, r) in enumerate(zip(segs, dils, strict=True)):
             if w < 1:
                 raise ValueError(f"segment_lengths[{i}] must be >= 1, got {w}")
+            if w > INT64_MAX:  # the operators take int64
+                raise ValueError(
+                    f"segment_lengths[{i}] must be at most 2**63 - 1 (a segment longer than "
+                    f"any sequence behaves as one of that length), got {w}"
+                )
             if r < 1:
                 raise ValueError(f"dilation_rates[{i}] must be >= 1, got {r}")
             if r > w:
@@ -296,6 +304,9 @@ def _check_documents(cu_seqlens: Any) -> tuple[int, ...]:
     elif isinstance(cu_seqlens, Sequence) and not isinstance(cu_seqlens, (str, bytes)):
         if not all(type(x) is int for x in cu_seqlens):
             cu_seqlens = [_as_index(v, f"cu_seqlens[{i}]") for i, v in enumerate(cu_seqlens)]
+        for i, x in enumerate(cu_seqlens):
+            if not -INT64_MAX - 1 <= x <= INT64_MAX:
+                raise ValueError(f"cu_seqlens[{i}] must fit in int64, got {x}")
         cu = torch.tensor(cu_seqlens, dtype=torch.int64)
     else:
         raise ValueError(

@@ -66,6 +66,31 @@ def test_huge_pattern_values_match_the_oracle_in_a_subprocess() -> None:
     assert "Parameter" not in proc.stderr, proc.stderr  # no BLAS argument error printed
 
 
+@pytest.mark.parametrize(
+    "segs,dils,cu,match",
+    [
+        ([2**63], [1], None, r"segment_lengths\[0\] must be at most 2\*\*63 - 1"),
+        ([8, 2**70], [1, 2**69], None, r"segment_lengths\[1\] must be at most"),
+        ([8], [1], [0, 2**63, 37], r"cu_seqlens\[1\] must fit in int64"),
+        ([8], [1], [0, -(2**64), 37], r"cu_seqlens\[1\] must fit in int64"),
+    ],
+)
+def test_values_beyond_int64_raise_naming_the_argument(segs, dils, cu, match) -> None:
+    """The operators take int64: larger pattern values or boundaries raise a
+    ValueError that names the argument (not the schema's type error), in the
+    function, the module and the ring alike (all build a Pattern first)."""
+    import ring_attention as ra
+
+    q = torch.randn(1, 37, 2, 4)
+    with pytest.raises(ValueError, match=match):
+        ra.dilated_attention(q, q, q, segs, dils, cu_seqlens=cu)
+    if cu is None:
+        with pytest.raises(ValueError, match=match):
+            ra.DilatedAttention(segs, dils)
+        with pytest.raises(ValueError, match=match):
+            ra.ring_dilated_attention(q, q, q, segs, dils)
+
+
 @pytest.mark.parametrize("q_start,k_start", [(2**63 - 3, 0), (0, 2**62 + 5)])
 def test_block_positions_near_int64_range_raise(q_start: int, k_start: int) -> None:
     cfg = Cfg(batch=1, n=4, heads=2, head_dim=4, segment_lengths=[8], dilation_rates=[2])
