@@ -123,6 +123,19 @@ record() { # name status seconds note
 
 banner() { echo; echo "=================== $* (t=$(elapsed) s, $(remaining) s left)"; }
 
+# bench_local HARD LOG DIR [ARGS...]: bench.py local on CUDA into $OUT/DIR, its
+# own budget BENCH_MARGIN below the hard limit HARD, appended to LOG; the
+# status is bench.py's (124/137: killed at the hard limit).
+bench_local() {
+  local hard=$1 log=$2 dir=$3 soft
+  shift 3
+  soft=$((hard - BENCH_MARGIN))
+  ((soft < 30)) && soft=30
+  echo "## bench.py local (budget $soft s, hard limit $hard s)" | tee -a "$log"
+  timeout --kill-after=10 "$hard" "$PY" benchmarks/bench.py local --device cuda \
+    --out-dir "$OUT/$dir" --budget-s "$soft" "$@" 2>&1 | tee -a "$log"
+}
+
 if [[ $DRY -eq 1 ]]; then
   echo "gpu_check dry run: repo $ROOT, python $PY, OUT=$OUT, total budget ${TOTAL} s, stages $STAGES"
   echo "  info : nvidia-smi, torch/CUDA/cuDNN/Triton versions, nvcc, git commit  -> summary.txt"
@@ -352,14 +365,10 @@ if want bench; then
     } 2>&1 | tee "$OUT/bench.log"
     check_rc=$(grep -Eo '^rc=[0-9]+' "$OUT/bench.log" | tail -n 1 | cut -d= -f2)
     hard=$(($(remaining) - reserve))
-    soft=$((hard - BENCH_MARGIN))
-    ((soft < 30)) && soft=30
-    echo "## bench.py local" | tee -a "$OUT/bench.log"
     # shellcheck disable=SC2086
-    timeout --kill-after=10 "$hard" "$PY" benchmarks/bench.py local --device cuda \
-      --out-dir "$OUT/bench" --budget-s "$soft" $BENCH_ARGS 2>&1 | tee -a "$OUT/bench.log"
+    bench_local "$hard" "$OUT/bench.log" bench $BENCH_ARGS
     rc=$?
-    note="check rc=$check_rc; local rc=$rc (budget $soft s, hard limit $hard s)"
+    note="check rc=$check_rc; local rc=$rc (hard limit $hard s)"
     [[ $rc -eq 124 || $rc -eq 137 ]] && note="check rc=$check_rc; local killed at the hard limit ($hard s); bench/local.jsonl holds the points so far"
     largest=$(grep -E 'largest n that ran' "$OUT/bench/local.md" 2>/dev/null | tail -n 1)
     [[ -n "$largest" ]] && note="$note; ${largest#- }"
@@ -378,15 +387,14 @@ if want kernels; then
     echo "skipped: build failed or budget ($hard s left)" >"$OUT/kernels.log"
     record kernels SKIP 0 "build failed or only $hard s left"
   else
-    soft=$((hard - BENCH_MARGIN))
-    ((soft < 30)) && soft=30
-    RING_ATTENTION_FORWARD=kernel RING_ATTENTION_BACKWARD=kernel timeout --kill-after=10 \
-      "$hard" "$PY" benchmarks/bench.py local --device cuda --passes fwd fwdbwd --methods ours \
-      --search-step 0 --out-dir "$OUT/bench_kernels" --budget-s "$soft" 2>&1 |
-      tee "$OUT/kernels.log"
+    (
+      export RING_ATTENTION_FORWARD=kernel RING_ATTENTION_BACKWARD=kernel
+      bench_local "$hard" "$OUT/kernels.log" bench_kernels --passes fwd fwdbwd --methods ours \
+        --search-step 0
+    )
     rc=$?
     ((rc == 0)) && st=ok || st=FAIL
-    record kernels "$st" $((SECONDS - t)) "rc=$rc (our kernels both ways; budget $soft s)"
+    record kernels "$st" $((SECONDS - t)) "rc=$rc (our kernels both ways; hard limit $hard s)"
   fi
 fi
 
@@ -413,15 +421,10 @@ if want fa4; then
     } 2>&1 | tee -a "$OUT/fa4.log"
     test_rc=$(grep -Eo '^rc=[0-9]+' "$OUT/fa4.log" | tail -n 1 | cut -d= -f2)
     hard=$(($(remaining) - SUMMARY_MARGIN))
-    soft=$((hard - BENCH_MARGIN))
-    ((soft < 30)) && soft=30
-    echo "## bench.py local" | tee -a "$OUT/fa4.log"
-    timeout --kill-after=10 "$hard" "$PY" benchmarks/bench.py local --device cuda \
-      --methods ours gather fa4 --search-step 0 --out-dir "$OUT/bench_fa4" --budget-s "$soft" \
-      2>&1 | tee -a "$OUT/fa4.log"
+    bench_local "$hard" "$OUT/fa4.log" bench_fa4 --methods ours gather fa4 --search-step 0
     rc=$?
     ((rc == 0 && test_rc == 0)) && st=ok || st=FAIL
-    record fa4 "$st" $((SECONDS - t)) "test rc=$test_rc; local rc=$rc (budget $soft s)"
+    record fa4 "$st" $((SECONDS - t)) "test rc=$test_rc; local rc=$rc (hard limit $hard s)"
   fi
 fi
 
