@@ -4,7 +4,7 @@
 #
 #   bash scripts/gpu_check.sh                 # everything, ~9 minutes at most
 #   bash scripts/gpu_check.sh --dry-run       # the plan (and bench.py local --dry-run); no GPU needed
-#   bash scripts/gpu_check.sh --stages build,tests    # a subset (build tests ring bench kernels fa4)
+#   bash scripts/gpu_check.sh --stages build,tests    # a subset (build tests ring bench kernels fa4 profile)
 #   GPU_CHECK_TOTAL_S=570 bash scripts/gpu_check.sh --stages build,bench,kernels
 #                                             # kernels (not in the default): ours forward and
 #                                             # forward+backward with our kernels both ways,
@@ -14,12 +14,16 @@
 #                                             # (scripts/fa4_install.sh; its wheels travel in two
 #                                             # calls, see scripts/fa4_wheels.sh), its CUDA test,
 #                                             # then bench.py local: ours, gather+SDPA, gather+FA4
+#   bash scripts/gpu_check.sh --stages build,profile   # Nsight Compute (not in the default) on
+#                                             # the first launches of our forward and backward
+#                                             # tensor-core kernels (scripts/profile_kernels.py)
 #
 # Results go to $OUT (default /tmp/gpu_check_out): summary.txt (versions + final
 # table) and gpu_check.tar.gz holding build.log, tests.log, ring.log, bench.log
 # (bench.py check, then bench.py local), bench/local.{jsonl,md,png}, kernels.log,
 # bench_kernels/local.{jsonl,md,png} (stage kernels), fa4.log and
-# bench_fa4/local.{jsonl,md,png} (stage fa4): two files, since the device tool
+# bench_fa4/local.{jsonl,md,png} (stage fa4), profile.log and profile/ (the ncu
+# reports, stage profile): two files, since the device tool
 # brings back at most 8 (GPU_CHECK_PACK=0 leaves them unpacked).
 # Each stage runs under `timeout` inside a total budget (GPU_CHECK_TOTAL_S,
 # default 540 s); a failing stage is recorded and the next one runs. If the
@@ -75,8 +79,8 @@ done
 IFS=, read -ra _stages <<<"$STAGES"
 for _s in "${_stages[@]}"; do
   case "$_s" in
-    build | tests | ring | bench | kernels | fa4) ;;
-    *) echo "gpu_check: unknown stage '$_s' (stages: build tests ring bench kernels fa4)" >&2; exit 2 ;;
+    build | tests | ring | bench | kernels | fa4 | profile) ;;
+    *) echo "gpu_check: unknown stage '$_s' (stages: build tests ring bench kernels fa4 profile)" >&2; exit 2 ;;
   esac
 done
 
@@ -93,6 +97,7 @@ BENCH_MIN=60            # skip the bench when less is left
 BENCH_MARGIN=45         # between bench.py's own --budget-s and its hard timeout
 KERNELS_RESERVE=150     # what bench leaves for kernels when that stage is asked for
 FA4_RESERVE=150         # what bench and kernels leave for fa4 when that stage is asked for
+PROFILE_RESERVE=120     # what bench, kernels and fa4 leave for profile when it is asked for
 CHECK_CAP=150           # bench.py check, inside the bench stage
 SUMMARY_MARGIN=15
 
@@ -108,6 +113,17 @@ budget() {
   echo "$r"
 }
 want() { [[ ",$STAGES," == *",$1,"* ]]; }
+# left_for STAGE: the seconds STAGE may take: what the budget leaves after the
+# summary and the reserves of the later stages that were asked for.
+left_for() {
+  local r=$(($(remaining) - SUMMARY_MARGIN))
+  case $1 in
+    bench) want kernels && r=$((r - KERNELS_RESERVE)) ;&
+    kernels) want fa4 && r=$((r - FA4_RESERVE)) ;&
+    fa4) want profile && r=$((r - PROFILE_RESERVE)) ;;
+  esac
+  echo "$r"
+}
 
 NAMES=()
 STATUS=()
@@ -157,6 +173,9 @@ if [[ $DRY -eq 1 ]]; then
     "bash scripts/fa4_install.sh (the wheels of scripts/fa4_wheels.sh, carried as .fa4/a and" \
     ".fa4/b), pytest -k 'fa4 and cuda', bench.py local --methods ours gather fa4" \
     "--search-step 0 --out-dir \$OUT/bench_fa4 -> fa4.log"
+  echo "  profile: (only when named in --stages; the stages before leave it ${PROFILE_RESERVE} s)" \
+    "ncu --clock-control none -k regex:<fwd|bwd>_mma_kernel --launch-count 1 <7 sections>" \
+    "$PY scripts/profile_kernels.py --n 32768 (h 16 d 128, h 12 d 64) -> profile.log, profile/*.{ncu-rep,txt}"
   echo "  then : everything but summary.txt packed into \$OUT/gpu_check.tar.gz (GPU_CHECK_PACK=0: not)"
   echo "  exit status: non-zero iff build or tests failed"
   bash -n "${BASH_SOURCE[0]}" && echo "  bash -n: ok"
@@ -347,10 +366,7 @@ fi
 if want bench; then
   banner bench
   t=$SECONDS
-  reserve=$SUMMARY_MARGIN
-  want kernels && reserve=$((reserve + KERNELS_RESERVE))
-  want fa4 && reserve=$((reserve + FA4_RESERVE))
-  hard=$(($(remaining) - reserve))
+  hard=$(left_for bench)
   if ((hard < BENCH_MIN)); then
     echo "skipped: budget ($hard s left)" >"$OUT/bench.log"
     record bench SKIP 0 "only $hard s left"
@@ -364,7 +380,7 @@ if want bench; then
       echo "rc=$?"
     } 2>&1 | tee "$OUT/bench.log"
     check_rc=$(grep -Eo '^rc=[0-9]+' "$OUT/bench.log" | tail -n 1 | cut -d= -f2)
-    hard=$(($(remaining) - reserve))
+    hard=$(left_for bench)
     # shellcheck disable=SC2086
     bench_local "$hard" "$OUT/bench.log" bench $BENCH_ARGS
     rc=$?
@@ -381,8 +397,7 @@ fi
 if want kernels; then
   banner kernels
   t=$SECONDS
-  hard=$(($(remaining) - SUMMARY_MARGIN))
-  want fa4 && hard=$((hard - FA4_RESERVE))
+  hard=$(left_for kernels)
   if ((!BUILD_OK || hard < BENCH_MIN)); then
     echo "skipped: build failed or budget ($hard s left)" >"$OUT/kernels.log"
     record kernels SKIP 0 "build failed or only $hard s left"
@@ -405,7 +420,7 @@ if want fa4; then
   bash scripts/fa4_install.sh >"$OUT/fa4.log" 2>&1
   rc=$?
   cat "$OUT/fa4.log"
-  hard=$(($(remaining) - SUMMARY_MARGIN))
+  hard=$(left_for fa4)
   if ((rc != 0)); then
     record fa4 SKIP $((SECONDS - t)) "not installed (fa4_install.sh rc=$rc: $(tail -n 1 "$OUT/fa4.log"))"
   elif ((!BUILD_OK || hard < BENCH_MIN)); then
@@ -420,11 +435,44 @@ if want fa4; then
       echo "rc=$?"
     } 2>&1 | tee -a "$OUT/fa4.log"
     test_rc=$(grep -Eo '^rc=[0-9]+' "$OUT/fa4.log" | tail -n 1 | cut -d= -f2)
-    hard=$(($(remaining) - SUMMARY_MARGIN))
+    hard=$(left_for fa4)
     bench_local "$hard" "$OUT/fa4.log" bench_fa4 --methods ours gather fa4 --search-step 0
     rc=$?
     ((rc == 0 && test_rc == 0)) && st=ok || st=FAIL
     record fa4 "$st" $((SECONDS - t)) "test rc=$test_rc; local rc=$rc (hard limit $hard s)"
+  fi
+fi
+
+# ------------------------------------------------------------------ profile
+if want profile; then
+  banner profile
+  t=$SECONDS
+  b=$(left_for profile)
+  if ((!BUILD_OK || !HAVE_GPU || b < 30)) || ! command -v ncu >/dev/null; then
+    echo "skipped: build failed, no GPU, no ncu or only $b s left" >"$OUT/profile.log"
+    record profile SKIP 0 "$(cat "$OUT/profile.log")"
+  else
+    mkdir -p "$OUT/profile"
+    # The first launch of each tensor-core kernel (one branch), bf16 at
+    # h 16, d 128; then the same at d 64 (h 12). One ncu run per kernel.
+    for spec in "fwd 16 128" "bwd 16 128" "fwd 12 64" "bwd 12 64"; do
+      read -r kind h d <<<"$spec"
+      left=$((b - (SECONDS - t)))
+      ((left < 20)) && break
+      extra=()
+      [[ $kind == bwd ]] && extra=(--backward)
+      echo "## ncu: ${kind}_mma_kernel, h $h, d $d"
+      timeout --kill-after=10 "$left" ncu --clock-control none -k "regex:${kind}_mma_kernel" \
+        --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats \
+        --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+        --section ComputeWorkloadAnalysis -o "$OUT/profile/${kind}_h${h}_d${d}" -f \
+        "$PY" scripts/profile_kernels.py --n 32768 --heads "$h" --head-dim "$d" "${extra[@]}"
+      ncu --import "$OUT/profile/${kind}_h${h}_d${d}.ncu-rep" --page details \
+        >"$OUT/profile/${kind}_h${h}_d${d}.txt" 2>&1 || true
+    done 2>&1 | tee "$OUT/profile.log"
+    n=$(find "$OUT/profile" -name '*.ncu-rep' | wc -l)
+    ((n > 0)) && st=ok || st=FAIL
+    record profile "$st" $((SECONDS - t)) "$n ncu reports (profile/*.ncu-rep, details in profile/*.txt)"
   fi
 fi
 
@@ -447,7 +495,8 @@ fi
 # The device tool brings back at most 8 files: what this run wrote beside the
 # summary goes into one archive.
 written=()
-for f in build.log tests.log ring.log bench.log kernels.log fa4.log bench bench_kernels bench_fa4; do
+for f in build.log tests.log ring.log bench.log kernels.log fa4.log profile.log bench bench_kernels \
+  bench_fa4 profile; do
   [[ -e "$OUT/$f" ]] && written+=("$f")
 done
 if [[ "${GPU_CHECK_PACK:-1}" == 1 && ${#written[@]} -gt 0 ]]; then

@@ -314,6 +314,20 @@ def test_gpu_check_brings_back_two_files(tmp_path: Path) -> None:
     assert "| fa4    | SKIP" in summary and "| tests  | SKIP/FAIL" in summary
 
 
+def test_profile_driver_runs_our_kernels() -> None:
+    """scripts/profile_kernels.py (what gpu_check.sh's profile stage runs under
+    Nsight Compute) runs a forward and backward on our kernels."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "profile_kernels.py"), "--device", "cpu",
+         "--n", "3000", "--heads", "2", "--head-dim", "16", "--dtype", "float32", "--backward"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "(forward kernel, backward kernel)" in proc.stdout
+    assert "out finite: True" in proc.stdout
+
+
 def test_fa4_install_puts_the_two_parts_together(tmp_path: Path) -> None:
     """scripts/fa4_install.sh, with stand-in packages in the layout that
     scripts/fa4_wheels.sh makes: part a and part b arrive in separate calls;
