@@ -242,8 +242,8 @@ def local_plot(store: measure.ResultFile, path: str) -> bool:
 
 
 def local_summary(store: measure.ResultFile) -> list[str]:
-    """One row per (config, n, pass): every method's time, ours' rate against
-    the hardware's, ours' peak memory."""
+    """One row per (config, n, pass): the time of every method that ran, ours'
+    rate against the hardware's, ours' peak memory."""
     rows = [r for r in local_rows(store.records.values()) if r["status"] == "ok"]
     if not rows:
         return []
@@ -251,10 +251,12 @@ def local_summary(store: measure.ResultFile) -> list[str]:
     cases = sorted({(r["dtype"], r["heads"], r["head_dim"], r["n"], r["pass"]) for r in rows},
                    key=lambda c: (c[0], c[1], c[2], c[4], c[3]))  # fmt: skip
     by = {(r["dtype"], r["heads"], r["head_dim"], r["n"], r["pass"], r["method"]): r for r in rows}
+    # a column for each method that ran somewhere in the file
+    shown = [m for m in methods.METHODS if any(r["method"] == m for r in rows)]
     table = []
     for case in cases:
         ours = by.get((*case, "ours"))
-        ms = [by.get((*case, m)) for m in methods.METHODS]
+        ms = [by.get((*case, m)) for m in shown]
         table.append([
             case[3], f"{case[1]}x{case[2]}", case[4],
             *("—" if r is None else f"{r['ms']:.0f}" for r in ms),
@@ -264,9 +266,9 @@ def local_summary(store: measure.ResultFile) -> list[str]:
             else f"{ours['peak_bytes'] / MiB:.0f}",
         ])  # fmt: skip
     return md_table(
-        ["n", "heads x dim", "pass", *(f"{LABELS.get(m, m)} ms" for m in methods.METHODS),
+        ["n", "heads x dim", "pass", *(f"{LABELS.get(m, m)} ms" for m in shown),
          f"ours {unit}", f"hardware {unit}", "ours peak MiB"],
-        table, "rrl" + "r" * (len(methods.METHODS) + 3),
+        table, "rrl" + "r" * (len(shown) + 3),
     )  # fmt: skip
 
 

@@ -203,7 +203,11 @@ def test_local_sweep_records_resumes_and_plots(tmp_path: Path) -> None:
             assert r["paths"] == {"forward": "kernel", "backward": backward}
         else:
             assert "paths" not in r
-    assert (tmp_path / "local.md").read_text().count("| ours |") == 4
+    report = (tmp_path / "local.md").read_text()
+    assert report.count("| ours |") == 4
+    # the summary has a column for each method that ran, and none for the others
+    assert "| gather+SDPA ms | dense SDPA† ms |" in report
+    assert "FlexAttention ms" not in report and "gather+FA4 ms" not in report
     assert (tmp_path / "local.png").read_bytes()[:4] == b"\x89PNG"
     # a second run finds every point done and measures nothing
     out = bench(*args)
