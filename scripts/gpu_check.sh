@@ -145,6 +145,10 @@ banner() { echo; echo "=================== $* (t=$(elapsed) s, $(remaining) s le
 bench_local() {
   local hard=$1 log=$2 dir=$3 soft
   shift 3
+  if ((hard < 30)); then # (timeout 0 would mean no limit)
+    echo "## bench.py local: skipped, only $hard s left" | tee -a "$log"
+    return 124
+  fi
   soft=$((hard - BENCH_MARGIN))
   ((soft < 30)) && soft=30
   echo "## bench.py local (budget $soft s, hard limit $hard s)" | tee -a "$log"
@@ -374,8 +378,11 @@ if want bench; then
     ((BUILD_OK)) || echo "note: the build failed: 'ours' is recorded as failed; the baselines still run"
     {
       echo "## bench.py check"
+      # at most CHECK_CAP, and BENCH_MIN left for bench.py local
+      cap=$((hard - BENCH_MIN))
+      ((cap > CHECK_CAP)) && cap=$CHECK_CAP
       # shellcheck disable=SC2086
-      timeout --kill-after=10 "$CHECK_CAP" "$PY" benchmarks/bench.py check --device cuda \
+      timeout --kill-after=10 "$cap" "$PY" benchmarks/bench.py check --device cuda \
         --configs 12x64 16x128 $CHECK_ARGS
       echo "rc=$?"
     } 2>&1 | tee "$OUT/bench.log"
