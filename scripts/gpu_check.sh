@@ -43,6 +43,8 @@
 #   GPU_CHECK_ARCH         TORCH_CUDA_ARCH_LIST for the build (default: the device's, e.g. 9.0)
 #   GPU_CHECK_CHECK_ARGS   extra arguments for benchmarks/bench.py check
 #   BENCH_ARGS             extra arguments for benchmarks/bench.py local
+#   NCU                    Nsight Compute for the profile stage (default: ncu on PATH,
+#                          else under /opt/nvidia/nsight-compute or /usr/local/cuda/bin)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 
@@ -455,7 +457,9 @@ if want profile; then
   banner profile
   t=$SECONDS
   b=$(left_for profile)
-  if ((!BUILD_OK || !HAVE_GPU || b < 30)) || ! command -v ncu >/dev/null; then
+  # ncu on PATH, else the newest Nsight Compute under /opt/nvidia or CUDA's bin
+  NCU=${NCU:-$(command -v ncu || ls -d /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | tail -n 1)}
+  if ((!BUILD_OK || !HAVE_GPU || b < 30)) || [[ ! -x "$NCU" ]]; then
     echo "skipped: build failed, no GPU, no ncu or only $b s left" >"$OUT/profile.log"
     record profile SKIP 0 "$(cat "$OUT/profile.log")"
   else
@@ -469,12 +473,12 @@ if want profile; then
       extra=()
       [[ $kind == bwd ]] && extra=(--backward)
       echo "## ncu: ${kind}_mma_kernel, h $h, d $d"
-      timeout --kill-after=10 "$left" ncu --clock-control none -k "regex:${kind}_mma_kernel" \
+      timeout --kill-after=10 "$left" "$NCU" --clock-control none -k "regex:${kind}_mma_kernel" \
         --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats \
         --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
         --section ComputeWorkloadAnalysis -o "$OUT/profile/${kind}_h${h}_d${d}" -f \
         "$PY" scripts/profile_kernels.py --n 32768 --heads "$h" --head-dim "$d" "${extra[@]}"
-      ncu --import "$OUT/profile/${kind}_h${h}_d${d}.ncu-rep" --page details \
+      "$NCU" --import "$OUT/profile/${kind}_h${h}_d${d}.ncu-rep" --page details \
         >"$OUT/profile/${kind}_h${h}_d${d}.txt" 2>&1 || true
     done 2>&1 | tee "$OUT/profile.log"
     n=$(find "$OUT/profile" -name '*.ncu-rep' | wc -l)
