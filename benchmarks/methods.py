@@ -26,6 +26,7 @@ that the baselines still run when the extension failed to build.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -274,6 +275,7 @@ def fa4_interface() -> Any:
     return interface
 
 
+@functools.cache
 def fa4_missing() -> str | None:
     """Why flash-attn-4 does not import here (None when it does)."""
     try:
@@ -640,7 +642,6 @@ class Methods:
         self.segs, self.dils, self.causal, self.device = list(segs), list(dils), causal, device
         self.flex_compiled = flex_compiled
         self._flex: FlexDilated | None = None
-        self._fa4_missing: str | None = None  # "" once it imported
         try:
             self.ra, self.ra_error = ring_attention(), None
         except Exception as exc:  # the extension may have failed to build: baselines still run
@@ -662,10 +663,9 @@ class Methods:
         if method == "fa4":
             if self.device.type != "cuda":
                 return "flash-attn-4 runs on CUDA GPUs only"
-            if self._fa4_missing is None:
-                self._fa4_missing = fa4_missing() or ""
-            if self._fa4_missing:
-                return f"flash-attn-4 not importable ({self._fa4_missing})"
+            missing = fa4_missing()
+            if missing:
+                return f"flash-attn-4 not importable ({missing})"
         return None
 
     def dense_is_pattern(self, n: int) -> bool:
