@@ -315,7 +315,7 @@ def test_compute_capability_selects_the_kernel(emu) -> None:
         blocks.append(emu.take_stats()[1])
         close(out, ref, OUT_TOL[F16], "out", f"sm_{cc}")
         close(lse, ref_lse, LSE_TOL[F16], "lse", f"sm_{cc}")
-    # 64-row tiles (tensor cores) against 8-row tiles (SIMT, head_dim 32 fp16)
+    # 128-row tiles (tensor cores, head_dim 32) against 8-row tiles (SIMT, head_dim 32 fp16)
     assert blocks[0] < blocks[1], blocks
 
 

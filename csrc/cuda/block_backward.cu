@@ -372,8 +372,8 @@ __global__ void __launch_bounds__(kThreads) bwd_mma_kernel(const Problem p) {
         }
 
         float x1[NJ][4] = {}, x2[NJ][4] = {};
-        mma_ss<T, NJ, DP>(x1, r1s + warp * 16 * LD, LD, c1s, LD, lane);
-        mma_ss<T, NJ, DP>(x2, r2s + warp * 16 * LD, LD, c2s, LD, lane);
+        mma_ss<T, 1, NJ, DP>(one_tile(x1), r1s + warp * 16 * LD, LD, c1s, LD, lane);
+        mma_ss<T, 1, NJ, DP>(one_tile(x2), r2s + warp * 16 * LD, LD, c2s, LD, lane);
 #pragma unroll
         for (int j = 0; j < NJ; ++j)
 #pragma unroll
@@ -388,8 +388,8 @@ __global__ void __launch_bounds__(kThreads) bwd_mma_kernel(const Problem p) {
             x2[j][e] = ok ? pr * (x2[j][e] - dl) : 0.f;  // dS (or dS^T)
             x1[j][e] = pr;                               // P (or P^T)
           }
-        mma_rs<T, ND, NJ>(a1, x2, c1s, LD, lane);
-        if constexpr (DKDV) mma_rs<T, ND, NJ>(a2, x1, c2s, LD, lane);
+        mma_rs<T, 1, ND, NJ>(one_tile(a1), one_tile(x2), c1s, LD, lane);
+        if constexpr (DKDV) mma_rs<T, 1, ND, NJ>(one_tile(a2), one_tile(x1), c2s, LD, lane);
       }
     }
 

@@ -6,11 +6,15 @@
 // so each K/V tile serves all of them.
 //
 //  * fp16 / bf16, head_dim <= 128, sm_80+: tensor cores (mma.sync m16n8k16,
-//    fp32 accumulate). 4 warps, 64 query rows (16 per warp) x 64 keys per
-//    tile; Q, K, V row-major in shared memory, fragments loaded with ldmatrix
-//    (V with .trans); S and O live in registers, P is re-packed from the S
-//    fragments. K/V tiles are double-buffered: the copy (cp.async) of tile
-//    n+1 is in flight while tile n is computed.
+//    fp32 accumulate). 4 warps, 16 query rows per warp and m-tile (two
+//    m-tiles, 128 rows a block, up to head_dim 64; one, 64 rows, above) x 64
+//    keys per tile; Q, K, V row-major in shared memory, fragments loaded with
+//    ldmatrix (V with .trans); S and O live in registers, P is re-packed from
+//    the S fragments. K/V tiles are double-buffered: the copy (cp.async) of
+//    tile n+1 is in flight while tile n is computed. Which keys a tile
+//    reaches is one 64-bit mask (ballots, staged with the tile); tiles every
+//    row of a warp reaches whole skip the mask, tiles none reaches skip the
+//    products.
 //  * otherwise (fp32, fp64, head_dim up to 256, older GPUs): SIMT kernel, one
 //    lane per key of a 32-key tile, each warp owns ROWS query rows.
 #include <ATen/Dispatch.h>
@@ -128,18 +132,20 @@ __global__ void __launch_bounds__(kThreads) fwd_simt_kernel(const Problem p) {
 }
 
 // ------------------------------------------------------------ tensor cores
-template <typename T, int DP>
+// Each warp owns MT m-tiles of 16 query rows (BM = 64 MT rows a block): every
+// K / V fragment it loads from shared memory serves MT m-tiles.
+template <typename T, int DP, int MT>
 __global__ void __launch_bounds__(kThreads) fwd_mma_kernel(__grid_constant__ const Problem p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
   __trap();  // host only launches this on sm_80+
 #else
-  constexpr int BM = 64, BN = 64, LD = DP + 8, NJ = BN / 8, ND = DP / 8;
+  constexpr int BM = 64 * MT, BN = 64, LD = DP + 8, NJ = BN / 8, ND = DP / 8;
   RING_ATTENTION_DYNAMIC_SMEM(smem);
-  uint16_t* qs = reinterpret_cast<uint16_t*>(smem);             // BM x LD
-  uint16_t* ks = qs + BM * LD;                                  // 2 stages x BN x LD
-  uint16_t* vs = ks + 2 * BN * LD;                              // 2 stages x BN x LD
-  uint8_t* kok = reinterpret_cast<uint8_t*>(vs + 2 * BN * LD);  // 2 stages x BN
-  uint8_t* vbad = kok + 2 * BN;                                 // BN: V row had inf/NaN
+  uint16_t* qs = reinterpret_cast<uint16_t*>(smem);                 // BM x LD
+  uint16_t* ks = qs + BM * LD;                                      // 2 stages x BN x LD
+  uint16_t* vs = ks + 2 * BN * LD;                                  // 2 stages x BN x LD
+  uint64_t* kbits = reinterpret_cast<uint64_t*>(vs + 2 * BN * LD);  // 2 stages: reached keys
+  uint8_t* vbad = reinterpret_cast<uint8_t*>(kbits + 2);            // BN: V row had inf/NaN
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tg = lane % 4;
   const int D = static_cast<int>(p.head_dim);
@@ -150,9 +156,10 @@ __global__ void __launch_bounds__(kThreads) fwd_mma_kernel(__grid_constant__ con
   const float scale_log2 = static_cast<float>(p.scale) * kLog2e;
   float* out = static_cast<float*>(p.out);
   float* lse = static_cast<float*>(p.lse);
-  // This warp's 16 rows are queries m0 + [0, 16) of head heads[slot].
+  // This warp's 16 MT rows are queries m0 + [0, 16 MT) of head heads[slot]
+  // (BM / pack >= 16 MT: they never straddle two heads).
   const int rph = BM / static_cast<int>(p.pack);
-  const RowSlot ws = row_slot(warp * 16, rph);
+  const RowSlot ws = row_slot(warp * 16 * MT, rph);
   const int slot = ws.slot, m0 = ws.m;
 
   Tile t;
@@ -161,7 +168,8 @@ __global__ void __launch_bounds__(kThreads) fwd_mma_kernel(__grid_constant__ con
     const int64_t nk = keys_reached(p, t, nrows - 1);
     if (nk <= 0) continue;
 
-    // Key tile at n0 into stage st (the copies form one cp.async group).
+    // Key tile at n0 into stage st (the copies form one cp.async group), and
+    // its reached keys as a bit mask in kbits[st] (bit c: key n0 + c).
     const auto stage_keys = [&](int64_t n0, int st) {
       const int nvalid = static_cast<int>(imin(BN, nk - n0));
       const int64_t pos0 = t.k.first + n0 * p.r;
@@ -169,8 +177,12 @@ __global__ void __launch_bounds__(kThreads) fwd_mma_kernel(__grid_constant__ con
       const int64_t off = p.k_index(t.b, pos0, t.kvh);
       load_rows16<DP>(ks + st * BN * LD, LD, BN, k + off, k_stride, nvalid, mk, p.r, D, p.vec);
       load_rows16<DP>(vs + st * BN * LD, LD, BN, v + off, k_stride, nvalid, mk, p.r, D, p.vec);
-      if (threadIdx.x < BN) kok[st * BN + threadIdx.x] = row_ok(threadIdx.x, nvalid, mk, p.r);
       cp_async_commit();
+      if (warp == 0) {
+        const uint32_t lo = __ballot_sync(kFull, row_ok(lane, nvalid, mk, p.r));
+        const uint32_t hi = __ballot_sync(kFull, row_ok(lane + 32, nvalid, mk, p.r));
+        if (lane == 0) kbits[st] = static_cast<uint64_t>(hi) << 32 | lo;
+      }
     };
     for (int j = 0; j < p.pack; ++j) {
       load_rows16<DP>(qs + j * rph * LD, LD, rph, q + p.q_index(t.b, t.q.first, t.heads[j]),
@@ -178,13 +190,20 @@ __global__ void __launch_bounds__(kThreads) fwd_mma_kernel(__grid_constant__ con
     }
     stage_keys(0, 0);  // with the query tile: the first group
 
-    // This thread's two rows: queries m0 + g + 8 * i. Causal: key n <= lim[i].
-    int64_t lim[2];
+    // This thread's rows: queries m0 + 16 mt + g + 8 i. Causal: key n <=
+    // m + dm. The warp's first row reaches the fewest keys, its last the most.
+    const int64_t first_reach = m0 + t.dm, last_reach = m0 + 16 * MT - 1 + t.dm;
+    float o[MT][ND][4] = {};
+    float m_run[MT][2], l_run[MT][2];
+    bool poisoned[MT][2];  // the row reached a non-finite V row
 #pragma unroll
-    for (int i = 0; i < 2; ++i) lim[i] = m0 + g + 8 * i + t.dm;
-    float o[ND][4] = {};
-    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
-    bool poisoned[2] = {false, false};  // the row reached a non-finite V row
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        m_run[mt][i] = -INFINITY;
+        l_run[mt][i] = 0.f;
+        poisoned[mt][i] = false;
+      }
 
     for (int64_t n0 = 0, it = 0; n0 < nk; n0 += BN, ++it) {
       const int st = static_cast<int>(it & 1);
@@ -197,84 +216,110 @@ __global__ void __launch_bounds__(kThreads) fwd_mma_kernel(__grid_constant__ con
       __syncthreads();  // stage st complete for every thread
       const uint16_t* kt = ks + st * BN * LD;
       uint16_t* vt = vs + st * BN * LD;
-      const uint8_t* kokt = kok + st * BN;
       // Non-finite V rows enter P.V as zeros; the rows that reach them are
       // poisoned (NaN) below, the others never see them.
       const bool vrow_bad = zero_nonfinite16<T, DP, BN>(vt, LD);
       if (threadIdx.x % (kThreads / BN) == 0) vbad[threadIdx.x / (kThreads / BN)] = vrow_bad;
-      __syncthreads();
+      const bool any_vbad = __syncthreads_or(vrow_bad) != 0;
 
-      float s[NJ][4] = {};
-      mma_ss<T, NJ, DP>(s, qs + warp * 16 * LD, LD, kt, LD, lane);
+      // Warp-uniform: rows past the tile's, or (causal) rows that reach no key
+      // of this tile, would add nothing.
+      if (m0 < nrows && (!p.causal || n0 <= last_reach)) {
+        float s[MT][NJ][4] = {};
+        mma_ss<T, MT, NJ, DP>(s, qs + warp * 16 * MT * LD, LD, kt, LD, lane);
 
-      float mx[2] = {-INFINITY, -INFINITY};
+        // Every key of the tile reached by every row of the warp: no mask.
+        const uint64_t kmask = kbits[st];
+        const bool full = kmask == ~uint64_t{0} && (!p.causal || n0 + BN - 1 <= first_reach);
 #pragma unroll
-      for (int j = 0; j < NJ; ++j)
+        for (int mt = 0; mt < MT; ++mt) {
+          // Causal: key column c of the tile reaches row i iff c <= lim[i].
+          int lim[2];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int col = j * 8 + 2 * tg + (e & 1);
-          const bool ok = kokt[col] && (!p.causal || n0 + col <= lim[e >> 1]);
-          s[j][e] = ok ? s[j][e] * scale_log2 : -INFINITY;
-          mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
+          for (int i = 0; i < 2; ++i)
+            lim[i] = static_cast<int>(imax(-1, imin(BN, first_reach + 16 * mt + g + 8 * i - n0)));
+          float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+          for (int j = 0; j < NJ; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int col = j * 8 + 2 * tg + (e & 1);
+              const bool ok =
+                  full || ((kmask >> col & 1) != 0 && (!p.causal || col <= lim[e >> 1]));
+              s[mt][j][e] = ok ? s[mt][j][e] * scale_log2 : -INFINITY;
+              mx[e >> 1] = fmaxf(mx[e >> 1], s[mt][j][e]);
+            }
+          float m_use[2];
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            mx[i] = fmaxf(mx[i], __shfl_xor_sync(kFull, mx[i], 1));
+            mx[i] = fmaxf(mx[i], __shfl_xor_sync(kFull, mx[i], 2));
+            const float m_new = fmaxf(m_run[mt][i], mx[i]);
+            m_use[i] = m_new == -INFINITY ? 0.f : m_new;
+            const float alpha = exp2f(m_run[mt][i] - m_use[i]);
+            m_run[mt][i] = m_new;
+            l_run[mt][i] *= alpha;
+#pragma unroll
+            for (int j = 0; j < ND; ++j) {
+              o[mt][j][2 * i] *= alpha;
+              o[mt][j][2 * i + 1] *= alpha;
+            }
+          }
+#pragma unroll
+          for (int j = 0; j < NJ; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              s[mt][j][e] = exp2f(s[mt][j][e] - m_use[e >> 1]);
+              l_run[mt][e >> 1] += s[mt][j][e];  // quad-partial sums, reduced at the end
+            }
+          if (any_vbad) {  // block-uniform
+#pragma unroll
+            for (int j = 0; j < NJ; ++j)
+#pragma unroll
+              for (int e = 0; e < 4; ++e)
+                if (s[mt][j][e] != 0.f && vbad[j * 8 + 2 * tg + (e & 1)])
+                  poisoned[mt][e >> 1] = true;
+          }
         }
-      float alpha[2], m_use[2];
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        mx[i] = fmaxf(mx[i], __shfl_xor_sync(kFull, mx[i], 1));
-        mx[i] = fmaxf(mx[i], __shfl_xor_sync(kFull, mx[i], 2));
-        const float m_new = fmaxf(m_run[i], mx[i]);
-        m_use[i] = m_new == -INFINITY ? 0.f : m_new;
-        alpha[i] = exp2f(m_run[i] - m_use[i]);
-        m_run[i] = m_new;
-        l_run[i] *= alpha[i];
+        mma_rs<T, MT, ND, NJ>(o, s, vt, LD, lane);
       }
-#pragma unroll
-      for (int j = 0; j < NJ; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          s[j][e] = exp2f(s[j][e] - m_use[e >> 1]);
-          l_run[e >> 1] += s[j][e];  // quad-partial sums, reduced at the end
-          if (s[j][e] != 0.f && vbad[j * 8 + 2 * tg + (e & 1)]) poisoned[e >> 1] = true;
-        }
-#pragma unroll
-      for (int j = 0; j < ND; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[j][e] *= alpha[e >> 1];
-      mma_rs<T, ND, NJ>(o, s, vt, LD, lane);
       __syncthreads();  // stage st and vbad fully read before they are rewritten
     }
 
-    float old[2], l[2];
-    bool write[2];
-    int64_t pos[2];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      l[i] = l_run[i] + __shfl_xor_sync(kFull, l_run[i], 1);
-      l[i] += __shfl_xor_sync(kFull, l[i], 2);
-      // (every lane shuffles: no short-circuit)
-      poisoned[i] |= __shfl_xor_sync(kFull, poisoned[i] ? 1 : 0, 1) != 0;
-      poisoned[i] |= __shfl_xor_sync(kFull, poisoned[i] ? 1 : 0, 2) != 0;
-      const int m = m0 + g + 8 * i;
-      write[i] = m < nrows && l[i] != 0.f;
-      pos[i] = t.q.first + m * p.r;
-      old[i] = write[i] ? lse[p.row_index(t.b, t.heads[slot], pos[i])] : 0.f;
-    }
-    __syncwarp();  // every lane has read lse before any lane writes it
+    for (int mt = 0; mt < MT; ++mt) {
+      float old[2], l[2];
+      bool write[2];
+      int64_t pos[2];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      if (!write[i]) continue;
-      const float blk = (m_run[i] + log2f(l[i])) / kLog2e, inv_l = 1.f / l[i];
-      const float nl = merged_lse(old[i], blk);
-      float* orow = out + p.q_index(t.b, pos[i], t.heads[slot]);
+      for (int i = 0; i < 2; ++i) {
+        l[i] = l_run[mt][i] + __shfl_xor_sync(kFull, l_run[mt][i], 1);
+        l[i] += __shfl_xor_sync(kFull, l[i], 2);
+        // (every lane shuffles: no short-circuit)
+        poisoned[mt][i] |= __shfl_xor_sync(kFull, poisoned[mt][i] ? 1 : 0, 1) != 0;
+        poisoned[mt][i] |= __shfl_xor_sync(kFull, poisoned[mt][i] ? 1 : 0, 2) != 0;
+        const int m = m0 + 16 * mt + g + 8 * i;
+        write[i] = m < nrows && l[i] != 0.f;
+        pos[i] = t.q.first + m * p.r;
+        old[i] = write[i] ? lse[p.row_index(t.b, t.heads[slot], pos[i])] : 0.f;
+      }
+      __syncwarp();  // every lane has read lse before any lane writes it
 #pragma unroll
-      for (int j = 0; j < ND; ++j)
+      for (int i = 0; i < 2; ++i) {
+        if (!write[i]) continue;
+        const float blk = (m_run[mt][i] + log2f(l[i])) / kLog2e, inv_l = 1.f / l[i];
+        const float nl = merged_lse(old[i], blk);
+        float* orow = out + p.q_index(t.b, pos[i], t.heads[slot]);
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int d = j * 8 + 2 * tg + e;
-          const float value = poisoned[i] ? NAN : o[j][2 * i + e] * inv_l;
-          if (d < D) orow[d] = merge_value(orow[d], value, old[i], blk, nl);
-        }
-      if (tg == 0) lse[p.row_index(t.b, t.heads[slot], pos[i])] = nl;
+        for (int j = 0; j < ND; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int d = j * 8 + 2 * tg + e;
+            const float value = poisoned[mt][i] ? NAN : o[mt][j][2 * i + e] * inv_l;
+            if (d < D) orow[d] = merge_value(orow[d], value, old[i], blk, nl);
+          }
+        if (tg == 0) lse[p.row_index(t.b, t.heads[slot], pos[i])] = nl;
+      }
     }
   }
 #endif
@@ -301,11 +346,18 @@ void dispatch_simt(const Problem& p, at::IntArrayRef segs, at::IntArrayRef dils)
   launch_simt<T, C, 8>(p, segs, dils);
 }
 
+// m-tiles per warp: two where the doubled query tile's registers fit (head
+// dims up to 64), else one.
+template <int DP>
+constexpr int mma_m_tiles() {
+  return DP <= 64 ? 2 : 1;
+}
+
 template <typename T, int DP>
 void launch_mma(const Problem& p, at::IntArrayRef segs, at::IntArrayRef dils) {
-  constexpr int BM = 64, BN = 64;
-  const size_t smem = (BM + 4 * BN) * (DP + 8) * sizeof(uint16_t) + 3 * BN;
-  launch_branches(fwd_mma_kernel<T, DP>, p, segs, dils, false, BM, smem);
+  constexpr int MT = mma_m_tiles<DP>(), BM = 64 * MT, BN = 64;
+  const size_t smem = (BM + 4 * BN) * (DP + 8) * sizeof(uint16_t) + 2 * sizeof(uint64_t) + BN;
+  launch_branches(fwd_mma_kernel<T, DP, MT>, p, segs, dils, false, BM, smem);
 }
 
 template <typename T>

@@ -273,18 +273,32 @@ __device__ inline void load_rows16(uint16_t* s, int ld, int rows, const uint16_t
 // shared memory, each thread its part of one row (kThreads / ROWS threads per
 // row, adjacent lanes); returns whether the thread's row held any (the same on
 // the row's threads). The tile must be complete (after a barrier) and is
-// readable again after the next one.
+// readable again after the next one. Reads 16 bytes at a time and writes only
+// where it found one.
 template <typename T, int DP, int ROWS>
 __device__ inline bool zero_nonfinite16(uint16_t* s, int ld) {
-  static_assert(kThreads % ROWS == 0 && DP % (kThreads / ROWS) == 0);
   constexpr int kParts = kThreads / ROWS, kCols = DP / kParts;
-  constexpr uint16_t kExp = std::is_same_v<T, c10::BFloat16> ? 0x7F80 : 0x7C00;
-  uint16_t* row = s + (threadIdx.x / kParts) * ld + (threadIdx.x % kParts) * kCols;
+  static_assert(kThreads % ROWS == 0 && DP % kParts == 0 && kCols % 8 == 0);
+  // The exponent bits of both halves of a 32-bit word: a half is inf / NaN
+  // iff all of its exponent bits are set.
+  constexpr uint32_t kExp = std::is_same_v<T, c10::BFloat16> ? 0x7F807F80u : 0x7C007C00u;
+  uint4* row =
+      reinterpret_cast<uint4*>(s + (threadIdx.x / kParts) * ld + (threadIdx.x % kParts) * kCols);
   bool bad = false;
-#pragma unroll 8
-  for (int c = 0; c < kCols; ++c) {
-    if ((row[c] & kExp) == kExp) {
-      row[c] = 0;
+#pragma unroll 2  // unrolled whole, the loads' registers made the dq kernel spill more
+  for (int c = 0; c < kCols / 8; ++c) {
+    const uint4 x = row[c];
+    uint32_t w[4] = {x.x, x.y, x.z, x.w};
+    bool found = false;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t unset = (w[i] & kExp) ^ kExp;  // a half is 0 where all were set
+      if ((unset & 0xFFFFu) == 0) w[i] &= 0xFFFF0000u;
+      if ((unset >> 16) == 0) w[i] &= 0x0000FFFFu;
+      found |= (unset & 0xFFFFu) == 0 || (unset >> 16) == 0;
+    }
+    if (found) {
+      row[c] = uint4{w[0], w[1], w[2], w[3]};
       bad = true;
     }
   }
@@ -316,47 +330,68 @@ __device__ inline uint32_t pack2(float lo, float hi) {
 // next (.trans: column l/4, rows 2(l%4) and the next). So A's four 8x8
 // quarters, or B's b0/b1 for two n-blocks, come with one instruction.
 
-// c[NJ] += A * B^T, A: 16 x K row-major (lda), B: NJ*8 x K row-major (ldb),
-// both in shared memory.
-template <typename T, int NJ, int K>
-__device__ inline void mma_ss(float (&c)[NJ][4], const uint16_t* A, int lda, const uint16_t* B,
+// c[mt] += A_mt * B^T for MT m-tiles: A_mt is the 16 x K row-major tile at
+// A + 16 mt rows (lda), B: NJ*8 x K row-major (ldb), both in shared memory.
+// Each B fragment loaded serves the MT m-tiles.
+template <typename T, int MT, int NJ, int K>
+__device__ inline void mma_ss(float (&c)[MT][NJ][4], const uint16_t* A, int lda, const uint16_t* B,
                               int ldb, int lane) {
   static_assert(NJ % 2 == 0 && K % 16 == 0, "mma_ss: NJ even, K a multiple of 16");
   const int r = lane % 8, hi = (lane / 8) & 1, pair = lane / 16;
 #pragma unroll
   for (int k0 = 0; k0 < K; k0 += 16) {
-    uint32_t a[4];
-    ldmatrix_x4(a, A + (r + 8 * hi) * lda + k0 + 8 * pair);
+    uint32_t a[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+      ldmatrix_x4(a[mt], A + (16 * mt + r + 8 * hi) * lda + k0 + 8 * pair);
 #pragma unroll
     for (int j = 0; j < NJ; j += 2) {
       uint32_t b[4];  // b0, b1 of n-block j, then of j + 1
       ldmatrix_x4(b, B + ((j + pair) * 8 + r) * ldb + k0 + 8 * hi);
-      mma_m16n8k16<T>(c[j], a, b[0], b[1]);
-      mma_m16n8k16<T>(c[j + 1], a, b[2], b[3]);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        mma_m16n8k16<T>(c[mt][j], a[mt], b[0], b[1]);
+        mma_m16n8k16<T>(c[mt][j + 1], a[mt], b[2], b[3]);
+      }
     }
   }
 }
 
-// c[NJ] += X * V where X (16 x 8*KJ) is held as C fragments x[KJ] (rounded to
-// T) and V: 8*KJ x NJ*8 row-major (ldv) in shared memory.
-template <typename T, int NJ, int KJ>
-__device__ inline void mma_rs(float (&c)[NJ][4], const float (&x)[KJ][4], const uint16_t* V,
+// c[mt] += X_mt * V for MT m-tiles, where X_mt (16 x 8*KJ) is held as C
+// fragments x[mt][KJ] (rounded to T) and V: 8*KJ x NJ*8 row-major (ldv) in
+// shared memory. Each V fragment loaded serves the MT m-tiles.
+template <typename T, int MT, int NJ, int KJ>
+__device__ inline void mma_rs(float (&c)[MT][NJ][4], const float (&x)[MT][KJ][4], const uint16_t* V,
                               int ldv, int lane) {
   static_assert(NJ % 2 == 0 && KJ % 2 == 0, "mma_rs: NJ and KJ even");
   const int r = lane % 8, hi = (lane / 8) & 1, pair = lane / 16;
 #pragma unroll
   for (int kk = 0; kk < KJ / 2; ++kk) {
-    const uint32_t a[4] = {
-        pack2<T>(x[2 * kk][0], x[2 * kk][1]), pack2<T>(x[2 * kk][2], x[2 * kk][3]),
-        pack2<T>(x[2 * kk + 1][0], x[2 * kk + 1][1]), pack2<T>(x[2 * kk + 1][2], x[2 * kk + 1][3])};
+    uint32_t a[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      a[mt][0] = pack2<T>(x[mt][2 * kk][0], x[mt][2 * kk][1]);
+      a[mt][1] = pack2<T>(x[mt][2 * kk][2], x[mt][2 * kk][3]);
+      a[mt][2] = pack2<T>(x[mt][2 * kk + 1][0], x[mt][2 * kk + 1][1]);
+      a[mt][3] = pack2<T>(x[mt][2 * kk + 1][2], x[mt][2 * kk + 1][3]);
+    }
 #pragma unroll
     for (int j = 0; j < NJ; j += 2) {
       uint32_t b[4];  // b0, b1 of n-block j, then of j + 1
       ldmatrix_x4_trans(b, V + (kk * 16 + 8 * hi + r) * ldv + (j + pair) * 8);
-      mma_m16n8k16<T>(c[j], a, b[0], b[1]);
-      mma_m16n8k16<T>(c[j + 1], a, b[2], b[3]);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        mma_m16n8k16<T>(c[mt][j], a[mt], b[0], b[1]);
+        mma_m16n8k16<T>(c[mt][j + 1], a[mt], b[2], b[3]);
+      }
     }
   }
+}
+
+// The fragments of one m-tile as the MT = 1 operand of mma_ss / mma_rs.
+template <int N>
+__device__ inline auto one_tile(float (&c)[N][4]) -> float (&)[1][N][4] {
+  return reinterpret_cast<float (&)[1][N][4]>(c);
 }
 
 // ---------------------------------------------------------------- host side

@@ -174,6 +174,11 @@ struct BlockState {
   std::vector<WarpState> warps;
   int bar_arrived = 0;
   uint64_t bar_gen = 0;
+  // __syncthreads_or: the predicate gathered for the open barrier, and each
+  // generation's result (by parity: a thread reads it before the barrier
+  // after next can complete).
+  bool bar_or = false;
+  bool bar_or_result[2] = {false, false};
   std::string error;
   void (*body)(void*) = nullptr;
   void* body_arg = nullptr;
@@ -216,17 +221,23 @@ inline void yield() {
   for (;;) yield();
 }
 
-inline void syncthreads() {
+// A block barrier; returns whether any thread passed pred != 0 (as
+// __syncthreads_or; plain __syncthreads passes 0).
+inline bool syncthreads(bool pred = false) {
   BlockState& b = *g_block;
   const uint64_t gen = b.bar_gen;
+  b.bar_or = b.bar_or || pred;
   if (++b.bar_arrived == b.nthreads - b.ndone) {
     b.bar_arrived = 0;
+    b.bar_or_result[gen & 1] = b.bar_or;
+    b.bar_or = false;
     ++b.bar_gen;
-    return;
+    return b.bar_or_result[gen & 1];
   }
   b.wait[b.current] = Wait::block;
   b.wait_gen[b.current] = gen;
   yield();
+  return b.bar_or_result[gen & 1];
 }
 
 // Deposit this lane's slot, wait for the 32 lanes of the warp, return them.

@@ -25,6 +25,7 @@ using std::isnan;
 #define RING_ATTENTION_DYNAMIC_SMEM(name) unsigned char* const name = ::cuda_emulator::g_block->smem
 
 inline void __syncthreads() { cuda_emulator::syncthreads(); }
+inline int __syncthreads_or(int pred) { return cuda_emulator::syncthreads(pred != 0) ? 1 : 0; }
 inline void __syncwarp(unsigned mask = 0xffffffffu) {
   cuda_emulator::warp_collective(cuda_emulator::Slot{cuda_emulator::Kind::sync, mask, {}});
 }
@@ -44,6 +45,14 @@ inline int __any_sync(unsigned mask, int pred) {
   for (int i = 0; i < 32; ++i)
     if (all[i].v[0] != 0) return 1;
   return 0;
+}
+inline unsigned __ballot_sync(unsigned mask, int pred) {
+  const cuda_emulator::Slot* all = cuda_emulator::warp_collective(
+      cuda_emulator::Slot{cuda_emulator::Kind::vote, mask, {pred != 0 ? 1u : 0u}});
+  unsigned bits = 0;
+  for (int i = 0; i < 32; ++i)
+    if (all[i].v[0] != 0) bits |= 1u << i;
+  return bits;
 }
 [[noreturn]] inline void __trap() { cuda_emulator::fail("__trap()"); }
 
