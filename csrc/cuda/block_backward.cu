@@ -17,7 +17,11 @@
 //  * fp16 / bf16, head_dim <= 128, sm_80+: mma.sync m16n8k16 (fp32 accumulate),
 //    4 warps x 16 rows, 32 or 64 columns per tile, operands row-major in
 //    shared memory, fragments loaded with ldmatrix (.trans for the second
-//    products, whose k dimension runs down the columns of C1 and C2).
+//    products, whose k dimension runs down the columns of C1 and C2). Column
+//    tiles are double-buffered (cp.async of the next in flight while one is
+//    computed, across column heads too); which columns a tile reaches is one
+//    64-bit mask; a warp skips the mask where its rows reach the whole tile
+//    and the products where they reach none of it.
 //  * otherwise: SIMT, one lane per column of a 32-column tile.
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
@@ -277,11 +281,33 @@ template <int DP>
 constexpr int mma_cols() {
   return DP > 64 ? 32 : 64;
 }
+// Two stages of column tiles (C1, C2), their reached columns as bit masks and
+// (dkdv) their lse / delta; the row tile (R1, R2).
 template <int DP, bool DKDV>
 constexpr size_t mma_smem() {
   constexpr int BM = 64, BN = mma_cols<DP>(), LD = DP + 8;
-  return (2 * BM * LD + 2 * BN * LD) * sizeof(uint16_t) + BN * (2 * sizeof(float) + 1);
+  return (2 * BM * LD + 4 * BN * LD) * sizeof(uint16_t) + 2 * sizeof(uint64_t) +
+         (DKDV ? 4 * BN * sizeof(float) : 0);
 }
+
+// The column steps of a tile, in order: column tiles c0 = c_begin, c_begin +
+// BN, ... < c_end of each column head in turn (dq: one).
+template <bool DKDV, int BN>
+struct ColumnSteps {
+  int64_t hq, c0;
+  __device__ ColumnSteps(const Span& sp, const Tile& t) : hq(t.heads[0]), c0(sp.c_begin) {}
+  __device__ bool done(const Problem& p, const Tile& t) const {
+    return hq >= heads_end<DKDV>(p, t);
+  }
+  __device__ void advance(const Problem& p, const Tile& t, const Span& sp) {
+    c0 += BN;
+    if (c0 < sp.c_end) return;
+    c0 = sp.c_begin;
+    do {
+      ++hq;
+    } while (hq < heads_end<DKDV>(p, t) && !column_head<DKDV>(p, t, hq));
+  }
+};
 
 template <typename T, int DP, bool DKDV>
 __global__ void __launch_bounds__(kThreads) bwd_mma_kernel(const Problem p) {
@@ -291,13 +317,13 @@ __global__ void __launch_bounds__(kThreads) bwd_mma_kernel(const Problem p) {
   constexpr int BM = 64, BN = mma_cols<DP>(), LD = DP + 8;
   constexpr int NJ = BN / 8, ND = DP / 8, NA = DKDV ? ND : 1;
   RING_ATTENTION_DYNAMIC_SMEM(smem);
-  uint16_t* r1s = reinterpret_cast<uint16_t*>(smem);  // BM x LD
-  uint16_t* r2s = r1s + BM * LD;                      // BM x LD
-  uint16_t* c1s = r2s + BM * LD;                      // BN x LD
-  uint16_t* c2s = c1s + BN * LD;                      // BN x LD
-  float* col_lse = reinterpret_cast<float*>(c2s + BN * LD);
-  float* col_delta = col_lse + BN;
-  uint8_t* col_ok = reinterpret_cast<uint8_t*>(col_delta + BN);
+  uint16_t* r1s = reinterpret_cast<uint16_t*>(smem);                 // BM x LD
+  uint16_t* r2s = r1s + BM * LD;                                     // BM x LD
+  uint16_t* c1s = r2s + BM * LD;                                     // 2 stages x BN x LD
+  uint16_t* c2s = c1s + 2 * BN * LD;                                 // 2 stages x BN x LD
+  uint64_t* kbits = reinterpret_cast<uint64_t*>(c2s + 2 * BN * LD);  // 2 stages: reached columns
+  float* col_lse = reinterpret_cast<float*>(kbits + 2);              // dkdv: 2 stages x BN
+  float* col_delta = col_lse + 2 * BN;                               // dkdv: 2 stages x BN
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tg = lane % 4;
   const int D = static_cast<int>(p.head_dim);
@@ -322,7 +348,39 @@ __global__ void __launch_bounds__(kThreads) bwd_mma_kernel(const Problem p) {
       load_rows16<DP>(r1t, LD, rph, rows.r1, rows.stride, sp.nrows, rows.mask, p.r, D, p.vec);
       load_rows16<DP>(r2t, LD, rph, rows.r2, rows.stride, sp.nrows, rows.mask, p.r, D, p.vec);
     }
-    cp_async_commit();  // waited for with the first column tile
+
+    // Column step `cs` into stage st: C1, C2 (one cp.async group), the bit
+    // mask of its reached columns (bit c: column c0 + c) in kbits[st], and
+    // (dkdv) this thread's column's lse / delta, returned to be stored in
+    // the stage once the step before has been computed.
+    const auto stage_cols = [&](const ColumnSteps<DKDV, BN>& cs, int st, float& cl, float& cd) {
+      const int nvalid = static_cast<int>(imin(BN, sp.c_end - cs.c0));
+      const Columns<uint16_t, DKDV> cols(p, t, cs.hq, cs.c0);
+      load_rows16<DP>(c1s + st * BN * LD, LD, BN, cols.c1, cols.stride, nvalid, cols.mask, p.r, D,
+                      p.vec);
+      load_rows16<DP>(c2s + st * BN * LD, LD, BN, cols.c2, cols.stride, nvalid, cols.mask, p.r, D,
+                      p.vec);
+      cp_async_commit();
+      if (warp == 0) {
+        const uint32_t lo = __ballot_sync(kFull, row_ok(lane, nvalid, cols.mask, p.r));
+        const uint32_t hi = __ballot_sync(kFull, row_ok(lane + 32, nvalid, cols.mask, p.r));
+        if (lane == 0) kbits[st] = static_cast<uint64_t>(hi) << 32 | lo;
+      }
+      if (DKDV && threadIdx.x < BN) {
+        const int c = threadIdx.x;
+        const bool ok = row_ok(c, nvalid, cols.mask, p.r);
+        const int64_t si = p.row_index(t.b, cs.hq, t.q.first + (cs.c0 + c) * p.r);
+        cl = ok ? lse_for_exp(lse[si], kLog2e) : INFINITY;
+        cd = ok ? delta[si] : 0.f;
+      }
+    };
+    ColumnSteps<DKDV, BN> cur(sp, t);
+    float cl = INFINITY, cd = 0.f;
+    stage_cols(cur, 0, cl, cd);  // with the row tile: the first group
+    if (DKDV && threadIdx.x < BN) {
+      col_lse[threadIdx.x] = cl;
+      col_delta[threadIdx.x] = cd;
+    }
 
     // This thread's rows m0 + g + 8 * i of its slot.
     const Rows<uint16_t, DKDV> rows(p, t, slot);
@@ -340,57 +398,76 @@ __global__ void __launch_bounds__(kThreads) bwd_mma_kernel(const Problem p) {
         row_delta[i] = delta[si];
       }
     }
+    const bool rows_all_ok = __all_sync(kFull, rok[0] && rok[1]);
     float a1[ND][4] = {}, a2[NA][4] = {};
 
-    for (int64_t hq = t.heads[0]; hq < heads_end<DKDV>(p, t); ++hq) {
-      if (!column_head<DKDV>(p, t, hq)) continue;
-      for (int64_t c0 = sp.c_begin; c0 < sp.c_end; c0 += BN) {
-        const int nvalid = static_cast<int>(imin(BN, sp.c_end - c0));
-        const Columns<uint16_t, DKDV> cols(p, t, hq, c0);
-        __syncthreads();  // the previous column tile fully read
-        load_rows16<DP>(c1s, LD, BN, cols.c1, cols.stride, nvalid, cols.mask, p.r, D, p.vec);
-        load_rows16<DP>(c2s, LD, BN, cols.c2, cols.stride, nvalid, cols.mask, p.r, D, p.vec);
-        cp_async_commit();
-        if (threadIdx.x < BN) {
-          const int c = threadIdx.x;
-          const bool ok = row_ok(c, nvalid, cols.mask, p.r);
-          col_ok[c] = ok;
-          if (DKDV) {
-            const int64_t si = p.row_index(t.b, hq, t.q.first + (c0 + c) * p.r);
-            col_lse[c] = ok ? lse_for_exp(lse[si], kLog2e) : INFINITY;
-            col_delta[c] = ok ? delta[si] : 0.f;
-          }
-        }
+    for (int it = 0; !cur.done(p, t); ++it) {
+      const int st = it & 1;
+      ColumnSteps<DKDV, BN> next = cur;
+      next.advance(p, t, sp);
+      const bool more = !next.done(p, t);
+      if (more) {
+        stage_cols(next, st ^ 1, cl, cd);  // its stage was last read before the previous barrier
+        cp_async_wait<1>();
+      } else {
         cp_async_wait<0>();
+      }
+      __syncthreads();  // stage st complete for every thread
+      const uint16_t* c1t = c1s + st * BN * LD;
+      const uint16_t* c2t = c2s + st * BN * LD;
+      if constexpr (!DKDV) {
+        // dQ += dS K: a key no row reaches has dS = 0 and its K row may be
+        // non-finite: zeroed. A row that reaches it has a non-finite lse
+        // (the forward's), so its P, dS and dQ stay NaN without that row.
+        zero_nonfinite16<T, DP, BN>(c1s + st * BN * LD, LD);
         __syncthreads();
-        if constexpr (!DKDV) {
-          // dQ += dS K: a key no row reaches has dS = 0 and its K row may be
-          // non-finite: zeroed. A row that reaches it has a non-finite lse
-          // (the forward's), so its P, dS and dQ stay NaN without that row.
-          zero_nonfinite16<T, DP, BN>(c1s, LD);
-          __syncthreads();
-        }
+      }
 
+      // Causal: row m (query, dq) reaches column c (key) iff c <= m + dm;
+      // (dkdv: key row m is reached by query column c iff c >= m - dm).
+      // Warp-uniform: every pair of the warp's rows and the tile's columns
+      // reached, or none.
+      const int64_t c0 = cur.c0;
+      const uint64_t kmask = kbits[st];
+      const int64_t lo_m = m0, hi_m = m0 + 15;
+      const bool none = DKDV ? c0 + BN - 1 < lo_m - t.dm : c0 > hi_m + t.dm;
+      const bool full = kmask == ~uint64_t{0} && rows_all_ok &&
+                        (!p.causal || (DKDV ? c0 >= hi_m - t.dm : c0 + BN - 1 <= lo_m + t.dm));
+      if (m0 < sp.nrows && !(p.causal && none)) {
         float x1[NJ][4] = {}, x2[NJ][4] = {};
-        mma_ss<T, 1, NJ, DP>(one_tile(x1), r1s + warp * 16 * LD, LD, c1s, LD, lane);
-        mma_ss<T, 1, NJ, DP>(one_tile(x2), r2s + warp * 16 * LD, LD, c2s, LD, lane);
+        mma_ss<T, 1, NJ, DP>(one_tile(x1), r1s + warp * 16 * LD, LD, c1t, LD, lane);
+        mma_ss<T, 1, NJ, DP>(one_tile(x2), r2s + warp * 16 * LD, LD, c2t, LD, lane);
+        const float* clse = col_lse + st * BN;
+        const float* cdelta = col_delta + st * BN;
+        // Causal bound of this thread's rows as a column index of the tile.
+        int lim[2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int64_t m = m0 + g + 8 * i;
+          lim[i] = static_cast<int>(imax(-1, imin(BN, DKDV ? m - t.dm - c0 : m + t.dm - c0)));
+        }
 #pragma unroll
         for (int j = 0; j < NJ; ++j)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int i = e >> 1, col = j * 8 + 2 * tg + (e & 1);
-            const int64_t ridx = m0 + g + 8 * i, cidx = c0 + col;
-            const int64_t qi = DKDV ? cidx : ridx, ki = DKDV ? ridx : cidx;
-            const bool ok = col_ok[col] && rok[i] && (!p.causal || ki <= qi + t.dm);
-            const float l = DKDV ? col_lse[col] : row_lse[i];
-            const float dl = DKDV ? col_delta[col] : row_delta[i];
+            const bool causal_ok = DKDV ? col >= lim[i] : col <= lim[i];
+            const bool ok = full || ((kmask >> col & 1) != 0 && rok[i] && (!p.causal || causal_ok));
+            const float l = DKDV ? clse[col] : row_lse[i];
+            const float dl = DKDV ? cdelta[col] : row_delta[i];
             const float pr = ok ? exp2f(x1[j][e] * scale_log2 - l) : 0.f;
             x2[j][e] = ok ? pr * (x2[j][e] - dl) : 0.f;  // dS (or dS^T)
             x1[j][e] = pr;                               // P (or P^T)
           }
-        mma_rs<T, 1, ND, NJ>(one_tile(a1), one_tile(x2), c1s, LD, lane);
-        if constexpr (DKDV) mma_rs<T, 1, ND, NJ>(one_tile(a2), one_tile(x1), c2s, LD, lane);
+        mma_rs<T, 1, ND, NJ>(one_tile(a1), one_tile(x2), c1t, LD, lane);
+        if constexpr (DKDV) mma_rs<T, 1, ND, NJ>(one_tile(a2), one_tile(x1), c2t, LD, lane);
       }
+      if (DKDV && more && threadIdx.x < BN) {  // stage st ^ 1 was last read before the barrier
+        col_lse[(st ^ 1) * BN + threadIdx.x] = cl;
+        col_delta[(st ^ 1) * BN + threadIdx.x] = cd;
+      }
+      cur = next;
+      __syncthreads();  // stage st fully read before it is rewritten
     }
 
     const float scale = static_cast<float>(p.scale);

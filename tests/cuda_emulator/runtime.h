@@ -46,6 +46,13 @@ inline int __any_sync(unsigned mask, int pred) {
     if (all[i].v[0] != 0) return 1;
   return 0;
 }
+inline int __all_sync(unsigned mask, int pred) {
+  const cuda_emulator::Slot* all = cuda_emulator::warp_collective(
+      cuda_emulator::Slot{cuda_emulator::Kind::vote, mask, {pred != 0 ? 1u : 0u}});
+  for (int i = 0; i < 32; ++i)
+    if (all[i].v[0] == 0) return 0;
+  return 1;
+}
 inline unsigned __ballot_sync(unsigned mask, int pred) {
   const cuda_emulator::Slot* all = cuda_emulator::warp_collective(
       cuda_emulator::Slot{cuda_emulator::Kind::vote, mask, {pred != 0 ? 1u : 0u}});
