@@ -6,15 +6,14 @@
 // so each K/V tile serves all of them.
 //
 //  * fp16 / bf16, head_dim <= 128, sm_80+: tensor cores (mma.sync m16n8k16,
-//    fp32 accumulate). 4 warps, 16 query rows per warp and m-tile (two
-//    m-tiles, 128 rows a block, up to head_dim 64; one, 64 rows, above) x 64
-//    keys per tile; Q, K, V row-major in shared memory, fragments loaded with
-//    ldmatrix (V with .trans); S and O live in registers, P is re-packed from
-//    the S fragments. K/V tiles are double-buffered: the copy (cp.async) of
-//    tile n+1 is in flight while tile n is computed. Which keys a tile
-//    reaches is one 64-bit mask (ballots, staged with the tile); tiles every
-//    row of a warp reaches whole skip the mask, tiles none reaches skip the
-//    products.
+//    fp32 accumulate). 4 warps, two m-tiles of 16 query rows per warp (128
+//    rows a block) x 64 keys per tile (32 above head_dim 64); Q, K, V
+//    row-major in shared memory, fragments loaded with ldmatrix (V with
+//    .trans); S and O live in registers, P is re-packed from the S
+//    fragments. K/V tiles are double-buffered: the copy (cp.async) of tile
+//    n+1 is in flight while tile n is computed. Which keys a tile reaches is
+//    one 64-bit mask (ballots, staged with the tile); tiles every row of a
+//    warp reaches whole skip the mask, tiles none reaches skip the products.
 //  * otherwise (fp32, fp64, head_dim up to 256, older GPUs): SIMT kernel, one
 //    lane per key of a 32-key tile, each warp owns ROWS query rows.
 #include <ATen/Dispatch.h>
@@ -133,13 +132,16 @@ __global__ void __launch_bounds__(kThreads) fwd_simt_kernel(const Problem p) {
 
 // ------------------------------------------------------------ tensor cores
 // Each warp owns MT m-tiles of 16 query rows (BM = 64 MT rows a block): every
-// K / V fragment it loads from shared memory serves MT m-tiles.
-template <typename T, int DP, int MT>
+// K / V fragment it loads from shared memory serves MT m-tiles. BN keys a
+// tile (at most 64).
+template <typename T, int DP, int MT, int BN>
 __global__ void __launch_bounds__(kThreads) fwd_mma_kernel(__grid_constant__ const Problem p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
   __trap();  // host only launches this on sm_80+
 #else
-  constexpr int BM = 64 * MT, BN = 64, LD = DP + 8, NJ = BN / 8, ND = DP / 8;
+  static_assert(BN % 16 == 0 && BN <= 64);
+  constexpr int BM = 64 * MT, LD = DP + 8, NJ = BN / 8, ND = DP / 8;
+  constexpr uint64_t kAllKeys = ~uint64_t{0} >> (64 - BN);
   RING_ATTENTION_DYNAMIC_SMEM(smem);
   uint16_t* qs = reinterpret_cast<uint16_t*>(smem);                 // BM x LD
   uint16_t* ks = qs + BM * LD;                                      // 2 stages x BN x LD
@@ -230,7 +232,7 @@ __global__ void __launch_bounds__(kThreads) fwd_mma_kernel(__grid_constant__ con
 
         // Every key of the tile reached by every row of the warp: no mask.
         const uint64_t kmask = kbits[st];
-        const bool full = kmask == ~uint64_t{0} && (!p.causal || n0 + BN - 1 <= first_reach);
+        const bool full = kmask == kAllKeys && (!p.causal || n0 + BN - 1 <= first_reach);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           // Causal: key column c of the tile reaches row i iff c <= lim[i].
@@ -346,18 +348,21 @@ void dispatch_simt(const Problem& p, at::IntArrayRef segs, at::IntArrayRef dils)
   launch_simt<T, C, 8>(p, segs, dils);
 }
 
-// m-tiles per warp: two where the doubled query tile's registers fit (head
-// dims up to 64), else one.
+// Two m-tiles per warp (128 query rows a block) at every head dim; 64 keys a
+// tile up to head_dim 64, 32 above, so that the accumulators of both m-tiles
+// fit the registers (ptxas, sm_90: 240-250 registers, no spills). These are
+// FlashAttention-2's sm_80 tiles for non-causal attention; not yet timed
+// against the 64-row tiles on a GPU.
 template <int DP>
-constexpr int mma_m_tiles() {
-  return DP <= 64 ? 2 : 1;
+constexpr int mma_keys() {
+  return DP <= 64 ? 64 : 32;
 }
 
 template <typename T, int DP>
 void launch_mma(const Problem& p, at::IntArrayRef segs, at::IntArrayRef dils) {
-  constexpr int MT = mma_m_tiles<DP>(), BM = 64 * MT, BN = 64;
+  constexpr int MT = 2, BM = 64 * MT, BN = mma_keys<DP>();
   const size_t smem = (BM + 4 * BN) * (DP + 8) * sizeof(uint16_t) + 2 * sizeof(uint64_t) + BN;
-  launch_branches(fwd_mma_kernel<T, DP, MT>, p, segs, dils, false, BM, smem);
+  launch_branches(fwd_mma_kernel<T, DP, MT, BN>, p, segs, dils, false, BM, smem);
 }
 
 template <typename T>
