@@ -310,7 +310,7 @@ struct ColumnSteps {
 };
 
 template <typename T, int DP, bool DKDV>
-__global__ void __launch_bounds__(kThreads) bwd_mma_kernel(const Problem p) {
+__global__ void __launch_bounds__(kThreads) bwd_mma_kernel(__grid_constant__ const Problem p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
   __trap();  // host only launches this on sm_80+
 #else
