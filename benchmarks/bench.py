@@ -26,6 +26,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+import compare
 import cpu_tile_gemm
 import llm
 import measure
@@ -330,6 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_methods(p, "check")
     p.add_argument("--flex-eager", action="store_true", help="FlexAttention without compile")
     p.set_defaults(func=cmd_check)
+
+    compare.add_parser(sub)
 
     p = sub.add_parser("report", help="tables and plots again from the result files")
     add_output(p, resumable=False)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import datetime
 import gc
+import importlib.util
 import json
 import math
 import os
@@ -265,10 +266,27 @@ def cpu_model() -> str:
     return platform.processor() or "?"
 
 
-def environment(device: torch.device) -> dict[str, Any]:
-    """Where and when: date, machine, load, versions, commit."""
+def library_commit() -> str:
+    """The commit of the ring_attention the benchmarks import: this
+    checkout's (``+dirty`` with uncommitted changes), or, for a tree exported
+    by scripts/prev_tree.sh and named by PYTHONPATH, the one in its
+    SOURCE_COMMIT. Finding the package does not import it."""
+    spec = importlib.util.find_spec("ring_attention")
+    if spec is not None and spec.origin is not None:
+        tree = os.path.dirname(os.path.dirname(os.path.abspath(spec.origin)))
+        if tree != ROOT:
+            try:
+                with open(os.path.join(tree, "SOURCE_COMMIT")) as f:
+                    return f.read().strip()[:7] + " (exported)"
+            except OSError:
+                return f"? ({tree})"
     commit = _git("rev-parse", "--short", "HEAD") or "?"
     dirty = bool(_git("status", "--porcelain", "--untracked-files=no"))
+    return commit + ("+dirty" if dirty else "")
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    """Where and when: date, machine, load, versions, commit."""
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)
         dev = f"{p.name} (cc {p.major}.{p.minor}, {p.total_memory / GiB:.0f} GiB)"
@@ -281,7 +299,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         "load_avg": [round(x, 2) for x in os.getloadavg()],
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "commit": commit + ("+dirty" if dirty else ""),
+        "commit": library_commit(),
         "threads": torch.get_num_threads(),
     }
 

@@ -10,6 +10,10 @@
 #                                             # forward+backward with our kernels both ways,
 #                                             # beside bench's default (SDPA per branch where
 #                                             # the dispatch takes it), for the same-run comparison
+#   bash scripts/prev_tree.sh REF; ...        # with the tree of an earlier commit in .prev
+#                                             # (carried with the call): the build stage builds
+#                                             # it too and the kernels stage times both, then
+#                                             # bench.py compare -> bench_kernels/compare.md
 #   bash scripts/gpu_check.sh --stages fa4    # flash-attn-4 (not in the default): installs it
 #                                             # (scripts/fa4_install.sh; its wheels travel in two
 #                                             # calls, see scripts/fa4_wheels.sh), its CUDA test,
@@ -21,7 +25,8 @@
 # Results go to $OUT (default /tmp/gpu_check_out): summary.txt (versions + final
 # table) and gpu_check.tar.gz holding build.log, tests.log, ring.log, bench.log
 # (bench.py check, then bench.py local), bench/local.{jsonl,md,png}, kernels.log,
-# bench_kernels/local.{jsonl,md,png} (stage kernels), fa4.log and
+# bench_kernels/local.{jsonl,md,png} (stage kernels; with an earlier tree also
+# build_prev.log, bench_kernels_prev/ and bench_kernels/compare.md), fa4.log and
 # bench_fa4/local.{jsonl,md,png} (stage fa4), profile.log and profile/ (the ncu
 # reports, stage profile): two files, since the device tool
 # brings back at most 8 (GPU_CHECK_PACK=0 leaves them unpacked).
@@ -41,6 +46,8 @@
 #                          id, but the CPU emulator's)
 #   GPU_CHECK_PTXAS_V      1 (default): nvcc --ptxas-options=-v resource report in build.log
 #   GPU_CHECK_ARCH         TORCH_CUDA_ARCH_LIST for the build (default: the device's, e.g. 9.0)
+#   GPU_CHECK_PREV         the earlier tree to build and time beside this one (default .prev,
+#                          made by scripts/prev_tree.sh; skipped when it has no setup.py)
 #   GPU_CHECK_CHECK_ARGS   extra arguments for benchmarks/bench.py check
 #   BENCH_ARGS             extra arguments for benchmarks/bench.py local
 #   NCU                    Nsight Compute for the profile stage (default: ncu on PATH,
@@ -65,6 +72,8 @@ TESTS=${GPU_CHECK_TESTS:-tests}
 TEST_FILTER="cuda and not emulated"
 BENCH_ARGS=${BENCH_ARGS:-}
 CHECK_ARGS=${GPU_CHECK_CHECK_ARGS:-}
+PREV=${GPU_CHECK_PREV:-.prev}
+[[ -f "$PREV/setup.py" ]] && PREV=$(cd "$PREV" && pwd) || PREV=""
 DRY=0
 STAGES="build,tests,ring,bench"
 
@@ -175,6 +184,11 @@ if [[ $DRY -eq 1 ]]; then
     "RING_ATTENTION_FORWARD=kernel RING_ATTENTION_BACKWARD=kernel $PY benchmarks/bench.py local" \
     "--device cuda --passes fwd fwdbwd --methods ours --search-step 0" \
     "--out-dir \$OUT/bench_kernels -> kernels.log"
+  if [[ -n "$PREV" ]]; then
+    echo "  prev : $PREV (commit $(cat "$PREV/SOURCE_COMMIT" 2>/dev/null || echo '?')): built with" \
+      "this one (-> build_prev.log); the kernels stage times it too, half its budget each" \
+      "(PYTHONPATH=$PREV -> bench_kernels_prev), then bench.py compare -> bench_kernels/compare.md"
+  fi
   echo "  fa4  : (only when named in --stages; bench and kernels leave it ${FA4_RESERVE} s)" \
     "bash scripts/fa4_install.sh (the wheels of scripts/fa4_wheels.sh, carried as .fa4/a and" \
     ".fa4/b), pytest -k 'fa4 and cuda', bench.py local --methods ours gather fa4" \
@@ -241,6 +255,10 @@ ARCH=${GPU_CHECK_ARCH:-$ARCH}
 
 BUILD_OK=1
 TESTS_OK=1
+PREV_OK=0 # the earlier tree (GPU_CHECK_PREV) built (now, or by an earlier call)
+if [[ -n "$PREV" ]] && ! want build && compgen -G "$PREV/ring_attention/_C*.so" >/dev/null; then
+  PREV_OK=1
+fi
 # ------------------------------------------------------------------ build
 if want build; then
   banner build
@@ -250,10 +268,23 @@ if want build; then
   rm -f ring_attention/_C*.so
   extra=()
   if [[ "${GPU_CHECK_PTXAS_V:-1}" == 1 ]]; then extra=(NVCC_APPEND_FLAGS="${NVCC_APPEND_FLAGS:+$NVCC_APPEND_FLAGS }--ptxas-options=-v"); fi
+  if [[ -n "$PREV" ]]; then # the earlier tree builds at the same time (its own log)
+    rm -f "$PREV"/ring_attention/_C*.so
+    echo "and in $PREV (commit $(cat "$PREV/SOURCE_COMMIT" 2>/dev/null || echo '?')) -> build_prev.log"
+    (cd "$PREV" && env TORCH_CUDA_ARCH_LIST="$ARCH" MAX_JOBS=16 "${extra[@]}" \
+      timeout --kill-after=10 "$b" "$PY" setup.py build_ext --inplace >"$OUT/build_prev.log" 2>&1) &
+    prev_pid=$!
+  fi
   echo "TORCH_CUDA_ARCH_LIST=$ARCH MAX_JOBS=16 ${extra[*]} $PY setup.py build_ext --inplace (timeout $b s)"
   env TORCH_CUDA_ARCH_LIST="$ARCH" MAX_JOBS=16 "${extra[@]}" \
     timeout --kill-after=10 "$b" "$PY" setup.py build_ext --inplace >"$OUT/build.log" 2>&1
   rc=$?
+  if [[ -n "$PREV" ]]; then
+    wait "$prev_pid"
+    prev_rc=$?
+    ((prev_rc == 0)) && PREV_OK=1
+    echo "earlier tree: build rc=$prev_rc"
+  fi
   note="rc=$rc"
   if [[ $rc -ne 0 ]]; then
     BUILD_OK=0
@@ -287,6 +318,7 @@ EOF
       note="$note; $spills with spills, $stack with a stack frame"
     fi
   fi
+  [[ -n "$PREV" ]] && note="$note; the earlier tree: rc=$prev_rc (build_prev.log)"
   ((BUILD_OK)) && st=ok || st=FAIL
   record build "$st" $((SECONDS - t)) "$note"
   if [[ "${GPU_CHECK_PTXAS_V:-1}" == 1 && -s "$OUT/build.log" ]]; then
@@ -411,14 +443,31 @@ if want kernels; then
     echo "skipped: build failed or budget ($hard s left)" >"$OUT/kernels.log"
     record kernels SKIP 0 "build failed or only $hard s left"
   else
+    # With the earlier tree built: half the budget each, the same points
+    # (compare.md pairs them); the earlier one runs this checkout's benchmarks.
+    ((PREV_OK)) && hard=$((hard / 2))
     (
       export RING_ATTENTION_FORWARD=kernel RING_ATTENTION_BACKWARD=kernel
       bench_local "$hard" "$OUT/kernels.log" bench_kernels --passes fwd fwdbwd --methods ours \
         --search-step 0
     )
     rc=$?
+    note="rc=$rc (our kernels both ways; hard limit $hard s)"
+    if ((PREV_OK)); then
+      (
+        export RING_ATTENTION_FORWARD=kernel RING_ATTENTION_BACKWARD=kernel PYTHONPATH=$PREV
+        echo "## the earlier tree: $PREV (commit $(cat "$PREV/SOURCE_COMMIT" 2>/dev/null || echo '?'))"
+        bench_local "$hard" "$OUT/kernels.log" bench_kernels_prev --passes fwd fwdbwd \
+          --methods ours --search-step 0
+      )
+      prev_rc=$?
+      "$PY" benchmarks/bench.py compare "$OUT/bench_kernels" "$OUT/bench_kernels_prev" \
+        --out "$OUT/bench_kernels/compare.md" 2>&1 | tee -a "$OUT/kernels.log"
+      note="$note; the earlier tree rc=$prev_rc, bench_kernels/compare.md"
+      ((prev_rc == 0)) || rc=$prev_rc
+    fi
     ((rc == 0)) && st=ok || st=FAIL
-    record kernels "$st" $((SECONDS - t)) "rc=$rc (our kernels both ways; hard limit $hard s)"
+    record kernels "$st" $((SECONDS - t)) "$note"
   fi
 fi
 
@@ -496,6 +545,11 @@ fi
   for i in "${!NAMES[@]}"; do
     printf '| %-6s | %-9s | %6s | %s\n' "${NAMES[$i]}" "${STATUS[$i]}" "${SECS[$i]}" "${NOTES[$i]}"
   done
+  if [[ -s "$OUT/bench_kernels/compare.md" ]]; then
+    echo
+    echo "### our kernels against the earlier tree (bench_kernels/compare.md)"
+    cat "$OUT/bench_kernels/compare.md"
+  fi
   if [[ -s "$OUT/bench/local.md" ]]; then
     echo
     echo "### targets (from bench/local.md)"
@@ -506,8 +560,8 @@ fi
 # The device tool brings back at most 8 files: what this run wrote beside the
 # summary goes into one archive.
 written=()
-for f in build.log tests.log ring.log bench.log kernels.log fa4.log profile.log bench bench_kernels \
-  bench_fa4 profile; do
+for f in build.log build_prev.log tests.log ring.log bench.log kernels.log fa4.log profile.log \
+  bench bench_kernels bench_kernels_prev bench_fa4 profile; do
   [[ -e "$OUT/$f" ]] && written+=("$f")
 done
 if [[ "${GPU_CHECK_PACK:-1}" == 1 && ${#written[@]} -gt 0 ]]; then

@@ -297,6 +297,86 @@ def test_gpu_check_dry_run_without_a_gpu(tmp_path: Path) -> None:
     assert "72 points" in out
 
 
+def test_prev_tree_exports_an_earlier_commit(tmp_path: Path) -> None:
+    """scripts/prev_tree.sh: the sources of a commit (no build outputs) and
+    its hash, for gpu_check.sh to build and time beside this checkout."""
+    dest = tmp_path / "prev"
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "prev_tree.sh"), "HEAD~1", str(dest)],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    want = subprocess.run(["git", "rev-parse", "HEAD~1"], capture_output=True, text=True,
+                          cwd=ROOT).stdout.strip()  # fmt: skip
+    assert (dest / "SOURCE_COMMIT").read_text().strip() == want
+    for path in ("setup.py", "csrc/cuda/block_forward.cu", "ring_attention/__init__.py"):
+        assert (dest / path).is_file(), path
+    assert not list(dest.rglob("*.so")) and not (dest / "tests").exists()
+    bad = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "prev_tree.sh"), "no-such-ref", str(tmp_path / "x")],
+        capture_output=True, text=True, cwd=ROOT,
+    )  # fmt: skip
+    assert bad.returncode != 0 and not (tmp_path / "x").exists()
+
+
+def test_compare_times_this_checkout_against_an_exported_tree(tmp_path: Path) -> None:
+    """bench.py local with PYTHONPATH naming an exported tree times that
+    tree's ring_attention and records its commit; bench.py compare pairs the
+    two runs point by point (here the tree is this checkout's package under
+    another name, with a made-up commit)."""
+    tree = tmp_path / "prev"
+    tree.mkdir()
+    (tree / "ring_attention").symlink_to(ROOT / "ring_attention")
+    (tree / "SOURCE_COMMIT").write_text("abcdef0123456789\n")
+    args = ["local", "--seq-lens", "200", "--configs", "2x16", *TINY, "--methods", "ours",
+            "--iters", "1", "--threads", "1"]  # fmt: skip
+    bench(*args, "--out-dir", str(tmp_path / "new"))
+    bench(*args, "--out-dir", str(tmp_path / "old"), env={"PYTHONPATH": str(tree)})
+    runs = {name: [r for r in records(tmp_path / name / "local.jsonl") if r["kind"] == "run"]
+            for name in ("new", "old")}  # fmt: skip
+    assert runs["old"][0]["commit"] == "abcdef0 (exported)"
+    assert "exported" not in runs["new"][0]["commit"]
+    # the old run's times set to twice the new one's: every ratio reads 2.00
+    new_ms = {r["key"]: r["ms"] for r in records(tmp_path / "new" / "local.jsonl") if "ms" in r}
+    old = tmp_path / "old" / "local.jsonl"
+    recs = records(old)
+    for r in recs:
+        if r["kind"] == "local":
+            r["ms"] = 2 * new_ms[r["key"]]
+    old.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    out = bench("compare", str(tmp_path / "new"), str(tmp_path / "old"),
+                "--out", str(tmp_path / "compare.md"))  # fmt: skip
+    table = [line for line in out.splitlines() if line.startswith("| 200 ")]
+    assert len(table) == 2 and all("| 2.00 |" in line for line in table), out
+    assert "old: commit abcdef0 (exported)" in out
+    assert "fwd: old / new 2.00-2.00, geometric mean 2.00 over 1 points" in out
+    assert (tmp_path / "compare.md").read_text().strip() == out.split("wrote")[0].strip()
+    # folders without a common point, or without results, are an error
+    proc = subprocess.run([sys.executable, str(BENCH), "compare", str(tmp_path / "new"),
+                           str(tmp_path)], capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+    assert proc.returncode == 1 and "no local.jsonl" in proc.stdout
+
+
+def test_gpu_check_plans_the_earlier_tree(tmp_path: Path) -> None:
+    """With an exported tree, gpu_check.sh's plan builds it beside this one and
+    times both in the kernels stage; without one it does not mention it."""
+    tree = tmp_path / "prev"
+    tree.mkdir()
+    (tree / "setup.py").write_text("")
+    (tree / "SOURCE_COMMIT").write_text("0123456789abcdef\n")
+    plans = []
+    for prev in (tree, tmp_path / "none"):
+        env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "out"),
+               "GPU_CHECK_PREV": str(prev)}  # fmt: skip
+        proc = subprocess.run(
+            ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", "--stages",
+             "build,kernels"], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        plans.append(proc.stdout)
+    assert f"prev : {tree} (commit 0123456789abcdef)" in plans[0]
+    assert "bench_kernels/compare.md" in plans[0]
+    assert "prev :" not in plans[1]
+
+
 def test_gpu_check_brings_back_two_files(tmp_path: Path) -> None:
     """The device tool returns at most 8 files: gpu_check.sh leaves the summary
     and one archive of its logs (here without a GPU: the tests stage fails,
