@@ -176,3 +176,36 @@ def test_emulated_cuda_kernels_keep_excluded_keys_out(emu, path: str) -> None:
     clean[:, u] = False
     torch.testing.assert_close(dk[clean], want[2][clean], msg=lambda m: f"{path} dk: {m}")
     torch.testing.assert_close(dv[clean], want[3][clean], msg=lambda m: f"{path} dv: {m}")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("path", ["mma64-bf16", "mma128-fp16"])
+def test_emulated_tensor_core_kernels_on_whole_key_tiles(emu, path: str, causal: bool) -> None:
+    """Tiles every row of a block reaches whole skip the zeroing of
+    non-finite K / V rows. Not causal, every tile of a 128-row segment is
+    such a tile: a NaN (or inf) K / V row there reaches every row of the
+    segment through the products. Causal, the tiles on the diagonal are not:
+    rows before the bad key stay exactly as they were, the rows from it on
+    become non-finite. The next segment's rows never change."""
+    from op_helpers import Cfg
+
+    dtype, d, cc = EMU_PATHS[path]
+    emu.configure(0, cc)
+    n, heads, u = 150, 1, 70
+    cfg = Cfg(1, n, heads, d, [128], [1], causal=causal)  # rows 0-127: one block
+    g = torch.Generator().manual_seed(5)
+    q, k, v, go = (torch.randn(1, n, heads, d, generator=g).to(dtype) for _ in range(4))
+    want = _emu_run(emu, cfg, q, k, v, go, None)
+    first = u if causal else 0  # the rows that reach key u
+    for bad in (float("nan"), float("inf")):
+        k_bad, v_bad = k.clone(), v.clone()
+        k_bad[:, u] = bad
+        v_bad[:, u] = bad
+        out, dq, dk, dv = _emu_run(emu, cfg, q, k_bad, v_bad, go, None)
+        assert not torch.isfinite(out[0, first:128]).any(dim=-1).any(), (path, bad)
+        assert not torch.isfinite(dq[0, first:128]).all(dim=-1).any(), (path, bad)
+        for rows in (slice(0, first), slice(128, n)):
+            torch.testing.assert_close(out[0, rows], want[0][0, rows], rtol=0, atol=0)
+            torch.testing.assert_close(dq[0, rows], want[1][0, rows], rtol=0, atol=0)
+        torch.testing.assert_close(dk[0, 128:], want[2][0, 128:], rtol=0, atol=0)
+        torch.testing.assert_close(dv[0, 128:], want[3][0, 128:], rtol=0, atol=0)

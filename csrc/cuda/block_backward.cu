@@ -316,6 +316,7 @@ __global__ void __launch_bounds__(kThreads) bwd_mma_kernel(__grid_constant__ con
 #else
   constexpr int BM = 64, BN = mma_cols<DP>(), LD = DP + 8;
   constexpr int NJ = BN / 8, ND = DP / 8, NA = DKDV ? ND : 1;
+  constexpr uint64_t kAllCols = ~uint64_t{0} >> (64 - BN);
   RING_ATTENTION_DYNAMIC_SMEM(smem);
   uint16_t* r1s = reinterpret_cast<uint16_t*>(smem);                 // BM x LD
   uint16_t* r2s = r1s + BM * LD;                                     // BM x LD
@@ -415,23 +416,27 @@ __global__ void __launch_bounds__(kThreads) bwd_mma_kernel(__grid_constant__ con
       __syncthreads();  // stage st complete for every thread
       const uint16_t* c1t = c1s + st * BN * LD;
       const uint16_t* c2t = c2s + st * BN * LD;
+      const int64_t c0 = cur.c0;
+      const uint64_t kmask = kbits[st];
       if constexpr (!DKDV) {
         // dQ += dS K: a key no row reaches has dS = 0 and its K row may be
-        // non-finite: zeroed. A row that reaches it has a non-finite lse
-        // (the forward's), so its P, dS and dQ stay NaN without that row.
-        zero_nonfinite16<T, DP, BN>(c1s + st * BN * LD, LD);
-        __syncthreads();
+        // non-finite: zeroed, unless every row of the block reaches every
+        // key of the tile (block-uniform). A row that reaches it has a
+        // non-finite lse (the forward's), so its P, dS and dQ stay NaN
+        // without that row.
+        if (kmask != kAllCols || (p.causal && c0 + BN - 1 > t.dm)) {
+          zero_nonfinite16<T, DP, BN>(c1s + st * BN * LD, LD);
+          __syncthreads();
+        }
       }
 
       // Causal: row m (query, dq) reaches column c (key) iff c <= m + dm;
       // (dkdv: key row m is reached by query column c iff c >= m - dm).
       // Warp-uniform: every pair of the warp's rows and the tile's columns
       // reached, or none.
-      const int64_t c0 = cur.c0;
-      const uint64_t kmask = kbits[st];
       const int64_t lo_m = m0, hi_m = m0 + 15;
       const bool none = DKDV ? c0 + BN - 1 < lo_m - t.dm : c0 > hi_m + t.dm;
-      const bool full = kmask == ~uint64_t{0} && rows_all_ok &&
+      const bool full = kmask == kAllCols && rows_all_ok &&
                         (!p.causal || (DKDV ? c0 >= hi_m - t.dm : c0 + BN - 1 <= lo_m + t.dm));
       if (m0 < sp.nrows && !(p.causal && none)) {
         float x1[NJ][4] = {}, x2[NJ][4] = {};

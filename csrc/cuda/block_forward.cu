@@ -13,7 +13,9 @@
 //    fragments. K/V tiles are double-buffered: the copy (cp.async) of tile
 //    n+1 is in flight while tile n is computed. Which keys a tile reaches is
 //    one 64-bit mask (ballots, staged with the tile); tiles every row of a
-//    warp reaches whole skip the mask, tiles none reaches skip the products.
+//    warp reaches whole skip the mask, tiles none reaches skip the products,
+//    and tiles every row of the block reaches whole skip the scan for
+//    non-finite V rows (and its barrier).
 //  * otherwise (fp32, fp64, head_dim up to 256, older GPUs): SIMT kernel, one
 //    lane per key of a 32-key tile, each warp owns ROWS query rows.
 #include <ATen/Dispatch.h>
@@ -218,11 +220,17 @@ __global__ void __launch_bounds__(kThreads) fwd_mma_kernel(__grid_constant__ con
       __syncthreads();  // stage st complete for every thread
       const uint16_t* kt = ks + st * BN * LD;
       uint16_t* vt = vs + st * BN * LD;
-      // Non-finite V rows enter P.V as zeros; the rows that reach them are
-      // poisoned (NaN) below, the others never see them.
-      const bool vrow_bad = zero_nonfinite16<T, DP, BN>(vt, LD);
-      if (threadIdx.x % (kThreads / BN) == 0) vbad[threadIdx.x / (kThreads / BN)] = vrow_bad;
-      const bool any_vbad = __syncthreads_or(vrow_bad) != 0;
+      const uint64_t kmask = kbits[st];
+      // Block-uniform: every row of the block reaches every key of the tile,
+      // so a non-finite V row reaches exactly the rows whose products it
+      // enters. Otherwise non-finite V rows enter P.V as zeros; the rows that
+      // reach them are poisoned (NaN) below, the others never see them.
+      bool any_vbad = false;
+      if (kmask != kAllKeys || (p.causal && n0 + BN - 1 > t.dm)) {
+        const bool vrow_bad = zero_nonfinite16<T, DP, BN>(vt, LD);
+        if (threadIdx.x % (kThreads / BN) == 0) vbad[threadIdx.x / (kThreads / BN)] = vrow_bad;
+        any_vbad = __syncthreads_or(vrow_bad) != 0;
+      }
 
       // Warp-uniform: rows past the tile's, or (causal) rows that reach no key
       // of this tile, would add nothing.
@@ -231,7 +239,6 @@ __global__ void __launch_bounds__(kThreads) fwd_mma_kernel(__grid_constant__ con
         mma_ss<T, MT, NJ, DP>(s, qs + warp * 16 * MT * LD, LD, kt, LD, lane);
 
         // Every key of the tile reached by every row of the warp: no mask.
-        const uint64_t kmask = kbits[st];
         const bool full = kmask == kAllKeys && (!p.causal || n0 + BN - 1 <= first_reach);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
