@@ -37,9 +37,9 @@ def _inputs(n: int, heads: int, kv_heads: int, dtype: torch.dtype, seed: int, de
     return tuple(t.to(device=device, dtype=dtype) for t in (q, k, v, go))
 
 
-def _run(q, k, v, go, **kw):
+def _run(q, k, v, go, segs=SEGS, dils=DILS, **kw):
     q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
-    out = ra.dilated_attention(q, k, v, SEGS, DILS, **kw)
+    out = ra.dilated_attention(q, k, v, segs, dils, **kw)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), go)
     return out.detach(), dq, dk, dv
 
@@ -112,6 +112,34 @@ def test_unreached_keys_leave_other_keys_gradients_alone(bad, where, causal, dty
         a, b = a[:, ~shares_a_row], b[:, ~shares_a_row]
         assert torch.isfinite(a).all(), f"{name}: the non-finite key reached an unrelated key"
         torch.testing.assert_close(a, b, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bad_key_in_whole_tiles_reaches_exactly_its_rows(bad, causal, dtype, device) -> None:
+    """A segment of 256 rows: on CUDA (bf16) tiles that every row of a thread
+    block reaches whole, where the kernels skip zeroing bad rows. A
+    non-finite K and V row u makes every row reaching it non-finite (out and
+    dq) and leaves every other row exactly as it was: causal, the rows
+    before u; the next segment."""
+    n, heads, u, w = 300, 2, 150, 256
+    g = torch.Generator().manual_seed(9)
+    q, k, v, go = (
+        torch.randn(1, n, heads, 64, generator=g).to(device=device, dtype=dtype) for _ in range(4)
+    )
+    kw = dict(segs=[w], dils=[1], causal=causal)
+    out_c, dq_c, _, _ = _run(q, k, v, go, **kw)
+    k_bad, v_bad = k.clone(), v.clone()
+    k_bad[:, u] = bad
+    v_bad[:, u] = bad
+    out, dq, _, _ = _run(q, k_bad, v_bad, go, **kw)
+    first = u if causal else 0  # the rows that reach key u
+    assert not torch.isfinite(out[0, first:w]).any(dim=-1).any()
+    assert not torch.isfinite(dq[0, first:w]).all(dim=-1).any()
+    for rows in (slice(0, first), slice(w, n)):
+        torch.testing.assert_close(out[0, rows], out_c[0, rows], rtol=0, atol=0)
+        torch.testing.assert_close(dq[0, rows], dq_c[0, rows], rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------- CUDA kernels
