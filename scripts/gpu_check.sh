@@ -50,6 +50,8 @@
 #                          made by scripts/prev_tree.sh; skipped when it has no setup.py)
 #   GPU_CHECK_CHECK_ARGS   extra arguments for benchmarks/bench.py check
 #   BENCH_ARGS             extra arguments for benchmarks/bench.py local
+#   KERNELS_ARGS           extra arguments for the kernels stage's bench.py local (both trees),
+#                          e.g. --seq-lens 131072 1048576 to fit both in a short budget
 #   NCU                    Nsight Compute for the profile stage (default: ncu on PATH,
 #                          else under /opt/nvidia/nsight-compute or /usr/local/cuda/bin)
 set -uo pipefail
@@ -71,6 +73,7 @@ PYTEST_ARGS=${GPU_CHECK_PYTEST_ARGS:---maxfail=20}
 TESTS=${GPU_CHECK_TESTS:-tests}
 TEST_FILTER="cuda and not emulated"
 BENCH_ARGS=${BENCH_ARGS:-}
+KERNELS_ARGS=${KERNELS_ARGS:-}
 CHECK_ARGS=${GPU_CHECK_CHECK_ARGS:-}
 PREV=${GPU_CHECK_PREV:-.prev}
 [[ -f "$PREV/setup.py" ]] && PREV=$(cd "$PREV" && pwd) || PREV=""
@@ -182,7 +185,7 @@ if [[ $DRY -eq 1 ]]; then
     "--budget-s <left - $BENCH_MARGIN s> $BENCH_ARGS -> bench.log, bench/local.{jsonl,md,png}"
   echo "  kernels: (only when named in --stages; bench leaves it ${KERNELS_RESERVE} s)" \
     "RING_ATTENTION_FORWARD=kernel RING_ATTENTION_BACKWARD=kernel $PY benchmarks/bench.py local" \
-    "--device cuda --passes fwd fwdbwd --methods ours --search-step 0" \
+    "--device cuda --passes fwd fwdbwd --methods ours --search-step 0 $KERNELS_ARGS" \
     "--out-dir \$OUT/bench_kernels -> kernels.log"
   if [[ -n "$PREV" ]]; then
     echo "  prev : $PREV (commit $(cat "$PREV/SOURCE_COMMIT" 2>/dev/null || echo '?')): built with" \
@@ -448,8 +451,9 @@ if want kernels; then
     ((PREV_OK)) && hard=$((hard / 2))
     (
       export RING_ATTENTION_FORWARD=kernel RING_ATTENTION_BACKWARD=kernel
+      # shellcheck disable=SC2086
       bench_local "$hard" "$OUT/kernels.log" bench_kernels --passes fwd fwdbwd --methods ours \
-        --search-step 0
+        --search-step 0 $KERNELS_ARGS
     )
     rc=$?
     note="rc=$rc (our kernels both ways; hard limit $hard s)"
@@ -457,8 +461,9 @@ if want kernels; then
       (
         export RING_ATTENTION_FORWARD=kernel RING_ATTENTION_BACKWARD=kernel PYTHONPATH=$PREV
         echo "## the earlier tree: $PREV (commit $(cat "$PREV/SOURCE_COMMIT" 2>/dev/null || echo '?'))"
+        # shellcheck disable=SC2086
         bench_local "$hard" "$OUT/kernels.log" bench_kernels_prev --passes fwd fwdbwd \
-          --methods ours --search-step 0
+          --methods ours --search-step 0 $KERNELS_ARGS
       )
       prev_rc=$?
       "$PY" benchmarks/bench.py compare "$OUT/bench_kernels" "$OUT/bench_kernels_prev" \
