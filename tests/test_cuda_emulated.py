@@ -46,9 +46,10 @@ F64, F32, F16, BF16 = torch.float64, torch.float32, torch.float16, torch.bfloat1
 
 
 # Kernel paths: (dtype, head_dim, compute capability). The dispatch in
-# csrc/cuda/*.cu picks the tensor-core kernel for fp16/bf16 with head_dim <=
-# 128 on sm_80+ (padded head dim 64, 96 or 128; 16-byte loads when head_dim %
-# 8 == 0), else the SIMT kernel (lanes per row: head_dim <= 64, <= 128, more).
+# csrc/cuda/*.cu picks the tensor-core kernels for fp16/bf16 on sm_80+ (the
+# forward up to head_dim 256, the backward up to 128; padded head dim 64, 96,
+# 128, 192 or 256; 16-byte loads when head_dim % 8 == 0), else the SIMT
+# kernels (lanes per row: head_dim <= 64, <= 128, more).
 PATHS = {
     "mma64-bf16": (BF16, 64, 90),
     "mma64-fp16-unvectorised": (F16, 20, 80),
@@ -59,7 +60,9 @@ PATHS = {
     "simt-f32-d136": (F32, 136, 90),
     "simt-f64": (F64, 16, 90),
     "simt-fp16-sm75": (F16, 24, 75),
-    "simt-bf16-d160": (BF16, 160, 90),
+    # head_dim > 128: the forward on tensor cores, the backward SIMT
+    "mma192-bf16-d160": (BF16, 160, 90),
+    "mma256-fp16": (F16, 256, 80),
 }
 
 # (segment_lengths, dilation_rates, heads, head_groups, mask): segments of more

@@ -530,7 +530,7 @@ void launch_mma(const Problem& p, at::IntArrayRef segs, at::IntArrayRef dils) {
 
 template <typename T>
 void dispatch_mma(const Problem& p, at::IntArrayRef segs, at::IntArrayRef dils) {
-  switch (mma_dp(p.head_dim)) {
+  switch (mma_dp(p.head_dim)) {  // head_dim <= 128 here
     case 64:
       return launch_mma<T, 64>(p, segs, dils);
     case 96:
@@ -560,7 +560,7 @@ void block_backward(const BlockCall& call) {
            p.heads, p.head_dim);
     if constexpr (std::is_same_v<scalar_t, double> || std::is_same_v<scalar_t, float>) {
       dispatch_simt<scalar_t, acc_t>(p, segs, dils);
-    } else if (use_tensor_cores(p)) {
+    } else if (use_tensor_cores(p, 128)) {
       dispatch_mma<scalar_t>(p, segs, dils);
     } else {
       dispatch_simt<scalar_t, float>(p, segs, dils);

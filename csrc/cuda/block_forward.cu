@@ -5,19 +5,20 @@
 // rows are the queries of `pack` heads that read the same keys (common.cuh),
 // so each K/V tile serves all of them.
 //
-//  * fp16 / bf16, head_dim <= 128, sm_80+: tensor cores (mma.sync m16n8k16,
+//  * fp16 / bf16, head_dim <= 256, sm_80+: tensor cores (mma.sync m16n8k16,
 //    fp32 accumulate). 4 warps, two m-tiles of 16 query rows per warp (128
-//    rows a block) x 64 keys per tile (32 above head_dim 64); Q, K, V
-//    row-major in shared memory, fragments loaded with ldmatrix (V with
-//    .trans); S and O live in registers, P is re-packed from the S
-//    fragments. K/V tiles are double-buffered: the copy (cp.async) of tile
-//    n+1 is in flight while tile n is computed. Which keys a tile reaches is
-//    one 64-bit mask (ballots, staged with the tile); tiles every row of a
-//    warp reaches whole skip the mask, tiles none reaches skip the products,
-//    and tiles every row of the block reaches whole skip the scan for
-//    non-finite V rows (and its barrier).
-//  * otherwise (fp32, fp64, head_dim up to 256, older GPUs): SIMT kernel, one
-//    lane per key of a 32-key tile, each warp owns ROWS query rows.
+//    rows a block; one m-tile above head_dim 128) x 64 keys per tile (32
+//    above head_dim 64, 16 above 192); Q, K, V row-major in shared memory,
+//    fragments loaded with ldmatrix (V with .trans); S and O live in
+//    registers, P is re-packed from the S fragments. K/V tiles are
+//    double-buffered: the copy (cp.async) of tile n+1 is in flight while
+//    tile n is computed. Which keys a tile reaches is one 64-bit mask
+//    (ballots, staged with the tile); tiles every row of a warp reaches
+//    whole skip the mask, tiles none reaches skip the products, and tiles
+//    every row of the block reaches whole skip the scan for non-finite V
+//    rows (and its barrier).
+//  * otherwise (fp32, fp64, older GPUs): SIMT kernel, one lane per key of a
+//    32-key tile, each warp owns ROWS query rows.
 #include <ATen/Dispatch.h>
 
 #include <algorithm>
@@ -355,19 +356,24 @@ void dispatch_simt(const Problem& p, at::IntArrayRef segs, at::IntArrayRef dils)
   launch_simt<T, C, 8>(p, segs, dils);
 }
 
-// Two m-tiles per warp (128 query rows a block) at every head dim; 64 keys a
-// tile up to head_dim 64, 32 above, so that the accumulators of both m-tiles
-// fit the registers (ptxas, sm_90: 240-250 registers, no spills). These are
-// FlashAttention-2's sm_80 tiles for non-causal attention; not yet timed
-// against the 64-row tiles on a GPU.
+// Tiles by head dim: two m-tiles per warp (128 query rows a block) up to
+// head_dim 128, one above; 64 keys a tile up to head_dim 64, 32 up to 192,
+// 16 above, so that the accumulators fit the registers (ptxas, sm_90:
+// 200-254 registers, no spills) and the shared memory every sm_80+ GPU's 99
+// KiB (head_dim 256: 67 KiB). Up to 128 these are FlashAttention-2's sm_80
+// tiles for non-causal attention; none is yet timed on a GPU.
+template <int DP>
+constexpr int mma_m_tiles() {
+  return DP <= 128 ? 2 : 1;
+}
 template <int DP>
 constexpr int mma_keys() {
-  return DP <= 64 ? 64 : 32;
+  return DP <= 64 ? 64 : DP <= 192 ? 32 : 16;
 }
 
 template <typename T, int DP>
 void launch_mma(const Problem& p, at::IntArrayRef segs, at::IntArrayRef dils) {
-  constexpr int MT = 2, BM = 64 * MT, BN = mma_keys<DP>();
+  constexpr int MT = mma_m_tiles<DP>(), BM = 64 * MT, BN = mma_keys<DP>();
   const size_t smem = (BM + 4 * BN) * (DP + 8) * sizeof(uint16_t) + 2 * sizeof(uint64_t) + BN;
   launch_branches(fwd_mma_kernel<T, DP, MT, BN>, p, segs, dils, false, BM, smem);
 }
@@ -379,8 +385,12 @@ void dispatch_mma(const Problem& p, at::IntArrayRef segs, at::IntArrayRef dils) 
       return launch_mma<T, 64>(p, segs, dils);
     case 96:
       return launch_mma<T, 96>(p, segs, dils);
-    default:
+    case 128:
       return launch_mma<T, 128>(p, segs, dils);
+    case 192:
+      return launch_mma<T, 192>(p, segs, dils);
+    default:
+      return launch_mma<T, 256>(p, segs, dils);
   }
 }
 
@@ -394,7 +404,7 @@ void block_forward(const BlockCall& call) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, call.dtype, "block_forward_cuda", [&] {
     if constexpr (std::is_same_v<scalar_t, double> || std::is_same_v<scalar_t, float>) {
       dispatch_simt<scalar_t, scalar_t>(p, segs, dils);
-    } else if (use_tensor_cores(p)) {
+    } else if (use_tensor_cores(p, 256)) {
       dispatch_mma<scalar_t>(p, segs, dils);
     } else {
       dispatch_simt<scalar_t, float>(p, segs, dils);

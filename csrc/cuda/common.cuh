@@ -410,9 +410,11 @@ inline Problem make_problem(const BlockCall& call) {
   return p;
 }
 
-// Whether fp16/bf16 run on the tensor cores (sm_80+, head_dim <= 128).
-inline bool use_tensor_cores(const Problem& p) {
-  return device_attribute(cudaDevAttrComputeCapabilityMajor) >= 8 && p.head_dim <= 128;
+// Whether fp16/bf16 run on the tensor cores: sm_80+ and head_dim up to
+// max_head_dim (the forward's 256; the backward's 128, past which the dk / dv
+// accumulators of a 16-row tile would not fit the registers).
+inline bool use_tensor_cores(const Problem& p, int64_t max_head_dim) {
+  return device_attribute(cudaDevAttrComputeCapabilityMajor) >= 8 && p.head_dim <= max_head_dim;
 }
 
 // Raise the dynamic shared memory limit of a kernel when it needs > 48 KiB.
@@ -477,10 +479,12 @@ inline void launch_branches(Kernel kernel, Problem p, at::IntArrayRef segs, at::
 
 // SIMT kernels hold NPL >= ceil(D / 32) values per lane; the loops stop at D,
 // so a larger tier is correct (it only costs registers). fp32 gets three
-// tiers, the other dtypes (fp64: gradcheck; fp16/bf16: head_dim > 128 or
-// pre-sm_80 GPUs) one, to keep the build short.
+// tiers, the other dtypes (fp64: gradcheck; fp16/bf16: pre-sm_80 GPUs and
+// the backward past head_dim 128) one, to keep the build short.
 inline int simt_npl(int64_t D) { return D <= 64 ? 2 : D <= 128 ? 4 : 8; }
-// Padded head dim of the tensor-core kernels (D <= 128).
-inline int mma_dp(int64_t D) { return D <= 64 ? 64 : D <= 96 ? 96 : 128; }
+// Padded head dim of the tensor-core kernels (D <= 256).
+inline int mma_dp(int64_t D) {
+  return D <= 64 ? 64 : D <= 96 ? 96 : D <= 128 ? 128 : D <= 192 ? 192 : 256;
+}
 
 }  // namespace ring_attention::gpu
