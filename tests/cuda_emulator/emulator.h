@@ -59,9 +59,14 @@ inline Config& config() {
   return c;
 }
 
-// What the emulator ran since the last reset (tests read it).
+// What the emulator ran since the last reset (tests and the instruction
+// counts of scripts/kernel_counts.py read it): collectives counts lane
+// arrivals; warp_ops whole-warp instructions by Kind (sync, shuffle, vote,
+// mma, ldmatrix); barriers the block barriers completed.
 struct Stats {
   int64_t launches = 0, blocks = 0, collectives = 0;
+  int64_t warp_ops[5] = {};
+  int64_t barriers = 0;
 };
 inline Stats& stats() {
   static Stats s;
@@ -229,6 +234,7 @@ inline bool syncthreads(bool pred = false) {
   b.bar_or = b.bar_or || pred;
   if (++b.bar_arrived == b.nthreads - b.ndone) {
     b.bar_arrived = 0;
+    ++stats().barriers;
     b.bar_or_result[gen & 1] = b.bar_or;
     b.bar_or = false;
     ++b.bar_gen;
@@ -253,6 +259,7 @@ inline const Slot* warp_collective(const Slot& mine) {
   if (++w.arrived == kWarp) {
     w.arrived = 0;
     ++w.gen;
+    ++stats().warp_ops[static_cast<int>(mine.kind)];
   } else {
     b.wait[b.current] = Wait::warp;
     b.wait_gen[b.current] = gen;

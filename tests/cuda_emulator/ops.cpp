@@ -42,10 +42,13 @@ void configure(int64_t seed, int64_t compute_capability) {
   cuda_emulator::config().smem_optin = kib * 1024;
 }
 
-// [launches, blocks, warp collectives] since the last call; resets them.
+// [launches, blocks, warp collectives (lane arrivals), block barriers, then
+// whole-warp instructions: __syncwarp, shuffles, votes, mma, ldmatrix] since
+// the last call; resets them.
 std::vector<int64_t> take_stats() {
   cuda_emulator::Stats& s = cuda_emulator::stats();
-  std::vector<int64_t> r{s.launches, s.blocks, s.collectives};
+  std::vector<int64_t> r{s.launches, s.blocks, s.collectives, s.barriers};
+  r.insert(r.end(), std::begin(s.warp_ops), std::end(s.warp_ops));
   s = cuda_emulator::Stats{};
   return r;
 }
