@@ -77,6 +77,7 @@ KERNELS_ARGS=${KERNELS_ARGS:-}
 CHECK_ARGS=${GPU_CHECK_CHECK_ARGS:-}
 PREV=${GPU_CHECK_PREV:-.prev}
 [[ -f "$PREV/setup.py" ]] && PREV=$(cd "$PREV" && pwd) || PREV=""
+PREV_COMMIT=$( [[ -n "$PREV" ]] && cat "$PREV/SOURCE_COMMIT" 2>/dev/null || echo '?')
 DRY=0
 STAGES="build,tests,ring,bench"
 
@@ -188,7 +189,7 @@ if [[ $DRY -eq 1 ]]; then
     "--device cuda --passes fwd fwdbwd --methods ours --search-step 0 $KERNELS_ARGS" \
     "--out-dir \$OUT/bench_kernels -> kernels.log"
   if [[ -n "$PREV" ]]; then
-    echo "  prev : $PREV (commit $(cat "$PREV/SOURCE_COMMIT" 2>/dev/null || echo '?')): built with" \
+    echo "  prev : $PREV (commit $PREV_COMMIT): built with" \
       "this one (-> build_prev.log); the kernels stage times it too, half its budget each" \
       "(PYTHONPATH=$PREV -> bench_kernels_prev), then bench.py compare -> bench_kernels/compare.md"
   fi
@@ -273,7 +274,7 @@ if want build; then
   if [[ "${GPU_CHECK_PTXAS_V:-1}" == 1 ]]; then extra=(NVCC_APPEND_FLAGS="${NVCC_APPEND_FLAGS:+$NVCC_APPEND_FLAGS }--ptxas-options=-v"); fi
   if [[ -n "$PREV" ]]; then # the earlier tree builds at the same time (its own log)
     rm -f "$PREV"/ring_attention/_C*.so
-    echo "and in $PREV (commit $(cat "$PREV/SOURCE_COMMIT" 2>/dev/null || echo '?')) -> build_prev.log"
+    echo "and in $PREV (commit $PREV_COMMIT) -> build_prev.log"
     (cd "$PREV" && env TORCH_CUDA_ARCH_LIST="$ARCH" MAX_JOBS=16 "${extra[@]}" \
       timeout --kill-after=10 "$b" "$PY" setup.py build_ext --inplace >"$OUT/build_prev.log" 2>&1) &
     prev_pid=$!
@@ -460,7 +461,7 @@ if want kernels; then
     if ((PREV_OK)); then
       (
         export RING_ATTENTION_FORWARD=kernel RING_ATTENTION_BACKWARD=kernel PYTHONPATH=$PREV
-        echo "## the earlier tree: $PREV (commit $(cat "$PREV/SOURCE_COMMIT" 2>/dev/null || echo '?'))"
+        echo "## the earlier tree: $PREV (commit $PREV_COMMIT)"
         # shellcheck disable=SC2086
         bench_local "$hard" "$OUT/kernels.log" bench_kernels_prev --passes fwd fwdbwd \
           --methods ours --search-step 0 $KERNELS_ARGS
