@@ -8,6 +8,8 @@
 #include <vector>
 
 #include "../csrc/cpu/softmax_rows.h"
+#include "../csrc/cpu/split_products.h"
+namespace cpu = ring_attention::cpu;
 using bf = c10::BFloat16;
 using clk = std::chrono::steady_clock;
 template <class T>
@@ -89,6 +91,19 @@ std::map<std::string, double> run(int iters) {
   }
   r["fp32 PV brgemm V copied"] =
       us([&] { at::native::cpublas::brgemm(M, D, N, 528, D, D, true, Pf, Vc, O, false); }, iters);
+  // fp32 S as six bf16 part products on AMX (csrc/cpu/split_products.h), and
+  // the splits of a query tile and of a key tile behind it.
+  if (cpu::split_tiles_fp32(D)) {
+    std::vector<int64_t> bad;
+    bf *Q6 = buf<bf>(M * 6 * D, 0), *K6 = buf<bf>(6 * D * N, 0);
+    r["split: fp32 Q tile"] = us([&] { cpu::split_queries(Qf, ldq, M, D, Q6, bad); }, iters);
+    r["split: fp32 K tile packed"] =
+        us([&] { cpu::pack_keys_split(Kf, ldq, N, D, K6, bad); }, iters);
+    r["fp32 S split (6 bf16 products, AMX)"] = us(
+        [&] { cpu::gemm_split_scores(M, N, D, Q6, K6, N, S, 528, {Qf, ldq}, {Kf, ldq}, {}, {}); },
+        iters);
+    at::native::cpublas::brgemm_release(true);
+  }
   // The fp32 backward's products per (query tile, key tile), 256 rows x 256
   // keys (csrc/cpu/block_backward.cpp): S and dP on K^T / V^T, dV^T += dO^T P
   // and dK^T += Q^T dS on the score tile, dQ += dS K.
@@ -109,7 +124,6 @@ std::map<std::string, double> run(int iters) {
   fill(S, M * 528);
   r["pass: fp32 softmax (row max, exp, sum)"] = us(
       [&] {
-        namespace cpu = ring_attention::cpu;
         for (int64_t i = 0; i < M; ++i)
           cpu::exp_row(S + i * 528, N, 0.125f, cpu::row_max(S + i * 528, N) * 0.125f);
       },
@@ -117,7 +131,6 @@ std::map<std::string, double> run(int iters) {
   // The pass the forward takes after a row's first key tile: one sweep,
   // the row's shift kept (here its maximum, so it never rises).
   {
-    namespace cpu = ring_attention::cpu;
     std::vector<float> shift(M);
     fill(S, M * 528);
     for (int64_t i = 0; i < M; ++i) shift[i] = cpu::row_max(S + i * 528, N) * 0.125f;

@@ -9,6 +9,8 @@ csrc/cpu/packed_tiles.h and the kLd padding of csrc/cpu/block_forward.cpp:
   and V packed once (VNNI), against MKL on the tiles in place;
 * fp32: S and P V through sgemm in place against brgemm on K^T and V copied
   contiguous, and a 2048³ torch.mm (the sgemm rate the benchmarks compare to);
+* where the CPU has AMX, fp32 S as six bf16 part products
+  (csrc/cpu/split_products.h), and the splits of its operands;
 * the fp32 backward's products at its tile shape (256 rows x 256 keys): S,
   dV^T += dO^T P (the score tile as B) and dQ += dS K;
 * the fp32 softmax passes between the two products (csrc/cpu/softmax_rows.cpp,
@@ -36,6 +38,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = [
     os.path.join(HERE, "cpu_tile_gemm.cpp"),
     os.path.join(HERE, "..", "csrc", "cpu", "softmax_rows.cpp"),
+    os.path.join(HERE, "..", "csrc", "cpu", "split_products.cpp"),
+    os.path.join(HERE, "..", "csrc", "cpu", "packed_tiles.cpp"),
 ]
 # The vector code the extension's build picks for the softmax passes (setup.py).
 AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]
@@ -62,7 +66,7 @@ def cmd_tiles(args: argparse.Namespace) -> int:
     for name in rounds[0]:
         t = sorted(r[name] for r in rounds)[len(rounds) // 2]
         f = flops // 2 if name.startswith("bwd") else flops  # 256 x 256 x 64
-        rate = "" if name.startswith("pass:") else f"{f / t / 1e3:.0f}"
+        rate = "" if name.startswith(("pass:", "split:")) else f"{f / t / 1e3:.0f}"
         print(f"{name:<44} {t:8.1f} {rate:>9}")
     x = torch.randn(2048, 2048)
     for _ in range(3):

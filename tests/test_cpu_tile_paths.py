@@ -1,5 +1,6 @@
 """The CPU kernels' GEMM paths (csrc/cpu/tile_math.h ``bf16_tiles``,
-csrc/cpu/packed_tiles.h ``packed_tiles``, ``packed_tiles_fp32``).
+csrc/cpu/packed_tiles.h ``packed_tiles``, ``packed_tiles_fp32``,
+csrc/cpu/split_products.h ``split_tiles_fp32``).
 
 bf16: where the BLAS has a bf16 GEMM (MKL's) and the CPU has bf16 dot
 products (avx512_bf16), the kernels multiply bf16 tiles as they are: Q, K, V
@@ -9,7 +10,10 @@ oneDNN's brgemm (even head dims) unless ``RING_ATTENTION_CPU_BF16_GEMM=mkl``.
 Elsewhere, or with ``RING_ATTENTION_CPU_BF16_GEMM=0``, every tile is
 converted to fp32 first. fp32: on CPUs with AVX-512 K/V tiles are copied once
 (K transposed) for brgemm's fp32 kernels unless
-``RING_ATTENTION_CPU_FP32_PACK=0`` (sgemm on the tiles in place).
+``RING_ATTENTION_CPU_FP32_PACK=0`` (sgemm on the tiles in place); where the
+CPU also has AMX (and the head dim is even) the score products (S, and dP in
+the backward) take each fp32 operand as three bf16 parts, unless
+``RING_ATTENTION_CPU_FP32_PACK=fp32``.
 
 Each path is checked against the float64 oracle, forward and backward (lse
 gradients, grouped K/V heads, documents, several key tiles per run, causal
@@ -49,18 +53,27 @@ PATHS = {  # name: (dtype, environment; None: unset)
     "bf16-native": (BF16, {ENV: None}),
     "bf16-mkl": (BF16, {ENV: "mkl"}),
     "bf16-converted": (BF16, {ENV: "0"}),
-    "fp32-packed": (F32, {FP32_ENV: None}),
+    "fp32-split": (F32, {FP32_ENV: None}),
+    "fp32-packed": (F32, {FP32_ENV: "fp32"}),
     "fp32-sgemm": (F32, {FP32_ENV: "0"}),
 }
 
 
+def _cpu_flags() -> list[str]:
+    if platform.machine() != "x86_64":
+        return []
+    with open("/proc/cpuinfo") as f:
+        return next((line for line in f if line.startswith("flags")), "").split()
+
+
 def native_bf16_expected() -> bool:
     """What bf16_tiles() decides on this machine (env unset)."""
-    if platform.machine() != "x86_64" or not torch.backends.mkl.is_available():
-        return False
-    with open("/proc/cpuinfo") as f:
-        flags = next((line for line in f if line.startswith("flags")), "").split()
-    return "avx512_bf16" in flags
+    return torch.backends.mkl.is_available() and "avx512_bf16" in _cpu_flags()
+
+
+def split_fp32_expected() -> bool:
+    """What split_tiles_fp32() decides on this machine (env unset, even head dim)."""
+    return {"amx_bf16", "amx_tile", "avx512f"} <= set(_cpu_flags())
 
 
 def _use(name: str, monkeypatch: pytest.MonkeyPatch) -> torch.dtype:
@@ -232,3 +245,69 @@ def test_switch_takes_effect_where_the_machine_has_it(monkeypatch) -> None:
     monkeypatch.setenv(ENV, "0")
     converted = run()
     assert torch.equal(default, converted) != native_bf16_expected()
+
+
+def test_fp32_switch_takes_effect_where_the_machine_has_it(monkeypatch) -> None:
+    """The split score products round differently from brgemm's fp32 kernel,
+    so the outputs differ where the machine has AMX; elsewhere, or at an odd
+    head dim, the two settings are one path."""
+    g = torch.Generator().manual_seed(7610)
+    for d, splits in ((64, split_fp32_expected()), (33, False)):
+        q, k, v = (torch.randn(1, 512, 4, d, generator=g) for _ in range(3))
+        monkeypatch.delenv(FP32_ENV, raising=False)
+        default = ra.dilated_attention(q, k, v, [128, 512], [1, 2])
+        monkeypatch.setenv(FP32_ENV, "fp32")
+        packed = ra.dilated_attention(q, k, v, [128, 512], [1, 2])
+        assert torch.equal(default, packed) != splits, d
+
+
+def _errors(cfg: Cfg, seed: int) -> list[float]:
+    """Largest absolute errors of out, dq, dk, dv against the oracle, with q
+    and k scaled by 3 (scores of up to a few hundred)."""
+    q, k, v, go, _ = make_inputs(cfg, F32, "cpu", seed)
+    q, k = q * 3, k * 3
+    got = list(run_local(cfg, q, k, v, go, None))
+    want = list(run_oracle(cfg, q, k, v, go, None))
+    del got[1], want[1]  # lse: out's error shows it
+    return [(a.double() - b).abs().max().item() for a, b in zip(got, want, strict=True)]
+
+
+def test_split_products_are_as_accurate_as_fp32(monkeypatch) -> None:
+    """The six bf16 part products of the split path (S, dP) lose no more than
+    brgemm's fp32 kernel against the float64 oracle: forward and backward, on
+    scores large enough that a dropped part product (2^-16 of |q| |k|) would
+    show. Where the machine has no AMX both runs take the
+    fp32 kernel."""
+    cfg = Cfg(1, 1100, 4, 64, [512, 1100], [1, 2], True, False, None, False)
+    errors = {}
+    for name in ("fp32-split", "fp32-packed"):
+        _use(name, monkeypatch)
+        errors[name] = _errors(cfg, 7620)
+    for split, packed in zip(errors["fp32-split"], errors["fp32-packed"], strict=True):
+        assert split <= 1.5 * packed + 1e-7, errors
+
+
+@pytest.mark.parametrize("which", ["query", "key", "value", "grad"])
+def test_non_finite_rows_of_the_score_products(path, which: str) -> None:
+    """An infinite entry in one query, key, value or output-gradient row
+    (which the split products take as zeros, then score in fp32): rows that
+    do not reach it stay exactly as without it, and what reaches it matches
+    sgemm on the tiles in place (NaN where that is NaN)."""
+    cfg = Cfg(1, 600, 2, 64, [600], [1], True, False, None, False)
+    q, k, v, go, _ = make_inputs(cfg, path, "cpu", 7630)
+    t = 300
+    bad = {"query": q, "key": k, "value": v, "grad": go}[which].clone()
+    bad[:, t, 1, 5] = float("inf")
+    args = {"query": q, "key": k, "value": v, "grad": go}
+    args[which] = bad
+    got = run_local(cfg, args["query"], args["key"], args["value"], args["grad"], None)
+    clean = run_local(cfg, q, k, v, go, None)
+    # Causal: rows before t reach neither key t nor are row t.
+    for a, b in zip(got[:1] + got[2:3], clean[:1] + clean[2:3], strict=True):
+        torch.testing.assert_close(a[:, :t], b[:, :t], rtol=0, atol=0)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(FP32_ENV, "0")
+        want = run_local(cfg, args["query"], args["key"], args["value"], args["grad"], None)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(torch.isnan(a), torch.isnan(b))
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, equal_nan=True)

@@ -18,6 +18,7 @@
 #include "block_tasks.h"
 #include "kernels.h"
 #include "packed_tiles.h"
+#include "split_products.h"
 #include "tile_math.h"
 
 namespace ring_attention::cpu {
@@ -51,18 +52,26 @@ struct BackwardTile {
   // are brgemm's B operand as the softmax pass leaves them; dO^T and Q^T of
   // the query tile are its A operand.
   const bool transposed_dkv;
+  // fp32 S and dP on AMX: Q, dO, K and V split into bf16 parts
+  // (split_products.h), K^T and V^T packed so.
+  const bool split;
   // One key tile of the chunk: its rows (kt, vt: in place or converted),
-  // packed operands, non-finite K rows and (transposed_dkv) dV^T, dK^T.
+  // packed operands (split: k_split, v_split and their non-finite rows),
+  // non-finite K rows and (transposed_dkv) dV^T, dK^T.
   struct KeyTile {
     int64_t u0 = 0, tk = 0, koff = 0;
     TileBuffer<tile_t> kbuf, vbuf, k_t, v_t, k_rows;
+    TileBuffer<c10::BFloat16> k_split, v_split;
     TileRef<tile_t> kt{}, vt{};
-    std::vector<int64_t> kbad;
+    std::vector<int64_t> kbad, kbad_split, vbad_split;
     TileBuffer<acc_t> dv_t, dk_t;
   };
   std::array<KeyTile, kChunkTiles> tiles;
   TileBuffer<tile_t> qbuf, dobuf, wbuf;
   TileBuffer<acc_t> do_t, q_t;  // transposed_dkv: dO^T, Q^T of the query tile
+  // split: Q and dO of the query tile, and their non-finite rows.
+  TileBuffer<c10::BFloat16> q_split, do_split;
+  std::vector<int64_t> qbad_split, dobad_split;
   Weights<tile_t, acc_t> pw, dsw;
   TileBuffer<acc_t> s, dp, dqbuf;
 
@@ -80,10 +89,11 @@ struct BackwardTile {
         scale(static_cast<acc_t>(p_.scale)),
         packed(p_.scale > 0 &&
                ((kBf16Tiles && packed_tiles(p_.head_dim)) || (kFp32Tiles && packed_tiles_fp32()))),
-        transposed_dkv(kFp32Tiles && packed && p_.dv != nullptr) {}
+        transposed_dkv(kFp32Tiles && packed && p_.dv != nullptr),
+        split(kFp32Tiles && packed && split_tiles_fp32(p_.head_dim)) {}
 
   ~BackwardTile() {
-    if (kBf16Tiles && packed) release_packed_gemm();
+    if ((kBf16Tiles && packed) || split) release_packed_gemm();
   }
 
   void load_keys(KeyTile& key, int64_t b, const HeadSet& set, int64_t r, int64_t u0, int64_t tk) {
@@ -94,9 +104,20 @@ struct BackwardTile {
     key.kbad.clear();
     if constexpr (kBf16Tiles || kFp32Tiles) {
       if (packed) {
-        key.k_t.resize(tk * d), key.v_t.resize(tk * d), key.k_rows.resize((tk + 1) * d);
-        pack_keys(key.kt.ptr, key.kt.ld, tk, d, key.k_t.data());
-        pack_keys(key.vt.ptr, key.vt.ld, tk, d, key.v_t.data());
+        key.k_rows.resize((tk + 1) * d);
+        if constexpr (kFp32Tiles) {
+          if (split) {
+            key.k_split.resize(6 * d * tk), key.v_split.resize(6 * d * tk);
+            key.kbad_split.clear(), key.vbad_split.clear();
+            pack_keys_split(key.kt.ptr, key.kt.ld, tk, d, key.k_split.data(), key.kbad_split);
+            pack_keys_split(key.vt.ptr, key.vt.ld, tk, d, key.v_split.data(), key.vbad_split);
+          }
+        }
+        if (!split) {
+          key.k_t.resize(tk * d), key.v_t.resize(tk * d);
+          pack_keys(key.kt.ptr, key.kt.ld, tk, d, key.k_t.data());
+          pack_keys(key.vt.ptr, key.vt.ld, tk, d, key.v_t.data());
+        }
         if (dq != nullptr)
           pack_values_checked(key.kt.ptr, key.kt.ld, tk, d, 0, key.kbad, key.k_rows.data());
       }
@@ -138,6 +159,12 @@ struct BackwardTile {
           do_t.resize(d * rows), q_t.resize(d * rows);
           transpose_tile(dot.ptr, dot.ld, rows, d, do_t.data());
           transpose_tile(qt.ptr, qt.ld, rows, d, q_t.data());
+        }
+        if (split) {
+          q_split.resize(rows * 6 * d), do_split.resize(rows * 6 * d);
+          qbad_split.clear(), dobad_split.clear();
+          split_queries(qt.ptr, qt.ld, rows, d, q_split.data(), qbad_split);
+          split_queries(dot.ptr, dot.ld, rows, d, do_split.data(), dobad_split);
         }
       }
       // dQ: in place for one head, else summed in a buffer over the chunk.
@@ -185,7 +212,15 @@ struct BackwardTile {
     pw.reserve(rows * kLd);
     dsw.reserve(rows * kLd);
     if constexpr (kBf16Tiles || kFp32Tiles) {
-      if (packed) {
+      if constexpr (kFp32Tiles) {
+        if (split) {
+          gemm_split_scores(rows, tk, d, q_split.data(), key.k_split.data(), tk, s.data(), kLd, qt,
+                            key.kt, qbad_split, key.kbad_split);
+          gemm_split_scores(rows, tk, d, do_split.data(), key.v_split.data(), tk, dp.data(), kLd,
+                            dot, key.vt, dobad_split, key.vbad_split);
+        }
+      }
+      if (packed && !split) {
         gemm_packed(rows, tk, d, qt.ptr, qt.ld, key.k_t.data(), tk, s.data(), kLd, false);
         gemm_packed(rows, tk, d, dot.ptr, dot.ld, key.v_t.data(), tk, dp.data(), kLd, false);
         if constexpr (kBf16Tiles) release_packed_gemm();  // MKL's GEMMs come next

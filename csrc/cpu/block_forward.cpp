@@ -12,6 +12,7 @@
 #include "block_tasks.h"
 #include "kernels.h"
 #include "packed_tiles.h"
+#include "split_products.h"
 #include "tile_math.h"
 
 namespace ring_attention::cpu {
@@ -28,7 +29,8 @@ constexpr int64_t kLd = kTileK + 16;
 // this many heads share a tile, so that MQA still has tasks to spread.
 constexpr size_t kMaxSetHeads = 4;
 // Packed K (and V) kept for a key run, per thread: at most this many
-// elements (512 KiB of bf16; LongNet's runs at head dim 64 fit whole).
+// elements (512 KiB of bf16; LongNet's runs at head dim 64 fit whole; fp32
+// split K: 6 bf16 parts a value, 3 MiB).
 constexpr int64_t kMaxPacked = int64_t(1) << 18;
 // A row's shift (its running m) rises only when a key tile's scores pass it
 // by this much: its weights stay below e^8 (fp32 and bf16 hold them as
@@ -50,22 +52,27 @@ struct ForwardTile {
   acc_t *out, *lse;
   acc_t scale;
   // K and V packed once per key run for brgemm (packed_tiles.h: bf16 on AMX,
-  // fp32 on AVX-512); the scale then enters in the softmax pass.
-  const bool packed;
+  // fp32 on AVX-512); the scale then enters in the softmax pass. fp32 S on
+  // AMX: Q and K split into bf16 parts (split_products.h), K packed so.
+  const bool packed, split;
   TileBuffer<tile_t> qbuf, kbuf, vbuf, wbuf;
+  TileBuffer<c10::BFloat16> qsplit;
   Weights<tile_t, acc_t> pw;
   TileBuffer<acc_t> s, o;
   // Per query row: running shift (at most kCap below the running maximum) and
   // sum, and the tile's shift and sum.
   std::vector<acc_t> m, l, m_next, row_sum, scratch;
-  std::vector<int64_t> bad;
+  std::vector<int64_t> bad, bad_q;  // (bad_q: the query tile's non-finite rows, when split)
   // The key run last attended, kept for all its query tiles: its non-finite
   // V rows (indices into the run, ascending; rows [0, checked) looked at)
-  // and, when packed, its K/V tiles: tile t in slot t % slot_tile.size().
+  // and, when packed, its K/V tiles: tile t in slot t % slot_tile.size()
+  // (split: K in ksplit, and its non-finite keys).
   struct {
     int64_t b = -1, kv_head = -1, first = -1, r = -1, checked = 0;
     std::vector<int64_t> bad_v, slot_tile;
+    std::vector<std::vector<int64_t>> bad_k;
     TileBuffer<tile_t> k, v;
+    TileBuffer<c10::BFloat16> ksplit;
   } keyrun;
 
   explicit ForwardTile(const BlockParams& p_)
@@ -77,11 +84,11 @@ struct ForwardTile {
         lse(static_cast<acc_t*>(p_.lse)),
         scale(static_cast<acc_t>(p_.scale)),
         packed(p_.scale > 0 &&
-               ((kBf16Tiles && packed_tiles(p_.head_dim)) || (kFp32Tiles && packed_tiles_fp32()))) {
-  }
+               ((kBf16Tiles && packed_tiles(p_.head_dim)) || (kFp32Tiles && packed_tiles_fp32()))),
+        split(packed && kFp32Tiles && split_tiles_fp32(p_.head_dim)) {}
 
   ~ForwardTile() {
-    if (kBf16Tiles && packed) release_packed_gemm();
+    if ((kBf16Tiles && packed) || split) release_packed_gemm();
   }
 
   void start_key_run(int64_t b, int64_t kv_head, ActiveRun keys, int64_t r) {
@@ -94,7 +101,11 @@ struct ForwardTile {
     const int64_t d = p.head_dim, fit = std::max<int64_t>(1, kMaxPacked / (kTileK * d));
     const int64_t slots = std::min(ceil_div(keys.count, kTileK), fit);
     keyrun.slot_tile.assign(slots, -1);
-    keyrun.k.resize(slots * kTileK * d);
+    keyrun.bad_k.resize(slots);
+    if (split)
+      keyrun.ksplit.resize(slots * kTileK * 6 * d);
+    else
+      keyrun.k.resize(slots * kTileK * d);
     keyrun.v.resize(slots * kTileK * d);
   }
 
@@ -117,6 +128,13 @@ struct ForwardTile {
                   });
     s.resize(rows * kLd);
     pw.reserve(rows * kLd);
+    if constexpr (kFp32Tiles) {
+      if (split) {
+        qsplit.resize(rows * 6 * d);
+        bad_q.clear();
+        split_queries(qt.ptr, qt.ld, rows, d, qsplit.data(), bad_q);
+      }
+    }
     o.assign(rows * d, acc_t(0));
     m.assign(rows, neg_inf);
     l.assign(rows, acc_t(0));
@@ -148,10 +166,19 @@ struct ForwardTile {
         if (packed) {
           const int64_t tile = n0 / kTileK;
           const int64_t slot = tile % static_cast<int64_t>(keyrun.slot_tile.size());
-          tile_t* kslot = keyrun.k.data() + slot * kTileK * d;
+          // K in the slot: fp32, or split (the other one is empty).
+          tile_t* kslot = split ? nullptr : keyrun.k.data() + slot * kTileK * d;
+          c10::BFloat16* kslot_split =
+              split ? keyrun.ksplit.data() + slot * kTileK * 6 * d : nullptr;
           tile_t* vslot = keyrun.v.data() + slot * kTileK * d;
           if (keyrun.slot_tile[slot] != tile) {
-            pack_keys(kt.ptr, kt.ld, tw, d, kslot);
+            if constexpr (kFp32Tiles) {
+              if (split) {
+                keyrun.bad_k[slot].clear();
+                pack_keys_split(kt.ptr, kt.ld, tw, d, kslot_split, keyrun.bad_k[slot]);
+              }
+            }
+            if (!split) pack_keys(kt.ptr, kt.ld, tw, d, kslot);
             if (keyrun.checked < n0 + tw) {
               // Whole tiles: the run's first visit of this one.
               TORCH_INTERNAL_ASSERT(keyrun.checked == n0);
@@ -167,7 +194,12 @@ struct ForwardTile {
             tile_bad();
           }
           vp = vslot;
-          gemm_packed(rows, tk, d, qt.ptr, qt.ld, kslot, tw, s.data(), kLd, false);
+          if constexpr (kFp32Tiles) {
+            if (split)
+              gemm_split_scores(rows, tk, d, qsplit.data(), kslot_split, tw, s.data(), kLd, qt, kt,
+                                bad_q, keyrun.bad_k[slot]);
+          }
+          if (!split) gemm_packed(rows, tk, d, qt.ptr, qt.ld, kslot, tw, s.data(), kLd, false);
           // The products of the non-finite V rows a query row reaches are
           // added back after P V; those past tk it does not reach.
           bad.erase(std::lower_bound(bad.begin(), bad.end(), tk), bad.end());

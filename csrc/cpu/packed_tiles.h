@@ -48,7 +48,9 @@ void release_packed_gemm();
 
 // fp32 K and V in the same roles, plain row-major and contiguous (K^T as
 // d x w, V as w x d), for brgemm's fp32 kernels: packed_tiles_fp32() where
-// the CPU has AVX-512 (RING_ATTENTION_CPU_FP32_PACK=0 turns it off).
+// the CPU has AVX-512 (RING_ATTENTION_CPU_FP32_PACK=0 turns it off; where
+// it also has AMX, K enters the scores product split into bf16 parts
+// instead: split_products.h).
 bool packed_tiles_fp32();
 // out (cols x rows, contiguous) = the transpose of rows x cols at src (row
 // stride ld): 16 x 16 blocks in AVX-512 registers where built for it.
