@@ -158,17 +158,22 @@ void split_queries(const float* x, int64_t ld, int64_t rows, int64_t d, c10::BFl
 
 void pack_keys_split(const float* k, int64_t ld, int64_t w, int64_t d, c10::BFloat16* out,
                      std::vector<int64_t>& bad) {
-  // K^T (d x w) first, so that a pair of its rows is two contiguous rows.
-  TileBuffer<float> kt(d * w);
-  transpose_tile(k, ld, w, d, kt.data());
-  for (int64_t j = 0; j < w; ++j) {
-    if (all_finite(k + j * ld, d)) continue;
-    for (int64_t c = 0; c < d; ++c) kt[c * w + j] = 0;
-    bad.push_back(j);
-  }
+  // 32 keys at a time: their K^T (d x 32, in L1) first, so that a pair of its
+  // rows is two contiguous rows.
+  constexpr int64_t kKeys = 32;
+  TileBuffer<float> kt(d * kKeys);
   auto* words = reinterpret_cast<uint32_t*>(out);
-  for (int64_t i = 0; i < d / 2; ++i)
-    pack_pair(&kt[2 * i * w], &kt[(2 * i + 1) * w], w, words + i * w, (d / 2) * w);
+  for (int64_t j0 = 0; j0 < w; j0 += kKeys) {
+    const int64_t jn = std::min(kKeys, w - j0);
+    transpose_tile(k + j0 * ld, ld, jn, d, kt.data());
+    for (int64_t j = 0; j < jn; ++j) {
+      if (all_finite(k + (j0 + j) * ld, d)) continue;
+      for (int64_t c = 0; c < d; ++c) kt[c * jn + j] = 0;
+      bad.push_back(j0 + j);
+    }
+    for (int64_t i = 0; i < d / 2; ++i)
+      pack_pair(&kt[2 * i * jn], &kt[(2 * i + 1) * jn], jn, words + i * w + j0, (d / 2) * w);
+  }
 }
 
 void gemm_split_scores(int64_t rows, int64_t N, int64_t d, const c10::BFloat16* q6,
