@@ -249,16 +249,28 @@ def test_switch_takes_effect_where_the_machine_has_it(monkeypatch) -> None:
 
 def test_fp32_switch_takes_effect_where_the_machine_has_it(monkeypatch) -> None:
     """The split score products round differently from brgemm's fp32 kernel,
-    so the outputs differ where the machine has AMX; elsewhere, or at an odd
-    head dim, the two settings are one path."""
+    so the outputs differ where the machine has AMX, and so does dq when
+    the forward's output is the same (the backward's S and dP split too);
+    elsewhere, or at an odd head dim, the two settings are one path."""
     g = torch.Generator().manual_seed(7610)
     for d, splits in ((64, split_fp32_expected()), (33, False)):
-        q, k, v = (torch.randn(1, 512, 4, d, generator=g) for _ in range(3))
+        q, k, v, go = (torch.randn(1, 512, 4, d, generator=g) for _ in range(4))
+
+        def run():
+            qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+            return ra.dilated_attention(qq, kk, vv, [128, 512], [1, 2]), qq
+
         monkeypatch.delenv(FP32_ENV, raising=False)
-        default = ra.dilated_attention(q, k, v, [128, 512], [1, 2])
+        out, _ = run()
         monkeypatch.setenv(FP32_ENV, "fp32")
-        packed = ra.dilated_attention(q, k, v, [128, 512], [1, 2])
-        assert torch.equal(default, packed) != splits, d
+        out_packed, qq_packed = run()
+        assert torch.equal(out, out_packed) != splits, d
+        # The backward of each setting from the same forward results.
+        (dq_packed,) = torch.autograd.grad(out_packed, qq_packed, go)
+        out_again, qq_again = run()
+        monkeypatch.delenv(FP32_ENV, raising=False)
+        (dq,) = torch.autograd.grad(out_again, qq_again, go)
+        assert torch.equal(dq, dq_packed) != splits, d
 
 
 def _errors(cfg: Cfg, seed: int) -> list[float]:
