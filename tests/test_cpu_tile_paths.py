@@ -256,7 +256,7 @@ def test_fp32_switch_takes_effect_where_the_machine_has_it(monkeypatch) -> None:
     for d, splits in ((64, split_fp32_expected()), (33, False)):
         q, k, v, go = (torch.randn(1, 512, 4, d, generator=g) for _ in range(4))
 
-        def run():
+        def run(q=q, k=k, v=v):
             qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
             return ra.dilated_attention(qq, kk, vv, [128, 512], [1, 2]), qq
 
