@@ -65,8 +65,8 @@ mask (set the padded labels to -100), or pack the documents instead.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -100,10 +100,27 @@ _DENSE_SEGMENT = 2**62
 _IGNORE_INDEX = -100
 
 
-@dataclass(frozen=True)
 class _SequenceParallel:
-    group: dist.ProcessGroup
-    layout: str
+    """The group and layout of register_transformers(group=...). The group
+    is held by a weak reference: a strong one would keep a group that
+    destroy_process_group released alive, with its gloo worker threads, into
+    the interpreter's shutdown, where a thread still releasing a finished
+    collective's tensors needs the GIL and aborts the process."""
+
+    def __init__(self, group: dist.ProcessGroup, layout: str) -> None:
+        self._group = weakref.ref(group)
+        self.layout = layout
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        group = self._group()
+        if group is None:
+            raise RuntimeError(
+                "the process group given to register_transformers(group=...) no longer exists "
+                "(destroy_process_group released it): register again with a live group, or "
+                "with group=None"
+            )
+        return group
 
 
 # Set by register_transformers: None, or the group the sequence is sharded over.
@@ -137,7 +154,9 @@ def register_transformers(
             sequence parallelism over it; every ``"ring_dilated"`` call of
             this process is then ring attention over ``group``, each rank
             passing its shard of the tokens (see
-            :func:`shard_causal_lm_batch`).
+            :func:`shard_causal_lm_batch`). Held by a weak reference, so
+            that ``destroy_process_group`` releases it; a sharded call after
+            that raises ``RuntimeError``.
         layout: the sharding layout of the sequence-parallel ranks,
             ``"contiguous"`` (default) or ``"zigzag"`` (docs/design.md §3).
 

@@ -504,6 +504,35 @@ def test_shard_causal_lm_batch_without_a_group_is_the_whole_batch() -> None:
         torch.testing.assert_close(model(**batch).loss, model(ids, labels=labels).loss)
 
 
+def test_registered_group_is_released_by_destroy_process_group(tmp_path) -> None:
+    """register_transformers holds its group weakly: destroy_process_group
+    releases the group (its gloo threads end while the interpreter runs; held
+    strongly, they lived into the shutdown, where one still releasing a
+    finished collective's tensors aborted the process: the example's
+    SIGABRT), and a sharded call after that says what happened."""
+    import weakref
+
+    assert not dist.is_initialized()
+    store = f"file://{tmp_path / 'store'}"
+    dist.init_process_group("gloo", init_method=store, rank=0, world_size=1)
+    try:
+        ra.register_transformers(group=dist.group.WORLD)
+        alive = weakref.ref(dist.group.WORLD)
+        stats = torch.ones(2)
+        dist.all_reduce(stats)  # a finished collective on the group's threads
+        ids = torch.randint(1, VOCAB, (1, 6))
+        assert torch.equal(hf.shard_causal_lm_batch(ids, ids)["input_ids"], ids)
+    finally:
+        dist.destroy_process_group()
+    try:
+        assert alive() is None, "the registration kept the destroyed group alive"
+        with pytest.raises(RuntimeError, match="no longer exists"):
+            hf.shard_causal_lm_batch(ids, ids)
+    finally:
+        ra.register_transformers()
+    assert hf._sequence_parallel is None
+
+
 # ---------------------------------------------------------------------------
 # The example.
 
