@@ -166,11 +166,10 @@ void pack_keys_split(const float* k, int64_t ld, int64_t w, int64_t d, c10::BFlo
   for (int64_t j0 = 0; j0 < w; j0 += kKeys) {
     const int64_t jn = std::min(kKeys, w - j0);
     transpose_tile(k + j0 * ld, ld, jn, d, kt.data());
-    for (int64_t j = 0; j < jn; ++j) {
-      if (all_finite(k + (j0 + j) * ld, d)) continue;
-      for (int64_t c = 0; c < d; ++c) kt[c * jn + j] = 0;
-      bad.push_back(j0 + j);
-    }
+    const size_t first = bad.size();
+    non_finite_rows(TileRef<float>{k, ld}, j0, j0 + jn, d, 0, bad);
+    for (size_t b = first; b < bad.size(); ++b)
+      for (int64_t c = 0; c < d; ++c) kt[c * jn + (bad[b] - j0)] = 0;
     for (int64_t i = 0; i < d / 2; ++i)
       pack_pair(&kt[2 * i * jn], &kt[(2 * i + 1) * jn], jn, words + i * w + j0, (d / 2) * w);
   }
