@@ -129,27 +129,39 @@ def test_long_key_runs_in_several_tiles(path, head_dim: int) -> None:
     """Key runs of 2601 and 1300-1301 keys: several key tiles and chunks of them, odd last tiles
     (packed in row pairs with a zero pad), causal query tiles that reach part
     of a tile, more key tiles than a thread keeps packed (4 at head dim 128),
-    and a NaN in a V row that only later queries reach (head dim 40 packs
-    too; only odd head dims take MKL's GEMM)."""
+    and a NaN in a V row that only later queries reach, or, masked, none (in
+    a tile packed again for each query tile at head dim 128; head dim 40
+    packs too; only odd head dims take MKL's GEMM)."""
     # The backward's chunks of 4 key tiles (1024, 1024, 553 keys), with 3
     # query heads stacked on one K/V head (dQ summed over a chunk in a buffer)
     # and with one head per tile (dQ in place).
     for causal, kv_heads in ((True, 1), (False, None)):
         cfg = Cfg(1, 2601, 3, head_dim, [2601], [1], causal, False, None, False, kv_heads)
         check_against_oracle(cfg, path, "cpu", seed=7350 + causal)
-    cfg = Cfg(1, 2601, 2, head_dim, [2601], [2], True, False, None, False)
-    q, k, v, go, _ = make_inputs(cfg, path, "cpu", 7351)
-    u = 2201  # the second key tile of the run of odd positions
-    v_bad = v.clone()
-    v_bad[:, u] = float("nan")
-    got = run_local(cfg, q, k, v_bad, go, None, None)
-    want = run_oracle(cfg, q, k, v, go, None)
-    early = slice(0, u)  # causal: earlier queries never reach key u
-    tol = 2e-2 if path == BF16 else 1e-4
-    torch.testing.assert_close(
-        got[0][:, early].double(), want[0][:, early].double(), atol=tol, rtol=tol
-    )
-    assert torch.isnan(got[0][:, u:]).any()
+    # A NaN in the V row of key u: causal, in the second key tile of the run
+    # of odd positions (dilation 2), where it reaches the later queries only;
+    # and masked, in the fifth key tile of a dense run, which at head dim 128
+    # is past the tiles a thread keeps and is packed again for every query
+    # tile: it reaches no row.
+    u = 2201
+    for r, causal in ((2, True), (1, False)):
+        cfg = Cfg(1, 2601, 2, head_dim, [2601], [r], causal, False, None, False)
+        q, k, v, go, _ = make_inputs(cfg, path, "cpu", 7351)
+        mask = None
+        if not causal:
+            mask = torch.zeros(1, cfg.n, dtype=torch.bool)
+            mask[:, u] = True
+        v_bad = v.clone()
+        v_bad[:, u] = float("nan")
+        got = run_local(cfg, q, k, v_bad, go, mask, None)
+        want = run_oracle(cfg, q, k, v, go, mask)
+        early = slice(0, u) if causal else slice(None)  # rows that never reach key u
+        tol = 2e-2 if path == BF16 else 1e-4
+        torch.testing.assert_close(
+            got[0][:, early].double(), want[0][:, early].double(), atol=tol, rtol=tol
+        )
+        if causal:
+            assert torch.isnan(got[0][:, u:]).any()
 
 
 @pytest.mark.parametrize("rise", [700, 300], ids=["second-tile", "first-tile"])

@@ -19,6 +19,11 @@ namespace ring_attention::cpu {
 namespace {
 
 constexpr int64_t kTileRows = 256;  // stacked query rows (heads x positions)
+// With fp32 S split on AMX, twice that: a key tile's split K (3x the bytes of
+// fp32 K^T) and V, which come from L3 once a key run outgrows L2, then serve
+// twice the query rows (one thread, [2048], [1] at n 16384: S and P V 6 %
+// faster; benchmarks/RESULTS.md).
+constexpr int64_t kSplitTileRows = 512;
 constexpr int64_t kTileK = 512;
 // Row stride of the score and weight tiles: a cache line more than kTileK,
 // so that a tile's rows do not share cache sets (MKL's bf16 S = Q K^T, 256 x
@@ -65,8 +70,11 @@ struct ForwardTile {
   std::vector<int64_t> bad, bad_q;  // (bad_q: the query tile's non-finite rows, when split)
   // The key run last attended, kept for all its query tiles: its non-finite
   // V rows (indices into the run, ascending; rows [0, checked) looked at)
-  // and, when packed, its K/V tiles: tile t in slot t % slot_tile.size()
-  // (split: K in ksplit, and its non-finite keys).
+  // and, when packed, its K/V tiles: tile t in slot min(t, slots - 1)
+  // (split: K in ksplit, and its non-finite keys). A run longer than the
+  // slots keeps its first tiles and packs the rest into the last slot at
+  // every visit (slot t % slots would evict each tile before its next
+  // visit: all of them packed again for every query tile).
   struct {
     int64_t b = -1, kv_head = -1, first = -1, r = -1, checked = 0;
     std::vector<int64_t> bad_v, slot_tile;
@@ -165,7 +173,7 @@ struct ForwardTile {
       if constexpr (kBf16Tiles || kFp32Tiles) {
         if (packed) {
           const int64_t tile = n0 / kTileK;
-          const int64_t slot = tile % static_cast<int64_t>(keyrun.slot_tile.size());
+          const int64_t slot = std::min(tile, static_cast<int64_t>(keyrun.slot_tile.size()) - 1);
           // K in the slot: fp32, or split (the other one is empty).
           tile_t* kslot = split ? nullptr : keyrun.k.data() + slot * kTileK * d;
           c10::BFloat16* kslot_split =
@@ -274,7 +282,8 @@ void forward_kernel(const BlockCall& call) {
       for (int64_t ti = lo; ti < hi; ++ti) {
         const SegmentTask& task = work.tasks[ti];
         const HeadSet& set = work.head_sets[task.head_set];
-        const int64_t tq = std::max<int64_t>(1, kTileRows / static_cast<int64_t>(set.heads.size()));
+        const int64_t tile_rows = tile.split ? kSplitTileRows : kTileRows;
+        const int64_t tq = std::max<int64_t>(1, tile_rows / static_cast<int64_t>(set.heads.size()));
         for (size_t s = task.seg_begin; s < task.seg_end; ++s) {
           const SegmentRuns runs = segment_runs(p, work, s, set.offset);
           if (runs.k.count == 0) continue;
