@@ -5,8 +5,9 @@ csrc/cpu/split_products.h ``split_tiles_fp32``).
 bf16: where the BLAS has a bf16 GEMM (MKL's) and the CPU has bf16 dot
 products (avx512_bf16), the kernels multiply bf16 tiles as they are: Q, K, V
 and dO read in place, P and dS rounded to bf16 for their products, fp32
-accumulation; where the CPU also has AMX, K/V tiles are packed once for
-oneDNN's brgemm (even head dims) unless ``RING_ATTENTION_CPU_BF16_GEMM=mkl``.
+accumulation; K/V tiles are packed once for oneDNN's brgemm (even head dims;
+on AMX or on avx512_bf16's dot products) unless
+``RING_ATTENTION_CPU_BF16_GEMM=mkl`` or oneDNN is off (``torch.backends.mkldnn``).
 Elsewhere, or with ``RING_ATTENTION_CPU_BF16_GEMM=0``, every tile is
 converted to fp32 first. fp32: on CPUs with AVX-512 K/V tiles are copied once
 (K transposed) for brgemm's fp32 kernels unless
@@ -257,6 +258,45 @@ def test_switch_takes_effect_where_the_machine_has_it(monkeypatch) -> None:
     monkeypatch.setenv(ENV, "0")
     converted = run()
     assert torch.equal(default, converted) != native_bf16_expected()
+
+
+@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")  # mkldnn.flags
+def test_packed_switch_takes_effect_where_the_machine_has_it(monkeypatch) -> None:
+    """brgemm's packed path applies the softmax scale in the softmax pass, MKL's
+    GEMM in the product: the outputs and gradients differ wherever the native
+    path packs (every machine with avx512_bf16), and turning oneDNN off
+    selects MKL's GEMM exactly."""
+    g = torch.Generator().manual_seed(7620)
+    q, k, v, go = (torch.randn(1, 512, 4, 64, generator=g).to(BF16) for _ in range(4))
+
+    def run():
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        out = ra.dilated_attention(qq, kk, vv, [128, 512], [1, 2])
+        return (out, *torch.autograd.grad(out, (qq, kk, vv), go))
+
+    monkeypatch.delenv(ENV, raising=False)
+    packed = run()
+    with torch.backends.mkldnn.flags(enabled=False):
+        onednn_off = run()
+    monkeypatch.setenv(ENV, "mkl")
+    mkl = run()
+    for name, a, b, c in zip(("out", "dq", "dk", "dv"), packed, mkl, onednn_off, strict=True):
+        assert torch.equal(a, b) != native_bf16_expected(), name
+        assert torch.equal(b, c), name
+
+
+@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")  # mkldnn.flags
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "fp32"])
+def test_onednn_off_matches_oracle(dtype, monkeypatch) -> None:
+    """With oneDNN turned off (after calls with it on) the kernels leave
+    brgemm's VNNI products, which libtorch then refuses, and still match the
+    oracle."""
+    for var in (ENV, FP32_ENV):
+        monkeypatch.delenv(var, raising=False)
+    cfg = Cfg(2, 150, 3, 64, [16, 64, 128], [1, 2, 4], True, False, None, True)
+    check_against_oracle(cfg, dtype, "cpu", seed=7630)
+    with torch.backends.mkldnn.flags(enabled=False):
+        check_against_oracle(cfg, dtype, "cpu", seed=7631)
 
 
 def test_fp32_switch_takes_effect_where_the_machine_has_it(monkeypatch) -> None:

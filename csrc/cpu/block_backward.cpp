@@ -47,10 +47,11 @@ struct BackwardTile {
   // AVX-512) for the products with K^T, V^T and K: S and dP come out
   // unscaled, and dS carries the scale (the softmax pass applies both).
   const bool packed;
-  // fp32 packed: dV and dK of a key tile as dV^T += dO^T P and dK^T += Q^T dS
+  // Packed: dV and dK of a key tile as dV^T += dO^T P and dK^T += Q^T dS
   // (d x tk, added to dv and dk at the end of the chunk), so that P and dS
-  // are brgemm's B operand as the softmax pass leaves them; dO^T and Q^T of
-  // the query tile are its A operand.
+  // are brgemm's B operand (fp32: as the softmax pass leaves them; bf16: in
+  // VNNI pairs of rows, pack_values); dO^T and Q^T of the query tile are its
+  // A operand.
   const bool transposed_dkv;
   // fp32 S and dP on AMX: Q, dO, K and V split into bf16 parts
   // (split_products.h), K^T and V^T packed so.
@@ -68,12 +69,15 @@ struct BackwardTile {
   };
   std::array<KeyTile, kChunkTiles> tiles;
   TileBuffer<tile_t> qbuf, dobuf, wbuf;
-  TileBuffer<acc_t> do_t, q_t;  // transposed_dkv: dO^T, Q^T of the query tile
+  // transposed_dkv: dO^T, Q^T of the query tile (bf16: rows rounded up to
+  // even, rows_k) and (bf16) P and dS in VNNI pairs.
+  TileBuffer<tile_t> do_t, q_t, p_pairs, ds_pairs;
+  int64_t rows_k = 0;
   // split: Q and dO of the query tile, and their non-finite rows.
   TileBuffer<c10::BFloat16> q_split, do_split;
   std::vector<int64_t> qbad_split, dobad_split;
   Weights<tile_t, acc_t> pw, dsw;
-  TileBuffer<acc_t> s, dp, dqbuf;
+  TileBuffer<acc_t> s, dp, dqbuf, dkv_rows;
 
   BackwardTile(const BlockParams& p_, const acc_t* delta_)
       : p(p_),
@@ -89,7 +93,7 @@ struct BackwardTile {
         scale(static_cast<acc_t>(p_.scale)),
         packed(p_.scale > 0 &&
                ((kBf16Tiles && packed_tiles(p_.head_dim)) || (kFp32Tiles && packed_tiles_fp32()))),
-        transposed_dkv(kFp32Tiles && packed && p_.dv != nullptr),
+        transposed_dkv(packed && p_.dv != nullptr),
         split(kFp32Tiles && packed && split_tiles_fp32(p_.head_dim)) {}
 
   ~BackwardTile() {
@@ -154,12 +158,15 @@ struct BackwardTile {
           nh == 1
               ? tile_rows<tile_t>(dout + qoff, q_stride, tq, d, dobuf)
               : gather_rows<tile_t>(rows, d, dobuf, [&](int64_t i) { return dout + row_index(i); });
-      if constexpr (kFp32Tiles) {
+      if constexpr (kBf16Tiles || kFp32Tiles) {
         if (transposed_dkv) {
-          do_t.resize(d * rows), q_t.resize(d * rows);
+          rows_k = kBf16Tiles ? rows + rows % 2 : rows;
+          do_t.resize(d * rows_k), q_t.resize(d * rows_k);
           transpose_tile(dot.ptr, dot.ld, rows, d, do_t.data());
           transpose_tile(qt.ptr, qt.ld, rows, d, q_t.data());
         }
+      }
+      if constexpr (kFp32Tiles) {
         if (split) {
           q_split.resize(rows * 6 * d), do_split.resize(rows * 6 * d);
           qbad_split.clear(), dobad_split.clear();
@@ -181,7 +188,7 @@ struct BackwardTile {
         for (int64_t c = 0; c < d; ++c) dst[c] += src[c];
       }
     }
-    if constexpr (kFp32Tiles) {
+    if constexpr (kBf16Tiles || kFp32Tiles) {
       if (transposed_dkv) {
         for (int64_t t = 0; t < n_tiles; ++t) {
           const KeyTile& key = tiles[t];
@@ -223,7 +230,6 @@ struct BackwardTile {
       if (packed && !split) {
         gemm_packed(rows, tk, d, qt.ptr, qt.ld, key.k_t.data(), tk, s.data(), kLd, false);
         gemm_packed(rows, tk, d, dot.ptr, dot.ld, key.v_t.data(), tk, dp.data(), kLd, false);
-        if constexpr (kBf16Tiles) release_packed_gemm();  // MKL's GEMMs come next
       }
     }
     if (!packed) {
@@ -265,6 +271,17 @@ struct BackwardTile {
         gemm_packed(d, tk, rows, q_t.data(), rows, dp.data(), kLd, key.dk_t.data(), tk, true);
       }
     }
+    if constexpr (kBf16Tiles) {
+      if (transposed_dkv) {
+        p_pairs.resize(rows_k * tk), ds_pairs.resize(rows_k * tk);
+        pack_values(pw.row(0), kLd, rows, tk, {}, p_pairs.data());
+        pack_values(dsw.row(0), kLd, rows, tk, {}, ds_pairs.data());
+        gemm_packed(d, tk, rows_k, do_t.data(), rows_k, p_pairs.data(), tk, key.dv_t.data(), tk,
+                    true);
+        gemm_packed(d, tk, rows_k, q_t.data(), rows_k, ds_pairs.data(), tk, key.dk_t.data(), tk,
+                    true);
+      }
+    }
     if (dv != nullptr && !transposed_dkv) {
       const int64_t k_stride = p.k_stride(r);
       gemm(true, false, tk, d, rows, acc_t(1), pw.of(s.data()), kLd, dot.ptr, dot.ld, acc_t(1),
@@ -278,7 +295,6 @@ struct BackwardTile {
       if (packed) {
         gemm_weights_packed(rows, d, tk, dsw.of(dp.data()), kLd, key.k_rows.data(), key.kt,
                             key.kbad, dq_c, dq_ld, dq_accumulate);
-        if constexpr (kBf16Tiles) release_packed_gemm();
       }
     }
     if (!packed)
@@ -288,11 +304,11 @@ struct BackwardTile {
 
   // dst[j * ld + c] += src_t[c * tk + j] for j < tk, c < d (src_t is d x tk).
   void add_transposed(const acc_t* src_t, int64_t tk, int64_t d, acc_t* dst, int64_t ld) {
-    do_t.resize(tk * d);
-    transpose_tile(src_t, tk, d, tk, do_t.data());
+    dkv_rows.resize(tk * d);
+    transpose_tile(src_t, tk, d, tk, dkv_rows.data());
     for (int64_t j = 0; j < tk; ++j) {
       acc_t* row = dst + j * ld;
-      const acc_t* add = do_t.data() + j * d;
+      const acc_t* add = dkv_rows.data() + j * d;
       for (int64_t c = 0; c < d; ++c) row[c] += add[c];
     }
   }

@@ -1,5 +1,6 @@
 #include "packed_tiles.h"
 
+#include <ATen/Context.h>
 #include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
@@ -17,10 +18,20 @@
 
 namespace ring_attention::cpu {
 
+bool bf16_brgemm() {
+#if defined(__x86_64__)
+  static const bool bf16_dot = __builtin_cpu_supports("avx512bf16");
+#else
+  constexpr bool bf16_dot = false;
+#endif
+  // libtorch's brgemm takes VNNI operands only through oneDNN, which
+  // torch.backends.mkldnn turns off and on at any time.
+  return bf16_dot && at::globalContext().userEnabledMkldnn();
+}
+
 bool packed_tiles(int64_t d) {
-  static const bool amx = at::native::cpublas::could_pack(at::kBFloat16);
   const char* env = std::getenv("RING_ATTENTION_CPU_BF16_GEMM");
-  return amx && d % 2 == 0 && !(env != nullptr && std::strcmp(env, "mkl") == 0);
+  return bf16_brgemm() && d % 2 == 0 && !(env != nullptr && std::strcmp(env, "mkl") == 0);
 }
 
 // VNNI for bf16: element (r, c) of a K x N operand sits at
@@ -56,11 +67,37 @@ void pack_values(const c10::BFloat16* v, int64_t ld, int64_t w, int64_t d,
     const uint16_t* a = row(j);
     const uint16_t* b = row(j + 1);
     uint16_t* o = dst + j * d;
-    for (int64_t c = 0; c < d; ++c) {
+    int64_t c = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+    // 16 columns of the pair at a time: each 32-bit word is (a[c], b[c]).
+    const __m512i zero_words = _mm512_setzero_si512();
+    const auto words = [](const uint16_t* x, int64_t c) {
+      return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + c)));
+    };
+    for (; c + 16 <= d; c += 16) {
+      const __m512i lo = a != nullptr ? words(a, c) : zero_words;
+      const __m512i hi = b != nullptr ? words(b, c) : zero_words;
+      _mm512_storeu_si512(o + 2 * c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+#endif
+    for (; c < d; ++c) {
       o[2 * c] = a != nullptr ? a[c] : 0;
       o[2 * c + 1] = b != nullptr ? b[c] : 0;
     }
   }
+}
+
+void transpose_tile(const c10::BFloat16* src, int64_t ld, int64_t rows, int64_t cols,
+                    c10::BFloat16* out) {
+  const int64_t rows_out = rows + rows % 2;
+  constexpr int64_t kBlock = 32;  // reads in L1, whole-line writes
+  for (int64_t i0 = 0; i0 < rows; i0 += kBlock) {
+    const int64_t in = std::min(kBlock, rows - i0);
+    for (int64_t c = 0; c < cols; ++c)
+      for (int64_t i = 0; i < in; ++i) out[c * rows_out + i0 + i] = src[(i0 + i) * ld + c];
+  }
+  if (rows_out != rows)
+    for (int64_t c = 0; c < cols; ++c) out[c * rows_out + rows] = c10::BFloat16(0);
 }
 
 void pack_values_checked(const c10::BFloat16* v, int64_t ld, int64_t w, int64_t d, int64_t shift,

@@ -1,12 +1,14 @@
 // K and V tiles packed once, and the GEMMs that read them: oneDNN's
 // batch-reduce GEMM (at::native::cpublas::brgemm, exported by libtorch). For
-// bf16 (AMX) its B operand is in VNNI layout (pairs of rows along the
-// reduction interleaved); for fp32 plain and contiguous. A key tile is packed
-// once and reused by every query tile that attends to it; the GEMM reads Q and
-// P in place. At the forward's tile shapes (256 x 512 x 64, one thread) this
-// runs bf16 S = Q K^T in about 0.6x and P V in about 0.45x the time of MKL's
-// bf16 GEMM, which copies both operands at every call (fp32: 0.9x;
-// benchmarks/bench.py tiles).
+// bf16 (AMX, or avx512_bf16's dot products) its B operand is in VNNI layout
+// (pairs of rows along the reduction interleaved); for fp32 plain and
+// contiguous. A key tile is packed once and reused by every query tile that
+// attends to it; the GEMM reads Q and P in place. On AMX, at the forward's
+// tile shapes (256 x 512 x 64, one thread) this runs bf16 S = Q K^T in about
+// 0.6x and P V in about 0.45x the time of MKL's bf16 GEMM, which copies both
+// operands at every call (fp32: 0.9x; benchmarks/bench.py tiles). Without
+// AMX (AMD Zen 4, avx512_bf16) MKL's bf16 GEMM converts to fp32, and the
+// packed path runs at twice its rate (benchmarks/RESULTS.md).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -19,9 +21,15 @@
 
 namespace ring_attention::cpu {
 
-// Whether the bf16-tile kernels use the packed path for head dim d: the CPU
-// has AMX (oneDNN packs bf16 for it) and d is even (VNNI pairs along d).
-// RING_ATTENTION_CPU_BF16_GEMM=mkl keeps MKL's GEMM (read at every call).
+// Whether libtorch's brgemm multiplies bf16 operands in VNNI layout here:
+// the CPU has bf16 dot products (avx512_bf16; AMX CPUs have them too) and
+// oneDNN is on (torch.backends.mkldnn; asked at every call).
+bool bf16_brgemm();
+
+// Whether the bf16-tile kernels use the packed path for head dim d:
+// bf16_brgemm() (on AMX or avx512_bf16's dot products) and d is even (VNNI
+// pairs along d). RING_ATTENTION_CPU_BF16_GEMM=mkl keeps MKL's GEMM (read at
+// every call).
 bool packed_tiles(int64_t d);
 
 // K rows k[j * ld ...], j < w, each d wide, as the B operand (d x w) of
@@ -45,6 +53,13 @@ void gemm_packed(int64_t M, int64_t N, int64_t K, const c10::BFloat16* A, int64_
                  const c10::BFloat16* B, int64_t ldb, float* C, int64_t ldc, bool accumulate);
 
 void release_packed_gemm();
+
+// out (cols x rows', contiguous; rows' = rows rounded up to even, the pad
+// column 0) = the transpose of rows x cols at src (row stride ld): the A
+// operand of a product whose reduction runs over src's rows, against a B
+// operand that pack_values packed (the backward's dV^T = dO^T P).
+void transpose_tile(const c10::BFloat16* src, int64_t ld, int64_t rows, int64_t cols,
+                    c10::BFloat16* out);
 
 // fp32 K and V in the same roles, plain row-major and contiguous (K^T as
 // d x w, V as w x d), for brgemm's fp32 kernels: packed_tiles_fp32() where

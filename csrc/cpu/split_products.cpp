@@ -140,7 +140,8 @@ float dot(const float* a, const float* b, int64_t d) {
 }  // namespace
 
 bool split_tiles_fp32(int64_t d) {
-  static const bool amx = at::native::cpublas::could_pack(at::kBFloat16);
+  // could_pack: AMX, with oneDNN on (asked at every call, as bf16_brgemm).
+  const bool amx = bf16_brgemm() && at::native::cpublas::could_pack(at::kBFloat16);
   const char* env = std::getenv("RING_ATTENTION_CPU_FP32_PACK");
   const bool off = env != nullptr && (std::strcmp(env, "fp32") == 0 || std::strcmp(env, "0") == 0);
   return amx && d % 2 == 0 && !off;
