@@ -10,6 +10,7 @@
 // computed.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
 
 #include <array>
 #include <cmath>
@@ -326,9 +327,9 @@ std::vector<acc_t> softmax_delta(const BlockParams& p) {
       const int64_t b = bt / p.q_len, t = bt % p.q_len;
       for (int64_t h = 0; h < p.heads; ++h) {
         const int64_t off = (bt * p.heads + h) * p.head_dim;
-        acc_t sum = 0;
-        for (int64_t c = 0; c < p.head_dim; ++c)
-          sum += static_cast<acc_t>(dout[off + c]) * static_cast<acc_t>(out[off + c]);
+        const acc_t sum = at::vec::map2_reduce_all<scalar_t>([](auto x, auto y) { return x * y; },
+                                                             [](auto x, auto y) { return x + y; },
+                                                             dout + off, out + off, p.head_dim);
         const int64_t idx = (b * p.heads + h) * p.q_len + t;
         delta[idx] = grad_lse == nullptr ? sum : sum - grad_lse[idx];
       }

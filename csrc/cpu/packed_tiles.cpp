@@ -18,6 +18,41 @@
 
 namespace ring_attention::cpu {
 
+namespace {
+
+#if defined(CPU_CAPABILITY_AVX512)
+// r[i] holds row i of a 16 x 16 block of 32-bit lanes; on return r[c] holds
+// column c: 32-bit and 64-bit interleaves within 128-bit lanes, then two
+// exchanges of 128-bit lanes (bit patterns only: bf16 pairs pass as well).
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  // r[4g + m]: rows 4g .. 4g + 3 of columns 4L + m, lane L.
+  for (int g = 0; g < 4; ++g) {
+    const auto pd = [&](int i) { return _mm512_castps_pd(t[4 * g + i]); };
+    r[4 * g + 0] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(0), pd(2)));
+    r[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(0), pd(2)));
+    r[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(1), pd(3)));
+    r[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(1), pd(3)));
+  }
+  for (int h = 0; h < 2; ++h) {
+    for (int m = 0; m < 4; ++m) {
+      t[8 * h + m] = _mm512_shuffle_f32x4(r[8 * h + m], r[8 * h + 4 + m], 0x88);
+      t[8 * h + 4 + m] = _mm512_shuffle_f32x4(r[8 * h + m], r[8 * h + 4 + m], 0xdd);
+    }
+  }
+  for (int m = 0; m < 8; ++m) {
+    r[m] = _mm512_shuffle_f32x4(t[m], t[8 + m], 0x88);
+    r[8 + m] = _mm512_shuffle_f32x4(t[m], t[8 + m], 0xdd);
+  }
+}
+#endif
+
+}  // namespace
+
 bool bf16_brgemm() {
 #if defined(__x86_64__)
   static const bool bf16_dot = __builtin_cpu_supports("avx512bf16");
@@ -39,14 +74,24 @@ bool packed_tiles(int64_t d) {
 // one column.
 void pack_keys(const c10::BFloat16* k, int64_t ld, int64_t w, int64_t d, c10::BFloat16* out) {
   // B = K^T: row c of B is column c of K, so word i of key j (its elements
-  // 2i, 2i + 1) goes to word (i, j): a transpose of 32-bit words, 16 keys at
-  // a time so that the reads stay in L1 and the writes are whole lines.
+  // 2i, 2i + 1) goes to word (i, j): a transpose of 32-bit words, 16 keys
+  // by 16 words in registers, else 16 keys at a time so that the reads stay
+  // in L1 and the writes are whole lines.
   auto* dst = reinterpret_cast<uint32_t*>(out);
   const int64_t words = d / 2;
   constexpr int64_t kBlock = 16;
   for (int64_t j0 = 0; j0 < w; j0 += kBlock) {
     const int64_t jn = std::min(kBlock, w - j0);
-    for (int64_t i = 0; i < words; ++i) {
+    int64_t i0 = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+    for (; jn == kBlock && i0 + 16 <= words; i0 += 16) {
+      __m512 r[16];
+      for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_ps(k + (j0 + j) * ld + 2 * i0);
+      transpose16(r);
+      for (int i = 0; i < 16; ++i) _mm512_storeu_ps(dst + (i0 + i) * w + j0, r[i]);
+    }
+#endif
+    for (int64_t i = i0; i < words; ++i) {
       uint32_t* o = dst + i * w + j0;
       for (int64_t j = 0; j < jn; ++j)
         std::memcpy(o + j, k + (j0 + j) * ld + 2 * i, sizeof(uint32_t));
@@ -90,8 +135,29 @@ void pack_values(const c10::BFloat16* v, int64_t ld, int64_t w, int64_t d,
 void transpose_tile(const c10::BFloat16* src, int64_t ld, int64_t rows, int64_t cols,
                     c10::BFloat16* out) {
   const int64_t rows_out = rows + rows % 2;
+  int64_t i0 = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  // 16 x 16 blocks widened to 32-bit lanes.
+  for (; i0 + 16 <= rows; i0 += 16) {
+    int64_t c0 = 0;
+    for (; c0 + 16 <= cols; c0 += 16) {
+      __m512 r[16];
+      for (int i = 0; i < 16; ++i) {
+        const auto* row = reinterpret_cast<const __m256i*>(src + (i0 + i) * ld + c0);
+        r[i] = _mm512_castsi512_ps(_mm512_cvtepu16_epi32(_mm256_loadu_si256(row)));
+      }
+      transpose16(r);
+      for (int c = 0; c < 16; ++c) {
+        auto* col = reinterpret_cast<__m256i*>(out + (c0 + c) * rows_out + i0);
+        _mm256_storeu_si256(col, _mm512_cvtepi32_epi16(_mm512_castps_si512(r[c])));
+      }
+    }
+    for (int64_t c = c0; c < cols; ++c)
+      for (int64_t i = i0; i < i0 + 16; ++i) out[c * rows_out + i] = src[i * ld + c];
+  }
+#endif
   constexpr int64_t kBlock = 32;  // reads in L1, whole-line writes
-  for (int64_t i0 = 0; i0 < rows; i0 += kBlock) {
+  for (; i0 < rows; i0 += kBlock) {
     const int64_t in = std::min(kBlock, rows - i0);
     for (int64_t c = 0; c < cols; ++c)
       for (int64_t i = 0; i < in; ++i) out[c * rows_out + i0 + i] = src[(i0 + i) * ld + c];
@@ -161,37 +227,13 @@ bool packed_tiles_fp32() {
 void transpose_tile(const float* src, int64_t ld, int64_t rows, int64_t cols, float* out) {
   int64_t i0 = 0;
 #if defined(CPU_CAPABILITY_AVX512)
-  // 16 x 16 blocks in registers: 32-bit and 64-bit interleaves within
-  // 128-bit lanes, then two exchanges of 128-bit lanes.
   for (; i0 + 16 <= rows; i0 += 16) {
     int64_t c0 = 0;
     for (; c0 + 16 <= cols; c0 += 16) {
-      __m512 r[16], t[16];
+      __m512 r[16];
       for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + (i0 + i) * ld + c0);
-      for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-      }
-      // r[4g + m]: rows 4g .. 4g + 3 of columns 4L + m, lane L.
-      for (int g = 0; g < 4; ++g) {
-        const auto pd = [&](int i) { return _mm512_castps_pd(t[4 * g + i]); };
-        r[4 * g + 0] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(0), pd(2)));
-        r[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(0), pd(2)));
-        r[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(1), pd(3)));
-        r[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(1), pd(3)));
-      }
-      for (int h = 0; h < 2; ++h) {
-        for (int m = 0; m < 4; ++m) {
-          t[8 * h + m] = _mm512_shuffle_f32x4(r[8 * h + m], r[8 * h + 4 + m], 0x88);
-          t[8 * h + 4 + m] = _mm512_shuffle_f32x4(r[8 * h + m], r[8 * h + 4 + m], 0xdd);
-        }
-      }
-      for (int m = 0; m < 8; ++m) {
-        // Columns c0 + m and c0 + 8 + m.
-        _mm512_storeu_ps(out + (c0 + m) * rows + i0, _mm512_shuffle_f32x4(t[m], t[8 + m], 0x88));
-        _mm512_storeu_ps(out + (c0 + 8 + m) * rows + i0,
-                         _mm512_shuffle_f32x4(t[m], t[8 + m], 0xdd));
-      }
+      transpose16(r);
+      for (int c = 0; c < 16; ++c) _mm512_storeu_ps(out + (c0 + c) * rows + i0, r[c]);
     }
     for (int64_t c = c0; c < cols; ++c)
       for (int64_t i = i0; i < i0 + 16; ++i) out[c * rows + i] = src[i * ld + c];
