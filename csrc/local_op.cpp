@@ -117,7 +117,9 @@ std::tuple<Tensor, Tensor, Tensor> dilated_attention_backward_local(
     return {dq, dk, dv};
   }
   // dq by chunks of queries (against all keys), then dk, dv by chunks of keys
-  // (against all queries): the kernels compute the two separately anyway.
+  // (against all queries). Each pass makes S, dP and the softmax pass of its
+  // tiles again; one pass would need fp32 dk and dv for every key a chunk's
+  // queries reach (all of them for a segment as long as the sequence).
   Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options()),
          dv = at::empty(v.sizes(), v.options());
   const auto acc_opts = q.options().dtype(acc);
