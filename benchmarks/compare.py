@@ -33,10 +33,12 @@ def _describe(store: measure.ResultFile) -> str:
 def compare_report(new: measure.ResultFile, old: measure.ResultFile) -> list[str]:
     """The markdown comparison of the points both files hold (the latest
     record of each); empty when they share none."""
-    pairs = [(a, old.records[a["key"]]) for a in local_rows(new.records.values())]
-    pairs = [(a, b) for a, b in pairs if b.get("kind") == "local"]
+    rows = local_rows(new.records.values())
+    pairs = [(a, old.records.get(a["key"])) for a in rows]
+    pairs = [(a, b) for a, b in pairs if b is not None and b.get("kind") == "local"]
     if not pairs:
         return []
+    unmatched = len(rows) - len(pairs)
     unit, scale = rate_unit(pairs[0][0]["device"])
     table, ratios = [], {}
     for a, b in pairs:
@@ -84,6 +86,8 @@ def compare_report(new: measure.ResultFile, old: measure.ResultFile) -> list[str
             f"- {pass_}: old / new {min(rs):.2f}-{max(rs):.2f}, geometric mean {geo:.2f}"
             f" over {len(rs)} points (above 1: the new one is faster)"
         )
+    if unmatched:
+        lines.append(f"- {unmatched} points of the new run are not in the old one (left out)")
     return lines
 
 

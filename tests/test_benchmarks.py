@@ -349,6 +349,12 @@ def test_compare_times_this_checkout_against_an_exported_tree(tmp_path: Path) ->
     assert "old: commit abcdef0 (exported)" in out
     assert "fwd: old / new 2.00-2.00, geometric mean 2.00 over 1 points" in out
     assert (tmp_path / "compare.md").read_text().strip() == out.split("wrote")[0].strip()
+    # a point of the new run that the old one lacks (another method, say) is left out
+    fwd = next(r for r in recs if r["kind"] == "local" and r["pass"] == "fwd")
+    old.write_text("".join(json.dumps(r) + "\n" for r in recs if r is not fwd))
+    out = bench("compare", str(tmp_path / "new"), str(tmp_path / "old"))
+    assert len([line for line in out.splitlines() if line.startswith("| 200 ")]) == 1, out
+    assert "1 points of the new run are not in the old one (left out)" in out
     # folders without a common point, or without results, are an error
     proc = subprocess.run([sys.executable, str(BENCH), "compare", str(tmp_path / "new"),
                            str(tmp_path)], capture_output=True, text=True, cwd=ROOT)  # fmt: skip
