@@ -49,7 +49,45 @@ inline void transpose16(__m512 r[16]) {
     r[8 + m] = _mm512_shuffle_f32x4(t[m], t[8 + m], 0xdd);
   }
 }
+
+// 16 values of a row as 32-bit lanes (bf16 widened: bit patterns only), and back.
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const c10::BFloat16* x) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return _mm512_castsi512_ps(_mm512_cvtepu16_epi32(h));
+}
+inline void store16(float* x, __m512 v) { _mm512_storeu_ps(x, v); }
+inline void store16(c10::BFloat16* x, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(x), _mm512_cvtepi32_epi16(_mm512_castps_si512(v)));
+}
 #endif
+
+// out[c * ld_out + i] = src[i * ld + c] for i < rows, c < cols: 16 x 16
+// blocks in registers where built for AVX-512, else 16 rows at a time so
+// that the reads stay in L1 and the writes are whole lines.
+template <typename T>
+void transpose_rows(const T* src, int64_t ld, int64_t rows, int64_t cols, T* out, int64_t ld_out) {
+  int64_t i0 = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  for (; i0 + 16 <= rows; i0 += 16) {
+    int64_t c0 = 0;
+    for (; c0 + 16 <= cols; c0 += 16) {
+      __m512 r[16];
+      for (int i = 0; i < 16; ++i) r[i] = load16(src + (i0 + i) * ld + c0);
+      transpose16(r);
+      for (int c = 0; c < 16; ++c) store16(out + (c0 + c) * ld_out + i0, r[c]);
+    }
+    for (int64_t c = c0; c < cols; ++c)
+      for (int64_t i = i0; i < i0 + 16; ++i) out[c * ld_out + i] = src[i * ld + c];
+  }
+#endif
+  constexpr int64_t kBlock = 16;
+  for (; i0 < rows; i0 += kBlock) {
+    const int64_t in = std::min(kBlock, rows - i0);
+    for (int64_t c = 0; c < cols; ++c)
+      for (int64_t i = 0; i < in; ++i) out[c * ld_out + i0 + i] = src[(i0 + i) * ld + c];
+  }
+}
 
 }  // namespace
 
@@ -135,33 +173,7 @@ void pack_values(const c10::BFloat16* v, int64_t ld, int64_t w, int64_t d,
 void transpose_tile(const c10::BFloat16* src, int64_t ld, int64_t rows, int64_t cols,
                     c10::BFloat16* out) {
   const int64_t rows_out = rows + rows % 2;
-  int64_t i0 = 0;
-#if defined(CPU_CAPABILITY_AVX512)
-  // 16 x 16 blocks widened to 32-bit lanes.
-  for (; i0 + 16 <= rows; i0 += 16) {
-    int64_t c0 = 0;
-    for (; c0 + 16 <= cols; c0 += 16) {
-      __m512 r[16];
-      for (int i = 0; i < 16; ++i) {
-        const auto* row = reinterpret_cast<const __m256i*>(src + (i0 + i) * ld + c0);
-        r[i] = _mm512_castsi512_ps(_mm512_cvtepu16_epi32(_mm256_loadu_si256(row)));
-      }
-      transpose16(r);
-      for (int c = 0; c < 16; ++c) {
-        auto* col = reinterpret_cast<__m256i*>(out + (c0 + c) * rows_out + i0);
-        _mm256_storeu_si256(col, _mm512_cvtepi32_epi16(_mm512_castps_si512(r[c])));
-      }
-    }
-    for (int64_t c = c0; c < cols; ++c)
-      for (int64_t i = i0; i < i0 + 16; ++i) out[c * rows_out + i] = src[i * ld + c];
-  }
-#endif
-  constexpr int64_t kBlock = 32;  // reads in L1, whole-line writes
-  for (; i0 < rows; i0 += kBlock) {
-    const int64_t in = std::min(kBlock, rows - i0);
-    for (int64_t c = 0; c < cols; ++c)
-      for (int64_t i = 0; i < in; ++i) out[c * rows_out + i0 + i] = src[(i0 + i) * ld + c];
-  }
+  transpose_rows(src, ld, rows, cols, out, rows_out);
   if (rows_out != rows)
     for (int64_t c = 0; c < cols; ++c) out[c * rows_out + rows] = c10::BFloat16(0);
 }
@@ -225,26 +237,7 @@ bool packed_tiles_fp32() {
 }
 
 void transpose_tile(const float* src, int64_t ld, int64_t rows, int64_t cols, float* out) {
-  int64_t i0 = 0;
-#if defined(CPU_CAPABILITY_AVX512)
-  for (; i0 + 16 <= rows; i0 += 16) {
-    int64_t c0 = 0;
-    for (; c0 + 16 <= cols; c0 += 16) {
-      __m512 r[16];
-      for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + (i0 + i) * ld + c0);
-      transpose16(r);
-      for (int c = 0; c < 16; ++c) _mm512_storeu_ps(out + (c0 + c) * rows + i0, r[c]);
-    }
-    for (int64_t c = c0; c < cols; ++c)
-      for (int64_t i = i0; i < i0 + 16; ++i) out[c * rows + i] = src[i * ld + c];
-  }
-#endif
-  constexpr int64_t kBlock = 16;  // reads in L1, whole-line writes
-  for (; i0 < rows; i0 += kBlock) {
-    const int64_t in = std::min(kBlock, rows - i0);
-    for (int64_t c = 0; c < cols; ++c)
-      for (int64_t i = 0; i < in; ++i) out[c * rows + i0 + i] = src[(i0 + i) * ld + c];
-  }
+  transpose_rows(src, ld, rows, cols, out, rows);
 }
 
 void pack_keys(const float* k, int64_t ld, int64_t w, int64_t d, float* out) {
