@@ -98,8 +98,23 @@ bool bf16_brgemm() {
   constexpr bool bf16_dot = false;
 #endif
   // libtorch's brgemm takes VNNI operands only through oneDNN, which
-  // torch.backends.mkldnn turns off and on at any time.
-  return bf16_dot && at::globalContext().userEnabledMkldnn();
+  // torch.backends.mkldnn turns off and on at any time, and only where
+  // libtorch was built with oneDNN's ukernels: the first call with oneDNN on
+  // tries one small product (A times the identity in VNNI layout, which must
+  // give A back).
+  if (!bf16_dot || !at::globalContext().userEnabledMkldnn()) return false;
+  static const bool runs = [] {
+    const c10::BFloat16 a[4] = {1.0f, 2.0f, 3.0f, 4.0f}, b[4] = {1.0f, 0.0f, 0.0f, 1.0f};
+    float c[4] = {};
+    try {
+      at::native::cpublas::brgemm(2, 2, 2, 2, 2, 2, false, a, b, c, /*is_vnni=*/true);
+      at::native::cpublas::brgemm_release(/*is_vnni=*/true);
+    } catch (const c10::Error&) {
+      return false;
+    }
+    return c[0] == 1.0f && c[1] == 2.0f && c[2] == 3.0f && c[3] == 4.0f;
+  }();
+  return runs;
 }
 
 bool packed_tiles(int64_t d) {

@@ -22,8 +22,10 @@
 namespace ring_attention::cpu {
 
 // Whether libtorch's brgemm multiplies bf16 operands in VNNI layout here:
-// the CPU has bf16 dot products (avx512_bf16; AMX CPUs have them too) and
-// oneDNN is on (torch.backends.mkldnn; asked at every call).
+// the CPU has bf16 dot products (avx512_bf16; AMX CPUs have them too),
+// oneDNN is on (torch.backends.mkldnn; asked at every call) and a first
+// small product through it gave the right result (libtorch built without
+// oneDNN's ukernels refuses it).
 bool bf16_brgemm();
 
 // Whether the bf16-tile kernels use the packed path for head dim d:
