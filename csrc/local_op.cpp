@@ -116,14 +116,39 @@ std::tuple<Tensor, Tensor, Tensor> dilated_attention_backward_local(
     call_block_backward(grad_out, grad_lse, q, k, v, out, lse, dq, dk, dv, 0, 0, pa);
     return {dq, dk, dv};
   }
-  // dq by chunks of queries (against all keys), then dk, dv by chunks of keys
-  // (against all queries). Each pass makes S, dP and the softmax pass of its
-  // tiles again; one pass would need fp32 dk and dv for every key a chunk's
-  // queries reach (all of them for a segment as long as the sequence).
   Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options()),
          dv = at::empty(v.sizes(), v.options());
   const auto acc_opts = q.options().dtype(acc);
   const int64_t len = q.size(1), rows = chunk_rows(len, segs);
+  // Without documents, chunks that hold whole segments of every branch are
+  // closed: their queries reach only their keys. Then one pass per chunk
+  // computes dq, dk and dv together (three fp32 chunks at a time).
+  const bool closed = !cu.has_value() && std::all_of(segs.begin(), segs.end(), [&](int64_t w) {
+    return rows == len || rows % w == 0;
+  });
+  if (closed) {
+    for (int64_t a = 0; a < len; a += rows) {
+      const int64_t b = std::min(a + rows, len);
+      const Tensor dq_c = at::zeros({q.size(0), b - a, q.size(2), q.size(3)}, acc_opts);
+      const Tensor dk_c = at::zeros({k.size(0), b - a, k.size(2), k.size(3)}, acc_opts);
+      const Tensor dv_c = at::zeros_like(dk_c);
+      const OptTensor grad_lse_c =
+          grad_lse.has_value() ? OptTensor(grad_lse->slice(2, a, b)) : std::nullopt;
+      const OptTensor kpm_c = kpm.has_value() ? OptTensor(kpm->slice(1, a, b)) : std::nullopt;
+      const PatternArgs pa_c{segs, dils, causal, scale, head_groups, grouped_offsets, kpm_c, cu};
+      call_block_backward(grad_out.slice(1, a, b), grad_lse_c, q.slice(1, a, b), k.slice(1, a, b),
+                          v.slice(1, a, b), out.slice(1, a, b), lse.slice(2, a, b).contiguous(),
+                          dq_c, dk_c, dv_c, a, a, pa_c);
+      dq.slice(1, a, b).copy_(dq_c);
+      dk.slice(1, a, b).copy_(dk_c);
+      dv.slice(1, a, b).copy_(dv_c);
+    }
+    return {dq, dk, dv};
+  }
+  // Else dq by chunks of queries (against all keys), then dk, dv by chunks of
+  // keys (against all queries). Each pass makes S, dP and the softmax pass of
+  // its tiles again; one pass would need fp32 dk and dv for every key a
+  // chunk's queries reach (all of them for a segment as long as the sequence).
   for (int64_t a = 0; a < len; a += rows) {
     const int64_t b = std::min(a + rows, len);
     const Tensor dq_c = at::zeros({q.size(0), b - a, q.size(2), q.size(3)}, acc_opts);

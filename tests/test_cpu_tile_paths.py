@@ -125,6 +125,22 @@ def test_long_sequence_by_chunks(bf16_path) -> None:
     check_against_oracle(cfg, BF16, "cpu", seed=7300)
 
 
+@pytest.mark.parametrize("documents", [False, True], ids=["closed", "documents"])
+def test_chunks_of_whole_segments(bf16_path, documents: bool) -> None:
+    """Chunks of 1024 rows hold whole segments of both branches: without
+    documents the backward computes dq, dk and dv in one pass a chunk; with
+    documents (whose segments start at their own boundaries) in two. A key
+    padding mask, head groups, causal rows and a gradient through lse."""
+    cfg = Cfg(1, 2300, 3, 64, [256, 1024], [1, 2], True, True, None, True)
+    if documents:
+        cfg.cu_seqlens = [0, 700, 1900, 2300]
+    q, k, v, go, mask = make_inputs(cfg, BF16, "cpu", 7350 + documents)
+    glse = lse_grad(cfg, "cpu", 7360 + documents)
+    got = run_local(cfg, q, k, v, go, mask, glse)
+    want = run_oracle(cfg, q, k, v, go, mask, glse)
+    check_results(cfg, BF16, got, want, f"{bf16_path} {cfg}")
+
+
 @pytest.mark.parametrize("head_dim", [128, 40])
 def test_long_key_runs_in_several_tiles(path, head_dim: int) -> None:
     """Key runs of 2601 and 1300-1301 keys: several key tiles and chunks of them, odd last tiles
