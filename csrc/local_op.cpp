@@ -120,6 +120,17 @@ std::tuple<Tensor, Tensor, Tensor> dilated_attention_backward_local(
          dv = at::empty(v.sizes(), v.options());
   const auto acc_opts = q.options().dtype(acc);
   const int64_t len = q.size(1), rows = chunk_rows(len, segs);
+  // A chunk's fp32 accumulator, its rows of grad_lse and of the key padding
+  // mask (PatternArgs holds references: each call site keeps the slice).
+  const auto acc_chunk = [&](const Tensor& t, int64_t a, int64_t b) {
+    return at::zeros({t.size(0), b - a, t.size(2), t.size(3)}, acc_opts);
+  };
+  const auto grad_lse_rows = [&](int64_t a, int64_t b) {
+    return grad_lse.has_value() ? OptTensor(grad_lse->slice(2, a, b)) : std::nullopt;
+  };
+  const auto kpm_rows = [&](int64_t a, int64_t b) {
+    return kpm.has_value() ? OptTensor(kpm->slice(1, a, b)) : std::nullopt;
+  };
   // Without documents, chunks that hold whole segments of every branch are
   // closed: their queries reach only their keys. Then one pass per chunk
   // computes dq, dk and dv together (three fp32 chunks at a time).
@@ -129,16 +140,12 @@ std::tuple<Tensor, Tensor, Tensor> dilated_attention_backward_local(
   if (closed) {
     for (int64_t a = 0; a < len; a += rows) {
       const int64_t b = std::min(a + rows, len);
-      const Tensor dq_c = at::zeros({q.size(0), b - a, q.size(2), q.size(3)}, acc_opts);
-      const Tensor dk_c = at::zeros({k.size(0), b - a, k.size(2), k.size(3)}, acc_opts);
-      const Tensor dv_c = at::zeros_like(dk_c);
-      const OptTensor grad_lse_c =
-          grad_lse.has_value() ? OptTensor(grad_lse->slice(2, a, b)) : std::nullopt;
-      const OptTensor kpm_c = kpm.has_value() ? OptTensor(kpm->slice(1, a, b)) : std::nullopt;
+      const Tensor dq_c = acc_chunk(q, a, b), dk_c = acc_chunk(k, a, b), dv_c = acc_chunk(v, a, b);
+      const OptTensor kpm_c = kpm_rows(a, b);
       const PatternArgs pa_c{segs, dils, causal, scale, head_groups, grouped_offsets, kpm_c, cu};
-      call_block_backward(grad_out.slice(1, a, b), grad_lse_c, q.slice(1, a, b), k.slice(1, a, b),
-                          v.slice(1, a, b), out.slice(1, a, b), lse.slice(2, a, b).contiguous(),
-                          dq_c, dk_c, dv_c, a, a, pa_c);
+      call_block_backward(grad_out.slice(1, a, b), grad_lse_rows(a, b), q.slice(1, a, b),
+                          k.slice(1, a, b), v.slice(1, a, b), out.slice(1, a, b),
+                          lse.slice(2, a, b).contiguous(), dq_c, dk_c, dv_c, a, a, pa_c);
       dq.slice(1, a, b).copy_(dq_c);
       dk.slice(1, a, b).copy_(dk_c);
       dv.slice(1, a, b).copy_(dv_c);
@@ -151,19 +158,16 @@ std::tuple<Tensor, Tensor, Tensor> dilated_attention_backward_local(
   // chunk's queries reach (all of them for a segment as long as the sequence).
   for (int64_t a = 0; a < len; a += rows) {
     const int64_t b = std::min(a + rows, len);
-    const Tensor dq_c = at::zeros({q.size(0), b - a, q.size(2), q.size(3)}, acc_opts);
-    const OptTensor grad_lse_c =
-        grad_lse.has_value() ? OptTensor(grad_lse->slice(2, a, b)) : std::nullopt;
-    call_block_backward(grad_out.slice(1, a, b), grad_lse_c, q.slice(1, a, b), k, v,
+    const Tensor dq_c = acc_chunk(q, a, b);
+    call_block_backward(grad_out.slice(1, a, b), grad_lse_rows(a, b), q.slice(1, a, b), k, v,
                         out.slice(1, a, b), lse.slice(2, a, b).contiguous(), dq_c, std::nullopt,
                         std::nullopt, a, 0, pa);
     dq.slice(1, a, b).copy_(dq_c);
   }
   for (int64_t a = 0; a < len; a += rows) {
     const int64_t b = std::min(a + rows, len);
-    const Tensor dk_c = at::zeros({k.size(0), b - a, k.size(2), k.size(3)}, acc_opts);
-    const Tensor dv_c = at::zeros_like(dk_c);
-    const OptTensor kpm_c = kpm.has_value() ? OptTensor(kpm->slice(1, a, b)) : std::nullopt;
+    const Tensor dk_c = acc_chunk(k, a, b), dv_c = acc_chunk(v, a, b);
+    const OptTensor kpm_c = kpm_rows(a, b);
     const PatternArgs pa_c{segs, dils, causal, scale, head_groups, grouped_offsets, kpm_c, cu};
     call_block_backward(grad_out, grad_lse, q, k.slice(1, a, b), v.slice(1, a, b), out, lse,
                         std::nullopt, dk_c, dv_c, 0, a, pa_c);

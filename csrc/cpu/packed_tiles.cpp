@@ -129,7 +129,8 @@ void pack_keys(const c10::BFloat16* k, int64_t ld, int64_t w, int64_t d, c10::BF
   // B = K^T: row c of B is column c of K, so word i of key j (its elements
   // 2i, 2i + 1) goes to word (i, j): a transpose of 32-bit words, 16 keys
   // by 16 words in registers, else 16 keys at a time so that the reads stay
-  // in L1 and the writes are whole lines.
+  // in L1 and the writes are whole lines (not transpose_rows: outside the
+  // registers a word of two bf16 is read with memcpy, not as a uint32_t).
   auto* dst = reinterpret_cast<uint32_t*>(out);
   const int64_t words = d / 2;
   constexpr int64_t kBlock = 16;
