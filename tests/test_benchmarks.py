@@ -458,16 +458,24 @@ def test_fa4_install_puts_the_two_parts_together(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU: CUDA sweep not run")
-def test_local_sweep_on_cuda(tmp_path: Path) -> None:
-    bench("local", "--device", "cuda", "--seq-lens", "4096", "--configs", "4x64", *TINY,
+@pytest.mark.parametrize(
+    ("segments", "backward"),
+    [(["64", "192"], "sdpa"), (["64", "160"], "kernel")],
+    ids=["nested", "not-nested"],
+)
+def test_local_sweep_on_cuda(tmp_path: Path, segments: list[str], backward: str) -> None:
+    # bf16 on CUDA: SDPA's backward per branch where the segment lengths nest,
+    # our kernel where they do not; the forward ours below 131072 rows
+    bench("local", "--device", "cuda", "--seq-lens", "4096", "--configs", "4x64",
+          "--segments", *segments, "--dilations", "1", "3",
           "--iters", "1", "--search-step", "0", "--out-dir", str(tmp_path))  # fmt: skip
     recs = [r for r in records(tmp_path / "local.jsonl") if r["kind"] == "local"]
     assert {r["status"] for r in recs if r["method"] in ("ours", "gather")} == {"ok"}
-    # bf16 on CUDA: SDPA's backward per branch; the forward ours below 131072 rows
-    for r in recs:
-        if r["method"] == "ours":
-            backward = "sdpa" if r["pass"] == "fwdbwd" else None
-            assert r["paths"] == {"forward": "kernel", "backward": backward}, r
+    ours = [r for r in recs if r["method"] == "ours"]
+    assert {r["pass"] for r in ours} == {"fwd", "fwdbwd"}
+    for r in ours:
+        expected = backward if r["pass"] == "fwdbwd" else None
+        assert r["paths"] == {"forward": "kernel", "backward": expected}, r
 
 
 def test_llm_subcommand_measures_gqa_bytes_and_packed_documents(tmp_path: Path) -> None:
