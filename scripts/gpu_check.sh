@@ -198,8 +198,8 @@ if [[ $DRY -eq 1 ]]; then
     ".fa4/b), pytest -k 'fa4 and cuda', bench.py local --methods ours gather fa4" \
     "--search-step 0 --out-dir \$OUT/bench_fa4 -> fa4.log"
   echo "  profile: (only when named in --stages; the stages before leave it ${PROFILE_RESERVE} s)" \
-    "ncu --clock-control none -k regex:<fwd|bwd>_mma_kernel --launch-count 1 <7 sections>" \
-    "$PY scripts/profile_kernels.py --n 32768 (h 16 d 128, h 12 d 64) -> profile.log, profile/*.{ncu-rep,txt}"
+    "ncu --clock-control none -k regex:<fwd|bwd>_mma_kernel --launch-count 1 <8 sections>" \
+    "$PY scripts/profile_kernels.py --n 32768 (h 16 d 128, h 12 d 64) -> profile.log, profile/*.{ncu-rep,txt,_sass.csv.gz}"
   echo "  then : everything but summary.txt packed into \$OUT/gpu_check.tar.gz (GPU_CHECK_PACK=0: not)"
   echo "  exit status: non-zero iff build or tests failed"
   bash -n "${BASH_SOURCE[0]}" && echo "  bash -n: ok"
@@ -531,10 +531,15 @@ if want profile; then
       timeout --kill-after=10 "$left" "$NCU" --clock-control none -k "regex:${kind}_mma_kernel" \
         --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats \
         --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
-        --section ComputeWorkloadAnalysis -o "$OUT/profile/${kind}_h${h}_d${d}" -f \
+        --section ComputeWorkloadAnalysis --section SourceCounters \
+        -o "$OUT/profile/${kind}_h${h}_d${d}" -f \
         "$PY" scripts/profile_kernels.py --n 32768 --heads "$h" --head-dim "$d" "${extra[@]}"
       "$NCU" --import "$OUT/profile/${kind}_h${h}_d${d}.ncu-rep" --page details \
         >"$OUT/profile/${kind}_h${h}_d${d}.txt" 2>&1 || true
+      # per SASS instruction: executions and sampled warp stalls (where the
+      # latency-bound kernels wait), for reading without ncu
+      "$NCU" --import "$OUT/profile/${kind}_h${h}_d${d}.ncu-rep" --page source --print-source sass \
+        --csv 2>&1 | gzip >"$OUT/profile/${kind}_h${h}_d${d}_sass.csv.gz" || true
     done 2>&1 | tee "$OUT/profile.log"
     n=$(find "$OUT/profile" -name '*.ncu-rep' | wc -l)
     ((n > 0)) && st=ok || st=FAIL
