@@ -9,18 +9,20 @@ rows and the float32 accumulators stay bounded: at least 131072 rows and about
 in LongNet).
 
 **Backward** (``RING_ATTENTION_BACKWARD``). Measured on an H100
-(benchmarks/RESULTS.md, 2026-11-25): our forward kernel beats gather + SDPA at
-head_dim 64, but our backward kernel is the slow half; PyTorch's
-flash-attention backward run per branch makes forward+backward 1.5x faster at
-n = 512K (h 12 d 64 and h 16 d 128, bf16). It is given the FINAL merged
+(benchmarks/RESULTS.md, 2026-11-25 and 2026-11-26 (seventh)): our forward
+kernel beats gather + SDPA at head_dim 64, but our backward kernel is the slow
+half; PyTorch's flash-attention backward run per branch makes forward+backward
+1.5-1.6x faster (n = 131072 and 512K, h 12 d 64 and h 16 d 128, bf16). It is given the FINAL merged
 ``out`` and ``lse``: its ``P = exp(S - lse)`` is then the multiset softmax's
 probability and its ``D = rowsum(dO * out)`` the merged one, so the per-branch
 gradients add up exactly (as in ring and flash attention). ``auto`` (default)
 takes it on CUDA for fp16/bf16, head_dim a multiple of 8 up to 128.
 
-**Forward** (``RING_ATTENTION_FORWARD``). In the same measurement gather +
-flash SDPA beat our forward kernel at head_dim 128 from n = 131072 on (ours
-0.85-0.90x; at 32K a tie, at head_dim 64 ours 1.31-1.64x). ``auto`` takes
+**Forward** (``RING_ATTENTION_FORWARD``). In the same measurements SDPA's
+flash forward beat our forward kernel at head_dim 128 from n = 131072 on (ours
+0.85-0.90x on 2026-11-25; 0.92x with the reworked kernel of 2026-11-26; at
+32K ours ties flash (and flash-attn-4), cuDNN's forward is 1.14x faster; at
+head_dim 64 ours is 1.11-1.62x the best). ``auto`` takes
 SDPA's flash forward there (CUDA, fp16/bf16, head_dim 128, n >= 131072): per
 branch ``(out_b, lse_b)``, merged into ``out`` and ``lse`` by their
 log-sum-exp in float32, rows that reach no key left at ``out = 0``,
@@ -41,7 +43,8 @@ The price is memory at short lengths: up to 131072 rows one window is the
 whole sequence, and its gathered rows (the dilation-1 branch gathers every
 row) and float32 accumulators come on top (H100, backward, 32K rows: peak 3.0x
 the bytes of q, k, v, out and their gradients, against 1.07x for the kernel;
-at 2M rows 1.13x).
+at 2M rows 1.13x). Windows of 32768 rows halve that at 131072 rows but made
+every pass 12-17 % slower (2026-11-26, ``scripts/sdpa_windows.py``).
 """
 
 from __future__ import annotations
@@ -79,9 +82,10 @@ _CUDA_DTYPES = (torch.float16, torch.bfloat16)
 # about 1/_WINDOWS of the sequence (the per-window buffers stay small).
 _MIN_WINDOW_ROWS = 131072
 _WINDOWS = 16
-# Where auto takes SDPA's forward on CUDA (H100, 2026-11-25, run 3 of
-# benchmarks/RESULTS.md): gather + flash 1.11-1.18x our kernel at head_dim 128
-# from n = 131072 on; 1.02x at 32768, and ours faster at head_dim 64.
+# Where auto takes SDPA's forward on CUDA (H100, benchmarks/RESULTS.md): at
+# head_dim 128 from n = 131072 on, flash per branch 1.11-1.18x our kernel
+# (2026-11-25) and 1.08x the reworked one (2026-11-26, 131072); at 32768 and
+# at head_dim 64 ours is as fast or faster.
 _FORWARD_HEAD_DIMS = (128,)
 _FORWARD_MIN_ROWS = 131072
 
