@@ -444,26 +444,43 @@ __global__ void __launch_bounds__(kThreads) bwd_mma_kernel(__grid_constant__ con
         mma_ss<T, 1, NJ, DP>(one_tile(x2), r2s + warp * 16 * LD, LD, c2t, LD, lane);
         const float* clse = col_lse + st * BN;
         const float* cdelta = col_delta + st * BN;
-        // Causal bound of this thread's rows as a column index of the tile.
-        int lim[2];
+        // P (or P^T) into x1 and dS (or dS^T) into x2 for element e of
+        // column block j, zero where the pair is not reached.
+        const auto grads = [&](int j, int e, bool ok) {
+          const int i = e >> 1, col = j * 8 + 2 * tg + (e & 1);
+          const float l = DKDV ? clse[col] : row_lse[i];
+          const float dl = DKDV ? cdelta[col] : row_delta[i];
+          const float pr = ok ? fast_exp2(x1[j][e] * scale_log2 - l) : 0.f;
+          x2[j][e] = ok ? pr * (x2[j][e] - dl) : 0.f;
+          x1[j][e] = pr;
+        };
+        // Two loops, not `full || ...` per element: that compiled to a
+        // branch and a convergence barrier around every element.
+        if (full) {
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const int64_t m = m0 + g + 8 * i;
-          lim[i] = static_cast<int>(imax(-1, imin(BN, DKDV ? m - t.dm - c0 : m + t.dm - c0)));
-        }
+          for (int j = 0; j < NJ; ++j)
 #pragma unroll
-        for (int j = 0; j < NJ; ++j)
+            for (int e = 0; e < 4; ++e) grads(j, e, true);
+        } else {
+          // Causal bound of this thread's rows as a column index of the
+          // tile, less 2 tg; bit c - 2 tg of km: column c reached.
+          int lim[2];
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int i = e >> 1, col = j * 8 + 2 * tg + (e & 1);
-            const bool causal_ok = DKDV ? col >= lim[i] : col <= lim[i];
-            const bool ok = full || ((kmask >> col & 1) != 0 && rok[i] && (!p.causal || causal_ok));
-            const float l = DKDV ? clse[col] : row_lse[i];
-            const float dl = DKDV ? cdelta[col] : row_delta[i];
-            const float pr = ok ? exp2f(x1[j][e] * scale_log2 - l) : 0.f;
-            x2[j][e] = ok ? pr * (x2[j][e] - dl) : 0.f;  // dS (or dS^T)
-            x1[j][e] = pr;                               // P (or P^T)
+          for (int i = 0; i < 2; ++i) {
+            const int64_t m = m0 + g + 8 * i;
+            lim[i] = static_cast<int>(
+                imax(-1, imin(BN, (DKDV ? m - t.dm - c0 : m + t.dm - c0) - 2 * tg)));
           }
+          const uint64_t km = kmask >> (2 * tg);
+#pragma unroll
+          for (int j = 0; j < NJ; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int i = e >> 1, c = j * 8 + (e & 1);  // the column less 2 tg
+              const bool causal_ok = DKDV ? c >= lim[i] : c <= lim[i];
+              grads(j, e, (km >> c & 1) != 0 && rok[i] && (!p.causal || causal_ok));
+            }
+        }
         mma_rs<T, 1, ND, NJ>(one_tile(a1), one_tile(x2), c1t, LD, lane);
         if constexpr (DKDV) mma_rs<T, 1, ND, NJ>(one_tile(a2), one_tile(x1), c2t, LD, lane);
       }

@@ -243,43 +243,64 @@ __global__ void __launch_bounds__(kThreads) fwd_mma_kernel(__grid_constant__ con
         const bool full = kmask == kAllKeys && (!p.causal || n0 + BN - 1 <= first_reach);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-          // Causal: key column c of the tile reaches row i iff c <= lim[i].
-          int lim[2];
+          // Two loops, not `full || ...` per element: that compiled to a
+          // branch and a convergence barrier around every score.
+          if (full) {
 #pragma unroll
-          for (int i = 0; i < 2; ++i)
-            lim[i] = static_cast<int>(imax(-1, imin(BN, first_reach + 16 * mt + g + 8 * i - n0)));
+            for (int j = 0; j < NJ; ++j)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) s[mt][j][e] *= scale_log2;
+          } else {
+            // Causal: key column c of the tile reaches row i iff c <= lim[i];
+            // bit c - 2 tg of km: key c reached.
+            int lim[2];
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+              lim[i] = static_cast<int>(
+                  imax(-1, imin(BN, first_reach + 16 * mt + g + 8 * i - n0 - 2 * tg)));
+            const uint64_t km = kmask >> (2 * tg);
+#pragma unroll
+            for (int j = 0; j < NJ; ++j)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                const int c = j * 8 + (e & 1);  // the column less 2 tg
+                const bool ok = (km >> c & 1) != 0 && (!p.causal || c <= lim[e >> 1]);
+                s[mt][j][e] = ok ? s[mt][j][e] * scale_log2 : -INFINITY;
+              }
+          }
           float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
           for (int j = 0; j < NJ; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int col = j * 8 + 2 * tg + (e & 1);
-              const bool ok =
-                  full || ((kmask >> col & 1) != 0 && (!p.causal || col <= lim[e >> 1]));
-              s[mt][j][e] = ok ? s[mt][j][e] * scale_log2 : -INFINITY;
-              mx[e >> 1] = fmaxf(mx[e >> 1], s[mt][j][e]);
-            }
-          float m_use[2];
+            for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[mt][j][e]);
+          float m_use[2], alpha[2];
+          bool grew[2];
 #pragma unroll
           for (int i = 0; i < 2; ++i) {
             mx[i] = fmaxf(mx[i], __shfl_xor_sync(kFull, mx[i], 1));
             mx[i] = fmaxf(mx[i], __shfl_xor_sync(kFull, mx[i], 2));
             const float m_new = fmaxf(m_run[mt][i], mx[i]);
             m_use[i] = m_new == -INFINITY ? 0.f : m_new;
-            const float alpha = exp2f(m_run[mt][i] - m_use[i]);
+            // Where the running max did not grow, the earlier terms keep
+            // their scale (alpha = 1; or 0 on 0 while nothing is reached).
+            grew[i] = m_new > m_run[mt][i];
+            alpha[i] = grew[i] ? fast_exp2(m_run[mt][i] - m_use[i]) : 1.f;
             m_run[mt][i] = m_new;
-            l_run[mt][i] *= alpha;
+            l_run[mt][i] *= alpha[i];
+          }
+          // Warp-uniform: the accumulators (4 ND per thread and m-tile) are
+          // rescaled only on tiles where some row's max grew.
+          if (__any_sync(kFull, grew[0] || grew[1])) {
 #pragma unroll
-            for (int j = 0; j < ND; ++j) {
-              o[mt][j][2 * i] *= alpha;
-              o[mt][j][2 * i + 1] *= alpha;
-            }
+            for (int j = 0; j < ND; ++j)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) o[mt][j][e] *= alpha[e >> 1];
           }
 #pragma unroll
           for (int j = 0; j < NJ; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-              s[mt][j][e] = exp2f(s[mt][j][e] - m_use[e >> 1]);
+              s[mt][j][e] = fast_exp2(s[mt][j][e] - m_use[e >> 1]);
               l_run[mt][e >> 1] += s[mt][j][e];  // quad-partial sums, reduced at the end
             }
           if (any_vbad) {  // block-uniform

@@ -1,6 +1,7 @@
 // The CUDA runtime surface of the block kernels, in one place: kernel launch,
 // device attributes, stream and device guard, dynamic shared memory and the
-// warp-level matrix instructions (mma.sync, ldmatrix).
+// warp-level matrix instructions (mma.sync, ldmatrix), cp.async and the
+// special function unit's exp2.
 //
 // The test suite builds the same .cu sources for the CPU with
 // RING_ATTENTION_CUDA_EMULATOR naming a header that provides these names
@@ -99,6 +100,16 @@ __device__ inline void ldmatrix_x4_trans(uint32_t (&r)[4], const uint16_t* rows)
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
+}
+
+// 2^x in one instruction of the special function unit: ex2.approx.ftz
+// (relative error about 2^-22; results below 2^-126 flush to zero; 2^-inf =
+// 0). exp2f compiles to the same instruction inside a range fix-up for
+// subnormal results: four instructions, on every probability of the kernels.
+__device__ inline float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
 }
 
 // 16 bytes global -> shared without passing through registers (sm_80+);

@@ -118,5 +118,11 @@ inline void cp_async_wait() {
 inline void ldmatrix_x4_trans(uint32_t (&r)[4], const uint16_t* rows) {
   cuda_emulator::ldmatrix(r, rows, true);
 }
+// ex2.approx.ftz: subnormal results flush to zero (its approximation error,
+// about 2^-22 relative, is not modelled)
+inline float fast_exp2(float x) {
+  const float y = std::exp2(x);
+  return std::fpclassify(y) == FP_SUBNORMAL ? 0.f : y;
+}
 
 }  // namespace ring_attention::gpu
