@@ -346,8 +346,8 @@ __global__ void __launch_bounds__(kThreads) bwd_mma_kernel(__grid_constant__ con
       const Rows<uint16_t, DKDV> rows(p, t, j);
       uint16_t* r1t = r1s + j * rph * LD;
       uint16_t* r2t = r2s + j * rph * LD;
-      load_rows16<DP>(r1t, LD, rph, rows.r1, rows.stride, sp.nrows, rows.mask, p.r, D, p.vec);
-      load_rows16<DP>(r2t, LD, rph, rows.r2, rows.stride, sp.nrows, rows.mask, p.r, D, p.vec);
+      load_rows16<DP, BM>({r1t, r2t}, LD, rph, {rows.r1, rows.r2}, rows.stride, sp.nrows, rows.mask,
+                          p.r, D, p.vec);
     }
 
     // Column step `cs` into stage st: C1, C2 (one cp.async group), the bit
@@ -357,10 +357,8 @@ __global__ void __launch_bounds__(kThreads) bwd_mma_kernel(__grid_constant__ con
     const auto stage_cols = [&](const ColumnSteps<DKDV, BN>& cs, int st, float& cl, float& cd) {
       const int nvalid = static_cast<int>(imin(BN, sp.c_end - cs.c0));
       const Columns<uint16_t, DKDV> cols(p, t, cs.hq, cs.c0);
-      load_rows16<DP>(c1s + st * BN * LD, LD, BN, cols.c1, cols.stride, nvalid, cols.mask, p.r, D,
-                      p.vec);
-      load_rows16<DP>(c2s + st * BN * LD, LD, BN, cols.c2, cols.stride, nvalid, cols.mask, p.r, D,
-                      p.vec);
+      load_rows16<DP, BN>({c1s + st * BN * LD, c2s + st * BN * LD}, LD, BN, {cols.c1, cols.c2},
+                          cols.stride, nvalid, cols.mask, p.r, D, p.vec);
       cp_async_commit();
       if (warp == 0) {
         const uint32_t lo = __ballot_sync(kFull, row_ok(lane, nvalid, cols.mask, p.r));

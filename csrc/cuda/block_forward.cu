@@ -180,8 +180,8 @@ __global__ void __launch_bounds__(kThreads) fwd_mma_kernel(__grid_constant__ con
       const int64_t pos0 = t.k.first + n0 * p.r;
       const bool* mk = mask_at(p, t.b, pos0);
       const int64_t off = p.k_index(t.b, pos0, t.kvh);
-      load_rows16<DP>(ks + st * BN * LD, LD, BN, k + off, k_stride, nvalid, mk, p.r, D, p.vec);
-      load_rows16<DP>(vs + st * BN * LD, LD, BN, v + off, k_stride, nvalid, mk, p.r, D, p.vec);
+      load_rows16<DP, BN>({ks + st * BN * LD, vs + st * BN * LD}, LD, BN, {k + off, v + off},
+                          k_stride, nvalid, mk, p.r, D, p.vec);
       cp_async_commit();
       if (warp == 0) {
         const uint32_t lo = __ballot_sync(kFull, row_ok(lane, nvalid, mk, p.r));
@@ -190,8 +190,8 @@ __global__ void __launch_bounds__(kThreads) fwd_mma_kernel(__grid_constant__ con
       }
     };
     for (int j = 0; j < p.pack; ++j) {
-      load_rows16<DP>(qs + j * rph * LD, LD, rph, q + p.q_index(t.b, t.q.first, t.heads[j]),
-                      q_stride, nrows, nullptr, 0, D, p.vec);
+      load_rows16<DP, BM>({qs + j * rph * LD}, LD, rph, {q + p.q_index(t.b, t.q.first, t.heads[j])},
+                          q_stride, nrows, nullptr, 0, D, p.vec);
     }
     stage_keys(0, 0);  // with the query tile: the first group
 

@@ -236,34 +236,58 @@ __device__ inline C dot_bcast(const C (&x)[NPL], const C* y, int D) {
 }
 
 // --------------------------------------------------- tensor-core (mma) path
-// Stage a raw 16-bit tile of `rows` rows in shared memory: row i (i < nvalid
-// and not masked)
-// of the tile is at src + i * stride and goes to s[i * ld + d] for d < DP (zero
-// past D and for unreached rows). Rows of s must start 16-byte aligned (ld % 8
-// == 0): ldmatrix reads them. With vec (D % 8 == 0, 16-byte aligned rows) the
-// copies are cp.async: they land once the thread has committed and waited for
-// them (cp_async_commit, cp_async_wait) and the block is visible after the next
-// __syncthreads; otherwise they are plain stores.
-template <int DP>
-__device__ inline void load_rows16(uint16_t* s, int ld, int rows, const uint16_t* src,
-                                   int64_t stride, int nvalid, const bool* mask, int64_t mstride,
-                                   int D, bool vec) {
+// Stage raw 16-bit tiles of `rows` rows (at most MAX_ROWS) in shared memory,
+// N of them with the same rows (K and V, Q and dO): row i (i < nvalid and not
+// masked) of tile n is at src[n] + i * stride and goes to s[n][i * ld + d]
+// for d < DP (zero past D and for unreached rows). Rows of s must start
+// 16-byte aligned (ld % 8 == 0): ldmatrix reads them. With vec (D % 8 == 0,
+// 16-byte aligned rows) the copies are cp.async: they land once the thread has
+// committed and waited for them (cp_async_commit, cp_async_wait) and the block
+// is visible after the next __syncthreads; otherwise they are plain stores.
+// Where the 16-byte chunks of a row divide among the threads, a thread copies
+// one chunk column of every kThreads / chunks-th row, the offset advanced by
+// one add a row (the index arithmetic per chunk, rematerialized under the
+// kernels' register pressure, cost about 45 instructions a chunk).
+template <int DP, int MAX_ROWS, int N>
+__device__ inline void load_rows16(uint16_t* const (&s)[N], int ld, int rows,
+                                   const uint16_t* const (&src)[N], int64_t stride, int nvalid,
+                                   const bool* mask, int64_t mstride, int D, bool vec) {
   constexpr int kChunks = DP / 8;
-  for (int idx = threadIdx.x; idx < rows * kChunks; idx += kThreads) {
-    const int i = idx / kChunks, c = (idx % kChunks) * 8;
+  const auto copy = [&](int i, int c, int64_t off) {
     const bool ok = row_ok(i, nvalid, mask, mstride);
     if (vec) {  // a chunk is wholly inside [0, D) or wholly past it
       const bool in = ok && c < D;
-      cp_async_16(s + i * ld + c, in ? src + i * stride + c : src, in ? 16 : 0);
-      continue;
-    }
-    union {
-      uint4 u;
-      uint16_t h[8];
-    } val;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) val.h[j] = (ok && c + j < D) ? src[i * stride + c + j] : 0;
-    *reinterpret_cast<uint4*>(s + i * ld + c) = val.u;
+      for (int n = 0; n < N; ++n)
+        cp_async_16(s[n] + i * ld + c, in ? src[n] + off : src[n], in ? 16 : 0);
+      return;
+    }
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+      union {
+        uint4 u;
+        uint16_t h[8];
+      } val;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) val.h[j] = (ok && c + j < D) ? src[n][off + j] : 0;
+      *reinterpret_cast<uint4*>(s[n] + i * ld + c) = val.u;
+    }
+  };
+  if constexpr (kThreads % kChunks == 0) {
+    constexpr int kStep = kThreads / kChunks;  // rows between a thread's chunks
+    const int i0 = threadIdx.x / kChunks, c = (threadIdx.x % kChunks) * 8;
+    int64_t off = i0 * stride + c;
+#pragma unroll
+    for (int k = 0; k < (MAX_ROWS + kStep - 1) / kStep; ++k, off += kStep * stride) {
+      const int i = i0 + k * kStep;
+      if (i >= rows) break;
+      copy(i, c, off);
+    }
+  } else {
+    for (int idx = threadIdx.x; idx < rows * kChunks; idx += kThreads) {
+      const int i = idx / kChunks, c = (idx % kChunks) * 8;
+      copy(i, c, i * stride + c);
+    }
   }
 }
 
