@@ -128,6 +128,22 @@ budget() {
   echo "$r"
 }
 want() { [[ ",$STAGES," == *",$1,"* ]]; }
+# reserve_after STAGE: what the build, tests and ring stages leave for the
+# stages after them: the RESERVE_AFTER_* of the default run where one of
+# tests / ring / bench follows, else the reserves of the later stages asked
+# for (so that `--stages build,tests,kernels` gives the tests their time).
+reserve_after() {
+  local r=0
+  case $1 in
+    build) want tests || want ring || want bench && { echo $RESERVE_AFTER_BUILD; return; } ;;
+    tests) want ring || want bench && { echo $RESERVE_AFTER_TESTS; return; } ;;
+    ring) want bench && { echo $RESERVE_AFTER_RING; return; } ;;
+  esac
+  want kernels && r=$((r + KERNELS_RESERVE))
+  want fa4 && r=$((r + FA4_RESERVE))
+  want profile && r=$((r + PROFILE_RESERVE))
+  echo "$r"
+}
 # left_for STAGE: the seconds STAGE may take: what the budget leaves after the
 # summary and the reserves of the later stages that were asked for.
 left_for() {
@@ -266,7 +282,7 @@ fi
 # ------------------------------------------------------------------ build
 if want build; then
   banner build
-  b=$(budget $CAP_BUILD $RESERVE_AFTER_BUILD)
+  b=$(budget $CAP_BUILD "$(reserve_after build)")
   ((b < 120)) && b=120 # a build cut short helps nobody
   t=$SECONDS
   rm -f ring_attention/_C*.so
@@ -345,7 +361,7 @@ if want tests; then
     echo "skipped: no GPU" >"$OUT/tests.log"
     record tests "SKIP/FAIL" 0 "no GPU"
   else
-    b=$(budget $CAP_TESTS $RESERVE_AFTER_TESTS)
+    b=$(budget $CAP_TESTS "$(reserve_after tests)")
     ((b < 60)) && b=60
     # shellcheck disable=SC2086
     timeout --kill-after=10 "$b" "$PY" -m pytest -q -p no:cacheprovider -rfE --durations=10 \
@@ -369,7 +385,7 @@ if want ring; then
     echo "skipped: the build failed" >"$OUT/ring.log"
     record ring SKIP 0 "build failed"
   else
-    b=$(budget $CAP_RING $RESERVE_AFTER_RING)
+    b=$(budget $CAP_RING "$(reserve_after ring)")
     ((b < 30)) && b=30
     # name nproc args...: one torchrun launch of bench.py ring-run, checked against one process
     ring_run() {
