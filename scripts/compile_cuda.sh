@@ -2,11 +2,23 @@
 # Compile every csrc/cuda/*.cu to an object file for sm_80 and sm_90 with the
 # flags torch's CUDAExtension uses. Needs nvcc and torch (headers), no GPU.
 # Prints one line per file; exits non-zero if any file fails.
-#   usage: scripts/compile_cuda.sh [-j N]     (N parallel nvcc jobs, default 2)
+#   usage: scripts/compile_cuda.sh [-j N] [--keep DIR]
+#     -j N        N parallel nvcc jobs (default 2)
+#     --keep DIR  keep the objects (DIR/<name>.o) and nvcc's output with the
+#                 ptxas resource report (DIR/<name>.log), e.g. for
+#                 scripts/sass_loop.py
 set -euo pipefail
 
 jobs=2
-if [[ "${1:-}" == "-j" && -n "${2:-}" ]]; then jobs="$2"; fi
+keep=""
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    -j) jobs="${2:?-j needs a number}"; shift ;;
+    --keep) keep="${2:?--keep needs a folder}"; shift ;;
+    *) echo "compile_cuda: unknown argument $1" >&2; exit 2 ;;
+  esac
+  shift
+done
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 nvcc_bin="$(command -v nvcc || true)"
@@ -37,8 +49,14 @@ if [[ ! -f "${includes[0]}/c10/cuda/impl/cuda_cmake_macros.h" ]]; then
   flags+=(-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE)
 fi
 
-out="$(mktemp -d)"
-trap 'rm -rf "$out"' EXIT
+if [[ -n "$keep" ]]; then
+  mkdir -p "$keep"
+  out="$(cd "$keep" && pwd)"
+  flags+=(--ptxas-options=-v)
+else
+  out="$(mktemp -d)"
+  trap 'rm -rf "$out"' EXIT
+fi
 
 shopt -s nullglob
 sources=("$root"/csrc/cuda/*.cu)
