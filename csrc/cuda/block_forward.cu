@@ -174,12 +174,15 @@ __global__ void __launch_bounds__(kThreads) fwd_mma_kernel(__grid_constant__ con
     if (nk <= 0) continue;
 
     // Key tile at n0 into stage st (the copies form one cp.async group), and
-    // its reached keys as a bit mask in kbits[st] (bit c: key n0 + c).
+    // its reached keys as a bit mask in kbits[st] (bit c: key n0 + c). Key n0
+    // is n0 active rows past the tile's first (offsets from it: the index
+    // products once per tile of rows, not per key tile).
+    const int64_t k_first = p.k_index(t.b, t.k.first, t.kvh);
+    const bool* mk_first = mask_at(p, t.b, t.k.first);
     const auto stage_keys = [&](int64_t n0, int st) {
       const int nvalid = static_cast<int>(imin(BN, nk - n0));
-      const int64_t pos0 = t.k.first + n0 * p.r;
-      const bool* mk = mask_at(p, t.b, pos0);
-      const int64_t off = p.k_index(t.b, pos0, t.kvh);
+      const bool* mk = mk_first == nullptr ? nullptr : mk_first + n0 * p.r;
+      const int64_t off = k_first + n0 * k_stride;
       load_rows16<DP, BN>({ks + st * BN * LD, vs + st * BN * LD}, LD, BN, {k + off, v + off},
                           k_stride, nvalid, mk, p.r, D, p.vec);
       cp_async_commit();
