@@ -58,14 +58,15 @@ def main_loop(ins: list[tuple[int, str]]) -> list[str] | None:
     hmma = [a for a, t in ins if "HMMA" in t]
     if not hmma:
         return None
-    best = None
+    spans = []
     for a, t in ins:
         m = _BRANCH.search(t)
         if m and int(m.group(1), 16) <= hmma[0] and a >= hmma[-1]:
-            span = [x for x, _ in ins if int(m.group(1), 16) <= x <= a]
-            if best is None or len(span) < len(best):
-                best = [tt for x, tt in ins if int(m.group(1), 16) <= x <= a]
-    return best
+            spans.append((int(m.group(1), 16), a))
+    if not spans:
+        return None
+    lo, hi = min(spans, key=lambda s: s[1] - s[0])
+    return [t for x, t in ins if lo <= x <= hi]
 
 
 def main() -> None:
@@ -85,9 +86,12 @@ def main() -> None:
             if loop is None:
                 continue
             c = collections.Counter(opcode(t) for t in loop)
-            args = m.group(3).replace("Li", " ").replace("Lb1", " dkdv").replace("Lb0", " dq")
+            # template arguments: Li<int>E, Lb1E (dk/dv) or Lb0E (dq)
+            args = ", ".join(
+                {"Lb1": "dkdv", "Lb0": "dq"}.get(x, x[2:]) for x in m.group(3).split("E") if x
+            )
             counts = " | ".join(str(c[k]) for k in SHOWN)
-            print(f"| {m.group(1)}{args.replace('E', ',')} | {len(ins)} | {len(loop)} | {counts} |")
+            print(f"| {m.group(1)} {args} | {len(ins)} | {len(loop)} | {counts} |")
 
 
 if __name__ == "__main__":
