@@ -8,6 +8,8 @@
 #include <torch/autograd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstdlib>
 #include <limits>
 
 #include "checks.h"
@@ -53,17 +55,42 @@ void check_local(const Tensor& q, const Tensor& k, const Tensor& v, const Patter
 }
 
 // Low-precision inputs accumulate in fp32 one chunk of rows at a time and cast
-// each chunk into the output, so no full-length fp32 copy of out / dq / dk /
-// dv exists: at most kChunks chunks, each at least kMinChunkRows rows and a
-// whole number of the longest segment when that fits.
+// each chunk into the output: the fp32 accumulators (out; dq, dk, dv) are at
+// most a chunk long. A chunk is as long as a budget for them allows
+// (RING_ATTENTION_CHUNK_MIB; 1 GiB on CUDA, none on the CPU) and never shorter
+// than 8 chunks give (at least 1024 rows, a whole number of the longest
+// segment when that fits). Long chunks keep a GPU busy: a chunk launches each
+// branch once, one thread block per window of 128 active rows (64 in the
+// backward) and head; in 8 chunks at n = 32768 the branch of dilation 12 had
+// 48 blocks (16 heads) for 132 SMs. The CPU's few threads need no more rows.
 constexpr int64_t kChunks = 8;
 constexpr int64_t kMinChunkRows = 1024;
+constexpr int64_t kCudaChunkMiB = 1024;
+constexpr int64_t kMaxChunkMiB = int64_t{1} << 30;  // 1 PiB: no overflow in bytes
 
-int64_t chunk_rows(int64_t len, IntArrayRef segs) {
+// The accumulator budget of a chunk in bytes for inputs on `device`:
+// RING_ATTENTION_CHUNK_MIB (a whole number of MiB, 0: none) where set.
+int64_t chunk_budget_bytes(const at::Device& device) {
+  const char* env = std::getenv("RING_ATTENTION_CHUNK_MIB");
+  if (env == nullptr || *env == '\0') return device.is_cuda() ? kCudaChunkMiB << 20 : 0;
+  char* end = nullptr;
+  errno = 0;
+  const long long mib = std::strtoll(env, &end, 10);
+  TORCH_CHECK_VALUE(end != env && *end == '\0' && errno == 0 && mib >= 0 && mib <= kMaxChunkMiB,
+                    "RING_ATTENTION_CHUNK_MIB must be a whole number of MiB from 0 to ",
+                    kMaxChunkMiB, ", got '", env, "'");
+  return static_cast<int64_t>(mib) << 20;
+}
+
+// Rows of a chunk of q's sequence whose fp32 accumulators take bytes_per_row
+// bytes a row.
+int64_t chunk_rows(const Tensor& q, IntArrayRef segs, int64_t bytes_per_row) {
+  const int64_t len = q.size(1), w = *std::max_element(segs.begin(), segs.end());
   int64_t rows = std::max(kMinChunkRows, (len + kChunks - 1) / kChunks);
-  const int64_t w = *std::max_element(segs.begin(), segs.end());
   if (w <= rows) rows = (rows + w - 1) / w * w;
-  return std::min(rows, len);
+  int64_t budget = chunk_budget_bytes(q.device()) / std::max<int64_t>(bytes_per_row, 1);
+  if (w <= budget) budget = budget / w * w;
+  return std::min(std::max(rows, budget), len);
 }
 
 Tensor neg_inf_lse(const Tensor& q, int64_t rows, at::ScalarType acc) {
@@ -89,7 +116,7 @@ std::tuple<Tensor, Tensor> dilated_attention_local(const Tensor& q, const Tensor
     return {out, lse};
   }
   Tensor out = at::empty(q.sizes(), q.options());
-  const int64_t rows = chunk_rows(len, segs);
+  const int64_t rows = chunk_rows(q, segs, q.size(0) * q.size(2) * q.size(3) * elementSize(acc));
   for (int64_t a = 0; a < len; a += rows) {
     const int64_t b = std::min(a + rows, len);
     Tensor out_c = at::zeros({q.size(0), b - a, q.size(2), q.size(3)}, q.options().dtype(acc));
@@ -119,7 +146,10 @@ std::tuple<Tensor, Tensor, Tensor> dilated_attention_backward_local(
   Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options()),
          dv = at::empty(v.sizes(), v.options());
   const auto acc_opts = q.options().dtype(acc);
-  const int64_t len = q.size(1), rows = chunk_rows(len, segs);
+  // Three fp32 accumulators a row at a time at most: dq, dk, dv.
+  const int64_t len = q.size(1);
+  const int64_t rows =
+      chunk_rows(q, segs, q.size(0) * (q.size(2) + 2 * k.size(2)) * q.size(3) * elementSize(acc));
   // A chunk's fp32 accumulator, its rows of grad_lse and of the key padding
   // mask (PatternArgs holds references: each call site keeps the slice).
   const auto acc_chunk = [&](const Tensor& t, int64_t a, int64_t b) {

@@ -50,6 +50,7 @@ import ring_attention as ra
 BF16, F32 = torch.bfloat16, torch.float32
 ENV = "RING_ATTENTION_CPU_BF16_GEMM"
 FP32_ENV = "RING_ATTENTION_CPU_FP32_PACK"
+CHUNK_ENV = "RING_ATTENTION_CHUNK_MIB"  # the local op's fp32 chunks (test_local_op.py)
 PATHS = {  # name: (dtype, environment; None: unset)
     "bf16-native": (BF16, {ENV: None}),
     "bf16-mkl": (BF16, {ENV: "mkl"}),
@@ -119,18 +120,21 @@ def test_features_with_lse_gradient(path) -> None:
     check_results(cfg, path, got, want, f"{path} {cfg}")
 
 
-def test_long_sequence_by_chunks(bf16_path) -> None:
-    """Past 1024 rows bf16 accumulates chunk by chunk."""
+def test_long_sequence_by_chunks(bf16_path, monkeypatch) -> None:
+    """Past 1024 rows bf16 accumulates chunk by chunk (the 8-chunk rule alone)."""
+    monkeypatch.setenv(CHUNK_ENV, "0")
     cfg = Cfg(1, 2300, 2, 64, [300, 2048], [1, 4], True, True, None, True)
     check_against_oracle(cfg, BF16, "cpu", seed=7300)
 
 
 @pytest.mark.parametrize("documents", [False, True], ids=["closed", "documents"])
-def test_chunks_of_whole_segments(bf16_path, documents: bool) -> None:
-    """Chunks of 1024 rows hold whole segments of both branches: without
-    documents the backward computes dq, dk and dv in one pass a chunk; with
-    documents (whose segments start at their own boundaries) in two. A key
-    padding mask, head groups, causal rows and a gradient through lse."""
+def test_chunks_of_whole_segments(bf16_path, documents: bool, monkeypatch) -> None:
+    """Chunks of 1024 rows (the 8-chunk rule alone) hold whole segments of both
+    branches: without documents the backward computes dq, dk and dv in one
+    pass a chunk; with documents (whose segments start at their own
+    boundaries) in two. A key padding mask, head groups, causal rows and a
+    gradient through lse."""
+    monkeypatch.setenv(CHUNK_ENV, "0")
     cfg = Cfg(1, 2300, 3, 64, [256, 1024], [1, 2], True, True, None, True)
     if documents:
         cfg.cu_seqlens = [0, 700, 1900, 2300]
@@ -142,16 +146,17 @@ def test_chunks_of_whole_segments(bf16_path, documents: bool) -> None:
 
 
 @pytest.mark.parametrize("head_dim", [128, 40])
-def test_long_key_runs_in_several_tiles(path, head_dim: int) -> None:
+def test_long_key_runs_in_several_tiles(path, head_dim: int, monkeypatch) -> None:
     """Key runs of 2601 and 1300-1301 keys: several key tiles and chunks of them, odd last tiles
     (packed in row pairs with a zero pad), causal query tiles that reach part
     of a tile, more key tiles than a thread keeps packed (4 at head dim 128),
     and a NaN in a V row that only later queries reach, or, masked, none (in
     a tile packed again for each query tile at head dim 128; head dim 40
     packs too; only odd head dims take MKL's GEMM)."""
-    # The backward's chunks of 4 key tiles (1024, 1024, 553 keys), with 3
-    # query heads stacked on one K/V head (dQ summed over a chunk in a buffer)
-    # and with one head per tile (dQ in place).
+    # The backward's chunks of 4 key tiles (bf16, the 8-chunk rule alone:
+    # 1024, 1024, 553 keys), with 3 query heads stacked on one K/V head (dQ
+    # summed over a chunk in a buffer) and with one head per tile (dQ in place).
+    monkeypatch.setenv(CHUNK_ENV, "0")
     for causal, kv_heads in ((True, 1), (False, None)):
         cfg = Cfg(1, 2601, 3, head_dim, [2601], [1], causal, False, None, False, kv_heads)
         check_against_oracle(cfg, path, "cpu", seed=7350 + causal)

@@ -266,13 +266,71 @@ def test_nan_in_reached_input_propagates(device, where) -> None:
         assert not nonfinite[:, others].any(), f"{where}: spilled onto another head"
 
 
+CHUNK_ENV = "RING_ATTENTION_CHUNK_MIB"
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_low_precision_long_sequence_by_chunks(device, dtype, causal) -> None:
-    """Past 1024 rows fp16/bf16 accumulate chunk by chunk (fp32 per chunk of rows);
-    chunk edges cut segments and still match the oracle, forward and backward."""
+def test_low_precision_long_sequence_by_chunks(device, dtype, causal, monkeypatch) -> None:
+    """Past 1024 rows fp16/bf16 accumulate chunk by chunk (fp32 per chunk of rows;
+    no budget: the 8-chunk rule alone); chunk edges cut segments and still match
+    the oracle, forward and backward."""
+    monkeypatch.setenv(CHUNK_ENV, "0")
     cfg = Cfg(2, 2600, 3, 16, [300, 2048], [1, 4], causal, True, None, True)
     check_against_oracle(cfg, dtype, device, seed=240 + causal)
+
+
+def block_op_calls(cfg: Cfg, dtype: torch.dtype, device: str, seed: int) -> tuple[int, int]:
+    """The local op's calls of block_forward and block_backward (one a chunk;
+    the backward two a chunk where chunks cut segments) in a forward and
+    backward checked against the oracle."""
+    q, k, v, go, mask = make_inputs(cfg, dtype, device, seed)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        got = run_local(cfg, q, k, v, go, mask)
+    check_results(cfg, dtype, got, run_oracle(cfg, q, k, v, go, mask), f"seed={seed} {cfg}")
+    calls = {e.key: e.count for e in prof.key_averages()}
+    return (
+        calls.get("ring_attention::block_forward", 0),
+        calls.get("ring_attention::block_backward", 0),
+    )
+
+
+NO_BUDGET_CALLS = (3, 6)  # 8 chunks of at least 1024 rows: 1024, 1024, 252
+
+
+@pytest.mark.parametrize(
+    ("budget", "calls"),
+    [
+        ("1024", (1, 1)),  # CUDA's default: one chunk, the backward in one pass
+        ("0", NO_BUDGET_CALLS),  # the CPU's default
+        # forward 512 bytes a row: 2048 rows (a whole longest segment); the
+        # backward's 1536 bytes a row: 682 rows, less than the 1024 rows of the
+        # 8-chunk rule, so dq by 3 chunks of queries, then dk, dv by 3 of keys
+        ("1", (2, 6)),
+        (None, None),  # the device's default
+    ],
+    ids=["1GiB", "no-budget", "1MiB", "default"],
+)
+def test_chunks_follow_the_accumulator_budget(device, budget, calls, monkeypatch) -> None:
+    """fp16/bf16 chunks are as long as RING_ATTENTION_CHUNK_MIB of fp32
+    accumulators allows (default 1 GiB on CUDA, none on the CPU), never
+    shorter than 8 chunks give."""
+    if budget is None:
+        monkeypatch.delenv(CHUNK_ENV, raising=False)
+        calls = (1, 1) if torch.device(device).type == "cuda" else NO_BUDGET_CALLS
+    else:
+        monkeypatch.setenv(CHUNK_ENV, budget)
+    cfg = Cfg(1, 2300, 2, 64, [300, 2048], [1, 4], True, False, None, True)
+    assert block_op_calls(cfg, torch.bfloat16, device, 250) == calls
+
+
+@pytest.mark.parametrize("value", ["-1", "1.5", "lots", "1099511627777"])
+def test_bad_chunk_budget_is_refused(device, value, monkeypatch) -> None:
+    monkeypatch.setenv(CHUNK_ENV, value)
+    cfg = Cfg(1, 40, 2, 16, [8, 16], [1, 2], False)
+    q, k, v, go, mask = make_inputs(cfg, torch.bfloat16, device, 260)
+    with pytest.raises(ValueError, match=f"{CHUNK_ENV} must be a whole number of MiB.*'{value}'"):
+        run_local(cfg, q, k, v, go, mask)
 
 
 # ------------------------------------------- grouped K/V heads, documents, grouped offsets
@@ -430,8 +488,10 @@ def test_features_low_precision(device, dtype) -> None:
     check_local_op(cfg, dtype, device, 5600, with_lse_grad=True)
 
 
-def test_low_precision_chunks_with_features(device) -> None:
-    """Past 1024 rows fp16 accumulates chunk by chunk; chunk edges cut documents."""
+def test_low_precision_chunks_with_features(device, monkeypatch) -> None:
+    """Past 1024 rows fp16 accumulates chunk by chunk (the 8-chunk rule alone);
+    chunk edges cut documents."""
+    monkeypatch.setenv(CHUNK_ENV, "0")
     rng = random.Random(5700)
     cfg = Cfg(1, 2300, 4, 16, [300, 2048], [1, 4], True, True, None, True, 2)
     cfg.cu_seqlens = random_documents(2300, rng)
