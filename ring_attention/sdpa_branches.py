@@ -42,8 +42,10 @@ CUDA graph needs both variables at ``kernel``.
 The price is memory at short lengths: up to 131072 rows one window is the
 whole sequence, and its gathered rows (the dilation-1 branch gathers every
 row) and float32 accumulators come on top (H100, backward, 32K rows: peak 3.0x
-the bytes of q, k, v, out and their gradients, against 1.07x for the kernel;
-at 2M rows 1.13x). Windows of 32768 rows halve that at 131072 rows but made
+the bytes of q, k, v, out and their gradients, against 1.07x for the kernel
+with the local operator's 8 fp32 chunks; its 1 GiB chunks on CUDA since make
+that about 1.8x, arithmetic, not measured, and ``RING_ATTENTION_CHUNK_MIB=0``
+restores the 8; at 2M rows 1.13x). Windows of 32768 rows halve that at 131072 rows but made
 every pass 12-17 % slower (2026-11-26, ``scripts/sdpa_windows.py``).
 """
 
