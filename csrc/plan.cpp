@@ -3,30 +3,55 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <string>
 #include <vector>
 
 #include "checks.h"
 #include "pattern.h"
 
 namespace ring_attention {
+namespace {
+
+// Positions (range ends included) and head counts stay below 2**62: with the
+// branches clamped to at most max(end, heads) + 1 (pattern.h), no sum here or
+// in pattern.h passes int64.
+constexpr int64_t kLimit = int64_t{1} << 62;
+
+void check_range(const std::string& start_name, const std::string& len_name, int64_t start,
+                 int64_t len) {
+  TORCH_CHECK(start >= 0 && len >= 0 && start < kLimit && len < kLimit - start,
+              "exchange_rows: ", start_name, " and ", len_name, " must be >= 0 with ", start_name,
+              " + ", len_name, " < 2**62 (positions are int64), got ", start_name, " = ", start,
+              " and ", len_name, " = ", len);
+}
+
+}  // namespace
 
 at::Tensor exchange_rows(at::IntArrayRef q_starts, at::IntArrayRef q_lens, int64_t k_start,
                          int64_t k_len, int64_t heads, int64_t kv_heads, at::IntArrayRef segs,
                          at::IntArrayRef dils, bool causal, bool head_groups, bool grouped_offsets,
                          const std::optional<at::Tensor>& cu_seqlens) {
   check_pattern(segs, dils);
-  TORCH_CHECK(q_starts.size() == q_lens.size(), "q_starts and q_lens must have the same length");
-  TORCH_CHECK(heads >= 1 && k_len >= 0 && k_start >= 0,
-              "exchange_rows needs heads >= 1, k_start >= 0, k_len >= 0");
+  TORCH_CHECK(q_starts.size() == q_lens.size(),
+              "exchange_rows: q_starts and q_lens must have the same length, got ", q_starts.size(),
+              " and ", q_lens.size());
+  TORCH_CHECK(heads >= 1 && heads < kLimit, "exchange_rows: heads must be in [1, 2**62), got ",
+              heads);
   TORCH_CHECK(kv_heads >= 1 && heads % kv_heads == 0, "kv_heads must divide heads (", heads,
               "), got kv_heads = ", kv_heads);
+  check_range("k_start", "k_len", k_start, k_len);
+  TORCH_CHECK(k_len <= INT64_MAX / kv_heads,
+              "exchange_rows: k_len * kv_heads must fit in int64 (the flat indices row * "
+              "kv_heads + g), got k_len = ",
+              k_len, " and kv_heads = ", kv_heads);
   const auto n_branches = static_cast<int64_t>(segs.size());
   TORCH_CHECK(!head_groups || heads >= n_branches,
               "head_groups needs at least as many heads as branches: ", heads, " heads, ",
               n_branches, " branches");
   int64_t end = k_start + k_len;
   for (size_t i = 0; i < q_starts.size(); ++i) {
-    TORCH_CHECK(q_starts[i] >= 0 && q_lens[i] >= 0, "q_starts and q_lens must be >= 0");
+    const std::string at = "[" + std::to_string(i) + "]";
+    check_range("q_starts" + at, "q_lens" + at, q_starts[i], q_lens[i]);
     end = std::max(end, q_starts[i] + q_lens[i]);
   }
   const std::vector<int64_t> ws = clamped_branches(segs, branch_cap(end, heads)),
