@@ -9,6 +9,12 @@ indices ``row * kv_heads + g`` relative to the start of a key range: K/V travel
 at K/V-head width, a K/V head's row once for every query head of its group
 that reaches it.
 
+The operator's cost is the segments it walks plus the rows it returns. A
+rank's own blocks (:attr:`ExchangePlan.local_pairs`) exchange nothing, so
+whether one of them reaches anything is asked of key chunks that double in
+length up to ``_MAX_PROBE_ROWS`` (:func:`reaches`): planning a call that
+exchanges little stays cheap however long the sequence.
+
 Both ends of a transfer compute the same ``exchange_rows`` call, so the sizes
 of every send and receive match without any size exchange. Steps in which a
 rank neither sends nor receives are dropped from its plan; empty sends or
@@ -41,9 +47,14 @@ __all__ = [
     "build_plan",
     "exchange_rows",
     "get_plan",
+    "reaches",
 ]
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
+
+# reaches(): key chunks of _PROBE_ROWS rows, doubling up to _MAX_PROBE_ROWS.
+_PROBE_ROWS = 1 << 12
+_MAX_PROBE_ROWS = 1 << 20
 
 
 def exchange_rows(
@@ -79,6 +90,33 @@ def exchange_rows(
         pattern.documents_tensor("cpu"),
     )
     return idx.to(torch.int64)
+
+
+def reaches(q_piece: Piece | tuple[int, int], k_start: int, k_len: int, heads: int,
+            pattern: Pattern) -> bool:  # fmt: skip
+    """Whether some query of ``q_piece`` reaches some key of ``[k_start,
+    k_start + k_len)``, without listing every reached row.
+
+    Only keys less than the longest segment away from the queries can share
+    a segment with one; over them, ``exchange_rows`` (one K/V head: the union
+    over query heads) of key chunks of ``_PROBE_ROWS`` rows doubling up to
+    ``_MAX_PROBE_ROWS``, stopping at the first that holds a reached row. At
+    most ``_MAX_PROBE_ROWS`` indices exist at once; a block reached near its
+    start is answered by one chunk, pieces further apart than every segment
+    by none."""
+    q_start, q_len = int(q_piece[0]), int(q_piece[1])
+    if q_len <= 0:
+        return False
+    w = max(pattern.segment_lengths)
+    start = max(int(k_start), q_start - w + 1)
+    end = min(int(k_start) + int(k_len), q_start + q_len + w - 1)
+    size = _PROBE_ROWS
+    while start < end:
+        n = min(size, end - start)
+        if exchange_rows([(q_start, q_len)], start, n, heads, 1, pattern).numel():
+            return True
+        start, size = start + n, min(2 * size, _MAX_PROBE_ROWS)
+    return False
 
 
 @dataclass(frozen=True, eq=False)
@@ -262,11 +300,11 @@ def build_plan(
     def rows(q_pieces: Sequence[Piece], k_piece: Piece) -> torch.Tensor:
         return exchange_rows(q_pieces, k_piece.start, k_piece.length, heads, kv_heads, pattern)
 
+    def reached(q_piece: Piece, k_piece: Piece) -> bool:
+        return reaches(q_piece, k_piece.start, k_piece.length, heads, pattern)
+
     local_pairs = tuple(
-        (qi, ki)
-        for qi, qp in enumerate(mine)
-        for ki, kp in enumerate(mine)
-        if rows([qp], kp).numel() > 0
+        (qi, ki) for qi, qp in enumerate(mine) for ki, kp in enumerate(mine) if reached(qp, kp)
     )
 
     steps = []
@@ -281,7 +319,7 @@ def build_plan(
             for kj, kp in enumerate(sender)
             if recv_idx[kj].numel() > 0
             for qi, qp in enumerate(mine)
-            if rows([qp], kp).numel() > 0
+            if len(mine) == 1 or reached(qp, kp)
         )
         sends = any(i.numel() > 0 for i in send_idx)
         recvs = any(i.numel() > 0 for i in recv_idx)

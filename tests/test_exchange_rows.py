@@ -199,3 +199,11 @@ def test_bounds_raise_naming_the_argument_in_a_subprocess() -> None:
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
     assert proc.stdout.split() == ["ok"], proc.stdout
 
+
+def test_many_heads_cost_what_they_reach() -> None:
+    """Heads enter by offset, never one by one: 2**40 query heads on 2**40
+    K/V heads whose offsets (h, the dilation being clamped above them) reach
+    rows 0..7 only answer at once with those 8 rows."""
+    h = 2**40
+    got = OPS.exchange_rows([0], [8], 0, 8, h, h, [2**62], [2**62], False, False, False, None)
+    assert got.tolist() == [u * h + u for u in range(8)]
