@@ -30,6 +30,7 @@ cached in :data:`PLAN_CACHE`, a bounded thread-safe LRU with hit/miss counters.
 
 from __future__ import annotations
 
+import operator
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import LRUCache
-from .layout import Piece, layout_pieces
+from .layout import Piece, check_layout, layout_pieces
 from .pattern import Pattern
 
 __all__ = [
@@ -52,9 +53,55 @@ __all__ = [
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
+#: Positions of the exchange planner stay below 2**62 (``exchange_rows``).
+MAX_SEQ_LEN = 2**62 - 1
+
 # reaches(): key chunks of _PROBE_ROWS rows, doubling up to _MAX_PROBE_ROWS.
 _PROBE_ROWS = 1 << 12
 _MAX_PROBE_ROWS = 1 << 20
+
+
+def _count(value: object, name: str, low: int, high: int) -> int:
+    """``value`` as an int in ``[low, high]`` (Python/NumPy integers or 0-d
+    integer tensors; not ``bool``), else ``ValueError`` naming ``name``."""
+    try:
+        if isinstance(value, bool) or (
+            isinstance(value, torch.Tensor) and value.dtype == torch.bool
+        ):
+            raise TypeError
+        n = operator.index(value)
+    except TypeError:
+        raise ValueError(
+            f"{name} must be an integer, got {value!r} ({type(value).__name__})"
+        ) from None
+    if not low <= n <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {n}")
+    return n
+
+
+def _check_plan_args(
+    pattern: Pattern,
+    seq_len: object,
+    heads: object,
+    kv_heads: object,
+    world_size: object,
+    rank: object,
+    layout: str,
+) -> tuple:
+    """The cache key of a plan, its arguments checked (docs/design.md §6)."""
+    if not isinstance(pattern, Pattern):
+        raise ValueError(f"pattern must be a Pattern, got {type(pattern).__name__}")
+    n = _count(seq_len, "seq_len", 0, MAX_SEQ_LEN)
+    h = _count(heads, "heads", 1, MAX_SEQ_LEN)
+    kv = _count(kv_heads, "kv_heads", 1, h)
+    if h % kv:
+        raise ValueError(f"kv_heads must divide heads = {h}, got kv_heads = {kv}")
+    p = _count(world_size, "world_size", 1, MAX_SEQ_LEN)
+    j = _count(rank, "rank", 0, p - 1)
+    check_layout(layout)
+    pattern.check_heads(h)
+    pattern.check_length(n)
+    return (pattern, n, h, kv, p, j, layout)
 
 
 def exchange_rows(
@@ -292,8 +339,17 @@ def build_plan(
     layout: str = "contiguous",
 ) -> ExchangePlan:
     """Build (without caching) the exchange plan of ``rank`` in a ring of
-    ``world_size`` for a sequence of ``seq_len`` sharded per ``layout``."""
-    p = int(world_size)
+    ``world_size`` for a sequence of ``seq_len`` sharded per ``layout``.
+
+    Raises:
+        ValueError: naming the argument, for a ``seq_len``, ``heads``,
+            ``kv_heads``, ``world_size`` or ``rank`` that is not an integer in
+            range, an unknown ``layout``, or a pattern whose documents do not
+            end at ``seq_len``.
+    """
+    pattern, seq_len, heads, kv_heads, p, rank, layout = _check_plan_args(
+        pattern, seq_len, heads, kv_heads, world_size, rank, layout
+    )
     all_pieces = tuple(tuple(layout_pieces(seq_len, p, r, layout)) for r in range(p))
     mine = all_pieces[rank]
 
@@ -339,11 +395,11 @@ def build_plan(
 
     return ExchangePlan(
         pattern=pattern,
-        seq_len=int(seq_len),
-        heads=int(heads),
-        kv_heads=int(kv_heads),
+        seq_len=seq_len,
+        heads=heads,
+        kv_heads=kv_heads,
         world_size=p,
-        rank=int(rank),
+        rank=rank,
         layout=layout,
         pieces=mine,
         all_pieces=all_pieces,
@@ -371,6 +427,7 @@ def get_plan(
     *,
     cache: LRUCache[ExchangePlan] | None = None,
 ) -> ExchangePlan:
-    """The cached plan for this configuration (built on first use)."""
-    key = (pattern, int(seq_len), int(heads), int(kv_heads), int(world_size), int(rank), layout)
+    """The cached plan for this configuration (built on first use); raises
+    as :func:`build_plan` does."""
+    key = _check_plan_args(pattern, seq_len, heads, kv_heads, world_size, rank, layout)
     return (PLAN_CACHE if cache is None else cache).get(key, lambda: build_plan(*key))
