@@ -289,16 +289,19 @@ void merge_rows(int64_t n, int64_t d, const acc_t* o, const acc_t* m, const acc_
                 RowLse lse, acc_t* scratch) {
   using Vec = at::vec::Vectorized<acc_t>;
   constexpr acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
+  const Vec pos_inf(std::numeric_limits<acc_t>::infinity());
   // The block's lse, the merged lse, and the weights of the running and the
-  // block's rows (1 / l folded into the latter).
+  // block's rows (1 / l folded into the latter). A +inf score makes the
+  // shift +inf and l NaN (exp(inf - inf)): that lse is +inf, not NaN.
   acc_t *blk = scratch, *merged = scratch + n, *wa = scratch + 2 * n, *wb = scratch + 3 * n;
   for (int64_t i = 0; i < n; ++i) merged[i] = *lse(i);
   for (int64_t i = 0; i < n; i += Vec::size()) {
     const int64_t c = std::min<int64_t>(Vec::size(), n - i);
     const Vec run = Vec::loadu(merged + i, c), vl = Vec::loadu(l + i, c);
-    const Vec b = Vec::loadu(m + i, c) + vl.log();
+    const Vec shift = Vec::loadu(m + i, c);
+    const Vec b = Vec::blendv(shift + vl.log(), shift, shift == pos_inf);
     const Vec hi = at::vec::maximum(run, b), lo = at::vec::minimum(run, b);
-    const Vec both = hi + (lo - hi).exp().log1p();
+    const Vec both = Vec::blendv(hi + (lo - hi).exp().log1p(), hi, hi == pos_inf);
     b.store(blk + i, c);
     both.store(merged + i, c);
     (run - both).exp().store(wa + i, c);

@@ -195,6 +195,7 @@ __device__ inline C merged_lse(C old_lse, C blk_lse) {
   if (old_lse == neg_inf<C>() || isnan(blk_lse)) return blk_lse;
   const C hi = old_lse > blk_lse ? old_lse : blk_lse;
   const C lo = old_lse > blk_lse ? blk_lse : old_lse;
+  if (hi == static_cast<C>(INFINITY)) return hi;  // a +inf score: +inf, not inf - inf
   return hi + clog1p(cexp(lo - hi));
 }
 
