@@ -136,10 +136,11 @@ def ring_handshake(
     table = {f: [r[i] for r in rows] for i, f in enumerate(_RING_FIELDS)}
     prefix = "ring_dilated_attention: ranks disagree on "
     if len(set(table["pattern"])) > 1:
-        descriptions: list = [None] * world
-        dist.all_gather_object(descriptions, pattern.describe() if pattern else "?", group=group)
-        detail = "; ".join(f"rank {r}: {d}" for r, d in enumerate(descriptions))
-        raise ValueError(prefix + f"the pattern: {detail}")
+        gathered: list = [None] * world
+        mine = (pattern.describe(), pattern.documents) if pattern else ("?", None)
+        dist.all_gather_object(gathered, mine, group=group)
+        detail = "; ".join(f"rank {r}: {d}" for r, (d, _) in enumerate(gathered))
+        raise ValueError(prefix + f"the pattern: {detail}" + _documents_detail(gathered))
     if len(set(table["dtype"])) > 1:
         raise ValueError(
             prefix + f"the dtype: {[dtype_name(c) for c in table['dtype']]} (rank order)"
@@ -171,6 +172,26 @@ def ring_handshake(
             f"{expected} (torch.tensor_split); shard inputs with ring_attention.shard_sequence"
         )
     return n
+
+
+def _documents_detail(gathered: list[tuple[str, tuple[int, ...] | None]]) -> str:
+    """Where the ranks' document boundaries first differ, with every rank's
+    boundaries around that index (``""`` when they agree): a description
+    only counts documents."""
+    docs = [d for _, d in gathered]
+    if len(set(docs)) <= 1 or any(d is None for d in docs):
+        return ""
+    longest = max(len(d) for d in docs)
+    at = next(i for i in range(longest) if len({d[i] if i < len(d) else None for d in docs}) > 1)
+    lo, hi = max(0, at - 2), at + 3
+    parts = []
+    for r, d in enumerate(docs):
+        more = "" if hi >= len(d) else ", ..."
+        parts.append(
+            f"rank {r}: cu_seqlens[{lo}:] = [{'..., ' if lo else ''}"
+            f"{', '.join(map(str, d[lo:hi]))}{more}] ({len(d) - 1} documents)"
+        )
+    return f". The document boundaries differ first at cu_seqlens[{at}]: " + "; ".join(parts)
 
 
 def gather_handshake(
