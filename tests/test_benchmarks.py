@@ -285,6 +285,47 @@ def test_ring_run_help_and_bad_arguments_print_once() -> None:
     assert proc.returncode != 0 and "same length" in proc.stderr + proc.stdout
 
 
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["--seq-len", "0"], "--seq-len must be in [1, 2**62), got 0"),
+        (["--seq-len", "-3"], "--seq-len must be in [1, 2**62), got -3"),
+        (["--seq-len", str(10**13), "--device", "cpu"], "the inputs alone need"),
+        (["--heads", "0"], "--heads must be >= 1"),
+        (["--head-dim", "0"], "--head-dim must be >= 1"),
+        (["--batch", "0"], "--batch must be >= 1"),
+        (["--iters", "0"], "--iters must be >= 1"),
+        (["--warmup", "-1"], "--warmup must be >= 0"),
+        (["--threads", "-2"], "--threads must be >= 0"),
+        (["--seed", "-1"], "--seed must be in [0, 2**32)"),
+        (["--timeout-min", "nan"], "--timeout-min must be > 0"),
+        (["--segments", "8", "--dilations", "9"], "dilation_rates[0] must be <= segment"),
+        (["--segments", "0", "--dilations", "1"], "segment_lengths[0] must be >= 1"),
+        (["--segments", "8", "4", "--dilations", "1", "1", "--head-groups", "--heads", "1"],
+         "head_groups=True needs at least as many heads"),
+    ],
+)  # fmt: skip
+def test_ring_run_rejects_nonsense_before_any_process_starts(args, words) -> None:
+    """scripts/run_ring.sh asks ``--print-nproc`` first; every nonsensical option
+    fails there, naming it, so torchrun never starts (``--seq-len 0`` used to
+    pass, then rank 0 died in ``max()`` and the others lost their peer)."""
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "ring-run", *args, "--print-nproc"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode != 0 and proc.stdout == "", proc.stdout + proc.stderr
+    assert words in proc.stderr, proc.stderr
+
+
+def test_run_ring_checks_nproc() -> None:
+    env = {**os.environ, "NPROC": "0"}
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "ring-run", "--print-nproc", "--device", "cpu"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT, env=env,
+    )  # fmt: skip
+    assert proc.returncode != 0 and "NPROC must be a positive integer" in proc.stderr
+
+
 def test_gpu_check_dry_run_without_a_gpu(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path)}
     proc = subprocess.run(
