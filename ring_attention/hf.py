@@ -75,7 +75,7 @@ import torch.distributed as dist
 from ._comm import world_info
 from .functional import attend
 from .layout import check_layout
-from .pattern import Pattern
+from .pattern import Pattern, as_flag
 from .ring import ring_attention
 from .sharding import shard_sequence
 
@@ -191,6 +191,7 @@ def pattern_from_config(config: Any, causal: bool) -> Pattern:
             not a dict, lacks ``segment_lengths``/``dilation_rates``, has
             unknown keys or an invalid pattern.
     """
+    causal = as_flag(causal, "causal")  # before the cache, whose keys take 1 for True
     entry = getattr(config, CONFIG_KEY, None)
     if entry is None:
         return _cached_pattern(None, causal)
@@ -206,6 +207,8 @@ def pattern_from_config(config: Any, causal: bool) -> Pattern:
             f"config.{CONFIG_KEY} takes the keys {list(_CONFIG_FIELDS)} (the first two required), "
             f"got unknown {unknown} and missing {missing}"
         )
+    if "head_groups" in entry:
+        as_flag(entry["head_groups"], f"config.{CONFIG_KEY}['head_groups']")
     frozen = tuple(
         (key, tuple(value) if isinstance(value, (list, tuple)) else value)
         for key, value in sorted(entry.items())

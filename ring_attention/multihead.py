@@ -58,7 +58,7 @@ from .multihead_checks import (
     fast_path_reason,
     nested_error,
 )
-from .pattern import Pattern
+from .pattern import Pattern, as_flag
 from .ring import ring_attention
 
 __all__ = ["MultiheadAttentionError", "MultiheadDilatedAttention"]
@@ -121,7 +121,11 @@ class MultiheadDilatedAttention(nn.MultiheadAttention):
     (inside ``nn.Transformer*`` too, fused inference paths and nested tensors
     included); a bad argument raises the same error with the same message, as
     :class:`MultiheadAttentionError` (an ``AssertionError`` that is also a
-    ``ValueError``) where PyTorch raises ``AssertionError``.
+    ``ValueError``) where PyTorch raises ``AssertionError``. One check of its
+    own: the flags (``bias``, ``add_bias_kv``, ``add_zero_attn``,
+    ``batch_first``, ``head_groups``; ``need_weights``,
+    ``average_attn_weights``, ``is_causal``) are ``bool`` (``ValueError``
+    naming the flag), where ``nn.MultiheadAttention`` takes any truthy value.
 
     Args:
         embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim,
@@ -215,6 +219,10 @@ class MultiheadDilatedAttention(nn.MultiheadAttention):
         group: dist.ProcessGroup | None = None,
         compute_dtype: torch.dtype | str | None = None,
     ) -> None:
+        for name, flag in (("bias", bias), ("add_bias_kv", add_bias_kv),
+                           ("add_zero_attn", add_zero_attn), ("batch_first", batch_first),
+                           ("head_groups", head_groups)):  # fmt: skip
+            as_flag(flag, name)
         try:
             super().__init__(
                 embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim,
@@ -323,10 +331,14 @@ class MultiheadDilatedAttention(nn.MultiheadAttention):
                 ``AssertionError``, with its message.
             RuntimeError: where it raises ``RuntimeError`` (``is_causal``
                 without ``attn_mask``, an ``attn_mask`` of the wrong shape).
-            ValueError: for what only this module checks (``group=``
-                restrictions, query and key of different lengths with a
-                pattern).
+            ValueError: for what only this module checks (a flag that is not
+                a ``bool``, ``group=`` restrictions, query and key of
+                different lengths with a pattern).
         """
+        for name, flag in (("need_weights", need_weights),
+                           ("average_attn_weights", average_attn_weights),
+                           ("is_causal", is_causal)):  # fmt: skip
+            as_flag(flag, name)
         if self._is_plain() and cu_seqlens is None:
             try:
                 return super().forward(

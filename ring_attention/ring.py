@@ -54,7 +54,7 @@ from .exchange import (
 )
 from .handshake import ring_handshake, ring_message
 from .layout import Piece, check_layout
-from .pattern import Pattern
+from .pattern import Pattern, as_flag
 from .plan import ExchangePlan, get_plan
 
 __all__ = [
@@ -311,6 +311,7 @@ def ring_attention(
     try:
         if callable(pattern) and not isinstance(pattern, Pattern):
             pattern = pattern()
+        return_lse = as_flag(return_lse, "return_lse")
         check_layout(layout)
         shape = check_qkv(q_local, k_local, v_local)
         pattern.check_heads(shape.heads)

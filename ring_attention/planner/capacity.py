@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
-from ..pattern import Pattern
+from ..pattern import Pattern, as_flag
 from .memory import DTYPE_BYTES, LayerMemory, layer_memories
 from .model import model_memory, model_step_seconds
 from .presets import ModelShape, make_pattern
@@ -68,6 +68,10 @@ class Setup:
     checkpointing: bool = True
     shard_params: bool = True
     source: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("causal", "head_groups", "checkpointing", "shard_params"):
+            as_flag(getattr(self, name), name)
 
     @property
     def itemsize(self) -> int:

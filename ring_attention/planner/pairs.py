@@ -25,7 +25,7 @@ from functools import lru_cache
 
 import torch
 
-from ..pattern import Pattern
+from ..pattern import Pattern, as_flag
 
 __all__ = [
     "BWD_FLOPS_PER_PAIR",
@@ -160,5 +160,5 @@ def reached_pairs(
 def pattern_flops(pairs: int, head_dim: int, batch: int = 1, *, backward: bool = False) -> int:
     """FLOPs of ``pairs`` reached pairs: ``4 d`` each forward; with
     ``backward=True`` forward + backward, ``(4 + 10) d``."""
-    per_pair = FWD_FLOPS_PER_PAIR + (BWD_FLOPS_PER_PAIR if backward else 0)
+    per_pair = FWD_FLOPS_PER_PAIR + (BWD_FLOPS_PER_PAIR if as_flag(backward, "backward") else 0)
     return per_pair * head_dim * batch * pairs

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..pattern import Pattern
+from ..pattern import Pattern, as_flag
 
 __all__ = ["MODELS", "PATTERNS", "ModelShape", "longnet_pattern", "make_pattern"]
 
@@ -89,6 +89,9 @@ class ModelShape:
     ffn: int
     gated: bool = False
     vocab: int = 0
+
+    def __post_init__(self) -> None:
+        as_flag(self.gated, "gated")
 
     def layer_params(self) -> int:
         """Parameters of one block (weights and norms, no biases)."""
