@@ -43,7 +43,7 @@ from torch import nn
 
 from ._comm import world_info
 from .dense import dense_attention
-from .dtypes import select_dtype
+from .dtypes import select_dtype, supported_dtypes
 from .functional import attend
 from .handshake import reject
 from .multihead_checks import (
@@ -152,8 +152,10 @@ class MultiheadDilatedAttention(nn.MultiheadAttention):
         compute_dtype: dtype of the attention core: ``None`` (that of the
             projected inputs), ``"auto"`` (``ra.select_dtype(device)``:
             bfloat16 on Ampere and newer, float16 on 7.x, float32 on older
-            GPUs and the CPU) or a ``torch.dtype``. Projected q/k/v are cast to
-            it and the attention output cast back before ``out_proj``.
+            GPUs and the CPU) or one of the kernels' dtypes (float32,
+            float64, float16, bfloat16; others raise ``ValueError`` naming
+            ``compute_dtype``). Projected q/k/v are cast to it and the
+            attention output cast back before ``out_proj``.
 
     With a pattern, a ``group`` or a ``compute_dtype`` the module computes
     attention itself. Argument checks, their order, exception types and
@@ -620,13 +622,15 @@ def _check_extensions(
             segment_lengths, dilation_rates, head_groups=head_groups, head_offsets=head_offsets
         )
         pattern.check_heads(num_heads)
+    kernels = supported_dtypes(torch.device("cpu"))  # the same on every device
     if not (
         compute_dtype is None
-        or compute_dtype == "auto"
-        or (isinstance(compute_dtype, torch.dtype) and compute_dtype.is_floating_point)
+        or (isinstance(compute_dtype, str) and compute_dtype == "auto")
+        or (isinstance(compute_dtype, torch.dtype) and compute_dtype in kernels)
     ):
+        allowed = ", ".join(str(d) for d in kernels)
         raise ValueError(
-            f'compute_dtype must be None, "auto" or a floating torch.dtype, got {compute_dtype!r}'
+            f'compute_dtype must be None, "auto" or one of {allowed}, got {compute_dtype!r}'
         )
     if group is not None and (add_bias_kv or add_zero_attn):
         which = "add_bias_kv" if add_bias_kv else "add_zero_attn"
