@@ -252,6 +252,25 @@ class MultiheadDilatedAttention(nn.MultiheadAttention):
             object.__setattr__(new, name, copy.deepcopy(value, memo))
         return new
 
+    def __prepare_scriptable__(self) -> nn.Module:
+        """``torch.jit.script`` support. With no pattern, ``group`` or
+        ``compute_dtype`` the module is ``nn.MultiheadAttention``, and scripts
+        as one: ``torch.jit.script`` compiles an ``nn.MultiheadAttention``
+        that shares this module's parameters, buffers and submodules (and,
+        as for any ``__prepare_scriptable__``, puts it in this module's place
+        inside a parent module being scripted). With them the attention runs
+        the C++ operators from Python, which TorchScript cannot compile:
+        ``RuntimeError`` (``torch.compile`` and ``torch.export`` work)."""
+        if not self._is_plain():
+            raise RuntimeError(
+                "torch.jit.script: a MultiheadDilatedAttention with a pattern, group= or "
+                "compute_dtype cannot be scripted (its attention calls the C++ operators from "
+                "Python); use torch.compile or torch.export, or script one without them"
+            )
+        plain = nn.MultiheadAttention.__new__(nn.MultiheadAttention)
+        plain.__dict__.update(self.__dict__)  # the same parameter, buffer, module dicts
+        return plain
+
     def _is_plain(self) -> bool:
         """No pattern, group or compute_dtype: ``nn.MultiheadAttention`` itself."""
         return self.pattern is None and self.group is None and self.compute_dtype is None
