@@ -126,3 +126,15 @@ def test_config_head_groups_is_a_bool_whatever_was_cached() -> None:
         else:
             with pytest.raises(ValueError, match=r"\['head_groups'\] must be a bool"):
                 hf.pattern_from_config(config, True)
+
+
+def test_cu_seqlens_on_the_meta_device_is_named() -> None:
+    """Its values cannot be read: a ValueError naming cu_seqlens (was
+    NotImplementedError: "Cannot copy out of meta tensor")."""
+    cu = torch.tensor([0, 8], device="meta")
+    with pytest.raises(ValueError, match="cu_seqlens must hold values"):
+        ra.dilated_attention(_q, _q, _q, [4], [2], cu_seqlens=cu)
+    with pytest.raises(ValueError, match="cu_seqlens must hold values"):
+        ra.ring_dilated_attention(_q, _q, _q, [4], [2], cu_seqlens=cu)
+    with pytest.raises(ValueError, match="cu_seqlens must hold values"):
+        ra.DilatedAttention([4], [2])(_q, _q, _q, cu_seqlens=cu)
