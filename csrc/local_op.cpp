@@ -135,6 +135,7 @@ std::tuple<Tensor, Tensor, Tensor> dilated_attention_backward_local(
     const OptTensor& cu) {
   const PatternArgs pa{segs, dils, causal, scale, head_groups, grouped_offsets, kpm, cu};
   check_local(q, k, v, pa);
+  TORCH_CHECK(grad_out_in.defined(), "grad_out must be a tensor, got None");
   const at::ScalarType acc = acc_dtype(q.scalar_type());
   const Tensor grad_out = grad_out_in.to(q.scalar_type());
   if (acc == q.scalar_type()) {  // the gradients are their own accumulators
@@ -318,6 +319,11 @@ std::tuple<Tensor, Tensor> dilated_attention_autograd(const Tensor& q, const Ten
                                                       IntArrayRef dils, bool causal, double scale,
                                                       bool head_groups, bool grouped_offsets,
                                                       const OptTensor& kpm, const OptTensor& cu) {
+  TORCH_CHECK(q.defined() && k.defined() && v.defined(),
+              "q, k and v must be tensors, got None for ",
+              !q.defined()   ? "q"
+              : !k.defined() ? "k"
+                             : "v");  // (autograd reads their devices)
   auto res = DilatedAttentionFunction::apply(q, k, v, segs, dils, causal, scale, head_groups,
                                              grouped_offsets, kpm, cu);
   return {res[0], res[1]};
