@@ -317,6 +317,16 @@ def _key_padding_mask(attention_mask: torch.Tensor | None, kv_length: int) -> to
 # Documents.
 
 
+def _check_ids(t: Any, name: str) -> None:
+    """Token ids, labels or positions: an integer tensor holding values."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be an integer tensor, got {type(t).__name__}")
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise ValueError(f"{name} must have an integer dtype, got {t.dtype}")
+    if t.is_meta:
+        raise ValueError(f"{name} must hold values: got a tensor on the meta device")
+
+
 def documents_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor | None:
     """Document boundaries ``[0, e_1, ..., n]`` (int64) of a packed sequence
     whose ``position_ids`` ``(batch, n)`` restart per document: a document
@@ -328,6 +338,11 @@ def documents_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor | No
             ``cu_seqlens`` for the whole batch: flatten the batch to one row,
             as ``DataCollatorWithFlattening`` does).
     """
+    _check_ids(position_ids, "position_ids")
+    if position_ids.dim() not in (1, 2):
+        raise ValueError(
+            f"position_ids must be (batch, seq) or (seq,), got shape {tuple(position_ids.shape)}"
+        )
     if position_ids.dim() == 1:
         position_ids = position_ids[None]
     n = position_ids.shape[-1]
@@ -490,11 +505,14 @@ def shard_causal_lm_batch(
         shifting inside the shard) and ``num_items_in_batch`` (scored tokens
         of the whole batch, so that the ranks' losses sum to the global mean).
     """
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+    _check_ids(input_ids, "input_ids")
+    if input_ids.dim() != 2 or input_ids.shape[0] < 1:
         raise ValueError(
-            f"input_ids must be a 2-D tensor (batch, seq), got "
-            f"{tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else input_ids!r}"
+            f"input_ids must be a 2-D tensor (batch >= 1, seq), got {tuple(input_ids.shape)}"
         )
+    for name, t in (("labels", labels), ("position_ids", position_ids)):
+        if t is not None:
+            _check_ids(t, name)
     batch, n = input_ids.shape
     if position_ids is None:
         position_ids = torch.arange(n, device=input_ids.device)[None]

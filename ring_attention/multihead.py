@@ -418,6 +418,10 @@ class MultiheadDilatedAttention(nn.MultiheadAttention):
         float_masks = (attn_mask is not None and torch.is_floating_point(attn_mask)) or (
             key_padding_mask is not None and torch.is_floating_point(key_padding_mask)
         )
+        query.dim()  # read first, as PyTorch does (a non-tensor fails here, with its error)
+        for name, mask in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
+            if isinstance(mask, torch.Tensor) and mask.is_meta and not query.is_meta:
+                raise ValueError(f"{name} must be on query's device {query.device}, got meta")
         kpm = canonical_mask(
             key_padding_mask, "key_padding_mask", attn_mask, "attn_mask", query.dtype
         )

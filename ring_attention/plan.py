@@ -30,7 +30,6 @@ cached in :data:`PLAN_CACHE`, a bounded thread-safe LRU with hit/miss counters.
 
 from __future__ import annotations
 
-import operator
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import LRUCache
+from .checks import check_int
 from .layout import Piece, check_layout, layout_pieces
 from .pattern import Pattern
 
@@ -61,24 +61,6 @@ _PROBE_ROWS = 1 << 12
 _MAX_PROBE_ROWS = 1 << 20
 
 
-def _count(value: object, name: str, low: int, high: int) -> int:
-    """``value`` as an int in ``[low, high]`` (Python/NumPy integers or 0-d
-    integer tensors; not ``bool``), else ``ValueError`` naming ``name``."""
-    try:
-        if isinstance(value, bool) or (
-            isinstance(value, torch.Tensor) and value.dtype == torch.bool
-        ):
-            raise TypeError
-        n = operator.index(value)
-    except TypeError:
-        raise ValueError(
-            f"{name} must be an integer, got {value!r} ({type(value).__name__})"
-        ) from None
-    if not low <= n <= high:
-        raise ValueError(f"{name} must be in [{low}, {high}], got {n}")
-    return n
-
-
 def _check_plan_args(
     pattern: Pattern,
     seq_len: object,
@@ -91,13 +73,13 @@ def _check_plan_args(
     """The cache key of a plan, its arguments checked (docs/design.md §6)."""
     if not isinstance(pattern, Pattern):
         raise ValueError(f"pattern must be a Pattern, got {type(pattern).__name__}")
-    n = _count(seq_len, "seq_len", 0, MAX_SEQ_LEN)
-    h = _count(heads, "heads", 1, MAX_SEQ_LEN)
-    kv = _count(kv_heads, "kv_heads", 1, h)
+    n = check_int(seq_len, "seq_len", 0, MAX_SEQ_LEN)
+    h = check_int(heads, "heads", 1, MAX_SEQ_LEN)
+    kv = check_int(kv_heads, "kv_heads", 1, h)
     if h % kv:
         raise ValueError(f"kv_heads must divide heads = {h}, got kv_heads = {kv}")
-    p = _count(world_size, "world_size", 1, MAX_SEQ_LEN)
-    j = _count(rank, "rank", 0, p - 1)
+    p = check_int(world_size, "world_size", 1, MAX_SEQ_LEN)
+    j = check_int(rank, "rank", 0, p - 1)
     check_layout(layout)
     pattern.check_heads(h)
     pattern.check_length(n)

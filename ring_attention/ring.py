@@ -311,6 +311,10 @@ def ring_attention(
     try:
         if callable(pattern) and not isinstance(pattern, Pattern):
             pattern = pattern()
+        if not isinstance(pattern, Pattern):
+            raise ValueError(
+                f"pattern must be a Pattern or a function returning one, got {pattern!r}"
+            )
         return_lse = as_flag(return_lse, "return_lse")
         check_layout(layout)
         shape = check_qkv(q_local, k_local, v_local)
