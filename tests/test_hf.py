@@ -359,6 +359,34 @@ def test_packed_rows_with_different_documents() -> None:
     assert hf.documents_from_position_ids(torch.arange(2, 9)[None]) is None
 
 
+@pytest.mark.parametrize("source", ["cu_seq_lens_q", "position_ids"])
+def test_documents_are_read_once_per_batch(source, monkeypatch) -> None:
+    """The boundaries go to the host and the pattern with documents is built
+    once per batch, not per layer: as many times for 4 layers as for 1."""
+    counts = []
+    with_documents = ra.Pattern.with_documents
+
+    def spy(self, cu_seqlens):
+        counts[-1] += 1
+        return with_documents(self, cu_seqlens)
+
+    monkeypatch.setattr(ra.Pattern, "with_documents", spy)
+    positions = torch.cat([torch.arange(n) for n in DOC_LENGTHS])[None]
+    ids = torch.randint(1, VOCAB, positions.shape)
+    cu = torch.tensor([0, *torch.tensor(DOC_LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    for layers in (1, 4):
+        model = build(tiny_config(num_hidden_layers=layers, pattern={"segment_lengths": [4],
+                                                                      "dilation_rates": [2]}),
+                      "ring_dilated")  # fmt: skip
+        kwargs = {"cu_seq_lens_q": cu.clone(), "cu_seq_lens_k": None}
+        if source == "position_ids":
+            kwargs = {"position_ids": positions, "use_cache": False}
+        counts.append(0)
+        with torch.no_grad():
+            model(ids, **kwargs)
+    assert counts[0] == counts[1] > 0, counts
+
+
 # ---------------------------------------------------------------------------
 # The mask interface: transformers' decision as a key map.
 
