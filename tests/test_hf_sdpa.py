@@ -47,9 +47,12 @@ def _positions(kind: str) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", ["restart", "gaps", "rows", "plain"])
-@pytest.mark.parametrize("use_cache", [None, False, True])
-@pytest.mark.parametrize("ones_mask", [False, True])
-@pytest.mark.parametrize("mode", ["eval", "train"])
+@pytest.mark.parametrize(
+    ("use_cache", "ones_mask", "mode"),
+    [(None, False, "eval"), (False, False, "eval"), (True, False, "eval"),
+     (None, True, "eval"), (False, True, "eval"), (None, False, "train"),
+     (False, False, "train")],
+)  # fmt: skip
 def test_packed_sequences_as_transformers_decides(models, kind, use_cache, ones_mask, mode):
     """transformers finds packed sequences in position_ids only without a
     mask and without a cache (use_cache defaults to True, in training too):
