@@ -1,6 +1,7 @@
 """Build and load the CPU emulation of the CUDA block kernels.
 
-``load()`` compiles ``csrc/cuda/block_{forward,backward}.cu`` for the CPU
+``load()`` compiles ``csrc/cuda/block_{forward,backward}.cu`` and
+``csrc/cuda/merge.cu`` for the CPU
 against ``runtime.h`` (next to this file) into ``build/cuda_emulator/`` and
 returns ``torch.ops.ring_attention_emulated``. It needs the CUDA toolkit's
 headers (``cuda_fp16.h``; nothing from them runs on a GPU) and returns ``None``
@@ -20,7 +21,9 @@ SOURCES = [
     os.path.join(HERE, "ops.cpp"),
     os.path.join(HERE, "block_forward.cpp"),
     os.path.join(HERE, "block_backward.cpp"),
+    os.path.join(HERE, "merge_rows.cpp"),
     os.path.join(ROOT, "csrc", "checks.cpp"),
+    os.path.join(ROOT, "csrc", "merge.cpp"),
 ]
 MISSING = ""
 
