@@ -460,12 +460,12 @@ def test_fa4_install_puts_the_two_parts_together(tmp_path: Path) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU: CUDA sweep not run")
 @pytest.mark.parametrize(
     ("segments", "backward"),
-    [(["64", "192"], "sdpa"), (["64", "160"], "kernel")],
+    [(["64", "192"], "dense"), (["64", "160"], "dense")],
     ids=["nested", "not-nested"],
 )
 def test_local_sweep_on_cuda(tmp_path: Path, segments: list[str], backward: str) -> None:
-    # bf16 on CUDA: SDPA's backward per branch where the segment lengths nest,
-    # our kernel where they do not; the forward ours below 131072 rows
+    # bf16 on CUDA: the dense backward per branch (windows of whole segments
+    # of both branches, nested or not); the forward ours below 131072 rows
     bench("local", "--device", "cuda", "--seq-lens", "4096", "--configs", "4x64",
           "--segments", *segments, "--dilations", "1", "3",
           "--iters", "1", "--search-step", "0", "--out-dir", str(tmp_path))  # fmt: skip

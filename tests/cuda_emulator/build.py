@@ -45,7 +45,9 @@ def load():
         MISSING = "CUDA toolkit headers (cuda_bf16.h) not found; set CUDA_HOME"
         return None
     # scripts/sanitize.sh builds a sanitized copy (its own build directory).
-    sanitize = os.environ.get("RING_ATTENTION_EMULATOR_SANITIZE", "").split()
+    from ring_attention.config import emulator_sanitize
+
+    sanitize = emulator_sanitize()
     name = "cuda_emulator_sanitized" if sanitize else "cuda_emulator"
     build_dir = os.path.join(ROOT, "build", name)
     os.makedirs(build_dir, exist_ok=True)
