@@ -177,7 +177,8 @@ def dense_backward(
             for call, name in zip(window.calls, names, strict=True):
                 views = (
                     call.view(grad_out), call.view(q), call.view(k, True), call.view(v, True),
-                    call.view(out), call.lse_view(lse), _parts(gq, q_base, call, batch, False),
+                    call.view(out), call.lse_view(lse).contiguous(),  # 4 bytes a row
+                    _parts(gq, q_base, call, batch, False),
                     _parts(gk, kv_base, call, batch, True), _parts(gv, kv_base, call, batch, True),
                 )  # fmt: skip
                 for do_, qv, kv, vv, ov, lv, gqv, gkv, gvv in _groups(*views):

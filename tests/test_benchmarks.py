@@ -404,6 +404,22 @@ def test_gpu_check_brings_back_two_files(tmp_path: Path) -> None:
     assert "| fa4    | SKIP" in summary and "| tests  | SKIP/FAIL" in summary
 
 
+def test_gpu_check_views_stage_without_a_gpu(tmp_path: Path) -> None:
+    """The views stage (scripts/views_check.py on a GPU) is planned, and
+    without a GPU recorded as skipped, its log packed like the others'."""
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(out)}
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--stages", "views"],
+        capture_output=True, text=True, timeout=300, env=env, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    summary = (out / "summary.txt").read_text()
+    assert "| views  | SKIP" in summary and "no GPU" in summary
+    with tarfile.open(out / "gpu_check.tar.gz") as tar:
+        assert tar.getnames() == ["views.log"]
+
+
 def test_profile_driver_runs_our_kernels() -> None:
     """scripts/profile_kernels.py (what gpu_check.sh's profile stage runs under
     Nsight Compute) runs a forward and backward on our kernels."""
