@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "../merge.h"
 #include "runtime.cuh"
@@ -26,6 +27,9 @@ namespace ring_attention::gpu {
 namespace {
 
 constexpr int kMergeThreads = 128;
+// 8 blocks an SM leave 64 registers a thread: without it ptxas held sm_80 to
+// 32 and spilled 8-16 bytes to local memory (compile_cuda.sh --keep, ptxas -v)
+constexpr int kMergeBlocks = 8;
 
 struct MergeArgs {
   const void* parts;
@@ -43,31 +47,75 @@ __device__ inline double acc_exp(double x) { return exp(x); }
 __device__ inline float acc_log(float x) { return logf(x); }
 __device__ inline double acc_log(double x) { return log(x); }
 
-template <typename T, int V>
-__device__ inline void load_vec(const T* p, T (&x)[V]) {
-  if constexpr (V * sizeof(T) == 16) {
-    const uint4 u = *reinterpret_cast<const uint4*>(p);
-    memcpy(x, &u, 16);
+// V values of T at p (16 bytes and 16-byte aligned where V > 1) as
+// accumulator values, and back: the 16-bit types through their bits, so that
+// no value goes through memory a thread's registers cannot hold.
+template <typename T, typename Acc, int V>
+__device__ inline void load_vec(const T* p, Acc (&x)[V]) {
+  if constexpr (V == 1) {
+    x[0] = static_cast<Acc>(*p);
+  } else if constexpr (std::is_same_v<T, float>) {
+    const float4 f = *reinterpret_cast<const float4*>(p);
+    x[0] = f.x, x[1] = f.y, x[2] = f.z, x[3] = f.w;
+  } else if constexpr (std::is_same_v<T, double>) {
+    const double2 f = *reinterpret_cast<const double2*>(p);
+    x[0] = f.x, x[1] = f.y;
   } else {
+    static_assert(V == 8, "16-bit types: 8 values in 16 bytes");
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
-    for (int j = 0; j < V; ++j) x[j] = p[j];
+    for (int j = 0; j < V; ++j)
+      x[j] = static_cast<Acc>(T(static_cast<uint16_t>(w[j / 2] >> (16 * (j % 2))), T::from_bits()));
   }
 }
 
-template <typename T, int V>
-__device__ inline void store_vec(T* p, const T (&x)[V]) {
-  if constexpr (V * sizeof(T) == 16) {
-    uint4 u;
-    memcpy(&u, x, 16);
-    *reinterpret_cast<uint4*>(p) = u;
-  } else {
-#pragma unroll
-    for (int j = 0; j < V; ++j) p[j] = x[j];
-  }
+// One 16-byte store (st.global.v4 / v2; the emulator stores the words).
+__device__ inline void store16(void* p, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+#ifdef RING_ATTENTION_CUDA_EMULATOR
+  *static_cast<uint4*>(p) = uint4{a, b, c, d};
+#else
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(a), "r"(b), "r"(c), "r"(d)
+               : "memory");
+#endif
+}
+__device__ inline void store16(float* p, float a, float b, float c, float d) {
+#ifdef RING_ATTENTION_CUDA_EMULATOR
+  *reinterpret_cast<float4*>(p) = float4{a, b, c, d};
+#else
+  asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(a), "f"(b), "f"(c), "f"(d)
+               : "memory");
+#endif
+}
+__device__ inline void store16(double* p, double a, double b) {
+#ifdef RING_ATTENTION_CUDA_EMULATOR
+  *reinterpret_cast<double2*>(p) = double2{a, b};
+#else
+  asm volatile("st.global.v2.f64 [%0], {%1, %2};\n" ::"l"(p), "d"(a), "d"(b) : "memory");
+#endif
 }
 
 template <typename T, typename Acc, int V>
-__global__ void __launch_bounds__(kMergeThreads) merge_kernel(const MergeArgs a) {
+__device__ inline void store_vec(T* p, const Acc (&x)[V]) {
+  if constexpr (V == 1) {
+    *p = static_cast<T>(x[0]);
+  } else if constexpr (std::is_same_v<T, float>) {
+    store16(p, x[0], x[1], x[2], x[3]);
+  } else if constexpr (std::is_same_v<T, double>) {
+    store16(p, x[0], x[1]);
+  } else {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      w[i] =
+          static_cast<uint32_t>(T(x[2 * i]).x) | (static_cast<uint32_t>(T(x[2 * i + 1]).x) << 16);
+    store16(p, w[0], w[1], w[2], w[3]);
+  }
+}
+
+// Merge: the forward's log-sum-exp merge (part_lse given); else a sum.
+template <typename T, typename Acc, int V, bool Merge>
+__global__ void __launch_bounds__(kMergeThreads, kMergeBlocks) merge_kernel(const MergeArgs a) {
   constexpr Acc kInf = std::numeric_limits<Acc>::infinity();
   const int tpr = a.tpr, per_block = kMergeThreads / tpr;
   const int sub = static_cast<int>(threadIdx.x) / tpr, lane = static_cast<int>(threadIdx.x) % tpr;
@@ -80,7 +128,7 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const MergeArgs a)
     // the row's merge weights: max, NaN, sum of exp(lse - max) over its parts
     Acc m = -kInf, sum = 0;
     bool nan = false;
-    if (plse != nullptr) {
+    if constexpr (Merge) {
       for (int64_t s = 0; s < a.slots; ++s) {
         const int32_t i = a.index[s * a.rows + row];
         if (i < 0 || i >= a.part_rows) continue;
@@ -93,7 +141,7 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const MergeArgs a)
         if (i >= 0 && i < a.part_rows) sum += acc_exp(plse[i] - m);
       }
     }
-    const Acc scale = plse == nullptr || sum == 0 ? Acc(1) : Acc(1) / sum;
+    const Acc scale = !Merge || sum == 0 ? Acc(1) : Acc(1) / sum;
     const int64_t b = row / (a.length * a.heads), t = row / a.heads % a.length, h = row % a.heads;
     T* out =
         static_cast<T*>(a.out) + b * a.out_stride[0] + t * a.out_stride[1] + h * a.out_stride[2];
@@ -105,21 +153,20 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const MergeArgs a)
         const int32_t i = a.index[s * a.rows + row];
         if (i < 0 || i >= a.part_rows) continue;
         Acc w = 1;
-        if (plse != nullptr) {
+        if constexpr (Merge) {
           if (!(plse[i] > -kInf)) continue;
           w = acc_exp(plse[i] - m);
         }
-        T x[V];
-        load_vec<T, V>(parts + static_cast<int64_t>(i) * a.dim + c * V, x);
+        Acc x[V];
+        load_vec<T, Acc, V>(parts + static_cast<int64_t>(i) * a.dim + c * V, x);
 #pragma unroll
-        for (int j = 0; j < V; ++j) acc[j] += w * static_cast<Acc>(x[j]);
+        for (int j = 0; j < V; ++j) acc[j] += w * x[j];
       }
-      T y[V];
 #pragma unroll
-      for (int j = 0; j < V; ++j) y[j] = static_cast<T>(acc[j] * scale);
-      store_vec<T, V>(out + c * V, y);
+      for (int j = 0; j < V; ++j) acc[j] *= scale;
+      store_vec<T, Acc, V>(out + c * V, acc);
     }
-    if (plse != nullptr && lane == 0) {
+    if (Merge && lane == 0) {
       Acc* lse = static_cast<Acc*>(a.lse) + b * a.lse_stride[0] + t * a.lse_stride[1] +
                  h * a.lse_stride[2];
       *lse = nan ? std::numeric_limits<Acc>::quiet_NaN() : sum == 0 ? -kInf : m + acc_log(sum);
@@ -129,13 +176,14 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const MergeArgs a)
 
 template <typename T, typename Acc, int V>
 void launch_merge(MergeArgs a) {
+  const auto kernel =
+      a.part_lse != nullptr ? merge_kernel<T, Acc, V, true> : merge_kernel<T, Acc, V, false>;
   const int64_t vecs = a.dim / V;
   a.tpr = static_cast<int>(vecs < 32 ? vecs : 32);
   const int64_t per_block = kMergeThreads / a.tpr;
   int64_t blocks = (a.rows + per_block - 1) / per_block;
   blocks = blocks < 65535 ? blocks : 65535;  // the rest by the grid-stride loop
-  launch(merge_kernel<T, Acc, V>, dim3(static_cast<unsigned>(blocks)), dim3(kMergeThreads), 0,
-         current_stream(), a);
+  launch(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kMergeThreads), 0, current_stream(), a);
 }
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
