@@ -241,6 +241,7 @@ if [[ $DRY -eq 1 ]]; then
   "$PY" benchmarks/bench.py local --dry-run --device cuda --out-dir "$OUT/bench" $BENCH_ARGS
   rc=$?
   if want views; then # every stage of views_check.py on the CPU, toy sizes
+    mkdir -p "$OUT"
     "$PY" scripts/views_check.py --dry-run --out "$OUT/views" --budget-s 240 \
       ${PREV:+--prev "$PREV"} >"$OUT/views_dry.log" 2>&1 || rc=$?
     tail -n 40 "$OUT/views_dry.log"
