@@ -445,6 +445,22 @@ def test_gpu_check_brings_back_two_files(tmp_path: Path) -> None:
     assert "| fa4    | SKIP" in summary and "| tests  | SKIP/FAIL" in summary
 
 
+def test_gpu_check_views_stage_without_a_gpu(tmp_path: Path) -> None:
+    """The views stage (scripts/views_check.py on a GPU) is planned, and
+    without a GPU recorded as skipped, its log packed like the others'."""
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(out)}
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--stages", "views"],
+        capture_output=True, text=True, timeout=300, env=env, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    summary = (out / "summary.txt").read_text()
+    assert "| views  | SKIP" in summary and "no GPU" in summary
+    with tarfile.open(out / "gpu_check.tar.gz") as tar:
+        assert tar.getnames() == ["views.log"]
+
+
 def test_profile_driver_runs_our_kernels() -> None:
     """scripts/profile_kernels.py (what gpu_check.sh's profile stage runs under
     Nsight Compute) runs a forward and backward on our kernels."""
@@ -501,12 +517,12 @@ def test_fa4_install_puts_the_two_parts_together(tmp_path: Path) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU: CUDA sweep not run")
 @pytest.mark.parametrize(
     ("segments", "backward"),
-    [(["64", "192"], "sdpa"), (["64", "160"], "kernel")],
+    [(["64", "192"], "dense"), (["64", "160"], "dense")],
     ids=["nested", "not-nested"],
 )
 def test_local_sweep_on_cuda(tmp_path: Path, segments: list[str], backward: str) -> None:
-    # bf16 on CUDA: SDPA's backward per branch where the segment lengths nest,
-    # our kernel where they do not; the forward ours below 131072 rows
+    # bf16 on CUDA: the dense backward per branch (windows of whole segments
+    # of both branches, nested or not); the forward ours below 131072 rows
     bench("local", "--device", "cuda", "--seq-lens", "4096", "--configs", "4x64",
           "--segments", *segments, "--dilations", "1", "3",
           "--iters", "1", "--search-step", "0", "--out-dir", str(tmp_path))  # fmt: skip

@@ -330,12 +330,20 @@ def _op_base() -> dict[str, Any]:
         q_start=0, k_start=0, segment_lengths=[4, 8], dilation_rates=[1, 2], causal=False,
         scale=0.5, head_groups=False, grouped_offsets=False, key_padding_mask=None,
         cu_seqlens=None, q_starts=[0], q_lens=[8], k_len=8, heads=2, kv_heads=1,
+        # merge_branches / sum_branches: 2 slots over (batch 1, 8 positions, 2 heads)
+        parts=torch.randn(32, 4, generator=g), part_lse=torch.randn(32, generator=g),
+        index=torch.arange(32, dtype=torch.int32).view(2, 1, 8, 2),
     )  # fmt: skip
 
 
-# ``lse`` of block_forward is the running accumulator (-inf), of the
-# backward ops the final lse (finite).
-_NEG_INF_LSE = {"block_forward"}
+def _op_overrides() -> dict[str, dict[str, Any]]:
+    """Per operator, baselines that differ from ``_op_base``'s: the running
+    lse of block_forward (-inf), the (batch, position, head) lse of
+    merge_branches."""
+    import torch
+
+    return {"block_forward": {"lse": torch.full((1, 2, 8), -INF)},
+            "merge_branches": {"lse": torch.zeros(1, 8, 2)}}  # fmt: skip
 
 
 #: a typical value per schema type, for optional arguments appended later
@@ -360,7 +368,7 @@ def _ops() -> dict[str, tuple[Callable, dict[str, Any], dict[str, Any]]]:
 
     import ring_attention  # noqa: F401  (registers the operators)
 
-    base = _op_base()
+    base, overrides = _op_base(), _op_overrides()
     like = {"grad_lse": torch.zeros(1, 2, 8), "key_padding_mask": torch.zeros(1, 8, dtype=bool),
             "cu_seqlens": torch.tensor([0, 3, 8])}  # fmt: skip
     ops = {}
@@ -378,11 +386,9 @@ def _ops() -> dict[str, tuple[Callable, dict[str, Any], dict[str, Any]]]:
                     op_like.setdefault(a.name, _TYPICAL[str(a.type)])
             else:
                 raise KeyError(
-                    f"no baseline for argument {a.name!r} of {schema}: add it to OP_BASE"
+                    f"no baseline for argument {a.name!r} of {schema}: add it to _op_base()"
                 )
-            if a.name == "lse" and name in _NEG_INF_LSE:
-                value = torch.full((1, 2, 8), -INF)
-            args[a.name] = value
+            args[a.name] = overrides.get(name, {}).get(a.name, value)
 
         def call(packet=packet, **kw):
             kw = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}

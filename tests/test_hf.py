@@ -24,10 +24,12 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     DataCollatorWithFlattening,
+    DynamicCache,
     LlamaConfig,
     MistralConfig,
     Qwen2Config,
     Qwen3Config,
+    StaticCache,
 )
 from transformers.masking_utils import AttentionMaskInterface, create_causal_mask
 
@@ -143,7 +145,7 @@ def test_register_is_idempotent_and_checks_arguments() -> None:
         ra.register_transformers(layout="spiral")
     with pytest.raises(ValueError, match="group"):
         ra.register_transformers(group="world")
-    assert hf._sequence_parallel is None
+    assert hf.sequence_parallel() is None
 
 
 # ---------------------------------------------------------------------------
@@ -180,8 +182,8 @@ def test_grouped_kv_heads_equal_sdpa_without_repeating(kv_heads: int, monkeypatc
         seen.append((q.shape[2], k.shape[2]))
         return attend(q, k, v, pattern, **kwargs)
 
-    attend = hf.attend
-    monkeypatch.setattr(hf, "attend", spy)
+    attend = hf.attention.attend
+    monkeypatch.setattr(hf.attention, "attend", spy)
     ids = torch.randint(1, VOCAB, (2, 29), generator=torch.Generator().manual_seed(2))
     mask = padding_mask("right", 2, 29)
     keep = mask.bool()
@@ -253,14 +255,14 @@ def test_pattern_from_config_is_built_once() -> None:
     dense = hf.pattern_from_config(tiny_config(), causal=False)
     assert dense.branches == ((2**62, 1),) and not dense.causal
 
-    hf._cached_pattern.cache_clear()
+    hf.config._cached_pattern.cache_clear()
     model = build(tiny_config(pattern={"segment_lengths": [8], "dilation_rates": [2]}),
                   "ring_dilated")  # fmt: skip
     ids = torch.randint(1, VOCAB, (1, 20))
     with torch.no_grad():
         model(ids)
         model(ids)
-    info = hf._cached_pattern.cache_info()
+    info = hf.config._cached_pattern.cache_info()
     assert (info.misses, info.hits) == (1, 2 * model.config.num_hidden_layers - 1)
 
 
@@ -312,7 +314,9 @@ def test_packed_batch_equals_documents_run_separately(kv_heads: int) -> None:
         want = torch.cat(separate)
         ids = torch.cat(docs)[None]
         positions = torch.cat([torch.arange(len(d)) for d in docs])[None]
-        by_positions = model(input_ids=ids, position_ids=positions).logits[0]
+        # transformers detects packed sequences without a mask and a cache only
+        by_positions = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0]
+        with_cache = model(input_ids=ids, position_ids=positions).logits[0]
         collated = DataCollatorWithFlattening(return_flash_attn_kwargs=True)(
             [{"input_ids": d.tolist()} for d in docs]
         )
@@ -331,45 +335,60 @@ def test_packed_batch_equals_documents_run_separately(kv_heads: int) -> None:
     with torch.no_grad():
         one_document = model(input_ids=ids).logits[0]
     assert (one_document - want).abs().max() > 1e-3
+    assert (with_cache - want).abs().max() > 1e-3  # with a cache: one document (test_hf_sdpa)
 
 
-def test_packing_needs_the_same_boundaries_in_every_row() -> None:
-    model = build(tiny_config(), "ring_dilated")
-    positions = torch.tensor([[0, 1, 2, 0, 1, 2], [0, 1, 0, 1, 2, 3]])
+def test_packed_rows_with_different_documents() -> None:
+    """Every row its own documents (transformers packs per row): equal to the
+    rows run one by one; the sequence-parallel batch needs one set of
+    boundaries."""
+    model = build(tiny_config(pattern={"segment_lengths": [3, 6], "dilation_rates": [1, 2]}),
+                  "ring_dilated", torch.float64)  # fmt: skip
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3], [0, 1, 0, 1, 2, 3, 4], [0, 1, 2, 0, 1, 2, 3]])
+    ids = torch.randint(1, VOCAB, (3, 7), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        got = model(ids, position_ids=positions, use_cache=False).logits
+        for row in range(3):
+            want = model(ids[row : row + 1], position_ids=positions[row : row + 1],
+                         use_cache=False).logits[0]  # fmt: skip
+            torch.testing.assert_close(got[row], want, rtol=1e-10, atol=1e-10)
     with pytest.raises(ValueError, match="same document boundaries"):
-        model(input_ids=torch.randint(1, VOCAB, (2, 6)), position_ids=positions)
+        hf.documents_from_position_ids(positions)
     same = torch.tensor([[0, 1, 2, 0, 1, 2]] * 2)
     assert torch.equal(hf.documents_from_position_ids(same), torch.tensor([0, 3, 6]))
     assert hf.documents_from_position_ids(torch.arange(2, 9)[None]) is None
 
 
+@pytest.mark.parametrize("source", ["cu_seq_lens_q", "position_ids"])
+def test_documents_are_read_once_per_batch(source, monkeypatch) -> None:
+    """The boundaries go to the host and the pattern with documents is built
+    once per batch, not per layer: as many times for 4 layers as for 1."""
+    counts = []
+    with_documents = ra.Pattern.with_documents
+
+    def spy(self, cu_seqlens):
+        counts[-1] += 1
+        return with_documents(self, cu_seqlens)
+
+    monkeypatch.setattr(ra.Pattern, "with_documents", spy)
+    positions = torch.cat([torch.arange(n) for n in DOC_LENGTHS])[None]
+    ids = torch.randint(1, VOCAB, positions.shape)
+    cu = torch.tensor([0, *torch.tensor(DOC_LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    for layers in (1, 4):
+        model = build(tiny_config(num_hidden_layers=layers, pattern={"segment_lengths": [4],
+                                                                      "dilation_rates": [2]}),
+                      "ring_dilated")  # fmt: skip
+        kwargs = {"cu_seq_lens_q": cu.clone(), "cu_seq_lens_k": None}
+        if source == "position_ids":
+            kwargs = {"position_ids": positions, "use_cache": False}
+        counts.append(0)
+        with torch.no_grad():
+            model(ids, **kwargs)
+    assert counts[0] == counts[1] > 0, counts
+
+
 # ---------------------------------------------------------------------------
-# What the kernels cannot express raises.
-
-
-def test_unsupported_features_raise() -> None:
-    ids = torch.randint(1, VOCAB, (1, 12))
-    # Attention dropout in training.
-    model = build(tiny_config(attention_dropout=0.1), "ring_dilated").train()
-    with pytest.raises(ValueError, match="attention_dropout"):
-        model(ids)
-    model.eval()(ids)  # no dropout in eval: fine
-    # A sliding window.
-    model = build(tiny_config("mistral", sliding_window=8), "ring_dilated")
-    with pytest.raises(ValueError, match="sliding_window"):
-        model(ids)
-    # A prepared 4-D mask.
-    model = build(tiny_config(), "ring_dilated")
-    mask4d = torch.zeros(1, 1, 12, 12)
-    with pytest.raises(ValueError, match="4-D"):
-        model(ids, attention_mask=mask4d)
-    # Decoding with a KV cache; without a cache generation works.
-    with pytest.raises(ValueError, match="use_cache=False"):
-        model.generate(ids, max_new_tokens=2, do_sample=False)
-    sdpa = build(tiny_config(), "sdpa", state=model.state_dict())
-    tokens = model.generate(ids, max_new_tokens=3, do_sample=False, use_cache=False)
-    want = sdpa.generate(ids, max_new_tokens=3, do_sample=False, use_cache=False)
-    assert torch.equal(tokens, want)
+# The mask interface: transformers' decision as a key map.
 
 
 @pytest.mark.parametrize("which", ["and", "or"])
@@ -380,12 +399,20 @@ def test_custom_mask_functions_raise(which: str) -> None:
     embeds = torch.zeros(1, 6, 64)
     with pytest.raises(ValueError, match="custom and/or mask functions"):
         create_causal_mask(cfg, embeds, None, None, **extra)
-    # The plain causal mask, padded or packed, is accepted.
+    # The plain causal mask, padded or packed, becomes the key map: 0 =
+    # padding, d >= 1 = a key of document d (as transformers decided).
     assert create_causal_mask(cfg, embeds, None, None) is None
     pad = torch.tensor([[1, 1, 1, 1, 0, 0]])
-    assert torch.equal(create_causal_mask(cfg, embeds, pad, None), pad.bool())
+    assert torch.equal(create_causal_mask(cfg, embeds, pad, None), pad.int())
     packed = torch.tensor([[0, 1, 2, 0, 1, 2]])
-    assert create_causal_mask(cfg, embeds, None, None, position_ids=packed) is None
+    doc_map = create_causal_mask(cfg, embeds, None, None, position_ids=packed)
+    assert doc_map.tolist() == [[1, 1, 1, 2, 2, 2]] and doc_map.dtype == torch.int32
+    # With a cache transformers does not look for packed sequences.
+    cache = DynamicCache(config=cfg)
+    assert create_causal_mask(cfg, embeds, None, cache, position_ids=packed) is None
+    # A static cache: the key map covers the filled keys only.
+    static = StaticCache(config=cfg, max_cache_len=16)
+    assert create_causal_mask(cfg, embeds, None, static).tolist() == [[1] * 6]
 
 
 # ---------------------------------------------------------------------------
@@ -530,7 +557,7 @@ def test_registered_group_is_released_by_destroy_process_group(tmp_path) -> None
             hf.shard_causal_lm_batch(ids, ids)
     finally:
         ra.register_transformers()
-    assert hf._sequence_parallel is None
+    assert hf.sequence_parallel() is None
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,72 @@
+"""Hugging Face ``transformers`` integration: the ``"ring_dilated"`` attention
+implementation, and sequence parallelism for the models built on
+transformers' attention interface (Llama, Mistral, Qwen2, ...).
+
+Usage (docs/design.md §2)::
+
+    import ring_attention as ra
+    ra.register_transformers()
+    config.dilated_attention = {"segment_lengths": [2048, 8192], "dilation_rates": [1, 4]}
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="ring_dilated")
+
+What the backend does with transformers' arguments:
+
+- **Pattern** (:mod:`.config`): ``config.dilated_attention`` of the
+  attention module's config, a dict with ``segment_lengths`` and
+  ``dilation_rates`` and optionally ``head_groups`` and ``head_offsets``.
+  Without it the attention is dense (one segment longer than any sequence)
+  and equals ``"sdpa"``. Causality is the module's.
+- **Masks, documents and caches** (:mod:`.masks`): transformers' own mask
+  preparation decides; its decision (padding keys, packed sequences from
+  ``position_ids`` when it detects them, where the queries stand among a
+  cache's keys) reaches every layer as a 2-D key map, read once per batch.
+  ``cu_seq_lens_q``/``cu_seq_lens_k`` (``DataCollatorWithFlattening(
+  return_flash_attn_kwargs=True)``) are documents too, as for
+  flash-attention. Rows with different documents run as separate calls.
+- **KV caches** (:mod:`.offset`): a decode step attends its queries at
+  their global positions to the cached keys the pattern reaches (dynamic
+  and static caches; a static cache's unfilled keys are never attended).
+- **Fallback**: without a pattern, what the kernels cannot express (a 4-D
+  or float mask, attention dropout, a position bias) is computed by
+  transformers' ``"sdpa"``; with a pattern it raises ``ValueError``, as do
+  soft-capping, attention sinks, sliding windows and custom mask functions.
+  ``output_attentions=True`` warns and returns no weights, as ``"sdpa"``.
+
+**Sequence parallelism** (``register_transformers(group=g)``): every
+``"ring_dilated"`` call of this process is ring attention over ``g``
+(:func:`ring_attention.ring.ring_attention`): each rank feeds the model its
+shard of the tokens, and the model's logits are this rank's shard of the
+single-process logits. :func:`shard_causal_lm_batch` builds a rank's batch
+from the full one: shards of ``input_ids``, ``position_ids`` (global
+positions, for the rotary embedding) and ``labels``; the labels shifted for
+next-token prediction *before* sharding (``shift_labels``); the number of
+scored tokens of the whole batch (``num_items_in_batch``); and the global
+document boundaries (``cu_seq_lens_q``/``cu_seq_lens_k``). The sum of the
+ranks' losses is the single-process loss, and the sum of the ranks'
+parameter gradients is the single-process gradient. Every rank must run the
+same forward and backward; a call one rank refuses (a padding mask, dropout,
+a bad config entry, missing ``cu_seq_lens_q``, a KV cache) raises
+``ValueError`` on every rank through the ring's handshake.
+
+``transformers`` is optional: importing this package does not import it.
+"""
+
+from __future__ import annotations
+
+from .attention import dilated_attention_forward
+from .batch import documents_from_position_ids, shard_causal_lm_batch
+from .config import CONFIG_KEY, pattern_from_config
+from .masks import dilated_attention_mask
+from .registry import ATTN_IMPLEMENTATION, register_transformers, sequence_parallel
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "CONFIG_KEY",
+    "dilated_attention_forward",
+    "dilated_attention_mask",
+    "documents_from_position_ids",
+    "pattern_from_config",
+    "register_transformers",
+    "sequence_parallel",
+    "shard_causal_lm_batch",
+]

@@ -1,0 +1,250 @@
+"""transformers' attention-interface entry of ``"ring_dilated"``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..checks import check_key_padding_mask, check_qkv, resolve_scale
+from ..functional import attend
+from ..pattern import Pattern
+from ..ring import ring_attention
+from .config import is_dense, layer_pattern
+from .masks import Keys, PerBatch, batch_keys
+from .offset import offset_attention
+from .registry import ATTN_IMPLEMENTATION, SequenceParallel, sequence_parallel
+
+__all__ = ["dilated_attention_forward"]
+
+_NAME = f"attn_implementation={ATTN_IMPLEMENTATION!r}"
+_UNSUPPORTED = {
+    "softcap": "logit soft-capping (softcap)",
+    "s_aux": "attention sinks (s_aux)",
+}
+
+
+def dilated_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-interface entry of ``"ring_dilated"``.
+
+    Args:
+        module: the attention module; its ``config`` holds the pattern.
+        query: ``(batch, heads, q_len, head_dim)``.
+        key, value: ``(batch, kv_heads, kv_len, head_dim)``, passed to the
+            kernels without repeating heads. With a KV cache the queries
+            are the last ``q_len`` of the keys in use.
+        attention_mask: what :func:`~ring_attention.hf.masks.dilated_attention_mask`
+            returned (``None`` or the 2-D key map), or a 4-D mask the
+            caller prepared.
+        dropout: attention dropout probability (training).
+        scaling: score scale, default ``head_dim ** -0.5``.
+        is_causal: overrides ``module.is_causal``.
+        **kwargs: ``cu_seq_lens_q``/``cu_seq_lens_k`` (documents) and
+            ``output_attentions`` are read; the other transformers kwargs
+            are ignored, except those the kernels cannot express.
+
+    Without a pattern (dense, equal to ``"sdpa"``), what the kernels cannot
+    express (a 4-D or float mask, attention dropout, a position bias) is
+    computed by transformers' ``"sdpa"`` itself; with a pattern it raises
+    ``ValueError``. Logit soft-capping and attention sinks always raise.
+
+    Returns:
+        ``(out (batch, q_len, heads, head_dim), None)``: no attention
+        weights (with ``output_attentions=True`` it warns, as ``"sdpa"`` does).
+    """
+    if kwargs.get("output_attentions"):
+        from transformers.utils import logging
+
+        logging.get_logger(__name__).warning_once(
+            f"{_NAME} does not return attention weights (output_attentions=True), as 'sdpa' "
+            "does not: set attn_implementation='eager' to get them"
+        )
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    sp = sequence_parallel()
+    if sp is not None:
+        return _sharded(module, query, key, value, attention_mask, dropout, scaling, causal,
+                        kwargs, sp), None  # fmt: skip
+    _check_supported(kwargs)
+    reason = _sdpa_only(attention_mask, dropout, kwargs)
+    if reason is not None:
+        if not is_dense(getattr(module, "config", None)):
+            raise ValueError(
+                f"{_NAME} with a dilated pattern (config.dilated_attention) cannot apply {reason}"
+            )
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        kwargs.pop("output_attentions", None)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)  # fmt: skip
+    pattern = layer_pattern(module, causal)
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    return _local(q, k, v, pattern, attention_mask, scaling, kwargs), None
+
+
+def _check_supported(kwargs: Mapping[str, Any]) -> None:
+    for name, what in _UNSUPPORTED.items():
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{_NAME} does not support {what}")
+
+
+def _sdpa_only(attention_mask: Any, dropout: float, kwargs: Mapping[str, Any]) -> str | None:
+    """What sdpa applies and the kernels cannot express, or ``None``."""
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() != 2:
+        return f"a prepared {attention_mask.dim()}-D attention mask"
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.is_floating_point():
+        return "a float attention mask"
+    if dropout:
+        return f"attention dropout (dropout={dropout}; set config.attention_dropout = 0.0)"
+    if kwargs.get("position_bias") is not None:
+        return "an additive position bias (position_bias)"
+    return None
+
+
+# ---------------------------------------------------------------------------
+# Documents given as cu_seq_lens_q / cu_seq_lens_k (read once per batch).
+
+_cu_batches = PerBatch()
+
+
+def _cu_documents(kwargs: Mapping[str, Any]) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+    """``(the tensor, its boundaries)`` of ``cu_seq_lens_q``/``_k``, or ``None``."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    cu = cu_q if cu_q is not None else cu_k
+    if cu is None:
+        return None
+
+    def read() -> tuple[int, ...]:
+        if cu_q is not None and cu_k is not None and not torch.equal(cu_q.cpu(), cu_k.cpu()):
+            raise ValueError(
+                "cu_seq_lens_q and cu_seq_lens_k must be equal (self-attention over packed "
+                "documents)"
+            )
+        return Pattern((1,), (1,)).with_documents(cu).documents  # checked once
+
+    return cu, _cu_batches.get(cu, "documents", read)
+
+
+def _with_documents(memo: dict, pattern: Pattern, documents: tuple[int, ...] | None) -> Pattern:
+    """``pattern`` with ``documents``, built once per batch (its device copy
+    of the boundaries too)."""
+    key = (pattern, documents)
+    if key not in memo:
+        memo[key] = pattern.with_documents(documents)
+    return memo[key]
+
+
+# ---------------------------------------------------------------------------
+# One process.
+
+
+def _local(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pattern: Pattern,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None,
+    kwargs: Mapping[str, Any],
+) -> torch.Tensor:
+    keys = Keys(k.shape[1]) if attention_mask is None else batch_keys(attention_mask)
+    q_len = q.shape[1]
+    if not q_len <= keys.length <= k.shape[1]:
+        raise ValueError(
+            f"{_NAME}: the mask covers {keys.length} keys, but the layer has {q_len} queries "
+            f"and {k.shape[1]} keys"
+        )
+    if keys.length < k.shape[1]:  # a static cache: the keys past the filled ones
+        k, v = k[:, : keys.length], v[:, : keys.length]
+    q_start = keys.length - q_len
+    rows, memo = keys.rows, keys.patterns
+    cu = _cu_documents(kwargs)
+    if cu is not None:
+        if q_start:
+            raise ValueError(
+                f"{_NAME} takes packed documents (cu_seq_lens_q) only when the queries are the "
+                f"whole sequence, got {q_len} queries after {q_start} cached keys"
+            )
+        rows, memo = ((None, cu[1]),), _cu_batches.get(cu[0], "patterns", dict)
+    shape = check_qkv(q, k, v, same_length=False)
+    pattern.check_heads(shape.heads)
+    scale = resolve_scale(scaling, shape.head_dim)
+    outs, order = [], []
+    for members, documents in rows:
+        p = _with_documents(memo, pattern, documents)
+        p.check_length(keys.length)
+        qr, kr, vr, padding = (
+            t if t is None or members is None else t.index_select(0, members)
+            for t in (q, k, v, keys.padding)
+        )
+        if q_start == 0:
+            outs.append(attend(qr, kr, vr, p, scale=scale, key_padding_mask=padding))
+        else:
+            check_key_padding_mask(padding, qr.shape[0], keys.length, q.device)
+            outs.append(offset_attention(qr, kr, vr, q_start, p.op_args(scale, padding, q.device)))
+        order.append(members)
+    if len(outs) == 1:
+        return outs[0]
+    inverse = torch.argsort(torch.cat(order))
+    return torch.cat(outs).index_select(0, inverse)
+
+
+# ---------------------------------------------------------------------------
+# Sequence parallelism.
+
+
+def _sharded(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    dropout: float,
+    scaling: float | None,
+    causal: bool,
+    kwargs: Mapping[str, Any],
+    sp: SequenceParallel,
+) -> torch.Tensor:
+    """Ring attention over ``sp.group``. Every check runs inside the ring's
+    handshake (:func:`ring_attention.ring.ring_attention` calls
+    ``pattern()`` there): a rank whose call is refused makes every rank
+    raise, instead of its peers waiting out the group's timeout."""
+
+    def pattern() -> Pattern:
+        _check_supported(kwargs)
+        reason = _sdpa_only(attention_mask, dropout, kwargs)
+        if reason is not None:
+            raise ValueError(f"{_NAME} with sequence parallelism cannot apply {reason}")
+        if query.shape[2] != key.shape[2]:
+            raise ValueError(
+                f"{_NAME} with sequence parallelism attends a sequence to itself; got "
+                f"{query.shape[2]} queries and {key.shape[2]} keys (decoding with a KV cache)"
+            )
+        if attention_mask is not None:
+            raise ValueError(
+                f"{_NAME} with sequence parallelism takes no padding mask: with causal attention "
+                "right padding needs none (drop attention_mask and set the padded labels to "
+                "-100), or pack the documents (cu_seq_lens_q)"
+            )
+        cu = _cu_documents(kwargs)
+        if cu is None:
+            raise ValueError(
+                f"{_NAME} with sequence parallelism needs the global document boundaries "
+                "cu_seq_lens_q (a rank cannot see them in its shard of position_ids): build "
+                "each rank's batch with ring_attention.hf.shard_causal_lm_batch"
+            )
+        base = layer_pattern(module, causal)
+        return _with_documents(_cu_batches.get(cu[0], "patterns", dict), base, cu[1])
+
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    return ring_attention(q, k, v, pattern, scale=scaling, group=sp.group, layout=sp.layout)

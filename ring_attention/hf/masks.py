@@ -1,0 +1,211 @@
+"""What transformers' mask preparation decided, carried to the attention calls.
+
+transformers prepares the mask once per forward (``create_causal_mask``):
+it decides whether the batch is packed (its packed-sequence detection runs
+only without a padding mask and without a cache), where the queries stand
+among the keys (``q_offset`` and ``kv_length`` from the cache: a static
+cache's keys run past the filled part), and which keys are padding. Its mask
+interface then calls :func:`dilated_attention_mask`, whose value reaches
+every layer's attention call as ``attention_mask``. That value is
+
+- ``None``: no padding, one document per row, and the layer's keys are
+  exactly the filled ones (the queries are the last ``q_length`` of them);
+- or a 2-D int32 tensor ``(batch, filled)``, ``filled = q_offset + q_length``
+  the keys in use (a layer's keys beyond them are not attended, as
+  flash-attention's masks do for static caches): ``0`` for a padding key,
+  ``d >= 1`` for a key of document ``d`` of its row. As a bool tensor it is
+  transformers' own 2-D padding mask, so a mask fed back to the model
+  (``generate`` does so with static caches) means the same.
+
+:func:`batch_keys` reads it once per batch (the first layer) and hands the
+same :class:`Keys` to the other layers.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .registry import ATTN_IMPLEMENTATION, sequence_parallel
+
+__all__ = ["Keys", "PerBatch", "batch_keys", "dilated_attention_mask"]
+
+
+def _closure(fn: Callable) -> dict[str, Any]:
+    cells = fn.__closure__ or ()
+    return {
+        name: cell.cell_contents for name, cell in zip(fn.__code__.co_freevars, cells, strict=True)
+    }
+
+
+def _packed_sequences(fn: Callable | None) -> torch.Tensor | None:
+    """transformers' packed-sequence decision inside its mask function: the
+    ``(batch, n)`` sequence index of every token when it found packed
+    sequences, else ``None``.
+
+    Accepts only mask functions whose mask the kernels express exactly:
+    causal or bidirectional, possibly made packed-sequence aware (padding
+    arrives separately as the 2-D mask). The mask functions are
+    transformers' closures, so this walks their structure and fails closed
+    on anything it does not recognise.
+    """
+    from transformers import masking_utils as mu
+
+    if fn is None or fn is mu.causal_mask_function or fn is mu.bidirectional_mask_function:
+        return None
+    name = getattr(fn, "__qualname__", "")
+    if name == "packed_sequence_mask_function.<locals>.inner_mask":
+        return _closure(fn)["packed_sequence_mask"]
+    if name == "remap_positions_for_packed_sequence.<locals>.inner_mask":
+        # causality on the positions inside each packed sequence: within a
+        # sequence they step by one, so it is causality on the columns
+        return _packed_sequences(_closure(fn).get("mask_function"))
+    if name == "and_masks.<locals>.and_mask":  # a custom part fails below
+        found = [_packed_sequences(part) for part in _closure(fn).get("mask_functions", ())]
+        found = [f for f in found if f is not None]
+        return found[0] if found else None
+    if name.startswith(("sliding_window_overlay.", "sliding_window_bidirectional_overlay.")):
+        raise ValueError(
+            f"attn_implementation={ATTN_IMPLEMENTATION!r} cannot apply a sliding window: set "
+            "config.sliding_window = None (and use_sliding_window = False where the config has "
+            "it); the dilated pattern of config.dilated_attention replaces it"
+        )
+    raise ValueError(
+        f"attn_implementation={ATTN_IMPLEMENTATION!r} expresses causal or bidirectional masks "
+        f"with padding or packed documents only; this model builds its mask with "
+        f"{name or fn!r} (chunked attention, block masks and custom and/or mask functions "
+        "are not supported)"
+    )
+
+
+def dilated_attention_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int | torch.Tensor = 0,
+    kv_offset: int = 0,
+    mask_function: Callable | None = None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor | None:
+    """transformers' mask-interface entry of ``"ring_dilated"``: ``None`` or
+    the int32 ``(batch, q_offset + q_length)`` key map of the module
+    docstring. Raises ``ValueError`` for mask structures the kernels cannot
+    express."""
+    documents = _packed_sequences(mask_function)
+    if kv_offset:
+        raise ValueError(
+            f"attn_implementation={ATTN_IMPLEMENTATION!r} needs the keys of every position from "
+            f"0 (a cache that drops early keys, kv_offset={kv_offset}, is not supported)"
+        )
+    filled = int(q_offset) + q_length  # q_offset is a 0-d tensor for static caches
+    if filled > kv_length:
+        raise ValueError(
+            f"the queries end at {filled}, past the {kv_length} keys of the cache (q_offset="
+            f"{int(q_offset)}, q_length={q_length})"
+        )
+    keep = None
+    if attention_mask is not None:
+        keep = attention_mask[:, :filled].to(torch.bool)
+        if keep.shape[1] < filled:  # as transformers pads it: keys past the mask are not attended
+            keep = torch.nn.functional.pad(keep, (0, filled - keep.shape[1]), value=False)
+        if bool(keep.all()):
+            keep = None
+    if sequence_parallel() is not None:
+        documents = None  # a shard's positions cannot show them: cu_seq_lens_q holds them
+    if keep is None and documents is None and filled == kv_length:
+        return None
+    device = attention_mask.device if attention_mask is not None else kwargs.get("device", "cpu")
+    if documents is not None:
+        ids = (documents + 1).to(device=device, dtype=torch.int32)
+    else:
+        ids = torch.ones(batch_size, filled, dtype=torch.int32, device=device)
+    return ids if keep is None else ids * keep
+
+
+# ---------------------------------------------------------------------------
+# The attention side: the key map read once per batch.
+
+
+class PerBatch:
+    """Values derived from one batch's tensor (the mask or ``cu_seq_lens_q``
+    that transformers passes unchanged to every layer), computed at the first
+    layer and reused by the others: keyed by the tensor's identity, one batch
+    at a time."""
+
+    def __init__(self) -> None:
+        self._source: weakref.ref | None = None
+        self._values: dict[Hashable, Any] = {}
+
+    def get(self, source: torch.Tensor, key: Hashable, build: Callable[[], Any]) -> Any:
+        if self._source is None or self._source() is not source:
+            self._source, self._values = weakref.ref(source), {}
+        if key not in self._values:
+            self._values[key] = build()
+        return self._values[key]
+
+
+@dataclass(frozen=True)
+class Keys:
+    """The keys of one batch as the kernels take them.
+
+    ``length``: the keys in use (the first ``length`` of a layer's keys; the
+    queries are the last of them). ``padding``: ``key_padding_mask`` ``(batch,
+    length)``, ``True`` = ignore, or ``None``. ``rows``: per group of batch
+    rows with the same documents, ``(row indices or None for all rows,
+    document boundaries or None for one document)``.
+    """
+
+    length: int
+    padding: torch.Tensor | None = None
+    rows: tuple[tuple[torch.Tensor | None, tuple[int, ...] | None], ...] = ((None, None),)
+    # Patterns with these documents, per base pattern (built once per batch).
+    patterns: dict = field(default_factory=dict, compare=False, repr=False)
+
+
+_masks = PerBatch()
+
+
+def batch_keys(mask: torch.Tensor) -> Keys:
+    """:class:`Keys` of the 2-D key map (computed once per batch)."""
+    return _masks.get(mask, "keys", lambda: _read(mask))
+
+
+def _read(mask: torch.Tensor) -> Keys:
+    if mask.is_floating_point() or mask.is_complex():
+        raise ValueError(
+            f"attn_implementation={ATTN_IMPLEMENTATION!r} takes a 2-D bool or integer mask "
+            f"(batch, keys), nonzero = attend; got a {mask.dtype} mask of shape "
+            f"{tuple(mask.shape)}"
+        )
+    batch, length = mask.shape
+    ids = mask.to(torch.int64)
+    if bool((ids < 0).any()):
+        raise ValueError(f"the key map of attn_implementation={ATTN_IMPLEMENTATION!r} is >= 0")
+    pad = ids == 0
+    if bool(pad.any()):
+        if bool((ids > 1).any()):
+            raise ValueError(
+                f"attn_implementation={ATTN_IMPLEMENTATION!r} takes padding or packed documents "
+                "in one mask, not both"
+            )
+        return Keys(length, pad)
+    starts = torch.nonzero(ids[:, 1:] != ids[:, :-1])
+    if starts.numel() == 0:
+        return Keys(length)
+    inner: list[list[int]] = [[] for _ in range(batch)]
+    for row, col in starts.tolist():
+        inner[row].append(col + 1)
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for row, cuts in enumerate(inner):
+        groups.setdefault((0, *cuts, length), []).append(row)
+    if len(groups) == 1:
+        return Keys(length, None, ((None, next(iter(groups))),))
+    rows = tuple(
+        (torch.tensor(members, device=mask.device), docs) for docs, members in groups.items()
+    )
+    return Keys(length, None, rows)

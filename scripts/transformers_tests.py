@@ -1,0 +1,111 @@
+"""transformers' own model tests as the judge of the ``"ring_dilated"`` backend.
+
+Runs ``tests/models/{llama,qwen2,mistral}/test_modeling_*.py`` of the
+installed transformers release (with the release's common mixins) twice:
+as they are (``"sdpa"``), then with ``"ring_dilated"`` as the default
+attention (the pytest plugin tests/transformers_suite/ring_dilated_default.py).
+Prints the tests that pass with ``"sdpa"`` and fail with ``"ring_dilated"``
+and exits 1 if there are any (``--allow NAME`` lists expected ones, each
+with its reason in the output).
+
+The tests are not in the release's wheel, and its sdist carries only the
+top-level common files (not ``tests/models``, ``tests/generation`` or
+``tests/causal_lm_tester.py``): give a checkout of the transformers
+repository at the installed version's tag (``v<version>``):
+
+    python scripts/transformers_tests.py --source DIR [--models llama,qwen2] [-- PYTEST ARGS]
+
+The checkout's ``tests/`` is used as it is; nothing is copied into this
+repository.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PLUGIN_DIR = ROOT / "tests" / "transformers_suite"
+
+
+def _source_version(source: Path) -> str | None:
+    init = source / "src" / "transformers" / "__init__.py"
+    if not init.exists():
+        return None
+    found = re.search(r'^__version__ = "([^"]+)"', init.read_text(), re.M)
+    return found.group(1) if found else None
+
+
+def _outcomes(junit: Path) -> dict[str, str]:
+    """test id -> passed / failed / skipped, from a JUnit XML report."""
+    out = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        name = f"{case.get('classname')}::{case.get('name')}"
+        kinds = {child.tag for child in case}
+        out[name] = (
+            "failed" if kinds & {"failure", "error"} else "skipped" if "skipped" in kinds
+            else "passed"
+        )  # fmt: skip
+    return out
+
+
+def _run(source: Path, files: list[str], plugin: bool, junit: Path, extra: list[str]) -> None:
+    env = dict(os.environ)
+    paths = [str(ROOT), str(PLUGIN_DIR)] + [p for p in [env.get("PYTHONPATH")] if p]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"]
+    if plugin:
+        cmd += ["-p", "ring_dilated_default"]
+    subprocess.run([*cmd, *files, *extra], cwd=source, env=env, check=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--source", type=Path, required=True, help="transformers checkout")
+    parser.add_argument("--models", default="llama,qwen2", help="comma-separated model folders")
+    parser.add_argument("--allow", action="append", default=[], help="NAME=reason, expected")
+    parser.add_argument("pytest_args", nargs="*", help="after --: extra pytest arguments")
+    args = parser.parse_args(argv)
+    import transformers
+
+    version = _source_version(args.source)
+    if version != transformers.__version__:
+        parser.error(
+            f"--source holds transformers {version}, the installed release is "
+            f"{transformers.__version__}: check out tag v{transformers.__version__}"
+        )
+    files = [f"tests/models/{m}/test_modeling_{m}.py" for m in args.models.split(",")]
+    missing = [f for f in files if not (args.source / f).exists()]
+    if missing:
+        parser.error(f"not in --source: {missing}")
+    allowed = dict(a.split("=", 1) for a in args.allow)
+    with tempfile.TemporaryDirectory() as tmp:
+        results = {}
+        for plugin in (False, True):
+            junit = Path(tmp) / f"{plugin}.xml"
+            _run(args.source, files, plugin, junit, args.pytest_args)
+            results[plugin] = _outcomes(junit)
+    regressed = sorted(
+        t for t, r in results[False].items() if r == "passed" and results[True].get(t) != "passed"
+    )
+    counts = {k: sum(r == "passed" for r in v.values()) for k, v in results.items()}
+    print(f"passed: sdpa {counts[False]}, ring_dilated {counts[True]} of {len(results[False])}")
+    unexpected = []
+    for test in regressed:
+        reason = next((r for name, r in allowed.items() if name in test), None)
+        print(
+            f"{'expected' if reason else 'REGRESSED'}: {test}" + (f" ({reason})" if reason else "")
+        )
+        if reason is None:
+            unexpected.append(test)
+    return 1 if unexpected else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""Generation with a KV cache under ``"ring_dilated"``: a decode step attends
+its queries at their global positions to the cached keys
+(ring_attention/hf/offset.py), so generating with a cache equals generating
+without one (recomputing the whole sequence per token), token for token, and
+equals ``"sdpa"`` without a pattern. References: the float64 oracle for the
+offset block, the uncached model for generation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from oracle import reference_attention
+from test_hf import VOCAB, build, tiny_config
+from transformers import DynamicCache, StaticCache
+
+import ring_attention as ra
+from ring_attention import Pattern
+from ring_attention.hf.offset import offset_attention
+
+PATTERN = {"segment_lengths": [3, 8, 20], "dilation_rates": [1, 2, 4]}
+
+
+@pytest.fixture(autouse=True)
+def registered():
+    ra.register_transformers()
+    yield
+
+
+# ---------------------------------------------------------------------------
+# The offset block against the oracle.
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "causal", "head_groups", "padded", "q_start"),
+    [
+        (4, 2, True, False, False, 17),
+        (3, 1, True, True, True, 22),
+        (4, 4, False, False, True, 9),
+        (2, 2, True, False, True, 0),
+        (5, 5, True, False, False, 25),
+    ],
+)
+def test_offset_attention_matches_oracle(heads, kv_heads, causal, head_groups, padded, q_start):
+    """Queries ``q_start ..`` of a sequence against all its keys equal those
+    rows of the whole sequence's attention, forward and backward."""
+    gen = torch.Generator().manual_seed(21)
+    n, d = 26, 8
+    q = torch.randn(2, n, heads, d, generator=gen, dtype=torch.float64)
+    k = torch.randn(2, n, kv_heads, d, generator=gen, dtype=torch.float64)
+    v = torch.randn(2, n, kv_heads, d, generator=gen, dtype=torch.float64)
+    kpm = (torch.rand(2, n, generator=gen) < 0.2) if padded else None
+    segs, dils = [3, 8, 20], [1, 2, 4]
+    pattern = Pattern(segs, dils, causal=causal, head_groups=head_groups)
+    grad = torch.randn(2, n - q_start, heads, d, generator=gen, dtype=torch.float64)
+
+    q_tail = q[:, q_start:].clone().requires_grad_()
+    k1, v1 = k.clone().requires_grad_(), v.clone().requires_grad_()
+    got = offset_attention(q_tail, k1, v1, q_start, pattern.op_args(0.3, kpm, q.device))
+    got.backward(grad)
+
+    q2, k2, v2 = (t.clone().requires_grad_() for t in (q, k, v))
+    want, _ = reference_attention(q2, k2, v2, segs, dils, causal=causal, scale=0.3,
+                                  head_groups=head_groups, key_padding_mask=kpm)  # fmt: skip
+    want = want[:, q_start:]
+    want.backward(grad)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(q_tail.grad, q2.grad[:, q_start:], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(k1.grad, k2.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(v1.grad, v2.grad, rtol=1e-10, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------
+# Models: continuing a cache equals recomputing.
+
+
+@pytest.mark.parametrize("pattern", [None, PATTERN])
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_continuing_a_cache_equals_recomputing(pattern, cache):
+    """A prefix in the cache, then several tokens at once: their logits and
+    (dynamic cache: it holds the prefix's graph; a static cache writes in
+    place) the parameter gradients through them equal the whole sequence's."""
+    cfg = tiny_config(kv_heads=2, pattern=pattern)
+    model = build(cfg, "ring_dilated", torch.float64)
+    ids = torch.randint(1, VOCAB, (2, 29), generator=torch.Generator().manual_seed(22))
+    split = 17
+
+    model.zero_grad()
+    full = model(ids, use_cache=False).logits[:, split:]
+    full.pow(2).sum().backward()
+    want_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    model.zero_grad()
+    if cache == "dynamic":
+        past = DynamicCache(config=model.config)
+    else:
+        past = StaticCache(config=model.config, max_cache_len=40)
+    with torch.set_grad_enabled(cache == "dynamic"):
+        model(ids[:, :split], cache=past, use_cache=True)
+        got = model(ids[:, split:], cache=past, use_cache=True).logits
+    torch.testing.assert_close(got, full, rtol=1e-9, atol=1e-10)
+    if cache == "static":
+        return
+    got.pow(2).sum().backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want_grads[name], rtol=1e-8, atol=1e-10, msg=name)
+
+
+# ---------------------------------------------------------------------------
+# generate(): with a cache equals without one.
+
+PROMPT = torch.randint(1, VOCAB, (2, 7), generator=torch.Generator().manual_seed(23))
+
+
+def _generate(model, *, prompt=PROMPT, **kwargs):
+    """model.generate, 14 new tokens, greedy by default, no early stop."""
+    model.generation_config.eos_token_id = None
+    kwargs.setdefault("max_new_tokens", 14)
+    kwargs.setdefault("do_sample", False)
+    kwargs.setdefault("pad_token_id", 0)
+    if kwargs.get("do_sample"):
+        torch.manual_seed(7)
+    return model.generate(prompt, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("arch", "kv_heads", "pattern"),
+    [("llama", 4, PATTERN), ("llama", 2, None), ("qwen2", 1, PATTERN), ("qwen2", 2, None)],
+)
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_greedy_generation_with_cache_equals_without(arch, kv_heads, pattern, cache):
+    model = build(tiny_config(arch, kv_heads=kv_heads, pattern=pattern), "ring_dilated")
+    want = _generate(model, use_cache=False)
+    extra = {"cache_implementation": "static"} if cache == "static" else {}
+    assert torch.equal(_generate(model, **extra), want)
+    if pattern is None:  # and equals sdpa
+        sdpa = build(tiny_config(arch, kv_heads=kv_heads), "sdpa", state=model.state_dict())
+        assert torch.equal(_generate(sdpa, **extra), want)
+
+
+@pytest.mark.parametrize("pattern", [None, PATTERN])
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"num_beams": 3}, {"do_sample": True, "top_k": 5}, {"num_beams": 2, "do_sample": True}],
+)
+def test_beam_search_and_sampling_with_cache_equal_without(pattern, kwargs):
+    model = build(tiny_config(kv_heads=2, pattern=pattern), "ring_dilated", torch.float64)
+    want = _generate(model, use_cache=False, **kwargs)
+    assert torch.equal(_generate(model, **kwargs), want)
+    assert torch.equal(_generate(model, cache_implementation="static", **kwargs), want)
+
+
+@pytest.mark.parametrize("pattern", [None, PATTERN])
+def test_inputs_embeds_and_continuing_from_past_key_values(pattern):
+    model = build(tiny_config(kv_heads=2, pattern=pattern), "ring_dilated", torch.float64)
+    want = _generate(model, use_cache=False)
+    embeds = model.get_input_embeddings()(PROMPT)
+    model.generation_config.eos_token_id = None
+    got = model.generate(inputs_embeds=embeds, max_new_tokens=14, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, want[:, PROMPT.shape[1] :])  # generate returns the new tokens only
+    # half of it, then continue from the returned cache
+    first = model.generate(PROMPT, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                           return_dict_in_generate=True)  # fmt: skip
+    rest = model.generate(first.sequences, cache=first.past_key_values, max_new_tokens=8,
+                          attention_mask=torch.ones_like(first.sequences), do_sample=False,
+                          pad_token_id=0)  # fmt: skip
+    assert torch.equal(rest, want)
+
+
+@pytest.mark.parametrize("pattern", [None, PATTERN])
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_left_padded_batch(pattern, cache):
+    """Left-padded prompts of different lengths: with a cache equals without,
+    and equals sdpa without a pattern."""
+    model = build(tiny_config(kv_heads=2, pattern=pattern), "ring_dilated", torch.float64)
+    prompt = PROMPT.clone()
+    mask = torch.ones_like(prompt)
+    prompt[1, :3], mask[1, :3] = 0, 0
+    extra = {"cache_implementation": "static"} if cache == "static" else {}
+    want = _generate(model, prompt=prompt, attention_mask=mask, use_cache=False)
+    assert torch.equal(_generate(model, prompt=prompt, attention_mask=mask, **extra), want)
+    if pattern is None:
+        sdpa = build(tiny_config(kv_heads=2), "sdpa", torch.float64, state=model.state_dict())
+        assert torch.equal(_generate(sdpa, prompt=prompt, attention_mask=mask, **extra), want)

@@ -1,0 +1,52 @@
+"""pytest plugin: transformers' own model tests with ``"ring_dilated"`` as the
+default attention.
+
+transformers picks ``"sdpa"`` for a model that supports it unless told
+otherwise; this plugin registers ring_attention's attention and mask
+functions under that name through transformers' public ``AttentionInterface``
+and ``AttentionMaskInterface`` (nothing of transformers is edited or
+patched), so every model the tests build with the default implementation
+attends with ``"ring_dilated"`` (no pattern: dense, to be equal to sdpa).
+Where the kernels cannot express an input, the backend itself calls
+transformers' ``sdpa_attention_forward`` (the function, not the registry
+entry), as it does for any user.
+
+Use: ``python -m pytest -p ring_dilated_default ...`` with this folder on
+``PYTHONPATH`` (scripts/transformers_tests.py does this).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_saved: dict[str, Any] = {}
+
+
+def install() -> None:
+    """Route transformers' ``"sdpa"`` entries to ``"ring_dilated"``'s."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    import ring_attention as ra
+    from ring_attention import hf
+
+    ra.register_transformers()
+    _saved.setdefault("attention", ALL_ATTENTION_FUNCTIONS["sdpa"])
+    _saved.setdefault("mask", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    AttentionInterface.register("sdpa", hf.dilated_attention_forward)
+    AttentionMaskInterface.register("sdpa", hf.dilated_attention_mask)
+
+
+def uninstall() -> None:
+    """Give transformers' ``"sdpa"`` entries back."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    if _saved:
+        AttentionInterface.register("sdpa", _saved.pop("attention"))
+        AttentionMaskInterface.register("sdpa", _saved.pop("mask"))
+
+
+def pytest_configure(config: Any) -> None:
+    install()
