@@ -8,11 +8,10 @@
 #include <torch/autograd.h>
 
 #include <algorithm>
-#include <cerrno>
-#include <cstdlib>
 #include <limits>
 
 #include "checks.h"
+#include "config.h"
 
 namespace ring_attention {
 namespace {
@@ -66,20 +65,13 @@ void check_local(const Tensor& q, const Tensor& k, const Tensor& v, const Patter
 constexpr int64_t kChunks = 8;
 constexpr int64_t kMinChunkRows = 1024;
 constexpr int64_t kCudaChunkMiB = 1024;
-constexpr int64_t kMaxChunkMiB = int64_t{1} << 30;  // 1 PiB: no overflow in bytes
 
 // The accumulator budget of a chunk in bytes for inputs on `device`:
-// RING_ATTENTION_CHUNK_MIB (a whole number of MiB, 0: none) where set.
+// RING_ATTENTION_CHUNK_MIB where set (config.h).
 int64_t chunk_budget_bytes(const at::Device& device) {
-  const char* env = std::getenv("RING_ATTENTION_CHUNK_MIB");
-  if (env == nullptr || *env == '\0') return device.is_cuda() ? kCudaChunkMiB << 20 : 0;
-  char* end = nullptr;
-  errno = 0;
-  const long long mib = std::strtoll(env, &end, 10);
-  TORCH_CHECK_VALUE(end != env && *end == '\0' && errno == 0 && mib >= 0 && mib <= kMaxChunkMiB,
-                    "RING_ATTENTION_CHUNK_MIB must be a whole number of MiB from 0 to ",
-                    kMaxChunkMiB, ", got '", env, "'");
-  return static_cast<int64_t>(mib) << 20;
+  const std::optional<int64_t> mib = config::chunk_mib();
+  if (!mib.has_value()) return device.is_cuda() ? kCudaChunkMiB << 20 : 0;
+  return *mib << 20;
 }
 
 // Rows of a chunk of q's sequence whose fp32 accumulators take bytes_per_row
