@@ -162,8 +162,16 @@ struct ForwardTile {
       // tile may use fewer), read in place: look at all its V rows, once per
       // run (while packing them, where packed).
       const int64_t tw = packed ? std::min(kTileK, keys.count - n0) : tk;
-      const TileRef<tile_t> kt = tile_rows<tile_t>(k + koff, k_stride, tw, d, kbuf);
-      const TileRef<tile_t> vt = tile_rows<tile_t>(v + koff, k_stride, tw, d, vbuf);
+      // The tile's K and V rows as tile_t. Converted inputs (fp16, bf16) of
+      // a packed tile are converted only where it is packed or its
+      // non-finite V rows are added back.
+      TileRef<tile_t> kt{}, vt{};
+      const auto read_kv = [&] {
+        if (kt.ptr != nullptr) return;
+        kt = tile_rows<tile_t>(k + koff, k_stride, tw, d, kbuf);
+        vt = tile_rows<tile_t>(v + koff, k_stride, tw, d, vbuf);
+      };
+      if (!packed || std::is_same_v<scalar_t, tile_t>) read_kv();
       const auto tile_bad = [&] {
         const auto lo = std::lower_bound(keyrun.bad_v.begin(), keyrun.bad_v.end(), n0);
         const auto hi = std::lower_bound(lo, keyrun.bad_v.end(), n0 + tw);
@@ -182,6 +190,7 @@ struct ForwardTile {
               split ? keyrun.ksplit.data() + slot * kTileK * 6 * d : nullptr;
           tile_t* vslot = keyrun.v.data() + slot * kTileK * d;
           if (keyrun.slot_tile[slot] != tile) {
+            read_kv();
             if constexpr (kFp32Tiles) {
               if (split) {
                 keyrun.bad_k[slot].clear();
@@ -257,6 +266,7 @@ struct ForwardTile {
                    scratch.data());
       if constexpr (kBf16Tiles || kFp32Tiles) {
         if (packed) {
+          if (!bad.empty()) read_kv();
           gemm_weights_packed(path.gemm, rows, d, tk, pw.of(s.data()), kLd, vp, vt, bad, o.data(),
                               d, true);
           continue;
