@@ -11,12 +11,15 @@
 // broadcasts of A's entries feed 12 fused multiply-adds. The reduction runs
 // in slices of kKc, 24 rows of A at a time, so that A's slice (24 x kKc)
 // and a 16-column panel of B's (kKc x 16) stay in L1 while the panel serves
-// four row blocks. Ragged edges: fewer rows, and 8 or fewer columns in the
-// last panel with masked loads and stores (nothing past N is read or
-// written). Exact IEEE fp32 arithmetic (fused multiply-adds, in order along
+// four row blocks. Where B's rows would fall into few L1 sets (a row stride
+// of 1 or 2 KiB: K^T of 256 or 512 keys) its panels are copied contiguous
+// first, each serving all of A's rows. Ragged edges: fewer rows, and 8 or
+// fewer columns in the last panel with masked loads and stores (nothing past
+// N is read or written). Exact IEEE fp32 arithmetic (fused multiply-adds, in order along
 // the reduction within a slice).
 #include <algorithm>
 #include <cstdint>
+#include <numeric>
 
 #include "packed_tiles.h"
 
@@ -91,6 +94,31 @@ constexpr BlockFn kBlocks[4] = {block<MR, 1, false>, block<MR, 1, true>, block<M
 constexpr const BlockFn* kByRows[kMr + 1] = {nullptr,    kBlocks<1>, kBlocks<2>, kBlocks<3>,
                                              kBlocks<4>, kBlocks<5>, kBlocks<6>};
 
+// The block of 16 columns (or `cols`, the others 0) of B's rows [k0, k0 + kc)
+// as a contiguous panel (kc x 16).
+void copy_panel(const float* B, int64_t ldb, int64_t kc, int64_t cols, float* panel) {
+  for (int64_t k = 0; k < kc; ++k) {
+    const float* row = B + k * ldb;
+    if (cols == kNr) {
+      _mm256_store_ps(panel + k * kNr, _mm256_loadu_ps(row));
+      _mm256_store_ps(panel + k * kNr + 8, _mm256_loadu_ps(row + 8));
+    } else {
+      for (int64_t c = 0; c < kNr; ++c) panel[k * kNr + c] = c < cols ? row[c] : 0.0f;
+    }
+  }
+}
+
+// Whether kc rows of B, ldb floats apart, fall into so few sets of L1 (64
+// sets of 8 lines of 64 bytes) that a panel of them (a line a row) does not
+// stay there: K^T packed 512 keys a row (2 KiB apart) uses 2 sets, 16 lines
+// for the panel's 64.
+bool conflicting_rows(int64_t ldb, int64_t kc) {
+  const int64_t bytes = ldb * static_cast<int64_t>(sizeof(float));
+  if (bytes % 64 != 0) return false;
+  const int64_t sets = 64 / std::gcd<int64_t>(64, bytes / 64);
+  return sets <= 8 && kc > 8 * sets;
+}
+
 }  // namespace
 
 void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb,
@@ -99,6 +127,25 @@ void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const fl
   if (K <= 0) {
     if (!accumulate)
       for (int64_t i = 0; i < M; ++i) std::fill(C + i * ldc, C + i * ldc + N, 0.0f);
+    return;
+  }
+  if (conflicting_rows(ldb, std::min(K, kKc))) {
+    // B's panels copied contiguous, each then serving all of A's rows.
+    alignas(64) float panel[kKc * kNr];
+    for (int64_t k0 = 0; k0 < K; k0 += kKc) {
+      const int64_t kc = std::min(kKc, K - k0);
+      const bool acc = accumulate || k0 > 0;
+      for (int64_t j0 = 0; j0 < N; j0 += kNr) {
+        const int64_t cols = std::min(kNr, N - j0);
+        const int64_t last = cols - 8 * (cols > 8 ? 1 : 0);  // lanes of the last vector
+        const __m256i mask = lane_mask(last);
+        const int which = (cols > 8 ? 2 : 0) + (last < 8 ? 1 : 0);
+        copy_panel(B + k0 * ldb + j0, ldb, kc, cols, panel);
+        for (int64_t i = 0; i < M; i += kMr)
+          kByRows[std::min<int64_t>(kMr, M - i)][which](kc, A + i * lda + k0, lda, panel, kNr,
+                                                        C + i * ldc + j0, ldc, acc, mask);
+      }
+    }
     return;
   }
   for (int64_t k0 = 0; k0 < K; k0 += kKc) {
