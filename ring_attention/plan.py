@@ -15,7 +15,7 @@ rank neither sends nor receives are dropped from its plan; empty sends or
 receives inside a step are omitted (``send_to`` / ``recv_from`` is ``None``).
 
 A plan depends only on ``(pattern, seq_len, heads, kv_heads, world_size, rank,
-layout)`` (:class:`~ring_attention.pattern.Pattern` holds the branches,
+layout, fold)`` (:class:`~ring_attention.pattern.Pattern` holds the branches,
 ``causal``, ``head_groups``, the head offsets and the documents): it holds
 group-relative ranks, translated to global
 ranks at send time, so one plan serves every group of the same size. Plans are
@@ -132,8 +132,9 @@ class ExchangePlan:
     """Everything one rank needs to run the ring for one configuration.
 
     Attributes:
-        pattern, seq_len, heads, kv_heads, world_size, rank, layout: the
-            configuration (the cache key).
+        pattern, seq_len, heads, kv_heads, world_size, rank, layout, fold: the
+            configuration (the cache key; ``fold``: see
+            :func:`ring_attention.layout.layout_pieces`).
         pieces: this rank's runs of global positions (one for ``contiguous``,
             two for ``zigzag``).
         all_pieces: the pieces of every rank.
@@ -153,6 +154,7 @@ class ExchangePlan:
     all_pieces: tuple[tuple[Piece, ...], ...]
     local_pairs: tuple[tuple[int, int], ...]
     steps: tuple[Step, ...]
+    fold: int = 1
     _device_idx: dict = field(default_factory=dict, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -252,11 +254,13 @@ def build_plan(
     world_size: int,
     rank: int,
     layout: str = "contiguous",
+    fold: int = 1,
 ) -> ExchangePlan:
     """Build (without caching) the exchange plan of ``rank`` in a ring of
-    ``world_size`` for a sequence of ``seq_len`` sharded per ``layout``."""
+    ``world_size`` for a sequence of ``seq_len`` sharded per ``layout`` (and
+    ``fold``)."""
     p = int(world_size)
-    all_pieces = tuple(tuple(layout_pieces(seq_len, p, r, layout)) for r in range(p))
+    all_pieces = tuple(tuple(layout_pieces(seq_len, p, r, layout, fold)) for r in range(p))
     mine = all_pieces[rank]
 
     def rows(q_pieces: Sequence[Piece], k_piece: Piece) -> torch.Tensor:
@@ -311,6 +315,7 @@ def build_plan(
         all_pieces=all_pieces,
         local_pairs=local_pairs,
         steps=tuple(steps),
+        fold=int(fold),
     )
 
 
@@ -330,9 +335,13 @@ def get_plan(
     world_size: int,
     rank: int,
     layout: str = "contiguous",
+    fold: int = 1,
     *,
     cache: LRUCache[ExchangePlan] | None = None,
 ) -> ExchangePlan:
     """The cached plan for this configuration (built on first use)."""
-    key = (pattern, int(seq_len), int(heads), int(kv_heads), int(world_size), int(rank), layout)
+    key = (
+        pattern, int(seq_len), int(heads), int(kv_heads), int(world_size), int(rank), layout,
+        int(fold),
+    )  # fmt: skip
     return (PLAN_CACHE if cache is None else cache).get(key, lambda: build_plan(*key))
