@@ -239,6 +239,10 @@ def check_grid(topo: Topology) -> None:
     of it. Raises ``ValueError`` on every rank of a grid whose ranks
     disagree, ``RuntimeError`` when a peer never writes (within the store's
     timeout). Every rank must make its calls in the same order.
+
+    The check runs once per configuration and process: a rank that passes a
+    configuration it has used before while its peers pass one they have not
+    is not caught here (the calls' own rounds then meet different groups).
     """
     key = (topo.ring_group, topo.ulysses_group, repr(topo.mesh))
     with _lock:

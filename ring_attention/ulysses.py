@@ -37,19 +37,25 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ._comm import comm_device
+from ._comm import comm_device, world_info
 from .checks import check_qkv, resolve_scale
-from .dtypes import dtype_name
+from .dtypes import dtype_code, dtype_name
 from .functional import attend
 from .grid import grid_handshake
-from .handshake import ring_message
+from .handshake import reject, ring_message
 from .heads import attend_head_range, kv_head_range, local_runner
-from .layout import Piece, check_layout, layout_pieces, shard_bounds
+from .layout import LAYOUTS, Piece, check_layout, layout_pieces, layout_shard_lengths, shard_bounds
 from .mesh import Topology, check_grid, resolve_topology
 from .pattern import Pattern
 from .ring import ring_on_pieces
 
-__all__ = ["AllToAllStats", "last_all_to_all_stats", "ulysses_attention"]
+__all__ = [
+    "AllToAllStats",
+    "gather_grid",
+    "last_all_to_all_stats",
+    "reject_sharded",
+    "ulysses_attention",
+]
 
 Tensor = torch.Tensor
 
@@ -386,8 +392,9 @@ def _ulysses(
 
     # the whole stretch, this rank's heads
     lse_dt = torch.float64 if dt == torch.float64 else torch.float32
-    if hl == 0:
-        out_s = qs.new_zeros(B, S, 0, D)
+    if hl == 0:  # more ranks than heads: nothing to compute, but the backward's
+        # exchanges need this rank, so its (empty) output stays in the graph
+        out_s = qs * 0
         lse_s = torch.zeros(B, 0, S, dtype=lse_dt, device=q.device)
     else:
         if topo.ring_size == 1:
@@ -411,3 +418,93 @@ def _ulysses(
     out = torch.cat([g[0] for g in got], dim=2)
     lse = torch.cat([g[1] for g in got], dim=1)
     return out, lse
+
+
+# ---------------------------------------------------------------------------
+# gather_sequence over a grid.
+
+_GATHER_DIMS = 5
+_GATHER_FIELDS = ("seq_len_local", "ndim", "dim", "dtype", "layout",
+                  *(f"size{k}" for k in range(_GATHER_DIMS)))  # fmt: skip
+
+
+def _all_gather_padded(x: Tensor, dim: int, lengths: list[int], group) -> list[Tensor]:
+    """Every rank's ``x`` (lengths along ``dim`` given), through one all-gather."""
+    device = comm_device(group, x.device)
+    longest = max(lengths)
+    send = x.to(device)
+    if send.shape[dim] < longest:
+        pad = list(send.shape)
+        pad[dim] = longest - send.shape[dim]
+        send = torch.cat([send, send.new_zeros(pad)], dim=dim)
+    send = send.contiguous()
+    recv = [torch.empty_like(send) for _ in lengths]
+    dist.all_gather(recv, send, group=group)
+    return [t.narrow(dim, 0, ln).to(x.device) for t, ln in zip(recv, lengths, strict=True)]
+
+
+class _GatherGrid(torch.autograd.Function):
+    """All-gather along ``dim`` over the grid (rows, then the ring); the
+    backward returns this rank's slice of the gradient (the loss is assumed
+    the same on every rank, as in sequence-parallel training)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, dim: int, topo: Topology, layout: str) -> Tensor:  # type: ignore[override]
+        sizes = [s if k != dim else -1 for k, s in enumerate(x.shape)]
+        message = [x.shape[dim], x.dim(), dim, dtype_code(x.dtype), LAYOUTS.index(layout),
+                   *sizes, *([-1] * (_GATHER_DIMS - x.dim()))]  # fmt: skip
+        n, row_lengths = grid_handshake(topo, "gather_sequence", _GATHER_FIELDS, message, layout)
+        U, R, W = topo.ulysses_size, topo.ring_size, topo.world_size
+        row = _Row(
+            pieces=tuple(tuple(layout_pieces(n, W, topo.ring_index * U + m, layout))
+                         for m in range(U)),
+            heads=(), kv=(),
+        )  # fmt: skip
+        stretch = _to_stretch(_all_gather_padded(x, dim, row_lengths, topo.ulysses_group), row, dim)
+        if R > 1:
+            stretches = _all_gather_padded(
+                stretch, dim, layout_shard_lengths(n, R, layout, U), topo.ring_group
+            )
+            runs = sorted(
+                (p.start, i, p.offset, p.length)
+                for i in range(R) for p in layout_pieces(n, R, i, layout, U) if p.length
+            )  # fmt: skip
+            parts = [stretches[i].narrow(dim, off, ln) for _, i, off, ln in runs]
+            stretch = torch.cat(parts, dim=dim) if parts else stretch
+        ctx.dim, ctx.pieces = dim, layout_pieces(n, W, topo.shard_index, layout)
+        return stretch
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        parts = [grad.narrow(ctx.dim, p.start, p.length) for p in ctx.pieces]
+        return torch.cat(parts, dim=ctx.dim), None, None, None
+
+
+def gather_grid(x_local: Tensor, dim: int, topo: Topology, layout: str) -> Tensor:
+    """``gather_sequence`` over a grid with ``U > 1`` (``dim`` checked,
+    non-negative). Tensors of more than 5 dimensions are refused on every
+    rank."""
+    if x_local.dim() > _GATHER_DIMS:
+        grid_handshake(topo, "gather_sequence", _GATHER_FIELDS, None, layout)
+        raise ValueError(
+            f"gather_sequence with ulysses_group or mesh supports tensors of at most "
+            f"{_GATHER_DIMS} dimensions, got {x_local.dim()}"
+        )
+    return _GatherGrid.apply(x_local, dim, topo, layout)
+
+
+def reject_sharded(group, ulysses_group, mesh) -> None:
+    """Take part in a sharded attention call's agreement rounds as a rank whose
+    inputs failed validation (``ring``, ``ulysses_group`` or ``mesh`` as
+    given to the call): the other ranks raise; the caller raises its own
+    error."""
+    if ulysses_group is None and mesh is None:
+        if world_info(group)[0] > 1:
+            reject(group)
+        return
+    topo = resolve_topology(group, ulysses_group, mesh)
+    check_grid(topo)
+    if topo.ulysses_size > 1:
+        grid_handshake(topo, _CALL, _FIELDS, None, "contiguous")
+    elif topo.ring_size > 1:
+        reject(topo.ring_group)
