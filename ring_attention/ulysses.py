@@ -131,9 +131,9 @@ class _Link:
             for p, peer in enumerate(self.peers):
                 if p == self.me:
                     continue
-                parts = [t.reshape(-1) for t in sends[p] if t.dtype == dt]
+                parts = [t for t in sends[p] if t.dtype == dt]
                 if parts and sum(t.numel() for t in parts):
-                    buf = torch.cat(parts).to(self.comm)
+                    buf = torch.cat([t.flatten() for t in parts]).to(self.comm)
                     ops.append(dist.P2POp(dist.isend, buf, peer, self.group))
                     inbox.append(buf)  # kept alive until the wait
                     sent += buf.numel() * buf.element_size()
@@ -388,6 +388,7 @@ def _ulysses(
             for ln in row.lengths()]  # fmt: skip
     got = _all_to_all(link, sends, recv, "qkv")
     qs, ks, vs = (_to_stretch([g[x] for g in got], row, 1) for x in range(3))
+    del got, sends  # the received blocks: copied into the stretch
     S = qs.shape[1]
 
     # the whole stretch, this rank's heads
@@ -408,13 +409,15 @@ def _ulysses(
                 )  # fmt: skip
 
         out_s, lse_s = attend_head_range(qs, ks, vs, pattern, h0, H, Hkv, run)
+    del qs, ks, vs  # (kept by autograd where the backward needs them)
 
     # heads -> sequence
-    outs = _from_stretch(out_s, row, 1)
-    lses = _from_stretch(lse_s, row, 2)
-    sends = [[o, s] for o, s in zip(outs, lses, strict=True)]
+    sends = [[o, s] for o, s in zip(_from_stretch(out_s, row, 1), _from_stretch(lse_s, row, 2),
+                                     strict=True)]  # fmt: skip
+    del out_s, lse_s
     recv = [[((B, L, c, D), dt), ((B, c, L), lse_dt)] for _, c in row.heads]
     got = _all_to_all(link, sends, recv, "out")
+    del sends
     out = torch.cat([g[0] for g in got], dim=2)
     lse = torch.cat([g[1] for g in got], dim=1)
     return out, lse
