@@ -38,7 +38,7 @@ from functools import cached_property
 
 import torch
 
-from ..layout import layout_pieces, layout_shard_lengths, shard_bounds
+from ..layout import Piece, layout_pieces, layout_shard_lengths, shard_bounds
 from ..pattern import Pattern
 from .capacity import Setup
 from .memory import KERNEL_WORKSPACE, LayerMemory, acc_bytes, layer_memories
@@ -60,6 +60,7 @@ __all__ = [
 MODES = ("ring", "ulysses", "hybrid")
 
 _PLAN_WORK_LIMIT = 1 << 24
+_ZIGZAG = "piece copies (zigzag)"  # a memory item of .memory
 
 
 def _kv_range(start: int, count: int, heads: int, kv_heads: int) -> tuple[int, int]:
@@ -77,6 +78,10 @@ def stretch_traffic(
     Ulysses group's stretch (``fold=U``), for ``heads`` query and
     ``kv_heads`` K/V heads."""
     pieces = [layout_pieces(seq_len, R, i, layout, U) for i in range(R)]
+    most = max(len(ps) for ps in pieces)  # (zigzag: the middle rank's runs are adjacent, merged)
+    for ps in pieces:
+        end = sum(p.length for p in ps)
+        ps += [Piece(ps[-1].start + ps[-1].length, 0, end)] * (most - len(ps))
     total = [reached_pairs(pattern, seq_len, heads, [(p.start, p.length) for p in ps])
              for ps in pieces]  # fmt: skip
     threads = torch.get_num_threads()
@@ -234,6 +239,13 @@ def evaluate_mode(
             ring_f = int(2 * tr.rows_sent[i]) * B * D * s
             ring_fb = 2 * ring_f + int(2 * tr.rows_received[i]) * B * D * acc
             mem, time = mems[i], times[i]
+            if len(layout_pieces(seq_len, R, i, setup.layout, U)) == 1:  # one run: no copies
+                mem = LayerMemory(
+                    mem.inputs,
+                    {**mem.forward, _ZIGZAG: 0},
+                    {**mem.backward, _ZIGZAG: 0},
+                    mem.buffers,
+                )
         L = lengths[v]
         local = {"q, k, v": L * (H + 2 * Hkv) * D * B * s}
         if U == 1:  # the ring itself: its own items
