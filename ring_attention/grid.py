@@ -25,7 +25,7 @@ from .handshake import exchange_message
 from .layout import layout_shard_lengths
 from .mesh import Topology
 
-__all__ = ["grid_handshake", "grid_reject"]
+__all__ = ["grid_handshake"]
 
 _GRID_FIELDS = ("ring_index", "ring_size", "grid")
 
@@ -37,18 +37,6 @@ def _digest(values: Sequence[int]) -> int:
 
 def _rounds(call: str) -> tuple[str, str]:
     return f"{call} (Ulysses group)", f"{call} (ring of the grid)"
-
-
-def grid_reject(topo: Topology, call: str = "ring_dilated_attention") -> None:
-    """Take part in ``call``'s rounds as a rank whose inputs failed
-    validation: every other rank raises; the caller raises its own error."""
-    row, col = _rounds(call)
-    for group, name in ((topo.ulysses_group, row), (topo.ring_group, col)):
-        if group is not None:
-            try:
-                exchange_message(group, name, None)
-            except ValueError:
-                pass
 
 
 def grid_handshake(

@@ -366,9 +366,11 @@ def advice(evals: list[ModeEvaluation], usable: int) -> list[str]:
         best_mem = min(evals, key=lambda e: e.worst["training_peak"])
         return [f"none fits; {best_mem.mode} needs the least memory per rank"]
     best = min(fits, key=lambda e: e.worst["forward_backward_s"])
+    t = best.worst["forward_backward_s"]
     lines.append(
         f"fastest that fits: {best.mode} ({best.ring} x {best.ulysses}), "
-        f"{best.worst['forward_backward_s'] * 1e3:.3g} ms per layer forward + backward"
+        + (f"{t:.3g} s" if t >= 1 else f"{t * 1e3:.3g} ms")
+        + " per layer forward + backward"
     )
     for e in evals:
         if e is best:
