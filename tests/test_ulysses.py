@@ -1,10 +1,12 @@
 """Head-parallel (Ulysses) and ring x Ulysses hybrid attention across real
 processes (gloo), docs/design.md §2.
 
-Each world size is launched once (``ring_attention.testing.run_distributed``)
-and runs its cases: grids of ``R`` rings x ``U`` Ulysses ranks built from
-groups or from a ``DeviceMesh`` (several disjoint grids side by side where
-``copies > 1``, like data-parallel replicas). On every rank the whole
+Each world size (4, 5, 6, 8) is launched once
+(``ring_attention.testing.run_distributed``) and runs its cases: grids of
+``R`` rings x ``U`` Ulysses ranks (2 to 8 ranks) built from groups or from a
+``DeviceMesh``, several disjoint grids side by side where ``copies > 1``
+(like data-parallel replicas; this is how grids of 2 and 3 ranks run in the
+launch of 6). On every rank the whole
 sequence is recomputed from the same seed, and the rank checks its shard
 ``i * U + j`` of the output, ``lse`` and the q/k/v gradients (a loss that
 uses ``lse`` too) against the float64 oracle (``tests/oracle.py``), plus
@@ -35,19 +37,24 @@ F64 = torch.float64
 
 # name -> configuration; ``pattern=None``: dense.
 CASES: dict[str, dict] = {
-    # world 2
-    "u2_dense_causal": dict(world=2, R=1, U=2, heads=4, kv=4, n=37, pattern=None, causal=True),
-    "u2_longnet_gqa_documents_lse": dict(
-        world=2, R=1, U=2, heads=6, kv=2, n=41, causal=True, docs=[0, 3, 30, 41], lse=True
+    # world 6 as three grids of 2 ranks side by side
+    "u2_dense_causal": dict(
+        world=6, copies=3, R=1, U=2, heads=4, kv=4, n=37, pattern=None, causal=True
     ),
-    "r2u1_mesh2d": dict(world=2, R=2, U=1, heads=4, kv=2, n=37, causal=True, via="mesh"),
-    "mesh1d_ring": dict(world=2, R=2, U=1, heads=3, kv=3, n=29, causal=False, via="mesh1d"),
-    # world 3
+    "u2_longnet_gqa_documents_lse": dict(
+        world=6, copies=3, R=1, U=2, heads=6, kv=2, n=41, causal=True, docs=[0, 3, 30, 41], lse=True
+    ),
+    "r2u1_mesh2d": dict(world=6, copies=3, R=2, U=1, heads=4, kv=2, n=37, causal=True, via="mesh"),
+    "mesh1d_ring": dict(
+        world=6, copies=3, R=2, U=1, heads=3, kv=3, n=29, causal=False, via="mesh1d"
+    ),
+    # world 6 as two grids of 3 ranks
     "u3_heads5_mqa_documents": dict(
-        world=3, R=1, U=3, heads=5, kv=1, n=40, causal=False, docs=[0, 17, 17, 40]
+        world=6, copies=2, R=1, U=3, heads=5, kv=1, n=40, causal=False, docs=[0, 17, 17, 40]
     ),
     "u3_zigzag_lse": dict(
-        world=3,
+        world=6,
+        copies=2,
         R=1,
         U=3,
         heads=6,
@@ -181,8 +188,9 @@ def _grid(world: int, R: int, U: int, copies: int, via: str, rank: int) -> dict:
             m = init_device_mesh("cpu", (copies, R, U), mesh_dim_names=("dp", "ring", "ulysses"))
             kw = dict(mesh=m["ring", "ulysses"])
         else:  # a 1-D mesh: a ring
-            assert U == 1 and copies == 1
-            kw = dict(mesh=init_device_mesh("cpu", (R,)))
+            assert U == 1
+            m = init_device_mesh("cpu", (copies, R), mesh_dim_names=("dp", "ring"))
+            kw = dict(mesh=m["ring"])
         _GRIDS[key] = (kw, R * U, i * U + j)
     return _GRIDS[key]
 
@@ -374,7 +382,7 @@ def _errors(rank: int, world: int) -> dict:
     res["mesh_differs"] = _attempt(
         lambda: ra.ring_dilated_attention(ql, kl, vl, segs, dils, mesh=b if rank == 0 else a)
     )
-    c1 = DeviceMesh("cpu", [0, 1, 2, 3], mesh_dim_names=("ring",))  # not used before
+    c1 = DeviceMesh("cpu", [0, 1, 2, 3], mesh_dim_names=("sp",))  # a mesh not used before
     c2 = DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("ring", "ulysses"))
     res["mesh_1d_vs_2d"] = _attempt(
         lambda: ra.ring_dilated_attention(ql, kl, vl, segs, dils, mesh=c1 if rank == 0 else c2)
