@@ -21,7 +21,7 @@ rank neither sends nor receives are dropped from its plan; empty sends or
 receives inside a step are omitted (``send_to`` / ``recv_from`` is ``None``).
 
 A plan depends only on ``(pattern, seq_len, heads, kv_heads, world_size, rank,
-layout)`` (:class:`~ring_attention.pattern.Pattern` holds the branches,
+layout, fold)`` (:class:`~ring_attention.pattern.Pattern` holds the branches,
 ``causal``, ``head_groups``, the head offsets and the documents): it holds
 group-relative ranks, translated to global
 ranks at send time, so one plan serves every group of the same size. Plans are
@@ -69,6 +69,7 @@ def _check_plan_args(
     world_size: object,
     rank: object,
     layout: str,
+    fold: object = 1,
 ) -> tuple:
     """The cache key of a plan, its arguments checked (docs/design.md §6)."""
     if not isinstance(pattern, Pattern):
@@ -83,7 +84,8 @@ def _check_plan_args(
     check_layout(layout)
     pattern.check_heads(h)
     pattern.check_length(n)
-    return (pattern, n, h, kv, p, j, layout)
+    f = check_int(fold, "fold", 1, MAX_SEQ_LEN)
+    return (pattern, n, h, kv, p, j, layout, f)
 
 
 def exchange_rows(
@@ -199,8 +201,9 @@ class ExchangePlan:
     """Everything one rank needs to run the ring for one configuration.
 
     Attributes:
-        pattern, seq_len, heads, kv_heads, world_size, rank, layout: the
-            configuration (the cache key).
+        pattern, seq_len, heads, kv_heads, world_size, rank, layout, fold: the
+            configuration (the cache key; ``fold``: see
+            :func:`ring_attention.layout.layout_pieces`).
         pieces: this rank's runs of global positions (one for ``contiguous``,
             two for ``zigzag``).
         all_pieces: the pieces of every rank.
@@ -220,6 +223,7 @@ class ExchangePlan:
     all_pieces: tuple[tuple[Piece, ...], ...]
     local_pairs: tuple[tuple[int, int], ...]
     steps: tuple[Step, ...]
+    fold: int = 1
     _device_idx: dict = field(default_factory=dict, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -319,20 +323,22 @@ def build_plan(
     world_size: int,
     rank: int,
     layout: str = "contiguous",
+    fold: int = 1,
 ) -> ExchangePlan:
     """Build (without caching) the exchange plan of ``rank`` in a ring of
-    ``world_size`` for a sequence of ``seq_len`` sharded per ``layout``.
+    ``world_size`` for a sequence of ``seq_len`` sharded per ``layout`` (and
+    ``fold``: the ring of a hybrid over stretches of ``fold`` shards).
 
     Raises:
         ValueError: naming the argument, for a ``seq_len``, ``heads``,
-            ``kv_heads``, ``world_size`` or ``rank`` that is not an integer in
+            ``kv_heads``, ``world_size``, ``rank`` or ``fold`` that is not an integer in
             range, an unknown ``layout``, or a pattern whose documents do not
             end at ``seq_len``.
     """
-    pattern, seq_len, heads, kv_heads, p, rank, layout = _check_plan_args(
-        pattern, seq_len, heads, kv_heads, world_size, rank, layout
+    pattern, seq_len, heads, kv_heads, p, rank, layout, fold = _check_plan_args(
+        pattern, seq_len, heads, kv_heads, world_size, rank, layout, fold
     )
-    all_pieces = tuple(tuple(layout_pieces(seq_len, p, r, layout)) for r in range(p))
+    all_pieces = tuple(tuple(layout_pieces(seq_len, p, r, layout, fold)) for r in range(p))
     mine = all_pieces[rank]
 
     def rows(q_pieces: Sequence[Piece], k_piece: Piece) -> torch.Tensor:
@@ -387,6 +393,7 @@ def build_plan(
         all_pieces=all_pieces,
         local_pairs=local_pairs,
         steps=tuple(steps),
+        fold=int(fold),
     )
 
 
@@ -406,10 +413,11 @@ def get_plan(
     world_size: int,
     rank: int,
     layout: str = "contiguous",
+    fold: int = 1,
     *,
     cache: LRUCache[ExchangePlan] | None = None,
 ) -> ExchangePlan:
     """The cached plan for this configuration (built on first use); raises
     as :func:`build_plan` does."""
-    key = _check_plan_args(pattern, seq_len, heads, kv_heads, world_size, rank, layout)
+    key = _check_plan_args(pattern, seq_len, heads, kv_heads, world_size, rank, layout, fold)
     return (PLAN_CACHE if cache is None else cache).get(key, lambda: build_plan(*key))

@@ -299,12 +299,42 @@ def ring_attention(
     *,
     scale: float | None = None,
     group: dist.ProcessGroup | None = None,
+    ulysses_group: dist.ProcessGroup | None = None,
+    mesh=None,
     layout: str = "contiguous",
     return_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """:func:`ring_dilated_attention` with a :class:`Pattern` (or a function
     building one: its errors, like every other check here, are reported
     through the handshake so that every rank raises)."""
+    if ulysses_group is not None or mesh is not None:
+        from .ulysses import ulysses_attention  # (ulysses.py calls back into the ring)
+
+        return ulysses_attention(
+            q_local, k_local, v_local, pattern, scale=scale, group=group,
+            ulysses_group=ulysses_group, mesh=mesh, layout=layout, return_lse=return_lse,
+        )  # fmt: skip
+    return ring_on_pieces(
+        q_local, k_local, v_local, pattern, scale=scale, group=group, layout=layout,
+        return_lse=return_lse,
+    )  # fmt: skip
+
+
+def ring_on_pieces(
+    q_local: Tensor,
+    k_local: Tensor,
+    v_local: Tensor,
+    pattern: Pattern | Callable[[], Pattern],
+    *,
+    scale: float | None,
+    group: dist.ProcessGroup | None,
+    layout: str,
+    return_lse: bool,
+    fold: int = 1,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """The ring over ``group``, each rank holding its pieces of ``layout``
+    (``fold > 1``: the stretch of its Ulysses group, see
+    :func:`ring_attention.layout.layout_pieces`)."""
     world, rank = world_info(group)
     message = None
     error: Exception | None = None
@@ -332,7 +362,7 @@ def ring_attention(
         error = exc
     if world > 1:
         n = ring_handshake(
-            group, world, message, pattern if isinstance(pattern, Pattern) else None, layout
+            group, world, message, pattern if isinstance(pattern, Pattern) else None, layout, fold
         )
     else:
         n = q_local.shape[1] if error is None else -1
@@ -340,7 +370,7 @@ def ring_attention(
         raise error
     pattern.check_length(n)
 
-    plan = get_plan(pattern, n, shape.heads, shape.kv_heads, world, rank, layout)
+    plan = get_plan(pattern, n, shape.heads, shape.kv_heads, world, rank, layout, fold)
     last_exchange_stats.reset()
     call = _RingCall(
         plan=plan,
@@ -365,6 +395,8 @@ def ring_dilated_attention(
     cu_seqlens: Sequence[int] | Tensor | None = None,
     head_offsets: str = "modulo",
     group: dist.ProcessGroup | None = None,
+    ulysses_group: dist.ProcessGroup | None = None,
+    mesh=None,
     layout: str = "contiguous",
     return_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
@@ -391,9 +423,21 @@ def ring_dilated_attention(
         head_offsets: ``"modulo"`` (default) or ``"grouped"`` (torchscale).
         group: the process group, default the default group. With no
             initialised process group (or a group of one) this is the
-            single-process computation.
+            single-process computation. With ``ulysses_group``: the ring
+            between the ranks that hold the same heads, ``None`` = no ring.
+        ulysses_group: head parallelism (Ulysses) inside this group of ``U``
+            ranks: an all-to-all trades sequence for heads, each rank
+            attends over its group's whole stretch for its share of the
+            heads (``torch.tensor_split`` of the heads; K/V heads go only
+            to the ranks that read them), and a second all-to-all trades
+            back. With ``group`` as well: the ring x Ulysses hybrid, the
+            rank with ring index ``i`` and Ulysses index ``j`` holding shard
+            ``i * U + j`` (``shard_sequence`` with the same arguments).
+        mesh: instead of the groups, a ``DeviceMesh``: 1-D = a ring over it,
+            2-D with ``mesh_dim_names=("ring", "ulysses")`` = the hybrid.
         layout: ``"contiguous"`` (default) or ``"zigzag"`` (balanced causal
-            work, see ``ring_attention.layout``).
+            work, see ``ring_attention.layout``; in the hybrid, zigzag at
+            the ring level).
         return_lse: also return this rank's ``lse`` ``(batch, heads,
             seq_local)`` (float32; float64 for float64 inputs), differentiable.
 
@@ -405,7 +449,9 @@ def ring_dilated_attention(
             with bad inputs reports it in the handshake, so every rank
             raises), or ranks that disagree on the pattern, the global length
             (shard lengths not following the convention), the dtype, the
-            shapes, ``scale`` or ``layout`` — on every rank.
+            shapes, ``scale`` or ``layout``, or whose groups or meshes do not
+            form one grid — on every rank; ``mesh`` together with
+            ``group``/``ulysses_group``.
 
     Every rank must call it with matching arguments, and, when gradients are
     needed, every rank must run the backward.
@@ -427,6 +473,8 @@ def ring_dilated_attention(
         pattern,
         scale=scale,
         group=group,
+        ulysses_group=ulysses_group,
+        mesh=mesh,
         layout=layout,
         return_lse=return_lse,
     )
