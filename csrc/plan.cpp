@@ -31,11 +31,8 @@ at::Tensor exchange_rows(at::IntArrayRef q_starts, at::IntArrayRef q_lens, int64
   }
   const std::vector<int64_t> ws = clamped_branches(segs, branch_cap(end, heads)),
                              rs = clamped_branches(dils, branch_cap(end, heads));
-  at::Tensor cu;
-  if (cu_seqlens.has_value()) {
-    check_cu_seqlens(*cu_seqlens, at::kCPU, end, false);
-    cu = cu_seqlens->to(at::kLong).contiguous();
-  }
+  const at::Tensor cu =
+      cu_seqlens.has_value() ? checked_documents(*cu_seqlens, at::kCPU, end, false) : at::Tensor();
   const Documents docs = cu.defined() ? Documents{cu.const_data_ptr<int64_t>(), cu.numel() - 1}
                                       : Documents{nullptr, 0};
 

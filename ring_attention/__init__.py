@@ -4,6 +4,7 @@ processes with a dilation-aware ring exchange of K/V rows."""
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C  # noqa: F401  (registers torch.ops.ring_attention)
+from . import ops  # noqa: F401  (the operators' autograd)
 from .dtypes import select_dtype
 from .functional import dilated_attention
 from .hf import register_transformers

@@ -1,5 +1,5 @@
 """Single-process dilated attention: the public function and the call into
-``torch.ops.ring_attention`` (checks -> :class:`Pattern` -> operator)."""
+the local operator (checks -> :class:`Pattern` -> :mod:`ring_attention.ops`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from collections.abc import Sequence
 import torch
 
 from .checks import check_key_padding_mask, check_qkv, resolve_scale
-from .pattern import Pattern, as_flag
+from .ops import local_attention, op_args
+from .pattern import Pattern, as_flag, check_documents_tensor
 from .sdpa_branches import BranchSDPA, sdpa_backward_applies, sdpa_forward_applies
 
 __all__ = ["attend", "dilated_attention"]
@@ -22,13 +23,22 @@ def attend(
     *,
     scale: float | None = None,
     key_padding_mask: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`dilated_attention` with an already-built :class:`Pattern`
-    (the modules hold one)."""
+    (the modules hold one); ``cu_seqlens``, when given, replaces its documents."""
     shape = check_qkv(q, k, v)
+    documents = None  # a traced cu_seqlens tensor, passed to the operator as it is
+    if isinstance(cu_seqlens, torch.Tensor) and torch.compiler.is_compiling():
+        # While tracing its values do not exist: the operator checks them when it runs.
+        check_documents_tensor(cu_seqlens)
+        pattern, documents = pattern.with_documents(None), cu_seqlens.to(q.device)
+    elif cu_seqlens is not None:
+        pattern = pattern.with_documents(cu_seqlens)
     pattern.check_heads(shape.heads)
-    pattern.check_length(shape.seq_q)
+    if documents is None:
+        pattern.check_length(shape.seq_q)
     check_key_padding_mask(key_padding_mask, shape.batch, shape.seq_k, q.device)
     scale = resolve_scale(scale, shape.head_dim)
     return_lse = as_flag(return_lse, "return_lse")
@@ -38,9 +48,8 @@ def attend(
         # PyTorch's fused SDPA per branch where it wins (sdpa_branches.py)
         out, lse = BranchSDPA.apply(q, k, v, pattern, scale, sdpa_forward, sdpa_backward)
     else:
-        out, lse = torch.ops.ring_attention.dilated_attention(
-            q, k, v, *pattern.op_args(scale, key_padding_mask, q.device)
-        )
+        args = op_args(pattern, scale, key_padding_mask, q.device, documents)
+        out, lse = local_attention(q, k, v, args)
     return (out, lse) if return_lse else out
 
 
@@ -99,7 +108,14 @@ def dilated_attention(
         causal=causal,
         head_groups=head_groups,
         head_offsets=head_offsets,
-    ).with_documents(cu_seqlens)
+    )
     return attend(
-        q, k, v, pattern, scale=scale, key_padding_mask=key_padding_mask, return_lse=return_lse
+        q,
+        k,
+        v,
+        pattern,
+        scale=scale,
+        key_padding_mask=key_padding_mask,
+        cu_seqlens=cu_seqlens,
+        return_lse=return_lse,
     )

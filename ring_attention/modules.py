@@ -117,9 +117,10 @@ class DilatedAttention(_PatternModule):
             q,
             k,
             v,
-            self._pattern(cu_seqlens),
+            self.pattern,
             scale=self.scale,
             key_padding_mask=key_padding_mask,
+            cu_seqlens=cu_seqlens,
         )
 
 

@@ -57,6 +57,7 @@ from typing import Any
 
 import torch
 
+from . import ops
 from .cache import LRUCache
 from .pattern import Pattern
 
@@ -90,11 +91,6 @@ _WINDOWS = 16
 # at head_dim 64 ours is as fast or faster.
 _FORWARD_HEAD_DIMS = (128,)
 _FORWARD_MIN_ROWS = 131072
-
-_DOUBLE_BACKWARD = (
-    "ring_attention.dilated_attention: double backward is not supported (the "
-    "backward is not itself differentiable)"
-)
 
 
 def _mode(env: str) -> str:
@@ -456,9 +452,7 @@ class BranchSDPA(torch.autograd.Function):
         if finite:
             out, lse = sdpa_dilated_forward(q, k, v, pattern, scale)
         else:
-            out, lse = torch.ops.ring_attention.dilated_attention(
-                q, k, v, *pattern.op_args(scale, None, q.device)
-            )
+            out, lse = ops.local_attention(q, k, v, ops.op_args(pattern, scale, None, q.device))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.pattern, ctx.scale = pattern, scale
         ctx.sdpa_backward, ctx.finite = sdpa_backward, finite
@@ -468,7 +462,7 @@ class BranchSDPA(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         if torch.is_grad_enabled():
-            raise RuntimeError(_DOUBLE_BACKWARD)
+            raise RuntimeError(ops.DOUBLE_BACKWARD_ERROR)
         q, k, v, out, lse = ctx.saved_tensors
         pattern, scale = ctx.pattern, ctx.scale
         if grad_out is None and grad_lse is None:
@@ -483,7 +477,7 @@ class BranchSDPA(torch.autograd.Function):
         else:
             if grad_out is None:
                 grad_out = torch.zeros_like(out)
-            dq, dk, dv = torch.ops.ring_attention.dilated_attention_backward(
-                grad_out, grad_lse, q, k, v, out, lse, *pattern.op_args(scale, None, q.device)
+            dq, dk, dv = ops.local_attention_backward(
+                grad_out, grad_lse, q, k, v, out, lse, ops.op_args(pattern, scale, None, q.device)
             )
         return dq, dk, dv, None, None, None, None

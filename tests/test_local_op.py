@@ -281,17 +281,18 @@ def test_low_precision_long_sequence_by_chunks(device, dtype, causal, monkeypatc
 
 
 def block_op_calls(cfg: Cfg, dtype: torch.dtype, device: str, seed: int) -> tuple[int, int]:
-    """The local op's calls of block_forward and block_backward (one a chunk;
-    the backward two a chunk where chunks cut segments) in a forward and
-    backward checked against the oracle."""
+    """The local op's block kernel calls, forward and backward (profiler
+    events ring_attention::local_forward_block / ..._backward_block: one a
+    chunk; the backward two a chunk where chunks cut segments) in a forward
+    and backward checked against the oracle."""
     q, k, v, go, mask = make_inputs(cfg, dtype, device, seed)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         got = run_local(cfg, q, k, v, go, mask)
     check_results(cfg, dtype, got, run_oracle(cfg, q, k, v, go, mask), f"seed={seed} {cfg}")
     calls = {e.key: e.count for e in prof.key_averages()}
     return (
-        calls.get("ring_attention::block_forward", 0),
-        calls.get("ring_attention::block_backward", 0),
+        calls.get("ring_attention::local_forward_block", 0),
+        calls.get("ring_attention::local_backward_block", 0),
     )
 
 
