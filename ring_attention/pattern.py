@@ -21,6 +21,8 @@ from typing import Any, Literal
 
 import torch
 
+from .geometry import head_group_bounds, head_offset
+
 __all__ = [
     "HEAD_OFFSETS",
     "Pattern",
@@ -89,26 +91,6 @@ def _as_ints(values: Any, name: str) -> tuple[int, ...]:
             f"{name} must be an integer or a sequence of integers, got {values!r}"
         ) from None
     return tuple(_as_index(v, f"{name}[{i}]") for i, v in enumerate(items))
-
-
-def head_group_bounds(heads: int, n_branches: int) -> list[tuple[int, int]]:
-    """``[begin, end)`` of the ``n_branches`` contiguous head groups of
-    ``head_groups=True``: sizes differ by at most one, the first groups take
-    the extra heads."""
-    base, extra = divmod(heads, n_branches)
-    bounds, begin = [], 0
-    for i in range(n_branches):
-        size = base + (1 if i < extra else 0)
-        bounds.append((begin, begin + size))
-        begin += size
-    return bounds
-
-
-def head_offset(h: int, r: int, heads: int, head_offsets: str = "modulo") -> int:
-    """The offset of head ``h`` (of ``heads``) in a branch of dilation ``r``."""
-    if head_offsets == "grouped":
-        return h // -(-heads // r)
-    return h % r
 
 
 @dataclass(frozen=True)

@@ -19,19 +19,17 @@ scores); they change what travels (:mod:`.exchange_model`).
 from __future__ import annotations
 
 import bisect
-from collections import Counter
 from collections.abc import Sequence
 from functools import lru_cache
 
 import torch
 
+from ..geometry import active_before, branch_offsets
 from ..pattern import Pattern
 
 __all__ = [
     "BWD_FLOPS_PER_PAIR",
     "FWD_FLOPS_PER_PAIR",
-    "branch_offsets",
-    "n_before",
     "pattern_flops",
     "range_pairs",
     "reached_pairs",
@@ -43,29 +41,14 @@ FWD_FLOPS_PER_PAIR = 4
 BWD_FLOPS_PER_PAIR = 10
 
 
-def n_before(z: int, o: int, r: int) -> int:
-    """How many of the positions ``o, o + r, o + 2r, ...`` lie below ``z``."""
-    return max(0, -(-(z - o) // r))
-
-
-def branch_offsets(pattern: Pattern, heads: int) -> list[dict[int, int]]:
-    """Per branch, ``{offset: number of query heads with that offset}`` over
-    the heads the branch applies to (all, or its group with ``head_groups``)."""
-    pattern.check_heads(heads)
-    return [
-        dict(Counter(pattern.offset(h, i, heads) for h in pattern.applies(i, heads)))
-        for i in range(pattern.n_branches)
-    ]
-
-
 def _segment_pairs(
     seg_len: int, lo: int, hi: int, r: int, o: int, causal: bool
 ) -> int:  # fmt: skip
     """Pairs of one segment ``[0, seg_len)`` whose query lies in ``[lo, hi)``
     (positions relative to the segment), offset ``o``."""
-    keys = n_before(seg_len, o, r)
-    j0 = n_before(max(lo, 0), o, r)
-    j1 = max(j0, n_before(min(hi, seg_len), o, r))
+    keys = active_before(seg_len, o, r)
+    j0 = active_before(max(lo, 0), o, r)
+    j1 = max(j0, active_before(min(hi, seg_len), o, r))
     if causal:  # the j-th active query reaches j + 1 keys
         return (j1 * (j1 + 1) - j0 * (j0 + 1)) // 2
     return (j1 - j0) * keys
@@ -83,7 +66,7 @@ def _doc_range_pairs(
     n_full = length // w  # segments 0 .. n_full-1 have length w
     first = -(-lo // w)  # the first segment starting at or after lo
     last = min(hi // w, n_full)  # segments [first, last) are full and inside [lo, hi)
-    keys = n_before(w, o, r)
+    keys = active_before(w, o, r)
     total = max(0, last - first) * (keys * (keys + 1) // 2 if causal else keys * keys)
     # The segments cut by lo or hi, or the short last one: at most two.
     for s in {lo // w, (hi - 1) // w}:
