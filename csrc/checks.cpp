@@ -42,6 +42,7 @@ void check_total(int64_t total, int64_t min_total, bool exact) {
 void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t q_start,
                int64_t k_start, const PatternArgs& pattern) {
   check_pattern(pattern.segment_lengths, pattern.dilation_rates);
+  check_window(pattern.window_left, pattern.window_right);
   TORCH_CHECK(std::isfinite(pattern.scale) && pattern.scale > 0,
               "scale must be a finite positive number, got ", pattern.scale);
   TORCH_CHECK(q.dim() == 4, "q must be 4-D (batch, seq, heads, head_dim), got ", q.dim(), "-D");
@@ -143,6 +144,7 @@ BlockCall make_block(const CheckedPattern& pattern, const at::Tensor& q, const a
   p.causal = pattern.causal;
   p.head_groups = pattern.head_groups;
   p.grouped_offsets = pattern.grouped_offsets;
+  set_window(p, pattern.window_left, pattern.window_right);
   return call;
 }
 
@@ -178,6 +180,12 @@ void check_pattern(at::IntArrayRef segs, at::IntArrayRef dils) {
     TORCH_CHECK(dils[i] >= 1 && dils[i] <= segs[i], "dilation_rates[", i,
                 "] must be in [1, segment_lengths[", i, "] = ", segs[i], "], got ", dils[i]);
   }
+}
+
+void check_window(int64_t left, int64_t right) {
+  TORCH_CHECK(left >= -1 && right >= -1,
+              "window must be (left, right), each >= -1 (-1: unbounded), got window_left = ", left,
+              ", window_right = ", right);
 }
 
 void check_local_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -241,6 +249,8 @@ CheckedPattern checked_pattern(const PatternArgs& pattern, const at::Tensor& q, 
                         pattern.causal,
                         pattern.head_groups,
                         pattern.grouped_offsets,
+                        pattern.window_left,
+                        pattern.window_right,
                         pattern.cu_seqlens.has_value()
                             ? checked_documents(*pattern.cu_seqlens, q.device(), extent, exact)
                             : at::Tensor()};

@@ -25,6 +25,7 @@ struct PatternArgs {
   bool head_groups, grouped_offsets;
   const std::optional<at::Tensor>& key_padding_mask;
   const std::optional<at::Tensor>& cu_seqlens;
+  int64_t window_left, window_right;  // -1: unbounded on that side
 };
 
 // The C++ parameters of RA_PATTERN_ARGS in schema order, and the PatternArgs
@@ -35,10 +36,11 @@ struct PatternArgs {
 #define RA_PATTERN_PARAMS                                                                       \
   at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates, bool causal, double scale,   \
   bool head_groups, bool grouped_offsets, const std::optional<at::Tensor>& key_padding_mask,    \
-  const std::optional<at::Tensor>& cu_seqlens
+  const std::optional<at::Tensor>& cu_seqlens, int64_t window_left, int64_t window_right
 #define RA_PATTERN_ARGS_OF                                                                      \
   ::ring_attention::PatternArgs{segment_lengths, dilation_rates, causal, scale, head_groups,     \
-                                grouped_offsets, key_padding_mask, cu_seqlens}
+                                grouped_offsets, key_padding_mask, cu_seqlens, window_left,      \
+                                window_right}
 // clang-format on
 
 // Accumulator dtype: float64 for float64 inputs, float32 otherwise.
@@ -52,6 +54,9 @@ std::vector<c10::SymInt> lse_sizes(const at::Tensor& q);
 std::vector<int64_t> clamped_branches(at::IntArrayRef values, int64_t cap);
 
 void check_pattern(at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates);
+
+// window_left, window_right: each >= -1 (-1: unbounded).
+void check_window(int64_t window_left, int64_t window_right);
 
 // Shape, dtype and device checks of the local operator (q, k, v of one
 // sequence length; on symbolic sizes: the Meta kernels use them as they are).
@@ -86,6 +91,7 @@ struct CheckedPattern {
   std::vector<int64_t> segment_lengths, dilation_rates;  // clamped to branch_cap
   double scale;
   bool causal, head_groups, grouped_offsets;
+  int64_t window_left, window_right;  // -1: unbounded
   // int64, contiguous, on the inputs' device (checked_documents); undefined:
   // no documents.
   at::Tensor cu_seqlens;

@@ -13,8 +13,10 @@ namespace ring_attention {
 at::Tensor exchange_rows(at::IntArrayRef q_starts, at::IntArrayRef q_lens, int64_t k_start,
                          int64_t k_len, int64_t heads, int64_t kv_heads, at::IntArrayRef segs,
                          at::IntArrayRef dils, bool causal, bool head_groups, bool grouped_offsets,
-                         const std::optional<at::Tensor>& cu_seqlens) {
+                         const std::optional<at::Tensor>& cu_seqlens, int64_t window_left,
+                         int64_t window_right) {
   check_pattern(segs, dils);
+  check_window(window_left, window_right);
   TORCH_CHECK(q_starts.size() == q_lens.size(), "q_starts and q_lens must have the same length");
   TORCH_CHECK(heads >= 1 && k_len >= 0 && k_start >= 0,
               "exchange_rows needs heads >= 1, k_start >= 0, k_len >= 0");
@@ -55,11 +57,13 @@ at::Tensor exchange_rows(at::IntArrayRef q_starts, at::IntArrayRef q_lens, int64
         const int64_t q_lo = q_starts[qi], q_hi = q_lo + q_lens[qi];
         const int64_t lo = std::max(q_lo, k_start), hi = std::min(q_hi, k_end);
         if (q_lens[qi] <= 0 || k_len <= 0) continue;
+        const Window window =
+            block_window(window_left, window_right, q_lo, q_hi, k_start, k_end, causal);
         // Segments meeting both ranges: from the one holding the later start.
         for (SegmentWalk walk(docs, w, lo); walk.segment().start < hi; walk.next()) {
           for (const int64_t o : offsets) {
-            const SegmentRuns runs =
-                segment_runs(walk.segment(), r, o, q_lo, q_hi, k_start, k_end, causal);
+            const SegmentRuns runs = segment_runs(walk.segment(), r, o, q_lo, q_hi, k_start, k_end,
+                                                  causal, window.left, window.right);
             for (int64_t m = 0; m < runs.k.count; ++m)
               needed[(runs.k.first + m * r - k_start) * kv_heads + kvh] = 1;
           }

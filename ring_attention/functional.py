@@ -66,6 +66,7 @@ def dilated_attention(
     key_padding_mask: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | Sequence[int] | None = None,
     head_offsets: str = "modulo",
+    window: tuple[int, int] | None = None,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact LongNet-style dilated attention (docs/design.md §1) on one process.
@@ -91,6 +92,12 @@ def dilated_attention(
             query reaches another document.
         head_offsets: ``"modulo"`` (head ``h`` starts at ``h mod r``, default)
             or ``"grouped"`` (``h // ceil(heads / r)``, torchscale's LongNet).
+        window: ``(left, right)``, a sliding window on top of the pattern:
+            query ``t`` reaches key ``u`` only if also ``t - left <= u <= t +
+            right`` (positions in the document; ``-1``: unbounded on that
+            side; ``None``: no window). Dense attention with a window is
+            sliding-window attention; a transformers layer with
+            ``sliding_window = W`` is ``(W - 1, 0)``. Its cost is O(n * W).
         return_lse: also return the log-sum-exp ``(batch, heads, seq)``
             (float32; float64 for float64 inputs). It is differentiable.
 
@@ -108,6 +115,7 @@ def dilated_attention(
         causal=causal,
         head_groups=head_groups,
         head_offsets=head_offsets,
+        window=window,
     )
     return attend(
         q,

@@ -32,6 +32,7 @@ __all__ = [
     "offset_classes",
     "segment_active_positions",
     "segment_around",
+    "window_mask",
 ]
 
 IntOrTensor = TypeVar("IntOrTensor", int, torch.Tensor)
@@ -111,6 +112,22 @@ def document_positions(
     cu = documents.to(t.device)
     doc = torch.searchsorted(cu, t, right=True) - 1
     return t - cu[doc], doc
+
+
+def window_mask(
+    window: tuple[int, int], seq_len: int, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Bool ``(seq_len, seq_len)``: ``[t, u]`` lies in the sliding window,
+    ``t - left <= u <= t + right`` (``-1``: unbounded on that side)."""
+    t = torch.arange(seq_len, device=device)
+    diff = t[None, :] - t[:, None]  # u - t
+    left, right = window
+    inside = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device)
+    if left >= 0:
+        inside &= diff >= -left
+    if right >= 0:
+        inside &= diff <= right
+    return inside
 
 
 def segment_around(

@@ -150,6 +150,9 @@ class MultiheadDilatedAttention(nn.MultiheadAttention):
             bfloat16 on Ampere and newer, float16 on 7.x, float32 on older
             GPUs and the CPU) or a ``torch.dtype``. Projected q/k/v are cast to
             it and the attention output cast back before ``out_proj``.
+        window: ``(left, right)``, a sliding window on the pattern (on dense
+            attention without one): query ``t`` reaches key ``u`` only if
+            ``t - left <= u <= t + right`` (``-1``: unbounded; ``None``: none).
 
     With a pattern, a ``group`` or a ``compute_dtype`` the module computes
     attention itself. Argument checks, their order, exception types and
@@ -214,6 +217,7 @@ class MultiheadDilatedAttention(nn.MultiheadAttention):
         head_offsets: str = "modulo",
         group: dist.ProcessGroup | None = None,
         compute_dtype: torch.dtype | str | None = None,
+        window: tuple[int, int] | None = None,
     ) -> None:
         try:
             super().__init__(
@@ -224,7 +228,7 @@ class MultiheadDilatedAttention(nn.MultiheadAttention):
             raise MultiheadAttentionError(*e.args).with_traceback(e.__traceback__) from None
         self.pattern = _check_extensions(
             num_heads, segment_lengths, dilation_rates, head_groups, head_offsets, group,
-            add_bias_kv, add_zero_attn, compute_dtype,
+            add_bias_kv, add_zero_attn, compute_dtype, window,
         )  # fmt: skip
         self.group = group
         self.compute_dtype = compute_dtype
@@ -592,7 +596,7 @@ class MultiheadDilatedAttention(nn.MultiheadAttention):
 
 def _check_extensions(
     num_heads, segment_lengths, dilation_rates, head_groups, head_offsets, group, add_bias_kv,
-    add_zero_attn, compute_dtype,
+    add_zero_attn, compute_dtype, window,
 ) -> Pattern | None:  # fmt: skip
     """The checks of the constructor's own arguments; the pattern (``None``:
     dense)."""
@@ -605,9 +609,14 @@ def _check_extensions(
     pattern = None
     if segment_lengths is not None:
         pattern = Pattern(
-            segment_lengths, dilation_rates, head_groups=head_groups, head_offsets=head_offsets
-        )
+            segment_lengths, dilation_rates, head_groups=head_groups, head_offsets=head_offsets,
+            window=window,
+        )  # fmt: skip
         pattern.check_heads(num_heads)
+    elif window is not None:  # a sliding window on dense attention
+        pattern = replace(_DENSE, window=window)
+        if not pattern.windowed:
+            pattern = None
     if not (
         compute_dtype is None
         or compute_dtype == "auto"

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .cache import LRUCache
-from .geometry import document_positions, offset_classes
+from .geometry import document_positions, offset_classes, window_mask
 from .pattern import Pattern
 
 __all__ = ["PATTERN_CACHE", "log_multiplicity", "multiplicity"]
@@ -50,6 +50,8 @@ def multiplicity(
             m[heads_o] += (act[:, None] & act[None, :] & same).to(dtype)
     if pattern.causal:
         m = m.tril()
+    if pattern.windowed:
+        m *= window_mask(pattern.window, seq_len, device)
     return m
 
 

@@ -65,6 +65,8 @@ class OpArgs(NamedTuple):
     grouped_offsets: bool
     key_padding_mask: Tensor | None
     cu_seqlens: Tensor | None
+    window_left: int
+    window_right: int
 
 
 def op_args(
@@ -90,6 +92,7 @@ def op_args(
         pattern.head_offsets == "grouped",
         key_padding_mask,
         pattern.documents_tensor(device) if documents is None else documents,
+        *pattern.window,
     )
 
 
@@ -162,6 +165,8 @@ def exchange_rows(
         a.head_groups,
         a.grouped_offsets,
         a.cu_seqlens,
+        a.window_left,
+        a.window_right,
     )
     return idx.to(torch.int64)
 

@@ -110,12 +110,15 @@ class Pattern:
         documents: ``cu_seqlens`` of a packed sequence, ``(0, e_1, ..., e_m)``
             non-decreasing; ``None`` for one document. Build it with
             :meth:`with_documents`.
+        window: ``(left, right)``, the sliding window: query ``t`` reaches key
+            ``u`` only if also ``t - left <= u <= t + right``; ``-1`` is
+            unbounded on that side; ``None`` (the default) is ``(-1, -1)``.
 
     Raises:
         ValueError: naming the argument, for an empty pattern, mismatched
             lengths, ``w < 1``, ``r < 1``, ``r > w``, ``w`` beyond int64, a
-            non-integer value, a flag that is not a ``bool`` or an unknown
-            ``head_offsets``.
+            non-integer value, a flag that is not a ``bool``, an unknown
+            ``head_offsets`` or a window that is not two integers ``>= -1``.
 
     The value is immutable and hashable: equal patterns are interchangeable as
     cache keys.
@@ -127,6 +130,7 @@ class Pattern:
     head_groups: bool = False
     head_offsets: HeadOffsets = "modulo"
     documents: tuple[int, ...] | None = None
+    window: tuple[int, int] | None = None
     # Tensors derived from the value (documents on a device), built once.
     _tensors: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     # Private: the values are those of a checked pattern (with_documents
@@ -172,12 +176,18 @@ class Pattern:
         set_(self, "head_groups", as_flag(self.head_groups, "head_groups"))
         if self.documents is not None:
             set_(self, "documents", _check_documents(self.documents))
+        set_(self, "window", _check_window(self.window))
 
     # -- derived values ------------------------------------------------------
     @property
     def n_branches(self) -> int:
         """Number of branches."""
         return len(self.segment_lengths)
+
+    @property
+    def windowed(self) -> bool:
+        """Whether a sliding window restricts the pattern."""
+        return self.window != (-1, -1)
 
     @property
     def branches(self) -> tuple[tuple[int, int], ...]:
@@ -248,6 +258,7 @@ class Pattern:
                 self.head_groups,
                 self.head_offsets,
                 self.documents,
+                *(() if self.window == (-1, -1) else (self.window,)),
             )
         ).encode()
         return (zlib.crc32(text) << 31) ^ zlib.adler32(text)
@@ -264,7 +275,29 @@ class Pattern:
             s += f" head_offsets={self.head_offsets}"
         if self.documents is not None:
             s += f" documents={len(self.documents) - 1}"
+        if self.windowed:
+            s += f" window=({self.window[0]},{self.window[1]})"
         return s
+
+
+def _check_window(window: Any) -> tuple[int, int]:
+    """``window`` as ``(left, right)``, each an integer ``>= -1`` (``-1``:
+    unbounded); ``None`` is ``(-1, -1)`` (docs/design.md §6)."""
+    if window is None:
+        return (-1, -1)
+    if isinstance(window, (str, bytes)) or not hasattr(window, "__len__") or len(window) != 2:
+        raise ValueError(
+            f"window must be (left, right), two integers >= -1 (-1: unbounded), got {window!r}"
+        )
+    sides = []
+    for i, x in enumerate(window):
+        x = _as_index(x, f"window[{i}]")
+        if x < -1:
+            raise ValueError(f"window[{i}] must be >= -1 (-1: unbounded), got {x}")
+        if x > INT64_MAX:
+            raise ValueError(f"window[{i}] must be at most 2**63 - 1, got {x}")
+        sides.append(x)
+    return (sides[0], sides[1])
 
 
 def check_documents_tensor(cu_seqlens: torch.Tensor) -> None:

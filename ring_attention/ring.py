@@ -241,6 +241,7 @@ def exchange_plan(
     kv_heads: int | None = None,
     cu_seqlens: Sequence[int] | Tensor | None = None,
     head_offsets: str = "modulo",
+    window: tuple[int, int] | None = None,
     group: dist.ProcessGroup | None = None,
     layout: str = "contiguous",
 ) -> ExchangePlan:
@@ -252,7 +253,7 @@ def exchange_plan(
     """
     pattern = Pattern(
         segment_lengths, dilation_rates, causal=causal, head_groups=head_groups,
-        head_offsets=head_offsets,
+        head_offsets=head_offsets, window=window,
     ).with_documents(cu_seqlens)  # fmt: skip
     check_layout(layout)
     world, rank = world_info(group)
@@ -328,6 +329,7 @@ def ring_dilated_attention(
     head_groups: bool = False,
     cu_seqlens: Sequence[int] | Tensor | None = None,
     head_offsets: str = "modulo",
+    window: tuple[int, int] | None = None,
     group: dist.ProcessGroup | None = None,
     layout: str = "contiguous",
     return_lse: bool = False,
@@ -353,6 +355,10 @@ def ring_dilated_attention(
             ``[0, e_1, ..., seq]`` (the same on every rank; documents may span
             ranks); every document starts its own segments.
         head_offsets: ``"modulo"`` (default) or ``"grouped"`` (torchscale).
+        window: ``(left, right)``, the sliding window (global positions in
+            the document; ``-1``: unbounded): only the K/V rows inside the
+            band travel, so a window smaller than a shard exchanges with the
+            neighbouring ranks only.
         group: the process group, default the default group. With no
             initialised process group (or a group of one) this is the
             single-process computation.
@@ -367,7 +373,7 @@ def ring_dilated_attention(
     Raises:
         ValueError: bad arguments (before anything is communicated: a rank
             with bad inputs reports it in the handshake, so every rank
-            raises), or ranks that disagree on the pattern, the global length
+            raises), or ranks that disagree on the pattern (window included), the global length
             (shard lengths not following the convention), the dtype, the
             shapes, ``scale`` or ``layout`` — on every rank.
 
@@ -382,6 +388,7 @@ def ring_dilated_attention(
             causal=causal,
             head_groups=head_groups,
             head_offsets=head_offsets,
+            window=window,
         ).with_documents(cu_seqlens)
 
     return ring_attention(

@@ -131,7 +131,7 @@ def _sdpa_can_run(q: torch.Tensor, pattern: Pattern, key_padding_mask) -> bool:
     if torch.compiler.is_compiling():
         # graphs keep the operator (one traced op, no host sync)
         return False
-    if key_padding_mask is not None or pattern.documents is not None:
+    if key_padding_mask is not None or pattern.documents is not None or pattern.windowed:
         return False
     if q.numel() == 0 or not _nested(pattern, q.shape[1]):
         return False

@@ -387,6 +387,12 @@ def predict_traffic(
     if world_size < 1 or seq_len < 0:
         raise ValueError(f"need world_size >= 1 and seq_len >= 0, got {world_size}, {seq_len}")
     pattern.check_length(seq_len)
+    if pattern.windowed:  # reached_pairs counts them; the traffic model does not
+        raise ValueError(
+            f"the planner's traffic model does not take a sliding window (window="
+            f"{pattern.window}); measure it with the ring's own plan "
+            "(ring_attention.ring.exchange_plan)"
+        )
     p = int(world_size)
     pieces = all_pieces(seq_len, p, layout)
     total = [
