@@ -21,7 +21,8 @@
   dense pattern ``[(w >= n, 1)]``: otherwise a cost reference.
 
 Every ``ring_attention`` name the benchmarks use is imported here, lazily, so
-that the baselines still run when the extension failed to build.
+that the baselines still run when the extension failed to build (the pattern,
+its geometry and the planner's pair count need no extension).
 """
 
 from __future__ import annotations
@@ -47,14 +48,9 @@ FLEX_BLOCK = 128
 def ring_attention() -> Any:
     """The ``ring_attention`` package (raises ImportError when the extension is missing)."""
     import ring_attention as ra
+    from ring_attention import dilated_attention  # noqa: F401  (needs the extension)
 
     return ra
-
-
-def head_group_bounds(heads: int, n_branches: int) -> list[tuple[int, int]]:
-    from ring_attention.pattern import head_group_bounds as bounds
-
-    return bounds(heads, n_branches)
 
 
 def layout_pieces(n: int, world: int, rank: int, layout: str) -> list[tuple[int, int]]:
@@ -113,44 +109,15 @@ def plan_bytes_sent(
 # the pattern's work, counted exactly
 # --------------------------------------------------------------------------- #
 def branch_classes(heads: int, segs, dils, head_groups: bool = False):
-    """Yield ``(w, r, o, heads_of_class)`` for every branch and head-offset class."""
-    groups = head_group_bounds(heads, len(segs)) if head_groups else None
-    for i, (w, r) in enumerate(zip(segs, dils, strict=True)):
-        lo, hi = groups[i] if groups is not None else (0, heads)
-        for o in range(r):
-            hs = [h for h in range(lo, hi) if h % r == o]
-            if hs:
-                yield w, r, o, hs
+    """Yield ``(w, r, o, heads_of_class)`` for every branch and head-offset class
+    (``ring_attention.geometry.offset_classes``)."""
+    from ring_attention.geometry import offset_classes
+    from ring_attention.pattern import Pattern
 
-
-def _active_below(x: int, o: int, r: int) -> int:
-    """Number of offsets ``j`` in ``[0, x)`` with ``j mod r == o``."""
-    return 0 if x <= o else (x - 1 - o) // r + 1
-
-
-def _class_pairs(n: int, w: int, r: int, o: int, causal: bool, lo: int, hi: int) -> int:
-    """Reached pairs of the queries in ``[lo, hi)`` for one branch and offset class.
-
-    In a segment with ``a`` active rows, the ``j``-th active query reaches all
-    ``a`` active keys, or ``j + 1`` of them when causal.
-    """
-
-    def seg_pairs(s: int) -> int:
-        s0 = s * w
-        a = _active_below(min(w, n - s0), o, r)
-        j0 = _active_below(max(lo - s0, 0), o, r)
-        j1 = _active_below(min(hi - s0, w, n - s0), o, r)
-        return (j1 * (j1 + 1) - j0 * (j0 + 1)) // 2 if causal else (j1 - j0) * a
-
-    if hi <= lo:
-        return 0
-    first, last = lo // w, (hi - 1) // w
-    edges = {first, last, (n - 1) // w} & set(range(first, last + 1))
-    total = sum(seg_pairs(s) for s in edges)
-    inner = last - first + 1 - len(edges)  # whole segments strictly inside: all alike
-    if inner > 0:
-        total += inner * seg_pairs(next(s for s in range(first, last + 1) if s not in edges))
-    return total
+    pattern = Pattern(segs, dils, head_groups=head_groups)
+    for (w, r), classes in zip(pattern.branches, offset_classes(pattern, heads), strict=True):
+        for o, hs in sorted(classes.items()):
+            yield w, r, o, hs
 
 
 def pattern_pairs(
@@ -163,17 +130,18 @@ def pattern_pairs(
     batch: int = 1,
     rows: Sequence[tuple[int, int]] | None = None,
 ) -> int:
-    """Exact number of reached (query, key) pairs, branches counted with multiplicity.
+    """Exact number of reached (query, key) pairs, branches counted with multiplicity
+    (the planner's closed form, ``ring_attention.planner.pairs.reached_pairs``).
 
     Summed over batch and heads; ``rows``: only the queries in these
     ``(start, length)`` runs (a rank's shard), default the whole sequence.
     Pattern FLOPs are ``4 * head_dim`` per pair forward, 2.5x that backward.
     """
-    runs = [(0, n)] if rows is None else list(rows)
-    total = 0
-    for w, r, o, hs in branch_classes(heads, list(segs), list(dils), head_groups):
-        total += len(hs) * sum(_class_pairs(n, w, r, o, causal, s, s + ln) for s, ln in runs)
-    return batch * total
+    from ring_attention.pattern import Pattern
+    from ring_attention.planner.pairs import reached_pairs
+
+    pattern = Pattern(segs, dils, causal=causal, head_groups=head_groups)
+    return batch * reached_pairs(pattern, n, heads, None if rows is None else list(rows))
 
 
 def flops(pairs: int, head_dim: int, backward: bool) -> float:
@@ -339,16 +307,12 @@ def _chunks(n: int, heads: int, segs, dils, head_groups: bool, device):
     """Flat row indices ``pos * heads + h`` of every compacted SDPA call:
     ``(n_segments, a, heads_of_class)`` per chunk; full segments form one
     chunk, the ragged last segment another."""
+    from ring_attention.geometry import segment_active_positions
+
     out = []
     for w, r, o, hs in branch_classes(heads, segs, dils, head_groups):
         h_idx = torch.tensor(hs, dtype=torch.long)
-        nfull, rem = divmod(n, w)
-        parts = []
-        if nfull:
-            parts.append((torch.arange(nfull) * w)[:, None] + torch.arange(o, w, r)[None, :])
-        if rem > o:
-            parts.append(nfull * w + torch.arange(o, rem, r)[None, :])
-        for pos in parts:
+        for pos in segment_active_positions(n, w, r, o):
             out.append((pos[:, :, None] * heads + h_idx[None, None, :]).to(device))
     return out
 

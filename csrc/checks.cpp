@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cmath>
 
 namespace ring_attention {
 namespace {
@@ -27,6 +28,18 @@ void check_cu_seqlens_type(const at::Tensor& cu, c10::Device device) {
               cu.device());
 }
 
+// The last boundary of cu_seqlens: the sequence length (exact) or at or after
+// the end of the blocks.
+void check_total(int64_t total, int64_t min_total, bool exact) {
+  if (exact) {
+    TORCH_CHECK(total == min_total, "cu_seqlens must end at the sequence length ", min_total,
+                ", got ", total);
+  } else {
+    TORCH_CHECK(total >= min_total, "cu_seqlens must end at or after the end of the blocks (",
+                min_total, "), got ", total);
+  }
+}
+
 void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t q_start,
                int64_t k_start, const PatternArgs& pattern) {
   TORCH_CHECK(q.defined() && k.defined() && v.defined(),
@@ -35,6 +48,9 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, in
               : !k.defined() ? "k"
                              : "v");
   check_pattern(pattern.segment_lengths, pattern.dilation_rates);
+  check_window(pattern.window_left, pattern.window_right);
+  TORCH_CHECK(std::isfinite(pattern.scale) && pattern.scale > 0,
+              "scale must be a finite positive number, got ", pattern.scale);
   TORCH_CHECK(q.dim() == 4, "q must be 4-D (batch, seq, heads, head_dim), got ", q.dim(), "-D");
   TORCH_CHECK(k.dim() == 4 && v.dim() == 4,
               "k and v must be 4-D (batch, seq, kv_heads, head_dim), got ", k.dim(), "-D and ",
@@ -71,36 +87,54 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, in
   if (pattern.cu_seqlens.has_value()) check_cu_seqlens_type(*pattern.cu_seqlens, q.device());
 }
 
-// The params every block call shares; the op-specific pointers stay null.
-BlockCall make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t q_start,
-                    int64_t k_start, const PatternArgs& pattern) {
-  const int64_t blocks_end = std::max(q_start + q.size(1), k_start + k.size(1));
-  at::Tensor cu;
-  if (pattern.cu_seqlens.has_value()) {
-    check_cu_seqlens(*pattern.cu_seqlens, q.device(), blocks_end, false);
-    cu = pattern.cu_seqlens->to(at::kLong).contiguous();
+// The boundaries of int64 contiguous CPU cu_seqlens: [0, ...], non-decreasing.
+// Returns the last one.
+int64_t check_document_bounds(const at::Tensor& cu) {
+  TORCH_CHECK(cu.numel() >= 1, "cu_seqlens must not be empty: it starts with 0");
+  const int64_t* b = cu.const_data_ptr<int64_t>();
+  const int64_t n = cu.numel();
+  TORCH_CHECK(b[0] == 0, "cu_seqlens must start at 0, got ", b[0]);
+  for (int64_t i = 1; i < n; ++i) {
+    TORCH_CHECK(b[i] >= b[i - 1], "cu_seqlens must be non-decreasing, got cu_seqlens[", i - 1,
+                "] = ", b[i - 1], " > cu_seqlens[", i, "] = ", b[i]);
   }
-  BlockCall call{
-      BlockParams{},
-      clamped_branches(pattern.segment_lengths, branch_cap(blocks_end, q.size(2))),
-      clamped_branches(pattern.dilation_rates, branch_cap(blocks_end, q.size(2))),
-      q.scalar_type(),
-      q.device(),
-      q.contiguous(),
-      k.contiguous(),
-      v.contiguous(),
-      pattern.key_padding_mask.has_value() ? pattern.key_padding_mask->contiguous() : at::Tensor(),
-      cu,
-      {},  // grad_out, grad_lse, out, lse: set by backward_call
-      {},
-      {},
-      {}};
+  return b[n - 1];
+}
+
+// The last documents tensor whose values a thread checked: held weakly (its
+// address cannot be reused while the entry lives), with its version and
+// last boundary.
+struct CheckedDocuments {
+  c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> tensor{
+      c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>()};
+  int64_t version = -1, total = 0;
+};
+
+// The params every block of a call shares; the op-specific pointers stay null.
+BlockCall make_block(const CheckedPattern& pattern, const at::Tensor& q, const at::Tensor& k,
+                     const at::Tensor& v, const at::Tensor& key_padding_mask, int64_t q_start,
+                     int64_t k_start) {
+  BlockCall call{BlockParams{},
+                 pattern.segment_lengths,
+                 pattern.dilation_rates,
+                 q.scalar_type(),
+                 q.device(),
+                 q.contiguous(),
+                 k.contiguous(),
+                 v.contiguous(),
+                 key_padding_mask.defined() ? key_padding_mask.contiguous() : at::Tensor(),
+                 pattern.cu_seqlens,
+                 {},  // grad_out, grad_lse, out, lse: set by backward_block
+                 {},
+                 {},
+                 {}};
   BlockParams& p = call.params;
   p.q = call.q.const_data_ptr();
   p.k = call.k.const_data_ptr();
   p.v = call.v.const_data_ptr();
   p.key_padding_mask =
       call.key_padding_mask.defined() ? call.key_padding_mask.const_data_ptr<bool>() : nullptr;
+  const at::Tensor& cu = pattern.cu_seqlens;
   p.docs = cu.defined() ? Documents{cu.const_data_ptr<int64_t>(), cu.numel() - 1}
                         : Documents{nullptr, 0};
   p.batch = q.size(0);
@@ -116,11 +150,14 @@ BlockCall make_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   p.causal = pattern.causal;
   p.head_groups = pattern.head_groups;
   p.grouped_offsets = pattern.grouped_offsets;
+  set_window(p, pattern.window_left, pattern.window_right);
   return call;
 }
 
-void* optional_ptr(const std::optional<at::Tensor>& t) {
-  return t.has_value() ? t->mutable_data_ptr() : nullptr;
+void* optional_ptr(const at::Tensor& t) { return t.defined() ? t.mutable_data_ptr() : nullptr; }
+
+at::Tensor value_or_undefined(const std::optional<at::Tensor>& t) {
+  return t.has_value() ? *t : at::Tensor();
 }
 
 }  // namespace
@@ -151,25 +188,10 @@ void check_pattern(at::IntArrayRef segs, at::IntArrayRef dils) {
   }
 }
 
-void check_cu_seqlens(const at::Tensor& cu, c10::Device device, int64_t min_total, bool exact) {
-  check_cu_seqlens_type(cu, device);
-  if (!cu.device().is_cpu()) return;
-  TORCH_CHECK(cu.numel() >= 1, "cu_seqlens must not be empty: it starts with 0");
-  const at::Tensor c = cu.to(at::kLong).contiguous();
-  const int64_t* b = c.const_data_ptr<int64_t>();
-  const int64_t n = c.numel();
-  TORCH_CHECK(b[0] == 0, "cu_seqlens must start at 0, got ", b[0]);
-  for (int64_t i = 1; i < n; ++i) {
-    TORCH_CHECK(b[i] >= b[i - 1], "cu_seqlens must be non-decreasing, got cu_seqlens[", i - 1,
-                "] = ", b[i - 1], " > cu_seqlens[", i, "] = ", b[i]);
-  }
-  if (exact) {
-    TORCH_CHECK(b[n - 1] == min_total, "cu_seqlens must end at the sequence length ", min_total,
-                ", got ", b[n - 1]);
-  } else {
-    TORCH_CHECK(b[n - 1] >= min_total, "cu_seqlens must end at or after the end of the blocks (",
-                min_total, "), got ", b[n - 1]);
-  }
+void check_window(int64_t left, int64_t right) {
+  TORCH_CHECK(left >= -1 && right >= -1,
+              "window must be (left, right), each >= -1 (-1: unbounded), got window_left = ", left,
+              ", window_right = ", right);
 }
 
 void check_local_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -177,6 +199,18 @@ void check_local_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   check_qkv(q, k, v, 0, 0, pattern);
   TORCH_CHECK(k.sym_size(1) == q.sym_size(1), "k and v must have q's sequence length (dim 1): q ",
               q.sym_sizes(), ", k ", k.sym_sizes());
+}
+
+void check_local_backward(const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse,
+                          const at::Tensor& q, const at::Tensor& out, const at::Tensor& lse) {
+  TORCH_CHECK(grad_out.defined(), "grad_out must be a tensor, got None");
+  TORCH_CHECK(at::isFloatingType(grad_out.scalar_type()),
+              "grad_out must have a floating dtype, got ", grad_out.scalar_type());
+  check_same_geometry("grad_out", grad_out, q.sym_sizes(), grad_out.scalar_type(), q);
+  check_same_geometry("out", out, q.sym_sizes(), q.scalar_type(), q);
+  const at::ScalarType acc = acc_dtype(q.scalar_type());
+  check_same_geometry("lse", lse, lse_sizes(q), acc, q);
+  if (grad_lse.has_value()) check_same_geometry("grad_lse", *grad_lse, lse_sizes(q), acc, q);
 }
 
 void check_block_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -213,27 +247,60 @@ void check_block_backward(const at::Tensor& grad_out, const std::optional<at::Te
   check_grad("dv", dv, k);
 }
 
-BlockCall forward_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                       at::Tensor& out, at::Tensor& lse, int64_t q_start, int64_t k_start,
-                       const PatternArgs& pattern) {
-  check_block_forward(q, k, v, out, lse, q_start, k_start, pattern);
-  BlockCall call = make_call(q, k, v, q_start, k_start, pattern);
+CheckedPattern checked_pattern(const PatternArgs& pattern, const at::Tensor& q, int64_t extent,
+                               bool exact) {
+  const int64_t cap = branch_cap(extent, q.size(2));
+  return CheckedPattern{clamped_branches(pattern.segment_lengths, cap),
+                        clamped_branches(pattern.dilation_rates, cap),
+                        pattern.scale,
+                        pattern.causal,
+                        pattern.head_groups,
+                        pattern.grouped_offsets,
+                        pattern.window_left,
+                        pattern.window_right,
+                        pattern.cu_seqlens.has_value()
+                            ? checked_documents(*pattern.cu_seqlens, q.device(), extent, exact)
+                            : at::Tensor()};
+}
+
+at::Tensor checked_documents(const at::Tensor& cu, c10::Device device, int64_t min_total,
+                             bool exact) {
+  check_cu_seqlens_type(cu, device);
+  at::Tensor bounds = cu.to(at::kLong).contiguous();
+  if (!bounds.device().is_cpu()) return bounds;  // reading them would wait for the device
+  thread_local CheckedDocuments last;
+  const bool versioned = !cu.is_inference();  // inference tensors have no version
+  const bool known = versioned && last.tensor.lock().get() == cu.unsafeGetTensorImpl() &&
+                     last.version == static_cast<int64_t>(cu._version());
+  const int64_t total = known ? last.total : check_document_bounds(bounds);
+  if (versioned && !known) {
+    last.tensor =
+        c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(cu.getIntrusivePtr());
+    last.version = static_cast<int64_t>(cu._version());
+    last.total = total;
+  }
+  check_total(total, min_total, exact);
+  return bounds;
+}
+
+BlockCall forward_block(const CheckedPattern& pattern, const at::Tensor& q, const at::Tensor& k,
+                        const at::Tensor& v, const at::Tensor& key_padding_mask, at::Tensor& out,
+                        at::Tensor& lse, int64_t q_start, int64_t k_start) {
+  BlockCall call = make_block(pattern, q, k, v, key_padding_mask, q_start, k_start);
   call.params.out = out.mutable_data_ptr();
   call.params.lse = lse.mutable_data_ptr();
   return call;
 }
 
-BlockCall backward_call(const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse,
-                        const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                        const at::Tensor& out, const at::Tensor& lse,
-                        const std::optional<at::Tensor>& dq, const std::optional<at::Tensor>& dk,
-                        const std::optional<at::Tensor>& dv, int64_t q_start, int64_t k_start,
-                        const PatternArgs& pattern) {
-  check_block_backward(grad_out, grad_lse, q, k, v, out, lse, dq, dk, dv, q_start, k_start,
-                       pattern);
-  BlockCall call = make_call(q, k, v, q_start, k_start, pattern);
+BlockCall backward_block(const CheckedPattern& pattern, const at::Tensor& grad_out,
+                         const at::Tensor& grad_lse, const at::Tensor& q, const at::Tensor& k,
+                         const at::Tensor& v, const at::Tensor& key_padding_mask,
+                         const at::Tensor& out, const at::Tensor& lse, const at::Tensor& dq,
+                         const at::Tensor& dk, const at::Tensor& dv, int64_t q_start,
+                         int64_t k_start) {
+  BlockCall call = make_block(pattern, q, k, v, key_padding_mask, q_start, k_start);
   call.grad_out = grad_out.contiguous();
-  if (grad_lse.has_value()) call.grad_lse = grad_lse->contiguous();
+  if (grad_lse.defined()) call.grad_lse = grad_lse.contiguous();
   call.out = out.contiguous();
   call.lse = lse.contiguous();
   BlockParams& p = call.params;
@@ -245,6 +312,30 @@ BlockCall backward_call(const at::Tensor& grad_out, const std::optional<at::Tens
   p.dk = optional_ptr(dk);
   p.dv = optional_ptr(dv);
   return call;
+}
+
+BlockCall forward_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       at::Tensor& out, at::Tensor& lse, int64_t q_start, int64_t k_start,
+                       const PatternArgs& pattern) {
+  check_block_forward(q, k, v, out, lse, q_start, k_start, pattern);
+  const int64_t blocks_end = std::max(q_start + q.size(1), k_start + k.size(1));
+  return forward_block(checked_pattern(pattern, q, blocks_end, false), q, k, v,
+                       value_or_undefined(pattern.key_padding_mask), out, lse, q_start, k_start);
+}
+
+BlockCall backward_call(const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse,
+                        const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        const at::Tensor& out, const at::Tensor& lse,
+                        const std::optional<at::Tensor>& dq, const std::optional<at::Tensor>& dk,
+                        const std::optional<at::Tensor>& dv, int64_t q_start, int64_t k_start,
+                        const PatternArgs& pattern) {
+  check_block_backward(grad_out, grad_lse, q, k, v, out, lse, dq, dk, dv, q_start, k_start,
+                       pattern);
+  const int64_t blocks_end = std::max(q_start + q.size(1), k_start + k.size(1));
+  return backward_block(
+      checked_pattern(pattern, q, blocks_end, false), grad_out, value_or_undefined(grad_lse), q, k,
+      v, value_or_undefined(pattern.key_padding_mask), out, lse, value_or_undefined(dq),
+      value_or_undefined(dk), value_or_undefined(dv), q_start, k_start);
 }
 
 }  // namespace ring_attention

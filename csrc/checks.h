@@ -1,6 +1,10 @@
-// Argument checks of the operators, and the one place where a block call's
-// arguments become its BlockParams. The Python layer checks first with
-// friendlier messages; these keep direct op calls safe.
+// Argument checks of the operators, and the one place where a call's
+// arguments become the BlockParams the kernels read (flash-attention's
+// order: checks -> params -> kernels). Each operator checks its flat schema
+// arguments once at its entry; below that, the checked values travel as a
+// CheckedPattern and a BlockCall, never re-checked (the local op chunks one
+// checked call). The Python layer checks first with friendlier messages;
+// these keep direct operator calls safe.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -12,7 +16,8 @@
 
 namespace ring_attention {
 
-// The pattern arguments every operator shares (RA_PATTERN_ARGS in schemas.h).
+// The pattern arguments every attention operator shares (RA_PATTERN_ARGS in
+// schemas.h), as the operator receives them.
 struct PatternArgs {
   at::IntArrayRef segment_lengths, dilation_rates;
   bool causal;
@@ -20,7 +25,23 @@ struct PatternArgs {
   bool head_groups, grouped_offsets;
   const std::optional<at::Tensor>& key_padding_mask;
   const std::optional<at::Tensor>& cu_seqlens;
+  int64_t window_left, window_right;  // -1: unbounded on that side
 };
+
+// The C++ parameters of RA_PATTERN_ARGS in schema order, and the PatternArgs
+// made of them: an operator's signature ends with RA_PATTERN_PARAMS and its
+// body reads RA_PATTERN_ARGS_OF (a new pattern argument is added here, in the
+// schema text and in PatternArgs, nowhere else).
+// clang-format off
+#define RA_PATTERN_PARAMS                                                                       \
+  at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates, bool causal, double scale,   \
+  bool head_groups, bool grouped_offsets, const std::optional<at::Tensor>& key_padding_mask,    \
+  const std::optional<at::Tensor>& cu_seqlens, int64_t window_left, int64_t window_right
+#define RA_PATTERN_ARGS_OF                                                                      \
+  ::ring_attention::PatternArgs{segment_lengths, dilation_rates, causal, scale, head_groups,     \
+                                grouped_offsets, key_padding_mask, cu_seqlens, window_left,      \
+                                window_right}
+// clang-format on
 
 // Accumulator dtype: float64 for float64 inputs, float32 otherwise.
 at::ScalarType acc_dtype(at::ScalarType input);
@@ -34,20 +55,22 @@ std::vector<int64_t> clamped_branches(at::IntArrayRef values, int64_t cap);
 
 void check_pattern(at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates);
 
-// cu_seqlens: a 1-D integer tensor on `device`. Its values are checked only
-// on the CPU (reading them on a GPU would wait for it): [0, ..., total],
-// non-decreasing, total >= min_total (== min_total when exact).
-void check_cu_seqlens(const at::Tensor& cu_seqlens, c10::Device device, int64_t min_total,
-                      bool exact);
+// window_left, window_right: each >= -1 (-1: unbounded).
+void check_window(int64_t window_left, int64_t window_right);
 
 // Shape, dtype and device checks of the local operator (q, k, v of one
-// sequence length; on symbolic sizes).
+// sequence length; on symbolic sizes: the Meta kernels use them as they are).
 void check_local_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     const PatternArgs& pattern);
 
-// Shape, dtype and device checks of the block operators (on symbolic sizes:
-// the Meta kernels use them as they are). k and v have kv_heads heads, a
-// divisor of q's heads.
+// The backward's own tensors: grad_out of q's shape (any floating dtype: it
+// is cast to q's), out of q's shape and dtype, lse and grad_lse (optional)
+// of lse_sizes(q) in the accumulator dtype.
+void check_local_backward(const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse,
+                          const at::Tensor& q, const at::Tensor& out, const at::Tensor& lse);
+
+// Shape, dtype and device checks of the block operators (on symbolic sizes).
+// k and v have kv_heads heads, a divisor of q's heads.
 void check_block_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                          const at::Tensor& out, const at::Tensor& lse, int64_t q_start,
                          int64_t k_start, const PatternArgs& pattern);
@@ -61,6 +84,35 @@ void check_block_backward(const at::Tensor& grad_out, const std::optional<at::Te
                           const std::optional<at::Tensor>& dv, int64_t q_start, int64_t k_start,
                           const PatternArgs& pattern);
 
+// The pattern of a call after its checks: what every block of the call
+// shares. Built once per operator call (checked_pattern); the local op's
+// chunks and the kernels take it as it is.
+struct CheckedPattern {
+  std::vector<int64_t> segment_lengths, dilation_rates;  // clamped to branch_cap
+  double scale;
+  bool causal, head_groups, grouped_offsets;
+  int64_t window_left, window_right;  // -1: unbounded
+  // int64, contiguous, on the inputs' device (checked_documents); undefined:
+  // no documents.
+  at::Tensor cu_seqlens;
+};
+
+// The values of a call's pattern arguments, checked for blocks that end at
+// or before `extent` (the sequence length, exactly, for the local op: then
+// cu_seqlens must end there), for q's device and heads. The shapes must have
+// been checked (check_local_op, check_block_*).
+CheckedPattern checked_pattern(const PatternArgs& pattern, const at::Tensor& q, int64_t extent,
+                               bool exact);
+
+// cu_seqlens, a 1-D integer tensor on `device`, as an int64 contiguous
+// tensor. Its values are checked only on the CPU (reading them on a GPU would
+// wait for it): [0, ..., total], non-decreasing, total >= min_total
+// (== min_total when exact). The last tensor checked on a thread is
+// remembered with its version: the ring's steps and the planner's many calls
+// with one documents tensor read its values once.
+at::Tensor checked_documents(const at::Tensor& cu_seqlens, c10::Device device, int64_t min_total,
+                             bool exact);
+
 // A checked block call: its params and the contiguous tensors their
 // pointers point into (kept alive by this struct).
 struct BlockCall {
@@ -71,6 +123,25 @@ struct BlockCall {
   at::Tensor q, k, v, key_padding_mask, cu_seqlens, grad_out, grad_lse, out, lse;
 };
 
+// A backend's kernel of one block operator (csrc/cpu, csrc/cuda).
+using BlockKernel = void (*)(const BlockCall&);
+
+// The block call of queries q at q_start against keys k, v at k_start under
+// a checked pattern, with its forward accumulators or its backward inputs and
+// gradients. No checks: the caller has checked the operator's arguments.
+BlockCall forward_block(const CheckedPattern& pattern, const at::Tensor& q, const at::Tensor& k,
+                        const at::Tensor& v, const at::Tensor& key_padding_mask, at::Tensor& out,
+                        at::Tensor& lse, int64_t q_start, int64_t k_start);
+
+// Undefined tensors: no key padding mask, no grad_lse, a gradient not asked for.
+BlockCall backward_block(const CheckedPattern& pattern, const at::Tensor& grad_out,
+                         const at::Tensor& grad_lse, const at::Tensor& q, const at::Tensor& k,
+                         const at::Tensor& v, const at::Tensor& key_padding_mask,
+                         const at::Tensor& out, const at::Tensor& lse, const at::Tensor& dq,
+                         const at::Tensor& dk, const at::Tensor& dv, int64_t q_start,
+                         int64_t k_start);
+
+// A block operator's call: its arguments checked, then its block.
 BlockCall forward_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        at::Tensor& out, at::Tensor& lse, int64_t q_start, int64_t k_start,
                        const PatternArgs& pattern);

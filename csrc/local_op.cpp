@@ -1,11 +1,10 @@
 // The local operator: the whole sequence is one query block and one key
-// block, computed by the block operators through the dispatcher (so on any
-// device they are registered for).
+// block. Its arguments are checked once; the chunks of rows below are blocks
+// of that one checked call, run by the backend's kernel directly.
 #include "local_op.h"
 
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/autograd.h>
+#include <ATen/record_function.h>
 
 #include <algorithm>
 #include <limits>
@@ -19,39 +18,6 @@ namespace {
 using at::IntArrayRef;
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
-
-void call_block_forward(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse,
-                        int64_t q_start, int64_t k_start, const PatternArgs& pa) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("ring_attention::block_forward", "")
-                       .typed<void(const Tensor&, const Tensor&, const Tensor&, Tensor&, Tensor&,
-                                   int64_t, int64_t, IntArrayRef, IntArrayRef, bool, double, bool,
-                                   bool, const OptTensor&, const OptTensor&)>();
-  op.call(q, k, v, out, lse, q_start, k_start, pa.segment_lengths, pa.dilation_rates, pa.causal,
-          pa.scale, pa.head_groups, pa.grouped_offsets, pa.key_padding_mask, pa.cu_seqlens);
-}
-
-void call_block_backward(const Tensor& grad_out, const OptTensor& grad_lse, const Tensor& q,
-                         const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
-                         const OptTensor& dq, const OptTensor& dk, const OptTensor& dv,
-                         int64_t q_start, int64_t k_start, const PatternArgs& pa) {
-  static auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("ring_attention::block_backward", "")
-          .typed<void(const Tensor&, const OptTensor&, const Tensor&, const Tensor&, const Tensor&,
-                      const Tensor&, const Tensor&, const OptTensor&, const OptTensor&,
-                      const OptTensor&, int64_t, int64_t, IntArrayRef, IntArrayRef, bool, double,
-                      bool, bool, const OptTensor&, const OptTensor&)>();
-  op.call(grad_out, grad_lse, q, k, v, out, lse, dq, dk, dv, q_start, k_start, pa.segment_lengths,
-          pa.dilation_rates, pa.causal, pa.scale, pa.head_groups, pa.grouped_offsets,
-          pa.key_padding_mask, pa.cu_seqlens);
-}
-
-// The local op's own checks; the block operators check the rest.
-void check_local(const Tensor& q, const Tensor& k, const Tensor& v, const PatternArgs& pa) {
-  check_local_op(q, k, v, pa);
-  if (pa.cu_seqlens.has_value()) check_cu_seqlens(*pa.cu_seqlens, q.device(), q.size(1), true);
-}
 
 // Low-precision inputs accumulate in fp32 one chunk of rows at a time and cast
 // each chunk into the output: the fp32 accumulators (out; dq, dk, dv) are at
@@ -91,30 +57,50 @@ Tensor neg_inf_lse(const Tensor& q, int64_t rows, at::ScalarType acc) {
                   q.options().dtype(acc));
 }
 
+// The local op's checks, once: shapes, then the pattern's values against the
+// sequence length (cu_seqlens must end there).
+CheckedPattern check_local(const Tensor& q, const Tensor& k, const Tensor& v,
+                           const PatternArgs& pa) {
+  check_local_op(q, k, v, pa);
+  return checked_pattern(pa, q, q.size(1), true);
+}
+
+Tensor undefined_or(const OptTensor& t) { return t.has_value() ? *t : Tensor(); }
+
+// One block of the local op by the backend's kernel, a profiler event
+// ("ring_attention::local_forward_block" / "..._backward_block") each.
+void run_forward(BlockKernel kernel, const BlockCall& call) {
+  RECORD_FUNCTION("ring_attention::local_forward_block", std::vector<c10::IValue>());
+  kernel(call);
+}
+void run_backward(BlockKernel kernel, const BlockCall& call) {
+  RECORD_FUNCTION("ring_attention::local_backward_block", std::vector<c10::IValue>());
+  kernel(call);
+}
+
 }  // namespace
 
-std::tuple<Tensor, Tensor> dilated_attention_local(const Tensor& q, const Tensor& k,
-                                                   const Tensor& v, IntArrayRef segs,
-                                                   IntArrayRef dils, bool causal, double scale,
-                                                   bool head_groups, bool grouped_offsets,
-                                                   const OptTensor& kpm, const OptTensor& cu) {
-  const PatternArgs pa{segs, dils, causal, scale, head_groups, grouped_offsets, kpm, cu};
-  check_local(q, k, v, pa);
+std::tuple<Tensor, Tensor> dilated_attention_local(BlockKernel forward, const Tensor& q,
+                                                   const Tensor& k, const Tensor& v,
+                                                   const PatternArgs& pa) {
+  const CheckedPattern pattern = check_local(q, k, v, pa);
+  const Tensor kpm = undefined_or(pa.key_padding_mask);
   const at::ScalarType acc = acc_dtype(q.scalar_type());
   const int64_t len = q.size(1);
   Tensor lse = neg_inf_lse(q, len, acc);
   if (acc == q.scalar_type()) {  // the output is its own accumulator
     Tensor out = at::zeros(q.sizes(), q.options());
-    call_block_forward(q, k, v, out, lse, 0, 0, pa);
+    run_forward(forward, forward_block(pattern, q, k, v, kpm, out, lse, 0, 0));
     return {out, lse};
   }
   Tensor out = at::empty(q.sizes(), q.options());
-  const int64_t rows = chunk_rows(q, segs, q.size(0) * q.size(2) * q.size(3) * elementSize(acc));
+  const int64_t rows =
+      chunk_rows(q, pattern.segment_lengths, q.size(0) * q.size(2) * q.size(3) * elementSize(acc));
   for (int64_t a = 0; a < len; a += rows) {
     const int64_t b = std::min(a + rows, len);
     Tensor out_c = at::zeros({q.size(0), b - a, q.size(2), q.size(3)}, q.options().dtype(acc));
     Tensor lse_c = neg_inf_lse(q, b - a, acc);
-    call_block_forward(q.slice(1, a, b), k, v, out_c, lse_c, a, 0, pa);
+    run_forward(forward, forward_block(pattern, q.slice(1, a, b), k, v, kpm, out_c, lse_c, a, 0));
     out.slice(1, a, b).copy_(out_c);
     lse.slice(2, a, b).copy_(lse_c);
   }
@@ -122,19 +108,25 @@ std::tuple<Tensor, Tensor> dilated_attention_local(const Tensor& q, const Tensor
 }
 
 std::tuple<Tensor, Tensor, Tensor> dilated_attention_backward_local(
-    const Tensor& grad_out_in, const OptTensor& grad_lse, const Tensor& q, const Tensor& k,
-    const Tensor& v, const Tensor& out, const Tensor& lse, IntArrayRef segs, IntArrayRef dils,
-    bool causal, double scale, bool head_groups, bool grouped_offsets, const OptTensor& kpm,
-    const OptTensor& cu) {
-  const PatternArgs pa{segs, dils, causal, scale, head_groups, grouped_offsets, kpm, cu};
-  check_local(q, k, v, pa);
-  TORCH_CHECK(grad_out_in.defined(), "grad_out must be a tensor, got None");
+    BlockKernel backward, const Tensor& grad_out_in, const OptTensor& grad_lse_in, const Tensor& q,
+    const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse, const PatternArgs& pa) {
+  const CheckedPattern pattern = check_local(q, k, v, pa);
+  check_local_backward(grad_out_in, grad_lse_in, q, out, lse);
+  const Tensor kpm = undefined_or(pa.key_padding_mask);
   const at::ScalarType acc = acc_dtype(q.scalar_type());
   const Tensor grad_out = grad_out_in.to(q.scalar_type());
+  const Tensor grad_lse = undefined_or(grad_lse_in);
+  const auto run = [&](const Tensor& go, const Tensor& glse, const Tensor& q_c, const Tensor& k_c,
+                       const Tensor& v_c, const Tensor& kpm_c, const Tensor& out_c,
+                       const Tensor& lse_c, const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                       int64_t q_start, int64_t k_start) {
+    run_backward(backward, backward_block(pattern, go, glse, q_c, k_c, v_c, kpm_c, out_c, lse_c, dq,
+                                          dk, dv, q_start, k_start));
+  };
   if (acc == q.scalar_type()) {  // the gradients are their own accumulators
     Tensor dq = at::zeros(q.sizes(), q.options()), dk = at::zeros(k.sizes(), k.options()),
            dv = at::zeros(v.sizes(), v.options());
-    call_block_backward(grad_out, grad_lse, q, k, v, out, lse, dq, dk, dv, 0, 0, pa);
+    run(grad_out, grad_lse, q, k, v, kpm, out, lse, dq, dk, dv, 0, 0);
     return {dq, dk, dv};
   }
   Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options()),
@@ -143,33 +135,32 @@ std::tuple<Tensor, Tensor, Tensor> dilated_attention_backward_local(
   // Three fp32 accumulators a row at a time at most: dq, dk, dv.
   const int64_t len = q.size(1);
   const int64_t rows =
-      chunk_rows(q, segs, q.size(0) * (q.size(2) + 2 * k.size(2)) * q.size(3) * elementSize(acc));
-  // A chunk's fp32 accumulator, its rows of grad_lse and of the key padding
-  // mask (PatternArgs holds references: each call site keeps the slice).
+      chunk_rows(q, pattern.segment_lengths,
+                 q.size(0) * (q.size(2) + 2 * k.size(2)) * q.size(3) * elementSize(acc));
+  // A chunk's fp32 accumulator, its rows of grad_lse and of the key padding mask.
   const auto acc_chunk = [&](const Tensor& t, int64_t a, int64_t b) {
     return at::zeros({t.size(0), b - a, t.size(2), t.size(3)}, acc_opts);
   };
   const auto grad_lse_rows = [&](int64_t a, int64_t b) {
-    return grad_lse.has_value() ? OptTensor(grad_lse->slice(2, a, b)) : std::nullopt;
+    return grad_lse.defined() ? grad_lse.slice(2, a, b) : Tensor();
   };
   const auto kpm_rows = [&](int64_t a, int64_t b) {
-    return kpm.has_value() ? OptTensor(kpm->slice(1, a, b)) : std::nullopt;
+    return kpm.defined() ? kpm.slice(1, a, b) : Tensor();
   };
   // Without documents, chunks that hold whole segments of every branch are
   // closed: their queries reach only their keys. Then one pass per chunk
   // computes dq, dk and dv together (three fp32 chunks at a time).
-  const bool closed = !cu.has_value() && std::all_of(segs.begin(), segs.end(), [&](int64_t w) {
-    return rows == len || rows % w == 0;
-  });
+  const std::vector<int64_t>& segs = pattern.segment_lengths;
+  const bool closed = !pattern.cu_seqlens.defined() &&
+                      std::all_of(segs.begin(), segs.end(),
+                                  [&](int64_t w) { return rows == len || rows % w == 0; });
   if (closed) {
     for (int64_t a = 0; a < len; a += rows) {
       const int64_t b = std::min(a + rows, len);
       const Tensor dq_c = acc_chunk(q, a, b), dk_c = acc_chunk(k, a, b), dv_c = acc_chunk(v, a, b);
-      const OptTensor kpm_c = kpm_rows(a, b);
-      const PatternArgs pa_c{segs, dils, causal, scale, head_groups, grouped_offsets, kpm_c, cu};
-      call_block_backward(grad_out.slice(1, a, b), grad_lse_rows(a, b), q.slice(1, a, b),
-                          k.slice(1, a, b), v.slice(1, a, b), out.slice(1, a, b),
-                          lse.slice(2, a, b).contiguous(), dq_c, dk_c, dv_c, a, a, pa_c);
+      run(grad_out.slice(1, a, b), grad_lse_rows(a, b), q.slice(1, a, b), k.slice(1, a, b),
+          v.slice(1, a, b), kpm_rows(a, b), out.slice(1, a, b), lse.slice(2, a, b), dq_c, dk_c,
+          dv_c, a, a);
       dq.slice(1, a, b).copy_(dq_c);
       dk.slice(1, a, b).copy_(dk_c);
       dv.slice(1, a, b).copy_(dv_c);
@@ -183,18 +174,15 @@ std::tuple<Tensor, Tensor, Tensor> dilated_attention_backward_local(
   for (int64_t a = 0; a < len; a += rows) {
     const int64_t b = std::min(a + rows, len);
     const Tensor dq_c = acc_chunk(q, a, b);
-    call_block_backward(grad_out.slice(1, a, b), grad_lse_rows(a, b), q.slice(1, a, b), k, v,
-                        out.slice(1, a, b), lse.slice(2, a, b).contiguous(), dq_c, std::nullopt,
-                        std::nullopt, a, 0, pa);
+    run(grad_out.slice(1, a, b), grad_lse_rows(a, b), q.slice(1, a, b), k, v, kpm,
+        out.slice(1, a, b), lse.slice(2, a, b), dq_c, Tensor(), Tensor(), a, 0);
     dq.slice(1, a, b).copy_(dq_c);
   }
   for (int64_t a = 0; a < len; a += rows) {
     const int64_t b = std::min(a + rows, len);
     const Tensor dk_c = acc_chunk(k, a, b), dv_c = acc_chunk(v, a, b);
-    const OptTensor kpm_c = kpm_rows(a, b);
-    const PatternArgs pa_c{segs, dils, causal, scale, head_groups, grouped_offsets, kpm_c, cu};
-    call_block_backward(grad_out, grad_lse, q, k.slice(1, a, b), v.slice(1, a, b), out, lse,
-                        std::nullopt, dk_c, dv_c, 0, a, pa_c);
+    run(grad_out, grad_lse, q, k.slice(1, a, b), v.slice(1, a, b), kpm_rows(a, b), out, lse,
+        Tensor(), dk_c, dv_c, 0, a);
     dk.slice(1, a, b).copy_(dk_c);
     dv.slice(1, a, b).copy_(dv_c);
   }
@@ -202,124 +190,21 @@ std::tuple<Tensor, Tensor, Tensor> dilated_attention_backward_local(
 }
 
 std::tuple<Tensor, Tensor> dilated_attention_meta(const Tensor& q, const Tensor& k, const Tensor& v,
-                                                  IntArrayRef segs, IntArrayRef dils, bool causal,
-                                                  double scale, bool head_groups,
-                                                  bool grouped_offsets, const OptTensor& kpm,
-                                                  const OptTensor& cu) {
-  check_local_op(q, k, v,
-                 PatternArgs{segs, dils, causal, scale, head_groups, grouped_offsets, kpm, cu});
+                                                  RA_PATTERN_PARAMS) {
+  check_local_op(q, k, v, RA_PATTERN_ARGS_OF);
   // Contiguous, as the CPU and CUDA kernels return them (whatever q's strides).
   return {at::empty_like(q, at::MemoryFormat::Contiguous),
           at::empty_symint(lse_sizes(q), q.options().dtype(acc_dtype(q.scalar_type())))};
 }
 
 std::tuple<Tensor, Tensor, Tensor> dilated_attention_backward_meta(
-    const Tensor&, const OptTensor&, const Tensor& q, const Tensor& k, const Tensor& v,
-    const Tensor&, const Tensor&, IntArrayRef segs, IntArrayRef dils, bool causal, double scale,
-    bool head_groups, bool grouped_offsets, const OptTensor& kpm, const OptTensor& cu) {
-  check_local_op(q, k, v,
-                 PatternArgs{segs, dils, causal, scale, head_groups, grouped_offsets, kpm, cu});
+    const Tensor& grad_out, const OptTensor& grad_lse, const Tensor& q, const Tensor& k,
+    const Tensor& v, const Tensor& out, const Tensor& lse, RA_PATTERN_PARAMS) {
+  check_local_op(q, k, v, RA_PATTERN_ARGS_OF);
+  check_local_backward(grad_out, grad_lse, q, out, lse);
   const auto contiguous = at::MemoryFormat::Contiguous;
   return {at::empty_like(q, contiguous), at::empty_like(k, contiguous),
           at::empty_like(v, contiguous)};
-}
-
-namespace {
-
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-
-// The pattern arguments of a call, kept for its backward.
-void save_pattern(AutogradContext* ctx, IntArrayRef segs, IntArrayRef dils, bool causal,
-                  double scale, bool head_groups, bool grouped_offsets, const OptTensor& kpm,
-                  const OptTensor& cu) {
-  ctx->saved_data["segs"] = segs.vec();
-  ctx->saved_data["dils"] = dils.vec();
-  ctx->saved_data["causal"] = causal;
-  ctx->saved_data["scale"] = scale;
-  ctx->saved_data["head_groups"] = head_groups;
-  ctx->saved_data["grouped_offsets"] = grouped_offsets;
-  ctx->saved_data["kpm"] = kpm;
-  ctx->saved_data["cu"] = cu;
-}
-
-// The backward as an autograd node of its own: with create_graph=True its
-// outputs get this node, whose backward (double backward) raises instead of
-// silently giving zeros.
-class DilatedAttentionBackwardFunction
-    : public torch::autograd::Function<DilatedAttentionBackwardFunction> {
- public:
-  static variable_list forward(AutogradContext*, const Tensor& grad_out, const OptTensor& grad_lse,
-                               const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                               const Tensor& lse, IntArrayRef segs, IntArrayRef dils, bool causal,
-                               double scale, bool head_groups, bool grouped_offsets,
-                               const OptTensor& kpm, const OptTensor& cu) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("ring_attention::dilated_attention_backward", "")
-                         .typed<decltype(dilated_attention_backward_local)>();
-    auto [dq, dk, dv] = op.call(grad_out, grad_lse, q, k, v, out, lse, segs, dils, causal, scale,
-                                head_groups, grouped_offsets, kpm, cu);
-    return {dq, dk, dv};
-  }
-
-  static variable_list backward(AutogradContext*, variable_list) {
-    TORCH_CHECK(false,
-                "ring_attention.dilated_attention: double backward is not supported (the "
-                "gradients of q, k, v are not differentiable)");
-    return {};
-  }
-};
-
-class DilatedAttentionFunction : public torch::autograd::Function<DilatedAttentionFunction> {
- public:
-  static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k,
-                               const Tensor& v, IntArrayRef segs, IntArrayRef dils, bool causal,
-                               double scale, bool head_groups, bool grouped_offsets,
-                               const OptTensor& kpm, const OptTensor& cu) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("ring_attention::dilated_attention", "")
-                         .typed<decltype(dilated_attention_local)>();
-    auto [out, lse] =
-        op.call(q, k, v, segs, dils, causal, scale, head_groups, grouped_offsets, kpm, cu);
-    ctx->save_for_backward({q, k, v, out, lse});
-    save_pattern(ctx, segs, dils, causal, scale, head_groups, grouped_offsets, kpm, cu);
-    ctx->set_materialize_grads(false);  // an unused output's gradient stays undefined
-    return {out, lse};
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const Tensor &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
-    const Tensor grad_out = grads[0].defined() ? grads[0] : at::zeros_like(out);
-    const OptTensor grad_lse = grads[1].defined() ? OptTensor(grads[1]) : std::nullopt;
-    const auto& d = ctx->saved_data;
-    const auto res = DilatedAttentionBackwardFunction::apply(
-        grad_out, grad_lse, q, k, v, out, lse, d.at("segs").toIntVector(),
-        d.at("dils").toIntVector(), d.at("causal").toBool(), d.at("scale").toDouble(),
-        d.at("head_groups").toBool(), d.at("grouped_offsets").toBool(),
-        d.at("kpm").toOptional<Tensor>(), d.at("cu").toOptional<Tensor>());
-    return {res[0],   res[1],   res[2],   Tensor(), Tensor(), Tensor(),
-            Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
-  }
-};
-
-}  // namespace
-
-std::tuple<Tensor, Tensor> dilated_attention_autograd(const Tensor& q, const Tensor& k,
-                                                      const Tensor& v, IntArrayRef segs,
-                                                      IntArrayRef dils, bool causal, double scale,
-                                                      bool head_groups, bool grouped_offsets,
-                                                      const OptTensor& kpm, const OptTensor& cu) {
-  TORCH_CHECK(q.defined() && k.defined() && v.defined(),
-              "q, k and v must be tensors, got None for ",
-              !q.defined()   ? "q"
-              : !k.defined() ? "k"
-                             : "v");  // (autograd reads their devices)
-  auto res = DilatedAttentionFunction::apply(q, k, v, segs, dils, causal, scale, head_groups,
-                                             grouped_offsets, kpm, cu);
-  return {res[0], res[1]};
 }
 
 }  // namespace ring_attention

@@ -1,6 +1,7 @@
-// The local (single-process) operator dilated_attention and its backward,
-// built from the block operators (so they run on any device those run on),
-// their Meta kernels and the C++ autograd of dilated_attention.
+// The local (single-process) operator dilated_attention and its backward: the
+// whole sequence is one query block and one key block, checked once and run
+// by a backend's block kernel in chunks of rows (no re-checking per chunk);
+// and their Meta kernels. Their autograd is Python's (ring_attention/ops.py).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -8,40 +9,25 @@
 #include <optional>
 #include <tuple>
 
+#include "checks.h"
+
 namespace ring_attention {
 
-std::tuple<at::Tensor, at::Tensor> dilated_attention_local(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::IntArrayRef segment_lengths,
-    at::IntArrayRef dilation_rates, bool causal, double scale, bool head_groups,
-    bool grouped_offsets, const std::optional<at::Tensor>& key_padding_mask,
-    const std::optional<at::Tensor>& cu_seqlens);
+std::tuple<at::Tensor, at::Tensor> dilated_attention_local(BlockKernel forward, const at::Tensor& q,
+                                                           const at::Tensor& k, const at::Tensor& v,
+                                                           const PatternArgs& pattern);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dilated_attention_backward_local(
-    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
-    const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
-    at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates, bool causal, double scale,
-    bool head_groups, bool grouped_offsets, const std::optional<at::Tensor>& key_padding_mask,
-    const std::optional<at::Tensor>& cu_seqlens);
+    BlockKernel backward, const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse,
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const PatternArgs& pattern);
 
-std::tuple<at::Tensor, at::Tensor> dilated_attention_meta(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::IntArrayRef segment_lengths,
-    at::IntArrayRef dilation_rates, bool causal, double scale, bool head_groups,
-    bool grouped_offsets, const std::optional<at::Tensor>& key_padding_mask,
-    const std::optional<at::Tensor>& cu_seqlens);
+std::tuple<at::Tensor, at::Tensor> dilated_attention_meta(const at::Tensor& q, const at::Tensor& k,
+                                                          const at::Tensor& v, RA_PATTERN_PARAMS);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dilated_attention_backward_meta(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
     const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
-    at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates, bool causal, double scale,
-    bool head_groups, bool grouped_offsets, const std::optional<at::Tensor>& key_padding_mask,
-    const std::optional<at::Tensor>& cu_seqlens);
-
-// Autograd kernel: (out, lse) differentiable in q, k, v; double backward
-// raises.
-std::tuple<at::Tensor, at::Tensor> dilated_attention_autograd(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::IntArrayRef segment_lengths,
-    at::IntArrayRef dilation_rates, bool causal, double scale, bool head_groups,
-    bool grouped_offsets, const std::optional<at::Tensor>& key_padding_mask,
-    const std::optional<at::Tensor>& cu_seqlens);
+    RA_PATTERN_PARAMS);
 
 }  // namespace ring_attention

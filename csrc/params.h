@@ -31,6 +31,17 @@ struct BlockParams {
   int64_t n_branches;
   double scale;
   bool causal, head_groups, grouped_offsets;
+  // The sliding window of this block (set_window): query t reaches only keys
+  // in [t - window_left, t + window_right], both >= 0 and at most the block's
+  // largest distances (so no bound overflows; window_right is 0 when causal).
+  // windowed: the window excludes some pair of the block; else the bounds
+  // exclude nothing and the kernels skip them.
+  int64_t window_left, window_right;
+  bool windowed;
+
+  // Keys u reached by a query t within the window: band_first(t) <= u <= band_last(t).
+  RA_HOST_DEVICE int64_t band_first(int64_t t) const { return t - window_left; }
+  RA_HOST_DEVICE int64_t band_last(int64_t t) const { return t + window_right; }
 
   // Query head h reads K/V head h / (heads / kv_heads).
   RA_HOST_DEVICE int64_t kv_head(int64_t h) const { return h / (heads / kv_heads); }
@@ -78,5 +89,15 @@ struct BlockParams {
     return (b * heads + h) * q_len + (pos - q_start);
   }
 };
+
+// The window (left, right; -1: unbounded) of a block whose positions and
+// causal flag p holds, as BlockParams keeps it.
+inline void set_window(BlockParams& p, int64_t left, int64_t right) {
+  const Window window = block_window(left, right, p.q_start, p.q_start + p.q_len, p.k_start,
+                                     p.k_start + p.k_len, p.causal);
+  p.window_left = window.left;
+  p.window_right = window.right;
+  p.windowed = window.restricts;
+}
 
 }  // namespace ring_attention

@@ -149,28 +149,56 @@ RA_HOST_DEVICE inline ActiveRun active_run(Segment seg, int64_t r, int64_t offse
   return {p0, p0 < b ? ceil_div(b - p0, r) : 0};
 }
 
+// The sliding window (query t reaches keys in [t - left, t + right]) for
+// queries in [q_lo, q_hi) and keys in [k_lo, k_hi), from the call's (left,
+// right; -1: unbounded): each side at most the ranges' largest distance (so
+// that no bound computed from it overflows), right 0 when causal.
+// restricts: it excludes some (query, key) pair of the ranges.
+struct Window {
+  int64_t left, right;
+  bool restricts;
+};
+
+RA_HOST_DEVICE inline Window block_window(int64_t left, int64_t right, int64_t q_lo, int64_t q_hi,
+                                          int64_t k_lo, int64_t k_hi, bool causal) {
+  const int64_t back = q_hi - 1 - k_lo, ahead = k_hi - 1 - q_lo;  // the largest t - u, u - t
+  const int64_t max_left = back > 0 ? back : 0;
+  const int64_t max_right = causal || ahead < 0 ? 0 : ahead;
+  Window window;
+  window.left = left < 0 || left > max_left ? max_left : left;
+  window.right = right < 0 || right > max_right ? max_right : right;
+  window.restricts = window.left < max_left || window.right < max_right;
+  return window;
+}
+
 // The active query rows of one (branch, head offset, segment) that lie in
-// [q_lo, q_hi), and the key rows in [k_lo, k_hi) they reach: same segment,
-// same offset, and for causal attention no later than the last of those
-// queries. This is the whole reachability rule; kernels and the exchange
-// planner all use it.
+// [q_lo, q_hi) and can reach a key of [k_lo, k_hi), and the key rows of
+// [k_lo, k_hi) they reach: same segment, same offset, for causal attention no
+// later than the last of those queries, and within the sliding window (query
+// t reaches keys in [t - left, t + right]; left, right >= 0, as large as the
+// blocks' distances for no window). This is the whole reachability rule;
+// kernels and the exchange planner all use it.
 struct SegmentRuns {
   ActiveRun q, k;
 };
 
 RA_HOST_DEVICE inline SegmentRuns segment_runs(Segment seg, int64_t r, int64_t offset, int64_t q_lo,
                                                int64_t q_hi, int64_t k_lo, int64_t k_hi,
-                                               bool causal) {
+                                               bool causal, int64_t left, int64_t right) {
   SegmentRuns runs;
+  // Queries whose window meets the key range.
+  if (k_lo - right > q_lo) q_lo = k_lo - right;
+  if (k_hi + left < q_hi) q_hi = k_hi + left;
   runs.q = active_run(seg, r, offset, q_lo, q_hi);
   if (runs.q.count == 0) {
     runs.k = {seg.start, 0};
     return runs;
   }
-  if (causal) {
-    const int64_t last_q = runs.q.first + (runs.q.count - 1) * r;
-    if (last_q + 1 < k_hi) k_hi = last_q + 1;
-  }
+  const int64_t last_q = runs.q.first + (runs.q.count - 1) * r;
+  if (causal && last_q + 1 < k_hi) k_hi = last_q + 1;
+  // Keys in the windows of those queries.
+  if (runs.q.first - left > k_lo) k_lo = runs.q.first - left;
+  if (last_q + right + 1 < k_hi) k_hi = last_q + right + 1;
   runs.k = active_run(seg, r, offset, k_lo, k_hi);
   return runs;
 }

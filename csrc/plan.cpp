@@ -112,8 +112,10 @@ void compact(std::vector<int64_t>& rows) {
 at::Tensor exchange_rows(at::IntArrayRef q_starts, at::IntArrayRef q_lens, int64_t k_start,
                          int64_t k_len, int64_t heads, int64_t kv_heads, at::IntArrayRef segs,
                          at::IntArrayRef dils, bool causal, bool head_groups, bool grouped_offsets,
-                         const std::optional<at::Tensor>& cu_seqlens) {
+                         const std::optional<at::Tensor>& cu_seqlens, int64_t window_left,
+                         int64_t window_right) {
   check_pattern(segs, dils);
+  check_window(window_left, window_right);
   TORCH_CHECK(q_starts.size() == q_lens.size(),
               "exchange_rows: q_starts and q_lens must have the same length, got ", q_starts.size(),
               " and ", q_lens.size());
@@ -139,11 +141,8 @@ at::Tensor exchange_rows(at::IntArrayRef q_starts, at::IntArrayRef q_lens, int64
   }
   const std::vector<int64_t> ws = clamped_branches(segs, branch_cap(end, heads)),
                              rs = clamped_branches(dils, branch_cap(end, heads));
-  at::Tensor cu;
-  if (cu_seqlens.has_value()) {
-    check_cu_seqlens(*cu_seqlens, at::kCPU, end, false);
-    cu = cu_seqlens->to(at::kLong).contiguous();
-  }
+  const at::Tensor cu =
+      cu_seqlens.has_value() ? checked_documents(*cu_seqlens, at::kCPU, end, false) : at::Tensor();
   const Documents docs = cu.defined() ? Documents{cu.const_data_ptr<int64_t>(), cu.numel() - 1}
                                       : Documents{nullptr, 0};
 
@@ -161,21 +160,26 @@ at::Tensor exchange_rows(at::IntArrayRef q_starts, at::IntArrayRef q_lens, int64
       for (size_t qi = 0; qi < q_starts.size(); ++qi) {
         const int64_t q_lo = q_starts[qi], q_hi = q_lo + q_lens[qi];
         if (q_lo >= q_hi) continue;
+        const Window window =
+            block_window(window_left, window_right, q_lo, q_hi, k_start, k_end, causal);
         // Segments meeting both ranges: from the one holding the later start.
         const int64_t lo = std::max(q_lo, k_start), hi = std::min(q_hi, k_end);
         for (SegmentWalk walk(docs, w, lo); walk.segment().start < hi; walk.next()) {
           const Segment seg = walk.segment();
           const int64_t qa = std::max(q_lo, seg.start), qb = std::min(q_hi, seg.end);
-          const int64_t ka = std::max(k_start, seg.start);
-          const int64_t kb = std::min({k_end, seg.end, causal ? qb : k_end});
+          const int64_t ka = std::max({k_start, seg.start, qa - window.left});
+          const int64_t kb = std::min({k_end, seg.end, causal ? qb : k_end, qb + window.right});
           if (qa >= qb || ka >= kb) continue;
           // Offsets with a query in [qa, qb) and a key in [ka, kb) (causal:
-          // keys before qb, so no later than that offset's last query).
+          // keys before qb, so no later than that offset's last query; a
+          // window: keys within it of some query).
           const Residues live = intersect(intersect(offsets, residues(qa - seg.start, qb - qa, r)),
                                           residues(ka - seg.start, kb - ka, r));
           for (const Interval& iv : live) {
             for (int64_t o = iv.lo; o < iv.hi; ++o) {
-              const ActiveRun k = segment_runs(seg, r, o, q_lo, q_hi, k_start, k_end, causal).k;
+              const ActiveRun k = segment_runs(seg, r, o, q_lo, q_hi, k_start, k_end, causal,
+                                               window.left, window.right)
+                                      .k;
               branch.kv_heads_of(o, [&](int64_t kvh) {
                 for (int64_t m = 0; m < k.count; ++m)
                   rows.push_back((k.first + m * r - k_start) * kv_heads + kvh);

@@ -2,10 +2,12 @@
 // suite's CUDA emulator, whose ops must take exactly the same arguments).
 #pragma once
 
-// Arguments every attention operator shares.
+// Arguments every attention operator shares (the ones added later have
+// defaults, so that calls written before them still work).
 #define RA_PATTERN_ARGS                                                                       \
   "int[] segment_lengths, int[] dilation_rates, bool causal, float scale, bool head_groups, " \
-  "bool grouped_offsets, Tensor? key_padding_mask, Tensor? cu_seqlens"
+  "bool grouped_offsets, Tensor? key_padding_mask, Tensor? cu_seqlens, "                      \
+  "int window_left=-1, int window_right=-1"
 
 namespace ring_attention::schema {
 
@@ -24,7 +26,7 @@ inline constexpr const char* kDilatedAttentionBackward =
 inline constexpr const char* kExchangeRows =
     "exchange_rows(int[] q_starts, int[] q_lens, int k_start, int k_len, int heads, int kv_heads, "
     "int[] segment_lengths, int[] dilation_rates, bool causal, bool head_groups, "
-    "bool grouped_offsets, Tensor? cu_seqlens) -> Tensor";
+    "bool grouped_offsets, Tensor? cu_seqlens, int window_left=-1, int window_right=-1) -> Tensor";
 
 }  // namespace ring_attention::schema
 

@@ -1,17 +1,9 @@
 """ring_attention: exact LongNet-style dilated attention, sharded across
 processes with a dilation-aware ring exchange of K/V rows."""
 
-import torch  # noqa: F401  (loads libtorch before the extension)
+from typing import Any
 
-from . import _C  # noqa: F401  (registers torch.ops.ring_attention)
-from .dtypes import select_dtype
-from .functional import dilated_attention
-from .hf import register_transformers
-from .modules import DilatedAttention, MultiheadDilatedAttention, RingDilatedAttention
-from .multihead import MultiheadAttentionError
-from .pattern import Pattern
-from .ring import ring_dilated_attention
-from .sharding import gather_sequence, shard_sequence
+import torch  # noqa: F401  (loads libtorch before the extension)
 
 __all__ = [
     "DilatedAttention",
@@ -27,3 +19,31 @@ __all__ = [
     "shard_sequence",
 ]
 __version__ = "0.1.0"
+
+try:
+    from . import _C  # noqa: F401  (registers torch.ops.ring_attention)
+except ImportError as error:
+    # Without the compiled extension only the pure-Python parts import (the
+    # planner, ring_attention.planner); the public names raise on first use.
+    _EXTENSION_ERROR: ImportError | None = error
+else:
+    _EXTENSION_ERROR = None
+    from . import ops  # noqa: F401  (the operators' autograd)
+    from .dtypes import select_dtype
+    from .functional import dilated_attention
+    from .hf import register_transformers
+    from .modules import DilatedAttention, MultiheadDilatedAttention, RingDilatedAttention
+    from .multihead import MultiheadAttentionError
+    from .pattern import Pattern
+    from .ring import ring_dilated_attention
+    from .sharding import gather_sequence, shard_sequence
+
+
+def __getattr__(name: str) -> Any:
+    if _EXTENSION_ERROR is not None and name in __all__:
+        raise ImportError(
+            f"ring_attention.{name} needs the compiled extension ring_attention._C, which did "
+            f"not load ({_EXTENSION_ERROR}); build it with scripts/setup.sh or "
+            "`python setup.py build_ext --inplace`"
+        ) from _EXTENSION_ERROR
+    raise AttributeError(f"module 'ring_attention' has no attribute {name!r}")

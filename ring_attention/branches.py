@@ -33,6 +33,7 @@ from collections import defaultdict
 
 import torch
 
+from . import ops
 from .backends import backend
 from .dispatch import Route, route
 from .dtypes import acc_dtype
@@ -40,11 +41,6 @@ from .pattern import Pattern
 from .views import Call, batched
 
 __all__ = ["DenseBranches", "PhaseTimes", "local_attention", "phase_times"]
-
-_DOUBLE_BACKWARD = (
-    "ring_attention.dilated_attention: double backward is not supported (the "
-    "backward is not itself differentiable)"
-)
 
 
 class PhaseTimes:
@@ -143,7 +139,7 @@ def dense_forward(
                 base += call.part_rows(batch)
         a, length = window.start, window.length
         with _span("merge", q.device):
-            torch.ops.ring_attention.merge_branches(
+            ops.merge_branches(
                 parts, part_lse, q_index, out[:, a : a + length],
                 lse[:, :, a : a + length].transpose(1, 2),
             )  # fmt: skip
@@ -189,7 +185,6 @@ def dense_backward(
                 kv_base += call.part_rows(batch, True)
         a, length = window.start, window.length
         with _span("merge", q.device):
-            ops = torch.ops.ring_attention
             ops.sum_branches(gq, q_index, dq[:, a : a + length])
             ops.sum_branches(gk, kv_index, dk[:, a : a + length])
             ops.sum_branches(gv, kv_index, dv[:, a : a + length])
@@ -208,9 +203,7 @@ class DenseBranches(torch.autograd.Function):
         if finite:
             out, lse = dense_forward(q, k, v, pattern, scale, fwd)
         else:
-            out, lse = torch.ops.ring_attention.dilated_attention(
-                q, k, v, *pattern.op_args(scale, None, q.device)
-            )
+            out, lse = ops.local_attention(q, k, v, ops.op_args(pattern, scale, None, q.device))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.pattern, ctx.scale, ctx.bwd, ctx.finite = pattern, scale, bwd, finite
         ctx.set_materialize_grads(False)
@@ -219,7 +212,7 @@ class DenseBranches(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         if torch.is_grad_enabled():
-            raise RuntimeError(_DOUBLE_BACKWARD)
+            raise RuntimeError(ops.DOUBLE_BACKWARD_ERROR)
         if grad_out is None and grad_lse is None:
             return (None,) * 7
         q, k, v, out, lse = ctx.saved_tensors
@@ -234,8 +227,8 @@ class DenseBranches(torch.autograd.Function):
         else:
             if grad_out is None:
                 grad_out = torch.zeros_like(out)
-            dq, dk, dv = torch.ops.ring_attention.dilated_attention_backward(
-                grad_out, grad_lse, q, k, v, out, lse, *pattern.op_args(scale, None, q.device)
+            dq, dk, dv = ops.local_attention_backward(
+                grad_out, grad_lse, q, k, v, out, lse, ops.op_args(pattern, scale, None, q.device)
             )
         return dq, dk, dv, None, None, None, None
 
@@ -247,14 +240,18 @@ def local_attention(
     pattern: Pattern,
     scale: float,
     key_padding_mask: torch.Tensor | None,
+    documents: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``out`` and ``lse`` of the local op on checked inputs: our operator, or
-    the dense per-branch path for the passes whose route is dense."""
+    the dense per-branch path for the passes whose route is dense.
+    ``documents``: a traced ``cu_seqlens`` tensor replacing the pattern's
+    (:func:`ring_attention.ops.op_args`), which our operator takes."""
+    args = ops.op_args(pattern, scale, key_padding_mask, q.device, documents)
+    if documents is not None:  # traced: the graph keeps the operator
+        return ops.local_attention(q, k, v, args)
     fwd = route("forward", q, k, v, pattern, key_padding_mask)
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     bwd = route("backward", q, k, v, pattern, key_padding_mask) if grad else None
     if fwd.dense or (bwd is not None and bwd.dense):
         return DenseBranches.apply(q, k, v, pattern, scale, fwd, bwd)
-    return torch.ops.ring_attention.dilated_attention(
-        q, k, v, *pattern.op_args(scale, key_padding_mask, q.device)
-    )
+    return ops.local_attention(q, k, v, args)

@@ -90,7 +90,13 @@ def resolve_scale(scale: float | None, head_dim: int) -> float:
         return head_dim**-0.5
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise ValueError(f"scale must be a float or None, got {scale!r}")
-    scale = float(scale)
+    try:
+        scale = float(scale)
+    except OverflowError:  # an int beyond the float range
+        raise ValueError(
+            f"scale must be a finite positive number, got an integer of {scale.bit_length()} "
+            "bits, beyond the float range"
+        ) from None
     if not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale must be a finite positive number, got {scale}")
     return scale

@@ -8,7 +8,8 @@ per-branch calls takes: two tables, one function (:func:`route`).
   a backend named by ``RING_ATTENTION_DENSE_BACKEND`` goes first.
 
 Our kernels run instead, whatever the tables say, wherever the dense
-backends cannot give the same answer: a key padding mask, non-finite K/V
+backends cannot give the same answer: a key padding mask, a sliding window
+(the per-branch calls take none), non-finite K/V
 (checked when the call runs: a dense kernel multiplies the zero weights of
 masked keys by their values), a gradient reaching ``lse`` (their backwards
 have no input for it), calls traced by ``torch.compile`` (the graph keeps
@@ -199,6 +200,8 @@ def route(
         return Route(False, f"{env}=kernel")
     if key_padding_mask is not None:
         return Route(False, "a key padding mask")
+    if pattern.windowed:
+        return Route(False, "a sliding window")
     if q.numel() == 0 or k.numel() == 0:
         return Route(False, "empty inputs")
     if any(t.stride(-1) != 1 for t in (q, k, v)):

@@ -1,5 +1,5 @@
 """Single-process dilated attention: the public function and the call into
-``torch.ops.ring_attention`` (checks -> :class:`Pattern` -> operator)."""
+the local operator (checks -> :class:`Pattern` -> :mod:`ring_attention.ops`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from .branches import local_attention
 from .checks import check_key_padding_mask, check_qkv, resolve_scale
-from .pattern import Pattern, as_flag
+from .pattern import Pattern, as_flag, check_documents_tensor
 
 __all__ = ["attend", "dilated_attention"]
 
@@ -22,18 +22,27 @@ def attend(
     *,
     scale: float | None = None,
     key_padding_mask: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`dilated_attention` with an already-built :class:`Pattern`
-    (the modules hold one)."""
+    (the modules hold one); ``cu_seqlens``, when given, replaces its documents."""
     shape = check_qkv(q, k, v)
+    documents = None  # a traced cu_seqlens tensor, passed to the operator as it is
+    if isinstance(cu_seqlens, torch.Tensor) and torch.compiler.is_compiling():
+        # While tracing its values do not exist: the operator checks them when it runs.
+        check_documents_tensor(cu_seqlens)
+        pattern, documents = pattern.with_documents(None), cu_seqlens.to(q.device)
+    elif cu_seqlens is not None:
+        pattern = pattern.with_documents(cu_seqlens)
     pattern.check_heads(shape.heads)
-    pattern.check_length(shape.seq_q)
+    if documents is None:
+        pattern.check_length(shape.seq_q)
     check_key_padding_mask(key_padding_mask, shape.batch, shape.seq_k, q.device)
     scale = resolve_scale(scale, shape.head_dim)
     return_lse = as_flag(return_lse, "return_lse")
     # our operator, or dense attention per branch where the table says (branches.py)
-    out, lse = local_attention(q, k, v, pattern, scale, key_padding_mask)
+    out, lse = local_attention(q, k, v, pattern, scale, key_padding_mask, documents)
     return (out, lse) if return_lse else out
 
 
@@ -50,6 +59,7 @@ def dilated_attention(
     key_padding_mask: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | Sequence[int] | None = None,
     head_offsets: str = "modulo",
+    window: tuple[int, int] | None = None,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact LongNet-style dilated attention (docs/design.md §1) on one process.
@@ -75,6 +85,12 @@ def dilated_attention(
             query reaches another document.
         head_offsets: ``"modulo"`` (head ``h`` starts at ``h mod r``, default)
             or ``"grouped"`` (``h // ceil(heads / r)``, torchscale's LongNet).
+        window: ``(left, right)``, a sliding window on top of the pattern:
+            query ``t`` reaches key ``u`` only if also ``t - left <= u <= t +
+            right`` (positions in the document; ``-1``: unbounded on that
+            side; ``None``: no window). Dense attention with a window is
+            sliding-window attention; a transformers layer with
+            ``sliding_window = W`` is ``(W - 1, 0)``. Its cost is O(n * W).
         return_lse: also return the log-sum-exp ``(batch, heads, seq)``
             (float32; float64 for float64 inputs). It is differentiable.
 
@@ -92,7 +108,15 @@ def dilated_attention(
         causal=causal,
         head_groups=head_groups,
         head_offsets=head_offsets,
-    ).with_documents(cu_seqlens)
+        window=window,
+    )
     return attend(
-        q, k, v, pattern, scale=scale, key_padding_mask=key_padding_mask, return_lse=return_lse
+        q,
+        k,
+        v,
+        pattern,
+        scale=scale,
+        key_padding_mask=key_padding_mask,
+        cu_seqlens=cu_seqlens,
+        return_lse=return_lse,
     )

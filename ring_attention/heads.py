@@ -159,7 +159,9 @@ def attend_head_range(
             src_q[p] = a
             src_kv[p] = (head_start + a) // group - kv0
         src_q, src_kv = src_q.to(q.device), src_kv.to(q.device)
-        branch = Pattern((w,), (r,), causal=pattern.causal).with_documents(pattern.documents)
+        branch = Pattern((w,), (r,), causal=pattern.causal, window=pattern.window).with_documents(
+            pattern.documents
+        )
         out_b, lse_b = run(
             q_ext.index_select(2, src_q), k_ext.index_select(2, src_kv),
             v_ext.index_select(2, src_kv), branch,

@@ -37,6 +37,7 @@ class _PatternModule(nn.Module):
         scale: float | None,
         head_groups: bool,
         head_offsets: str,
+        window: tuple[int, int] | None,
     ) -> None:
         super().__init__()
         self.pattern = Pattern(
@@ -45,6 +46,7 @@ class _PatternModule(nn.Module):
             causal=causal,
             head_groups=head_groups,
             head_offsets=head_offsets,
+            window=window,
         )
         self.scale = None if scale is None else resolve_scale(scale, 1)
 
@@ -73,7 +75,9 @@ class _PatternModule(nn.Module):
             f"segment_lengths={list(p.segment_lengths)}, dilation_rates={list(p.dilation_rates)}, "
             f"causal={p.causal}, scale={self.scale}, head_groups={p.head_groups}"
         )
-        return s if p.head_offsets == "modulo" else s + f", head_offsets={p.head_offsets!r}"
+        if p.head_offsets != "modulo":
+            s += f", head_offsets={p.head_offsets!r}"
+        return s + (f", window={p.window}" if p.windowed else "")
 
 
 class DilatedAttention(_PatternModule):
@@ -88,6 +92,8 @@ class DilatedAttention(_PatternModule):
         head_groups: split heads into ``len(pattern)`` groups, branch ``i``
             applying only to group ``i``.
         head_offsets: ``"modulo"`` (default) or ``"grouped"`` (torchscale).
+        window: ``(left, right)``, a sliding window (``-1``: unbounded;
+            ``None``: none), see :func:`ring_attention.dilated_attention`.
     """
 
     def __init__(
@@ -98,8 +104,12 @@ class DilatedAttention(_PatternModule):
         scale: float | None = None,
         head_groups: bool = False,
         head_offsets: str = "modulo",
+        *,
+        window: tuple[int, int] | None = None,
     ) -> None:
-        super().__init__(segment_lengths, dilation_rates, causal, scale, head_groups, head_offsets)
+        super().__init__(
+            segment_lengths, dilation_rates, causal, scale, head_groups, head_offsets, window
+        )
 
     def forward(
         self,
@@ -117,9 +127,10 @@ class DilatedAttention(_PatternModule):
             q,
             k,
             v,
-            self._pattern(cu_seqlens),
+            self.pattern,
             scale=self.scale,
             key_padding_mask=key_padding_mask,
+            cu_seqlens=cu_seqlens,
         )
 
 
@@ -140,6 +151,8 @@ class RingDilatedAttention(_PatternModule):
         layout: ``"contiguous"`` (default) or ``"zigzag"``.
         ulysses_group, mesh: head-parallel (Ulysses) or ring x Ulysses
             sharding, as for :func:`ring_attention.ring_dilated_attention`.
+        window: ``(left, right)``, a sliding window (``-1``: unbounded;
+            ``None``: none), see :func:`ring_attention.ring_dilated_attention`.
     """
 
     def __init__(
@@ -155,8 +168,11 @@ class RingDilatedAttention(_PatternModule):
         *,
         ulysses_group: dist.ProcessGroup | None = None,
         mesh=None,
+        window: tuple[int, int] | None = None,
     ) -> None:
-        super().__init__(segment_lengths, dilation_rates, causal, scale, head_groups, head_offsets)
+        super().__init__(
+            segment_lengths, dilation_rates, causal, scale, head_groups, head_offsets, window
+        )
         self.group = group
         self.ulysses_group = ulysses_group
         self.mesh = mesh

@@ -158,6 +158,9 @@ class MultiheadDilatedAttention(nn.MultiheadAttention):
             float64, float16, bfloat16; others raise ``ValueError`` naming
             ``compute_dtype``). Projected q/k/v are cast to it and the
             attention output cast back before ``out_proj``.
+        window: ``(left, right)``, a sliding window on the pattern (on dense
+            attention without one): query ``t`` reaches key ``u`` only if
+            ``t - left <= u <= t + right`` (``-1``: unbounded; ``None``: none).
 
     With a pattern, a ``group`` or a ``compute_dtype`` the module computes
     attention itself. Argument checks, their order, exception types and
@@ -224,6 +227,7 @@ class MultiheadDilatedAttention(nn.MultiheadAttention):
         ulysses_group: dist.ProcessGroup | None = None,
         mesh=None,
         compute_dtype: torch.dtype | str | None = None,
+        window: tuple[int, int] | None = None,
     ) -> None:
         for name, flag in (("bias", bias), ("add_bias_kv", add_bias_kv),
                            ("add_zero_attn", add_zero_attn), ("batch_first", batch_first),
@@ -239,7 +243,7 @@ class MultiheadDilatedAttention(nn.MultiheadAttention):
         self.pattern = _check_extensions(
             num_heads, segment_lengths, dilation_rates, head_groups, head_offsets,
             group is not None or ulysses_group is not None or mesh is not None,
-            add_bias_kv, add_zero_attn, compute_dtype,
+            add_bias_kv, add_zero_attn, compute_dtype, window,
         )  # fmt: skip
         self.group = group
         self.ulysses_group = ulysses_group
@@ -643,7 +647,7 @@ class MultiheadDilatedAttention(nn.MultiheadAttention):
 
 def _check_extensions(
     num_heads, segment_lengths, dilation_rates, head_groups, head_offsets, sharded, add_bias_kv,
-    add_zero_attn, compute_dtype,
+    add_zero_attn, compute_dtype, window,
 ) -> Pattern | None:  # fmt: skip
     """The checks of the constructor's own arguments; the pattern (``None``:
     dense)."""
@@ -656,9 +660,14 @@ def _check_extensions(
     pattern = None
     if segment_lengths is not None:
         pattern = Pattern(
-            segment_lengths, dilation_rates, head_groups=head_groups, head_offsets=head_offsets
-        )
+            segment_lengths, dilation_rates, head_groups=head_groups, head_offsets=head_offsets,
+            window=window,
+        )  # fmt: skip
         pattern.check_heads(num_heads)
+    elif window is not None:  # a sliding window on dense attention
+        pattern = replace(_DENSE, window=window)
+        if not pattern.windowed:
+            pattern = None
     kernels = supported_dtypes(torch.device("cpu"))  # the same on every device
     if not (
         compute_dtype is None

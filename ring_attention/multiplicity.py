@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from .cache import LRUCache
+from .geometry import document_positions, offset_classes, window_mask
 from .pattern import Pattern
 
 __all__ = ["PATTERN_CACHE", "log_multiplicity", "multiplicity"]
@@ -37,30 +38,20 @@ def multiplicity(
     """``M[h, t, u]``, ``(heads, seq_len, seq_len)``: the number of branches in
     which query ``t`` reaches key ``u`` for head ``h`` (documents, head groups,
     head offsets and ``causal`` included). Built fresh (not cached)."""
-    pattern.check_heads(heads)
     pattern.check_length(seq_len)
-    t = torch.arange(seq_len, device=device)
-    if pattern.documents is None:
-        rel, doc = t, torch.zeros_like(t)
-    else:
-        cu = pattern.documents_tensor(t.device)
-        doc = torch.searchsorted(cu, t, right=True) - 1  # document of each position
-        rel = t - cu[doc]
+    rel, doc = document_positions(pattern.documents_tensor("cpu"), seq_len, device)
     same_doc = doc[:, None] == doc[None, :]
     m = torch.zeros(heads, seq_len, seq_len, dtype=dtype, device=device)
-    for i, (w, r) in enumerate(pattern.branches):
-        heads_i = pattern.applies(i, heads)
-        if not heads_i:
-            continue
-        offsets = torch.tensor(
-            [pattern.offset(h, i, heads) for h in heads_i], device=t.device
-        )  # (h_i,)
-        act = ((rel % w) % r)[None, :] == offsets[:, None]  # (h_i, L)
+    for (w, r), classes in zip(pattern.branches, offset_classes(pattern, heads), strict=True):
         seg = rel // w
         same = same_doc & (seg[:, None] == seg[None, :])  # (L, L)
-        m[heads_i] += (act[:, :, None] & act[:, None, :] & same).to(dtype)
+        for offset, heads_o in classes.items():
+            act = (rel % w) % r == offset  # (L,)
+            m[heads_o] += (act[:, None] & act[None, :] & same).to(dtype)
     if pattern.causal:
         m = m.tril()
+    if pattern.windowed:
+        m *= window_mask(pattern.window, seq_len, device)
     return m
 
 

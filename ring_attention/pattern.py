@@ -6,9 +6,9 @@ how heads pick their dilation offsets, and the document boundaries of a packed
 sequence. It is built (and checked) once at the top — by
 :func:`ring_attention.dilated_attention`, the modules' constructors, the ring —
 and then passed down unchanged: it keys the exchange-plan and dense-matrix
-caches, the ring handshake serialises it, and :meth:`Pattern.op_args` turns it
-into the arguments of the C++ operators, where ``csrc/pattern.h`` is the same
-definition in C++.
+caches, the ring handshake serialises it, and :func:`ring_attention.ops.op_args`
+turns it into the arguments of the C++ operators, where ``csrc/pattern.h`` is
+the same definition in C++.
 """
 
 from __future__ import annotations
@@ -16,12 +16,21 @@ from __future__ import annotations
 import operator
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import InitVar, dataclass, field, replace
 from typing import Any, Literal
 
 import torch
 
-__all__ = ["HEAD_OFFSETS", "Pattern", "as_flag", "head_group_bounds", "head_offset"]
+from .geometry import head_group_bounds, head_offset
+
+__all__ = [
+    "HEAD_OFFSETS",
+    "Pattern",
+    "as_flag",
+    "check_documents_tensor",
+    "head_group_bounds",
+    "head_offset",
+]
 
 #: How head ``h`` picks its offset in a branch with dilation ``r``:
 #: ``"modulo"``: ``h mod r`` (LongNet's per-head offsets, the default);
@@ -84,26 +93,6 @@ def _as_ints(values: Any, name: str) -> tuple[int, ...]:
     return tuple(_as_index(v, f"{name}[{i}]") for i, v in enumerate(items))
 
 
-def head_group_bounds(heads: int, n_branches: int) -> list[tuple[int, int]]:
-    """``[begin, end)`` of the ``n_branches`` contiguous head groups of
-    ``head_groups=True``: sizes differ by at most one, the first groups take
-    the extra heads."""
-    base, extra = divmod(heads, n_branches)
-    bounds, begin = [], 0
-    for i in range(n_branches):
-        size = base + (1 if i < extra else 0)
-        bounds.append((begin, begin + size))
-        begin += size
-    return bounds
-
-
-def head_offset(h: int, r: int, heads: int, head_offsets: str = "modulo") -> int:
-    """The offset of head ``h`` (of ``heads``) in a branch of dilation ``r``."""
-    if head_offsets == "grouped":
-        return h // -(-heads // r)
-    return h % r
-
-
 @dataclass(frozen=True)
 class Pattern:
     """A dilated-attention pattern (docs/design.md §1), validated at construction.
@@ -121,12 +110,15 @@ class Pattern:
         documents: ``cu_seqlens`` of a packed sequence, ``(0, e_1, ..., e_m)``
             non-decreasing; ``None`` for one document. Build it with
             :meth:`with_documents`.
+        window: ``(left, right)``, the sliding window: query ``t`` reaches key
+            ``u`` only if also ``t - left <= u <= t + right``; ``-1`` is
+            unbounded on that side; ``None`` (the default) is ``(-1, -1)``.
 
     Raises:
         ValueError: naming the argument, for an empty pattern, mismatched
             lengths, ``w < 1``, ``r < 1``, ``r > w``, ``w`` beyond int64, a
-            non-integer value, a flag that is not a ``bool`` or an unknown
-            ``head_offsets``.
+            non-integer value, a flag that is not a ``bool``, an unknown
+            ``head_offsets`` or a window that is not two integers ``>= -1``.
 
     The value is immutable and hashable: equal patterns are interchangeable as
     cache keys.
@@ -138,10 +130,16 @@ class Pattern:
     head_groups: bool = False
     head_offsets: HeadOffsets = "modulo"
     documents: tuple[int, ...] | None = None
+    window: tuple[int, int] | None = None
     # Tensors derived from the value (documents on a device), built once.
     _tensors: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    # Private: the values are those of a checked pattern (with_documents
+    # builds copies without checking them again).
+    _checked: InitVar[bool] = False
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, _checked: bool) -> None:
+        if _checked:
+            return
         segs = _as_ints(self.segment_lengths, "segment_lengths")
         dils = _as_ints(self.dilation_rates, "dilation_rates")
         if not segs:
@@ -178,12 +176,18 @@ class Pattern:
         set_(self, "head_groups", as_flag(self.head_groups, "head_groups"))
         if self.documents is not None:
             set_(self, "documents", _check_documents(self.documents))
+        set_(self, "window", _check_window(self.window))
 
     # -- derived values ------------------------------------------------------
     @property
     def n_branches(self) -> int:
         """Number of branches."""
         return len(self.segment_lengths)
+
+    @property
+    def windowed(self) -> bool:
+        """Whether a sliding window restricts the pattern."""
+        return self.window != (-1, -1)
 
     @property
     def branches(self) -> tuple[tuple[int, int], ...]:
@@ -196,8 +200,12 @@ class Pattern:
         ``None`` for one document). The last boundary is checked against the
         sequence length where the pattern is used."""
         if cu_seqlens is None:
-            return self if self.documents is None else replace(self, documents=None)
-        return replace(self, documents=_check_documents(cu_seqlens))
+            return self if self.documents is None else self._replace(documents=None)
+        return self._replace(documents=_check_documents(cu_seqlens))
+
+    def _replace(self, **changes: Any) -> Pattern:
+        """A copy with checked ``changes``; the other values are not checked again."""
+        return replace(self, **changes, _checked=True)
 
     def check_heads(self, heads: int) -> None:
         """``head_groups=True`` needs at least one head per branch."""
@@ -230,28 +238,14 @@ class Pattern:
         """``documents`` as an int64 tensor on ``device`` (built once per device)."""
         if self.documents is None:
             return None
+        if torch.compiler.is_compiling():  # a constant of the graph, not a cached tensor
+            return torch.tensor(self.documents, dtype=torch.int64, device=device)
         key = str(device)
         t = self._tensors.get(key)
         if t is None:
             t = torch.tensor(self.documents, dtype=torch.int64, device=device)
             self._tensors[key] = t
         return t
-
-    def op_args(
-        self, scale: float, key_padding_mask: torch.Tensor | None, device: torch.device
-    ) -> tuple:
-        """The pattern arguments of the ``torch.ops.ring_attention`` attention
-        operators, in schema order."""
-        return (
-            list(self.segment_lengths),
-            list(self.dilation_rates),
-            self.causal,
-            float(scale),
-            self.head_groups,
-            self.head_offsets == "grouped",
-            key_padding_mask,
-            self.documents_tensor(device),
-        )
 
     def digest(self) -> int:
         """A stable 63-bit digest of the value (the same in every process; the
@@ -264,6 +258,7 @@ class Pattern:
                 self.head_groups,
                 self.head_offsets,
                 self.documents,
+                *(() if self.window == (-1, -1) else (self.window,)),
             )
         ).encode()
         return (zlib.crc32(text) << 31) ^ zlib.adler32(text)
@@ -280,49 +275,86 @@ class Pattern:
             s += f" head_offsets={self.head_offsets}"
         if self.documents is not None:
             s += f" documents={len(self.documents) - 1}"
+        if self.windowed:
+            s += f" window=({self.window[0]},{self.window[1]})"
         return s
+
+
+def _check_window(window: Any) -> tuple[int, int]:
+    """``window`` as ``(left, right)``, each an integer ``>= -1`` (``-1``:
+    unbounded); ``None`` is ``(-1, -1)`` (docs/design.md §6)."""
+    if window is None:
+        return (-1, -1)
+    if isinstance(window, (str, bytes)) or not hasattr(window, "__len__") or len(window) != 2:
+        raise ValueError(
+            f"window must be (left, right), two integers >= -1 (-1: unbounded), got {window!r}"
+        )
+    sides = []
+    for i, x in enumerate(window):
+        x = _as_index(x, f"window[{i}]")
+        if x < -1:
+            raise ValueError(f"window[{i}] must be >= -1 (-1: unbounded), got {x}")
+        if x > INT64_MAX:
+            raise ValueError(f"window[{i}] must be at most 2**63 - 1, got {x}")
+        sides.append(x)
+    return (sides[0], sides[1])
+
+
+def check_documents_tensor(cu_seqlens: torch.Tensor) -> None:
+    """A ``cu_seqlens`` tensor is 1-D and integer (its metadata only: what a
+    traced call can check before its values exist)."""
+    if cu_seqlens.dim() != 1:
+        raise ValueError(
+            f"cu_seqlens must be a 1-D integer tensor, got shape {tuple(cu_seqlens.shape)}"
+        )
+    if cu_seqlens.is_floating_point() or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool:
+        raise ValueError(f"cu_seqlens must have an integer dtype, got {cu_seqlens.dtype}")
 
 
 def _check_documents(cu_seqlens: Any) -> tuple[int, ...]:
     """``cu_seqlens`` as a tuple of ints: 1-D integer, starting at 0,
-    non-decreasing (docs/design.md §6). Checked with vectorised tensor ops:
-    thousands of documents are normal."""
+    non-decreasing (docs/design.md §6). A tensor is checked with vectorised
+    tensor ops (thousands of documents are normal), a sequence in plain
+    Python (so that a constant list traces under ``torch.compile``)."""
     if not isinstance(cu_seqlens, torch.Tensor) and type(cu_seqlens).__module__ == "numpy":
         cu_seqlens = torch.as_tensor(cu_seqlens)
     if isinstance(cu_seqlens, torch.Tensor):
         if cu_seqlens.device.type == "meta":
             raise ValueError("cu_seqlens must hold values: got a tensor on the meta device")
-        if cu_seqlens.dim() != 1:
-            raise ValueError(
-                f"cu_seqlens must be a 1-D integer tensor, got shape {tuple(cu_seqlens.shape)}"
-            )
-        if (
-            cu_seqlens.is_floating_point()
-            or cu_seqlens.is_complex()
-            or cu_seqlens.dtype == torch.bool
-        ):
-            raise ValueError(f"cu_seqlens must have an integer dtype, got {cu_seqlens.dtype}")
+        check_documents_tensor(cu_seqlens)
         cu = cu_seqlens.detach().to("cpu", torch.int64)
-    elif isinstance(cu_seqlens, Sequence) and not isinstance(cu_seqlens, (str, bytes)):
-        if not all(type(x) is int for x in cu_seqlens):
-            cu_seqlens = [_as_index(v, f"cu_seqlens[{i}]") for i, v in enumerate(cu_seqlens)]
-        for i, x in enumerate(cu_seqlens):
-            if not -INT64_MAX - 1 <= x <= INT64_MAX:
-                raise ValueError(f"cu_seqlens[{i}] must fit in int64, got {x}")
-        cu = torch.tensor(cu_seqlens, dtype=torch.int64)
-    else:
+        if cu.numel() == 0 or int(cu[0]) != 0:
+            _bad_documents(cu[:1].tolist())
+        drops = torch.nonzero(cu[1:] < cu[:-1])
+        if drops.numel():
+            i = int(drops[0])
+            _bad_documents(cu[i : i + 2].tolist(), i)
+        return tuple(cu.tolist())
+    if not isinstance(cu_seqlens, Sequence) or isinstance(cu_seqlens, (str, bytes)):
         raise ValueError(
             f"cu_seqlens must be a 1-D integer tensor, got {type(cu_seqlens).__name__}"
         )
-    if cu.numel() == 0:
+    if not all(type(x) is int for x in cu_seqlens):
+        cu_seqlens = [_as_index(v, f"cu_seqlens[{i}]") for i, v in enumerate(cu_seqlens)]
+    for i, x in enumerate(cu_seqlens):
+        if not -INT64_MAX - 1 <= x <= INT64_MAX:
+            raise ValueError(f"cu_seqlens[{i}] must fit in int64, got {x}")
+    if not cu_seqlens or cu_seqlens[0] != 0:
+        _bad_documents(list(cu_seqlens[:1]))
+    for i in range(1, len(cu_seqlens)):
+        if cu_seqlens[i] < cu_seqlens[i - 1]:
+            _bad_documents(list(cu_seqlens[i - 1 : i + 1]), i - 1)
+    return tuple(cu_seqlens)
+
+
+def _bad_documents(values: list[int], at: int = 0) -> None:
+    """Raise for boundaries ``values`` (from ``cu_seqlens[at]`` on): empty, not
+    starting at 0, or decreasing from the first to the second."""
+    if not values:
         raise ValueError("cu_seqlens must not be empty: it starts with 0 and ends at seq")
-    if int(cu[0]) != 0:
-        raise ValueError(f"cu_seqlens must start at 0, got cu_seqlens[0] = {int(cu[0])}")
-    drops = torch.nonzero(cu[1:] < cu[:-1])
-    if drops.numel():
-        i = int(drops[0]) + 1
-        raise ValueError(
-            f"cu_seqlens must be non-decreasing, got cu_seqlens[{i - 1}] = {int(cu[i - 1])} > "
-            f"cu_seqlens[{i}] = {int(cu[i])}"
-        )
-    return tuple(cu.tolist())
+    if at == 0 and values[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got cu_seqlens[0] = {values[0]}")
+    raise ValueError(
+        f"cu_seqlens must be non-decreasing, got cu_seqlens[{at}] = {values[0]} > "
+        f"cu_seqlens[{at + 1}] = {values[1]}"
+    )

@@ -3,11 +3,11 @@
 For a rank ``j`` of ``p`` and every ring distance ``d = 1 .. p-1``, rank ``j``
 sends to ``(j + d) % p`` exactly the K/V rows (per head, compacted) that the
 queries of that rank reach, and receives from ``(j - d) % p`` the rows its own
-queries reach. The rows come from ``torch.ops.ring_attention.exchange_rows``,
-the C++ planner that shares ``csrc/pattern.h`` with the kernels, as flat
-indices ``row * kv_heads + g`` relative to the start of a key range: K/V travel
-at K/V-head width, a K/V head's row once for every query head of its group
-that reaches it.
+queries reach. The rows come from the ``exchange_rows`` operator
+(:func:`ring_attention.ops.exchange_rows`), the C++ planner that shares
+``csrc/pattern.h`` with the kernels, as flat indices ``row * kv_heads + g``
+relative to the start of a key range: K/V travel at K/V-head width, a K/V
+head's row once for every query head of its group that reaches it.
 
 The operator's cost is the segments it walks plus the rows it returns. A
 rank's own blocks (:attr:`ExchangePlan.local_pairs`) exchange nothing, so
@@ -36,8 +36,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import ops
 from .cache import LRUCache
 from .checks import check_int
+from .geometry import MAX_SEQ_LEN
 from .layout import Piece, check_layout, layout_pieces
 from .pattern import Pattern
 
@@ -53,8 +55,8 @@ __all__ = [
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
-#: Positions of the exchange planner stay below 2**62 (``exchange_rows``).
-MAX_SEQ_LEN = 2**62 - 1
+# Positions of the exchange planner stay below 2**62 (``exchange_rows``):
+# geometry.MAX_SEQ_LEN.
 
 # reaches(): key chunks of _PROBE_ROWS rows, doubling up to _MAX_PROBE_ROWS.
 _PROBE_ROWS = 1 << 12
@@ -99,28 +101,17 @@ def exchange_rows(
     """Sorted flat indices ``row * kv_heads + g`` (``row`` relative to
     ``k_start``) of the key rows that some query in ``q_pieces`` reaches.
 
-    A thin wrapper over ``torch.ops.ring_attention.exchange_rows`` that drops
-    empty query ranges and answers an empty key range without calling the op.
+    A thin wrapper over the ``exchange_rows`` operator
+    (:func:`ring_attention.ops.exchange_rows`) that drops empty query ranges
+    and answers an empty key range without calling the op.
     ``q_pieces`` holds :class:`Piece` or ``(start, length)`` pairs.
     """
     ranges = [(int(p[0]), int(p[1])) for p in q_pieces if int(p[1]) > 0]
     if k_len <= 0 or not ranges:
         return _EMPTY
-    idx = torch.ops.ring_attention.exchange_rows(
-        [r[0] for r in ranges],
-        [r[1] for r in ranges],
-        int(k_start),
-        int(k_len),
-        int(heads),
-        int(kv_heads),
-        list(pattern.segment_lengths),
-        list(pattern.dilation_rates),
-        pattern.causal,
-        pattern.head_groups,
-        pattern.head_offsets == "grouped",
-        pattern.documents_tensor("cpu"),
+    return ops.exchange_rows(
+        [r[0] for r in ranges], [r[1] for r in ranges], k_start, k_len, heads, kv_heads, pattern
     )
-    return idx.to(torch.int64)
 
 
 def reaches(q_piece: Piece | tuple[int, int], k_start: int, k_len: int, heads: int,

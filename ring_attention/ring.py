@@ -1,7 +1,8 @@
 """Ring dilated attention: the sequence sharded across the ranks of a process
 group, K/V rows exchanged point-to-point along a cached exchange plan
-(docs/design.md §4). This module holds the schedule, the autograd function and the
-public API; the plan is :mod:`ring_attention.plan`, the transport
+(docs/design.md §4). This module holds the schedule and the public API; its
+autograd is :class:`ring_attention.ops.RingFunction` (the operator boundary),
+the plan :mod:`ring_attention.plan`, the transport
 :mod:`ring_attention.exchange`, the agreement check
 :mod:`ring_attention.handshake`.
 
@@ -13,7 +14,8 @@ Forward, per rank:
    ``ValueError`` on every rank instead of hanging.
 2. ``out`` (fp32) and ``lse`` (-inf, fp32) accumulators; the exchange of the
    first active step is posted, then the local blocks are computed with
-   ``torch.ops.ring_attention.block_forward`` while it travels.
+   the block operator (:func:`ring_attention.ops.block_forward`) while it
+   travels.
 3. For every active step of the plan: wait for the step's K/V rows, post the
    next active step into the other buffers (communication of step ``i+1``
    overlaps the compute of step ``i``), unpack the rows (used in place when
@@ -54,6 +56,9 @@ from .exchange import (
 )
 from .handshake import ring_handshake, ring_message
 from .layout import Piece, check_layout
+from .ops import OpArgs, RingFunction, op_args
+from .ops import block_backward as _block_backward
+from .ops import block_forward as _block_forward
 from .pattern import Pattern, as_flag
 from .plan import ExchangePlan, get_plan
 
@@ -69,11 +74,6 @@ __all__ = [
 
 Tensor = torch.Tensor
 
-DOUBLE_BACKWARD_ERROR = (
-    "ring_attention: double backward (the gradient of a gradient) of dilated attention is not "
-    "supported"
-)
-
 
 # ---------------------------------------------------------------------------
 # One ring call: configuration, blocks, schedule.
@@ -81,28 +81,38 @@ DOUBLE_BACKWARD_ERROR = (
 
 @dataclass(frozen=True, eq=False)
 class _RingCall:
+    """One ring call: its plan, group and operator arguments; the schedule
+    that :class:`~ring_attention.ops.RingFunction` runs."""
+
     plan: ExchangePlan
     group: dist.ProcessGroup | None
     peers: tuple[int, ...]  # global rank of every group rank
-    op_args: tuple  # the pattern arguments of the block operators
+    op_args: OpArgs  # the pattern arguments of the block operators
 
     def block_forward(
         self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_start: int,
         k_start: int,
     ) -> None:  # fmt: skip
         """Merge the block (queries at ``q_start``, keys at ``k_start``) into ``out``/``lse``."""
-        torch.ops.ring_attention.block_forward(
-            q, k, v, out, lse, int(q_start), int(k_start), *self.op_args
-        )
+        _block_forward(q, k, v, out, lse, q_start, k_start, self.op_args)
 
     def block_backward(
         self, go: Tensor, glse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
         lse: Tensor, dq: Tensor, dk: Tensor, dv: Tensor, q_start: int, k_start: int,
     ) -> None:  # fmt: skip
         """Accumulate the block's gradient into ``dq``/``dk``/``dv``."""
-        torch.ops.ring_attention.block_backward(
-            go, glse, q, k, v, out, lse, dq, dk, dv, int(q_start), int(k_start), *self.op_args
-        )
+        _block_backward(go, glse, q, k, v, out, lse, dq, dk, dv, q_start, k_start, self.op_args)
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """This rank's ``(out, lse)`` (the forward schedule)."""
+        return _ring_forward(self, q, k, v)
+
+    def backward(
+        self, grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
+        out: Tensor, lse: Tensor,
+    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+        """This rank's ``(dq, dk, dv)`` (the backward schedule)."""
+        return _ring_backward(self, grad_out, grad_lse, q, k, v, out, lse)
 
     def exchanger(self, q: Tensor, role: str) -> Exchanger:
         """The transport of one pass (``role``: ``"forward"``/``"backward"``)."""
@@ -216,47 +226,6 @@ def _ring_backward(
     return tuple(_cat([t.to(q.dtype) for t in g], dim=1) for g in (dqs, dks, dvs))
 
 
-class _RingDilatedAttentionFn(torch.autograd.Function):
-    """Autograd wrapper: forward and backward each run the ring once; both
-    outputs (``out`` and ``lse``) are differentiable."""
-
-    @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, call: _RingCall) -> tuple[Tensor, Tensor]:  # type: ignore[override]
-        out, lse = _ring_forward(call, q, k, v)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.call = call
-        ctx.set_materialize_grads(False)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
-        if grad_out is None:
-            grad_out = torch.zeros_like(out)
-        with torch.no_grad():
-            grads = _ring_backward(ctx.call, grad_out, grad_lse, q, k, v, out, lse)
-        if torch.is_grad_enabled():  # create_graph=True: the gradients are not differentiable
-            # The error node hangs off the inputs the gradients depend on, so
-            # differentiating a gradient with respect to any of them reaches it.
-            grads = _DoubleBackwardError.apply(len(grads), *grads, q, k, v, grad_out, grad_lse)
-        return (*grads, None)
-
-
-class _DoubleBackwardError(torch.autograd.Function):
-    """Passes gradients through; differentiating them raises (a gradient of a
-    gradient would otherwise be silently zero)."""
-
-    @staticmethod
-    def forward(ctx, n: int, *tensors: Tensor | None) -> tuple[Tensor, ...]:  # type: ignore[override]
-        """The first ``n`` tensors (gradients), passed through; the others are
-        what they depend on."""
-        return tuple(g.view_as(g) for g in tensors[:n])
-
-    @staticmethod
-    def backward(ctx, *_: Tensor):  # type: ignore[override]
-        raise RuntimeError(DOUBLE_BACKWARD_ERROR)
-
-
 # ---------------------------------------------------------------------------
 # Public API.
 
@@ -272,6 +241,7 @@ def exchange_plan(
     kv_heads: int | None = None,
     cu_seqlens: Sequence[int] | Tensor | None = None,
     head_offsets: str = "modulo",
+    window: tuple[int, int] | None = None,
     group: dist.ProcessGroup | None = None,
     layout: str = "contiguous",
 ) -> ExchangePlan:
@@ -283,7 +253,7 @@ def exchange_plan(
     """
     pattern = Pattern(
         segment_lengths, dilation_rates, causal=causal, head_groups=head_groups,
-        head_offsets=head_offsets,
+        head_offsets=head_offsets, window=window,
     ).with_documents(cu_seqlens)  # fmt: skip
     check_layout(layout)
     world, rank = world_info(group)
@@ -376,9 +346,9 @@ def ring_on_pieces(
         plan=plan,
         group=group,
         peers=global_ranks(group, world),
-        op_args=pattern.op_args(scale, None, q_local.device),
+        op_args=op_args(pattern, scale, None, q_local.device),
     )
-    out, lse = _RingDilatedAttentionFn.apply(q_local, k_local, v_local, call)
+    out, lse = RingFunction.apply(q_local, k_local, v_local, call)
     return (out, lse) if return_lse else out
 
 
@@ -394,6 +364,7 @@ def ring_dilated_attention(
     head_groups: bool = False,
     cu_seqlens: Sequence[int] | Tensor | None = None,
     head_offsets: str = "modulo",
+    window: tuple[int, int] | None = None,
     group: dist.ProcessGroup | None = None,
     ulysses_group: dist.ProcessGroup | None = None,
     mesh=None,
@@ -421,6 +392,10 @@ def ring_dilated_attention(
             ``[0, e_1, ..., seq]`` (the same on every rank; documents may span
             ranks); every document starts its own segments.
         head_offsets: ``"modulo"`` (default) or ``"grouped"`` (torchscale).
+        window: ``(left, right)``, the sliding window (global positions in
+            the document; ``-1``: unbounded): only the K/V rows inside the
+            band travel, so a window smaller than a shard exchanges with the
+            neighbouring ranks only.
         group: the process group, default the default group. With no
             initialised process group (or a group of one) this is the
             single-process computation. With ``ulysses_group``: the ring
@@ -447,7 +422,7 @@ def ring_dilated_attention(
     Raises:
         ValueError: bad arguments (before anything is communicated: a rank
             with bad inputs reports it in the handshake, so every rank
-            raises), or ranks that disagree on the pattern, the global length
+            raises), or ranks that disagree on the pattern (window included), the global length
             (shard lengths not following the convention), the dtype, the
             shapes, ``scale`` or ``layout``, or whose groups or meshes do not
             form one grid — on every rank; ``mesh`` together with
@@ -464,6 +439,7 @@ def ring_dilated_attention(
             causal=causal,
             head_groups=head_groups,
             head_offsets=head_offsets,
+            window=window,
         ).with_documents(cu_seqlens)
 
     return ring_attention(

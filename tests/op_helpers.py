@@ -47,7 +47,8 @@ class Cfg:
     """One test configuration of the operators.
 
     ``kv_heads``: heads of k and v (``None``: as many as q). ``cu_seqlens``:
-    document boundaries ``[0, ..., n]`` (``None``: no documents).
+    document boundaries ``[0, ..., n]`` (``None``: no documents). ``window``:
+    ``(left, right)``, the sliding window (``None``: none).
     """
 
     batch: int
@@ -63,6 +64,7 @@ class Cfg:
     kv_heads: int | None = None
     grouped_offsets: bool = False
     cu_seqlens: list[int] | None = None
+    window: tuple[int, int] | None = None
 
     def kwargs(self) -> dict:
         """Keyword arguments of ``ra.dilated_attention``."""
@@ -70,6 +72,7 @@ class Cfg:
             "causal": self.causal,
             "scale": self.scale,
             "head_groups": self.head_groups,
+            "window": self.window,
         }
 
     def oracle_kwargs(self) -> dict:
@@ -102,6 +105,7 @@ class Cfg:
             self.grouped_offsets,
             kpm,
             self.documents(device),
+            *((-1, -1) if self.window is None else self.window),
         )
 
 
@@ -306,6 +310,7 @@ def reached_rows(cfg: Cfg, qr: tuple[int, int], kr: tuple[int, int]) -> torch.Te
         cfg.head_groups,
         cfg.grouped_offsets,
         cfg.cu_seqlens,
+        cfg.window,
     )
     per_head = (m[:, qr[0] : qr[1], kr[0] : kr[1]] > 0).any(dim=1)  # (H, Lk)
     group = cfg.heads // cfg.resolved_kv_heads()

@@ -98,8 +98,12 @@ def multiplicity(
     head_groups: bool = False,
     grouped_offsets: bool = False,
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
+    window: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """Float64 ``(heads, n, n)``: ``M[h, t, u]`` = branches in which ``t`` reaches ``u``."""
+    """Float64 ``(heads, n, n)``: ``M[h, t, u]`` = branches in which ``t`` reaches ``u``.
+
+    ``window = (left, right)`` (``-1``: unbounded on that side) keeps only
+    ``t - left <= u <= t + right``."""
     segment_lengths = list(segment_lengths)
     dilation_rates = list(dilation_rates)
     assert len(segment_lengths) == len(dilation_rates) >= 1
@@ -122,6 +126,12 @@ def multiplicity(
             reach = act[:, None] & act[None, :] & same_segment
             if causal:
                 reach = reach & (u <= t)
+            if window is not None:
+                left, right = window
+                if left >= 0:
+                    reach = reach & (u >= t - left)
+                if right >= 0:
+                    reach = reach & (u <= t + right)
             m[h] += reach.to(torch.float64)
     return m
 
@@ -138,13 +148,15 @@ def reference_attention(
     key_padding_mask: torch.Tensor | None = None,
     grouped_offsets: bool = False,
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
+    window: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dilated attention in float64. Returns ``(out (B,N,H,D), lse (B,H,N))``.
 
     ``k`` and ``v`` may have ``kv_heads`` heads (a divisor of ``heads``): query
     head ``h`` reads K/V head ``h // (heads // kv_heads)``. ``key_padding_mask``
     is bool ``(B, N)``, ``True`` = ignore that key. ``cu_seqlens`` holds the
-    document boundaries ``[0, ..., N]``. Rows that reach no key get
+    document boundaries ``[0, ..., N]``; ``window = (left, right)`` the
+    sliding window (``-1``: unbounded). Rows that reach no key get
     ``out = 0``, ``lse = -inf`` and zero gradients. Both outputs are
     differentiable.
     """
@@ -170,6 +182,7 @@ def reference_attention(
         head_groups,
         grouped_offsets,
         cu_seqlens,
+        window,
     )
     mult = mult.to(q.device).expand(batch, heads, n, n)
     if key_padding_mask is not None:

@@ -221,11 +221,14 @@ def test_local_dry_run_plans_the_gpu_sweep_without_a_gpu() -> None:
 
 
 def test_baselines_run_when_the_extension_does_not_import(tmp_path: Path) -> None:
-    """A broken build (ring_attention raises on import) fails 'ours' only."""
-    fake = tmp_path / "shadow" / "ring_attention"
-    fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text("raise ImportError('extension not built')\n")
-    env = {"PYTHONPATH": str(fake.parent)}
+    """A broken build (the extension ring_attention._C does not import) fails
+    'ours' only; the exact work count needs no extension."""
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "sitecustomize.py").write_text(
+        "import sys\nsys.modules['ring_attention._C'] = None  # as if not built\n"
+    )
+    env = {"PYTHONPATH": os.pathsep.join([str(shadow), str(ROOT)])}
     bench("local", "--seq-lens", "200", "--configs", "2x16", *TINY, "--methods", "ours",
           "gather", "--passes", "fwd", "--iters", "1", "--out-dir", str(tmp_path / "out"),
           env=env)  # fmt: skip

@@ -1,7 +1,7 @@
 """torch.compile and torch.export of models that use the local op.
 
 ``fullgraph=True`` makes any graph break an error, so these tests show that
-``ra.dilated_attention`` (Python checks + the C++ op with its C++ autograd and
+``ra.dilated_attention`` (Python checks + the C++ op with its autograd (ops.py) and
 Meta kernel), ``DilatedAttention`` and ``MultiheadDilatedAttention`` trace as
 one graph, and that the compiled / exported programs match eager, forward and
 backward.
@@ -219,3 +219,81 @@ def test_compile_non_contiguous_inputs(backend) -> None:
     q, k, v = (torch.randn(2, 4, 19, 8, generator=g) for _ in range(3))
     compiled = torch.compile(_heads_first_fn, backend=backend, fullgraph=True)
     assert_same(fwd_bwd(compiled, q, k, v), fwd_bwd(_heads_first_fn, q, k, v))
+
+
+# ------------------------------------------------------------ packed documents
+
+DOCS = [0, 5, 5, 12, 19]
+
+
+def docs_fn(q, k, v, kpm):
+    return ra.dilated_attention(q, k, v, SEGS, DILS, causal=True, cu_seqlens=DOCS)
+
+
+def docs_tensor_fn(q, k, v, cu):
+    return ra.dilated_attention(q, k, v, SEGS, DILS, causal=True, cu_seqlens=cu)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_compile_constant_documents_fullgraph(backend) -> None:
+    """A constant cu_seqlens list is checked in plain Python while tracing
+    (no data-dependent guard) and becomes a constant of the graph."""
+    inputs = qkv_inputs()
+    compiled = torch.compile(docs_fn, backend=backend, fullgraph=True)
+    got = fwd_bwd(compiled, *inputs)
+    assert_same(got, fwd_bwd(docs_fn, *inputs))
+    # The documents matter: the same call without them differs.
+    plain = ra.dilated_attention(*inputs[:3], SEGS, DILS, causal=True)
+    assert not torch.allclose(got[0], plain)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_compile_documents_tensor_fullgraph(backend) -> None:
+    """A cu_seqlens tensor input: its values do not exist while tracing, the
+    operator checks them when it runs; one graph serves other boundaries (as
+    many of them: another count is another shape)."""
+    counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
+    compiled = torch.compile(docs_tensor_fn, backend=counter, fullgraph=True)
+    q, k, v, _ = qkv_inputs()
+    for docs in (DOCS, [0, 1, 2, 3, 19], [0, 19, 19, 19, 19]):
+        cu = torch.tensor(docs, dtype=torch.int32)
+        assert_same(fwd_bwd(compiled, q, k, v, cu), fwd_bwd(docs_tensor_fn, q, k, v, cu))
+    assert counter.frame_count == 1
+    with pytest.raises(RuntimeError, match="cu_seqlens must end at the sequence length 19"):
+        compiled(q, k, v, torch.tensor([0, 5, 6, 7, 18], dtype=torch.int32))
+
+
+def test_export_documents_tensor() -> None:
+    class Attend(torch.nn.Module):
+        def forward(self, q, k, v, cu):
+            return docs_tensor_fn(q, k, v, cu)
+
+    q, k, v, _ = qkv_inputs()
+    cu = torch.tensor(DOCS, dtype=torch.int64)
+    bounds = torch.export.Dim("bounds", min=2, max=4096)  # any number of documents
+    shapes = (None, None, None, {0: bounds})
+    ep = torch.export.export(Attend(), (q, k, v, cu), dynamic_shapes=shapes)
+    for docs in (DOCS, [0, 3, 19], [0, 19]):
+        cu = torch.tensor(docs, dtype=torch.int64)
+        torch.testing.assert_close(
+            ep.module()(q, k, v, cu), docs_tensor_fn(q, k, v, cu), atol=0, rtol=0
+        )
+    assert_same(fwd_bwd(ep.module(), q, k, v, cu), fwd_bwd(docs_tensor_fn, q, k, v, cu))
+
+
+def test_export_constant_documents() -> None:
+    class Attend(torch.nn.Module):
+        def forward(self, q, k, v):
+            return docs_fn(q, k, v, None)
+
+    q, k, v, _ = qkv_inputs()
+    ep = torch.export.export(Attend(), (q, k, v))
+    torch.testing.assert_close(ep.module()(q, k, v), docs_fn(q, k, v, None), atol=0, rtol=0)
+
+
+def test_compile_module_documents_tensor() -> None:
+    mod = DilatedAttention(SEGS, DILS, causal=True)
+    q, k, v, kpm = qkv_inputs(seed=2)
+    cu = torch.tensor(DOCS)
+    compiled = torch.compile(mod, backend="aot_eager", fullgraph=True)
+    assert_same(fwd_bwd(compiled, q, k, v, kpm, cu), fwd_bwd(mod, q, k, v, kpm, cu))

@@ -183,7 +183,9 @@ def test_bad_key_padding_mask(mask) -> None:
 # --------------------------------------------------------------------- scale
 
 
-@pytest.mark.parametrize("scale", [0.0, -1.0, float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize(
+    "scale", [0.0, -1.0, float("nan"), float("inf"), float("-inf"), 10**400, -(10**400)]
+)
 def test_bad_scale(scale) -> None:
     q, k, v = qkv()
     with pytest.raises(ValueError, match="scale"):

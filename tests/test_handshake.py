@@ -59,6 +59,12 @@ def _suite(rank: int, world: int) -> dict:
         lambda: ra.ring_dilated_attention(local, local, local, [8], [1], cu_seqlens=cu)
     )
 
+    # A sliding window on rank 1 only (or one of another width).
+    window = {0: None, 1: (4, 0), 2: (5, 0)}[rank]
+    res["window"] = _attempt(
+        lambda: ra.ring_dilated_attention(local, local, local, [8], [1], window=window)
+    )
+
     # The group is still usable afterwards.
     out = ra.gather_sequence(ra.ring_dilated_attention(local, local, local, [8, 16], [1, 2]), 1)
     ref = ra.dilated_attention(x, x, x, [8, 16], [1, 2])
@@ -110,6 +116,13 @@ def test_documents_that_differ_between_ranks_raise_on_every_rank() -> None:
         assert "differ first at cu_seqlens[1]" in msg, (rank, msg)
         assert "rank 0: cu_seqlens[0:] = [0, 11, 31] (2 documents)" in msg, (rank, msg)
         assert "rank 1: cu_seqlens[0:] = [0, 10, 31] (2 documents)" in msg, (rank, msg)
+
+
+def test_windows_that_differ_between_ranks_raise_on_every_rank() -> None:
+    for rank, res in enumerate(_results()):
+        kind, msg = res["window"]
+        assert kind == "ValueError", (rank, kind, msg)
+        assert "window=(4,0)" in msg and "window=(5,0)" in msg, (rank, msg)
 
 
 def test_the_group_is_usable_after_the_errors() -> None:

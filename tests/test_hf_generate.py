@@ -14,7 +14,7 @@ from test_hf import VOCAB, build, tiny_config
 from transformers import DynamicCache, StaticCache
 
 import ring_attention as ra
-from ring_attention import Pattern
+from ring_attention import Pattern, ops
 from ring_attention.hf.offset import offset_attention
 
 PATTERN = {"segment_lengths": [3, 8, 20], "dilation_rates": [1, 2, 4]}
@@ -55,7 +55,7 @@ def test_offset_attention_matches_oracle(heads, kv_heads, causal, head_groups, p
 
     q_tail = q[:, q_start:].clone().requires_grad_()
     k1, v1 = k.clone().requires_grad_(), v.clone().requires_grad_()
-    got = offset_attention(q_tail, k1, v1, q_start, pattern.op_args(0.3, kpm, q.device))
+    got = offset_attention(q_tail, k1, v1, q_start, ops.op_args(pattern, 0.3, kpm, q.device))
     got.backward(grad)
 
     q2, k2, v2 = (t.clone().requires_grad_() for t in (q, k, v))

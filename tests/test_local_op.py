@@ -281,17 +281,18 @@ def test_low_precision_long_sequence_by_chunks(device, dtype, causal, monkeypatc
 
 
 def block_op_calls(cfg: Cfg, dtype: torch.dtype, device: str, seed: int) -> tuple[int, int]:
-    """The local op's calls of block_forward and block_backward (one a chunk;
-    the backward two a chunk where chunks cut segments) in a forward and
-    backward checked against the oracle."""
+    """The local op's block kernel calls, forward and backward (profiler
+    events ring_attention::local_forward_block / ..._backward_block: one a
+    chunk; the backward two a chunk where chunks cut segments) in a forward
+    and backward checked against the oracle."""
     q, k, v, go, mask = make_inputs(cfg, dtype, device, seed)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         got = run_local(cfg, q, k, v, go, mask)
     check_results(cfg, dtype, got, run_oracle(cfg, q, k, v, go, mask), f"seed={seed} {cfg}")
     calls = {e.key: e.count for e in prof.key_averages()}
     return (
-        calls.get("ring_attention::block_forward", 0),
-        calls.get("ring_attention::block_backward", 0),
+        calls.get("ring_attention::local_forward_block", 0),
+        calls.get("ring_attention::local_backward_block", 0),
     )
 
 
@@ -464,7 +465,7 @@ def test_one_document_equals_plain(device) -> None:
     cfg.cu_seqlens = [0, 20, 20, 57]
     pattern = list(cfg.pattern(mask, device))
     a = OPS.dilated_attention(q, k, v, *pattern)
-    pattern[-1] = cu64
+    pattern[7] = cu64  # cu_seqlens
     b = OPS.dilated_attention(q, k, v, *pattern)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 

@@ -120,3 +120,37 @@ def test_valid_block_call_at_an_offset_passes() -> None:
     """The counterpart of the cu_seqlens checks: a block inside the documents is fine."""
     q, k, v, _ = _inputs()
     _block_forward(q[:, :4], k[:, :4], v[:, :4], 8, 0, _cu([0, 5, 12]))
+
+
+BAD_SCALES = [float("nan"), float("inf"), float("-inf"), 0.0, -0.0, -1.0]
+
+
+def _scaled(scale):
+    p = list(_pattern())
+    p[3] = scale
+    return p
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.parametrize("scale", BAD_SCALES)
+def test_bad_scale_raises_in_every_operator(device, scale) -> None:
+    """The operators check scale as the Python layer does (finite, > 0), on
+    the CPU and in their Meta kernels, before any kernel runs."""
+    q, k, v, go = (x.to(device) for x in _inputs())
+    out, lse = fresh_acc(q)
+    grads = [torch.zeros(x.shape, device=device) for x in (q, k, v)]
+    calls = {
+        "dilated_attention": lambda: OPS.dilated_attention(q, k, v, *_scaled(scale)),
+        "dilated_attention_backward": lambda: OPS.dilated_attention_backward(
+            go, None, q, k, v, q, lse, *_scaled(scale)
+        ),
+        "block_forward": lambda: OPS.block_forward(q, k, v, out, lse, 0, 0, *_scaled(scale)),
+        "block_backward": lambda: OPS.block_backward(
+            go, None, q, k, v, q, lse, *grads, 0, 0, *_scaled(scale)
+        ),
+    }
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError, match="scale must be a finite positive number"):
+            call()
+        if device == "cpu":  # nothing was computed
+            assert torch.isneginf(lse).all() and not out.any(), name

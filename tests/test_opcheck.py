@@ -1,7 +1,7 @@
 """torch.library.opcheck of every operator (schema, fake/meta kernels,
 autograd registration, AOT dispatch), with and without the optional
 arguments (grouped K/V heads, documents, grouped offsets, grad_lse), and
-gradcheck of the local op's C++ autograd in float64 on both outputs; double
+gradcheck of the local op's autograd (ring_attention/ops.py) in float64 on both outputs; double
 backward raises.
 """
 
@@ -15,8 +15,9 @@ import ring_attention as ra
 
 
 def _op_args(dtype: torch.dtype, mask: bool, device: str, requires_grad: bool, features: bool):
-    if features:  # kv_heads < heads, documents, grouped offsets
+    if features:  # kv_heads < heads, documents, grouped offsets, a window
         cfg = Cfg(2, 11, 4, 4, [4, 8], [2, 2], True, False, 0.5, mask, 2, True, [0, 3, 3, 4, 11])
+        cfg.window = (3, 1)
     else:
         cfg = Cfg(2, 11, 3, 4, [4, 8], [2, 2], True, False, 0.5, mask)
     q, k, v, go, kpm = make_inputs(cfg, dtype, device, seed=24)
@@ -60,16 +61,16 @@ def test_opcheck_dilated_attention_backward(device, dtype, mask, features) -> No
 def test_opcheck_block_forward(device, dtype, mask, features) -> None:
     _, q, k, v, _, _, pattern = _op_args(dtype, mask, device, False, features)
     out, lse = fresh_acc(q, 5)
-    *head, kpm, cu = pattern
+    head, (kpm, cu), window = pattern[:6], pattern[6:8], pattern[8:]
     args = (q[:, 4:9].contiguous(), k[:, 2:9].contiguous(), v[:, 2:9].contiguous(), out, lse, 4, 2)
-    torch.library.opcheck(OPS.block_forward.default, (*args, *head, kslice(kpm, 2, 9), cu))
+    torch.library.opcheck(OPS.block_forward.default, (*args, *head, kslice(kpm, 2, 9), cu, *window))
 
 
 @pytest.mark.parametrize(("dtype", "mask", "features"), OPCHECK_PARAMS)
 def test_opcheck_block_backward(device, dtype, mask, features) -> None:
     cfg, q, k, v, go, glse, pattern = _op_args(dtype, mask, device, False, features)
     out, lse = OPS.dilated_attention(q, k, v, *pattern)
-    *head, kpm, cu = pattern
+    head, (kpm, cu), window = pattern[:6], pattern[6:8], pattern[8:]
     acc = acc_dtype(dtype)
     kvh = cfg.resolved_kv_heads()
     dq = torch.zeros(2, 5, cfg.heads, 4, dtype=acc, device=device)
@@ -89,7 +90,8 @@ def test_opcheck_block_backward(device, dtype, mask, features) -> None:
         4,
         2,
     )
-    torch.library.opcheck(OPS.block_backward.default, (*args, *head, kslice(kpm, 2, 9), cu))
+    mask_k = kslice(kpm, 2, 9)
+    torch.library.opcheck(OPS.block_backward.default, (*args, *head, mask_k, cu, *window))
 
 
 @pytest.mark.parametrize("features", [False, True], ids=["plain", "features"])

@@ -164,7 +164,10 @@ def test_documents_accept_integer_sequences(cu) -> None:
         (torch.tensor([True, False]), "integer"),
         ([], "empty"),
         ([1, 16], "start at 0"),
-        ([0, 9, 8, 16], "non-decreasing"),
+        ([0, 9, 8, 16], r"non-decreasing, got cu_seqlens\[1\] = 9 > cu_seqlens\[2\] = 8"),
+        (torch.tensor([0, 9, 8, 16]), r"cu_seqlens\[1\] = 9 > cu_seqlens\[2\] = 8"),
+        (torch.tensor([2, 1, 16]), "start at 0"),
+        (torch.tensor([], dtype=torch.int64), "empty"),
         ("0,16", "cu_seqlens"),
         ([0, 2.5, 16], r"cu_seqlens\[1\]"),
     ],
@@ -191,6 +194,24 @@ def test_many_documents_are_checked_without_a_python_loop_per_document() -> None
     bad[50_000] = 0
     with pytest.raises(ValueError, match=r"cu_seqlens\[49999\] = 99998 > cu_seqlens\[50000\] = 0"):
         Pattern([4], [1]).with_documents(bad)
+
+
+def test_with_documents_does_not_check_the_pattern_again(monkeypatch) -> None:
+    """with_documents copies a checked pattern: only the documents are checked."""
+    import ring_attention.pattern as pattern_module
+
+    p = Pattern([4, 8], [1, 2], causal=True, head_offsets="grouped")
+
+    def checked_again(*args, **kwargs):
+        raise AssertionError("the pattern was checked again")
+
+    monkeypatch.setattr(pattern_module, "_as_ints", checked_again)
+    monkeypatch.setattr(pattern_module, "as_flag", checked_again)
+    q = p.with_documents([0, 3, 12])
+    assert q.documents == (0, 3, 12) and q.branches == p.branches and q.causal
+    assert q.head_offsets == "grouped" and q.with_documents(None) == p
+    with pytest.raises(ValueError, match="non-decreasing"):  # the documents still are
+        p.with_documents([0, 5, 3])
 
 
 # ----------------------------------------------------------- head offsets

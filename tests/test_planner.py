@@ -457,3 +457,39 @@ def test_cli_explains_impossible_requests(capsys, argv, reason) -> None:
     assert main(argv) == 2
     out = capsys.readouterr().out
     assert "Not possible" in out and reason in out, out
+
+
+_NO_EXTENSION = """
+import sys
+sys.modules["ring_attention._C"] = None  # as if the extension had not been built
+import ring_attention
+from ring_attention.planner import predict_traffic, reached_pairs
+from ring_attention.planner.cli import main
+from ring_attention.pattern import Pattern
+
+assert main(["--device", "cpu", "--processes", "4", "--memory", "24GB", "--heads", "8",
+             "--head-dim", "64", "--dtype", "float32", "--seq-len", "16384",
+             "--segments", "512", "2048", "--dilations", "1", "4"]) == 0
+pattern = Pattern([512, 2048], [1, 4], causal=True).with_documents([0, 1000, 16384])
+assert predict_traffic(pattern, 16384, 8, 8, 4).source == "analytic"
+assert reached_pairs(pattern, 16384, 8) > 0
+assert "ring_attention.ops" not in sys.modules
+try:
+    ring_attention.dilated_attention
+except ImportError as error:
+    assert "ring_attention._C" in str(error), error
+else:
+    raise AssertionError("dilated_attention without the extension")
+print("planner ran without the extension")
+"""
+
+
+def test_planner_imports_and_runs_without_the_extension() -> None:
+    """The planner is arithmetic: with ring_attention._C hidden it imports,
+    plans from its closed forms, and the public names that need the
+    operators raise ImportError naming the extension."""
+    done = subprocess.run(
+        [sys.executable, "-c", _NO_EXTENSION], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "planner ran without the extension" in done.stdout

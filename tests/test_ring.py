@@ -90,6 +90,25 @@ CASES: dict[str, dict] = {
         head_offsets="grouped",
         cu_seqlens=[0, 5, 20, 37],
     ),
+    # sliding windows (only the rows inside the band travel): smaller than,
+    # equal to and larger than a shard (n = 101: shards of 20-51 rows) and the
+    # segments; one-sided; with documents, grouped K/V heads and lse
+    "window_dense_causal": dict(n=101, pattern=None, causal=True, window=(9, 0)),
+    "window_dense_right": dict(n=101, pattern=None, causal=False, window=(-1, 25)),
+    "window_longnet": dict(n=101, pattern=LONGNET, causal=False, window=(16, 16)),
+    "window_large_zigzag": dict(
+        n=101, pattern=([64, 8], [2, 1]), causal=True, window=(60, -1), layout="zigzag"
+    ),
+    "window_documents_gqa_lse": dict(
+        n=101,
+        pattern=([40, 101], [1, 2]),
+        causal=True,
+        heads=4,
+        kv_heads=2,
+        cu_seqlens=[0, 30, 31, 101],
+        window=(21, 0),
+        lse=True,
+    ),
 }
 
 TOLERANCES = {
@@ -107,7 +126,7 @@ def _config(case: dict) -> dict:
     c = dict(
         batch=2, heads=4, kv_heads=None, head_dim=8, head_groups=False, scale=None,
         layout="contiguous", dtype=torch.float32, cu_seqlens=None, head_offsets="modulo",
-        lse=False,
+        lse=False, window=None,
     )  # fmt: skip
     c.update(case)
     if c["kv_heads"] is None:
@@ -155,7 +174,7 @@ def _run_case(c: dict, group=None) -> dict:
     """One rank's checks for one case (runs inside a worker)."""
     segs, dils = c["pattern"]
     kw = dict(causal=c["causal"], scale=c["scale"], head_groups=c["head_groups"])
-    feat = dict(cu_seqlens=c["cu_seqlens"], head_offsets=c["head_offsets"])
+    feat = dict(cu_seqlens=c["cu_seqlens"], head_offsets=c["head_offsets"], window=c["window"])
     layout = c["layout"]
     q, k, v, go = _inputs(c)
     glse = _lse_weight(c) if c["lse"] else None
@@ -170,7 +189,7 @@ def _run_case(c: dict, group=None) -> dict:
     q64, k64, v64 = (t.to(torch.float64, copy=True).requires_grad_() for t in (q, k, v))
     ref, ref_lse = reference_attention(
         q64, k64, v64, segs, dils, **kw, cu_seqlens=c["cu_seqlens"],
-        grouped_offsets=c["head_offsets"] == "grouped",
+        grouped_offsets=c["head_offsets"] == "grouped", window=c["window"],
     )  # fmt: skip
     loss(ref, ref_lse, go, glse).backward()
 

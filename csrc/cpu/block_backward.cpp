@@ -144,12 +144,18 @@ struct BackwardTile {
       load_keys(tiles[t], b, set, r, u0 + t * kTileK * r, std::min(kTileK, nk - t * kTileK));
 
     // Causal: queries before the first key of the chunk reach none of it.
-    int64_t m_begin = 0;
+    int64_t m_begin = 0, m_end = queries.count;
     if (p.causal && u0 > queries.first) m_begin = ceil_div(u0 - queries.first, r);
+    if (p.windowed) {  // queries whose window meets the chunk's keys
+      const int64_t u_last = u0 + (nk - 1) * r;
+      const RowRange in =
+          rows_within(queries.first, queries.count, r, u0 - p.window_right, u_last + p.window_left);
+      m_begin = std::max(m_begin, in.begin), m_end = in.end;
+    }
     const int64_t tq_max = std::max<int64_t>(1, kTileRows / nh);
-    for (int64_t m0 = m_begin; m0 < queries.count; m0 += tq_max) {
+    for (int64_t m0 = m_begin; m0 < m_end; m0 += tq_max) {
       // Tile row j * tq + i is position t0 + r*i of head j.
-      const int64_t tq = std::min(tq_max, queries.count - m0), rows = nh * tq;
+      const int64_t tq = std::min(tq_max, m_end - m0), rows = nh * tq;
       const int64_t t0 = queries.first + m0 * r, t_last = t0 + (tq - 1) * r;
       const auto row_index = [&](int64_t row) {
         return p.q_index(b, t0 + (row % tq) * r, set.heads[row / tq]);
@@ -182,10 +188,17 @@ struct BackwardTile {
       if (dq != nullptr && nh != 1) dqbuf.resize(rows * d);
       acc_t* dq_c = dq == nullptr ? nullptr : nh == 1 ? dq + qoff : dqbuf.data();
       const int64_t dq_ld = nh == 1 ? q_stride : d;
-      int64_t t = 0;
-      for (; t < n_tiles && !(p.causal && tiles[t].u0 > t_last); ++t)
-        attend(tiles[t], b, set, r, t0, tq, qt, dot, dq_c, dq_ld, nh == 1 || t > 0);
-      if (dq == nullptr || nh == 1 || t == 0) continue;
+      int64_t attended = 0;
+      for (int64_t t = 0; t < n_tiles && !(p.causal && tiles[t].u0 > t_last); ++t) {
+        const KeyTile& key = tiles[t];
+        // Window: key tiles wholly outside the query tile's band are skipped.
+        if (p.windowed &&
+            (key.u0 + (key.tk - 1) * r < p.band_first(t0) || key.u0 > p.band_last(t_last)))
+          continue;
+        attend(tiles[t], b, set, r, t0, tq, qt, dot, dq_c, dq_ld, nh == 1 || attended > 0);
+        ++attended;
+      }
+      if (dq == nullptr || nh == 1 || attended == 0) continue;
       for (int64_t i = 0; i < rows; ++i) {
         acc_t* dst = dq + row_index(i);
         const acc_t* src = &dqbuf[i * d];
@@ -250,7 +263,10 @@ struct BackwardTile {
       const int64_t t = t0 + (i % tq) * r;
       const int64_t stat = p.row_index(b, set.heads[i / tq], t);
       const RowGrad<acc_t> g{pass_scale, lse[stat], pass_scale, delta[stat]};
-      if (lse[stat] != neg_inf) mask_row(srow, tk, t, u0, r, p.causal, mrow);
+      if (lse[stat] != neg_inf) {
+        mask_row(srow, tk, t, u0, r, p.causal, mrow);
+        if (p.windowed) mask_band(srow, tk, p, t, u0, r);
+      }
       if (std::isfinite(lse[stat])) {
         if constexpr (Weights<tile_t, acc_t>::kRounded) {
           softmax_grad_row(srow, dprow, tk, g, pw.row(i * kLd), dsw.row(i * kLd));

@@ -70,14 +70,16 @@ struct ForwardTile {
   std::vector<acc_t> m, l, m_next, row_sum, scratch;
   std::vector<int64_t> bad, bad_q;  // (bad_q: the query tile's non-finite rows, when split)
   // The key run last attended, kept for all its query tiles: its non-finite
-  // V rows (indices into the run, ascending; rows [0, checked) looked at)
-  // and, when packed, its K/V tiles: tile t in slot min(t, slots - 1)
-  // (split: K in ksplit, and its non-finite keys). A run longer than the
-  // slots keeps its first tiles and packs the rest into the last slot at
-  // every visit (slot t % slots would evict each tile before its next
-  // visit: all of them packed again for every query tile).
+  // V rows (indices into the run, ascending; rows [checked_from, checked)
+  // looked at: all from 0 on, unless a window skips tiles) and, when packed,
+  // its K/V tiles: tile t in slot min(t, slots - 1) (split: K in ksplit, and
+  // its non-finite keys). A run longer than the slots keeps its first tiles
+  // and packs the rest into the last slot at every visit (slot t % slots
+  // would evict each tile before its next visit: all of them packed again
+  // for every query tile). With a window, whose query tiles meet a few
+  // advancing key tiles each, slot t % slots.
   struct {
-    int64_t b = -1, kv_head = -1, first = -1, r = -1, checked = 0;
+    int64_t b = -1, kv_head = -1, first = -1, r = -1, checked_from = 0, checked = 0;
     std::vector<int64_t> bad_v, slot_tile;
     std::vector<std::vector<int64_t>> bad_k;
     TileBuffer<tile_t> k, v;
@@ -101,11 +103,19 @@ struct ForwardTile {
     if ((kBf16Tiles && packed) || split) release_packed_gemm();
   }
 
+  // The run's rows looked at restart at row n0 (a window skipped the tiles
+  // before it): the packed tiles go with the rows they were checked with.
+  void restart_checks(int64_t n0) {
+    keyrun.checked_from = keyrun.checked = n0;
+    keyrun.bad_v.clear();
+    std::fill(keyrun.slot_tile.begin(), keyrun.slot_tile.end(), -1);
+  }
+
   void start_key_run(int64_t b, int64_t kv_head, ActiveRun keys, int64_t r) {
     if (keyrun.b == b && keyrun.kv_head == kv_head && keyrun.first == keys.first && keyrun.r == r)
       return;
     keyrun.b = b, keyrun.kv_head = kv_head, keyrun.first = keys.first, keyrun.r = r;
-    keyrun.checked = 0;
+    keyrun.checked_from = keyrun.checked = 0;
     keyrun.bad_v.clear();
     if (!packed) return;
     const int64_t d = p.head_dim, fit = std::max<int64_t>(1, kMaxPacked / (kTileK * d));
@@ -127,7 +137,15 @@ struct ForwardTile {
     const int64_t t_last = t0 + (tq - 1) * r;
     int64_t nk = keys.count;
     if (p.causal) nk = t_last < keys.first ? 0 : std::min(nk, (t_last - keys.first) / r + 1);
-    if (nk == 0) return;
+    // Window: the key tiles (whole tiles of the run, as packed) that meet the
+    // query tile's band [t0 - left, t_last + right]; the others are skipped.
+    int64_t n_begin = 0;
+    if (p.windowed) {
+      const RowRange band = band_keys(p, keys.first, r, t0, t_last, nk);
+      if (band.end <= band.begin) return;
+      n_begin = band.begin / kTileK * kTileK, nk = band.end;
+    }
+    if (nk <= n_begin) return;
 
     const auto row_head = [&](int64_t row) { return set.heads[row / tq]; };
     const auto row_pos = [&](int64_t row) { return t0 + (row % tq) * r; };
@@ -154,7 +172,7 @@ struct ForwardTile {
     const acc_t s_scale = packed ? scale : acc_t(1);
 
     const int64_t k_stride = p.k_stride(r);
-    for (int64_t n0 = 0; n0 < nk; n0 += kTileK) {
+    for (int64_t n0 = n_begin; n0 < nk; n0 += kTileK) {
       const int64_t tk = std::min(kTileK, nk - n0);
       const int64_t u0 = keys.first + n0 * r;
       const int64_t koff = p.k_index(b, u0, set.kv_head);
@@ -162,6 +180,7 @@ struct ForwardTile {
       // tile may use fewer), read in place: look at all its V rows, once per
       // run (while packing them, where packed).
       const int64_t tw = packed ? std::min(kTileK, keys.count - n0) : tk;
+      if (n0 < keyrun.checked_from || n0 > keyrun.checked) restart_checks(n0);
       // The tile's K and V rows as tile_t. Converted inputs (fp16, bf16) of
       // a packed tile are converted only where it is packed or its
       // non-finite V rows are added back.
@@ -183,7 +202,8 @@ struct ForwardTile {
       if constexpr (kBf16Tiles || kFp32Tiles) {
         if (packed) {
           const int64_t tile = n0 / kTileK;
-          const int64_t slot = std::min(tile, static_cast<int64_t>(keyrun.slot_tile.size()) - 1);
+          const int64_t slots = static_cast<int64_t>(keyrun.slot_tile.size());
+          const int64_t slot = p.windowed ? tile % slots : std::min(tile, slots - 1);
           // K in the slot: fp32, or split (the other one is empty).
           tile_t* kslot = split ? nullptr : keyrun.k.data() + slot * kTileK * d;
           c10::BFloat16* kslot_split =
@@ -241,6 +261,7 @@ struct ForwardTile {
       for (int64_t i = 0; i < rows; ++i) {
         acc_t* srow = &s[i * kLd];
         mask_row(srow, tk, row_pos(i), u0, r, p.causal, mrow);
+        if (p.windowed) mask_band(srow, tk, p, row_pos(i), u0, r);
         // The running shift stays unless the tile's scores pass it by kCap.
         // A row's first scores start it at the maximum of their first
         // kGuessKeys (one pass, not one for the maximum and one for exp).

@@ -10,7 +10,9 @@
 // whole): they run in parallel without atomics, branches one after another.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "../params.h"
@@ -88,8 +90,36 @@ inline BranchWork branch_work(const BlockParams& p, int64_t i, int64_t w, int64_
 inline SegmentRuns segment_runs(const BlockParams& p, const BranchWork& work, size_t s,
                                 int64_t offset) {
   return ring_attention::segment_runs(work.segments[s], work.r, offset, p.q_start,
-                                      p.q_start + p.q_len, p.k_start, p.k_start + p.k_len,
-                                      p.causal);
+                                      p.q_start + p.q_len, p.k_start, p.k_start + p.k_len, p.causal,
+                                      p.window_left, p.window_right);
+}
+
+// Rows [begin, end) of a run (positions first + r*n, n < count) that lie in
+// [lo, hi] (a window's band).
+struct RowRange {
+  int64_t begin, end;
+};
+
+inline RowRange rows_within(int64_t first, int64_t count, int64_t r, int64_t lo, int64_t hi) {
+  const int64_t begin = lo <= first ? 0 : ceil_div(lo - first, r);
+  const int64_t end = hi < first ? 0 : std::min(count, (hi - first) / r + 1);
+  return {std::min(begin, count), end};
+}
+
+// The keys (first + r*n, n < nk) in the bands of the queries t0 .. t_last.
+inline RowRange band_keys(const BlockParams& p, int64_t first, int64_t r, int64_t t0,
+                          int64_t t_last, int64_t nk) {
+  return rows_within(first, nk, r, p.band_first(t0), p.band_last(t_last));
+}
+
+// Scores of query t against a key tile (positions u0 + r*j, j < tk) set to
+// -inf outside t's window.
+template <typename T>
+inline void mask_band(T* srow, int64_t tk, const BlockParams& p, int64_t t, int64_t u0, int64_t r) {
+  constexpr T neg_inf = -std::numeric_limits<T>::infinity();
+  const RowRange in = rows_within(u0, tk, r, p.band_first(t), p.band_last(t));
+  std::fill(srow, srow + std::max<int64_t>(in.begin, 0), neg_inf);
+  std::fill(srow + std::max(in.begin, in.end), srow + tk, neg_inf);
 }
 
 }  // namespace ring_attention::cpu

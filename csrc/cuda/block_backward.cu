@@ -235,7 +235,8 @@ __global__ void __launch_bounds__(kThreads) bwd_simt_kernel(const Problem p) {
           if (m[i] >= sp.nrows) continue;  // warp-uniform
           const int64_t cidx = c0 + lane;
           const int64_t qi = DKDV ? cidx : m[i], ki = DKDV ? m[i] : cidx;
-          const bool ok = col_ok[lane] && rok[i] && (!p.causal || ki <= qi + t.dm);
+          const bool ok = col_ok[lane] && rok[i] && (!p.causal || ki <= qi + t.dm) &&
+                          (!p.windowed || in_band(p, ki, qi + t.dm));
           if (!__any_sync(kFull, ok)) continue;
           const C x1 = dot_bcast<C, NPL>(r1[i], c1s + lane * LDC, D);
           const C x2 = dot_bcast<C, NPL>(r2[i], c2s + lane * LDC, D);
@@ -422,7 +423,7 @@ __global__ void __launch_bounds__(kThreads) bwd_mma_kernel(__grid_constant__ con
         // key of the tile (block-uniform). A row that reaches it has a
         // non-finite lse (the forward's), so its P, dS and dQ stay NaN
         // without that row.
-        if (kmask != kAllCols || (p.causal && c0 + BN - 1 > t.dm)) {
+        if (kmask != kAllCols || (p.causal && c0 + BN - 1 > t.dm) || p.windowed) {
           zero_nonfinite16<T, DP, BN>(c1s + st * BN * LD, LD);
           __syncthreads();
         }
@@ -430,13 +431,20 @@ __global__ void __launch_bounds__(kThreads) bwd_mma_kernel(__grid_constant__ con
 
       // Causal: row m (query, dq) reaches column c (key) iff c <= m + dm;
       // (dkdv: key row m is reached by query column c iff c >= m - dm).
-      // Warp-uniform: every pair of the warp's rows and the tile's columns
-      // reached, or none.
+      // Windowed: iff m + dm - band_l <= c <= m + dm + band_r (dkdv: m - dm
+      // - band_r <= c <= m - dm + band_l). Warp-uniform: every pair of the
+      // warp's rows and the tile's columns reached, or none.
       const int64_t lo_m = m0, hi_m = m0 + 15;
       const bool none = DKDV ? c0 + BN - 1 < lo_m - t.dm : c0 > hi_m + t.dm;
+      // The window's columns of row m: [m + band_lo_off, m + band_hi_off].
+      const int64_t band_lo_off = DKDV ? -t.dm - p.band_r : t.dm - p.band_l;
+      const int64_t band_hi_off = DKDV ? -t.dm + p.band_l : t.dm + p.band_r;
+      const bool none_w = c0 + BN - 1 < lo_m + band_lo_off || c0 > hi_m + band_hi_off;
+      const bool full_w = c0 >= hi_m + band_lo_off && c0 + BN - 1 <= lo_m + band_hi_off;
       const bool full = kmask == kAllCols && rows_all_ok &&
-                        (!p.causal || (DKDV ? c0 >= hi_m - t.dm : c0 + BN - 1 <= lo_m + t.dm));
-      if (m0 < sp.nrows && !(p.causal && none)) {
+                        (!p.causal || (DKDV ? c0 >= hi_m - t.dm : c0 + BN - 1 <= lo_m + t.dm)) &&
+                        (!p.windowed || full_w);
+      if (m0 < sp.nrows && !(p.causal && none) && !(p.windowed && none_w)) {
         float x1[NJ][4] = {}, x2[NJ][4] = {};
         mma_ss<T, 1, NJ, DP>(one_tile(x1), r1s + warp * 16 * LD, LD, c1t, LD, lane);
         mma_ss<T, 1, NJ, DP>(one_tile(x2), r2s + warp * 16 * LD, LD, c2t, LD, lane);
@@ -462,12 +470,14 @@ __global__ void __launch_bounds__(kThreads) bwd_mma_kernel(__grid_constant__ con
         } else {
           // Causal bound of this thread's rows as a column index of the
           // tile, less 2 tg; bit c - 2 tg of km: column c reached.
-          int lim[2];
+          // and the window's, band_lo[i] <= c <= band_hi[i].
+          int lim[2], band_lo[2], band_hi[2];
 #pragma unroll
           for (int i = 0; i < 2; ++i) {
             const int64_t m = m0 + g + 8 * i;
-            lim[i] = static_cast<int>(
-                imax(-1, imin(BN, (DKDV ? m - t.dm - c0 : m + t.dm - c0) - 2 * tg)));
+            lim[i] = tile_limit((DKDV ? m - t.dm - c0 : m + t.dm - c0) - 2 * tg, BN);
+            band_lo[i] = tile_limit(m + band_lo_off - c0 - 2 * tg, BN);
+            band_hi[i] = tile_limit(m + band_hi_off - c0 - 2 * tg, BN);
           }
           const uint64_t km = kmask >> (2 * tg);
 #pragma unroll
@@ -476,7 +486,10 @@ __global__ void __launch_bounds__(kThreads) bwd_mma_kernel(__grid_constant__ con
             for (int e = 0; e < 4; ++e) {
               const int i = e >> 1, c = j * 8 + (e & 1);  // the column less 2 tg
               const bool causal_ok = DKDV ? c >= lim[i] : c <= lim[i];
-              grads(j, e, (km >> c & 1) != 0 && rok[i] && (!p.causal || causal_ok));
+              const bool band_ok = c >= band_lo[i] && c <= band_hi[i];
+              grads(j, e,
+                    (km >> c & 1) != 0 && rok[i] && (!p.causal || causal_ok) &&
+                        (!p.windowed || band_ok));
             }
         }
         mma_rs<T, 1, ND, NJ>(one_tile(a1), one_tile(x2), c1t, LD, lane);

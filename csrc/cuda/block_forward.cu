@@ -90,7 +90,8 @@ __global__ void __launch_bounds__(kThreads) fwd_simt_kernel(const Problem p) {
       for (int i = 0; i < ROWS; ++i) {
         if (m[i] >= nrows) continue;  // warp-uniform
         const C s = dot_bcast<C, NPL>(qv[i], ks + lane * LDK, D);
-        const bool ok = kok[lane] && (!p.causal || n0 + lane <= m[i] + t.dm);
+        const bool ok = kok[lane] && (!p.causal || n0 + lane <= m[i] + t.dm) &&
+                        (!p.windowed || in_band(p, n0 + lane, m[i] + t.dm));
         const C x = ok ? s * scale : neg_inf<C>();
         const C m_new = cmax(m_run[i], warp_max(x));
         const C m_use = m_new == neg_inf<C>() ? C(0) : m_new;
@@ -231,20 +232,23 @@ __global__ void __launch_bounds__(kThreads) fwd_mma_kernel(__grid_constant__ con
       // enters. Otherwise non-finite V rows enter P.V as zeros; the rows that
       // reach them are poisoned (NaN) below, the others never see them.
       bool any_vbad = false;
-      if (kmask != kAllKeys || (p.causal && n0 + BN - 1 > t.dm)) {
+      if (kmask != kAllKeys || (p.causal && n0 + BN - 1 > t.dm) || p.windowed) {
         const bool vrow_bad = zero_nonfinite16<T, DP, BN>(vt, LD);
         if (threadIdx.x % (kThreads / BN) == 0) vbad[threadIdx.x / (kThreads / BN)] = vrow_bad;
         any_vbad = __syncthreads_or(vrow_bad) != 0;
       }
 
-      // Warp-uniform: rows past the tile's, or (causal) rows that reach no key
-      // of this tile, would add nothing.
-      if (m0 < nrows && (!p.causal || n0 <= last_reach)) {
+      // Warp-uniform: rows past the tile's, or (causal, windowed) rows that
+      // reach no key of this tile, would add nothing.
+      if (m0 < nrows && (!p.causal || n0 <= last_reach) &&
+          (!p.windowed || (n0 <= last_reach + p.band_r && n0 + BN - 1 >= first_reach - p.band_l))) {
         float s[MT][NJ][4] = {};
         mma_ss<T, MT, NJ, DP>(s, qs + warp * 16 * MT * LD, LD, kt, LD, lane);
 
         // Every key of the tile reached by every row of the warp: no mask.
-        const bool full = kmask == kAllKeys && (!p.causal || n0 + BN - 1 <= first_reach);
+        const bool full =
+            kmask == kAllKeys && (!p.causal || n0 + BN - 1 <= first_reach) &&
+            (!p.windowed || (n0 >= last_reach - p.band_l && n0 + BN - 1 <= first_reach + p.band_r));
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           // Two loops, not `full || ...` per element: that compiled to a
@@ -256,19 +260,24 @@ __global__ void __launch_bounds__(kThreads) fwd_mma_kernel(__grid_constant__ con
               for (int e = 0; e < 4; ++e) s[mt][j][e] *= scale_log2;
           } else {
             // Causal: key column c of the tile reaches row i iff c <= lim[i];
-            // bit c - 2 tg of km: key c reached.
-            int lim[2];
+            // windowed: iff band_lo[i] <= c <= band_hi[i]; bit c - 2 tg of
+            // km: key c reached.
+            int lim[2], band_lo[2], band_hi[2];
 #pragma unroll
-            for (int i = 0; i < 2; ++i)
-              lim[i] = static_cast<int>(
-                  imax(-1, imin(BN, first_reach + 16 * mt + g + 8 * i - n0 - 2 * tg)));
+            for (int i = 0; i < 2; ++i) {
+              const int64_t diag = first_reach + 16 * mt + g + 8 * i - n0 - 2 * tg;
+              lim[i] = tile_limit(diag, BN);
+              band_lo[i] = tile_limit(diag - p.band_l, BN);
+              band_hi[i] = tile_limit(diag + p.band_r, BN);
+            }
             const uint64_t km = kmask >> (2 * tg);
 #pragma unroll
             for (int j = 0; j < NJ; ++j)
 #pragma unroll
               for (int e = 0; e < 4; ++e) {
                 const int c = j * 8 + (e & 1);  // the column less 2 tg
-                const bool ok = (km >> c & 1) != 0 && (!p.causal || c <= lim[e >> 1]);
+                const bool ok = (km >> c & 1) != 0 && (!p.causal || c <= lim[e >> 1]) &&
+                                (!p.windowed || (c >= band_lo[e >> 1] && c <= band_hi[e >> 1]));
                 s[mt][j][e] = ok ? s[mt][j][e] * scale_log2 : -INFINITY;
               }
           }

@@ -50,7 +50,10 @@ struct Problem : BlockParams {
   int64_t h_lo;                  // first query head of the launch (grid.y counts heads)
   int64_t pack;                  // query heads per tile (1 for key rows), divides 4
   int64_t row_lo, row_hi, span;  // grid.x counts windows of span row positions
-  bool vec;                      // 16-byte loads allowed (D % 8 == 0, aligned pointers)
+  // The sliding window in rows of the branch (windowed): key n of a tile
+  // reaches query m iff m + dm - band_l <= n <= m + dm + band_r (in_band).
+  int64_t band_l, band_r;
+  bool vec;  // 16-byte loads allowed (D % 8 == 0, aligned pointers)
 };
 
 constexpr int kMaxPack = 4;
@@ -60,10 +63,11 @@ __device__ inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
 
 // One tile: query m of the tile's segment sits at position q.first + r*m,
 // key n at k.first + r*n (both active, same segment), and key n reaches query
-// m (causal) iff n <= m + dm. The run of the rows side (queries, or keys for
-// KEY_ROWS) is the tile's (at most BM / pack rows per head), the other one
-// the whole segment's in its block (keys: only up to the tile's last query,
-// causal). Query rows: row slot * (BM / pack) + m is query m of heads[slot].
+// m (causal) iff n <= m + dm (and, windowed, in_band). The run of the rows
+// side (queries, or keys for KEY_ROWS) is the tile's (at most BM / pack rows
+// per head), the other one the whole segment's in its block (keys: only up to
+// the tile's last query, causal; only within the tile's rows' windows).
+// Query rows: row slot * (BM / pack) + m is query m of heads[slot].
 struct Tile {
   int64_t b, kvh;
   int64_t heads[kMaxPack];  // KEY_ROWS: heads[0] is the first of its key-sharing set
@@ -103,13 +107,23 @@ class BlockTiles {
       if (KEY_ROWS) {
         t.k = active_run(seg, r, offset_, imax(lo_, p_.k_start), imin(hi_, k_end));
         if (t.k.count == 0) continue;
-        t.q = active_run(seg, r, offset_, p_.q_start, q_end);
+        int64_t q_lo = p_.q_start, q_hi = q_end;
+        if (p_.windowed) {  // the queries whose windows meet the tile's keys
+          q_lo = imax(q_lo, t.k.first - p_.window_right);
+          q_hi = imin(q_hi, t.k.first + (t.k.count - 1) * r + p_.window_left + 1);
+        }
+        t.q = active_run(seg, r, offset_, q_lo, q_hi);
         if (t.q.count == 0 || (p_.causal && t.q.first + (t.q.count - 1) * r < t.k.first)) continue;
       } else {
         t.q = active_run(seg, r, offset_, imax(lo_, p_.q_start), imin(hi_, q_end));
         if (t.q.count == 0) continue;
         const int64_t last_q = t.q.first + (t.q.count - 1) * r;
-        t.k = active_run(seg, r, offset_, p_.k_start, p_.causal ? imin(k_end, last_q + 1) : k_end);
+        int64_t k_lo = p_.k_start, k_hi = p_.causal ? imin(k_end, last_q + 1) : k_end;
+        if (p_.windowed) {  // the keys in the windows of the tile's queries
+          k_lo = imax(k_lo, p_.band_first(t.q.first));
+          k_hi = imin(k_hi, p_.band_last(last_q) + 1);
+        }
+        t.k = active_run(seg, r, offset_, k_lo, k_hi);
         if (t.k.count == 0) continue;
       }
       t.b = blockIdx.z;
@@ -144,6 +158,17 @@ __device__ inline int64_t keys_reached(const Problem& p, const Tile& t, int64_t 
   if (!p.causal) return t.k.count;
   const int64_t lim = m_last + t.dm + 1;
   return lim < 0 ? 0 : (lim < t.k.count ? lim : t.k.count);
+}
+
+// Key n reaches query m of a tile within the window, diag = m + dm.
+__device__ inline bool in_band(const Problem& p, int64_t n, int64_t diag) {
+  return n >= diag - p.band_l && n <= diag + p.band_r;
+}
+
+// A column index of a tile relative to x, as an int clipped to [-1, hi]
+// (the window's bounds may lie far outside a tile).
+__device__ inline int tile_limit(int64_t x, int hi) {
+  return static_cast<int>(imax(-1, imin(hi, x)));
 }
 
 // Key padding mask entry of the key at position pos, or nullptr.
@@ -489,6 +514,8 @@ inline void launch_branches(Kernel kernel, Problem p, at::IntArrayRef segs, at::
     // covered by whole tiles. Starts reach 2**62 and w, r (clamped) as far
     // again: span is capped at 2**62 (fewer rows per tile, never more) and
     // no sum is formed past rows_hi.
+    p.band_l = p.window_left / p.r;
+    p.band_r = p.window_right / p.r;
     p.pack = key_rows ? 1 : pack_heads(p, i, p.h_lo, h_hi);
     constexpr int64_t kMaxSpan = int64_t{1} << 62;
     const int64_t tile_rows = bm / p.pack;

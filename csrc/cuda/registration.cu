@@ -3,7 +3,6 @@
 #include <torch/library.h>
 
 #include "../block_ops.h"
-#include "../local_op.h"
 #include "kernels.h"
 
 namespace ring_attention {
@@ -11,8 +10,8 @@ namespace ring_attention {
 TORCH_LIBRARY_IMPL(ring_attention, CUDA, m) {
   m.impl("block_forward", &block_forward_op<gpu::block_forward>);
   m.impl("block_backward", &block_backward_op<gpu::block_backward>);
-  m.impl("dilated_attention", &dilated_attention_local);
-  m.impl("dilated_attention_backward", &dilated_attention_backward_local);
+  m.impl("dilated_attention", &local_forward_op<gpu::block_forward>);
+  m.impl("dilated_attention_backward", &local_backward_op<gpu::block_backward>);
 }
 
 }  // namespace ring_attention

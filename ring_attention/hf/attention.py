@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from .. import ops
 from ..checks import check_key_padding_mask, check_qkv, resolve_scale
 from ..functional import attend
 from ..pattern import Pattern
@@ -191,7 +192,9 @@ def _local(
             outs.append(attend(qr, kr, vr, p, scale=scale, key_padding_mask=padding))
         else:
             check_key_padding_mask(padding, qr.shape[0], keys.length, q.device)
-            outs.append(offset_attention(qr, kr, vr, q_start, p.op_args(scale, padding, q.device)))
+            outs.append(
+                offset_attention(qr, kr, vr, q_start, ops.op_args(p, scale, padding, q.device))
+            )
         order.append(members)
     if len(outs) == 1:
         return outs[0]

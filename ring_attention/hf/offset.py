@@ -2,8 +2,8 @@
 queries continuing a cached prefix) attends its queries at their global
 positions to the cached keys, without recomputing the prefix.
 
-One block of ``torch.ops.ring_attention.block_forward`` /
-``block_backward`` (docs/design.md §2.5): queries at ``q_start``, keys at
+One block of the block operators (:func:`ring_attention.ops.block_forward`
+/ :func:`~ring_attention.ops.block_backward`, docs/design.md §2.5): queries at ``q_start``, keys at
 ``k_start``, the pattern (documents, padding) in its arguments."""
 
 from __future__ import annotations
@@ -11,13 +11,14 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
+from .. import ops
 from ..dtypes import acc_dtype
 
 __all__ = ["offset_attention"]
 
 
 def _block_ops(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, op_args: tuple,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, op_args: ops.OpArgs,
     grad_out: torch.Tensor | None = None, out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
@@ -28,20 +29,20 @@ def _block_ops(
         B, L, H, D = q.shape
         out = torch.zeros(B, L, H, D, dtype=acc, device=q.device)
         lse = torch.full((B, H, L), float("-inf"), dtype=acc, device=q.device)
-        torch.ops.ring_attention.block_forward(q, k, v, out, lse, q_start, 0, *op_args)
+        ops.block_forward(q, k, v, out, lse, q_start, 0, op_args)
         return out.to(q.dtype), lse
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-    torch.ops.ring_attention.block_backward(
-        grad_out.contiguous(), None, q, k, v, out, lse, dq, dk, dv, q_start, 0, *op_args
+    ops.block_backward(
+        grad_out.contiguous(), None, q, k, v, out, lse, dq, dk, dv, q_start, 0, op_args
     )
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class _OffsetAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, q_start: int, op_args: tuple):  # type: ignore[override]
+    def forward(ctx, q, k, v, q_start: int, op_args: ops.OpArgs):  # type: ignore[override]
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out, lse = _block_ops(q, k, v, q_start, op_args)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -57,10 +58,10 @@ class _OffsetAttention(torch.autograd.Function):
 
 
 def offset_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, op_args: tuple
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, op_args: ops.OpArgs
 ) -> torch.Tensor:
     """Attention of ``q`` ``(B, Lq, H, d)`` at positions ``[q_start, q_start +
     Lq)`` to ``k``, ``v`` ``(B, Lk, H_kv, d)`` at ``[0, Lk)``, with the
-    pattern arguments ``op_args`` (:meth:`Pattern.op_args`); differentiable
+    pattern arguments ``op_args`` (:func:`ring_attention.ops.op_args`); differentiable
     (once)."""
     return _OffsetAttention.apply(q, k, v, int(q_start), op_args)

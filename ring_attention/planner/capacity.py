@@ -8,8 +8,8 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from ..checks import check_int
+from ..geometry import MAX_SEQ_LEN
 from ..pattern import Pattern, as_flag
-from ..plan import MAX_SEQ_LEN
 from .memory import DTYPE_BYTES, LayerMemory, layer_memories
 from .model import model_memory, model_step_seconds
 from .presets import ModelShape, make_pattern

@@ -2,7 +2,8 @@
 
 A pattern's work is its reached pairs (docs/design.md §7): for every
 ``(head, branch, segment)`` with ``a`` active rows, ``a**2`` pairs, or
-``a (a + 1) / 2`` when causal; per document with ``cu_seqlens``. Nothing here
+``a (a + 1) / 2`` when causal; per document with ``cu_seqlens``; with a
+sliding window, the pairs inside its band (still closed form). Nothing here
 visits a position: a segment's active rows for offset ``o`` are
 ``start + o + r*j``, so counts are arithmetic, full segments are counted by
 multiplication and only the (at most two) segments cut by a range's ends and
@@ -13,28 +14,25 @@ Heads enter only through their offset in each branch (and ``head_groups``):
 heads with the same offset have the same pairs, so every count is a sum over
 the distinct offsets of a branch weighted by how many heads have them.
 Grouped K/V heads do not change the pairs (every query head has its own
-scores); they change what travels (:mod:`.exchange_model`).
+scores); they change what travels (:mod:`.traffic`).
 """
 
 from __future__ import annotations
 
 import bisect
-from collections import Counter
 from collections.abc import Sequence
 from functools import lru_cache
 
 import torch
 
 from ..checks import check_int
+from ..geometry import MAX_SEQ_LEN, active_before, branch_offsets
 from ..pattern import Pattern, as_flag
-from ..plan import MAX_SEQ_LEN
 
 __all__ = [
     "BWD_FLOPS_PER_PAIR",
     "FWD_FLOPS_PER_PAIR",
-    "branch_offsets",
     "check_planner_args",
-    "n_before",
     "pattern_flops",
     "range_pairs",
     "reached_pairs",
@@ -46,37 +44,48 @@ FWD_FLOPS_PER_PAIR = 4
 BWD_FLOPS_PER_PAIR = 10
 
 
-def n_before(z: int, o: int, r: int) -> int:
-    """How many of the positions ``o, o + r, o + 2r, ...`` lie below ``z``."""
-    return max(0, -(-(z - o) // r))
+def _sum_range(x0: int, x1: int) -> int:
+    """The sum of the integers in ``[x0, x1)``."""
+    return (x0 + x1 - 1) * (x1 - x0) // 2 if x1 > x0 else 0
 
 
-def branch_offsets(pattern: Pattern, heads: int) -> list[dict[int, int]]:
-    """Per branch, ``{offset: number of query heads with that offset}`` over
-    the heads the branch applies to (all, or its group with ``head_groups``)."""
-    pattern.check_heads(heads)
-    return [
-        dict(Counter(pattern.offset(h, i, heads) for h in pattern.applies(i, heads)))
-        for i in range(pattern.n_branches)
-    ]
+def _band_pairs(j0: int, j1: int, a: int, left: int | None, right: int | None) -> int:
+    """Pairs of the active queries ``j0 <= j < j1`` of a segment with ``a``
+    active rows, query ``j`` reaching keys ``max(0, j - left) .. min(a - 1, j
+    + right)`` (rows of the offset; ``None``: unbounded)."""
+    total = j1 - j0  # every query reaches itself
+    if right is None:
+        total += (a - 1) * (j1 - j0)
+    else:  # min(a - 1, j + right): j + right below j < a - right
+        b = min(j1, max(j0, a - right))
+        total += _sum_range(j0 + right, b + right) + (a - 1) * (j1 - b)
+    if left is not None:  # less max(0, j - left)
+        c = max(j0, left)
+        total -= _sum_range(c - left, j1 - left)
+    return total
+
+
+def _rows(side: int, r: int) -> int | None:
+    """A side of the window in active rows of dilation ``r`` (two active rows
+    of one offset lie a multiple of ``r`` apart); ``None``: unbounded."""
+    return None if side < 0 else side // r
 
 
 def _segment_pairs(
-    seg_len: int, lo: int, hi: int, r: int, o: int, causal: bool
+    seg_len: int, lo: int, hi: int, r: int, o: int, causal: bool, window: tuple[int, int]
 ) -> int:  # fmt: skip
     """Pairs of one segment ``[0, seg_len)`` whose query lies in ``[lo, hi)``
     (positions relative to the segment), offset ``o``."""
-    keys = n_before(seg_len, o, r)
-    j0 = n_before(max(lo, 0), o, r)
-    j1 = max(j0, n_before(min(hi, seg_len), o, r))
-    if causal:  # the j-th active query reaches j + 1 keys
-        return (j1 * (j1 + 1) - j0 * (j0 + 1)) // 2
-    return (j1 - j0) * keys
+    keys = active_before(seg_len, o, r)
+    j0 = active_before(max(lo, 0), o, r)
+    j1 = max(j0, active_before(min(hi, seg_len), o, r))
+    right = 0 if causal else _rows(window[1], r)  # causal: the j-th reaches j + 1 keys
+    return _band_pairs(j0, j1, keys, _rows(window[0], r), right)
 
 
 @lru_cache(maxsize=4096)
 def _doc_range_pairs(
-    length: int, lo: int, hi: int, w: int, r: int, o: int, causal: bool
+    length: int, lo: int, hi: int, w: int, r: int, o: int, causal: bool, window: tuple[int, int]
 ) -> int:  # fmt: skip
     """Pairs of offset ``o`` in branch ``(w, r)`` whose query lies in
     ``[lo, hi)``, in a document of ``length`` positions (relative)."""
@@ -86,13 +95,14 @@ def _doc_range_pairs(
     n_full = length // w  # segments 0 .. n_full-1 have length w
     first = -(-lo // w)  # the first segment starting at or after lo
     last = min(hi // w, n_full)  # segments [first, last) are full and inside [lo, hi)
-    keys = n_before(w, o, r)
-    total = max(0, last - first) * (keys * (keys + 1) // 2 if causal else keys * keys)
+    total = max(0, last - first) * _segment_pairs(w, 0, w, r, o, causal, window)
     # The segments cut by lo or hi, or the short last one: at most two.
     for s in {lo // w, (hi - 1) // w}:
         if not first <= s < last:
             start = s * w
-            total += _segment_pairs(min(w, length - start), lo - start, hi - start, r, o, causal)
+            total += _segment_pairs(
+                min(w, length - start), lo - start, hi - start, r, o, causal, window
+            )
     return total
 
 
@@ -111,7 +121,7 @@ def range_pairs(
 
     def doc_pairs(length: int, a: int, b: int, times: int = 1) -> int:
         return times * sum(
-            heads * _doc_range_pairs(length, a, b, w, r, o, causal)
+            heads * _doc_range_pairs(length, a, b, w, r, o, causal, pattern.window)
             for i, (w, r) in enumerate(pattern.branches)
             for o, heads in offsets[i].items()
         )

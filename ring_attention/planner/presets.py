@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..checks import check_int
+from ..geometry import MAX_SEQ_LEN
 from ..pattern import Pattern, as_flag
-from ..plan import MAX_SEQ_LEN
 
 __all__ = ["MODELS", "PATTERNS", "ModelShape", "longnet_pattern", "make_pattern"]
 

@@ -40,9 +40,10 @@ from functools import cached_property
 import torch
 
 from ..checks import check_int
+from ..geometry import active_before, branch_offsets, segment_around
 from ..layout import Piece, check_layout, shard_bounds
 from ..pattern import Pattern
-from .pairs import branch_offsets, check_planner_args, reached_pairs
+from .pairs import check_planner_args, reached_pairs
 from .progressions import union_stats
 
 __all__ = ["SOURCES", "Traffic", "kv_classes", "predict_traffic"]
@@ -132,28 +133,6 @@ def kv_classes(pattern: Pattern, heads: int, kv_heads: int) -> Counter:
     return Counter(
         tuple(offsets(kv, i) for i in range(pattern.n_branches)) for kv in range(kv_heads)
     )
-
-
-def _n_before(z: torch.Tensor, o: int, r: int) -> torch.Tensor:
-    """Elementwise: how many of ``o, o + r, ...`` lie below ``z``."""
-    return torch.clamp(torch.div(z - o + r - 1, r, rounding_mode="floor"), min=0)
-
-
-class _Segments:
-    """The segment of branch ``(w, r)`` holding given positions (documents
-    restart segments)."""
-
-    def __init__(self, pattern: Pattern, seq_len: int) -> None:
-        cu = pattern.documents_tensor("cpu")
-        self.cu = torch.tensor([0, seq_len]) if cu is None else cu
-
-    def around(self, x: torch.Tensor, w: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(start, end)`` of the segment containing each position of ``x``."""
-        doc = torch.searchsorted(self.cu, x, right=True) - 1
-        doc = doc.clamp(0, self.cu.numel() - 2)
-        ds, de = self.cu[doc], self.cu[doc + 1]
-        start = ds + torch.div(x - ds, w, rounding_mode="floor") * w
-        return start, torch.minimum(start + w, de)
 
 
 def _odd_constant(i: int) -> int:
@@ -263,7 +242,8 @@ def _analytic(
     starts = torch.tensor([[pc.start for pc in ps] for ps in pieces], dtype=torch.int64)
     lens = torch.tensor([[pc.length for pc in ps] for ps in pieces], dtype=torch.int64)
     n_pc = starts.shape[1]
-    segments = _Segments(pattern, seq_len)
+    cu = pattern.documents_tensor("cpu")
+    bounds = torch.tensor([0, seq_len]) if cu is None else cu
     out = {k: torch.zeros(p, p, dtype=torch.int64) for k in ("recv", "span", "pairs")}
     memo: dict[tuple[int, ...], tuple[int, int, int]] = {}
 
@@ -295,7 +275,7 @@ def _analytic(
                         continue
                     rl, rx, ry = left[rows], x[rows], y[rows]
                     rc, re, rqa, rqb = c[rows], e[rows], qa[rows], qb[rows]
-                    s, se = segments.around(rx, w)
+                    s, se = segment_around(rx, w, bounds)
                     shared = s <= ry
                     if pattern.causal:
                         shared &= rl
@@ -323,8 +303,8 @@ def _analytic(
                     )
                     acc = torch.zeros_like(s)
                     for o, nh in offsets[i].items():
-                        nq = _n_before(qhi - s, o, r) - _n_before(qlo - s, o, r)
-                        nk = _n_before(khi - s, o, r) - _n_before(klo - s, o, r)
+                        nq = active_before(qhi - s, o, r) - active_before(qlo - s, o, r)
+                        nk = active_before(khi - s, o, r) - active_before(klo - s, o, r)
                         acc += nh * nq * nk
                     pairs.index_add_(0, rows, acc)
             keys, inverse = _unique_keys(j.numel(), parts)
@@ -363,6 +343,16 @@ def _from_plans(
     return {"recv": recv, "span": span}
 
 
+def _plans_available() -> bool:
+    """Whether the ring's own plans can be built: they need the compiled
+    extension (the ``exchange_rows`` operator); the closed forms do not."""
+    try:
+        from .. import ops  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def predict_traffic(
     pattern: Pattern,
     seq_len: int,
@@ -383,7 +373,9 @@ def predict_traffic(
         world_size: ranks.
         layout: ``"contiguous"`` or ``"zigzag"``.
         source: ``"plan"`` (the ring's own plans), ``"analytic"``, or
-            ``"auto"``: the plans when ``p * n * heads <= 2**24``.
+            ``"auto"``: the plans when ``p * n * heads <= 2**24`` and the
+            compiled extension is there (the planner imports and runs
+            without it).
 
     Raises:
         ValueError: for a bad configuration (naming it).
@@ -399,6 +391,12 @@ def predict_traffic(
     if source not in SOURCES:
         raise ValueError(f"source must be one of {list(SOURCES)}, got {source!r}")
     p = check_int(world_size, "world_size", 1, MAX_WORLD_SIZE)
+    if pattern.windowed:  # reached_pairs counts them; the traffic model does not
+        raise ValueError(
+            f"the planner's traffic model does not take a sliding window (window="
+            f"{pattern.window}); measure it with the ring's own plan "
+            "(ring_attention.ring.exchange_plan)"
+        )
     pieces = all_pieces(seq_len, p, layout)
     total = [
         reached_pairs(pattern, seq_len, heads, [(pc.start, pc.length) for pc in ps])
@@ -415,7 +413,9 @@ def predict_traffic(
         counts = _analytic(pattern, seq_len, heads, kv_heads, pieces)
     finally:
         torch.set_num_threads(threads)
-    use_plan = source == "plan" or (source == "auto" and p * seq_len * heads <= _PLAN_WORK_LIMIT)
+    use_plan = source == "plan" or (
+        source == "auto" and p * seq_len * heads <= _PLAN_WORK_LIMIT and _plans_available()
+    )
     if use_plan:
         counts.update(_from_plans(pattern, seq_len, heads, kv_heads, p, layout))
     recv = counts["recv"]

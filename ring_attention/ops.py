@@ -1,0 +1,281 @@
+"""The boundary between Python and the C++ operators (docs/design.md §2.5, §8).
+
+Every call of a ``torch.ops.ring_attention`` operator in the package goes
+through this module, and so does their autograd:
+
+* :func:`op_args`: the one builder of the operators' pattern arguments, from
+  a checked :class:`~ring_attention.pattern.Pattern`, the scale, the key
+  padding mask and the documents (in the schema's order, ``csrc/schemas.h``);
+* :func:`local_attention`, :func:`local_attention_backward`,
+  :func:`block_forward`, :func:`block_backward`, :func:`exchange_rows`,
+  :func:`merge_branches`, :func:`sum_branches`: the operator calls;
+* the autograd of the local operator, registered on it
+  (``torch.library.register_autograd``, as PyTorch's extension-cpp does: both
+  outputs differentiable, double backward raises), so that the operator
+  called directly, under ``torch.compile`` or ``torch.export`` has one
+  autograd;
+* :class:`RingFunction`: the autograd of the ring, whose schedule
+  (:mod:`ring_attention.ring`) it runs once forward and once backward.
+
+The C++ side checks the flat arguments once at each operator's entry
+(``csrc/checks.h``) and passes one checked value down to the kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol
+
+import torch
+
+from . import _C  # noqa: F401  (loads the extension: registers torch.ops.ring_attention)
+from .pattern import Pattern
+
+__all__ = [
+    "DOUBLE_BACKWARD_ERROR",
+    "OpArgs",
+    "RingFunction",
+    "RingSchedule",
+    "block_backward",
+    "block_forward",
+    "exchange_rows",
+    "local_attention",
+    "local_attention_backward",
+    "merge_branches",
+    "op_args",
+    "sum_branches",
+]
+
+Tensor = torch.Tensor
+_OPS = torch.ops.ring_attention
+
+DOUBLE_BACKWARD_ERROR = (
+    "ring_attention: double backward is not supported (the gradients of q, k, v are not "
+    "differentiable)"
+)
+
+
+class OpArgs(NamedTuple):
+    """The pattern arguments of the attention operators, in schema order
+    (``RA_PATTERN_ARGS`` in ``csrc/schemas.h``)."""
+
+    segment_lengths: list[int]
+    dilation_rates: list[int]
+    causal: bool
+    scale: float
+    head_groups: bool
+    grouped_offsets: bool
+    key_padding_mask: Tensor | None
+    cu_seqlens: Tensor | None
+    window_left: int
+    window_right: int
+
+
+def op_args(
+    pattern: Pattern,
+    scale: float,
+    key_padding_mask: Tensor | None = None,
+    device: torch.device | str = "cpu",
+    documents: Tensor | None = None,
+) -> OpArgs:
+    """The operators' pattern arguments for a checked ``pattern``.
+
+    ``documents``: the ``cu_seqlens`` tensor to pass instead of the pattern's
+    own (a traced call's tensor, whose values are not known while tracing:
+    the operator checks them); by default the pattern's documents as an int64
+    tensor on ``device`` (built once per device).
+    """
+    return OpArgs(
+        list(pattern.segment_lengths),
+        list(pattern.dilation_rates),
+        pattern.causal,
+        float(scale),
+        pattern.head_groups,
+        pattern.head_offsets == "grouped",
+        key_padding_mask,
+        pattern.documents_tensor(device) if documents is None else documents,
+        *pattern.window,
+    )
+
+
+# ---------------------------------------------------------------------------
+# The operator calls.
+
+
+def local_attention(q: Tensor, k: Tensor, v: Tensor, args: OpArgs) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` of the local operator, both differentiable."""
+    return _OPS.dilated_attention(q, k, v, *args)
+
+
+def local_attention_backward(
+    grad_out: Tensor,
+    grad_lse: Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    args: OpArgs,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` of the local operator, from its final ``out`` and ``lse``."""
+    return _OPS.dilated_attention_backward(grad_out, grad_lse, q, k, v, out, lse, *args)
+
+
+def block_forward(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_start: int, k_start: int,
+    args: OpArgs,
+) -> None:  # fmt: skip
+    """Merge the block (queries at ``q_start``, keys at ``k_start``) into the
+    running accumulators ``out``/``lse``."""
+    _OPS.block_forward(q, k, v, out, lse, int(q_start), int(k_start), *args)
+
+
+def block_backward(
+    grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+    lse: Tensor, dq: Tensor | None, dk: Tensor | None, dv: Tensor | None, q_start: int,
+    k_start: int, args: OpArgs,
+) -> None:  # fmt: skip
+    """Accumulate the block's share of the gradients into ``dq``/``dk``/``dv``."""
+    _OPS.block_backward(
+        grad_out, grad_lse, q, k, v, out, lse, dq, dk, dv, int(q_start), int(k_start), *args
+    )
+
+
+def merge_branches(
+    parts: Tensor, part_lse: Tensor, index: Tensor, out: Tensor, lse: Tensor
+) -> None:
+    """Write ``out`` and ``lse`` of a window from the per-call ``parts`` and
+    their ``part_lse``, merged by log-sum-exp (``index``: the view planner's
+    slots, ring_attention/views.py)."""
+    _OPS.merge_branches(parts, part_lse, index, out, lse)
+
+
+def sum_branches(parts: Tensor, index: Tensor, grad: Tensor) -> None:
+    """Write into ``grad`` the sum of the per-call gradient ``parts`` (``index``
+    as for :func:`merge_branches`)."""
+    _OPS.sum_branches(parts, index, grad)
+
+
+def exchange_rows(
+    q_starts: Sequence[int],
+    q_lens: Sequence[int],
+    k_start: int,
+    k_len: int,
+    heads: int,
+    kv_heads: int,
+    pattern: Pattern,
+) -> Tensor:
+    """Sorted flat indices ``row * kv_heads + g`` (``row`` relative to
+    ``k_start``) of the key rows of ``[k_start, k_start + k_len)`` that some
+    query of the ranges reaches (the planner, ``csrc/plan.cpp``)."""
+    a = op_args(pattern, 1.0)
+    idx = _OPS.exchange_rows(
+        [int(s) for s in q_starts],
+        [int(n) for n in q_lens],
+        int(k_start),
+        int(k_len),
+        int(heads),
+        int(kv_heads),
+        a.segment_lengths,
+        a.dilation_rates,
+        a.causal,
+        a.head_groups,
+        a.grouped_offsets,
+        a.cu_seqlens,
+        a.window_left,
+        a.window_right,
+    )
+    return idx.to(torch.int64)
+
+
+# ---------------------------------------------------------------------------
+# Autograd of the local operator.
+
+
+def _setup_context(ctx, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
+    q, k, v, *pattern = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.pattern = OpArgs(*pattern)
+    ctx.set_materialize_grads(False)  # an unused output's gradient stays None
+
+
+def _backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
+    q, k, v, out, lse = ctx.saved_tensors
+    none = (None,) * len(ctx.pattern)
+    if grad_out is None and grad_lse is None:
+        return (None, None, None, *none)
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv = local_attention_backward(grad_out, grad_lse, q, k, v, out, lse, ctx.pattern)
+    return (dq, dk, dv, *none)
+
+
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError(DOUBLE_BACKWARD_ERROR)
+
+
+torch.library.register_autograd(
+    "ring_attention::dilated_attention", _backward, setup_context=_setup_context
+)
+# The gradients are not differentiable: differentiating them raises (never silent zeros).
+torch.library.register_autograd("ring_attention::dilated_attention_backward", _no_double_backward)
+
+
+# ---------------------------------------------------------------------------
+# Autograd of the ring.
+
+
+class RingSchedule(Protocol):
+    """One ring call's schedule (:mod:`ring_attention.ring`)."""
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """This rank's ``(out, lse)``."""
+
+    def backward(
+        self, grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
+        out: Tensor, lse: Tensor,
+    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+        """This rank's ``(dq, dk, dv)``."""
+
+
+class RingFunction(torch.autograd.Function):
+    """The ring's autograd: forward and backward each run the schedule once;
+    both outputs (``out`` and ``lse``) are differentiable; double backward
+    raises."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, schedule: RingSchedule):  # type: ignore[override]
+        out, lse = schedule.forward(q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.schedule = schedule
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        with torch.no_grad():
+            grads = ctx.schedule.backward(grad_out, grad_lse, q, k, v, out, lse)
+        if torch.is_grad_enabled():  # create_graph=True: the gradients are not differentiable
+            # The error node hangs off the inputs the gradients depend on, so
+            # differentiating a gradient with respect to any of them reaches it.
+            grads = _DoubleBackwardError.apply(len(grads), *grads, q, k, v, grad_out, grad_lse)
+        return (*grads, None)
+
+
+class _DoubleBackwardError(torch.autograd.Function):
+    """Passes gradients through; differentiating them raises (a gradient of a
+    gradient would otherwise be silently zero)."""
+
+    @staticmethod
+    def forward(ctx, n: int, *tensors: Tensor | None) -> tuple[Tensor, ...]:  # type: ignore[override]
+        """The first ``n`` tensors (gradients), passed through; the others are
+        what they depend on."""
+        return tuple(g.view_as(g) for g in tensors[:n])
+
+    @staticmethod
+    def backward(ctx, *_: Tensor):  # type: ignore[override]
+        raise RuntimeError(DOUBLE_BACKWARD_ERROR)
