@@ -36,8 +36,10 @@ Double backward is not supported: it raises ``RuntimeError``.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -56,6 +58,7 @@ from .handshake import ring_handshake, ring_message
 from .layout import Piece, check_layout
 from .pattern import Pattern
 from .plan import ExchangePlan, get_plan
+from .ring_spec import get_spec, ring_call_spec
 
 __all__ = [
     "ExchangeEvent",
@@ -64,6 +67,8 @@ __all__ = [
     "last_exchange_stats",
     "register_exchange_hook",
     "ring_attention",
+    "ring_call",
+    "ring_call_spec",
     "ring_dilated_attention",
 ]
 
@@ -216,30 +221,145 @@ def _ring_backward(
     return tuple(_cat([t.to(q.dtype) for t in g], dim=1) for g in (dqs, dks, dvs))
 
 
+# ---------------------------------------------------------------------------
+# The operator boundary: forward and backward as custom operators (opaque to
+# torch.compile), the call's configuration named by a RingSpec key
+# (ring_attention/ring_spec.py).
+
+
+class _Documents:
+    """The pattern with the documents of the last ``documents`` tensor seen,
+    per spec: the layers of a model pass the same tensor, so its boundaries
+    are read (device -> host) once per batch, not once per layer and pass."""
+
+    def __init__(self) -> None:
+        self._source: Any = None
+        self._patterns: dict[str, Pattern] = {}
+
+    def pattern(self, key: str, base: Pattern, documents: Tensor | None) -> Pattern:
+        if documents is None:
+            return base
+        source = (weakref.ref(documents), documents._version)
+        if (
+            self._source is None
+            or self._source[0]() is not documents
+            or self._source[1] != (documents._version)
+        ):
+            self._source, self._patterns = source, {}
+        if key not in self._patterns:
+            self._patterns[key] = base.with_documents(documents)
+        return self._patterns[key]
+
+
+_documents = _Documents()
+
+
+def _call_of(
+    key: str, q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None, needs_grad: bool,
+    n: int | None = None,
+) -> _RingCall:  # fmt: skip
+    """The checked call. Forward (``n`` is None): the ranks agree through the
+    handshake on everything, the global length included, and a rank whose
+    call fails makes every rank raise. Backward: the forward's ``n``."""
+    spec = get_spec(key)
+    group = spec.group
+    world, rank = world_info(group)
+    message, pattern, error = None, None, spec.error
+    if error is None:
+        try:
+            pattern = _documents.pattern(key, spec.pattern, documents)
+            check_layout(spec.layout)
+            shape = check_qkv(q, k, v)
+            pattern.check_heads(shape.heads)
+            scale = resolve_scale(spec.scale, shape.head_dim)
+            if n is None:
+                if world > 1:
+                    comm_device(group, q.device)  # raises for unsupported transports
+                message = ring_message(q, shape.kv_heads, pattern, scale=scale,
+                                       layout=spec.layout, needs_grad=needs_grad)  # fmt: skip
+        except Exception as exc:  # every rank must hear of it: reported in the handshake
+            error = exc
+    if n is None:
+        if world > 1:
+            n = ring_handshake(group, world, message, pattern, spec.layout)
+        else:
+            n = q.shape[1] if error is None else -1
+    if error is not None:
+        raise error
+    pattern.check_length(n)
+    return _RingCall(
+        plan=get_plan(pattern, n, shape.heads, shape.kv_heads, world, rank, spec.layout),
+        group=group,
+        peers=global_ranks(group, world),
+        op_args=pattern.op_args(scale, None, q.device),
+    )
+
+
+@torch.library.custom_op("ring_attention::ring_forward", mutates_args=())
+def _ring_forward_op(
+    q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None, spec: str, needs_grad: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """This rank's ``(out, lse, global length)`` of the ring call ``spec``."""
+    call = _call_of(spec, q, k, v, documents, needs_grad)
+    last_exchange_stats.reset()
+    out, lse = _ring_forward(call, q, k, v)
+    return out, lse, torch.tensor(call.plan.seq_len, dtype=torch.int64)
+
+
+@_ring_forward_op.register_fake
+def _(q, k, v, documents, spec, needs_grad):
+    B, L, H, _ = q.shape
+    lse = q.new_empty((B, H, L), dtype=acc_dtype(q.dtype))
+    return (
+        torch.empty_like(q, memory_format=torch.contiguous_format),
+        lse,
+        q.new_empty((), dtype=torch.int64, device="cpu"),
+    )
+
+
+@torch.library.custom_op("ring_attention::ring_backward", mutates_args=())
+def _ring_backward_op(
+    grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+    lse: Tensor, documents: Tensor | None, seq_len: Tensor, spec: str,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """This rank's ``(dq, dk, dv)`` of the ring call ``spec`` (its plan is
+    the forward's, from the plan cache)."""
+    call = _call_of(spec, q, k, v, documents, True, int(seq_len))
+    return _ring_backward(call, grad_out, grad_lse, q, k, v, out, lse)
+
+
+@_ring_backward_op.register_fake
+def _(grad_out, grad_lse, q, k, v, out, lse, documents, seq_len, spec):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
 class _RingDilatedAttentionFn(torch.autograd.Function):
-    """Autograd wrapper: forward and backward each run the ring once; both
-    outputs (``out`` and ``lse``) are differentiable."""
+    """Autograd of the ring: forward and backward each run the ring once (one
+    operator each); both outputs (``out`` and ``lse``) are differentiable."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, call: _RingCall) -> tuple[Tensor, Tensor]:  # type: ignore[override]
-        out, lse = _ring_forward(call, q, k, v)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.call = call
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None, spec: str,
+                needs_grad: bool) -> tuple[Tensor, Tensor]:  # type: ignore[override]  # fmt: skip
+        out, lse, seq_len = torch.ops.ring_attention.ring_forward(q, k, v, documents, spec,
+                                                                  needs_grad)  # fmt: skip
+        ctx.save_for_backward(q, k, v, out, lse, documents, seq_len)
+        ctx.spec = spec
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, documents, seq_len = ctx.saved_tensors
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        with torch.no_grad():
-            grads = _ring_backward(ctx.call, grad_out, grad_lse, q, k, v, out, lse)
+        grads = torch.ops.ring_attention.ring_backward(
+            grad_out, grad_lse, q, k, v, out, lse, documents, seq_len, ctx.spec
+        )
         if torch.is_grad_enabled():  # create_graph=True: the gradients are not differentiable
             # The error node hangs off the inputs the gradients depend on, so
             # differentiating a gradient with respect to any of them reaches it.
             grads = _DoubleBackwardError.apply(len(grads), *grads, q, k, v, grad_out, grad_lse)
-        return (*grads, None)
+        return (*grads, None, None, None)
 
 
 class _DoubleBackwardError(torch.autograd.Function):
@@ -255,6 +375,27 @@ class _DoubleBackwardError(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *_: Tensor):  # type: ignore[override]
         raise RuntimeError(DOUBLE_BACKWARD_ERROR)
+
+
+def ring_call(
+    q_local: Tensor,
+    k_local: Tensor,
+    v_local: Tensor,
+    spec: str,
+    documents: Tensor | None = None,
+    *,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """The ring call registered as ``spec`` (:func:`ring_call_spec`), with the
+    global document boundaries ``documents`` (a 1-D integer tensor, the same
+    on every rank, or ``None``). Compiles with ``fullgraph=True``: the ring is
+    one operator forward and one backward."""
+    needs_grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (q_local, k_local, v_local)
+    )
+    out, lse = _RingDilatedAttentionFn.apply(q_local, k_local, v_local, documents, spec,
+                                             needs_grad)  # fmt: skip
+    return (out, lse) if return_lse else out
 
 
 # ---------------------------------------------------------------------------
@@ -291,6 +432,10 @@ def exchange_plan(
                     layout)  # fmt: skip
 
 
+def _built(pattern: Pattern | Callable[[], Pattern]) -> Pattern:
+    return pattern() if callable(pattern) and not isinstance(pattern, Pattern) else pattern
+
+
 def ring_attention(
     q_local: Tensor,
     k_local: Tensor,
@@ -305,46 +450,8 @@ def ring_attention(
     """:func:`ring_dilated_attention` with a :class:`Pattern` (or a function
     building one: its errors, like every other check here, are reported
     through the handshake so that every rank raises)."""
-    world, rank = world_info(group)
-    message = None
-    error: Exception | None = None
-    try:
-        if callable(pattern) and not isinstance(pattern, Pattern):
-            pattern = pattern()
-        check_layout(layout)
-        shape = check_qkv(q_local, k_local, v_local)
-        pattern.check_heads(shape.heads)
-        scale = resolve_scale(scale, shape.head_dim)
-        if world > 1:
-            comm_device(group, q_local.device)  # raises for unsupported transports
-        needs_grad = torch.is_grad_enabled() and any(
-            t.requires_grad for t in (q_local, k_local, v_local)
-        )
-        message = ring_message(
-            q_local, shape.kv_heads, pattern, scale=scale, layout=layout, needs_grad=needs_grad
-        )
-    except Exception as exc:  # every rank must hear of it: reported in the handshake
-        error = exc
-    if world > 1:
-        n = ring_handshake(
-            group, world, message, pattern if isinstance(pattern, Pattern) else None, layout
-        )
-    else:
-        n = q_local.shape[1] if error is None else -1
-    if error is not None:
-        raise error
-    pattern.check_length(n)
-
-    plan = get_plan(pattern, n, shape.heads, shape.kv_heads, world, rank, layout)
-    last_exchange_stats.reset()
-    call = _RingCall(
-        plan=plan,
-        group=group,
-        peers=global_ranks(group, world),
-        op_args=pattern.op_args(scale, None, q_local.device),
-    )
-    out, lse = _RingDilatedAttentionFn.apply(q_local, k_local, v_local, call)
-    return (out, lse) if return_lse else out
+    spec = ring_call_spec(_built, pattern, scale=scale, group=group, layout=layout)
+    return ring_call(q_local, k_local, v_local, spec, return_lse=return_lse)
 
 
 def ring_dilated_attention(
@@ -406,22 +513,17 @@ def ring_dilated_attention(
     needed, every rank must run the backward.
     """
 
-    def pattern() -> Pattern:
-        return Pattern(
-            segment_lengths,
-            dilation_rates,
-            causal=causal,
-            head_groups=head_groups,
-            head_offsets=head_offsets,
-        ).with_documents(cu_seqlens)
+    documents = cu_seqlens if isinstance(cu_seqlens, Tensor) else None
+    spec = ring_call_spec(
+        _pattern_of, segment_lengths, dilation_rates, causal, head_groups, head_offsets,
+        None if documents is not None else cu_seqlens, scale=scale, group=group, layout=layout,
+    )  # fmt: skip
+    return ring_call(q_local, k_local, v_local, spec, documents, return_lse=return_lse)
 
-    return ring_attention(
-        q_local,
-        k_local,
-        v_local,
-        pattern,
-        scale=scale,
-        group=group,
-        layout=layout,
-        return_lse=return_lse,
-    )
+
+def _pattern_of(
+    segment_lengths: Sequence[int], dilation_rates: Sequence[int], causal: bool,
+    head_groups: bool, head_offsets: str, cu_seqlens: Sequence[int] | None,
+) -> Pattern:  # fmt: skip
+    return Pattern(segment_lengths, dilation_rates, causal=causal, head_groups=head_groups,
+                   head_offsets=head_offsets).with_documents(cu_seqlens)  # fmt: skip
