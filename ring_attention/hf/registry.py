@@ -6,9 +6,12 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
+from .._comm import world_info
 from ..layout import check_layout
+from ..sharding import shard_sequence
 
 __all__ = ["ATTN_IMPLEMENTATION", "SequenceParallel", "register_transformers", "sequence_parallel"]
 
@@ -17,8 +20,12 @@ ATTN_IMPLEMENTATION = "ring_dilated"
 
 
 class SequenceParallel:
-    """The group and layout of ``register_transformers(group=...)``. The
-    group is held by a weak reference: a strong one would keep a group that
+    """The sequence-parallel ranks of ``register_transformers(group=...)``:
+    the attention's group and layout, and what the batch sharding needs
+    (:attr:`size`, :attr:`rank`, :meth:`shard`, :attr:`sequence_group`), so
+    that every mode of spreading a sequence plugs in here.
+
+    The group is held by a weak reference: a strong one would keep a group that
     destroy_process_group released alive, with its gloo worker threads, into
     the interpreter's shutdown, where a thread still releasing a finished
     collective's tensors needs the GIL and aborts the process."""
@@ -37,6 +44,25 @@ class SequenceParallel:
                 "with group=None"
             )
         return group
+
+    @property
+    def sequence_group(self) -> dist.ProcessGroup:
+        """The ranks that hold pieces of one sequence (they share a batch)."""
+        return self.group
+
+    @property
+    def size(self) -> int:
+        """How many ranks share a sequence."""
+        return world_info(self.sequence_group)[0]
+
+    @property
+    def rank(self) -> int:
+        """This rank's index among them (which piece it holds)."""
+        return world_info(self.sequence_group)[1]
+
+    def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's piece of ``x`` along ``dim`` (contiguous)."""
+        return shard_sequence(x, dim, self.group, layout=self.layout).contiguous()
 
 
 _state: dict[str, SequenceParallel | None] = {"sp": None}
