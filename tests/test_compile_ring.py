@@ -41,8 +41,9 @@ def _steps(fn, inputs, params, backend, steps=3):
     torch._dynamo.reset()
     counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
     compiled = torch.compile(fn, backend=counter, fullgraph=True)
-    for _ in range(steps):
-        out = compiled(*inputs)
+    for step in range(steps):
+        # a tuple of one value per step stands for a new tensor at every step
+        out = compiled(*(t[step] if isinstance(t, tuple) else t for t in inputs))
         grads = torch.autograd.grad(out.sum(), params)
     return out.detach(), list(grads), counter.frame_count
 
@@ -117,7 +118,12 @@ def test_ring_and_decoder_layer_compile_fullgraph_on_two_ranks() -> None:
             assert "rank(s) [0] rejected their inputs" in found["refused"], found["refused"]
 
 
-def test_decoder_layer_compiles_fullgraph_in_one_process() -> None:
+@pytest.mark.parametrize("padding", [False, True])
+def test_decoder_layer_compiles_fullgraph_in_one_process(padding: bool) -> None:
+    """The layer with the mask the model hands it (transformers' mask
+    preparation runs once per forward, eagerly): none, or right padding."""
+    from transformers.masking_utils import create_causal_mask
+
     ra.register_transformers()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_config(), attn_implementation="ring_dilated")
@@ -125,13 +131,20 @@ def test_decoder_layer_compiles_fullgraph_in_one_process() -> None:
     x = torch.randn(2, N, 64, dtype=torch.float64, requires_grad=True)
     positions = torch.arange(N)[None]
     rope = model.model.rotary_emb(x, positions)
+    pad = torch.ones(2, N, dtype=torch.long)
+    pad[1, N - 7 :] = 0
+    mask = create_causal_mask(model.config, x, pad if padding else None, None,
+                              position_ids=positions)  # fmt: skip
+    assert (mask is None) != padding
 
-    def decoder(x):
-        return layer(x, attention_mask=None, position_ids=positions, position_embeddings=rope)
+    def decoder(x, mask):
+        return layer(x, attention_mask=mask, position_ids=positions, position_embeddings=rope)
 
     params = [x, *layer.parameters()]
-    want = _eager(decoder, (x,), params)
-    out, grads, frames = _steps(decoder, (x,), params, "aot_eager")
+    want = _eager(decoder, (x, mask), params)
+    # every step a new mask tensor, as every batch brings one
+    masks = (None,) * 3 if mask is None else (mask.clone(), mask.clone(), mask.clone())
+    out, grads, frames = _steps(decoder, (x, masks), params, "aot_eager")
     assert frames == 1
     torch.testing.assert_close(out, want[0], atol=0, rtol=0)
     for a, b in zip(grads, want[1], strict=True):

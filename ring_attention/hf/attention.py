@@ -117,6 +117,7 @@ def _sdpa_only(attention_mask: Any, dropout: float, kwargs: Mapping[str, Any]) -
 _cu_batches = PerBatch()
 
 
+@torch.compiler.disable  # reads the boundaries (and a per-batch cache): eager
 def _cu_documents(kwargs: Mapping[str, Any]) -> tuple[torch.Tensor, tuple[int, ...]] | None:
     """``(the tensor, its boundaries)`` of ``cu_seq_lens_q``/``_k``, or ``None``."""
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
@@ -159,7 +160,12 @@ def _local(
     scaling: float | None,
     kwargs: Mapping[str, Any],
 ) -> torch.Tensor:
-    keys = Keys(k.shape[1]) if attention_mask is None else batch_keys(attention_mask)
+    if attention_mask is None:
+        keys = Keys(k.shape[1])
+    elif attention_mask.dtype == torch.bool:  # padding only: nothing to read (compiles)
+        keys = Keys(attention_mask.shape[1], ~attention_mask)
+    else:
+        keys = batch_keys(attention_mask)
     q_len = q.shape[1]
     if not q_len <= keys.length <= k.shape[1]:
         raise ValueError(
@@ -170,7 +176,8 @@ def _local(
         k, v = k[:, : keys.length], v[:, : keys.length]
     q_start = keys.length - q_len
     rows, memo = keys.rows, keys.patterns
-    cu = _cu_documents(kwargs)
+    given = any(kwargs.get(f"cu_seq_lens_{s}") is not None for s in "qk")
+    cu = _cu_documents(kwargs) if given else None
     if cu is not None:
         if q_start:
             raise ValueError(
