@@ -5,6 +5,7 @@
     python benchmarks/bench.py ring-run   # one ring run (the main job; run it under torchrun)
     python benchmarks/bench.py bytes      # bytes a rank sends per layer, from the exchange plans
     python benchmarks/bench.py llm        # grouped K/V heads and packed documents: bytes, time
+    python benchmarks/bench.py modes      # ring, Ulysses and hybrid side by side (p = 4, CPU)
     python benchmarks/bench.py tiles      # one-thread timings of the CPU kernels' tile products
     python benchmarks/bench.py check      # every method against a reference, then exit
     python benchmarks/bench.py report     # tables and plots again from the result files
@@ -31,6 +32,7 @@ import cpu_tile_gemm
 import llm
 import measure
 import methods
+import modes
 from common import DEFAULT_OUT, DTYPES, RING_DILATIONS, RING_SEGMENTS, parse_config
 from local_report import finish_local
 from local_sweep import cmd_local
@@ -317,6 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bytes)
 
     llm.add_parser(sub)
+    modes.add_parser(sub)
     cpu_tile_gemm.add_parser(sub)
 
     p = sub.add_parser("check", help="every method against a reference, then exit")

@@ -7,17 +7,22 @@ csrc/cpu/packed_tiles.h and the kLd padding of csrc/cpu/block_forward.cpp:
   the row stride of C 512 or 528;
 * the same S and O += P V through oneDNN's brgemm (at::native::cpublas) on K
   and V packed once (VNNI), against MKL on the tiles in place;
-* fp32: S and P V through sgemm in place against brgemm on K^T and V copied
-  contiguous, and a 2048³ torch.mm (the sgemm rate the benchmarks compare to);
+* fp32: S and P V through sgemm in place against the packed kernels on K^T
+  and V copied contiguous (brgemm's where the CPU has AVX-512, the AVX2 ones
+  of csrc/cpu/packed_tiles_avx2.cpp where it has AVX2), and a 2048³ torch.mm
+  (the sgemm rate the benchmarks compare to);
 * where the CPU has AMX, fp32 S as six bf16 part products
   (csrc/cpu/split_products.h), and the splits of its operands;
 * the fp32 backward's products at its tile shape (256 rows x 256 keys): S,
   dV^T += dO^T P (the score tile as B) and dQ += dS K;
-* the fp32 softmax passes between the two products (csrc/cpu/softmax_rows.cpp,
-  over the 256 x 512 S tile): a row's first tile (row maximum, then exp and
-  sum) and the later ones (one sweep, the running shift kept); with the fp32
-  products they bound the forward's rate, rate <= (S + PV) / (S + PV + pass)
-  of theirs.
+* the fp32 softmax passes between the two products (csrc/cpu/softmax_rows.h,
+  over the 256 x 512 S tile) in each of the lanes the machine runs (at::vec,
+  AVX2, AVX-512): a row's first tile (row maximum, then exp and sum) and the
+  later ones (one sweep, the running shift kept); with the fp32 products they
+  bound the forward's rate, rate <= (S + PV) / (S + PV + pass) of theirs.
+
+The bf16 products are timed where the CPU has bf16 dot products (and MKL's
+bf16 GEMM, oneDNN's VNNI brgemm), the others where it has their ISA.
 
     .venv/bin/python benchmarks/bench.py tiles [--iters 2000] [--rounds 5]
 
@@ -35,15 +40,23 @@ import torch
 from torch.utils.cpp_extension import load
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = [
-    os.path.join(HERE, "cpu_tile_gemm.cpp"),
-    os.path.join(HERE, "..", "csrc", "cpu", "softmax_rows.cpp"),
-    os.path.join(HERE, "..", "csrc", "cpu", "split_products.cpp"),
-    os.path.join(HERE, "..", "csrc", "cpu", "packed_tiles.cpp"),
+CSRC = os.path.join(HERE, "..", "csrc")
+SOURCES = [os.path.join(HERE, "cpu_tile_gemm.cpp"), os.path.join(CSRC, "config.cpp")] + [
+    os.path.join(CSRC, "cpu", f"{name}.cpp")
+    for name in (
+        "softmax_rows",
+        "softmax_rows_avx2",
+        "split_products",
+        "packed_tiles",
+        "packed_tiles_avx2",
+        "tile_math",
+        "tile_path",
+    )
 ]
-# The vector code the extension's build picks for the softmax passes (setup.py).
+# The vector code the extension's build picks (setup.py).
 AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]
 AVX512_FLAGS += ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-Wno-maybe-uninitialized"]
+AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
 
 
 def add_parser(sub) -> None:
@@ -55,8 +68,9 @@ def add_parser(sub) -> None:
 
 def cmd_tiles(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
-    avx512 = torch.backends.cpu.get_cpu_capability() == "AVX512"
-    flags = ["-O2", "-std=c++20"] + (AVX512_FLAGS if avx512 else [])
+    capability = torch.backends.cpu.get_cpu_capability()
+    flags = ["-O2", "-std=c++20"]
+    flags += {"AVX512": AVX512_FLAGS, "AVX2": AVX2_FLAGS}.get(capability, [])
     ext = load("ra_cpu_tile_gemm", SOURCES, extra_cflags=flags)
     rounds = [ext.run(args.iters) for _ in range(args.rounds)]
     flops = 2 * 256 * 512 * 64

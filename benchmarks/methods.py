@@ -672,19 +672,17 @@ class Methods:
         return len(self.segs) == 1 and self.dils[0] == 1 and self.segs[0] >= n
 
     def ours_paths(self, q, k, v) -> dict[str, str | None]:
-        """Which path ``ours`` takes on these inputs (ring_attention/sdpa_branches.py):
-        ``{"forward": "kernel" | "sdpa", "backward": ... | None}`` (None: no
+        """Which path ``ours`` takes on these inputs (ring_attention/dispatch.py):
+        ``{"forward": "kernel" | "dense", "backward": ... | None}`` (None: no
         backward; K/V assumed finite)."""
-        from ring_attention import sdpa_branches as sb
+        from ring_attention.dispatch import route
 
         pattern = self.ra.Pattern(self.segs, self.dils, causal=self.causal)
         grad = q.requires_grad or k.requires_grad or v.requires_grad
-        return {
-            "forward": "sdpa" if sb.sdpa_forward_applies(q, k, v, pattern, None) else "kernel",
-            "backward": None
-            if not grad
-            else ("sdpa" if sb.sdpa_backward_applies(q, k, v, pattern, None) else "kernel"),
-        }
+        paths: dict[str, str | None] = {"forward": None, "backward": None}
+        for p in ("forward", "backward") if grad else ("forward",):
+            paths[p] = "dense" if route(p, q, k, v, pattern, None).dense else "kernel"
+        return paths
 
     def call(self, method: str, backend: str | None, q, k, v, return_lse: bool = False):
         if method == "ours":

@@ -261,14 +261,52 @@ def ring_table(rows: list[dict], a: argparse.Namespace, verbose: bool) -> list[s
     return lines
 
 
+def check_ring_args(a: argparse.Namespace) -> int:
+    """Every option of ``ring-run`` checked once, before any process starts
+    work (``scripts/run_ring.sh`` runs ``--print-nproc`` first, which checks
+    too): ``SystemExit`` naming the option and what it must be. Returns the
+    number of processes ``scripts/run_ring.sh`` launches (one per GPU with two
+    or more GPUs, else ``$NPROC``, default 4)."""
+    from ring_attention.pattern import Pattern
+
+    def need(ok: bool, message: str) -> None:
+        if not ok:
+            raise SystemExit(f"ring-run: {message}")
+
+    need(1 <= a.seq_len < 2**62, f"--seq-len must be in [1, 2**62), got {a.seq_len}")
+    for option, value in (("--batch", a.batch), ("--heads", a.heads),
+                          ("--head-dim", a.head_dim), ("--iters", a.iters)):  # fmt: skip
+        need(value >= 1, f"{option} must be >= 1, got {value}")
+    need(a.warmup >= 0, f"--warmup must be >= 0, got {a.warmup}")
+    need(a.threads >= 0, f"--threads must be >= 0 (0: cores / processes), got {a.threads}")
+    need(0 <= a.seed < 2**32, f"--seed must be in [0, 2**32), got {a.seed}")
+    need(0 < a.timeout_min < float("inf"), f"--timeout-min must be > 0, got {a.timeout_min}")
+    try:
+        Pattern(a.segments, a.dilations, head_groups=a.head_groups).check_heads(a.heads)
+    except ValueError as e:
+        raise SystemExit(f"ring-run: --segments / --dilations / --head-groups: {e}") from None
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    nproc = os.environ.get("NPROC", "4")
+    need(nproc.isdigit() and int(nproc) >= 1, f"NPROC must be a positive integer, got {nproc!r}")
+    if a.device == "cpu" or (a.device == "auto" and gpus < 2):
+        # q, k, v and grad_out as float32, all ranks of this machine together
+        need_bytes = 4 * 4 * a.batch * a.seq_len * a.heads * a.head_dim
+        free = measure.available_bytes(torch.device("cpu"))
+        need(
+            free is None or need_bytes <= free,
+            f"--seq-len {a.seq_len} x --batch {a.batch} x --heads {a.heads} x --head-dim "
+            f"{a.head_dim}: the inputs alone need {need_bytes / GiB:.1f} GiB, "
+            f"{(free or 0) / GiB:.1f} GiB are available",
+        )
+    return gpus if gpus >= 2 else int(nproc)
+
+
 def cmd_ring_run(a: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    if len(a.segments) != len(a.dilations):
-        raise SystemExit("--segments and --dilations need the same length")
+    nproc = check_ring_args(a)
     if a.print_nproc:
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        print(gpus if gpus >= 2 else int(os.environ.get("NPROC", "4")))
+        print(nproc)
         return 0
     device, rank, world, cores = ring_setup(a)
     dtype = resolve_dtype(a.dtype, device)

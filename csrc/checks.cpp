@@ -11,6 +11,7 @@ namespace {
 // Sizes are compared as SymInts so the Meta kernels work under dynamic shapes.
 void check_same_geometry(const char* name, const at::Tensor& t, c10::SymIntArrayRef sizes,
                          at::ScalarType dtype, const at::Tensor& like) {
+  TORCH_CHECK(t.defined(), name, " must be a tensor, got None");
   TORCH_CHECK(t.sym_sizes() == sizes, name, " must have shape ", sizes, ", got ", t.sym_sizes());
   TORCH_CHECK(t.scalar_type() == dtype, name, " must have dtype ", dtype, ", got ",
               t.scalar_type());
@@ -28,6 +29,11 @@ void check_cu_seqlens_type(const at::Tensor& cu, c10::Device device) {
 
 void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t q_start,
                int64_t k_start, const PatternArgs& pattern) {
+  TORCH_CHECK(q.defined() && k.defined() && v.defined(),
+              "q, k and v must be tensors, got None for ",
+              !q.defined()   ? "q"
+              : !k.defined() ? "k"
+                             : "v");
   check_pattern(pattern.segment_lengths, pattern.dilation_rates);
   TORCH_CHECK(q.dim() == 4, "q must be 4-D (batch, seq, heads, head_dim), got ", q.dim(), "-D");
   TORCH_CHECK(k.dim() == 4 && v.dim() == 4,

@@ -8,11 +8,10 @@
 #include <torch/autograd.h>
 
 #include <algorithm>
-#include <cerrno>
-#include <cstdlib>
 #include <limits>
 
 #include "checks.h"
+#include "config.h"
 
 namespace ring_attention {
 namespace {
@@ -57,29 +56,23 @@ void check_local(const Tensor& q, const Tensor& k, const Tensor& v, const Patter
 // Low-precision inputs accumulate in fp32 one chunk of rows at a time and cast
 // each chunk into the output: the fp32 accumulators (out; dq, dk, dv) are at
 // most a chunk long. A chunk is as long as a budget for them allows
-// (RING_ATTENTION_CHUNK_MIB; 1 GiB on CUDA, none on the CPU) and never shorter
-// than 8 chunks give (at least 1024 rows, a whole number of the longest
-// segment when that fits). Long chunks keep a GPU busy: a chunk launches each
-// branch once, one thread block per window of 128 active rows (64 in the
-// backward) and head; in 8 chunks at n = 32768 the branch of dilation 12 had
-// 48 blocks (16 heads) for 132 SMs. The CPU's few threads need no more rows.
+// (RING_ATTENTION_CHUNK_MIB; 1 GiB by default) and never shorter than 8 chunks
+// give (at least 1024 rows, a whole number of the longest segment when that
+// fits). Long chunks keep a GPU busy: a chunk launches each branch once, one
+// thread block per window of 128 active rows (64 in the backward) and head;
+// in 8 chunks at n = 32768 the branch of dilation 12 had 48 blocks (16 heads)
+// for 132 SMs. On the CPU a chunk packs its key runs again and its threads
+// wait at each branch's end, and chunks that cut segments make the backward
+// take two passes (benchmarks/RESULTS.md).
 constexpr int64_t kChunks = 8;
 constexpr int64_t kMinChunkRows = 1024;
-constexpr int64_t kCudaChunkMiB = 1024;
-constexpr int64_t kMaxChunkMiB = int64_t{1} << 30;  // 1 PiB: no overflow in bytes
+constexpr int64_t kDefaultChunkMiB = 1024;
 
-// The accumulator budget of a chunk in bytes for inputs on `device`:
-// RING_ATTENTION_CHUNK_MIB (a whole number of MiB, 0: none) where set.
-int64_t chunk_budget_bytes(const at::Device& device) {
-  const char* env = std::getenv("RING_ATTENTION_CHUNK_MIB");
-  if (env == nullptr || *env == '\0') return device.is_cuda() ? kCudaChunkMiB << 20 : 0;
-  char* end = nullptr;
-  errno = 0;
-  const long long mib = std::strtoll(env, &end, 10);
-  TORCH_CHECK_VALUE(end != env && *end == '\0' && errno == 0 && mib >= 0 && mib <= kMaxChunkMiB,
-                    "RING_ATTENTION_CHUNK_MIB must be a whole number of MiB from 0 to ",
-                    kMaxChunkMiB, ", got '", env, "'");
-  return static_cast<int64_t>(mib) << 20;
+// The accumulator budget of a chunk in bytes: RING_ATTENTION_CHUNK_MIB where
+// set (config.h).
+int64_t chunk_budget_bytes() {
+  const std::optional<int64_t> mib = config::chunk_mib();
+  return mib.value_or(kDefaultChunkMiB) << 20;
 }
 
 // Rows of a chunk of q's sequence whose fp32 accumulators take bytes_per_row
@@ -88,7 +81,7 @@ int64_t chunk_rows(const Tensor& q, IntArrayRef segs, int64_t bytes_per_row) {
   const int64_t len = q.size(1), w = *std::max_element(segs.begin(), segs.end());
   int64_t rows = std::max(kMinChunkRows, (len + kChunks - 1) / kChunks);
   if (w <= rows) rows = (rows + w - 1) / w * w;
-  int64_t budget = chunk_budget_bytes(q.device()) / std::max<int64_t>(bytes_per_row, 1);
+  int64_t budget = chunk_budget_bytes() / std::max<int64_t>(bytes_per_row, 1);
   if (w <= budget) budget = budget / w * w;
   return std::min(std::max(rows, budget), len);
 }
@@ -135,6 +128,7 @@ std::tuple<Tensor, Tensor, Tensor> dilated_attention_backward_local(
     const OptTensor& cu) {
   const PatternArgs pa{segs, dils, causal, scale, head_groups, grouped_offsets, kpm, cu};
   check_local(q, k, v, pa);
+  TORCH_CHECK(grad_out_in.defined(), "grad_out must be a tensor, got None");
   const at::ScalarType acc = acc_dtype(q.scalar_type());
   const Tensor grad_out = grad_out_in.to(q.scalar_type());
   if (acc == q.scalar_type()) {  // the gradients are their own accumulators
@@ -318,6 +312,11 @@ std::tuple<Tensor, Tensor> dilated_attention_autograd(const Tensor& q, const Ten
                                                       IntArrayRef dils, bool causal, double scale,
                                                       bool head_groups, bool grouped_offsets,
                                                       const OptTensor& kpm, const OptTensor& cu) {
+  TORCH_CHECK(q.defined() && k.defined() && v.defined(),
+              "q, k and v must be tensors, got None for ",
+              !q.defined()   ? "q"
+              : !k.defined() ? "k"
+                             : "v");  // (autograd reads their devices)
   auto res = DilatedAttentionFunction::apply(q, k, v, segs, dils, causal, scale, head_groups,
                                              grouped_offsets, kpm, cu);
   return {res[0], res[1]};

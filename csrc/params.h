@@ -64,9 +64,15 @@ struct BlockParams {
   RA_HOST_DEVICE int64_t k_index(int64_t b, int64_t pos, int64_t kvh) const {
     return ((b * k_len + (pos - k_start)) * kv_heads + kvh) * head_dim;
   }
-  // Elements between the active rows r positions apart of one head.
-  RA_HOST_DEVICE int64_t q_stride(int64_t r) const { return r * heads * head_dim; }
-  RA_HOST_DEVICE int64_t k_stride(int64_t r) const { return r * kv_heads * head_dim; }
+  // Elements between the active rows r positions apart of one head. Where
+  // r * row overflows (r, clamped, reaches 2**62 past the block), r exceeds
+  // the block's length and a run holds one row: any stride serves, so the
+  // block's length stands in for r.
+  RA_HOST_DEVICE int64_t q_stride(int64_t r) const { return stride(r, q_len, heads * head_dim); }
+  RA_HOST_DEVICE int64_t k_stride(int64_t r) const { return stride(r, k_len, kv_heads * head_dim); }
+  RA_HOST_DEVICE static int64_t stride(int64_t r, int64_t len, int64_t row) {
+    return row == 0 || r <= INT64_MAX / row ? r * row : len * row;
+  }
   // Index of (b, h, pos) in a (B, H, Lq) tensor (lse, delta, grad_lse).
   RA_HOST_DEVICE int64_t row_index(int64_t b, int64_t h, int64_t pos) const {
     return (b * heads + h) * q_len + (pos - q_start);

@@ -91,7 +91,7 @@ class SegmentWalk {
       doc_end_ = document_end(t);
     }
     seg_.start = doc_start_ + (t - doc_start_) / w_ * w_;
-    seg_.end = clip(seg_.start + w_);
+    seg_.end = segment_end(seg_.start);
   }
 
   RA_HOST_DEVICE const Segment& segment() const { return seg_; }
@@ -105,20 +105,26 @@ class SegmentWalk {
       doc_end_ = document_end(t);
     }
     seg_.start = t;
-    seg_.end = clip(t + w_);
+    seg_.end = segment_end(t);
   }
 
  private:
-  static constexpr int64_t kNoEnd = INT64_MAX / 4;
+  // No documents, or past the last one: the document never ends. Every
+  // int64 position lies before it, and sums are saturated below, not formed.
+  static constexpr int64_t kNoEnd = INT64_MAX;
 
   // End of the current document, which holds position t (past the last
   // document: unbounded).
   RA_HOST_DEVICE int64_t document_end(int64_t t) const {
     if (doc_ >= docs_.count) return kNoEnd;
     const int64_t end = docs_.bounds[doc_ + 1];
-    return end > t ? end : t + 1;
+    return end > t ? end : (t < kNoEnd ? t + 1 : kNoEnd);
   }
-  RA_HOST_DEVICE int64_t clip(int64_t end) const { return end < doc_end_ ? end : doc_end_; }
+  // End of the segment starting at t <= doc_end_: t + w, clipped to the
+  // document (compared as a difference, so t + w is never formed past it).
+  RA_HOST_DEVICE int64_t segment_end(int64_t t) const {
+    return doc_end_ - t > w_ ? t + w_ : doc_end_;
+  }
 
   Documents docs_;
   int64_t w_;

@@ -10,13 +10,14 @@ checked by :class:`ring_attention.pattern.Pattern` itself.
 from __future__ import annotations
 
 import math
+import operator
 from typing import NamedTuple
 
 import torch
 
 from .dtypes import supported_dtypes
 
-__all__ = ["Shape", "check_key_padding_mask", "check_qkv", "resolve_scale"]
+__all__ = ["Shape", "check_int", "check_key_padding_mask", "check_qkv", "resolve_scale"]
 
 
 class Shape(NamedTuple):
@@ -112,3 +113,21 @@ def check_key_padding_mask(
         )
     if mask.device != device:
         raise ValueError(f"key_padding_mask must be on {device}, got {mask.device}")
+
+
+def check_int(value: object, name: str, low: int, high: int) -> int:
+    """``value`` as an int in ``[low, high]``: Python/NumPy integers or 0-d
+    integer tensors (not ``bool``), else ``ValueError`` naming ``name``."""
+    try:
+        if isinstance(value, bool) or (
+            isinstance(value, torch.Tensor) and value.dtype == torch.bool
+        ):
+            raise TypeError
+        n = operator.index(value)
+    except TypeError:
+        raise ValueError(
+            f"{name} must be an integer, got {value!r} ({type(value).__name__})"
+        ) from None
+    if not low <= n <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {n}")
+    return n

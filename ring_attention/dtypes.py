@@ -17,15 +17,29 @@ def select_dtype(device: torch.device | str | int | None = None) -> torch.dtype:
     bfloat16 on CUDA compute capability >= 8.0 (Ampere and newer), float16 on
     7.x (Volta, Turing), float32 below 7.0 (Pascal and older) and on the CPU.
     ``None`` means the current CUDA device when CUDA is available, else the CPU.
+
+    Raises:
+        ValueError: ``device`` is not a device (naming it); ``RuntimeError``:
+            a CUDA device where CUDA is not available.
     """
     if device is None:
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    elif isinstance(device, int):
-        device = torch.device("cuda", device)
     else:
-        device = torch.device(device)
+        try:
+            if isinstance(device, bool):
+                raise TypeError("a bool")
+            device = (
+                torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+            )
+        except (TypeError, RuntimeError) as e:
+            raise ValueError(
+                f"device must be a torch.device, a device string or a CUDA index, got {device!r} "
+                f"({e})"
+            ) from None
     if device.type != "cuda":
         return torch.float32
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"device {device}: CUDA is not available")
     major, _ = torch.cuda.get_device_capability(device)
     if major >= 8:
         return torch.bfloat16

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 
 import torch
 
+from .branches import local_attention
 from .checks import check_key_padding_mask, check_qkv, resolve_scale
 from .pattern import Pattern, as_flag
-from .sdpa_branches import BranchSDPA, sdpa_backward_applies, sdpa_forward_applies
 
 __all__ = ["attend", "dilated_attention"]
 
@@ -32,15 +32,8 @@ def attend(
     check_key_padding_mask(key_padding_mask, shape.batch, shape.seq_k, q.device)
     scale = resolve_scale(scale, shape.head_dim)
     return_lse = as_flag(return_lse, "return_lse")
-    sdpa_forward = sdpa_forward_applies(q, k, v, pattern, key_padding_mask)
-    sdpa_backward = sdpa_backward_applies(q, k, v, pattern, key_padding_mask)
-    if sdpa_forward or sdpa_backward:
-        # PyTorch's fused SDPA per branch where it wins (sdpa_branches.py)
-        out, lse = BranchSDPA.apply(q, k, v, pattern, scale, sdpa_forward, sdpa_backward)
-    else:
-        out, lse = torch.ops.ring_attention.dilated_attention(
-            q, k, v, *pattern.op_args(scale, key_padding_mask, q.device)
-        )
+    # our operator, or dense attention per branch where the table says (branches.py)
+    out, lse = local_attention(q, k, v, pattern, scale, key_padding_mask)
     return (out, lse) if return_lse else out
 
 

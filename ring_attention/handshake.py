@@ -29,12 +29,27 @@ from .dtypes import dtype_code, dtype_name
 from .layout import LAYOUTS, layout_shard_lengths
 from .pattern import Pattern
 
-__all__ = ["WORDS", "gather_handshake", "reject", "ring_handshake", "ring_message"]
+__all__ = [
+    "WORDS",
+    "exchange_message",
+    "gather_handshake",
+    "reject",
+    "ring_handshake",
+    "ring_message",
+]
 
 #: Words (int64) of every control message.
 WORDS = 16
 _MAGIC = 0x52494E47  # "RING"
-_CALLS = {"ring_dilated_attention": 1, "gather_sequence": 2}
+_CALLS = {
+    "ring_dilated_attention": 1,
+    "gather_sequence": 2,
+    # the two rounds of a ring x Ulysses grid (ring_attention.grid)
+    "ring_dilated_attention (Ulysses group)": 3,
+    "ring_dilated_attention (ring of the grid)": 4,
+    "gather_sequence (Ulysses group)": 5,
+    "gather_sequence (ring of the grid)": 6,
+}
 _NAMES = {v: k for k, v in _CALLS.items()}
 
 _RING_FIELDS = (
@@ -75,6 +90,16 @@ def _exchange(
             "nothing was communicated"
         )
     return [r[3:] for r in rows]
+
+
+def exchange_message(
+    group: dist.ProcessGroup | None, call: str, payload: Sequence[int] | None
+) -> list[list[int]] | None:
+    """One control round of ``call`` over ``group``: every rank's payload
+    (``None``: this rank rejected its inputs; it gets ``None`` back). Raises
+    ``ValueError`` on every rank when ranks are in different calls or another
+    rank rejected its inputs."""
+    return _exchange(group, call, payload)
 
 
 def reject(group: dist.ProcessGroup | None, call: str = "ring_dilated_attention") -> None:
@@ -123,12 +148,15 @@ def ring_handshake(
     message: list[int] | None,
     pattern: Pattern | None,
     layout: str,
+    fold: int = 1,
 ) -> int:
     """Check that every rank makes the same ring call; the global length.
 
     ``message`` is :func:`ring_message`, or ``None`` when this rank's inputs
     failed validation (it returns -1 and the caller raises its own error).
-    Raises ``ValueError`` on every rank when ranks disagree.
+    ``fold``: the ring of a ring x Ulysses hybrid holds stretches
+    (:func:`ring_attention.layout.layout_pieces`). Raises ``ValueError`` on
+    every rank when ranks disagree.
     """
     rows = _exchange(group, "ring_dilated_attention", message)
     if rows is None:
@@ -136,10 +164,11 @@ def ring_handshake(
     table = {f: [r[i] for r in rows] for i, f in enumerate(_RING_FIELDS)}
     prefix = "ring_dilated_attention: ranks disagree on "
     if len(set(table["pattern"])) > 1:
-        descriptions: list = [None] * world
-        dist.all_gather_object(descriptions, pattern.describe() if pattern else "?", group=group)
-        detail = "; ".join(f"rank {r}: {d}" for r, d in enumerate(descriptions))
-        raise ValueError(prefix + f"the pattern: {detail}")
+        gathered: list = [None] * world
+        mine = (pattern.describe(), pattern.documents) if pattern else ("?", None)
+        dist.all_gather_object(gathered, mine, group=group)
+        detail = "; ".join(f"rank {r}: {d}" for r, (d, _) in enumerate(gathered))
+        raise ValueError(prefix + f"the pattern: {detail}" + _documents_detail(gathered))
     if len(set(table["dtype"])) > 1:
         raise ValueError(
             prefix + f"the dtype: {[dtype_name(c) for c in table['dtype']]} (rank order)"
@@ -163,7 +192,7 @@ def ring_handshake(
         raise ValueError(prefix + f"scale: {[_bits_scale(b) for b in table['scale']]} (rank order)")
     lengths = table["seq_len_local"]
     n = sum(lengths)
-    expected = layout_shard_lengths(n, world, layout)
+    expected = layout_shard_lengths(n, world, layout, fold)
     if lengths != expected:
         raise ValueError(
             f"ring_dilated_attention: the local sequence lengths {lengths} (rank order, global "
@@ -171,6 +200,26 @@ def ring_handshake(
             f"{expected} (torch.tensor_split); shard inputs with ring_attention.shard_sequence"
         )
     return n
+
+
+def _documents_detail(gathered: list[tuple[str, tuple[int, ...] | None]]) -> str:
+    """Where the ranks' document boundaries first differ, with every rank's
+    boundaries around that index (``""`` when they agree): a description
+    only counts documents."""
+    docs = [d for _, d in gathered]
+    if len(set(docs)) <= 1 or any(d is None for d in docs):
+        return ""
+    longest = max(len(d) for d in docs)
+    at = next(i for i in range(longest) if len({d[i] if i < len(d) else None for d in docs}) > 1)
+    lo, hi = max(0, at - 2), at + 3
+    parts = []
+    for r, d in enumerate(docs):
+        more = "" if hi >= len(d) else ", ..."
+        parts.append(
+            f"rank {r}: cu_seqlens[{lo}:] = [{'..., ' if lo else ''}"
+            f"{', '.join(map(str, d[lo:hi]))}{more}] ({len(d) - 1} documents)"
+        )
+    return f". The document boundaries differ first at cu_seqlens[{at}]: " + "; ".join(parts)
 
 
 def gather_handshake(

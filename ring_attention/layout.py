@@ -8,6 +8,13 @@ differing by at most one, the first ``n % p`` pieces one longer.
 ``torch.tensor_split`` into ``2p`` chunks and rank ``j`` holds chunks ``j`` and
 ``2p - 1 - j``, concatenated in that order, so every rank owns one early and
 one late chunk.
+
+``fold=U`` describes the ring of a ring x Ulysses hybrid (docs/design.md §2):
+the sequence is sharded over ``world_size * U`` ranks by ``layout``, and ring
+rank ``i`` holds the pieces of the ``U`` ranks ``i * U .. i * U + U - 1`` (its
+Ulysses group's stretch), adjacent runs merged, in global order. With
+``"zigzag"`` that is chunks ``i * U ..`` and ``(2 * world_size - 1 - i) * U ..``
+of ``2 * world_size * U``: zigzag balancing at the ring level.
 """
 
 from __future__ import annotations
@@ -70,15 +77,21 @@ def shard_bounds(n: int, world_size: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def layout_pieces(n: int, world_size: int, rank: int, layout: str = "contiguous") -> list[Piece]:
+def layout_pieces(
+    n: int, world_size: int, rank: int, layout: str = "contiguous", fold: int = 1
+) -> list[Piece]:
     """The runs of global positions rank ``rank`` holds, in local order.
 
     One piece for ``"contiguous"``; two (chunks ``rank`` and
     ``2 * world_size - 1 - rank`` of ``2 * world_size``) for ``"zigzag"``.
+    With ``fold > 1``: the merged pieces of ranks ``rank * fold ..
+    rank * fold + fold - 1`` of ``world_size * fold`` (see the module docstring).
     """
     check_layout(layout)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    if fold != 1:
+        return _folded_pieces(n, world_size, rank, layout, fold)
     if layout == "contiguous":
         start, length = shard_bounds(n, world_size)[rank]
         return [Piece(start, length, 0)]
@@ -88,8 +101,33 @@ def layout_pieces(n: int, world_size: int, rank: int, layout: str = "contiguous"
     return [Piece(first[0], first[1], 0), Piece(second[0], second[1], first[1])]
 
 
-def layout_shard_lengths(n: int, world_size: int, layout: str = "contiguous") -> list[int]:
+def _folded_pieces(n: int, world_size: int, rank: int, layout: str, fold: int) -> list[Piece]:
+    parts = sorted(
+        p
+        for j in range(fold)
+        for p in layout_pieces(n, world_size * fold, rank * fold + j, layout)
+        if p.length
+    )
+    runs: list[list[int]] = []
+    for start, length, _ in parts:
+        if runs and runs[-1][0] + runs[-1][1] == start:
+            runs[-1][1] += length
+        else:
+            runs.append([start, length])
+    if not runs:
+        return [Piece(layout_pieces(n, world_size * fold, rank * fold, layout)[0].start, 0, 0)]
+    pieces, offset = [], 0
+    for start, length in runs:
+        pieces.append(Piece(start, length, offset))
+        offset += length
+    return pieces
+
+
+def layout_shard_lengths(
+    n: int, world_size: int, layout: str = "contiguous", fold: int = 1
+) -> list[int]:
     """Local sequence length of every rank for a global length ``n``."""
     return [
-        sum(p.length for p in layout_pieces(n, world_size, r, layout)) for r in range(world_size)
+        sum(p.length for p in layout_pieces(n, world_size, r, layout, fold))
+        for r in range(world_size)
     ]

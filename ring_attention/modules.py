@@ -135,8 +135,11 @@ class RingDilatedAttention(_PatternModule):
         scale: score scale, default ``head_dim ** -0.5``.
         head_groups: branch ``i`` applies only to head group ``i``.
         head_offsets: ``"modulo"`` (default) or ``"grouped"`` (torchscale).
-        group: process group, default the default group.
+        group: process group, default the default group (with
+            ``ulysses_group``: the ring, ``None`` = none).
         layout: ``"contiguous"`` (default) or ``"zigzag"``.
+        ulysses_group, mesh: head-parallel (Ulysses) or ring x Ulysses
+            sharding, as for :func:`ring_attention.ring_dilated_attention`.
     """
 
     def __init__(
@@ -149,9 +152,14 @@ class RingDilatedAttention(_PatternModule):
         group: dist.ProcessGroup | None = None,
         layout: str = "contiguous",
         head_offsets: str = "modulo",
+        *,
+        ulysses_group: dist.ProcessGroup | None = None,
+        mesh=None,
     ) -> None:
         super().__init__(segment_lengths, dilation_rates, causal, scale, head_groups, head_offsets)
         self.group = group
+        self.ulysses_group = ulysses_group
+        self.mesh = mesh
         self.layout = check_layout(layout)
 
     def forward(
@@ -171,6 +179,8 @@ class RingDilatedAttention(_PatternModule):
             lambda: self._pattern(cu_seqlens),
             scale=self.scale,
             group=self.group,
+            ulysses_group=self.ulysses_group,
+            mesh=self.mesh,
             layout=self.layout,
         )
 

@@ -41,11 +41,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ._comm import world_info
 from .dense import dense_attention
-from .dtypes import select_dtype
+from .dtypes import select_dtype, supported_dtypes
 from .functional import attend
-from .handshake import reject
 from .multihead_checks import (
     MultiheadAttentionError,
     canonical_mask,
@@ -58,8 +56,9 @@ from .multihead_checks import (
     fast_path_reason,
     nested_error,
 )
-from .pattern import Pattern
+from .pattern import Pattern, as_flag
 from .ring import ring_attention
+from .ulysses import reject_sharded
 
 __all__ = ["MultiheadAttentionError", "MultiheadDilatedAttention"]
 
@@ -121,7 +120,11 @@ class MultiheadDilatedAttention(nn.MultiheadAttention):
     (inside ``nn.Transformer*`` too, fused inference paths and nested tensors
     included); a bad argument raises the same error with the same message, as
     :class:`MultiheadAttentionError` (an ``AssertionError`` that is also a
-    ``ValueError``) where PyTorch raises ``AssertionError``.
+    ``ValueError``) where PyTorch raises ``AssertionError``. One check of its
+    own: the flags (``bias``, ``add_bias_kv``, ``add_zero_attn``,
+    ``batch_first``, ``head_groups``; ``need_weights``,
+    ``average_attn_weights``, ``is_causal``) are ``bool`` (``ValueError``
+    naming the flag), where ``nn.MultiheadAttention`` takes any truthy value.
 
     Args:
         embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim,
@@ -145,11 +148,16 @@ class MultiheadDilatedAttention(nn.MultiheadAttention):
             naming the argument, on every rank (the checks go through the
             ring's handshake). Every rank must call ``forward`` (and the
             backward) together.
+        ulysses_group, mesh: head-parallel (Ulysses) or ring x Ulysses
+            sharding, as for ``ra.ring_dilated_attention`` (``group`` is then
+            the ring, ``None`` = none); the same restrictions as ``group``.
         compute_dtype: dtype of the attention core: ``None`` (that of the
             projected inputs), ``"auto"`` (``ra.select_dtype(device)``:
             bfloat16 on Ampere and newer, float16 on 7.x, float32 on older
-            GPUs and the CPU) or a ``torch.dtype``. Projected q/k/v are cast to
-            it and the attention output cast back before ``out_proj``.
+            GPUs and the CPU) or one of the kernels' dtypes (float32,
+            float64, float16, bfloat16; others raise ``ValueError`` naming
+            ``compute_dtype``). Projected q/k/v are cast to it and the
+            attention output cast back before ``out_proj``.
 
     With a pattern, a ``group`` or a ``compute_dtype`` the module computes
     attention itself. Argument checks, their order, exception types and
@@ -213,8 +221,14 @@ class MultiheadDilatedAttention(nn.MultiheadAttention):
         head_groups: bool = False,
         head_offsets: str = "modulo",
         group: dist.ProcessGroup | None = None,
+        ulysses_group: dist.ProcessGroup | None = None,
+        mesh=None,
         compute_dtype: torch.dtype | str | None = None,
     ) -> None:
+        for name, flag in (("bias", bias), ("add_bias_kv", add_bias_kv),
+                           ("add_zero_attn", add_zero_attn), ("batch_first", batch_first),
+                           ("head_groups", head_groups)):  # fmt: skip
+            as_flag(flag, name)
         try:
             super().__init__(
                 embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim,
@@ -223,10 +237,13 @@ class MultiheadDilatedAttention(nn.MultiheadAttention):
         except AssertionError as e:
             raise MultiheadAttentionError(*e.args).with_traceback(e.__traceback__) from None
         self.pattern = _check_extensions(
-            num_heads, segment_lengths, dilation_rates, head_groups, head_offsets, group,
+            num_heads, segment_lengths, dilation_rates, head_groups, head_offsets,
+            group is not None or ulysses_group is not None or mesh is not None,
             add_bias_kv, add_zero_attn, compute_dtype,
         )  # fmt: skip
         self.group = group
+        self.ulysses_group = ulysses_group
+        self.mesh = mesh
         self.compute_dtype = compute_dtype
         if not self._is_plain():
             self.register_forward_pre_hook(_keep_forward)
@@ -234,17 +251,43 @@ class MultiheadDilatedAttention(nn.MultiheadAttention):
     def __deepcopy__(self, memo):
         # A process group is shared, not copied (it cannot be), so that e.g.
         # nn.TransformerEncoder can clone a layer holding a sharded module.
-        if self.group is not None:
-            memo[id(self.group)] = self.group
+        for shared in (self.group, self.ulysses_group, self.mesh):
+            if shared is not None:
+                memo[id(shared)] = shared
         new = self.__class__.__new__(self.__class__)
         memo[id(self)] = new
         for name, value in self.__dict__.items():
             object.__setattr__(new, name, copy.deepcopy(value, memo))
         return new
 
+    def __prepare_scriptable__(self) -> nn.Module:
+        """``torch.jit.script`` support. With no pattern, ``group`` or
+        ``compute_dtype`` the module is ``nn.MultiheadAttention``, and scripts
+        as one: ``torch.jit.script`` compiles an ``nn.MultiheadAttention``
+        that shares this module's parameters, buffers and submodules (and,
+        as for any ``__prepare_scriptable__``, puts it in this module's place
+        inside a parent module being scripted). With them the attention runs
+        the C++ operators from Python, which TorchScript cannot compile:
+        ``RuntimeError`` (``torch.compile`` and ``torch.export`` work)."""
+        if not self._is_plain():
+            raise RuntimeError(
+                "torch.jit.script: a MultiheadDilatedAttention with a pattern, group= or "
+                "compute_dtype cannot be scripted (its attention calls the C++ operators from "
+                "Python); use torch.compile or torch.export, or script one without them"
+            )
+        plain = nn.MultiheadAttention.__new__(nn.MultiheadAttention)
+        plain.__dict__.update(self.__dict__)  # the same parameter, buffer, module dicts
+        return plain
+
     def _is_plain(self) -> bool:
         """No pattern, group or compute_dtype: ``nn.MultiheadAttention`` itself."""
-        return self.pattern is None and self.group is None and self.compute_dtype is None
+        return self.pattern is None and not self._sharded and self.compute_dtype is None
+
+    @property
+    def _sharded(self) -> bool:
+        """Inputs and outputs are this rank's sequence shard (``group``,
+        ``ulysses_group`` or ``mesh``)."""
+        return self.group is not None or self.ulysses_group is not None or self.mesh is not None
 
     @property
     def has_pattern(self) -> bool:
@@ -271,7 +314,7 @@ class MultiheadDilatedAttention(nn.MultiheadAttention):
             s += ", batch_first=True"
         if self.pattern is not None:
             s += ", " + self.pattern.describe().replace(" ", ", ")
-        if self.group is not None:
+        if self._sharded:
             s += ", group=<sharded>"
         if self.compute_dtype is not None:
             s += f", compute_dtype={self.compute_dtype}"
@@ -323,10 +366,14 @@ class MultiheadDilatedAttention(nn.MultiheadAttention):
                 ``AssertionError``, with its message.
             RuntimeError: where it raises ``RuntimeError`` (``is_causal``
                 without ``attn_mask``, an ``attn_mask`` of the wrong shape).
-            ValueError: for what only this module checks (``group=``
-                restrictions, query and key of different lengths with a
-                pattern).
+            ValueError: for what only this module checks (a flag that is not
+                a ``bool``, ``group=`` restrictions, query and key of
+                different lengths with a pattern).
         """
+        for name, flag in (("need_weights", need_weights),
+                           ("average_attn_weights", average_attn_weights),
+                           ("is_causal", is_causal)):  # fmt: skip
+            as_flag(flag, name)
         if self._is_plain() and cu_seqlens is None:
             try:
                 return super().forward(
@@ -363,7 +410,7 @@ class MultiheadDilatedAttention(nn.MultiheadAttention):
     ) -> _Call:
         """Check and project one call; when sharded, a failure here makes
         every rank raise (it is reported through the ring's handshake)."""
-        if self.group is None:
+        if not self._sharded:
             return self._check_call(
                 query, key, value, key_padding_mask, need_weights, attn_mask, is_causal
             )
@@ -372,8 +419,7 @@ class MultiheadDilatedAttention(nn.MultiheadAttention):
                 query, key, value, key_padding_mask, need_weights, attn_mask, is_causal
             )
         except Exception:
-            if world_info(self.group)[0] > 1:
-                reject(self.group)
+            reject_sharded(self.group, self.ulysses_group, self.mesh)
             raise
 
     def _check_call(
@@ -385,6 +431,10 @@ class MultiheadDilatedAttention(nn.MultiheadAttention):
         float_masks = (attn_mask is not None and torch.is_floating_point(attn_mask)) or (
             key_padding_mask is not None and torch.is_floating_point(key_padding_mask)
         )
+        query.dim()  # read first, as PyTorch does (a non-tensor fails here, with its error)
+        for name, mask in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
+            if isinstance(mask, torch.Tensor) and mask.is_meta and not query.is_meta:
+                raise ValueError(f"{name} must be on query's device {query.device}, got meta")
         kpm = canonical_mask(
             key_padding_mask, "key_padding_mask", attn_mask, "attn_mask", query.dtype
         )
@@ -398,7 +448,7 @@ class MultiheadDilatedAttention(nn.MultiheadAttention):
         if query.is_nested or key.is_nested or value.is_nested:
             if not batch_major:
                 raise nested_error(reason)
-            if self.group is not None:
+            if self._sharded:
                 raise ValueError(
                     "nested tensors are not supported with group= (sequence-sharded "
                     "MultiheadDilatedAttention)"
@@ -454,9 +504,9 @@ class MultiheadDilatedAttention(nn.MultiheadAttention):
                 "with a dilated pattern (segment_lengths/dilation_rates), query and key must have "
                 f"the same sequence length, got L={L} and S={S}"
             )
-        if self.group is not None:
+        if self._sharded:
             self._check_group_call(need_weights, am, kpm, L, S)
-        kernels = self.group is not None or (
+        kernels = self._sharded or (
             not need_weights
             and am is None
             and not extra_keys
@@ -529,10 +579,11 @@ class MultiheadDilatedAttention(nn.MultiheadAttention):
             t.reshape(B, L, self.num_heads, self.head_dim).to(cdt).contiguous()
             for t in (call.q, call.k, call.v)
         )
-        if self.group is not None:  # pattern errors are reported on every rank
+        if self._sharded:  # pattern errors are reported on every rank
             out = ring_attention(
-                q, k, v, lambda: self._call_pattern(call, cu_seqlens), group=self.group
-            )
+                q, k, v, lambda: self._call_pattern(call, cu_seqlens), group=self.group,
+                ulysses_group=self.ulysses_group, mesh=self.mesh,
+            )  # fmt: skip
         else:
             out = attend(
                 q, k, v, self._call_pattern(call, cu_seqlens), key_padding_mask=call.bool_kpm
@@ -591,7 +642,7 @@ class MultiheadDilatedAttention(nn.MultiheadAttention):
 
 
 def _check_extensions(
-    num_heads, segment_lengths, dilation_rates, head_groups, head_offsets, group, add_bias_kv,
+    num_heads, segment_lengths, dilation_rates, head_groups, head_offsets, sharded, add_bias_kv,
     add_zero_attn, compute_dtype,
 ) -> Pattern | None:  # fmt: skip
     """The checks of the constructor's own arguments; the pattern (``None``:
@@ -608,15 +659,17 @@ def _check_extensions(
             segment_lengths, dilation_rates, head_groups=head_groups, head_offsets=head_offsets
         )
         pattern.check_heads(num_heads)
+    kernels = supported_dtypes(torch.device("cpu"))  # the same on every device
     if not (
         compute_dtype is None
-        or compute_dtype == "auto"
-        or (isinstance(compute_dtype, torch.dtype) and compute_dtype.is_floating_point)
+        or (isinstance(compute_dtype, str) and compute_dtype == "auto")
+        or (isinstance(compute_dtype, torch.dtype) and compute_dtype in kernels)
     ):
+        allowed = ", ".join(str(d) for d in kernels)
         raise ValueError(
-            f'compute_dtype must be None, "auto" or a floating torch.dtype, got {compute_dtype!r}'
+            f'compute_dtype must be None, "auto" or one of {allowed}, got {compute_dtype!r}'
         )
-    if group is not None and (add_bias_kv or add_zero_attn):
+    if sharded and (add_bias_kv or add_zero_attn):
         which = "add_bias_kv" if add_bias_kv else "add_zero_attn"
         raise ValueError(f"{which}=True is not supported with group= (sequence sharding)")
     return pattern

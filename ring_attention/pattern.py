@@ -290,6 +290,8 @@ def _check_documents(cu_seqlens: Any) -> tuple[int, ...]:
     if not isinstance(cu_seqlens, torch.Tensor) and type(cu_seqlens).__module__ == "numpy":
         cu_seqlens = torch.as_tensor(cu_seqlens)
     if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.device.type == "meta":
+            raise ValueError("cu_seqlens must hold values: got a tensor on the meta device")
         if cu_seqlens.dim() != 1:
             raise ValueError(
                 f"cu_seqlens must be a 1-D integer tensor, got shape {tuple(cu_seqlens.shape)}"

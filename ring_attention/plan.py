@@ -9,13 +9,19 @@ indices ``row * kv_heads + g`` relative to the start of a key range: K/V travel
 at K/V-head width, a K/V head's row once for every query head of its group
 that reaches it.
 
+The operator's cost is the segments it walks plus the rows it returns. A
+rank's own blocks (:attr:`ExchangePlan.local_pairs`) exchange nothing, so
+whether one of them reaches anything is asked of key chunks that double in
+length up to ``_MAX_PROBE_ROWS`` (:func:`reaches`): planning a call that
+exchanges little stays cheap however long the sequence.
+
 Both ends of a transfer compute the same ``exchange_rows`` call, so the sizes
 of every send and receive match without any size exchange. Steps in which a
 rank neither sends nor receives are dropped from its plan; empty sends or
 receives inside a step are omitted (``send_to`` / ``recv_from`` is ``None``).
 
 A plan depends only on ``(pattern, seq_len, heads, kv_heads, world_size, rank,
-layout)`` (:class:`~ring_attention.pattern.Pattern` holds the branches,
+layout, fold)`` (:class:`~ring_attention.pattern.Pattern` holds the branches,
 ``causal``, ``head_groups``, the head offsets and the documents): it holds
 group-relative ranks, translated to global
 ranks at send time, so one plan serves every group of the same size. Plans are
@@ -31,7 +37,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import LRUCache
-from .layout import Piece, layout_pieces
+from .checks import check_int
+from .layout import Piece, check_layout, layout_pieces
 from .pattern import Pattern
 
 __all__ = [
@@ -41,9 +48,44 @@ __all__ = [
     "build_plan",
     "exchange_rows",
     "get_plan",
+    "reaches",
 ]
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
+
+#: Positions of the exchange planner stay below 2**62 (``exchange_rows``).
+MAX_SEQ_LEN = 2**62 - 1
+
+# reaches(): key chunks of _PROBE_ROWS rows, doubling up to _MAX_PROBE_ROWS.
+_PROBE_ROWS = 1 << 12
+_MAX_PROBE_ROWS = 1 << 20
+
+
+def _check_plan_args(
+    pattern: Pattern,
+    seq_len: object,
+    heads: object,
+    kv_heads: object,
+    world_size: object,
+    rank: object,
+    layout: str,
+    fold: object = 1,
+) -> tuple:
+    """The cache key of a plan, its arguments checked (docs/design.md §6)."""
+    if not isinstance(pattern, Pattern):
+        raise ValueError(f"pattern must be a Pattern, got {type(pattern).__name__}")
+    n = check_int(seq_len, "seq_len", 0, MAX_SEQ_LEN)
+    h = check_int(heads, "heads", 1, MAX_SEQ_LEN)
+    kv = check_int(kv_heads, "kv_heads", 1, h)
+    if h % kv:
+        raise ValueError(f"kv_heads must divide heads = {h}, got kv_heads = {kv}")
+    p = check_int(world_size, "world_size", 1, MAX_SEQ_LEN)
+    j = check_int(rank, "rank", 0, p - 1)
+    check_layout(layout)
+    pattern.check_heads(h)
+    pattern.check_length(n)
+    f = check_int(fold, "fold", 1, MAX_SEQ_LEN)
+    return (pattern, n, h, kv, p, j, layout, f)
 
 
 def exchange_rows(
@@ -79,6 +121,33 @@ def exchange_rows(
         pattern.documents_tensor("cpu"),
     )
     return idx.to(torch.int64)
+
+
+def reaches(q_piece: Piece | tuple[int, int], k_start: int, k_len: int, heads: int,
+            pattern: Pattern) -> bool:  # fmt: skip
+    """Whether some query of ``q_piece`` reaches some key of ``[k_start,
+    k_start + k_len)``, without listing every reached row.
+
+    Only keys less than the longest segment away from the queries can share
+    a segment with one; over them, ``exchange_rows`` (one K/V head: the union
+    over query heads) of key chunks of ``_PROBE_ROWS`` rows doubling up to
+    ``_MAX_PROBE_ROWS``, stopping at the first that holds a reached row. At
+    most ``_MAX_PROBE_ROWS`` indices exist at once; a block reached near its
+    start is answered by one chunk, pieces further apart than every segment
+    by none."""
+    q_start, q_len = int(q_piece[0]), int(q_piece[1])
+    if q_len <= 0:
+        return False
+    w = max(pattern.segment_lengths)
+    start = max(int(k_start), q_start - w + 1)
+    end = min(int(k_start) + int(k_len), q_start + q_len + w - 1)
+    size = _PROBE_ROWS
+    while start < end:
+        n = min(size, end - start)
+        if exchange_rows([(q_start, q_len)], start, n, heads, 1, pattern).numel():
+            return True
+        start, size = start + n, min(2 * size, _MAX_PROBE_ROWS)
+    return False
 
 
 @dataclass(frozen=True, eq=False)
@@ -132,8 +201,9 @@ class ExchangePlan:
     """Everything one rank needs to run the ring for one configuration.
 
     Attributes:
-        pattern, seq_len, heads, kv_heads, world_size, rank, layout: the
-            configuration (the cache key).
+        pattern, seq_len, heads, kv_heads, world_size, rank, layout, fold: the
+            configuration (the cache key; ``fold``: see
+            :func:`ring_attention.layout.layout_pieces`).
         pieces: this rank's runs of global positions (one for ``contiguous``,
             two for ``zigzag``).
         all_pieces: the pieces of every rank.
@@ -153,6 +223,7 @@ class ExchangePlan:
     all_pieces: tuple[tuple[Piece, ...], ...]
     local_pairs: tuple[tuple[int, int], ...]
     steps: tuple[Step, ...]
+    fold: int = 1
     _device_idx: dict = field(default_factory=dict, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -252,21 +323,32 @@ def build_plan(
     world_size: int,
     rank: int,
     layout: str = "contiguous",
+    fold: int = 1,
 ) -> ExchangePlan:
     """Build (without caching) the exchange plan of ``rank`` in a ring of
-    ``world_size`` for a sequence of ``seq_len`` sharded per ``layout``."""
-    p = int(world_size)
-    all_pieces = tuple(tuple(layout_pieces(seq_len, p, r, layout)) for r in range(p))
+    ``world_size`` for a sequence of ``seq_len`` sharded per ``layout`` (and
+    ``fold``: the ring of a hybrid over stretches of ``fold`` shards).
+
+    Raises:
+        ValueError: naming the argument, for a ``seq_len``, ``heads``,
+            ``kv_heads``, ``world_size``, ``rank`` or ``fold`` that is not an integer in
+            range, an unknown ``layout``, or a pattern whose documents do not
+            end at ``seq_len``.
+    """
+    pattern, seq_len, heads, kv_heads, p, rank, layout, fold = _check_plan_args(
+        pattern, seq_len, heads, kv_heads, world_size, rank, layout, fold
+    )
+    all_pieces = tuple(tuple(layout_pieces(seq_len, p, r, layout, fold)) for r in range(p))
     mine = all_pieces[rank]
 
     def rows(q_pieces: Sequence[Piece], k_piece: Piece) -> torch.Tensor:
         return exchange_rows(q_pieces, k_piece.start, k_piece.length, heads, kv_heads, pattern)
 
+    def reached(q_piece: Piece, k_piece: Piece) -> bool:
+        return reaches(q_piece, k_piece.start, k_piece.length, heads, pattern)
+
     local_pairs = tuple(
-        (qi, ki)
-        for qi, qp in enumerate(mine)
-        for ki, kp in enumerate(mine)
-        if rows([qp], kp).numel() > 0
+        (qi, ki) for qi, qp in enumerate(mine) for ki, kp in enumerate(mine) if reached(qp, kp)
     )
 
     steps = []
@@ -281,7 +363,7 @@ def build_plan(
             for kj, kp in enumerate(sender)
             if recv_idx[kj].numel() > 0
             for qi, qp in enumerate(mine)
-            if rows([qp], kp).numel() > 0
+            if len(mine) == 1 or reached(qp, kp)
         )
         sends = any(i.numel() > 0 for i in send_idx)
         recvs = any(i.numel() > 0 for i in recv_idx)
@@ -301,16 +383,17 @@ def build_plan(
 
     return ExchangePlan(
         pattern=pattern,
-        seq_len=int(seq_len),
-        heads=int(heads),
-        kv_heads=int(kv_heads),
+        seq_len=seq_len,
+        heads=heads,
+        kv_heads=kv_heads,
         world_size=p,
-        rank=int(rank),
+        rank=rank,
         layout=layout,
         pieces=mine,
         all_pieces=all_pieces,
         local_pairs=local_pairs,
         steps=tuple(steps),
+        fold=int(fold),
     )
 
 
@@ -330,9 +413,11 @@ def get_plan(
     world_size: int,
     rank: int,
     layout: str = "contiguous",
+    fold: int = 1,
     *,
     cache: LRUCache[ExchangePlan] | None = None,
 ) -> ExchangePlan:
-    """The cached plan for this configuration (built on first use)."""
-    key = (pattern, int(seq_len), int(heads), int(kv_heads), int(world_size), int(rank), layout)
+    """The cached plan for this configuration (built on first use); raises
+    as :func:`build_plan` does."""
+    key = _check_plan_args(pattern, seq_len, heads, kv_heads, world_size, rank, layout, fold)
     return (PLAN_CACHE if cache is None else cache).get(key, lambda: build_plan(*key))

@@ -35,6 +35,7 @@ Double backward is not supported: it raises ``RuntimeError``.
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections.abc import Callable, Sequence
@@ -56,7 +57,7 @@ from .exchange import (
 )
 from .handshake import ring_handshake, ring_message
 from .layout import Piece, check_layout
-from .pattern import Pattern
+from .pattern import Pattern, as_flag
 from .plan import ExchangePlan, get_plan
 from .ring_spec import get_spec, ring_call_spec
 
@@ -281,14 +282,15 @@ def _call_of(
             error = exc
     if n is None:
         if world > 1:
-            n = ring_handshake(group, world, message, pattern, spec.layout)
+            n = ring_handshake(group, world, message, pattern, spec.layout, spec.fold)
         else:
             n = q.shape[1] if error is None else -1
     if error is not None:
         raise error
     pattern.check_length(n)
+    plan = get_plan(pattern, n, shape.heads, shape.kv_heads, world, rank, spec.layout, spec.fold)
     return _RingCall(
-        plan=get_plan(pattern, n, shape.heads, shape.kv_heads, world, rank, spec.layout),
+        plan=plan,
         group=group,
         peers=global_ranks(group, world),
         op_args=pattern.op_args(scale, None, q.device),
@@ -432,8 +434,13 @@ def exchange_plan(
                     layout)  # fmt: skip
 
 
-def _built(pattern: Pattern | Callable[[], Pattern]) -> Pattern:
-    return pattern() if callable(pattern) and not isinstance(pattern, Pattern) else pattern
+def _built(pattern: Pattern | Callable[[], Pattern], return_lse: bool) -> Pattern:
+    as_flag(return_lse, "return_lse")
+    if callable(pattern) and not isinstance(pattern, Pattern):
+        pattern = pattern()
+    if not isinstance(pattern, Pattern):
+        raise ValueError(f"pattern must be a Pattern or a function returning one, got {pattern!r}")
+    return pattern
 
 
 def ring_attention(
@@ -444,14 +451,45 @@ def ring_attention(
     *,
     scale: float | None = None,
     group: dist.ProcessGroup | None = None,
+    ulysses_group: dist.ProcessGroup | None = None,
+    mesh=None,
     layout: str = "contiguous",
     return_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """:func:`ring_dilated_attention` with a :class:`Pattern` (or a function
     building one: its errors, like every other check here, are reported
     through the handshake so that every rank raises)."""
-    spec = ring_call_spec(_built, pattern, scale=scale, group=group, layout=layout)
-    return ring_call(q_local, k_local, v_local, spec, return_lse=return_lse)
+    if ulysses_group is not None or mesh is not None:
+        from .ulysses import ulysses_attention  # (ulysses.py calls back into the ring)
+
+        return ulysses_attention(
+            q_local, k_local, v_local, pattern, scale=scale, group=group,
+            ulysses_group=ulysses_group, mesh=mesh, layout=layout, return_lse=return_lse,
+        )  # fmt: skip
+    return ring_on_pieces(
+        q_local, k_local, v_local, pattern, scale=scale, group=group, layout=layout,
+        return_lse=return_lse,
+    )  # fmt: skip
+
+
+def ring_on_pieces(
+    q_local: Tensor,
+    k_local: Tensor,
+    v_local: Tensor,
+    pattern: Pattern | Callable[[], Pattern],
+    *,
+    scale: float | None,
+    group: dist.ProcessGroup | None,
+    layout: str,
+    return_lse: bool,
+    fold: int = 1,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """The ring over ``group``, each rank holding its pieces of ``layout``
+    (``fold > 1``: the stretch of its Ulysses group, see
+    :func:`ring_attention.layout.layout_pieces`)."""
+    spec = ring_call_spec(_built, pattern, return_lse, scale=scale, group=group, layout=layout,
+                          fold=fold)  # fmt: skip
+    return ring_call(q_local, k_local, v_local, spec, return_lse=bool(return_lse))
 
 
 def ring_dilated_attention(
@@ -467,6 +505,8 @@ def ring_dilated_attention(
     cu_seqlens: Sequence[int] | Tensor | None = None,
     head_offsets: str = "modulo",
     group: dist.ProcessGroup | None = None,
+    ulysses_group: dist.ProcessGroup | None = None,
+    mesh=None,
     layout: str = "contiguous",
     return_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
@@ -493,9 +533,21 @@ def ring_dilated_attention(
         head_offsets: ``"modulo"`` (default) or ``"grouped"`` (torchscale).
         group: the process group, default the default group. With no
             initialised process group (or a group of one) this is the
-            single-process computation.
+            single-process computation. With ``ulysses_group``: the ring
+            between the ranks that hold the same heads, ``None`` = no ring.
+        ulysses_group: head parallelism (Ulysses) inside this group of ``U``
+            ranks: an all-to-all trades sequence for heads, each rank
+            attends over its group's whole stretch for its share of the
+            heads (``torch.tensor_split`` of the heads; K/V heads go only
+            to the ranks that read them), and a second all-to-all trades
+            back. With ``group`` as well: the ring x Ulysses hybrid, the
+            rank with ring index ``i`` and Ulysses index ``j`` holding shard
+            ``i * U + j`` (``shard_sequence`` with the same arguments).
+        mesh: instead of the groups, a ``DeviceMesh``: 1-D = a ring over it,
+            2-D with ``mesh_dim_names=("ring", "ulysses")`` = the hybrid.
         layout: ``"contiguous"`` (default) or ``"zigzag"`` (balanced causal
-            work, see ``ring_attention.layout``).
+            work, see ``ring_attention.layout``; in the hybrid, zigzag at
+            the ring level).
         return_lse: also return this rank's ``lse`` ``(batch, heads,
             seq_local)`` (float32; float64 for float64 inputs), differentiable.
 
@@ -507,23 +559,38 @@ def ring_dilated_attention(
             with bad inputs reports it in the handshake, so every rank
             raises), or ranks that disagree on the pattern, the global length
             (shard lengths not following the convention), the dtype, the
-            shapes, ``scale`` or ``layout`` — on every rank.
+            shapes, ``scale`` or ``layout``, or whose groups or meshes do not
+            form one grid — on every rank; ``mesh`` together with
+            ``group``/``ulysses_group``.
 
     Every rank must call it with matching arguments, and, when gradients are
     needed, every rank must run the backward.
     """
 
+    if ulysses_group is not None or mesh is not None:
+        pattern = functools.partial(
+            _pattern_of, segment_lengths, dilation_rates, causal, head_groups, head_offsets,
+            cu_seqlens, False,
+        )  # fmt: skip
+        return ring_attention(
+            q_local, k_local, v_local, pattern, scale=scale, group=group,
+            ulysses_group=ulysses_group, mesh=mesh, layout=layout, return_lse=return_lse,
+        )  # fmt: skip
+    # The documents travel as a tensor (read once per batch), the rest as the spec.
     documents = cu_seqlens if isinstance(cu_seqlens, Tensor) else None
     spec = ring_call_spec(
         _pattern_of, segment_lengths, dilation_rates, causal, head_groups, head_offsets,
-        None if documents is not None else cu_seqlens, scale=scale, group=group, layout=layout,
+        None if documents is not None else cu_seqlens, return_lse, scale=scale, group=group,
+        layout=layout,
     )  # fmt: skip
-    return ring_call(q_local, k_local, v_local, spec, documents, return_lse=return_lse)
+    return ring_call(q_local, k_local, v_local, spec, documents, return_lse=bool(return_lse))
 
 
 def _pattern_of(
     segment_lengths: Sequence[int], dilation_rates: Sequence[int], causal: bool,
-    head_groups: bool, head_offsets: str, cu_seqlens: Sequence[int] | None,
+    head_groups: bool, head_offsets: str, cu_seqlens: Sequence[int] | Tensor | None,
+    return_lse: bool,
 ) -> Pattern:  # fmt: skip
+    as_flag(return_lse, "return_lse")
     return Pattern(segment_lengths, dilation_rates, causal=causal, head_groups=head_groups,
                    head_offsets=head_offsets).with_documents(cu_seqlens)  # fmt: skip

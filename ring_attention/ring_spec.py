@@ -48,6 +48,7 @@ class RingSpec:
     error: BaseException | None
     scale: float | None
     layout: str
+    fold: int
     _group: Callable[[], dist.ProcessGroup | None]
 
     @property
@@ -114,6 +115,7 @@ def ring_call_spec(
     scale: float | None = None,
     group: dist.ProcessGroup | None = None,
     layout: str = "contiguous",
+    fold: int = 1,
 ) -> str:
     """Register the ring call whose pattern is ``build(*args)``; its key.
 
@@ -121,6 +123,8 @@ def ring_call_spec(
     ``torch.compile`` can hold as constants (Python values, modules, process
     groups). An exception it raises is kept: the operator reports it in the
     handshake, so every rank raises (this one the exception itself).
+    ``fold > 1``: each rank holds the stretch of its Ulysses group
+    (:func:`ring_attention.layout.layout_pieces`).
     """
     try:
         pattern, error = build(*args), None
@@ -139,7 +143,8 @@ def ring_call_spec(
         ref, group_key = _DEFAULT_GROUP, "invalid"
         pattern, error = None, ValueError(f"group must be a ProcessGroup or None, got {group!r}")
     what = repr(pattern) if error is None else f"{type(error).__name__}: {error}"
-    key = f"{what} | scale={scale!r} | group={group_key} | layout={layout!r}"
-    spec = RingSpec(pattern=pattern, error=error, scale=scale, layout=layout, _group=ref)
+    key = f"{what} | scale={scale!r} | group={group_key} | layout={layout!r} | fold={fold}"
+    spec = RingSpec(pattern=pattern, error=error, scale=scale, layout=layout, fold=fold,
+                    _group=ref)  # fmt: skip
     _REGISTRY.add(key, spec, pin=torch.compiler.is_compiling())
     return key

@@ -6,7 +6,10 @@ differing by at most one. ``layout="zigzag"`` (balanced causal work) is
 described in :mod:`ring_attention.layout`.
 
 ``group=None`` means the default process group; with no initialised process
-group (or a group of one) both functions are the identity.
+group (or a group of one) both functions are the identity. With
+``ulysses_group`` (``group`` then the ring, ``None`` = no ring) or ``mesh``,
+the rank with ring index ``i`` and Ulysses index ``j`` of ``U`` holds piece
+``i * U + j`` (docs/design.md §2, :mod:`ring_attention.mesh`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import torch.distributed as dist
 from ._comm import comm_device, world_info
 from .handshake import gather_handshake
 from .layout import LAYOUTS, Piece, check_layout, layout_pieces, layout_shard_lengths, shard_bounds
+from .mesh import check_grid, resolve_topology
+from .ulysses import gather_grid
 
 __all__ = [
     "LAYOUTS",
@@ -44,11 +49,21 @@ def _check_dim(x: torch.Tensor, dim: int, name: str) -> int:
     return dim % x.dim()
 
 
+def _grid(group, ulysses_group, mesh) -> tuple[int, int]:
+    """``(shards, this rank's shard)``."""
+    if ulysses_group is None and mesh is None:
+        return world_info(group)
+    topo = resolve_topology(group, ulysses_group, mesh)
+    return topo.world_size, topo.shard_index
+
+
 def shard_sequence(
     x: torch.Tensor,
     dim: int = 1,
     group: dist.ProcessGroup | None = None,
     *,
+    ulysses_group: dist.ProcessGroup | None = None,
+    mesh=None,
     layout: str = "contiguous",
 ) -> torch.Tensor:
     """This rank's piece of the full tensor ``x`` along ``dim``.
@@ -65,11 +80,16 @@ def shard_sequence(
         dim: the sequence dimension (default 1).
         group: process group, default the default group; with no initialised
             process group the world size is 1 and ``x`` is returned unchanged.
+            With ``ulysses_group``: the ring (``None``: no ring).
+        ulysses_group: the Ulysses group: piece ``i * U + j`` for ring index
+            ``i`` and Ulysses index ``j`` (``ring_dilated_attention``).
+        mesh: instead of the groups, a 1-D or 2-D ``("ring", "ulysses")``
+            ``DeviceMesh``.
         layout: ``"contiguous"`` (default) or ``"zigzag"``.
     """
     dim = _check_dim(x, dim, "x")
     check_layout(layout)
-    world, rank = world_info(group)
+    world, rank = _grid(group, ulysses_group, mesh)
     if world == 1:
         return x
     pieces = layout_pieces(x.shape[dim], world, rank, layout)
@@ -135,6 +155,8 @@ def gather_sequence(
     dim: int = 1,
     group: dist.ProcessGroup | None = None,
     *,
+    ulysses_group: dist.ProcessGroup | None = None,
+    mesh=None,
     layout: str = "contiguous",
 ) -> torch.Tensor:
     """The full tensor from every rank's piece along ``dim`` (inverse of
@@ -152,11 +174,21 @@ def gather_sequence(
         x_local: this rank's piece.
         dim: the sequence dimension (default 1).
         group: process group, default the default group; with no initialised
-            process group ``x_local`` is returned unchanged.
+            process group ``x_local`` is returned unchanged. With
+            ``ulysses_group``: the ring (``None``: no ring).
+        ulysses_group, mesh: as for :func:`shard_sequence`.
         layout: ``"contiguous"`` (default) or ``"zigzag"``.
     """
     dim = _check_dim(x_local, dim, "x_local")
     check_layout(layout)
+    if ulysses_group is not None or mesh is not None:
+        topo = resolve_topology(group, ulysses_group, mesh)
+        check_grid(topo)
+        if topo.ulysses_size > 1:
+            return gather_grid(x_local, dim, topo, layout)
+        if topo.ring_size == 1:
+            return x_local
+        group = topo.ring_group
     world, _ = world_info(group)
     if world == 1:
         return x_local

@@ -4,7 +4,7 @@
 #
 #   bash scripts/gpu_check.sh                 # everything, ~9 minutes at most
 #   bash scripts/gpu_check.sh --dry-run       # the plan (and bench.py local --dry-run); no GPU needed
-#   bash scripts/gpu_check.sh --stages build,tests    # a subset (build tests ring bench kernels fa4 profile)
+#   bash scripts/gpu_check.sh --stages build,tests    # a subset (build tests ring bench kernels fa4 views profile)
 #   GPU_CHECK_TOTAL_S=570 bash scripts/gpu_check.sh --stages build,bench,kernels
 #                                             # kernels (not in the default): ours forward and
 #                                             # forward+backward with our kernels both ways,
@@ -18,6 +18,15 @@
 #                                             # (scripts/fa4_install.sh; its wheels travel in two
 #                                             # calls, see scripts/fa4_wheels.sh), its CUDA test,
 #                                             # then bench.py local: ours, gather+SDPA, gather+FA4
+#   bash scripts/gpu_check.sh --stages build,views   # the dense per-branch path (not in the
+#                                             # default; scripts/views_check.py): out, lse and
+#                                             # gradients against the float64 oracle at
+#                                             # n = 10240 on every dense backend, dense
+#                                             # flash-attn-4 / FlashAttention-2 and torch.mm, the
+#                                             # local op at 32K-1M with its time per phase,
+#                                             # the earlier tree's default (.prev) and 2M tokens.
+#                                             # flash-attn-4 where its wheels have arrived
+#                                             # (scripts/fa4_install.sh), else without it
 #   bash scripts/gpu_check.sh --stages build,profile   # Nsight Compute (not in the default) on
 #                                             # the first launches of our forward and backward
 #                                             # tensor-core kernels (scripts/profile_kernels.py)
@@ -27,7 +36,8 @@
 # (bench.py check, then bench.py local), bench/local.{jsonl,md,png}, kernels.log,
 # bench_kernels/local.{jsonl,md,png} (stage kernels; with an earlier tree also
 # build_prev.log, bench_kernels_prev/ and bench_kernels/compare.md), fa4.log and
-# bench_fa4/local.{jsonl,md,png} (stage fa4), profile.log and profile/ (the ncu
+# bench_fa4/local.{jsonl,md,png} (stage fa4), views.log and views/ (views.jsonl,
+# prev.jsonl, summary.md; stage views), profile.log and profile/ (the ncu
 # reports, stage profile): two files, since the device tool
 # brings back at most 8 (GPU_CHECK_PACK=0 leaves them unpacked).
 # Each stage runs under `timeout` inside a total budget (GPU_CHECK_TOTAL_S,
@@ -94,8 +104,8 @@ done
 IFS=, read -ra _stages <<<"$STAGES"
 for _s in "${_stages[@]}"; do
   case "$_s" in
-    build | tests | ring | bench | kernels | fa4 | profile) ;;
-    *) echo "gpu_check: unknown stage '$_s' (stages: build tests ring bench kernels fa4 profile)" >&2; exit 2 ;;
+    build | tests | ring | bench | kernels | fa4 | views | profile) ;;
+    *) echo "gpu_check: unknown stage '$_s' (stages: build tests ring bench kernels fa4 views profile)" >&2; exit 2 ;;
   esac
 done
 
@@ -112,6 +122,7 @@ BENCH_MIN=60            # skip the bench when less is left
 BENCH_MARGIN=45         # between bench.py's own --budget-s and its hard timeout
 KERNELS_RESERVE=150     # what bench leaves for kernels when that stage is asked for
 FA4_RESERVE=150         # what bench and kernels leave for fa4 when that stage is asked for
+VIEWS_RESERVE=300       # what the stages before leave for views when it is asked for
 PROFILE_RESERVE=120     # what bench, kernels and fa4 leave for profile when it is asked for
 CHECK_CAP=150           # bench.py check, inside the bench stage
 SUMMARY_MARGIN=15
@@ -141,6 +152,7 @@ reserve_after() {
   esac
   want kernels && r=$((r + KERNELS_RESERVE))
   want fa4 && r=$((r + FA4_RESERVE))
+  want views && r=$((r + VIEWS_RESERVE))
   want profile && r=$((r + PROFILE_RESERVE))
   echo "$r"
 }
@@ -151,7 +163,8 @@ left_for() {
   case $1 in
     bench) want kernels && r=$((r - KERNELS_RESERVE)) ;&
     kernels) want fa4 && r=$((r - FA4_RESERVE)) ;&
-    fa4) want profile && r=$((r - PROFILE_RESERVE)) ;;
+    fa4) want views && r=$((r - VIEWS_RESERVE)) ;&
+    views) want profile && r=$((r - PROFILE_RESERVE)) ;;
   esac
   echo "$r"
 }
@@ -213,6 +226,11 @@ if [[ $DRY -eq 1 ]]; then
     "bash scripts/fa4_install.sh (the wheels of scripts/fa4_wheels.sh, carried as .fa4/a and" \
     ".fa4/b), pytest -k 'fa4 and cuda', bench.py local --methods ours gather fa4" \
     "--search-step 0 --out-dir \$OUT/bench_fa4 -> fa4.log"
+  echo "  views: (only when named in --stages; the stages before leave it ${VIEWS_RESERVE} s)" \
+    "bash scripts/fa4_install.sh (flash-attn-4 if both parts arrived), $PY scripts/views_check.py" \
+    "--device cuda --out \$OUT/views --budget-s <left - 20 s>${PREV:+ --prev $PREV}: check (oracle," \
+    "n = 10240), dense (FA4, FA2, torch.mm), bench (32K, 131K, 1M x 12x64, 16x128; dense" \
+    "path with phases, default${PREV:+, the default of $PREV}), big (2M fwd+bwd peak) -> views.log, views/"
   echo "  profile: (only when named in --stages; the stages before leave it ${PROFILE_RESERVE} s)" \
     "ncu --clock-control none -k regex:<fwd|bwd>_mma_kernel --launch-count 1 <8 sections>" \
     "$PY scripts/profile_kernels.py --n 32768 (h 16 d 128, h 12 d 64) -> profile.log, profile/*.{ncu-rep,txt,_sass.csv.gz}"
@@ -221,7 +239,14 @@ if [[ $DRY -eq 1 ]]; then
   bash -n "${BASH_SOURCE[0]}" && echo "  bash -n: ok"
   # shellcheck disable=SC2086
   "$PY" benchmarks/bench.py local --dry-run --device cuda --out-dir "$OUT/bench" $BENCH_ARGS
-  exit $?
+  rc=$?
+  if want views; then # every stage of views_check.py on the CPU, toy sizes
+    mkdir -p "$OUT"
+    "$PY" scripts/views_check.py --dry-run --out "$OUT/views" --budget-s 240 \
+      ${PREV:+--prev "$PREV"} >"$OUT/views_dry.log" 2>&1 || rc=$?
+    tail -n 40 "$OUT/views_dry.log"
+  fi
+  exit $rc
 fi
 
 mkdir -p "$OUT"
@@ -523,6 +548,35 @@ if want fa4; then
   fi
 fi
 
+# ------------------------------------------------------------------ views
+if want views; then
+  banner views
+  t=$SECONDS
+  hard=$(left_for views)
+  if ((!BUILD_OK || !HAVE_GPU || hard < BENCH_MIN)); then
+    echo "skipped: build failed, no GPU or only $hard s left" >"$OUT/views.log"
+    record views SKIP 0 "$(cat "$OUT/views.log")"
+  else
+    # flash-attn-4 where both parts of its wheels have arrived (else the
+    # dense path runs FlashAttention-2 and the FA4 points say why not)
+    if bash scripts/fa4_install.sh >"$OUT/views_fa4.log" 2>&1; then
+      # shellcheck disable=SC1090
+      source <(bash scripts/fa4_install.sh --env)
+      fa4_note="flash-attn-4 installed"
+    else
+      fa4_note="no flash-attn-4 ($(tail -n 1 "$OUT/views_fa4.log"))"
+    fi
+    prev=()
+    ((PREV_OK)) && prev=(--prev "$PREV")
+    timeout --kill-after=10 "$hard" "$PY" scripts/views_check.py --device cuda \
+      --out "$OUT/views" --budget-s $((hard - 20)) "${prev[@]}" 2>&1 | tee "$OUT/views.log"
+    rc=${PIPESTATUS[0]}
+    fails=$(grep -c '"status": "FAIL"' "$OUT/views/views.jsonl" 2>/dev/null || true)
+    ((rc == 0)) && st=ok || st=FAIL
+    record views "$st" $((SECONDS - t)) "rc=$rc; $fails checks over tolerance; $fa4_note; views/summary.md"
+  fi
+fi
+
 # ------------------------------------------------------------------ profile
 if want profile; then
   banner profile
@@ -577,6 +631,10 @@ fi
     echo "### our kernels against the earlier tree (bench_kernels/compare.md)"
     cat "$OUT/bench_kernels/compare.md"
   fi
+  if [[ -s "$OUT/views/summary.md" ]]; then
+    echo
+    cat "$OUT/views/summary.md"
+  fi
   if [[ -s "$OUT/bench/local.md" ]]; then
     echo
     echo "### targets (from bench/local.md)"
@@ -587,8 +645,8 @@ fi
 # The device tool brings back at most 8 files: what this run wrote beside the
 # summary goes into one archive.
 written=()
-for f in build.log build_prev.log tests.log ring.log bench.log kernels.log fa4.log profile.log \
-  bench bench_kernels bench_kernels_prev bench_fa4 profile; do
+for f in build.log build_prev.log tests.log ring.log bench.log kernels.log fa4.log views.log \
+  views_fa4.log profile.log bench bench_kernels bench_kernels_prev bench_fa4 views profile; do
   [[ -e "$OUT/$f" ]] && written+=("$f")
 done
 if [[ "${GPU_CHECK_PACK:-1}" == 1 && ${#written[@]} -gt 0 ]]; then

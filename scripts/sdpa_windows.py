@@ -1,10 +1,12 @@
-"""Time and memory of the local op's SDPA-per-branch paths against the rows
-per window (ring_attention/sdpa_branches.py: ``_MIN_WINDOW_ROWS``), on CUDA.
+"""Time and memory of the local op's dense per-branch path against the rows
+per window (``RING_ATTENTION_DENSE_WINDOW_ROWS``, ring_attention/config.py),
+on CUDA.
 
-The SDPA paths gather each window's rows and keep float32 accumulators for
-them, so the window bounds their memory; smaller windows mean more, smaller
-SDPA calls. This times the default dispatch (bf16, LongNet pattern, batch 1)
-forward and forward+backward with each window setting, in one process:
+The per-branch calls of a window write their outputs (and in the backward
+their gradients) into part buffers before one merge, so the window bounds
+that memory; smaller windows mean more, smaller dense calls. This times the
+default dispatch (bf16, LongNet pattern, batch 1) forward and forward+backward
+with each window setting, in one process:
 
     python3 scripts/sdpa_windows.py --n 131072 524288 --windows 131072 65536 32768
 
@@ -17,12 +19,13 @@ over the bytes of q, k, v, out (fwd) or q, k, v, out and their gradients
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 
 import torch
 
 import ring_attention as ra
-from ring_attention import sdpa_branches
+from ring_attention import config
 
 SEGMENTS = [2048, 4096, 8192, 16384, 32768]
 DILATIONS = [1, 2, 4, 6, 12]
@@ -80,7 +83,7 @@ def main() -> None:
             heads, d = (int(x) for x in cfg.split("x"))
             for passes in a.passes:
                 for w in a.windows:
-                    sdpa_branches._MIN_WINDOW_ROWS = w
+                    os.environ[config.WINDOW_ROWS] = str(w)
                     ms, peak = one(n, heads, d, passes, a.iters)
                     print(f"| {n} | {cfg} | {passes} | {w} | {ms:.1f} | {peak:.2f} |", flush=True)
 

@@ -285,6 +285,47 @@ def test_ring_run_help_and_bad_arguments_print_once() -> None:
     assert proc.returncode != 0 and "same length" in proc.stderr + proc.stdout
 
 
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["--seq-len", "0"], "--seq-len must be in [1, 2**62), got 0"),
+        (["--seq-len", "-3"], "--seq-len must be in [1, 2**62), got -3"),
+        (["--seq-len", str(10**13), "--device", "cpu"], "the inputs alone need"),
+        (["--heads", "0"], "--heads must be >= 1"),
+        (["--head-dim", "0"], "--head-dim must be >= 1"),
+        (["--batch", "0"], "--batch must be >= 1"),
+        (["--iters", "0"], "--iters must be >= 1"),
+        (["--warmup", "-1"], "--warmup must be >= 0"),
+        (["--threads", "-2"], "--threads must be >= 0"),
+        (["--seed", "-1"], "--seed must be in [0, 2**32)"),
+        (["--timeout-min", "nan"], "--timeout-min must be > 0"),
+        (["--segments", "8", "--dilations", "9"], "dilation_rates[0] must be <= segment"),
+        (["--segments", "0", "--dilations", "1"], "segment_lengths[0] must be >= 1"),
+        (["--segments", "8", "4", "--dilations", "1", "1", "--head-groups", "--heads", "1"],
+         "head_groups=True needs at least as many heads"),
+    ],
+)  # fmt: skip
+def test_ring_run_rejects_nonsense_before_any_process_starts(args, words) -> None:
+    """scripts/run_ring.sh asks ``--print-nproc`` first; every nonsensical option
+    fails there, naming it, so torchrun never starts (``--seq-len 0`` used to
+    pass, then rank 0 died in ``max()`` and the others lost their peer)."""
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "ring-run", *args, "--print-nproc"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode != 0 and proc.stdout == "", proc.stdout + proc.stderr
+    assert words in proc.stderr, proc.stderr
+
+
+def test_run_ring_checks_nproc() -> None:
+    env = {**os.environ, "NPROC": "0"}
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "ring-run", "--print-nproc", "--device", "cpu"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT, env=env,
+    )  # fmt: skip
+    assert proc.returncode != 0 and "NPROC must be a positive integer" in proc.stderr
+
+
 def test_gpu_check_dry_run_without_a_gpu(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path)}
     proc = subprocess.run(
@@ -404,6 +445,22 @@ def test_gpu_check_brings_back_two_files(tmp_path: Path) -> None:
     assert "| fa4    | SKIP" in summary and "| tests  | SKIP/FAIL" in summary
 
 
+def test_gpu_check_views_stage_without_a_gpu(tmp_path: Path) -> None:
+    """The views stage (scripts/views_check.py on a GPU) is planned, and
+    without a GPU recorded as skipped, its log packed like the others'."""
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(out)}
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--stages", "views"],
+        capture_output=True, text=True, timeout=300, env=env, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    summary = (out / "summary.txt").read_text()
+    assert "| views  | SKIP" in summary and "no GPU" in summary
+    with tarfile.open(out / "gpu_check.tar.gz") as tar:
+        assert tar.getnames() == ["views.log"]
+
+
 def test_profile_driver_runs_our_kernels() -> None:
     """scripts/profile_kernels.py (what gpu_check.sh's profile stage runs under
     Nsight Compute) runs a forward and backward on our kernels."""
@@ -460,12 +517,12 @@ def test_fa4_install_puts_the_two_parts_together(tmp_path: Path) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU: CUDA sweep not run")
 @pytest.mark.parametrize(
     ("segments", "backward"),
-    [(["64", "192"], "sdpa"), (["64", "160"], "kernel")],
+    [(["64", "192"], "dense"), (["64", "160"], "dense")],
     ids=["nested", "not-nested"],
 )
 def test_local_sweep_on_cuda(tmp_path: Path, segments: list[str], backward: str) -> None:
-    # bf16 on CUDA: SDPA's backward per branch where the segment lengths nest,
-    # our kernel where they do not; the forward ours below 131072 rows
+    # bf16 on CUDA: the dense backward per branch (windows of whole segments
+    # of both branches, nested or not); the forward ours below 131072 rows
     bench("local", "--device", "cuda", "--seq-lens", "4096", "--configs", "4x64",
           "--segments", *segments, "--dilations", "1", "3",
           "--iters", "1", "--search-step", "0", "--out-dir", str(tmp_path))  # fmt: skip
@@ -496,21 +553,22 @@ def test_llm_subcommand_measures_gqa_bytes_and_packed_documents(tmp_path: Path) 
 
 def test_tiles_microbenchmark_runs() -> None:
     """``bench.py tiles`` builds its one-thread C++ micro-benchmark (with the
-    kernels' softmax passes compiled in) and prints every product it times."""
+    kernels' GEMMs and softmax passes compiled in) and prints every product it
+    times on this machine: sgemm in place and the at::vec pass everywhere, the
+    AVX2 kernels and lanes where the CPU has AVX2, brgemm's fp32 kernels and
+    the AVX-512 lanes where it has AVX-512, the bf16 products where it has
+    bf16 dot products."""
     with open("/proc/cpuinfo") as f:
         flags = set(next((line for line in f if line.startswith("flags")), "").split())
-    if not {"avx512_bf16", "avx512f"} <= flags:
-        pytest.skip("bench.py tiles times oneDNN's bf16 brgemm (AMX or avx512_bf16): neither here")
     out = bench("tiles", "--iters", "3", "--rounds", "1", timeout=900)
-    for product in (
-        "bf16 S brgemm packed",
-        "bf16 PV mkl",
-        "fp32 S brgemm K^T",
-        "fp32 PV sgemm in place",
-        "bwd fp32 dV^T brgemm",
-        "bwd fp32 dQ brgemm",
-        "pass: fp32 softmax",
-        "pass: fp32 lazy exp",
-        "fp32 torch.mm 2048^3",
-    ):
+    products = ["fp32 S sgemm in place", "fp32 PV sgemm in place", "fp32 torch.mm 2048^3"]
+    products += ["pass: fp32 softmax vec", "pass: fp32 lazy exp vec"]
+    if {"avx2", "fma"} <= flags:
+        products += ["fp32 S avx2 K^T", "fp32 PV avx2", "bwd fp32 dV^T avx2", "bwd fp32 dQ avx2"]
+        products += ["pass: fp32 softmax avx2", "pass: fp32 lazy exp avx2"]
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        products += ["fp32 S brgemm K^T", "bwd fp32 dV^T brgemm", "pass: fp32 lazy exp avx512"]
+        if "avx512_bf16" in flags:
+            products += ["bf16 S brgemm packed", "bf16 PV mkl"]
+    for product in products:
         assert product in out, out

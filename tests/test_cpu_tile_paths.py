@@ -1,30 +1,34 @@
-"""The CPU kernels' GEMM paths (csrc/cpu/tile_math.h ``bf16_tiles``,
-csrc/cpu/packed_tiles.h ``packed_tiles``, ``packed_tiles_fp32``,
-csrc/cpu/split_products.h ``split_tiles_fp32``).
+"""The CPU kernels' tile paths: what ``select_path()`` (csrc/cpu/tile_path.h)
+picks, and every path this machine can run against the float64 oracle.
 
-bf16: where the BLAS has a bf16 GEMM (MKL's) and the CPU has bf16 dot
-products (avx512_bf16), the kernels multiply bf16 tiles as they are: Q, K, V
-and dO read in place, P and dS rounded to bf16 for their products, fp32
-accumulation; K/V tiles are packed once for oneDNN's brgemm (even head dims;
-on AMX or on avx512_bf16's dot products) unless
-``RING_ATTENTION_CPU_BF16_GEMM=mkl`` or oneDNN is off (``torch.backends.mkldnn``).
-Elsewhere, or with ``RING_ATTENTION_CPU_BF16_GEMM=0``, every tile is
-converted to fp32 first. fp32: on CPUs with AVX-512 K/V tiles are copied once
-(K transposed) for brgemm's fp32 kernels unless
-``RING_ATTENTION_CPU_FP32_PACK=0`` (sgemm on the tiles in place); where the
-CPU also has AMX (and the head dim is even) the score products (S, and dP in
-the backward) take each fp32 operand as three bf16 parts, unless
-``RING_ATTENTION_CPU_FP32_PACK=fp32``.
+A path is a GEMM (``Blas``: sgemm/dgemm on the tiles in place, fp16 and bf16
+converted to fp32; ``Fp32Avx2``: K/V packed once per key run, the AVX2
+kernels; ``Fp32Brgemm``: the same through oneDNN's brgemm fp32 kernels, AVX-512;
+``Fp32Split``: S and dP as six bf16 products on AMX; ``Bf16Mkl``: bf16 tiles in
+place, MKL's bf16 GEMM; ``Bf16Packed``: bf16 K/V packed in VNNI pairs, brgemm)
+and the lanes of the softmax passes (``avx512``, ``avx2``, ``vec``: at::vec).
+The knobs: ``RING_ATTENTION_CPU_ISA`` caps the instruction set (a narrower
+one runs that ISA's path on a wider machine: this is how CI covers the AVX2
+and generic paths on AVX-512 and AMX machines), ``RING_ATTENTION_CPU_FP32_PACK``
+(``fp32``: no split; ``0``: sgemm in place) and ``RING_ATTENTION_CPU_BF16_GEMM``
+(``mkl``: MKL's GEMM without packing; ``0``: converted to fp32).
 
-Each path is checked against the float64 oracle, forward and backward (lse
-gradients, grouped K/V heads, documents, several key tiles per run, causal
-tiles that use part of a packed key tile, NaN V rows; for bf16 also chunked
-accumulation and the block operators at offsets), and the bf16 switch is
-checked to take effect exactly where the machine has the native path.
+The paths are found at collection time: every knob setting is asked
+(``ring_attention._C.cpu_tile_path``) which path it selects here, and each
+distinct path runs once, named after it (``float32-Fp32Avx2/avx2``). Each is
+checked against the float64 oracle, forward and backward (lse gradients,
+grouped K/V heads, documents, several key tiles per run, causal tiles that use
+part of a packed key tile, NaN V rows; for bf16 also chunked accumulation and
+the block operators at offsets). The choice itself is checked against a
+re-derivation of the table from /proc/cpuinfo, the switches are checked to
+take effect exactly where the machine has the path, and bad knob values to be
+refused.
 """
 
 from __future__ import annotations
 
+import itertools
+import os
 import platform
 
 import pytest
@@ -46,59 +50,254 @@ from op_helpers import (
 )
 
 import ring_attention as ra
+from ring_attention import _C
 
 BF16, F32 = torch.bfloat16, torch.float32
 ENV = "RING_ATTENTION_CPU_BF16_GEMM"
 FP32_ENV = "RING_ATTENTION_CPU_FP32_PACK"
+ISA_ENV = "RING_ATTENTION_CPU_ISA"
+KNOBS = (ENV, FP32_ENV, ISA_ENV)
 CHUNK_ENV = "RING_ATTENTION_CHUNK_MIB"  # the local op's fp32 chunks (test_local_op.py)
-PATHS = {  # name: (dtype, environment; None: unset)
-    "bf16-native": (BF16, {ENV: None}),
+ISAS = ("generic", "avx2", "avx512", "avx512_bf16", "amx")
+DTYPE_NAMES = {BF16: "bfloat16", F32: "float32", torch.float16: "float16", torch.float64: "float64"}
+# Named settings (dtype, knobs set; the others unset).
+SETTINGS = {
+    "bf16-native": (BF16, {}),
     "bf16-mkl": (BF16, {ENV: "mkl"}),
     "bf16-converted": (BF16, {ENV: "0"}),
-    "fp32-split": (F32, {FP32_ENV: None}),
+    "fp32-split": (F32, {}),
     "fp32-packed": (F32, {FP32_ENV: "fp32"}),
     "fp32-sgemm": (F32, {FP32_ENV: "0"}),
 }
 
 
-def _cpu_flags() -> list[str]:
+def _cpu_flags() -> set[str]:
     if platform.machine() != "x86_64":
-        return []
+        return set()
     with open("/proc/cpuinfo") as f:
-        return next((line for line in f if line.startswith("flags")), "").split()
+        return set(next((line for line in f if line.startswith("flags")), "").split())
+
+
+def machine_isa() -> str:
+    """The ISA select_path() starts from: the CPU's, as setup.py builds for it
+    (AVX-512 code only in builds for AVX-512, which setup.py makes where the
+    CPU has these flags)."""
+    f = _cpu_flags()
+    if not {"avx2", "fma"} <= f:
+        return "generic"
+    if not {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= f:
+        return "avx2"
+    if "avx512_bf16" not in f:
+        return "avx512"
+    if not {"amx_tile", "amx_bf16"} <= f:
+        return "avx512_bf16"
+    return "amx"
 
 
 def native_bf16_expected() -> bool:
-    """What bf16_tiles() decides on this machine (env unset)."""
-    return torch.backends.mkl.is_available() and "avx512_bf16" in _cpu_flags()
+    """Whether bf16 tiles are multiplied as bf16 (knobs unset)."""
+    return torch.backends.mkl.is_available() and ISAS.index(machine_isa()) >= ISAS.index(
+        "avx512_bf16"
+    )
 
 
 def split_fp32_expected() -> bool:
-    """What split_tiles_fp32() decides on this machine (env unset, even head dim)."""
-    return {"amx_bf16", "amx_tile", "avx512f"} <= set(_cpu_flags())
+    """Whether fp32 tiles of an even head dim take the split products (knobs unset)."""
+    return machine_isa() == "amx"
+
+
+def expected_path(dtype: torch.dtype, head_dim: int, scale: float, env: dict[str, str]) -> str:
+    """The table of csrc/cpu/tile_path.h, re-derived (MKL and a working oneDNN
+    brgemm assumed where the ISA has bf16 dot products, oneDNN on)."""
+    isa = env.get(ISA_ENV, "auto")
+    isa = machine_isa() if isa == "auto" else isa
+    level = ISAS.index(isa)
+    bf16, fp32 = env.get(ENV, "auto"), env.get(FP32_ENV, "auto")
+    lanes = "avx512" if level >= 2 else "avx2" if level == 1 else "vec"
+    if dtype == torch.float64:
+        return "Blas/vec"
+    if dtype == BF16 and level >= 3 and torch.backends.mkl.is_available() and bf16 != "0":
+        if bf16 == "auto" and head_dim % 2 == 0 and scale > 0:
+            return "Bf16Packed/avx512"
+        return "Bf16Mkl/avx512"
+    if scale > 0 and fp32 != "0":  # fp32 tiles: fp16, bf16 converted
+        if dtype == F32 and isa == "amx" and fp32 == "auto" and head_dim % 2 == 0:
+            return "Fp32Split/avx512"
+        if level >= 2:
+            return "Fp32Brgemm/avx512"
+        if level == 1:
+            return "Fp32Avx2/avx2"
+    return f"Blas/{lanes}"
+
+
+def _set_knobs(env: dict[str, str], setenv, delenv) -> None:
+    for var in KNOBS:
+        if var in env:
+            setenv(var, env[var])
+        else:
+            delenv(var)
+
+
+def tile_path(dtype: torch.dtype, env: dict[str, str], head_dim: int = 64, scale: float = 0.125):
+    """The path select_path() picks under env (None: an ISA this machine lacks)."""
+    saved = {var: os.environ.get(var) for var in KNOBS}
+    try:
+        _set_knobs(env, os.environ.__setitem__, lambda var: os.environ.pop(var, None))
+        return _C.cpu_tile_path(DTYPE_NAMES[dtype], head_dim, scale)
+    except ValueError:
+        return None
+    finally:
+        for var, value in saved.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
+
+
+def _settings_to_try():
+    for dtype, isa, fp32, bf16 in itertools.product(
+        (BF16, F32), ("auto", *ISAS), ("auto", "fp32", "0"), ("auto", "mkl", "0")
+    ):
+        if dtype == F32 and bf16 != "auto":
+            continue
+        env = {ISA_ENV: isa, FP32_ENV: fp32, ENV: bf16}
+        yield dtype, {var: value for var, value in env.items() if value != "auto"}
+
+
+def _adds_code(dtype: torch.dtype, name: str) -> bool:
+    """Whether a path reached only by capping the ISA below this machine's
+    runs code that the machine's own paths do not: not sgemm with AVX2
+    lanes above AVX2 (its GEMM runs in Blas/avx512, its lanes in
+    Fp32Avx2/avx2), nor bf16 on the AVX2 kernels above AVX2 (their
+    conversion runs in bf16's Fp32Brgemm, the kernels in fp32's)."""
+    if ISAS.index(machine_isa()) <= ISAS.index("avx2"):
+        return True
+    return name != "Blas/avx2" and not (dtype == BF16 and name == "Fp32Avx2/avx2")
+
+
+def _distinct_paths() -> dict[str, tuple[torch.dtype, dict[str, str]]]:
+    """name -> (dtype, knobs): the first setting that selects each path here
+    (of those reached by a narrower ISA, the ones that run code of their own)."""
+    paths = {}
+    for dtype, env in _settings_to_try():
+        name = tile_path(dtype, env)
+        if name is not None and (ISA_ENV not in env or _adds_code(dtype, name)):
+            paths.setdefault(f"{DTYPE_NAMES[dtype]}-{name}", (dtype, env))
+    return paths
+
+
+PATHS = _distinct_paths()
+
+
+def _use_env(dtype: torch.dtype, env: dict[str, str], monkeypatch) -> torch.dtype:
+    _set_knobs(env, monkeypatch.setenv, lambda var: monkeypatch.delenv(var, raising=False))
+    return dtype
 
 
 def _use(name: str, monkeypatch: pytest.MonkeyPatch) -> torch.dtype:
-    dtype, env = PATHS[name]
-    for var, value in env.items():
-        if value is None:
-            monkeypatch.delenv(var, raising=False)
-        else:
-            monkeypatch.setenv(var, value)
-    return dtype
+    return _use_env(*SETTINGS[name], monkeypatch)
 
 
 @pytest.fixture(params=list(PATHS))
 def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> torch.dtype:
-    """Runs the test on one GEMM path; returns its dtype."""
-    return _use(request.param, monkeypatch)
+    """Runs the test on one tile path; returns its dtype."""
+    return _use_env(*PATHS[request.param], monkeypatch)
 
 
-@pytest.fixture(params=[name for name in PATHS if name.startswith("bf16")])
+@pytest.fixture(params=[name for name in PATHS if PATHS[name][0] == BF16])
 def bf16_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Runs the test on one of the bf16 paths."""
-    _use(request.param, monkeypatch)
+    _use_env(*PATHS[request.param], monkeypatch)
     return request.param
+
+
+def test_every_path_of_this_machine_runs() -> None:
+    """The ISA's own paths and every narrower one's are among those tested
+    here: the AVX2 kernels wherever the CPU has AVX2 (forced on wider
+    machines), the generic path everywhere."""
+    level = ISAS.index(machine_isa())
+    want = {"Blas/vec"}
+    if level >= 1:
+        want |= {"Fp32Avx2/avx2"} | ({"Blas/avx2"} if level == 1 else set())
+    if level >= 2:
+        want |= {"Fp32Brgemm/avx512", "Blas/avx512"}
+    if level >= 3 and torch.backends.mkl.is_available():
+        want |= {"Bf16Packed/avx512", "Bf16Mkl/avx512"}
+    if level >= 4:
+        want |= {"Fp32Split/avx512"}
+    assert want <= {name.split("-", 1)[1] for name in PATHS}, PATHS
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, torch.float16, torch.float64], ids=str)
+@pytest.mark.parametrize("head_dim,scale", [(64, 0.125), (33, 0.2), (64, -0.5)])
+def test_select_path_follows_the_table(dtype, head_dim: int, scale: float) -> None:
+    """select_path() against the table re-derived from the CPU flags, for every
+    ISA cap and knob value this machine accepts; wider ISAs are refused."""
+    for isa, fp32, bf16 in itertools.product(
+        ("auto", *ISAS), ("auto", "fp32", "0"), ("auto", "mkl", "0")
+    ):
+        env = {ISA_ENV: isa, FP32_ENV: fp32, ENV: bf16}
+        got = tile_path(dtype, env, head_dim, scale)
+        if isa != "auto" and ISAS.index(isa) > ISAS.index(machine_isa()):
+            assert got is None, env
+        else:
+            assert got == expected_path(dtype, head_dim, scale, env), env
+
+
+ACCEPTED = {
+    ENV: "['auto', 'mkl', '0']",
+    FP32_ENV: "['auto', 'fp32', '0']",
+    ISA_ENV: "['auto', 'generic', 'avx2', 'avx512', 'avx512_bf16', 'amx']",
+}
+
+
+@pytest.mark.parametrize("var", KNOBS)
+@pytest.mark.parametrize("dtype", [F32, BF16, torch.float64], ids=str)
+@pytest.mark.parametrize("value", ["garbage", "1", "0 ", "AVX2", "Auto"])
+def test_bad_knob_values_are_refused(var: str, dtype, value: str, monkeypatch) -> None:
+    """A value outside the accepted ones raises ValueError naming the variable,
+    the accepted values and the value, whatever the dtype (every knob is read at
+    every call) and before the kernel writes anything; the bad value is not
+    kept: the default afterwards runs."""
+    cfg = Cfg(1, 40, 2, 16, [16, 40], [1, 2], True)
+    q, k, v, _, _ = make_inputs(cfg, dtype, "cpu", 7700)
+    out, lse = fresh_acc(q)
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError) as info:
+        block_forward(cfg, q, k, v, out, lse, 0, 0, None)
+    assert str(info.value).startswith(f"{var} must be one of {ACCEPTED[var]}, got '{value}'")
+    assert not out.any() and bool((lse == float("-inf")).all())
+    monkeypatch.delenv(var)
+    block_forward(cfg, q, k, v, out, lse, 0, 0, None)
+    assert bool(torch.isfinite(lse).all())
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_isa_wider_than_the_machine_is_refused(isa: str, monkeypatch) -> None:
+    """RING_ATTENTION_CPU_ISA may name this machine's ISA or a narrower one (and
+    the call runs), not a wider one: ValueError naming the variable and the
+    values accepted here, in the forward and the backward."""
+    level, have = ISAS.index(isa), ISAS.index(machine_isa())
+    accepted = ", ".join(f"'{name}'" for name in ("auto", *ISAS[: have + 1]))
+    cfg = Cfg(1, 40, 2, 16, [16, 40], [1, 2], True)
+    q, k, v, go, _ = make_inputs(cfg, F32, "cpu", 7710)
+    monkeypatch.setenv(ISA_ENV, isa)
+    if level <= have:
+        got = run_local(cfg, q, k, v, go, None)
+        check_results(cfg, F32, got, run_oracle(cfg, q, k, v, go, None), isa)
+        return
+    message = f"^{ISA_ENV}='{isa}' is wider than this machine and build run: it must be one of "
+    message += f"\\[{accepted}\\]"
+    with pytest.raises(ValueError, match=message):
+        ra.dilated_attention(q, k, v, cfg.segment_lengths, cfg.dilation_rates)
+    monkeypatch.delenv(ISA_ENV)
+    out, lse = fresh_acc(q)
+    block_forward(cfg, q, k, v, out, lse, 0, 0, None)
+    dq, dk, dv = (torch.zeros(t.shape) for t in (q, k, v))
+    monkeypatch.setenv(ISA_ENV, isa)
+    with pytest.raises(ValueError, match=message):
+        block_backward(cfg, go, q, k, v, out, lse, dq, dk, dv, 0, 0, None)
+    assert not (dq.any() or dk.any() or dv.any())
 
 
 @pytest.mark.parametrize("head_dim", [64, 33])
@@ -377,7 +576,8 @@ def test_non_finite_rows_of_the_score_products(path, which: str) -> None:
     """An infinite entry in one query, key, value or output-gradient row
     (which the split products take as zeros, then score in fp32): rows that
     do not reach it stay exactly as without it, and what reaches it matches
-    sgemm on the tiles in place (NaN where that is NaN)."""
+    sgemm on the tiles in place (NaN where that is NaN; bf16 results to their
+    rounding, which the packed paths reach by another order of sums)."""
     cfg = Cfg(1, 600, 2, 64, [600], [1], True, False, None, False)
     q, k, v, go, _ = make_inputs(cfg, path, "cpu", 7630)
     t = 300
@@ -393,6 +593,7 @@ def test_non_finite_rows_of_the_score_products(path, which: str) -> None:
     with pytest.MonkeyPatch.context() as env:
         env.setenv(FP32_ENV, "0")
         want = run_local(cfg, args["query"], args["key"], args["value"], args["grad"], None)
+    tol = 1e-4 if path == F32 else 1e-2
     for a, b in zip(got, want, strict=True):
         assert torch.equal(torch.isnan(a), torch.isnan(b))
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, equal_nan=True)
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol, equal_nan=True)

@@ -220,6 +220,41 @@ def test_plan_cache_lru_and_counters() -> None:
         LRUCache(maxsize=0)
 
 
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"seq_len": 100.5}, r"seq_len must be an integer, got 100\.5"),
+        ({"seq_len": True}, r"seq_len must be an integer"),
+        ({"seq_len": -1}, r"seq_len must be in \[0, "),
+        ({"seq_len": 2**62}, r"seq_len must be in \[0, 4611686018427387903\]"),
+        ({"heads": 0}, r"heads must be in \[1, "),
+        ({"heads": 8.0}, r"heads must be an integer"),
+        ({"kv_heads": 3}, r"kv_heads must divide heads = 8, got kv_heads = 3"),
+        ({"kv_heads": 16}, r"kv_heads must be in \[1, 8\]"),
+        ({"cu_seqlens": [0, 50, 99]}, r"cu_seqlens must end at the sequence length 100"),
+        ({"layout": "ring"}, r"layout must be one of"),
+    ],
+)
+def test_exchange_plan_checks_its_arguments(kwargs: dict, match: str) -> None:
+    """Before any planning, naming the argument (``100.5`` used to plan 100)."""
+    args = {"seq_len": 100, "heads": 8, **kwargs}
+    n, heads = args.pop("seq_len"), args.pop("heads")
+    with pytest.raises(ValueError, match=match):
+        ring.exchange_plan(n, heads, [16], [2], **args)
+
+
+@pytest.mark.parametrize(
+    "world_size,rank,match",
+    [(0, 0, r"world_size must be in \[1, "), (3, 3, r"rank must be in \[0, 2\]"),
+     (2.0, 0, r"world_size must be an integer")],
+)  # fmt: skip
+def test_build_plan_checks_world_and_rank(world_size, rank, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        build_plan(Pattern([16], [2]), 100, 8, 8, world_size, rank)
+    with pytest.raises(ValueError, match=match):
+        get_plan(Pattern([16], [2]), 100, 8, 8, world_size, rank)
+
+
 def test_exchange_names_reexported_by_ring() -> None:
     """The transport's public names are importable from ``ring_attention.ring``
     too, as the same objects (``last_exchange_stats`` is mutated in place)."""

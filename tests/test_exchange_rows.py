@@ -102,3 +102,108 @@ def test_documents_cut_what_a_rank_needs() -> None:
     assert planned(cfg, [(20, 20)], 0, 20) == list(range(20, 40))  # rows 10..19, both heads
     cfg.cu_seqlens = None
     assert planned(cfg, [(20, 20)], 0, 20) == list(range(40))
+
+
+def _shifted(cfg: Cfg, base: int) -> list[int]:
+    """cfg's documents (one if none) moved to start at position base."""
+    bounds = cfg.cu_seqlens if cfg.cu_seqlens is not None else [0, cfg.n]
+    return [0, *(base + b for b in bounds)]
+
+
+def far_cases() -> int:
+    """Ranges past 2**61 - 1, where the segment walk's unbounded end used to
+    sit (the call never returned), against the oracle at 0: documents from
+    `base` on cut base + [0, n) exactly as the oracle cuts [0, n); without
+    documents, w = 8 divides every base and one segment of 2**62 holds
+    base + [0, 40) at a relative start that r = 8 divides. The count of cases."""
+    count = 0
+    for base in (2**61 - 1, 2**61, 2**62 - 128):
+        for seed in range(8):
+            cfg, q_ranges, k_start, k_len = random_cfg(8100 + seed)
+            want = expected(cfg, q_ranges, k_start, k_len)
+            far = Cfg(**{**cfg.__dict__, "cu_seqlens": _shifted(cfg, base), "n": base + cfg.n})
+            got = planned(far, [(base + a, n) for a, n in q_ranges], base + k_start, k_len)
+            assert got == want, f"{cfg} base={base} q={q_ranges} k={k_start}+{k_len}"
+            count += 1
+    for base in (2**61 - 8, 2**61, 2**62 - 128):
+        for causal in (False, True):
+            cfg = Cfg(1, 40, 6, 1, [8, 2**62], [2, 8], causal=causal, kv_heads=2)
+            q_ranges, k_start, k_len = [(3, 30), (35, 5)], 4, 33
+            want = expected(cfg, q_ranges, k_start, k_len)
+            got = planned(cfg, [(base + a, n) for a, n in q_ranges], base + k_start, k_len)
+            assert got == want and got, (base, causal)
+            count += 1
+    return count
+
+
+def test_ranges_far_from_zero_match_the_oracle_in_a_subprocess() -> None:
+    """far_cases() in a subprocess with a timeout: a walk that never ends
+    fails this test, not the run."""
+    import os
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    script = f"import sys; sys.path.insert(0, {tests!r})\n"
+    script += "from test_exchange_rows import far_cases; print('ok', far_cases())"
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    assert proc.stdout.split() == ["ok", "30"], proc.stdout
+
+
+BOUNDS_SCRIPT = """
+import torch
+import ring_attention  # noqa: F401
+E = torch.ops.ring_attention.exchange_rows
+P = ([8], [2], False, False, False, None)
+for q_starts, q_lens, k_start, k_len, heads, kv_heads, match in {cases!r}:
+    try:
+        E(q_starts, q_lens, k_start, k_len, heads, kv_heads, *P)
+    except RuntimeError as e:
+        assert match in str(e), (match, str(e))
+    else:
+        raise AssertionError(f"no error for {{match}}")
+print("ok")
+"""
+
+# (q_starts, q_lens, k_start, k_len, heads, kv_heads, what the message says)
+BOUNDS = [
+    ([0], [8], 0, 2**62, 4, 4, "k_start + k_len < 2**62"),  # k_len * kv_heads overflowed
+    ([0], [8], 0, 2**61, 8, 8, "k_len * kv_heads must fit in int64"),
+    ([0], [8], 2**62, 8, 4, 4, "k_start = 4611686018427387904"),
+    ([0], [8], -1, 8, 4, 4, "k_start = -1"),
+    ([2**63 - 10], [8], 0, 8, 4, 4, "q_starts[0] + q_lens[0] < 2**62"),  # q_hi overflowed
+    ([0, 4], [8, 2**62 - 3], 0, 8, 4, 4, "q_starts[1] + q_lens[1]"),
+    ([0], [-1], 0, 8, 4, 4, "q_lens[0] = -1"),
+    ([0], [8, 8], 0, 8, 4, 4, "q_starts and q_lens must have the same length"),
+    ([0], [8], 0, 8, 2**62, 2, "heads must be in [1, 2**62)"),
+    ([0], [8], 0, 8, 0, 1, "heads must be in [1, 2**62)"),
+]
+
+
+def test_bounds_raise_naming_the_argument_in_a_subprocess() -> None:
+    """Ranges past 2**62, or a k_len * kv_heads beyond int64 (a segfault
+    before, and overflowing starts silently gave 0 rows): a RuntimeError that
+    names the argument. In a subprocess, so a crash fails this test only."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", BOUNDS_SCRIPT.format(cases=BOUNDS)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    assert proc.stdout.split() == ["ok"], proc.stdout
+
+
+def test_many_heads_cost_what_they_reach() -> None:
+    """Heads enter by offset, never one by one: 2**40 query heads on 2**40
+    K/V heads whose offsets (h, the dilation being clamped above them) reach
+    rows 0..7 only answer at once with those 8 rows."""
+    h = 2**40
+    got = OPS.exchange_rows([0], [8], 0, 8, h, h, [2**62], [2**62], False, False, False, None)
+    assert got.tolist() == [u * h + u for u in range(8)]

@@ -106,6 +106,10 @@ def test_documents_that_differ_between_ranks_raise_on_every_rank() -> None:
         kind, msg = res["documents"]
         assert kind == "ValueError", (rank, kind, msg)
         assert "pattern" in msg and "documents" in msg, (rank, msg)
+        # the same number of documents: the boundaries that differ are shown
+        assert "differ first at cu_seqlens[1]" in msg, (rank, msg)
+        assert "rank 0: cu_seqlens[0:] = [0, 11, 31] (2 documents)" in msg, (rank, msg)
+        assert "rank 1: cu_seqlens[0:] = [0, 10, 31] (2 documents)" in msg, (rank, msg)
 
 
 def test_the_group_is_usable_after_the_errors() -> None:

@@ -301,8 +301,8 @@ NO_BUDGET_CALLS = (3, 6)  # 8 chunks of at least 1024 rows: 1024, 1024, 252
 @pytest.mark.parametrize(
     ("budget", "calls"),
     [
-        ("1024", (1, 1)),  # CUDA's default: one chunk, the backward in one pass
-        ("0", NO_BUDGET_CALLS),  # the CPU's default
+        ("1024", (1, 1)),  # the default: one chunk, the backward in one pass
+        ("0", NO_BUDGET_CALLS),  # no budget: the 8-chunk rule alone
         # forward 512 bytes a row: 2048 rows (a whole longest segment); the
         # backward's 1536 bytes a row: 682 rows, less than the 1024 rows of the
         # 8-chunk rule, so dq by 3 chunks of queries, then dk, dv by 3 of keys
@@ -313,11 +313,11 @@ NO_BUDGET_CALLS = (3, 6)  # 8 chunks of at least 1024 rows: 1024, 1024, 252
 )
 def test_chunks_follow_the_accumulator_budget(device, budget, calls, monkeypatch) -> None:
     """fp16/bf16 chunks are as long as RING_ATTENTION_CHUNK_MIB of fp32
-    accumulators allows (default 1 GiB on CUDA, none on the CPU), never
-    shorter than 8 chunks give."""
+    accumulators allows (default 1 GiB on every device), never shorter than
+    8 chunks give."""
     if budget is None:
         monkeypatch.delenv(CHUNK_ENV, raising=False)
-        calls = (1, 1) if torch.device(device).type == "cuda" else NO_BUDGET_CALLS
+        calls = (1, 1)
     else:
         monkeypatch.setenv(CHUNK_ENV, budget)
     cfg = Cfg(1, 2300, 2, 64, [300, 2048], [1, 4], True, False, None, True)

@@ -815,6 +815,38 @@ def test_isinstance_and_state_dict() -> None:
     assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_plain_module_scripts_as_nn_mha(tmp_path: Path) -> None:
+    """torch.jit.script of a plain module (no pattern, group or compute_dtype)
+    gives nn.MultiheadAttention's scripted module on the same parameters:
+    its results, saved and loaded too; also inside a scripted encoder layer.
+    With a pattern it raises saying why."""
+    torch.manual_seed(0)
+    ref = nn.MultiheadAttention(16, 4, kdim=8, vdim=12, batch_first=True)
+    mine = ours_like(ref)
+    scripted = torch.jit.script(mine)
+    x, kv = torch.randn(2, 7, 16), torch.randn(2, 5, 8)
+    v = torch.randn(2, 5, 12)
+    for got in (scripted, torch.jit.load(_saved(scripted, tmp_path / "m.pt"))):
+        for a, b in zip(got(x, kv, v), ref(x, kv, v), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with torch.no_grad():
+        mine.out_proj.weight.mul_(2)  # the scripted module shares the parameters
+    torch.testing.assert_close(scripted(x, kv, v)[0], mine(x, kv, v)[0], rtol=0, atol=0)
+    layer = nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, batch_first=True).eval()
+    want = layer(x)
+    layer.self_attn = ours_like(layer.self_attn)
+    torch.testing.assert_close(torch.jit.script(layer)(x), want, rtol=0, atol=0)
+    for extra in VARIANTS.values():
+        if extra:
+            with pytest.raises(RuntimeError, match="cannot be scripted"):
+                torch.jit.script(ours_like(ref, **extra))
+
+
+def _saved(module, path: Path) -> str:
+    torch.jit.save(module, str(path))
+    return str(path)
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("batch_first", [True, False])
 def test_compiles_and_exports_like_eager(variant, batch_first) -> None:

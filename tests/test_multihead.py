@@ -453,6 +453,10 @@ def test_pattern_multiplicity_matches_oracle() -> None:
         ),
         ({"compute_dtype": "fast"}, "compute_dtype"),
         ({"compute_dtype": torch.int32}, "compute_dtype"),
+        # floating, but no kernel takes them (they failed in forward)
+        ({"compute_dtype": torch.float8_e4m3fn}, 'compute_dtype must be None, "auto" or one of'),
+        ({"compute_dtype": torch.float8_e5m2}, "compute_dtype"),
+        ({"compute_dtype": torch.complex64}, "compute_dtype"),
     ],
 )
 def test_constructor_errors(kw, match) -> None:

@@ -152,36 +152,32 @@ def test_dilated_attention_matches_the_oracle(c: dict) -> None:
 @_seeded
 @_settings(EXAMPLES)
 @given(problems())
-def test_sdpa_branches_match_the_oracle(c: dict) -> None:
-    """The forward and the backward through PyTorch's SDPA per branch
-    (sdpa_branches.py, on the CPU when asked for), windows of one longest
-    segment: random patterns, without masks, documents or an lse gradient
-    (those take the kernel)."""
-    from ring_attention import sdpa_branches as sb
+def test_dense_branches_match_the_oracle(c: dict) -> None:
+    """The forward and the backward through dense attention per branch on
+    strided views (ring_attention/branches.py, with the CPU stand-in when
+    asked for), windows as short as the pattern allows: random patterns and
+    documents, without masks or an lse gradient (those take the kernel)."""
+    from ring_attention import config
 
-    c = dict(c, mask=False, cu_seqlens=None, lse_weight=False)
+    c = dict(c, mask=False, lse_weight=False)
     q, k, v, go, mask, glse = _inputs(c)
     want = _oracle(c, q, k, v, go, mask, glse)
-    envs = (sb.FORWARD_ENV, sb.BACKWARD_ENV)
-    saved = ([os.environ.get(e) for e in envs], sb._MIN_WINDOW_ROWS)
-    for e in envs:
-        os.environ[e] = "sdpa"
-    sb._MIN_WINDOW_ROWS = 1
+    envs = {config.FORWARD: "dense", config.BACKWARD: "dense", config.WINDOW_ROWS: "1"}
+    saved = {e: os.environ.get(e) for e in envs}
+    os.environ.update(envs)
     try:
         qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
         out, lse = ra.dilated_attention(qg, kg, vg, c["segs"], c["dils"], **_kwargs(c))
         _loss(out, lse, go, glse).backward()
     finally:
-        for e, value in zip(envs, saved[0], strict=True):
+        for e, value in saved.items():
             if value is None:
                 del os.environ[e]
             else:
                 os.environ[e] = value
-        sb._MIN_WINDOW_ROWS = saved[1]
     t_out, t_lse, t_grad = TOL[c["dtype"]]
     _assert_close("out", out, want[0], t_out, c)
     _assert_close("lse", lse, want[1], t_lse, c)
-    t_grad = TOL[c["dtype"]][2]
     for name, g, w in zip(("dq", "dk", "dv"), (qg.grad, kg.grad, vg.grad), want[2:], strict=True):
         _assert_close(name, g, w, t_grad, c)
 

@@ -21,6 +21,7 @@
 #include "packed_tiles.h"
 #include "split_products.h"
 #include "tile_math.h"
+#include "tile_path.h"
 
 namespace ring_attention::cpu {
 namespace {
@@ -37,16 +38,16 @@ constexpr int64_t kChunkTiles = 4;
 template <typename scalar_t, typename tile_t, typename acc_t>
 struct BackwardTile {
   static constexpr bool kBf16Tiles = std::is_same_v<tile_t, c10::BFloat16>;
-  static constexpr bool kFp32Tiles =
-      std::is_same_v<tile_t, float> && std::is_same_v<scalar_t, float>;
+  static constexpr bool kFp32Tiles = std::is_same_v<tile_t, float>;  // fp16/bf16 converted
   const BlockParams& p;
   const scalar_t *dout, *q, *k, *v;
   const acc_t *lse, *delta;  // delta = rowsum(dout * out) - grad_lse, laid out like lse
   acc_t *dq, *dk, *dv;       // nullptr: not asked for
   acc_t scale;
-  // Key tiles packed for brgemm (packed_tiles.h: bf16 on AMX, fp32 on
-  // AVX-512) for the products with K^T, V^T and K: S and dP come out
-  // unscaled, and dS carries the scale (the softmax pass applies both).
+  const TilePath path;
+  // Key tiles packed (packed_tiles.h) for the products with K^T, V^T and K:
+  // S and dP come out unscaled, and dS carries the scale (the softmax pass
+  // applies both).
   const bool packed;
   // Packed: dV and dK of a key tile as dV^T += dO^T P and dK^T += Q^T dS
   // (d x tk, added to dv and dk at the end of the chunk), so that P and dS
@@ -80,7 +81,7 @@ struct BackwardTile {
   Weights<tile_t, acc_t> pw, dsw;
   TileBuffer<acc_t> s, dp, dqbuf, dkv_rows;
 
-  BackwardTile(const BlockParams& p_, const acc_t* delta_)
+  BackwardTile(const BlockParams& p_, const TilePath& path_, const acc_t* delta_)
       : p(p_),
         dout(static_cast<const scalar_t*>(p_.grad_out)),
         q(static_cast<const scalar_t*>(p_.q)),
@@ -92,10 +93,12 @@ struct BackwardTile {
         dk(static_cast<acc_t*>(p_.dk)),
         dv(static_cast<acc_t*>(p_.dv)),
         scale(static_cast<acc_t>(p_.scale)),
-        packed(p_.scale > 0 &&
-               ((kBf16Tiles && packed_tiles(p_.head_dim)) || (kFp32Tiles && packed_tiles_fp32()))),
+        path(path_),
+        packed(path_.packed()),
         transposed_dkv(packed && p_.dv != nullptr),
-        split(kFp32Tiles && packed && split_tiles_fp32(p_.head_dim)) {}
+        split(path_.split()),
+        pw(path_.lanes),
+        dsw(path_.lanes) {}
 
   ~BackwardTile() {
     if ((kBf16Tiles && packed) || split) release_packed_gemm();
@@ -229,8 +232,10 @@ struct BackwardTile {
         }
       }
       if (packed && !split) {
-        gemm_packed(rows, tk, d, qt.ptr, qt.ld, key.k_t.data(), tk, s.data(), kLd, false);
-        gemm_packed(rows, tk, d, dot.ptr, dot.ld, key.v_t.data(), tk, dp.data(), kLd, false);
+        gemm_packed(path.gemm, rows, tk, d, qt.ptr, qt.ld, key.k_t.data(), tk, s.data(), kLd,
+                    false);
+        gemm_packed(path.gemm, rows, tk, d, dot.ptr, dot.ld, key.v_t.data(), tk, dp.data(), kLd,
+                    false);
       }
     }
     if (!packed) {
@@ -250,7 +255,7 @@ struct BackwardTile {
         if constexpr (Weights<tile_t, acc_t>::kRounded) {
           softmax_grad_row(srow, dprow, tk, g, pw.row(i * kLd), dsw.row(i * kLd));
         } else {
-          softmax_grad_row(srow, dprow, tk, g);
+          softmax_grad_row(srow, dprow, tk, g, path.lanes);
         }
         continue;
       }
@@ -268,8 +273,10 @@ struct BackwardTile {
     // accumulators through the key row stride.
     if constexpr (kFp32Tiles) {
       if (transposed_dkv) {
-        gemm_packed(d, tk, rows, do_t.data(), rows, s.data(), kLd, key.dv_t.data(), tk, true);
-        gemm_packed(d, tk, rows, q_t.data(), rows, dp.data(), kLd, key.dk_t.data(), tk, true);
+        gemm_packed(path.gemm, d, tk, rows, do_t.data(), rows, s.data(), kLd, key.dv_t.data(), tk,
+                    true);
+        gemm_packed(path.gemm, d, tk, rows, q_t.data(), rows, dp.data(), kLd, key.dk_t.data(), tk,
+                    true);
       }
     }
     if constexpr (kBf16Tiles) {
@@ -277,10 +284,10 @@ struct BackwardTile {
         p_pairs.resize(rows_k * tk), ds_pairs.resize(rows_k * tk);
         pack_values(pw.row(0), kLd, rows, tk, {}, p_pairs.data());
         pack_values(dsw.row(0), kLd, rows, tk, {}, ds_pairs.data());
-        gemm_packed(d, tk, rows_k, do_t.data(), rows_k, p_pairs.data(), tk, key.dv_t.data(), tk,
-                    true);
-        gemm_packed(d, tk, rows_k, q_t.data(), rows_k, ds_pairs.data(), tk, key.dk_t.data(), tk,
-                    true);
+        gemm_packed(path.gemm, d, tk, rows_k, do_t.data(), rows_k, p_pairs.data(), tk,
+                    key.dv_t.data(), tk, true);
+        gemm_packed(path.gemm, d, tk, rows_k, q_t.data(), rows_k, ds_pairs.data(), tk,
+                    key.dk_t.data(), tk, true);
       }
     }
     if (dv != nullptr && !transposed_dkv) {
@@ -294,8 +301,8 @@ struct BackwardTile {
     // dQ += scale dS K.
     if constexpr (kBf16Tiles || kFp32Tiles) {
       if (packed) {
-        gemm_weights_packed(rows, d, tk, dsw.of(dp.data()), kLd, key.k_rows.data(), key.kt,
-                            key.kbad, dq_c, dq_ld, dq_accumulate);
+        gemm_weights_packed(path.gemm, rows, d, tk, dsw.of(dp.data()), kLd, key.k_rows.data(),
+                            key.kt, key.kbad, dq_c, dq_ld, dq_accumulate);
       }
     }
     if (!packed)
@@ -339,7 +346,7 @@ std::vector<acc_t> softmax_delta(const BlockParams& p) {
 }
 
 template <typename scalar_t, typename tile_t>
-void backward_kernel(const BlockCall& call) {
+void backward_kernel(const BlockCall& call, const TilePath& path) {
   using acc_t = at::opmath_type<scalar_t>;
   const BlockParams& p = call.params;
   const std::vector<acc_t> delta = softmax_delta<scalar_t, acc_t>(p);
@@ -349,7 +356,7 @@ void backward_kernel(const BlockCall& call) {
                                         static_cast<size_t>(p.heads));
     const int64_t r = work.r;
     at::parallel_for(0, static_cast<int64_t>(work.tasks.size()), 1, [&](int64_t lo, int64_t hi) {
-      BackwardTile<scalar_t, tile_t, acc_t> tile(p, delta.data());
+      BackwardTile<scalar_t, tile_t, acc_t> tile(p, path, delta.data());
       for (int64_t ti = lo; ti < hi; ++ti) {
         const SegmentTask& task = work.tasks[ti];
         const HeadSet& set = work.head_sets[task.head_set];
@@ -370,11 +377,12 @@ void backward_kernel(const BlockCall& call) {
 
 void block_backward(const BlockCall& call) {
   if (call.params.dq == nullptr && call.params.dk == nullptr) return;
+  const TilePath path = select_path(call.dtype, call.params.head_dim, call.params.scale);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, call.dtype, "block_backward_cpu", [&] {
     if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-      if (bf16_tiles()) return backward_kernel<scalar_t, scalar_t>(call);
+      if (path.bf16_tiles()) return backward_kernel<scalar_t, scalar_t>(call, path);
     }
-    backward_kernel<scalar_t, at::opmath_type<scalar_t>>(call);
+    backward_kernel<scalar_t, at::opmath_type<scalar_t>>(call, path);
   });
 }
 

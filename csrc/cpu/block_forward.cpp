@@ -14,6 +14,7 @@
 #include "packed_tiles.h"
 #include "split_products.h"
 #include "tile_math.h"
+#include "tile_path.h"
 
 namespace ring_attention::cpu {
 namespace {
@@ -49,16 +50,16 @@ constexpr int64_t kGuessKeys = 64;
 template <typename scalar_t, typename tile_t, typename acc_t>
 struct ForwardTile {
   static constexpr bool kBf16Tiles = std::is_same_v<tile_t, c10::BFloat16>;
-  // fp32 inputs, read in place (packing reads whole key tiles).
-  static constexpr bool kFp32Tiles =
-      std::is_same_v<tile_t, float> && std::is_same_v<scalar_t, float>;
+  // fp32 tiles: fp32 inputs read in place, fp16/bf16 converted.
+  static constexpr bool kFp32Tiles = std::is_same_v<tile_t, float>;
   const BlockParams& p;
   const scalar_t *q, *k, *v;
   acc_t *out, *lse;
   acc_t scale;
-  // K and V packed once per key run for brgemm (packed_tiles.h: bf16 on AMX,
-  // fp32 on AVX-512); the scale then enters in the softmax pass. fp32 S on
-  // AMX: Q and K split into bf16 parts (split_products.h), K packed so.
+  const TilePath path;
+  // K and V packed once per key run (packed_tiles.h); the scale then enters
+  // in the softmax pass. fp32 S on AMX: Q and K split into bf16 parts
+  // (split_products.h), K packed so.
   const bool packed, split;
   TileBuffer<tile_t> qbuf, kbuf, vbuf, wbuf;
   TileBuffer<c10::BFloat16> qsplit;
@@ -83,7 +84,7 @@ struct ForwardTile {
     TileBuffer<c10::BFloat16> ksplit;
   } keyrun;
 
-  explicit ForwardTile(const BlockParams& p_)
+  ForwardTile(const BlockParams& p_, const TilePath& path_)
       : p(p_),
         q(static_cast<const scalar_t*>(p_.q)),
         k(static_cast<const scalar_t*>(p_.k)),
@@ -91,9 +92,10 @@ struct ForwardTile {
         out(static_cast<acc_t*>(p_.out)),
         lse(static_cast<acc_t*>(p_.lse)),
         scale(static_cast<acc_t>(p_.scale)),
-        packed(p_.scale > 0 &&
-               ((kBf16Tiles && packed_tiles(p_.head_dim)) || (kFp32Tiles && packed_tiles_fp32()))),
-        split(packed && kFp32Tiles && split_tiles_fp32(p_.head_dim)) {}
+        path(path_),
+        packed(path_.packed()),
+        split(path_.split()),
+        pw(path_.lanes) {}
 
   ~ForwardTile() {
     if ((kBf16Tiles && packed) || split) release_packed_gemm();
@@ -156,12 +158,20 @@ struct ForwardTile {
       const int64_t tk = std::min(kTileK, nk - n0);
       const int64_t u0 = keys.first + n0 * r;
       const int64_t koff = p.k_index(b, u0, set.kv_head);
-      const TileRef<tile_t> kt = tile_rows<tile_t>(k + koff, k_stride, tk, d, kbuf);
-      const TileRef<tile_t> vt = tile_rows<tile_t>(v + koff, k_stride, tk, d, vbuf);
       // Packed tiles hold the whole tile of the run (tw keys; a causal query
       // tile may use fewer), read in place: look at all its V rows, once per
       // run (while packing them, where packed).
       const int64_t tw = packed ? std::min(kTileK, keys.count - n0) : tk;
+      // The tile's K and V rows as tile_t. Converted inputs (fp16, bf16) of
+      // a packed tile are converted only where it is packed or its
+      // non-finite V rows are added back.
+      TileRef<tile_t> kt{}, vt{};
+      const auto read_kv = [&] {
+        if (kt.ptr != nullptr) return;
+        kt = tile_rows<tile_t>(k + koff, k_stride, tw, d, kbuf);
+        vt = tile_rows<tile_t>(v + koff, k_stride, tw, d, vbuf);
+      };
+      if (!packed || std::is_same_v<scalar_t, tile_t>) read_kv();
       const auto tile_bad = [&] {
         const auto lo = std::lower_bound(keyrun.bad_v.begin(), keyrun.bad_v.end(), n0);
         const auto hi = std::lower_bound(lo, keyrun.bad_v.end(), n0 + tw);
@@ -180,6 +190,7 @@ struct ForwardTile {
               split ? keyrun.ksplit.data() + slot * kTileK * 6 * d : nullptr;
           tile_t* vslot = keyrun.v.data() + slot * kTileK * d;
           if (keyrun.slot_tile[slot] != tile) {
+            read_kv();
             if constexpr (kFp32Tiles) {
               if (split) {
                 keyrun.bad_k[slot].clear();
@@ -207,7 +218,8 @@ struct ForwardTile {
               gemm_split_scores(rows, tk, d, qsplit.data(), kslot_split, tw, s.data(), kLd, qt, kt,
                                 bad_q, keyrun.bad_k[slot]);
           }
-          if (!split) gemm_packed(rows, tk, d, qt.ptr, qt.ld, kslot, tw, s.data(), kLd, false);
+          if (!split)
+            gemm_packed(path.gemm, rows, tk, d, qt.ptr, qt.ld, kslot, tw, s.data(), kLd, false);
           // The products of the non-finite V rows a query row reaches are
           // added back after P V; those past tk it does not reach.
           bad.erase(std::lower_bound(bad.begin(), bad.end(), tk), bad.end());
@@ -254,7 +266,9 @@ struct ForwardTile {
                    scratch.data());
       if constexpr (kBf16Tiles || kFp32Tiles) {
         if (packed) {
-          gemm_weights_packed(rows, d, tk, pw.of(s.data()), kLd, vp, vt, bad, o.data(), d, true);
+          if (!bad.empty()) read_kv();
+          gemm_weights_packed(path.gemm, rows, d, tk, pw.of(s.data()), kLd, vp, vt, bad, o.data(),
+                              d, true);
           continue;
         }
       }
@@ -270,7 +284,7 @@ struct ForwardTile {
 };
 
 template <typename scalar_t, typename tile_t>
-void forward_kernel(const BlockCall& call) {
+void forward_kernel(const BlockCall& call, const TilePath& path) {
   using acc_t = at::opmath_type<scalar_t>;
   const BlockParams& p = call.params;
   for (int64_t i = 0; i < p.n_branches; ++i) {
@@ -278,7 +292,7 @@ void forward_kernel(const BlockCall& call) {
         branch_work(p, i, call.segment_lengths[i], call.dilation_rates[i], kMaxSetHeads);
     const int64_t r = work.r;
     at::parallel_for(0, static_cast<int64_t>(work.tasks.size()), 1, [&](int64_t lo, int64_t hi) {
-      ForwardTile<scalar_t, tile_t, acc_t> tile(p);
+      ForwardTile<scalar_t, tile_t, acc_t> tile(p, path);
       for (int64_t ti = lo; ti < hi; ++ti) {
         const SegmentTask& task = work.tasks[ti];
         const HeadSet& set = work.head_sets[task.head_set];
@@ -300,11 +314,12 @@ void forward_kernel(const BlockCall& call) {
 }  // namespace
 
 void block_forward(const BlockCall& call) {
+  const TilePath path = select_path(call.dtype, call.params.head_dim, call.params.scale);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, call.dtype, "block_forward_cpu", [&] {
     if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-      if (bf16_tiles()) return forward_kernel<scalar_t, scalar_t>(call);
+      if (path.bf16_tiles()) return forward_kernel<scalar_t, scalar_t>(call, path);
     }
-    forward_kernel<scalar_t, at::opmath_type<scalar_t>>(call);
+    forward_kernel<scalar_t, at::opmath_type<scalar_t>>(call, path);
   });
 }
 

@@ -4,7 +4,6 @@
 #include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -115,11 +114,6 @@ bool bf16_brgemm() {
     return c[0] == 1.0f && c[1] == 2.0f && c[2] == 3.0f && c[3] == 4.0f;
   }();
   return runs;
-}
-
-bool packed_tiles(int64_t d) {
-  const char* env = std::getenv("RING_ATTENTION_CPU_BF16_GEMM");
-  return bf16_brgemm() && d % 2 == 0 && !(env != nullptr && std::strcmp(env, "mkl") == 0);
 }
 
 // VNNI for bf16: element (r, c) of a K x N operand sits at
@@ -235,24 +229,20 @@ void brgemm_dense(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, cons
 
 }  // namespace
 
-void gemm_packed(int64_t M, int64_t N, int64_t K, const c10::BFloat16* A, int64_t lda,
-                 const c10::BFloat16* B, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+void gemm_packed(TileGemm kernel, int64_t M, int64_t N, int64_t K, const c10::BFloat16* A,
+                 int64_t lda, const c10::BFloat16* B, int64_t ldb, float* C, int64_t ldc,
+                 bool accumulate) {
+  TORCH_INTERNAL_ASSERT(kernel == TileGemm::kBf16Packed || kernel == TileGemm::kFp32Split);
   brgemm_dense(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
 }
 
 void release_packed_gemm() { at::native::cpublas::brgemm_release(/*is_vnni=*/true); }
 
-bool packed_tiles_fp32() {
-#if defined(__x86_64__)
-  static const bool avx512 = __builtin_cpu_supports("avx512f");
-#else
-  constexpr bool avx512 = false;
-#endif
-  const char* env = std::getenv("RING_ATTENTION_CPU_FP32_PACK");
-  return avx512 && !(env != nullptr && std::strcmp(env, "0") == 0);
-}
-
 void transpose_tile(const float* src, int64_t ld, int64_t rows, int64_t cols, float* out) {
+#if defined(__x86_64__) && !defined(CPU_CAPABILITY_AVX512)
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (avx2) return avx2::transpose(src, ld, rows, cols, out, rows);
+#endif
   transpose_rows(src, ld, rows, cols, out, rows);
 }
 
@@ -277,8 +267,12 @@ void pack_values_checked(const float* v, int64_t ld, int64_t w, int64_t d, int64
   }
 }
 
-void gemm_packed(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
-                 int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+void gemm_packed(TileGemm kernel, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
+                 const float* B, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+#if defined(__x86_64__)
+  if (kernel == TileGemm::kFp32Avx2) return avx2::gemm(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
+#endif
+  TORCH_INTERNAL_ASSERT(kernel == TileGemm::kFp32Brgemm || kernel == TileGemm::kFp32Split);
   brgemm_dense(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
 }
 

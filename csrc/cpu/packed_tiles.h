@@ -2,13 +2,15 @@
 // batch-reduce GEMM (at::native::cpublas::brgemm, exported by libtorch). For
 // bf16 (AMX, or avx512_bf16's dot products) its B operand is in VNNI layout
 // (pairs of rows along the reduction interleaved); for fp32 plain and
-// contiguous. A key tile is packed once and reused by every query tile that
-// attends to it; the GEMM reads Q and P in place. On AMX, at the forward's
-// tile shapes (256 x 512 x 64, one thread) this runs bf16 S = Q K^T in about
-// 0.6x and P V in about 0.45x the time of MKL's bf16 GEMM, which copies both
-// operands at every call (fp32: 0.9x; benchmarks/bench.py tiles). Without
-// AMX (AMD Zen 4, avx512_bf16) MKL's bf16 GEMM converts to fp32, and the
-// packed path runs at twice its rate (benchmarks/RESULTS.md).
+// contiguous, and without AVX-512 (where brgemm has no fp32 kernels) the
+// same layouts go to the AVX2 kernels of packed_tiles_avx2.cpp. A key tile
+// is packed once and reused by every query tile that attends to it; the GEMM
+// reads Q and P in place. On AMX, at the forward's tile shapes (256 x 512 x
+// 64, one thread) this runs bf16 S = Q K^T in about 0.6x and P V in about
+// 0.45x the time of MKL's bf16 GEMM, which copies both operands at every
+// call (fp32: 0.9x; benchmarks/bench.py tiles). Without AMX (AMD Zen 4,
+// avx512_bf16) MKL's bf16 GEMM converts to fp32, and the packed path runs at
+// twice its rate (benchmarks/RESULTS.md).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -18,6 +20,7 @@
 #include <vector>
 
 #include "tile_math.h"
+#include "tile_path.h"
 
 namespace ring_attention::cpu {
 
@@ -27,12 +30,6 @@ namespace ring_attention::cpu {
 // small product through it gave the right result (libtorch built without
 // oneDNN's ukernels refuses it).
 bool bf16_brgemm();
-
-// Whether the bf16-tile kernels use the packed path for head dim d:
-// bf16_brgemm() (on AMX or avx512_bf16's dot products) and d is even (VNNI
-// pairs along d). RING_ATTENTION_CPU_BF16_GEMM=mkl keeps MKL's GEMM (read at
-// every call).
-bool packed_tiles(int64_t d);
 
 // K rows k[j * ld ...], j < w, each d wide, as the B operand (d x w) of
 // S = Q K^T: out holds d * w values.
@@ -45,14 +42,15 @@ void pack_values(const c10::BFloat16* v, int64_t ld, int64_t w, int64_t d,
                  std::span<const int64_t> zero, c10::BFloat16* out);
 
 // C[M, N] (row stride ldc) = A[M, K] (row stride lda) @ B, or += when
-// accumulate; B packed by pack_keys (ldb = w; N <= w: its first N keys) or
-// pack_values (ldb = d = N; K <= w', even: its first K rows).
+// accumulate (kernel: kBf16Packed, or kFp32Split for its bf16 parts); B packed by pack_keys (ldb =
+// w; N <= w: its first N keys) or pack_values (ldb = d = N; K <= w', even: its first K rows).
 //
 // libtorch's brgemm sets up the AMX tiles only when its kernel changes, so
 // a thread calls release_packed_gemm() before any other GEMM (MKL's release
 // the tiles when they finish) and after its last gemm_packed.
-void gemm_packed(int64_t M, int64_t N, int64_t K, const c10::BFloat16* A, int64_t lda,
-                 const c10::BFloat16* B, int64_t ldb, float* C, int64_t ldc, bool accumulate);
+void gemm_packed(TileGemm kernel, int64_t M, int64_t N, int64_t K, const c10::BFloat16* A,
+                 int64_t lda, const c10::BFloat16* B, int64_t ldb, float* C, int64_t ldc,
+                 bool accumulate);
 
 void release_packed_gemm();
 
@@ -64,13 +62,11 @@ void transpose_tile(const c10::BFloat16* src, int64_t ld, int64_t rows, int64_t 
                     c10::BFloat16* out);
 
 // fp32 K and V in the same roles, plain row-major and contiguous (K^T as
-// d x w, V as w x d), for brgemm's fp32 kernels: packed_tiles_fp32() where
-// the CPU has AVX-512 (RING_ATTENTION_CPU_FP32_PACK=0 turns it off; where
-// it also has AMX, K enters the scores product split into bf16 parts
-// instead: split_products.h).
-bool packed_tiles_fp32();
+// d x w, V as w x d), for brgemm's fp32 kernels (AVX-512) or the AVX2 ones
+// (tile_path.h: TileGemm kFp32Brgemm, kFp32Split, kFp32Avx2).
 // out (cols x rows, contiguous) = the transpose of rows x cols at src (row
-// stride ld): 16 x 16 blocks in AVX-512 registers where built for it.
+// stride ld): 16 x 16 blocks in AVX-512 registers where built for it, else
+// 8 x 8 in AVX2 registers where the CPU has them.
 void transpose_tile(const float* src, int64_t ld, int64_t rows, int64_t cols, float* out);
 void pack_keys(const float* k, int64_t ld, int64_t w, int64_t d, float* out);
 void pack_values(const float* v, int64_t ld, int64_t w, int64_t d, std::span<const int64_t> zero,
@@ -85,8 +81,20 @@ void pack_values_checked(const c10::BFloat16* v, int64_t ld, int64_t w, int64_t 
                          std::vector<int64_t>& bad, c10::BFloat16* out);
 void pack_values_checked(const float* v, int64_t ld, int64_t w, int64_t d, int64_t shift,
                          std::vector<int64_t>& bad, float* out);
-void gemm_packed(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
-                 int64_t ldb, float* C, int64_t ldc, bool accumulate);
+// The fp32 product through `kernel`'s GEMM: the AVX2 kernels for
+// kFp32Avx2, else brgemm's fp32 kernels.
+void gemm_packed(TileGemm kernel, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda,
+                 const float* B, int64_t ldb, float* C, int64_t ldc, bool accumulate);
+
+// The AVX2 kernels (packed_tiles_avx2.cpp; x86-64 only, the CPU must have
+// AVX2 and FMA): C[M, N] (+)= A[M, K] @ B[K, N], all row-major with row
+// strides; and out[c * ld_out + i] = src[i * ld + c] (i < rows, c < cols).
+namespace avx2 {
+void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb,
+          float* C, int64_t ldc, bool accumulate);
+void transpose(const float* src, int64_t ld, int64_t rows, int64_t cols, float* out,
+               int64_t ld_out);
+}  // namespace avx2
 
 // C[rows, N] (+)= W[rows, tk] @ B for weights W (P or dS; row stride ldw,
 // rows of at least tk + 1 values) and B the tile's rows bt as pack_values
@@ -94,14 +102,14 @@ void gemm_packed(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, c
 // pad weight is set to 0 first, and the products of the bad rows are added
 // back where a weight is not 0 (tile_math.h, gemm_weights).
 template <typename T>
-void gemm_weights_packed(int64_t rows, int64_t N, int64_t tk, T* W, int64_t ldw, const T* packed,
-                         TileRef<T> bt, std::span<const int64_t> bad, float* C, int64_t ldc,
-                         bool accumulate) {
+void gemm_weights_packed(TileGemm kernel, int64_t rows, int64_t N, int64_t tk, T* W, int64_t ldw,
+                         const T* packed, TileRef<T> bt, std::span<const int64_t> bad, float* C,
+                         int64_t ldc, bool accumulate) {
   constexpr bool kPairs = std::is_same_v<T, c10::BFloat16>;
   const int64_t pad = kPairs ? tk % 2 : 0;
   if (pad == 1)
     for (int64_t i = 0; i < rows; ++i) W[i * ldw + tk] = T(0);
-  gemm_packed(rows, N, tk + pad, W, ldw, packed, N, C, ldc, accumulate);
+  gemm_packed(kernel, rows, N, tk + pad, W, ldw, packed, N, C, ldc, accumulate);
   add_bad_rows(rows, N, 1.0f, W, ldw, bt, bad, C, ldc);
 }
 

@@ -22,6 +22,11 @@ float row_max(const float* x, int64_t n) {
   for (; j < n; j += 16) m0 = max(_mm512_mask_loadu_ps(neg_inf, tail_mask(n - j), x + j), m0);
   return lanes_max(max(max(m0, m1), max(m2, m3)));
 #else
+#if defined(__x86_64__)
+  // (Exact in any lanes: the widest the CPU has.)
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (avx2) return avx2::row_max(x, n);
+#endif
   return row_max_vec(x, n);
 #endif
 }
@@ -36,21 +41,16 @@ static bool has_nan_loop(const T* x, int64_t n) {
 bool has_nan(const float* x, int64_t n) { return has_nan_loop(x, n); }
 bool has_nan(const double* x, int64_t n) { return has_nan_loop(x, n); }
 
-float exp_row(float* x, int64_t n, float scale, float sub) {
+namespace {
+
 #if defined(CPU_CAPABILITY_AVX512)
+float exp_row_avx512(float* x, int64_t n, float scale, float sub) {
   return exp_row_lanes(x, n, scale, sub, [x](int64_t j, __m512 e, __mmask16 k) {
     _mm512_mask_storeu_ps(x + j, k, e);
   });
-#else
-  return exp_row_vec(x, n, scale, sub, x);
-#endif
-}
-double exp_row(double* x, int64_t n, double scale, double sub) {
-  return exp_row_vec(x, n, scale, sub, x);
 }
 
-float exp_row_lazy(float* x, int64_t n, float scale, float* shift, float cap) {
-#if defined(CPU_CAPABILITY_AVX512)
+float exp_row_lazy_avx512(float* x, int64_t n, float scale, float* shift, float cap) {
   int64_t done = 0;
   const float sum = exp_row_capped_lanes(
       x, n, scale, *shift, cap, &done,
@@ -62,26 +62,56 @@ float exp_row_lazy(float* x, int64_t n, float scale, float* shift, float cap) {
   const float f = std::exp(*shift - m);
   for (int64_t j = 0; j < done; ++j) x[j] *= f;
   *shift = m;
-  return sum * f + exp_row(x + done, n - done, scale, m);
-#else
-  return exp_row_lazy_vec(x, n, scale, shift, cap, x);
-#endif
-}
-double exp_row_lazy(double* x, int64_t n, double scale, double* shift, double cap) {
-  return exp_row_lazy_vec(x, n, scale, shift, cap, x);
+  return sum * f + exp_row_avx512(x + done, n - done, scale, m);
 }
 
-void softmax_grad_row(float* s, float* dp, int64_t n, RowGrad<float> g) {
-#if defined(CPU_CAPABILITY_AVX512)
+void softmax_grad_row_avx512(float* s, float* dp, int64_t n, RowGrad<float> g) {
   softmax_grad_lanes(s, dp, n, g, [s, dp](int64_t j, __m512 p, __m512 ds, __mmask16 k) {
     _mm512_mask_storeu_ps(s + j, k, p);
     _mm512_mask_storeu_ps(dp + j, k, ds);
   });
-#else
-  softmax_grad_row_vec(s, dp, n, g, s, dp);
-#endif
 }
-void softmax_grad_row(double* s, double* dp, int64_t n, RowGrad<double> g) {
+#endif
+
+}  // namespace
+
+// Lanes::kAvx512 only in builds for it, kAvx2 only on x86-64 (select_path).
+float exp_row(float* x, int64_t n, float scale, float sub, Lanes lanes) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if (lanes == Lanes::kAvx512) return exp_row_avx512(x, n, scale, sub);
+#endif
+#if defined(__x86_64__)
+  if (lanes == Lanes::kAvx2) return avx2::exp_row(x, n, scale, sub);
+#endif
+  return exp_row_vec(x, n, scale, sub, x);
+}
+double exp_row(double* x, int64_t n, double scale, double sub, Lanes) {
+  return exp_row_vec(x, n, scale, sub, x);
+}
+
+float exp_row_lazy(float* x, int64_t n, float scale, float* shift, float cap, Lanes lanes) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if (lanes == Lanes::kAvx512) return exp_row_lazy_avx512(x, n, scale, shift, cap);
+#endif
+#if defined(__x86_64__)
+  if (lanes == Lanes::kAvx2) return avx2::exp_row_lazy(x, n, scale, shift, cap);
+#endif
+  return exp_row_lazy_vec(x, n, scale, shift, cap, x);
+}
+double exp_row_lazy(double* x, int64_t n, double scale, double* shift, double cap, Lanes) {
+  return exp_row_lazy_vec(x, n, scale, shift, cap, x);
+}
+
+void softmax_grad_row(float* s, float* dp, int64_t n, RowGrad<float> g, Lanes lanes) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if (lanes == Lanes::kAvx512) return softmax_grad_row_avx512(s, dp, n, g);
+#endif
+#if defined(__x86_64__)
+  if (lanes == Lanes::kAvx2) return avx2::softmax_grad_row(s, dp, n, g);
+#endif
+  softmax_grad_row_vec(s, dp, n, g, s, dp);
+}
+void softmax_grad_row(double* s, double* dp, int64_t n, RowGrad<double> g, Lanes) {
   softmax_grad_row_vec(s, dp, n, g, s, dp);
 }
 

@@ -1,6 +1,8 @@
 // The softmax passes over one row of scores (fp32 or fp64), between the
-// GEMMs of the CPU kernels. With AVX-512 (fp32) they run 16 lanes wide with
-// an exponential of 7 vector instructions (fp32 results), and the bf16-tile
+// GEMMs of the CPU kernels. The fp32 passes run in the lanes the tile path
+// names (tile_path.h): 16 of AVX-512 with an exponential of 7 vector
+// instructions (softmax_lanes.h), 8 of AVX2 + FMA with the same polynomial
+// (softmax_rows_avx2.cpp), or at::vec with Sleef's exponential; the bf16-tile
 // kernels get P and dS already rounded to bf16 from the same pass (one read
 // of the row instead of three passes over it).
 //
@@ -16,6 +18,9 @@
 
 namespace ring_attention::cpu {
 
+// The vector code of the fp32 passes (fp64 always runs at::vec).
+enum class Lanes : uint8_t { kVec, kAvx2, kAvx512 };
+
 // Maximum of x[0..n) over its non-NaN entries; -inf when there are none.
 float row_max(const float* x, int64_t n);
 double row_max(const double* x, int64_t n);
@@ -25,8 +30,8 @@ bool has_nan(const float* x, int64_t n);
 bool has_nan(const double* x, int64_t n);
 
 // x[j] = exp(scale * x[j] - sub) for j < n; returns the sum of the new x.
-float exp_row(float* x, int64_t n, float scale, float sub);
-double exp_row(double* x, int64_t n, double scale, double sub);
+float exp_row(float* x, int64_t n, float scale, float sub, Lanes lanes);
+double exp_row(double* x, int64_t n, double scale, double sub, Lanes lanes);
 // p[j] = bf16(exp(scale * x[j] - sub)), x unchanged; returns the sum of the
 // unrounded exponentials (to a relative 1e-4: the bf16 rounding of p is
 // 4e-3). Only where the CPU has avx512_bf16 (bf16_tiles()).
@@ -39,8 +44,8 @@ float exp_row(const float* x, int64_t n, float scale, float sub, c10::BFloat16* 
 // softmax keeps its running shift (and skips rescaling its accumulators)
 // unless a tile's maximum rises past it by cap, and needs no separate pass
 // for the maximum. *shift finite.
-float exp_row_lazy(float* x, int64_t n, float scale, float* shift, float cap);
-double exp_row_lazy(double* x, int64_t n, double scale, double* shift, double cap);
+float exp_row_lazy(float* x, int64_t n, float scale, float* shift, float cap, Lanes lanes);
+double exp_row_lazy(double* x, int64_t n, double scale, double* shift, double cap, Lanes lanes);
 // The same with p[j] = bf16(...), x unchanged (avx512_bf16 only).
 float exp_row_lazy(const float* x, int64_t n, float scale, float* shift, float cap,
                    c10::BFloat16* p);
@@ -57,8 +62,8 @@ struct RowGrad {
 // ds = 0 where p = 0 (a masked key's dp may be NaN from its V row). In place
 // (s becomes p, dp becomes ds), or rounded to bf16 into p_out and ds_out (s
 // and dp unchanged; avx512_bf16 only).
-void softmax_grad_row(float* s, float* dp, int64_t n, RowGrad<float> g);
-void softmax_grad_row(double* s, double* dp, int64_t n, RowGrad<double> g);
+void softmax_grad_row(float* s, float* dp, int64_t n, RowGrad<float> g, Lanes lanes);
+void softmax_grad_row(double* s, double* dp, int64_t n, RowGrad<double> g, Lanes lanes);
 void softmax_grad_row(const float* s, const float* dp, int64_t n, RowGrad<float> g,
                       c10::BFloat16* p_out, c10::BFloat16* ds_out);
 
@@ -78,5 +83,14 @@ inline void softmax_grad_row_nonfinite(T* s, T* dp, int64_t n, RowGrad<T> g) {
     }
   }
 }
+
+// Lanes::kAvx2 (softmax_rows_avx2.cpp; x86-64 only, the CPU must have AVX2
+// and FMA).
+namespace avx2 {
+float row_max(const float* x, int64_t n);
+float exp_row(float* x, int64_t n, float scale, float sub);
+float exp_row_lazy(float* x, int64_t n, float scale, float* shift, float cap);
+void softmax_grad_row(float* s, float* dp, int64_t n, RowGrad<float> g);
+}  // namespace avx2
 
 }  // namespace ring_attention::cpu

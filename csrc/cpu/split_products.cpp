@@ -1,10 +1,7 @@
 #include "split_products.h"
 
-#include <ATen/native/CPUBlas.h>
-
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 
 #if defined(CPU_CAPABILITY_AVX512)
@@ -139,14 +136,6 @@ float dot(const float* a, const float* b, int64_t d) {
 
 }  // namespace
 
-bool split_tiles_fp32(int64_t d) {
-  // could_pack: AMX, with oneDNN on (asked at every call, as bf16_brgemm).
-  const bool amx = bf16_brgemm() && at::native::cpublas::could_pack(at::kBFloat16);
-  const char* env = std::getenv("RING_ATTENTION_CPU_FP32_PACK");
-  const bool off = env != nullptr && (std::strcmp(env, "fp32") == 0 || std::strcmp(env, "0") == 0);
-  return amx && d % 2 == 0 && !off;
-}
-
 void split_queries(const float* x, int64_t ld, int64_t rows, int64_t d, c10::BFloat16* out,
                    std::vector<int64_t>& bad) {
   for (int64_t i = 0; i < rows; ++i) {
@@ -180,7 +169,7 @@ void gemm_split_scores(int64_t rows, int64_t N, int64_t d, const c10::BFloat16* 
                        const c10::BFloat16* k6, int64_t ldb, float* C, int64_t ldc,
                        TileRef<float> q, TileRef<float> k, std::span<const int64_t> bad_rows,
                        std::span<const int64_t> bad_keys) {
-  gemm_packed(rows, N, 6 * d, q6, 6 * d, k6, ldb, C, ldc, false);
+  gemm_packed(TileGemm::kFp32Split, rows, N, 6 * d, q6, 6 * d, k6, ldb, C, ldc, false);
   for (const int64_t i : bad_rows)
     for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = dot(q.ptr + i * q.ld, k.ptr + j * k.ld, d);
   for (const int64_t j : bad_keys) {

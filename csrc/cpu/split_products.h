@@ -40,11 +40,6 @@
 
 namespace ring_attention::cpu {
 
-// Whether fp32 tiles of head dim d take the split products: the CPU has AMX,
-// d is even (VNNI pairs along d), and RING_ATTENTION_CPU_FP32_PACK is not
-// "fp32" (brgemm's fp32 kernels) or "0" (sgemm; read at every call).
-bool split_tiles_fp32(int64_t d);
-
 // rows x d fp32 rows (row stride ld) as the A operand of the scores
 // product: out holds rows x 6d values; rows holding a NaN or an infinity
 // enter as zeros and are appended to bad (ascending).

@@ -3,8 +3,6 @@
 #include <dlfcn.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -115,14 +113,6 @@ void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const 
   gemm_impl(bf16_blas(), ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
 
-bool bf16_tiles() {
-#if defined(__x86_64__)
-  static const bool native = bf16_blas() != nullptr && __builtin_cpu_supports("avx512bf16");
-#else
-  constexpr bool native = false;
-#endif
-  const char* env = std::getenv("RING_ATTENTION_CPU_BF16_GEMM");
-  return native && !(env != nullptr && std::strcmp(env, "0") == 0);
-}
+bool has_bf16_gemm() { return bf16_blas() != nullptr; }
 
 }  // namespace ring_attention::cpu

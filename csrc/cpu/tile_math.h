@@ -1,7 +1,7 @@
 // Small dense building blocks of the CPU kernels: row-major tile GEMM and
 // vectorised row operations. acc_t is float (fp16/bf16/fp32 inputs) or
 // double (fp64 inputs); tile_t, the type the GEMMs read, is acc_t, or bf16
-// where bf16_tiles() says so.
+// where the tile path says so (tile_path.h).
 #pragma once
 
 #include <ATen/OpMathType.h>
@@ -39,18 +39,13 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, double al
           int64_t ldc);
 // bf16 tiles, fp32 C: MKL's gemm_bf16bf16f32 (exported by libtorch_cpu
 // when it is built with MKL), else a plain loop (the kernels call it only
-// where bf16_tiles()).
+// where has_bf16_gemm()).
 void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alpha,
           const c10::BFloat16* A, int64_t lda, const c10::BFloat16* B, int64_t ldb, float beta,
           float* C, int64_t ldc);
 
-// Whether the bf16 kernels multiply bf16 tiles as they are (Q, K, V, dO read
-// in place; P and dS rounded to bf16 for their GEMMs, as flash attention
-// does; fp32 accumulation) instead of converting every tile to fp32: when
-// the bf16 GEMM is there and the CPU has bf16 dot products (avx512_bf16,
-// AMX), where it runs 2-3x the fp32 rate at the kernels' tile shapes.
-// RING_ATTENTION_CPU_BF16_GEMM=0 turns it off (read at every call).
-bool bf16_tiles();
+// Whether libtorch's BLAS has MKL's bf16 GEMM (gemm_bf16bf16f32).
+bool has_bf16_gemm();
 
 // Buffers of the kernels' tiles start on a cache line: MKL's bf16 GEMM, for
 // one, runs 1.6x slower into an fp32 C that does not (256 x 512 x 64, one
@@ -216,8 +211,10 @@ inline TileRef<tile_t> gather_rows(int64_t rows, int64_t d, TileBuffer<tile_t>& 
 template <typename tile_t, typename acc_t>
 struct Weights {
   static constexpr bool kRounded = !std::is_same_v<tile_t, acc_t>;
+  Lanes lanes;  // of the fp32 passes (the tile path's)
   TileBuffer<tile_t> buf;
 
+  explicit Weights(Lanes lanes_) : lanes(lanes_) {}
   void reserve(int64_t n) {
     if constexpr (kRounded)
       if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
@@ -232,14 +229,14 @@ struct Weights {
     if constexpr (kRounded)
       return cpu::exp_row(w, n, scale, sub, row(offset));
     else
-      return cpu::exp_row(w, n, scale, sub);
+      return cpu::exp_row(w, n, scale, sub, lanes);
   }
   // The same with a shift that rises only past cap (softmax_rows.h).
   acc_t exp_row_lazy(acc_t* w, int64_t offset, int64_t n, acc_t scale, acc_t* shift, acc_t cap) {
     if constexpr (kRounded)
       return cpu::exp_row_lazy(w, n, scale, shift, cap, row(offset));
     else
-      return cpu::exp_row_lazy(w, n, scale, shift, cap);
+      return cpu::exp_row_lazy(w, n, scale, shift, cap, lanes);
   }
   void zero_row(acc_t* w, int64_t offset, int64_t n) {
     if constexpr (kRounded)
@@ -270,8 +267,9 @@ void rescale_rows(int64_t n, int64_t d, acc_t* m, const acc_t* m_next, acc_t* l,
                   const acc_t* row_sum, acc_t* o, acc_t* alpha) {
   // exp(m - m_next): 1 where the shift stayed (-inf included), 0 where it
   // rose from -inf (the row's o is still 0 then).
+  // (Sleef's exponential, whose exp(0) is 1 exactly: no rescale then.)
   for (int64_t i = 0; i < n; ++i) alpha[i] = m[i] == m_next[i] ? acc_t(0) : m[i] - m_next[i];
-  exp_row(alpha, n, acc_t(1), acc_t(0));
+  exp_row(alpha, n, acc_t(1), acc_t(0), Lanes::kVec);
   for (int64_t i = 0; i < n; ++i) {
     l[i] = l[i] * alpha[i] + row_sum[i];
     if (alpha[i] != acc_t(1)) scale_row(o + i * d, d, alpha[i]);
@@ -289,16 +287,19 @@ void merge_rows(int64_t n, int64_t d, const acc_t* o, const acc_t* m, const acc_
                 RowLse lse, acc_t* scratch) {
   using Vec = at::vec::Vectorized<acc_t>;
   constexpr acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
+  const Vec pos_inf(std::numeric_limits<acc_t>::infinity());
   // The block's lse, the merged lse, and the weights of the running and the
-  // block's rows (1 / l folded into the latter).
+  // block's rows (1 / l folded into the latter). A +inf score makes the
+  // shift +inf and l NaN (exp(inf - inf)): that lse is +inf, not NaN.
   acc_t *blk = scratch, *merged = scratch + n, *wa = scratch + 2 * n, *wb = scratch + 3 * n;
   for (int64_t i = 0; i < n; ++i) merged[i] = *lse(i);
   for (int64_t i = 0; i < n; i += Vec::size()) {
     const int64_t c = std::min<int64_t>(Vec::size(), n - i);
     const Vec run = Vec::loadu(merged + i, c), vl = Vec::loadu(l + i, c);
-    const Vec b = Vec::loadu(m + i, c) + vl.log();
+    const Vec shift = Vec::loadu(m + i, c);
+    const Vec b = Vec::blendv(shift + vl.log(), shift, shift == pos_inf);
     const Vec hi = at::vec::maximum(run, b), lo = at::vec::minimum(run, b);
-    const Vec both = hi + (lo - hi).exp().log1p();
+    const Vec both = Vec::blendv(hi + (lo - hi).exp().log1p(), hi, hi == pos_inf);
     b.store(blk + i, c);
     both.store(merged + i, c);
     (run - both).exp().store(wa + i, c);

@@ -120,7 +120,8 @@ __global__ void __launch_bounds__(kThreads) fwd_simt_kernel(const Problem p) {
       const int64_t li = p.row_index(t.b, h, pos);
       const C old = lse[li];
       __syncwarp();  // every lane has read lse before lane 0 writes it
-      const C blk = m_run[i] + clog(l);
+      // a +inf score: the shift is +inf and l NaN; the lse is +inf
+      const C blk = m_run[i] == static_cast<C>(INFINITY) ? m_run[i] : m_run[i] + clog(l);
       const C nl = merged_lse(old, blk);
       C* orow = out + p.q_index(t.b, pos, h);
 #pragma unroll
@@ -341,7 +342,10 @@ __global__ void __launch_bounds__(kThreads) fwd_mma_kernel(__grid_constant__ con
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         if (!write[i]) continue;
-        const float blk = (m_run[mt][i] + log2f(l[i])) / kLog2e, inv_l = 1.f / l[i];
+        // a +inf score: the shift is +inf and l NaN; the lse is +inf
+        const float blk =
+            m_run[mt][i] == INFINITY ? INFINITY : (m_run[mt][i] + log2f(l[i])) / kLog2e;
+        const float inv_l = 1.f / l[i];
         const float nl = merged_lse(old[i], blk);
         float* orow = out + p.q_index(t.b, pos[i], t.heads[slot]);
 #pragma unroll

@@ -82,7 +82,7 @@ class BlockTiles {
   __device__ explicit BlockTiles(const Problem& p)
       : p_(p),
         lo_(p.row_lo + static_cast<int64_t>(blockIdx.x) * p.span),
-        hi_(imin(lo_ + p.span, p.row_hi)),
+        hi_(p.row_hi - lo_ > p.span ? lo_ + p.span : p.row_hi),  // no lo_ + span overflow
         h_(p.h_lo + blockIdx.y),
         walk_(p.docs, p.w, lo_) {
     const int64_t rank = p.set_rank(h_, p.branch, p.r);
@@ -195,6 +195,7 @@ __device__ inline C merged_lse(C old_lse, C blk_lse) {
   if (old_lse == neg_inf<C>() || isnan(blk_lse)) return blk_lse;
   const C hi = old_lse > blk_lse ? old_lse : blk_lse;
   const C lo = old_lse > blk_lse ? blk_lse : old_lse;
+  if (hi == static_cast<C>(INFINITY)) return hi;  // a +inf score: +inf, not inf - inf
   return hi + clog1p(cexp(lo - hi));
 }
 
@@ -485,13 +486,17 @@ inline void launch_branches(Kernel kernel, Problem p, at::IntArrayRef segs, at::
     // A segment meeting both blocks (at most w long) ends after the later
     // start and starts before the earlier end; windows start on multiples of
     // span, so that without documents a segment (w a multiple of span) is
-    // covered by whole tiles.
+    // covered by whole tiles. Starts reach 2**62 and w, r (clamped) as far
+    // again: span is capped at 2**62 (fewer rows per tile, never more) and
+    // no sum is formed past rows_hi.
     p.pack = key_rows ? 1 : pack_heads(p, i, p.h_lo, h_hi);
-    p.span = bm / p.pack * p.r;
+    constexpr int64_t kMaxSpan = int64_t{1} << 62;
+    const int64_t tile_rows = bm / p.pack;
+    p.span = p.r > kMaxSpan / tile_rows ? kMaxSpan : tile_rows * p.r;
     const int64_t later_start = std::max(p.q_start, p.k_start);
     const int64_t earlier_end = std::min(q_end, k_end);
     p.row_lo = std::max(rows_lo, later_start - p.w + 1) / p.span * p.span;
-    p.row_hi = std::min(rows_hi, earlier_end + p.w - 1);
+    p.row_hi = p.w - 1 > rows_hi - earlier_end ? rows_hi : earlier_end + p.w - 1;
     if (p.row_hi <= p.row_lo || h_hi <= p.h_lo) continue;
     const int64_t windows = ceil_div(p.row_hi - p.row_lo, p.span);
     TORCH_CHECK(windows <= 0x7fffffff, "ring_attention: too many tiles (", windows, ")");

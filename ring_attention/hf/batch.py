@@ -13,6 +13,16 @@ __all__ = ["documents_from_position_ids", "shard_causal_lm_batch"]
 _IGNORE_INDEX = -100
 
 
+def _check_ids(t: Any, name: str) -> None:
+    """Token ids, labels or positions: an integer tensor holding values."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be an integer tensor, got {type(t).__name__}")
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise ValueError(f"{name} must have an integer dtype, got {t.dtype}")
+    if t.is_meta:
+        raise ValueError(f"{name} must hold values: got a tensor on the meta device")
+
+
 def documents_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor | None:
     """Document boundaries ``[0, e_1, ..., n]`` (int64) of a packed sequence
     whose ``position_ids`` ``(batch, n)`` restart per document, as
@@ -28,9 +38,16 @@ def documents_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor | No
     """
     from transformers.masking_utils import find_packed_sequence_indices
 
+    _check_ids(position_ids, "position_ids")
+    if position_ids.dim() not in (1, 2):
+        raise ValueError(
+            f"position_ids must be (batch, seq) or (seq,), got shape {tuple(position_ids.shape)}"
+        )
     if position_ids.dim() == 1:
         position_ids = position_ids[None]
     n = position_ids.shape[-1]
+    if n == 0 or position_ids.shape[0] == 0:  # nothing to split
+        return None
     sequences = find_packed_sequence_indices(position_ids)
     if sequences is None:
         return None
@@ -167,10 +184,19 @@ def shard_causal_lm_batch(
         raise ValueError("pass exactly one of input_ids and inputs_embeds")
     ids = input_ids is not None
     tokens = input_ids if ids else inputs_embeds
-    if not isinstance(tokens, torch.Tensor) or tokens.dim() != (2 if ids else 3):
+    if ids:
+        _check_ids(input_ids, "input_ids")
+    if (
+        not isinstance(tokens, torch.Tensor)
+        or tokens.dim() != (2 if ids else 3)
+        or tokens.shape[0] < 1
+    ):
         name, dims = ("input_ids", "seq") if ids else ("inputs_embeds", "seq, hidden")
         got = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else tokens
-        raise ValueError(f"{name} must be a (batch, {dims}) tensor, got {got!r}")
+        raise ValueError(f"{name} must be a (batch >= 1, {dims}) tensor, got {got!r}")
+    for name, t in (("labels", labels), ("position_ids", position_ids)):
+        if t is not None:
+            _check_ids(t, name)
     batch, n = tokens.shape[:2]
     rows = None if position_ids is None or position_ids.dim() != 2 else position_ids.shape[0]
     if rows not in (None, 1, batch):

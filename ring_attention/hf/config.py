@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..pattern import Pattern
+from ..pattern import Pattern, as_flag
 
 __all__ = ["CONFIG_KEY", "is_dense", "layer_pattern", "pattern_from_config"]
 
@@ -55,6 +55,7 @@ def pattern_from_config(config: Any, causal: bool) -> Pattern:
             unknown keys, values that are not integers (nested lists
             included) or an invalid pattern.
     """
+    causal = as_flag(causal, "causal")  # before the cache, whose keys take 1 for True
     entry = getattr(config, CONFIG_KEY, None)
     if entry is None:
         return _pattern(None, causal)
@@ -70,6 +71,8 @@ def pattern_from_config(config: Any, causal: bool) -> Pattern:
             f"config.{CONFIG_KEY} takes the keys {list(_FIELDS)} (the first two required), "
             f"got unknown {unknown} and missing {missing}"
         )
+    if "head_groups" in entry:
+        as_flag(entry["head_groups"], f"config.{CONFIG_KEY}['head_groups']")
     frozen = tuple((key, _freeze(entry[key], key)) for key in _FIELDS if key in entry)
     return _pattern(frozen, causal)
 

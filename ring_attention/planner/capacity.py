@@ -7,7 +7,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
-from ..pattern import Pattern
+from ..checks import check_int
+from ..pattern import Pattern, as_flag
+from ..plan import MAX_SEQ_LEN
 from .memory import DTYPE_BYTES, LayerMemory, layer_memories
 from .model import model_memory, model_step_seconds
 from .presets import ModelShape, make_pattern
@@ -68,6 +70,10 @@ class Setup:
     checkpointing: bool = True
     shard_params: bool = True
     source: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("causal", "head_groups", "checkpointing", "shard_params"):
+            as_flag(getattr(self, name), name)
 
     @property
     def itemsize(self) -> int:
@@ -194,6 +200,9 @@ class Evaluation:
 
 def evaluate(setup: Setup, seq_len: int) -> Evaluation:
     """The :class:`Evaluation` of ``setup`` at ``seq_len`` tokens."""
+    if not isinstance(setup, Setup):
+        raise ValueError(f"setup must be a Setup, got {type(setup).__name__}")
+    seq_len = check_int(seq_len, "seq_len", 0, MAX_SEQ_LEN)
     pattern = setup.pattern_at(seq_len)
     tr = predict_traffic(
         pattern,

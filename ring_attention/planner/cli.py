@@ -7,6 +7,8 @@ Examples::
     python -m ring_attention.planner --device cpu --processes 4 --memory 24GB --heads 8 \\
         --head-dim 64 --dtype float32
     python -m ring_attention.planner --seq-len 1e9 --gpu-memory 80GB --heads 16 --head-dim 128
+    python -m ring_attention.planner --mode compare --gpus 64 --gpus-per-node 8 --seq-len 1M \\
+        --model llama3-8b
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from ..pattern import HEAD_OFFSETS
 from .capacity import Evaluation, Setup, evaluate, fewest_ranks, largest_length
 from .memory import DTYPE_BYTES
 from .model import activation_bytes_per_token
+from .modes_cli import add_arguments as add_mode_arguments
+from .modes_cli import mode_report
 from .pairs import pattern_flops
 from .presets import MODELS, PATTERNS, ModelShape
 from .throughput import dtype_name, load_records
@@ -136,6 +140,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         choices=["auto", "plan", "analytic"],
         help="exchanged rows: the ring's plan (small sizes) or closed forms",
     )
+    add_mode_arguments(ap)
     return ap.parse_args(argv)
 
 
@@ -452,6 +457,11 @@ def run(args: argparse.Namespace) -> int:
                 f"the reserve ({_fmt_bytes(setup.reserve)}) leaves no memory of "
                 f"{_fmt_bytes(setup.memory)} per rank"
             )
+        if args.mode != "ring":  # Ulysses, the hybrid, or the three compared
+            if ranks is None or args.seq_len is None:
+                raise Impossible(f"--mode {args.mode} needs --gpus/--processes and --seq-len")
+            print("\n".join(_header(setup, args) + mode_report(args, setup, args.seq_len)))
+            return 0
         peaks = _peak_fns(setup)
         goal = "model" if setup.model is not None else "training"
         out = []

@@ -25,12 +25,15 @@ from functools import lru_cache
 
 import torch
 
-from ..pattern import Pattern
+from ..checks import check_int
+from ..pattern import Pattern, as_flag
+from ..plan import MAX_SEQ_LEN
 
 __all__ = [
     "BWD_FLOPS_PER_PAIR",
     "FWD_FLOPS_PER_PAIR",
     "branch_offsets",
+    "check_planner_args",
     "n_before",
     "pattern_flops",
     "range_pairs",
@@ -150,15 +153,43 @@ def reached_pairs(
         q_ranges: ``(start, length)`` runs of query positions (a rank's
             pieces); ``None`` for the whole sequence. Keys are not restricted.
     """
-    pattern.check_length(seq_len)
-    offsets = branch_offsets(pattern, heads)
+    seq_len, heads = check_planner_args(pattern, seq_len, heads)
     if q_ranges is None:
         q_ranges = [(0, seq_len)]
-    return sum(range_pairs(pattern, seq_len, offsets, s, s + n) for s, n in q_ranges)
+    ranges = []
+    try:
+        for s, n in q_ranges:
+            s = check_int(s, "q_ranges: a start", 0, seq_len)
+            ranges.append((s, check_int(n, "q_ranges: a length", 0, seq_len - s)))
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"q_ranges must be (start, length) pairs of integers inside [0, seq_len = "
+            f"{seq_len}], got {q_ranges!r} ({e})"
+        ) from None
+    offsets = branch_offsets(pattern, heads)
+    return sum(range_pairs(pattern, seq_len, offsets, s, s + n) for s, n in ranges)
+
+
+#: The planner counts offsets head by head: at most this many heads.
+MAX_HEADS = 2**16
+
+
+def check_planner_args(pattern: Pattern, seq_len: object, heads: object) -> tuple[int, int]:
+    """``seq_len`` and ``heads`` checked (``ValueError`` naming them), with
+    the pattern and its documents' end."""
+    if not isinstance(pattern, Pattern):
+        raise ValueError(f"pattern must be a Pattern, got {type(pattern).__name__}")
+    n = check_int(seq_len, "seq_len", 0, MAX_SEQ_LEN)
+    h = check_int(heads, "heads", 1, MAX_HEADS)
+    pattern.check_heads(h)
+    pattern.check_length(n)
+    return n, h
 
 
 def pattern_flops(pairs: int, head_dim: int, batch: int = 1, *, backward: bool = False) -> int:
     """FLOPs of ``pairs`` reached pairs: ``4 d`` each forward; with
     ``backward=True`` forward + backward, ``(4 + 10) d``."""
-    per_pair = FWD_FLOPS_PER_PAIR + (BWD_FLOPS_PER_PAIR if backward else 0)
-    return per_pair * head_dim * batch * pairs
+    per_pair = FWD_FLOPS_PER_PAIR + (BWD_FLOPS_PER_PAIR if as_flag(backward, "backward") else 0)
+    pairs = check_int(pairs, "pairs", 0, 2**126)
+    head_dim = check_int(head_dim, "head_dim", 1, 2**31)
+    return per_pair * head_dim * check_int(batch, "batch", 1, 2**31) * pairs

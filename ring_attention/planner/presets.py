@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..pattern import Pattern
+from ..checks import check_int
+from ..pattern import Pattern, as_flag
+from ..plan import MAX_SEQ_LEN
 
 __all__ = ["MODELS", "PATTERNS", "ModelShape", "longnet_pattern", "make_pattern"]
 
@@ -13,6 +15,9 @@ def longnet_pattern(seq_len: int, base: int = 2048, factor: int = 4) -> tuple[li
     """LongNet grown to ``seq_len``: segments ``base * factor**i`` below
     ``seq_len`` and one of ``seq_len``, dilation ``segment // base`` (every
     branch reaches about ``base`` keys per query and head)."""
+    seq_len = check_int(seq_len, "seq_len", 0, MAX_SEQ_LEN)
+    base = check_int(base, "base", 1, MAX_SEQ_LEN)
+    factor = check_int(factor, "factor", 2, MAX_SEQ_LEN)
     segs = []
     w = base
     while w < seq_len:
@@ -89,6 +94,9 @@ class ModelShape:
     ffn: int
     gated: bool = False
     vocab: int = 0
+
+    def __post_init__(self) -> None:
+        as_flag(self.gated, "gated")
 
     def layer_params(self) -> int:
         """Parameters of one block (weights and norms, no biases)."""

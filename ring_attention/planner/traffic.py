@@ -39,9 +39,10 @@ from functools import cached_property
 
 import torch
 
+from ..checks import check_int
 from ..layout import Piece, check_layout, shard_bounds
 from ..pattern import Pattern
-from .pairs import branch_offsets, reached_pairs
+from .pairs import branch_offsets, check_planner_args, reached_pairs
 from .progressions import union_stats
 
 __all__ = ["SOURCES", "Traffic", "kv_classes", "predict_traffic"]
@@ -51,6 +52,8 @@ __all__ = ["SOURCES", "Traffic", "kv_classes", "predict_traffic"]
 SOURCES = ("auto", "plan", "analytic")
 
 _PLAN_WORK_LIMIT = 1 << 24  # p * n * heads: build real plans up to this
+#: Ranks the traffic model takes (its work grows with the pairs of ranks).
+MAX_WORLD_SIZE = 1 << 17
 _CHUNK = 1 << 18  # (rank, distance) pairs evaluated at once
 _NONE = torch.empty(0, dtype=torch.int64)
 
@@ -388,14 +391,14 @@ def predict_traffic(
     The vectorised work runs with one intra-op thread (its tensors are
     small; the previous setting is restored).
     """
-    kv_heads = heads if kv_heads is None else kv_heads
+    seq_len, heads = check_planner_args(pattern, seq_len, heads)
+    kv_heads = heads if kv_heads is None else check_int(kv_heads, "kv_heads", 1, heads)
+    if heads % kv_heads:
+        raise ValueError(f"kv_heads must divide heads = {heads}, got kv_heads = {kv_heads}")
     check_layout(layout)
     if source not in SOURCES:
         raise ValueError(f"source must be one of {list(SOURCES)}, got {source!r}")
-    if world_size < 1 or seq_len < 0:
-        raise ValueError(f"need world_size >= 1 and seq_len >= 0, got {world_size}, {seq_len}")
-    pattern.check_length(seq_len)
-    p = int(world_size)
+    p = check_int(world_size, "world_size", 1, MAX_WORLD_SIZE)
     pieces = all_pieces(seq_len, p, layout)
     total = [
         reached_pairs(pattern, seq_len, heads, [(pc.start, pc.length) for pc in ps])
@@ -403,8 +406,8 @@ def predict_traffic(
     ]
     if max(total) >= 1 << 62:
         raise ValueError(
-            f"{seq_len} tokens on {p} ranks with {heads} heads: a rank's {max(total)} reached "
-            "pairs exceed the planner's int64 counters"
+            f"seq_len = {seq_len} on {p} ranks with {heads} heads: a rank's {max(total)} "
+            "reached pairs exceed the planner's int64 counters"
         )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # small tensors: threads only add synchronisation

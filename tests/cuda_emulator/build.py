@@ -1,6 +1,7 @@
 """Build and load the CPU emulation of the CUDA block kernels.
 
-``load()`` compiles ``csrc/cuda/block_{forward,backward}.cu`` for the CPU
+``load()`` compiles ``csrc/cuda/block_{forward,backward}.cu`` and
+``csrc/cuda/merge.cu`` for the CPU
 against ``runtime.h`` (next to this file) into ``build/cuda_emulator/`` and
 returns ``torch.ops.ring_attention_emulated``. It needs the CUDA toolkit's
 headers (``cuda_fp16.h``; nothing from them runs on a GPU) and returns ``None``
@@ -20,7 +21,9 @@ SOURCES = [
     os.path.join(HERE, "ops.cpp"),
     os.path.join(HERE, "block_forward.cpp"),
     os.path.join(HERE, "block_backward.cpp"),
+    os.path.join(HERE, "merge_rows.cpp"),
     os.path.join(ROOT, "csrc", "checks.cpp"),
+    os.path.join(ROOT, "csrc", "merge.cpp"),
 ]
 MISSING = ""
 
@@ -42,7 +45,9 @@ def load():
         MISSING = "CUDA toolkit headers (cuda_bf16.h) not found; set CUDA_HOME"
         return None
     # scripts/sanitize.sh builds a sanitized copy (its own build directory).
-    sanitize = os.environ.get("RING_ATTENTION_EMULATOR_SANITIZE", "").split()
+    from ring_attention.config import emulator_sanitize
+
+    sanitize = emulator_sanitize()
     name = "cuda_emulator_sanitized" if sanitize else "cuda_emulator"
     build_dir = os.path.join(ROOT, "build", name)
     os.makedirs(build_dir, exist_ok=True)

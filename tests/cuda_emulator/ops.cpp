@@ -5,6 +5,7 @@
 
 #include "../../csrc/block_ops.h"
 #include "../../csrc/cuda/kernels.h"
+#include "../../csrc/merge.h"
 #include "../../csrc/schemas.h"
 
 namespace ring_attention::emulated {
@@ -58,6 +59,8 @@ std::vector<int64_t> take_stats() {
 TORCH_LIBRARY(ring_attention_emulated, m) {
   m.def(schema::kBlockForward);
   m.def(schema::kBlockBackward);
+  m.def(schema::kMergeBranches);
+  m.def(schema::kSumBranches);
   m.def("configure(int seed, int compute_capability) -> ()", &configure);
   m.def("take_stats() -> int[]", &take_stats);
 }
@@ -65,6 +68,8 @@ TORCH_LIBRARY(ring_attention_emulated, m) {
 TORCH_LIBRARY_IMPL(ring_attention_emulated, CPU, m) {
   m.impl("block_forward", &block_forward_op<gpu::block_forward>);
   m.impl("block_backward", &block_backward_op<gpu::block_backward>);
+  m.impl("merge_branches", &merge_branches_op<gpu::merge_rows>);
+  m.impl("sum_branches", &sum_branches_op<gpu::merge_rows>);
 }
 
 }  // namespace ring_attention::emulated

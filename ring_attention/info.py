@@ -1,0 +1,142 @@
+"""Which path the local op takes for a shape, and why:
+
+    python -m ring_attention.info --seq-len 131072 --heads 16 --head-dim 128 \\
+        --dtype bfloat16 --device cuda [--capability 9.0] [--causal] ...
+
+prints the forward's and the backward's route (ring_attention/dispatch.py:
+our kernels or dense attention per branch, the table row or the reason),
+the environment it read (ring_attention/config.py), the windows and, per
+branch, its dense calls and the backend each takes. It needs no GPU:
+``--capability`` stands in for the device's compute capability.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import Counter
+
+import torch
+
+from . import config
+from .dispatch import Route, decide
+from .pattern import Pattern
+
+__all__ = ["describe", "main"]
+
+
+def describe(
+    pattern: Pattern,
+    n: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    capability: tuple[int, int],
+) -> str:
+    """The report :func:`main` prints."""
+    rows = config.window_rows()
+    named = config.dense_backend()
+    routes: dict[str, Route] = {}
+    for pass_ in ("forward", "backward"):
+        mode = config.forward_mode() if pass_ == "forward" else config.backward_mode()
+        if mode == "kernel":
+            env = config.FORWARD if pass_ == "forward" else config.BACKWARD
+            routes[pass_] = Route(False, f"{env}=kernel")
+        else:
+            routes[pass_] = decide(
+                pass_, mode, named, rows, device, capability, dtype, n, heads, kv_heads,
+                head_dim, pattern,
+            )  # fmt: skip
+    cc = f" (sm_{capability[0]}{capability[1]})" if device.type == "cuda" else ""
+    lines = [
+        f"local op, n = {n}, {heads} query / {kv_heads} K/V heads, head_dim {head_dim}, "
+        f"{str(dtype).removeprefix('torch.')} on {device.type}{cc}",
+        f"pattern: {pattern.describe()}",
+        "environment: " + " ".join(f"{k.name}={_env(k.name, k.default)}" for k in config.KNOBS[:4]),
+    ]
+    for pass_, r in routes.items():
+        path = "dense per branch" if r.dense else "our kernel"
+        lines.append(f"{pass_}: {path}: {r.why}")
+    plan = next((r.plan for r in routes.values() if r.plan is not None), None)
+    if plan is None:
+        return "\n".join(lines)
+    sizes = Counter(w.length for w in plan.windows)
+    lines.append(
+        f"windows: {', '.join(f'{c} x {s} rows' for s, c in sorted(sizes.items()))}; "
+        f"{plan.calls} dense calls a pass"
+    )
+    for b, (w, r_) in enumerate(pattern.branches):
+        shapes = Counter()
+        backends = {p: Counter() for p in routes}
+        for i, window in enumerate(plan.windows):
+            for j, call in enumerate(window.calls):
+                if call.branch != b:
+                    continue
+                shapes[(call.segments, call.rows, call.q_heads, call.kv_heads)] += 1
+                for p, r in routes.items():
+                    if r.dense:
+                        backends[p][r.backends[i][j]] += 1
+        calls = sum(shapes.values())
+        desc = "; ".join(
+            f"{c} x ({s} segments x {rows_} rows, {hq}/{hk} heads)"
+            for (s, rows_, hq, hk), c in sorted(shapes.items())
+        )
+        lines.append(f"branch {b} (w {w}, r {r_}): {calls} call{'s' * (calls != 1)}: {desc}")
+        for p, r in routes.items():
+            took = ", ".join(f"{name} x {c}" for name, c in sorted(backends[p].items()))
+            lines.append(f"  {p}: {took if r.dense else 'our kernel'}")
+    return "\n".join(lines)
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(name, default)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ring_attention.info", description=__doc__)
+    ap.add_argument("--seq-len", type=int, required=True)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument(
+        "--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32", "float64"]
+    )
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--capability", default=None, help="e.g. 9.0 (default: the device's)")
+    ap.add_argument("--segments", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
+    ap.add_argument("--dilations", type=int, nargs="+", default=[1, 2, 4, 6, 12])
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--head-groups", action="store_true")
+    ap.add_argument("--head-offsets", default="modulo", choices=["modulo", "grouped"])
+    ap.add_argument("--cu-seqlens", type=int, nargs="+", default=None)
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    if args.capability is not None:
+        major, minor = (int(x) for x in args.capability.split("."))
+        capability = (major, minor)
+    elif device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+    else:
+        capability = (0, 0)
+    pattern = Pattern(
+        args.segments, args.dilations, causal=args.causal, head_groups=args.head_groups,
+        head_offsets=args.head_offsets,
+    ).with_documents(args.cu_seqlens)  # fmt: skip
+    heads = args.heads
+    kv_heads = args.kv_heads or heads
+    if heads % kv_heads:
+        ap.error(f"--kv-heads must divide --heads {heads}, got {kv_heads}")
+    pattern.check_heads(heads)
+    pattern.check_length(args.seq_len)
+    dtype = getattr(torch, args.dtype)
+    print(
+        describe(pattern, args.seq_len, heads, kv_heads, args.head_dim, dtype, device, capability)
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

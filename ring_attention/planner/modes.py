@@ -1,0 +1,385 @@
+"""The planner for the three ways of sharding the sequence (docs/design.md
+§2): the ring over every rank, Ulysses (all-to-all over every rank) and the
+ring x Ulysses hybrid (``U`` ranks per Ulysses group, ``R`` rings), per rank
+and attention layer: bytes sent, peak memory and time, and which mode wins.
+
+The modes follow ``ring_attention.ulysses``: the rank with ring index ``i``
+and Ulysses index ``j`` holds shard ``i * U + j``; an all-to-all inside the
+Ulysses group gives it query heads ``j`` of ``torch.tensor_split`` (``c_j``
+of them) and the K/V heads they read (``k_j``) for its group's stretch of
+``S_i`` rows; it attends over the stretch (locally, or along the ring of
+the ranks with the same heads), and a second all-to-all returns ``out``
+and ``lse`` of every head for its own shard. Per rank, bytes sent:
+
+* forward: ``L_v (sum_{p != j} c_p + 2 k_p) D B s`` (q, k, v out) plus
+  ``sum_{p != j} L_p c_j (D s + a) B`` (``out`` and ``lse`` back), with
+  ``s`` the input's bytes per value and ``a`` the ``lse`` bytes;
+* backward: the same two exchanges reversed (``lse``'s gradient travels
+  too, zeros when the loss does not use it);
+* the hybrid adds the ring of its stretch (:mod:`.traffic` on the folded
+  layout, the head slice's ``c_j`` query and ``k_j`` K/V heads).
+
+The ring part counts the slice's heads with local indices: exact where the
+slice's heads have the offsets of heads ``0 .. c_j - 1`` (e.g. a head start
+that is a multiple of every dilation rate), close otherwise; a K/V slice
+that does not divide its query heads is counted expanded (an upper bound).
+
+Time per layer: the two all-to-alls on the Ulysses link (not overlapped),
+plus the attention over the stretch as :mod:`.timing` models the ring (the
+ring on the ring link); memory: the inputs, the all-to-all buffers and the
+stretch tensors, plus the attention's own items (:mod:`.memory`) at the
+largest of the phases.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from ..layout import Piece, layout_pieces, layout_shard_lengths, shard_bounds
+from ..pattern import Pattern
+from .capacity import Setup
+from .memory import KERNEL_WORKSPACE, LayerMemory, acc_bytes, layer_memories
+from .pairs import reached_pairs
+from .timing import Link, RankTime, layer_times
+from .traffic import Traffic, _analytic
+
+__all__ = [
+    "MODES",
+    "ModeEvaluation",
+    "ModeRank",
+    "advice",
+    "compare_modes",
+    "evaluate_mode",
+    "grid_for",
+    "stretch_traffic",
+]
+
+MODES = ("ring", "ulysses", "hybrid")
+
+_PLAN_WORK_LIMIT = 1 << 24
+_ZIGZAG = "piece copies (zigzag)"  # a memory item of .memory
+
+
+def _kv_range(start: int, count: int, heads: int, kv_heads: int) -> tuple[int, int]:
+    if count <= 0:
+        return (0, 0)
+    g = heads // kv_heads
+    return start // g, (start + count - 1) // g + 1
+
+
+def stretch_traffic(
+    pattern: Pattern, seq_len: int, heads: int, kv_heads: int, R: int, U: int, layout: str,
+    source: str = "auto",
+) -> Traffic:  # fmt: skip
+    """:class:`~.traffic.Traffic` of a ring of ``R`` ranks each holding its
+    Ulysses group's stretch (``fold=U``), for ``heads`` query and
+    ``kv_heads`` K/V heads."""
+    pieces = [layout_pieces(seq_len, R, i, layout, U) for i in range(R)]
+    most = max(len(ps) for ps in pieces)  # (zigzag: the middle rank's runs are adjacent, merged)
+    for ps in pieces:
+        end = sum(p.length for p in ps)
+        ps += [Piece(ps[-1].start + ps[-1].length, 0, end)] * (most - len(ps))
+    total = [reached_pairs(pattern, seq_len, heads, [(p.start, p.length) for p in ps])
+             for ps in pieces]  # fmt: skip
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        counts = _analytic(pattern, seq_len, heads, kv_heads, pieces)
+    finally:
+        torch.set_num_threads(threads)
+    use_plan = source == "plan" or (source == "auto" and R * seq_len * heads <= _PLAN_WORK_LIMIT)
+    if use_plan and R > 1:
+        from ..plan import build_plan
+
+        recv = torch.zeros(R, R, dtype=torch.int64)
+        span = torch.zeros(R, R, dtype=torch.int64)
+        for i in range(R):
+            plan = build_plan(pattern, seq_len, heads, kv_heads, R, i, layout, U)
+            for step in plan.steps:
+                recv[i, step.distance] = step.recv_rows
+                for ix in step.recv_idx:
+                    if ix.numel():
+                        lo, hi = int(ix[0]) // kv_heads, int(ix[-1]) // kv_heads + 1
+                        if ix.numel() != (hi - lo) * kv_heads:
+                            span[i, step.distance] += hi - lo
+        counts.update(recv=recv, span=span)
+    recv = counts["recv"]
+    send = torch.zeros_like(recv)
+    ranks = torch.arange(R)
+    for d in range(1, R):
+        send[:, d] = recv[(ranks + d) % R, d]
+    total_t = torch.tensor(total, dtype=torch.int64)
+    return Traffic(
+        pattern=pattern, seq_len=int(seq_len), heads=int(heads), kv_heads=int(kv_heads),
+        world_size=R, layout=layout, source="plan" if use_plan else "analytic",
+        local_len=torch.tensor([sum(p.length for p in ps) for ps in pieces], dtype=torch.int64),
+        total_pairs=total_t, local_pairs=total_t - counts["pairs"].sum(1), recv_rows=recv,
+        send_rows=send, span_rows=counts["span"], step_pairs=counts["pairs"],
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ModeRank:
+    """One rank of one mode: bytes sent per layer (all-to-all, ring),
+    peak memory items and time."""
+
+    rank: int
+    local_len: int
+    a2a_forward: int
+    a2a_forward_backward: int
+    ring_forward: int
+    ring_forward_backward: int
+    forward_peak: int
+    training_peak: int
+    forward_items: dict[str, int]
+    training_items: dict[str, int]
+    time: RankTime | None
+    a2a_seconds: tuple[float, float]  # forward, forward + backward
+
+    @property
+    def sent_forward(self) -> int:
+        return self.a2a_forward + self.ring_forward
+
+    @property
+    def sent_forward_backward(self) -> int:
+        return self.a2a_forward_backward + self.ring_forward_backward
+
+    @property
+    def seconds(self) -> tuple[float, float]:
+        """Forward and forward + backward time of one layer."""
+        f = self.time.forward if self.time else 0.0
+        fb = self.time.forward_backward if self.time else 0.0
+        return f + self.a2a_seconds[0], fb + self.a2a_seconds[1]
+
+
+@dataclass(frozen=True, eq=False)
+class ModeEvaluation:
+    """A mode (``R`` rings x ``U`` Ulysses ranks) at one length."""
+
+    mode: str
+    ring: int
+    ulysses: int
+    seq_len: int
+    ranks: list[ModeRank]
+    idle: int  # ranks with no head (heads < U)
+    rate_source: str
+
+    @cached_property
+    def worst(self) -> dict[str, float]:
+        """The largest value over the ranks of every quantity."""
+        r = self.ranks
+        return {
+            "sent_forward": max(x.sent_forward for x in r),
+            "sent_forward_backward": max(x.sent_forward_backward for x in r),
+            "a2a_forward_backward": max(x.a2a_forward_backward for x in r),
+            "ring_forward_backward": max(x.ring_forward_backward for x in r),
+            "forward_peak": max(x.forward_peak for x in r),
+            "training_peak": max(x.training_peak for x in r),
+            "forward_s": max(x.seconds[0] for x in r),
+            "forward_backward_s": max(x.seconds[1] for x in r),
+        }
+
+
+def _a2a_bytes(L: list[int], c: list[int], k: list[int], j: int, D: int, B: int, s: int,
+               a: int) -> tuple[int, int, int, int]:  # fmt: skip
+    """Bytes rank ``j`` of a Ulysses group sends: q/k/v out, out/lse back,
+    and their two backward exchanges (``L``: the group's local lengths)."""
+    U = len(L)
+    peers = [p for p in range(U) if p != j]
+    qkv = sum(L[j] * (c[p] + 2 * k[p]) for p in peers) * D * B * s
+    out = sum(L[p] * c[j] for p in peers) * (D * s + a) * B
+    out_grad = sum(L[j] * c[p] for p in peers) * (D * s + a) * B
+    qkv_grad = sum(L[p] * (c[j] + 2 * k[j]) for p in peers) * D * B * s
+    return qkv, out, out_grad, qkv_grad
+
+
+def evaluate_mode(
+    setup: Setup, seq_len: int, R: int, U: int, *, a2a_link: Link | None = None,
+    ring_link: Link | None = None, mode: str | None = None,
+) -> ModeEvaluation:  # fmt: skip
+    """Every rank of ``R`` rings x ``U`` Ulysses ranks at ``seq_len``
+    (``U = 1``: the ring; ``R = 1``: Ulysses). Links default to the setup's."""
+    a2a_link = a2a_link or setup.link
+    ring_link = ring_link or setup.link
+    pattern = setup.pattern_at(seq_len)
+    H, Hkv, D, B, s = setup.heads, setup.kv_heads, setup.head_dim, setup.batch, setup.itemsize
+    acc = acc_bytes(s)
+    W = R * U
+    lengths = layout_shard_lengths(seq_len, W, setup.layout)
+    heads = shard_bounds(H, U)
+    c = [n for _, n in heads]
+    kv = [_kv_range(st, n, H, Hkv) for st, n in heads]
+    k = [b - a for a, b in kv]
+    rates = setup.rates(max(layout_shard_lengths(seq_len, R, setup.layout, U)))
+    slices: dict[tuple[int, int], tuple[Traffic, list[LayerMemory], list[RankTime]]] = {}
+    for j in range(U):
+        key = (c[j], k[j] if c[j] % max(k[j], 1) == 0 else c[j])
+        if c[j] and key not in slices:
+            tr = stretch_traffic(pattern, seq_len, *key, R, U, setup.layout, setup.source)
+            slices[key] = (
+                tr,
+                layer_memories(tr, B, D, s, device=setup.device),
+                layer_times(tr, B, D, s, rates, ring_link),
+            )
+    out = []
+    for v in range(W):
+        i, j = divmod(v, U)
+        row = lengths[i * U : (i + 1) * U]
+        S = sum(row)
+        qkv, o, og, qg = _a2a_bytes(row, c, k, j, D, B, s, acc) if U > 1 else (0, 0, 0, 0)
+        key = (c[j], k[j] if c[j] % max(k[j], 1) == 0 else c[j])
+        tr_mem_time = slices.get(key)
+        ring_f = ring_fb = 0
+        mem = time = None
+        if tr_mem_time is not None:
+            tr, mems, times = tr_mem_time
+            ring_f = int(2 * tr.rows_sent[i]) * B * D * s
+            ring_fb = 2 * ring_f + int(2 * tr.rows_received[i]) * B * D * acc
+            mem, time = mems[i], times[i]
+            if len(layout_pieces(seq_len, R, i, setup.layout, U)) == 1:  # one run: no copies
+                mem = LayerMemory(
+                    mem.inputs,
+                    {**mem.forward, _ZIGZAG: 0},
+                    {**mem.backward, _ZIGZAG: 0},
+                    mem.buffers,
+                )
+        L = lengths[v]
+        local = {"q, k, v": L * (H + 2 * Hkv) * D * B * s}
+        if U == 1:  # the ring itself: its own items
+            f_items = {**local, **(mem.forward if mem else {})}
+            t_items = {**local, "grad_out": L * H * D * B * s,
+                       **(_training(mem) if mem else {})}  # fmt: skip
+        else:
+            f_items, t_items = _grid_items(L, S, H, Hkv, c, k, j, row, D, B, s, acc, mem)
+        a2a_f = a2a_link.seconds(qkv) + a2a_link.seconds(o) if U > 1 else 0.0
+        a2a_b = a2a_link.seconds(og) + a2a_link.seconds(qg) if U > 1 else 0.0
+        out.append(
+            ModeRank(
+                rank=v,
+                local_len=L,
+                a2a_forward=qkv + o,
+                a2a_forward_backward=qkv + o + og + qg,
+                ring_forward=ring_f,
+                ring_forward_backward=ring_fb,
+                forward_peak=sum(f_items.values()),
+                training_peak=sum(t_items.values()),
+                forward_items=f_items,
+                training_items=t_items,
+                time=time,
+                a2a_seconds=(a2a_f, a2a_f + a2a_b),
+            )
+        )
+    name = mode or ("ring" if U == 1 else "ulysses" if R == 1 else "hybrid")
+    return ModeEvaluation(name, R, U, seq_len, out, sum(1 for x in c if x == 0), rates.source)
+
+
+def _training(mem: LayerMemory) -> dict[str, int]:
+    """The ring's own training items beyond q, k, v and grad_out."""
+    extra = {k: v for k, v in mem.inputs.items() if k not in ("q", "k, v", "grad_out")}
+    fwd, bwd = sum(mem.forward.values()), sum(mem.backward.values())
+    return {**extra, **(mem.backward if bwd >= fwd else mem.forward)}
+
+
+def _grid_items(L, S, H, Hkv, c, k, j, row, D, B, s, acc, mem):
+    """Peak memory items of one Ulysses rank: forward (inference) and
+    forward + backward, at the largest phase of each."""
+    U = len(row)
+    peers = [p for p in range(U) if p != j]
+    vec = D * B * s
+    stretch = S * (c[j] + 2 * k[j]) * vec  # q, k, v of this rank's heads over the stretch
+    send1 = sum(L * (c[p] + 2 * k[p]) for p in peers) * vec  # packed q, k, v going out
+    o_s = S * c[j] * (vec + B * acc)  # out and lse over the stretch
+    full = L * H * (vec + B * acc)  # out and lse of every head, own shard
+    send2 = sum(row[p] * c[j] for p in peers) * (vec + B * acc)  # packed out, lse going out
+    back2 = sum(L * c[p] for p in peers) * (vec + B * acc)  # their gradients going back
+    local = {"q, k, v": L * (H + 2 * Hkv) * vec}
+    attn_f = sum(mem.forward.values()) if mem else 0
+    attn_b = sum(v for k_, v in mem.backward.items() if k_ != KERNEL_WORKSPACE) if mem else 0
+    plan = mem.inputs.get("plan indices (cached)", 0) if mem else 0
+    # forward: the packed sends and the received blocks, then the stretch
+    # copy (the blocks freed); the attention; out/lse copied per member and
+    # exchanged (the stretch out/lse freed), then concatenated
+    fwd = {
+        "all-to-all q, k, v": stretch + max(send1, stretch),
+        "attention": stretch + attn_f,
+        "all-to-all out, lse": max(o_s + send2 + full, 2 * full),
+    }
+    top = max(fwd, key=fwd.get)
+    f_items = {**local, "plan indices (cached)": plan, top: fwd[top]}
+    # backward: the saved stretch q/k/v and out/lse with the output; out/lse's
+    # gradient exchange; the attention's backward; q/k/v's gradient exchange
+    # (the saved tensors freed by then: the blocks' gradients, the packed
+    # sends and what comes back)
+    saved = stretch + o_s
+    bwd = {
+        "all-to-all grad out, lse": saved + full + back2 + send2 + o_s,
+        "attention backward": saved + full + o_s + attn_b,
+        "all-to-all grad q, k, v": full + 2 * stretch + send1,
+    }
+    btop = max(bwd, key=bwd.get)
+    phase, value = (btop, bwd[btop]) if bwd[btop] >= fwd[top] else (top, fwd[top])
+    t_items = {**local, "grad_out": L * H * vec, "plan indices (cached)": plan, phase: value}
+    return f_items, t_items
+
+
+def grid_for(mode: str, ranks: int, gpus_per_node: int, ulysses: int | None = None):
+    """``(R, U)`` of a mode on ``ranks``: the ring ``(ranks, 1)``, Ulysses
+    ``(1, ranks)``, the hybrid ``(ranks / U, U)`` with ``U = ulysses`` or
+    the GPUs of a node (the largest divisor of ``ranks`` not above it)."""
+    if mode == "ring":
+        return ranks, 1
+    if mode == "ulysses":
+        return 1, ranks
+    U = ulysses or max(d for d in range(1, min(gpus_per_node, ranks) + 1) if ranks % d == 0)
+    if ranks % U:
+        raise ValueError(f"--ulysses {U} must divide the ranks ({ranks})")
+    return ranks // U, U
+
+
+def compare_modes(
+    setup: Setup, seq_len: int, gpus_per_node: int, intra: Link, inter: Link,
+    ulysses: int | None = None,
+) -> list[ModeEvaluation]:  # fmt: skip
+    """The three modes on ``setup.ranks`` ranks, ``gpus_per_node`` per node:
+    a communication that stays inside a node takes ``intra``, one that
+    crosses nodes ``inter`` (the ring over every rank crosses nodes once
+    there is more than one)."""
+    p = setup.ranks
+    one_node = p <= gpus_per_node
+    out = []
+    for mode in MODES:
+        R, U = grid_for(mode, p, gpus_per_node, ulysses)
+        a2a = intra if U <= gpus_per_node else inter
+        ring = intra if one_node else inter
+        out.append(evaluate_mode(setup, seq_len, R, U, a2a_link=a2a, ring_link=ring, mode=mode))
+    return out
+
+
+def advice(evals: list[ModeEvaluation], usable: int) -> list[str]:
+    """Which mode wins: the fastest forward + backward among those that fit."""
+    fits = [e for e in evals if e.worst["training_peak"] <= usable]
+    lines = []
+    if not fits:
+        best_mem = min(evals, key=lambda e: e.worst["training_peak"])
+        return [f"none fits; {best_mem.mode} needs the least memory per rank"]
+    best = min(fits, key=lambda e: e.worst["forward_backward_s"])
+    t = best.worst["forward_backward_s"]
+    lines.append(
+        f"fastest that fits: {best.mode} ({best.ring} x {best.ulysses}), "
+        + (f"{t:.3g} s" if t >= 1 else f"{t * 1e3:.3g} ms")
+        + " per layer forward + backward"
+    )
+    for e in evals:
+        if e is best:
+            continue
+        if e not in fits:
+            lines.append(f"{e.mode} does not fit")
+        else:
+            ratio = e.worst["forward_backward_s"] / max(best.worst["forward_backward_s"], 1e-30)
+            lines.append(f"{e.mode}: {ratio:.2f}x the time")
+        if e.idle:
+            lines.append(f"{e.mode}: {e.idle} of {e.ulysses} Ulysses ranks have no head")
+    return lines

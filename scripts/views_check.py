@@ -1,0 +1,489 @@
+"""The GPU check of the dense per-branch path (ring_attention/branches.py), in
+one process, within a time budget (``scripts/gpu_check.sh --stages views``):
+
+* ``check``: out, lse, dq, dk, dv against a float64 oracle at n = 10240 (bf16,
+  LongNet segments 2048 ... 32768, dilations 1 2 4 6 12): causal and not, both
+  head-offset rules, grouped K/V heads (24 query / 6 K/V heads: r = 6 with 4
+  query heads per K/V head splits its classes), documents; the dense path with
+  each backend that can run (flash-attn-4, FlashAttention-2, cuDNN's forward),
+  and our kernels beside them. The oracle works one head at a time on the
+  device, with tests/oracle.py's definitions of segments and activity
+  (:func:`oracle_by_head`; tests/test_views_check.py checks it against
+  ``reference_attention``).
+* ``dense``: dense attention at (16, 2048, 16, 128) and (16, 2048, 12, 64)
+  (batch, n, heads, head_dim), flash-attn-4 and FlashAttention-2, forward and
+  forward + backward, beside a bf16 ``torch.mm`` (8192^3): the card's ceiling.
+* ``bench``: forward and forward + backward at 32K, 131K and 1M rows, 12 x 64
+  and 16 x 128: the dense path (both passes forced dense) with its time per
+  phase (the dense calls, the merge operators, the rest), this tree's default
+  dispatch, and with ``--prev DIR`` the default of an earlier tree
+  (``scripts/prev_tree.sh``; run in a subprocess with ``PYTHONPATH=DIR``).
+* ``big``: forward + backward at 2M rows (16 x 128) with this tree's default:
+  time and peak over the bytes of q, k, v, out and their gradients.
+
+Points run in that order until ``--budget-s`` is spent (the rest are recorded
+as skipped). Writes ``OUT/views.jsonl`` (one record a point) and
+``OUT/summary.md``; prints the summary last. ``--dry-run`` runs every stage on
+the CPU at toy sizes (the CPU stand-in backend, float32), which is how the
+tests exercise this script::
+
+    python3 scripts/views_check.py --device cuda --out $OUT/views --budget-s 400 [--prev .prev]
+    python3 scripts/views_check.py --dry-run --out build/views_dry
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "tests")]
+
+from measure import hardware_rate, median, time_call  # noqa: E402
+from methods import flops, pattern_pairs  # noqa: E402
+from oracle import active, head_group_bounds, segment_starts  # noqa: E402
+
+SEGS, DILS = [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 6, 12]
+STAGES = ("check", "dense", "bench", "big")
+ENVS = ("RING_ATTENTION_FORWARD", "RING_ATTENTION_BACKWARD", "RING_ATTENTION_DENSE_BACKEND")
+
+
+class Sizes:
+    """The points of a run: the GPU's, or toy ones for --dry-run."""
+
+    def __init__(self, dry: bool) -> None:
+        if dry:
+            self.segs, self.dils = [16, 32, 64], [1, 2, 4]
+            self.check_n, self.check_docs = 200, [0, 70, 71, 150, 200]
+            self.check_heads = [(4, 4, 16), (12, 3, 8)]  # (heads, kv_heads, head_dim)
+            self.dense = [(2, 128, 4, 32)]
+            self.bench_n, self.configs = [256, 512], [(2, 16)]
+            self.big = (1024, 2, 16)
+            self.dtype, self.tol = torch.float32, 1e-4
+        else:
+            self.segs, self.dils = SEGS, DILS
+            self.check_n, self.check_docs = 10240, [0, 3000, 3001, 7000, 10240]
+            self.check_heads = [(8, 8, 128), (24, 6, 64)]
+            self.dense = [(16, 2048, 16, 128), (16, 2048, 12, 64)]
+            self.bench_n, self.configs = [32768, 131072, 1048576], [(12, 64), (16, 128)]
+            self.big = (2097152, 16, 128)
+            self.dtype, self.tol = torch.bfloat16, 2e-2
+
+
+@contextlib.contextmanager
+def env(**values: str | None):
+    """Set (or, with None, unset) environment variables inside the block."""
+    saved = {k: os.environ.get(k) for k in values}
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def paths_env(path: str, backend: str | None = None) -> dict[str, str | None]:
+    """The environment of a path: ``dense`` (both passes, a backend named or
+    the table's), ``kernel`` (our kernels both ways) or ``default``."""
+    mode = {"dense": "dense", "kernel": "kernel", "default": None}[path]
+    return {ENVS[0]: mode, ENVS[1]: mode, ENVS[2]: backend}
+
+
+# --------------------------------------------------------------------------- #
+# the float64 oracle, one head at a time on the device
+# --------------------------------------------------------------------------- #
+def multiplicity_head(n, heads, h, segs, dils, causal, head_groups, grouped, cu, device):
+    """Float64 ``(n, n)``: the branches in which ``t`` reaches ``u`` for query
+    head ``h`` (tests/oracle.py's ``multiplicity``, one head, on ``device``)."""
+    m = torch.zeros(n, n, dtype=torch.float64, device=device)
+    groups = head_group_bounds(heads, len(segs))
+    pos = torch.arange(n, device=device)
+    for i, (w, r) in enumerate(zip(segs, dils, strict=True)):
+        if head_groups and not groups[i][0] <= h < groups[i][1]:
+            continue
+        seg = segment_starts(n, w, cu).to(device)
+        act = active(n, w, r, h, heads, grouped, cu).to(device)
+        reach = act[:, None] & act[None, :] & (seg[:, None] == seg[None, :])
+        if causal:
+            reach &= pos[None, :] <= pos[:, None]
+        m += reach
+    return m
+
+
+def _attend_head(q, k, v, mult, scale):
+    """tests/oracle.py's ``reference_attention`` for one (batch, head)."""
+    reached = mult > 0
+    nonempty = reached.any(-1)
+    s = scale * q @ k.T
+    rowmax = torch.where(reached, s, -math.inf).amax(-1, keepdim=True)
+    rowmax = torch.where(nonempty[:, None], rowmax, 0).detach()
+    weights = torch.where(reached, mult * torch.exp(torch.where(reached, s - rowmax, 0)), 0)
+    denom = weights.sum(-1)
+    safe = torch.where(nonempty, denom, 1)
+    out = torch.where(nonempty[:, None], weights @ v / safe[:, None], 0)
+    lse = torch.where(nonempty, torch.log(safe) + rowmax[:, 0], -math.inf)
+    return out, lse
+
+
+def oracle_by_head(q, k, v, go, segs, dils, *, causal=False, head_groups=False,
+                   grouped=False, cu=None):  # fmt: skip
+    """Float64 out, lse, dq, dk, dv (loss ``sum(out * go)``) of the pattern."""
+    b_, n, heads, d = q.shape
+    group = heads // k.shape[2]
+    scale = d**-0.5
+    q64, k64, v64, go64 = (t.double() for t in (q, k, v, go))
+    out, dq = torch.zeros_like(q64), torch.zeros_like(q64)
+    dk, dv = torch.zeros_like(k64), torch.zeros_like(v64)
+    lse = torch.empty(b_, heads, n, dtype=torch.float64, device=q.device)
+    for h in range(heads):
+        mult = multiplicity_head(n, heads, h, segs, dils, causal, head_groups, grouped, cu,
+                                 q.device)  # fmt: skip
+        for b in range(b_):
+            qh, kh, vh = (x.detach().requires_grad_() for x in
+                          (q64[b, :, h], k64[b, :, h // group], v64[b, :, h // group]))  # fmt: skip
+            o, lse_h = _attend_head(qh, kh, vh, mult, scale)
+            gq, gk, gv = torch.autograd.grad(o, (qh, kh, vh), go64[b, :, h])
+            out[b, :, h], lse[b, h], dq[b, :, h] = o.detach(), lse_h.detach(), gq
+            dk[b, :, h // group] += gk
+            dv[b, :, h // group] += gv
+        del mult
+    return out, lse, dq, dk, dv
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    fin = torch.isfinite(b)
+    if not torch.equal(torch.isfinite(a), fin):
+        return math.inf
+    return float((a[fin] - b[fin]).norm() / b[fin].norm().clamp_min(1e-30))
+
+
+# --------------------------------------------------------------------------- #
+# stages
+# --------------------------------------------------------------------------- #
+def _ra():
+    import ring_attention as ra
+
+    return ra
+
+
+def stage_check(sz: Sizes, device, emit, left) -> None:
+    from ring_attention.backends import fa4_missing
+    from ring_attention.dispatch import route
+    from ring_attention.pattern import Pattern
+
+    ra = _ra()
+    if device.type == "cuda":
+        backends = ["flash", "cudnn"] + ([] if fa4_missing() else ["fa4"])
+    else:
+        backends = ["cpu"]
+    n = sz.check_n
+    cases = [  # name, (heads, kv_heads, d), keyword arguments
+        ("non-causal", sz.check_heads[0], {}),
+        ("causal", sz.check_heads[0], {"causal": True}),
+        ("grouped-offsets-causal", sz.check_heads[0], {"causal": True, "head_offsets": "grouped"}),
+        ("gqa-r6-causal", sz.check_heads[1], {"causal": True}),
+        ("documents", sz.check_heads[1], {"cu_seqlens": sz.check_docs}),
+    ]
+    for name, (heads, kv_heads, d), kw in cases:
+        if left() < 10:
+            emit({"stage": "check", "case": name, "status": "skipped (budget)"})
+            continue
+        g = torch.Generator().manual_seed(len(name))
+        q = torch.randn(1, n, heads, d, generator=g).to(device, sz.dtype)
+        k, v = (torch.randn(1, n, kv_heads, d, generator=g).to(device, sz.dtype) for _ in "kv")
+        go = torch.randn(1, n, heads, d, generator=g).to(device, sz.dtype)
+        t0 = time.perf_counter()
+        want = oracle_by_head(q, k, v, go, sz.segs, sz.dils, causal=kw.get("causal", False),
+                              grouped=kw.get("head_offsets") == "grouped",
+                              cu=kw.get("cu_seqlens"))  # fmt: skip
+        oracle_s = time.perf_counter() - t0
+        pattern = Pattern(sz.segs, sz.dils, causal=kw.get("causal", False),
+                          head_offsets=kw.get("head_offsets", "modulo"))  # fmt: skip
+        pattern = pattern.with_documents(kw.get("cu_seqlens"))
+        for path, backend in [("dense", b) for b in backends] + [("kernel", None)]:
+            rec = {"stage": "check", "case": name, "n": n, "heads": heads,
+                   "kv_heads": kv_heads, "head_dim": d, "path": path, "backend": backend,
+                   "oracle_s": round(oracle_s, 2)}  # fmt: skip
+            try:
+                with env(**paths_env(path, backend)):
+                    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+                    routes = [route(p, qg, kg, vg, pattern, None) for p in ("forward", "backward")]
+                    out, lse = ra.dilated_attention(qg, kg, vg, sz.segs, sz.dils,
+                                                    return_lse=True, **kw)  # fmt: skip
+                    grads = torch.autograd.grad(out, (qg, kg, vg), go)
+                got = (out, lse, *grads)
+                errs = {x: rel_err(a, b) for x, a, b in
+                        zip(("out", "lse", "dq", "dk", "dv"), got, want, strict=True)}  # fmt: skip
+                rec.update(errors=errs, routes=[r.why[:160] for r in routes],
+                           status="ok" if max(errs.values()) <= sz.tol else "FAIL")  # fmt: skip
+            except Exception as exc:  # recorded; the next path runs
+                rec.update(status=f"error: {type(exc).__name__}: {str(exc)[:300]}")
+            emit(rec)
+        del want
+
+
+def _fa4_dense(q, k, v, do, backward: bool):
+    from ring_attention.backends import fa4_interface
+
+    iface = fa4_interface()
+    out, lse = iface._flash_attn_fwd(q, k, v, causal=False, return_lse=True)
+    if backward:
+        iface._flash_attn_bwd(q, k, v, out, do, lse, causal=False)
+
+
+def _fa2_dense(q, k, v, do, backward: bool):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qt, kt, vt = (x.transpose(1, 2).requires_grad_(backward) for x in (q, k, v))
+    kernel = SDPBackend.FLASH_ATTENTION if q.is_cuda else SDPBackend.MATH
+    with sdpa_kernel([kernel]):
+        out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt)
+    if backward:
+        out.backward(do.transpose(1, 2))
+
+
+def stage_dense(sz: Sizes, device, emit, left) -> None:
+    from ring_attention.backends import fa4_missing
+
+    dt = torch.bfloat16 if device.type == "cuda" else sz.dtype
+    rate = hardware_rate(device, sz.dense[0][3], dt)
+    emit({"stage": "dense", "what": rate.get("what"), "flop_rate": rate.get("flop_rate")})
+    for b, n, h, d in sz.dense:
+        q, k, v, do = (torch.randn(b, n, h, d, device=device, dtype=dt) for _ in range(4))
+        for name, fn in (("fa4", _fa4_dense), ("flash", _fa2_dense)):
+            for backward in (False, True):
+                rec = {"stage": "dense", "backend": name, "shape": [b, n, h, d],
+                       "pass": "fwdbwd" if backward else "fwd"}  # fmt: skip
+                if name == "fa4" and (device.type != "cuda" or fa4_missing()):
+                    rec["status"] = f"skipped: {fa4_missing() or 'CUDA only'}"
+                elif left() < 5:
+                    rec["status"] = "skipped (budget)"
+                else:
+
+                    def run(fn=fn, bw=backward, args=(q, k, v, do)):
+                        fn(*args, bw)
+
+                    ms = median(time_call(run, device, 2, 10, 5.0))
+                    fl = 4.0 * d * n * n * h * b * (3.5 if backward else 1.0)
+                    rec.update(status="ok", ms=round(ms, 3), tflops=round(fl / ms / 1e9, 1),
+                               of_mm=round(fl / ms / 1e-3 / rate["flop_rate"], 3))  # fmt: skip
+                emit(rec)
+
+
+def _point(method, n, heads, d, backward, device, dtype, segs, dils, budget_s):
+    """Time one (method, n, config, pass): ms, pattern TFLOP/s and, for the
+    dense path, seconds per phase of one call."""
+    ra = _ra()
+    g = torch.Generator(device=device).manual_seed(n + heads)
+    q, k, v = (torch.randn(1, n, heads, d, generator=g, device=device, dtype=dtype)
+               for _ in range(3))  # fmt: skip
+    do = torch.randn_like(q) if backward else None
+    for t in (q, k, v):
+        t.requires_grad_(backward)
+
+    def call():
+        out = ra.dilated_attention(q, k, v, segs, dils)
+        if backward:
+            out.backward(do)
+            for t in (q, k, v):
+                t.grad = None
+
+    path = "default" if method in ("default", "prev") else method
+    rec = {}
+    with env(**paths_env(path)):
+        times = time_call(call, device, 1, 5, budget_s)
+        if method == "dense":
+            from ring_attention.branches import phase_times
+
+            with phase_times() as pt:
+                t_one = min(time_call(call, device, 0, 1, budget_s))
+            phases = pt.totals()
+            calls_ms, merge_ms = phases.get("calls", 0) * 1e3, phases.get("merge", 0) * 1e3
+            rec["phases_ms"] = {"calls": round(calls_ms, 2), "merge": round(merge_ms, 2),
+                                "other": round(t_one - calls_ms - merge_ms, 2)}  # fmt: skip
+    ms = median(times)
+    pairs = pattern_pairs(n, heads, segs, dils, False)
+    rec.update(ms=round(ms, 3), tflops=round(flops(pairs, d, backward) / ms / 1e9, 2))
+    return rec
+
+
+def stage_bench(sz: Sizes, device, emit, left, methods) -> None:
+    for n in sz.bench_n:
+        for heads, d in sz.configs:
+            for backward in (False, True):
+                for method in methods:
+                    rec = {"stage": "bench", "method": method, "n": n, "config": f"{heads}x{d}",
+                           "pass": "fwdbwd" if backward else "fwd"}  # fmt: skip
+                    if left() < 15:
+                        rec["status"] = "skipped (budget)"
+                    else:
+                        try:
+                            budget = min(20.0, left() / 4)
+                            rec.update(_point(method, n, heads, d, backward, device, sz.dtype,
+                                              sz.segs, sz.dils, budget), status="ok")  # fmt: skip
+                        except Exception as exc:
+                            rec["status"] = f"error: {type(exc).__name__}: {str(exc)[:300]}"
+                        if device.type == "cuda":
+                            torch.cuda.empty_cache()
+                    emit(rec)
+
+
+def stage_big(sz: Sizes, device, emit, left) -> None:
+    n, heads, d = sz.big
+    rec = {"stage": "big", "n": n, "config": f"{heads}x{d}", "pass": "fwdbwd"}
+    if left() < 30:
+        emit(dict(rec, status="skipped (budget)"))
+        return
+    ra = _ra()
+    q, k, v, do = (torch.randn(1, n, heads, d, device=device, dtype=sz.dtype) for _ in range(4))
+    for t in (q, k, v):
+        t.requires_grad_()
+    unit = q.numel() * q.element_size()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    t0 = time.perf_counter()
+    try:
+        ra.dilated_attention(q, k, v, sz.segs, sz.dils).backward(do)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            growth = torch.cuda.max_memory_allocated() - base
+            rec["peak_over_tensors"] = round((4 * unit + growth) / (8 * unit), 3)
+        rec.update(status="ok", s=round(time.perf_counter() - t0, 2))
+    except Exception as exc:
+        rec["status"] = f"error: {type(exc).__name__}: {str(exc)[:300]}"
+    emit(rec)
+
+
+# --------------------------------------------------------------------------- #
+# summary
+# --------------------------------------------------------------------------- #
+def summary(records: list[dict]) -> str:
+    lines = ["## views_check summary", ""]
+    chk = [r for r in records if r["stage"] == "check"]
+    if chk:
+        lines += ["### against the float64 oracle (relative errors)", "",
+                  "| case | path | backend | out | lse | dq | dk | dv | status |",
+                  "|---|---|---|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+        for r in chk:
+            e = r.get("errors", {})
+            cells = " | ".join(f"{e[x]:.1e}" if x in e else "" for x in
+                               ("out", "lse", "dq", "dk", "dv"))  # fmt: skip
+            lines.append(f"| {r['case']} | {r.get('path', '')} | {r.get('backend') or ''} | "
+                         f"{cells} | {r['status']} |")  # fmt: skip
+        lines.append("")
+    dense = [r for r in records if r["stage"] == "dense"]
+    if dense:
+        lines += ["### dense attention and the card's ceiling", ""]
+        for r in dense:
+            if "what" in r:
+                lines.append(f"- {r['what']}: {r['flop_rate'] / 1e12:.0f} TFLOP/s")
+            else:
+                got = f"{r['ms']} ms, {r['tflops']} TFLOP/s ({100 * r['of_mm']:.0f} % of mm)" \
+                    if r["status"] == "ok" else r["status"]  # fmt: skip
+                lines.append(f"- {r['backend']} {tuple(r['shape'])} {r['pass']}: {got}")
+        lines.append("")
+    bench = [r for r in records if r["stage"] == "bench"]
+    if bench:
+        lines += ["### the local op (ms, pattern TFLOP/s; dense: calls / merge / other ms)", "",
+                  "| n | h x d | pass | method | ms | TFLOP/s | phases | status |",
+                  "|---:|---|---|---|---:|---:|---|---|"]  # fmt: skip
+        for r in bench:
+            ph = r.get("phases_ms")
+            ph = f"{ph['calls']} / {ph['merge']} / {ph['other']}" if ph else ""
+            cells = [r["n"], r["config"], r["pass"], r["method"], r.get("ms", ""),
+                     r.get("tflops", ""), ph, r["status"]]  # fmt: skip
+            lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+        lines.append("")
+    for r in records:
+        if r["stage"] == "big":
+            lines.append(f"### {r['n']} rows, {r['config']}, fwd+bwd: {r['status']}, "
+                         f"{r.get('s', '')} s, peak {r.get('peak_over_tensors', '?')}x "
+                         "q, k, v, out and their gradients")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dry-run", action="store_true", help="every stage on the CPU, toy sizes")
+    ap.add_argument("--out", default="build/views_check")
+    ap.add_argument("--budget-s", type=float, default=420.0)
+    ap.add_argument("--stages", default=",".join(STAGES))
+    ap.add_argument("--methods", default="dense,default", help="bench: dense, default, kernel")
+    ap.add_argument("--prev", default=None, help="an earlier tree to time (scripts/prev_tree.sh)")
+    ap.add_argument("--tag", default=None, help="record the bench methods under this name")
+    a = ap.parse_args(argv)
+    device = torch.device("cpu" if a.dry_run else a.device)
+    sz = Sizes(a.dry_run)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + a.budget_s
+    left = lambda: deadline - time.monotonic()  # noqa: E731
+    jsonl = out / ("prev.jsonl" if a.tag == "prev" else "views.jsonl")
+    jsonl.write_text("")
+    records: list[dict] = []
+
+    def emit(rec: dict) -> None:
+        records.append(rec)
+        with jsonl.open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+        print(json.dumps(rec), flush=True)
+
+    stages = a.stages.split(",")
+    methods = a.methods.split(",") if a.tag is None else [a.tag]
+    for stage in stages:
+        t0 = time.perf_counter()
+        if stage == "check":
+            stage_check(sz, device, emit, left)
+        elif stage == "dense":
+            stage_dense(sz, device, emit, left)
+        elif stage == "bench":
+            stage_bench(sz, device, emit, left, methods)
+            if a.prev and left() > 30:
+                budget = str(int(left() - 10))
+                cmd = [sys.executable, __file__, "--out", str(out), "--stages", "bench",
+                       "--tag", "prev", "--budget-s", budget, "--device", a.device]  # fmt: skip
+                if a.dry_run:
+                    cmd.append("--dry-run")
+                penv = dict(os.environ, PYTHONPATH=os.pathsep.join(
+                    [str(Path(a.prev).resolve()), os.environ.get("PYTHONPATH", "")]))  # fmt: skip
+                rc = subprocess.run(cmd, env=penv, timeout=max(left(), 1)).returncode
+                prev = [json.loads(x) for x in (out / "prev.jsonl").read_text().splitlines()]
+                for rec in prev:
+                    emit(dict(rec, prev_rc=rc))
+        elif stage == "big":
+            stage_big(sz, device, emit, left)
+        else:
+            raise SystemExit(f"views_check: unknown stage {stage!r} (stages: {STAGES})")
+        print(
+            f"== stage {stage}: {time.perf_counter() - t0:.0f} s, {left():.0f} s left", flush=True
+        )
+    if a.tag is None:
+        text = summary(records)
+        (out / "summary.md").write_text(text + "\n")
+        print(text)
+    bad = [r for r in records if r.get("stage") == "check" and r.get("status") != "ok"]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""The planner's three modes (``ring_attention.planner.modes``): bytes and
+peak memory per rank against measured gloo runs of the ring, Ulysses and
+the hybrid (one launch of 4 processes), the all-to-all bytes against a
+hand count, and ``python -m ring_attention.planner --mode``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ring_attention.planner.capacity import Setup
+from ring_attention.planner.cli import main
+from ring_attention.planner.modes import _a2a_bytes, evaluate_mode, grid_for
+from ring_attention.testing import run_distributed
+
+# name -> (R, U, heads, kv_heads, n, segments, dilations, causal, layout)
+RUNS = {
+    "ring": (4, 1, 8, 8, 1000, [128, 512], [1, 2], True, "contiguous"),
+    "ulysses": (1, 4, 8, 4, 1000, [128, 512], [1, 2], True, "contiguous"),
+    "ulysses_uneven": (1, 4, 6, 2, 999, [128, 512], [1, 2], False, "contiguous"),
+    "hybrid": (2, 2, 8, 8, 1001, [128, 512], [1, 2], True, "contiguous"),
+    "hybrid_zigzag_gqa": (2, 2, 8, 2, 1000, [128, 512], [1, 2], True, "zigzag"),
+}
+B, D = 1, 16
+
+
+def _setup(R, U, H, Hkv, segs, dils, causal, layout) -> Setup:
+    return Setup(
+        ranks=R * U, device="cpu", memory=1 << 62, reserve=0, heads=H, kv_heads=Hkv,
+        head_dim=D, batch=B, dtype="float32", pattern=None, segments=tuple(segs),
+        dilations=tuple(dils), causal=causal, layout=layout, source="plan",
+    )  # fmt: skip
+
+
+def _measure(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    import ring_attention as ra
+    from ring_attention.exchange import register_exchange_hook
+    from ring_attention.planner.validate import tensor_peak
+    from ring_attention.ulysses import last_all_to_all_stats
+
+    rows = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    cols = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    i, j = divmod(rank, 2)
+    grids = {
+        (4, 1): {},
+        (1, 4): {"ulysses_group": dist.group.WORLD},
+        (2, 2): {"group": cols[j], "ulysses_group": rows[i]},
+    }
+    out = {}
+    for name, (R, U, H, Hkv, n, segs, dils, causal, layout) in RUNS.items():
+        kw = dict(grids[(R, U)], layout=layout)
+        g = torch.Generator().manual_seed(0)
+        q, go = (torch.randn(B, n, H, D, generator=g) for _ in range(2))
+        k, v = (torch.randn(B, n, Hkv, D, generator=g) for _ in range(2))
+        ql, kl, vl, gl = (ra.shard_sequence(t, 1, **kw).contiguous() for t in (q, k, v, go))
+        sent = {"ring": 0}
+
+        def hook(event, sent=sent) -> None:
+            sent["ring"] += event.bytes_sent
+
+        def call(backward: bool, ql=ql, kl=kl, vl=vl, gl=gl, kw=kw, segs=segs, dils=dils,
+                 causal=causal) -> None:  # fmt: skip
+            leaves = [t.detach().requires_grad_(backward) for t in (ql, kl, vl)]
+            with torch.set_grad_enabled(backward):
+                o = ra.ring_dilated_attention(*leaves, segs, dils, causal=causal, **kw)
+            if backward:
+                torch.autograd.grad(o, leaves, gl)
+
+        res = {}
+        for backward in (False, True):
+            call(backward)
+            sent["ring"] = 0
+            with register_exchange_hook(hook):
+                call(backward)
+            a2a = last_all_to_all_stats.bytes_sent() if U > 1 else 0
+            inputs = sum(t.numel() * t.element_size() for t in (ql, kl, vl, gl)[: 3 + backward])
+            res["fb" if backward else "f"] = {
+                "sent": a2a + sent["ring"],
+                "peak": inputs + tensor_peak(lambda b=backward: call(b)),
+            }
+        out[name] = res
+    return out
+
+
+_MEASURED: list = []
+
+
+def _measured() -> list[dict]:
+    if not _MEASURED:
+        _MEASURED.append(run_distributed(_measure, 4, timeout=300))
+    return _MEASURED[0]
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_predicted_bytes_are_the_measured_bytes(name: str) -> None:
+    R, U, H, Hkv, n, segs, dils, causal, layout = RUNS[name]
+    ev = evaluate_mode(_setup(R, U, H, Hkv, segs, dils, causal, layout), n, R, U)
+    for rank, res in enumerate(_measured()):
+        pred = ev.ranks[rank]
+        assert res[name]["f"]["sent"] == pred.sent_forward, (name, rank)
+        assert res[name]["fb"]["sent"] == pred.sent_forward_backward, (name, rank)
+
+
+def _runs_one_call(H: int, Hkv: int, segs, dils, causal: bool, U: int, j: int) -> bool:
+    """Whether Ulysses rank ``j``'s heads run in one call, not through the
+    head-range stand-in (whose memory the planner does not model)."""
+    from ring_attention.heads import _fits_as_is, kv_head_range
+    from ring_attention.layout import shard_bounds
+    from ring_attention.pattern import Pattern
+
+    s, c = shard_bounds(H, U)[j]
+    lo, hi = kv_head_range(s, c, H, Hkv)
+    return _fits_as_is(Pattern(segs, dils, causal=causal), s, c, H, Hkv, hi - lo)
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_predicted_peaks_are_close_to_the_measured_peaks(name: str) -> None:
+    """Peak CPU tensor bytes of one call: predicted within 20 % (the planner
+    counts phases, not every temporary; RESULTS.md has the ratios). Ranks
+    whose heads go through the head-range stand-in are not compared."""
+    R, U, H, Hkv, n, segs, dils, causal, layout = RUNS[name]
+    ev = evaluate_mode(_setup(R, U, H, Hkv, segs, dils, causal, layout), n, R, U)
+    compared = 0
+    for rank, res in enumerate(_measured()):
+        if not _runs_one_call(H, Hkv, segs, dils, causal, U, rank % U):
+            continue
+        compared += 1
+        pred = ev.ranks[rank]
+        for key, want in (("f", pred.forward_peak), ("fb", pred.training_peak)):
+            ratio = want / res[name][key]["peak"]
+            assert 0.85 <= ratio <= 1.2, (name, rank, key, ratio)
+    assert compared >= 3
+
+
+def test_all_to_all_bytes_by_hand() -> None:
+    """6 heads, 2 K/V heads over U = 4 (heads 2, 2, 1, 1; K/V heads [0, 1),
+    [0, 2), [1, 2), [1, 2)), local lengths 3, 3, 2, 2, rank 1."""
+    L, c, k = [3, 3, 2, 2], [2, 2, 1, 1], [1, 2, 1, 1]
+    qkv, out, out_grad, qkv_grad = _a2a_bytes(L, c, k, 1, D=4, B=1, s=2, a=4)
+    assert qkv == 3 * ((2 + 2) + (1 + 2) + (1 + 2)) * 4 * 2
+    assert out == (3 + 2 + 2) * 2 * (4 * 2 + 4)
+    assert out_grad == 3 * (2 + 1 + 1) * (4 * 2 + 4)
+    assert qkv_grad == (3 + 2 + 2) * (2 + 2 * 2) * 4 * 2
+
+
+def test_grids_of_the_modes() -> None:
+    assert grid_for("ring", 16, 8) == (16, 1)
+    assert grid_for("ulysses", 16, 8) == (1, 16)
+    assert grid_for("hybrid", 16, 8) == (2, 8)
+    assert grid_for("hybrid", 12, 8) == (2, 6)  # the largest divisor within a node
+    assert grid_for("hybrid", 16, 8, ulysses=4) == (4, 4)
+    with pytest.raises(ValueError, match="--ulysses 5 must divide"):
+        grid_for("hybrid", 16, 8, ulysses=5)
+
+
+def test_cli_compares_the_modes_and_advises(capsys) -> None:
+    code = main(["--mode", "compare", "--gpus", "16", "--gpus-per-node", "8", "--seq-len", "256K",
+                 "--heads", "16", "--kv-heads", "4", "--head-dim", "128", "--causal"])  # fmt: skip
+    text = capsys.readouterr().out
+    assert code == 0, text
+    for word in ("ring", "ulysses", "hybrid", "Advice: fastest that fits", "inside a node"):
+        assert word in text
+    # NVLink inside a node, a slow network between nodes: the hybrid keeps the
+    # all-to-all inside a node and beats Ulysses across nodes
+    assert "ulysses: " in text and "x the time" in text
+
+
+def test_cli_mode_needs_a_length(capsys) -> None:
+    assert main(["--mode", "hybrid", "--gpus", "16"]) == 2
+    assert "needs --gpus/--processes and --seq-len" in capsys.readouterr().out
+
+
+def test_cli_hybrid_report(capsys) -> None:
+    argv = ["--mode", "hybrid", "--gpus", "16", "--gpus-per-node", "8", "--seq-len", "64K"]
+    code = main([*argv, "--heads", "6", "--kv-heads", "2", "--head-dim", "64", "--ulysses", "4"])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert "hybrid: 4 ring(s) x 4 Ulysses rank(s)" in text
+    assert "all-to-all" in text and "peak memory" in text
+    assert torch.is_tensor(torch.zeros(1))  # (the planner left torch usable)

@@ -1,0 +1,80 @@
+"""scripts/views_check.py, the prepared GPU check of the dense per-branch
+path: its per-head float64 oracle equals tests/oracle.py's, and its dry run
+(every stage on the CPU at toy sizes, the earlier tree's subprocess included)
+records what the GPU run will."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from oracle import reference_attention
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location(
+        "views_check", ROOT / "scripts" / "views_check.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["views_check"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"causal": True, "grouped": True},
+        {"head_groups": True, "cu": [0, 7, 7, 30, 45]},
+    ],
+    ids=["plain", "causal-grouped", "groups-documents"],
+)
+def test_per_head_oracle_equals_the_oracle(kw) -> None:
+    vc = _script()
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 45, 6, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 45, 3, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    go = torch.randn(2, 45, 6, 8, generator=g, dtype=torch.float64)
+    segs, dils = [8, 16, 64], [1, 3, 2]
+    got = vc.oracle_by_head(q, k, v, go, segs, dils, **kw)
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    out, lse = reference_attention(
+        qr, kr, vr, segs, dils, causal=kw.get("causal", False),
+        head_groups=kw.get("head_groups", False), grouped_offsets=kw.get("grouped", False),
+        cu_seqlens=kw.get("cu"),
+    )  # fmt: skip
+    want = (out, lse, *torch.autograd.grad(out, (qr, kr, vr), go))
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want, strict=True):
+        torch.testing.assert_close(a, b.detach(), rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_dry_run_runs_every_stage(tmp_path: Path) -> None:
+    vc = _script()
+    # the earlier tree: this checkout itself, through the same subprocess
+    rc = vc.main(["--dry-run", "--out", str(tmp_path), "--budget-s", "600", "--prev", str(ROOT)])
+    assert rc == 0
+    recs = [json.loads(x) for x in (tmp_path / "views.jsonl").read_text().splitlines()]
+    checks = [r for r in recs if r["stage"] == "check"]
+    assert len(checks) == 10 and {r["status"] for r in checks} == {"ok"}
+    assert {(r["path"], r["backend"]) for r in checks} == {("dense", "cpu"), ("kernel", None)}
+    assert all("dense" in r["routes"][0] for r in checks if r["path"] == "dense")
+    bench = [r for r in recs if r["stage"] == "bench"]
+    assert {r["method"] for r in bench} == {"dense", "default", "prev"}
+    assert all(r["status"] == "ok" and r["ms"] > 0 for r in bench)
+    assert all(set(r["phases_ms"]) == {"calls", "merge", "other"} for r in bench
+               if r["method"] == "dense")  # fmt: skip
+    assert len([r for r in bench if r["method"] == "prev"]) == 4
+    dense = [r for r in recs if r["stage"] == "dense" and "backend" in r]
+    assert {r["status"] for r in dense if r["backend"] == "flash"} == {"ok"}
+    assert all(r["status"].startswith("skipped") for r in dense if r["backend"] == "fa4")
+    (big,) = [r for r in recs if r["stage"] == "big"]
+    assert big["status"] == "ok"
+    summary = (tmp_path / "summary.md").read_text()
+    assert "against the float64 oracle" in summary and "| 512 | 2x16 | fwdbwd | prev |" in summary
