@@ -326,7 +326,17 @@ def _ring_backward_op(
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """This rank's ``(dq, dk, dv)`` of the ring call ``spec`` (its plan is
     the forward's, from the plan cache)."""
+    if not isinstance(seq_len, Tensor) or seq_len.dim() != 0 or seq_len.is_floating_point():
+        raise ValueError(f"seq_len must be a 0-d integer tensor (the forward's), got {seq_len!r}")
     call = _call_of(spec, q, k, v, documents, True, int(seq_len))
+    B, L, H, _ = q.shape
+    for name, t, shape in (("grad_out", grad_out, q.shape), ("out", out, q.shape),
+                           ("lse", lse, (B, H, L)), ("grad_lse", grad_lse, (B, H, L))):  # fmt: skip
+        if (t is not None or name != "grad_lse") and (
+            not isinstance(t, Tensor) or tuple(t.shape) != tuple(shape)
+        ):
+            got = tuple(t.shape) if isinstance(t, Tensor) else t
+            raise ValueError(f"{name} must have shape {tuple(shape)}, got {got!r}")
     return _ring_backward(call, grad_out, grad_lse, q, k, v, out, lse)
 
 

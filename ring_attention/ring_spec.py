@@ -94,7 +94,7 @@ class _Registry:
             spec = self._pinned.get(key) or self._recent.get(key)
         if spec is None:
             raise RuntimeError(
-                f"ring_attention: no ring call is registered under {key!r} (more than "
+                f"ring_attention: no ring call is registered under spec={key!r} (more than "
                 f"{self.maxsize} distinct calls since it was made?)"
             )
         return spec
