@@ -403,7 +403,7 @@ def ring_call(
     on every rank, or ``None``). Compiles with ``fullgraph=True``: the ring is
     one operator forward and one backward."""
     needs_grad = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (q_local, k_local, v_local)
+        getattr(t, "requires_grad", False) for t in (q_local, k_local, v_local)
     )
     out, lse = _RingDilatedAttentionFn.apply(q_local, k_local, v_local, documents, spec,
                                              needs_grad)  # fmt: skip

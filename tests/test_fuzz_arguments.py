@@ -596,6 +596,14 @@ NOT_FUZZED = {
     "with its own arguments, exercised through models in tests/test_hf.py",
     "hf.dilated_attention_mask": "transformers' mask interface, as above",
     "hf.sequence_parallel": "takes no argument",
+    "ring.ring_call": "the ring's operators, fuzzed as torch.ops.ring_attention.ring_forward / "
+    "ring_backward",
+    "ring.ring_call_spec": "takes a builder callable; what it raises is kept and reported by the "
+    "operators (fuzzed)",
+    "hf.SequenceParallelDataLoader": "wraps an iterable of batches, each checked by "
+    "shard_causal_lm_batch (fuzzed)",
+    "hf.SequenceParallelMixin": "a Trainer mixin: transformers' Trainer checks its arguments",
+    "hf.SequenceParallelTrainer": "transformers' Trainer with the loader above",
     "planner.MODELS": "a constant",
     "planner.PATTERNS": "a constant",
     "planner.Evaluation": "a result record (evaluate builds it)",
