@@ -3,12 +3,16 @@ and sequence parallelism: 4 CPU processes as 2 data-parallel groups of 2
 ranks that share each sequence (a 2 x 2 ``DeviceMesh``).
 
 What the package adds to an ordinary ``Trainer`` script is three lines: the
-mesh, ``ra.register_transformers(group=mesh.get_group("sp"))`` (ring
-attention over each sequence-parallel group) and ``SequenceParallelTrainer``
-in place of ``Trainer``. The Trainer does the rest as usual: DDP over all 4
-ranks (FSDP2 with ``fsdp`` set, on GPUs), the token count of every step,
-activation checkpointing with ``--checkpointing``. Each rank holds half of
-every sequence.
+mesh, ``ra.register_transformers(...)`` and ``SequenceParallelTrainer`` in
+place of ``Trainer``. ``--mode`` picks how a sequence is spread over its
+ranks: ``ring`` (``group=mesh.get_group("sp")``: ring attention, the
+default), ``ulysses`` (``ulysses_group=mesh.get_group("sp")``: all-to-alls
+trade sequence for heads) or ``hybrid`` (a ``("dp", "ring", "ulysses")`` mesh
+and ``mesh=mesh["ring", "ulysses"]``; Ulysses groups of 2, so ``--sp 4`` on
+4 processes). The Trainer does the rest as usual: DDP over all ranks (FSDP2
+with ``fsdp`` set, on GPUs), the token count of every step, activation
+checkpointing with ``--checkpointing``. Each rank holds ``1/sp`` of every
+sequence.
 
 Task (synthetic long-range recall, causal LM; as in hf_llama_finetune.py): a
 sequence of ``--seq-len`` random filler tokens; a VALUE token (one of
@@ -68,8 +72,14 @@ def train(args: argparse.Namespace) -> None:
         gradient_checkpointing=args.checkpointing, seed=0,
     )  # fmt: skip
     world = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world // args.sp, args.sp), mesh_dim_names=("dp", "sp"))
-    ra.register_transformers(group=mesh.get_group("sp"))
+    if args.mode == "hybrid":
+        mesh = init_device_mesh("cpu", (world // args.sp, args.sp // 2, 2),
+                                mesh_dim_names=("dp", "ring", "ulysses"))  # fmt: skip
+        ra.register_transformers(mesh=mesh["ring", "ulysses"])
+    else:
+        mesh = init_device_mesh("cpu", (world // args.sp, args.sp), mesh_dim_names=("dp", "sp"))
+        spread = "group" if args.mode == "ring" else "ulysses_group"
+        ra.register_transformers(**{spread: mesh.get_group("sp")})
     config = LlamaConfig(vocab_size=QUERY + 1, hidden_size=64, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=args.seq_len)  # fmt: skip
@@ -83,8 +93,8 @@ def train(args: argparse.Namespace) -> None:
     trainer.remove_callback(PrinterCallback)  # the table below instead
     result = trainer.train()
     if dist.get_rank() == 0:
-        print(f"{world} processes: {world // args.sp} data-parallel groups of {args.sp} "
-              f"sequence-parallel ranks; sequence {args.seq_len}, "
+        print(f"{world} processes: {world // args.sp} data-parallel group(s) of {args.sp} "
+              f"sequence-parallel ranks ({args.mode}); sequence {args.seq_len}, "
               f"{-(-args.seq_len // args.sp)} tokens per rank")  # fmt: skip
         print(f"chance: loss ln({VALUES}) = {torch.log(torch.tensor(float(VALUES))):.2f}")
         print(" step |   loss")
@@ -114,10 +124,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=8, help="samples per rank and step")
     parser.add_argument("--world-size", type=int, default=4, help="processes to spawn")
     parser.add_argument("--sp", type=int, default=2, help="ranks sharing a sequence")
+    parser.add_argument("--mode", choices=("ring", "ulysses", "hybrid"), default="ring",
+                        help="how a sequence is spread over its ranks")  # fmt: skip
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--output-dir", default=None)
     args = parser.parse_args(argv)
+    if args.mode == "hybrid" and args.sp % 2:
+        parser.error(f"--mode hybrid takes Ulysses groups of 2: --sp must be even, got {args.sp}")
     with tempfile.TemporaryDirectory() as tmp:
         args.output_dir = args.output_dir or os.path.join(tmp, "out")
         if "RANK" in os.environ:  # started by torchrun

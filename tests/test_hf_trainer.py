@@ -1,6 +1,7 @@
 """Sequence-parallel training with transformers' Trainer and with FSDP2, in
 real gloo processes: 4 ranks as 2 data-parallel groups of 2 sequence-parallel
-ranks, against one process training on the same global batches.
+ranks (the ring, or Ulysses), or as one ring of 2 x Ulysses groups of 2 (the
+hybrid), against one process training on the same global batches.
 
 ``SequenceParallelTrainer`` (``SequenceParallelDataLoader`` behind the
 Trainer's loaders) gives each step's micro-batch of a sequence-parallel group
@@ -10,9 +11,9 @@ loss. The reference is the plain Trainer in one process whose batches are the
 same samples (float64 throughout; the loss is transformers' float32 cross
 entropy, so the losses agree to float32 and the parameters to float64
 rounding, the scales being powers of two). Activation checkpointing
-(reentrant and not) recomputes the ring in backward with the same exchange
-plans. Packed documents are checked against ``"sdpa"`` on the documents as
-separate padded rows, which cannot leak across documents.
+(reentrant and not) recomputes the attention in backward, the ring with the
+same exchange plans. Packed documents are checked against ``"sdpa"`` on the
+documents as separate padded rows, which cannot leak across documents.
 """
 
 from __future__ import annotations
@@ -101,15 +102,15 @@ def arguments(out: str, batch: int, **extra) -> TrainingArguments:
     )  # fmt: skip
 
 
-def global_batches() -> list[list[int]]:
+def global_batches(dp: int, sp: int) -> list[list[int]]:
     """The samples of every step of the sequence-parallel run: step ``(i, j)``
     trains every data-parallel group ``g`` on the ``i``-th micro-batch of its
-    rank ``j`` (rank ``g * SP + j``), which the Trainer's sharded sampler
+    rank ``j`` (rank ``g * sp + j``), which the Trainer's sharded sampler
     fills with batch ``i * WORLD + rank`` of the sequential order."""
     steps = []
     for i in range(STEPS):
-        for j in range(SP):
-            ranks = [g * SP + j for g in range(DP)]
+        for j in range(sp):
+            ranks = [g * sp + j for g in range(dp)]
             steps.append([(i * WORLD + r) * BATCH + t for r in ranks for t in range(BATCH)])
     return steps[:STEPS]
 
@@ -136,21 +137,33 @@ def _use_accelerate_env(rank: int, world: int) -> None:
 # The single-process references.
 
 
-def _reference(rank: int, world: int, out: str) -> dict:
+def _reference(rank: int, world: int, out: str, dp: int) -> dict:
     _use_accelerate_env(rank, world)
     ra.register_transformers()
     found = {}
     data = samples(64, seed=1)
-    order = [i for step in global_batches() for i in step]
+    order = [i for step in global_batches(dp, WORLD // dp) for i in step]
     for kind in ("plain", "packed"):
         attn = "sdpa" if kind == "packed" else "ring_dilated"
         # the packed run's documents as separate rows of "sdpa": no leak possible
-        trainer = Trainer(model=model_of(kind, attn), args=arguments(out, DP * BATCH),
+        trainer = Trainer(model=model_of(kind, attn), args=arguments(out, dp * BATCH),
                           train_dataset=[data[i] for i in order],
                           data_collator=collator("plain"))  # fmt: skip
         trainer.train()
         found[kind] = (losses_of(trainer), full_state(trainer.model))
     return found
+
+
+_REFERENCES: dict[int, dict] = {}
+
+
+def reference(dp: int, tmp_path_factory) -> dict:
+    """The single-process run on the global batches of ``dp`` data-parallel
+    groups (computed once per module)."""
+    if dp not in _REFERENCES:
+        out = str(tmp_path_factory.mktemp(f"ref{dp}"))
+        _REFERENCES[dp] = run_distributed(_reference, 1, out, dp, timeout=600)[0]
+    return _REFERENCES[dp]
 
 
 # ---------------------------------------------------------------------------
@@ -173,13 +186,14 @@ def _trainer_case(kind: str, out: str, **extra) -> tuple[list[float], dict, int,
     return losses_of(trainer), full_state(model), len(forwards), PLAN_CACHE.misses
 
 
-def _fsdp2_case(kind: str) -> tuple[list[float], dict]:
-    """FSDP2 over all ranks (fully_shard per decoder layer and the model),
-    the loader of SequenceParallelDataLoader, a loop without a Trainer."""
+def _fsdp2_case(kind: str, reentrant: bool = False) -> tuple[list[float], dict]:
+    """FSDP2 over all ranks (fully_shard per decoder layer and the model)
+    with activation checkpointing, the loader of SequenceParallelDataLoader,
+    a loop without a Trainer."""
     from torch.distributed.fsdp import fully_shard
 
     model = model_of(kind)
-    model.gradient_checkpointing_enable({"use_reentrant": False})
+    model.gradient_checkpointing_enable({"use_reentrant": reentrant})
     model.train()
     for layer in model.model.layers:
         fully_shard(layer)
@@ -203,28 +217,56 @@ def _fsdp2_case(kind: str) -> tuple[list[float], dict]:
     return losses, full_state(model)
 
 
-def _worker(rank: int, world: int, out: str) -> dict:
+def _checkpointed(reentrant: bool) -> dict:
+    return dict(gradient_checkpointing=True,
+                gradient_checkpointing_kwargs={"use_reentrant": reentrant})  # fmt: skip
+
+
+def _worker(rank: int, world: int, out: str, mode: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     _use_accelerate_env(rank, world)
-    mesh = init_device_mesh("cpu", (DP, SP), mesh_dim_names=("dp", "sp"))
-    ra.register_transformers(group=mesh.get_group("sp"))
-    found = {
-        "ddp": _trainer_case("plain", out),
-        "reentrant": _trainer_case("plain", out, gradient_checkpointing=True,
-                                   gradient_checkpointing_kwargs={"use_reentrant": True}),
-        "non-reentrant": _trainer_case("plain", out, gradient_checkpointing=True,
-                                       gradient_checkpointing_kwargs={"use_reentrant": False}),
-        "packed": _trainer_case("packed", out),
-        "fsdp2": _fsdp2_case("plain"),
-    }  # fmt: skip
+    if mode == "hybrid":  # one ring of 2 x Ulysses groups of 2, shard i * 2 + j = rank
+        mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp", "ring", "ulysses"))
+        grid = mesh["ring", "ulysses"]
+        ids = torch.arange(2 * 23).view(2, 23)  # 23 tokens: pieces of 6, 6, 6, 5
+        for spread in (dict(mesh=grid), dict(group=grid.get_group("ring"),
+                                             ulysses_group=grid.get_group("ulysses"))):  # fmt: skip
+            batch = hf.shard_causal_lm_batch(ids, ids, **spread)
+            assert torch.equal(batch["input_ids"], torch.tensor_split(ids, 4, 1)[rank])
+            assert batch["num_items_in_batch"] == 2 * 22 / 4
+        with pytest.raises(ValueError, match="mesh"):
+            ra.register_transformers(mesh=grid, group=grid.get_group("ring"))
+        with pytest.raises(ValueError, match="ulysses_group"):
+            ra.register_transformers(ulysses_group="ulysses")
+        ra.register_transformers(mesh=grid)
+        assert hf.sequence_parallel().size == 4 and hf.sequence_parallel().rank == rank
+        found = {
+            "ddp": _trainer_case("plain", out),
+            "non-reentrant": _trainer_case("plain", out, **_checkpointed(False)),
+            "fsdp2": _fsdp2_case("plain", reentrant=True),
+            "packed": _trainer_case("packed", out),
+        }
+    else:
+        mesh = init_device_mesh("cpu", (DP, SP), mesh_dim_names=("dp", "sp"))
+        spread = "group" if mode == "ring" else "ulysses_group"
+        ra.register_transformers(**{spread: mesh.get_group("sp")})
+        found = {
+            "ddp": _trainer_case("plain", out),
+            "reentrant": _trainer_case("plain", out, **_checkpointed(True)),
+            "non-reentrant": _trainer_case("plain", out, **_checkpointed(False)),
+            "packed": _trainer_case("packed", out),
+            "fsdp2": _fsdp2_case("plain"),
+        }
     ra.register_transformers()
     return found
 
 
-def test_trainer_dp2_x_sp2_equals_one_process(tmp_path) -> None:
-    want = run_distributed(_reference, 1, str(tmp_path / "ref"), timeout=600)[0]
-    got = run_distributed(_worker, WORLD, str(tmp_path / "sp"), timeout=900)
+@pytest.mark.parametrize("mode", ["ring", "ulysses", "hybrid"])
+def test_trainer_on_four_ranks_equals_one_process(mode, tmp_path, tmp_path_factory) -> None:
+    """dp 2 x sp 2 (ring or Ulysses), or dp 1 x (ring 2 x Ulysses 2)."""
+    want = reference(1 if mode == "hybrid" else DP, tmp_path_factory)
+    got = run_distributed(_worker, WORLD, str(tmp_path / "sp"), mode, timeout=900)
     for rank, found in enumerate(got):
         for case, (losses, state, *_) in found.items():
             ref_losses, ref_state = want["packed" if case == "packed" else "plain"]
@@ -233,24 +275,29 @@ def test_trainer_dp2_x_sp2_equals_one_process(tmp_path) -> None:
             torch.testing.assert_close(losses, ref_losses, rtol=2e-6, atol=0, msg=case)
             for name, value in ref_state.items():
                 torch.testing.assert_close(state[name], value, rtol=1e-9, atol=1e-12,
-                                           msg=f"rank {rank}, {case}: {name}")  # fmt: skip
+                                           msg=f"rank {rank}, {mode} {case}: {name}")  # fmt: skip
         # Checkpointing recomputes every layer's ring forward in backward,
-        # with the plans built in the forward.
+        # with the plans built in the forward (Ulysses alone has no ring).
         forwards, plans = found["ddp"][2:]
-        assert forwards > 0 and plans > 0, found["ddp"][2:]
+        assert (forwards > 0 and plans > 0) == (mode != "ulysses"), found["ddp"][2:]
         for case in ("reentrant", "non-reentrant"):
-            assert found[case][2:] == (2 * forwards, plans), (case, found[case][2:])
+            if case in found:
+                assert found[case][2:] == (2 * forwards, plans), (case, found[case][2:])
 
 
-def test_trainer_example_runs_on_four_processes() -> None:
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_trainer_example_runs(mode) -> None:
+    """The example on 2 processes (4 start slowly on 2 cores; the meshes of
+    4 are the test above's)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, os.path.join(root, "examples", "hf_trainer_sp.py"), "--steps", "20",
-           "--seq-len", "64", "--batch", "4", "--log-every", "10", "--checkpointing"]  # fmt: skip
+           "--seq-len", "64", "--batch", "4", "--log-every", "10", "--checkpointing",
+           "--world-size", "2", "--mode", mode]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env, cwd=root)
     assert res.returncode == 0, res.stdout + res.stderr[-4000:]
     out = res.stdout
-    assert "2 data-parallel groups of 2 sequence-parallel ranks" in out, out
+    assert f"1 data-parallel group(s) of 2 sequence-parallel ranks ({mode})" in out, out
     assert "32 tokens per rank" in out, out
     rows = [line.split("|") for line in out.splitlines() if line.split("|")[0].strip().isdigit()]
     assert [int(r[0]) for r in rows] == [10, 20], out

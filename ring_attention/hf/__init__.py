@@ -35,7 +35,9 @@ What the backend does with transformers' arguments:
 **Sequence parallelism** (``register_transformers(group=g)``): every
 ``"ring_dilated"`` call of this process is ring attention over ``g``
 (:func:`ring_attention.ring.ring_call`: one operator forward and one
-backward, compiled with ``fullgraph=True`` too): each rank feeds the model
+backward, compiled with ``fullgraph=True`` too); with ``ulysses_group=`` or
+``mesh=`` it is Ulysses or the ring x Ulysses hybrid
+(:func:`ring_attention.ring_dilated_attention`'s arguments): each rank feeds the model
 its shard of the tokens, and the model's logits are this rank's shard of the
 single-process logits. :func:`shard_causal_lm_batch` builds a rank's batch
 from the full one: shards of ``input_ids``, ``position_ids`` (global

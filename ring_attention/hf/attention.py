@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -10,7 +11,7 @@ import torch
 from ..checks import check_key_padding_mask, check_qkv, resolve_scale
 from ..functional import attend
 from ..pattern import Pattern
-from ..ring import ring_call, ring_call_spec
+from ..ring import ring_attention, ring_call, ring_call_spec
 from .config import is_dense, layer_pattern
 from .masks import Keys, PerBatch, batch_keys
 from .offset import offset_attention
@@ -234,9 +235,12 @@ def _sharded(
     if documents is None:
         documents = kwargs.get("cu_seq_lens_k")
     refusal = _sharded_refusal(query, key, attention_mask, dropout, kwargs, documents is None)
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    if not sp.ring_only:  # Ulysses or the hybrid: the refusal is reported in its rounds
+        pattern = functools.partial(_grid_pattern, module, causal, refusal, kwargs)
+        return ring_attention(q, k, v, pattern, scale=scaling, layout=sp.layout, **sp.spread())
     spec = ring_call_spec(_sharded_pattern, module, causal, refusal, scale=scaling, group=sp.group,
                           layout=sp.layout)  # fmt: skip
-    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     return ring_call(q, k, v, spec, documents)
 
 
@@ -276,3 +280,13 @@ def _sharded_pattern(module: torch.nn.Module, causal: bool, refusal: str | None)
     if refusal is not None:
         raise ValueError(refusal)
     return layer_pattern(module, causal)
+
+
+def _grid_pattern(
+    module: torch.nn.Module, causal: bool, refusal: str | None, kwargs: Mapping[str, Any]
+) -> Pattern:
+    """The layer's pattern with the batch's documents (built once per batch),
+    or the refusal (Ulysses and the hybrid)."""
+    pattern = _sharded_pattern(module, causal, refusal)
+    tensor, documents = _cu_documents(kwargs)  # given: else refused
+    return _with_documents(_cu_batches.get(tensor, "patterns", dict), pattern, documents)

@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from .registry import sequence_parallel
+from .registry import sequence_parallel, spread_of
 
 __all__ = ["documents_from_position_ids", "shard_causal_lm_batch"]
 
@@ -133,6 +134,10 @@ def shard_causal_lm_batch(
     cu_seq_lens_q: torch.Tensor | None = None,
     cu_seq_lens_k: torch.Tensor | None = None,
     ignore_index: int = _IGNORE_INDEX,
+    group: dist.ProcessGroup | None = None,
+    ulysses_group: dist.ProcessGroup | None = None,
+    mesh: Any = None,
+    layout: str | None = None,
     **other: Any,
 ) -> dict[str, Any]:
     """This rank's causal-LM batch (``model(**batch)``) from the full one.
@@ -159,6 +164,11 @@ def shard_causal_lm_batch(
             ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``
             gives them; used when ``position_ids`` is not given.
         ignore_index: the label of unscored tokens (-100).
+        group, ulysses_group, mesh, layout: the ranks sharing the sequence,
+            as :func:`~ring_attention.register_transformers` takes them
+            (the ring, Ulysses or their hybrid: shard ``i * U + j`` for ring
+            index ``i`` and Ulysses index ``j``); by default those of the
+            last ``register_transformers``.
         **other: further entries of the batch: tensors of shape ``(batch,
             seq, ...)`` are sharded along the sequence, anything else is
             passed on unchanged.
@@ -208,7 +218,12 @@ def shard_causal_lm_batch(
     position_ids, cu = _documents(position_ids, cu_seq_lens_q, n, tokens.device)
     del cu_seq_lens_k  # the same boundaries as cu_seq_lens_q (self-attention)
 
-    sp = sequence_parallel()
+    if group is None and ulysses_group is None and mesh is None:
+        sp = sequence_parallel()
+        if layout is not None and sp is not None:
+            sp = spread_of(sp.group, sp.ulysses_group, sp.mesh, layout)
+    else:
+        sp = spread_of(group, ulysses_group, mesh, "contiguous" if layout is None else layout)
     size = 1 if sp is None else sp.size
 
     def shard(x: torch.Tensor) -> torch.Tensor:  # contiguous: the loss views it flat

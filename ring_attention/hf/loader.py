@@ -36,13 +36,14 @@ class SequenceParallelDataLoader:
     ``labels``, and optionally ``position_ids`` (packed documents),
     ``cu_seq_lens_q``/``_k``, a right-padding ``attention_mask``, ... as
     transformers' collators build them. The ranks that share a sequence
-    (those of :func:`~ring_attention.hf.register_transformers`) exchange their
+    (those of :func:`~ring_attention.hf.register_transformers`: a ring, a
+    Ulysses group or their grid) exchange their
     micro-batches, and each micro-batch becomes one step in which every one of
     them holds its piece of the sequence
     (:func:`~ring_attention.hf.shard_causal_lm_batch`: global position ids,
     labels shifted over the whole sequence, global document boundaries). So
     one pass yields ``len(dataloader) * size`` batches, in the order of the
-    group's ranks, and every sample is trained on once, as in DeepSpeed's
+    ranks' shards, and every sample is trained on once, as in DeepSpeed's
     Ulysses adapter for transformers.
 
     ``num_items_in_batch`` of every batch is the number of scored tokens of
@@ -92,9 +93,7 @@ class SequenceParallelDataLoader:
         if sp is None or sp.size == 1:
             batches = [dict(batch)]
         else:
-            gathered: list[Any] = [None] * sp.size
-            dist.all_gather_object(gathered, _to(batch, None), group=sp.sequence_group)
-            batches = [_to(b, device) for b in gathered]
+            batches = [_to(b, device) for b in sp.gather_object(_to(batch, None))]
         steps = [shard_causal_lm_batch(**b, ignore_index=self.ignore_index) for b in batches]
         if all("shift_labels" in s for s in steps) and dist.is_initialized():
             world = dist.get_world_size()
