@@ -17,10 +17,12 @@ heads reach the kernels, and travel between ranks, unrepeated. Every rank
 builds the same model (same seed) and the same global batch,
 keeps its shard of the tokens (``ring_attention.hf.shard_causal_lm_batch``:
 input ids, global position ids, labels shifted over the whole sequence) and
-runs the model on it; the attention is ring attention across the ranks. The
-ranks' gradients are summed with ``all_reduce`` (each rank's loss is its
-share of the global mean), so every rank takes the same optimizer step as a
-single process would.
+runs the model on it; the attention is ring attention across the ranks. DDP
+averages the ranks' gradients (each rank's loss, scaled by the batch's
+``num_items_in_batch``, is its share of the global mean times the number of
+ranks), so every rank takes the same optimizer step as a single process
+would. ``examples/hf_trainer_sp.py`` does the same with transformers'
+``Trainer``.
 
 Run: ``python examples/hf_llama_finetune.py [--steps 300] [--world-size 2]``
 (spawns gloo processes on the CPU), or
@@ -37,6 +39,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import ring_attention as ra
@@ -82,6 +85,7 @@ def train(rank: int, world: int, args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)  # the same weights on every rank
     model = AutoModelForCausalLM.from_config(config, attn_implementation="ring_dilated")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    trained = DistributedDataParallel(model) if world > 1 else model
     gen = torch.Generator().manual_seed(args.seed + 1)  # the same batches on every rank
 
     if rank == 0:
@@ -96,23 +100,21 @@ def train(rank: int, world: int, args: argparse.Namespace) -> None:
     for step in range(args.steps + 1):
         ids, labels = make_batch(args.batch, args.seq_len, gen)
         batch = shard_causal_lm_batch(ids, labels)
-        out = model(**batch, use_cache=False)
-        # Summed over the ranks: the loss of the whole batch, and its gradient.
+        out = trained(**batch, use_cache=False)
+        # Averaged over the ranks: the loss of the whole batch (DDP averages
+        # its gradient); summed: the correct answers and the answers.
         answers = batch["shift_labels"] != -100
         correct = (out.logits.argmax(-1)[answers] == batch["shift_labels"][answers]).sum()
-        stats = torch.stack([out.loss.detach(), correct.float()])
+        stats = torch.stack([out.loss.detach() / world, correct.float(), answers.sum().float()])
         if world > 1:
             dist.all_reduce(stats)
         if rank == 0 and (step % args.log_every == 0 or step == args.steps):
-            accuracy = stats[1].item() / batch["num_items_in_batch"]
+            accuracy = stats[1].item() / stats[2].item()
             print(f"{step:5d} | {stats[0].item():6.3f} | {accuracy:6.1%}", flush=True)
         if step == args.steps:
             break
         opt.zero_grad()
         out.loss.backward()
-        if world > 1:
-            for p in model.parameters():
-                dist.all_reduce(p.grad)
         opt.step()
     if rank == 0:
         print(f"runtime {time.perf_counter() - start:.1f} s")

@@ -14,8 +14,9 @@ through this module, and so does their autograd:
   outputs differentiable, double backward raises), so that the operator
   called directly, under ``torch.compile`` or ``torch.export`` has one
   autograd;
-* :class:`RingFunction`: the autograd of the ring, whose schedule
-  (:mod:`ring_attention.ring`) it runs once forward and once backward.
+* :func:`ring_forward`, :func:`ring_backward` and :class:`RingFunction`: the
+  ring's two operators (defined with their schedule in
+  :mod:`ring_attention.ring`) and their autograd.
 
 The C++ side checks the flat arguments once at each operator's entry
 (``csrc/checks.h``) and passes one checked value down to the kernels.
@@ -24,7 +25,7 @@ The C++ side checks the flat arguments once at each operator's entry
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import torch
 
@@ -35,7 +36,6 @@ __all__ = [
     "DOUBLE_BACKWARD_ERROR",
     "OpArgs",
     "RingFunction",
-    "RingSchedule",
     "block_backward",
     "block_forward",
     "exchange_rows",
@@ -43,6 +43,8 @@ __all__ = [
     "local_attention_backward",
     "merge_branches",
     "op_args",
+    "ring_backward",
+    "ring_forward",
     "sum_branches",
 ]
 
@@ -226,44 +228,48 @@ torch.library.register_autograd("ring_attention::dilated_attention_backward", _n
 # Autograd of the ring.
 
 
-class RingSchedule(Protocol):
-    """One ring call's schedule (:mod:`ring_attention.ring`)."""
+def ring_forward(
+    q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None, spec: str, needs_grad: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(out, lse, global length)`` of the ring call registered as ``spec``
+    (``torch.ops.ring_attention.ring_forward``, defined by
+    :mod:`ring_attention.ring`: an operator ``torch.compile`` keeps opaque)."""
+    return _OPS.ring_forward(q, k, v, documents, spec, needs_grad)
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """This rank's ``(out, lse)``."""
 
-    def backward(
-        self, grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
-        out: Tensor, lse: Tensor,
-    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-        """This rank's ``(dq, dk, dv)``."""
+def ring_backward(
+    grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+    lse: Tensor, documents: Tensor | None, seq_len: Tensor, spec: str,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """``(dq, dk, dv)`` of the ring call ``spec`` (its plan is the forward's)."""
+    return _OPS.ring_backward(grad_out, grad_lse, q, k, v, out, lse, documents, seq_len, spec)
 
 
 class RingFunction(torch.autograd.Function):
-    """The ring's autograd: forward and backward each run the schedule once;
-    both outputs (``out`` and ``lse``) are differentiable; double backward
-    raises."""
+    """The ring's autograd: forward and backward each run one operator
+    (:func:`ring_forward`, :func:`ring_backward`); both outputs (``out`` and
+    ``lse``) are differentiable; double backward raises."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, schedule: RingSchedule):  # type: ignore[override]
-        out, lse = schedule.forward(q, k, v)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.schedule = schedule
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None, spec: str,
+                needs_grad: bool) -> tuple[Tensor, Tensor]:  # type: ignore[override]  # fmt: skip
+        out, lse, seq_len = ring_forward(q, k, v, documents, spec, needs_grad)
+        ctx.save_for_backward(q, k, v, out, lse, documents, seq_len)
+        ctx.spec = spec
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, documents, seq_len = ctx.saved_tensors
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        with torch.no_grad():
-            grads = ctx.schedule.backward(grad_out, grad_lse, q, k, v, out, lse)
+        grads = ring_backward(grad_out, grad_lse, q, k, v, out, lse, documents, seq_len, ctx.spec)
         if torch.is_grad_enabled():  # create_graph=True: the gradients are not differentiable
             # The error node hangs off the inputs the gradients depend on, so
             # differentiating a gradient with respect to any of them reaches it.
             grads = _DoubleBackwardError.apply(len(grads), *grads, q, k, v, grad_out, grad_lse)
-        return (*grads, None)
+        return (*grads, None, None, None)
 
 
 class _DoubleBackwardError(torch.autograd.Function):

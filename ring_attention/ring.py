@@ -37,9 +37,12 @@ Double backward is not supported: it raises ``RuntimeError``.
 
 from __future__ import annotations
 
+import functools
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -61,6 +64,7 @@ from .ops import block_backward as _block_backward
 from .ops import block_forward as _block_forward
 from .pattern import Pattern, as_flag
 from .plan import ExchangePlan, get_plan
+from .ring_spec import get_spec, ring_call_spec
 
 __all__ = [
     "ExchangeEvent",
@@ -69,6 +73,8 @@ __all__ = [
     "last_exchange_stats",
     "register_exchange_hook",
     "ring_attention",
+    "ring_call",
+    "ring_call_spec",
     "ring_dilated_attention",
 ]
 
@@ -81,8 +87,8 @@ Tensor = torch.Tensor
 
 @dataclass(frozen=True, eq=False)
 class _RingCall:
-    """One ring call: its plan, group and operator arguments; the schedule
-    that :class:`~ring_attention.ops.RingFunction` runs."""
+    """One ring call: its plan, group and operator arguments (what the
+    schedules :func:`_ring_forward` and :func:`_ring_backward` run with)."""
 
     plan: ExchangePlan
     group: dist.ProcessGroup | None
@@ -102,17 +108,6 @@ class _RingCall:
     ) -> None:  # fmt: skip
         """Accumulate the block's gradient into ``dq``/``dk``/``dv``."""
         _block_backward(go, glse, q, k, v, out, lse, dq, dk, dv, q_start, k_start, self.op_args)
-
-    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """This rank's ``(out, lse)`` (the forward schedule)."""
-        return _ring_forward(self, q, k, v)
-
-    def backward(
-        self, grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
-        out: Tensor, lse: Tensor,
-    ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-        """This rank's ``(dq, dk, dv)`` (the backward schedule)."""
-        return _ring_backward(self, grad_out, grad_lse, q, k, v, out, lse)
 
     def exchanger(self, q: Tensor, role: str) -> Exchanger:
         """The transport of one pass (``role``: ``"forward"``/``"backward"``)."""
@@ -227,6 +222,149 @@ def _ring_backward(
 
 
 # ---------------------------------------------------------------------------
+# The operator boundary: forward and backward as custom operators (opaque to
+# torch.compile), the call's configuration named by a RingSpec key
+# (ring_attention/ring_spec.py).
+
+
+class _Documents:
+    """The pattern with the documents of the last ``documents`` tensor seen,
+    per spec: the layers of a model pass the same tensor, so its boundaries
+    are read (device -> host) once per batch, not once per layer and pass."""
+
+    def __init__(self) -> None:
+        self._source: Any = None
+        self._patterns: dict[str, Pattern] = {}
+
+    def pattern(self, key: str, base: Pattern, documents: Tensor | None) -> Pattern:
+        if documents is None:
+            return base
+        source = (weakref.ref(documents), documents._version)
+        if (
+            self._source is None
+            or self._source[0]() is not documents
+            or self._source[1] != (documents._version)
+        ):
+            self._source, self._patterns = source, {}
+        if key not in self._patterns:
+            self._patterns[key] = base.with_documents(documents)
+        return self._patterns[key]
+
+
+_documents = _Documents()
+
+
+def _call_of(
+    key: str, q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None, needs_grad: bool,
+    n: int | None = None,
+) -> _RingCall:  # fmt: skip
+    """The checked call. Forward (``n`` is None): the ranks agree through the
+    handshake on everything, the global length included, and a rank whose
+    call fails makes every rank raise. Backward: the forward's ``n``."""
+    spec = get_spec(key)
+    group = spec.group
+    world, rank = world_info(group)
+    message, pattern, error = None, None, spec.error
+    if error is None:
+        try:
+            pattern = _documents.pattern(key, spec.pattern, documents)
+            check_layout(spec.layout)
+            shape = check_qkv(q, k, v)
+            pattern.check_heads(shape.heads)
+            scale = resolve_scale(spec.scale, shape.head_dim)
+            if n is None:
+                if world > 1:
+                    comm_device(group, q.device)  # raises for unsupported transports
+                message = ring_message(q, shape.kv_heads, pattern, scale=scale,
+                                       layout=spec.layout, needs_grad=needs_grad)  # fmt: skip
+        except Exception as exc:  # every rank must hear of it: reported in the handshake
+            error = exc
+    if n is None:
+        if world > 1:
+            n = ring_handshake(group, world, message, pattern, spec.layout, spec.fold)
+        else:
+            n = q.shape[1] if error is None else -1
+    if error is not None:
+        raise error
+    pattern.check_length(n)
+    plan = get_plan(pattern, n, shape.heads, shape.kv_heads, world, rank, spec.layout, spec.fold)
+    return _RingCall(
+        plan=plan,
+        group=group,
+        peers=global_ranks(group, world),
+        op_args=op_args(pattern, scale, None, q.device),
+    )
+
+
+@torch.library.custom_op("ring_attention::ring_forward", mutates_args=())
+def _ring_forward_op(
+    q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None, spec: str, needs_grad: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """This rank's ``(out, lse, global length)`` of the ring call ``spec``."""
+    call = _call_of(spec, q, k, v, documents, needs_grad)
+    last_exchange_stats.reset()
+    out, lse = _ring_forward(call, q, k, v)
+    return out, lse, torch.tensor(call.plan.seq_len, dtype=torch.int64)
+
+
+@_ring_forward_op.register_fake
+def _(q, k, v, documents, spec, needs_grad):
+    B, L, H, _ = q.shape
+    lse = q.new_empty((B, H, L), dtype=acc_dtype(q.dtype))
+    return (
+        torch.empty_like(q, memory_format=torch.contiguous_format),
+        lse,
+        q.new_empty((), dtype=torch.int64, device="cpu"),
+    )
+
+
+@torch.library.custom_op("ring_attention::ring_backward", mutates_args=())
+def _ring_backward_op(
+    grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+    lse: Tensor, documents: Tensor | None, seq_len: Tensor, spec: str,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """This rank's ``(dq, dk, dv)`` of the ring call ``spec`` (its plan is
+    the forward's, from the plan cache)."""
+    if not isinstance(seq_len, Tensor) or seq_len.dim() != 0 or seq_len.is_floating_point():
+        raise ValueError(f"seq_len must be a 0-d integer tensor (the forward's), got {seq_len!r}")
+    call = _call_of(spec, q, k, v, documents, True, int(seq_len))
+    B, L, H, _ = q.shape
+    for name, t, shape in (("grad_out", grad_out, q.shape), ("out", out, q.shape),
+                           ("lse", lse, (B, H, L)), ("grad_lse", grad_lse, (B, H, L))):  # fmt: skip
+        if (t is not None or name != "grad_lse") and (
+            not isinstance(t, Tensor) or tuple(t.shape) != tuple(shape)
+        ):
+            got = tuple(t.shape) if isinstance(t, Tensor) else t
+            raise ValueError(f"{name} must have shape {tuple(shape)}, got {got!r}")
+    return _ring_backward(call, grad_out, grad_lse, q, k, v, out, lse)
+
+
+@_ring_backward_op.register_fake
+def _(grad_out, grad_lse, q, k, v, out, lse, documents, seq_len, spec):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+def ring_call(
+    q_local: Tensor,
+    k_local: Tensor,
+    v_local: Tensor,
+    spec: str,
+    documents: Tensor | None = None,
+    *,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """The ring call registered as ``spec`` (:func:`ring_call_spec`), with the
+    global document boundaries ``documents`` (a 1-D integer tensor, the same
+    on every rank, or ``None``). Compiles with ``fullgraph=True``: the ring is
+    one operator forward and one backward."""
+    needs_grad = torch.is_grad_enabled() and any(
+        getattr(t, "requires_grad", False) for t in (q_local, k_local, v_local)
+    )
+    out, lse = RingFunction.apply(q_local, k_local, v_local, documents, spec, needs_grad)
+    return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------------------
 # Public API.
 
 
@@ -259,6 +397,15 @@ def exchange_plan(
     world, rank = world_info(group)
     return get_plan(pattern, seq_len, heads, heads if kv_heads is None else kv_heads, world, rank,
                     layout)  # fmt: skip
+
+
+def _built(pattern: Pattern | Callable[[], Pattern], return_lse: bool) -> Pattern:
+    as_flag(return_lse, "return_lse")
+    if callable(pattern) and not isinstance(pattern, Pattern):
+        pattern = pattern()
+    if not isinstance(pattern, Pattern):
+        raise ValueError(f"pattern must be a Pattern or a function returning one, got {pattern!r}")
+    return pattern
 
 
 def ring_attention(
@@ -305,51 +452,9 @@ def ring_on_pieces(
     """The ring over ``group``, each rank holding its pieces of ``layout``
     (``fold > 1``: the stretch of its Ulysses group, see
     :func:`ring_attention.layout.layout_pieces`)."""
-    world, rank = world_info(group)
-    message = None
-    error: Exception | None = None
-    try:
-        if callable(pattern) and not isinstance(pattern, Pattern):
-            pattern = pattern()
-        if not isinstance(pattern, Pattern):
-            raise ValueError(
-                f"pattern must be a Pattern or a function returning one, got {pattern!r}"
-            )
-        return_lse = as_flag(return_lse, "return_lse")
-        check_layout(layout)
-        shape = check_qkv(q_local, k_local, v_local)
-        pattern.check_heads(shape.heads)
-        scale = resolve_scale(scale, shape.head_dim)
-        if world > 1:
-            comm_device(group, q_local.device)  # raises for unsupported transports
-        needs_grad = torch.is_grad_enabled() and any(
-            t.requires_grad for t in (q_local, k_local, v_local)
-        )
-        message = ring_message(
-            q_local, shape.kv_heads, pattern, scale=scale, layout=layout, needs_grad=needs_grad
-        )
-    except Exception as exc:  # every rank must hear of it: reported in the handshake
-        error = exc
-    if world > 1:
-        n = ring_handshake(
-            group, world, message, pattern if isinstance(pattern, Pattern) else None, layout, fold
-        )
-    else:
-        n = q_local.shape[1] if error is None else -1
-    if error is not None:
-        raise error
-    pattern.check_length(n)
-
-    plan = get_plan(pattern, n, shape.heads, shape.kv_heads, world, rank, layout, fold)
-    last_exchange_stats.reset()
-    call = _RingCall(
-        plan=plan,
-        group=group,
-        peers=global_ranks(group, world),
-        op_args=op_args(pattern, scale, None, q_local.device),
-    )
-    out, lse = RingFunction.apply(q_local, k_local, v_local, call)
-    return (out, lse) if return_lse else out
+    spec = ring_call_spec(_built, pattern, return_lse, scale=scale, group=group, layout=layout,
+                          fold=fold)  # fmt: skip
+    return ring_call(q_local, k_local, v_local, spec, return_lse=bool(return_lse))
 
 
 def ring_dilated_attention(
@@ -432,25 +537,30 @@ def ring_dilated_attention(
     needed, every rank must run the backward.
     """
 
-    def pattern() -> Pattern:
-        return Pattern(
-            segment_lengths,
-            dilation_rates,
-            causal=causal,
-            head_groups=head_groups,
-            head_offsets=head_offsets,
-            window=window,
-        ).with_documents(cu_seqlens)
-
-    return ring_attention(
-        q_local,
-        k_local,
-        v_local,
-        pattern,
-        scale=scale,
-        group=group,
-        ulysses_group=ulysses_group,
-        mesh=mesh,
+    if ulysses_group is not None or mesh is not None:
+        pattern = functools.partial(
+            _pattern_of, segment_lengths, dilation_rates, causal, head_groups, head_offsets,
+            window, cu_seqlens, False,
+        )  # fmt: skip
+        return ring_attention(
+            q_local, k_local, v_local, pattern, scale=scale, group=group,
+            ulysses_group=ulysses_group, mesh=mesh, layout=layout, return_lse=return_lse,
+        )  # fmt: skip
+    # The documents travel as a tensor (read once per batch), the rest as the spec.
+    documents = cu_seqlens if isinstance(cu_seqlens, Tensor) else None
+    spec = ring_call_spec(
+        _pattern_of, segment_lengths, dilation_rates, causal, head_groups, head_offsets, window,
+        None if documents is not None else cu_seqlens, return_lse, scale=scale, group=group,
         layout=layout,
-        return_lse=return_lse,
-    )
+    )  # fmt: skip
+    return ring_call(q_local, k_local, v_local, spec, documents, return_lse=bool(return_lse))
+
+
+def _pattern_of(
+    segment_lengths: Sequence[int], dilation_rates: Sequence[int], causal: bool,
+    head_groups: bool, head_offsets: str, window: tuple[int, int] | None,
+    cu_seqlens: Sequence[int] | Tensor | None, return_lse: bool,
+) -> Pattern:  # fmt: skip
+    as_flag(return_lse, "return_lse")
+    return Pattern(segment_lengths, dilation_rates, causal=causal, head_groups=head_groups,
+                   head_offsets=head_offsets, window=window).with_documents(cu_seqlens)  # fmt: skip

@@ -320,6 +320,9 @@ def _op_base() -> dict[str, Any]:
     batch 1, 8 positions, 2 query heads on 1 K/V head, head_dim 4)."""
     import torch
 
+    from ring_attention.pattern import Pattern
+    from ring_attention.ring import ring_call_spec
+
     g = torch.Generator().manual_seed(1)
     q = torch.randn(1, 8, 2, 4, generator=g)
     kv = torch.randn(1, 8, 1, 4, generator=g)
@@ -333,6 +336,9 @@ def _op_base() -> dict[str, Any]:
         # merge_branches / sum_branches: 2 slots over (batch 1, 8 positions, 2 heads)
         parts=torch.randn(32, 4, generator=g), part_lse=torch.randn(32, generator=g),
         index=torch.arange(32, dtype=torch.int32).view(2, 1, 8, 2),
+        # ring_forward / ring_backward: a registered ring call of 8 positions
+        documents=None, needs_grad=False, seq_len=torch.tensor(8),
+        spec=ring_call_spec(Pattern, [4, 8], [1, 2]),
     )  # fmt: skip
 
 
@@ -370,7 +376,8 @@ def _ops() -> dict[str, tuple[Callable, dict[str, Any], dict[str, Any]]]:
 
     base, overrides = _op_base(), _op_overrides()
     like = {"grad_lse": torch.zeros(1, 2, 8), "key_padding_mask": torch.zeros(1, 8, dtype=bool),
-            "cu_seqlens": torch.tensor([0, 3, 8])}  # fmt: skip
+            "cu_seqlens": torch.tensor([0, 3, 8]),
+            "documents": torch.tensor([0, 3, 8])}  # fmt: skip
     ops = {}
     for name in op_names():
         packet = getattr(torch.ops.ring_attention, name)
@@ -589,6 +596,14 @@ NOT_FUZZED = {
     "with its own arguments, exercised through models in tests/test_hf.py",
     "hf.dilated_attention_mask": "transformers' mask interface, as above",
     "hf.sequence_parallel": "takes no argument",
+    "ring.ring_call": "the ring's operators, fuzzed as torch.ops.ring_attention.ring_forward / "
+    "ring_backward",
+    "ring.ring_call_spec": "takes a builder callable; what it raises is kept and reported by the "
+    "operators (fuzzed)",
+    "hf.SequenceParallelDataLoader": "wraps an iterable of batches, each checked by "
+    "shard_causal_lm_batch (fuzzed)",
+    "hf.SequenceParallelMixin": "a Trainer mixin: transformers' Trainer checks its arguments",
+    "hf.SequenceParallelTrainer": "transformers' Trainer with the loader above",
     "planner.MODELS": "a constant",
     "planner.PATTERNS": "a constant",
     "planner.Evaluation": "a result record (evaluate builds it)",

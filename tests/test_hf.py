@@ -421,8 +421,12 @@ def test_custom_mask_functions_raise(which: str) -> None:
 
 def causal_lm_step(model, ids, labels, position_ids=None):
     """The loss and parameter gradients of one causal-LM step on this rank's
-    batch (the whole batch without sequence parallelism)."""
+    batch (the whole batch without sequence parallelism): this rank's share
+    of the whole batch's, so that the ranks' sum is exactly the single
+    process's (the batch's own num_items_in_batch makes them average to it;
+    its 1 / world would round in the loss's float32)."""
     batch = hf.shard_causal_lm_batch(ids, labels, position_ids=position_ids)
+    batch["num_items_in_batch"] = int((labels[:, 1:] != -100).sum())
     model.zero_grad()
     loss = model(**batch).loss
     loss.backward()
@@ -460,9 +464,8 @@ def sp_worker(rank: int, world: int, cases: list) -> list:
         ra.register_transformers(group=dist.group.WORLD, layout=layout)
         model = build(cfg, "ring_dilated", torch.float64, state=state)
         loss, grads = causal_lm_step(model, ids, labels, positions)
-        dist.all_reduce(loss)
-        for g in grads.values():
-            dist.all_reduce(g)
+        for t in (loss, *grads.values()):
+            dist.all_reduce(t)
         results.append((loss, grads))
     # Misuse raises on every rank, before the ring.
     errors = []
@@ -606,6 +609,7 @@ import os
 import sys
 
 dist.all_reduce(loss)
+loss /= dist.get_world_size()  # the ranks' losses average to the batch's
 assert abs(loss.item() - want.item()) < 1e-5, (loss.item(), want.item())
 err = max((p.grad - g).abs().max().item() for p, g in zip(model.parameters(), want_grads))
 assert err < 1e-5, err
@@ -623,8 +627,12 @@ def test_readme_section_runs_under_torchrun(tmp_path) -> None:
     text = open(os.path.join(ROOT, "README.md")).read()
     section = text.split("## Hugging Face transformers\n", 1)[1].split("\n## ", 1)[0]
     blocks = section.split("```python\n")[1:]
-    usage, parallel = (b.split("```", 1)[0] for b in blocks)
+    usage, parallel, trainer = (b.split("```", 1)[0] for b in blocks)
     assert README_CHECKPOINT in usage and "register_transformers(group=" in parallel
+    # the Trainer lines are quoted from the example (in order), which its own test runs
+    example = [line.strip() for line in open(os.path.join(ROOT, "examples", "hf_trainer_sp.py"))]
+    at = [example.index(line.strip()) for line in trainer.splitlines()]
+    assert at == sorted(at), trainer
     build(tiny_config()).save_pretrained(tmp_path / "tiny")
     usage = usage.replace(README_CHECKPOINT, str(tmp_path / "tiny"))
     script = tmp_path / "readme_hf.py"

@@ -34,34 +34,51 @@ What the backend does with transformers' arguments:
 
 **Sequence parallelism** (``register_transformers(group=g)``): every
 ``"ring_dilated"`` call of this process is ring attention over ``g``
-(:func:`ring_attention.ring.ring_attention`): each rank feeds the model its
-shard of the tokens, and the model's logits are this rank's shard of the
+(:func:`ring_attention.ring.ring_call`: one operator forward and one
+backward, compiled with ``fullgraph=True`` too); with ``ulysses_group=`` or
+``mesh=`` it is Ulysses or the ring x Ulysses hybrid
+(:func:`ring_attention.ring_dilated_attention`'s arguments): each rank feeds the model
+its shard of the tokens, and the model's logits are this rank's shard of the
 single-process logits. :func:`shard_causal_lm_batch` builds a rank's batch
 from the full one: shards of ``input_ids``, ``position_ids`` (global
 positions, for the rotary embedding) and ``labels``; the labels shifted for
-next-token prediction *before* sharding (``shift_labels``); the number of
-scored tokens of the whole batch (``num_items_in_batch``); and the global
-document boundaries (``cu_seq_lens_q``/``cu_seq_lens_k``). The sum of the
-ranks' losses is the single-process loss, and the sum of the ranks'
-parameter gradients is the single-process gradient. Every rank must run the
-same forward and backward; a call one rank refuses (a padding mask, dropout,
-a bad config entry, missing ``cu_seq_lens_q``, a KV cache) raises
-``ValueError`` on every rank through the ring's handshake.
+next-token prediction *before* sharding (``shift_labels``); the scored
+tokens of the whole batch over the ranks sharing it
+(``num_items_in_batch``), so that the gradients DDP or FSDP average over the
+ranks are the single-process gradients; and the global document boundaries
+(``cu_seq_lens_q``/``cu_seq_lens_k``). Every rank must run the same forward
+and backward; a call one rank refuses (a padding mask, dropout, a bad config
+entry, missing ``cu_seq_lens_q``, a KV cache) raises ``ValueError`` on every
+rank through the ring's handshake.
+
+**Training** over a data x sequence mesh: :class:`SequenceParallelDataLoader`
+turns a data-parallel loader into sequence-parallel steps (the ranks that
+share a sequence exchange their micro-batches and train on each in turn, a
+piece each); ``SequenceParallelTrainer`` (and ``SequenceParallelMixin`` for
+subclasses of ``Trainer``) puts the Trainer's loaders behind it, and the
+Trainer's DDP or FSDP2 over all ranks, token counting and activation
+checkpointing do the rest.
 
 ``transformers`` is optional: importing this package does not import it.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from .attention import dilated_attention_forward
 from .batch import documents_from_position_ids, shard_causal_lm_batch
 from .config import CONFIG_KEY, pattern_from_config
+from .loader import SequenceParallelDataLoader
 from .masks import dilated_attention_mask
 from .registry import ATTN_IMPLEMENTATION, register_transformers, sequence_parallel
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "CONFIG_KEY",
+    "SequenceParallelDataLoader",
+    "SequenceParallelMixin",
+    "SequenceParallelTrainer",
     "dilated_attention_forward",
     "dilated_attention_mask",
     "documents_from_position_ids",
@@ -70,3 +87,12 @@ __all__ = [
     "sequence_parallel",
     "shard_causal_lm_batch",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The Trainer classes import transformers: only when asked for.
+    if name in ("SequenceParallelMixin", "SequenceParallelTrainer"):
+        from . import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -11,7 +12,7 @@ from .. import ops
 from ..checks import check_key_padding_mask, check_qkv, resolve_scale
 from ..functional import attend
 from ..pattern import Pattern
-from ..ring import ring_attention
+from ..ring import ring_attention, ring_call, ring_call_spec
 from .config import is_dense, layer_pattern
 from .masks import Keys, PerBatch, batch_keys
 from .offset import offset_attention
@@ -118,6 +119,7 @@ def _sdpa_only(attention_mask: Any, dropout: float, kwargs: Mapping[str, Any]) -
 _cu_batches = PerBatch()
 
 
+@torch.compiler.disable  # reads the boundaries (and a per-batch cache): eager
 def _cu_documents(kwargs: Mapping[str, Any]) -> tuple[torch.Tensor, tuple[int, ...]] | None:
     """``(the tensor, its boundaries)`` of ``cu_seq_lens_q``/``_k``, or ``None``."""
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
@@ -139,6 +141,8 @@ def _cu_documents(kwargs: Mapping[str, Any]) -> tuple[torch.Tensor, tuple[int, .
 def _with_documents(memo: dict, pattern: Pattern, documents: tuple[int, ...] | None) -> Pattern:
     """``pattern`` with ``documents``, built once per batch (its device copy
     of the boundaries too)."""
+    if documents is None:  # one document: nothing to build (what torch.compile traces)
+        return pattern
     key = (pattern, documents)
     if key not in memo:
         memo[key] = pattern.with_documents(documents)
@@ -158,7 +162,12 @@ def _local(
     scaling: float | None,
     kwargs: Mapping[str, Any],
 ) -> torch.Tensor:
-    keys = Keys(k.shape[1]) if attention_mask is None else batch_keys(attention_mask)
+    if attention_mask is None:
+        keys = Keys(k.shape[1])
+    elif attention_mask.dtype == torch.bool:  # padding only: nothing to read (compiles)
+        keys = Keys(attention_mask.shape[1], ~attention_mask)
+    else:
+        keys = batch_keys(attention_mask)
     q_len = q.shape[1]
     if not q_len <= keys.length <= k.shape[1]:
         raise ValueError(
@@ -169,7 +178,8 @@ def _local(
         k, v = k[:, : keys.length], v[:, : keys.length]
     q_start = keys.length - q_len
     rows, memo = keys.rows, keys.patterns
-    cu = _cu_documents(kwargs)
+    given = any(kwargs.get(f"cu_seq_lens_{s}") is not None for s in "qk")
+    cu = _cu_documents(kwargs) if given else None
     if cu is not None:
         if q_start:
             raise ValueError(
@@ -218,36 +228,68 @@ def _sharded(
     kwargs: Mapping[str, Any],
     sp: SequenceParallel,
 ) -> torch.Tensor:
-    """Ring attention over ``sp.group``. Every check runs inside the ring's
-    handshake (:func:`ring_attention.ring.ring_attention` calls
-    ``pattern()`` there): a rank whose call is refused makes every rank
-    raise, instead of its peers waiting out the group's timeout."""
-
-    def pattern() -> Pattern:
-        _check_supported(kwargs)
-        reason = _sdpa_only(attention_mask, dropout, kwargs)
-        if reason is not None:
-            raise ValueError(f"{_NAME} with sequence parallelism cannot apply {reason}")
-        if query.shape[2] != key.shape[2]:
-            raise ValueError(
-                f"{_NAME} with sequence parallelism attends a sequence to itself; got "
-                f"{query.shape[2]} queries and {key.shape[2]} keys (decoding with a KV cache)"
-            )
-        if attention_mask is not None:
-            raise ValueError(
-                f"{_NAME} with sequence parallelism takes no padding mask: with causal attention "
-                "right padding needs none (drop attention_mask and set the padded labels to "
-                "-100), or pack the documents (cu_seq_lens_q)"
-            )
-        cu = _cu_documents(kwargs)
-        if cu is None:
-            raise ValueError(
-                f"{_NAME} with sequence parallelism needs the global document boundaries "
-                "cu_seq_lens_q (a rank cannot see them in its shard of position_ids): build "
-                "each rank's batch with ring_attention.hf.shard_causal_lm_batch"
-            )
-        base = layer_pattern(module, causal)
-        return _with_documents(_cu_batches.get(cu[0], "patterns", dict), base, cu[1])
-
+    """Ring attention over the sequence-parallel ranks, one operator forward
+    and one backward (:func:`ring_attention.ring.ring_call`): under
+    ``torch.compile`` the call is one node of the graph, its configuration
+    decided once while tracing. What this rank refuses (and a bad config
+    entry) is reported through the ring's handshake, so that every rank
+    raises instead of its peers waiting out the group's timeout."""
+    documents = kwargs.get("cu_seq_lens_q")
+    if documents is None:
+        documents = kwargs.get("cu_seq_lens_k")
+    refusal = _sharded_refusal(query, key, attention_mask, dropout, kwargs, documents is None)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    return ring_attention(q, k, v, pattern, scale=scaling, group=sp.group, layout=sp.layout)
+    if not sp.ring_only:  # Ulysses or the hybrid: the refusal is reported in its rounds
+        pattern = functools.partial(_grid_pattern, module, causal, refusal, kwargs)
+        return ring_attention(q, k, v, pattern, scale=scaling, layout=sp.layout, **sp.spread())
+    spec = ring_call_spec(_sharded_pattern, module, causal, refusal, scale=scaling, group=sp.group,
+                          layout=sp.layout)  # fmt: skip
+    return ring_call(q, k, v, spec, documents)
+
+
+def _sharded_refusal(
+    query: torch.Tensor, key: torch.Tensor, attention_mask: Any, dropout: float,
+    kwargs: Mapping[str, Any], no_documents: bool,
+) -> str | None:  # fmt: skip
+    """Why this rank's sharded call cannot run, or ``None``."""
+    for name, what in _UNSUPPORTED.items():
+        if kwargs.get(name) is not None:
+            return f"{_NAME} does not support {what}"
+    reason = _sdpa_only(attention_mask, dropout, kwargs)
+    if reason is not None:
+        return f"{_NAME} with sequence parallelism cannot apply {reason}"
+    if query.shape[2] != key.shape[2]:
+        return (
+            f"{_NAME} with sequence parallelism attends a sequence to itself; got "
+            f"{query.shape[2]} queries and {key.shape[2]} keys (decoding with a KV cache)"
+        )
+    if attention_mask is not None:
+        return (
+            f"{_NAME} with sequence parallelism takes no padding mask: with causal attention "
+            "right padding needs none (drop attention_mask and set the padded labels to "
+            "-100), or pack the documents (cu_seq_lens_q)"
+        )
+    if no_documents:
+        return (
+            f"{_NAME} with sequence parallelism needs the global document boundaries "
+            "cu_seq_lens_q (a rank cannot see them in its shard of position_ids): build "
+            "each rank's batch with ring_attention.hf.shard_causal_lm_batch"
+        )
+    return None
+
+
+def _sharded_pattern(module: torch.nn.Module, causal: bool, refusal: str | None) -> Pattern:
+    """The layer's pattern (its documents come with the call), or the refusal."""
+    if refusal is not None:
+        raise ValueError(refusal)
+    return layer_pattern(module, causal)
+
+
+def _grid_pattern(
+    module: torch.nn.Module, causal: bool, refusal: str | None, kwargs: Mapping[str, Any]
+) -> Pattern:
+    """The layer's pattern with the batch's documents (built once per batch),
+    or the refusal (Ulysses and the hybrid)."""
+    pattern = _sharded_pattern(module, causal, refusal)
+    tensor, documents = _cu_documents(kwargs)  # given: else refused
+    return _with_documents(_cu_batches.get(tensor, "patterns", dict), pattern, documents)

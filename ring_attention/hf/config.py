@@ -58,7 +58,7 @@ def pattern_from_config(config: Any, causal: bool) -> Pattern:
     causal = as_flag(causal, "causal")  # before the cache, whose keys take 1 for True
     entry = getattr(config, CONFIG_KEY, None)
     if entry is None:
-        return _cached_pattern(None, causal)
+        return _pattern(None, causal)
     if not isinstance(entry, Mapping):
         raise ValueError(
             f"config.{CONFIG_KEY} must be a dict with keys {list(_FIELDS)}, "
@@ -74,7 +74,7 @@ def pattern_from_config(config: Any, causal: bool) -> Pattern:
     if "head_groups" in entry:
         as_flag(entry["head_groups"], f"config.{CONFIG_KEY}['head_groups']")
     frozen = tuple((key, _freeze(entry[key], key)) for key in _FIELDS if key in entry)
-    return _cached_pattern(frozen, causal)
+    return _pattern(frozen, causal)
 
 
 def _freeze(value: Any, key: str) -> Any:
@@ -93,6 +93,12 @@ def _freeze(value: Any, key: str) -> Any:
             f"head_groups / head_offsets), got {value!r}"
         ) from None
     return value
+
+
+def _pattern(entry: tuple | None, causal: bool) -> Pattern:
+    # torch.compile traces the construction (once; it ignores an LRU cache, and warns)
+    build = _cached_pattern.__wrapped__ if torch.compiler.is_compiling() else _cached_pattern
+    return build(entry, causal)
 
 
 @functools.lru_cache(maxsize=64)

@@ -10,15 +10,19 @@ every layer's attention call as ``attention_mask``. That value is
 
 - ``None``: no padding, one document per row, and the layer's keys are
   exactly the filled ones (the queries are the last ``q_length`` of them);
-- or a 2-D int32 tensor ``(batch, filled)``, ``filled = q_offset + q_length``
+- or a 2-D tensor ``(batch, filled)``, ``filled = q_offset + q_length``
   the keys in use (a layer's keys beyond them are not attended, as
-  flash-attention's masks do for static caches): ``0`` for a padding key,
-  ``d >= 1`` for a key of document ``d`` of its row. As a bool tensor it is
-  transformers' own 2-D padding mask, so a mask fed back to the model
-  (``generate`` does so with static caches) means the same.
+  flash-attention's masks do for static caches): without documents a bool
+  tensor, ``True`` for a key, ``False`` for padding (transformers' own 2-D
+  padding mask, so a mask fed back to the model, as ``generate`` does with
+  static caches, means the same), passed to the kernels as it is; with
+  packed documents an int32 tensor, ``0`` for a padding key, ``d >= 1`` for a
+  key of document ``d`` of its row.
 
-:func:`batch_keys` reads it once per batch (the first layer) and hands the
-same :class:`Keys` to the other layers.
+:func:`batch_keys` reads an int32 map once per batch (the first layer) and
+hands the same :class:`Keys` to the other layers. Under ``torch.compile``
+:func:`dilated_attention_mask` runs eagerly (one graph break per forward);
+the layers read nothing from a bool map, so they compile without breaks.
 """
 
 from __future__ import annotations
@@ -82,6 +86,7 @@ def _packed_sequences(fn: Callable | None) -> torch.Tensor | None:
     )
 
 
+@torch.compiler.disable  # reads mask functions' closures and values: eager, one graph break
 def dilated_attention_mask(
     batch_size: int,
     q_length: int,
@@ -117,13 +122,18 @@ def dilated_attention_mask(
             keep = None
     if sequence_parallel() is not None:
         documents = None  # a shard's positions cannot show them: cu_seq_lens_q holds them
+    elif documents is not None and bool((documents == documents[:, :1]).all()):
+        # one document per row: what transformers decides unless it is being
+        # compiled (it cannot look then; this function runs eagerly, once per
+        # forward, and the layers, given no mask, compile without a break)
+        documents = None
     if keep is None and documents is None and filled == kv_length:
         return None
     device = attention_mask.device if attention_mask is not None else kwargs.get("device", "cpu")
-    if documents is not None:
-        ids = (documents + 1).to(device=device, dtype=torch.int32)
-    else:
-        ids = torch.ones(batch_size, filled, dtype=torch.int32, device=device)
+    if documents is None:  # padding only: the layers need not read it
+        ones = keep is None
+        return torch.ones(batch_size, filled, dtype=torch.bool, device=device) if ones else keep
+    ids = (documents + 1).to(device=device, dtype=torch.int32)
     return ids if keep is None else ids * keep
 
 
@@ -170,6 +180,7 @@ class Keys:
 _masks = PerBatch()
 
 
+@torch.compiler.disable  # reads the map's values (and a per-batch cache): eager
 def batch_keys(mask: torch.Tensor) -> Keys:
     """:class:`Keys` of the 2-D key map (computed once per batch)."""
     return _masks.get(mask, "keys", lambda: _read(mask))

@@ -6,37 +6,134 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
+from .._comm import world_info
 from ..layout import check_layout
+from ..mesh import resolve_topology
+from ..sharding import shard_sequence
 
-__all__ = ["ATTN_IMPLEMENTATION", "SequenceParallel", "register_transformers", "sequence_parallel"]
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "SequenceParallel",
+    "register_transformers",
+    "sequence_parallel",
+    "spread_of",
+]
 
 #: The name to pass as ``attn_implementation``.
 ATTN_IMPLEMENTATION = "ring_dilated"
 
 
 class SequenceParallel:
-    """The group and layout of ``register_transformers(group=...)``. The
-    group is held by a weak reference: a strong one would keep a group that
-    destroy_process_group released alive, with its gloo worker threads, into
-    the interpreter's shutdown, where a thread still releasing a finished
-    collective's tensors needs the GIL and aborts the process."""
+    """The sequence-parallel ranks of ``register_transformers(group=...,
+    ulysses_group=..., mesh=...)``: how the attention spreads a sequence
+    (the ring over ``group``, Ulysses inside ``ulysses_group``, or their
+    hybrid; docs/design.md §2) and what the batch sharding needs
+    (:attr:`size`, :attr:`rank`, :meth:`shard`, :meth:`gather_object`).
 
-    def __init__(self, group: dist.ProcessGroup, layout: str) -> None:
-        self._group = weakref.ref(group)
+    The groups are held by weak references: a strong one would keep a group
+    that destroy_process_group released alive, with its gloo worker threads,
+    into the interpreter's shutdown, where a thread still releasing a
+    finished collective's tensors needs the GIL and aborts the process. A
+    1-D mesh is its ring group; a 2-D mesh is kept (it holds no group)."""
+
+    def __init__(
+        self, group: dist.ProcessGroup | None, layout: str,
+        ulysses_group: dist.ProcessGroup | None = None, mesh: Any = None,
+    ) -> None:  # fmt: skip
+        self._refs = tuple(None if g is None else weakref.ref(g) for g in (group, ulysses_group))
+        self.mesh = mesh
         self.layout = layout
 
-    @property
-    def group(self) -> dist.ProcessGroup:
-        group = self._group()
+    def _live(self, index: int) -> dist.ProcessGroup | None:
+        ref = self._refs[index]
+        if ref is None:
+            return None
+        group = ref()
         if group is None:
             raise RuntimeError(
-                "the process group given to register_transformers(group=...) no longer exists "
-                "(destroy_process_group released it): register again with a live group, or "
-                "with group=None"
+                "a process group given to register_transformers no longer exists "
+                "(destroy_process_group released it): register again with live groups, or "
+                "with none"
             )
         return group
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The ring (``None`` with Ulysses alone or a mesh)."""
+        return self._live(0)
+
+    @property
+    def ulysses_group(self) -> dist.ProcessGroup | None:
+        """The Ulysses group, or ``None``."""
+        return self._live(1)
+
+    @property
+    def ring_only(self) -> bool:
+        """Whether the attention is the ring alone (one operator, compiles)."""
+        return self._refs[1] is None and self.mesh is None
+
+    def spread(self) -> dict[str, Any]:
+        """``group``/``ulysses_group``/``mesh`` as the functional API takes them."""
+        return {"group": self.group, "ulysses_group": self.ulysses_group, "mesh": self.mesh}
+
+    def _grid(self) -> tuple[int, int, tuple]:
+        """``(size, rank, groups)``: the ranks sharing a sequence, this rank's
+        shard and the groups to gather over (Ulysses first, then the ring)."""
+        if self.ring_only:
+            size, rank = world_info(self.group)
+            return size, rank, ((self.group, size),)
+        topo = resolve_topology(**self.spread())
+        return topo.world_size, topo.shard_index, (
+            (topo.ulysses_group, topo.ulysses_size), (topo.ring_group, topo.ring_size),
+        )  # fmt: skip
+
+    @property
+    def size(self) -> int:
+        """How many ranks share a sequence."""
+        return self._grid()[0]
+
+    @property
+    def rank(self) -> int:
+        """This rank's shard of the sequence (``i * U + j`` in the hybrid)."""
+        return self._grid()[1]
+
+    def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's piece of ``x`` along ``dim`` (contiguous)."""
+        return shard_sequence(x, dim, layout=self.layout, **self.spread()).contiguous()
+
+    def gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in shard order, from all the ranks that
+        share a sequence (``all_gather_object`` inside the Ulysses group,
+        then along the ring: no group of its own is needed)."""
+        items = [obj]
+        for group, size in self._grid()[2]:
+            if size > 1:
+                parts: list[Any] = [None] * size
+                dist.all_gather_object(parts, items, group=group)
+                items = [x for part in parts for x in part]
+        return items
+
+
+def spread_of(group: Any, ulysses_group: Any, mesh: Any, layout: str) -> SequenceParallel | None:
+    """The checked :class:`SequenceParallel` of these arguments (``None``:
+    no sequence parallelism).
+
+    Raises:
+        ValueError: as :func:`register_transformers`.
+    """
+    check_layout(layout)
+    for name, g in (("group", group), ("ulysses_group", ulysses_group)):
+        if g is not None and not isinstance(g, dist.ProcessGroup):
+            raise ValueError(f"{name} must be a torch.distributed ProcessGroup or None, got {g!r}")
+    if mesh is None and ulysses_group is None:
+        return None if group is None else SequenceParallel(group, layout)
+    resolve_topology(group, ulysses_group, mesh)  # checks this rank's arguments
+    if mesh is not None and mesh.ndim == 1:
+        group, mesh = mesh.get_group(), None  # a 1-D mesh is a ring
+    return SequenceParallel(group, layout, ulysses_group, mesh)
 
 
 _state: dict[str, SequenceParallel | None] = {"sp": None}
@@ -61,7 +158,11 @@ def import_transformers() -> Any:
 
 
 def register_transformers(
-    group: dist.ProcessGroup | None = None, *, layout: str = "contiguous"
+    group: dist.ProcessGroup | None = None,
+    *,
+    ulysses_group: dist.ProcessGroup | None = None,
+    mesh: Any = None,
+    layout: str = "contiguous",
 ) -> None:
     """Register ``"ring_dilated"`` with transformers' attention and
     attention-mask interfaces, so that ``from_config(config,
@@ -71,21 +172,36 @@ def register_transformers(
     Idempotent; every call replaces the sequence-parallel setting.
 
     Args:
-        group: ``None`` (default): every process attends over the whole
-            sequence it is given. A process group (e.g. ``dist.group.WORLD``):
-            sequence parallelism over it; every ``"ring_dilated"`` call of
-            this process is then ring attention over ``group``, each rank
-            passing its shard of the tokens (see
-            :func:`ring_attention.hf.shard_causal_lm_batch`). Held by a weak
-            reference, so that ``destroy_process_group`` releases it; a
-            sharded call after that raises ``RuntimeError``.
+        group: ``None`` (default, and no ``ulysses_group`` or ``mesh``):
+            every process attends over the whole sequence it is given. A
+            process group (e.g. ``dist.group.WORLD``): sequence parallelism
+            over it; every ``"ring_dilated"`` call of this process is then
+            ring attention over ``group``, each rank passing its shard of the
+            tokens (see :func:`ring_attention.hf.shard_causal_lm_batch`).
+            With ``ulysses_group``: the ring between the ranks holding the
+            same heads (``None``: no ring), as in
+            :func:`ring_attention.ring_dilated_attention`.
+        ulysses_group: head parallelism (Ulysses) inside this group; with
+            ``group`` too, the ring x Ulysses hybrid (rank with ring index
+            ``i`` and Ulysses index ``j`` holding shard ``i * U + j``).
+        mesh: instead of the groups, a ``DeviceMesh``: 1-D = a ring over it,
+            2-D with ``mesh_dim_names=("ring", "ulysses")`` = the hybrid.
         layout: the sharding layout of the sequence-parallel ranks,
-            ``"contiguous"`` (default) or ``"zigzag"`` (docs/design.md §3).
+            ``"contiguous"`` (default) or ``"zigzag"`` (docs/design.md §3;
+            in the hybrid, at the ring level).
+
+    The groups are held by weak references, so that
+    ``destroy_process_group`` releases them; a sharded call after that raises
+    ``RuntimeError``. The ring alone is one operator forward and one backward
+    (``torch.compile(fullgraph=True)`` keeps it whole); Ulysses and the
+    hybrid run their all-to-alls eagerly.
 
     Raises:
         ImportError: transformers is not installed (the ``hf`` extra).
-        ValueError: an unknown ``layout``, or a ``group`` that is not a
-            process group.
+        ValueError: an unknown ``layout``, a ``group`` or ``ulysses_group``
+            that is not a process group, a ``mesh`` that is not a 1-D or 2-D
+            ``("ring", "ulysses")`` ``DeviceMesh``, or ``mesh`` together with
+            the groups.
     """
     import_transformers()
     from transformers import AttentionInterface
@@ -94,9 +210,7 @@ def register_transformers(
     from .attention import dilated_attention_forward
     from .masks import dilated_attention_mask
 
-    check_layout(layout)
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise ValueError(f"group must be a torch.distributed ProcessGroup or None, got {group!r}")
+    sp = spread_of(group, ulysses_group, mesh, layout)
     AttentionInterface.register(ATTN_IMPLEMENTATION, dilated_attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, dilated_attention_mask)
-    _state["sp"] = None if group is None else SequenceParallel(group, layout)
+    _state["sp"] = sp

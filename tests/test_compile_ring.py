@@ -1,0 +1,170 @@
+"""torch.compile of the ring and of the transformers backend.
+
+The ring is two custom operators (``torch.ops.ring_attention.ring_forward``
+/ ``ring_backward``) that the compiler keeps opaque; the configuration of a
+call is decided once, while tracing. These tests compile with
+``fullgraph=True`` (a graph break is an error), count the compiled frames
+over several steps (no recompilation for fixed shapes) and compare forward
+and backward with eager, in real gloo processes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+import torch._dynamo.testing
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+import ring_attention as ra
+from ring_attention.pattern import Pattern
+from ring_attention.ring import ring_call_spec
+from ring_attention.testing import run_distributed
+
+SEGS, DILS = [4, 8], [1, 2]
+PATTERN = {"segment_lengths": [6, 16], "dilation_rates": [1, 3]}
+N = 29  # shards of 15 and 14
+
+
+def _config() -> LlamaConfig:
+    cfg = LlamaConfig(vocab_size=61, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      pad_token_id=0)  # fmt: skip
+    cfg.dilated_attention = PATTERN
+    return cfg
+
+
+def _steps(fn, inputs, params, backend, steps=3):
+    """Output and gradients of ``fn`` compiled with ``backend`` over ``steps``
+    calls (the last), and the number of frames it compiled."""
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
+    compiled = torch.compile(fn, backend=counter, fullgraph=True)
+    for step in range(steps):
+        # a tuple of one value per step stands for a new tensor at every step
+        out = compiled(*(t[step] if isinstance(t, tuple) else t for t in inputs))
+        grads = torch.autograd.grad(out.sum(), params)
+    return out.detach(), list(grads), counter.frame_count
+
+
+def _eager(fn, inputs, params):
+    out = fn(*inputs)
+    return out.detach(), list(torch.autograd.grad(out.sum(), params))
+
+
+def _max_error(got, want) -> float:
+    (out, grads), (want_out, want_grads) = got, want
+    pairs = zip([out, *grads], [want_out, *want_grads], strict=True)
+    return float(max((a - b).abs().max() for a, b in pairs))
+
+
+def _worker(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    found: dict = {}
+
+    # The ring call: GQA, causal, documents given as a tensor, an explicit group.
+    q, k, v = (torch.randn(2, N, h, 8, dtype=torch.float64) for h in (4, 2, 2))
+    cu = torch.tensor([0, 5, 20, N])
+    q, k, v = (ra.shard_sequence(t, 1).detach().requires_grad_() for t in (q, k, v))
+
+    def ring(q, k, v, cu):
+        return ra.ring_dilated_attention(q, k, v, SEGS, DILS, causal=True, cu_seqlens=cu,
+                                         group=dist.group.WORLD)  # fmt: skip
+
+    want = _eager(ring, (q, k, v, cu), (q, k, v))
+    for backend in ("eager", "aot_eager", "inductor"):
+        out, grads, frames = _steps(ring, (q, k, v, cu), (q, k, v), backend)
+        found[f"ring {backend}"] = (frames, _max_error((out, grads), want))
+
+    # One decoder layer of a transformers model, sequence parallel.
+    ra.register_transformers(group=dist.group.WORLD)
+    model = AutoModelForCausalLM.from_config(_config(), attn_implementation="ring_dilated")
+    layer = model.double().model.layers[0]
+    x = ra.shard_sequence(torch.randn(2, N, 64, dtype=torch.float64), 1).requires_grad_()
+    positions = ra.shard_sequence(torch.arange(N)[None], 1)
+    rope = model.model.rotary_emb(x, positions)
+    docs = torch.tensor([0, 11, N], dtype=torch.int32)
+
+    def decoder(x, docs):
+        return layer(x, attention_mask=None, position_ids=positions, position_embeddings=rope,
+                     cu_seq_lens_q=docs, cu_seq_lens_k=docs)  # fmt: skip
+
+    params = [x, *layer.parameters()]
+    want = _eager(decoder, (x, docs), params)
+    out, grads, frames = _steps(decoder, (x, docs), params, "aot_eager")
+    found["decoder aot_eager"] = (frames, _max_error((out, grads), want))
+
+    # A call one rank refuses raises on every rank, from inside the compiled graph.
+    bad = torch.tensor([0, 20, 5, N]) if rank == 0 else cu
+    try:
+        torch.compile(ring, backend="aot_eager", fullgraph=True)(q, k, v, bad)
+        found["refused"] = "no error"
+    except ValueError as exc:
+        found["refused"] = str(exc)
+    ra.register_transformers()
+    return found
+
+
+def test_ring_and_decoder_layer_compile_fullgraph_on_two_ranks() -> None:
+    for rank, found in enumerate(run_distributed(_worker, 2, timeout=600)):
+        for name in ("ring eager", "ring aot_eager", "ring inductor", "decoder aot_eager"):
+            frames, err = found[name]
+            assert frames == 1, (rank, name, frames)  # one graph, no recompilation
+            assert err == 0.0, (rank, name, err)  # the same operators as eager, in order
+        if rank == 0:
+            assert "non-decreasing" in found["refused"], found["refused"]
+        else:
+            assert "rank(s) [0] rejected their inputs" in found["refused"], found["refused"]
+
+
+@pytest.mark.parametrize("padding", [False, True])
+def test_decoder_layer_compiles_fullgraph_in_one_process(padding: bool) -> None:
+    """The layer with the mask the model hands it (transformers' mask
+    preparation runs once per forward, eagerly): none, or right padding."""
+    from transformers.masking_utils import create_causal_mask
+
+    ra.register_transformers()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_config(), attn_implementation="ring_dilated")
+    layer = model.double().model.layers[0]
+    x = torch.randn(2, N, 64, dtype=torch.float64, requires_grad=True)
+    positions = torch.arange(N)[None]
+    rope = model.model.rotary_emb(x, positions)
+    pad = torch.ones(2, N, dtype=torch.long)
+    pad[1, N - 7 :] = 0
+    mask = create_causal_mask(model.config, x, pad if padding else None, None,
+                              position_ids=positions)  # fmt: skip
+    assert (mask is None) != padding
+
+    def decoder(x, mask):
+        return layer(x, attention_mask=mask, position_ids=positions, position_embeddings=rope)
+
+    params = [x, *layer.parameters()]
+    want = _eager(decoder, (x, mask), params)
+    # every step a new mask tensor, as every batch brings one
+    masks = (None,) * 3 if mask is None else (mask.clone(), mask.clone(), mask.clone())
+    out, grads, frames = _steps(decoder, (x, masks), params, "aot_eager")
+    assert frames == 1
+    torch.testing.assert_close(out, want[0], atol=0, rtol=0)
+    for a, b in zip(grads, want[1], strict=True):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("documents", [False, True])
+def test_ring_operators_opcheck(documents: bool) -> None:
+    """The operators' schemas, fake kernels and traced forms (one process)."""
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(2, 13, h, 8, dtype=torch.float64) for h in (4, 2, 2))
+    cu = torch.tensor([0, 6, 13]) if documents else None
+    spec = ring_call_spec(Pattern, SEGS, DILS, True)  # causal
+    ops = torch.ops.ring_attention
+    torch.library.opcheck(ops.ring_forward, (q, k, v, cu, spec, False))
+    out, lse, seq_len = ops.ring_forward(q, k, v, cu, spec, False)
+    want, want_lse = ra.dilated_attention(q, k, v, SEGS, DILS, causal=True, cu_seqlens=cu,
+                                          return_lse=True)  # fmt: skip
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+    torch.testing.assert_close(lse, want_lse, atol=1e-12, rtol=0)
+    assert int(seq_len) == 13
+    grad = torch.randn_like(out)
+    torch.library.opcheck(ops.ring_backward, (grad, None, q, k, v, out, lse, cu, seq_len, spec))
