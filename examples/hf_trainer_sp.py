@@ -78,8 +78,10 @@ def train(args: argparse.Namespace) -> None:
         ra.register_transformers(mesh=mesh["ring", "ulysses"])
     else:
         mesh = init_device_mesh("cpu", (world // args.sp, args.sp), mesh_dim_names=("dp", "sp"))
-        spread = "group" if args.mode == "ring" else "ulysses_group"
-        ra.register_transformers(**{spread: mesh.get_group("sp")})
+        if args.mode == "ring":
+            ra.register_transformers(group=mesh.get_group("sp"))  # the ring over each "sp" group
+        else:
+            ra.register_transformers(ulysses_group=mesh.get_group("sp"))
     config = LlamaConfig(vocab_size=QUERY + 1, hidden_size=64, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=args.seq_len)  # fmt: skip
