@@ -9,6 +9,7 @@
     python benchmarks/bench.py tiles      # one-thread timings of the CPU kernels' tile products
     python benchmarks/bench.py check      # every method against a reference, then exit
     python benchmarks/bench.py report     # tables and plots again from the result files
+    python benchmarks/bench.py views      # the GPU check of the dense per-branch path
 
 ``python benchmarks/bench.py SUBCOMMAND --help`` describes every option. The
 sweeps (local, ring) append one JSON line per finished point to
@@ -27,18 +28,13 @@ import os
 import sys
 from collections.abc import Sequence
 
-import compare
-import cpu_tile_gemm
-import llm
-import measure
-import methods
-import modes
-from common import DEFAULT_OUT, DTYPES, RING_DILATIONS, RING_SEGMENTS, parse_config
-from local_report import finish_local
-from local_sweep import cmd_local
-from ring_run import cmd_ring_run
-from ring_sweep import cmd_ring, finish_ring
-from tables import cmd_bytes, cmd_check
+from . import compare, cpu_tile_gemm, llm, measure, methods, modes
+from .common import DEFAULT_OUT, DTYPES, RING_DILATIONS, RING_SEGMENTS, parse_config
+from .local_report import finish_local
+from .local_sweep import cmd_local
+from .ring_run import cmd_ring_run
+from .ring_sweep import cmd_ring, finish_ring
+from .tables import cmd_bytes, cmd_check
 
 
 # --------------------------------------------------------------------------- #
@@ -336,6 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_check)
 
     compare.add_parser(sub)
+    # its own parser: main() hands it the arguments (bench.py views --help)
+    sub.add_parser("views", help="the GPU check of the dense per-branch path (views_check.py)")
 
     p = sub.add_parser("report", help="tables and plots again from the result files")
     add_output(p, resumable=False)
@@ -393,11 +391,12 @@ result against ring_attention.dilated_attention on the whole sequence in one pro
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["views"]:  # imported here: it needs ring_attention, the baselines do not
+        from . import views_check
+
+        return views_check.main(argv[1:])
     args = build_parser().parse_args(argv)
     with contextlib.suppress(BrokenPipeError):
         return args.func(args)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -144,10 +144,9 @@ def test_ranges_far_from_zero_match_the_oracle_in_a_subprocess() -> None:
     import sys
 
     tests = os.path.dirname(os.path.abspath(__file__))
-    script = f"import sys; sys.path.insert(0, {tests!r})\n"
-    script += "from test_exchange_rows import far_cases; print('ok', far_cases())"
-    proc = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    script = "from test_exchange_rows import far_cases; print('ok', far_cases())"
+    proc = subprocess.run(  # run in tests/: `python -c` imports from its folder
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tests
     )
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
     assert proc.stdout.split() == ["ok", "30"], proc.stdout

@@ -521,11 +521,10 @@ def run_all(limit: int | None = None) -> tuple[list[tuple[int, str]], int, float
     failures: list[tuple[int, str]] = []
     start, t0 = 0, time.monotonic()
     while start < n and time.monotonic() - t0 < TOTAL_TIMEOUT:
-        script = f"import sys; sys.path.insert(0, {tests!r}); import test_fuzz_arguments as f; "
-        script += f"f.worker({start})"
-        proc = subprocess.Popen(
+        script = f"import test_fuzz_arguments as f; f.worker({start})"
+        proc = subprocess.Popen(  # run in tests/: `python -c` imports from its folder
             [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True, bufsize=1,
+            text=True, bufsize=1, cwd=tests,
         )  # fmt: skip
         current, last = None, time.monotonic()
         try:
