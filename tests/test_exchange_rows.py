@@ -10,6 +10,7 @@ import random
 
 import pytest
 import torch
+from child_env import with_path
 from op_helpers import OPS, Cfg, reached_rows
 
 
@@ -145,9 +146,10 @@ def test_ranges_far_from_zero_match_the_oracle_in_a_subprocess() -> None:
 
     tests = os.path.dirname(os.path.abspath(__file__))
     script = "from test_exchange_rows import far_cases; print('ok', far_cases())"
-    proc = subprocess.run(  # run in tests/: `python -c` imports from its folder
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=tests
-    )
+    proc = subprocess.run(  # tests/ on the child's path: its helpers
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+        env=with_path(tests),
+    )  # fmt: skip
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
     assert proc.stdout.split() == ["ok", "30"], proc.stdout
 

@@ -21,6 +21,7 @@ import sys
 import textwrap
 
 import pytest
+from child_env import with_path
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 BASES = [2**61 - 8, 2**61, 2**62]
@@ -101,9 +102,10 @@ def _run(emulated: bool, dtype: str, head_dim: int = 8, cc: int = 90) -> None:
     script = textwrap.dedent(
         SCRIPT.format(emulated=emulated, cc=cc, dtype=dtype, head_dim=head_dim, bases=BASES)
     )
-    proc = subprocess.run(  # run in tests/: `python -c` imports from its folder
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=240, cwd=TESTS
-    )
+    proc = subprocess.run(  # tests/ on the child's path: its helpers
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=240,
+        env=with_path(TESTS),
+    )  # fmt: skip
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
     assert proc.stdout.split() == ["ok", str(len(BASES) * 4)], proc.stdout + proc.stderr
 

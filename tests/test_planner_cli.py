@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from child_env import with_path
+
 from ring_attention.planner.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,8 +52,7 @@ def test_help_names_one_default_per_option() -> None:
 
 def run(args: list[str], tty: bool) -> tuple[int, str, str]:
     """The planner's exit status, stdout and stderr (a terminal when ``tty``)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
-           os.environ.get("PYTHONPATH")]))}  # fmt: skip
+    env = with_path(ROOT)
     cmd = [sys.executable, "-m", "ring_attention.planner", *args]
     if not tty:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)

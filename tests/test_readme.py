@@ -13,7 +13,6 @@ without the hub). Every shell command (```bash blocks and inline ``python``,
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 import shlex
 import subprocess
@@ -21,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from child_env import with_path
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -47,8 +47,7 @@ PYTHON = blocks("python")
 def run_block(code: str, tmp_path: Path, torchrun: bool) -> subprocess.CompletedProcess:
     script = tmp_path / "readme_block.py"
     script.write_text(code)
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    env = {**with_path(ROOT), "OMP_NUM_THREADS": "1"}
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     cmd = [*(launch if torchrun else [sys.executable]), str(script)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
