@@ -7,11 +7,13 @@ import argparse
 import math
 import os
 import sys
-from collections.abc import Iterable, Sequence
+import textwrap
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-import measure
 import torch
+
+from . import measure
 
 DTYPES = {
     "float32": torch.float32,
@@ -64,14 +66,22 @@ def rate_unit(device_type: str) -> tuple[str, float]:
     return ("TFLOP/s", 1e12) if device_type == "cuda" else ("GFLOP/s", 1e9)
 
 
-def progress(items: Sequence[Any], desc: str):
-    """A tqdm bar over ``items`` (plain iteration when tqdm is not installed)."""
+def progress(items: Sequence[Any], desc: str, size: Callable[[Any], int] | None = None):
+    """Yields ``items`` under a tqdm bar on stderr that counts points:
+    ``size(item)`` of them per item (one by default); plain iteration when
+    tqdm is not installed."""
+    sizes = [1 if size is None else size(x) for x in items]
     try:
         from tqdm import tqdm
     except ImportError:
-        print(f"{desc}: {len(items)} to run (pip install tqdm for a progress bar)")
-        return items
-    return tqdm(items, desc=desc, dynamic_ncols=True, file=sys.stderr)
+        print(f"{desc}: {sum(sizes)} to run (pip install tqdm for a progress bar)")
+        yield from items
+        return
+    with tqdm(total=sum(sizes), desc=desc, unit="point", dynamic_ncols=True,
+              file=sys.stderr) as bar:  # fmt: skip
+        for x, n in zip(items, sizes, strict=True):
+            yield x
+            bar.update(n)
 
 
 def say(text: str) -> None:
@@ -109,6 +119,21 @@ def pyplot():
         print("matplotlib is not installed: no plots (pip install -e '.[bench]')")
         return None
     return plt
+
+
+#: The width of the markdown reports' prose (headers, notes): a terminal's.
+WIDTH = 100
+
+
+def wrap(text: str) -> list[str]:
+    """``text`` as lines of at most ``WIDTH`` columns (a long word stays whole)."""
+    return textwrap.wrap(text, WIDTH, break_long_words=False, break_on_hyphens=False)
+
+
+def heading(title: str, run: dict[str, Any] | None) -> list[str]:
+    """A report's title and the run it describes (``measure.describe``),
+    wrapped; nothing without a run."""
+    return [f"# {title}", "", *wrap(measure.describe(run)), ""] if run else []
 
 
 def write_text(path: str, lines: Sequence[str]) -> None:

@@ -12,9 +12,9 @@ import math
 import os
 from typing import Any
 
-import measure
-from common import fmt, md_table, rate_unit, write_text
-from local_report import local_rows
+from . import measure
+from .common import fmt, md_table, rate_unit, write_text
+from .local_report import local_rows
 
 
 def _result_file(folder: str) -> measure.ResultFile | None:

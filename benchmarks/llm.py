@@ -20,9 +20,10 @@ import os
 import time
 from typing import Any
 
-import measure
 import torch
-from measure import MiB
+
+from . import measure
+from .measure import MiB
 
 
 def _plan_bytes(pattern, n: int, heads: int, kv_heads: int, p: int, head_dim: int, itemsize: int):

@@ -7,15 +7,9 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-import measure
-import methods
-from common import (
-    md_table,
-    pyplot,
-    rate_unit,
-    write_text,
-)
-from measure import MiB
+from . import measure, methods
+from .common import heading, md_table, pyplot, rate_unit, wrap, write_text
+from .measure import MiB
 
 # What the tables call each method.
 LABELS = {
@@ -102,18 +96,24 @@ def local_report(store: measure.ResultFile) -> list[str]:
         "rrll" + "r" * 7,
     )
     run = latest_run(store)
-    lines += [
-        "",
+    dense = any(r["method"] == "dense" for r in rows)
+    note = (
         f"{unit}: pattern FLOPs (4·d per reached (query, key) pair forward, 3.5x for fwd+bwd, "
-        "counted exactly) / median time; † dense SDPA computes all n² pairs (a different "
-        "function unless the pattern is dense): its column counts its own FLOPs. 'of hw': "
-        "that rate / the hardware rate measured beside the point (the higher of a sample "
-        "before and after it)"
+        "counted exactly) / median time"
+        + (
+            "; † dense SDPA computes all n² pairs (a different function unless the pattern "
+            "is dense): its column counts its own FLOPs"
+            if dense
+            else ""
+        )
+        + ". 'of hw': that rate / the hardware rate measured beside the point (the higher of "
+        "a sample before and after it)"
         + (f" ({run['hardware_what']})" if run else "")
         + "; 'of sgemm': that rate / a 2048^3 float32 torch.mm measured at the same times "
         "(CPU only). time / ours > 1: ours is faster. peak: inputs + the peak growth of one call; "
-        "qkvo: bytes of q, k, v, out.",
-    ]
+        "qkvo: bytes of q, k, v, out."
+    )
+    lines += ["", *wrap(note)]
     if rows[0]["device"] == "cuda":
         lines += ["", *cuda_targets(rows, by)]
     return lines
@@ -189,7 +189,8 @@ def local_plot(store: measure.ResultFile, path: str) -> bool:
     configs = sorted({(r["heads"], r["head_dim"], r["dtype"]) for r in rows})
     for h, d, dt in configs:
         for m in methods.METHODS:
-            for p, ls in (("fwd", "-"), ("fwdbwd", "--")):
+            # fwd: solid line, filled dots; fwdbwd: dashed line, hollow squares
+            for p, ls, mk, face in (("fwd", "-", "o", None), ("fwdbwd", "--", "s", "none")):
                 pts = sorted(
                     (r["n"], r)
                     for r in rows
@@ -200,7 +201,8 @@ def local_plot(store: measure.ResultFile, path: str) -> bool:
                     continue
                 ns = [n for n, _ in pts]
                 lab = f"{m} {p}" + (f" ({h}x{d})" if len(configs) > 1 else "")
-                kw = dict(color=styles.get(m), linestyle=ls, marker="o", label=lab)
+                kw = dict(color=styles.get(m), linestyle=ls, marker=mk, markerfacecolor=face,
+                          label=lab)  # fmt: skip
                 axes[0].plot(ns, [r["ms"] for _, r in pts], **kw)
                 if pts[0][1]["same_function"]:
                     axes[1].plot(ns, [r["pattern_flop_rate"] / scale for _, r in pts], **kw)
@@ -225,8 +227,9 @@ def local_plot(store: measure.ResultFile, path: str) -> bool:
     axes[0].set_yscale("log")
     axes[2].set_yscale("log")
     axes[1].set_ylim(bottom=0)
-    axes[0].legend(fontsize=7)
-    axes[1].legend(fontsize=7, handles=axes[1].get_lines()[-1:])
+    # long handles: a dashed line and its marker read apart from a solid one
+    axes[0].legend(fontsize=7, handlelength=4)
+    axes[1].legend(fontsize=7, handlelength=4, handles=axes[1].get_lines()[-1:])
     r0 = rows[0]
     sub = (
         f"{r0['dtype']}, batch {r0['batch']}, segments {r0['segments']}, dilations "
@@ -275,7 +278,7 @@ def local_summary(store: measure.ResultFile) -> list[str]:
 def finish_local(store: measure.ResultFile, out_dir: str) -> int:
     lines = local_report(store)
     run = latest_run(store)
-    head = [f"# bench.py local — {measure.describe(run)}", ""] if run else []
+    head = heading("bench.py local", run)
     summary = local_summary(store)
     if summary:
         load = load_range(store.records.values())

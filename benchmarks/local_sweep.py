@@ -11,10 +11,10 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-import measure
-import methods
 import torch
-from common import (
+
+from . import measure, methods
+from .common import (
     dtype_name,
     md_table,
     progress,
@@ -23,8 +23,8 @@ from common import (
     resolve_dtype,
     say,
 )
-from local_report import finish_local
-from measure import MiB
+from .local_report import finish_local
+from .measure import MiB
 
 # --------------------------------------------------------------------------- #
 # bench.py local
@@ -435,7 +435,7 @@ def cmd_local(args: argparse.Namespace) -> int:
     print(f"{n_all} points: {n_all - n_todo} already in {sweep.store.path}, {n_todo} to run")
     if todo or args.search_step:
         sweep.start_run()
-    for group in progress(todo, "local"):
+    for group in progress(todo, "local", size=len):
         if sweep.fatal:
             say(f"stopped: CUDA context broken ({sweep.fatal})")
             break

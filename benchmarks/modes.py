@@ -29,7 +29,8 @@ import statistics
 import time
 
 import torch
-from common import write_text
+
+from .common import write_text
 
 MiB = 2**20
 

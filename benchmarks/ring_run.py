@@ -13,11 +13,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import measure
-import methods
 import torch
-from common import ROW_BLOCK, dtype_name, fmt, resolve_dtype, write_text
-from measure import GiB, MiB
+
+from . import measure, methods
+from .common import ROW_BLOCK, dtype_name, fmt, resolve_dtype, write_text
+from .measure import GiB, MiB
 
 
 # --------------------------------------------------------------------------- #

@@ -14,11 +14,12 @@ import time
 import uuid
 from typing import Any
 
-import measure
 import torch
-from common import HERE, fmt, md_table, progress, pyplot, say, write_text
-from local_report import latest_run
-from measure import MiB
+
+from . import measure
+from .common import HERE, fmt, heading, md_table, progress, pyplot, say, write_text
+from .local_report import latest_run
+from .measure import MiB
 
 
 # --------------------------------------------------------------------------- #
@@ -288,7 +289,7 @@ def ring_plot(store: measure.ResultFile, path: str) -> bool:
 def finish_ring(store: measure.ResultFile, out_dir: str) -> int:
     lines = ring_report(store)
     run = latest_run(store)
-    head = [f"# bench.py ring — {measure.describe(run)}", ""] if run else []
+    head = heading("bench.py ring", run)
     write_text(os.path.join(out_dir, "ring.md"), head + lines)
     png = os.path.join(out_dir, "ring.png")
     plotted = ring_plot(store, png)

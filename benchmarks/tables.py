@@ -7,11 +7,11 @@ import argparse
 import math
 import os
 
-import measure
-import methods
 import torch
-from common import dtype_name, md_table, resolve_device, resolve_dtype, write_text
-from measure import MiB
+
+from . import measure, methods
+from .common import dtype_name, md_table, resolve_device, resolve_dtype, write_text
+from .measure import MiB
 
 
 # --------------------------------------------------------------------------- #

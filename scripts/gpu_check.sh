@@ -19,7 +19,7 @@
 #                                             # calls, see scripts/fa4_wheels.sh), its CUDA test,
 #                                             # then bench.py local: ours, gather+SDPA, gather+FA4
 #   bash scripts/gpu_check.sh --stages build,views   # the dense per-branch path (not in the
-#                                             # default; scripts/views_check.py): out, lse and
+#                                             # default; benchmarks/bench.py views): out, lse and
 #                                             # gradients against the float64 oracle at
 #                                             # n = 10240 on every dense backend, dense
 #                                             # flash-attn-4 / FlashAttention-2 and torch.mm, the
@@ -227,7 +227,7 @@ if [[ $DRY -eq 1 ]]; then
     ".fa4/b), pytest -k 'fa4 and cuda', bench.py local --methods ours gather fa4" \
     "--search-step 0 --out-dir \$OUT/bench_fa4 -> fa4.log"
   echo "  views: (only when named in --stages; the stages before leave it ${VIEWS_RESERVE} s)" \
-    "bash scripts/fa4_install.sh (flash-attn-4 if both parts arrived), $PY scripts/views_check.py" \
+    "bash scripts/fa4_install.sh (flash-attn-4 if both parts arrived), $PY benchmarks/bench.py views" \
     "--device cuda --out \$OUT/views --budget-s <left - 20 s>${PREV:+ --prev $PREV}: check (oracle," \
     "n = 10240), dense (FA4, FA2, torch.mm), bench (32K, 131K, 1M x 12x64, 16x128; dense" \
     "path with phases, default${PREV:+, the default of $PREV}), big (2M fwd+bwd peak) -> views.log, views/"
@@ -240,9 +240,9 @@ if [[ $DRY -eq 1 ]]; then
   # shellcheck disable=SC2086
   "$PY" benchmarks/bench.py local --dry-run --device cuda --out-dir "$OUT/bench" $BENCH_ARGS
   rc=$?
-  if want views; then # every stage of views_check.py on the CPU, toy sizes
+  if want views; then # every stage of bench.py views on the CPU, toy sizes
     mkdir -p "$OUT"
-    "$PY" scripts/views_check.py --dry-run --out "$OUT/views" --budget-s 240 \
+    "$PY" benchmarks/bench.py views --dry-run --out "$OUT/views" --budget-s 240 \
       ${PREV:+--prev "$PREV"} >"$OUT/views_dry.log" 2>&1 || rc=$?
     tail -n 40 "$OUT/views_dry.log"
   fi
@@ -568,7 +568,7 @@ if want views; then
     fi
     prev=()
     ((PREV_OK)) && prev=(--prev "$PREV")
-    timeout --kill-after=10 "$hard" "$PY" scripts/views_check.py --device cuda \
+    timeout --kill-after=10 "$hard" "$PY" benchmarks/bench.py views --device cuda \
       --out "$OUT/views" --budget-s $((hard - 20)) "${prev[@]}" 2>&1 | tee "$OUT/views.log"
     rc=${PIPESTATUS[0]}
     fails=$(grep -c '"status": "FAIL"' "$OUT/views/views.jsonl" 2>/dev/null || true)

@@ -10,15 +10,9 @@ missing, and never under CI (there they fail instead).
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
-
-# Make ``import oracle`` work whatever pytest import mode the project uses.
-_TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-if _TESTS_DIR not in sys.path:
-    sys.path.insert(0, _TESTS_DIR)
 
 NO_GPU_REASON = "no GPU: torch.cuda.is_available() is False"
 

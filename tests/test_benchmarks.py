@@ -5,7 +5,6 @@ extension. Speed is never asserted."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import lzma
 import os
@@ -25,15 +24,25 @@ BENCH = ROOT / "benchmarks" / "bench.py"
 TINY = ["--segments", "64", "160", "--dilations", "1", "3"]
 
 
-def bench(*args: str, env: dict | None = None, timeout: float = 180) -> str:
-    """Run ``bench.py ARGS``; its stdout (stderr on failure in the message)."""
+def bench_run(*args: str, env: dict | None = None, timeout: float = 180):
+    """Run ``bench.py ARGS``; the finished process (it must succeed)."""
     run_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.run(
         [sys.executable, str(BENCH), *args],
         capture_output=True, text=True, timeout=timeout, env=run_env, cwd=ROOT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
+    return proc
+
+
+def bench(*args: str, env: dict | None = None, timeout: float = 180) -> str:
+    """Run ``bench.py ARGS``; its stdout (stderr on failure in the message)."""
+    return bench_run(*args, env=env, timeout=timeout).stdout
+
+
+def prose_width(report: str) -> int:
+    """The widest line of a markdown report outside its tables."""
+    return max(len(line) for line in report.splitlines() if not line.startswith("|"))
 
 
 def records(path: Path) -> list[dict]:
@@ -42,11 +51,10 @@ def records(path: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def methods():
-    """benchmarks/methods.py, loaded from its file (it imports only torch)."""
-    spec = importlib.util.spec_from_file_location("bench_methods", ROOT / "benchmarks/methods.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """benchmarks/methods.py (it imports only torch)."""
+    from benchmarks import methods
+
+    return methods
 
 
 def test_pattern_pairs_equal_the_oracle(methods) -> None:
@@ -182,8 +190,10 @@ def test_local_sweep_records_resumes_and_plots(tmp_path: Path) -> None:
     args = ["local", "--seq-lens", "200", "320", "--configs", "2x16", *TINY, "--methods",
             "ours", "gather", "dense", "--iters", "1", "--threads", "1", "--out-dir",
             str(tmp_path)]  # fmt: skip
-    out = bench(*args)
+    proc = bench_run(*args)
+    out = proc.stdout
     assert "12 points: 0 already" in out
+    assert "| 12/12 [" in proc.stderr and "/6 [" not in proc.stderr  # points, not 6 groups
     recs = records(tmp_path / "local.jsonl")
     runs = [r for r in recs if r["kind"] == "run"]
     points = [r for r in recs if r["kind"] == "local"]
@@ -208,6 +218,8 @@ def test_local_sweep_records_resumes_and_plots(tmp_path: Path) -> None:
     # the summary has a column for each method that ran, and none for the others
     assert "| gather+SDPA ms | dense SDPA† ms |" in report
     assert "FlexAttention ms" not in report and "gather+FA4 ms" not in report
+    # header and notes fit 100 columns; dense SDPA's note is there as dense ran
+    assert prose_width(report) <= 100 and "dense SDPA computes all n²" in " ".join(report.split())
     assert (tmp_path / "local.png").read_bytes()[:4] == b"\x89PNG"
     # a second run finds every point done and measures nothing
     out = bench(*args)
@@ -311,13 +323,25 @@ def test_ring_run_help_and_bad_arguments_print_once() -> None:
 def test_ring_run_rejects_nonsense_before_any_process_starts(args, words) -> None:
     """scripts/run_ring.sh asks ``--print-nproc`` first; every nonsensical option
     fails there, naming it, so torchrun never starts (``--seq-len 0`` used to
-    pass, then rank 0 died in ``max()`` and the others lost their peer)."""
+    pass, then rank 0 died in ``max()`` and the others lost their peer). The
+    check in this process (the command line's own run: the test below)."""
+    from benchmarks.cli import build_parser
+    from benchmarks.ring_run import check_ring_args
+
+    a = build_parser().parse_args(["ring-run", *args, "--print-nproc"])
+    with pytest.raises(SystemExit) as e:
+        check_ring_args(a)
+    assert words in str(e.value.code), e.value.code
+
+
+def test_ring_run_print_nproc_fails_before_printing() -> None:
+    """The command line: a bad option exits non-zero, printing nothing on stdout."""
     proc = subprocess.run(
-        [sys.executable, str(BENCH), "ring-run", *args, "--print-nproc"],
+        [sys.executable, str(BENCH), "ring-run", "--seq-len", "0", "--print-nproc"],
         capture_output=True, text=True, timeout=60, cwd=ROOT,
     )  # fmt: skip
     assert proc.returncode != 0 and proc.stdout == "", proc.stdout + proc.stderr
-    assert words in proc.stderr, proc.stderr
+    assert "--seq-len must be in [1, 2**62), got 0" in proc.stderr, proc.stderr
 
 
 def test_run_ring_checks_nproc() -> None:
@@ -376,6 +400,8 @@ def test_compare_times_this_checkout_against_an_exported_tree(tmp_path: Path) ->
     bench(*args, "--out-dir", str(tmp_path / "old"), env={"PYTHONPATH": str(tree)})
     runs = {name: [r for r in records(tmp_path / name / "local.jsonl") if r["kind"] == "run"]
             for name in ("new", "old")}  # fmt: skip
+    report = (tmp_path / "new" / "local.md").read_text()  # ours alone: no note on dense SDPA
+    assert prose_width(report) <= 100 and "dense SDPA" not in report
     assert runs["old"][0]["commit"] == "abcdef0 (exported)"
     assert "exported" not in runs["new"][0]["commit"]
     # the old run's times set to twice the new one's: every ratio reads 2.00
@@ -449,7 +475,7 @@ def test_gpu_check_brings_back_two_files(tmp_path: Path) -> None:
 
 
 def test_gpu_check_views_stage_without_a_gpu(tmp_path: Path) -> None:
-    """The views stage (scripts/views_check.py on a GPU) is planned, and
+    """The views stage (bench.py views on a GPU) is planned, and
     without a GPU recorded as skipped, its log packed like the others'."""
     out = tmp_path / "out"
     env = {**os.environ, "PYTHON": sys.executable, "OUT": str(out)}

@@ -519,7 +519,7 @@ def test_every_launch_fits_the_architecture_or_is_refused_before_it(emu, cc) -> 
 
 
 def test_kernel_counts_script_reports_the_instruction_mix(emu) -> None:
-    """scripts/kernel_counts.py runs the tensor-core kernels in the emulator
+    """tests/kernel_counts.py runs the tensor-core kernels in the emulator
     and reports their whole-warp instructions: the forward's every K/V
     fragment serves two m-tiles (fewer ldmatrix than mma), the backward
     runs more products than the forward."""
@@ -529,7 +529,7 @@ def test_kernel_counts_script_reports_the_instruction_mix(emu) -> None:
 
     root = Path(__file__).resolve().parent.parent
     proc = subprocess.run(
-        [sys.executable, str(root / "scripts" / "kernel_counts.py"), "--n", "256",
+        [sys.executable, str(root / "tests" / "kernel_counts.py"), "--n", "256",
          "--head-dims", "64"], capture_output=True, text=True, timeout=600, cwd=root,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr

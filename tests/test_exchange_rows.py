@@ -10,6 +10,7 @@ import random
 
 import pytest
 import torch
+from child_env import with_path
 from op_helpers import OPS, Cfg, reached_rows
 
 
@@ -144,11 +145,11 @@ def test_ranges_far_from_zero_match_the_oracle_in_a_subprocess() -> None:
     import sys
 
     tests = os.path.dirname(os.path.abspath(__file__))
-    script = f"import sys; sys.path.insert(0, {tests!r})\n"
-    script += "from test_exchange_rows import far_cases; print('ok', far_cases())"
-    proc = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
-    )
+    script = "from test_exchange_rows import far_cases; print('ok', far_cases())"
+    proc = subprocess.run(  # tests/ on the child's path: its helpers
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+        env=with_path(tests),
+    )  # fmt: skip
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
     assert proc.stdout.split() == ["ok", "30"], proc.stdout
 

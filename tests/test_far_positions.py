@@ -21,13 +21,13 @@ import sys
 import textwrap
 
 import pytest
+from child_env import with_path
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 BASES = [2**61 - 8, 2**61, 2**62]
 
 SCRIPT = """
 import resource, sys
-sys.path.insert(0, {tests!r})
 import torch
 from op_helpers import (GRAD_TOL, LSE_TOL, OUT_TOL, OPS, Cfg, acc_dtype, close, fresh_acc,
                         make_inputs, run_oracle)
@@ -100,13 +100,12 @@ print("ok", checked)
 
 def _run(emulated: bool, dtype: str, head_dim: int = 8, cc: int = 90) -> None:
     script = textwrap.dedent(
-        SCRIPT.format(
-            tests=TESTS, emulated=emulated, cc=cc, dtype=dtype, head_dim=head_dim, bases=BASES
-        )
+        SCRIPT.format(emulated=emulated, cc=cc, dtype=dtype, head_dim=head_dim, bases=BASES)
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=240
-    )
+    proc = subprocess.run(  # tests/ on the child's path: its helpers
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=240,
+        env=with_path(TESTS),
+    )  # fmt: skip
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
     assert proc.stdout.split() == ["ok", str(len(BASES) * 4)], proc.stdout + proc.stderr
 

@@ -41,6 +41,8 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+from child_env import with_path
+
 CASE_TIMEOUT = 30.0  # seconds one case may take (the machine is shared)
 TOTAL_TIMEOUT = 900.0
 MEMORY_HEADROOM = 3 * 2**30  # bytes a worker may allocate beyond its start
@@ -529,11 +531,10 @@ def run_all(limit: int | None = None) -> tuple[list[tuple[int, str]], int, float
     failures: list[tuple[int, str]] = []
     start, t0 = 0, time.monotonic()
     while start < n and time.monotonic() - t0 < TOTAL_TIMEOUT:
-        script = f"import sys; sys.path.insert(0, {tests!r}); import test_fuzz_arguments as f; "
-        script += f"f.worker({start})"
-        proc = subprocess.Popen(
+        script = f"import test_fuzz_arguments as f; f.worker({start})"
+        proc = subprocess.Popen(  # tests/ on the child's path: its helpers
             [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True, bufsize=1,
+            text=True, bufsize=1, env=with_path(tests),
         )  # fmt: skip
         current, last = None, time.monotonic()
         try:

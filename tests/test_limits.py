@@ -16,6 +16,7 @@ import textwrap
 
 import pytest
 import torch
+from child_env import with_path
 from op_helpers import OPS, Cfg, block_forward, fresh_acc
 
 BIG = 2**63 - 1
@@ -35,8 +36,6 @@ HUGE_CASES = [
 ]
 
 HUGE_SCRIPT = """
-import sys
-sys.path.insert(0, {tests!r})
 import torch
 from op_helpers import Cfg, check_results, lse_grad, make_inputs, run_local, run_oracle
 for i, (segs, dils, causal, groups, grouped, heads, kv_heads, cu) in enumerate({cases!r}):
@@ -57,10 +56,11 @@ def test_huge_pattern_values_match_the_oracle_in_a_subprocess() -> None:
     import os
 
     tests = os.path.dirname(os.path.abspath(__file__))
-    script = textwrap.dedent(HUGE_SCRIPT.format(tests=tests, cases=HUGE_CASES))
-    proc = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
-    )
+    script = textwrap.dedent(HUGE_SCRIPT.format(cases=HUGE_CASES))
+    proc = subprocess.run(  # tests/ on the child's path: its helpers
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+        env=with_path(tests),
+    )  # fmt: skip
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
     assert proc.stdout.split() == ["ok", str(len(HUGE_CASES))], proc.stdout + proc.stderr
     assert "Parameter" not in proc.stderr, proc.stderr  # no BLAS argument error printed

@@ -15,12 +15,11 @@ import torch
 import transformers
 from test_hf import VOCAB, build, tiny_config
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers_suite import ring_dilated_default
 
 from ring_attention import hf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests", "transformers_suite"))
-import ring_dilated_default  # noqa: E402
 
 
 def test_plugin_routes_sdpa_to_ring_dilated(monkeypatch) -> None:

@@ -1,13 +1,11 @@
-"""scripts/views_check.py, the prepared GPU check of the dense per-branch
+"""benchmarks/views_check.py (``bench.py views``), the prepared GPU check of the dense per-branch
 path: its per-head float64 oracle equals tests/oracle.py's, and its dry run
 (every stage on the CPU at toy sizes, the earlier tree's subprocess included)
 records what the GPU run will."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,13 +16,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location(
-        "views_check", ROOT / "scripts" / "views_check.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["views_check"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    from benchmarks import views_check
+
+    return views_check
 
 
 @pytest.mark.parametrize(

@@ -286,11 +286,18 @@ def largest_length(
 
 
 def fewest_ranks(
-    setup: Setup, seq_len: int, peak: Peak, *, rel_tol: float = 0.02, limit: int = 1 << 17
+    setup: Setup,
+    seq_len: int,
+    peak: Peak,
+    *,
+    rel_tol: float = 0.02,
+    limit: int = 1 << 17,
+    progress: Callable[[int, bool], None] | None = None,
 ) -> Evaluation | None:
     """The fewest ranks at which ``seq_len`` tokens fit (exact up to 50
     ranks, within ``rel_tol`` above), or ``None`` when more than ``limit``
-    would be needed.
+    would be needed. ``progress(ranks, fits)`` is called after each
+    evaluation (the command line's progress line).
 
     The peak per rank is about ``a + b / p``: two cheap evaluations (1 and 2
     ranks) give the first guess, steps of 25 % bracket it, bisection closes
@@ -299,7 +306,10 @@ def fewest_ranks(
     budget = setup.usable
 
     def at(p: int) -> Evaluation:
-        return evaluate(replace(setup, ranks=p), seq_len)
+        ev = evaluate(replace(setup, ranks=p), seq_len)
+        if progress is not None:
+            progress(p, peak(ev) <= budget)
+        return ev
 
     one, two = at(1), at(2)
     if peak(one) <= budget:

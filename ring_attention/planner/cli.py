@@ -17,6 +17,7 @@ import argparse
 import os
 import re
 import sys
+import time
 from collections.abc import Sequence
 
 from ..layout import LAYOUTS
@@ -31,7 +32,7 @@ from .presets import MODELS, PATTERNS, ModelShape
 from .throughput import dtype_name, load_records
 from .timing import Link
 
-__all__ = ["main", "parse_args"]
+__all__ = ["build_parser", "main", "parse_args"]
 
 _UNITS = {
     "": 1,
@@ -72,8 +73,60 @@ def _tflops(text: str) -> tuple[float, float]:
     return (parts[0], parts[-1])
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """One default per option in ``--help``: the help's own words where they
+    name it, else ``(default: X)``; flags read ``(default: off)``."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (
+            "default" in text
+            or action.default in (None, argparse.SUPPRESS)
+            or not (action.option_strings)
+        ):
+            return text
+        if action.nargs == 0:  # store_true
+            return f"{text} (default: off)".strip() if action.default is False else text
+        return f"{text} (default: %(default)s)".strip()
+
+
+class _Progress:
+    """The fewest-ranks search's progress on one line of stderr (rewritten
+    in place), shown only to a terminal and without ``--quiet``."""
+
+    def __init__(self, seq_len: int, quiet: bool) -> None:
+        self.on = not quiet and sys.stderr.isatty()
+        self.seq_len, self.tries, self.fits, self.fails = seq_len, 0, None, 0
+        self.start = time.monotonic()
+
+    def __call__(self, ranks: int, fits: bool) -> None:
+        self.tries += 1
+        if fits:
+            self.fits = ranks if self.fits is None else min(self.fits, ranks)
+        else:
+            self.fails = max(self.fails, ranks)
+        if self.on:
+            best = f"fits on {self.fits:,}" if self.fits is not None else "no fit yet"
+            sys.stderr.write(
+                f"\rplanner: fewest ranks for {_fmt_tokens(self.seq_len)} tokens: "
+                f"{self.tries} tried ({ranks:,} last), {best}, not on {self.fails:,}, "
+                f"{time.monotonic() - self.start:.0f} s\033[K"
+            )
+            sys.stderr.flush()
+
+    def done(self) -> None:
+        if self.on and self.tries:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse the planner's arguments."""
+    return build_parser().parse_args(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The planner's command line."""
     ap = argparse.ArgumentParser(
         prog="python -m ring_attention.planner",
         description=(
@@ -81,7 +134,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             "rank, the predicted time per layer and the bytes per link, per attention layer "
             "and for a whole model. With --seq-len and no rank count: the fewest ranks."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
+    )
+    ap.add_argument(
+        "--quiet", action="store_true", help="no progress line on stderr (shown only to a terminal)"
     )
     g = ap.add_argument_group("ranks")
     g.add_argument("--gpus", type=int, help="ranks, one per GPU (device cuda)")
@@ -107,33 +163,70 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--heads", type=int, default=None, help="query heads (default 16)")
     g.add_argument("--kv-heads", type=int, default=None, help="K/V heads (default: --heads)")
     g.add_argument("--head-dim", type=int, default=None, help="default 128")
-    g.add_argument("--dtype", default=None, help="bf16, fp16, float32, float64 (default bf16 on "
-                   "cuda, float32 on cpu)")  # fmt: skip
-    g.add_argument("--batch", type=int, default=1)
-    g.add_argument("--pattern", default="longnet", choices=sorted(PATTERNS))
-    g.add_argument("--segments", type=parse_size, nargs="+", help="explicit segment lengths")
-    g.add_argument("--dilations", type=int, nargs="+", help="explicit dilation rates")
-    g.add_argument("--causal", action="store_true")
-    g.add_argument("--head-groups", action="store_true")
-    g.add_argument("--head-offsets", default="modulo", choices=list(HEAD_OFFSETS))
+    g.add_argument(
+        "--dtype",
+        default=None,
+        help="bf16, fp16, float32, float64 (default bf16 on cuda, float32 on cpu)",
+    )
+    g.add_argument("--batch", type=int, default=1, help="sequences per step")
+    g.add_argument("--pattern", default="longnet", choices=sorted(PATTERNS), help="preset branches")
+    g.add_argument(
+        "--segments",
+        type=parse_size,
+        nargs="+",
+        help="explicit segment lengths (default: --pattern's)",
+    )
+    g.add_argument(
+        "--dilations", type=int, nargs="+", help="explicit dilation rates (default: --pattern's)"
+    )
+    g.add_argument("--causal", action="store_true", help="keys only at or before the query")
+    g.add_argument("--head-groups", action="store_true", help="one head group per branch")
+    g.add_argument(
+        "--head-offsets", default="modulo", choices=list(HEAD_OFFSETS), help="offset rule"
+    )
     g.add_argument("--document-length", type=parse_size, help="pack documents of this length")
-    g.add_argument("--layout", default="contiguous", choices=list(LAYOUTS))
+    g.add_argument("--layout", default="contiguous", choices=list(LAYOUTS), help="sharding")
     g.add_argument("--seq-len", type=parse_size, help="evaluate this length (e.g. 1e9)")
     g = ap.add_argument_group("whole model (sequence-parallel training)")
     g.add_argument("--model", choices=sorted(MODELS), help="a preset shape (sets the heads too)")
-    g.add_argument("--layers", type=int)
-    g.add_argument("--hidden", type=int)
+    g.add_argument(
+        "--layers",
+        type=int,
+        help="blocks of a whole model, with --hidden (default: --model's, else none)",
+    )
+    g.add_argument(
+        "--hidden", type=int, help="model width, with --layers (default: --model's, else none)"
+    )
     g.add_argument("--ffn", type=int, help="MLP width (default 4 x hidden)")
     g.add_argument("--gated", action="store_true", help="gated MLP (SwiGLU)")
-    g.add_argument("--vocab", type=int, default=0)
+    g.add_argument("--vocab", type=int, default=0, help="vocabulary (0: no embedding)")
     g.add_argument("--no-checkpointing", action="store_true", help="keep every activation")
     g.add_argument("--replicate-params", action="store_true", help="no FSDP/ZeRO-3 sharding")
-    g.add_argument("--matmul-tflops", type=float, help="dense matmul rate")
+    g.add_argument(
+        "--matmul-tflops",
+        type=float,
+        help="dense matmul rate (default: assumed per device, printed)",
+    )
     g = ap.add_argument_group("rates and links")
     g.add_argument("--bench-json", help="benchmark records (ring_attention/planner/throughput.py)")
-    g.add_argument("--tflops", type=_tflops, help="kernel rate F or F,B (forward, fwd+bwd)")
-    g.add_argument("--link-gbps", type=float, help="link bandwidth per rank each way, Gbit/s")
-    g.add_argument("--link-latency-us", type=float, help="latency per transfer, microseconds")
+    g.add_argument(
+        "--tflops",
+        type=_tflops,
+        help="kernel rate F or F,B (forward, fwd+bwd; default: --bench-json's, "
+        "else assumed per device and dtype, printed)",
+    )
+    g.add_argument(
+        "--link-gbps",
+        type=float,
+        help="link bandwidth per rank each way, Gbit/s (default "
+        f"{LINK_DEFAULTS['cuda'][0]:g} on cuda, {LINK_DEFAULTS['cpu'][0]:g} on cpu)",
+    )
+    g.add_argument(
+        "--link-latency-us",
+        type=float,
+        help="latency per transfer, microseconds (default "
+        f"{LINK_DEFAULTS['cuda'][1]:g} on cuda, {LINK_DEFAULTS['cpu'][1]:g} on cpu)",
+    )
     g.add_argument(
         "--source",
         default="auto",
@@ -141,7 +234,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="exchanged rows: the ring's plan (small sizes) or closed forms",
     )
     add_mode_arguments(ap)
-    return ap.parse_args(argv)
+    return ap
 
 
 class Impossible(Exception):
@@ -466,7 +559,11 @@ def run(args: argparse.Namespace) -> int:
         goal = "model" if setup.model is not None else "training"
         out = []
         if ranks is None:  # fewest ranks for --seq-len
-            ev = fewest_ranks(setup, args.seq_len, peaks[goal])
+            progress = _Progress(args.seq_len, args.quiet)
+            try:
+                ev = fewest_ranks(setup, args.seq_len, peaks[goal], progress=progress)
+            finally:
+                progress.done()
             if ev is None:
                 raise Impossible(
                     f"{args.seq_len:,} tokens do not fit on any number of ranks up to 131072 with "

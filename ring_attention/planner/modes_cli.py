@@ -36,8 +36,18 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node")
     g.add_argument("--ulysses", type=int, help="U of the hybrid (default: --gpus-per-node)")
-    g.add_argument("--intra-gbps", type=float, help="link inside a node, Gbit/s each way")
-    g.add_argument("--intra-latency-us", type=float, help="latency inside a node, microseconds")
+    g.add_argument(
+        "--intra-gbps",
+        type=float,
+        help="link inside a node, Gbit/s each way (default "
+        f"{INTRA_DEFAULTS['cuda'][0]:g} on cuda, {INTRA_DEFAULTS['cpu'][0]:g} on cpu)",
+    )
+    g.add_argument(
+        "--intra-latency-us",
+        type=float,
+        help="latency inside a node, microseconds (default "
+        f"{INTRA_DEFAULTS['cuda'][1]:g} on cuda, {INTRA_DEFAULTS['cpu'][1]:g} on cpu)",
+    )
 
 
 def _b(x: float) -> str:

@@ -60,7 +60,7 @@ inline Config& config() {
 }
 
 // What the emulator ran since the last reset (tests and the instruction
-// counts of scripts/kernel_counts.py read it): collectives counts lane
+// counts of tests/kernel_counts.py read it): collectives counts lane
 // arrivals; warp_ops whole-warp instructions by Kind (sync, shuffle, vote,
 // mma, ldmatrix); barriers the block barriers completed.
 struct Stats {

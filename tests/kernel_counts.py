@@ -4,22 +4,17 @@
 `mma`. Not a timing: it shows how a kernel change moved the instruction mix
 (run it in a checkout of the earlier commit too, with this emulator).
 
-    python scripts/kernel_counts.py [--n 1024] [--head-dims 64 128]
+    python tests/kernel_counts.py [--n 1024] [--head-dims 64 128]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-
-from cuda_emulator import build  # noqa: E402
-from op_helpers import Cfg, block_backward, block_forward, fresh_acc, make_inputs  # noqa: E402
+from cuda_emulator import build
+from op_helpers import Cfg, block_backward, block_forward, fresh_acc, make_inputs
 
 NAMES = ["launches", "blocks", "lane arrivals", "barriers", "syncwarp", "shuffle", "vote", "mma",
          "ldmatrix"]  # fmt: skip

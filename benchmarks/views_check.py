@@ -7,9 +7,9 @@ one process, within a time budget (``scripts/gpu_check.sh --stages views``):
   query heads per K/V head splits its classes), documents; the dense path with
   each backend that can run (flash-attn-4, FlashAttention-2, cuDNN's forward),
   and our kernels beside them. The oracle works one head at a time on the
-  device, with tests/oracle.py's definitions of segments and activity
-  (:func:`oracle_by_head`; tests/test_views_check.py checks it against
-  ``reference_attention``).
+  device, with its own definition of segments (:func:`segment_starts`) and
+  the library's head offsets (:func:`oracle_by_head`; tests/test_views_check.py
+  checks it against tests/oracle.py's ``reference_attention``).
 * ``dense``: dense attention at (16, 2048, 16, 128) and (16, 2048, 12, 64)
   (batch, n, heads, head_dim), flash-attn-4 and FlashAttention-2, forward and
   forward + backward, beside a bf16 ``torch.mm`` (8192^3): the card's ceiling.
@@ -27,14 +27,15 @@ as skipped). Writes ``OUT/views.jsonl`` (one record a point) and
 the CPU at toy sizes (the CPU stand-in backend, float32), which is how the
 tests exercise this script::
 
-    python3 scripts/views_check.py --device cuda --out $OUT/views --budget-s 400 [--prev .prev]
-    python3 scripts/views_check.py --dry-run --out build/views_dry
+    python3 benchmarks/bench.py views --device cuda --out $OUT/views --budget-s 400 [--prev .prev]
+    python3 benchmarks/bench.py views --dry-run --out build/views_dry
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -45,12 +46,12 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "tests")]
+from ring_attention.pattern import head_group_bounds, head_offset
 
-from measure import hardware_rate, median, time_call  # noqa: E402
-from methods import flops, pattern_pairs  # noqa: E402
-from oracle import active, head_group_bounds, segment_starts  # noqa: E402
+from .measure import hardware_rate, median, time_call
+from .methods import flops, pattern_pairs
+
+BENCH = Path(__file__).resolve().parent / "bench.py"
 
 SEGS, DILS = [2048, 4096, 8192, 16384, 32768], [1, 2, 4, 6, 12]
 STAGES = ("check", "dense", "bench", "big")
@@ -108,6 +109,16 @@ def paths_env(path: str, backend: str | None = None) -> dict[str, str | None]:
 # --------------------------------------------------------------------------- #
 # the float64 oracle, one head at a time on the device
 # --------------------------------------------------------------------------- #
+def segment_starts(n: int, w: int, cu: list[int] | None) -> torch.Tensor:
+    """Long ``(n,)``: the start of the segment of length ``w`` holding each
+    position; every document (``cu``, its boundaries) starts its own segments."""
+    bounds = [0, n] if cu is None else [int(b) for b in cu]
+    doc = torch.zeros(n, dtype=torch.long)
+    for a, b in itertools.pairwise(bounds):
+        doc[a:b] = a
+    return doc + (torch.arange(n) - doc) // w * w
+
+
 def multiplicity_head(n, heads, h, segs, dils, causal, head_groups, grouped, cu, device):
     """Float64 ``(n, n)``: the branches in which ``t`` reaches ``u`` for query
     head ``h`` (tests/oracle.py's ``multiplicity``, one head, on ``device``)."""
@@ -118,7 +129,8 @@ def multiplicity_head(n, heads, h, segs, dils, causal, head_groups, grouped, cu,
         if head_groups and not groups[i][0] <= h < groups[i][1]:
             continue
         seg = segment_starts(n, w, cu).to(device)
-        act = active(n, w, r, h, heads, grouped, cu).to(device)
+        offset = head_offset(h, r, heads, "grouped" if grouped else "modulo")
+        act = (pos - seg) % r == offset
         reach = act[:, None] & act[None, :] & (seg[:, None] == seg[None, :])
         if causal:
             reach &= pos[None, :] <= pos[:, None]
@@ -422,7 +434,9 @@ def summary(records: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="bench.py views", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dry-run", action="store_true", help="every stage on the CPU, toy sizes")
     ap.add_argument("--out", default="build/views_check")
@@ -460,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
             stage_bench(sz, device, emit, left, methods)
             if a.prev and left() > 30:
                 budget = str(int(left() - 10))
-                cmd = [sys.executable, __file__, "--out", str(out), "--stages", "bench",
+                cmd = [sys.executable, str(BENCH), "views", "--out", str(out), "--stages", "bench",
                        "--tag", "prev", "--budget-s", budget, "--device", a.device]  # fmt: skip
                 if a.dry_run:
                     cmd.append("--dry-run")
@@ -483,7 +497,3 @@ def main(argv: list[str] | None = None) -> int:
         print(text)
     bad = [r for r in records if r.get("stage") == "check" and r.get("status") != "ok"]
     return 1 if bad else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
