@@ -114,7 +114,7 @@ MACHINES = (
     Machine(
         "AMD EPYC, AVX2 only (2 cores, shared, loaded)",
         "as the Xeon, fp32 on the AVX2 packed-tile path; the machine ran other jobs "
-        "(load average 6-9): ratios within a row hold, absolute times are rough",
+        "(load average 6-10): ratios within a row hold, absolute times and rates do not",
         (
             Run(
                 "cpu_kernel_2026-11-27_avx2_fp32",
