@@ -22,14 +22,13 @@ namespace {
 constexpr int64_t kTileRows = 256;  // stacked query rows (heads x positions)
 // With fp32 S split on AMX, twice that: a key tile's split K (3x the bytes of
 // fp32 K^T) and V, which come from L3 once a key run outgrows L2, then serve
-// twice the query rows (one thread, [2048], [1] at n 16384: S and P V 6 %
-// faster; benchmarks/RESULTS.md).
+// twice the query rows (S and P V faster; benchmarks/RESULTS.md, its
+// journal's 2026-11-26 fp32 notes).
 constexpr int64_t kSplitTileRows = 512;
 constexpr int64_t kTileK = 512;
 // Row stride of the score and weight tiles: a cache line more than kTileK,
-// so that a tile's rows do not share cache sets (MKL's bf16 S = Q K^T, 256 x
-// 512 x 64, one thread: 22 against 29 us at a stride of 512;
-// benchmarks/bench.py tiles).
+// so that a tile's rows do not share cache sets (MKL's bf16 S = Q K^T is
+// slower at a stride of 512: benchmarks/bench.py tiles).
 constexpr int64_t kLd = kTileK + 16;
 // Forward tasks may split a head set (they write query rows only): at most
 // this many heads share a tile, so that MQA still has tasks to spread.

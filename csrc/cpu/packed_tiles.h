@@ -5,12 +5,10 @@
 // contiguous, and without AVX-512 (where brgemm has no fp32 kernels) the
 // same layouts go to the AVX2 kernels of packed_tiles_avx2.cpp. A key tile
 // is packed once and reused by every query tile that attends to it; the GEMM
-// reads Q and P in place. On AMX, at the forward's tile shapes (256 x 512 x
-// 64, one thread) this runs bf16 S = Q K^T in about 0.6x and P V in about
-// 0.45x the time of MKL's bf16 GEMM, which copies both operands at every
-// call (fp32: 0.9x; benchmarks/bench.py tiles). Without AMX (AMD Zen 4,
-// avx512_bf16) MKL's bf16 GEMM converts to fp32, and the packed path runs at
-// twice its rate (benchmarks/RESULTS.md).
+// reads Q and P in place. That beats MKL's bf16 GEMM, which copies both
+// operands at every call, on AMX (`benchmarks/bench.py tiles` times both at
+// the forward's tile shapes) and without it (AMD Zen 4, avx512_bf16: there
+// MKL's bf16 GEMM converts to fp32); figures in benchmarks/RESULTS.md.
 #pragma once
 
 #include <c10/util/BFloat16.h>

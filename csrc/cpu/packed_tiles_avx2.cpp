@@ -1,10 +1,9 @@
 // The fp32 products of the packed tiles in AVX2 + FMA (TileGemm::kFp32Avx2):
 // libtorch's brgemm has fp32 kernels only for AVX-512, and MKL's sgemm on
 // the tiles in place copies both operands at every call (on an AVX2-only
-// AMD EPYC a sixth of the forward's time went to those copies;
-// benchmarks/RESULTS.md). Compiled for AVX2 in every x86-64 build (the
-// target pragma below); select_path() picks it only where the CPU has AVX2
-// and FMA.
+// AMD EPYC a large share of the forward's time; benchmarks/RESULTS.md).
+// Compiled for AVX2 in every x86-64 build (the target pragma below);
+// select_path() picks it only where the CPU has AVX2 and FMA.
 //
 // C (M x N) is computed in blocks of 6 rows x 16 columns held in 12
 // registers: per step along the reduction, two loads of B's row and six

@@ -122,9 +122,9 @@ inline __mmask16 tail_mask(int64_t left) {
 // relative error on [0, 1]: degree 5 (7.5e-8; 1.6e-7 evaluated in fp32) for
 // fp32 results, degree 3 (7.5e-5) where the result is rounded to bf16 (2^-9)
 // anyway. vscalefps multiplies by 2^floor(t) itself, so the integer part
-// costs no instruction: 7 per 16 lanes (bench.py tiles, the forward's
-// one-sweep pass over a 256 x 512 tile: 19.1 us; 22.3 us with vrndscaleps
-// for the integer part and f = t - round(t), 20.1 with n = t - f). Exactly
+// costs no instruction: 7 per 16 lanes (bench.py tiles times the forward's
+// one-sweep pass over a 256 x 512 tile; vrndscaleps for the integer part and
+// f = t - round(t), or n = t - f, were slower). Exactly
 // 0 at -inf (vreduceps gives f = 0 and vscalefps 2^-inf = 0) and below
 // -149; NaN stays NaN. The callers fold log2 e into their scale and shift,
 // so exp(a x - b) costs one fused multiply-add more.

@@ -10,9 +10,9 @@
 // one bf16 product over a reduction 6x as long, A = [Ah Am Al Ah Am Ah]
 // (rows x 6d) against the rows [Bh; Bh; Bh; Bm; Bm; Bl] of B^T (6d x w, in
 // brgemm's VNNI layout as packed_tiles.h). AMX multiplies bf16 pairs exactly
-// and accumulates in fp32; at the forward's tiles (256 x 512 x 64, one
-// thread) the six products take about 0.55x the time of brgemm's fp32
-// kernel, with the same error against float64 (benchmarks/bench.py tiles).
+// and accumulates in fp32; at the forward's tiles the six products take
+// less time than brgemm's fp32 kernel, with the same error against float64
+// (benchmarks/bench.py tiles; figures in benchmarks/RESULTS.md).
 // The scheme ("bf16x6") is from Henry, Tang and Heinecke, "Leveraging the
 // bfloat16 Artificial Intelligence Datatype For Higher-Precision
 // Computations" (ARITH 2019).

@@ -48,8 +48,8 @@ void gemm(bool trans_a, bool trans_b, int64_t M, int64_t N, int64_t K, float alp
 bool has_bf16_gemm();
 
 // Buffers of the kernels' tiles start on a cache line: MKL's bf16 GEMM, for
-// one, runs 1.6x slower into an fp32 C that does not (256 x 512 x 64, one
-// thread; a plain std::vector of that size starts 16 bytes into a page).
+// one, runs markedly slower into an fp32 C that does not (benchmarks/bench.py
+// tiles; a plain std::vector of that size starts 16 bytes into a page).
 template <typename T>
 struct CacheLineAllocator {
   using value_type = T;

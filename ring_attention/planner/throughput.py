@@ -152,12 +152,17 @@ def assumed_rates(device: str, dtype: str, threads: int = 1) -> Rates:
     """Labelled defaults when nothing was measured.
 
     CPU: 50 GFLOP/s per thread (float32; float64 half of it), the one-thread
-    rate of the CPU kernels on a LongNet pattern in ``benchmarks/RESULTS.md``.
-    CUDA bf16/fp16: 95 TFLOP/s forward and 87 TFLOP/s forward+backward, the
-    rates of our kernels measured on one H100 (local op, LongNet, 16 heads of
-    128, n 512K-2M; benchmarks/RESULTS.md, 2026-11-25), ASSUMED for other GPUs
-    and for the ring's partial blocks. float32 20 / 15 and float64 10 / 7.5:
-    not timed, placeholders. Replace them with ``--bench-json`` or ``--tflops``.
+    rate of the CPU kernels on a LongNet pattern on an AVX2-only AMD EPYC
+    (``benchmarks/journal/2026-11-21-local-operator-cpu.md``, per branch, one
+    thread); the current CPU tables of ``benchmarks/RESULTS.md`` run faster.
+    CUDA bf16/fp16: 121 TFLOP/s forward and 143 TFLOP/s forward+backward, our
+    local op on one H100 (LongNet, 16 heads of 128, n 524288): the record in
+    ``benchmarks/results/gpu_h100_2026-11-26/fa4/local.jsonl``, a row of the
+    H100 table of ``benchmarks/RESULTS.md`` (``benchmarks/report.py`` names it
+    in ``PLANNER_RECORD`` and the tests check the two agree). ASSUMED for other
+    GPUs and for the ring's partial blocks. float32 20 / 15 and float64
+    10 / 7.5: not timed, placeholders. Replace them with ``--bench-json`` or
+    ``--tflops``.
     """
     dtype, device = dtype_name(dtype), _device_type(device)
     if device == "cpu":
@@ -172,8 +177,8 @@ def assumed_rates(device: str, dtype: str, threads: int = 1) -> Rates:
         fwd, fb = (20e12, 15e12) if dtype == "float32" else (10e12, 7.5e12)
         why = f"{dtype} kernels not timed on a GPU"
     else:
-        fwd, fb = 95e12, 87e12
-        why = "our kernels on one H100, 2026-11-25 (benchmarks/RESULTS.md)"
+        fwd, fb = 121e12, 143e12
+        why = "our local op on one H100, 16x128, n 524288 (benchmarks/RESULTS.md, H100 table)"
     return Rates(
         fwd,
         fb,

@@ -1,0 +1,78 @@
+"""benchmarks/RESULTS.md's current tables are those the checked-in records give.
+
+`benchmarks/report.py` builds them from `benchmarks/results/`; a stale block
+(a record added or changed without `python benchmarks/report.py --write`)
+fails here. The planner's default CUDA rates are checked against the record
+the report names for them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _report():
+    path = ROOT / "benchmarks" / "report.py"
+    spec = importlib.util.spec_from_file_location("results_report", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+report = _report()
+
+
+def test_results_md_block_is_up_to_date():
+    text = (ROOT / "benchmarks" / "RESULTS.md").read_text(encoding="utf-8")
+    assert report.current_block(text) == report.generate()
+    assert report.main(["--check"]) == 0
+
+
+def test_check_fails_on_a_stale_block(tmp_path, monkeypatch):
+    text = (ROOT / "benchmarks" / "RESULTS.md").read_text(encoding="utf-8")
+    stale = tmp_path / "RESULTS.md"
+    stale.write_text(text.replace(" | A |", " | Z |", 1), encoding="utf-8")
+    monkeypatch.setattr(report, "RESULTS_MD", stale)
+    assert report.main(["--check"]) == 1
+    assert report.main(["--write"]) == 0
+    assert report.main(["--check"]) == 0
+
+
+def test_every_table_row_comes_from_a_record():
+    """Each row's ours ms, date and commit are those of a point in its folder."""
+    block = report.generate()
+    for machine in report.MACHINES:
+        for run in machine.runs:
+            header, points = report.load(run.folder)
+            ours = [p for p in points if p["method"] == "ours" and p["status"] == "ok"]
+            assert ours, run.folder
+            for p in ours:
+                row = f"| {p['n']} | {p['heads']}x{p['head_dim']} |"
+                cell = f" | {p['ms']:.1f} | "
+                lines = [ln for ln in block.splitlines() if ln.startswith(row) and cell in ln]
+                assert any(header["date"][:10] in ln and header["commit"] in ln for ln in lines)
+
+
+def test_results_files_are_json_lines():
+    for machine in report.MACHINES:
+        for run in machine.runs:
+            path = report.RESULTS_DIR / run.folder / "local.jsonl"
+            first = json.loads(path.read_text(encoding="utf-8").splitlines()[0])
+            assert first["kind"] == "run" and first["date"] and first["commit"]
+
+
+def test_planner_defaults_come_from_the_named_record():
+    throughput = pytest.importorskip("ring_attention.planner.throughput")
+    fwd, fwdbwd = report.planner_rates()
+    rates = throughput.assumed_rates("cuda", "bfloat16")
+    assert rates.forward == pytest.approx(fwd, rel=0.01)
+    assert rates.forward_backward == pytest.approx(fwdbwd, rel=0.01)
+    assert report.PLANNER_RECORD["folder"] in throughput.assumed_rates.__doc__
