@@ -18,6 +18,12 @@ contiguous, more than :data:`MAX_CALLS` calls a pass (many documents), and
 any call no backend can run (fp32 / fp64 on CUDA, head dims or devices the
 backends do not take). ``python -m ring_attention.info`` prints the route
 of a shape and why.
+
+The ring's per-step blocks (:func:`route_blocks`) take the same modes, path
+table and backend table where the pattern is plain dense attention (one
+segment covering the sequence, dilation 1, no documents, no window: each
+block is then one dense call, ring_attention/dense_blocks.py); other
+patterns keep our block kernels.
 """
 
 from __future__ import annotations
@@ -40,7 +46,10 @@ __all__ = [
     "PathRow",
     "Route",
     "decide",
+    "decide_blocks",
     "route",
+    "route_blocks",
+    "why_not_dense",
 ]
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
@@ -131,7 +140,8 @@ BACKENDS = (
 @dataclass(frozen=True)
 class Route:
     """The path of one pass: ``dense`` (the per-branch calls of ``plan``, call
-    ``j`` of window ``i`` on backend ``backends[i][j]``) or our kernel, and why."""
+    ``j`` of window ``i`` on backend ``backends[i][j]``; for the ring's blocks
+    no plan and one backend, ``((name,),)``) or our kernel, and why."""
 
     dense: bool
     why: str
@@ -164,6 +174,31 @@ def _fits(row: BackendRow, pass_, device, dtype, d, cc, rows, gqa) -> str | None
     if row.backend == "fa4" and fa4_missing():
         return "not importable"
     return None
+
+
+def _backend_for(
+    pass_: str, named: str, device, dtype, d: int, cc, rows: int, gqa: bool
+) -> tuple[str | None, str]:
+    """The first backend of the table (``named`` first) that runs a call of
+    ``rows`` rows, and why each one before it cannot."""
+    order = [r for r in BACKENDS if r.backend == named] + [
+        r for r in BACKENDS if r.default and r.backend != named
+    ]
+    reasons = []
+    for r in order:
+        why_not = _fits(r, pass_, device, dtype, d, cc, rows, gqa)
+        if why_not is None:
+            return r.backend, "; ".join(reasons)
+        reasons.append(f"{r.backend}: {why_not}")
+    return None, "; ".join(reasons)
+
+
+def _mode_why(pass_: str, mode: str, device, dtype, d: int, n: int) -> str | None:
+    """Why ``mode`` takes the dense path (None: ``auto`` finds no row)."""
+    if mode != "auto":
+        return f"{config.FORWARD if pass_ == 'forward' else config.BACKWARD}={mode}"
+    row = _path_row(pass_, device, dtype, d, n)
+    return None if row is None else f"auto: {row.source}"
 
 
 def _path_row(pass_: str, device: torch.device, dtype, d: int, n: int) -> PathRow | None:
@@ -230,20 +265,13 @@ def decide(
     """:func:`route` from the values it reads: the pass, the modes and window
     rows of ring_attention/config.py, the device and its compute capability,
     dtype, sizes and pattern (no tensors: the tables alone)."""
-    if mode == "auto":
-        row = _path_row(pass_, device, dtype, d, n)
-        if row is None:
-            what = f"{device.type} {dtype} head_dim {d} n {n}"
-            return Route(False, f"auto: no row of the path table for {what}")
-        why = f"auto: {row.source}"
-    else:
-        why = f"{config.FORWARD if pass_ == 'forward' else config.BACKWARD}=dense"
+    why = _mode_why(pass_, mode, device, dtype, d, n)
+    if why is None:
+        what = f"{device.type} {dtype} head_dim {d} n {n}"
+        return Route(False, f"auto: no row of the path table for {what}")
     plan = plan_windows(pattern, n, heads, kv_heads, rows)
     if plan.calls > MAX_CALLS:
         return Route(False, f"{plan.calls} dense calls a pass (more than {MAX_CALLS})")
-    order = [r for r in BACKENDS if r.backend == named] + [
-        r for r in BACKENDS if r.default and r.backend != named
-    ]
     chosen: dict[tuple[int, int, int], str] = {}
     per_window = []
     for window in plan.windows:
@@ -252,18 +280,11 @@ def decide(
             shape = (call.rows, call.q_heads, call.kv_heads)
             if shape not in chosen:
                 gqa = call.q_heads != call.kv_heads
-                reasons = []
-                for r in order:
-                    why_not = _fits(r, pass_, device, dtype, d, cc, call.rows, gqa)
-                    if why_not is None:
-                        chosen[shape] = r.backend
-                        break
-                    reasons.append(f"{r.backend}: {why_not}")
-                else:
+                name, reasons = _backend_for(pass_, named, device, dtype, d, cc, call.rows, gqa)
+                if name is None:
                     what = f"{call.rows} rows, {call.q_heads}/{call.kv_heads} heads"
-                    return Route(
-                        False, f"no dense backend for a call of {what} ({'; '.join(reasons)})"
-                    )
+                    return Route(False, f"no dense backend for a call of {what} ({reasons})")
+                chosen[shape] = name
             names.append(chosen[shape])
         per_window.append(tuple(names))
     used = sorted(set(chosen.values()))
@@ -271,3 +292,66 @@ def decide(
 
 
 _ROUTES: LRUCache[Route] = LRUCache(64)
+
+
+def why_not_dense(pattern: Pattern, n: int) -> str | None:
+    """Why the ring's blocks of ``pattern`` on a sequence of ``n`` rows are
+    not plain dense attention (None when they are: one branch whose segment
+    covers the sequence, dilation 1, no documents, no window)."""
+    if pattern.documents is not None:
+        return "documents"
+    if pattern.windowed:
+        return "a sliding window"
+    (w, r), *others = pattern.branches
+    if others or r != 1 or w < n:
+        return "a segmented or dilated pattern (ring blocks as views: not built)"
+    return None
+
+
+def route_blocks(
+    pass_: str, q: torch.Tensor, k: torch.Tensor, pattern: Pattern, n: int, rows: int
+) -> Route:
+    """The route of the ring's per-step blocks in ``pass_`` for this rank's
+    shard ``q`` and K/V like ``k``: ``dense`` with one backend
+    (``backends == ((name,),)``, no plan) or our block kernels, and why.
+    ``n``: the global length (the path table's rows); ``rows``: a length every
+    block's pieces are a multiple of (a backend's ``rows_multiple``). K/V
+    finiteness and an ``lse`` gradient are checked when the pass runs."""
+    mode = config.forward_mode() if pass_ == "forward" else config.backward_mode()
+    if mode == "kernel":
+        return Route(False, f"{config.FORWARD if pass_ == 'forward' else config.BACKWARD}=kernel")
+    why_not = why_not_dense(pattern, n)
+    if why_not is not None:
+        return Route(False, why_not)
+    _, _, heads, d = q.shape
+    device = q.device
+    key = (pass_, mode, config.dense_backend(), device, _capability(device), q.dtype, n, heads,
+           k.shape[2], d, rows)  # fmt: skip
+    return _BLOCK_ROUTES.get(key, lambda: decide_blocks(*key))
+
+
+def decide_blocks(
+    pass_: str,
+    mode: str,
+    named: str,
+    device: torch.device,
+    cc: tuple[int, int],
+    dtype: torch.dtype,
+    n: int,
+    heads: int,
+    kv_heads: int,
+    d: int,
+    rows: int,
+) -> Route:
+    """:func:`route_blocks` from the values it reads (the tables alone)."""
+    why = _mode_why(pass_, mode, device, dtype, d, n)
+    if why is None:
+        what = f"{device.type} {dtype} head_dim {d} n {n}"
+        return Route(False, f"auto: no row of the path table for {what}")
+    name, reasons = _backend_for(pass_, named, device, dtype, d, cc, rows, heads != kv_heads)
+    if name is None:
+        return Route(False, f"no dense backend for the ring's blocks ({reasons})")
+    return Route(True, f"{why}; backend {name}", None, ((name,),))
+
+
+_BLOCK_ROUTES: LRUCache[Route] = LRUCache(64)
