@@ -1,7 +1,17 @@
 """The ring's per-step blocks through the dense backends, for plain dense
 attention (one segment covering the sequence, dilation 1, no documents, no
-window; ring_attention/dispatch.py's :func:`~ring_attention.dispatch.route_blocks`
+window) and for patterns whose every segment lies inside one rank's piece
+(ring_attention/dispatch.py's :func:`~ring_attention.dispatch.route_blocks`
 decides).
+
+Pieces holding whole segments: a query then reaches keys of its own piece
+only, so the ring's only blocks are the diagonal ones, each the local op on
+the piece as a sequence of its own (its start a multiple of every segment
+length): the per-branch path of ring_attention/branches.py where
+:func:`~ring_attention.dispatch.route` takes it for the piece, its ``out``
+and ``lse`` merged as below, its gradients added.
+
+Plain dense attention:
 
 A block is a piece of this rank's queries (global rows ``[q_start, q_start +
 Lq)``) against a run of keys (``[k_start, k_start + Lk)``). With dense
@@ -29,8 +39,10 @@ import math
 
 import torch
 
+from . import branches
 from .backends import backend
-from .dispatch import Route
+from .dispatch import Route, route
+from .pattern import Pattern
 
 __all__ = ["DenseBlocks", "block_kind"]
 
@@ -55,15 +67,37 @@ def _finite(k: Tensor, v: Tensor) -> bool:
     return bool(torch.isfinite(k).all() & torch.isfinite(v).all())
 
 
-class DenseBlocks:
-    """The blocks of one ring pass on the backend of ``route``
-    (:func:`~ring_attention.dispatch.route_blocks`, dense). Each method
-    returns ``False`` where the block must take our kernel instead."""
+def _merge(out: Tensor, lse: Tensor, o: Tensor, bl: Tensor) -> None:
+    """Merge a block's ``o`` ``(B, L, H, D)`` and ``bl`` ``(B, H, L)`` into
+    the accumulators ``out``, ``lse`` by log-sum-exp."""
+    new = torch.logaddexp(lse, bl)
+    ref = torch.where(new == -math.inf, 0.0, new)  # rows reached by nothing yet
+    keep = torch.exp(lse - ref).transpose(1, 2).unsqueeze(-1)
+    take = torch.exp(bl - ref).transpose(1, 2).unsqueeze(-1)
+    out.mul_(keep).add_(o * take)
+    lse.copy_(new)
 
-    def __init__(self, route: Route, causal: bool, scale: float) -> None:
-        self.backend = backend(route.backends[0][0])
-        self.causal = causal
+
+class DenseBlocks:
+    """The blocks of one ring pass by ``route``
+    (:func:`~ring_attention.dispatch.route_blocks`, dense): one backend
+    call per block, or (no backend named) the local op's per-branch path per
+    piece. Each method returns ``False`` where the block must take our kernel
+    instead."""
+
+    def __init__(self, route: Route, pattern: Pattern, scale: float) -> None:
+        self.backend = backend(route.backends[0][0]) if route.backends else None
+        self.pattern = pattern
+        self.causal = pattern.causal
         self.scale = scale
+
+    def _local(self, pass_: str, q: Tensor, k: Tensor, v: Tensor, q_start: int,
+               k_start: int) -> Route | None:  # fmt: skip
+        """The per-branch route of a piece's own block (None: our kernel)."""
+        if q_start != k_start or q.shape[1] != k.shape[1] or not _finite(k, v):
+            return None
+        r = route(pass_, q, k, v, self.pattern, None)
+        return r if r.dense else None
 
     def _kind(self, q: Tensor, k: Tensor, v: Tensor, q_start: int, k_start: int) -> str | None:
         kind = block_kind(self.causal, q_start, q.shape[1], k_start, k.shape[1])
@@ -77,6 +111,12 @@ class DenseBlocks:
     ) -> bool:  # fmt: skip
         """Merge the block into the accumulators ``out`` ``(B, Lq, H, D)`` and
         ``lse`` ``(B, H, Lq)`` (the accumulation dtype)."""
+        if self.backend is None:
+            r = self._local("forward", q, k, v, q_start, k_start)
+            if r is None:
+                return False
+            _merge(out, lse, *branches.dense_forward(q, k, v, self.pattern, self.scale, r))
+            return True
         kind = self._kind(q, k, v, q_start, k_start)
         if kind is None:
             return False
@@ -86,12 +126,7 @@ class DenseBlocks:
         o = torch.empty(B, H, lq, D, dtype=q.dtype, device=q.device)
         bl = torch.empty(B, H, lq, dtype=lse.dtype, device=q.device)
         self.backend.forward(q, k, v, kind == "causal", self.scale, o, bl)
-        new = torch.logaddexp(lse, bl)
-        ref = torch.where(new == -math.inf, 0.0, new)  # rows reached by nothing yet
-        keep = torch.exp(lse - ref).transpose(1, 2).unsqueeze(-1)
-        take = torch.exp(bl - ref).transpose(1, 2).unsqueeze(-1)
-        out.mul_(keep).add_(o.transpose(1, 2) * take)
-        lse.copy_(new)
+        _merge(out, lse, o.transpose(1, 2), bl)
         return True
 
     def backward(
@@ -101,6 +136,14 @@ class DenseBlocks:
         """Add the block's gradients into ``dq``, ``dk``, ``dv`` (``(B, L, h,
         D)``, the accumulation dtype), given the final ``out`` (q's dtype) and
         ``lse`` of the query rows."""
+        if self.backend is None:
+            r = self._local("backward", q, k, v, q_start, k_start)
+            if r is None:
+                return False
+            grads = branches.dense_backward(go, q, k, v, out, lse, self.pattern, self.scale, r)
+            for acc, g in zip((dq, dk, dv), grads, strict=True):
+                acc.add_(g)
+            return True
         kind = self._kind(q, k, v, q_start, k_start)
         if kind is None:
             return False

@@ -22,8 +22,10 @@ of a shape and why.
 The ring's per-step blocks (:func:`route_blocks`) take the same modes, path
 table and backend table where the pattern is plain dense attention (one
 segment covering the sequence, dilation 1, no documents, no window: each
-block is then one dense call, ring_attention/dense_blocks.py); other
-patterns keep our block kernels.
+block is then one dense call, ring_attention/dense_blocks.py), or where
+every segment lies inside one rank's piece (each piece is then a local op
+of its own, through the per-branch path where :func:`route` takes it);
+other patterns keep our block kernels.
 """
 
 from __future__ import annotations
@@ -45,11 +47,11 @@ __all__ = [
     "BackendRow",
     "PathRow",
     "Route",
+    "block_shape",
     "decide",
     "decide_blocks",
     "route",
     "route_blocks",
-    "why_not_dense",
 ]
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
@@ -294,35 +296,45 @@ def decide(
 _ROUTES: LRUCache[Route] = LRUCache(64)
 
 
-def why_not_dense(pattern: Pattern, n: int) -> str | None:
-    """Why the ring's blocks of ``pattern`` on a sequence of ``n`` rows are
-    not plain dense attention (None when they are: one branch whose segment
-    covers the sequence, dilation 1, no documents, no window)."""
+def block_shape(pattern: Pattern, n: int, boundaries: tuple[int, ...]) -> tuple[str | None, str]:
+    """What the ring's blocks of ``pattern`` on ``n`` rows are, the pieces
+    starting and ending at ``boundaries``: ``"dense"`` (plain dense
+    attention: one branch whose segment covers the sequence, dilation 1),
+    ``"local"`` (every segment of every branch inside one piece: each piece
+    is a local op of its own), or ``None`` (our block kernels), and why."""
     if pattern.documents is not None:
-        return "documents"
+        return None, "documents"
     if pattern.windowed:
-        return "a sliding window"
+        return None, "a sliding window"
     (w, r), *others = pattern.branches
-    if others or r != 1 or w < n:
-        return "a segmented or dilated pattern (ring blocks as views: not built)"
-    return None
+    if not others and r == 1 and w >= n:
+        return "dense", "plain dense attention"
+    if all(b % w == 0 for b in boundaries if 0 < b < n for w in pattern.segment_lengths):
+        return "local", "every segment inside one piece"
+    return None, "segments crossing the pieces (dilated blocks as views: not built)"
 
 
 def route_blocks(
-    pass_: str, q: torch.Tensor, k: torch.Tensor, pattern: Pattern, n: int, rows: int
-) -> Route:
+    pass_: str, q: torch.Tensor, k: torch.Tensor, pattern: Pattern, n: int,
+    boundaries: tuple[int, ...], rows: int,
+) -> Route:  # fmt: skip
     """The route of the ring's per-step blocks in ``pass_`` for this rank's
-    shard ``q`` and K/V like ``k``: ``dense`` with one backend
-    (``backends == ((name,),)``, no plan) or our block kernels, and why.
-    ``n``: the global length (the path table's rows); ``rows``: a length every
+    shard ``q`` and K/V like ``k``: our block kernels, or ``dense`` and
+    either one backend per block (``backends == ((name,),)``, plain dense
+    attention) or, every segment inside a piece, no backend named
+    (``backends == ()``: each piece's own block takes :func:`route`'s), and
+    why. ``n``: the global length (the path table's rows); ``boundaries``:
+    where the pieces of every rank start and end; ``rows``: a length every
     block's pieces are a multiple of (a backend's ``rows_multiple``). K/V
     finiteness and an ``lse`` gradient are checked when the pass runs."""
     mode = config.forward_mode() if pass_ == "forward" else config.backward_mode()
     if mode == "kernel":
         return Route(False, f"{config.FORWARD if pass_ == 'forward' else config.BACKWARD}=kernel")
-    why_not = why_not_dense(pattern, n)
-    if why_not is not None:
-        return Route(False, why_not)
+    shape, why = block_shape(pattern, n, boundaries)
+    if shape is None:
+        return Route(False, why)
+    if shape == "local":
+        return Route(True, f"{why}: each piece's block by the local op's route")
     _, _, heads, d = q.shape
     device = q.device
     key = (pass_, mode, config.dense_backend(), device, _capability(device), q.dtype, n, heads,

@@ -22,7 +22,9 @@ Forward, per rank:
    a sender piece's needed rows are a whole range, e.g. the whole piece;
    else into a buffer spanning them) and merge the blocks into the
    accumulators. For plain dense attention each block may instead be one
-   dense backend call (ring_attention/dense_blocks.py), where
+   dense backend call, and where every segment lies inside one piece each
+   piece's block the local op's per-branch path
+   (ring_attention/dense_blocks.py), where
    ``RING_ATTENTION_FORWARD``/``RING_ATTENTION_BACKWARD`` and the dispatch
    table say (ring_attention/dispatch.py's ``route_blocks``).
 4. Cast ``out`` once; ``lse`` stays fp32 and is differentiable.
@@ -118,9 +120,11 @@ class _RingCall:
         """The dense backend's blocks of ``pass_`` where the route is dense
         (ring_attention/dispatch.py), else ``None`` (our block kernels)."""
         plan = self.plan
-        rows = math.gcd(*(p.length for pieces in plan.all_pieces for p in pieces))
-        r = route_blocks(pass_, q, k, plan.pattern, plan.seq_len, rows or 1)
-        return DenseBlocks(r, self.op_args.causal, self.op_args.scale) if r.dense else None
+        every = [p for pieces in plan.all_pieces for p in pieces]
+        rows = math.gcd(*(p.length for p in every))
+        bounds = tuple(sorted({b for p in every for b in (p.start, p.start + p.length)}))
+        r = route_blocks(pass_, q, k, plan.pattern, plan.seq_len, bounds, rows or 1)
+        return DenseBlocks(r, plan.pattern, self.op_args.scale) if r.dense else None
 
     def exchanger(self, q: Tensor, role: str) -> Exchanger:
         """The transport of one pass (``role``: ``"forward"``/``"backward"``)."""

@@ -142,7 +142,7 @@ def timing(shape, dtype, device, causal, layout, world, rank, repeats) -> list[d
     q, k, v, go = (shard_sequence(t, layout=layout) for t in _inputs(shape, dtype, device, 3))
     pattern = Pattern([n], [1], causal=causal)
     _modes("dense")
-    route = route_blocks("forward", q, k, pattern, n, 1)
+    route = route_blocks("forward", q, k, pattern, n, (0, n), 1)
     name = route.backends[0][0] if route.dense else None
     methods = {
         "ring_dense": (

@@ -5,8 +5,10 @@ case of ``CASES``; the tests below read the cached results. Every rank
 checks its shard of ``out``, ``lse`` and the q/k/v gradients against the
 float64 oracle (``tests/oracle.py``) on the whole sequence, and counts the
 calls of the CPU stand-in backend (a counting wrapper around it): with the
-dense route forced, one forward and one backward call per block that some
-key of some query reaches (computed here from the layout's pieces), none
+dense route forced, for plain dense attention one forward and one backward
+call per block that some key of some query reaches (computed here from the
+layout's pieces); for a dilated pattern some calls where every piece holds
+whole segments (the local op's per-branch path per piece), else none; none
 where the route keeps our kernels.
 """
 
@@ -20,7 +22,7 @@ from oracle import reference_attention
 
 from ring_attention import backends, config
 from ring_attention.dense_blocks import block_kind
-from ring_attention.dispatch import decide_blocks, route_blocks, why_not_dense
+from ring_attention.dispatch import block_shape, decide_blocks, route_blocks
 from ring_attention.pattern import Pattern
 from ring_attention.sharding import layout_pieces, shard_sequence
 from ring_attention.testing import run_distributed
@@ -39,6 +41,15 @@ CASES: dict[str, dict] = {
     "auto_cpu": dict(n=37, causal=True, mode="auto", dense=(False, False)),
     "documents": dict(n=37, causal=True, cu_seqlens=[0, 13, 37], dense=(False, False)),
     "lse_gradient": dict(n=37, causal=True, layout="zigzag", lse=True, dense=(True, False)),
+    # dilated: pieces of 48 (2 ranks) and 32 (3 ranks; zigzag: 16) hold whole
+    # segments, zigzag's 24 (2 ranks) do not
+    "dilated_causal_gqa_head_groups": dict(
+        n=96, causal=True, pattern=([8, 16], [1, 2]), heads=4, kv_heads=2, head_groups=True
+    ),
+    "dilated_zigzag_noncausal": dict(
+        n=96, causal=False, pattern=([16, 8], [2, 1]), layout="zigzag", heads=3
+    ),
+    "dilated_ragged": dict(n=37, causal=True, pattern=([8, 16], [1, 2])),
 }
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 3e-2}
@@ -63,10 +74,16 @@ class _Counting:
 
 
 def expected_blocks(n: int, world: int, rank: int, layout: str, causal: bool) -> int:
-    """Blocks of this rank that some key of some query reaches."""
+    """Blocks of this rank that some key of some query reaches (plain dense attention)."""
     mine = [p for p in layout_pieces(n, world, rank, layout) if p.length]
     every = [p for r in range(world) for p in layout_pieces(n, world, r, layout) if p.length]
     return sum(not causal or k.start <= q.start + q.length - 1 for q in mine for k in every)
+
+
+def _lse_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest difference, rows no branch reaches (-inf on both sides) equal."""
+    both = torch.isneginf(a) & torch.isneginf(b)
+    return torch.where(both, 0.0, a - b).abs().max().item()
 
 
 def _run_case(rank: int, world: int, name: str, c: dict) -> dict:
@@ -76,6 +93,7 @@ def _run_case(rank: int, world: int, name: str, c: dict) -> dict:
     layout, dtype = c.get("layout", "contiguous"), c.get("dtype", torch.float32)
     heads, kv_heads = c.get("heads", 2), c.get("kv_heads", c.get("heads", 2))
     mode = c.get("mode", "dense")
+    pattern = c.get("pattern", ([c.get("segment", n)], [1]))
     os.environ[config.FORWARD] = os.environ[config.BACKWARD] = mode
     g = torch.Generator().manual_seed(list(CASES).index(name))
     q = torch.randn(2, n, heads, 16, generator=g).to(dtype)
@@ -89,8 +107,8 @@ def _run_case(rank: int, world: int, name: str, c: dict) -> dict:
     try:
         ql, kl, vl = (shard_sequence(t, layout=layout).clone().requires_grad_() for t in (q, k, v))
         out, lse = ring_dilated_attention(
-            ql, kl, vl, [c.get("segment", n)], [1], causal=causal, layout=layout,
-            cu_seqlens=c.get("cu_seqlens"), return_lse=True,
+            ql, kl, vl, *pattern, causal=causal, layout=layout, cu_seqlens=c.get("cu_seqlens"),
+            head_groups=c.get("head_groups", False), return_lse=True,
         )  # fmt: skip
         loss = (out.float() * shard_sequence(go, layout=layout).float()).sum()
         if c.get("lse"):
@@ -101,7 +119,13 @@ def _run_case(rank: int, world: int, name: str, c: dict) -> dict:
         del os.environ[config.FORWARD], os.environ[config.BACKWARD]
 
     ref = [t.double().requires_grad_() for t in (q, k, v)]
-    ro, rl = reference_attention(*ref, [n], [1], causal, cu_seqlens=c.get("cu_seqlens"))
+    ro, rl = reference_attention(
+        *ref,
+        *pattern,
+        causal,
+        cu_seqlens=c.get("cu_seqlens"),
+        head_groups=c.get("head_groups", False),
+    )
     rloss = (ro * go.double()).sum()
     if c.get("lse"):
         rloss = rloss + (rl * glse.double()).sum()
@@ -111,7 +135,7 @@ def _run_case(rank: int, world: int, name: str, c: dict) -> dict:
     )
     errors = {
         "out": (out.double() - ro[:, rows]).abs().max().item(),
-        "lse": (lse.double() - rl[:, :, rows]).abs().max().item(),
+        "lse": _lse_error(lse.double(), rl[:, :, rows]),
     }
     for label, mine, full in (("dq", ql, ref[0]), ("dk", kl, ref[1]), ("dv", vl, ref[2])):
         errors[label] = (mine.grad.double() - full.grad[:, rows]).abs().max().item()
@@ -141,7 +165,17 @@ def test_ring_dense_blocks(world: int, name: str) -> None:
         r = result[name]
         for label, err in r["errors"].items():
             assert err <= tol, f"rank {rank}: {label} off by {err}"
-        blocks = expected_blocks(c["n"], world, rank, c.get("layout", "contiguous"), c["causal"])
+        layout = c.get("layout", "contiguous")
+        if "pattern" in c:  # dilated: the per-branch path where every piece holds whole segments
+            bounds = {
+                b for r_ in range(world) for p in layout_pieces(c["n"], world, r_, layout)
+                for b in (p.start, p.start + p.length)
+            }  # fmt: skip
+            whole = all(b % w == 0 for b in bounds if 0 < b < c["n"] for w in c["pattern"][0])
+            assert (r["calls"]["forward"] > 0) == whole, f"rank {rank}: {r['calls']}"
+            assert (r["calls"]["backward"] > 0) == whole, f"rank {rank}: {r['calls']}"
+            continue
+        blocks = expected_blocks(c["n"], world, rank, layout, c["causal"])
         assert r["calls"] == {
             "forward": blocks if fwd_dense else 0,
             "backward": blocks if bwd_dense else 0,
@@ -195,14 +229,20 @@ def test_block_kind() -> None:
     assert block_kind(True, 10, 0, 0, 3) == "skip"
 
 
-def test_why_not_dense() -> None:
-    assert why_not_dense(Pattern([64], [1], causal=True), 64) is None
-    assert why_not_dense(Pattern([1 << 40], [1]), 64) is None
-    assert why_not_dense(Pattern([32], [1]), 64) is not None
-    assert why_not_dense(Pattern([64], [2]), 64) is not None
-    assert why_not_dense(Pattern([64, 64], [1, 1]), 64) is not None
-    assert why_not_dense(Pattern([64], [1], window=(8, 0)), 64) == "a sliding window"
-    assert why_not_dense(Pattern([64], [1]).with_documents([0, 10, 64]), 64) == "documents"
+def test_block_shape() -> None:
+    halves = (0, 32, 64)
+    assert block_shape(Pattern([64], [1], causal=True), 64, halves)[0] == "dense"
+    assert block_shape(Pattern([1 << 40], [1]), 64, halves)[0] == "dense"
+    assert block_shape(Pattern([32], [1]), 64, halves)[0] == "local"
+    assert block_shape(Pattern([16, 32], [1, 2]), 64, halves)[0] == "local"
+    assert block_shape(Pattern([16, 32], [1, 2]), 64, (0, 21, 43, 64))[0] is None
+    assert block_shape(Pattern([64], [2]), 64, halves)[0] is None
+    assert block_shape(Pattern([64, 64], [1, 1]), 64, halves)[0] is None
+    assert block_shape(Pattern([64], [1], window=(8, 0)), 64, halves) == (None, "a sliding window")
+    assert block_shape(Pattern([64], [1]).with_documents([0, 10, 64]), 64, halves) == (
+        None,
+        "documents",
+    )
 
 
 def test_route_blocks_tables(monkeypatch) -> None:
@@ -223,7 +263,7 @@ def test_route_blocks_tables(monkeypatch) -> None:
     p = Pattern([64], [1], causal=True)
     for env, dense in (("auto", False), ("dense", True), ("kernel", False)):
         monkeypatch.setenv(config.FORWARD, env)
-        r = route_blocks("forward", q, k, p, 64, 8)
+        r = route_blocks("forward", q, k, p, 64, (0, 32, 64), 8)
         assert r.dense == dense, r.why
         if dense:
             assert r.backends == (("cpu",),)
