@@ -6,16 +6,16 @@ them (query head ``i`` reads K/V head ``i // (hq // hk)``).
 Interface (every tensor a view; stride 1 along the head dim):
 
 * ``forward(q, k, v, causal, scale, out, lse)``: ``q`` ``(N, L, hq, d)``,
-  ``k``, ``v`` ``(N, L, hk, d)``; writes ``out`` ``(N, hq, L, d)`` (q's
-  dtype) and ``lse`` ``(N, hq, L)`` (float32, float64 for float64), the
-  caller's part buffers: in place where the backend takes output buffers,
-  else copied.
+  ``k``, ``v`` ``(N, Lk, hk, d)`` (``Lk == L`` where ``causal``); writes
+  ``out`` ``(N, hq, L, d)`` (q's dtype) and ``lse`` ``(N, hq, L)`` (float32,
+  float64 for float64), the caller's part buffers: in place where the
+  backend takes output buffers, else copied.
 * ``backward(do, q, k, v, out, lse, causal, scale, dq, dk, dv)``: the
   gradients of the call given the *merged* ``out`` and ``lse`` of its rows
   (``do``, ``out`` like ``q``; ``lse`` ``(N, hq, L)``): with them the
   call's ``P = exp(S - lse)`` is the multiset softmax's probability and its
   ``D = rowsum(dO * out)`` the merged one, so the branches' gradients add up
-  exactly. Writes ``dq`` ``(N, hq, L, d)`` and ``dk``, ``dv`` ``(N, hk, L,
+  exactly. Writes ``dq`` ``(N, hq, L, d)`` and ``dk``, ``dv`` ``(N, hk, Lk,
   d)``.
 
 Backends: ``cpu`` (PyTorch's CPU flash attention: the stand-in that runs the
@@ -93,9 +93,9 @@ class AtenFlash:
     @staticmethod
     def backward(do, q, k, v, out, lse, causal, scale, dq, dk, dv) -> None:
         cq, ck, rng, unused = _flash_side(str(q.device), q.dtype, q.shape[-1])
-        lq = q.shape[1]
+        lq, lk = q.shape[1], k.shape[1]
         gq, gk, gv = aten._scaled_dot_product_flash_attention_backward(
-            _t(do), _t(q), _t(k), _t(v), _t(out), lse.float().contiguous(), cq, ck, lq, lq,
+            _t(do), _t(q), _t(k), _t(v), _t(out), lse.float().contiguous(), cq, ck, lq, lk,
             0.0, causal, rng, unused, scale=scale,
         )  # fmt: skip
         dq.copy_(gq)

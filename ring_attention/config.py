@@ -39,7 +39,8 @@ EMULATOR_SANITIZE = "RING_ATTENTION_EMULATOR_SANITIZE"
 
 #: ``auto``: the table of ring_attention/dispatch.py; ``kernel``: always our
 #: kernels; ``dense``: the per-branch dense backends wherever one can run the
-#: call (the CPU included, through PyTorch's CPU flash attention).
+#: call (the CPU included, through PyTorch's CPU flash attention), and the
+#: ring's blocks of plain dense attention through them likewise.
 MODES = ("auto", "kernel", "dense")
 #: ``auto``: the table's choice per call; a name: that backend where it can
 #: run a call, the table's choice elsewhere.
@@ -62,13 +63,14 @@ KNOBS = (
         FORWARD,
         ", ".join(MODES),
         "auto",
-        "the local op's forward: the dispatch table, our kernels, or the dense backends per branch",
+        "the local op's forward (and the ring's dense blocks): the dispatch table, our kernels, "
+        "or the dense backends",
     ),
     Knob(
         BACKWARD,
         ", ".join(MODES),
         "auto",
-        "the local op's backward, likewise (a gradient reaching lse always takes our kernel)",
+        "the backward, likewise (a gradient reaching lse always takes our kernel)",
     ),
     Knob(
         DENSE_BACKEND,

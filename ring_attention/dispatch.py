@@ -18,6 +18,14 @@ contiguous, more than :data:`MAX_CALLS` calls a pass (many documents), and
 any call no backend can run (fp32 / fp64 on CUDA, head dims or devices the
 backends do not take). ``python -m ring_attention.info`` prints the route
 of a shape and why.
+
+The ring's per-step blocks (:func:`route_blocks`) take the same modes, path
+table and backend table where the pattern is plain dense attention (one
+segment covering the sequence, dilation 1, no documents, no window: each
+block is then one dense call, ring_attention/dense_blocks.py), or where
+every segment lies inside one rank's piece (each piece is then a local op
+of its own, through the per-branch path where :func:`route` takes it);
+other patterns keep our block kernels.
 """
 
 from __future__ import annotations
@@ -39,8 +47,11 @@ __all__ = [
     "BackendRow",
     "PathRow",
     "Route",
+    "block_shape",
     "decide",
+    "decide_blocks",
     "route",
+    "route_blocks",
 ]
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
@@ -131,7 +142,8 @@ BACKENDS = (
 @dataclass(frozen=True)
 class Route:
     """The path of one pass: ``dense`` (the per-branch calls of ``plan``, call
-    ``j`` of window ``i`` on backend ``backends[i][j]``) or our kernel, and why."""
+    ``j`` of window ``i`` on backend ``backends[i][j]``; for the ring's blocks
+    no plan and one backend, ``((name,),)``) or our kernel, and why."""
 
     dense: bool
     why: str
@@ -164,6 +176,31 @@ def _fits(row: BackendRow, pass_, device, dtype, d, cc, rows, gqa) -> str | None
     if row.backend == "fa4" and fa4_missing():
         return "not importable"
     return None
+
+
+def _backend_for(
+    pass_: str, named: str, device, dtype, d: int, cc, rows: int, gqa: bool
+) -> tuple[str | None, str]:
+    """The first backend of the table (``named`` first) that runs a call of
+    ``rows`` rows, and why each one before it cannot."""
+    order = [r for r in BACKENDS if r.backend == named] + [
+        r for r in BACKENDS if r.default and r.backend != named
+    ]
+    reasons = []
+    for r in order:
+        why_not = _fits(r, pass_, device, dtype, d, cc, rows, gqa)
+        if why_not is None:
+            return r.backend, "; ".join(reasons)
+        reasons.append(f"{r.backend}: {why_not}")
+    return None, "; ".join(reasons)
+
+
+def _mode_why(pass_: str, mode: str, device, dtype, d: int, n: int) -> str | None:
+    """Why ``mode`` takes the dense path (None: ``auto`` finds no row)."""
+    if mode != "auto":
+        return f"{config.FORWARD if pass_ == 'forward' else config.BACKWARD}={mode}"
+    row = _path_row(pass_, device, dtype, d, n)
+    return None if row is None else f"auto: {row.source}"
 
 
 def _path_row(pass_: str, device: torch.device, dtype, d: int, n: int) -> PathRow | None:
@@ -230,20 +267,13 @@ def decide(
     """:func:`route` from the values it reads: the pass, the modes and window
     rows of ring_attention/config.py, the device and its compute capability,
     dtype, sizes and pattern (no tensors: the tables alone)."""
-    if mode == "auto":
-        row = _path_row(pass_, device, dtype, d, n)
-        if row is None:
-            what = f"{device.type} {dtype} head_dim {d} n {n}"
-            return Route(False, f"auto: no row of the path table for {what}")
-        why = f"auto: {row.source}"
-    else:
-        why = f"{config.FORWARD if pass_ == 'forward' else config.BACKWARD}=dense"
+    why = _mode_why(pass_, mode, device, dtype, d, n)
+    if why is None:
+        what = f"{device.type} {dtype} head_dim {d} n {n}"
+        return Route(False, f"auto: no row of the path table for {what}")
     plan = plan_windows(pattern, n, heads, kv_heads, rows)
     if plan.calls > MAX_CALLS:
         return Route(False, f"{plan.calls} dense calls a pass (more than {MAX_CALLS})")
-    order = [r for r in BACKENDS if r.backend == named] + [
-        r for r in BACKENDS if r.default and r.backend != named
-    ]
     chosen: dict[tuple[int, int, int], str] = {}
     per_window = []
     for window in plan.windows:
@@ -252,18 +282,11 @@ def decide(
             shape = (call.rows, call.q_heads, call.kv_heads)
             if shape not in chosen:
                 gqa = call.q_heads != call.kv_heads
-                reasons = []
-                for r in order:
-                    why_not = _fits(r, pass_, device, dtype, d, cc, call.rows, gqa)
-                    if why_not is None:
-                        chosen[shape] = r.backend
-                        break
-                    reasons.append(f"{r.backend}: {why_not}")
-                else:
+                name, reasons = _backend_for(pass_, named, device, dtype, d, cc, call.rows, gqa)
+                if name is None:
                     what = f"{call.rows} rows, {call.q_heads}/{call.kv_heads} heads"
-                    return Route(
-                        False, f"no dense backend for a call of {what} ({'; '.join(reasons)})"
-                    )
+                    return Route(False, f"no dense backend for a call of {what} ({reasons})")
+                chosen[shape] = name
             names.append(chosen[shape])
         per_window.append(tuple(names))
     used = sorted(set(chosen.values()))
@@ -271,3 +294,76 @@ def decide(
 
 
 _ROUTES: LRUCache[Route] = LRUCache(64)
+
+
+def block_shape(pattern: Pattern, n: int, boundaries: tuple[int, ...]) -> tuple[str | None, str]:
+    """What the ring's blocks of ``pattern`` on ``n`` rows are, the pieces
+    starting and ending at ``boundaries``: ``"dense"`` (plain dense
+    attention: one branch whose segment covers the sequence, dilation 1),
+    ``"local"`` (every segment of every branch inside one piece: each piece
+    is a local op of its own), or ``None`` (our block kernels), and why."""
+    if pattern.documents is not None:
+        return None, "documents"
+    if pattern.windowed:
+        return None, "a sliding window"
+    (w, r), *others = pattern.branches
+    if not others and r == 1 and w >= n:
+        return "dense", "plain dense attention"
+    if all(b % w == 0 for b in boundaries if 0 < b < n for w in pattern.segment_lengths):
+        return "local", "every segment inside one piece"
+    return None, "segments crossing the pieces (dilated blocks as views: not built)"
+
+
+def route_blocks(
+    pass_: str, q: torch.Tensor, k: torch.Tensor, pattern: Pattern, n: int,
+    boundaries: tuple[int, ...], rows: int,
+) -> Route:  # fmt: skip
+    """The route of the ring's per-step blocks in ``pass_`` for this rank's
+    shard ``q`` and K/V like ``k``: our block kernels, or ``dense`` and
+    either one backend per block (``backends == ((name,),)``, plain dense
+    attention) or, every segment inside a piece, no backend named
+    (``backends == ()``: each piece's own block takes :func:`route`'s), and
+    why. ``n``: the global length (the path table's rows); ``boundaries``:
+    where the pieces of every rank start and end; ``rows``: a length every
+    block's pieces are a multiple of (a backend's ``rows_multiple``). K/V
+    finiteness and an ``lse`` gradient are checked when the pass runs."""
+    mode = config.forward_mode() if pass_ == "forward" else config.backward_mode()
+    if mode == "kernel":
+        return Route(False, f"{config.FORWARD if pass_ == 'forward' else config.BACKWARD}=kernel")
+    shape, why = block_shape(pattern, n, boundaries)
+    if shape is None:
+        return Route(False, why)
+    if shape == "local":
+        return Route(True, f"{why}: each piece's block by the local op's route")
+    _, _, heads, d = q.shape
+    device = q.device
+    key = (pass_, mode, config.dense_backend(), device, _capability(device), q.dtype, n, heads,
+           k.shape[2], d, rows)  # fmt: skip
+    return _BLOCK_ROUTES.get(key, lambda: decide_blocks(*key))
+
+
+def decide_blocks(
+    pass_: str,
+    mode: str,
+    named: str,
+    device: torch.device,
+    cc: tuple[int, int],
+    dtype: torch.dtype,
+    n: int,
+    heads: int,
+    kv_heads: int,
+    d: int,
+    rows: int,
+) -> Route:
+    """:func:`route_blocks` from the values it reads (the tables alone)."""
+    why = _mode_why(pass_, mode, device, dtype, d, n)
+    if why is None:
+        what = f"{device.type} {dtype} head_dim {d} n {n}"
+        return Route(False, f"auto: no row of the path table for {what}")
+    name, reasons = _backend_for(pass_, named, device, dtype, d, cc, rows, heads != kv_heads)
+    if name is None:
+        return Route(False, f"no dense backend for the ring's blocks ({reasons})")
+    return Route(True, f"{why}; backend {name}", None, ((name,),))
+
+
+_BLOCK_ROUTES: LRUCache[Route] = LRUCache(64)

@@ -21,7 +21,12 @@ Forward, per rank:
    overlaps the compute of step ``i``), unpack the rows (used in place when
    a sender piece's needed rows are a whole range, e.g. the whole piece;
    else into a buffer spanning them) and merge the blocks into the
-   accumulators.
+   accumulators. For plain dense attention each block may instead be one
+   dense backend call, and where every segment lies inside one piece each
+   piece's block the local op's per-branch path
+   (ring_attention/dense_blocks.py), where
+   ``RING_ATTENTION_FORWARD``/``RING_ATTENTION_BACKWARD`` and the dispatch
+   table say (ring_attention/dispatch.py's ``route_blocks``).
 4. Cast ``out`` once; ``lse`` stays fp32 and is differentiable.
 
 Backward re-exchanges K/V along the same schedule, computes
@@ -49,6 +54,8 @@ import torch.distributed as dist
 
 from ._comm import comm_device, global_ranks, world_info
 from .checks import check_qkv, resolve_scale
+from .dense_blocks import DenseBlocks
+from .dispatch import route_blocks
 from .dtypes import acc_dtype
 from .exchange import (
     ExchangeEvent,
@@ -109,6 +116,16 @@ class _RingCall:
         """Accumulate the block's gradient into ``dq``/``dk``/``dv``."""
         _block_backward(go, glse, q, k, v, out, lse, dq, dk, dv, q_start, k_start, self.op_args)
 
+    def dense_blocks(self, pass_: str, q: Tensor, k: Tensor) -> DenseBlocks | None:
+        """The dense backend's blocks of ``pass_`` where the route is dense
+        (ring_attention/dispatch.py), else ``None`` (our block kernels)."""
+        plan = self.plan
+        every = [p for pieces in plan.all_pieces for p in pieces]
+        rows = math.gcd(*(p.length for p in every))
+        bounds = tuple(sorted({b for p in every for b in (p.start, p.start + p.length)}))
+        r = route_blocks(pass_, q, k, plan.pattern, plan.seq_len, bounds, rows or 1)
+        return DenseBlocks(r, plan.pattern, self.op_args.scale) if r.dense else None
+
     def exchanger(self, q: Tensor, role: str) -> Exchanger:
         """The transport of one pass (``role``: ``"forward"``/``"backward"``)."""
         return Exchanger(
@@ -141,8 +158,12 @@ def _ring_forward(call: _RingCall, q: Tensor, k: Tensor, v: Tensor) -> tuple[Ten
     outs = _zeros(q, pieces, acc)
     lses = [torch.full((B, H, p.length), -math.inf, dtype=acc, device=q.device) for p in pieces]
 
+    dense = call.dense_blocks("forward", q, k)
+
     def attend(qi: int, k_j: Tensor, v_j: Tensor, k_start: int) -> None:
-        call.block_forward(qs[qi], k_j, v_j, outs[qi], lses[qi], pieces[qi].start, k_start)
+        args = (qs[qi], k_j, v_j, outs[qi], lses[qi], pieces[qi].start, k_start)
+        if dense is None or not dense.forward(*args):
+            call.block_forward(*args)
 
     steps = plan.steps
     ex = call.exchanger(q, "forward") if steps else None
@@ -180,7 +201,15 @@ def _ring_backward(
     acc = acc_dtype(q.dtype)
     dqs, dks, dvs = _zeros(q, pieces, acc), _zeros(k, pieces, acc), _zeros(k, pieces, acc)
 
+    # a gradient reaching lse takes our kernels (the dense backwards have no input for it)
+    dense = call.dense_blocks("backward", q, k) if grad_lse is None else None
+
     def attend(qi: int, k_j: Tensor, v_j: Tensor, dk_j: Tensor, dv_j: Tensor, k_start: int) -> None:
+        if dense is not None and dense.backward(
+            gos[qi], qs[qi], k_j, v_j, outs[qi], lses[qi], dqs[qi], dk_j, dv_j,
+            pieces[qi].start, k_start,
+        ):  # fmt: skip
+            return
         call.block_backward(
             gos[qi], glses[qi], qs[qi], k_j, v_j, outs[qi], lses[qi], dqs[qi], dk_j, dv_j,
             pieces[qi].start, k_start,

@@ -27,6 +27,11 @@
 #                                             # the earlier tree's default (.prev) and 2M tokens.
 #                                             # flash-attn-4 where its wheels have arrived
 #                                             # (scripts/fa4_install.sh), else without it
+#   bash scripts/gpu_check.sh --stages build,ringdense   # the ring's dense blocks (not in the
+#                                             # default; scripts/ring_dense_check.py under
+#                                             # torchrun, one process): checked against our
+#                                             # kernels and SDPA, then timed against the dense
+#                                             # backend called directly on the same shards
 #   bash scripts/gpu_check.sh --stages build,profile   # Nsight Compute (not in the default) on
 #                                             # the first launches of our forward and backward
 #                                             # tensor-core kernels (scripts/profile_kernels.py)
@@ -38,7 +43,7 @@
 # build_prev.log, bench_kernels_prev/ and bench_kernels/compare.md), fa4.log and
 # bench_fa4/local.{jsonl,md,png} (stage fa4), views.log and views/ (views.jsonl,
 # prev.jsonl, summary.md; stage views), profile.log and profile/ (the ncu
-# reports, stage profile): two files, since the device tool
+# reports, stage profile), ringdense.log and ringdense/ (stage ringdense): two files, since the device tool
 # brings back at most 8 (GPU_CHECK_PACK=0 leaves them unpacked).
 # Each stage runs under `timeout` inside a total budget (GPU_CHECK_TOTAL_S,
 # default 540 s); a failing stage is recorded and the next one runs. If the
@@ -104,8 +109,8 @@ done
 IFS=, read -ra _stages <<<"$STAGES"
 for _s in "${_stages[@]}"; do
   case "$_s" in
-    build | tests | ring | bench | kernels | fa4 | views | profile) ;;
-    *) echo "gpu_check: unknown stage '$_s' (stages: build tests ring bench kernels fa4 views profile)" >&2; exit 2 ;;
+    build | tests | ring | bench | kernels | fa4 | views | profile | ringdense) ;;
+    *) echo "gpu_check: unknown stage '$_s' (stages: build tests ring bench kernels fa4 views profile ringdense)" >&2; exit 2 ;;
   esac
 done
 
@@ -234,6 +239,9 @@ if [[ $DRY -eq 1 ]]; then
   echo "  profile: (only when named in --stages; the stages before leave it ${PROFILE_RESERVE} s)" \
     "ncu --clock-control none -k regex:<fwd|bwd>_mma_kernel --launch-count 1 <8 sections>" \
     "$PY scripts/profile_kernels.py --n 32768 (h 16 d 128, h 12 d 64) -> profile.log, profile/*.{ncu-rep,txt,_sass.csv.gz}"
+  echo "  ringdense: (only when named in --stages; what the stages before leave)" \
+    "torchrun --nproc-per-node=1 scripts/ring_dense_check.py --device cuda --out \$OUT/ringdense" \
+    "-> ringdense.log, ringdense/ring_dense_rank0.jsonl"
   echo "  then : everything but summary.txt packed into \$OUT/gpu_check.tar.gz (GPU_CHECK_PACK=0: not)"
   echo "  exit status: non-zero iff build or tests failed"
   bash -n "${BASH_SOURCE[0]}" && echo "  bash -n: ok"
@@ -245,6 +253,11 @@ if [[ $DRY -eq 1 ]]; then
     "$PY" benchmarks/bench.py views --dry-run --out "$OUT/views" --budget-s 240 \
       ${PREV:+--prev "$PREV"} >"$OUT/views_dry.log" 2>&1 || rc=$?
     tail -n 40 "$OUT/views_dry.log"
+  fi
+  if want ringdense; then # the same script on the CPU, toy sizes
+    mkdir -p "$OUT"
+    "$PY" scripts/ring_dense_check.py --dry-run --out "$OUT/ringdense" >"$OUT/ringdense_dry.log" 2>&1 || rc=$?
+    tail -n 12 "$OUT/ringdense_dry.log"
   fi
   exit $rc
 fi
@@ -617,6 +630,23 @@ if want profile; then
   fi
 fi
 
+# ------------------------------------------------------------------ ringdense
+if want ringdense; then
+  banner ringdense
+  t=$SECONDS
+  hard=$(left_for ringdense)
+  if ((!BUILD_OK || !HAVE_GPU || hard < 30)); then
+    echo "skipped: build failed, no GPU or only $hard s left" >"$OUT/ringdense.log"
+    record ringdense SKIP 0 "$(cat "$OUT/ringdense.log")"
+  else
+    timeout --kill-after=10 "$hard" "$PY" -m torch.distributed.run --nproc-per-node=1 \
+      scripts/ring_dense_check.py --device cuda --out "$OUT/ringdense" 2>&1 | tee "$OUT/ringdense.log"
+    rc=${PIPESTATUS[0]}
+    ((rc == 0)) && st=ok || st=FAIL
+    record ringdense "$st" $((SECONDS - t)) "rc=$rc (hard limit $hard s); ringdense.log"
+  fi
+fi
+
 # ------------------------------------------------------------------ summary
 {
   echo
@@ -646,7 +676,8 @@ fi
 # summary goes into one archive.
 written=()
 for f in build.log build_prev.log tests.log ring.log bench.log kernels.log fa4.log views.log \
-  views_fa4.log profile.log bench bench_kernels bench_kernels_prev bench_fa4 views profile; do
+  views_fa4.log profile.log ringdense.log bench bench_kernels bench_kernels_prev bench_fa4 views \
+  profile ringdense; do
   [[ -e "$OUT/$f" ]] && written+=("$f")
 done
 if [[ "${GPU_CHECK_PACK:-1}" == 1 && ${#written[@]} -gt 0 ]]; then

@@ -1,0 +1,240 @@
+"""The ring's dense blocks on a GPU: checked, then timed against the dense
+backend called directly on the same shards.
+
+Run by ``scripts/gpu_check.sh --stages build,ringdense`` (torchrun, one
+process per GPU; a lone process is a ring of one), or by hand::
+
+    torchrun --nproc-per-node=1 scripts/ring_dense_check.py --device cuda --out OUT
+    python scripts/ring_dense_check.py --dry-run --out OUT   # CPU, toy sizes, no GPU
+
+Per rank and shape: ``check`` (the ring's out and q/k/v gradients with the
+dense route forced, ``RING_ATTENTION_FORWARD/BACKWARD=dense``, against our
+kernels forced and against SDPA in float32 on the whole sequence), then
+``time`` (forward and forward+backward, median of ``--repeats``, the methods
+round-robin in one run): ``ring_dense`` and ``ring_kernel`` (the ring both
+ways) and ``direct`` (the backend the dense route takes, called on this
+rank's blocks: the diagonal causal, the others full; no exchange, no
+merge). Writes ``OUT/ring_dense.jsonl`` and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ring_attention import backends, config
+from ring_attention.dense_blocks import block_kind
+from ring_attention.dispatch import route_blocks
+from ring_attention.pattern import Pattern
+from ring_attention.ring import ring_dilated_attention
+from ring_attention.sharding import layout_pieces, shard_sequence
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _modes(mode: str) -> None:
+    os.environ[config.FORWARD] = os.environ[config.BACKWARD] = mode
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _inputs(shape, dtype, device, seed):
+    B, n, H, Hk, D = shape
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, n, H, D, generator=g)
+    k, v = (torch.randn(B, n, Hk, D, generator=g) for _ in range(2))
+    go = torch.randn(B, n, H, D, generator=g)
+    return [t.to(device, dtype) for t in (q, k, v, go)]
+
+
+def _ring(q, k, v, n, causal, layout, mode, go=None):
+    _modes(mode)
+    leaves = [t.detach().requires_grad_(go is not None) for t in (q, k, v)]
+    out = ring_dilated_attention(*leaves, [n], [1], causal=causal, layout=layout)
+    if go is not None:
+        out.backward(go)
+    return [out.detach()] + [t.grad for t in leaves if go is not None]
+
+
+def check(shape, dtype, device, causal, layout, world, rank) -> dict:
+    """Dense route against our kernels and against float32 SDPA."""
+    _, n, H, Hk, _ = shape
+    q, k, v, go = _inputs(shape, dtype, device, 1)
+    shard = [shard_sequence(t, layout=layout) for t in (q, k, v, go)]
+    dense = _ring(*shard[:3], n, causal, layout, "dense", shard[3])
+    kernel = _ring(*shard[:3], n, causal, layout, "kernel", shard[3])
+    leaves = [t.float().requires_grad_() for t in (q, k, v)]
+    rep = H // Hk
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        leaves[0].transpose(1, 2),
+        leaves[1].repeat_interleave(rep, 2).transpose(1, 2),
+        leaves[2].repeat_interleave(rep, 2).transpose(1, 2),
+        is_causal=causal,
+    ).transpose(1, 2)
+    ref.backward(go.float())
+    full = [ref.detach()] + [t.grad for t in leaves]
+    mine = [shard_sequence(t, layout=layout) for t in full]
+    err = {
+        f"{name}_vs_{other}": (a.float() - b.float()).abs().max().item()
+        for other, ref_ in (("kernel", kernel), ("sdpa32", mine))
+        for name, a, b in zip(("out", "dq", "dk", "dv"), dense, ref_, strict=True)
+    }
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    status = "ok" if all(e <= tol for e in err.values()) else "FAIL"
+    return {"stage": "check", "status": status, "tol": tol, **err}
+
+
+def _direct(shape, dtype, device, causal, layout, world, rank, name):
+    """This rank's blocks on backend ``name`` (forward, forward+backward)."""
+    B, n, H, Hk, D = shape
+    q, k, v, go = _inputs(shape, dtype, device, 2)
+    scale = D**-0.5
+    calls = []
+    for qp in layout_pieces(n, world, rank, layout):
+        for r in range(world):
+            for kp in layout_pieces(n, world, r, layout):
+                kind = block_kind(causal, qp.start, qp.length, kp.start, kp.length)
+                if kind in (None, "skip"):
+                    continue
+                qs, ks = (
+                    slice(qp.start, qp.start + qp.length),
+                    slice(kp.start, kp.start + kp.length),
+                )
+                calls.append((q[:, qs], k[:, ks], v[:, ks], go[:, qs], kind == "causal"))
+    be = backends.backend(name)
+    acc = torch.float32
+
+    def fwd():
+        for qb, kb, vb, _, c in calls:
+            o = torch.empty(B, H, qb.shape[1], D, dtype=dtype, device=device)
+            lse = torch.empty(B, H, qb.shape[1], dtype=acc, device=device)
+            be.forward(qb, kb, vb, c, scale, o, lse)
+
+    def fwdbwd():
+        for qb, kb, vb, gb, c in calls:
+            lq, lk = qb.shape[1], kb.shape[1]
+            o = torch.empty(B, H, lq, D, dtype=dtype, device=device)
+            lse = torch.empty(B, H, lq, dtype=acc, device=device)
+            be.forward(qb, kb, vb, c, scale, o, lse)
+            gq = torch.empty(B, H, lq, D, dtype=dtype, device=device)
+            gk, gv = (torch.empty(B, Hk, lk, D, dtype=dtype, device=device) for _ in range(2))
+            be.backward(gb, qb, kb, vb, o.transpose(1, 2), lse, c, scale, gq, gk, gv)
+
+    return fwd, fwdbwd
+
+
+def timing(shape, dtype, device, causal, layout, world, rank, repeats) -> list[dict]:
+    """Median seconds per method and pass, the methods round-robin."""
+    n = shape[1]
+    q, k, v, go = (shard_sequence(t, layout=layout) for t in _inputs(shape, dtype, device, 3))
+    pattern = Pattern([n], [1], causal=causal)
+    _modes("dense")
+    route = route_blocks("forward", q, k, pattern, n, (0, n), 1)
+    name = route.backends[0][0] if route.dense else None
+    methods = {
+        "ring_dense": (
+            lambda: _ring(q, k, v, n, causal, layout, "dense"),
+            lambda: _ring(q, k, v, n, causal, layout, "dense", go),
+        ),
+        "ring_kernel": (
+            lambda: _ring(q, k, v, n, causal, layout, "kernel"),
+            lambda: _ring(q, k, v, n, causal, layout, "kernel", go),
+        ),
+    }
+    if name is not None:
+        methods["direct"] = _direct(shape, dtype, device, causal, layout, world, rank, name)
+    samples = {(m, p): [] for m in methods for p in ("fwd", "fwdbwd")}
+    for i in range(repeats + 1):  # the first round warms up
+        for m, fns in methods.items():
+            for p, fn in zip(("fwd", "fwdbwd"), fns, strict=True):
+                if world > 1:
+                    dist.barrier()
+                _sync(device)
+                t0 = time.perf_counter()
+                fn()
+                _sync(device)
+                if i:
+                    samples[(m, p)].append(time.perf_counter() - t0)
+    return [
+        {"stage": "time", "method": m, "pass": p, "backend": name, "median_s": statistics.median(s)}
+        for (m, p), s in samples.items()
+    ]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bf16", choices=list(DTYPES))
+    ap.add_argument("--out", type=Path, default=Path("/tmp/ring_dense_check"))
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--check-n", type=int, default=4099, help="length of the check (ragged)")
+    shapes = ["1x32768x16x16x128", "1x131072x12x12x64", "1x131072x16x16x128", "1x131072x32x8x128"]
+    ap.add_argument("--shapes", nargs="+", default=shapes, help="B x n x H x Hkv x D each")
+    ap.add_argument("--layout", default="contiguous", choices=["contiguous", "zigzag"])
+    ap.add_argument("--dry-run", action="store_true", help="the CPU, toy sizes (no GPU)")
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        args.device, args.dtype, args.check_n = "cpu", "fp32", 67
+        args.shapes, args.repeats = ["1x96x4x2x16"], 1
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world > 1:
+        if device.type == "cuda":
+            torch.cuda.set_device(
+                int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+            )
+            device = torch.device("cuda", torch.cuda.current_device())
+        dist.init_process_group("gloo")  # ranks may share one GPU
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for causal in (True, False):
+        c = check((2, args.check_n, 4, 2, 64 if device.type == "cuda" else 16), dtype, device,
+                  causal, args.layout, world, rank)  # fmt: skip
+        rows.append({"causal": causal, "n": args.check_n, **c})
+    for spec in args.shapes:
+        shape = tuple(int(x) for x in spec.split("x"))
+        for r in timing(shape, dtype, device, True, args.layout, world, rank, args.repeats):
+            rows.append({"causal": True, "shape": spec, **r})
+    for r in rows:
+        r.update(rank=rank, world=world, device=str(device), dtype=args.dtype, layout=args.layout)
+        if device.type == "cuda":
+            r["gpu"] = torch.cuda.get_device_name(device)
+    with open(args.out / f"ring_dense_rank{rank}.jsonl", "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    if rank == 0:
+        for r in rows:
+            if r["stage"] == "check":
+                print(f"check causal={r['causal']} n={r['n']}: {r['status']} "
+                      f"(max err {max(v for k_, v in r.items() if '_vs_' in k_):.3g})")  # fmt: skip
+        base = {(r["shape"], r["pass"]): r["median_s"] for r in rows if r.get("method") == "direct"}
+        print("| shape | pass | method | backend | median ms | / direct |")
+        print("|---|---|---|---|---|---|")
+        for r in rows:
+            if r["stage"] == "time":
+                d = base.get((r["shape"], r["pass"]))
+                ratio = f"{r['median_s'] / d:.2f}" if d else "-"
+                print(f"| {r['shape']} | {r['pass']} | {r['method']} | {r['backend']} | "
+                      f"{r['median_s'] * 1e3:.2f} | {ratio} |")  # fmt: skip
+    failed = any(r.get("status") == "FAIL" for r in rows)
+    if world > 1:
+        dist.destroy_process_group()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

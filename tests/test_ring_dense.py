@@ -1,0 +1,269 @@
+"""The ring's per-step blocks through the dense backends (ring_attention/dense_blocks.py).
+
+Each world size (2, 3) is launched once (real gloo processes) and runs every
+case of ``CASES``; the tests below read the cached results. Every rank
+checks its shard of ``out``, ``lse`` and the q/k/v gradients against the
+float64 oracle (``tests/oracle.py``) on the whole sequence, and counts the
+calls of the CPU stand-in backend (a counting wrapper around it): with the
+dense route forced, for plain dense attention one forward and one backward
+call per block that some key of some query reaches (computed here from the
+layout's pieces); for a dilated pattern some calls where every piece holds
+whole segments (the local op's per-branch path per piece), else none; none
+where the route keeps our kernels.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from oracle import reference_attention
+
+from ring_attention import backends, config
+from ring_attention.dense_blocks import block_kind
+from ring_attention.dispatch import block_shape, decide_blocks, route_blocks
+from ring_attention.pattern import Pattern
+from ring_attention.sharding import layout_pieces, shard_sequence
+from ring_attention.testing import run_distributed
+
+# name -> configuration; lengths divide nothing (37, 53), GQA and MQA included.
+CASES: dict[str, dict] = {
+    "noncausal": dict(n=37, causal=False),
+    "causal_gqa": dict(n=37, causal=True, heads=4, kv_heads=2),
+    "zigzag_causal_mqa": dict(n=53, causal=True, layout="zigzag", heads=3, kv_heads=1),
+    "zigzag_noncausal_gqa": dict(n=53, causal=False, layout="zigzag", heads=6, kv_heads=2),
+    "float64_zigzag_causal": dict(n=37, causal=True, layout="zigzag", dtype=torch.float64),
+    "bfloat16_causal": dict(n=53, causal=True, heads=4, kv_heads=2, dtype=torch.bfloat16),
+    "segment_beyond_n": dict(n=37, causal=True, segment=1 << 40),
+    # the route keeps our kernels: auto on the CPU, documents, a gradient
+    # reaching lse (backward only)
+    "auto_cpu": dict(n=37, causal=True, mode="auto", dense=(False, False)),
+    "documents": dict(n=37, causal=True, cu_seqlens=[0, 13, 37], dense=(False, False)),
+    "lse_gradient": dict(n=37, causal=True, layout="zigzag", lse=True, dense=(True, False)),
+    # dilated: pieces of 48 (2 ranks) and 32 (3 ranks; zigzag: 16) hold whole
+    # segments, zigzag's 24 (2 ranks) do not
+    "dilated_causal_gqa_head_groups": dict(
+        n=96, causal=True, pattern=([8, 16], [1, 2]), heads=4, kv_heads=2, head_groups=True
+    ),
+    "dilated_zigzag_noncausal": dict(
+        n=96, causal=False, pattern=([16, 8], [2, 1]), layout="zigzag", heads=3
+    ),
+    "dilated_ragged": dict(n=37, causal=True, pattern=([8, 16], [1, 2])),
+}
+
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 3e-2}
+
+
+class _Counting:
+    """The CPU stand-in backend, counting its calls."""
+
+    name = "cpu"
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.calls = {"forward": 0, "backward": 0}
+
+    def forward(self, *args) -> None:
+        self.calls["forward"] += 1
+        self.inner.forward(*args)
+
+    def backward(self, *args) -> None:
+        self.calls["backward"] += 1
+        self.inner.backward(*args)
+
+
+def expected_blocks(n: int, world: int, rank: int, layout: str, causal: bool) -> int:
+    """Blocks of this rank that some key of some query reaches (plain dense attention)."""
+    mine = [p for p in layout_pieces(n, world, rank, layout) if p.length]
+    every = [p for r in range(world) for p in layout_pieces(n, world, r, layout) if p.length]
+    return sum(not causal or k.start <= q.start + q.length - 1 for q in mine for k in every)
+
+
+def _lse_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest difference, rows no branch reaches (-inf on both sides) equal."""
+    both = torch.isneginf(a) & torch.isneginf(b)
+    return torch.where(both, 0.0, a - b).abs().max().item()
+
+
+def _run_case(rank: int, world: int, name: str, c: dict) -> dict:
+    from ring_attention.ring import ring_dilated_attention
+
+    n, causal = c["n"], c["causal"]
+    layout, dtype = c.get("layout", "contiguous"), c.get("dtype", torch.float32)
+    heads, kv_heads = c.get("heads", 2), c.get("kv_heads", c.get("heads", 2))
+    mode = c.get("mode", "dense")
+    pattern = c.get("pattern", ([c.get("segment", n)], [1]))
+    os.environ[config.FORWARD] = os.environ[config.BACKWARD] = mode
+    g = torch.Generator().manual_seed(list(CASES).index(name))
+    q = torch.randn(2, n, heads, 16, generator=g).to(dtype)
+    k = torch.randn(2, n, kv_heads, 16, generator=g).to(dtype)
+    v = torch.randn(2, n, kv_heads, 16, generator=g).to(dtype)
+    go = torch.randn(2, n, heads, 16, generator=g).to(dtype)
+    glse = torch.randn(2, heads, n, generator=g)
+
+    counter = _Counting(backends.BACKENDS["cpu"])
+    backends.BACKENDS["cpu"] = counter
+    try:
+        ql, kl, vl = (shard_sequence(t, layout=layout).clone().requires_grad_() for t in (q, k, v))
+        out, lse = ring_dilated_attention(
+            ql, kl, vl, *pattern, causal=causal, layout=layout, cu_seqlens=c.get("cu_seqlens"),
+            head_groups=c.get("head_groups", False), return_lse=True,
+        )  # fmt: skip
+        loss = (out.float() * shard_sequence(go, layout=layout).float()).sum()
+        if c.get("lse"):
+            loss = loss + (lse * shard_sequence(glse, dim=2, layout=layout)).sum()
+        loss.backward()
+    finally:
+        backends.BACKENDS["cpu"] = counter.inner
+        del os.environ[config.FORWARD], os.environ[config.BACKWARD]
+
+    ref = [t.double().requires_grad_() for t in (q, k, v)]
+    ro, rl = reference_attention(
+        *ref,
+        *pattern,
+        causal,
+        cu_seqlens=c.get("cu_seqlens"),
+        head_groups=c.get("head_groups", False),
+    )
+    rloss = (ro * go.double()).sum()
+    if c.get("lse"):
+        rloss = rloss + (rl * glse.double()).sum()
+    rloss.backward()
+    rows = torch.cat(
+        [torch.arange(p.start, p.start + p.length) for p in layout_pieces(n, world, rank, layout)]
+    )
+    errors = {
+        "out": (out.double() - ro[:, rows]).abs().max().item(),
+        "lse": _lse_error(lse.double(), rl[:, :, rows]),
+    }
+    for label, mine, full in (("dq", ql, ref[0]), ("dk", kl, ref[1]), ("dv", vl, ref[2])):
+        errors[label] = (mine.grad.double() - full.grad[:, rows]).abs().max().item()
+    return {"errors": errors, "calls": counter.calls}
+
+
+def _worker(rank: int, world: int) -> dict:
+    return {name: _run_case(rank, world, name, c) for name, c in CASES.items()}
+
+
+_RESULTS: dict[int, list[dict]] = {}
+
+
+def _results(world: int) -> list[dict]:
+    if world not in _RESULTS:
+        _RESULTS[world] = run_distributed(_worker, world, timeout=300)
+    return _RESULTS[world]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("world", [2, 3])
+def test_ring_dense_blocks(world: int, name: str) -> None:
+    c = CASES[name]
+    tol = TOL[c.get("dtype", torch.float32)]
+    fwd_dense, bwd_dense = c.get("dense", (True, True))
+    for rank, result in enumerate(_results(world)):
+        r = result[name]
+        for label, err in r["errors"].items():
+            assert err <= tol, f"rank {rank}: {label} off by {err}"
+        layout = c.get("layout", "contiguous")
+        if "pattern" in c:  # dilated: the per-branch path where every piece holds whole segments
+            bounds = {
+                b for r_ in range(world) for p in layout_pieces(c["n"], world, r_, layout)
+                for b in (p.start, p.start + p.length)
+            }  # fmt: skip
+            whole = all(b % w == 0 for b in bounds if 0 < b < c["n"] for w in c["pattern"][0])
+            assert (r["calls"]["forward"] > 0) == whole, f"rank {rank}: {r['calls']}"
+            assert (r["calls"]["backward"] > 0) == whole, f"rank {rank}: {r['calls']}"
+            continue
+        blocks = expected_blocks(c["n"], world, rank, layout, c["causal"])
+        assert r["calls"] == {
+            "forward": blocks if fwd_dense else 0,
+            "backward": blocks if bwd_dense else 0,
+        }, f"rank {rank}"
+
+
+def _nan_worker(rank: int, world: int) -> dict:
+    """Dense forced against our kernels forced, K holding a NaN row (our
+    kernels exclude it): the blocks reading it take our kernels."""
+    from ring_attention.ring import ring_dilated_attention
+
+    n = 37
+    g = torch.Generator().manual_seed(7)
+    q, k, v, go = (torch.randn(1, n, 2, 8, generator=g) for _ in range(4))
+    k[0, 3, 1] = float("nan")
+    runs = {}
+    for mode in ("kernel", "dense"):
+        os.environ[config.FORWARD] = os.environ[config.BACKWARD] = mode
+        counter = _Counting(backends.BACKENDS["cpu"])
+        backends.BACKENDS["cpu"] = counter
+        try:
+            ql, kl, vl = (shard_sequence(t).clone().requires_grad_() for t in (q, k, v))
+            out = ring_dilated_attention(ql, kl, vl, [n], [1], causal=True)
+            (out * shard_sequence(go)).sum().backward()
+        finally:
+            backends.BACKENDS["cpu"] = counter.inner
+            del os.environ[config.FORWARD], os.environ[config.BACKWARD]
+        runs[mode] = ([out.detach(), ql.grad, kl.grad, vl.grad], counter.calls)
+    same = all(
+        torch.allclose(a, b, atol=1e-5, rtol=1e-5, equal_nan=True)
+        for a, b in zip(runs["kernel"][0], runs["dense"][0], strict=True)
+    )
+    return {"same": same, "calls": runs["dense"][1]}
+
+
+def test_ring_dense_non_finite_keys_take_our_kernels() -> None:
+    results = run_distributed(_nan_worker, 3)
+    # rank 0 holds the NaN row: every block reading its K takes our kernel,
+    # rank r > 0 reads r clean pieces (its own diagonal and those before).
+    for rank, r in enumerate(results):
+        assert r["same"], f"rank {rank}"
+        assert r["calls"] == {"forward": rank, "backward": rank}, f"rank {rank}"
+
+
+def test_block_kind() -> None:
+    assert block_kind(False, 10, 5, 40, 7) == "full"
+    assert block_kind(True, 10, 5, 0, 11) == "full"  # last key 10 = first query
+    assert block_kind(True, 10, 5, 0, 12) is None  # cut across the diagonal
+    assert block_kind(True, 10, 5, 10, 5) == "causal"
+    assert block_kind(True, 10, 5, 15, 3) == "skip"
+    assert block_kind(True, 10, 0, 0, 3) == "skip"
+
+
+def test_block_shape() -> None:
+    halves = (0, 32, 64)
+    assert block_shape(Pattern([64], [1], causal=True), 64, halves)[0] == "dense"
+    assert block_shape(Pattern([1 << 40], [1]), 64, halves)[0] == "dense"
+    assert block_shape(Pattern([32], [1]), 64, halves)[0] == "local"
+    assert block_shape(Pattern([16, 32], [1, 2]), 64, halves)[0] == "local"
+    assert block_shape(Pattern([16, 32], [1, 2]), 64, (0, 21, 43, 64))[0] is None
+    assert block_shape(Pattern([64], [2]), 64, halves)[0] is None
+    assert block_shape(Pattern([64, 64], [1, 1]), 64, halves)[0] is None
+    assert block_shape(Pattern([64], [1], window=(8, 0)), 64, halves) == (None, "a sliding window")
+    assert block_shape(Pattern([64], [1]).with_documents([0, 10, 64]), 64, halves) == (
+        None,
+        "documents",
+    )
+
+
+def test_route_blocks_tables(monkeypatch) -> None:
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    # auto on CUDA: the path table's rows (backward always, forward d 128 from 131072)
+    assert decide_blocks("backward", "auto", "auto", cuda, (9, 0), bf16, 4096, 8, 2, 64, 1).dense
+    assert decide_blocks("forward", "auto", "auto", cuda, (9, 0), bf16, 131072, 8, 8, 128, 1).dense
+    assert not decide_blocks(
+        "forward", "auto", "auto", cuda, (9, 0), bf16, 4096, 8, 8, 128, 1
+    ).dense
+    # no backend takes fp32 on CUDA; cudnn named but rows not a multiple of 128 -> the next one
+    f32 = decide_blocks("backward", "dense", "auto", cuda, (9, 0), torch.float32, 64, 8, 8, 64, 1)
+    assert not f32.dense
+    named = decide_blocks("forward", "dense", "cudnn", cuda, (9, 0), bf16, 4096, 8, 8, 64, 37)
+    assert named.dense and named.backends[0][0] != "cudnn"
+    # on the CPU: auto keeps our kernels, dense takes the stand-in, kernel forces ours
+    q, k = torch.zeros(1, 8, 4, 16), torch.zeros(1, 8, 2, 16)
+    p = Pattern([64], [1], causal=True)
+    for env, dense in (("auto", False), ("dense", True), ("kernel", False)):
+        monkeypatch.setenv(config.FORWARD, env)
+        r = route_blocks("forward", q, k, p, 64, (0, 32, 64), 8)
+        assert r.dense == dense, r.why
+        if dense:
+            assert r.backends == (("cpu",),)
