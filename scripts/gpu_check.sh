@@ -28,7 +28,7 @@
 #                                             # flash-attn-4 where its wheels have arrived
 #                                             # (scripts/fa4_install.sh), else without it
 #   bash scripts/gpu_check.sh --stages build,ringdense   # the ring's dense blocks (not in the
-#                                             # default; scripts/ring_dense_check.py under
+#                                             # default; benchmarks/ring_dense_check.py under
 #                                             # torchrun, one process): checked against our
 #                                             # kernels and SDPA, then timed against the dense
 #                                             # backend called directly on the same shards
@@ -240,7 +240,7 @@ if [[ $DRY -eq 1 ]]; then
     "ncu --clock-control none -k regex:<fwd|bwd>_mma_kernel --launch-count 1 <8 sections>" \
     "$PY scripts/profile_kernels.py --n 32768 (h 16 d 128, h 12 d 64) -> profile.log, profile/*.{ncu-rep,txt,_sass.csv.gz}"
   echo "  ringdense: (only when named in --stages; what the stages before leave)" \
-    "torchrun --nproc-per-node=1 scripts/ring_dense_check.py --device cuda --out \$OUT/ringdense" \
+    "torchrun --nproc-per-node=1 -m benchmarks.ring_dense_check --device cuda --out \$OUT/ringdense" \
     "-> ringdense.log, ringdense/ring_dense_rank0.jsonl"
   echo "  then : everything but summary.txt packed into \$OUT/gpu_check.tar.gz (GPU_CHECK_PACK=0: not)"
   echo "  exit status: non-zero iff build or tests failed"
@@ -256,7 +256,7 @@ if [[ $DRY -eq 1 ]]; then
   fi
   if want ringdense; then # the same script on the CPU, toy sizes
     mkdir -p "$OUT"
-    "$PY" scripts/ring_dense_check.py --dry-run --out "$OUT/ringdense" >"$OUT/ringdense_dry.log" 2>&1 || rc=$?
+    "$PY" -m benchmarks.ring_dense_check --dry-run --out "$OUT/ringdense" >"$OUT/ringdense_dry.log" 2>&1 || rc=$?
     tail -n 12 "$OUT/ringdense_dry.log"
   fi
   exit $rc
@@ -640,7 +640,7 @@ if want ringdense; then
     record ringdense SKIP 0 "$(cat "$OUT/ringdense.log")"
   else
     timeout --kill-after=10 "$hard" "$PY" -m torch.distributed.run --nproc-per-node=1 \
-      scripts/ring_dense_check.py --device cuda --out "$OUT/ringdense" 2>&1 | tee "$OUT/ringdense.log"
+      -m benchmarks.ring_dense_check --device cuda --out "$OUT/ringdense" 2>&1 | tee "$OUT/ringdense.log"
     rc=${PIPESTATUS[0]}
     ((rc == 0)) && st=ok || st=FAIL
     record ringdense "$st" $((SECONDS - t)) "rc=$rc (hard limit $hard s); ringdense.log"

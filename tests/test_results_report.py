@@ -8,26 +8,14 @@ the report names for them.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from benchmarks import report
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _report():
-    path = ROOT / "benchmarks" / "report.py"
-    spec = importlib.util.spec_from_file_location("results_report", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-report = _report()
 
 
 def test_results_md_block_is_up_to_date():

@@ -4,8 +4,8 @@ backend called directly on the same shards.
 Run by ``scripts/gpu_check.sh --stages build,ringdense`` (torchrun, one
 process per GPU; a lone process is a ring of one), or by hand::
 
-    torchrun --nproc-per-node=1 scripts/ring_dense_check.py --device cuda --out OUT
-    python scripts/ring_dense_check.py --dry-run --out OUT   # CPU, toy sizes, no GPU
+    torchrun --nproc-per-node=1 -m benchmarks.ring_dense_check --device cuda --out OUT
+    python -m benchmarks.ring_dense_check --dry-run --out OUT   # CPU, toy sizes, no GPU
 
 Per rank and shape: ``check`` (the ring's out and q/k/v gradients with the
 dense route forced, ``RING_ATTENTION_FORWARD/BACKWARD=dense``, against our
@@ -29,8 +29,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ring_attention import backends, config
 from ring_attention.dense_blocks import block_kind
