@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
-from transformers import AutoModelForCausalLM, LlamaConfig, TrainingArguments, default_data_collator
+from transformers import AutoModelForCausalLM, LlamaConfig, TrainingArguments
 from transformers.trainer_callback import PrinterCallback
 
 import ring_attention as ra
@@ -88,10 +88,9 @@ def train(args: argparse.Namespace) -> None:
     config.dilated_attention = PATTERN
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="ring_dilated")
-    trainer = SequenceParallelTrainer(
-        model=model, args=training, data_collator=default_data_collator,
-        train_dataset=recall_samples(args.steps * args.batch * world, args.seq_len, seed=1),
-    )  # fmt: skip
+    dataset = recall_samples(args.steps * args.batch * world, args.seq_len, seed=1)
+    # (the Trainer's default collator, default_data_collator, stacks the samples)
+    trainer = SequenceParallelTrainer(model=model, args=training, train_dataset=dataset)
     trainer.remove_callback(PrinterCallback)  # the table below instead
     result = trainer.train()
     if dist.get_rank() == 0:

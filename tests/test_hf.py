@@ -626,8 +626,10 @@ os._exit(0)
 def test_readme_section_runs_under_torchrun(tmp_path) -> None:
     text = open(os.path.join(ROOT, "README.md")).read()
     section = text.split("## Hugging Face transformers\n", 1)[1].split("\n## ", 1)[0]
-    blocks = section.split("```python\n")[1:]
-    usage, parallel, trainer = (b.split("```", 1)[0] for b in blocks)
+    blocks = [b.split("```", 1)[0] for b in section.split("```python\n")[1:]]
+    usage = next(b for b in blocks if README_CHECKPOINT in b)
+    parallel = next(b for b in blocks if "register_transformers(group=dist" in b)
+    trainer = blocks[-1]
     assert README_CHECKPOINT in usage and "register_transformers(group=" in parallel
     # the Trainer lines are quoted from the example (in order), which its own test runs
     example = [line.strip() for line in open(os.path.join(ROOT, "examples", "hf_trainer_sp.py"))]
