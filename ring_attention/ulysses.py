@@ -327,7 +327,7 @@ def ulysses_attention(
         needs_grad = torch.is_grad_enabled() and any(
             t.requires_grad for t in (q_local, k_local, v_local)
         )
-        # `window=` joins the pattern (and so its digest in this message) when it arrives.
+        # the window is part of the pattern, so of its digest in this message
         message = ring_message(
             q_local, shape.kv_heads, pattern, scale=scale, layout=layout, needs_grad=needs_grad
         )

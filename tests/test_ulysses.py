@@ -121,6 +121,26 @@ CASES: dict[str, dict] = {
     "r2u4_heads6_kv1_zigzag_mesh": dict(
         world=8, R=2, U=4, heads=6, kv=1, n=49, causal=True, layout="zigzag", via="mesh"
     ),
+    # sliding windows (with the pattern, with documents, both sides)
+    "u2_window_documents_lse": dict(
+        world=6,
+        copies=3,
+        R=1,
+        U=2,
+        heads=6,
+        kv=2,
+        n=41,
+        causal=True,
+        docs=[0, 3, 30, 41],
+        window=(5, 0),
+        lse=True,
+    ),
+    "u3_dense_window_both_sides": dict(
+        world=6, copies=2, R=1, U=3, heads=5, kv=5, n=40, pattern=None, window=(4, 3)
+    ),
+    "r2u2_window_zigzag": dict(
+        world=4, R=2, U=2, heads=6, kv=3, n=47, causal=True, layout="zigzag", window=(9, 0)
+    ),
 }
 
 TOL = {F64: 1e-10, torch.float32: 3e-5, torch.bfloat16: 3e-2}
@@ -130,6 +150,7 @@ def _config(name: str) -> dict:
     c = dict(
         pattern=LONGNET, causal=False, docs=None, layout="contiguous", lse=False, via="groups",
         dtype=F64, head_groups=False, head_offsets="modulo", copies=1, batch=2, head_dim=4,
+        window=None,
     )  # fmt: skip
     c.update(CASES[name])
     if c["pattern"] is None:
@@ -215,7 +236,7 @@ def _run_case(rank: int, world: int, name: str) -> dict:
     c = _config(name)
     kw, W, index = _grid(world, c["R"], c["U"], c["copies"], c["via"], rank)
     segs, dils = c["pattern"]
-    pat = dict(causal=c["causal"], head_groups=c["head_groups"])
+    pat = dict(causal=c["causal"], head_groups=c["head_groups"], window=c["window"])
     q, k, v, go, glse = _inputs(c, seed=sum(map(ord, name)))
     layout = c["layout"]
 
@@ -357,6 +378,7 @@ def _errors(rank: int, world: int) -> dict:
     res["dtype"] = _attempt(lambda: attend(*(t.float() for t in (ql, kl, vl))) if rank == 1
                             else attend())  # fmt: skip
     res["pattern"] = _attempt(lambda: attend(s=[8, 12]) if rank == 2 else attend())
+    res["window"] = _attempt(lambda: attend(window=(3, 0)) if rank == 1 else attend())
     res["bad_input"] = _attempt(lambda: attend(b=kl[:, :, :3], c=vl[:, :, :3]) if rank == 0
                                 else attend())  # fmt: skip
     res["grad"] = _attempt(lambda: attend(ql.clone().requires_grad_()) if rank == 3 else attend())
@@ -403,6 +425,7 @@ ERRORS = {
     "lengths": "local sequence lengths",
     "dtype": "",
     "pattern": "",
+    "window": "",
     "bad_input": "",
     "grad": "",
     "out_of_step": "",
@@ -423,6 +446,9 @@ def test_ranks_that_disagree_raise_value_error_on_every_rank() -> None:
     # the rank with the bad value names it; the others say who rejected
     assert "dtype" in results[0]["dtype"] and "dtype" in results[1]["dtype"]
     assert "pattern" in results[2]["pattern"] and "pattern" in results[3]["pattern"]
+    windows = [r["window"] for r in results]  # the window is part of the pattern
+    assert all("pattern" in windows[r] for r in (0, 1)), windows  # rank 1's Ulysses group
+    assert all("rejected" in windows[r] for r in (2, 3)), windows
     assert "kv_heads" in results[0]["bad_input"]
     assert "rejected" in results[1]["bad_input"]
     assert "gradient" in results[3]["grad"]
