@@ -368,3 +368,34 @@ def test_sequence_parallel_equals_one_process(world, spread) -> None:
             torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6, msg=str(case))
             for name, g in want_grads.items():
                 torch.testing.assert_close(grads[name], g, rtol=1e-10, atol=1e-12, msg=name)
+
+
+# ---------------------------------------------------------------------------
+# torch.compile: a sliding layer compiles whole.
+
+
+@pytest.mark.parametrize("padding", [False, True])
+def test_sliding_decoder_layer_compiles_fullgraph(padding) -> None:
+    from test_compile_ring import _eager, _steps
+    from transformers.masking_utils import create_sliding_window_causal_mask
+
+    model = build(window_config("mistral"), "ring_dilated", torch.float64)
+    layer = model.model.layers[0]
+    n = 19
+    x = torch.randn(2, n, 64, dtype=torch.float64, requires_grad=True)
+    positions = torch.arange(n)[None]
+    rope = model.model.rotary_emb(x, positions)
+    pad = padding_mask("right", 2, n) if padding else None
+    mask = create_sliding_window_causal_mask(model.config, x, pad, None, position_ids=positions)
+
+    def decoder(x, mask):
+        return layer(x, attention_mask=mask, position_ids=positions, position_embeddings=rope)
+
+    params = [x, *layer.parameters()]
+    want = _eager(decoder, (x, mask), params)
+    masks = (None,) * 3 if mask is None else (mask.clone(), mask.clone(), mask.clone())
+    out, grads, frames = _steps(decoder, (x, masks), params, "aot_eager")
+    assert frames == 1
+    torch.testing.assert_close(out, want[0], atol=0, rtol=0)
+    for a, b in zip(grads, want[1], strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
