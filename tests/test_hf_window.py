@@ -280,8 +280,9 @@ def test_refusals() -> None:
     with pytest.raises(ValueError, match="causal attention only"):
         dilated_attention_forward(attn, q, k, v, None, is_causal=False)
     # dropout: sdpa would need transformers' 4-D mask
-    with pytest.raises(ValueError, match=r"sliding window.*attention dropout"):
-        dilated_attention_forward(attn, q, k, v, None, dropout=0.1)
+    for key_map in (None, torch.ones(1, 6, dtype=torch.bool)):
+        with pytest.raises(ValueError, match=r"sliding window.*attention dropout"):
+            dilated_attention_forward(attn, q, k, v, key_map, dropout=0.1)
     # keys that start after position 0 (a cache that dropped some) need a
     # window no wider than the cache keeps
     mask = torch.ones(1, 9, dtype=torch.bool)

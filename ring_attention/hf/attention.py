@@ -89,7 +89,10 @@ def dilated_attention_forward(
             raise ValueError(
                 f"{_NAME} with a dilated pattern (config.dilated_attention) cannot apply {reason}"
             )
-        prepared = isinstance(attention_mask, torch.Tensor)  # sdpa applies it as it is
+        # a 4-D or float mask the caller prepared: sdpa applies it as it is
+        prepared = isinstance(attention_mask, torch.Tensor) and (
+            attention_mask.dim() != 2 or attention_mask.is_floating_point()
+        )
         if config is not None and not prepared and layer_window(module, causal, kwargs.get(
                 "sliding_window")) is not None:  # fmt: skip
             raise ValueError(
