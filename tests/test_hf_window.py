@@ -324,7 +324,12 @@ def sp_case(arch: str, window: int, packed: bool, pattern: dict | None):
 
 
 def sp_worker(rank: int, world: int, spread: str, cases: list) -> list:
-    group = {spread: dist.group.WORLD}
+    if spread == "mesh":  # the ring x Ulysses hybrid, 2 x 2
+        from torch.distributed.device_mesh import init_device_mesh
+
+        group = {"mesh": init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "ulysses"))}
+    else:
+        group = {spread: dist.group.WORLD}
     results = []
     for cfg, state, ids, labels, positions in cases:
         ra.register_transformers(**group)
@@ -345,7 +350,9 @@ SP_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("world", "spread"), [(2, "group"), (3, "group"), (2, "ulysses_group")])
+@pytest.mark.parametrize(
+    ("world", "spread"), [(2, "group"), (3, "group"), (2, "ulysses_group"), (4, "mesh")]
+)
 def test_sequence_parallel_equals_one_process(world, spread) -> None:
     built, wants = [], []
     for arch, window, packed, pattern in SP_CASES:
