@@ -140,12 +140,6 @@ def test_output_attentions_warns_and_returns_none_as_sdpa(models, caplog):
     assert any("sdpa" in m and "output_attentions=True" in m for m in messages), messages
 
 
-def test_sliding_window_raises():
-    model = build(tiny_config("mistral", sliding_window=8), "ring_dilated")
-    with pytest.raises(ValueError, match="sliding_window"):
-        model(torch.randint(1, VOCAB, (1, 12)))
-
-
 @pytest.mark.parametrize(
     "entry",
     [

@@ -23,13 +23,19 @@ What the backend does with transformers' arguments:
   ``cu_seq_lens_q``/``cu_seq_lens_k`` (``DataCollatorWithFlattening(
   return_flash_attn_kwargs=True)``) are documents too, as for
   flash-attention. Rows with different documents run as separate calls.
+- **Sliding windows** (:func:`.config.layer_window`): ``config.sliding_window
+  = W`` is ``window=(W - 1, 0)`` on the layers transformers gives a
+  sliding-window mask (every layer without ``config.layer_types``, else its
+  ``"sliding_attention"`` layers), with or without a pattern.
 - **KV caches** (:mod:`.offset`): a decode step attends its queries at
-  their global positions to the cached keys the pattern reaches (dynamic
-  and static caches; a static cache's unfilled keys are never attended).
+  their global positions to the cached keys, at theirs, that the pattern
+  reaches (dynamic and static caches, sliding-window caches holding the last
+  keys; a static cache's unfilled keys are never attended).
 - **Fallback**: without a pattern, what the kernels cannot express (a 4-D
   or float mask, attention dropout, a position bias) is computed by
   transformers' ``"sdpa"``; with a pattern it raises ``ValueError``, as do
-  soft-capping, attention sinks, sliding windows and custom mask functions.
+  dropout and a position bias on a sliding layer, soft-capping, attention
+  sinks, bidirectional sliding windows and custom mask functions.
   ``output_attentions=True`` warns and returns no weights, as ``"sdpa"``.
 
 **Sequence parallelism** (``register_transformers(group=g)``): every

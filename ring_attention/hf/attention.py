@@ -13,7 +13,7 @@ from ..checks import check_key_padding_mask, check_qkv, resolve_scale
 from ..functional import attend
 from ..pattern import Pattern
 from ..ring import ring_attention, ring_call, ring_call_spec
-from .config import is_dense, layer_pattern
+from .config import is_dense, layer_pattern, layer_window
 from .masks import Keys, PerBatch, batch_keys
 from .offset import offset_attention
 from .registry import ATTN_IMPLEMENTATION, SequenceParallel, sequence_parallel
@@ -52,14 +52,18 @@ def dilated_attention_forward(
         dropout: attention dropout probability (training).
         scaling: score scale, default ``head_dim ** -0.5``.
         is_causal: overrides ``module.is_causal``.
-        **kwargs: ``cu_seq_lens_q``/``cu_seq_lens_k`` (documents) and
+        **kwargs: ``cu_seq_lens_q``/``cu_seq_lens_k`` (documents),
+            ``sliding_window`` (checked against the layer's window,
+            :func:`~ring_attention.hf.config.layer_window`) and
             ``output_attentions`` are read; the other transformers kwargs
             are ignored, except those the kernels cannot express.
 
     Without a pattern (dense, equal to ``"sdpa"``), what the kernels cannot
     express (a 4-D or float mask, attention dropout, a position bias) is
     computed by transformers' ``"sdpa"`` itself; with a pattern it raises
-    ``ValueError``. Logit soft-capping and attention sinks always raise.
+    ``ValueError``, as do attention dropout and a position bias on a
+    sliding-window layer (``"sdpa"`` would need transformers' 4-D mask).
+    Logit soft-capping and attention sinks always raise.
 
     Returns:
         ``(out (batch, q_len, heads, head_dim), None)``: no attention
@@ -80,16 +84,26 @@ def dilated_attention_forward(
     _check_supported(kwargs)
     reason = _sdpa_only(attention_mask, dropout, kwargs)
     if reason is not None:
-        if not is_dense(getattr(module, "config", None)):
+        config = getattr(module, "config", None)
+        if not is_dense(config):
             raise ValueError(
                 f"{_NAME} with a dilated pattern (config.dilated_attention) cannot apply {reason}"
+            )
+        # a 4-D or float mask the caller prepared: sdpa applies it as it is
+        prepared = isinstance(attention_mask, torch.Tensor) and (
+            attention_mask.dim() != 2 or attention_mask.is_floating_point()
+        )
+        if config is not None and not prepared and layer_window(module, causal, kwargs.get(
+                "sliding_window")) is not None:  # fmt: skip
+            raise ValueError(
+                f"{_NAME} with a sliding window (config.sliding_window) cannot apply {reason}"
             )
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         kwargs.pop("output_attentions", None)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)  # fmt: skip
-    pattern = layer_pattern(module, causal)
+    pattern = layer_pattern(module, causal, kwargs.get("sliding_window"))
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     return _local(q, k, v, pattern, attention_mask, scaling, kwargs), None
 
@@ -169,7 +183,7 @@ def _local(
     else:
         keys = batch_keys(attention_mask)
     q_len = q.shape[1]
-    if not q_len <= keys.length <= k.shape[1]:
+    if not q_len <= min(keys.length, k.shape[1]):
         raise ValueError(
             f"{_NAME}: the mask covers {keys.length} keys, but the layer has {q_len} queries "
             f"and {k.shape[1]} keys"
@@ -177,6 +191,11 @@ def _local(
     if keys.length < k.shape[1]:  # a static cache: the keys past the filled ones
         k, v = k[:, : keys.length], v[:, : keys.length]
     q_start = keys.length - q_len
+    k_start = keys.length - k.shape[1]  # a sliding-window cache: the last keys
+    padding = keys.padding
+    if k_start:
+        _check_reach(pattern, q_start, k_start)
+        padding = None if padding is None else padding[:, k_start:]
     rows, memo = keys.rows, keys.patterns
     given = any(kwargs.get(f"cu_seq_lens_{s}") is not None for s in "qk")
     cu = _cu_documents(kwargs) if given else None
@@ -194,22 +213,34 @@ def _local(
     for members, documents in rows:
         p = _with_documents(memo, pattern, documents)
         p.check_length(keys.length)
-        qr, kr, vr, padding = (
+        qr, kr, vr, pr = (
             t if t is None or members is None else t.index_select(0, members)
-            for t in (q, k, v, keys.padding)
+            for t in (q, k, v, padding)
         )
         if q_start == 0:
-            outs.append(attend(qr, kr, vr, p, scale=scale, key_padding_mask=padding))
+            outs.append(attend(qr, kr, vr, p, scale=scale, key_padding_mask=pr))
         else:
-            check_key_padding_mask(padding, qr.shape[0], keys.length, q.device)
-            outs.append(
-                offset_attention(qr, kr, vr, q_start, ops.op_args(p, scale, padding, q.device))
-            )
+            check_key_padding_mask(pr, qr.shape[0], kr.shape[1], q.device)
+            args = ops.op_args(p, scale, pr, q.device)
+            outs.append(offset_attention(qr, kr, vr, q_start, args, k_start))
         order.append(members)
     if len(outs) == 1:
         return outs[0]
     inverse = torch.argsort(torch.cat(order))
     return torch.cat(outs).index_select(0, inverse)
+
+
+def _check_reach(pattern: Pattern, q_start: int, k_start: int) -> None:
+    """A layer whose keys start at ``k_start > 0`` (a sliding-window cache
+    dropped the earlier ones) must not reach before them."""
+    left = pattern.window[0]
+    if left == -1 or q_start - left < k_start:
+        reach = "every earlier key" if left == -1 else f"keys from position {q_start - left}"
+        raise ValueError(
+            f"{_NAME}: the layer's cache holds the keys from position {k_start} on, but its "
+            f"queries from position {q_start} reach {reach} (a cache that drops keys needs a "
+            "sliding window no wider than it keeps)"
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -242,8 +273,8 @@ def _sharded(
     if not sp.ring_only:  # Ulysses or the hybrid: the refusal is reported in its rounds
         pattern = functools.partial(_grid_pattern, module, causal, refusal, kwargs)
         return ring_attention(q, k, v, pattern, scale=scaling, layout=sp.layout, **sp.spread())
-    spec = ring_call_spec(_sharded_pattern, module, causal, refusal, scale=scaling, group=sp.group,
-                          layout=sp.layout)  # fmt: skip
+    spec = ring_call_spec(_sharded_pattern, module, causal, refusal, kwargs.get("sliding_window"),
+                          scale=scaling, group=sp.group, layout=sp.layout)  # fmt: skip
     return ring_call(q, k, v, spec, documents)
 
 
@@ -278,11 +309,14 @@ def _sharded_refusal(
     return None
 
 
-def _sharded_pattern(module: torch.nn.Module, causal: bool, refusal: str | None) -> Pattern:
-    """The layer's pattern (its documents come with the call), or the refusal."""
+def _sharded_pattern(
+    module: torch.nn.Module, causal: bool, refusal: str | None, sliding_window: int | None
+) -> Pattern:
+    """The layer's pattern, its window included (its documents come with the
+    call), or the refusal."""
     if refusal is not None:
         raise ValueError(refusal)
-    return layer_pattern(module, causal)
+    return layer_pattern(module, causal, sliding_window)
 
 
 def _grid_pattern(
@@ -290,6 +324,6 @@ def _grid_pattern(
 ) -> Pattern:
     """The layer's pattern with the batch's documents (built once per batch),
     or the refusal (Ulysses and the hybrid)."""
-    pattern = _sharded_pattern(module, causal, refusal)
+    pattern = _sharded_pattern(module, causal, refusal, kwargs.get("sliding_window"))
     tensor, documents = _cu_documents(kwargs)  # given: else refused
     return _with_documents(_cu_batches.get(tensor, "patterns", dict), pattern, documents)

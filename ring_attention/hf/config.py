@@ -10,13 +10,15 @@ import torch
 
 from ..pattern import Pattern, as_flag
 
-__all__ = ["CONFIG_KEY", "is_dense", "layer_pattern", "pattern_from_config"]
+__all__ = ["CONFIG_KEY", "is_dense", "layer_pattern", "layer_window", "pattern_from_config"]
 
 #: The config attribute holding the pattern.
 CONFIG_KEY = "dilated_attention"
 _FIELDS = ("segment_lengths", "dilation_rates", "head_groups", "head_offsets")
 # One segment longer than any sequence: dense attention, equal to "sdpa".
 _DENSE_SEGMENT = 2**62
+# The layer types transformers gives a sliding-window mask (create_sliding_window_causal_mask).
+_SLIDING_TYPES = ("sliding_attention",)
 
 
 def is_dense(config: Any) -> bool:
@@ -24,13 +26,17 @@ def is_dense(config: Any) -> bool:
     return getattr(config, CONFIG_KEY, None) is None
 
 
-def layer_pattern(module: torch.nn.Module, causal: bool) -> Pattern:
+def layer_pattern(
+    module: torch.nn.Module, causal: bool, sliding_window: int | None = None
+) -> Pattern:
     """The pattern of one attention layer: the one place a layer's attention
-    pattern is decided (a per-layer attribute such as a sliding window joins
-    it here).
+    pattern is decided: ``config.dilated_attention`` and the layer's sliding
+    window (:func:`layer_window`; ``sliding_window``: what transformers
+    passes the attention function).
 
     Raises:
-        ValueError: the module has no config, or a bad config entry.
+        ValueError: the module has no config, a bad config entry, or a
+            sliding window the layer cannot take.
     """
     config = getattr(module, "config", None)
     if config is None:
@@ -38,11 +44,63 @@ def layer_pattern(module: torch.nn.Module, causal: bool) -> Pattern:
             f"attn_implementation='ring_dilated' reads the pattern from the attention "
             f"module's config.{CONFIG_KEY}, but {type(module).__name__} has no config"
         )
-    return pattern_from_config(config, causal)
+    return pattern_from_config(config, causal, layer_window(module, causal, sliding_window))
 
 
-def pattern_from_config(config: Any, causal: bool) -> Pattern:
-    """The :class:`Pattern` of ``config.dilated_attention`` (dense without it).
+def layer_window(
+    module: torch.nn.Module, causal: bool, sliding_window: int | None = None
+) -> tuple[int, int] | None:
+    """The sliding window of one attention layer as the kernels take it, or
+    ``None`` (no window).
+
+    transformers' ``sliding_window = W`` lets query ``t`` reach keys ``u``
+    with ``t - W < u <= t`` (``sliding_window_overlay``: ``kv_idx > q_idx -
+    W``), that is ``window=(W - 1, 0)``. Which layers slide is what
+    transformers' mask preparation decides (``create_masks_for_generate``):
+    with ``config.layer_types``, the layers of type ``"sliding_attention"``;
+    without it, every layer when ``config.sliding_window`` is set. The
+    ``sliding_window`` transformers passes the attention function (what
+    flash-attention reads; some models pass none) must agree with it.
+
+    Raises:
+        ValueError: ``config.sliding_window`` not an integer ``>= 1``, a
+            layer type without ``module.layer_idx``, a ``sliding_window``
+            that disagrees with the config, or a window on a non-causal call.
+    """
+    config = module.config
+    width = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if width is not None and types is not None:
+        index = getattr(module, "layer_idx", None)
+        if not isinstance(index, int) or not 0 <= index < len(types):
+            raise ValueError(
+                f"config.layer_types decides which layers slide, but {type(module).__name__} "
+                f"has no layer_idx in [0, {len(types)}), got {index!r}"
+            )
+        width = width if types[index] in _SLIDING_TYPES else None
+    if sliding_window is not None and sliding_window != width:
+        raise ValueError(
+            f"attn_implementation='ring_dilated': the layer passes sliding_window="
+            f"{sliding_window!r}, but its mask is {'full' if width is None else width} "
+            "(config.sliding_window and config.layer_types decide it, as for 'sdpa')"
+        )
+    if width is None:
+        return None
+    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+        raise ValueError(f"config.sliding_window must be an integer >= 1 or None, got {width!r}")
+    if not causal:
+        raise ValueError(
+            f"attn_implementation='ring_dilated' applies a sliding window (config."
+            f"sliding_window = {width}) to causal attention only"
+        )
+    return (width - 1, 0)
+
+
+def pattern_from_config(
+    config: Any, causal: bool, window: tuple[int, int] | None = None
+) -> Pattern:
+    """The :class:`Pattern` of ``config.dilated_attention`` (dense without it),
+    with the sliding ``window`` ``(left, right)`` (``None``: none).
 
     The entry is a dict with ``segment_lengths`` and ``dilation_rates`` and
     optionally ``head_groups`` and ``head_offsets``; values may be Python or
@@ -58,7 +116,7 @@ def pattern_from_config(config: Any, causal: bool) -> Pattern:
     causal = as_flag(causal, "causal")  # before the cache, whose keys take 1 for True
     entry = getattr(config, CONFIG_KEY, None)
     if entry is None:
-        return _pattern(None, causal)
+        return _pattern(None, causal, window)
     if not isinstance(entry, Mapping):
         raise ValueError(
             f"config.{CONFIG_KEY} must be a dict with keys {list(_FIELDS)}, "
@@ -74,7 +132,7 @@ def pattern_from_config(config: Any, causal: bool) -> Pattern:
     if "head_groups" in entry:
         as_flag(entry["head_groups"], f"config.{CONFIG_KEY}['head_groups']")
     frozen = tuple((key, _freeze(entry[key], key)) for key in _FIELDS if key in entry)
-    return _pattern(frozen, causal)
+    return _pattern(frozen, causal, window)
 
 
 def _freeze(value: Any, key: str) -> Any:
@@ -95,17 +153,17 @@ def _freeze(value: Any, key: str) -> Any:
     return value
 
 
-def _pattern(entry: tuple | None, causal: bool) -> Pattern:
+def _pattern(entry: tuple | None, causal: bool, window: tuple[int, int] | None) -> Pattern:
     # torch.compile traces the construction (once; it ignores an LRU cache, and warns)
     build = _cached_pattern.__wrapped__ if torch.compiler.is_compiling() else _cached_pattern
-    return build(entry, causal)
+    return build(entry, causal, window)
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_pattern(entry: tuple | None, causal: bool) -> Pattern:
+def _cached_pattern(entry: tuple | None, causal: bool, window: tuple[int, int] | None) -> Pattern:
     if entry is None:
-        return Pattern((_DENSE_SEGMENT,), (1,), causal=causal)
+        return Pattern((_DENSE_SEGMENT,), (1,), causal=causal, window=window)
     try:
-        return Pattern(causal=causal, **dict(entry))
+        return Pattern(causal=causal, window=window, **dict(entry))
     except ValueError as exc:
         raise ValueError(f"config.{CONFIG_KEY}: {exc}") from None

@@ -1,23 +1,32 @@
 """What transformers' mask preparation decided, carried to the attention calls.
 
-transformers prepares the mask once per forward (``create_causal_mask``):
-it decides whether the batch is packed (its packed-sequence detection runs
-only without a padding mask and without a cache), where the queries stand
-among the keys (``q_offset`` and ``kv_length`` from the cache: a static
-cache's keys run past the filled part), and which keys are padding. Its mask
-interface then calls :func:`dilated_attention_mask`, whose value reaches
-every layer's attention call as ``attention_mask``. That value is
+transformers prepares the mask once per forward (``create_causal_mask``,
+``create_sliding_window_causal_mask`` for sliding-window layers): it
+decides whether the batch is packed (its packed-sequence detection runs only
+without a padding mask and without a cache), where the queries stand among
+the keys (``q_offset``, ``kv_offset`` and ``kv_length`` from the cache: a
+static cache's keys run past the filled part, a sliding-window cache holds
+only the last keys), and which keys are padding. Its mask interface then
+calls :func:`dilated_attention_mask`, whose value reaches every layer's
+attention call as ``attention_mask``. That value is
 
 - ``None``: no padding, one document per row, and the layer's keys are
-  exactly the filled ones (the queries are the last ``q_length`` of them);
-- or a 2-D tensor ``(batch, filled)``, ``filled = q_offset + q_length``
-  the keys in use (a layer's keys beyond them are not attended, as
-  flash-attention's masks do for static caches): without documents a bool
-  tensor, ``True`` for a key, ``False`` for padding (transformers' own 2-D
-  padding mask, so a mask fed back to the model, as ``generate`` does with
-  static caches, means the same), passed to the kernels as it is; with
-  packed documents an int32 tensor, ``0`` for a padding key, ``d >= 1`` for a
-  key of document ``d`` of its row.
+  exactly the filled ones from position 0 (the queries are the last
+  ``q_length`` of them);
+- or a 2-D tensor ``(batch, filled)`` over the positions ``[0, filled)``,
+  ``filled = q_offset + q_length`` the end of the keys in use: a layer with
+  more keys than that (a static cache) attends only the first ``filled``
+  of them (as flash-attention's masks do for static caches), a layer with
+  fewer (a sliding-window cache) holds the last ones, positions ``[filled -
+  keys, filled)``. Without documents a bool tensor, ``True`` for a key,
+  ``False`` for padding (transformers' own 2-D padding mask, so a mask fed
+  back to the model, as ``generate`` does with static caches, means the
+  same); with packed documents an int32 tensor, ``0`` for a padding key,
+  ``d >= 1`` for a key of document ``d`` of its row.
+
+The window itself is not in the mask: each layer reads it from its config
+(:func:`ring_attention.hf.config.layer_window`), and the mask function's
+window must be ``config.sliding_window``.
 
 :func:`batch_keys` reads an int32 map once per batch (the first layer) and
 hands the same :class:`Keys` to the other layers. Under ``torch.compile``
@@ -46,14 +55,16 @@ def _closure(fn: Callable) -> dict[str, Any]:
     }
 
 
-def _packed_sequences(fn: Callable | None) -> torch.Tensor | None:
+def _packed_sequences(fn: Callable | None, config: Any = None) -> torch.Tensor | None:
     """transformers' packed-sequence decision inside its mask function: the
     ``(batch, n)`` sequence index of every token when it found packed
     sequences, else ``None``.
 
     Accepts only mask functions whose mask the kernels express exactly:
-    causal or bidirectional, possibly made packed-sequence aware (padding
-    arrives separately as the 2-D mask). The mask functions are
+    causal or bidirectional, possibly made packed-sequence aware, and
+    causal with a sliding window of ``config.sliding_window`` (the layers
+    read their window from the config: ring_attention/hf/config.py); padding
+    arrives separately as the 2-D mask. The mask functions are
     transformers' closures, so this walks their structure and fails closed
     on anything it does not recognise.
     """
@@ -65,24 +76,34 @@ def _packed_sequences(fn: Callable | None) -> torch.Tensor | None:
     if name == "packed_sequence_mask_function.<locals>.inner_mask":
         return _closure(fn)["packed_sequence_mask"]
     if name == "remap_positions_for_packed_sequence.<locals>.inner_mask":
-        # causality on the positions inside each packed sequence: within a
-        # sequence they step by one, so it is causality on the columns
-        return _packed_sequences(_closure(fn).get("mask_function"))
+        # causality and the window on the positions inside each packed
+        # sequence: within a sequence they step by one (transformers cuts
+        # sequences where they do not), so it is on the columns
+        return _packed_sequences(_closure(fn).get("mask_function"), config)
     if name == "and_masks.<locals>.and_mask":  # a custom part fails below
-        found = [_packed_sequences(part) for part in _closure(fn).get("mask_functions", ())]
+        parts = _closure(fn).get("mask_functions", ())
+        found = [_packed_sequences(part, config) for part in parts]
         found = [f for f in found if f is not None]
         return found[0] if found else None
-    if name.startswith(("sliding_window_overlay.", "sliding_window_bidirectional_overlay.")):
+    if name == "sliding_window_overlay.<locals>.inner_mask":
+        width = _closure(fn).get("sliding_window")
+        expected = getattr(config, "sliding_window", None)
+        if width != expected:
+            raise ValueError(
+                f"attn_implementation={ATTN_IMPLEMENTATION!r} takes the sliding window of "
+                f"config.sliding_window ({expected!r}); this model's mask slides over {width!r}"
+            )
+        return None
+    if name.startswith("sliding_window_bidirectional_overlay."):
         raise ValueError(
-            f"attn_implementation={ATTN_IMPLEMENTATION!r} cannot apply a sliding window: set "
-            "config.sliding_window = None (and use_sliding_window = False where the config has "
-            "it); the dilated pattern of config.dilated_attention replaces it"
+            f"attn_implementation={ATTN_IMPLEMENTATION!r} applies a sliding window to causal "
+            "attention only (this model's mask is a bidirectional sliding window)"
         )
     raise ValueError(
         f"attn_implementation={ATTN_IMPLEMENTATION!r} expresses causal or bidirectional masks "
-        f"with padding or packed documents only; this model builds its mask with "
-        f"{name or fn!r} (chunked attention, block masks and custom and/or mask functions "
-        "are not supported)"
+        f"with padding or packed documents, and causal sliding windows, only; this model builds "
+        f"its mask with {name or fn!r} (chunked attention, block masks and custom and/or mask "
+        "functions are not supported)"
     )
 
 
@@ -101,17 +122,12 @@ def dilated_attention_mask(
     the int32 ``(batch, q_offset + q_length)`` key map of the module
     docstring. Raises ``ValueError`` for mask structures the kernels cannot
     express."""
-    documents = _packed_sequences(mask_function)
-    if kv_offset:
-        raise ValueError(
-            f"attn_implementation={ATTN_IMPLEMENTATION!r} needs the keys of every position from "
-            f"0 (a cache that drops early keys, kv_offset={kv_offset}, is not supported)"
-        )
+    documents = _packed_sequences(mask_function, kwargs.get("config"))
     filled = int(q_offset) + q_length  # q_offset is a 0-d tensor for static caches
-    if filled > kv_length:
+    if filled > kv_offset + kv_length:
         raise ValueError(
-            f"the queries end at {filled}, past the {kv_length} keys of the cache (q_offset="
-            f"{int(q_offset)}, q_length={q_length})"
+            f"the queries end at {filled}, past the {kv_length} keys of the cache from "
+            f"{kv_offset} (q_offset={int(q_offset)}, q_length={q_length})"
         )
     keep = None
     if attention_mask is not None:
@@ -127,7 +143,7 @@ def dilated_attention_mask(
         # compiled (it cannot look then; this function runs eagerly, once per
         # forward, and the layers, given no mask, compile without a break)
         documents = None
-    if keep is None and documents is None and filled == kv_length:
+    if keep is None and documents is None and filled == kv_length and not kv_offset:
         return None
     device = attention_mask.device if attention_mask is not None else kwargs.get("device", "cpu")
     if documents is None:  # padding only: the layers need not read it

@@ -1,6 +1,7 @@
 """Queries at an offset among their keys: a decode step (or a chunk of
 queries continuing a cached prefix) attends its queries at their global
-positions to the cached keys, without recomputing the prefix.
+positions to the cached keys at theirs (a sliding-window cache holds only
+the last keys), without recomputing the prefix.
 
 One block of the block operators (:func:`ring_attention.ops.block_forward`
 / :func:`~ring_attention.ops.block_backward`, docs/design.md §2.5): queries at ``q_start``, keys at
@@ -18,50 +19,51 @@ __all__ = ["offset_attention"]
 
 
 def _block_ops(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, op_args: ops.OpArgs,
-    grad_out: torch.Tensor | None = None, out: torch.Tensor | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, k_start: int,
+    op_args: ops.OpArgs, grad_out: torch.Tensor | None = None, out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
-    """The block operators: ``(out, lse)`` of the block (keys at 0), or with
+    """The block operators: ``(out, lse)`` of the block, or with
     ``grad_out`` (and the forward's ``out``, ``lse``) its ``(dq, dk, dv)``."""
     acc = acc_dtype(q.dtype)
     if grad_out is None:
         B, L, H, D = q.shape
         out = torch.zeros(B, L, H, D, dtype=acc, device=q.device)
         lse = torch.full((B, H, L), float("-inf"), dtype=acc, device=q.device)
-        ops.block_forward(q, k, v, out, lse, q_start, 0, op_args)
+        ops.block_forward(q, k, v, out, lse, q_start, k_start, op_args)
         return out.to(q.dtype), lse
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
     ops.block_backward(
-        grad_out.contiguous(), None, q, k, v, out, lse, dq, dk, dv, q_start, 0, op_args
+        grad_out.contiguous(), None, q, k, v, out, lse, dq, dk, dv, q_start, k_start, op_args
     )
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class _OffsetAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, q_start: int, op_args: ops.OpArgs):  # type: ignore[override]
+    def forward(ctx, q, k, v, q_start: int, k_start: int, op_args: ops.OpArgs):  # type: ignore[override]
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out, lse = _block_ops(q, k, v, q_start, op_args)
+        out, lse = _block_ops(q, k, v, q_start, k_start, op_args)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.q_start, ctx.op_args = q_start, op_args
+        ctx.starts, ctx.op_args = (q_start, k_start), op_args
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _block_ops(q, k, v, ctx.q_start, ctx.op_args, grad_out, out, lse)
-        return dq, dk, dv, None, None
+        dq, dk, dv = _block_ops(q, k, v, *ctx.starts, ctx.op_args, grad_out, out, lse)
+        return dq, dk, dv, None, None, None
 
 
 def offset_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, op_args: ops.OpArgs
-) -> torch.Tensor:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, op_args: ops.OpArgs,
+    k_start: int = 0,
+) -> torch.Tensor:  # fmt: skip
     """Attention of ``q`` ``(B, Lq, H, d)`` at positions ``[q_start, q_start +
-    Lq)`` to ``k``, ``v`` ``(B, Lk, H_kv, d)`` at ``[0, Lk)``, with the
-    pattern arguments ``op_args`` (:func:`ring_attention.ops.op_args`); differentiable
-    (once)."""
-    return _OffsetAttention.apply(q, k, v, int(q_start), op_args)
+    Lq)`` to ``k``, ``v`` ``(B, Lk, H_kv, d)`` at ``[k_start, k_start + Lk)``,
+    with the pattern arguments ``op_args`` (:func:`ring_attention.ops.op_args`;
+    its ``key_padding_mask`` is ``(B, Lk)``); differentiable (once)."""
+    return _OffsetAttention.apply(q, k, v, int(q_start), int(k_start), op_args)
