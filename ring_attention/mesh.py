@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import json
 import threading
+import weakref
 import zlib
 from dataclasses import dataclass
 
@@ -182,6 +183,10 @@ _lock = threading.Lock()
 _checked: dict[tuple, Exception | None] = {}
 
 
+def _ref(group: dist.ProcessGroup | None) -> weakref.ref | None:
+    return None if group is None else weakref.ref(group)
+
+
 def _problems(topo: Topology, me: int, views: dict[int, dict]) -> list[str]:
     mine = topo.view()
     out = []
@@ -244,7 +249,9 @@ def check_grid(topo: Topology) -> None:
     configuration it has used before while its peers pass one they have not
     is not caught here (the calls' own rounds then meet different groups).
     """
-    key = (topo.ring_group, topo.ulysses_group, repr(topo.mesh))
+    # Weak references: the cache must not keep a group alive after
+    # destroy_process_group (a live gloo group can abort the process at exit).
+    key = (_ref(topo.ring_group), _ref(topo.ulysses_group), repr(topo.mesh))
     with _lock:
         if key in _checked:
             err = _checked[key]

@@ -389,8 +389,13 @@ def ring_call(
     needs_grad = torch.is_grad_enabled() and any(
         getattr(t, "requires_grad", False) for t in (q_local, k_local, v_local)
     )
+    if isinstance(documents, Tensor) and documents.is_meta and not q_local.is_meta:
+        # (a meta input would send the operator to its fake kernel: nothing checked)
+        raise ValueError("cu_seqlens must hold values: got a tensor on the meta device")
     out, lse = RingFunction.apply(q_local, k_local, v_local, documents, spec, needs_grad)
-    return (out, lse) if return_lse else out
+    # checked after the call: ring_dilated_attention's spec reports a bad flag
+    # in the handshake (every rank raises); here every rank has finished the ring
+    return (out, lse) if as_flag(return_lse, "return_lse") else out
 
 
 # ---------------------------------------------------------------------------
@@ -582,7 +587,7 @@ def ring_dilated_attention(
         None if documents is not None else cu_seqlens, return_lse, scale=scale, group=group,
         layout=layout,
     )  # fmt: skip
-    return ring_call(q_local, k_local, v_local, spec, documents, return_lse=bool(return_lse))
+    return ring_call(q_local, k_local, v_local, spec, documents, return_lse=return_lse)
 
 
 def _pattern_of(

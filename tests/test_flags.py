@@ -50,6 +50,9 @@ CALLS = {
     "ring.ring_dilated_attention": lambda **kw: ring.ring_dilated_attention(
         _q, _q, _q, [4], [2], **kw
     ),
+    "ring.ring_call": lambda **kw: ring.ring_call(
+        _q, _q, _q, ring.ring_call_spec(Pattern, [4], [2]), **kw
+    ),
     "ring.exchange_plan": lambda **kw: ring.exchange_plan(8, 2, [4], [2], **kw),
     "ra.Pattern": lambda **kw: Pattern([4], [2], **kw),
     "ra.DilatedAttention": lambda **kw: ra.DilatedAttention([4], [2], **kw),

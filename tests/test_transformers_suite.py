@@ -61,15 +61,18 @@ def test_dense():
     model(torch.randint(0, 17, (1, 9)))
 
 
-def test_sliding_window():
-    model = AutoModelForCausalLM.from_config(config(sliding_window=4))
+def test_sliding_window_dropout():
+    model = AutoModelForCausalLM.from_config(config(sliding_window=4, attention_dropout=0.5))
+    model.train()
     model(torch.randint(0, 17, (1, 9)))
 """
 
 
 def test_harness_reports_what_regresses(tmp_path) -> None:
     """A stand-in source tree (the installed version, one test file): the
-    sliding-window test passes with sdpa and fails with ring_dilated."""
+    test of attention dropout on a sliding layer in training passes with sdpa
+    and fails with ring_dilated (which refuses it rather than drop the
+    window)."""
     init = tmp_path / "src" / "transformers" / "__init__.py"
     init.parent.mkdir(parents=True)
     init.write_text(f'__version__ = "{transformers.__version__}"\n')
@@ -82,13 +85,13 @@ def test_harness_reports_what_regresses(tmp_path) -> None:
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert res.returncode == 1, res.stdout + res.stderr
     assert "passed: sdpa 2, ring_dilated 1 of 2" in res.stdout, res.stdout
-    assert "REGRESSED: tests.models.mistral.test_modeling_mistral::test_sliding_window" in (
+    assert "REGRESSED: tests.models.mistral.test_modeling_mistral::test_sliding_window_dropout" in (
         res.stdout
     ), res.stdout
-    allow = ["--allow", "test_sliding_window=sliding windows come with the window argument"]
+    allow = ["--allow", "test_sliding_window_dropout=no dropout on sliding layers"]
     res = subprocess.run(cmd + allow, capture_output=True, text=True, timeout=300, env=env)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "expected: " in res.stdout and "(sliding windows come" in res.stdout, res.stdout
+    assert "expected: " in res.stdout and "(no dropout on sliding" in res.stdout, res.stdout
     # the version must match the installed release
     init.write_text('__version__ = "0.0.1"\n')
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)

@@ -553,3 +553,32 @@ def test_arguments_checked_before_anything_runs() -> None:
         ra.ring_dilated_attention(q, q, q, [4], [1], ulysses_group="world")
     with pytest.raises(ValueError, match=r"group must be a torch\.distributed"):
         ra.shard_sequence(q, 1, group=3, ulysses_group="world")
+
+
+def _released(rank: int, world: int) -> dict:
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    group = dist.new_group(list(range(world)))
+    q, k, v = (torch.randn(1, 9, 2, 4, dtype=F64, generator=torch.Generator().manual_seed(0))
+               for _ in range(3))  # fmt: skip
+    out = ra.ring_dilated_attention(
+        *(ra.shard_sequence(t, 1, ulysses_group=group) for t in (q, k, v)), [4], [1],
+        ulysses_group=group,
+    )  # fmt: skip
+    want = ra.shard_sequence(ra.dilated_attention(q, k, v, [4], [1]), 1, ulysses_group=group)
+    alive = weakref.ref(group)
+    dist.destroy_process_group(group)
+    del group
+    gc.collect()
+    return {"err": _maxerr(out, want), "released": alive() is None}
+
+
+def test_grid_check_does_not_keep_groups_alive() -> None:
+    """The grid's once-per-configuration check holds its groups weakly:
+    destroy_process_group releases them (a gloo group living into the
+    interpreter's shutdown can abort the process there)."""
+    for r in run_distributed(_released, 2, timeout=120):
+        assert r["err"] <= 1e-10 and r["released"], r
