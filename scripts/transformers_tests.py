@@ -28,10 +28,11 @@ repository (``tests/<path>`` at the tag):
 
 ``parameterized`` must be importable (``pip install --target DEPS
 parameterized`` and DEPS on ``PYTHONPATH``). Where no version of one of
-those files that fits the release can be had, a stand-in keeps the others
-importable and its tests are not run (an empty mixin class; ``{}`` for the
-JSON, so the pipeline tests skip): say so with the counts. Nothing of
-transformers is copied into this repository.
+those files that fits the release can be had, an older one with its imports
+adapted to the release's names, or a stand-in that keeps the others
+importable (an empty mixin class; ``{}`` for the JSON, so the pipeline tests
+skip), takes its place: say which with the counts. Nothing of transformers
+is copied into this repository.
 """
 
 from __future__ import annotations
