@@ -1,22 +1,38 @@
 """transformers' own model tests as the judge of the ``"ring_dilated"`` backend.
 
-Runs ``tests/models/{llama,qwen2,mistral}/test_modeling_*.py`` of the
+Runs ``tests/models/{llama,mistral,qwen2}/test_modeling_*.py`` of the
 installed transformers release (with the release's common mixins) twice:
 as they are (``"sdpa"``), then with ``"ring_dilated"`` as the default
 attention (the pytest plugin tests/transformers_suite/ring_dilated_default.py).
-Prints the tests that pass with ``"sdpa"`` and fail with ``"ring_dilated"``
-and exits 1 if there are any (``--allow NAME`` lists expected ones, each
-with its reason in the output).
+Prints each run's passed / failed / skipped counts and the tests that pass
+with ``"sdpa"`` and fail with ``"ring_dilated"``, and exits 1 if there are
+any (``--allow NAME=REASON`` lists expected ones, each with its reason in the
+output).
 
-The tests are not in the release's wheel, and its sdist carries only the
-top-level common files (not ``tests/models``, ``tests/generation`` or
-``tests/causal_lm_tester.py``): give a checkout of the transformers
-repository at the installed version's tag (``v<version>``):
+    python scripts/transformers_tests.py --source DIR [--models llama] [-- PYTEST ARGS]
 
-    python scripts/transformers_tests.py --source DIR [--models llama,qwen2] [-- PYTEST ARGS]
+DIR is a transformers source tree at the installed version (its
+``src/transformers/__init__.py`` names it). A checkout of the repository at
+tag ``v<version>`` is one. The release's sdist is another once completed:
+it carries ``src/`` and the top-level common files of ``tests/``
+(``test_modeling_common.py``, ``test_configuration_common.py``,
+``test_pipeline_mixin.py``, ...) but not these, which come from the
+repository (``tests/<path>`` at the tag):
 
-The checkout's ``tests/`` is used as it is; nothing is copied into this
-repository.
+- ``causal_lm_tester.py`` and ``models/<model>/test_modeling_<model>.py``;
+- ``generation/test_utils.py`` (``GenerationTesterMixin``),
+  ``exporters/test_export.py`` (``ExportTesterMixin``),
+  ``utils/test_configuration_utils.py`` (``config_common_kwargs``) and
+  ``utils/tiny_model_summary.json`` (the pipeline tests' tiny models);
+- an empty ``__init__.py`` in ``tests/`` and in each of those folders.
+
+``parameterized`` must be importable (``pip install --target DEPS
+parameterized`` and DEPS on ``PYTHONPATH``). Where no version of one of
+those files that fits the release can be had, an older one with its imports
+adapted to the release's names, or a stand-in that keeps the others
+importable (an empty mixin class; ``{}`` for the JSON, so the pipeline tests
+skip), takes its place: say which with the counts. Nothing of transformers
+is copied into this repository.
 """
 
 from __future__ import annotations
@@ -32,6 +48,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PLUGIN_DIR = ROOT / "tests" / "transformers_suite"
+OUTCOMES = ("passed", "failed", "skipped")
 
 
 def _source_version(source: Path) -> str | None:
@@ -67,8 +84,8 @@ def _run(source: Path, files: list[str], plugin: bool, junit: Path, extra: list[
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--source", type=Path, required=True, help="transformers checkout")
-    parser.add_argument("--models", default="llama,qwen2", help="comma-separated model folders")
+    parser.add_argument("--source", type=Path, required=True, help="transformers source tree")
+    parser.add_argument("--models", default="llama,mistral,qwen2", help="tests/models folders, a,b")
     parser.add_argument("--allow", action="append", default=[], help="NAME=reason, expected")
     parser.add_argument("pytest_args", nargs="*", help="after --: extra pytest arguments")
     args = parser.parse_args(argv)
@@ -96,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     counts = {k: sum(r == "passed" for r in v.values()) for k, v in results.items()}
     print(f"passed: sdpa {counts[False]}, ring_dilated {counts[True]} of {len(results[False])}")
+    for plugin, name in ((False, "sdpa"), (True, "ring_dilated")):
+        tally = {k: sum(r == k for r in results[plugin].values()) for k in OUTCOMES}
+        print(f"{name}: " + ", ".join(f"{n} {k}" for k, n in tally.items()))
     unexpected = []
     for test in regressed:
         reason = next((r for name, r in allowed.items() if name in test), None)

@@ -85,6 +85,8 @@ def test_harness_reports_what_regresses(tmp_path) -> None:
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert res.returncode == 1, res.stdout + res.stderr
     assert "passed: sdpa 2, ring_dilated 1 of 2" in res.stdout, res.stdout
+    assert "sdpa: 2 passed, 0 failed, 0 skipped" in res.stdout, res.stdout
+    assert "ring_dilated: 1 passed, 1 failed, 0 skipped" in res.stdout, res.stdout
     assert "REGRESSED: tests.models.mistral.test_modeling_mistral::test_sliding_window_dropout" in (
         res.stdout
     ), res.stdout
