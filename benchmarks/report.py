@@ -113,14 +113,14 @@ MACHINES = (
     ),
     Machine(
         "AMD EPYC, AVX2 only (2 cores, shared, loaded)",
-        "as the Xeon, fp32 on the AVX2 packed-tile path; the machine ran other jobs "
-        "(load average 6-10): ratios within a row hold, absolute times and rates do not",
+        "as the Xeon, fp32 on the AVX2 packed-tile path (AMD EPYC family 25, Zen 3); the "
+        "machine ran other jobs (load average 7-16): ratios within a row hold, absolute "
+        "times, rates and the 'of sgemm' column do not",
         (
             Run(
-                "cpu_kernel_2026-11-27_avx2_fp32",
-                "python benchmarks/bench.py local --seq-lens 8192 16384 32768 --methods ours "
-                "gather" + _CPU + " --dtype float32",
-                "journal/2026-11-27-cpu-avx2.md",
+                "cpu_kernel_2026-11-27_avx2_fp32_long",
+                _LOCAL + _CPU + " --dtype float32 --passes fwd fwdbwd",
+                "journal/2026-11-27-cpu-avx2-long.md",
             ),
         ),
     ),

@@ -307,6 +307,19 @@ def test_matches_oracle(path, causal, head_dim) -> None:
     check_against_oracle(cfg, path, "cpu", seed=7100 + causal)
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_tasks_of_unequal_cost_on_threads(path, threads: int) -> None:
+    """Eight heads over r = 6 stack heads 0 and 6, 1 and 7 and run the others
+    alone: tasks of unequal cost, each taken once by whichever thread is free."""
+    cfg = Cfg(2, 130, 8, 16, [24, 96], [1, 6], False, False, None, True)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        check_against_oracle(cfg, path, "cpu", seed=7150 + threads)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_features_with_lse_gradient(path) -> None:
     """Grouped K/V heads, documents, grouped offsets, head groups, a key padding
     mask and a gradient through lse."""

@@ -371,21 +371,20 @@ void backward_kernel(const BlockCall& call, const TilePath& path) {
     const BranchWork work = branch_work(p, i, call.segment_lengths[i], call.dilation_rates[i],
                                         static_cast<size_t>(p.heads));
     const int64_t r = work.r;
-    at::parallel_for(0, static_cast<int64_t>(work.tasks.size()), 1, [&](int64_t lo, int64_t hi) {
-      BackwardTile<scalar_t, tile_t, acc_t> tile(p, path, delta.data());
-      for (int64_t ti = lo; ti < hi; ++ti) {
-        const SegmentTask& task = work.tasks[ti];
-        const HeadSet& set = work.head_sets[task.head_set];
-        for (size_t s = task.seg_begin; s < task.seg_end; ++s) {
-          const SegmentRuns runs = segment_runs(p, work, s, set.offset);
-          constexpr int64_t chunk = kTileK * kChunkTiles;
-          for (int64_t n0 = 0; n0 < runs.k.count; n0 += chunk) {
-            tile.run(task.b, set, r, runs.k.first + n0 * r, std::min(chunk, runs.k.count - n0),
-                     runs.q);
+    using Tile = BackwardTile<scalar_t, tile_t, acc_t>;
+    for_each_task(
+        p, work, [&] { return Tile(p, path, delta.data()); },
+        [&](Tile& tile, const SegmentTask& task) {
+          const HeadSet& set = work.head_sets[task.head_set];
+          for (size_t s = task.seg_begin; s < task.seg_end; ++s) {
+            const SegmentRuns runs = segment_runs(p, work, s, set.offset);
+            constexpr int64_t chunk = kTileK * kChunkTiles;
+            for (int64_t n0 = 0; n0 < runs.k.count; n0 += chunk) {
+              tile.run(task.b, set, r, runs.k.first + n0 * r, std::min(chunk, runs.k.count - n0),
+                       runs.q);
+            }
           }
-        }
-      }
-    });
+        });
   }
 }
 

@@ -311,23 +311,23 @@ void forward_kernel(const BlockCall& call, const TilePath& path) {
     const BranchWork work =
         branch_work(p, i, call.segment_lengths[i], call.dilation_rates[i], kMaxSetHeads);
     const int64_t r = work.r;
-    at::parallel_for(0, static_cast<int64_t>(work.tasks.size()), 1, [&](int64_t lo, int64_t hi) {
-      ForwardTile<scalar_t, tile_t, acc_t> tile(p, path);
-      for (int64_t ti = lo; ti < hi; ++ti) {
-        const SegmentTask& task = work.tasks[ti];
-        const HeadSet& set = work.head_sets[task.head_set];
-        const int64_t tile_rows = tile.split ? kSplitTileRows : kTileRows;
-        const int64_t tq = std::max<int64_t>(1, tile_rows / static_cast<int64_t>(set.heads.size()));
-        for (size_t s = task.seg_begin; s < task.seg_end; ++s) {
-          const SegmentRuns runs = segment_runs(p, work, s, set.offset);
-          if (runs.k.count == 0) continue;
-          for (int64_t m0 = 0; m0 < runs.q.count; m0 += tq) {
-            tile.run(task.b, set, r, runs.q.first + m0 * r, std::min(tq, runs.q.count - m0),
-                     runs.k);
+    using Tile = ForwardTile<scalar_t, tile_t, acc_t>;
+    for_each_task(
+        p, work, [&] { return Tile(p, path); },
+        [&](Tile& tile, const SegmentTask& task) {
+          const HeadSet& set = work.head_sets[task.head_set];
+          const int64_t tile_rows = tile.split ? kSplitTileRows : kTileRows;
+          const int64_t tq =
+              std::max<int64_t>(1, tile_rows / static_cast<int64_t>(set.heads.size()));
+          for (size_t s = task.seg_begin; s < task.seg_end; ++s) {
+            const SegmentRuns runs = segment_runs(p, work, s, set.offset);
+            if (runs.k.count == 0) continue;
+            for (int64_t m0 = 0; m0 < runs.q.count; m0 += tq) {
+              tile.run(task.b, set, r, runs.q.first + m0 * r, std::min(tq, runs.q.count - m0),
+                       runs.k);
+            }
           }
-        }
-      }
-    });
+        });
   }
 }
 

@@ -10,9 +10,13 @@
 // whole): they run in parallel without atomics, branches one after another.
 #pragma once
 
+#include <ATen/Parallel.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <limits>
+#include <numeric>
 #include <vector>
 
 #include "../params.h"
@@ -92,6 +96,36 @@ inline SegmentRuns segment_runs(const BlockParams& p, const BranchWork& work, si
   return ring_attention::segment_runs(work.segments[s], work.r, offset, p.q_start,
                                       p.q_start + p.q_len, p.k_start, p.k_start + p.k_len, p.causal,
                                       p.window_left, p.window_right);
+}
+
+// Runs f(state, task) for each task of the branch on at::parallel_for's
+// threads, each thread taking the next task not yet taken, the costliest
+// first (head rows x keys of its segments), with its own state from
+// make_state(). Tasks differ in cost (LongNet's r = 6 branch over 8 heads
+// stacks heads 0 and 6, 1 and 7, and runs the others alone), and a static
+// split of the task list left one thread idle for a quarter of such a branch.
+// Which thread runs a task does not change its result.
+template <typename MakeState, typename F>
+void for_each_task(const BlockParams& p, const BranchWork& work, MakeState make_state, F f) {
+  const int64_t n = static_cast<int64_t>(work.tasks.size());
+  std::vector<int64_t> cost(n, 0), order(n);
+  for (int64_t t = 0; t < n; ++t) {
+    const SegmentTask& task = work.tasks[t];
+    const HeadSet& set = work.head_sets[task.head_set];
+    for (size_t s = task.seg_begin; s < task.seg_end; ++s) {
+      const SegmentRuns runs = segment_runs(p, work, s, set.offset);
+      cost[t] += static_cast<int64_t>(set.heads.size()) * runs.q.count * runs.k.count;
+    }
+  }
+  std::iota(order.begin(), order.end(), int64_t(0));
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, n, 1, [&](int64_t, int64_t) {
+    auto state = make_state();
+    for (int64_t k = next.fetch_add(1); k < n; k = next.fetch_add(1))
+      f(state, work.tasks[order[k]]);
+  });
 }
 
 // Rows [begin, end) of a run (positions first + r*n, n < count) that lie in
