@@ -18,8 +18,8 @@ namespace ring_attention {
 template <BlockKernel Kernel>
 void block_forward_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       at::Tensor& out, at::Tensor& lse, int64_t q_start, int64_t k_start,
-                      RA_PATTERN_PARAMS) {
-  Kernel(forward_call(q, k, v, out, lse, q_start, k_start, RA_PATTERN_ARGS_OF));
+                      RA_PATTERN_PARAMS, const std::optional<at::Tensor>& k_rows) {
+  Kernel(forward_call(q, k, v, out, lse, q_start, k_start, RA_PATTERN_ARGS_OF, k_rows));
 }
 
 template <BlockKernel Kernel>
@@ -28,9 +28,9 @@ void block_backward_op(const at::Tensor& grad_out, const std::optional<at::Tenso
                        const at::Tensor& out, const at::Tensor& lse,
                        const std::optional<at::Tensor>& dq, const std::optional<at::Tensor>& dk,
                        const std::optional<at::Tensor>& dv, int64_t q_start, int64_t k_start,
-                       RA_PATTERN_PARAMS) {
+                       RA_PATTERN_PARAMS, const std::optional<at::Tensor>& k_rows) {
   Kernel(backward_call(grad_out, grad_lse, q, k, v, out, lse, dq, dk, dv, q_start, k_start,
-                       RA_PATTERN_ARGS_OF));
+                       RA_PATTERN_ARGS_OF, k_rows));
 }
 
 template <BlockKernel Kernel>

@@ -40,8 +40,25 @@ void check_total(int64_t total, int64_t min_total, bool exact) {
   }
 }
 
+// The row map of packed k and v (B, n, D): (Lk, kv_heads) int32, contiguous,
+// on q's device, its values in [-1, n) (read on the CPU only).
+void check_row_map(const at::Tensor& k_rows, const at::Tensor& q, const at::Tensor& k) {
+  TORCH_CHECK(k_rows.dim() == 2, "k_rows must be 2-D (k_len, kv_heads), got ", k_rows.dim(), "-D");
+  TORCH_CHECK(k_rows.scalar_type() == at::kInt, "k_rows must have dtype int32, got ",
+              k_rows.scalar_type());
+  TORCH_CHECK(k_rows.device() == q.device(), "k_rows must be on q's device ", q.device(), ", got ",
+              k_rows.device());
+  TORCH_CHECK(k_rows.is_contiguous(), "k_rows must be contiguous");
+  if (!k_rows.device().is_cpu() || k_rows.numel() == 0) return;
+  const auto [lo, hi] = at::aminmax(k_rows);
+  const int64_t low = lo.item<int64_t>(), high = hi.item<int64_t>();
+  TORCH_CHECK(low >= -1 && high < k.size(1), "k_rows must hold rows of k in [-1, ", k.size(1),
+              "), got values in [", low, ", ", high, "]");
+}
+
 void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t q_start,
-               int64_t k_start, const PatternArgs& pattern) {
+               int64_t k_start, const PatternArgs& pattern,
+               const std::optional<at::Tensor>& k_rows) {
   TORCH_CHECK(q.defined() && k.defined() && v.defined(),
               "q, k and v must be tensors, got None for ",
               !q.defined()   ? "q"
@@ -52,15 +69,24 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, in
   TORCH_CHECK(std::isfinite(pattern.scale) && pattern.scale > 0,
               "scale must be a finite positive number, got ", pattern.scale);
   TORCH_CHECK(q.dim() == 4, "q must be 4-D (batch, seq, heads, head_dim), got ", q.dim(), "-D");
-  TORCH_CHECK(k.dim() == 4 && v.dim() == 4,
-              "k and v must be 4-D (batch, seq, kv_heads, head_dim), got ", k.dim(), "-D and ",
-              v.dim(), "-D");
+  const bool packed = k_rows.has_value();
+  if (packed) {
+    TORCH_CHECK(k.dim() == 3 && v.dim() == 3,
+                "k and v must be 3-D (batch, rows, head_dim) with k_rows, got ", k.dim(), "-D and ",
+                v.dim(), "-D");
+  } else {
+    TORCH_CHECK(k.dim() == 4 && v.dim() == 4,
+                "k and v must be 4-D (batch, seq, kv_heads, head_dim), got ", k.dim(), "-D and ",
+                v.dim(), "-D");
+  }
   TORCH_CHECK(k.sym_sizes() == v.sym_sizes(), "k and v must have the same shape, got ",
               k.sym_sizes(), " and ", v.sym_sizes());
-  TORCH_CHECK(k.sym_size(0) == q.sym_size(0) && k.sym_size(3) == q.sym_size(3),
+  TORCH_CHECK(k.sym_size(0) == q.sym_size(0) && k.sym_size(-1) == q.sym_size(3),
               "k must match q in batch and head_dim: q ", q.sym_sizes(), ", k ", k.sym_sizes());
+  if (packed) check_row_map(*k_rows, q, k);
   const c10::SymInt& heads = q.sym_size(2);
-  const c10::SymInt& kv_heads = k.sym_size(2);
+  const c10::SymInt& kv_heads = packed ? k_rows->sym_size(1) : k.sym_size(2);
+  const c10::SymInt& k_len = packed ? k_rows->sym_size(0) : k.sym_size(1);
   TORCH_CHECK(kv_heads >= 1 && heads % kv_heads == 0,
               "k and v must have kv_heads heads dividing q's heads (grouped K/V): q has ", heads,
               " heads, k has kv_heads = ", kv_heads);
@@ -81,8 +107,8 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, in
               "head_groups needs at least as many heads as branches: ", heads, " heads, ",
               n_branches, " branches");
   if (pattern.key_padding_mask.has_value()) {
-    check_same_geometry("key_padding_mask", *pattern.key_padding_mask,
-                        {k.sym_size(0), k.sym_size(1)}, at::kBool, q);
+    check_same_geometry("key_padding_mask", *pattern.key_padding_mask, {k.sym_size(0), k_len},
+                        at::kBool, q);
   }
   if (pattern.cu_seqlens.has_value()) check_cu_seqlens_type(*pattern.cu_seqlens, q.device());
 }
@@ -113,7 +139,7 @@ struct CheckedDocuments {
 // The params every block of a call shares; the op-specific pointers stay null.
 BlockCall make_block(const CheckedPattern& pattern, const at::Tensor& q, const at::Tensor& k,
                      const at::Tensor& v, const at::Tensor& key_padding_mask, int64_t q_start,
-                     int64_t k_start) {
+                     int64_t k_start, const at::Tensor& k_rows) {
   BlockCall call{BlockParams{},
                  pattern.segment_lengths,
                  pattern.dilation_rates,
@@ -127,7 +153,8 @@ BlockCall make_block(const CheckedPattern& pattern, const at::Tensor& q, const a
                  {},  // grad_out, grad_lse, out, lse: set by backward_block
                  {},
                  {},
-                 {}};
+                 {},
+                 k_rows.defined() ? k_rows.contiguous() : at::Tensor()};
   BlockParams& p = call.params;
   p.q = call.q.const_data_ptr();
   p.k = call.k.const_data_ptr();
@@ -139,12 +166,19 @@ BlockCall make_block(const CheckedPattern& pattern, const at::Tensor& q, const a
                         : Documents{nullptr, 0};
   p.batch = q.size(0);
   p.heads = q.size(2);
-  p.kv_heads = k.size(2);
   p.head_dim = q.size(3);
   p.q_start = q_start;
   p.q_len = q.size(1);
   p.k_start = k_start;
-  p.k_len = k.size(1);
+  if (call.k_rows.defined()) {
+    p.k_rows = call.k_rows.const_data_ptr<int32_t>();
+    p.k_count = k.size(1);
+    p.k_len = k_rows.size(0);
+    p.kv_heads = k_rows.size(1);
+  } else {
+    p.k_len = k.size(1);
+    p.kv_heads = k.size(2);
+  }
   p.n_branches = static_cast<int64_t>(pattern.segment_lengths.size());
   p.scale = pattern.scale;
   p.causal = pattern.causal;
@@ -196,7 +230,7 @@ void check_window(int64_t left, int64_t right) {
 
 void check_local_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     const PatternArgs& pattern) {
-  check_qkv(q, k, v, 0, 0, pattern);
+  check_qkv(q, k, v, 0, 0, pattern, std::nullopt);
   TORCH_CHECK(k.sym_size(1) == q.sym_size(1), "k and v must have q's sequence length (dim 1): q ",
               q.sym_sizes(), ", k ", k.sym_sizes());
 }
@@ -215,8 +249,9 @@ void check_local_backward(const at::Tensor& grad_out, const std::optional<at::Te
 
 void check_block_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                          const at::Tensor& out, const at::Tensor& lse, int64_t q_start,
-                         int64_t k_start, const PatternArgs& pattern) {
-  check_qkv(q, k, v, q_start, k_start, pattern);
+                         int64_t k_start, const PatternArgs& pattern,
+                         const std::optional<at::Tensor>& k_rows) {
+  check_qkv(q, k, v, q_start, k_start, pattern, k_rows);
   const at::ScalarType acc = acc_dtype(q.scalar_type());
   check_same_geometry("out", out, q.sym_sizes(), acc, q);
   check_same_geometry("lse", lse, lse_sizes(q), acc, q);
@@ -228,8 +263,8 @@ void check_block_backward(const at::Tensor& grad_out, const std::optional<at::Te
                           const at::Tensor& out, const at::Tensor& lse,
                           const std::optional<at::Tensor>& dq, const std::optional<at::Tensor>& dk,
                           const std::optional<at::Tensor>& dv, int64_t q_start, int64_t k_start,
-                          const PatternArgs& pattern) {
-  check_qkv(q, k, v, q_start, k_start, pattern);
+                          const PatternArgs& pattern, const std::optional<at::Tensor>& k_rows) {
+  check_qkv(q, k, v, q_start, k_start, pattern, k_rows);
   const at::ScalarType acc = acc_dtype(q.scalar_type());
   check_same_geometry("grad_out", grad_out, q.sym_sizes(), q.scalar_type(), q);
   check_same_geometry("out", out, q.sym_sizes(), q.scalar_type(), q);
@@ -285,8 +320,9 @@ at::Tensor checked_documents(const at::Tensor& cu, c10::Device device, int64_t m
 
 BlockCall forward_block(const CheckedPattern& pattern, const at::Tensor& q, const at::Tensor& k,
                         const at::Tensor& v, const at::Tensor& key_padding_mask, at::Tensor& out,
-                        at::Tensor& lse, int64_t q_start, int64_t k_start) {
-  BlockCall call = make_block(pattern, q, k, v, key_padding_mask, q_start, k_start);
+                        at::Tensor& lse, int64_t q_start, int64_t k_start,
+                        const at::Tensor& k_rows) {
+  BlockCall call = make_block(pattern, q, k, v, key_padding_mask, q_start, k_start, k_rows);
   call.params.out = out.mutable_data_ptr();
   call.params.lse = lse.mutable_data_ptr();
   return call;
@@ -297,8 +333,8 @@ BlockCall backward_block(const CheckedPattern& pattern, const at::Tensor& grad_o
                          const at::Tensor& v, const at::Tensor& key_padding_mask,
                          const at::Tensor& out, const at::Tensor& lse, const at::Tensor& dq,
                          const at::Tensor& dk, const at::Tensor& dv, int64_t q_start,
-                         int64_t k_start) {
-  BlockCall call = make_block(pattern, q, k, v, key_padding_mask, q_start, k_start);
+                         int64_t k_start, const at::Tensor& k_rows) {
+  BlockCall call = make_block(pattern, q, k, v, key_padding_mask, q_start, k_start, k_rows);
   call.grad_out = grad_out.contiguous();
   if (grad_lse.defined()) call.grad_lse = grad_lse.contiguous();
   call.out = out.contiguous();
@@ -316,11 +352,13 @@ BlockCall backward_block(const CheckedPattern& pattern, const at::Tensor& grad_o
 
 BlockCall forward_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        at::Tensor& out, at::Tensor& lse, int64_t q_start, int64_t k_start,
-                       const PatternArgs& pattern) {
-  check_block_forward(q, k, v, out, lse, q_start, k_start, pattern);
-  const int64_t blocks_end = std::max(q_start + q.size(1), k_start + k.size(1));
+                       const PatternArgs& pattern, const std::optional<at::Tensor>& k_rows) {
+  check_block_forward(q, k, v, out, lse, q_start, k_start, pattern, k_rows);
+  const int64_t k_len = k_rows.has_value() ? k_rows->size(0) : k.size(1);
+  const int64_t blocks_end = std::max(q_start + q.size(1), k_start + k_len);
   return forward_block(checked_pattern(pattern, q, blocks_end, false), q, k, v,
-                       value_or_undefined(pattern.key_padding_mask), out, lse, q_start, k_start);
+                       value_or_undefined(pattern.key_padding_mask), out, lse, q_start, k_start,
+                       value_or_undefined(k_rows));
 }
 
 BlockCall backward_call(const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse,
@@ -328,14 +366,15 @@ BlockCall backward_call(const at::Tensor& grad_out, const std::optional<at::Tens
                         const at::Tensor& out, const at::Tensor& lse,
                         const std::optional<at::Tensor>& dq, const std::optional<at::Tensor>& dk,
                         const std::optional<at::Tensor>& dv, int64_t q_start, int64_t k_start,
-                        const PatternArgs& pattern) {
-  check_block_backward(grad_out, grad_lse, q, k, v, out, lse, dq, dk, dv, q_start, k_start,
-                       pattern);
-  const int64_t blocks_end = std::max(q_start + q.size(1), k_start + k.size(1));
+                        const PatternArgs& pattern, const std::optional<at::Tensor>& k_rows) {
+  check_block_backward(grad_out, grad_lse, q, k, v, out, lse, dq, dk, dv, q_start, k_start, pattern,
+                       k_rows);
+  const int64_t k_len = k_rows.has_value() ? k_rows->size(0) : k.size(1);
+  const int64_t blocks_end = std::max(q_start + q.size(1), k_start + k_len);
   return backward_block(
       checked_pattern(pattern, q, blocks_end, false), grad_out, value_or_undefined(grad_lse), q, k,
       v, value_or_undefined(pattern.key_padding_mask), out, lse, value_or_undefined(dq),
-      value_or_undefined(dk), value_or_undefined(dv), q_start, k_start);
+      value_or_undefined(dk), value_or_undefined(dv), q_start, k_start, value_or_undefined(k_rows));
 }
 
 }  // namespace ring_attention

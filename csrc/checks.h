@@ -70,10 +70,13 @@ void check_local_backward(const at::Tensor& grad_out, const std::optional<at::Te
                           const at::Tensor& q, const at::Tensor& out, const at::Tensor& lse);
 
 // Shape, dtype and device checks of the block operators (on symbolic sizes).
-// k and v have kv_heads heads, a divisor of q's heads.
+// k and v have kv_heads heads, a divisor of q's heads; or, with a row map
+// k_rows (Lk, kv_heads) int32 on q's device, k and v are packed rows
+// (B, n, D) and the map's values (checked on the CPU) lie in [-1, n).
 void check_block_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                          const at::Tensor& out, const at::Tensor& lse, int64_t q_start,
-                         int64_t k_start, const PatternArgs& pattern);
+                         int64_t k_start, const PatternArgs& pattern,
+                         const std::optional<at::Tensor>& k_rows);
 
 // grad_lse, dq, dk, dv are optional (a gradient not asked for is not
 // computed); dk and dv come together.
@@ -82,7 +85,7 @@ void check_block_backward(const at::Tensor& grad_out, const std::optional<at::Te
                           const at::Tensor& out, const at::Tensor& lse,
                           const std::optional<at::Tensor>& dq, const std::optional<at::Tensor>& dk,
                           const std::optional<at::Tensor>& dv, int64_t q_start, int64_t k_start,
-                          const PatternArgs& pattern);
+                          const PatternArgs& pattern, const std::optional<at::Tensor>& k_rows);
 
 // The pattern of a call after its checks: what every block of the call
 // shares. Built once per operator call (checked_pattern); the local op's
@@ -121,6 +124,7 @@ struct BlockCall {
   at::ScalarType dtype;  // of q, k, v
   at::Device device;
   at::Tensor q, k, v, key_padding_mask, cu_seqlens, grad_out, grad_lse, out, lse;
+  at::Tensor k_rows;  // the row map, or undefined
 };
 
 // A backend's kernel of one block operator (csrc/cpu, csrc/cuda).
@@ -128,10 +132,12 @@ using BlockKernel = void (*)(const BlockCall&);
 
 // The block call of queries q at q_start against keys k, v at k_start under
 // a checked pattern, with its forward accumulators or its backward inputs and
-// gradients. No checks: the caller has checked the operator's arguments.
+// gradients (k_rows: the row map of packed k and v, or undefined). No
+// checks: the caller has checked the operator's arguments.
 BlockCall forward_block(const CheckedPattern& pattern, const at::Tensor& q, const at::Tensor& k,
                         const at::Tensor& v, const at::Tensor& key_padding_mask, at::Tensor& out,
-                        at::Tensor& lse, int64_t q_start, int64_t k_start);
+                        at::Tensor& lse, int64_t q_start, int64_t k_start,
+                        const at::Tensor& k_rows = at::Tensor());
 
 // Undefined tensors: no key padding mask, no grad_lse, a gradient not asked for.
 BlockCall backward_block(const CheckedPattern& pattern, const at::Tensor& grad_out,
@@ -139,18 +145,18 @@ BlockCall backward_block(const CheckedPattern& pattern, const at::Tensor& grad_o
                          const at::Tensor& v, const at::Tensor& key_padding_mask,
                          const at::Tensor& out, const at::Tensor& lse, const at::Tensor& dq,
                          const at::Tensor& dk, const at::Tensor& dv, int64_t q_start,
-                         int64_t k_start);
+                         int64_t k_start, const at::Tensor& k_rows = at::Tensor());
 
 // A block operator's call: its arguments checked, then its block.
 BlockCall forward_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        at::Tensor& out, at::Tensor& lse, int64_t q_start, int64_t k_start,
-                       const PatternArgs& pattern);
+                       const PatternArgs& pattern, const std::optional<at::Tensor>& k_rows);
 
 BlockCall backward_call(const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse,
                         const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         const at::Tensor& out, const at::Tensor& lse,
                         const std::optional<at::Tensor>& dq, const std::optional<at::Tensor>& dk,
                         const std::optional<at::Tensor>& dv, int64_t q_start, int64_t k_start,
-                        const PatternArgs& pattern);
+                        const PatternArgs& pattern, const std::optional<at::Tensor>& k_rows);
 
 }  // namespace ring_attention

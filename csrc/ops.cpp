@@ -18,16 +18,18 @@ using OptTensor = std::optional<Tensor>;
 
 // Meta kernels of the block operators: the shape checks, on symbolic sizes.
 void block_forward_meta(const Tensor& q, const Tensor& k, const Tensor& v, Tensor& out, Tensor& lse,
-                        int64_t q_start, int64_t k_start, RA_PATTERN_PARAMS) {
-  check_block_forward(q, k, v, out, lse, q_start, k_start, RA_PATTERN_ARGS_OF);
+                        int64_t q_start, int64_t k_start, RA_PATTERN_PARAMS,
+                        const OptTensor& k_rows) {
+  check_block_forward(q, k, v, out, lse, q_start, k_start, RA_PATTERN_ARGS_OF, k_rows);
 }
 
 void block_backward_meta(const Tensor& grad_out, const OptTensor& grad_lse, const Tensor& q,
                          const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
                          const OptTensor& dq, const OptTensor& dk, const OptTensor& dv,
-                         int64_t q_start, int64_t k_start, RA_PATTERN_PARAMS) {
+                         int64_t q_start, int64_t k_start, RA_PATTERN_PARAMS,
+                         const OptTensor& k_rows) {
   check_block_backward(grad_out, grad_lse, q, k, v, out, lse, dq, dk, dv, q_start, k_start,
-                       RA_PATTERN_ARGS_OF);
+                       RA_PATTERN_ARGS_OF, k_rows);
 }
 
 }  // namespace

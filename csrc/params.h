@@ -9,9 +9,27 @@
 
 namespace ring_attention {
 
+// Element offsets of the rows of a run (rows i = 0, 1, ... of one head, r
+// positions apart) from its first row: i * stride, or through a row map
+// (map: the run's first entry; step entries between its rows; unit elements
+// a row).
+struct RunRows {
+  int64_t stride;
+  const int32_t* map;  // nullptr: no map
+  int64_t step, unit;
+  RA_HOST_DEVICE int64_t operator()(int64_t i) const {
+    return map == nullptr ? i * stride : (map[i * step] - map[0]) * unit;
+  }
+};
+
 struct BlockParams {
-  // Inputs, contiguous, dtype of q: q (B, Lq, H, D), k and v (B, Lk, KVH, D).
+  // Inputs, contiguous, dtype of q: q (B, Lq, H, D), k and v (B, Lk, KVH, D),
+  // or, with a row map, packed: k and v (B, k_count, D), and key (pos, kvh)
+  // in row k_rows[(pos - k_start) * kv_heads + kvh] (-1: a row no query of
+  // the block reaches, never read); dk and dv then have k's shape too.
   const void *q, *k, *v;
+  const int32_t* k_rows;         // (Lk, KVH) int32, or nullptr: no row map
+  int64_t k_count;               // rows per batch element of packed k and v
   const bool* key_padding_mask;  // (B, Lk), true = ignore that key; or nullptr
   Documents docs;                // global boundaries, int64, on the kernels' device
 
@@ -73,7 +91,9 @@ struct BlockParams {
     return ((b * q_len + (pos - q_start)) * heads + h) * head_dim;
   }
   RA_HOST_DEVICE int64_t k_index(int64_t b, int64_t pos, int64_t kvh) const {
-    return ((b * k_len + (pos - k_start)) * kv_heads + kvh) * head_dim;
+    const int64_t row = (pos - k_start) * kv_heads + kvh;
+    if (k_rows != nullptr) return (b * k_count + k_rows[row]) * head_dim;
+    return (b * k_len * kv_heads + row) * head_dim;
   }
   // Elements between the active rows r positions apart of one head. Where
   // r * row overflows (r, clamped, reaches 2**62 past the block), r exceeds
@@ -83,6 +103,26 @@ struct BlockParams {
   RA_HOST_DEVICE int64_t k_stride(int64_t r) const { return stride(r, k_len, kv_heads * head_dim); }
   RA_HOST_DEVICE static int64_t stride(int64_t r, int64_t len, int64_t row) {
     return row == 0 || r <= INT64_MAX / row ? r * row : len * row;
+  }
+  // The rows of the queries (head h) and keys (K/V head kvh) from position
+  // pos on, r positions apart, relative to q_index / k_index of the first.
+  RA_HOST_DEVICE RunRows q_run(int64_t r) const { return {q_stride(r), nullptr, 0, 0}; }
+  RA_HOST_DEVICE RunRows k_run(int64_t pos, int64_t kvh, int64_t r) const {
+    if (k_rows == nullptr) return {k_stride(r), nullptr, 0, 0};
+    return {0, k_rows + (pos - k_start) * kv_heads + kvh, r * kv_heads, head_dim};
+  }
+  // Elements between the rows of the n active keys u0, u0 + r, ... of K/V
+  // head kvh: k_stride(r) without a row map; with one, the rows' spacing
+  // where the map spaces them evenly (a periodic pattern: nearly always),
+  // else -1 (the caller gathers them by k_index).
+  RA_HOST_DEVICE int64_t k_run_stride(int64_t u0, int64_t kvh, int64_t r, int64_t n) const {
+    if (k_rows == nullptr) return k_stride(r);
+    if (n <= 1) return head_dim;
+    const int32_t* m = k_rows + (u0 - k_start) * kv_heads + kvh;
+    const int64_t step = r * kv_heads, first = m[0], gap = m[step] - first;
+    for (int64_t i = 2; i < n; ++i)
+      if (m[i * step] != first + i * gap) return -1;
+    return gap * head_dim;
   }
   // Index of (b, h, pos) in a (B, H, Lq) tensor (lse, delta, grad_lse).
   RA_HOST_DEVICE int64_t row_index(int64_t b, int64_t h, int64_t pos) const {

@@ -3,7 +3,8 @@
 #pragma once
 
 // Arguments every attention operator shares (the ones added later have
-// defaults, so that calls written before them still work).
+// defaults, so that calls written before them still work). The block
+// operators end with k_rows, the row map of packed K/V rows (params.h).
 #define RA_PATTERN_ARGS                                                                       \
   "int[] segment_lengths, int[] dilation_rates, bool causal, float scale, bool head_groups, " \
   "bool grouped_offsets, Tensor? key_padding_mask, Tensor? cu_seqlens, "                      \
@@ -13,11 +14,11 @@ namespace ring_attention::schema {
 
 inline constexpr const char* kBlockForward =
     "block_forward(Tensor q, Tensor k, Tensor v, Tensor(a!) out, Tensor(b!) lse, "
-    "int q_start, int k_start, " RA_PATTERN_ARGS ") -> ()";
+    "int q_start, int k_start, " RA_PATTERN_ARGS ", Tensor? k_rows=None) -> ()";
 inline constexpr const char* kBlockBackward =
     "block_backward(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, "
     "Tensor lse, Tensor(a!)? dq, Tensor(b!)? dk, Tensor(c!)? dv, int q_start, int "
-    "k_start, " RA_PATTERN_ARGS ") -> ()";
+    "k_start, " RA_PATTERN_ARGS ", Tensor? k_rows=None) -> ()";
 inline constexpr const char* kDilatedAttention =
     "dilated_attention(Tensor q, Tensor k, Tensor v, " RA_PATTERN_ARGS ") -> (Tensor, Tensor)";
 inline constexpr const char* kDilatedAttentionBackward =

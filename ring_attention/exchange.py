@@ -20,9 +20,13 @@ the slots; a send buffer has one.
 Where every (row, head) pair between the first and the last needed row of a
 sender piece is needed (a dense ring: the whole piece), the packed rows are
 that ``(B, rows, H, D)`` range itself: the kernels read the received K/V and
-accumulate the returned dK/dV in place in the packed buffers. Other rows are
-unpacked into buffers that span only the needed rows of the piece
-(``index_copy_``; returned gradients ``index_add_``).
+accumulate the returned dK/dV in place in the packed buffers. Other pieces'
+rows are read in place too, through a **row map**: an int32 ``(rows, H)``
+tensor over the span of the piece's needed positions giving each (position,
+K/V head) its row in the packed chunk (the block operators' ``k_rows``,
+``csrc/params.h``); their dK/dV accumulate into the packed return buffer,
+which goes back as it is. A map is 4 bytes per (position, K/V head): no K/V
+or dK/dV row is ever unpacked.
 
 Transports: NCCL for CUDA tensors, gloo for CPU tensors; CUDA tensors on a
 gloo group are staged through host memory (:func:`~ring_attention._comm.comm_device`).
@@ -92,7 +96,7 @@ class ExchangeStats:
     Attributes:
         events: the posted batches, in order.
         buffer_bytes: bytes of the transport buffers (packed send/receive
-            buffers and the span buffers of partly needed pieces) allocated per pass,
+            buffers and the row maps of partly needed pieces) allocated per pass,
             ``{"forward": ..., "backward": ...}``; each pass frees its own when
             it returns (host staging copies of CUDA tensors on gloo are not
             counted).
@@ -213,7 +217,8 @@ class _Span(NamedTuple):
 
 
 class Exchanger:
-    """Packs, posts and unpacks the rows of one ring call.
+    """Packs and posts the rows of one ring call, and hands the kernels views
+    of the received ones.
 
     Args:
         plan: this rank's exchange plan.
@@ -248,7 +253,7 @@ class Exchanger:
         self.comm_dev = comm_device(group, device)
         self.idx = plan.indices_on(device)
         self.spans = {s.distance: self._spans(s) for s in plan.steps}
-        # rows of the span buffers: the pieces of a step not used in place
+        # positions of the row maps: the spans of a step not needed whole
         self._span_rows = max(
             (sum(sp.rows for sp in spans if not sp.whole) for spans in self.spans.values()),
             default=0,
@@ -300,33 +305,48 @@ class Exchanger:
         return buf[: 2 * self.B * rows * self.D]
 
     def _piece_views(
-        self, kind: str, dtype: torch.dtype, packed: torch.Tensor, step: Step
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
-        """Per sender piece of ``step``, contiguous ``(B, rows, H, D)`` K and V
-        views of the span of its needed rows and the global position of the
-        span's first row: the rows in ``packed`` when the span is needed
-        whole, else a buffer of ``kind`` (allocated once, for the widest step;
-        rows not needed hold stale values, no query reaches them)."""
+        self, packed: torch.Tensor, step: Step
+    ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None], list[int]]:
+        """Per sender piece of ``step``, the K and V (or dK and dV) views of
+        ``packed`` the kernels read (or accumulate into) and the global
+        position of the first row of the piece's span: ``(B, rows, H, D)``
+        where the span is needed whole, else the piece's ``(B, count, D)``
+        rows, addressed through its row map (``None`` for a piece without
+        rows)."""
         spans, recv_idx = self.spans[step.distance], self.idx[step.distance][1]
-        buf = self._bufs.get((kind, -1))
-        if buf is None:  # empty (and not kept) when every span is needed whole
-            n = 2 * self.B * self._span_rows * self.H * self.D
-            buf = torch.zeros(n, dtype=dtype, device=self.device)
-            buf = self._keep((kind, -1), buf) if n else buf
         chunks = {j: (krows, vrows) for j, _, krows, vrows in self._chunks(packed, recv_idx)}
-        ks, vs, starts, off = [], [], [], 0
+        ks, vs, starts = [], [], []
         for j, (p, span) in enumerate(zip(step.recv_pieces, spans, strict=True)):
-            shape = (self.B, span.rows, self.H, self.D)
+            k, v = chunks.get(j, (None, None))
             if span.whole:
-                k, v = (rows.view(shape) for rows in chunks[j])
-            else:
-                n = self.B * span.rows * self.H * self.D
-                k, v = (buf[o : o + n].view(shape) for o in (off, off + n))
-                off += 2 * n
+                k, v = (rows.view(self.B, span.rows, self.H, self.D) for rows in (k, v))
             ks.append(k)
             vs.append(v)
             starts.append(p.start + span.first)
         return ks, vs, starts
+
+    def _row_maps(self, step: Step) -> list[torch.Tensor | None]:
+        """Per sender piece of ``step``, the ``(rows, H)`` int32 row map of
+        a partly needed span (``None`` for a span needed whole or empty):
+        entry ``idx[i]`` is ``i``; entries not needed hold a neighbouring
+        needed row (valid, never read). One buffer, for the widest step."""
+        spans = self.spans[step.distance]
+        if all(sp.whole or not sp.rows for sp in spans):
+            return [None] * len(spans)
+        buf = self._bufs.get(("map", -1))
+        if buf is None:
+            n = self._span_rows * self.H
+            buf = self._keep(("map", -1), torch.empty(n, dtype=torch.int32, device=self.device))
+        maps, off = [], 0
+        for span in spans:
+            if span.whole or not span.rows:
+                maps.append(None)
+                continue
+            m = buf[off : off + span.rows * self.H]
+            off += m.numel()
+            m.zero_().index_fill_(0, span.idx, 1).cumsum_(0).sub_(1).clamp_(min=0)
+            maps.append(m.view(span.rows, self.H))
+        return maps
 
     # -- packing -----------------------------------------------------------
     def _rows(self, t: torch.Tensor) -> torch.Tensor:
@@ -405,49 +425,30 @@ class Exchanger:
 
     def unpack_kv(
         self, packed: torch.Tensor, step: Step
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
-        """``(K views, V views, first positions)`` per sender piece (see
-        :meth:`_piece_views`): spans received whole are read in place, the
-        others scattered into their span buffer."""
-        kp, vp, starts = self._piece_views("kv", self.dtype, packed, step)
-        for (j, _, krows, vrows), span in self._partial(packed, step):
-            self._rows(kp[j]).index_copy_(1, span.idx, krows)
-            self._rows(vp[j]).index_copy_(1, span.idx, vrows)
-        return kp, vp, starts
+    ) -> tuple[list, list, list[int], list[torch.Tensor | None]]:
+        """``(K views, V views, first positions, row maps)`` per sender piece
+        of the received ``packed`` rows (:meth:`_piece_views`,
+        :meth:`_row_maps`): nothing is copied."""
+        kp, vp, starts = self._piece_views(packed, step)
+        return kp, vp, starts, self._row_maps(step)
 
-    def _partial(self, packed: torch.Tensor, step: Step):
-        """The chunks of ``packed`` whose span is not used in place, with the span."""
-        spans = self.spans[step.distance]
-        for chunk in self._chunks(packed, self.idx[step.distance][1]):
-            if not spans[chunk[0]].whole:
-                yield chunk, spans[chunk[0]]
-
-    def grad_views(self, step: Step, slot: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """fp32 dK/dV views for the sender's pieces, zeroed on the rows that
-        will be returned: spans received whole accumulate straight into the
-        packed return buffer of ``slot``, the others into span buffers."""
-        packed = self._packed("send_grad", slot, step.recv_rows)
-        dkp, dvp, _ = self._piece_views("dkv", self.acc, packed, step)
-        for j, span in enumerate(self.spans[step.distance]):
-            if span.whole:
-                dkp[j].zero_()
-                dvp[j].zero_()
-            elif span.rows:
-                self._rows(dkp[j]).index_fill_(1, span.idx, 0)
-                self._rows(dvp[j]).index_fill_(1, span.idx, 0)
+    def grad_views(self, step: Step, slot: int) -> tuple[list, list]:
+        """fp32 dK/dV views for the sender's pieces (as :meth:`unpack_kv`'s
+        K/V views) into the packed return buffer of ``slot``, zeroed: the
+        kernels accumulate the gradients of the received rows straight into
+        what goes back."""
+        packed = self._packed("send_grad", slot, step.recv_rows).zero_()
+        dkp, dvp, _ = self._piece_views(packed, step)
         return dkp, dvp
 
     def post_grad(self, step: Step, slot: int, dkp, dvp) -> Transfer:
         """Return the dK/dV of the rows received at ``step`` to their owner
-        (``dkp``/``dvp`` from :meth:`grad_views` of the same ``slot``,
-        ``None`` when nothing was received) and receive this rank's own rows'
-        dK/dV from ``step.send_to``."""
+        (the packed buffer of ``slot`` that :meth:`grad_views` handed out;
+        ``dkp``/``dvp`` ``None`` when nothing was received) and receive this
+        rank's own rows' dK/dV from ``step.send_to``."""
         send = recv = None
         if step.recv_from is not None and dkp is not None:
             buf = self._packed("send_grad", slot, step.recv_rows)
-            for (j, _, krows, vrows), span in self._partial(buf, step):
-                torch.index_select(self._rows(dkp[j]), 1, span.idx, out=krows)
-                torch.index_select(self._rows(dvp[j]), 1, span.idx, out=vrows)
             send = (step.recv_from, buf, step.recv_rows)
         if step.send_to is not None:
             buf = self._packed("recv_grad", slot, step.send_rows)

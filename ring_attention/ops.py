@@ -125,22 +125,28 @@ def local_attention_backward(
 
 def block_forward(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_start: int, k_start: int,
-    args: OpArgs,
+    args: OpArgs, k_rows: Tensor | None = None,
 ) -> None:  # fmt: skip
     """Merge the block (queries at ``q_start``, keys at ``k_start``) into the
-    running accumulators ``out``/``lse``."""
-    _OPS.block_forward(q, k, v, out, lse, int(q_start), int(k_start), *args)
+    running accumulators ``out``/``lse``. ``k_rows``: the ``(k_len,
+    kv_heads)`` int32 row map of packed ``(batch, rows, head_dim)`` K/V
+    rows (``csrc/params.h``), or ``None`` for ``(batch, k_len, kv_heads,
+    head_dim)`` K/V."""
+    _OPS.block_forward(q, k, v, out, lse, int(q_start), int(k_start), *args, k_rows)
 
 
 def block_backward(
     grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
     lse: Tensor, dq: Tensor | None, dk: Tensor | None, dv: Tensor | None, q_start: int,
-    k_start: int, args: OpArgs,
+    k_start: int, args: OpArgs, k_rows: Tensor | None = None,
 ) -> None:  # fmt: skip
-    """Accumulate the block's share of the gradients into ``dq``/``dk``/``dv``."""
+    """Accumulate the block's share of the gradients into ``dq``/``dk``/``dv``
+    (``k_rows``: as for :func:`block_forward`; ``dk``/``dv`` then have
+    ``k``'s packed shape)."""
     _OPS.block_backward(
-        grad_out, grad_lse, q, k, v, out, lse, dq, dk, dv, int(q_start), int(k_start), *args
-    )
+        grad_out, grad_lse, q, k, v, out, lse, dq, dk, dv, int(q_start), int(k_start), *args,
+        k_rows,
+    )  # fmt: skip
 
 
 def merge_branches(

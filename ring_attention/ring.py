@@ -18,9 +18,10 @@ Forward, per rank:
    travels.
 3. For every active step of the plan: wait for the step's K/V rows, post the
    next active step into the other buffers (communication of step ``i+1``
-   overlaps the compute of step ``i``), unpack the rows (used in place when
-   a sender piece's needed rows are a whole range, e.g. the whole piece;
-   else into a buffer spanning them) and merge the blocks into the
+   overlaps the compute of step ``i``), read the rows in place (a sender
+   piece's needed rows directly where they are a whole range, e.g. the whole
+   piece; else through a row map: ring_attention/exchange.py) and merge the
+   blocks into the
    accumulators. For plain dense attention each block may instead be one
    dense backend call, and where every segment lies inside one piece each
    piece's block the local op's per-branch path
@@ -30,8 +31,8 @@ Forward, per rank:
 4. Cast ``out`` once; ``lse`` stays fp32 and is differentiable.
 
 Backward re-exchanges K/V along the same schedule, computes
-``block_backward`` (the gradient of ``lse`` entering its ``delta``) into fp32
-dK/dV buffers for the sender's rows and returns
+``block_backward`` (the gradient of ``lse`` entering its ``delta``) into the
+fp32 dK/dV return buffer of the sender's rows and returns
 exactly the rows it received to their owner (reverse direction), which adds
 them into its own gradients. Steps run in the global order
 ``KV(1), KV(2), G(1), KV(3), G(2), ...`` (every rank posts a subsequence of
@@ -104,17 +105,20 @@ class _RingCall:
 
     def block_forward(
         self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_start: int,
-        k_start: int,
+        k_start: int, k_rows: Tensor | None = None,
     ) -> None:  # fmt: skip
-        """Merge the block (queries at ``q_start``, keys at ``k_start``) into ``out``/``lse``."""
-        _block_forward(q, k, v, out, lse, q_start, k_start, self.op_args)
+        """Merge the block (queries at ``q_start``, keys at ``k_start``; packed
+        K/V rows with their row map ``k_rows``) into ``out``/``lse``."""
+        _block_forward(q, k, v, out, lse, q_start, k_start, self.op_args, k_rows)
 
     def block_backward(
         self, go: Tensor, glse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
         lse: Tensor, dq: Tensor, dk: Tensor, dv: Tensor, q_start: int, k_start: int,
+        k_rows: Tensor | None = None,
     ) -> None:  # fmt: skip
         """Accumulate the block's gradient into ``dq``/``dk``/``dv``."""
-        _block_backward(go, glse, q, k, v, out, lse, dq, dk, dv, q_start, k_start, self.op_args)
+        _block_backward(go, glse, q, k, v, out, lse, dq, dk, dv, q_start, k_start, self.op_args,
+                        k_rows)  # fmt: skip
 
     def dense_blocks(self, pass_: str, q: Tensor, k: Tensor) -> DenseBlocks | None:
         """The dense backend's blocks of ``pass_`` where the route is dense
@@ -160,10 +164,10 @@ def _ring_forward(call: _RingCall, q: Tensor, k: Tensor, v: Tensor) -> tuple[Ten
 
     dense = call.dense_blocks("forward", q, k)
 
-    def attend(qi: int, k_j: Tensor, v_j: Tensor, k_start: int) -> None:
+    def attend(qi: int, k_j: Tensor, v_j: Tensor, k_start: int, rows: Tensor | None = None) -> None:
         args = (qs[qi], k_j, v_j, outs[qi], lses[qi], pieces[qi].start, k_start)
-        if dense is None or not dense.forward(*args):
-            call.block_forward(*args)
+        if rows is not None or dense is None or not dense.forward(*args):
+            call.block_forward(*args, rows)
 
     steps = plan.steps
     ex = call.exchanger(q, "forward") if steps else None
@@ -177,9 +181,9 @@ def _ring_forward(call: _RingCall, q: Tensor, k: Tensor, v: Tensor) -> tuple[Ten
             pending = ex.post_kv("forward_kv", steps[i + 1], (i + 1) % 2, ks, vs)
         if packed is None:
             continue
-        kp, vp, starts = ex.unpack_kv(packed, step)
+        kp, vp, starts, maps = ex.unpack_kv(packed, step)
         for qi, kj in step.pairs:
-            attend(qi, kp[kj], vp[kj], starts[kj])
+            attend(qi, kp[kj], vp[kj], starts[kj], maps[kj])
 
     return _cat([o.to(q.dtype) for o in outs], dim=1), _cat(lses, dim=2)
 
@@ -204,15 +208,18 @@ def _ring_backward(
     # a gradient reaching lse takes our kernels (the dense backwards have no input for it)
     dense = call.dense_blocks("backward", q, k) if grad_lse is None else None
 
-    def attend(qi: int, k_j: Tensor, v_j: Tensor, dk_j: Tensor, dv_j: Tensor, k_start: int) -> None:
-        if dense is not None and dense.backward(
+    def attend(
+        qi: int, k_j: Tensor, v_j: Tensor, dk_j: Tensor, dv_j: Tensor, k_start: int,
+        rows: Tensor | None = None,
+    ) -> None:  # fmt: skip
+        if rows is None and dense is not None and dense.backward(
             gos[qi], qs[qi], k_j, v_j, outs[qi], lses[qi], dqs[qi], dk_j, dv_j,
             pieces[qi].start, k_start,
         ):  # fmt: skip
             return
         call.block_backward(
             gos[qi], glses[qi], qs[qi], k_j, v_j, outs[qi], lses[qi], dqs[qi], dk_j, dv_j,
-            pieces[qi].start, k_start,
+            pieces[qi].start, k_start, rows,
         )  # fmt: skip
 
     steps = plan.steps
@@ -236,10 +243,10 @@ def _ring_backward(
         if step is not None:
             dkp = dvp = None
             if packed is not None:
-                kp, vp, starts = ex.unpack_kv(packed, step)
+                kp, vp, starts, maps = ex.unpack_kv(packed, step)
                 dkp, dvp = ex.grad_views(step, d % 2)
                 for qi, kj in step.pairs:
-                    attend(qi, kp[kj], vp[kj], dkp[kj], dvp[kj], starts[kj])
+                    attend(qi, kp[kj], vp[kj], dkp[kj], dvp[kj], starts[kj], maps[kj])
             g_now = (ex.post_grad(step, d % 2, dkp, dvp), step)
         if g_prev is not None:
             ex.finish_grad(*g_prev, dks, dvs)

@@ -383,7 +383,10 @@ def _cpu_setup(**kw) -> Setup:
 
 
 def test_largest_length_fits_and_the_next_does_not() -> None:
-    setup = _cpu_setup()
+    # fixed branches: the peak grows with n. LongNet grown to n moves its top
+    # branch with n, and the rows it exchanges (the largest step's packed
+    # buffers) go up and down by a few percent from one length to the next.
+    setup = _cpu_setup(pattern="longnet-paper")
     ev = largest_length(setup, lambda e: e.training_peak, rel_tol=0.01)
     assert ev is not None and ev.training_peak <= setup.usable
     beyond = evaluate(setup, int(ev.seq_len * 1.01) + setup.ranks + 1)

@@ -18,6 +18,7 @@
 
 #include "block_tasks.h"
 #include "kernels.h"
+#include "key_rows.h"
 #include "packed_tiles.h"
 #include "split_products.h"
 #include "tile_math.h"
@@ -62,7 +63,8 @@ struct BackwardTile {
   // packed operands (split: k_split, v_split and their non-finite rows),
   // non-finite K rows and (transposed_dkv) dV^T, dK^T.
   struct KeyTile {
-    int64_t u0 = 0, tk = 0, koff = 0;
+    int64_t u0 = 0, tk = 0;
+    KeyRows rows;  // where its K/V (and dK/dV) rows lie
     TileBuffer<tile_t> kbuf, vbuf, k_t, v_t, k_rows;
     TileBuffer<c10::BFloat16> k_split, v_split;
     TileRef<tile_t> kt{}, vt{};
@@ -105,10 +107,10 @@ struct BackwardTile {
   }
 
   void load_keys(KeyTile& key, int64_t b, const HeadSet& set, int64_t r, int64_t u0, int64_t tk) {
-    const int64_t d = p.head_dim, k_stride = p.k_stride(r);
-    key.u0 = u0, key.tk = tk, key.koff = p.k_index(b, u0, set.kv_head);
-    key.kt = tile_rows<tile_t>(k + key.koff, k_stride, tk, d, key.kbuf);
-    key.vt = tile_rows<tile_t>(v + key.koff, k_stride, tk, d, key.vbuf);
+    const int64_t d = p.head_dim;
+    key.u0 = u0, key.tk = tk, key.rows = KeyRows(p, b, set.kv_head, u0, r, tk);
+    key.kt = key.rows.tile(k, tk, key.kbuf);
+    key.vt = key.rows.tile(v, tk, key.vbuf);
     key.kbad.clear();
     if constexpr (kBf16Tiles || kFp32Tiles) {
       if (packed) {
@@ -209,8 +211,8 @@ struct BackwardTile {
       if (transposed_dkv) {
         for (int64_t t = 0; t < n_tiles; ++t) {
           const KeyTile& key = tiles[t];
-          add_transposed(key.dv_t.data(), key.tk, d, dv + key.koff, p.k_stride(r));
-          add_transposed(key.dk_t.data(), key.tk, d, dk + key.koff, p.k_stride(r));
+          add_transposed(key.dv_t.data(), key.tk, d, key.rows, dv);
+          add_transposed(key.dk_t.data(), key.tk, d, key.rows, dk);
         }
       }
     }
@@ -307,11 +309,21 @@ struct BackwardTile {
       }
     }
     if (dv != nullptr && !transposed_dkv) {
-      const int64_t k_stride = p.k_stride(r);
-      gemm(true, false, tk, d, rows, acc_t(1), pw.of(s.data()), kLd, dot.ptr, dot.ld, acc_t(1),
-           dv + key.koff, k_stride);
-      gemm(true, false, tk, d, rows, ds_gemm_scale, dsw.of(dp.data()), kLd, qt.ptr, qt.ld, acc_t(1),
-           dk + key.koff, k_stride);
+      // Into the accumulators through the key row stride, or (rows not
+      // evenly spaced) into dkv_rows and added row by row.
+      const KeyRows& kr = key.rows;
+      if (!kr.even()) dkv_rows.resize(tk * d);
+      const auto product = [&](acc_t alpha, const auto* w, TileRef<tile_t> x, acc_t* grad) {
+        if (kr.even()) {
+          gemm(true, false, tk, d, rows, alpha, w, kLd, x.ptr, x.ld, acc_t(1), grad + kr.offset,
+               kr.stride);
+        } else {
+          gemm(true, false, tk, d, rows, alpha, w, kLd, x.ptr, x.ld, acc_t(0), dkv_rows.data(), d);
+          kr.add(dkv_rows.data(), d, tk, grad);
+        }
+      };
+      product(acc_t(1), pw.of(s.data()), dot, dv);
+      product(ds_gemm_scale, dsw.of(dp.data()), qt, dk);
     }
     if (dq == nullptr) return;
     // dQ += scale dS K.
@@ -326,15 +338,12 @@ struct BackwardTile {
                    dq_accumulate ? acc_t(1) : acc_t(0), dq_c, dq_ld, key.kbad, wbuf);
   }
 
-  // dst[j * ld + c] += src_t[c * tk + j] for j < tk, c < d (src_t is d x tk).
-  void add_transposed(const acc_t* src_t, int64_t tk, int64_t d, acc_t* dst, int64_t ld) {
+  // Row j of the key tile's rows in grad += src_t[c * tk + j] for j < tk,
+  // c < d (src_t is d x tk).
+  void add_transposed(const acc_t* src_t, int64_t tk, int64_t d, const KeyRows& kr, acc_t* grad) {
     dkv_rows.resize(tk * d);
     transpose_tile(src_t, tk, d, tk, dkv_rows.data());
-    for (int64_t j = 0; j < tk; ++j) {
-      acc_t* row = dst + j * ld;
-      const acc_t* add = dkv_rows.data() + j * d;
-      for (int64_t c = 0; c < d; ++c) row[c] += add[c];
-    }
+    kr.add(dkv_rows.data(), d, tk, grad);
   }
 };
 

@@ -11,6 +11,7 @@
 
 #include "block_tasks.h"
 #include "kernels.h"
+#include "key_rows.h"
 #include "packed_tiles.h"
 #include "split_products.h"
 #include "tile_math.h"
@@ -170,15 +171,14 @@ struct ForwardTile {
     // Packed: S comes out unscaled and the softmax pass scales it.
     const acc_t s_scale = packed ? scale : acc_t(1);
 
-    const int64_t k_stride = p.k_stride(r);
     for (int64_t n0 = n_begin; n0 < nk; n0 += kTileK) {
       const int64_t tk = std::min(kTileK, nk - n0);
       const int64_t u0 = keys.first + n0 * r;
-      const int64_t koff = p.k_index(b, u0, set.kv_head);
       // Packed tiles hold the whole tile of the run (tw keys; a causal query
       // tile may use fewer), read in place: look at all its V rows, once per
       // run (while packing them, where packed).
       const int64_t tw = packed ? std::min(kTileK, keys.count - n0) : tk;
+      const KeyRows key_rows(p, b, set.kv_head, u0, r, tw);
       if (n0 < keyrun.checked_from || n0 > keyrun.checked) restart_checks(n0);
       // The tile's K and V rows as tile_t. Converted inputs (fp16, bf16) of
       // a packed tile are converted only where it is packed or its
@@ -186,8 +186,8 @@ struct ForwardTile {
       TileRef<tile_t> kt{}, vt{};
       const auto read_kv = [&] {
         if (kt.ptr != nullptr) return;
-        kt = tile_rows<tile_t>(k + koff, k_stride, tw, d, kbuf);
-        vt = tile_rows<tile_t>(v + koff, k_stride, tw, d, vbuf);
+        kt = key_rows.tile(k, tw, kbuf);
+        vt = key_rows.tile(v, tw, vbuf);
       };
       if (!packed || std::is_same_v<scalar_t, tile_t>) read_kv();
       const auto tile_bad = [&] {

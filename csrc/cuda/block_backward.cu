@@ -103,20 +103,20 @@ template <typename T, bool DKDV>
 struct Rows {
   const T *r1, *r2;
   const bool* mask;  // key padding flags of the key rows (dkdv), or nullptr
-  int64_t stride;    // between consecutive active rows
+  RunRows at;        // offsets of the active rows from the first
   __device__ Rows(const Problem& p, const Tile& t, int slot) {
     if (DKDV) {
       const int64_t ko = p.k_index(t.b, t.k.first, t.kvh);
       r1 = static_cast<const T*>(p.k) + ko;
       r2 = static_cast<const T*>(p.v) + ko;
       mask = mask_at(p, t.b, t.k.first);
-      stride = p.k_stride(p.r);
+      at = p.k_run(t.k.first, t.kvh, p.r);
     } else {
       const int64_t qo = p.q_index(t.b, t.q.first, t.heads[slot]);
       r1 = static_cast<const T*>(p.q) + qo;
       r2 = static_cast<const T*>(p.grad_out) + qo;
       mask = nullptr;
-      stride = p.q_stride(p.r);
+      at = p.q_run(p.r);
     }
   }
 };
@@ -127,21 +127,21 @@ template <typename T, bool DKDV>
 struct Columns {
   const T *c1, *c2;
   const bool* mask;  // key padding flags of the key columns (dq), or nullptr
-  int64_t stride;    // between consecutive active columns
+  RunRows at;        // offsets of the active columns from the first
   __device__ Columns(const Problem& p, const Tile& t, int64_t hq, int64_t c0) {
     if (DKDV) {
       const int64_t qo = p.q_index(t.b, t.q.first + c0 * p.r, hq);
       c1 = static_cast<const T*>(p.q) + qo;
       c2 = static_cast<const T*>(p.grad_out) + qo;
       mask = nullptr;
-      stride = p.q_stride(p.r);
+      at = p.q_run(p.r);
     } else {
       const int64_t pos = t.k.first + c0 * p.r;
       const int64_t ko = p.k_index(t.b, pos, t.kvh);
       c1 = static_cast<const T*>(p.k) + ko;
       c2 = static_cast<const T*>(p.v) + ko;
       mask = mask_at(p, t.b, pos);
-      stride = p.k_stride(p.r);
+      at = p.k_run(pos, t.kvh, p.r);
     }
   }
 };
@@ -196,7 +196,7 @@ __global__ void __launch_bounds__(kThreads) bwd_simt_kernel(const Problem p) {
 #pragma unroll
     for (int i = 0; i < ROWS; ++i) {
       rok[i] = row_ok(m[i], sp.nrows, rows.mask, p.r);
-      const int64_t off = rok[i] ? m[i] * rows.stride : 0;
+      const int64_t off = rok[i] ? rows.at(m[i]) : 0;
       load_vec<T, C, NPL>(r1[i], rows.r1 + off, rok[i], D, lane);
       load_vec<T, C, NPL>(r2[i], rows.r2 + off, rok[i], D, lane);
 #pragma unroll
@@ -216,8 +216,8 @@ __global__ void __launch_bounds__(kThreads) bwd_simt_kernel(const Problem p) {
         const int nvalid = static_cast<int>(imin(32, sp.c_end - c0));
         const Columns<T, DKDV> cols(p, t, hq, c0);
         __syncthreads();  // the previous column tile fully consumed
-        load_rows_simt<T, C>(c1s, LDC, dpr, cols.c1, cols.stride, nvalid, cols.mask, p.r, D);
-        load_rows_simt<T, C>(c2s, LDC, dpr, cols.c2, cols.stride, nvalid, cols.mask, p.r, D);
+        load_rows_simt<T, C>(c1s, LDC, dpr, cols.c1, cols.at, nvalid, cols.mask, p.r, D);
+        load_rows_simt<T, C>(c2s, LDC, dpr, cols.c2, cols.at, nvalid, cols.mask, p.r, D);
         if (threadIdx.x < 32) {
           const int c = threadIdx.x;
           const bool ok = row_ok(c, nvalid, cols.mask, p.r);
@@ -347,7 +347,7 @@ __global__ void __launch_bounds__(kThreads) bwd_mma_kernel(__grid_constant__ con
       const Rows<uint16_t, DKDV> rows(p, t, j);
       uint16_t* r1t = r1s + j * rph * LD;
       uint16_t* r2t = r2s + j * rph * LD;
-      load_rows16<DP, BM>({r1t, r2t}, LD, rph, {rows.r1, rows.r2}, rows.stride, sp.nrows, rows.mask,
+      load_rows16<DP, BM>({r1t, r2t}, LD, rph, {rows.r1, rows.r2}, rows.at, sp.nrows, rows.mask,
                           p.r, D, p.vec);
     }
 
@@ -359,7 +359,7 @@ __global__ void __launch_bounds__(kThreads) bwd_mma_kernel(__grid_constant__ con
       const int nvalid = static_cast<int>(imin(BN, sp.c_end - cs.c0));
       const Columns<uint16_t, DKDV> cols(p, t, cs.hq, cs.c0);
       load_rows16<DP, BN>({c1s + st * BN * LD, c2s + st * BN * LD}, LD, BN, {cols.c1, cols.c2},
-                          cols.stride, nvalid, cols.mask, p.r, D, p.vec);
+                          cols.at, nvalid, cols.mask, p.r, D, p.vec);
       cp_async_commit();
       if (warp == 0) {
         const uint32_t lo = __ballot_sync(kFull, row_ok(lane, nvalid, cols.mask, p.r));

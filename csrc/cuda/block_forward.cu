@@ -45,7 +45,6 @@ __global__ void __launch_bounds__(kThreads) fwd_simt_kernel(const Problem p) {
   const T* q = static_cast<const T*>(p.q);
   const T* k = static_cast<const T*>(p.k);
   const T* v = static_cast<const T*>(p.v);
-  const int64_t k_stride = p.k_stride(p.r);  // between consecutive active key rows
   const C scale = static_cast<C>(p.scale);
   C* out = static_cast<C*>(p.out);
   C* lse = static_cast<C*>(p.lse);
@@ -80,9 +79,10 @@ __global__ void __launch_bounds__(kThreads) fwd_simt_kernel(const Problem p) {
       const int64_t pos0 = t.k.first + n0 * p.r;
       const bool* mk = mask_at(p, t.b, pos0);
       const int64_t off = p.k_index(t.b, pos0, t.kvh);
+      const RunRows at = p.k_run(pos0, t.kvh, p.r);
       __syncthreads();  // previous tile fully consumed
-      load_rows_simt<T, C>(ks, LDK, dpr, k + off, k_stride, nvalid, mk, p.r, D);
-      load_rows_simt<T, C>(vs, DP, dpr, v + off, k_stride, nvalid, mk, p.r, D);
+      load_rows_simt<T, C>(ks, LDK, dpr, k + off, at, nvalid, mk, p.r, D);
+      load_rows_simt<T, C>(vs, DP, dpr, v + off, at, nvalid, mk, p.r, D);
       if (threadIdx.x < 32) kok[threadIdx.x] = row_ok(threadIdx.x, nvalid, mk, p.r);
       __syncthreads();
 
@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(kThreads) fwd_mma_kernel(__grid_constant__ con
   const uint16_t* q = static_cast<const uint16_t*>(p.q);
   const uint16_t* k = static_cast<const uint16_t*>(p.k);
   const uint16_t* v = static_cast<const uint16_t*>(p.v);
-  const int64_t q_stride = p.q_stride(p.r), k_stride = p.k_stride(p.r);
+  const RunRows q_rows = p.q_run(p.r);
   const float scale_log2 = static_cast<float>(p.scale) * kLog2e;
   float* out = static_cast<float*>(p.out);
   float* lse = static_cast<float*>(p.lse);
@@ -180,13 +180,14 @@ __global__ void __launch_bounds__(kThreads) fwd_mma_kernel(__grid_constant__ con
     // is n0 active rows past the tile's first (offsets from it: the index
     // products once per tile of rows, not per key tile).
     const int64_t k_first = p.k_index(t.b, t.k.first, t.kvh);
+    const RunRows keys = p.k_run(t.k.first, t.kvh, p.r);
     const bool* mk_first = mask_at(p, t.b, t.k.first);
     const auto stage_keys = [&](int64_t n0, int st) {
       const int nvalid = static_cast<int>(imin(BN, nk - n0));
       const bool* mk = mk_first == nullptr ? nullptr : mk_first + n0 * p.r;
-      const int64_t off = k_first + n0 * k_stride;
+      const int64_t off = k_first + keys(n0);
       load_rows16<DP, BN>({ks + st * BN * LD, vs + st * BN * LD}, LD, BN, {k + off, v + off},
-                          k_stride, nvalid, mk, p.r, D, p.vec);
+                          p.k_run(t.k.first + n0 * p.r, t.kvh, p.r), nvalid, mk, p.r, D, p.vec);
       cp_async_commit();
       if (warp == 0) {
         const uint32_t lo = __ballot_sync(kFull, row_ok(lane, nvalid, mk, p.r));
@@ -196,7 +197,7 @@ __global__ void __launch_bounds__(kThreads) fwd_mma_kernel(__grid_constant__ con
     };
     for (int j = 0; j < p.pack; ++j) {
       load_rows16<DP, BM>({qs + j * rph * LD}, LD, rph, {q + p.q_index(t.b, t.q.first, t.heads[j])},
-                          q_stride, nrows, nullptr, 0, D, p.vec);
+                          q_rows, nrows, nullptr, 0, D, p.vec);
     }
     stage_keys(0, 0);  // with the query tile: the first group
 

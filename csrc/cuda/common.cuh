@@ -226,14 +226,14 @@ __device__ inline C merged_lse(C old_lse, C blk_lse) {
 
 // ---------------------------------------------------------------- SIMT path
 // Tile of 32 rows as acc type C, s[i * ld + d], zero beyond D and for rows that
-// are not ok. src points at row 0; row i is at src + i * stride.
+// are not ok. src points at row 0; row i is at src + at(i) (params.h, RunRows).
 template <typename T, typename C>
-__device__ inline void load_rows_simt(C* s, int ld, int dp, const T* src, int64_t stride,
-                                      int nvalid, const bool* mask, int64_t mstride, int D) {
+__device__ inline void load_rows_simt(C* s, int ld, int dp, const T* src, RunRows at, int nvalid,
+                                      const bool* mask, int64_t mstride, int D) {
   for (int idx = threadIdx.x; idx < 32 * dp; idx += kThreads) {
     const int i = idx / dp, d = idx % dp;
     const bool ok = d < D && row_ok(i, nvalid, mask, mstride);
-    s[i * ld + d] = ok ? static_cast<C>(src[i * stride + d]) : C(0);
+    s[i * ld + d] = ok ? static_cast<C>(src[at(i) + d]) : C(0);
   }
 }
 
@@ -264,7 +264,7 @@ __device__ inline C dot_bcast(const C (&x)[NPL], const C* y, int D) {
 // --------------------------------------------------- tensor-core (mma) path
 // Stage raw 16-bit tiles of `rows` rows (at most MAX_ROWS) in shared memory,
 // N of them with the same rows (K and V, Q and dO): row i (i < nvalid and not
-// masked) of tile n is at src[n] + i * stride and goes to s[n][i * ld + d]
+// masked) of tile n is at src[n] + at(i) and goes to s[n][i * ld + d]
 // for d < DP (zero past D and for unreached rows). Rows of s must start
 // 16-byte aligned (ld % 8 == 0): ldmatrix reads them. With vec (D % 8 == 0,
 // 16-byte aligned rows) the copies are cp.async: they land once the thread has
@@ -273,10 +273,11 @@ __device__ inline C dot_bcast(const C (&x)[NPL], const C* y, int D) {
 // Where the 16-byte chunks of a row divide among the threads, a thread copies
 // one chunk column of every kThreads / chunks-th row, the offset advanced by
 // one add a row (the index arithmetic per chunk, rematerialized under the
-// kernels' register pressure, cost about 45 instructions a chunk).
+// kernels' register pressure, cost about 45 instructions a chunk); rows
+// through a row map read it instead.
 template <int DP, int MAX_ROWS, int N>
 __device__ inline void load_rows16(uint16_t* const (&s)[N], int ld, int rows,
-                                   const uint16_t* const (&src)[N], int64_t stride, int nvalid,
+                                   const uint16_t* const (&src)[N], RunRows at, int nvalid,
                                    const bool* mask, int64_t mstride, int D, bool vec) {
   constexpr int kChunks = DP / 8;
   const auto copy = [&](int i, int c, int64_t off) {
@@ -302,17 +303,17 @@ __device__ inline void load_rows16(uint16_t* const (&s)[N], int ld, int rows,
   if constexpr (kThreads % kChunks == 0) {
     constexpr int kStep = kThreads / kChunks;  // rows between a thread's chunks
     const int i0 = threadIdx.x / kChunks, c = (threadIdx.x % kChunks) * 8;
-    int64_t off = i0 * stride + c;
+    int64_t off = i0 * at.stride + c;
 #pragma unroll
-    for (int k = 0; k < (MAX_ROWS + kStep - 1) / kStep; ++k, off += kStep * stride) {
+    for (int k = 0; k < (MAX_ROWS + kStep - 1) / kStep; ++k, off += kStep * at.stride) {
       const int i = i0 + k * kStep;
       if (i >= rows) break;
-      copy(i, c, off);
+      copy(i, c, at.map == nullptr ? off : at(i) + c);
     }
   } else {
     for (int idx = threadIdx.x; idx < rows * kChunks; idx += kThreads) {
       const int i = idx / kChunks, c = (idx % kChunks) * 8;
-      copy(i, c, i * stride + c);
+      copy(i, c, at(i) + c);
     }
   }
 }

@@ -11,14 +11,17 @@ forward (``_ring_forward``)
     two pieces per rank (zigzag) contiguous copies of the pieces of q, k, v
     and the concatenated results; the transport buffers: one packed send
     buffer (the largest step), packed receive buffers (one per slot the
-    receiving steps use: steps alternate two slots by position), and K/V
-    span buffers for pieces needed only in part (the widest step).
+    receiving steps use: steps alternate two slots by position), and for
+    pieces needed only in part (the widest step) an int32 row map per
+    (position, K/V head) of their spans: the kernels read the packed rows
+    in place.
 backward (``_ring_backward``)
     inputs q, k, v and grad_out; ``out`` and ``lse`` saved by the forward;
     fp32 accumulators dq, dk, dv; their casts; zigzag piece copies; the
     transport buffers: K/V as forward (slots by distance parity), returned
     gradients (``acc`` dtype) going back (per receiving slot) and coming home
-    (per sending slot), and K/V and dK/dV span buffers; the kernel's ``delta``
+    (per sending slot; the kernels accumulate into the packed buffers that go
+    back), and the row map; the kernel's ``delta``
     (``batch * heads * rows``, one block at a time).
 before the call
     the cached plan's row indices (int64, every row sent and received; a
@@ -82,18 +85,17 @@ def transport_buffers(
     position = torch.cumsum(tr.active.long(), 1) - 1  # forward: slots by step position
     distance = torch.arange(tr.world_size).expand_as(position)  # backward: by distance
     row = 2 * batch * head_dim  # a K and a V vector of one (row, K/V head)
-    span_row = row * tr.kv_heads
+    row_map = any_r * 4 * tr.kv_heads * span  # int32 per (position, K/V head)
     fwd = {
         "send K/V": any_s * row * cap_s * itemsize,
         "receive K/V": _slots_used(position, recvs) * row * cap_r * itemsize,
-        "K/V spans": any_r * span_row * span * itemsize,
+        "row maps": row_map,
     }
     back_r = _slots_used(distance, recvs)
     bwd = {
         "send K/V": fwd["send K/V"],
         "receive K/V": back_r * row * cap_r * itemsize,
-        "K/V spans": fwd["K/V spans"],
-        "dK/dV spans": any_r * span_row * span * acc,
+        "row maps": row_map,
         "dK/dV returned": back_r * row * cap_r * acc,
         "dK/dV coming home": _slots_used(distance, sends) * row * cap_s * acc,
     }

@@ -3,9 +3,9 @@
 :func:`predict_traffic` answers, for every rank ``j`` and ring distance ``d``, the
 numbers the ring's schedule and transport are built from (docs/design.md
 §4): the (row, K/V head) pairs ``j`` receives from ``j - d`` and sends to
-``j + d``, the rows of the span buffers the received pieces need
+``j + d``, the positions of the row maps the received pieces need
 (``Exchanger``: a sender piece whose needed rows are not a whole range is
-unpacked into a buffer spanning its first to last needed row), and the
+read through an int32 map spanning its first to last needed position), and the
 reached pairs computed on the received rows; plus the pairs among the rank's
 own pieces.
 
@@ -76,7 +76,7 @@ class Traffic:
         local_pairs: ``(p,)`` pairs among the rank's own pieces.
         recv_rows, send_rows: rows rank ``j`` receives from ``j - d`` /
             sends to ``j + d`` (mod ``p``).
-        span_rows: rows of the span buffers of the pieces received at ``d``.
+        span_rows: positions of the row maps of the pieces received at ``d``.
         step_pairs: pairs computed on the rows received at ``d``.
     """
 
