@@ -9,6 +9,7 @@ the report names for them.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -64,3 +65,16 @@ def test_planner_defaults_come_from_the_named_record():
     assert rates.forward == pytest.approx(fwd, rel=0.01)
     assert rates.forward_backward == pytest.approx(fwdbwd, rel=0.01)
     assert report.PLANNER_RECORD["folder"] in throughput.assumed_rates.__doc__
+
+
+@pytest.mark.parametrize("index", ["benchmarks/journal/README.md", "benchmarks/RESULTS.md"])
+def test_every_journal_note_is_indexed(index):
+    """Both indexes of the journal list every note in it, and only notes that exist."""
+    journal = ROOT / "benchmarks" / "journal"
+    notes = {p.name for p in journal.glob("*.md")} - {"README.md"}
+    text = (ROOT / index).read_text(encoding="utf-8")
+    prefix = "" if index.endswith("README.md") else "journal/"
+    linked = {name for name in notes if f"]({prefix}{name})" in text}
+    assert notes - linked == set(), f"{index} does not index {sorted(notes - linked)}"
+    named = set(re.findall(rf"\]\({prefix}(\d{{4}}-[^)/]+\.md)\)", text))
+    assert named - notes == set(), f"{index} links notes that do not exist: {sorted(named - notes)}"
