@@ -5,6 +5,13 @@ is skipped (with a reason saying there is no GPU) when
 ``torch.cuda.is_available()`` is false. The only other skip: the CUDA
 emulator tests (test_cuda_emulated.py) where the CUDA toolkit's headers are
 missing, and never under CI (there they fail instead).
+
+Every test process runs on one intra-op thread (``OMP_NUM_THREADS`` when set,
+else 1, for the subprocesses too): the suite's parallelism is pytest-xdist's
+one worker per core, and threads on top of it only stall in their barriers
+(tiny ops 10-30 times slower on a loaded 2-core machine). The kernels'
+split of work over threads is checked on purpose, with several threads, by
+``test_local_op.py::test_results_do_not_depend_on_the_thread_count``.
 """
 
 from __future__ import annotations
@@ -13,6 +20,10 @@ import os
 
 import pytest
 import torch
+
+if "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 NO_GPU_REASON = "no GPU: torch.cuda.is_available() is False"
 

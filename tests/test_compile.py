@@ -21,14 +21,6 @@ from ring_attention.modules import DilatedAttention, MultiheadDilatedAttention
 SEGS, DILS = [4, 8], [1, 2]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny shapes; threads only add synchronisation
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     torch._dynamo.reset()

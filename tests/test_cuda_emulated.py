@@ -65,21 +65,25 @@ PATHS = {
     "mma256-fp16": (F16, 256, 80),
 }
 
-# (segment_lengths, dilation_rates, heads, head_groups, mask): segments of more
-# than 64 active rows (several query and key tiles), lengths that divide
-# nothing, odd head counts, every branch active at once.
+# (segment_lengths, dilation_rates, heads, head_groups, mask, batch): segments
+# of more than 64 active rows (several query and key tiles), lengths that
+# divide nothing, odd head counts, every branch active at once. Two batch rows
+# (each its own mask row) in one pattern per path: the batch strides need no
+# more, and a second row doubles an emulated case's time.
 PATTERNS = {
-    "two-branches": ([40, 150], [1, 2], 3, False, False),
-    "longnet-groups-mask": ([16, 32, 64, 128], [1, 2, 4, 2], 5, True, True),
-    "dense-mask": ([256], [1], 1, False, True),
+    "two-branches": ([40, 150], [1, 2], 3, False, False, 1),
+    "longnet-groups-mask": ([16, 32, 64, 128], [1, 2, 4, 2], 5, True, True, 2),
+    "dense-mask": ([256], [1], 1, False, True, 1),
     # values far beyond the sequence (the kernels see them clamped, pattern.h)
-    "huge-values": ([2**63 - 1, 2**40], [2**63 - 1, 3], 3, False, True),
+    "huge-values": ([2**63 - 1, 2**40], [2**63 - 1, 3], 3, False, True, 1),
 }
 
 
-def _cfg(path: str, pattern: str, causal: bool, n: int = 150, batch: int = 2) -> Cfg:
+def _cfg(path: str, pattern: str, causal: bool, n: int = 150, batch: int | None = None) -> Cfg:
     _, d, _ = PATHS[path]
-    ws, rs, heads, hg, mask = PATTERNS[pattern]
+    ws, rs, heads, hg, mask, rows = PATTERNS[pattern]
+    if batch is None:
+        batch = rows
     if d > 128 or PATHS[path][0] == F64:
         batch = 1  # the emulated SIMT kernels are slow; one batch row suffices
     return Cfg(batch, n, heads, d, ws, rs, causal, hg, None, mask)

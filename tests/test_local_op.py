@@ -499,6 +499,49 @@ def test_low_precision_chunks_with_features(device, monkeypatch) -> None:
     check_local_op(cfg, torch.float16, device, 5701, with_lse_grad=True)
 
 
+THREAD_CFGS = {
+    # many (batch, head set, segment) tasks: causal LongNet, GQA, documents, lse
+    "longnet-gqa-documents": Cfg(
+        2,
+        150,
+        6,
+        32,
+        [16, 48, 150],
+        [1, 2, 3],
+        causal=True,
+        kv_heads=2,
+        cu_seqlens=[0, 40, 41, 97, 150],
+    ),
+    # head groups, a key padding mask, a sliding window
+    "groups-mask-window": Cfg(
+        2, 130, 5, 16, [32, 130], [1, 2], head_groups=True, mask=True, window=(20, 9)
+    ),
+}
+
+
+@pytest.mark.parametrize("cfg", list(THREAD_CFGS))
+@pytest.mark.parametrize("dtype", [F64, torch.float32, torch.bfloat16], ids=str)
+def test_results_do_not_depend_on_the_thread_count(dtype, cfg) -> None:
+    """The suite runs on one intra-op thread (tests/conftest.py); the CPU
+    kernels split their tasks (each owning the rows it writes) over threads:
+    2 and 3 threads give bitwise the one-thread results, which match the oracle."""
+    c = THREAD_CFGS[cfg]
+    q, k, v, go, mask = make_inputs(c, dtype, "cpu", seed=5900)
+    glse = lse_grad(c, "cpu", seed=5901)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append(run_local(c, q, k, v, go, mask, glse))
+    finally:
+        torch.set_num_threads(threads)
+    check_results(c, dtype, results[0], run_oracle(c, q, k, v, go, mask, glse), f"{cfg} {dtype}")
+    for n, other in zip((2, 3), results[1:], strict=True):
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), results[0], other, strict=True):
+            assert torch.equal(a, b), f"{cfg} {dtype}: {name} differs on {n} threads"
+
+
 # ------------------------------------------------------------------- double backward
 
 

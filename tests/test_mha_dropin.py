@@ -50,15 +50,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny shapes: intra-op threads only add synchronisation."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def ours_like(ref: nn.MultiheadAttention, **extra) -> MultiheadDilatedAttention:
     """A MultiheadDilatedAttention with ``ref``'s constructor arguments and state."""
     p = ref.out_proj.weight

@@ -15,16 +15,6 @@ E, H = 16, 4
 TOL = 1e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The shapes here are tiny: intra-op threads only add synchronisation
-    (and stall badly on a loaded 2-core machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def assert_close(a, b, tol=TOL, what=""):
     if a is None or b is None:
         assert a is None and b is None, what
