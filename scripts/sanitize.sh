@@ -11,7 +11,7 @@
 # origin of whose value, is in the extension (torch's own are counted only).
 #
 #   bash scripts/sanitize.sh            # op, limits, NaN, ring and emulator tests (~15 min on 2 cores)
-#   bash scripts/sanitize.sh --fast     # the CI subset (~3 min)
+#   bash scripts/sanitize.sh --fast     # the CI subset (~8 min on 2 cores)
 #   bash scripts/sanitize.sh -- -k gqa  # extra pytest arguments after --
 #   bash scripts/sanitize.sh --memcheck # the block operators' CPU tests under valgrind (~15 min)
 set -euo pipefail
