@@ -255,7 +255,7 @@ def _fa4_dense(q, k, v, do, backward: bool):
     from ring_attention.backends import fa4_interface
 
     iface = fa4_interface()
-    out, lse = iface._flash_attn_fwd(q, k, v, causal=False, return_lse=True)
+    out, lse = iface._flash_attn_fwd(q, k, v, causal=False, return_lse=True)[:2]
     if backward:
         iface._flash_attn_bwd(q, k, v, out, do, lse, causal=False)
 
