@@ -1,12 +1,19 @@
 """The current figures of `benchmarks/RESULTS.md`, generated from the result files.
 
-Each machine's table is built from the `local.jsonl` records (written by
-`bench.py local`) of the runs listed in `MACHINES` below: the newest run of the
-current code on that machine. A run's header record gives the date, commit
-and machine; the command is written here, since the records do not keep it.
-The rows: ours against the fastest baseline of the same run (timed
-round-robin on the same inputs), ours' pattern FLOP rate and its share of the
-matmul rate measured beside each point, peak memory over the inputs.
+Each machine's table is built from the records of the runs listed in
+`MACHINES` below: the newest run of the current code on that machine. A run's
+header record gives the date, commit and machine; the command is written here.
+Two kinds of run:
+
+* `local.jsonl` (`bench.py local`): ours against the fastest baseline of the
+  same run (timed round-robin on the same inputs), ours' pattern FLOP rate
+  and its share of the matmul rate measured beside each point, peak memory
+  over the inputs.
+* `views.jsonl` (`bench.py views`, the GPU check of the per-branch dense
+  path): ours is the first run's `dense` points; the machine's `columns` name
+  the other methods shown beside it (another run's `dense` with another
+  backend, an earlier tree's default), the first of them the ratio's
+  reference; the share of the matmul rate measured in the same run.
 
     python benchmarks/report.py            # print the generated block
     python benchmarks/report.py --write    # replace it in RESULTS.md
@@ -40,6 +47,7 @@ class Run:
     folder: str
     command: str
     journal: str  # the journal file that tells the run's story
+    file: str = "local.jsonl"  # or "views.jsonl" (bench.py views)
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,8 @@ class Machine:
     title: str
     about: str
     runs: tuple[Run, ...]
+    #: views runs: (heading, run index, method) shown beside ours
+    columns: tuple[tuple[str, int, str], ...] = ()
 
 
 MACHINES = (
@@ -74,8 +84,30 @@ MACHINES = (
     ),
     Machine(
         "NVIDIA H200",
-        "not measured yet: no result file",
-        (),
+        "bf16, batch 1, LongNet pattern (segments 2048 ... 32768, dilations 1, 2, 4, 6, 12), "
+        "not causal; ours is the per-branch dense path on strided views with flash-attn-4 "
+        "4.0.0b36 (what the dispatch takes with flash-attn-4 installed), beside the same path "
+        "with PyTorch's FlashAttention-2 (without flash-attn-4) and the default of 9cf198c "
+        "(before the views path: our forward kernel, gather + FlashAttention-2 backward), "
+        "timed in the same lease of one machine (runs A and B, minutes apart); gather "
+        "baselines were not run on this card",
+        (
+            Run(
+                "gpu_h200_2026-11-27/views_fa4",
+                "python3 benchmarks/bench.py views --device cuda --stages dense,bench,check "
+                "--methods dense  # flash-attn-4 installed (scripts/fa4_install.sh)",
+                "journal/2026-11-27-gpu-h200-views.md",
+                "views.jsonl",
+            ),
+            Run(
+                "gpu_h200_2026-11-27/views_fa2",
+                "bash scripts/gpu_check.sh --stages views  # = python3 benchmarks/bench.py views "
+                "--device cuda --prev .prev, .prev = 9cf198c (scripts/prev_tree.sh)",
+                "journal/2026-11-27-gpu-h200-views.md",
+                "views.jsonl",
+            ),
+        ),
+        (("9cf198c ms", 1, "prev"), ("FA2 path ms", 1, "dense")),
     ),
     Machine(
         "Intel Xeon with AMX (2 cores, shared)",
@@ -132,10 +164,10 @@ MACHINES = (
 PLANNER_RECORD = {"folder": "gpu_h100_2026-11-26/fa4", "n": 524288, "heads": 16, "head_dim": 128}
 
 
-def load(folder: str) -> tuple[dict, list[dict]]:
-    """The header record and the points of one result folder."""
+def load(folder: str, file: str = "local.jsonl") -> tuple[dict, list[dict]]:
+    """The header record and the points of one result file."""
     header, points = None, []
-    with open(RESULTS_DIR / folder / "local.jsonl", encoding="utf-8") as f:
+    with open(RESULTS_DIR / folder / file, encoding="utf-8") as f:
         for line in f:
             if not line.strip():
                 continue
@@ -218,6 +250,64 @@ def _rows(run: Run, label: str) -> list[str]:
     return rows
 
 
+def _views_points(run: Run) -> tuple[dict, dict, float | None, list[dict]]:
+    """A views run: header, its bench points by (method, n, config, pass),
+    the matmul rate it measured, its 'big' records."""
+    header, recs = load(run.folder, run.file)
+    bench = {
+        (r["method"], r["n"], r["config"], r["pass"]): r
+        for r in recs
+        if r.get("stage") == "bench" and r.get("status") == "ok"
+    }
+    rates = [r["flop_rate"] for r in recs if r.get("stage") == "dense" and "flop_rate" in r]
+    rate = rates[0] if rates else None
+    big = [r for r in recs if r.get("stage") == "big" and r.get("status") == "ok"]
+    return header, bench, rate, big
+
+
+def _views_table(m: Machine, labels: list[str]) -> list[str]:
+    runs = [_views_points(run) for run in m.runs]
+    header, ours, rate, _ = runs[0]
+    ref_heading = m.columns[0][0].removesuffix(" ms")
+    out = [
+        "| n | heads x dim | pass | ours ms | "
+        + " | ".join(h for h, _, _ in m.columns)
+        + f" | {ref_heading} / ours | ours FLOP/s | of matmul | date | commit | command |",
+        "|---:|---|---|---:|" + "---:|" * len(m.columns) + "---:|---:|---:|---|---|---|",
+    ]
+    keys = sorted(
+        (k for k in ours if k[0] == "dense"),
+        key=lambda k: (k[3] != "fwd", int(k[2].split("x")[0]) * int(k[2].split("x")[1]), k[1]),
+    )
+    for _, n, config, pass_ in keys:
+        p = ours[("dense", n, config, pass_)]
+        beside = [runs[i][1].get((method, n, config, pass_)) for _, i, method in m.columns]
+        ref = beside[0]
+        cells = [
+            f"{n}",
+            config,
+            "fwd+bwd" if pass_ == "fwdbwd" else "fwd",
+            f"{p['ms']:.1f}",
+            *(f"{b['ms']:.1f}" if b else "" for b in beside),
+            f"{ref['ms'] / p['ms']:.2f}" if ref else "",
+            f"{p['tflops']:.0f} T",
+            f"{100 * p['tflops'] * 1e12 / rate:.0f} %" if rate else "",
+            header["date"][:10],
+            header["commit"],
+            labels[0],
+        ]
+        out.append("| " + " | ".join(cells) + " |")
+    out.append("")
+    for (h, _, _, big), label in zip(runs, labels, strict=True):
+        for r in big:
+            out.append(
+                f"- {r['n']} rows, {r['config']}, fwd+bwd, the default of {h['commit']} "
+                f"(run {label}, flash-attn-4 {h.get('flash_attn_4', '?')}): peak "
+                f"{r['peak_over_tensors']:.2f}x q, k, v, out and their gradients"
+            )
+    return out
+
+
 def generate() -> str:
     """The generated block of RESULTS.md, markers included."""
     out = [BEGIN, ""]
@@ -225,22 +315,26 @@ def generate() -> str:
         out += [f"### {m.title}", "", m.about + ".", ""]
         if not m.runs:
             continue
-        out += [
-            "| n | heads x dim | dtype | pass | ours ms | best baseline ms | best / ours "
-            "| ours FLOP/s | of matmul | of sgemm | peak / qkvo | date | commit | command |",
-            "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|",
-        ]
         labels = [chr(ord("A") + i) for i in range(len(m.runs))]
+        if m.columns:
+            out += _views_table(m, labels)
+        else:
+            out += [
+                "| n | heads x dim | dtype | pass | ours ms | best baseline ms | best / ours "
+                "| ours FLOP/s | of matmul | of sgemm | peak / qkvo | date | commit | command |",
+                "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|",
+            ]
+            for run, label in zip(m.runs, labels, strict=True):
+                out += _rows(run, label)
+            out.append("")
         for run, label in zip(m.runs, labels, strict=True):
-            out += _rows(run, label)
-        out.append("")
-        for run, label in zip(m.runs, labels, strict=True):
-            header, _ = load(run.folder)
+            header, _ = load(run.folder, run.file)
             out.append(
                 f"- {label}: `{run.command}` (files: `results/{run.folder}/`; "
                 f"{header['device_name']}, "
                 f"torch {header['torch']}, {header.get('threads', '?')} threads; matmul: "
-                f"{header.get('hardware_what', '?')}); the story: [{run.journal}]({run.journal})"
+                f"{header.get('hardware_what', 'bf16 torch.mm 8192x8192x8192')}); "
+                f"the story: [{run.journal}]({run.journal})"
             )
         out.append("")
     out.append(END)

@@ -48,7 +48,7 @@ import torch
 
 from ring_attention.pattern import head_group_bounds, head_offset
 
-from .measure import hardware_rate, median, time_call
+from .measure import environment, hardware_rate, median, time_call
 from .methods import flops, pattern_pairs
 
 BENCH = Path(__file__).resolve().parent / "bench.py"
@@ -433,6 +433,19 @@ def summary(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def header(device: torch.device) -> dict:
+    """The first record of a run: when, where, which commit and flash-attn-4."""
+    from ring_attention.backends import fa4_missing
+
+    try:
+        from importlib.metadata import version
+
+        fa4 = fa4_missing() or version("flash-attn-4")
+    except Exception as exc:  # recorded, not fatal: the header says why
+        fa4 = f"{type(exc).__name__}: {exc}"
+    return {"kind": "run", "sweep": "views", **environment(device), "flash_attn_4": fa4}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="bench.py views", description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -453,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + a.budget_s
     left = lambda: deadline - time.monotonic()  # noqa: E731
     jsonl = out / ("prev.jsonl" if a.tag == "prev" else "views.jsonl")
-    jsonl.write_text("")
+    jsonl.write_text(json.dumps(header(device)) + "\n")
     records: list[dict] = []
 
     def emit(rec: dict) -> None:
@@ -483,7 +496,8 @@ def main(argv: list[str] | None = None) -> int:
                 rc = subprocess.run(cmd, env=penv, timeout=max(left(), 1)).returncode
                 prev = [json.loads(x) for x in (out / "prev.jsonl").read_text().splitlines()]
                 for rec in prev:
-                    emit(dict(rec, prev_rc=rc))
+                    if rec.get("kind") != "run":  # its header stays in prev.jsonl
+                        emit(dict(rec, prev_rc=rc))
         elif stage == "big":
             stage_big(sz, device, emit, left)
         else:

@@ -39,21 +39,49 @@ def test_every_table_row_comes_from_a_record():
     """Each row's ours ms, date and commit are those of a point in its folder."""
     block = report.generate()
     for machine in report.MACHINES:
-        for run in machine.runs:
-            header, points = report.load(run.folder)
-            ours = [p for p in points if p["method"] == "ours" and p["status"] == "ok"]
+        for i, run in enumerate(machine.runs):
+            header, points = report.load(run.folder, run.file)
+            if machine.columns:  # views runs: the first run's dense points are ours
+                if i:
+                    continue
+                ours = [p for p in points if p.get("stage") == "bench" and p["status"] == "ok"
+                        and p["method"] == "dense"]  # fmt: skip
+                rows = [f"| {p['n']} | {p['config']} |" for p in ours]
+            else:
+                ours = [p for p in points if p["method"] == "ours" and p["status"] == "ok"]
+                rows = [f"| {p['n']} | {p['heads']}x{p['head_dim']} |" for p in ours]
             assert ours, run.folder
-            for p in ours:
-                row = f"| {p['n']} | {p['heads']}x{p['head_dim']} |"
+            for p, row in zip(ours, rows, strict=True):
                 cell = f" | {p['ms']:.1f} | "
                 lines = [ln for ln in block.splitlines() if ln.startswith(row) and cell in ln]
                 assert any(header["date"][:10] in ln and header["commit"] in ln for ln in lines)
 
 
+def test_views_columns_come_from_their_runs():
+    """A views table's other columns are the named runs' points, and the
+    ratio is the first column over ours."""
+    block = report.generate()
+    for machine in (m for m in report.MACHINES if m.columns):
+        _, ours, _, _ = report._views_points(machine.runs[0])
+        beside = [report._views_points(machine.runs[i])[1] for _, i, _ in machine.columns]
+        for (method, n, config, pass_), p in ours.items():
+            if method != "dense":
+                continue
+            cells = [f"{p['ms']:.1f}"]
+            cells += [f"{b[(m, n, config, pass_)]['ms']:.1f}"
+                      if (m, n, config, pass_) in b else ""
+                      for b, (_, _, m) in zip(beside, machine.columns, strict=True)]  # fmt: skip
+            ref = beside[0].get((machine.columns[0][2], n, config, pass_))
+            cells.append(f"{ref['ms'] / p['ms']:.2f}" if ref else "")
+            label = "fwd+bwd" if pass_ == "fwdbwd" else "fwd"
+            row = f"| {n} | {config} | {label} | " + " | ".join(cells) + " |"
+            assert row in block, row
+
+
 def test_results_files_are_json_lines():
     for machine in report.MACHINES:
         for run in machine.runs:
-            path = report.RESULTS_DIR / run.folder / "local.jsonl"
+            path = report.RESULTS_DIR / run.folder / run.file
             first = json.loads(path.read_text(encoding="utf-8").splitlines()[0])
             assert first["kind"] == "run" and first["date"] and first["commit"]
 

@@ -54,7 +54,12 @@ def test_dry_run_runs_every_stage(tmp_path: Path) -> None:
     # the earlier tree: this checkout itself, through the same subprocess
     rc = vc.main(["--dry-run", "--out", str(tmp_path), "--budget-s", "600", "--prev", str(ROOT)])
     assert rc == 0
-    recs = [json.loads(x) for x in (tmp_path / "views.jsonl").read_text().splitlines()]
+    head, *recs = [json.loads(x) for x in (tmp_path / "views.jsonl").read_text().splitlines()]
+    # the header: when, where, which commit (benchmarks/report.py reads it)
+    assert head["kind"] == "run" and head["sweep"] == "views"
+    assert head["date"] and head["commit"] and head["device_name"].startswith("CPU")
+    assert head["flash_attn_4"]  # a version, or why it does not import
+    assert all("kind" not in r for r in recs)  # the earlier tree's header stays in prev.jsonl
     checks = [r for r in recs if r["stage"] == "check"]
     assert len(checks) == 10 and {r["status"] for r in checks} == {"ok"}
     assert {(r["path"], r["backend"]) for r in checks} == {("dense", "cpu"), ("kernel", None)}
