@@ -12,9 +12,12 @@ dense route forced, ``RING_ATTENTION_FORWARD/BACKWARD=dense``, against our
 kernels forced and against SDPA in float32 on the whole sequence), then
 ``time`` (forward and forward+backward, median of ``--repeats``, the methods
 round-robin in one run): ``ring_dense`` and ``ring_kernel`` (the ring both
-ways) and ``direct`` (the backend the dense route takes, called on this
-rank's blocks: the diagonal causal, the others full; no exchange, no
-merge). Writes ``OUT/ring_dense.jsonl`` and prints a table.
+ways; ``ring_kernel`` only up to ``--kernel-max-n`` rows, since our kernels'
+ring at 131072 causal rows, 32 x 128, takes seconds a pass) and ``direct``
+(the backend the dense route takes, called on this rank's blocks: the
+diagonal causal, the others full; no exchange, no merge). Rank 0 prints each
+record as it is made; ``OUT/ring_dense_rank<r>.jsonl`` gets every record as
+it is made, and a table is printed at the end.
 """
 
 from __future__ import annotations
@@ -134,7 +137,7 @@ def _direct(shape, dtype, device, causal, layout, world, rank, name):
     return fwd, fwdbwd
 
 
-def timing(shape, dtype, device, causal, layout, world, rank, repeats) -> list[dict]:
+def timing(shape, dtype, device, causal, layout, world, rank, repeats, kernel_max_n):
     """Median seconds per method and pass, the methods round-robin."""
     n = shape[1]
     q, k, v, go = (shard_sequence(t, layout=layout) for t in _inputs(shape, dtype, device, 3))
@@ -147,11 +150,12 @@ def timing(shape, dtype, device, causal, layout, world, rank, repeats) -> list[d
             lambda: _ring(q, k, v, n, causal, layout, "dense"),
             lambda: _ring(q, k, v, n, causal, layout, "dense", go),
         ),
-        "ring_kernel": (
+    }
+    if n <= kernel_max_n:
+        methods["ring_kernel"] = (
             lambda: _ring(q, k, v, n, causal, layout, "kernel"),
             lambda: _ring(q, k, v, n, causal, layout, "kernel", go),
-        ),
-    }
+        )
     if name is not None:
         methods["direct"] = _direct(shape, dtype, device, causal, layout, world, rank, name)
     samples = {(m, p): [] for m in methods for p in ("fwd", "fwdbwd")}
@@ -182,6 +186,8 @@ def main(argv=None) -> int:
     shapes = ["1x32768x16x16x128", "1x131072x12x12x64", "1x131072x16x16x128", "1x131072x32x8x128"]
     ap.add_argument("--shapes", nargs="+", default=shapes, help="B x n x H x Hkv x D each")
     ap.add_argument("--layout", default="contiguous", choices=["contiguous", "zigzag"])
+    ap.add_argument("--kernel-max-n", type=int, default=32768,
+                    help="time our kernels' ring only up to this many rows")  # fmt: skip
     ap.add_argument("--dry-run", action="store_true", help="the CPU, toy sizes (no GPU)")
     args = ap.parse_args(argv)
     if args.dry_run:
@@ -198,22 +204,29 @@ def main(argv=None) -> int:
             device = torch.device("cuda", torch.cuda.current_device())
         dist.init_process_group("gloo")  # ranks may share one GPU
     args.out.mkdir(parents=True, exist_ok=True)
+    jsonl = args.out / f"ring_dense_rank{rank}.jsonl"
+    jsonl.write_text("")
     rows = []
-    for causal in (True, False):
-        c = check((2, args.check_n, 4, 2, 64 if device.type == "cuda" else 16), dtype, device,
-                  causal, args.layout, world, rank)  # fmt: skip
-        rows.append({"causal": causal, "n": args.check_n, **c})
-    for spec in args.shapes:
-        shape = tuple(int(x) for x in spec.split("x"))
-        for r in timing(shape, dtype, device, True, args.layout, world, rank, args.repeats):
-            rows.append({"causal": True, "shape": spec, **r})
-    for r in rows:
+
+    def emit(r: dict) -> None:
         r.update(rank=rank, world=world, device=str(device), dtype=args.dtype, layout=args.layout)
         if device.type == "cuda":
             r["gpu"] = torch.cuda.get_device_name(device)
-    with open(args.out / f"ring_dense_rank{rank}.jsonl", "w") as f:
-        for r in rows:
+        rows.append(r)
+        with jsonl.open("a") as f:
             f.write(json.dumps(r) + "\n")
+        if rank == 0:
+            print(json.dumps(r), flush=True)
+
+    for causal in (True, False):
+        c = check((2, args.check_n, 4, 2, 64 if device.type == "cuda" else 16), dtype, device,
+                  causal, args.layout, world, rank)  # fmt: skip
+        emit({"causal": causal, "n": args.check_n, **c})
+    for spec in args.shapes:
+        shape = tuple(int(x) for x in spec.split("x"))
+        for r in timing(shape, dtype, device, True, args.layout, world, rank, args.repeats,
+                        args.kernel_max_n):  # fmt: skip
+            emit({"causal": True, "shape": spec, **r})
     if rank == 0:
         for r in rows:
             if r["stage"] == "check":

@@ -78,15 +78,23 @@ class PathRow:
 PATHS = (
     PathRow(
         "backward", "cuda", (F16, BF16), None, 0,
-        "H100 2026-11-25 and 2026-11-26 (seventh): FlashAttention-2's backward per branch, "
-        "given the merged out and lse, made forward+backward 1.5-1.6x faster than our "
-        "backward kernel (n = 131072 and 512K, 12 x 64 and 16 x 128)",
+        "H200 2026-11-27 (journal/2026-11-27-gpu-h200-views.md): the dense backward per branch "
+        "on strided views made forward+backward 1.6-3.1x faster than 9cf198c's default "
+        "(32K-1M, 12 x 64 and 16 x 128; FlashAttention-2 or flash-attn-4); earlier, on an "
+        "H100, FlashAttention-2's backward per branch beat our backward kernel 1.5-1.6x",
     ),
     PathRow(
-        "forward", "cuda", (F16, BF16), (128,), 131072,
-        "H100 2026-11-26 (seventh): FlashAttention-2 per branch 38.2 ms against our kernel's "
-        "41.4 ms (n = 131072, 16 x 128); at head_dim 64 and at 32K our kernel was as fast or "
-        "faster than every baseline",
+        "forward", "cuda", (F16, BF16), (128,), 0,
+        "H200 2026-11-27: at head_dim 128 the dense forward per branch took 4.1 / 10.4 / 84.5 ms "
+        "with flash-attn-4 and 5.5 / 18.4 / 145.4 ms with FlashAttention-2 against our "
+        "kernel's 9.8 / 18.4 / 145.8 ms (n = 32K / 131K / 1M, 16 x 128)",
+    ),
+    PathRow(
+        "forward", "cuda", (F16, BF16), (64,), 131072,
+        "H200 2026-11-27: at head_dim 64 from 131072 rows the dense forward per branch took "
+        "5.3 / 40.0 ms with flash-attn-4 and 8.8 / 65.6 ms with FlashAttention-2 against our "
+        "kernel's 12.2 / 92.7 ms (n = 131K / 1M, 12 x 64); at 32K our kernel was as fast "
+        "(3.5 ms against 3.5 and 5.0)",
     ),
 )  # fmt: skip
 
@@ -117,8 +125,9 @@ BOTH = ("forward", "backward")
 BACKENDS = (
     BackendRow(
         "fa4", "cuda", (F16, BF16), (64, 96, 128), 8, 128, (9, 0), BOTH, 1, True, True,
-        "flash-attn-4 (CuTe DSL): gather + flash-attn-4 measured on an H100 (2026-11-26, "
-        "seventh); on the strided views not yet run on a GPU",
+        "flash-attn-4 4.0.0b36 (CuTe DSL) on the strided views: checked against the float64 "
+        "oracle and 1.6-1.9x faster than FlashAttention-2 per branch (H200 2026-11-27; "
+        "journal/2026-11-27-gpu-h200-views.md)",
     ),
     BackendRow(
         "flash", "cuda", (F16, BF16), None, 8, 256, (8, 0), BOTH, 1, True, True,
@@ -128,8 +137,10 @@ BACKENDS = (
     BackendRow(
         "cudnn", "cuda", (F16, BF16), None, 8, 128, (9, 0), ("forward",), 128, False, False,
         "cuDNN through ATen: the fastest gather forward at 16 x 128, 32K (H100, seventh); its "
-        "backward disagreed with the float64 oracle on ragged lengths (2026-11-25) and its "
-        "forward is not yet checked: only when named, rows a multiple of 128, no GQA",
+        "forward on the views matched the float64 oracle (H200 2026-11-27, n = 10240, the "
+        "calls it takes) but is untimed there; its backward disagreed with the "
+        "oracle on ragged lengths (2026-11-25): only when named, forward only, rows a "
+        "multiple of 128, no GQA",
     ),
     BackendRow(
         "cpu", "cpu", (F32, F64, F16, BF16), None, 1, 1 << 30, (0, 0), BOTH, 1, True, True,

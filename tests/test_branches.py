@@ -305,10 +305,13 @@ def _decide(pass_, d=128, n=131072, dtype=BF16, mode="auto", named="auto", cc=(9
 
 
 def test_the_path_table() -> None:
-    # forward: dense only at head_dim 128 from 131072 rows (H100, seventh section)
+    # forward: dense at head_dim 128 at any length, at head_dim 64 from 131072
+    # rows, our kernel elsewhere (H200, 2026-11-27)
     assert _decide("forward").dense
-    assert not _decide("forward", n=131071).dense
-    assert not _decide("forward", d=64).dense
+    assert _decide("forward", n=32768).dense
+    assert _decide("forward", d=64).dense
+    assert not _decide("forward", d=64, n=131071).dense
+    assert not _decide("forward", d=96).dense
     # backward: dense for fp16 / bf16 wherever a backend runs it
     assert _decide("backward", d=64, n=32768).dense
     assert _decide("backward", dtype=F16, n=1000, d=96).dense

@@ -14,6 +14,7 @@ where the route keeps our kernels.
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -267,3 +268,21 @@ def test_route_blocks_tables(monkeypatch) -> None:
         assert r.dense == dense, r.why
         if dense:
             assert r.backends == (("cpu",),)
+
+
+@pytest.mark.parametrize("kernel_max_n", [32768, 64])
+def test_the_gpu_script_runs_on_the_cpu(tmp_path, monkeypatch, kernel_max_n) -> None:
+    """benchmarks/ring_dense_check.py --dry-run: the checks pass, every record
+    reaches the file, and our kernels' ring is timed only up to --kernel-max-n."""
+    from benchmarks import ring_dense_check
+
+    for env in (config.FORWARD, config.BACKWARD):  # the script sets them: restored after
+        monkeypatch.setenv(env, "auto")
+    args = ["--dry-run", "--out", str(tmp_path), "--kernel-max-n", str(kernel_max_n)]
+    assert ring_dense_check.main(args) == 0
+    recs = [json.loads(x) for x in (tmp_path / "ring_dense_rank0.jsonl").read_text().splitlines()]
+    checks = [r for r in recs if r["stage"] == "check"]
+    assert [r["status"] for r in checks] == ["ok", "ok"]
+    timed = {(r["method"], r["pass"]) for r in recs if r["stage"] == "time"}
+    methods = {"ring_dense", "direct"} | ({"ring_kernel"} if kernel_max_n >= 96 else set())
+    assert timed == {(m, p) for m in methods for p in ("fwd", "fwdbwd")}
