@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["BACKENDS", "backend", "fa4_missing"]
+__all__ = ["BACKENDS", "backend", "fa4_missing", "kv_finite"]
 
 aten = torch.ops.aten
 
@@ -138,6 +138,18 @@ def fa4_missing() -> str | None:
     except Exception as exc:  # ImportError, or a broken install of its CUDA libraries
         return f"{type(exc).__name__}: {exc}"
     return None
+
+
+def kv_finite(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether K and V hold no NaN and no infinity, in one host sync: their
+    sums, accumulated in fp32 (fp64 for fp64) without a temporary, are NaN or
+    infinite when an element is. A sum of finite values beyond fp32's range
+    (about 3e38) reads as non-finite too, which only sends the call to our
+    kernels; the dense backends cannot exclude non-finite keys (they multiply
+    the zero weights of masked keys by their values)."""
+    acc = torch.float64 if k.dtype == torch.float64 else torch.float32
+    sums = torch.stack([k.sum(dtype=acc), v.sum(dtype=acc)])
+    return bool(torch.isfinite(sums).all())
 
 
 class FlashAttn4:

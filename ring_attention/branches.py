@@ -34,7 +34,7 @@ from collections import defaultdict
 import torch
 
 from . import ops
-from .backends import backend
+from .backends import backend, kv_finite
 from .dispatch import Route, route
 from .dtypes import acc_dtype
 from .pattern import Pattern
@@ -102,11 +102,6 @@ def _groups(*views: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
     if all(len(m) == 1 for m in merged):
         return [tuple(m[0] for m in merged)]
     return [tuple(v[i] for v in views) for i in range(views[0].shape[0])]
-
-
-def _finite(k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether K and V hold no NaN and no infinity (a host sync)."""
-    return bool(torch.isfinite(k).all() & torch.isfinite(v).all())
 
 
 def _parts(buf: torch.Tensor, base: int, call: Call, batch: int, kv: bool) -> torch.Tensor:
@@ -199,7 +194,7 @@ class DenseBranches(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, pattern: Pattern, scale: float, fwd: Route, bwd: Route | None):
-        finite = _finite(k, v) if fwd.dense else None
+        finite = kv_finite(k, v) if fwd.dense else None
         if finite:
             out, lse = dense_forward(q, k, v, pattern, scale, fwd)
         else:
@@ -220,7 +215,7 @@ class DenseBranches(torch.autograd.Function):
         dense = bwd is not None and bwd.dense and grad_lse is None
         if dense:
             if ctx.finite is None:  # the forward was ours: not checked yet
-                ctx.finite = _finite(k, v)
+                ctx.finite = kv_finite(k, v)
             dense = ctx.finite
         if dense:
             dq, dk, dv = dense_backward(grad_out, q, k, v, out, lse, pattern, scale, bwd)

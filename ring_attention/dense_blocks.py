@@ -40,7 +40,7 @@ import math
 import torch
 
 from . import branches
-from .backends import backend
+from .backends import backend, kv_finite
 from .dispatch import Route, route
 from .pattern import Pattern
 
@@ -61,10 +61,6 @@ def block_kind(causal: bool, q_start: int, lq: int, k_start: int, lk: int) -> st
     if k_start == q_start and lk == lq:
         return "causal"
     return None
-
-
-def _finite(k: Tensor, v: Tensor) -> bool:
-    return bool(torch.isfinite(k).all() & torch.isfinite(v).all())
 
 
 def _merge(out: Tensor, lse: Tensor, o: Tensor, bl: Tensor) -> None:
@@ -94,14 +90,14 @@ class DenseBlocks:
     def _local(self, pass_: str, q: Tensor, k: Tensor, v: Tensor, q_start: int,
                k_start: int) -> Route | None:  # fmt: skip
         """The per-branch route of a piece's own block (None: our kernel)."""
-        if q_start != k_start or q.shape[1] != k.shape[1] or not _finite(k, v):
+        if q_start != k_start or q.shape[1] != k.shape[1] or not kv_finite(k, v):
             return None
         r = route(pass_, q, k, v, self.pattern, None)
         return r if r.dense else None
 
     def _kind(self, q: Tensor, k: Tensor, v: Tensor, q_start: int, k_start: int) -> str | None:
         kind = block_kind(self.causal, q_start, q.shape[1], k_start, k.shape[1])
-        if kind is not None and kind != "skip" and not _finite(k, v):
+        if kind is not None and kind != "skip" and not kv_finite(k, v):
             return None
         return kind
 

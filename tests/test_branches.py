@@ -20,7 +20,7 @@ import torch
 from oracle import reference_attention
 
 import ring_attention as ra
-from ring_attention import branches, config, dispatch, info
+from ring_attention import backends, branches, config, dispatch, info
 from ring_attention.pattern import Pattern
 
 F64, F32, BF16, F16 = torch.float64, torch.float32, torch.bfloat16, torch.float16
@@ -197,6 +197,25 @@ def test_masks_take_the_kernel(dense) -> None:
     pattern = Pattern([8, 16], [1, 2])
     r = dispatch.route("forward", q, k, v, pattern, mask)
     assert not r.dense and "key padding mask" in r.why
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, F32, F64])
+def test_kv_finite(dtype) -> None:
+    """One NaN or infinity anywhere in K or V is seen (both signs, and +inf
+    with -inf, whose sum is NaN); large finite values are finite."""
+    g = torch.Generator().manual_seed(3)
+    k, v = (1e4 * torch.randn(2, 37, 3, 8, generator=g).to(dtype) for _ in range(2))
+    assert backends.kv_finite(k, v)
+    for bads in ([float("nan")], [float("inf")], [-float("inf")], [float("inf"), -float("inf")]):
+        for t in ("k", "v"):
+            kb, vb = k.clone(), v.clone()
+            for i, bad in enumerate(bads):
+                (kb if t == "k" else vb)[1, 5 + 7 * i, 2, 3] = bad
+            assert not backends.kv_finite(kb, vb), (t, bads)
+    # finite values whose fp32 sum overflows read as non-finite: our kernels
+    # then run, which is exact anyway
+    if dtype != F64:
+        assert not backends.kv_finite(torch.full((4, 8), 3e38, dtype=F32).to(dtype), v)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])

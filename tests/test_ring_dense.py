@@ -248,12 +248,12 @@ def test_block_shape() -> None:
 
 def test_route_blocks_tables(monkeypatch) -> None:
     cuda, bf16 = torch.device("cuda"), torch.bfloat16
-    # auto on CUDA: the path table's rows (backward always, forward d 128 from 131072)
+    # auto on CUDA: the path table's rows (backward always, forward at d 128
+    # always and at d 64 from 131072 rows)
     assert decide_blocks("backward", "auto", "auto", cuda, (9, 0), bf16, 4096, 8, 2, 64, 1).dense
-    assert decide_blocks("forward", "auto", "auto", cuda, (9, 0), bf16, 131072, 8, 8, 128, 1).dense
-    assert not decide_blocks(
-        "forward", "auto", "auto", cuda, (9, 0), bf16, 4096, 8, 8, 128, 1
-    ).dense
+    assert decide_blocks("forward", "auto", "auto", cuda, (9, 0), bf16, 4096, 8, 8, 128, 1).dense
+    assert decide_blocks("forward", "auto", "auto", cuda, (9, 0), bf16, 131072, 8, 8, 64, 1).dense
+    assert not decide_blocks("forward", "auto", "auto", cuda, (9, 0), bf16, 4096, 8, 8, 64, 1).dense
     # no backend takes fp32 on CUDA; cudnn named but rows not a multiple of 128 -> the next one
     f32 = decide_blocks("backward", "dense", "auto", cuda, (9, 0), torch.float32, 64, 8, 8, 64, 1)
     assert not f32.dense
