@@ -45,8 +45,10 @@ __all__ = ["DenseBranches", "PhaseTimes", "local_attention", "phase_times"]
 
 class PhaseTimes:
     """Seconds the dense path spends per phase while :func:`phase_times` is
-    active: ``calls`` (the dense backends), ``merge`` (the merge operators);
-    CUDA events on GPUs, a synchronised clock elsewhere."""
+    active: ``calls`` (the dense backends), ``merge`` (the merge operators),
+    ``finite`` (the check of K and V for NaN and infinity); CUDA events on
+    GPUs (device time: what the host adds between them is the caller's wall
+    time less these), a synchronised clock elsewhere."""
 
     def __init__(self) -> None:
         self._spans: list[tuple[str, object, object]] = []
@@ -194,7 +196,11 @@ class DenseBranches(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, pattern: Pattern, scale: float, fwd: Route, bwd: Route | None):
-        finite = kv_finite(k, v) if fwd.dense else None
+        if fwd.dense:
+            with _span("finite", q.device):
+                finite = kv_finite(k, v)
+        else:
+            finite = None
         if finite:
             out, lse = dense_forward(q, k, v, pattern, scale, fwd)
         else:
@@ -215,7 +221,8 @@ class DenseBranches(torch.autograd.Function):
         dense = bwd is not None and bwd.dense and grad_lse is None
         if dense:
             if ctx.finite is None:  # the forward was ours: not checked yet
-                ctx.finite = kv_finite(k, v)
+                with _span("finite", q.device):
+                    ctx.finite = kv_finite(k, v)
             dense = ctx.finite
         if dense:
             dq, dk, dv = dense_backward(grad_out, q, k, v, out, lse, pattern, scale, bwd)

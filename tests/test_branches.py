@@ -305,7 +305,7 @@ def test_phase_times(dense) -> None:
     with branches.phase_times() as t:
         _run(q, k, v, go, [16, 32], [1, 2])
     totals = t.totals()
-    assert set(totals) == {"calls", "merge"} and all(x > 0 for x in totals.values())
+    assert set(totals) == {"calls", "merge", "finite"} and all(x > 0 for x in totals.values())
 
 
 # --------------------------------------------------------------------------- #

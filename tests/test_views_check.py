@@ -67,7 +67,7 @@ def test_dry_run_runs_every_stage(tmp_path: Path) -> None:
     bench = [r for r in recs if r["stage"] == "bench"]
     assert {r["method"] for r in bench} == {"dense", "default", "prev"}
     assert all(r["status"] == "ok" and r["ms"] > 0 for r in bench)
-    assert all(set(r["phases_ms"]) == {"calls", "merge", "other"} for r in bench
+    assert all(set(r["phases_ms"]) == {"calls", "merge", "finite", "other"} for r in bench
                if r["method"] == "dense")  # fmt: skip
     assert len([r for r in bench if r["method"] == "prev"]) == 4
     dense = [r for r in recs if r["stage"] == "dense" and "backend" in r]
