@@ -113,9 +113,35 @@ __device__ inline void store_vec(T* p, const Acc (&x)[V]) {
   }
 }
 
+// A row's parts are fetched kSlots at a time, every index, LSE and value of
+// a chunk issued before the first is used (each of them waits on the one
+// before: index, then LSE, then the part); a row with more slots merges its
+// chunks online, the running max rescaling what came before. Each part
+// value is held as its 16 raw bytes (4 registers) until it is added. Four
+// at once within the 64 registers 8 blocks an SM leave; in fp64 (never a
+// dense path's dtype: only the operators' own callers) two, 4 blocks an SM,
+// since its exp and log spilled at 64 registers even one at a time.
+template <typename Acc>
+constexpr int kSlots = sizeof(Acc) == 8 ? 2 : 4;
+template <typename Acc>
+constexpr int kBlocksPerSM = sizeof(Acc) == 8 ? 4 : kMergeBlocks;
+
+template <typename T, int V>
+using Raw = std::conditional_t<(V > 1), uint4, T>;
+
+template <typename T, typename Acc, int V>
+__device__ inline void widen(const Raw<T, V>& r, Acc (&x)[V]) {
+  if constexpr (V == 1) {
+    x[0] = static_cast<Acc>(r);
+  } else {
+    load_vec<T, Acc, V>(reinterpret_cast<const T*>(&r), x);
+  }
+}
+
 // Merge: the forward's log-sum-exp merge (part_lse given); else a sum.
 template <typename T, typename Acc, int V, bool Merge>
-__global__ void __launch_bounds__(kMergeThreads, kMergeBlocks) merge_kernel(const MergeArgs a) {
+__global__ void __launch_bounds__(kMergeThreads, kBlocksPerSM<Acc>)
+    merge_kernel(const MergeArgs a) {
   constexpr Acc kInf = std::numeric_limits<Acc>::infinity();
   const int tpr = a.tpr, per_block = kMergeThreads / tpr;
   const int sub = static_cast<int>(threadIdx.x) / tpr, lane = static_cast<int>(threadIdx.x) % tpr;
@@ -125,45 +151,64 @@ __global__ void __launch_bounds__(kMergeThreads, kMergeBlocks) merge_kernel(cons
   const int64_t vecs = a.dim / V, step = static_cast<int64_t>(gridDim.x) * per_block;
   for (int64_t row = static_cast<int64_t>(blockIdx.x) * per_block + sub; row < a.rows;
        row += step) {
-    // the row's merge weights: max, NaN, sum of exp(lse - max) over its parts
-    Acc m = -kInf, sum = 0;
-    bool nan = false;
-    if constexpr (Merge) {
-      for (int64_t s = 0; s < a.slots; ++s) {
-        const int32_t i = a.index[s * a.rows + row];
-        if (i < 0 || i >= a.part_rows) continue;
-        const Acc l = plse[i];
-        nan |= isnan(l);
-        m = l > m ? l : m;
-      }
-      for (int64_t s = 0; s < a.slots && m > -kInf; ++s) {
-        const int32_t i = a.index[s * a.rows + row];
-        if (i >= 0 && i < a.part_rows) sum += acc_exp(plse[i] - m);
-      }
-    }
-    const Acc scale = !Merge || sum == 0 ? Acc(1) : Acc(1) / sum;
     const int64_t b = row / (a.length * a.heads), t = row / a.heads % a.length, h = row % a.heads;
     T* out =
         static_cast<T*>(a.out) + b * a.out_stride[0] + t * a.out_stride[1] + h * a.out_stride[2];
+    // the row's max LSE, sum of exp(lse - max) and NaN, as of the last chunk
+    Acc m = -kInf, sum = 0;
+    bool nan = false;
     for (int64_t c = lane; c < vecs; c += tpr) {
       Acc acc[V];
 #pragma unroll
-      for (int j = 0; j < V; ++j) acc[j] = nan ? std::numeric_limits<Acc>::quiet_NaN() : Acc(0);
-      for (int64_t s = 0; s < a.slots && !nan; ++s) {
-        const int32_t i = a.index[s * a.rows + row];
-        if (i < 0 || i >= a.part_rows) continue;
-        Acc w = 1;
-        if constexpr (Merge) {
-          if (!(plse[i] > -kInf)) continue;
-          w = acc_exp(plse[i] - m);
+      for (int j = 0; j < V; ++j) acc[j] = 0;
+      m = -kInf, sum = 0, nan = false;
+      for (int64_t s0 = 0; s0 < a.slots; s0 += kSlots<Acc>) {
+        constexpr int kS = kSlots<Acc>;
+        int32_t idx[kS];
+        Acc l[kS];
+        Raw<T, V> raw[kS];
+#pragma unroll
+        for (int j = 0; j < kS; ++j) {
+          const int32_t i = s0 + j < a.slots ? a.index[(s0 + j) * a.rows + row] : -1;
+          idx[j] = i >= 0 && i < a.part_rows ? i : -1;
         }
-        Acc x[V];
-        load_vec<T, Acc, V>(parts + static_cast<int64_t>(i) * a.dim + c * V, x);
 #pragma unroll
-        for (int j = 0; j < V; ++j) acc[j] += w * x[j];
+        for (int j = 0; j < kS; ++j) {
+          l[j] = idx[j] < 0 ? -kInf : Merge ? plse[idx[j]] : Acc(0);
+          nan |= isnan(l[j]);
+        }
+#pragma unroll
+        for (int j = 0; j < kS; ++j) {
+          if (l[j] > -kInf)  // parts of unreached rows are never read
+            raw[j] = *reinterpret_cast<const Raw<T, V>*>(
+                parts + static_cast<int64_t>(idx[j]) * a.dim + c * V);
+        }
+        Acc top = m;  // (NaN compares false: it is flagged, not a max)
+#pragma unroll
+        for (int j = 0; j < kS; ++j) top = l[j] > top ? l[j] : top;
+        if (!(top > -kInf)) continue;
+        if constexpr (Merge) {
+          const Acc r = acc_exp(m - top);  // exp(-inf) = 0 for the first chunk
+          sum *= r;
+#pragma unroll
+          for (int j = 0; j < V; ++j) acc[j] *= r;
+          m = top;
+        }
+#pragma unroll
+        for (int j = 0; j < kS; ++j) {
+          if (!(l[j] > -kInf)) continue;
+          const Acc w = Merge ? acc_exp(l[j] - m) : Acc(1);
+          sum += w;
+          Acc x[V];
+          widen<T, Acc, V>(raw[j], x);
+#pragma unroll
+          for (int v = 0; v < V; ++v) acc[v] += w * x[v];
+        }
       }
+      const Acc scale = !Merge || sum == 0 ? Acc(1) : Acc(1) / sum;
 #pragma unroll
-      for (int j = 0; j < V; ++j) acc[j] *= scale;
+      for (int j = 0; j < V; ++j)
+        acc[j] = nan ? std::numeric_limits<Acc>::quiet_NaN() : acc[j] * scale;
       store_vec<T, Acc, V>(out + c * V, acc);
     }
     if (Merge && lane == 0) {
