@@ -46,6 +46,24 @@ mkdir -p "$src"
 cp -a setup.py pyproject.toml csrc ring_attention tests "$src/"
 rm -f "$src"/ring_attention/_C*.so
 log=$root/build/logs/${name}_build.log
+build_start=$SECONDS
+emu_pid=""
+if [[ $mode == asan ]]; then
+  export RING_ATTENTION_EMULATOR_SANITIZE="-fsanitize=undefined -fno-sanitize-recover=undefined"
+fi
+if [[ $mode == asan && -f tests/cuda_emulator/build.py ]]; then
+  # The emulator's UBSan build (into the copy's build/) runs beside the CPU
+  # kernels' build rather than inside the first emulator test, where the
+  # other core would wait on it. It imports the checkout's ring_attention,
+  # not the copy's: the ASan build loads only under LD_PRELOAD.
+  emu_log=$root/build/logs/${name}_emulator_build.log
+  (cd "$src/tests" && PYTHONPATH=$root exec "$py" -c '
+from cuda_emulator import build
+if build.load() is None:
+    print("not built:", build.MISSING)
+') >"$emu_log" 2>&1 &
+  emu_pid=$!
+fi
 if [[ $mode == asan ]]; then
   flags="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined"
   build_env=(CFLAGS="$flags" LDFLAGS="$flags")
@@ -55,7 +73,19 @@ else
   echo "sanitize: building the CPU kernels without AVX-512 (log: build/logs/${name}_build.log)"
 fi
 (cd "$src" && env "${build_env[@]}" RING_ATTENTION_CPU_ONLY=1 MAX_JOBS=${MAX_JOBS:-$(nproc)} \
-  "$py" setup.py build_ext --inplace --build-temp "$work/tmp") >"$log" 2>&1 || { tail -n 40 "$log" >&2; exit 1; }
+  "$py" setup.py build_ext --inplace --build-temp "$work/tmp") >"$log" 2>&1 || {
+  tail -n 40 "$log" >&2
+  [[ -z $emu_pid ]] || wait "$emu_pid" || true # leave no build behind
+  exit 1
+}
+if [[ -n $emu_pid ]]; then
+  if ! wait "$emu_pid"; then
+    echo "sanitize: the UBSan emulator did not build; the end of build/logs/${name}_emulator_build.log:" >&2
+    tail -n 30 "$emu_log" >&2
+    exit 1
+  fi
+  echo "sanitize: built the emulator with UBSan beside the CPU kernels ($((SECONDS - build_start)) s for both)"
+fi
 
 ring=tests/test_ring.py::test_ring_matches_single_process_and_oracle
 emu=tests/test_cuda_emulated.py::test_kernels_match_oracle
@@ -94,7 +124,6 @@ fi
 
 export ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:abort_on_error=1:alloc_dealloc_mismatch=0:new_delete_type_mismatch=0
 export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
-export RING_ATTENTION_EMULATOR_SANITIZE="-fsanitize=undefined -fno-sanitize-recover=undefined"
 # libstdc++ too: ASan finds the real __cxa_throw only in a library loaded with it.
 asan="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so)"
 echo "sanitize: running ${#tests[@]} test targets under LD_PRELOAD=$asan"

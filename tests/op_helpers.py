@@ -173,7 +173,8 @@ def run_local(cfg: Cfg, q, k, v, go, mask, glse=None, ops=OPS):
 
 
 def run_oracle(cfg: Cfg, q, k, v, go, mask, glse=None):
-    """The oracle on the same (upcast) inputs: out, lse, dq, dk, dv in float64."""
+    """The oracle on the same (upcast) inputs: out, lse, dq, dk, dv in float64
+    (out and lse alone when ``go`` is None)."""
     q, k, v = (x.detach().to(F64).requires_grad_() for x in (q, k, v))
     out, lse = reference_attention(
         q,
@@ -184,6 +185,8 @@ def run_oracle(cfg: Cfg, q, k, v, go, mask, glse=None):
         key_padding_mask=mask,
         **cfg.oracle_kwargs(),
     )
+    if go is None:
+        return out, lse
     return (out, lse, *_grads((out, lse), (q, k, v), go.to(F64), glse))
 
 

@@ -39,13 +39,13 @@ from op_helpers import (
     Cfg,
     block_backward,
     block_forward,
-    check_against_oracle,
     check_results,
     close,
     fresh_acc,
     lse_grad,
     make_inputs,
     run_local,
+    run_op,
     run_oracle,
 )
 
@@ -128,6 +128,46 @@ def expected_path(dtype: torch.dtype, head_dim: int, scale: float, env: dict[str
         if level == 1:
             return "Fp32Avx2/avx2"
     return f"Blas/{lanes}"
+
+
+# The float64 oracle's answers, kept while this module runs: every path of
+# one dtype gets the same inputs (make_inputs depends on the configuration,
+# the dtype and the seed alone), so one answer serves them all. At 2300-2601
+# rows the oracle, not the kernel, is most of a case's time.
+_ORACLE: dict[str, list] = {}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _forget_oracle_answers():
+    yield
+    _ORACLE.clear()
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def oracle(cfg: Cfg, q, k, v, go, mask, glse=None):
+    """op_helpers.run_oracle, computed once per equal problem (the inputs
+    compared exactly, not trusted to be equal)."""
+    inputs = (q, k, v, go, mask, glse)
+    entries = _ORACLE.setdefault(repr(cfg), [])
+    for seen, want in entries:
+        if all(_same(a, b) for a, b in zip(seen, inputs, strict=True)):
+            return want
+    want = run_oracle(cfg, q, k, v, go, mask, glse)
+    entries.append((tuple(None if x is None else x.clone() for x in inputs), want))
+    return want
+
+
+def check_against_oracle_once(cfg: Cfg, dtype: torch.dtype, device: str, seed: int) -> None:
+    """op_helpers.check_against_oracle with the oracle's answer shared."""
+    q, k, v, go, mask = make_inputs(cfg, dtype, device, seed)
+    got = run_op(cfg, q, k, v, go, mask)
+    want = oracle(cfg, q, k, v, go, mask)
+    check_results(cfg, dtype, got, want, f"seed={seed} dtype={dtype} device={device} {cfg}")
 
 
 def _set_knobs(env: dict[str, str], setenv, delenv) -> None:
@@ -284,7 +324,7 @@ def test_isa_wider_than_the_machine_is_refused(isa: str, monkeypatch) -> None:
     monkeypatch.setenv(ISA_ENV, isa)
     if level <= have:
         got = run_local(cfg, q, k, v, go, None)
-        check_results(cfg, F32, got, run_oracle(cfg, q, k, v, go, None), isa)
+        check_results(cfg, F32, got, oracle(cfg, q, k, v, go, None), isa)
         return
     message = f"^{ISA_ENV}='{isa}' is wider than this machine and build run: it must be one of "
     message += f"\\[{accepted}\\]"
@@ -304,7 +344,7 @@ def test_isa_wider_than_the_machine_is_refused(isa: str, monkeypatch) -> None:
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_matches_oracle(path, causal, head_dim) -> None:
     cfg = Cfg(2, 150, 3, head_dim, [16, 64, 128], [1, 2, 4], causal, False, None, True)
-    check_against_oracle(cfg, path, "cpu", seed=7100 + causal)
+    check_against_oracle_once(cfg, path, "cpu", seed=7100 + causal)
 
 
 @pytest.mark.parametrize("threads", [1, 3])
@@ -315,7 +355,7 @@ def test_tasks_of_unequal_cost_on_threads(path, threads: int) -> None:
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        check_against_oracle(cfg, path, "cpu", seed=7150 + threads)
+        check_against_oracle_once(cfg, path, "cpu", seed=7150 + threads)
     finally:
         torch.set_num_threads(before)
 
@@ -328,7 +368,7 @@ def test_features_with_lse_gradient(path) -> None:
     q, k, v, go, mask = make_inputs(cfg, path, "cpu", 7200)
     glse = lse_grad(cfg, "cpu", 7201)
     got = run_local(cfg, q, k, v, go, mask, glse)
-    want = run_oracle(cfg, q, k, v, go, mask, glse)
+    want = oracle(cfg, q, k, v, go, mask, glse)
     check_results(cfg, path, got, want, f"{path} {cfg}")
 
 
@@ -336,7 +376,7 @@ def test_long_sequence_by_chunks(bf16_path, monkeypatch) -> None:
     """Past 1024 rows bf16 accumulates chunk by chunk (the 8-chunk rule alone)."""
     monkeypatch.setenv(CHUNK_ENV, "0")
     cfg = Cfg(1, 2300, 2, 64, [300, 2048], [1, 4], True, True, None, True)
-    check_against_oracle(cfg, BF16, "cpu", seed=7300)
+    check_against_oracle_once(cfg, BF16, "cpu", seed=7300)
 
 
 @pytest.mark.parametrize("documents", [False, True], ids=["closed", "documents"])
@@ -353,7 +393,7 @@ def test_chunks_of_whole_segments(bf16_path, documents: bool, monkeypatch) -> No
     q, k, v, go, mask = make_inputs(cfg, BF16, "cpu", 7350 + documents)
     glse = lse_grad(cfg, "cpu", 7360 + documents)
     got = run_local(cfg, q, k, v, go, mask, glse)
-    want = run_oracle(cfg, q, k, v, go, mask, glse)
+    want = oracle(cfg, q, k, v, go, mask, glse)
     check_results(cfg, BF16, got, want, f"{bf16_path} {cfg}")
 
 
@@ -371,7 +411,7 @@ def test_long_key_runs_in_several_tiles(path, head_dim: int, monkeypatch) -> Non
     monkeypatch.setenv(CHUNK_ENV, "0")
     for causal, kv_heads in ((True, 1), (False, None)):
         cfg = Cfg(1, 2601, 3, head_dim, [2601], [1], causal, False, None, False, kv_heads)
-        check_against_oracle(cfg, path, "cpu", seed=7350 + causal)
+        check_against_oracle_once(cfg, path, "cpu", seed=7350 + causal)
     # A NaN in the V row of key u: causal, in the second key tile of the run
     # of odd positions (dilation 2), where it reaches the later queries only;
     # and masked, in the fifth key tile of a dense run, which at head dim 128
@@ -388,7 +428,7 @@ def test_long_key_runs_in_several_tiles(path, head_dim: int, monkeypatch) -> Non
         v_bad = v.clone()
         v_bad[:, u] = float("nan")
         got = run_local(cfg, q, k, v_bad, go, mask, None)
-        want = run_oracle(cfg, q, k, v, go, mask)
+        want = oracle(cfg, q, k, v, None, mask)  # the output alone is compared
         early = slice(0, u) if causal else slice(None)  # rows that never reach key u
         tol = 2e-2 if path == BF16 else 1e-4
         torch.testing.assert_close(
@@ -415,7 +455,7 @@ def test_scores_rising_past_the_running_shift(path, causal: bool, rise: int) -> 
     k[:, rise + 200 : rise + 205] *= 30
     k[:, 1095:] *= 30
     out, lse = ra.dilated_attention(q, k, v, [1100], [1], causal=causal, return_lse=True)
-    want_out, want_lse, *_ = run_oracle(cfg, q, k, v, go, None)
+    want_out, want_lse, *_ = oracle(cfg, q, k, v, go, None)
     # Scores of a few hundred: fp32's rounding of S alone moves out by ~1e-4.
     close(out, want_out, max(OUT_TOL[path], 1e-3), "out", causal)
     close(lse, want_lse, LSE_TOL[path], "lse", causal)
@@ -434,7 +474,7 @@ def test_block_ops_at_offsets(bf16_path) -> None:
     # by running the oracle on the whole sequence with those keys padded.
     pad = torch.ones(1, n, dtype=torch.bool)
     pad[:, k0:k1] = False
-    want_out, want_lse, *_ = run_oracle(cfg, q, k, v, go, pad)
+    want_out, want_lse, *_ = oracle(cfg, q, k, v, go, pad)
     rows = slice(q0, q1)
     reached = torch.isfinite(want_lse[:, :, rows])
     torch.testing.assert_close(
@@ -448,7 +488,7 @@ def test_block_ops_at_offsets(bf16_path) -> None:
     # zero outside them.
     go_rows = torch.zeros_like(go)
     go_rows[:, rows] = gb
-    _, _, want_dq, want_dk, want_dv = run_oracle(cfg, q, k, v, go_rows, pad)
+    _, _, want_dq, want_dk, want_dv = oracle(cfg, q, k, v, go_rows, pad)
     block_backward(cfg, gb, qb, kb, vb, out.to(BF16), lse, dq, dk, dv, q0, k0, None)
     torch.testing.assert_close(dq.double(), want_dq[:, rows].double(), atol=5e-2, rtol=5e-2)
     torch.testing.assert_close(dk.double(), want_dk[:, k0:k1].double(), atol=5e-2, rtol=5e-2)
@@ -527,9 +567,9 @@ def test_onednn_off_matches_oracle(dtype, monkeypatch) -> None:
     for var in (ENV, FP32_ENV):
         monkeypatch.delenv(var, raising=False)
     cfg = Cfg(2, 150, 3, 64, [16, 64, 128], [1, 2, 4], True, False, None, True)
-    check_against_oracle(cfg, dtype, "cpu", seed=7630)
+    check_against_oracle_once(cfg, dtype, "cpu", seed=7630)
     with torch.backends.mkldnn.flags(enabled=False):
-        check_against_oracle(cfg, dtype, "cpu", seed=7631)
+        check_against_oracle_once(cfg, dtype, "cpu", seed=7631)
 
 
 def test_fp32_switch_takes_effect_where_the_machine_has_it(monkeypatch) -> None:
@@ -564,7 +604,7 @@ def _errors(cfg: Cfg, seed: int) -> list[float]:
     q, k, v, go, _ = make_inputs(cfg, F32, "cpu", seed)
     q, k = q * 3, k * 3
     got = list(run_local(cfg, q, k, v, go, None))
-    want = list(run_oracle(cfg, q, k, v, go, None))
+    want = list(oracle(cfg, q, k, v, go, None))
     del got[1], want[1]  # lse: out's error shows it
     return [(a.double() - b).abs().max().item() for a, b in zip(got, want, strict=True)]
 
