@@ -263,25 +263,27 @@ __global__ void __launch_bounds__(kThreads) fwd_mma_kernel(__grid_constant__ con
 #pragma unroll
               for (int e = 0; e < 4; ++e) s[mt][j][e] *= scale_log2;
           } else {
-            // Causal: key column c of the tile reaches row i iff c <= lim[i];
-            // windowed: iff band_lo[i] <= c <= band_hi[i]; bit c - 2 tg of
-            // km: key c reached.
-            int lim[2], band_lo[2], band_hi[2];
+            // Causal or windowed: key column c of the tile reaches row i iff
+            // lo <= c <= hi (causal: the window's right bound is 0, its left
+            // one the block's whole reach); with the tile's reached keys one
+            // bit mask a row, so that a score costs one bit test (tested per
+            // score, the bounds compiled to a branch around every score).
+            // Bit c of reach[i]: key column c + 2 tg reaches row i.
+            uint64_t reach[2];
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
               const int64_t diag = first_reach + 16 * mt + g + 8 * i - n0 - 2 * tg;
-              lim[i] = tile_limit(diag, BN);
-              band_lo[i] = tile_limit(diag - p.band_l, BN);
-              band_hi[i] = tile_limit(diag + p.band_r, BN);
+              reach[i] = kmask >> (2 * tg);
+              if (p.causal || p.windowed)
+                reach[i] &=
+                    bit_range(tile_limit(diag - p.band_l, BN), tile_limit(diag + p.band_r, BN));
             }
-            const uint64_t km = kmask >> (2 * tg);
 #pragma unroll
             for (int j = 0; j < NJ; ++j)
 #pragma unroll
               for (int e = 0; e < 4; ++e) {
                 const int c = j * 8 + (e & 1);  // the column less 2 tg
-                const bool ok = (km >> c & 1) != 0 && (!p.causal || c <= lim[e >> 1]) &&
-                                (!p.windowed || (c >= band_lo[e >> 1] && c <= band_hi[e >> 1]));
+                const bool ok = (reach[e >> 1] >> c & 1) != 0;
                 s[mt][j][e] = ok ? s[mt][j][e] * scale_log2 : -INFINITY;
               }
           }

@@ -171,6 +171,14 @@ __device__ inline int tile_limit(int64_t x, int hi) {
   return static_cast<int>(imax(-1, imin(hi, x)));
 }
 
+// The bits lo..hi of a 64-bit mask (none where hi < lo), for lo, hi in
+// [-1, 64] (tile_limit's range).
+__device__ inline uint64_t bit_range(int lo, int hi) {
+  lo = lo < 0 ? 0 : lo;
+  hi = hi > 63 ? 63 : hi;
+  return hi < lo ? 0 : (~uint64_t{0} >> (63 - hi)) & (~uint64_t{0} << lo);
+}
+
 // Key padding mask entry of the key at position pos, or nullptr.
 __device__ inline const bool* mask_at(const Problem& p, int64_t b, int64_t pos) {
   return p.key_padding_mask == nullptr ? nullptr
