@@ -13,12 +13,26 @@ namespace ring_attention {
 // positions apart) from its first row: i * stride, or through a row map
 // (map: the run's first entry; step entries between its rows; unit elements
 // a row).
+// A kernel that knows at compile time whether there is a map (MAPPED) reads
+// it with at<MAPPED> and from<MAPPED>: the strided form then carries only
+// the stride.
 struct RunRows {
   int64_t stride;
   const int32_t* map;  // nullptr: no map
   int64_t step, unit;
   RA_HOST_DEVICE int64_t operator()(int64_t i) const {
-    return map == nullptr ? i * stride : (map[i * step] - map[0]) * unit;
+    return map == nullptr ? at<false>(i) : at<true>(i);
+  }
+  template <bool MAPPED>
+  RA_HOST_DEVICE int64_t at(int64_t i) const {
+    if constexpr (MAPPED) return static_cast<int64_t>(map[i * step] - map[0]) * unit;
+    return i * stride;
+  }
+  // The run from its row n on.
+  template <bool MAPPED>
+  RA_HOST_DEVICE RunRows from(int64_t n) const {
+    if constexpr (MAPPED) return {0, map + n * step, step, unit};
+    return *this;
   }
 };
 
@@ -90,9 +104,14 @@ struct BlockParams {
   RA_HOST_DEVICE int64_t q_index(int64_t b, int64_t pos, int64_t h) const {
     return ((b * q_len + (pos - q_start)) * heads + h) * head_dim;
   }
+  // (k_index_as<MAPPED>: for a caller that knows whether k_rows is set.)
   RA_HOST_DEVICE int64_t k_index(int64_t b, int64_t pos, int64_t kvh) const {
+    return k_rows != nullptr ? k_index_as<true>(b, pos, kvh) : k_index_as<false>(b, pos, kvh);
+  }
+  template <bool MAPPED>
+  RA_HOST_DEVICE int64_t k_index_as(int64_t b, int64_t pos, int64_t kvh) const {
     const int64_t row = (pos - k_start) * kv_heads + kvh;
-    if (k_rows != nullptr) return (b * k_count + k_rows[row]) * head_dim;
+    if constexpr (MAPPED) return (b * k_count + k_rows[row]) * head_dim;
     return (b * k_len * kv_heads + row) * head_dim;
   }
   // Elements between the active rows r positions apart of one head. Where
@@ -108,8 +127,13 @@ struct BlockParams {
   // pos on, r positions apart, relative to q_index / k_index of the first.
   RA_HOST_DEVICE RunRows q_run(int64_t r) const { return {q_stride(r), nullptr, 0, 0}; }
   RA_HOST_DEVICE RunRows k_run(int64_t pos, int64_t kvh, int64_t r) const {
-    if (k_rows == nullptr) return {k_stride(r), nullptr, 0, 0};
-    return {0, k_rows + (pos - k_start) * kv_heads + kvh, r * kv_heads, head_dim};
+    return k_rows != nullptr ? k_run_as<true>(pos, kvh, r) : k_run_as<false>(pos, kvh, r);
+  }
+  template <bool MAPPED>
+  RA_HOST_DEVICE RunRows k_run_as(int64_t pos, int64_t kvh, int64_t r) const {
+    if constexpr (MAPPED)
+      return {0, k_rows + (pos - k_start) * kv_heads + kvh, stride(r, k_len, kv_heads), head_dim};
+    return {k_stride(r), nullptr, 0, 0};
   }
   // Elements between the rows of the n active keys u0, u0 + r, ... of K/V
   // head kvh: k_stride(r) without a row map; with one, the rows' spacing

@@ -86,10 +86,11 @@ def main() -> None:
             if loop is None:
                 continue
             c = collections.Counter(opcode(t) for t in loop)
-            # template arguments: Li<int>E, Lb1E (dk/dv) or Lb0E (dq)
-            args = ", ".join(
-                {"Lb1": "dkdv", "Lb0": "dq"}.get(x, x[2:]) for x in m.group(3).split("E") if x
-            )
+            # template arguments: Li<int>E, Lb1E (dk/dv) or Lb0E (dq), the
+            # KeyMap LNS0_6KeyMapE0E (strided) or ...E1E (mapped)
+            targs = re.sub(r"LNS0_6KeyMapE(\d)", r"Lk\1", m.group(3))
+            names = {"Lb1": "dkdv", "Lb0": "dq", "Lk0": "strided", "Lk1": "mapped"}
+            args = ", ".join(names.get(x, x[2:]) for x in targs.split("E") if x)
             counts = " | ".join(str(c[k]) for k in SHOWN)
             print(f"| {m.group(1)} {args} | {len(ins)} | {len(loop)} | {counts} |")
 

@@ -99,18 +99,18 @@ __device__ inline C lse_for_exp(C lse, C unit) {
 
 // The row operands of head slot `slot` of a tile, from its first row: (Q, dO)
 // of heads[slot] (dq), or (K, V) of the K/V head (dkdv, one slot).
-template <typename T, bool DKDV>
+template <typename T, bool DKDV, KeyMap M>
 struct Rows {
   const T *r1, *r2;
   const bool* mask;  // key padding flags of the key rows (dkdv), or nullptr
   RunRows at;        // offsets of the active rows from the first
   __device__ Rows(const Problem& p, const Tile& t, int slot) {
     if (DKDV) {
-      const int64_t ko = p.k_index(t.b, t.k.first, t.kvh);
+      const int64_t ko = key_index<M>(p, t.b, t.k.first, t.kvh);
       r1 = static_cast<const T*>(p.k) + ko;
       r2 = static_cast<const T*>(p.v) + ko;
       mask = mask_at(p, t.b, t.k.first);
-      at = p.k_run(t.k.first, t.kvh, p.r);
+      at = key_run<M>(p, t.k.first, t.kvh, p.r);
     } else {
       const int64_t qo = p.q_index(t.b, t.q.first, t.heads[slot]);
       r1 = static_cast<const T*>(p.q) + qo;
@@ -123,7 +123,7 @@ struct Rows {
 
 // The column operands of a tile from column c0: (K, V) of the K/V head (dq),
 // or (Q, dO) of query head hq (dkdv).
-template <typename T, bool DKDV>
+template <typename T, bool DKDV, KeyMap M>
 struct Columns {
   const T *c1, *c2;
   const bool* mask;  // key padding flags of the key columns (dq), or nullptr
@@ -137,11 +137,11 @@ struct Columns {
       at = p.q_run(p.r);
     } else {
       const int64_t pos = t.k.first + c0 * p.r;
-      const int64_t ko = p.k_index(t.b, pos, t.kvh);
+      const int64_t ko = key_index<M>(p, t.b, pos, t.kvh);
       c1 = static_cast<const T*>(p.k) + ko;
       c2 = static_cast<const T*>(p.v) + ko;
       mask = mask_at(p, t.b, pos);
-      at = p.k_run(pos, t.kvh, p.r);
+      at = key_run<M>(p, pos, t.kvh, p.r);
     }
   }
 };
@@ -153,11 +153,11 @@ __device__ inline int64_t row_stat(const Problem& p, const Tile& t, int slot, in
 
 // Output row m of head slot `slot`: dq (dq mode) or dk / dv (dkdv mode,
 // second = dv). The block owns it: dq += scale a1, dk += scale a1, dv += a2.
-template <typename C, bool DKDV>
+template <typename C, bool DKDV, KeyMap M>
 __device__ inline C* out_row(const Problem& p, const Tile& t, int slot, int64_t m, bool second) {
   if (DKDV) {
     C* base = static_cast<C*>(second ? p.dv : p.dk);
-    return base + p.k_index(t.b, t.k.first + m * p.r, t.kvh);
+    return base + key_index<M>(p, t.b, t.k.first + m * p.r, t.kvh);
   }
   return static_cast<C*>(p.dq) + p.q_index(t.b, t.q.first + m * p.r, t.heads[slot]);
 }
@@ -190,7 +190,7 @@ __global__ void __launch_bounds__(kThreads) bwd_simt_kernel(const Problem p) {
   Span sp;
   for (BlockTiles<DKDV> tiles(p); tiles.next(t);) {
     if (!decode_span<DKDV>(p, t, sp)) continue;
-    const Rows<T, DKDV> rows(p, t, slot);
+    const Rows<T, DKDV, KeyMap::kEither> rows(p, t, slot);
     C r1[ROWS][NPL], r2[ROWS][NPL], a1[ROWS][NPL], a2[ROWS][NPL], row_lse[ROWS], row_delta[ROWS];
     bool rok[ROWS];
 #pragma unroll
@@ -214,7 +214,7 @@ __global__ void __launch_bounds__(kThreads) bwd_simt_kernel(const Problem p) {
       if (!column_head<DKDV>(p, t, hq)) continue;
       for (int64_t c0 = sp.c_begin; c0 < sp.c_end; c0 += 32) {
         const int nvalid = static_cast<int>(imin(32, sp.c_end - c0));
-        const Columns<T, DKDV> cols(p, t, hq, c0);
+        const Columns<T, DKDV, KeyMap::kEither> cols(p, t, hq, c0);
         __syncthreads();  // the previous column tile fully consumed
         load_rows_simt<T, C>(c1s, LDC, dpr, cols.c1, cols.at, nvalid, cols.mask, p.r, D);
         load_rows_simt<T, C>(c2s, LDC, dpr, cols.c2, cols.at, nvalid, cols.mask, p.r, D);
@@ -264,8 +264,8 @@ __global__ void __launch_bounds__(kThreads) bwd_simt_kernel(const Problem p) {
 #pragma unroll
     for (int i = 0; i < ROWS; ++i) {
       if (m[i] >= sp.nrows) continue;
-      C* o1 = out_row<C, DKDV>(p, t, slot, m[i], false);
-      C* o2 = DKDV ? out_row<C, DKDV>(p, t, slot, m[i], true) : nullptr;
+      C* o1 = out_row<C, DKDV, KeyMap::kEither>(p, t, slot, m[i], false);
+      C* o2 = DKDV ? out_row<C, DKDV, KeyMap::kEither>(p, t, slot, m[i], true) : nullptr;
 #pragma unroll
       for (int j = 0; j < NPL; ++j) {
         const int d = lane + 32 * j;
@@ -310,7 +310,7 @@ struct ColumnSteps {
   }
 };
 
-template <typename T, int DP, bool DKDV>
+template <typename T, int DP, bool DKDV, KeyMap M>
 __global__ void __launch_bounds__(kThreads) bwd_mma_kernel(__grid_constant__ const Problem p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
   __trap();  // host only launches this on sm_80+
@@ -318,6 +318,10 @@ __global__ void __launch_bounds__(kThreads) bwd_mma_kernel(__grid_constant__ con
   constexpr int BM = 64, BN = mma_cols<DP>(), LD = DP + 8;
   constexpr int NJ = BN / 8, ND = DP / 8, NA = DKDV ? ND : 1;
   constexpr uint64_t kAllCols = ~uint64_t{0} >> (64 - BN);
+  static_assert(M != KeyMap::kEither);
+  // The K/V rows are the row operands (dkdv) or the column operands (dq).
+  constexpr bool kRowsMapped = DKDV && M == KeyMap::kMapped;
+  constexpr bool kColsMapped = !DKDV && M == KeyMap::kMapped;
   RING_ATTENTION_DYNAMIC_SMEM(smem);
   uint16_t* r1s = reinterpret_cast<uint16_t*>(smem);                 // BM x LD
   uint16_t* r2s = r1s + BM * LD;                                     // BM x LD
@@ -344,11 +348,11 @@ __global__ void __launch_bounds__(kThreads) bwd_mma_kernel(__grid_constant__ con
     if (!decode_span<DKDV>(p, t, sp)) continue;
     __syncthreads();  // the previous tile's rows fully read
     for (int j = 0; j < p.pack; ++j) {
-      const Rows<uint16_t, DKDV> rows(p, t, j);
+      const Rows<uint16_t, DKDV, M> rows(p, t, j);
       uint16_t* r1t = r1s + j * rph * LD;
       uint16_t* r2t = r2s + j * rph * LD;
-      load_rows16<DP, BM>({r1t, r2t}, LD, rph, {rows.r1, rows.r2}, rows.at, sp.nrows, rows.mask,
-                          p.r, D, p.vec);
+      load_rows16<DP, BM, kRowsMapped>({r1t, r2t}, LD, rph, {rows.r1, rows.r2}, rows.at, sp.nrows,
+                                       rows.mask, p.r, D, p.vec);
     }
 
     // Column step `cs` into stage st: C1, C2 (one cp.async group), the bit
@@ -357,9 +361,10 @@ __global__ void __launch_bounds__(kThreads) bwd_mma_kernel(__grid_constant__ con
     // the stage once the step before has been computed.
     const auto stage_cols = [&](const ColumnSteps<DKDV, BN>& cs, int st, float& cl, float& cd) {
       const int nvalid = static_cast<int>(imin(BN, sp.c_end - cs.c0));
-      const Columns<uint16_t, DKDV> cols(p, t, cs.hq, cs.c0);
-      load_rows16<DP, BN>({c1s + st * BN * LD, c2s + st * BN * LD}, LD, BN, {cols.c1, cols.c2},
-                          cols.at, nvalid, cols.mask, p.r, D, p.vec);
+      const Columns<uint16_t, DKDV, M> cols(p, t, cs.hq, cs.c0);
+      load_rows16<DP, BN, kColsMapped>({c1s + st * BN * LD, c2s + st * BN * LD}, LD, BN,
+                                       {cols.c1, cols.c2}, cols.at, nvalid, cols.mask, p.r, D,
+                                       p.vec);
       cp_async_commit();
       if (warp == 0) {
         const uint32_t lo = __ballot_sync(kFull, row_ok(lane, nvalid, cols.mask, p.r));
@@ -383,7 +388,7 @@ __global__ void __launch_bounds__(kThreads) bwd_mma_kernel(__grid_constant__ con
     }
 
     // This thread's rows m0 + g + 8 * i of its slot.
-    const Rows<uint16_t, DKDV> rows(p, t, slot);
+    const Rows<uint16_t, DKDV, M> rows(p, t, slot);
     bool rok[2];
     float row_lse[2], row_delta[2];
 #pragma unroll
@@ -508,8 +513,8 @@ __global__ void __launch_bounds__(kThreads) bwd_mma_kernel(__grid_constant__ con
     for (int i = 0; i < 2; ++i) {
       const int m = m0 + g + 8 * i;
       if (m >= sp.nrows) continue;
-      float* o1 = out_row<float, DKDV>(p, t, slot, m, false);
-      float* o2 = DKDV ? out_row<float, DKDV>(p, t, slot, m, true) : nullptr;
+      float* o1 = out_row<float, DKDV, M>(p, t, slot, m, false);
+      float* o2 = DKDV ? out_row<float, DKDV, M>(p, t, slot, m, true) : nullptr;
 #pragma unroll
       for (int j = 0; j < ND; ++j)
 #pragma unroll
@@ -548,12 +553,19 @@ void dispatch_simt(const Problem& p, at::IntArrayRef segs, at::IntArrayRef dils)
   launch_simt<T, C, 8>(p, segs, dils);
 }
 
-template <typename T, int DP>
+template <typename T, int DP, KeyMap M>
 void launch_mma(const Problem& p, at::IntArrayRef segs, at::IntArrayRef dils) {
   if (p.dq != nullptr)
-    launch_branches(bwd_mma_kernel<T, DP, false>, p, segs, dils, false, 64, mma_smem<DP, false>());
+    launch_branches(bwd_mma_kernel<T, DP, false, M>, p, segs, dils, false, 64,
+                    mma_smem<DP, false>());
   if (p.dk != nullptr)
-    launch_branches(bwd_mma_kernel<T, DP, true>, p, segs, dils, true, 64, mma_smem<DP, true>());
+    launch_branches(bwd_mma_kernel<T, DP, true, M>, p, segs, dils, true, 64, mma_smem<DP, true>());
+}
+
+template <typename T, int DP>
+void launch_mma(const Problem& p, at::IntArrayRef segs, at::IntArrayRef dils) {
+  if (key_map_of(p) == KeyMap::kMapped) return launch_mma<T, DP, KeyMap::kMapped>(p, segs, dils);
+  launch_mma<T, DP, KeyMap::kStrided>(p, segs, dils);
 }
 
 template <typename T>

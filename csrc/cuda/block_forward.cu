@@ -138,13 +138,14 @@ __global__ void __launch_bounds__(kThreads) fwd_simt_kernel(const Problem p) {
 // ------------------------------------------------------------ tensor cores
 // Each warp owns MT m-tiles of 16 query rows (BM = 64 MT rows a block): every
 // K / V fragment it loads from shared memory serves MT m-tiles. BN keys a
-// tile (at most 64).
-template <typename T, int DP, int MT, int BN>
+// tile (at most 64). M: strided or mapped K/V rows (common.cuh, KeyMap).
+template <typename T, int DP, int MT, int BN, KeyMap M>
 __global__ void __launch_bounds__(kThreads) fwd_mma_kernel(__grid_constant__ const Problem p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
   __trap();  // host only launches this on sm_80+
 #else
-  static_assert(BN % 16 == 0 && BN <= 64);
+  static_assert(BN % 16 == 0 && BN <= 64 && M != KeyMap::kEither);
+  constexpr bool kMapped = M == KeyMap::kMapped;
   constexpr int BM = 64 * MT, LD = DP + 8, NJ = BN / 8, ND = DP / 8;
   constexpr uint64_t kAllKeys = ~uint64_t{0} >> (64 - BN);
   RING_ATTENTION_DYNAMIC_SMEM(smem);
@@ -179,15 +180,16 @@ __global__ void __launch_bounds__(kThreads) fwd_mma_kernel(__grid_constant__ con
     // its reached keys as a bit mask in kbits[st] (bit c: key n0 + c). Key n0
     // is n0 active rows past the tile's first (offsets from it: the index
     // products once per tile of rows, not per key tile).
-    const int64_t k_first = p.k_index(t.b, t.k.first, t.kvh);
-    const RunRows keys = p.k_run(t.k.first, t.kvh, p.r);
+    const int64_t k_first = key_index<M>(p, t.b, t.k.first, t.kvh);
+    const RunRows keys = key_run<M>(p, t.k.first, t.kvh, p.r);
     const bool* mk_first = mask_at(p, t.b, t.k.first);
     const auto stage_keys = [&](int64_t n0, int st) {
       const int nvalid = static_cast<int>(imin(BN, nk - n0));
       const bool* mk = mk_first == nullptr ? nullptr : mk_first + n0 * p.r;
-      const int64_t off = k_first + keys(n0);
-      load_rows16<DP, BN>({ks + st * BN * LD, vs + st * BN * LD}, LD, BN, {k + off, v + off},
-                          p.k_run(t.k.first + n0 * p.r, t.kvh, p.r), nvalid, mk, p.r, D, p.vec);
+      const int64_t off = k_first + keys.at<kMapped>(n0);
+      load_rows16<DP, BN, kMapped>({ks + st * BN * LD, vs + st * BN * LD}, LD, BN,
+                                   {k + off, v + off}, keys.from<kMapped>(n0), nvalid, mk, p.r, D,
+                                   p.vec);
       cp_async_commit();
       if (warp == 0) {
         const uint32_t lo = __ballot_sync(kFull, row_ok(lane, nvalid, mk, p.r));
@@ -196,8 +198,9 @@ __global__ void __launch_bounds__(kThreads) fwd_mma_kernel(__grid_constant__ con
       }
     };
     for (int j = 0; j < p.pack; ++j) {
-      load_rows16<DP, BM>({qs + j * rph * LD}, LD, rph, {q + p.q_index(t.b, t.q.first, t.heads[j])},
-                          q_rows, nrows, nullptr, 0, D, p.vec);
+      load_rows16<DP, BM, false>({qs + j * rph * LD}, LD, rph,
+                                 {q + p.q_index(t.b, t.q.first, t.heads[j])}, q_rows, nrows,
+                                 nullptr, 0, D, p.vec);
     }
     stage_keys(0, 0);  // with the query tile: the first group
 
@@ -260,25 +263,27 @@ __global__ void __launch_bounds__(kThreads) fwd_mma_kernel(__grid_constant__ con
 #pragma unroll
               for (int e = 0; e < 4; ++e) s[mt][j][e] *= scale_log2;
           } else {
-            // Causal: key column c of the tile reaches row i iff c <= lim[i];
-            // windowed: iff band_lo[i] <= c <= band_hi[i]; bit c - 2 tg of
-            // km: key c reached.
-            int lim[2], band_lo[2], band_hi[2];
+            // Causal or windowed: key column c of the tile reaches row i iff
+            // lo <= c <= hi (causal: the window's right bound is 0, its left
+            // one the block's whole reach); with the tile's reached keys one
+            // bit mask a row, so that a score costs one bit test (tested per
+            // score, the bounds compiled to a branch around every score).
+            // Bit c of reach[i]: key column c + 2 tg reaches row i.
+            uint64_t reach[2];
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
               const int64_t diag = first_reach + 16 * mt + g + 8 * i - n0 - 2 * tg;
-              lim[i] = tile_limit(diag, BN);
-              band_lo[i] = tile_limit(diag - p.band_l, BN);
-              band_hi[i] = tile_limit(diag + p.band_r, BN);
+              reach[i] = kmask >> (2 * tg);
+              if (p.causal || p.windowed)
+                reach[i] &=
+                    bit_range(tile_limit(diag - p.band_l, BN), tile_limit(diag + p.band_r, BN));
             }
-            const uint64_t km = kmask >> (2 * tg);
 #pragma unroll
             for (int j = 0; j < NJ; ++j)
 #pragma unroll
               for (int e = 0; e < 4; ++e) {
                 const int c = j * 8 + (e & 1);  // the column less 2 tg
-                const bool ok = (km >> c & 1) != 0 && (!p.causal || c <= lim[e >> 1]) &&
-                                (!p.windowed || (c >= band_lo[e >> 1] && c <= band_hi[e >> 1]));
+                const bool ok = (reach[e >> 1] >> c & 1) != 0;
                 s[mt][j][e] = ok ? s[mt][j][e] * scale_log2 : -INFINITY;
               }
           }
@@ -413,7 +418,12 @@ template <typename T, int DP>
 void launch_mma(const Problem& p, at::IntArrayRef segs, at::IntArrayRef dils) {
   constexpr int MT = mma_m_tiles<DP>(), BM = 64 * MT, BN = mma_keys<DP>();
   const size_t smem = (BM + 4 * BN) * (DP + 8) * sizeof(uint16_t) + 2 * sizeof(uint64_t) + BN;
-  launch_branches(fwd_mma_kernel<T, DP, MT, BN>, p, segs, dils, false, BM, smem);
+  if (key_map_of(p) == KeyMap::kMapped) {
+    launch_branches(fwd_mma_kernel<T, DP, MT, BN, KeyMap::kMapped>, p, segs, dils, false, BM, smem);
+  } else {
+    launch_branches(fwd_mma_kernel<T, DP, MT, BN, KeyMap::kStrided>, p, segs, dils, false, BM,
+                    smem);
+  }
 }
 
 template <typename T>

@@ -171,10 +171,39 @@ __device__ inline int tile_limit(int64_t x, int hi) {
   return static_cast<int>(imax(-1, imin(hi, x)));
 }
 
+// The bits lo..hi of a 64-bit mask (none where hi < lo), for lo, hi in
+// [-1, 64] (tile_limit's range).
+__device__ inline uint64_t bit_range(int lo, int hi) {
+  lo = lo < 0 ? 0 : lo;
+  hi = hi > 63 ? 63 : hi;
+  return hi < lo ? 0 : (~uint64_t{0} >> (63 - hi)) & (~uint64_t{0} << lo);
+}
+
 // Key padding mask entry of the key at position pos, or nullptr.
 __device__ inline const bool* mask_at(const Problem& p, int64_t b, int64_t pos) {
   return p.key_padding_mask == nullptr ? nullptr
                                        : p.key_padding_mask + b * p.k_len + (pos - p.k_start);
+}
+
+// How a kernel addresses the K/V rows (params.h): strided or through the row
+// map, known at compile time (the tensor-core kernels: one instantiation each,
+// chosen at launch by key_map_of), or read from k_rows at run time (SIMT).
+enum class KeyMap { kStrided, kMapped, kEither };
+
+__host__ inline KeyMap key_map_of(const Problem& p) {
+  return p.k_rows != nullptr ? KeyMap::kMapped : KeyMap::kStrided;
+}
+
+// k_index and k_run of p for a kernel addressing keys as M.
+template <KeyMap M>
+__device__ inline int64_t key_index(const Problem& p, int64_t b, int64_t pos, int64_t kvh) {
+  if constexpr (M == KeyMap::kEither) return p.k_index(b, pos, kvh);
+  return p.k_index_as<M == KeyMap::kMapped>(b, pos, kvh);
+}
+template <KeyMap M>
+__device__ inline RunRows key_run(const Problem& p, int64_t pos, int64_t kvh, int64_t r) {
+  if constexpr (M == KeyMap::kEither) return p.k_run(pos, kvh, r);
+  return p.k_run_as<M == KeyMap::kMapped>(pos, kvh, r);
 }
 
 // Row i of a tile (mask[i * mstride] is its padding flag) holds a reached row.
@@ -274,8 +303,10 @@ __device__ inline C dot_bcast(const C (&x)[NPL], const C* y, int D) {
 // one chunk column of every kThreads / chunks-th row, the offset advanced by
 // one add a row (the index arithmetic per chunk, rematerialized under the
 // kernels' register pressure, cost about 45 instructions a chunk); rows
-// through a row map read it instead.
-template <int DP, int MAX_ROWS, int N>
+// through a row map (MAPPED) advance a pointer into the map instead, 32-bit
+// differences of its entries scaled once a row (entries past nvalid, which
+// may lie past the map's end, are not read).
+template <int DP, int MAX_ROWS, bool MAPPED, int N>
 __device__ inline void load_rows16(uint16_t* const (&s)[N], int ld, int rows,
                                    const uint16_t* const (&src)[N], RunRows at, int nvalid,
                                    const bool* mask, int64_t mstride, int D, bool vec) {
@@ -303,17 +334,28 @@ __device__ inline void load_rows16(uint16_t* const (&s)[N], int ld, int rows,
   if constexpr (kThreads % kChunks == 0) {
     constexpr int kStep = kThreads / kChunks;  // rows between a thread's chunks
     const int i0 = threadIdx.x / kChunks, c = (threadIdx.x % kChunks) * 8;
-    int64_t off = i0 * at.stride + c;
+    if constexpr (MAPPED) {
+      const int32_t first = at.map[0];
+      const int32_t* m = at.map + i0 * at.step;
 #pragma unroll
-    for (int k = 0; k < (MAX_ROWS + kStep - 1) / kStep; ++k, off += kStep * at.stride) {
-      const int i = i0 + k * kStep;
-      if (i >= rows) break;
-      copy(i, c, at.map == nullptr ? off : at(i) + c);
+      for (int k = 0; k < (MAX_ROWS + kStep - 1) / kStep; ++k, m += kStep * at.step) {
+        const int i = i0 + k * kStep;
+        if (i >= rows) break;
+        copy(i, c, i < nvalid ? static_cast<int64_t>(*m - first) * at.unit + c : 0);
+      }
+    } else {
+      int64_t off = i0 * at.stride + c;
+#pragma unroll
+      for (int k = 0; k < (MAX_ROWS + kStep - 1) / kStep; ++k, off += kStep * at.stride) {
+        const int i = i0 + k * kStep;
+        if (i >= rows) break;
+        copy(i, c, off);
+      }
     }
   } else {
     for (int idx = threadIdx.x; idx < rows * kChunks; idx += kThreads) {
       const int i = idx / kChunks, c = (idx % kChunks) * 8;
-      copy(i, c, at(i) + c);
+      copy(i, c, i < nvalid ? at.at<MAPPED>(i) + c : 0);
     }
   }
 }
