@@ -326,10 +326,10 @@ def _call_of(
     message, pattern, error, far = None, None, spec.error, 0
     if error is None:
         try:
-            far = far_bytes(q.device.type)
             pattern = _documents.pattern(key, spec.pattern, documents)
             check_layout(spec.layout)
             shape = check_qkv(q, k, v)
+            far = far_bytes(q.device.type)
             pattern.check_heads(shape.heads)
             scale = resolve_scale(spec.scale, shape.head_dim)
             if n is None:
