@@ -19,6 +19,7 @@ __all__ = [
     "DENSE_BACKEND",
     "DENSE_BACKENDS",
     "EMULATOR_SANITIZE",
+    "FAR_BYTES",
     "FORWARD",
     "KNOBS",
     "MODES",
@@ -27,6 +28,7 @@ __all__ = [
     "backward_mode",
     "dense_backend",
     "emulator_sanitize",
+    "far_bytes",
     "forward_mode",
     "window_rows",
 ]
@@ -36,6 +38,7 @@ BACKWARD = "RING_ATTENTION_BACKWARD"
 DENSE_BACKEND = "RING_ATTENTION_DENSE_BACKEND"
 WINDOW_ROWS = "RING_ATTENTION_DENSE_WINDOW_ROWS"
 EMULATOR_SANITIZE = "RING_ATTENTION_EMULATOR_SANITIZE"
+FAR_BYTES = "RING_ATTENTION_FAR_BYTES"
 
 #: ``auto``: the table of ring_attention/dispatch.py; ``kernel``: always our
 #: kernels; ``dense``: the per-branch dense backends wherever one can run the
@@ -83,6 +86,13 @@ KNOBS = (
         "an integer >= 1",
         "131072",
         "the fewest rows of a window of the per-branch path (its buffers: about n / 16 rows)",
+    ),
+    Knob(
+        FAR_BYTES,
+        "off, auto, or an integer >= 0",
+        "off",
+        "the ring's transfers of at most this many K/V bytes travel in one batch per pass, "
+        "posted first (auto: latency x bandwidth of the planner's link, 500 kB on cuda)",
     ),
     Knob(
         EMULATOR_SANITIZE,
@@ -134,6 +144,31 @@ def window_rows() -> int:
     """``RING_ATTENTION_DENSE_WINDOW_ROWS``: the fewest rows a window of the
     per-branch path holds (default 131072; windows are about n / 16 rows)."""
     return _rows(_get(WINDOW_ROWS, "131072"))
+
+
+@functools.cache
+def _far(raw: str, device_type: str) -> int:
+    if raw == "off":
+        return 0
+    if raw == "auto":
+        from .planner.timing import LINKS  # the planner's assumed links
+
+        return LINKS["cuda" if device_type == "cuda" else "cpu"][0].far_bytes
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0 or str(value) != raw.strip():
+        raise ValueError(f"{FAR_BYTES} must be off, auto or an integer >= 0, got {raw!r}")
+    return value
+
+
+def far_bytes(device_type: str) -> int:
+    """``RING_ATTENTION_FAR_BYTES`` for tensors on ``device_type``: the
+    ring's transfers of at most this many K/V bytes travel in one far group
+    per pass (0: ``off``, the default; ``auto``: the planner's latency x
+    bandwidth, ring_attention/planner/timing.py)."""
+    return _far(_get(FAR_BYTES, "off"), device_type)
 
 
 def emulator_sanitize() -> list[str]:

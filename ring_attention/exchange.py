@@ -38,7 +38,7 @@ Every posted batch of operations is reported as an :class:`ExchangeEvent` to
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
@@ -185,8 +185,9 @@ _PHASE_TAG = {"forward_kv": 0, "backward_kv": 1, "backward_grad": 2}
 
 
 class Transfer:
-    """The posted operations of one step; ``wait()`` returns the received
-    buffer (on the compute device) or ``None`` when nothing was received."""
+    """The posted operations of one step (or of the far group); ``wait()``
+    returns the received buffer (on the compute device) or ``None`` when
+    nothing was received."""
 
     def __init__(self, works: list, keep: list, recv, device: torch.device) -> None:
         self._works = works
@@ -229,6 +230,13 @@ class Exchanger:
         batch, head_dim: of the inputs.
         role: the pass (``"forward"``/``"backward"``) its buffers are counted
             under in ``last_exchange_stats.buffer_bytes``.
+        far_bytes: the transfers of at most this many K/V bytes travel in the
+            far group (:meth:`post_far_kv`), the others in their ring steps
+            (:attr:`steps`); both ends of a transfer count the same bytes.
+
+    Attributes:
+        steps: the ring steps: the plan's, less their far transfers.
+        far_steps: the far transfers, as steps (a send, a receive or both).
     """
 
     def __init__(
@@ -241,6 +249,7 @@ class Exchanger:
         batch: int,
         head_dim: int,
         role: str = "forward",
+        far_bytes: int = 0,
     ) -> None:
         self.plan = plan
         self.role = role
@@ -258,8 +267,12 @@ class Exchanger:
             (sum(sp.rows for sp in spans if not sp.whole) for spans in self.spans.values()),
             default=0,
         )
-        sends = [s.send_rows for s in plan.steps if s.send_rows]
-        recvs = [s.recv_rows for s in plan.steps if s.recv_rows]
+        self.steps, self.far_steps = self._split(plan.steps, far_bytes)
+        self._near = {s.distance: s for s in self.steps}
+        sends = [s.send_rows for s in self.steps if s.send_rows]
+        recvs = [s.recv_rows for s in self.steps if s.recv_rows]
+        far_sent = sum(s.send_rows for s in self.far_steps)
+        far_received = sum(s.recv_rows for s in self.far_steps)
         # packed buffer kind -> (capacity in rows, slots, dtype, device). A send
         # buffer is free once its step is waited for, before the next post: one
         # slot. Received K/V (read while the next step arrives) and gradients
@@ -271,8 +284,36 @@ class Exchanger:
             "recv_kv": (max(recvs, default=0), min(2, len(recvs)), self.dtype, self.comm_dev),
             "send_grad": (max(recvs, default=0), min(2, len(recvs)), self.acc, device),
             "recv_grad": (max(sends, default=0), min(2, len(sends)), self.acc, self.comm_dev),
+            # the far group: every far row at once, one slot
+            "far_send_kv": (far_sent, 1, self.dtype, device),
+            "far_recv_kv": (far_received, 1, self.dtype, self.comm_dev),
+            "far_send_grad": (far_received, 1, self.acc, device),
+            "far_recv_grad": (far_sent, 1, self.acc, self.comm_dev),
         }
         self._bufs: dict[tuple[str, int], torch.Tensor] = {}
+
+    def _split(
+        self, steps: Sequence[Step], far_bytes: int
+    ) -> tuple[tuple[Step, ...], tuple[Step, ...]]:
+        """``(ring steps, far steps)``: every transfer of at most
+        ``far_bytes`` K/V bytes goes to the far group, a step keeping the
+        direction that does not."""
+        row = 2 * self.B * self.D * self.dtype.itemsize
+        near, far = [], []
+        for s in steps:
+            fs = s.send_to is not None and s.send_rows * row <= far_bytes
+            fr = s.recv_from is not None and s.recv_rows * row <= far_bytes
+            if fs or fr:
+                far.append(_only(s, fs, fr))
+            if not (fs or fr):
+                near.append(s)
+            elif (s.send_to is not None and not fs) or (s.recv_from is not None and not fr):
+                near.append(_only(s, not fs, not fr))
+        return tuple(near), tuple(far)
+
+    def step_for(self, distance: int) -> Step | None:
+        """The ring step at ``distance`` (``None``: none, or all of it far)."""
+        return self._near.get(distance)
 
     def _spans(self, step: Step) -> list[_Span]:
         """The :class:`_Span` of every sender piece of ``step``."""
@@ -387,27 +428,39 @@ class Exchanger:
         """Post ``send = (peer, buffer, rows)`` and ``recv = (peer, buffer,
         rows)`` (either ``None``; empty buffers are skipped) as one batch and
         report the event."""
-        tag = 3 * distance + _PHASE_TAG[phase]
-        ops = []
-        to = frm = send_buf = recv_buf = None
-        rows_out = rows_in = 0
         if send is not None and send[1].numel():
-            to, send_buf, rows_out = send[0], send[1].to(self.comm_dev), send[2]
-            ops.append(dist.P2POp(dist.isend, send_buf, self.peers[to], self.group, tag))
-        if recv is not None and recv[1].numel():
-            frm, recv_buf, rows_in = recv
-            ops.append(dist.P2POp(dist.irecv, recv_buf, self.peers[frm], self.group, tag))
-        works = dist.batch_isend_irecv(ops) if ops else []
+            send = (send[0], send[1].to(self.comm_dev), send[2])
+        recv_buf = recv[1] if recv is not None and recv[1].numel() else None
+        works, keep = self._batch(phase, [(distance, send, recv)])
+        return Transfer(works, keep, recv_buf, self.device)
+
+    def _batch(self, phase: str, transfers) -> tuple[list, list]:
+        """Post the ``(distance, send, recv)`` transfers (buffers on the
+        transport's device) as one batch; report an event per transfer.
+        Returns the works and the buffers to keep alive."""
+        ops, keep = [], []
 
         def nbytes(t: torch.Tensor | None) -> int:
             return 0 if t is None else t.numel() * t.element_size()
 
-        _emit(
-            ExchangeEvent(
-                phase, distance, to, frm, rows_out, rows_in, nbytes(send_buf), nbytes(recv_buf)
+        for distance, send, recv in transfers:
+            tag = 3 * distance + _PHASE_TAG[phase]
+            to = frm = send_buf = recv_buf = None
+            rows_out = rows_in = 0
+            if send is not None and send[1].numel():
+                to, send_buf, rows_out = send
+                ops.append(dist.P2POp(dist.isend, send_buf, self.peers[to], self.group, tag))
+            if recv is not None and recv[1].numel():
+                frm, recv_buf, rows_in = recv
+                ops.append(dist.P2POp(dist.irecv, recv_buf, self.peers[frm], self.group, tag))
+            keep += [send_buf, recv_buf]
+            _emit(
+                ExchangeEvent(
+                    phase, distance, to, frm, rows_out, rows_in, nbytes(send_buf), nbytes(recv_buf)
+                )
             )
-        )
-        return Transfer(works or [], [send_buf, recv_buf], recv_buf, self.device)
+        works = dist.batch_isend_irecv(ops) if ops else []
+        return works or [], keep
 
     def post_kv(self, phase: str, step: Step, slot: int, ks, vs) -> Transfer:
         """Send this rank's K/V rows that ``step.send_to`` needs (``ks``/``vs``:
@@ -459,8 +512,11 @@ class Exchanger:
         """Wait for this rank's returned dK/dV rows and add them into ``dks``/``dvs``
         (every row of a piece: a plain add)."""
         packed = transfer.wait()
-        if packed is None:
-            return
+        if packed is not None:
+            self._add_home(packed, step, dks, dvs)
+
+    def _add_home(self, packed: torch.Tensor, step: Step, dks, dvs) -> None:
+        """Add the returned dK/dV rows of ``step`` (``packed``) into ``dks``/``dvs``."""
         send_idx, _ = self.idx[step.distance]
         for j, ix, krows, vrows in self._chunks(packed, send_idx):
             for rows, t in ((krows, dks[j]), (vrows, dvs[j])):
@@ -468,3 +524,115 @@ class Exchanger:
                     self._rows(t).add_(rows)
                 else:
                     self._rows(t).index_add_(1, ix, rows)
+
+    # -- the far group ---------------------------------------------------
+    def _far_slices(self, packed: torch.Tensor | None, attr: str) -> list[torch.Tensor | None]:
+        """Per far step, its slice of the far group's ``packed`` buffer
+        (``attr``: ``"send_rows"`` or ``"recv_rows"``; ``None`` for a step
+        without rows of that direction)."""
+        out, off = [], 0
+        for step in self.far_steps:
+            n = 2 * self.B * getattr(step, attr) * self.D
+            out.append(packed[off : off + n] if n and packed is not None else None)
+            off += n
+        return out
+
+    def post_far_kv(self, phase: str, ks, vs) -> Transfer | None:
+        """Post every far transfer of K/V rows as one batch (``None`` when
+        there is none): this rank's rows the far peers need go out, the rows
+        it needs from them come in."""
+        if not self.far_steps:
+            return None
+        sent = sum(s.send_rows for s in self.far_steps)
+        received = sum(s.recv_rows for s in self.far_steps)
+        send_buf = self._packed("far_send_kv", 0, sent) if sent else None
+        for step, out in zip(self.far_steps, self._far_slices(send_buf, "send_rows"), strict=True):
+            if out is not None:
+                self._pack(out, ks, vs, self.idx[step.distance][0])
+        if send_buf is not None:
+            send_buf = send_buf.to(self.comm_dev)
+        recv_buf = self._packed("far_recv_kv", 0, received) if received else None
+        transfers = [
+            (
+                step.distance,
+                None if o is None else (step.send_to, o, step.send_rows),
+                None if i is None else (step.recv_from, i, step.recv_rows),
+            )
+            for step, o, i in zip(
+                self.far_steps,
+                self._far_slices(send_buf, "send_rows"),
+                self._far_slices(recv_buf, "recv_rows"),
+                strict=True,
+            )
+        ]
+        works, keep = self._batch(phase, transfers)
+        return Transfer(works, keep, recv_buf, self.device)
+
+    def far_received(self, packed: torch.Tensor | None) -> list[tuple[Step, torch.Tensor]]:
+        """``(step, packed rows)`` of every far step that received rows (the
+        far group's waited buffer ``packed``): :meth:`unpack_kv` reads them."""
+        slices = self._far_slices(packed, "recv_rows")
+        return [(s, p) for s, p in zip(self.far_steps, slices, strict=True) if p is not None]
+
+    def far_grad_views(self) -> list[tuple[Step, list, list]]:
+        """``(step, dK views, dV views)`` of every far step that received
+        rows, into the far group's zeroed return buffer (as :meth:`grad_views`)."""
+        received = sum(s.recv_rows for s in self.far_steps)
+        if not received:
+            return []
+        packed = self._packed("far_send_grad", 0, received).zero_()
+        out = []
+        for step, p in zip(self.far_steps, self._far_slices(packed, "recv_rows"), strict=True):
+            if p is not None:
+                dkp, dvp, _ = self._piece_views(p, step)
+                out.append((step, dkp, dvp))
+        return out
+
+    def post_far_grad(self) -> Transfer | None:
+        """Return the dK/dV of every far step's received rows to their
+        owners (the buffer :meth:`far_grad_views` handed out) and receive
+        this rank's own rows' dK/dV, as one batch (``None``: no far step)."""
+        if not self.far_steps:
+            return None
+        sent = sum(s.send_rows for s in self.far_steps)
+        received = sum(s.recv_rows for s in self.far_steps)
+        back = self._packed("far_send_grad", 0, received) if received else None
+        if back is not None:
+            back = back.to(self.comm_dev)
+        home = self._packed("far_recv_grad", 0, sent) if sent else None
+        transfers = [
+            (
+                step.distance,
+                None if o is None else (step.recv_from, o, step.recv_rows),
+                None if i is None else (step.send_to, i, step.send_rows),
+            )
+            for step, o, i in zip(
+                self.far_steps,
+                self._far_slices(back, "recv_rows"),
+                self._far_slices(home, "send_rows"),
+                strict=True,
+            )
+        ]
+        works, keep = self._batch("backward_grad", transfers)
+        return Transfer(works, keep, home, self.device)
+
+    def finish_far_grad(self, transfer: Transfer | None, dks, dvs) -> None:
+        """Wait for the far group's returned dK/dV of this rank's rows and
+        add them into ``dks``/``dvs``."""
+        packed = None if transfer is None else transfer.wait()
+        for step, p in zip(self.far_steps, self._far_slices(packed, "send_rows"), strict=True):
+            if p is not None:
+                self._add_home(p, step, dks, dvs)
+
+
+def _only(step: Step, send: bool, recv: bool) -> Step:
+    """``step`` with only its send (``send``) and/or receive (``recv``)."""
+    empty = torch.empty(0, dtype=torch.int64)
+    return replace(
+        step,
+        send_to=step.send_to if send else None,
+        send_idx=step.send_idx if send else tuple(empty for _ in step.send_idx),
+        recv_from=step.recv_from if recv else None,
+        recv_idx=step.recv_idx if recv else tuple(empty for _ in step.recv_idx),
+        pairs=step.pairs if recv else (),
+    )

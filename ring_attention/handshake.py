@@ -54,7 +54,7 @@ _NAMES = {v: k for k, v in _CALLS.items()}
 
 _RING_FIELDS = (
     "seq_len_local", "batch", "heads", "kv_heads", "head_dim", "dtype", "pattern", "scale",
-    "layout", "requires_grad",
+    "layout", "requires_grad", "far_bytes",
 )  # fmt: skip
 _GATHER_DIMS = WORDS - 3 - 4  # shapes of up to 9 dimensions
 _GATHER_FIELDS = ("ndim", "dim", "dtype", "layout", *(f"size{i}" for i in range(_GATHER_DIMS)))
@@ -124,8 +124,10 @@ def ring_message(
     scale: float,
     layout: str,
     needs_grad: bool,
+    far_bytes: int = 0,
 ) -> list[int]:
-    """This rank's ring handshake payload (``q``: the validated local query)."""
+    """This rank's ring handshake payload (``q``: the validated local query;
+    ``far_bytes``: its ``RING_ATTENTION_FAR_BYTES``)."""
     B, L, H, D = q.shape
     values = {
         "seq_len_local": L,
@@ -138,6 +140,7 @@ def ring_message(
         "scale": _scale_bits(scale),
         "layout": LAYOUTS.index(layout),
         "requires_grad": int(needs_grad),
+        "far_bytes": int(far_bytes),
     }
     return [values[f] for f in _RING_FIELDS]
 
@@ -180,6 +183,7 @@ def ring_handshake(
         ("batch", "the batch size (q.shape[0])"),
         ("layout", "layout"),
         ("requires_grad", "whether a gradient is needed (every rank must run the backward)"),
+        ("far_bytes", "RING_ATTENTION_FAR_BYTES (the far group's threshold in bytes)"),
     ):
         vals = table[name]
         if len(set(vals)) > 1:

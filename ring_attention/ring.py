@@ -55,6 +55,7 @@ import torch.distributed as dist
 
 from ._comm import comm_device, global_ranks, world_info
 from .checks import check_qkv, resolve_scale
+from .config import far_bytes
 from .dense_blocks import DenseBlocks
 from .dispatch import route_blocks
 from .dtypes import acc_dtype
@@ -102,6 +103,7 @@ class _RingCall:
     group: dist.ProcessGroup | None
     peers: tuple[int, ...]  # global rank of every group rank
     op_args: OpArgs  # the pattern arguments of the block operators
+    far_bytes: int = 0  # transfers of at most this many K/V bytes: the far group
 
     def block_forward(
         self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_start: int,
@@ -133,8 +135,9 @@ class _RingCall:
     def exchanger(self, q: Tensor, role: str) -> Exchanger:
         """The transport of one pass (``role``: ``"forward"``/``"backward"``)."""
         return Exchanger(
-            self.plan, self.group, self.peers, q.device, q.dtype, q.shape[0], q.shape[3], role
-        )
+            self.plan, self.group, self.peers, q.device, q.dtype, q.shape[0], q.shape[3], role,
+            self.far_bytes,
+        )  # fmt: skip
 
 
 def _split(t: Tensor, pieces: Sequence[Piece], dim: int = 1) -> list[Tensor]:
@@ -169,11 +172,17 @@ def _ring_forward(call: _RingCall, q: Tensor, k: Tensor, v: Tensor) -> tuple[Ten
         if rows is not None or dense is None or not dense.forward(*args):
             call.block_forward(*args, rows)
 
-    steps = plan.steps
-    ex = call.exchanger(q, "forward") if steps else None
+    ex = call.exchanger(q, "forward") if plan.steps else None
+    steps = ex.steps if ex is not None else ()
+    far = ex.post_far_kv("forward_kv", ks, vs) if ex is not None else None  # posted first
     pending = ex.post_kv("forward_kv", steps[0], 0, ks, vs) if steps else None
     for qi, ki in plan.local_pairs:  # overlaps the first exchange
         attend(qi, ks[ki], vs[ki], pieces[ki].start)
+    if far is not None:  # the far group's blocks, while the first ring step travels
+        for step, packed in ex.far_received(far.wait()):
+            kp, vp, starts, maps = ex.unpack_kv(packed, step)
+            for qi, kj in step.pairs:
+                attend(qi, kp[kj], vp[kj], starts[kj], maps[kj])
 
     for i, step in enumerate(steps):
         packed = pending.wait()
@@ -222,20 +231,32 @@ def _ring_backward(
             pieces[qi].start, k_start, rows,
         )  # fmt: skip
 
-    steps = plan.steps
-    ex = call.exchanger(q, "backward") if steps else None
-    first = plan.step_for(1)
+    ex = call.exchanger(q, "backward") if plan.steps else None
+    steps = ex.steps if ex is not None else ()
+    far = ex.post_far_kv("backward_kv", ks, vs) if ex is not None else None  # posted first
+    first = ex.step_for(1) if ex is not None else None
     kv_pending = ex.post_kv("backward_kv", first, 1, ks, vs) if first is not None else None
     for qi, ki in plan.local_pairs:  # overlaps the first exchange
         attend(qi, ks[ki], vs[ki], dks[ki], dvs[ki], pieces[ki].start)
+    far_grad = None
+    if far is not None:  # the far group's blocks; their dK/dV go back as one batch
+        packed = far.wait()
+        views = {s.distance: (dkp, dvp) for s, dkp, dvp in ex.far_grad_views()}
+        for step, rows in ex.far_received(packed):
+            kp, vp, starts, maps = ex.unpack_kv(rows, step)
+            dkp, dvp = views[step.distance]
+            for qi, kj in step.pairs:
+                attend(qi, kp[kj], vp[kj], dkp[kj], dvp[kj], starts[kj], maps[kj])
+        far_grad = ex.post_far_grad()
 
-    # Global order of posts: KV(1), KV(2), G(1), KV(3), G(2), ... ; each rank
-    # posts the subsequence it takes part in. Buffers alternate by distance.
+    # Global order of posts: F, KV(1), FG, KV(2), G(1), KV(3), G(2), ... (F, FG:
+    # the far group's K/V and gradients); each rank posts the subsequence it
+    # takes part in. Buffers alternate by distance.
     g_prev = None  # (transfer, step) of the previous gradient return
     for d in range(1, plan.world_size if steps else 1):
-        step = plan.step_for(d)
+        step = ex.step_for(d)
         packed = kv_pending.wait() if step is not None else None
-        nxt = plan.step_for(d + 1)
+        nxt = ex.step_for(d + 1)
         kv_pending = (
             ex.post_kv("backward_kv", nxt, (d + 1) % 2, ks, vs) if nxt is not None else None
         )
@@ -253,6 +274,8 @@ def _ring_backward(
         g_prev = g_now
     if g_prev is not None:
         ex.finish_grad(*g_prev, dks, dvs)
+    if far_grad is not None:
+        ex.finish_far_grad(far_grad, dks, dvs)
 
     return tuple(_cat([t.to(q.dtype) for t in g], dim=1) for g in (dqs, dks, dvs))
 
@@ -300,19 +323,21 @@ def _call_of(
     spec = get_spec(key)
     group = spec.group
     world, rank = world_info(group)
-    message, pattern, error = None, None, spec.error
+    message, pattern, error, far = None, None, spec.error, 0
     if error is None:
         try:
             pattern = _documents.pattern(key, spec.pattern, documents)
             check_layout(spec.layout)
             shape = check_qkv(q, k, v)
+            far = far_bytes(q.device.type)
             pattern.check_heads(shape.heads)
             scale = resolve_scale(spec.scale, shape.head_dim)
             if n is None:
                 if world > 1:
                     comm_device(group, q.device)  # raises for unsupported transports
                 message = ring_message(q, shape.kv_heads, pattern, scale=scale,
-                                       layout=spec.layout, needs_grad=needs_grad)  # fmt: skip
+                                       layout=spec.layout, needs_grad=needs_grad,
+                                       far_bytes=far)  # fmt: skip
         except Exception as exc:  # every rank must hear of it: reported in the handshake
             error = exc
     if n is None:
@@ -329,6 +354,7 @@ def _call_of(
         group=group,
         peers=global_ranks(group, world),
         op_args=op_args(pattern, scale, None, q.device),
+        far_bytes=far,
     )
 
 

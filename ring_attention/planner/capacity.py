@@ -42,6 +42,8 @@ class Setup:
         model: the whole model's shape, or ``None``.
         checkpointing, shard_params: whole-model options (:mod:`.model`).
         source: where the exchanged rows come from (:func:`.traffic.predict_traffic`).
+        far_bytes: transfers of at most this many K/V bytes travel in the
+            far group (:mod:`.timing`; 0: the ring alone).
     """
 
     ranks: int
@@ -70,6 +72,7 @@ class Setup:
     checkpointing: bool = True
     shard_params: bool = True
     source: str = "auto"
+    far_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("causal", "head_groups", "checkpointing", "shard_params"):
@@ -138,7 +141,9 @@ class Evaluation:
     def memories(self) -> list[LayerMemory]:
         """Every rank's attention layer memory."""
         s = self.setup
-        return layer_memories(self.traffic, s.batch, s.head_dim, s.itemsize, device=s.device)
+        return layer_memories(
+            self.traffic, s.batch, s.head_dim, s.itemsize, device=s.device, far_bytes=s.far_bytes
+        )
 
     @cached_property
     def rates(self) -> Rates:
@@ -147,9 +152,16 @@ class Evaluation:
 
     @cached_property
     def times(self) -> list[RankTime]:
-        """Every rank's predicted layer time."""
+        """Every rank's predicted layer time (the setup's schedule)."""
+        return self.times_with(self.setup.far_bytes)
+
+    def times_with(self, far_bytes: int) -> list[RankTime]:
+        """Every rank's predicted layer time with the far group's threshold
+        ``far_bytes`` (0: the ring alone)."""
         s = self.setup
-        return layer_times(self.traffic, s.batch, s.head_dim, s.itemsize, self.rates, s.link)
+        return layer_times(
+            self.traffic, s.batch, s.head_dim, s.itemsize, self.rates, s.link, far_bytes
+        )
 
     def worst(self, key: Callable[[int], float]) -> int:
         """The rank maximising ``key(rank)``."""

@@ -30,7 +30,7 @@ from .modes_cli import mode_report
 from .pairs import pattern_flops
 from .presets import MODELS, PATTERNS, ModelShape
 from .throughput import dtype_name, load_records
-from .timing import Link
+from .timing import LINKS, Link
 
 __all__ = ["build_parser", "main", "parse_args"]
 
@@ -51,11 +51,8 @@ _UNITS = {
     "tib": 2**40,
 }
 
-#: Link defaults per device type: (Gbit/s, latency in us, why).
-LINK_DEFAULTS = {
-    "cuda": (400.0, 10.0, "assumed: one 400 Gbit/s NIC per GPU (InfiniBand NDR class)"),
-    "cpu": (10.0, 100.0, "assumed: gloo over TCP loopback, ~12 Gbit/s measured on 16 MB messages"),
-}
+#: Link defaults per device type: (Gbit/s, latency in us, why) (:data:`.timing.LINKS`).
+LINK_DEFAULTS = {k: (link.gbps, link.latency_us, why) for k, (link, why) in LINKS.items()}
 
 
 def parse_size(text: str) -> int:
@@ -228,6 +225,19 @@ def build_parser() -> argparse.ArgumentParser:
         f"{LINK_DEFAULTS['cuda'][1]:g} on cuda, {LINK_DEFAULTS['cpu'][1]:g} on cpu)",
     )
     g.add_argument(
+        "--message-us",
+        type=float,
+        help="cost of each further message in one batch (the far group), microseconds "
+        f"(default {LINKS['cuda'][0].message_us:g} on cuda, {LINKS['cpu'][0].message_us:g} on cpu)",
+    )
+    g.add_argument(
+        "--far-bytes",
+        default="off",
+        help="the ring's RING_ATTENTION_FAR_BYTES: transfers of at most this many K/V bytes "
+        "travel in one far group per pass ('auto': latency x bandwidth; 'off': the ring "
+        "alone, the default); both schedules are printed",
+    )
+    g.add_argument(
         "--source",
         default="auto",
         choices=["auto", "plan", "analytic"],
@@ -270,6 +280,19 @@ def _fmt_tokens(n: int) -> str:
 
 def _host_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _far_bytes(text: str, link: Link) -> int:
+    """``--far-bytes``: ``off`` (0), ``auto`` (the link's latency x
+    bandwidth) or a size."""
+    if text == "off":
+        return 0
+    if text == "auto":
+        return link.far_bytes
+    try:
+        return parse_size(text)
+    except argparse.ArgumentTypeError:
+        raise Impossible(f"--far-bytes must be off, auto or a size, got {text!r}") from None
 
 
 def build_setup(args: argparse.Namespace, ranks: int) -> Setup:
@@ -319,7 +342,12 @@ def build_setup(args: argparse.Namespace, ranks: int) -> Setup:
         reserve = int(memory * float(reserve_text[:-1]) / 100)
     else:
         reserve = parse_size(reserve_text)
-    gbps, lat, _ = LINK_DEFAULTS[device]
+    default_link = LINKS[device][0]
+    link = Link(
+        args.link_gbps or default_link.gbps,
+        default_link.latency_us if args.link_latency_us is None else args.link_latency_us,
+        default_link.message_us if args.message_us is None else args.message_us,
+    )
     records = tuple(load_records(args.bench_json)) if args.bench_json else None
     return Setup(
         ranks=ranks,
@@ -342,9 +370,8 @@ def build_setup(args: argparse.Namespace, ranks: int) -> Setup:
         records=records,
         tflops=args.tflops,
         threads=args.threads,
-        link=Link(
-            args.link_gbps or gbps, lat if args.link_latency_us is None else args.link_latency_us
-        ),
+        link=link,
+        far_bytes=_far_bytes(args.far_bytes, link),
         matmul_tflops=args.matmul_tflops,
         model=model,
         checkpointing=not args.no_checkpointing,
@@ -371,7 +398,7 @@ def _header(s: Setup, args: argparse.Namespace) -> list[str]:
     )
     link_why = (
         "given"
-        if args.link_gbps or args.link_latency_us is not None
+        if args.link_gbps or args.link_latency_us is not None or args.message_us is not None
         else LINK_DEFAULTS[s.device][2]
     )
     mem_note = "per GPU" if s.device == "cuda" else "per process (host memory / processes)"
@@ -382,8 +409,8 @@ def _header(s: Setup, args: argparse.Namespace) -> list[str]:
         f"  attention    {s.heads} heads (K/V {s.kv_heads}), head_dim {s.head_dim}, {s.dtype}, "
         f"batch {s.batch}, {s.layout} layout, {flags}",
         f"  pattern      {pat}",
-        f"  link         {s.link.gbps:g} Gbit/s each way, {s.link.latency_us:g} us per transfer "
-        f"({link_why})",
+        f"  link         {s.link.gbps:g} Gbit/s each way, {s.link.latency_us:g} us per transfer, "
+        f"{s.link.message_us:g} us per further message of a batch ({link_why})",
     ]
 
 
@@ -439,6 +466,7 @@ def _layer_details(ev: Evaluation, training: bool) -> list[str]:
         f"{_fmt_time(t.compute_forward_backward)}, exposed communication "
         f"{_fmt_time(t.exposed_forward_backward)}; rank {t_rank})"
     )
+    lines += _far_lines(ev)
     row = 2 * s.batch * s.head_dim
     acc = 8 if s.itemsize == 8 else 4
     sent = tr.rows_sent
@@ -455,6 +483,37 @@ def _layer_details(ev: Evaluation, training: bool) -> list[str]:
         f"steps carry data (rows: {tr.source})"
     )
     return lines
+
+
+def _far_lines(ev: Evaluation) -> list[str]:
+    """The two schedules side by side: the ring alone and the far group
+    (``--far-bytes``, else ``auto``), exposed communication of the slowest
+    rank of each pass, and which is cheaper."""
+    s = ev.setup
+    far = s.far_bytes or s.link.far_bytes
+    out = []
+    for name, times in (
+        ("ring alone", ev.times_with(0)),
+        (f"far group (transfers <= {_fmt_bytes(far)})", ev.times_with(far)),
+    ):
+        f = max(times, key=lambda t: t.forward)
+        fb = max(times, key=lambda t: t.forward_backward)
+        msgs = max(t.far_messages for t in times)
+        out.append(
+            (name, fb.forward_backward, f"{name}: forward {_fmt_time(f.forward)} (exposed "
+             f"{_fmt_time(f.exposed_forward)}, {f.exposed_forward / f.compute_forward:.0%} of "
+             f"compute), forward+backward {_fmt_time(fb.forward_backward)} (exposed "
+             f"{_fmt_time(fb.exposed_forward_backward)}, "
+             f"{fb.exposed_forward_backward / fb.compute_forward_backward:.0%}); "
+             f"{max(t.steps for t in times)} ring steps"
+             + (f", {msgs} messages in the group" if msgs else ""))
+        )  # fmt: skip
+    best = min(out, key=lambda o: o[1])[0]
+    return [
+        f"  far steps    {out[0][2]}",
+        f"               {out[1][2]}",
+        f"               cheaper: {best} (RING_ATTENTION_FAR_BYTES: the ring's choice)",
+    ]
 
 
 def _model_lines(ev: Evaluation) -> list[str]:

@@ -14,15 +14,17 @@ forward (``_ring_forward``)
     receiving steps use: steps alternate two slots by position), and for
     pieces needed only in part (the widest step) an int32 row map per
     (position, K/V head) of their spans: the kernels read the packed rows
-    in place.
+    in place. With a far group, the ring's buffers are sized by the near
+    transfers and the far group's send and receive buffers hold all of its
+    rows at once.
 backward (``_ring_backward``)
     inputs q, k, v and grad_out; ``out`` and ``lse`` saved by the forward;
     fp32 accumulators dq, dk, dv; their casts; zigzag piece copies; the
     transport buffers: K/V as forward (slots by distance parity), returned
     gradients (``acc`` dtype) going back (per receiving slot) and coming home
     (per sending slot; the kernels accumulate into the packed buffers that go
-    back), and the row map; the kernel's ``delta``
-    (``batch * heads * rows``, one block at a time).
+    back), and the row map; the far group's K/V and dK/dV, likewise; the
+    kernel's ``delta`` (``batch * heads * rows``, one block at a time).
 before the call
     the cached plan's row indices (int64, every row sent and received; a
     device copy too on CUDA).
@@ -72,32 +74,43 @@ def _slots_used(index: torch.Tensor, posting: torch.Tensor) -> torch.Tensor:
 
 
 def transport_buffers(
-    tr: Traffic, batch: int, head_dim: int, itemsize: int
+    tr: Traffic, batch: int, head_dim: int, itemsize: int, far_bytes: int = 0
 ) -> dict[str, dict[str, torch.Tensor]]:
     """Bytes of every transport buffer each rank allocates per pass:
     ``{"forward": {kind: (p,) bytes}, "backward": {kind: (p,) bytes}}``; per
-    rank, the sums are what ``last_exchange_stats.buffer_bytes`` reports."""
+    rank, the sums are what ``last_exchange_stats.buffer_bytes`` reports.
+    ``far_bytes``: the transfers of at most that many K/V bytes travel in the
+    far group (:meth:`.traffic.Traffic.far`), whose buffers hold all of
+    their rows at once; the ring's buffers are sized by the others."""
     acc = acc_bytes(itemsize)
-    sends, recvs = tr.send_rows > 0, tr.recv_rows > 0
-    cap_s, cap_r = tr.send_rows.max(1).values, tr.recv_rows.max(1).values
-    span = tr.span_rows.max(1).values
-    any_s, any_r = sends.any(1).long(), recvs.any(1).long()
-    position = torch.cumsum(tr.active.long(), 1) - 1  # forward: slots by step position
-    distance = torch.arange(tr.world_size).expand_as(position)  # backward: by distance
     row = 2 * batch * head_dim  # a K and a V vector of one (row, K/V head)
+    far_s, far_r = tr.far(row * itemsize, far_bytes)
+    send_rows = torch.where(far_s, 0, tr.send_rows)
+    recv_rows = torch.where(far_r, 0, tr.recv_rows)
+    sends, recvs = send_rows > 0, recv_rows > 0
+    cap_s, cap_r = send_rows.max(1).values, recv_rows.max(1).values
+    span = tr.span_rows.max(1).values
+    any_s, any_r = sends.any(1).long(), (tr.recv_rows > 0).any(1).long()
+    position = torch.cumsum((sends | recvs).long(), 1) - 1  # forward: slots by step position
+    distance = torch.arange(tr.world_size).expand_as(position)  # backward: by distance
     row_map = any_r * 4 * tr.kv_heads * span  # int32 per (position, K/V head)
+    far_sent = torch.where(far_s, tr.send_rows, 0).sum(1) * row
+    far_received = torch.where(far_r, tr.recv_rows, 0).sum(1) * row
     fwd = {
         "send K/V": any_s * row * cap_s * itemsize,
         "receive K/V": _slots_used(position, recvs) * row * cap_r * itemsize,
         "row maps": row_map,
+        "far send K/V": far_sent * itemsize,
+        "far receive K/V": far_received * itemsize,
     }
     back_r = _slots_used(distance, recvs)
     bwd = {
-        "send K/V": fwd["send K/V"],
+        **fwd,
         "receive K/V": back_r * row * cap_r * itemsize,
-        "row maps": row_map,
         "dK/dV returned": back_r * row * cap_r * acc,
         "dK/dV coming home": _slots_used(distance, sends) * row * cap_s * acc,
+        "far dK/dV returned": far_received * acc,
+        "far dK/dV coming home": far_sent * acc,
     }
     return {"forward": fwd, "backward": bwd}
 
@@ -138,10 +151,12 @@ class LayerMemory:
 
 
 def layer_memories(
-    tr: Traffic, batch: int, head_dim: int, itemsize: int, *, device: str = "cpu"
-) -> list[LayerMemory]:
+    tr: Traffic, batch: int, head_dim: int, itemsize: int, *, device: str = "cpu",
+    far_bytes: int = 0,
+) -> list[LayerMemory]:  # fmt: skip
     """The :class:`LayerMemory` of every rank (see the module docstring);
-    ``device="cuda"`` adds the device copy of the plan's indices."""
+    ``device="cuda"`` adds the device copy of the plan's indices;
+    ``far_bytes``: the far group's threshold (:func:`transport_buffers`)."""
     acc = acc_bytes(itemsize)
     L = tr.local_len
     H, Hkv = tr.heads, tr.kv_heads
@@ -156,7 +171,7 @@ def layer_memories(
     split_lse = lse * int(batch * H > 1)
     cast = int(itemsize != acc)
     plan_idx = 8 * (tr.rows_sent + tr.rows_received)
-    bufs = transport_buffers(tr, batch, head_dim, itemsize)
+    bufs = transport_buffers(tr, batch, head_dim, itemsize, far_bytes)
     inputs = {
         "q": q * itemsize,
         "k, v": 2 * kv * itemsize,
@@ -198,7 +213,8 @@ def layer_memories(
 
 
 def layer_memory(
-    tr: Traffic, rank: int, batch: int, head_dim: int, itemsize: int, *, device: str = "cpu"
-) -> LayerMemory:
+    tr: Traffic, rank: int, batch: int, head_dim: int, itemsize: int, *, device: str = "cpu",
+    far_bytes: int = 0,
+) -> LayerMemory:  # fmt: skip
     """The :class:`LayerMemory` of one rank (:func:`layer_memories`)."""
-    return layer_memories(tr, batch, head_dim, itemsize, device=device)[rank]
+    return layer_memories(tr, batch, head_dim, itemsize, device=device, far_bytes=far_bytes)[rank]

@@ -20,6 +20,27 @@ The model (docs/design.md §4.3-§4.4), per rank, over its active steps
 
       T_bwd = max(b_0, x_1) + sum_k max(b_k, x_{k+1} + g_{k-1}) + g_m
 
+**Far steps in one group** (``far_bytes > 0``, the ring's
+``RING_ATTENTION_FAR_BYTES``): every transfer of at most ``far_bytes`` K/V
+bytes leaves its ring step and travels in one batch of point-to-point
+operations posted at the start (``F``), its gradients in one batch posted
+after the far blocks (``G``). A batch costs one latency, ``message_us`` per
+message in it (the messages a rank sends or receives, the larger count) and
+its bytes at the link rate:
+
+      X_F = latency + message_us * m + max(bytes sent, received) / bandwidth
+
+The rank computes its local blocks while ``F`` travels, then the far blocks
+(compute ``c_F``, ``b_F``), then the near steps as above, so ``c_0`` becomes
+``c_0' = max(c_0, X_F) + c_F`` (``b_0' = max(b_0, X_F) + b_F``). The
+group shares the link with the near steps' transfers (wire time ``W``:
+their bytes / bandwidth), so
+
+      T_fwd = max(T_fwd(c_0'), X_F + W_fwd)
+      T_bwd = max(T_bwd(b_0'), b_0' + X_G, X_F + X_G + W_bwd)
+
+With no far transfer (``far_bytes = 0``) this is the ring's model exactly.
+
 The layer takes as long as its slowest rank (the ring waits for it). Not
 modelled: packing and unpacking copies, waiting for a late peer beyond the
 slowest rank, kernel launch overheads, contention between links.
@@ -36,20 +57,45 @@ from .pairs import BWD_FLOPS_PER_PAIR, FWD_FLOPS_PER_PAIR
 from .throughput import Rates
 from .traffic import Traffic
 
-__all__ = ["Link", "RankTime", "layer_times"]
+__all__ = ["LINKS", "Link", "RankTime", "layer_times"]
 
 
 @dataclass(frozen=True)
 class Link:
     """A rank's link: ``gbps`` gigabits per second each way, ``latency_us``
-    per transfer."""
+    per transfer (a posted batch), ``message_us`` per further message inside
+    one batch of point-to-point operations (the far group)."""
 
     gbps: float
     latency_us: float
+    message_us: float = 1.0
 
     def seconds(self, nbytes: int) -> float:
         """Time of one transfer of ``nbytes`` (0 for nothing)."""
         return 0.0 if nbytes <= 0 else self.latency_us * 1e-6 + 8 * nbytes / (self.gbps * 1e9)
+
+    @property
+    def far_bytes(self) -> int:
+        """The transfer size whose wire time equals the latency (latency x
+        bandwidth): smaller transfers are latency-bound, and the ring's
+        ``RING_ATTENTION_FAR_BYTES=auto`` sends them in the far group."""
+        return int(self.latency_us * 1e-6 * self.gbps * 1e9 / 8)
+
+
+#: The assumed link per device type, with why (the planner's defaults, and
+#: what ``RING_ATTENTION_FAR_BYTES=auto`` takes latency x bandwidth of).
+LINKS = {
+    "cuda": (
+        Link(400.0, 10.0, 1.0),
+        "assumed: one 400 Gbit/s NIC per GPU (InfiniBand NDR class), 10 us per transfer, "
+        "1 us per further message of a batch (NCCL grouped send/recv)",
+    ),
+    "cpu": (
+        Link(10.0, 100.0, 20.0),
+        "assumed: gloo over TCP loopback, ~12 Gbit/s measured on 16 MB messages, 100 us per "
+        "transfer, 20 us per further message of a batch",
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -61,7 +107,9 @@ class RankTime:
         forward: forward time.
         forward_backward: forward + backward time.
         compute_forward, compute_forward_backward: the kernel time alone.
-        steps: active ring steps.
+        steps: active ring steps (near steps with a far group).
+        far_messages: transfers of this rank (sent or received, the larger
+            count) in the far group of each pass (0: the ring alone).
     """
 
     rank: int
@@ -70,6 +118,7 @@ class RankTime:
     compute_forward: float
     compute_forward_backward: float
     steps: int
+    far_messages: int = 0
 
     @property
     def exposed_forward(self) -> float:
@@ -82,28 +131,16 @@ class RankTime:
         return self.forward_backward - self.compute_forward_backward
 
 
-def layer_times(
-    tr: Traffic, batch: int, head_dim: int, itemsize: int, rates: Rates, link: Link
-) -> list[RankTime]:
-    """The :class:`RankTime` of every rank (all ranks at once: ``(p, p)``
-    tensors by distance, inactive steps skipped by looking up each active
-    step's next and previous active step)."""
-    p = tr.world_size
-    act = tr.active
-    f_pair = FWD_FLOPS_PER_PAIR * head_dim * batch / rates.forward
-    b_pair = BWD_FLOPS_PER_PAIR * head_dim * batch / rates.backward
-    rows = torch.maximum(tr.send_rows, tr.recv_rows).double()
-
-    def transfer(nbytes: torch.Tensor) -> torch.Tensor:
-        t = link.latency_us * 1e-6 + 8 * nbytes / (link.gbps * 1e9)
-        return torch.where(act & (nbytes > 0), t, 0.0)
-
-    x = transfer(rows * 2 * batch * head_dim * itemsize)  # K/V of a step
-    g = transfer(rows * 2 * batch * head_dim * acc_bytes(itemsize))  # its dK/dV
-    c = tr.step_pairs.double() * f_pair
-    b = tr.step_pairs.double() * b_pair
-    c0 = tr.local_pairs.double() * f_pair
-    b0 = tr.local_pairs.double() * b_pair
+def _ring(
+    act: torch.Tensor, x: torch.Tensor, g: torch.Tensor, c: torch.Tensor, b: torch.Tensor,
+    c0: torch.Tensor, b0: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(T_fwd, T_bwd)`` per rank of the ring over the active steps ``act``
+    (``(p, p)`` by distance: K/V transfer ``x``, gradient return ``g``,
+    compute ``c``/``b``; ``c0``/``b0``: before the first step). All ranks
+    at once: inactive steps are skipped by looking up each active step's
+    next and previous active step."""
+    p = act.shape[0]
     cols = torch.arange(p)
     none = torch.zeros(p, 1, dtype=torch.float64)
     # the next active step after d (p: none) and the previous one (-1: none)
@@ -124,8 +161,59 @@ def layer_times(
         + torch.where(act, torch.maximum(b, x_next + g_prev), 0.0).sum(1)
         + g_last
     )
-    pairs = (tr.local_pairs + tr.step_pairs.sum(1)).double()
-    cf, cb = pairs * f_pair, pairs * b_pair
+    return fwd, bwd
+
+
+def layer_times(
+    tr: Traffic, batch: int, head_dim: int, itemsize: int, rates: Rates, link: Link,
+    far_bytes: int = 0,
+) -> list[RankTime]:  # fmt: skip
+    """The :class:`RankTime` of every rank: the ring's schedule, with the
+    transfers of at most ``far_bytes`` K/V bytes in one far group per pass
+    (``0``: none; see the module docstring)."""
+    f_pair = FWD_FLOPS_PER_PAIR * head_dim * batch / rates.forward
+    b_pair = BWD_FLOPS_PER_PAIR * head_dim * batch / rates.backward
+    kv_row = 2 * batch * head_dim * itemsize  # bytes of a (row, K/V head): K and V
+    grad_row = 2 * batch * head_dim * acc_bytes(itemsize)
+    far_s, far_r = tr.far(kv_row, far_bytes)
+    send = torch.where(far_s, 0, tr.send_rows)
+    recv = torch.where(far_r, 0, tr.recv_rows)
+    act = (send > 0) | (recv > 0)
+    rows = torch.maximum(send, recv).double()
+    wire = 8 / (link.gbps * 1e9)
+
+    def transfer(nbytes: torch.Tensor) -> torch.Tensor:
+        return torch.where(act & (nbytes > 0), link.latency_us * 1e-6 + nbytes * wire, 0.0)
+
+    x = transfer(rows * kv_row)  # K/V of a near step
+    g = transfer(rows * grad_row)  # its dK/dV
+    pairs = tr.step_pairs.double()
+    c = torch.where(far_r, 0.0, pairs) * f_pair
+    b = torch.where(far_r, 0.0, pairs) * b_pair
+    c0 = tr.local_pairs.double() * f_pair
+    b0 = tr.local_pairs.double() * b_pair
+    # the far group: one batch each way per pass
+    far_pairs = torch.where(far_r, pairs, 0.0).sum(1)
+    m = torch.maximum(far_s.sum(1), far_r.sum(1))
+    far_rows = torch.maximum(
+        torch.where(far_s, tr.send_rows, 0).sum(1), torch.where(far_r, tr.recv_rows, 0).sum(1)
+    ).double()
+
+    def batch_time(row_bytes: int) -> torch.Tensor:
+        t = (link.latency_us + link.message_us * m.double()) * 1e-6 + far_rows * row_bytes * wire
+        return torch.where(m > 0, t, 0.0)
+
+    x_far, g_far = batch_time(kv_row), batch_time(grad_row)
+    c0_far = torch.maximum(c0, x_far) + far_pairs * f_pair
+    b0_far = torch.maximum(b0, x_far) + far_pairs * b_pair
+    fwd, bwd = _ring(act, x, g, c, b, c0_far, b0_far)
+    w_fwd = (rows * kv_row * wire).sum(1)
+    w_bwd = w_fwd + (rows * grad_row * wire).sum(1)
+    fwd = torch.maximum(fwd, torch.where(m > 0, x_far + w_fwd, 0.0))
+    bwd = torch.maximum(bwd, torch.where(m > 0, b0_far + g_far, 0.0))
+    bwd = torch.maximum(bwd, torch.where(m > 0, x_far + g_far + w_bwd, 0.0))
+    total = (tr.local_pairs + tr.step_pairs.sum(1)).double()
+    cf, cb = total * f_pair, total * b_pair
     steps = act.sum(1)
     return [
         RankTime(
@@ -135,6 +223,7 @@ def layer_times(
             float(cf[j]),
             float(cf[j] + cb[j]),
             int(steps[j]),
+            int(m[j]),
         )
-        for j in range(p)
+        for j in range(tr.world_size)
     ]

@@ -105,6 +105,14 @@ class Traffic:
         """The distances of ``rank``'s active steps, in order."""
         return torch.nonzero(self.active[rank]).flatten().tolist()
 
+    def far(self, row_bytes: int, far_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(send, recv)`` ``(p, p)`` bool masks of the transfers that travel
+        in the far group: those of at most ``far_bytes`` bytes, a row being
+        ``row_bytes`` (its K and V vectors). Both ends of a transfer see the
+        same count, so they agree (``far_bytes = 0``: none, the ring alone)."""
+        s, r = self.send_rows, self.recv_rows
+        return (s > 0) & (s * row_bytes <= far_bytes), (r > 0) & (r * row_bytes <= far_bytes)
+
     @property
     def rows_sent(self) -> torch.Tensor:
         """``(p,)`` rows every rank sends per forward."""
