@@ -526,6 +526,31 @@ class Exchanger:
                     self._rows(t).index_add_(1, ix, rows)
 
     # -- the far group ---------------------------------------------------
+    def _far_transfers(self, out_buf, in_buf, back: bool) -> list:
+        """The far group's ``(distance, (peer, out slice, rows) | None,
+        (peer, in slice, rows) | None)`` for :meth:`_batch`: K/V out to each
+        step's ``send_to`` and in from its ``recv_from``, or, ``back``, the
+        received rows' dK/dV out to ``recv_from`` and this rank's in from
+        ``send_to``."""
+        out_peer, out_rows, in_peer, in_rows = (
+            ("recv_from", "recv_rows", "send_to", "send_rows")
+            if back
+            else ("send_to", "send_rows", "recv_from", "recv_rows")
+        )
+        return [
+            (
+                step.distance,
+                None if o is None else (getattr(step, out_peer), o, getattr(step, out_rows)),
+                None if i is None else (getattr(step, in_peer), i, getattr(step, in_rows)),
+            )
+            for step, o, i in zip(
+                self.far_steps,
+                self._far_slices(out_buf, out_rows),
+                self._far_slices(in_buf, in_rows),
+                strict=True,
+            )
+        ]
+
     def _far_slices(self, packed: torch.Tensor | None, attr: str) -> list[torch.Tensor | None]:
         """Per far step, its slice of the far group's ``packed`` buffer
         (``attr``: ``"send_rows"`` or ``"recv_rows"``; ``None`` for a step
@@ -552,19 +577,7 @@ class Exchanger:
         if send_buf is not None:
             send_buf = send_buf.to(self.comm_dev)
         recv_buf = self._packed("far_recv_kv", 0, received) if received else None
-        transfers = [
-            (
-                step.distance,
-                None if o is None else (step.send_to, o, step.send_rows),
-                None if i is None else (step.recv_from, i, step.recv_rows),
-            )
-            for step, o, i in zip(
-                self.far_steps,
-                self._far_slices(send_buf, "send_rows"),
-                self._far_slices(recv_buf, "recv_rows"),
-                strict=True,
-            )
-        ]
+        transfers = self._far_transfers(send_buf, recv_buf, back=False)
         works, keep = self._batch(phase, transfers)
         return Transfer(works, keep, recv_buf, self.device)
 
@@ -600,19 +613,7 @@ class Exchanger:
         if back is not None:
             back = back.to(self.comm_dev)
         home = self._packed("far_recv_grad", 0, sent) if sent else None
-        transfers = [
-            (
-                step.distance,
-                None if o is None else (step.recv_from, o, step.recv_rows),
-                None if i is None else (step.send_to, i, step.send_rows),
-            )
-            for step, o, i in zip(
-                self.far_steps,
-                self._far_slices(back, "recv_rows"),
-                self._far_slices(home, "send_rows"),
-                strict=True,
-            )
-        ]
+        transfers = self._far_transfers(back, home, back=True)
         works, keep = self._batch("backward_grad", transfers)
         return Transfer(works, keep, home, self.device)
 
