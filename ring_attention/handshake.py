@@ -30,6 +30,7 @@ from .layout import LAYOUTS, layout_shard_lengths
 from .pattern import Pattern
 
 __all__ = [
+    "RING_FIELDS",
     "WORDS",
     "exchange_message",
     "gather_handshake",
@@ -39,7 +40,7 @@ __all__ = [
 ]
 
 #: Words (int64) of every control message.
-WORDS = 16
+WORDS = 20
 _MAGIC = 0x52494E47  # "RING"
 _CALLS = {
     "ring_dilated_attention": 1,
@@ -52,11 +53,13 @@ _CALLS = {
 }
 _NAMES = {v: k for k, v in _CALLS.items()}
 
-_RING_FIELDS = (
+#: The ring handshake's fields, in :func:`ring_message`'s order (the hybrid's
+#: row round sends the same message: ring_attention/ulysses.py).
+RING_FIELDS = (
     "seq_len_local", "batch", "heads", "kv_heads", "head_dim", "dtype", "pattern", "scale",
     "layout", "requires_grad", "far_bytes",
 )  # fmt: skip
-_GATHER_DIMS = WORDS - 3 - 4  # shapes of up to 9 dimensions
+_GATHER_DIMS = WORDS - 3 - 4  # shapes of up to 13 dimensions
 _GATHER_FIELDS = ("ndim", "dim", "dtype", "layout", *(f"size{i}" for i in range(_GATHER_DIMS)))
 
 
@@ -71,6 +74,8 @@ def _exchange(
     library call at all) or when another rank rejected its inputs.
     """
     body = [-1] * (WORDS - 3) if payload is None else list(payload)
+    if len(body) > WORDS - 3:  # would break the equal sizes the transport relies on
+        raise RuntimeError(f"{call}: a control payload of {len(body)} words (at most {WORDS - 3})")
     body += [0] * (WORDS - 3 - len(body))
     rows = all_gather_ints([_MAGIC, _CALLS[call], int(payload is None), *body], group)
     calls = [r[1] if r[0] == _MAGIC else 0 for r in rows]
@@ -142,7 +147,7 @@ def ring_message(
         "requires_grad": int(needs_grad),
         "far_bytes": int(far_bytes),
     }
-    return [values[f] for f in _RING_FIELDS]
+    return [values[f] for f in RING_FIELDS]
 
 
 def ring_handshake(
@@ -164,7 +169,7 @@ def ring_handshake(
     rows = _exchange(group, "ring_dilated_attention", message)
     if rows is None:
         return -1
-    table = {f: [r[i] for r in rows] for i, f in enumerate(_RING_FIELDS)}
+    table = {f: [r[i] for r in rows] for i, f in enumerate(RING_FIELDS)}
     prefix = "ring_dilated_attention: ranks disagree on "
     if len(set(table["pattern"])) > 1:
         gathered: list = [None] * world

@@ -42,7 +42,7 @@ from .checks import check_qkv, resolve_scale
 from .dtypes import dtype_code, dtype_name
 from .functional import attend
 from .grid import grid_handshake
-from .handshake import reject, ring_message
+from .handshake import RING_FIELDS, reject, ring_message
 from .heads import attend_head_range, kv_head_range, local_runner
 from .layout import LAYOUTS, Piece, check_layout, layout_pieces, layout_shard_lengths, shard_bounds
 from .mesh import Topology, check_grid, resolve_topology
@@ -60,10 +60,7 @@ __all__ = [
 Tensor = torch.Tensor
 
 #: The fields of the row round: those of the ring's own handshake.
-_FIELDS = (
-    "seq_len_local", "batch", "heads", "kv_heads", "head_dim", "dtype", "pattern", "scale",
-    "layout", "requires_grad",
-)  # fmt: skip
+_FIELDS = RING_FIELDS
 _CALL = "ring_dilated_attention"
 
 
@@ -339,7 +336,7 @@ def ulysses_attention(
         return (
             f"batch {B}, heads {H}, kv_heads {k_local.shape[2]}, head_dim {D}, {q_local.dtype}, "
             f"{pattern.describe()}, scale {scale}, layout {layout}, "
-            f"requires_grad {message[-1] if message else '?'}"
+            f"requires_grad {message[RING_FIELDS.index('requires_grad')] if message else '?'}"
         )
 
     n, row_lengths = grid_handshake(
