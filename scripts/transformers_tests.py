@@ -26,6 +26,23 @@ repository (``tests/<path>`` at the tag):
   ``utils/tiny_model_summary.json`` (the pipeline tests' tiny models);
 - an empty ``__init__.py`` in ``tests/`` and in each of those folders.
 
+The tree of the journal's latest run (``benchmarks/journal/``) was the
+5.24.0 sdist with these files of the repository at commit
+``decba1d2ea4ed3cbf0495d1828abad4b2dba1846`` (``5.16.0.dev0``, the newest
+transformers 5 commit that could be had; its generation mixin is the one
+with static caches, continuation from ``past_key_values``, the custom 4-D
+mask test and compiled decoding): ``causal_lm_tester.py``,
+``generation/test_utils.py``, ``exporters/test_export.py``,
+``models/{llama,mistral,qwen2}/test_modeling_*.py`` and
+``utils/tiny_model_summary.json`` as they are; adapted to the release:
+``causal_lm_tester.py`` defining ``_TEXT_MODEL_TESTER_DEFAULTS`` itself
+(the commit's ``testing_utils`` dict; the release does not export it),
+``utils/test_configuration_utils.py`` reduced to its
+``config_common_kwargs`` (the rest imports ``httpx``), and the sdist's
+``test_fsdp_mixin.py`` / ``test_tensor_parallel_mixin.py`` replaced by
+empty mixins (they import ``tests/distributed_testing_utils.py``, which
+the sdist lacks).
+
 ``parameterized`` must be importable (``pip install --target DEPS
 parameterized`` and DEPS on ``PYTHONPATH``). Where no version of one of
 those files that fits the release can be had, an older one with its imports

@@ -181,3 +181,121 @@ def test_left_padded_batch(pattern, cache):
     if pattern is None:
         sdpa = build(tiny_config(kv_heads=2), "sdpa", torch.float64, state=model.state_dict())
         assert torch.equal(_generate(sdpa, prompt=prompt, attention_mask=mask, **extra), want)
+
+
+# ---------------------------------------------------------------------------
+# Against "sdpa" on Llama, Mistral (a sliding window shorter than the
+# sequences) and Qwen2, with a left-padded prompt: the same tokens, the same
+# logits (float64) at every step.
+
+ARCHS = {
+    "llama": dict(arch="llama", kv_heads=2),
+    "mistral": dict(arch="mistral", kv_heads=1, sliding_window=5),
+    "qwen2": dict(arch="qwen2", kv_heads=4),
+}
+MASK = torch.ones_like(PROMPT)
+MASK[1, :3] = 0  # left padding
+PROMPT_PADDED = PROMPT.masked_fill(MASK == 0, 0)
+
+
+def _pair(arch, dtype=torch.float64):
+    """(ring_dilated, sdpa) models of ``arch`` with the same weights."""
+    cfg = tiny_config(**ARCHS[arch])
+    ring = build(cfg, "ring_dilated", dtype)
+    return ring, build(cfg, "sdpa", dtype, state=ring.state_dict())
+
+
+def _assert_same_generation(got, want):
+    assert torch.equal(got.sequences, want.sequences)
+    assert len(got.logits) == len(want.logits)
+    for g, w in zip(got.logits, want.logits, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"cache_implementation": "static"},
+        {"num_beams": 3},
+        {"num_beams": 2, "cache_implementation": "static"},
+        {"do_sample": True, "top_k": 5},
+        {"num_beams": 2, "do_sample": True, "cache_implementation": "static"},
+    ],
+    ids=["greedy", "greedy-static", "beam", "beam-static", "sample", "beam-sample-static"],
+)
+def test_generate_equals_sdpa(arch, kwargs):
+    """Dynamic and static caches (the static cache's prefill included),
+    beam search, and sampling with the same seed."""
+    ring, sdpa = _pair(arch)
+    common = dict(prompt=PROMPT_PADDED, attention_mask=MASK, max_new_tokens=8,
+                  return_dict_in_generate=True, output_logits=True, **kwargs)  # fmt: skip
+    _assert_same_generation(_generate(ring, **common), _generate(sdpa, **common))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_inputs_embeds_and_continuing_equal_sdpa(arch, cache):
+    """Generating from ``inputs_embeds``, and continuing from the returned
+    cache (``past_key_values``) with more tokens."""
+    ring, sdpa = _pair(arch)
+    outs = []
+    for model in (ring, sdpa):
+        model.generation_config.eos_token_id = None
+        greedy = dict(do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+                      output_logits=True)  # fmt: skip
+        if cache == "dynamic":
+            past = DynamicCache(config=model.config)
+        else:
+            past = StaticCache(config=model.config, max_cache_len=32)
+        embeds = model.get_input_embeddings()(PROMPT_PADDED)
+        from_embeds = model.generate(inputs_embeds=embeds, attention_mask=MASK, max_new_tokens=6,
+                                     cache_implementation=cache, **greedy)  # fmt: skip
+        first = model.generate(PROMPT_PADDED, attention_mask=MASK, cache=past, max_new_tokens=4,
+                               **greedy)  # fmt: skip
+        mask = torch.cat([MASK, torch.ones(2, 4, dtype=MASK.dtype)], dim=1)
+        rest = model.generate(first.sequences, attention_mask=mask, cache=first.past_key_values,
+                              max_new_tokens=5, **greedy)  # fmt: skip
+        outs.append((from_embeds, first, rest))
+    for got, want in zip(*outs, strict=True):
+        _assert_same_generation(got, want)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_compiled_static_cache_decode_equals_sdpa(arch):
+    """``generate`` compiling the decode step of a static cache with
+    ``fullgraph=True, dynamic=False`` (what transformers' own compile test
+    asks): the step compiles without a graph break, attends with the
+    kernels (not sdpa), and gives sdpa's tokens; Llama's step compiles once
+    for every position (Mistral's sliding layers give their position as an
+    int, which recompiles per step, with "sdpa" too)."""
+    from transformers import CompileConfig
+
+    ring, sdpa = _pair(arch, torch.float32)
+    graphs = []
+
+    def backend(gm, example_inputs, **options):  # counts the graphs, runs them eagerly
+        graphs.append(gm)
+        return gm.forward
+
+    compile_config = CompileConfig(fullgraph=True, dynamic=False, backend=backend, mode=None)
+    compile_config._compile_all_devices = True  # generate compiles on accelerators only otherwise
+    torch.compiler.reset()
+    common = dict(prompt=PROMPT_PADDED, attention_mask=MASK, max_new_tokens=5,
+                  cache_implementation="static")  # fmt: skip
+    got = _generate(ring, compile_config=compile_config, **common)
+    assert graphs, "the decode step was not compiled"
+    assert torch.equal(got, _generate(sdpa, **common))
+    if arch == "llama":
+        assert len(graphs) == 1
+    targets = {
+        str(node.target)
+        for gm in graphs
+        for module in gm.modules()
+        if isinstance(module, torch.fx.GraphModule)
+        for node in module.graph.nodes
+        if node.op == "call_function"
+    }
+    assert "ring_attention.block_forward" in targets, targets
+    assert not any("scaled_dot_product" in t for t in targets), targets

@@ -5,12 +5,14 @@ the kernels cannot express raises. And config entries of NumPy values."""
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import numpy as np
 import pytest
 import torch
 from test_hf import VOCAB, build, tiny_config
+from transformers import DynamicCache
 from transformers.utils import logging as hf_logging
 
 import ring_attention as ra
@@ -25,13 +27,26 @@ def registered():
     yield
 
 
+ARCHS = {  # Mistral's window shorter than the sequences below
+    "llama": dict(arch="llama", kv_heads=2),
+    "mistral": dict(arch="mistral", kv_heads=1, sliding_window=5),
+    "qwen2": dict(arch="qwen2", kv_heads=4),
+}
+
+
+@functools.cache
+def _models(arch: str) -> tuple:
+    """(sdpa, ring_dilated) of ``arch`` with the same weights."""
+    ra.register_transformers()
+    cfg = tiny_config(**ARCHS[arch])
+    sdpa = build(cfg, "sdpa")
+    return sdpa, build(cfg, "ring_dilated", state=sdpa.state_dict())
+
+
 @pytest.fixture(scope="module")
 def models():
     """(sdpa, ring_dilated) with the same weights: Llama, 4 heads over 2 K/V heads."""
-    ra.register_transformers()
-    cfg = tiny_config(kv_heads=2)
-    sdpa = build(cfg, "sdpa")
-    return sdpa, build(cfg, "ring_dilated", state=sdpa.state_dict())
+    return _models("llama")
 
 
 def _positions(kind: str) -> torch.Tensor:
@@ -85,9 +100,10 @@ def custom_4d_inputs():
     return batch, packed, positions, allowed
 
 
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("kind", ["float", "bool"])
-def test_4d_mask_without_pattern_equals_sdpa(models, kind):
-    sdpa, ring = models
+def test_4d_mask_without_pattern_equals_sdpa(arch, kind):
+    sdpa, ring = _models(arch)
     batch, packed, positions, allowed = custom_4d_inputs()
     if kind == "bool":
         mask = allowed[None, None]
@@ -98,8 +114,35 @@ def test_4d_mask_without_pattern_equals_sdpa(models, kind):
         got = ring(packed, attention_mask=mask, position_ids=positions).logits
         separate = ring(batch).logits
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    if arch == "mistral":  # the 4-D mask replaces its window (shorter than the sequences)
+        return
     # what the 4-D mask means: the packed tails equal the separate sequences
     torch.testing.assert_close(got[0, 5:], separate[:, -1], rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # (a sliding cache drops keys)
+@pytest.mark.parametrize("kind", ["float", "bool"])
+def test_4d_mask_of_one_query_row_equals_sdpa(arch, kind, monkeypatch):
+    """A decode step after a cached prefix with a 4-D mask of its one query
+    row hiding some keys: a bool row is key padding for the kernels, a float
+    row is sdpa's to apply; both equal sdpa."""
+    sdpa, ring = _models(arch)
+    ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(14))
+    keep = torch.ones(2, 1, 1, 12, dtype=torch.bool)
+    keep[0, ..., 3] = keep[1, ..., 7:9] = False
+    mask = keep if kind == "bool" else torch.zeros(keep.shape).masked_fill(~keep, -1e30)
+    calls = []
+    one_query = hf.attention._one_query
+    monkeypatch.setattr(hf.attention, "_one_query",
+                        lambda *a: calls.append(1) or one_query(*a))  # fmt: skip
+    logits = []
+    for model in (sdpa, ring):
+        past = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(ids[:, :11], cache=past, use_cache=True)
+            logits.append(model(ids[:, 11:], attention_mask=mask, cache=past).logits)
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=2e-6)
+    assert len(calls) == (ring.config.num_hidden_layers if kind == "bool" else 0)
 
 
 def test_4d_mask_with_pattern_raises():
@@ -127,8 +170,9 @@ def test_dropout_without_pattern_is_sdpas_own():
     dilated.eval()(ids)  # no dropout in eval
 
 
-def test_output_attentions_warns_and_returns_none_as_sdpa(models, caplog):
-    sdpa, ring = models
+@pytest.mark.parametrize("arch", ARCHS)
+def test_output_attentions_warns_and_returns_none_as_sdpa(arch, caplog):
+    sdpa, ring = _models(arch)
     ids = torch.randint(1, VOCAB, (1, 9))
     hf_logging.warning_once.cache_clear()
     with caplog.at_level(logging.WARNING):

@@ -13,7 +13,7 @@ from ..checks import check_key_padding_mask, check_qkv, resolve_scale
 from ..functional import attend
 from ..pattern import Pattern
 from ..ring import ring_attention, ring_call, ring_call_spec
-from .config import is_dense, layer_pattern, layer_window
+from .config import is_dense, layer_pattern, layer_window, pattern_from_config
 from .masks import Keys, PerBatch, batch_keys
 from .offset import offset_attention
 from .registry import ATTN_IMPLEMENTATION, SequenceParallel, sequence_parallel
@@ -47,8 +47,8 @@ def dilated_attention_forward(
             kernels without repeating heads. With a KV cache the queries
             are the last ``q_len`` of the keys in use.
         attention_mask: what :func:`~ring_attention.hf.masks.dilated_attention_mask`
-            returned (``None`` or the 2-D key map), or a 4-D mask the
-            caller prepared.
+            returned (``None``, the 2-D key map or transformers' 4-D
+            ``"sdpa"`` mask), or a 4-D mask the caller prepared.
         dropout: attention dropout probability (training).
         scaling: score scale, default ``head_dim ** -0.5``.
         is_causal: overrides ``module.is_causal``.
@@ -58,9 +58,11 @@ def dilated_attention_forward(
             ``output_attentions`` are read; the other transformers kwargs
             are ignored, except those the kernels cannot express.
 
-    Without a pattern (dense, equal to ``"sdpa"``), what the kernels cannot
-    express (a 4-D or float mask, attention dropout, a position bias) is
-    computed by transformers' ``"sdpa"`` itself; with a pattern it raises
+    Without a pattern (dense, equal to ``"sdpa"``), a 4-D bool mask of one
+    query row (a static cache's decode step) is applied by the kernels as
+    key padding; what they cannot express (another 4-D or a float mask,
+    attention dropout, a position bias) is computed by transformers'
+    ``"sdpa"`` itself; with a pattern it raises
     ``ValueError``, as do attention dropout and a position bias on a
     sliding-window layer (``"sdpa"`` would need transformers' 4-D mask).
     Logit soft-capping and attention sinks always raise.
@@ -82,9 +84,11 @@ def dilated_attention_forward(
         return _sharded(module, query, key, value, attention_mask, dropout, scaling, causal,
                         kwargs, sp), None  # fmt: skip
     _check_supported(kwargs)
+    config = getattr(module, "config", None)
+    if _one_query_row(attention_mask, query, key) and is_dense(config) and not dropout:
+        return _one_query(query, key, value, attention_mask, scaling, config), None
     reason = _sdpa_only(attention_mask, dropout, kwargs)
     if reason is not None:
-        config = getattr(module, "config", None)
         if not is_dense(config):
             raise ValueError(
                 f"{_NAME} with a dilated pattern (config.dilated_attention) cannot apply {reason}"
@@ -112,6 +116,42 @@ def _check_supported(kwargs: Mapping[str, Any]) -> None:
     for name, what in _UNSUPPORTED.items():
         if kwargs.get(name) is not None:
             raise ValueError(f"{_NAME} does not support {what}")
+
+
+def _one_query_row(attention_mask: Any, query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether ``attention_mask`` is a 4-D bool mask ``(batch or 1, 1, 1,
+    keys)`` of the one query of each row, for all heads: a decode step's
+    keys, which the kernels apply as key padding."""
+    return (
+        isinstance(attention_mask, torch.Tensor)
+        and attention_mask.dim() == 4
+        and attention_mask.dtype == torch.bool
+        and attention_mask.shape[0] in (1, query.shape[0])
+        and attention_mask.shape[1:] == (1, 1, key.shape[2])
+        and query.shape[2] == 1
+    )
+
+
+def _one_query(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor,
+    scaling: float | None,
+    config: Any,
+) -> torch.Tensor:
+    """One query per row attending the keys its 4-D mask keeps: dense
+    attention with that key padding, causality and any window being in the
+    mask (what transformers' ``"sdpa"`` mask holds for a compiled static
+    cache's decode step, ring_attention/hf/masks.py). The keys' order does
+    not matter, so a sliding-window cache's rolled keys need no position."""
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    shape = check_qkv(q, k, v, same_length=False)
+    pattern = pattern_from_config(config, False)  # dense: the mask decides the keys
+    pattern.check_heads(shape.heads)
+    padding = ~attention_mask[:, 0, 0, :].expand(shape.batch, -1)
+    args = ops.op_args(pattern, resolve_scale(scaling, shape.head_dim), padding, q.device)
+    return offset_attention(q, k, v, k.shape[1] - 1, args)
 
 
 def _sdpa_only(attention_mask: Any, dropout: float, kwargs: Mapping[str, Any]) -> str | None:

@@ -24,7 +24,12 @@ attention call as ``attention_mask``. That value is
   same); with packed documents an int32 tensor, ``0`` for a padding key,
   ``d >= 1`` for a key of document ``d`` of its row.
 
-The window itself is not in the mask: each layer reads it from its config
+Without a pattern, a static cache's decode step (and, under
+``torch.compile``, any queries continuing a cache) gets transformers' own
+4-D ``"sdpa"`` mask instead (:func:`_sdpa_masks_it`): built without reading
+where the queries stand, it has one shape for every step.
+
+The window itself is not in the key map: each layer reads it from its config
 (:func:`ring_attention.hf.config.layer_window`), and the mask function's
 window must be ``config.sliding_window``.
 
@@ -43,6 +48,7 @@ from typing import Any
 
 import torch
 
+from .config import is_dense
 from .registry import ATTN_IMPLEMENTATION, sequence_parallel
 
 __all__ = ["Keys", "PerBatch", "batch_keys", "dilated_attention_mask"]
@@ -107,7 +113,6 @@ def _packed_sequences(fn: Callable | None, config: Any = None) -> torch.Tensor |
     )
 
 
-@torch.compiler.disable  # reads mask functions' closures and values: eager, one graph break
 def dilated_attention_mask(
     batch_size: int,
     q_length: int,
@@ -121,7 +126,58 @@ def dilated_attention_mask(
     """transformers' mask-interface entry of ``"ring_dilated"``: ``None`` or
     the int32 ``(batch, q_offset + q_length)`` key map of the module
     docstring. Raises ``ValueError`` for mask structures the kernels cannot
-    express."""
+    express.
+
+    One exception (:func:`_sdpa_masks_it`): a model without a pattern gets
+    transformers' own 4-D ``"sdpa"`` mask, built without reading where the
+    queries stand, for a decode step of a static cache and for queries
+    continuing a cache under ``torch.compile``. Elsewhere the mask is built
+    eagerly (one graph break per forward under ``torch.compile``)."""
+    if _sdpa_masks_it(q_length, kv_length, q_offset, kv_offset, kwargs.get("config")):
+        from transformers.masking_utils import sdpa_mask
+
+        kwargs["allow_is_causal_skip"] = False  # None would mean every key of the cache
+        return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset,
+                         mask_function, attention_mask, **kwargs)  # fmt: skip
+    return _key_map(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
+                    attention_mask, **kwargs)  # fmt: skip
+
+
+def _sdpa_masks_it(
+    q_length: int, kv_length: int, q_offset: int | torch.Tensor, kv_offset: int, config: Any
+) -> bool:
+    """Whether a layer without a pattern (``config``) gets transformers' own
+    ``"sdpa"`` mask ``(batch, 1, q_length, kv_length)``: where the queries
+    stand among their keys would have to be read otherwise.
+
+    - A static cache gives the position as a tensor: its decode step (one
+      query) gets one mask shape for every step, so a compiled decode step
+      does not recompile per position (the layers apply its one row as key
+      padding with the kernels: ring_attention/hf/attention.py).
+    - Under ``torch.compile`` queries continuing a cache get it too, so the
+      forward compiles without a graph break (several queries: the layers
+      hand that mask to ``"sdpa"``; one: the kernels, as above).
+    """
+    if not is_dense(config):
+        return False
+    tensor = isinstance(q_offset, torch.Tensor)
+    if torch.compiler.is_compiling():
+        return tensor or q_offset != 0 or kv_offset != 0 or kv_length != q_length
+    return tensor and q_length == 1
+
+
+@torch.compiler.disable  # reads mask functions' closures and values: eager, one graph break
+def _key_map(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int | torch.Tensor,
+    kv_offset: int,
+    mask_function: Callable | None,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> torch.Tensor | None:
+    """The key map of the module docstring (eager)."""
     documents = _packed_sequences(mask_function, kwargs.get("config"))
     filled = int(q_offset) + q_length  # q_offset is a 0-d tensor for static caches
     if filled > kv_offset + kv_length:
