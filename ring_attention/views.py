@@ -34,6 +34,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -41,7 +42,18 @@ import torch
 from .cache import LRUCache
 from .pattern import Pattern
 
-__all__ = ["Call", "Plan", "Window", "batched", "head_runs", "plan_windows"]
+__all__ = [
+    "Call",
+    "Geometry",
+    "Plan",
+    "Window",
+    "batch_groups",
+    "batched",
+    "head_runs",
+    "merge_batch",
+    "plan_windows",
+    "split_batch",
+]
 
 #: Windows hold at least this many rows (the calls stay large) and about
 #: 1/WINDOWS of the sequence (the part buffers stay small).
@@ -82,49 +94,101 @@ class Call:
         j = torch.arange(self.rows, dtype=torch.int64)[None, :] * self.row_stride
         return self.start + s + j
 
-    def view(self, t: torch.Tensor, kv: bool = False) -> torch.Tensor:
-        """The call's rows of ``t`` ``(B, n, heads, d)`` (q-shaped, or K/V-shaped
-        with ``kv``) as a ``(B, segments, rows, heads_of_call, d)`` view: same
-        storage, no copy."""
+    def geometry(self, shape: Sequence[int], stride: Sequence[int], kv: bool = False) -> Geometry:
+        """:meth:`view`'s geometry on a tensor of this ``shape`` and ``stride``."""
         head, count, step = (
             (self.kv_head, self.kv_heads, self.kv_head_stride)
             if kv
             else (self.q_head, self.q_heads, self.q_head_stride)
         )
-        sb, sn, sh, sd = t.stride()
-        return t.as_strided(
-            (t.shape[0], self.segments, self.rows, count, t.shape[3]),
+        sb, sn, sh, sd = stride
+        return (
+            (shape[0], self.segments, self.rows, count, shape[3]),
             (sb, self.seg_stride * sn, self.row_stride * sn, step * sh, sd),
-            t.storage_offset() + self.start * sn + head * sh,
+            self.start * sn + head * sh,
+        )
+
+    def view(self, t: torch.Tensor, kv: bool = False) -> torch.Tensor:
+        """The call's rows of ``t`` ``(B, n, heads, d)`` (q-shaped, or K/V-shaped
+        with ``kv``) as a ``(B, segments, rows, heads_of_call, d)`` view: same
+        storage, no copy."""
+        return _apply(t, self.geometry(t.shape, t.stride(), kv))
+
+    def lse_geometry(self, shape: Sequence[int], stride: Sequence[int]) -> Geometry:
+        """:meth:`lse_view`'s geometry on an ``lse`` of this ``shape`` and ``stride``."""
+        lb, lh, ln = stride
+        return (
+            (shape[0], self.segments, self.q_heads, self.rows),
+            (lb, self.seg_stride * ln, self.q_head_stride * lh, self.row_stride * ln),
+            self.start * ln + self.q_head * lh,
         )
 
     def lse_view(self, lse: torch.Tensor) -> torch.Tensor:
         """The call's rows of ``lse`` ``(B, H, n)`` as ``(B, segments, heads, rows)``."""
-        lb, lh, ln = lse.stride()
-        return lse.as_strided(
-            (lse.shape[0], self.segments, self.q_heads, self.rows),
-            (lb, self.seg_stride * ln, self.q_head_stride * lh, self.row_stride * ln),
-            lse.storage_offset() + self.start * ln + self.q_head * lh,
-        )
+        return _apply(lse, self.lse_geometry(lse.shape, lse.stride()))
 
     def part_rows(self, batch: int, kv: bool = False) -> int:
         """Rows the call's outputs take in its window's part buffer."""
         return batch * self.segments * (self.kv_heads if kv else self.q_heads) * self.rows
 
+    def part_geometry(self, base: int, batch: int, kv: bool, width: int | None) -> Geometry:
+        """The call's rows ``[base, base + part_rows)`` of a contiguous part
+        buffer (``(rows, width)``, or ``(rows,)`` with ``width`` None) as
+        ``(B, segments, heads, rows[, width])``."""
+        size = (batch, self.segments, self.kv_heads if kv else self.q_heads, self.rows)
+        size = size if width is None else (*size, width)
+        stride, step = [], 1
+        for x in reversed(size):
+            stride.append(step)
+            step *= x
+        return size, tuple(reversed(stride)), base * (width or 1)
+
+
+#: A view as ``(size, stride, offset)``, the offset in elements from the
+#: viewed tensor's own storage offset (``Tensor.as_strided`` adds it).
+Geometry = tuple[tuple[int, ...], tuple[int, ...], int]
+
+
+def _apply(t: torch.Tensor, g: Geometry) -> torch.Tensor:
+    return t.as_strided(g[0], g[1], t.storage_offset() + g[2])
+
+
+def merge_batch(g: Geometry) -> Geometry | None:
+    """A ``(B, S, ...)`` geometry as ``(B * S, ...)`` where the batch and
+    segment dimensions merge (B or S is 1, or the batch stride is S segment
+    strides), else None."""
+    (b, s, *size), (sb, ss, *stride), offset = g
+    if s == 1:
+        first = sb
+    elif b == 1 or sb == s * ss:
+        first = ss
+    else:
+        return None
+    return (b * s, *size), (first, *stride), offset
+
+
+def split_batch(g: Geometry) -> list[Geometry]:
+    """A ``(B, S, ...)`` geometry as B geometries ``(S, ...)``, one a batch row."""
+    (b, *size), (sb, *stride), offset = g
+    return [(tuple(size), tuple(stride), offset + i * sb) for i in range(b)]
+
+
+def batch_groups(gs: Sequence[Geometry]) -> list[tuple[Geometry, ...]]:
+    """``(B, S, ...)`` geometries as groups of ``(B * S, ...)`` ones: one group
+    where every one merges batch and segments, else one a batch row."""
+    merged = [merge_batch(g) for g in gs]
+    if all(m is not None for m in merged):
+        return [tuple(merged)]  # type: ignore[arg-type]
+    return list(zip(*(split_batch(g) for g in gs), strict=True))
+
 
 def batched(view: torch.Tensor) -> list[torch.Tensor]:
     """A ``(B, S, ...)`` view as ``(B * S, ...)`` views without copying: one
-    when the batch and segment dimensions merge (B or S is 1, or the batch
-    stride is S segment strides), else one per batch row."""
-    b, s = view.shape[:2]
-    if s == 1:
-        first = view.stride(0)
-    elif b == 1 or view.stride(0) == s * view.stride(1):
-        first = view.stride(1)
-    else:
-        return [view[i] for i in range(b)]
-    shape, stride = (b * s, *view.shape[2:]), (first, *view.stride()[2:])
-    return [view.as_strided(shape, stride, view.storage_offset())]
+    when the batch and segment dimensions merge (:func:`merge_batch`), else
+    one per batch row."""
+    g = (tuple(view.shape), view.stride(), 0)
+    merged = merge_batch(g)
+    return [_apply(view, x) for x in ([merged] if merged is not None else split_batch(g))]
 
 
 @dataclass(frozen=True)
