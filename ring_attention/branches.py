@@ -112,7 +112,7 @@ class Program(NamedTuple):
 
 def _program(pass_: str, r: Route, *tensors: torch.Tensor) -> Program:
     """The :class:`Program` of ``pass_`` of the route ``r`` on these tensors
-    (forward: q, k, v; backward: grad_out, q, k, v, out, lse), cached per
+    (forward: q, k, v; backward: grad_out, q, k, v, out), cached per
     route, pass, and every tensor's shape, strides, storage offset, dtype
     and device: a pass on the same layout builds no view geometry again."""
     key = (pass_, r.plan, r.backends, layout_key(tensors))
@@ -138,11 +138,10 @@ def _build(pass_: str, r: Route, tensors: tuple[torch.Tensor, ...]) -> Program:
         launches, q_base, kv_base = [], 0, 0
         for call, name in zip(window.calls, names, strict=True):
             if backward:
-                go, q, k, v, out, lse = tensors
-                lg = call.lse_geometry(lse.shape, lse.stride())
+                go, q, k, v, out = tensors
                 geoms = (
                     view(call, go), view(call, q), view(call, k, True), view(call, v, True),
-                    view(call, out), (lg[0], lg[1], lg[2] + lse.storage_offset()),
+                    view(call, out), call.part_geometry(q_base, batch, False, None),
                     call.part_geometry(q_base, batch, False, d),
                     call.part_geometry(kv_base, batch, True, d),
                     call.part_geometry(kv_base, batch, True, d),
@@ -216,7 +215,7 @@ def dense_backward(
     device, causal = q.device, pattern.causal
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
-    prog = _program("backward", r, grad_out, q, k, v, out, lse)
+    prog = _program("backward", r, grad_out, q, k, v, out)
     fns = {name: backend(name).backward for names in r.backends for name in set(names)}
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     gq = torch.empty(prog.q_rows, d, dtype=q.dtype, device=device)
@@ -226,11 +225,13 @@ def dense_backward(
         zip(r.plan.windows, prog.windows, strict=True)
     ):
         with _span("calls", device):
+            # the merged lse of every part row, in the parts' order: one
+            # gather a window (4 bytes a row), each call's rows contiguous
+            part_lse = torch.take(lse, r.plan.lse_index(i, batch, device))
             for name, dog, qg, kg, vg, og, lg, gqg, gkg, gvg in launches:
                 fns[name](
                     grad_out.as_strided(*dog), q.as_strided(*qg), k.as_strided(*kg),
-                    v.as_strided(*vg), out.as_strided(*og),
-                    lse.as_strided(*lg).contiguous(),  # 4 bytes a row
+                    v.as_strided(*vg), out.as_strided(*og), part_lse.as_strided(*lg),
                     causal, scale, gq.as_strided(*gqg), gk.as_strided(*gkg), gv.as_strided(*gvg),
                 )  # fmt: skip
         q_index, _, kv_index, _ = r.plan.index(i, batch, device)

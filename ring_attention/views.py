@@ -328,6 +328,29 @@ class Plan:
 
         return _INDEX.get((self, i, batch, str(device)), build)
 
+    def lse_index(self, i: int, batch: int, device: torch.device) -> torch.Tensor:
+        """Int64, one a query-side part row of window ``i``: the flat index of
+        its ``(batch, head, position)`` in a ``(B, heads, n)`` tensor, so that
+        ``torch.take(lse, index)`` lays ``lse`` out as the window's parts
+        (cached)."""
+        window = self.windows[i]
+
+        def build():
+            flat = []
+            for call in window.calls:
+                size, stride, offset = call.lse_geometry(
+                    (batch, self.heads, self.n), (self.heads * self.n, self.n, 1)
+                )
+                base = torch.zeros((), dtype=torch.int64).expand(size)
+                for dim, (extent, step) in enumerate(zip(size, stride, strict=True)):
+                    shape = [1] * len(size)
+                    shape[dim] = extent
+                    base = base + torch.arange(extent, dtype=torch.int64).view(shape) * step
+                flat.append((base + offset).reshape(-1))
+            return torch.cat(flat).to(device) if flat else torch.zeros(0, dtype=torch.int64)
+
+        return _LSE_INDEX.get((self, i, batch, str(device)), build)
+
 
 def plan_windows(pattern: Pattern, n: int, heads: int, kv_heads: int, window_rows: int) -> Plan:
     """The :class:`Plan` of a ``(n, heads, kv_heads)`` problem (cached)."""
@@ -394,3 +417,4 @@ def _index_of(
 _INDEX: LRUCache[tuple[torch.Tensor, int, torch.Tensor, int]] = LRUCache(
     32, max_bytes=1 << 30, size_of=lambda v: v[0].nbytes + v[2].nbytes
 )
+_LSE_INDEX: LRUCache[torch.Tensor] = LRUCache(32, max_bytes=1 << 30, size_of=lambda v: v.nbytes)
