@@ -13,6 +13,10 @@ head, one stride ``s``; e.g. ``r = 6`` with 4 query heads per K/V head) the
 class is split into runs that do. Every call is then an ordinary dense
 attention (causal or not) whose query head ``i`` reads K/V head ``i // gg``,
 what FlashAttention-style kernels take (GQA), and K/V are never repeated.
+Classes of one query and one K/V head each whose starts and heads step
+evenly (same part, rows and K/V slot; e.g. ``r = 12`` over 16 heads) run side
+by side as the heads of one call: its head index also moves the rows
+(``Call.head_shift``; head stride ``(H + 1) * d`` for modulo offsets).
 
 The planner cuts the sequence into **windows** of whole segments of every
 branch (cuts at multiples of the lcm of the segment lengths, relative to each
@@ -32,6 +36,7 @@ K/V side). The merge operators (``torch.ops.ring_attention.merge_branches``,
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
 import math
 from collections.abc import Sequence
@@ -66,7 +71,10 @@ class Call:
     (``s < segments``, ``j < rows``) of query heads ``q_head + c * q_head_stride``
     (``c < q_heads``) against the same rows of K/V heads ``kv_head + i *
     kv_head_stride`` (``i < kv_heads``); query head ``c`` reads K/V head
-    ``c // (q_heads // kv_heads)``. Positions are absolute."""
+    ``c // (q_heads // kv_heads)``. Positions are absolute. With a
+    ``head_shift``, head index ``c`` (of the queries and of the K/V alike,
+    one K/V head a query head) also moves its rows by ``c * head_shift``
+    positions: offset classes of one head each, side by side in one call."""
 
     branch: int
     offset: int
@@ -82,6 +90,7 @@ class Call:
     kv_heads: int
     kv_head_stride: int
     kv_slot: int  # slot of the K/V-side sums (dk, dv)
+    head_shift: int = 0  # positions a head index moves (classes of one head each as heads)
 
     @property
     def group(self) -> int:
@@ -89,10 +98,14 @@ class Call:
         return self.q_heads // self.kv_heads
 
     def positions(self) -> torch.Tensor:
-        """``(segments, rows)`` int64 absolute positions."""
-        s = torch.arange(self.segments, dtype=torch.int64)[:, None] * self.seg_stride
-        j = torch.arange(self.rows, dtype=torch.int64)[None, :] * self.row_stride
-        return self.start + s + j
+        """``(segments, 1, rows)`` int64 absolute positions (``(segments,
+        q_heads, rows)`` with a ``head_shift``)."""
+        s = torch.arange(self.segments, dtype=torch.int64)[:, None, None] * self.seg_stride
+        j = torch.arange(self.rows, dtype=torch.int64)[None, None, :] * self.row_stride
+        pos = self.start + s + j
+        if self.head_shift:
+            pos = pos + torch.arange(self.q_heads)[None, :, None] * self.head_shift
+        return pos
 
     def geometry(self, shape: Sequence[int], stride: Sequence[int], kv: bool = False) -> Geometry:
         """:meth:`view`'s geometry on a tensor of this ``shape`` and ``stride``."""
@@ -104,7 +117,7 @@ class Call:
         sb, sn, sh, sd = stride
         return (
             (shape[0], self.segments, self.rows, count, shape[3]),
-            (sb, self.seg_stride * sn, self.row_stride * sn, step * sh, sd),
+            (sb, self.seg_stride * sn, self.row_stride * sn, step * sh + self.head_shift * sn, sd),
             self.start * sn + head * sh,
         )
 
@@ -119,7 +132,12 @@ class Call:
         lb, lh, ln = stride
         return (
             (shape[0], self.segments, self.q_heads, self.rows),
-            (lb, self.seg_stride * ln, self.q_head_stride * lh, self.row_stride * ln),
+            (
+                lb,
+                self.seg_stride * ln,
+                self.q_head_stride * lh + self.head_shift * ln,
+                self.row_stride * ln,
+            ),
             self.start * ln + self.q_head * lh,
         )
 
@@ -249,6 +267,7 @@ def _piece_calls(
     a whole segment of every branch."""
     calls = []
     for b, (w, r) in enumerate(pattern.branches):
+        branch: list[tuple[int, Call]] = []
         w = min(w, length) if length else w
         nfull, rem = divmod(length, w)
         for o, runs in _classes(pattern, b, heads, kv_heads):
@@ -257,11 +276,59 @@ def _piece_calls(
                 parts.append((start + o, nfull, -(-(w - o) // r)))
             if rem > o:
                 parts.append((start + nfull * w + o, 1, -(-(rem - o) // r)))
-            for first, segments, rows in parts:
+            for part, (first, segments, rows) in enumerate(parts):
                 for k, (qh, qc, qs, kh, kc, ks) in enumerate(runs):
                     call = (b, o, first, segments, w, rows, r, qh, qc, qs, kh, kc, ks)
-                    calls.append(Call(*call, kv_slot=slots[b] + k))
+                    branch.append((part, Call(*call, kv_slot=slots[b] + k)))
+        calls += _side_by_side(branch)
     return calls
+
+
+def _side_by_side(calls: list[tuple[int, Call]]) -> list[Call]:
+    """A branch's calls (``(part, call)``: full segments 0, short last 1),
+    those of one query and one K/V head whose starts and heads step evenly
+    from class to class (same part, segments, rows and K/V slot) merged
+    into one call each, the classes as its heads (``head_shift``): e.g.
+    ``r = 12`` over 16 heads, classes 4 ... 11 of one head each, 2731 or
+    2730 rows: two calls instead of eight."""
+    out: list[Call] = []
+    runs: dict[tuple[int, ...], list[Call]] = {}
+
+    def emit(run: list[Call]) -> None:
+        if len(run) == 1:
+            out.append(run[0])
+            return
+        a, b = run[0], run[1]
+        out.append(dataclasses.replace(
+            a, q_heads=len(run), q_head_stride=b.q_head - a.q_head, kv_heads=len(run),
+            kv_head_stride=b.kv_head - a.kv_head, head_shift=b.start - a.start,
+        ))  # fmt: skip
+
+    for part, call in calls:
+        if call.q_heads != 1 or call.kv_heads != 1:
+            out.append(call)
+            continue
+        key = (part, call.segments, call.rows, call.kv_slot)
+        run = runs.setdefault(key, [])
+        if run:
+            a, b = run[0], run[-1]
+            steps = (call.start - b.start, call.q_head - b.q_head, call.kv_head - b.kv_head)
+            if len(run) > 1:
+                first = (
+                    run[1].start - a.start,
+                    run[1].q_head - a.q_head,
+                    run[1].kv_head - a.kv_head,
+                )
+            else:
+                first = steps
+            if steps != first or steps[0] <= 0:
+                emit(run)
+                run.clear()
+        run.append(call)
+    for run in runs.values():
+        if run:
+            emit(run)
+    return out
 
 
 def _cuts(n: int, documents: tuple[int, ...] | None, period: int, target: int) -> list[int]:
@@ -398,7 +465,7 @@ def _index_of(
     bi = torch.arange(batch, device=device)[:, None, None, None]
     for call in window.calls:
         count = call.part_rows(batch, kv)
-        pos = (call.positions() - window.start).to(device)[None, :, None, :]
+        pos = (call.positions() - window.start).to(device)[None]
         head, heads, step = (
             (call.kv_head, call.kv_heads, call.kv_head_stride)
             if kv

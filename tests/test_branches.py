@@ -439,7 +439,7 @@ def test_info_prints_the_route(capsys, monkeypatch) -> None:
     info.main(["--seq-len", "131072", "--device", "cuda", "--capability", "9.0"])
     text = capsys.readouterr().out
     assert "forward: dense per branch" in text and "backward: dense per branch" in text
-    assert "25 dense calls a pass" in text and "branch 4 (w 32768, r 12): 12 calls" in text
+    assert "19 dense calls a pass" in text and "branch 4 (w 32768, r 12): 6 calls" in text
     info.main(["--seq-len", "4096", "--device", "cpu", "--dtype", "float32", "--head-dim", "64"])
     text = capsys.readouterr().out
     assert "forward: our kernel: auto: no row" in text
