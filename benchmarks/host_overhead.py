@@ -10,7 +10,8 @@ and 12 x 64, bf16, LongNet segments 2048 ... 32768, dilations 1 2 4 6 12,
 not causal), forward and forward + backward, after one warm-up pass (the
 caches of plans, routes and views filled, as in training). Each pass is timed
 in process CPU time (``time.process_time``: the machine may be loaded), and
-reported per pass and per dense call (the calls a pass makes on a GPU).
+reported per pass and per dense call (the calls a pass makes on a GPU;
+trees that plan fewer calls compare by the pass).
 
 With ``--prev DIR`` (``scripts/prev_tree.sh``; its ``ring_attention`` needs
 the built extension, e.g. copied from this checkout when ``csrc/`` is the
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     jsonl = out / "host.jsonl"
     jsonl.write_text("")
     per: dict[tuple[str, str, str], list[float]] = {}
-    calls: dict[tuple[str, str], int] = {}
+    calls: dict[tuple[str, str, str], int] = {}
     for rnd in range(a.rounds):
         for tree, path in trees.items():
             paths = [path, os.environ.get("PYTHONPATH", "")]
@@ -165,22 +166,23 @@ def main(argv: list[str] | None = None) -> int:
                 rec = dict(json.loads(line), tree=tree, round=rnd)
                 with jsonl.open("a") as f:
                     f.write(json.dumps(rec) + "\n")
-                per.setdefault((tree, rec["point"], rec["pass"]), []).append(
-                    statistics.median(rec["pass_ms"])
-                )
-                calls[(rec["point"], rec["pass"])] = rec["calls"]
+                key = (tree, rec["point"], rec["pass"])
+                per.setdefault(key, []).append(statistics.median(rec["pass_ms"]))
+                calls[key] = rec["calls"]
         print(f"round {rnd + 1}/{a.rounds} done", file=sys.stderr, flush=True)
     cols = list(trees)
-    head = " | ".join(f"{t} ms/pass | {t} us/call" for t in cols)
-    lines = [f"| point | pass | calls | {head} |" + (" prev/this |" if a.prev else ""),
-             "|---|---|---:|" + "---:|" * (2 * len(cols) + (1 if a.prev else 0))]  # fmt: skip
-    for (point, pass_), c in calls.items():
-        cells, ms = [], {}
-        for t in cols:
-            ms[t] = statistics.median(per[(t, point, pass_)])
-            cells += [f"{ms[t]:.1f}", f"{ms[t] * 1e3 / c:.0f}"]
-        ratio = [f"{ms['prev'] / ms['this']:.2f}x"] if a.prev else []
-        lines.append("| " + " | ".join([point, pass_, str(c), *cells, *ratio]) + " |")
+    head = " | ".join(f"{t} calls | {t} ms/pass | {t} us/call" for t in cols)
+    lines = [f"| point | pass | {head} |" + (" prev/this a pass |" if a.prev else ""),
+             "|---|---|" + "---:|" * (3 * len(cols) + (1 if a.prev else 0))]  # fmt: skip
+    for point in a.points:
+        for pass_ in ("fwd", "fwdbwd"):
+            cells, ms = [], {}
+            for t in cols:
+                c = calls[(t, point, pass_)]
+                ms[t] = statistics.median(per[(t, point, pass_)])
+                cells += [str(c), f"{ms[t]:.1f}", f"{ms[t] * 1e3 / c:.0f}"]
+            ratio = [f"{ms['prev'] / ms['this']:.2f}x"] if a.prev else []
+            lines.append("| " + " | ".join([point, pass_, *cells, *ratio]) + " |")
     text = "\n".join(lines)
     (out / "summary.md").write_text(text + "\n")
     print(text)
