@@ -10,6 +10,7 @@
     python benchmarks/bench.py check      # every method against a reference, then exit
     python benchmarks/bench.py report     # tables and plots again from the result files
     python benchmarks/bench.py views      # the GPU check of the dense per-branch path
+    python benchmarks/bench.py host       # the dense path's host time per call (no GPU needed)
 
 ``python benchmarks/bench.py SUBCOMMAND --help`` describes every option. The
 sweeps (local, ring) append one JSON line per finished point to
@@ -334,6 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_parser(sub)
     # its own parser: main() hands it the arguments (bench.py views --help)
     sub.add_parser("views", help="the GPU check of the dense per-branch path (views_check.py)")
+    sub.add_parser("host", help="the dense path's host time per call (host_overhead.py)")
 
     p = sub.add_parser("report", help="tables and plots again from the result files")
     add_output(p, resumable=False)
@@ -396,6 +398,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from . import views_check
 
         return views_check.main(argv[1:])
+    if argv[:1] == ["host"]:
+        from . import host_overhead
+
+        return host_overhead.main(argv[1:])
     args = build_parser().parse_args(argv)
     with contextlib.suppress(BrokenPipeError):
         return args.func(args)

@@ -30,15 +30,17 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import defaultdict
+from typing import Any, NamedTuple
 
 import torch
 
 from . import ops
 from .backends import backend, kv_finite
+from .cache import LRUCache
 from .dispatch import Route, route
 from .dtypes import acc_dtype
 from .pattern import Pattern
-from .views import Call, batched
+from .views import Call, Geometry, batch_groups
 
 __all__ = ["DenseBranches", "PhaseTimes", "local_attention", "phase_times"]
 
@@ -96,21 +98,70 @@ def _span(phase: str, device: torch.device):
     return _TIMES[-1].span(phase, device) if _TIMES else contextlib.nullcontext()
 
 
-def _groups(*views: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
-    """``(B, S, ...)`` views as groups of ``(B * S, ...)`` views: one group
-    where every view merges batch and segments without a copy, else one per
-    batch row."""
-    merged = [batched(v) for v in views]
-    if all(len(m) == 1 for m in merged):
-        return [tuple(m[0] for m in merged)]
-    return [tuple(v[i] for v in views) for i in range(views[0].shape[0])]
+class Program(NamedTuple):
+    """The dense calls of one pass as plain geometry: per window, its part
+    rows on the query and the K/V side and its launches ``(backend name,
+    geometry of each argument)`` (:class:`~ring_attention.views.Geometry`,
+    offsets absolute in each tensor's storage); ``q_rows``, ``kv_rows``:
+    the most rows a window's part buffers need."""
+
+    q_rows: int
+    kv_rows: int
+    windows: tuple[tuple[int, int, tuple[tuple[Any, ...], ...]], ...]
 
 
-def _parts(buf: torch.Tensor, base: int, call: Call, batch: int, kv: bool) -> torch.Tensor:
-    """A call's rows of a part buffer as ``(B, S, heads, rows, ...)``."""
-    heads = call.kv_heads if kv else call.q_heads
-    count = call.part_rows(batch, kv)
-    return buf[base : base + count].view(batch, call.segments, heads, call.rows, *buf.shape[1:])
+def _program(pass_: str, r: Route, *tensors: torch.Tensor) -> Program:
+    """The :class:`Program` of ``pass_`` of the route ``r`` on these tensors
+    (forward: q, k, v; backward: grad_out, q, k, v, out), cached per
+    route, pass, and every tensor's shape, strides, storage offset, dtype
+    and device: a pass on the same layout builds no view geometry again."""
+    key = (pass_, r.plan, r.backends, layout_key(tensors))
+    return _PROGRAMS.get(key, lambda: _build(pass_, r, tensors))
+
+
+def layout_key(tensors: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
+    """What a :class:`Program` depends on in its tensors."""
+    return tuple((t.shape, t.stride(), t.storage_offset(), t.dtype, t.device) for t in tensors)
+
+
+def _build(pass_: str, r: Route, tensors: tuple[torch.Tensor, ...]) -> Program:
+    assert r.plan is not None
+    backward = pass_ == "backward"
+    batch, d = tensors[0].shape[0], tensors[0].shape[3]
+
+    def view(call: Call, t: torch.Tensor, kv: bool = False) -> Geometry:
+        size, stride, offset = call.geometry(t.shape, t.stride(), kv)
+        return size, stride, offset + t.storage_offset()
+
+    windows, q_max, kv_max = [], 0, 0
+    for window, names in zip(r.plan.windows, r.backends, strict=True):
+        launches, q_base, kv_base = [], 0, 0
+        for call, name in zip(window.calls, names, strict=True):
+            if backward:
+                go, q, k, v, out = tensors
+                geoms = (
+                    view(call, go), view(call, q), view(call, k, True), view(call, v, True),
+                    view(call, out), call.part_geometry(q_base, batch, False, None),
+                    call.part_geometry(q_base, batch, False, d),
+                    call.part_geometry(kv_base, batch, True, d),
+                    call.part_geometry(kv_base, batch, True, d),
+                )  # fmt: skip
+            else:
+                q, k, v = tensors
+                geoms = (
+                    view(call, q), view(call, k, True), view(call, v, True),
+                    call.part_geometry(q_base, batch, False, d),
+                    call.part_geometry(q_base, batch, False, None),
+                )  # fmt: skip
+            launches += [(name, *g) for g in batch_groups(geoms)]
+            q_base += call.part_rows(batch)
+            kv_base += call.part_rows(batch, True)
+        windows.append((q_base, kv_base, tuple(launches)))
+        q_max, kv_max = max(q_max, q_base), max(kv_max, kv_base)
+    return Program(q_max, kv_max, tuple(windows))
+
+
+_PROGRAMS: LRUCache[Program] = LRUCache(64)
 
 
 def dense_forward(
@@ -118,26 +169,30 @@ def dense_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``out`` and ``lse`` of the local op by the dense calls of ``r``."""
     batch, n, heads, d = q.shape
+    device, causal = q.device, pattern.causal
     acc = acc_dtype(q.dtype)
+    prog = _program("forward", r, q, k, v)
+    fns = {name: backend(name).forward for names in r.backends for name in set(names)}
     out = torch.empty_like(q)
-    lse = torch.empty(batch, heads, n, dtype=acc, device=q.device)
-    for i, (window, names) in enumerate(zip(r.plan.windows, r.backends, strict=True)):
-        q_index, q_rows, _, _ = r.plan.index(i, batch, q.device)
-        parts = torch.empty(q_rows, d, dtype=q.dtype, device=q.device)
-        part_lse = torch.empty(q_rows, dtype=acc, device=q.device)
-        with _span("calls", q.device):
-            base = 0
-            for call, name in zip(window.calls, names, strict=True):
-                o = _parts(parts, base, call, batch, False)
-                lo = _parts(part_lse, base, call, batch, False)
-                views = (call.view(q), call.view(k, True), call.view(v, True), o, lo)
-                for qv, kv, vv, ov, lv in _groups(*views):
-                    backend(name).forward(qv, kv, vv, pattern.causal, scale, ov, lv)
-                base += call.part_rows(batch)
+    lse = torch.empty(batch, heads, n, dtype=acc, device=device)
+    # one pair of part buffers for every window (the stream orders each
+    # window's merge before the next window's calls write)
+    parts = torch.empty(prog.q_rows, d, dtype=q.dtype, device=device)
+    part_lse = torch.empty(prog.q_rows, dtype=acc, device=device)
+    for i, (window, (rows, _, launches)) in enumerate(
+        zip(r.plan.windows, prog.windows, strict=True)
+    ):
+        with _span("calls", device):
+            for name, qg, kg, vg, og, lg in launches:
+                fns[name](
+                    q.as_strided(*qg), k.as_strided(*kg), v.as_strided(*vg), causal, scale,
+                    parts.as_strided(*og), part_lse.as_strided(*lg),
+                )  # fmt: skip
+        q_index = r.plan.index(i, batch, device)[0]
         a, length = window.start, window.length
-        with _span("merge", q.device):
+        with _span("merge", device):
             ops.merge_branches(
-                parts, part_lse, q_index, out[:, a : a + length],
+                parts[:rows], part_lse[:rows], q_index, out[:, a : a + length],
                 lse[:, :, a : a + length].transpose(1, 2),
             )  # fmt: skip
     return out, lse
@@ -157,34 +212,34 @@ def dense_backward(
     """``dq``, ``dk``, ``dv`` of the local op by the dense calls of ``r``,
     given the merged ``out`` and ``lse``."""
     batch, _, _, d = q.shape
+    device, causal = q.device, pattern.causal
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
+    prog = _program("backward", r, grad_out, q, k, v, out)
+    fns = {name: backend(name).backward for names in r.backends for name in set(names)}
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    for i, (window, names) in enumerate(zip(r.plan.windows, r.backends, strict=True)):
-        q_index, q_rows, kv_index, kv_rows = r.plan.index(i, batch, q.device)
-        gq = torch.empty(q_rows, d, dtype=q.dtype, device=q.device)
-        gk = torch.empty(kv_rows, d, dtype=q.dtype, device=q.device)
-        gv = torch.empty_like(gk)
-        with _span("calls", q.device):
-            q_base = kv_base = 0
-            for call, name in zip(window.calls, names, strict=True):
-                views = (
-                    call.view(grad_out), call.view(q), call.view(k, True), call.view(v, True),
-                    call.view(out), call.lse_view(lse).contiguous(),  # 4 bytes a row
-                    _parts(gq, q_base, call, batch, False),
-                    _parts(gk, kv_base, call, batch, True), _parts(gv, kv_base, call, batch, True),
+    gq = torch.empty(prog.q_rows, d, dtype=q.dtype, device=device)
+    gk = torch.empty(prog.kv_rows, d, dtype=q.dtype, device=device)
+    gv = torch.empty_like(gk)
+    for i, (window, (q_rows, kv_rows, launches)) in enumerate(
+        zip(r.plan.windows, prog.windows, strict=True)
+    ):
+        with _span("calls", device):
+            # the merged lse of every part row, in the parts' order: one
+            # gather a window (4 bytes a row), each call's rows contiguous
+            part_lse = torch.take(lse, r.plan.lse_index(i, batch, device))
+            for name, dog, qg, kg, vg, og, lg, gqg, gkg, gvg in launches:
+                fns[name](
+                    grad_out.as_strided(*dog), q.as_strided(*qg), k.as_strided(*kg),
+                    v.as_strided(*vg), out.as_strided(*og), part_lse.as_strided(*lg),
+                    causal, scale, gq.as_strided(*gqg), gk.as_strided(*gkg), gv.as_strided(*gvg),
                 )  # fmt: skip
-                for do_, qv, kv, vv, ov, lv, gqv, gkv, gvv in _groups(*views):
-                    backend(name).backward(
-                        do_, qv, kv, vv, ov, lv, pattern.causal, scale, gqv, gkv, gvv
-                    )
-                q_base += call.part_rows(batch)
-                kv_base += call.part_rows(batch, True)
+        q_index, _, kv_index, _ = r.plan.index(i, batch, device)
         a, length = window.start, window.length
-        with _span("merge", q.device):
-            ops.sum_branches(gq, q_index, dq[:, a : a + length])
-            ops.sum_branches(gk, kv_index, dk[:, a : a + length])
-            ops.sum_branches(gv, kv_index, dv[:, a : a + length])
+        with _span("merge", device):
+            ops.sum_branches(gq[:q_rows], q_index, dq[:, a : a + length])
+            ops.sum_branches(gk[:kv_rows], kv_index, dk[:, a : a + length])
+            ops.sum_branches(gv[:kv_rows], kv_index, dv[:, a : a + length])
     return dq, dk, dv
 
 

@@ -13,6 +13,10 @@ head, one stride ``s``; e.g. ``r = 6`` with 4 query heads per K/V head) the
 class is split into runs that do. Every call is then an ordinary dense
 attention (causal or not) whose query head ``i`` reads K/V head ``i // gg``,
 what FlashAttention-style kernels take (GQA), and K/V are never repeated.
+Classes of one query and one K/V head each whose starts and heads step
+evenly (same part, rows and K/V slot; e.g. ``r = 12`` over 16 heads) run side
+by side as the heads of one call: its head index also moves the rows
+(``Call.head_shift``; head stride ``(H + 1) * d`` for modulo offsets).
 
 The planner cuts the sequence into **windows** of whole segments of every
 branch (cuts at multiples of the lcm of the segment lengths, relative to each
@@ -32,8 +36,10 @@ K/V side). The merge operators (``torch.ops.ring_attention.merge_branches``,
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -41,7 +47,18 @@ import torch
 from .cache import LRUCache
 from .pattern import Pattern
 
-__all__ = ["Call", "Plan", "Window", "batched", "head_runs", "plan_windows"]
+__all__ = [
+    "Call",
+    "Geometry",
+    "Plan",
+    "Window",
+    "batch_groups",
+    "batched",
+    "head_runs",
+    "merge_batch",
+    "plan_windows",
+    "split_batch",
+]
 
 #: Windows hold at least this many rows (the calls stay large) and about
 #: 1/WINDOWS of the sequence (the part buffers stay small).
@@ -54,7 +71,10 @@ class Call:
     (``s < segments``, ``j < rows``) of query heads ``q_head + c * q_head_stride``
     (``c < q_heads``) against the same rows of K/V heads ``kv_head + i *
     kv_head_stride`` (``i < kv_heads``); query head ``c`` reads K/V head
-    ``c // (q_heads // kv_heads)``. Positions are absolute."""
+    ``c // (q_heads // kv_heads)``. Positions are absolute. With a
+    ``head_shift``, head index ``c`` (of the queries and of the K/V alike,
+    one K/V head a query head) also moves its rows by ``c * head_shift``
+    positions: offset classes of one head each, side by side in one call."""
 
     branch: int
     offset: int
@@ -70,6 +90,7 @@ class Call:
     kv_heads: int
     kv_head_stride: int
     kv_slot: int  # slot of the K/V-side sums (dk, dv)
+    head_shift: int = 0  # positions a head index moves (classes of one head each as heads)
 
     @property
     def group(self) -> int:
@@ -77,54 +98,115 @@ class Call:
         return self.q_heads // self.kv_heads
 
     def positions(self) -> torch.Tensor:
-        """``(segments, rows)`` int64 absolute positions."""
-        s = torch.arange(self.segments, dtype=torch.int64)[:, None] * self.seg_stride
-        j = torch.arange(self.rows, dtype=torch.int64)[None, :] * self.row_stride
-        return self.start + s + j
+        """``(segments, 1, rows)`` int64 absolute positions (``(segments,
+        q_heads, rows)`` with a ``head_shift``)."""
+        s = torch.arange(self.segments, dtype=torch.int64)[:, None, None] * self.seg_stride
+        j = torch.arange(self.rows, dtype=torch.int64)[None, None, :] * self.row_stride
+        pos = self.start + s + j
+        if self.head_shift:
+            pos = pos + torch.arange(self.q_heads)[None, :, None] * self.head_shift
+        return pos
 
-    def view(self, t: torch.Tensor, kv: bool = False) -> torch.Tensor:
-        """The call's rows of ``t`` ``(B, n, heads, d)`` (q-shaped, or K/V-shaped
-        with ``kv``) as a ``(B, segments, rows, heads_of_call, d)`` view: same
-        storage, no copy."""
+    def geometry(self, shape: Sequence[int], stride: Sequence[int], kv: bool = False) -> Geometry:
+        """:meth:`view`'s geometry on a tensor of this ``shape`` and ``stride``."""
         head, count, step = (
             (self.kv_head, self.kv_heads, self.kv_head_stride)
             if kv
             else (self.q_head, self.q_heads, self.q_head_stride)
         )
-        sb, sn, sh, sd = t.stride()
-        return t.as_strided(
-            (t.shape[0], self.segments, self.rows, count, t.shape[3]),
-            (sb, self.seg_stride * sn, self.row_stride * sn, step * sh, sd),
-            t.storage_offset() + self.start * sn + head * sh,
+        sb, sn, sh, sd = stride
+        return (
+            (shape[0], self.segments, self.rows, count, shape[3]),
+            (sb, self.seg_stride * sn, self.row_stride * sn, step * sh + self.head_shift * sn, sd),
+            self.start * sn + head * sh,
+        )
+
+    def view(self, t: torch.Tensor, kv: bool = False) -> torch.Tensor:
+        """The call's rows of ``t`` ``(B, n, heads, d)`` (q-shaped, or K/V-shaped
+        with ``kv``) as a ``(B, segments, rows, heads_of_call, d)`` view: same
+        storage, no copy."""
+        return _apply(t, self.geometry(t.shape, t.stride(), kv))
+
+    def lse_geometry(self, shape: Sequence[int], stride: Sequence[int]) -> Geometry:
+        """:meth:`lse_view`'s geometry on an ``lse`` of this ``shape`` and ``stride``."""
+        lb, lh, ln = stride
+        return (
+            (shape[0], self.segments, self.q_heads, self.rows),
+            (
+                lb,
+                self.seg_stride * ln,
+                self.q_head_stride * lh + self.head_shift * ln,
+                self.row_stride * ln,
+            ),
+            self.start * ln + self.q_head * lh,
         )
 
     def lse_view(self, lse: torch.Tensor) -> torch.Tensor:
         """The call's rows of ``lse`` ``(B, H, n)`` as ``(B, segments, heads, rows)``."""
-        lb, lh, ln = lse.stride()
-        return lse.as_strided(
-            (lse.shape[0], self.segments, self.q_heads, self.rows),
-            (lb, self.seg_stride * ln, self.q_head_stride * lh, self.row_stride * ln),
-            lse.storage_offset() + self.start * ln + self.q_head * lh,
-        )
+        return _apply(lse, self.lse_geometry(lse.shape, lse.stride()))
 
     def part_rows(self, batch: int, kv: bool = False) -> int:
         """Rows the call's outputs take in its window's part buffer."""
         return batch * self.segments * (self.kv_heads if kv else self.q_heads) * self.rows
 
+    def part_geometry(self, base: int, batch: int, kv: bool, width: int | None) -> Geometry:
+        """The call's rows ``[base, base + part_rows)`` of a contiguous part
+        buffer (``(rows, width)``, or ``(rows,)`` with ``width`` None) as
+        ``(B, segments, heads, rows[, width])``."""
+        size = (batch, self.segments, self.kv_heads if kv else self.q_heads, self.rows)
+        size = size if width is None else (*size, width)
+        stride, step = [], 1
+        for x in reversed(size):
+            stride.append(step)
+            step *= x
+        return size, tuple(reversed(stride)), base * (width or 1)
+
+
+#: A view as ``(size, stride, offset)``, the offset in elements from the
+#: viewed tensor's own storage offset (``Tensor.as_strided`` adds it).
+Geometry = tuple[tuple[int, ...], tuple[int, ...], int]
+
+
+def _apply(t: torch.Tensor, g: Geometry) -> torch.Tensor:
+    return t.as_strided(g[0], g[1], t.storage_offset() + g[2])
+
+
+def merge_batch(g: Geometry) -> Geometry | None:
+    """A ``(B, S, ...)`` geometry as ``(B * S, ...)`` where the batch and
+    segment dimensions merge (B or S is 1, or the batch stride is S segment
+    strides), else None."""
+    (b, s, *size), (sb, ss, *stride), offset = g
+    if s == 1:
+        first = sb
+    elif b == 1 or sb == s * ss:
+        first = ss
+    else:
+        return None
+    return (b * s, *size), (first, *stride), offset
+
+
+def split_batch(g: Geometry) -> list[Geometry]:
+    """A ``(B, S, ...)`` geometry as B geometries ``(S, ...)``, one a batch row."""
+    (b, *size), (sb, *stride), offset = g
+    return [(tuple(size), tuple(stride), offset + i * sb) for i in range(b)]
+
+
+def batch_groups(gs: Sequence[Geometry]) -> list[tuple[Geometry, ...]]:
+    """``(B, S, ...)`` geometries as groups of ``(B * S, ...)`` ones: one group
+    where every one merges batch and segments, else one a batch row."""
+    merged = [merge_batch(g) for g in gs]
+    if all(m is not None for m in merged):
+        return [tuple(merged)]  # type: ignore[arg-type]
+    return list(zip(*(split_batch(g) for g in gs), strict=True))
+
 
 def batched(view: torch.Tensor) -> list[torch.Tensor]:
     """A ``(B, S, ...)`` view as ``(B * S, ...)`` views without copying: one
-    when the batch and segment dimensions merge (B or S is 1, or the batch
-    stride is S segment strides), else one per batch row."""
-    b, s = view.shape[:2]
-    if s == 1:
-        first = view.stride(0)
-    elif b == 1 or view.stride(0) == s * view.stride(1):
-        first = view.stride(1)
-    else:
-        return [view[i] for i in range(b)]
-    shape, stride = (b * s, *view.shape[2:]), (first, *view.stride()[2:])
-    return [view.as_strided(shape, stride, view.storage_offset())]
+    when the batch and segment dimensions merge (:func:`merge_batch`), else
+    one per batch row."""
+    g = (tuple(view.shape), view.stride(), 0)
+    merged = merge_batch(g)
+    return [_apply(view, x) for x in ([merged] if merged is not None else split_batch(g))]
 
 
 @dataclass(frozen=True)
@@ -185,6 +267,7 @@ def _piece_calls(
     a whole segment of every branch."""
     calls = []
     for b, (w, r) in enumerate(pattern.branches):
+        branch: list[tuple[int, Call]] = []
         w = min(w, length) if length else w
         nfull, rem = divmod(length, w)
         for o, runs in _classes(pattern, b, heads, kv_heads):
@@ -193,11 +276,59 @@ def _piece_calls(
                 parts.append((start + o, nfull, -(-(w - o) // r)))
             if rem > o:
                 parts.append((start + nfull * w + o, 1, -(-(rem - o) // r)))
-            for first, segments, rows in parts:
+            for part, (first, segments, rows) in enumerate(parts):
                 for k, (qh, qc, qs, kh, kc, ks) in enumerate(runs):
                     call = (b, o, first, segments, w, rows, r, qh, qc, qs, kh, kc, ks)
-                    calls.append(Call(*call, kv_slot=slots[b] + k))
+                    branch.append((part, Call(*call, kv_slot=slots[b] + k)))
+        calls += _side_by_side(branch)
     return calls
+
+
+def _side_by_side(calls: list[tuple[int, Call]]) -> list[Call]:
+    """A branch's calls (``(part, call)``: full segments 0, short last 1),
+    those of one query and one K/V head whose starts and heads step evenly
+    from class to class (same part, segments, rows and K/V slot) merged
+    into one call each, the classes as its heads (``head_shift``): e.g.
+    ``r = 12`` over 16 heads, classes 4 ... 11 of one head each, 2731 or
+    2730 rows: two calls instead of eight."""
+    out: list[Call] = []
+    runs: dict[tuple[int, ...], list[Call]] = {}
+
+    def emit(run: list[Call]) -> None:
+        if len(run) == 1:
+            out.append(run[0])
+            return
+        a, b = run[0], run[1]
+        out.append(dataclasses.replace(
+            a, q_heads=len(run), q_head_stride=b.q_head - a.q_head, kv_heads=len(run),
+            kv_head_stride=b.kv_head - a.kv_head, head_shift=b.start - a.start,
+        ))  # fmt: skip
+
+    for part, call in calls:
+        if call.q_heads != 1 or call.kv_heads != 1:
+            out.append(call)
+            continue
+        key = (part, call.segments, call.rows, call.kv_slot)
+        run = runs.setdefault(key, [])
+        if run:
+            a, b = run[0], run[-1]
+            steps = (call.start - b.start, call.q_head - b.q_head, call.kv_head - b.kv_head)
+            if len(run) > 1:
+                first = (
+                    run[1].start - a.start,
+                    run[1].q_head - a.q_head,
+                    run[1].kv_head - a.kv_head,
+                )
+            else:
+                first = steps
+            if steps != first or steps[0] <= 0:
+                emit(run)
+                run.clear()
+        run.append(call)
+    for run in runs.values():
+        if run:
+            emit(run)
+    return out
 
 
 def _cuts(n: int, documents: tuple[int, ...] | None, period: int, target: int) -> list[int]:
@@ -264,6 +395,29 @@ class Plan:
 
         return _INDEX.get((self, i, batch, str(device)), build)
 
+    def lse_index(self, i: int, batch: int, device: torch.device) -> torch.Tensor:
+        """Int64, one a query-side part row of window ``i``: the flat index of
+        its ``(batch, head, position)`` in a ``(B, heads, n)`` tensor, so that
+        ``torch.take(lse, index)`` lays ``lse`` out as the window's parts
+        (cached)."""
+        window = self.windows[i]
+
+        def build():
+            flat = []
+            for call in window.calls:
+                size, stride, offset = call.lse_geometry(
+                    (batch, self.heads, self.n), (self.heads * self.n, self.n, 1)
+                )
+                base = torch.zeros((), dtype=torch.int64).expand(size)
+                for dim, (extent, step) in enumerate(zip(size, stride, strict=True)):
+                    shape = [1] * len(size)
+                    shape[dim] = extent
+                    base = base + torch.arange(extent, dtype=torch.int64).view(shape) * step
+                flat.append((base + offset).reshape(-1))
+            return torch.cat(flat).to(device) if flat else torch.zeros(0, dtype=torch.int64)
+
+        return _LSE_INDEX.get((self, i, batch, str(device)), build)
+
 
 def plan_windows(pattern: Pattern, n: int, heads: int, kv_heads: int, window_rows: int) -> Plan:
     """The :class:`Plan` of a ``(n, heads, kv_heads)`` problem (cached)."""
@@ -311,7 +465,7 @@ def _index_of(
     bi = torch.arange(batch, device=device)[:, None, None, None]
     for call in window.calls:
         count = call.part_rows(batch, kv)
-        pos = (call.positions() - window.start).to(device)[None, :, None, :]
+        pos = (call.positions() - window.start).to(device)[None]
         head, heads, step = (
             (call.kv_head, call.kv_heads, call.kv_head_stride)
             if kv
@@ -330,3 +484,4 @@ def _index_of(
 _INDEX: LRUCache[tuple[torch.Tensor, int, torch.Tensor, int]] = LRUCache(
     32, max_bytes=1 << 30, size_of=lambda v: v[0].nbytes + v[2].nbytes
 )
+_LSE_INDEX: LRUCache[torch.Tensor] = LRUCache(32, max_bytes=1 << 30, size_of=lambda v: v.nbytes)

@@ -236,7 +236,9 @@ if [[ $DRY -eq 1 ]]; then
     "bash scripts/fa4_install.sh (flash-attn-4 if both parts arrived), $PY benchmarks/bench.py views" \
     "--device cuda --out \$OUT/views --budget-s <left - 20 s>${PREV:+ --prev $PREV}: check (oracle," \
     "n = 10240), dense (FA4, FA2, torch.mm), bench (32K, 131K, 1M x 12x64, 16x128; dense" \
-    "path with phases, default${PREV:+, the default of $PREV}), big (2M fwd+bwd peak) -> views.log, views/"
+    "path with phases, default${PREV:+, the default of $PREV}), big (2M fwd+bwd peak) -> views.log, views/;" \
+    "first $PY benchmarks/bench.py host --rounds 1 --reps 3 (the path's host time per call, CPU, <= 45 s)" \
+    "-> views_host.log, views_host/"
   echo "  profile: (only when named in --stages; the stages before leave it ${PROFILE_RESERVE} s)" \
     "ncu --clock-control none -k regex:<fwd|bwd>_mma_kernel --launch-count 1 <8 sections>" \
     "$PY scripts/profile_kernels.py --n 32768 (h 16 d 128, h 12 d 64) -> profile.log, profile/*.{ncu-rep,txt,_sass.csv.gz}"
@@ -582,6 +584,13 @@ if want views; then
     fi
     prev=()
     ((PREV_OK)) && prev=(--prev "$PREV")
+    # the dense path's own host time per call on this machine's CPU (backends
+    # stubbed, meta tensors: benchmarks/host_overhead.py), at most 45 s
+    h0=$SECONDS
+    timeout --kill-after=5 45 "$PY" benchmarks/bench.py host --rounds 1 --reps 3 \
+      --out "$OUT/views_host" >"$OUT/views_host.log" 2>&1 || true
+    tail -n 12 "$OUT/views_host.log"
+    hard=$((hard - (SECONDS - h0)))
     timeout --kill-after=10 "$hard" "$PY" benchmarks/bench.py views --device cuda \
       --out "$OUT/views" --budget-s $((hard - 20)) "${prev[@]}" 2>&1 | tee "$OUT/views.log"
     rc=${PIPESTATUS[0]}

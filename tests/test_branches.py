@@ -169,6 +169,56 @@ def test_non_contiguous_inputs(dense) -> None:
     _check(got, _oracle(q, k, v, go, [8, 16], [1, 2], causal=True), 1e-10, "transposed")
 
 
+def _placed(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """``t`` ``(B, n, h, d)`` copied into a layout: ``contiguous``,
+    ``offset`` (the same strides, 3 elements into its storage), ``transposed``
+    (a ``(B, h, n, d)`` tensor transposed) or ``packed`` (one of two
+    tensors interleaved along a dimension after the heads)."""
+    if layout == "contiguous":
+        return t.clone().contiguous()
+    if layout == "offset":
+        return torch.zeros(t.numel() + 3, dtype=t.dtype)[3:].view(t.shape).copy_(t)
+    if layout == "transposed":
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
+    return torch.stack([torch.zeros_like(t), t], dim=3)[:, :, :, 1]
+
+
+def test_views_are_built_again_for_every_layout(dense, small_windows) -> None:
+    """The cached views of a pass are keyed by every tensor's shape, strides,
+    storage offset, dtype and device and by the route (pattern, plan): one
+    process runs the same shapes in layout after layout, pattern after
+    pattern, each checked against the oracle, each a new entry."""
+    segs, dils = [8, 16, 32], [1, 2, 4]
+    q0, k0, v0, go0, _ = _inputs(2, 70, 6, 2, 8, F64, "cpu", seed=13)
+    runs = [  # (q, k, v, grad_out layouts), Pattern keywords, dtype, new entries
+        (("contiguous",) * 4, {}, F64, 2),  # forward, backward
+        (("contiguous", "packed", "packed", "contiguous"), {}, F64, 2),  # K/V strides
+        (("offset", "contiguous", "offset", "contiguous"), {}, F64, 2),  # storage offsets
+        (("contiguous", "contiguous", "contiguous", "transposed"), {}, F64, 1),  # grad_out's
+        (("transposed", "offset", "packed", "packed"), {}, F64, 2),
+        (("contiguous",) * 4, {"causal": True}, F64, 2),  # the pattern
+        (("contiguous",) * 4, {"head_offsets": "grouped"}, F64, 2),
+        (("contiguous",) * 4, {}, F32, 2),  # the dtype alone
+        (("contiguous",) * 4, {}, F32, 0),  # the same again: no new entry
+    ]
+    branches._PROGRAMS.clear()
+    for layouts, kw, dtype, new in runs:
+        misses = branches._PROGRAMS.misses
+        q, k, v, go = (
+            _placed(t.to(dtype), x) for t, x in zip((q0, k0, v0, go0), layouts, strict=True)
+        )
+        for t in (q, k, v):
+            t.requires_grad_()
+        out, lse = ra.dilated_attention(q, k, v, segs, dils, return_lse=True, **kw)
+        got = (out.detach(), lse.detach(), *torch.autograd.grad(out, (q, k, v), go))
+        want = _oracle(q0, k0, v0, go0, segs, dils, **kw)
+        _check(got, want, 1e-10 if dtype == F64 else 2e-5, f"{layouts} {kw} {dtype}")
+        assert branches._PROGRAMS.misses == misses + new, (layouts, kw, dtype)
+    x = q0.clone()
+    keys = [branches.layout_key((t,)) for t in (x, x.float(), x.to("meta"), _placed(x, "offset"))]
+    assert len(set(keys)) == 4
+
+
 def test_gradcheck_dense_path(dense, small_windows) -> None:
     q, k, v, _, _ = _inputs(1, 30, 3, 3, 4, F64, "cpu", seed=2)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -389,7 +439,7 @@ def test_info_prints_the_route(capsys, monkeypatch) -> None:
     info.main(["--seq-len", "131072", "--device", "cuda", "--capability", "9.0"])
     text = capsys.readouterr().out
     assert "forward: dense per branch" in text and "backward: dense per branch" in text
-    assert "25 dense calls a pass" in text and "branch 4 (w 32768, r 12): 12 calls" in text
+    assert "19 dense calls a pass" in text and "branch 4 (w 32768, r 12): 6 calls" in text
     info.main(["--seq-len", "4096", "--device", "cpu", "--dtype", "float32", "--head-dim", "64"])
     text = capsys.readouterr().out
     assert "forward: our kernel: auto: no row" in text

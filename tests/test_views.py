@@ -6,6 +6,7 @@ sharing (no copy) and for the strides docs/design.md gives."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -75,6 +76,40 @@ def _inputs(shape, batch=2, dtype=torch.float32, seed=0):
     return q, k
 
 
+def _classes(calls, q, k):
+    """The calls with the classes of a ``head_shift`` call apart, one head
+    each, each class's view checked equal to its head of the call's."""
+    for call in calls:
+        if not call.head_shift:
+            yield call
+            continue
+        for c in range(call.q_heads):
+            shift = c * call.head_shift
+            one = dataclasses.replace(
+                call, offset=call.offset + shift, start=call.start + shift,
+                q_head=call.q_head + c * call.q_head_stride, q_heads=1,
+                kv_head=call.kv_head + c * call.kv_head_stride, kv_heads=1, head_shift=0,
+            )  # fmt: skip
+            assert torch.equal(call.view(q)[:, :, :, c : c + 1], one.view(q))
+            assert torch.equal(call.view(k, True)[:, :, :, c : c + 1], one.view(k, True))
+            yield one
+
+
+def test_one_head_classes_side_by_side() -> None:
+    """LongNet over 16 heads: r = 12's classes 4 ... 11 (one head each) in
+    two calls (2731 and 2730 rows); 12 heads: all twelve in two; GQA's
+    classes keep their calls (a K/V head a query head only)."""
+    pattern = Pattern([2048, 4096, 8192, 16384, 32768], [1, 2, 4, 6, 12])
+    for heads, kv_heads, calls in ((16, 16, 19), (12, 12, 15), (24, 6, 31)):
+        (window,) = plan_windows(pattern, 131072, heads, kv_heads, 131072).windows
+        assert len(window.calls) == calls, heads
+    shifted = [c for c in window.calls if c.head_shift]
+    assert not shifted
+    (window,) = plan_windows(pattern, 131072, 16, 16, 131072).windows
+    shifted = [(c.offset, c.q_heads, c.rows, c.head_shift) for c in window.calls if c.head_shift]
+    assert shifted == [(4, 4, 2731, 1), (8, 4, 2730, 1)]
+
+
 def _plan(name, window_rows=BIG) -> Plan:
     n, heads, kv_heads, segs, dils, kw = SHAPES[name]
     return plan_windows(Pattern(segs, dils, **kw), n, heads, kv_heads, window_rows)
@@ -90,7 +125,7 @@ def test_views_equal_the_gather_indices(name) -> None:
     ref = _gather_calls(n, heads, kv_heads, pattern)
     q_flat, k_flat = q.reshape(2, n * heads, 8), k.reshape(2, n * kv_heads, 8)
     covered = set()
-    for call in plan.windows[0].calls:
+    for call in _classes(plan.windows[0].calls, q, k):
         qi, ki, hs = ref[(call.branch, call.offset, call.start)]
         c0 = hs.index(call.q_head)
         sub = slice(c0, c0 + call.q_heads)
@@ -124,13 +159,15 @@ def test_views_share_storage_and_have_the_strides(name) -> None:
             head = call.kv_head if kv else call.q_head
             assert v.data_ptr() == t.data_ptr() + (call.start * width + head) * d * t.itemsize
             step = call.kv_head_stride if kv else call.q_head_stride
-            want = (n * width * d, w * width * d, r * width * d, step * d, 1)
+            head = step * d + call.head_shift * width * d  # classes side by side
+            want = (n * width * d, w * width * d, r * width * d, head, 1)
             if call.segments == 1:  # a lone segment's stride is never used
                 want = (want[0], v.stride(1), *want[2:])
             assert v.stride() == want, (name, call)
             if not kv:  # query heads: stride r (modulo offsets) or 1 (grouped)
                 grouped = kw.get("head_offsets") == "grouped"
-                assert call.q_heads == 1 or step == (1 if grouped else r), (name, call)
+                want = 1 if grouped or call.head_shift else r
+                assert call.q_heads == 1 or step == want, (name, call)
 
 
 def test_batched_views_merge_batch_and_segments_only_when_they_can() -> None:

@@ -77,3 +77,37 @@ def test_dry_run_runs_every_stage(tmp_path: Path) -> None:
     assert big["status"] == "ok"
     summary = (tmp_path / "summary.md").read_text()
     assert "against the float64 oracle" in summary and "| 512 | 2x16 | fwdbwd | prev |" in summary
+
+
+def test_host_overhead_runs_a_tree_against_another(tmp_path: Path) -> None:
+    """benchmarks/host_overhead.py (``bench.py host``): the dense path with its
+    backends, merge and finiteness check stubbed on meta tensors, two trees
+    (this checkout twice) in round-robin subprocesses, a row a point and pass."""
+    from benchmarks import host_overhead
+
+    point = "8192x4x16"
+    argv = ["--points", point, "--rounds", "2", "--reps", "1", "--prev", str(ROOT),
+            "--out", str(tmp_path)]  # fmt: skip
+    assert host_overhead.main(argv) == 0
+    recs = [json.loads(x) for x in (tmp_path / "host.jsonl").read_text().splitlines()]
+    assert {(r["tree"], r["round"], r["pass"]) for r in recs} == {
+        (t, i, p) for t in ("this", "prev") for i in (0, 1) for p in ("fwd", "fwdbwd")
+    }
+    # 8192 rows, 4 heads, LongNet: one window, every segment length cut to n
+    fwd = {r["calls"] for r in recs if r["pass"] == "fwd"}
+    assert fwd == {len(host_overhead_plan(point).windows[0].calls)}
+    assert all(r["calls"] == 2 * next(iter(fwd)) for r in recs if r["pass"] == "fwdbwd")
+    assert all(t >= 0 for r in recs for t in r["pass_ms"])
+    table = (tmp_path / "summary.md").read_text()
+    assert f"| {point} | fwdbwd |" in table and "prev/this" in table
+
+
+def host_overhead_plan(point: str):
+    from benchmarks import host_overhead
+    from ring_attention import config
+    from ring_attention.pattern import Pattern
+    from ring_attention.views import plan_windows
+
+    n, heads, _ = (int(x) for x in point.split("x"))
+    pattern = Pattern(host_overhead.SEGS, host_overhead.DILS)
+    return plan_windows(pattern, n, heads, heads, config.window_rows())
