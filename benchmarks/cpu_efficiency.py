@@ -6,7 +6,7 @@ both sides are timed in this process's CPU time (``time.process_time``: every
 thread of the process, none of the others'), round-robin in one process: a
 call of ``ring_attention.dilated_attention`` (forward under ``no_grad``, or
 forward + backward), then a square fp32 ``torch.mm`` (2048³ by default) for
-at least as long, at the same thread count; each round gives one ratio and
+as long (at most ``--sgemm-s``), at the same thread count; each round gives one ratio and
 the table shows their median. The rate counts pattern FLOPs as ``bench.py
 local`` does (4·d per reached (query, key) pair forward, 3.5x that for
 forward + backward; ``methods.flops``). A loaded machine still slows both
@@ -56,6 +56,9 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=1, help="intra-op threads, both sides (1)")
     p.add_argument("--rounds", type=int, default=3, help="ratios per point; median shown (3)")
     p.add_argument("--sgemm-size", type=int, default=2048, help="square fp32 torch.mm (2048)")
+    p.add_argument(
+        "--sgemm-s", type=float, default=3.0, help="sgemm's CPU seconds a round, at most (3)"
+    )
     p.add_argument("--out", help="append one JSON line per point to this file")
     p.set_defaults(func=cmd_efficiency)
 
@@ -100,7 +103,7 @@ def cmd_efficiency(a: argparse.Namespace) -> int:
 
 
 def measure_point(a, meth, n, h, d, backward, sgemm, sgemm_flops) -> dict[str, Any]:
-    """Round-robin: one call of ours, then sgemm for at least as long; per round
+    """Round-robin: one call of ours, then sgemm as long (at most --sgemm-s); per round
     the ratio of the two FLOP rates, both in CPU time."""
     gen = torch.Generator().manual_seed(0)
     q, k, v, g = (torch.randn(1, n, h, d, generator=gen) for _ in range(4))
@@ -122,7 +125,7 @@ def measure_point(a, meth, n, h, d, backward, sgemm, sgemm_flops) -> dict[str, A
     for _ in range(a.rounds):
         t = cpu_seconds(ours)
         calls, spent = 0, 0.0
-        while spent < t or calls < 3:
+        while spent < min(t, a.sgemm_s) or calls < 3:
             spent += cpu_seconds(sgemm)
             calls += 1
         rate = sgemm_flops * calls / spent

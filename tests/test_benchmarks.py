@@ -595,6 +595,7 @@ def test_tiles_microbenchmark_runs() -> None:
     if {"avx2", "fma"} <= flags:
         products += ["fp32 S avx2 K^T", "fp32 PV avx2", "bwd fp32 dV^T avx2", "bwd fp32 dQ avx2"]
         products += ["pass: fp32 softmax avx2", "pass: fp32 lazy exp avx2"]
+        products += ["fp32 S + lazy pass avx2, the pass apart", "in S's epilogue"]
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
         products += ["fp32 S brgemm K^T", "bwd fp32 dV^T brgemm", "pass: fp32 lazy exp avx512"]
         if "avx512_bf16" in flags:
