@@ -7,6 +7,7 @@
     python benchmarks/bench.py llm        # grouped K/V heads and packed documents: bytes, time
     python benchmarks/bench.py modes      # ring, Ulysses and hybrid side by side (p = 4, CPU)
     python benchmarks/bench.py tiles      # one-thread timings of the CPU kernels' tile products
+    python benchmarks/bench.py efficiency # the CPU kernels' share of sgemm's rate, in CPU time
     python benchmarks/bench.py check      # every method against a reference, then exit
     python benchmarks/bench.py report     # tables and plots again from the result files
     python benchmarks/bench.py views      # the GPU check of the dense per-branch path
@@ -29,7 +30,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from . import compare, cpu_tile_gemm, llm, measure, methods, modes
+from . import compare, cpu_efficiency, cpu_tile_gemm, llm, measure, methods, modes
 from .common import DEFAULT_OUT, DTYPES, RING_DILATIONS, RING_SEGMENTS, parse_config
 from .local_report import finish_local
 from .local_sweep import cmd_local
@@ -318,6 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     llm.add_parser(sub)
     modes.add_parser(sub)
     cpu_tile_gemm.add_parser(sub)
+    cpu_efficiency.add_parser(sub)
 
     p = sub.add_parser("check", help="every method against a reference, then exit")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help=DEVICE_HELP)

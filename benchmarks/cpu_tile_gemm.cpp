@@ -3,8 +3,8 @@
 #include <dlfcn.h>
 #include <torch/extension.h>
 
-#include <chrono>
 #include <cstdlib>
+#include <ctime>
 #include <vector>
 
 #include "../csrc/cpu/packed_tiles.h"
@@ -13,16 +13,22 @@
 #include "../csrc/cpu/tile_path.h"
 namespace cpu = ring_attention::cpu;
 using bf = c10::BFloat16;
-using clk = std::chrono::steady_clock;
 template <class T>
 using blas = void (*)(const char*, const char*, const int*, const int*, const int*, const float*,
                       const T*, const int*, const T*, const int*, const float*, float*, const int*);
+// Microseconds of this thread's CPU time per call (other jobs on a shared
+// machine move wall-clock times far more).
+inline double thread_us() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return 1e6 * static_cast<double>(t.tv_sec) + 1e-3 * static_cast<double>(t.tv_nsec);
+}
 template <class F>
 double us(F f, int iters) {
   for (int i = 0; i < 20; ++i) f();
-  auto t0 = clk::now();
+  const double t0 = thread_us();
   for (int i = 0; i < iters; ++i) f();
-  return std::chrono::duration<double, std::micro>(clk::now() - t0).count() / iters;
+  return (thread_us() - t0) / iters;
 }
 template <class T>
 T* buf(int64_t n, int64_t byte_offset) {
@@ -162,6 +168,29 @@ std::map<std::string, double> run(int iters) {
             float m = shift[i];
             cpu::exp_row_lazy(S + i * 528, N, 0.125f, &m, 8.0f, lane);
           }
+        },
+        iters);
+  }
+  // The forward's S and its pass on a row's later key tiles (the shift kept):
+  // the pass over the stored tile after S, or in S's epilogue (gemm_exp).
+  if (avx2) {
+    std::vector<float> shift(M), sums(M);
+    std::vector<uint8_t> passed(M);
+    cpu::gemm_packed(cpu::TileGemm::kFp32Avx2, M, N, D, Qf, ldq, Kt, N, S, 528, false);
+    for (int64_t i = 0; i < M; ++i) shift[i] = cpu::row_max(S + i * 528, N) * 0.125f;
+    r["fp32 S + lazy pass avx2, the pass apart"] = us(
+        [&] {
+          cpu::gemm_packed(cpu::TileGemm::kFp32Avx2, M, N, D, Qf, ldq, Kt, N, S, 528, false);
+          for (int64_t i = 0; i < M; ++i) {
+            float m = shift[i];
+            cpu::exp_row_lazy(S + i * 528, N, 0.125f, &m, 8.0f, cpu::Lanes::kAvx2);
+          }
+        },
+        iters);
+    r["fp32 S + lazy pass avx2, in S's epilogue"] = us(
+        [&] {
+          cpu::avx2::gemm_exp(M, N, D, Qf, ldq, Kt, N, S, 528, 0.125f, shift.data(), 8.0f,
+                              sums.data(), passed.data());
         },
         iters);
   }

@@ -19,15 +19,18 @@ csrc/cpu/packed_tiles.h and the kLd padding of csrc/cpu/block_forward.cpp:
   over the 256 x 512 S tile) in each of the lanes the machine runs (at::vec,
   AVX2, AVX-512): a row's first tile (row maximum, then exp and sum) and the
   later ones (one sweep, the running shift kept); with the fp32 products they
-  bound the forward's rate, rate <= (S + PV) / (S + PV + pass) of theirs.
+  bound the forward's rate, rate <= (S + PV) / (S + PV + pass) of theirs;
+* where the CPU has AVX2, S with the later tiles' pass after it or in its
+  epilogue (the AVX2 forward's, avx2::gemm_exp).
 
 The bf16 products are timed where the CPU has bf16 dot products (and MKL's
 bf16 GEMM, oneDNN's VNNI brgemm), the others where it has their ISA.
 
     .venv/bin/python benchmarks/bench.py tiles [--iters 2000] [--rounds 5]
 
-Builds a small C++ extension on first use (about 30 s). Microseconds per
-product, median of 5 rounds.
+Builds a small C++ extension on first use (about 30 s). Microseconds of the
+thread's CPU time per product, median of 5 rounds; the 2048³ torch.mm in the
+process's CPU time (one thread).
 """
 
 from __future__ import annotations
@@ -85,9 +88,9 @@ def cmd_tiles(args: argparse.Namespace) -> int:
     x = torch.randn(2048, 2048)
     for _ in range(3):
         x @ x
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     for _ in range(10):
         x @ x
-    rate = 2 * 2048**3 * 10 / (time.perf_counter() - t0) / 1e9
+    rate = 2 * 2048**3 * 10 / (time.process_time() - t0) / 1e9
     print(f"{'fp32 torch.mm 2048^3 (the sgemm rate)':<44} {'':>8} {rate:9.0f}")
     return 0

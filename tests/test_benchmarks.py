@@ -595,9 +595,33 @@ def test_tiles_microbenchmark_runs() -> None:
     if {"avx2", "fma"} <= flags:
         products += ["fp32 S avx2 K^T", "fp32 PV avx2", "bwd fp32 dV^T avx2", "bwd fp32 dQ avx2"]
         products += ["pass: fp32 softmax avx2", "pass: fp32 lazy exp avx2"]
+        products += ["fp32 S + lazy pass avx2, the pass apart", "in S's epilogue"]
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
         products += ["fp32 S brgemm K^T", "bwd fp32 dV^T brgemm", "pass: fp32 lazy exp avx512"]
         if "avx512_bf16" in flags:
             products += ["bf16 S brgemm packed", "bf16 PV mkl"]
     for product in products:
         assert product in out, out
+
+
+def test_efficiency_subcommand_counts_pattern_flops(tmp_path: Path) -> None:
+    """``bench.py efficiency`` times ours and a square sgemm in CPU time, round-
+    robin, and records the pattern FLOPs as ``local`` counts them, the rates
+    and their ratio (one per round, the median shown)."""
+    from benchmarks import methods as m
+
+    out = tmp_path / "eff.jsonl"
+    args = ["--seq-lens", "1000", "--configs", "3x16", "--segments", "256", "512"]
+    args += ["--dilations", "1", "2", "--rounds", "2", "--sgemm-size", "128", "--out", str(out)]
+    text = bench("efficiency", *args)
+    recs = records(out)
+    assert [r["pass"] for r in recs] == ["fwd", "fwdbwd"]
+    for r in recs:
+        pairs = m.pattern_pairs(1000, 3, [256, 512], [1, 2], False)
+        assert r["pairs"] == pairs
+        assert r["flops"] == m.flops(pairs, 16, r["pass"] == "fwdbwd")
+        assert len(r["ratios"]) == 2 and r["ours_cpu_s"] > 0 and r["sgemm_rate"] > 0
+        assert r["of_sgemm"] == pytest.approx(
+            sorted(r["ratios"])[0] / 2 + sorted(r["ratios"])[1] / 2
+        )
+        assert f"| 1000 | 3x16 | {r['pass']} |" in text

@@ -461,6 +461,33 @@ def test_scores_rising_past_the_running_shift(path, causal: bool, rise: int) -> 
     close(lse, want_lse, LSE_TOL[path], "lse", causal)
 
 
+@pytest.mark.parametrize("bad", [None, "inf", "nan"], ids=["finite", "inf", "nan"])
+def test_later_key_tiles_with_the_pass_in_the_product(path, bad: str | None) -> None:
+    """Rows past their first key tile, none of it masked: on the AVX2 path
+    their softmax pass runs in the epilogue of S = Q K^T. Key runs of 1300
+    keys (tiles of 512, 512 and 276 keys, the last ending in a 4-lane tail),
+    head dim 264 (a reduction longer than the AVX2 kernel's slice of 256),
+    against the oracle; with an infinite or NaN entry in key 900 (the second
+    tile: +inf scores pass the cap, NaN ones pass nothing), against sgemm on
+    the tiles in place (NaN where that is NaN)."""
+    cfg = Cfg(1, 1300, 2, 264, [1300], [1])
+    if bad is None:
+        check_against_oracle_once(cfg, path, "cpu", seed=7660)
+        return
+    q, k, v, go, _ = make_inputs(cfg, path, "cpu", 7661)
+    k = k.clone()
+    k[:, 900, 1, 5] = float(bad)
+    got = run_local(cfg, q, k, v, go, None)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(FP32_ENV, "0")
+        want = run_local(cfg, q, k, v, go, None)
+    tol = 1e-4 if path == F32 else 1e-2
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(torch.isnan(a), torch.isnan(b))
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol, equal_nan=True)
+    assert torch.isnan(got[0][:, :, 1]).any()
+
+
 def test_block_ops_at_offsets(bf16_path) -> None:
     """The block operators (what the ring calls) on a query block and a key
     block that start mid-sequence, against the oracle rows of the whole call."""

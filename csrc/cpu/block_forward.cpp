@@ -7,6 +7,8 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "block_tasks.h"
@@ -69,6 +71,7 @@ struct ForwardTile {
   // sum, and the tile's shift and sum.
   std::vector<acc_t> m, l, m_next, row_sum, scratch;
   std::vector<int64_t> bad, bad_q;  // (bad_q: the query tile's non-finite rows, when split)
+  std::vector<uint8_t> passed;      // rows whose scores passed the cap in S's epilogue
   // The key run last attended, kept for all its query tiles: its non-finite
   // V rows (indices into the run, ascending; rows [checked_from, checked)
   // looked at: all from 0 on, unless a window skips tiles) and, when packed,
@@ -127,6 +130,20 @@ struct ForwardTile {
     else
       keyrun.k.resize(slots * kTileK * d);
     keyrun.v.resize(slots * kTileK * d);
+  }
+
+  // Whether a key tile's softmax pass runs in the epilogue of its S = Q K^T
+  // (avx2::gemm_exp, while S's blocks are in registers, instead of a pass
+  // over the stored tile): the AVX2 path, every row past its first key tile
+  // (a finite shift) and nothing of the tile masked (no window, no key
+  // padding mask; causal rows reach the whole tile: its last key is at or
+  // before the first query t0).
+  bool pass_in_epilogue(int64_t rows, int64_t t0, int64_t u0, int64_t r, int64_t tk) const {
+    if (!kFp32Tiles || path.gemm != TileGemm::kFp32Avx2 || path.lanes != Lanes::kAvx2 || split)
+      return false;
+    if (p.windowed || p.key_padding_mask != nullptr || (p.causal && u0 + (tk - 1) * r > t0))
+      return false;
+    return std::all_of(m.begin(), m.begin() + rows, [](acc_t x) { return std::isfinite(x); });
   }
 
   // Attend the queries of the set's heads at positions t0 + r*i, i < tq, to
@@ -198,6 +215,8 @@ struct ForwardTile {
       };
 
       const tile_t* vp = nullptr;  // packed V of the tile
+      const tile_t* kp = nullptr;  // packed K^T of the tile (not split)
+      const bool fused = packed && pass_in_epilogue(rows, t0, u0, r, tk);
       if constexpr (kBf16Tiles || kFp32Tiles) {
         if (packed) {
           const int64_t tile = n0 / kTileK;
@@ -237,8 +256,18 @@ struct ForwardTile {
               gemm_split_scores(rows, tk, d, qsplit.data(), kslot_split, tw, s.data(), kLd, qt, kt,
                                 bad_q, keyrun.bad_k[slot]);
           }
-          if (!split)
+          kp = kslot;
+          if (fused) {
+            if constexpr (kFp32Tiles) {
+#if defined(__x86_64__)
+              passed.resize(rows);
+              avx2::gemm_exp(rows, tk, d, qt.ptr, qt.ld, kslot, tw, s.data(), kLd, scale, m.data(),
+                             acc_t(kCap), row_sum.data(), passed.data());
+#endif
+            }
+          } else if (!split) {
             gemm_packed(path.gemm, rows, tk, d, qt.ptr, qt.ld, kslot, tw, s.data(), kLd, false);
+          }
           // The products of the non-finite V rows a query row reaches are
           // added back after P V; those past tk it does not reach.
           bad.erase(std::lower_bound(bad.begin(), bad.end(), tk), bad.end());
@@ -259,6 +288,16 @@ struct ForwardTile {
                              : p.key_padding_mask + b * p.k_len + (u0 - p.k_start);
       for (int64_t i = 0; i < rows; ++i) {
         acc_t* srow = &s[i * kLd];
+        if (fused) {
+          // The epilogue's weights and sum stand unless a score passed the
+          // cap: then the row's scores again, and the pass as below.
+          m_next[i] = m[i];
+          if (!passed[i]) continue;
+          if constexpr (kBf16Tiles || kFp32Tiles)
+            gemm_packed(path.gemm, 1, tk, d, qt.ptr + i * qt.ld, qt.ld, kp, tw, srow, kLd, false);
+          row_sum[i] = pw.exp_row_lazy(srow, i * kLd, tk, s_scale, &m_next[i], kCap);
+          continue;
+        }
         mask_row(srow, tk, row_pos(i), u0, r, p.causal, mrow);
         if (p.windowed) mask_band(srow, tk, p, row_pos(i), u0, r);
         // The running shift stays unless the tile's scores pass it by kCap.

@@ -92,6 +92,17 @@ void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const fl
           float* C, int64_t ldc, bool accumulate);
 void transpose(const float* src, int64_t ld, int64_t rows, int64_t cols, float* out,
                int64_t ld_out);
+// gemm (not accumulating) with the forward's softmax pass on a row's later
+// key tiles in its epilogue, while the block is in registers: C[i, j] =
+// exp(scale * S[i, j] - shift[i]) for S = A B, the weights exp_row_lazy
+// gives with Lanes::kAvx2 bit for bit, and sums[i] their sum (in another
+// order). Where a score of row i passes its shift by more than cap,
+// passed[i] = 1 and its row of C and sums[i] are not of use: the caller
+// computes that row's scores again (gemm, M = 1: the same scores) and runs
+// exp_row_lazy on them.
+void gemm_exp(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
+              int64_t ldb, float* C, int64_t ldc, float scale, const float* shift, float cap,
+              float* sums, uint8_t* passed);
 }  // namespace avx2
 
 // C[rows, N] (+)= W[rows, tk] @ B for weights W (P or dS; row stride ldw,

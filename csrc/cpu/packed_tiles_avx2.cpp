@@ -15,10 +15,13 @@
 // first, each serving all of A's rows. Ragged edges: fewer rows, and 8 or
 // fewer columns in the last panel with masked loads and stores (nothing past
 // N is read or written). Exact IEEE fp32 arithmetic (fused multiply-adds, in order along
-// the reduction within a slice).
+// the reduction within a slice). gemm_exp: the forward's S with the softmax
+// pass (avx2_exp.h) in the blocks' epilogue, on B's panels copied contiguous.
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <numeric>
+#include <vector>
 
 #include "packed_tiles.h"
 
@@ -29,6 +32,8 @@
 // units and must not be compiled for a wider ISA than the build's.
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
+
+#include "avx2_exp.h"
 
 namespace ring_attention::cpu::avx2 {
 namespace {
@@ -44,11 +49,21 @@ inline __m256i lane_mask(int64_t n) {
                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 
+// The softmax pass in the epilogue of S's blocks (gemm_exp): the base-2
+// scale, cap and per-row shifts of exp_row_lazy, and what it leaves per row.
+struct ExpRows {
+  __m256 va, vcap;
+  const float* shift2;  // per row: its shift times log2 e
+  float* lanes;         // per row: 8 lane sums of its weights
+  uint8_t* passed;      // per row: 1 where a score passed the cap
+};
+
 // C[MR x 8 NV] (+)= A[MR x K] B[K x 8 NV]; where kMasked, the last vector's
 // lanes outside `mask` are neither read from B nor read or written in C.
-template <int MR, int NV, bool kMasked>
+// kExp: C gets the weights exp2(C va - shift2) instead, rows `row` on of ep.
+template <int MR, int NV, bool kMasked, bool kExp>
 void block(int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
-           int64_t ldc, bool accumulate, __m256i mask) {
+           int64_t ldc, bool accumulate, __m256i mask, const ExpRows* ep, int64_t row) {
   __m256 c[MR][NV];
 #pragma GCC unroll 6
   for (int i = 0; i < MR; ++i)
@@ -72,26 +87,53 @@ void block(int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, 
   for (int i = 0; i < MR; ++i) {
 #pragma GCC unroll 2
     for (int v = 0; v < NV; ++v) {
-      float* dst = C + i * ldc + 8 * v;
-      if (kMasked && v == NV - 1) {
-        if (accumulate) c[i][v] = _mm256_add_ps(c[i][v], _mm256_maskload_ps(dst, mask));
-        _mm256_maskstore_ps(dst, mask, c[i][v]);
-      } else {
-        if (accumulate) c[i][v] = _mm256_add_ps(c[i][v], _mm256_loadu_ps(dst));
-        _mm256_storeu_ps(dst, c[i][v]);
+      const float* dst = C + i * ldc + 8 * v;
+      if (accumulate)
+        c[i][v] = _mm256_add_ps(
+            c[i][v], kMasked && v == NV - 1 ? _mm256_maskload_ps(dst, mask) : _mm256_loadu_ps(dst));
+    }
+    if constexpr (kExp) {
+      // exp_row_lazy's pass on the block's row (the same t, so the same
+      // weights): lanes outside the mask are -inf (weight 0); a score whose
+      // exponent passes the cap marks the row (NaN passes nothing).
+      const __m256 vs = _mm256_set1_ps(ep->shift2[row + i]);
+      const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+      __m256 top = neg_inf, sum = _mm256_setzero_ps();
+#pragma GCC unroll 2
+      for (int v = 0; v < NV; ++v) {
+        c[i][v] = _mm256_fmsub_ps(c[i][v], ep->va, vs);
+        if (kMasked && v == NV - 1)
+          c[i][v] = _mm256_blendv_ps(neg_inf, c[i][v], _mm256_castsi256_ps(mask));
+        top = _mm256_max_ps(c[i][v], top);
+        c[i][v] = exp2_ps(c[i][v]);
+        sum = _mm256_add_ps(sum, c[i][v]);
       }
+      if (_mm256_movemask_ps(_mm256_cmp_ps(top, ep->vcap, _CMP_GT_OQ)) != 0)
+        ep->passed[row + i] = 1;
+      float* lanes = ep->lanes + 8 * (row + i);
+      _mm256_storeu_ps(lanes, _mm256_add_ps(_mm256_loadu_ps(lanes), sum));
+    }
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) {
+      float* dst = C + i * ldc + 8 * v;
+      if (kMasked && v == NV - 1)
+        _mm256_maskstore_ps(dst, mask, c[i][v]);
+      else
+        _mm256_storeu_ps(dst, c[i][v]);
     }
   }
 }
 
 using BlockFn = void (*)(int64_t, const float*, int64_t, const float*, int64_t, float*, int64_t,
-                         bool, __m256i);
+                         bool, __m256i, const ExpRows*, int64_t);
 // By rows (1..6), then [one vector, two] x [whole, masked].
-template <int MR>
-constexpr BlockFn kBlocks[4] = {block<MR, 1, false>, block<MR, 1, true>, block<MR, 2, false>,
-                                block<MR, 2, true>};
-constexpr const BlockFn* kByRows[kMr + 1] = {nullptr,    kBlocks<1>, kBlocks<2>, kBlocks<3>,
-                                             kBlocks<4>, kBlocks<5>, kBlocks<6>};
+template <int MR, bool kExp>
+constexpr BlockFn kBlocks[4] = {block<MR, 1, false, kExp>, block<MR, 1, true, kExp>,
+                                block<MR, 2, false, kExp>, block<MR, 2, true, kExp>};
+template <bool kExp>
+constexpr const BlockFn* kByRows[kMr + 1] = {nullptr,          kBlocks<1, kExp>, kBlocks<2, kExp>,
+                                             kBlocks<3, kExp>, kBlocks<4, kExp>, kBlocks<5, kExp>,
+                                             kBlocks<6, kExp>};
 
 // The block of 16 columns (or `cols`, the others 0) of B's rows [k0, k0 + kc)
 // as a contiguous panel (kc x 16).
@@ -118,6 +160,24 @@ bool conflicting_rows(int64_t ldb, int64_t kc) {
   return sets <= 8 && kc > 8 * sets;
 }
 
+// One slice (kc rows of B) of C (+)= A B with B's panels copied contiguous,
+// each then serving all of A's rows (A and B at the slice's start).
+template <bool kExp>
+void panel_slice(int64_t M, int64_t N, int64_t kc, const float* A, int64_t lda, const float* B,
+                 int64_t ldb, float* C, int64_t ldc, bool acc, const ExpRows* ep) {
+  alignas(64) float panel[kKc * kNr];
+  for (int64_t j0 = 0; j0 < N; j0 += kNr) {
+    const int64_t cols = std::min(kNr, N - j0);
+    const int64_t last = cols - 8 * (cols > 8 ? 1 : 0);  // lanes of the last vector
+    const __m256i mask = lane_mask(last);
+    const int which = (cols > 8 ? 2 : 0) + (last < 8 ? 1 : 0);
+    copy_panel(B + j0, ldb, kc, cols, panel);
+    for (int64_t i = 0; i < M; i += kMr)
+      kByRows<kExp>[std::min<int64_t>(kMr, M - i)][which](kc, A + i* lda, lda, panel, kNr,
+                                                          C + i* ldc + j0, ldc, acc, mask, ep, i);
+  }
+}
+
 }  // namespace
 
 void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb,
@@ -129,22 +189,9 @@ void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const fl
     return;
   }
   if (conflicting_rows(ldb, std::min(K, kKc))) {
-    // B's panels copied contiguous, each then serving all of A's rows.
-    alignas(64) float panel[kKc * kNr];
-    for (int64_t k0 = 0; k0 < K; k0 += kKc) {
-      const int64_t kc = std::min(kKc, K - k0);
-      const bool acc = accumulate || k0 > 0;
-      for (int64_t j0 = 0; j0 < N; j0 += kNr) {
-        const int64_t cols = std::min(kNr, N - j0);
-        const int64_t last = cols - 8 * (cols > 8 ? 1 : 0);  // lanes of the last vector
-        const __m256i mask = lane_mask(last);
-        const int which = (cols > 8 ? 2 : 0) + (last < 8 ? 1 : 0);
-        copy_panel(B + k0 * ldb + j0, ldb, kc, cols, panel);
-        for (int64_t i = 0; i < M; i += kMr)
-          kByRows[std::min<int64_t>(kMr, M - i)][which](kc, A + i * lda + k0, lda, panel, kNr,
-                                                        C + i * ldc + j0, ldc, acc, mask);
-      }
-    }
+    for (int64_t k0 = 0; k0 < K; k0 += kKc)
+      panel_slice<false>(M, N, std::min(kKc, K - k0), A + k0, lda, B + k0 * ldb, ldb, C, ldc,
+                         accumulate || k0 > 0, nullptr);
     return;
   }
   for (int64_t k0 = 0; k0 < K; k0 += kKc) {
@@ -156,16 +203,36 @@ void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const fl
         const int64_t cols = std::min(kNr, N - j0);
         const int vectors = cols > 8 ? 2 : 1;
         const int64_t last = cols - 8 * (vectors - 1);  // lanes of the last vector
-        const BlockFn* fns = nullptr;
         const __m256i mask = lane_mask(last);
         const int which = (vectors - 1) * 2 + (last < 8 ? 1 : 0);
         for (int64_t i = i0; i < i1; i += kMr) {
-          fns = kByRows[std::min<int64_t>(kMr, i1 - i)];
-          fns[which](kc, A + i * lda + k0, lda, B + k0 * ldb + j0, ldb, C + i * ldc + j0, ldc, acc,
-                     mask);
+          kByRows<false>[std::min<int64_t>(kMr, i1 - i)][which](
+              kc, A + i* lda + k0, lda, B + k0* ldb + j0, ldb, C + i* ldc + j0, ldc, acc, mask,
+              nullptr, 0);
         }
       }
     }
+  }
+}
+
+void gemm_exp(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
+              int64_t ldb, float* C, int64_t ldc, float scale, const float* shift, float cap,
+              float* sums, uint8_t* passed) {
+  if (M <= 0 || N <= 0 || K <= 0) return;
+  std::vector<float> shift2(M), lanes(8 * M, 0.0f);
+  for (int64_t i = 0; i < M; ++i) shift2[i] = log2e_times_ss(shift[i]);
+  std::fill(passed, passed + M, uint8_t(0));
+  const ExpRows ep{log2e_times(scale), log2e_times(cap), shift2.data(), lanes.data(), passed};
+  // The slices before the last as gemm's panel path does them (the same
+  // sums in the same order), the pass on the last.
+  int64_t k0 = 0;
+  for (; k0 + kKc < K; k0 += kKc)
+    panel_slice<false>(M, N, kKc, A + k0, lda, B + k0 * ldb, ldb, C, ldc, k0 > 0, nullptr);
+  panel_slice<true>(M, N, K - k0, A + k0, lda, B + k0 * ldb, ldb, C, ldc, k0 > 0, &ep);
+  for (int64_t i = 0; i < M; ++i) {
+    float s = 0;
+    for (int l = 0; l < 8; ++l) s += lanes[8 * i + l];
+    sums[i] = s;
   }
 }
 
