@@ -79,9 +79,10 @@ def _extension():
     if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
         os.environ["TORCH_CUDA_ARCH_LIST"] = _default_arch_list()
     nvcc = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
+    # csrc/cuda/*.cpp: the CUDA build's host-only code (its registrations).
     return CUDAExtension(
         "ring_attention._C",
-        sources + sorted(glob.glob("csrc/cuda/*.cu")),
+        sources + sorted(glob.glob("csrc/cuda/*.cpp") + glob.glob("csrc/cuda/*.cu")),
         extra_compile_args={"cxx": cxx, "nvcc": nvcc},
         extra_link_args=["-fopenmp"],
     )

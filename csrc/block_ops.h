@@ -1,7 +1,7 @@
 // Entry points of the operators for one backend: the block operators check
 // their arguments once into a BlockCall (checks.h), which the backend's
 // kernel receives; the local op checks once and chunks the backend's kernel
-// (local_op.h). Registered for CPU (ops.cpp), CUDA (cuda/registration.cu) and
+// (local_op.h). Registered for CPU (ops.cpp), CUDA (cuda/registration.cpp) and
 // the test suite's CUDA emulator.
 #pragma once
 

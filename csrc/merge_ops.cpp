@@ -1,5 +1,5 @@
 // Registration of the merge operators (merge.h): schemas, CPU and Meta
-// kernels; the CUDA kernel registers in cuda/merge.cu.
+// kernels; the CUDA kernel (cuda/merge.cu) registers in cuda/registration.cpp.
 #include <torch/library.h>
 
 #include "merge.h"

@@ -1,5 +1,5 @@
 // The operator library: schemas, and the CPU and Meta kernels. The CUDA
-// kernels are registered in cuda/registration.cu (CUDA builds only); the
+// kernels are registered in cuda/registration.cpp (CUDA builds only); the
 // autograd of dilated_attention is Python's (ring_attention/ops.py).
 #include <torch/library.h>
 

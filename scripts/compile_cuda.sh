@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # Compile every csrc/cuda/*.cu to an object file for sm_80 and sm_90 with the
-# flags torch's CUDAExtension uses. Needs nvcc and torch (headers), no GPU.
-# Prints one line per file; exits non-zero if any file fails.
+# flags torch's CUDAExtension uses, and the CUDA build's host-only
+# csrc/cuda/*.cpp with setup.py's C++ flags (warnings are errors). Needs nvcc
+# and torch (headers), no GPU. Prints one line per file; exits non-zero if any
+# file fails. The largest source starts first, and each nvcc compiles its two
+# architectures in parallel (--threads 2), so the last file to finish keeps
+# both cores busy.
 #   usage: scripts/compile_cuda.sh [-j N] [--keep DIR]
-#     -j N        N parallel nvcc jobs (default 2)
-#     --keep DIR  keep the objects (DIR/<name>.o) and nvcc's output with the
-#                 ptxas resource report (DIR/<name>.log), e.g. for
+#     -j N        N parallel compile jobs (default 2)
+#     --keep DIR  keep the objects (DIR/<name>.o) and the compiler's output
+#                 with ptxas' resource report (DIR/<name>.log), e.g. for
 #                 scripts/sass_loop.py
 set -euo pipefail
 
@@ -58,23 +62,35 @@ else
   trap 'rm -rf "$out"' EXIT
 fi
 
+cxx_flags=(-O3 -std=c++20 -fvisibility=hidden -fopenmp -Wall -Wextra -Werror -fPIC
+  "-D_GLIBCXX_USE_CXX11_ABI=${abi}" -DTORCH_EXTENSION_NAME=_C -DTORCH_API_INCLUDE_EXTENSION_H)
+for inc in "${includes[@]}"; do cxx_flags+=(-isystem "$inc"); done
+
 shopt -s nullglob
 sources=("$root"/csrc/cuda/*.cu)
 if [[ ${#sources[@]} -eq 0 ]]; then
   echo "compile_cuda: no csrc/cuda/*.cu files" >&2
   exit 1
 fi
+# Largest first: a proxy for the compile time, so the longest job never starts last.
+mapfile -t sources < <(ls -S "${sources[@]}" "$root"/csrc/cuda/*.cpp)
 
 compile_one() {
-  local src="$1" name log start
-  name="$(basename "$src" .cu)"
+  local src="$1" file name log start cmd
+  file="$(basename "$src")"
+  name="${file%.*}"
   log="$out/$name.log"
   start=$SECONDS
-  if "$nvcc_bin" "${flags[@]}" -c "$src" -o "$out/$name.o" >"$log" 2>&1; then
-    echo "ok   csrc/cuda/$name.cu ($((SECONDS - start)) s)"
+  if [[ $file == *.cu ]]; then
+    cmd=("$nvcc_bin" "${flags[@]}" --threads 2)
+  else
+    cmd=("${CXX:-c++}" "${cxx_flags[@]}")
+  fi
+  if "${cmd[@]}" -c "$src" -o "$out/$name.o" >"$log" 2>&1; then
+    echo "ok   csrc/cuda/$file ($((SECONDS - start)) s)"
   else
     rm -f "$out/$name.o"
-    echo "FAIL csrc/cuda/$name.cu ($((SECONDS - start)) s)"
+    echo "FAIL csrc/cuda/$file ($((SECONDS - start)) s)"
     sed 's/^/    /' "$log"
     return 1
   fi
@@ -88,6 +104,7 @@ wait || true
 
 status=0
 for src in "${sources[@]}"; do
-  [[ -f "$out/$(basename "$src" .cu).o" ]] || status=1
+  name="$(basename "$src")"
+  [[ -f "$out/${name%.*}.o" ]] || status=1
 done
 exit "$status"

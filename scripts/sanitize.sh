@@ -94,10 +94,11 @@ if [[ $mode == memcheck ]]; then
   ((${#extra[@]})) || extra=(-k "not cuda")
 elif ((fast)); then
   # The ring's cases all run in one launch per world size: one launch (3 ranks).
-  tests=(tests/test_limits.py tests/test_nan_exclusion.py tests/test_exchange_rows.py tests/test_block_ops.py
-    tests/test_cpu_tile_paths.py
-    "$ring[3-documents]" "$ring[3-gqa]" "$ring[3-huge_values]" "$ring[3-lse_documents_gqa]"
-    "$emu[mma64-bf16-longnet-groups-mask-causal]" "$emu[simt-f32-d32-longnet-groups-mask-full]")
+  # The longest targets first, so that a worker starts them early.
+  tests=("$ring[3-documents]" "$ring[3-gqa]" "$ring[3-huge_values]" "$ring[3-lse_documents_gqa]"
+    "$emu[mma64-bf16-longnet-groups-mask-causal]" "$emu[simt-f32-d32-longnet-groups-mask-full]"
+    tests/test_limits.py tests/test_nan_exclusion.py tests/test_exchange_rows.py tests/test_block_ops.py
+    tests/test_cpu_tile_paths.py)
 else
   tests=(tests/test_local_op.py tests/test_block_ops.py tests/test_opcheck.py tests/test_exchange_rows.py
     tests/test_limits.py tests/test_nan_exclusion.py tests/test_cpu_tile_paths.py tests/test_ring.py
@@ -126,6 +127,13 @@ export ASAN_OPTIONS=detect_leaks=0:halt_on_error=1:abort_on_error=1:alloc_deallo
 export UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
 # libstdc++ too: ASan finds the real __cxa_throw only in a library loaded with it.
 asan="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libstdc++.so)"
-echo "sanitize: running ${#tests[@]} test targets under LD_PRELOAD=$asan"
-LD_PRELOAD=$asan "$py" -m pytest -q -p no:cacheprovider "${tests[@]}" "${extra[@]}"
+# One pytest-xdist worker per core, as scripts/test.sh (PYTEST_WORKERS=N to
+# choose, 0: in this process); each worker runs under the preloaded runtimes.
+workers=${PYTEST_WORKERS:-auto}
+xdist=()
+if [[ "$workers" != 0 ]]; then
+  xdist=(-n "$workers" --dist worksteal)
+fi
+echo "sanitize: running ${#tests[@]} test targets under LD_PRELOAD=$asan (workers: $workers)"
+LD_PRELOAD=$asan "$py" -m pytest -q -p no:cacheprovider "${xdist[@]}" "${tests[@]}" "${extra[@]}"
 echo "sanitize: clean ($((SECONDS - start)) s of tests)"

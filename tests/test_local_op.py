@@ -269,8 +269,14 @@ def test_nan_in_reached_input_propagates(device, where) -> None:
 CHUNK_ENV = "RING_ATTENTION_CHUNK_MIB"
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+# Each dtype and each causal mode once, not every pair: both dtypes chunk alike
+# (fp32 accumulators), and causality changes which keys a chunk's queries
+# reach whatever the dtype.
+@pytest.mark.parametrize(
+    ("dtype", "causal"),
+    [(torch.float16, False), (torch.bfloat16, True)],
+    ids=["full-fp16", "causal-bf16"],
+)
 def test_low_precision_long_sequence_by_chunks(device, dtype, causal, monkeypatch) -> None:
     """Past 1024 rows fp16/bf16 accumulate chunk by chunk (fp32 per chunk of rows;
     no budget: the 8-chunk rule alone); chunk edges cut segments and still match

@@ -1,4 +1,4 @@
-// CUDA kernels of the block operators (registered in cuda/registration.cu;
+// CUDA kernels of the block operators (registered in cuda/registration.cpp;
 // the test suite's CPU emulator registers the same functions as its own ops).
 #pragma once
 

@@ -259,16 +259,3 @@ void merge_rows(const MergeCall& c) {
 }
 
 }  // namespace ring_attention::gpu
-
-#ifndef RING_ATTENTION_CUDA_EMULATOR
-#include <torch/library.h>
-
-namespace ring_attention {
-
-TORCH_LIBRARY_IMPL(ring_attention, CUDA, m) {
-  m.impl("merge_branches", &merge_branches_op<gpu::merge_rows>);
-  m.impl("sum_branches", &sum_branches_op<gpu::merge_rows>);
-}
-
-}  // namespace ring_attention
-#endif
