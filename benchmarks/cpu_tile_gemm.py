@@ -74,7 +74,11 @@ def cmd_tiles(args: argparse.Namespace) -> int:
     capability = torch.backends.cpu.get_cpu_capability()
     flags = ["-O2", "-std=c++20"]
     flags += {"AVX512": AVX512_FLAGS, "AVX2": AVX2_FLAGS}.get(capability, [])
-    ext = load("ra_cpu_tile_gemm", SOURCES, extra_cflags=flags)
+    # Built in this checkout's build/, not torch's shared cache: a build killed
+    # there leaves a lock that would stall every checkout's next load.
+    build_dir = os.path.join(HERE, "..", "build", "cpu_tile_gemm")
+    os.makedirs(build_dir, exist_ok=True)
+    ext = load("ra_cpu_tile_gemm", SOURCES, extra_cflags=flags, build_directory=build_dir)
     rounds = [ext.run(args.iters) for _ in range(args.rounds)]
     flops = 2 * 256 * 512 * 64
     shapes = "256 x 512 x 64 products (bwd: 256 x 256 x 64)"
