@@ -11,10 +11,12 @@ import pytest
 import torch
 from oracle import reference_attention
 from test_hf import VOCAB, build, tiny_config
-from transformers import DynamicCache, StaticCache
+from transformers import Cache, DynamicCache, StaticCache
+from transformers.cache_utils import StaticLayer
 
 import ring_attention as ra
 from ring_attention import Pattern, ops
+from ring_attention.hf.decode import decode_attention
 from ring_attention.hf.offset import offset_attention
 
 PATTERN = {"segment_lengths": [3, 8, 20], "dilation_rates": [1, 2, 4]}
@@ -69,17 +71,81 @@ def test_offset_attention_matches_oracle(heads, kv_heads, causal, head_groups, p
     torch.testing.assert_close(v1.grad, v2.grad, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_groups", "offsets", "window", "padded", "p"),
+    [
+        (4, 2, False, "modulo", None, True, 33),
+        (5, 5, True, "modulo", None, False, 37),
+        (6, 3, False, "grouped", (6, 0), True, 29),
+        (3, 1, False, "modulo", (9, 0), False, 0),
+        (4, 4, False, "modulo", None, True, 19),
+    ],
+)
+def test_decode_attention_matches_oracle(heads, kv_heads, head_groups, offsets, window, padded, p):
+    """A static cache's decode step (ring_attention/hf/decode.py): the query
+    at position ``p`` against every slot of a 41-slot cache (those past
+    ``p`` unwritten) equals row ``p`` of the whole sequence's attention,
+    forward and backward."""
+    gen = torch.Generator().manual_seed(24)
+    n, d, segs, dils = 41, 8, [3, 8, 20], [1, 2, 4]
+    q = torch.randn(2, n, heads, d, generator=gen, dtype=torch.float64)
+    k = torch.randn(2, n, kv_heads, d, generator=gen, dtype=torch.float64)
+    v = torch.randn(2, n, kv_heads, d, generator=gen, dtype=torch.float64)
+    kpm = (torch.rand(2, n, generator=gen) < 0.25) if padded else torch.zeros(2, n, dtype=bool)
+    grad = torch.randn(2, 1, heads, d, generator=gen, dtype=torch.float64)
+    pattern = Pattern(segs, dils, causal=True, head_groups=head_groups, head_offsets=offsets,
+                      window=window)  # fmt: skip
+    positions = torch.where(~kpm & (torch.arange(n) <= p), p + 1, 0)
+
+    q1, k1, v1 = q[:, p : p + 1].clone().requires_grad_(), k.clone(), v.clone()
+    k1.requires_grad_(), v1.requires_grad_()
+    got = decode_attention(q1, k1, v1, positions, pattern, 0.3)
+    got.backward(grad)
+
+    q2, k2, v2 = (t[:, : p + 1].clone().requires_grad_() for t in (q, k, v))
+    want, _ = reference_attention(q2, k2, v2, segs, dils, causal=True, scale=0.3,
+                                  head_groups=head_groups, key_padding_mask=kpm[:, : p + 1],
+                                  grouped_offsets=offsets == "grouped", window=window)  # fmt: skip
+    want = want[:, p:]
+    want.backward(grad)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(q1.grad, q2.grad[:, p:], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(k1.grad[:, : p + 1], k2.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(v1.grad[:, : p + 1], v2.grad, rtol=1e-10, atol=1e-12)
+    assert not k1.grad[:, p + 1 :].any() and not v1.grad[:, p + 1 :].any()
+
+
 # ---------------------------------------------------------------------------
 # Models: continuing a cache equals recomputing.
 
 
-@pytest.mark.parametrize("pattern", [None, PATTERN])
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
-def test_continuing_a_cache_equals_recomputing(pattern, cache):
-    """A prefix in the cache, then several tokens at once: their logits and
-    (dynamic cache: it holds the prefix's graph; a static cache writes in
-    place) the parameter gradients through them equal the whole sequence's."""
-    cfg = tiny_config(kv_heads=2, pattern=pattern)
+def _full_static_cache(config, max_cache_len):
+    """A static cache of full layers (a position tensor for every layer),
+    also for a sliding-window model, whose layers then slide by the mask."""
+    return Cache(layers=[StaticLayer(max_cache_len) for _ in range(config.num_hidden_layers)])
+
+
+WINDOWED = dict(arch="mistral", sliding_window=5)
+
+
+@pytest.mark.parametrize(
+    ("pattern", "extra", "cache", "tokens"),
+    [
+        (None, {}, "dynamic", False),
+        (None, {}, "static", False),
+        (PATTERN, {}, "dynamic", False),
+        (PATTERN, {}, "static", False),
+        (PATTERN, {}, "dynamic", True),
+        (PATTERN, {}, "static", True),
+        (PATTERN, WINDOWED, "full-static", True),
+    ],
+)
+def test_continuing_a_cache_equals_recomputing(pattern, extra, cache, tokens):
+    """A prefix in the cache, then several tokens at once (or one at a time:
+    decode steps): their logits and (dynamic cache: it holds the prefix's
+    graph; a static cache writes in place) the parameter gradients through
+    them equal the whole sequence's."""
+    cfg = tiny_config(**{"kv_heads": 2, "pattern": pattern, **extra})
     model = build(cfg, "ring_dilated", torch.float64)
     ids = torch.randint(1, VOCAB, (2, 29), generator=torch.Generator().manual_seed(22))
     split = 17
@@ -92,13 +158,16 @@ def test_continuing_a_cache_equals_recomputing(pattern, cache):
     model.zero_grad()
     if cache == "dynamic":
         past = DynamicCache(config=model.config)
-    else:
+    elif cache == "static":
         past = StaticCache(config=model.config, max_cache_len=40)
+    else:
+        past = _full_static_cache(model.config, 40)
+    chunks = ids[:, split:].split(1 if tokens else ids.shape[1], dim=1)
     with torch.set_grad_enabled(cache == "dynamic"):
         model(ids[:, :split], cache=past, use_cache=True)
-        got = model(ids[:, split:], cache=past, use_cache=True).logits
+        got = torch.cat([model(c, cache=past, use_cache=True).logits for c in chunks], dim=1)
     torch.testing.assert_close(got, full, rtol=1e-9, atol=1e-10)
-    if cache == "static":
+    if cache != "dynamic":
         return
     got.pow(2).sum().backward()
     for name, p in model.named_parameters():
@@ -262,17 +331,31 @@ def test_inputs_embeds_and_continuing_equal_sdpa(arch, cache):
         _assert_same_generation(got, want)
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral"])
-def test_compiled_static_cache_decode_equals_sdpa(arch):
+@pytest.mark.parametrize(
+    ("arch", "pattern", "cache"),
+    [
+        ("llama", None, "static"),
+        ("mistral", None, "static"),
+        ("llama", PATTERN, "static"),
+        ("mistral", PATTERN, "static"),
+        ("mistral", PATTERN, "full-static"),
+    ],
+)
+def test_compiled_static_cache_decode(arch, pattern, cache):
     """``generate`` compiling the decode step of a static cache with
     ``fullgraph=True, dynamic=False`` (what transformers' own compile test
     asks): the step compiles without a graph break, attends with the
-    kernels (not sdpa), and gives sdpa's tokens; Llama's step compiles once
-    for every position (Mistral's sliding layers give their position as an
-    int, which recompiles per step, with "sdpa" too)."""
+    kernels (not sdpa), and gives sdpa's tokens and logits (without a
+    pattern) or the uncached eager ones (with one), float64. A position tensor (Llama's layers, a
+    cache of full layers) compiles once for every position; transformers'
+    sliding-window layers give their position as an int, which recompiles
+    per step, with "sdpa" too."""
     from transformers import CompileConfig
 
-    ring, sdpa = _pair(arch, torch.float32)
+    ring, sdpa = _pair(arch)
+    if pattern is not None:
+        ring = build(tiny_config(**ARCHS[arch], pattern=pattern), "ring_dilated", torch.float64,
+                     state=ring.state_dict())  # fmt: skip
     graphs = []
 
     def backend(gm, example_inputs, **options):  # counts the graphs, runs them eagerly
@@ -281,13 +364,25 @@ def test_compiled_static_cache_decode_equals_sdpa(arch):
 
     compile_config = CompileConfig(fullgraph=True, dynamic=False, backend=backend, mode=None)
     compile_config._compile_all_devices = True  # generate compiles on accelerators only otherwise
+    sliding = arch == "mistral" and cache == "static"  # a compilation per step: fewer steps
+    common = dict(prompt=PROMPT_PADDED, attention_mask=MASK, max_new_tokens=3 if sliding else 5,
+                  return_dict_in_generate=True, output_logits=True)  # fmt: skip
+    if cache == "static":
+        common["cache_implementation"] = "static"
+
+    def past(model):
+        return {} if cache == "static" else {"cache": _full_static_cache(model.config, 16)}
+
+    if pattern is None:
+        want = _generate(sdpa, **common, **past(sdpa))
+    else:
+        common_uncached = {k: v for k, v in common.items() if k != "cache_implementation"}
+        want = _generate(ring, use_cache=False, **common_uncached)
     torch.compiler.reset()
-    common = dict(prompt=PROMPT_PADDED, attention_mask=MASK, max_new_tokens=5,
-                  cache_implementation="static")  # fmt: skip
-    got = _generate(ring, compile_config=compile_config, **common)
+    got = _generate(ring, compile_config=compile_config, **common, **past(ring))
     assert graphs, "the decode step was not compiled"
-    assert torch.equal(got, _generate(sdpa, **common))
-    if arch == "llama":
+    _assert_same_generation(got, want)
+    if cache == "full-static" or arch == "llama":
         assert len(graphs) == 1
     targets = {
         str(node.target)

@@ -14,7 +14,8 @@ from ..functional import attend
 from ..pattern import Pattern
 from ..ring import ring_attention, ring_call, ring_call_spec
 from .config import is_dense, layer_pattern, layer_window, pattern_from_config
-from .masks import Keys, PerBatch, batch_keys
+from .decode import decode_attention
+from .masks import Keys, PerBatch, batch_keys, filled_keys
 from .offset import offset_attention
 from .registry import ATTN_IMPLEMENTATION, SequenceParallel, sequence_parallel
 
@@ -47,8 +48,9 @@ def dilated_attention_forward(
             kernels without repeating heads. With a KV cache the queries
             are the last ``q_len`` of the keys in use.
         attention_mask: what :func:`~ring_attention.hf.masks.dilated_attention_mask`
-            returned (``None``, the 2-D key map or transformers' 4-D
-            ``"sdpa"`` mask), or a 4-D mask the caller prepared.
+            returned (``None``, the 2-D key map, the int64 position map of
+            a static cache's decode step or transformers' 4-D ``"sdpa"``
+            mask), or a 4-D mask the caller prepared.
         dropout: attention dropout probability (training).
         scaling: score scale, default ``head_dim ** -0.5``.
         is_causal: overrides ``module.is_causal``.
@@ -109,6 +111,16 @@ def dilated_attention_forward(
                                       scaling=scaling, is_causal=is_causal, **kwargs)  # fmt: skip
     pattern = layer_pattern(module, causal, kwargs.get("sliding_window"))
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    if _is_position_map(attention_mask, query, key):
+        # eagerly the filled keys with the pattern (what a dynamic cache
+        # takes: cheaper than gathering); compiled, fixed shapes
+        filled = None if torch.compiler.is_compiling() else filled_keys(attention_mask)
+        if filled is None:
+            shape = check_qkv(q, k, v, same_length=False)
+            pattern.check_heads(shape.heads)
+            scale = resolve_scale(scaling, shape.head_dim)
+            return decode_attention(q, k, v, attention_mask, pattern, scale), None
+        attention_mask = filled
     return _local(q, k, v, pattern, attention_mask, scaling, kwargs), None
 
 
@@ -116,6 +128,17 @@ def _check_supported(kwargs: Mapping[str, Any]) -> None:
     for name, what in _UNSUPPORTED.items():
         if kwargs.get(name) is not None:
             raise ValueError(f"{_NAME} does not support {what}")
+
+
+def _is_position_map(attention_mask: Any, query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether ``attention_mask`` is the int64 ``(batch, keys)`` position map
+    of a static cache's decode step (ring_attention/hf/decode.py)."""
+    return (
+        isinstance(attention_mask, torch.Tensor)
+        and attention_mask.dtype == torch.int64
+        and attention_mask.shape == (query.shape[0], key.shape[2])
+        and query.shape[2] == 1
+    )
 
 
 def _one_query_row(attention_mask: Any, query: torch.Tensor, key: torch.Tensor) -> bool:

@@ -27,7 +27,10 @@ attention call as ``attention_mask``. That value is
 Without a pattern, a static cache's decode step (and, under
 ``torch.compile``, any queries continuing a cache) gets transformers' own
 4-D ``"sdpa"`` mask instead (:func:`_sdpa_masks_it`): built without reading
-where the queries stand, it has one shape for every step.
+where the queries stand, it has one shape for every step. With a pattern, a
+static cache's decode step gets the int64 position map of
+:mod:`ring_attention.hf.decode` (the same: one shape for every step); an
+eager layer reads it as the key map of the filled keys (:func:`filled_keys`).
 
 The window itself is not in the key map: each layer reads it from its config
 (:func:`ring_attention.hf.config.layer_window`), and the mask function's
@@ -35,7 +38,9 @@ window must be ``config.sliding_window``.
 
 :func:`batch_keys` reads an int32 map once per batch (the first layer) and
 hands the same :class:`Keys` to the other layers. Under ``torch.compile``
-:func:`dilated_attention_mask` runs eagerly (one graph break per forward);
+:func:`dilated_attention_mask` runs eagerly (one graph break per forward),
+except for queries continuing a cache (the masks above, and the bool key
+map of a cache whose position is an int, built by traced tensor operations);
 the layers read nothing from a bool map, so they compile without breaks.
 """
 
@@ -49,9 +54,10 @@ from typing import Any
 import torch
 
 from .config import is_dense
+from .decode import position_map
 from .registry import ATTN_IMPLEMENTATION, sequence_parallel
 
-__all__ = ["Keys", "PerBatch", "batch_keys", "dilated_attention_mask"]
+__all__ = ["Keys", "PerBatch", "batch_keys", "dilated_attention_mask", "filled_keys"]
 
 
 def _closure(fn: Callable) -> dict[str, Any]:
@@ -124,21 +130,38 @@ def dilated_attention_mask(
     **kwargs: Any,
 ) -> torch.Tensor | None:
     """transformers' mask-interface entry of ``"ring_dilated"``: ``None`` or
-    the int32 ``(batch, q_offset + q_length)`` key map of the module
-    docstring. Raises ``ValueError`` for mask structures the kernels cannot
-    express.
+    the ``(batch, q_offset + q_length)`` key map of the module docstring.
+    Raises ``ValueError`` for mask structures the kernels cannot express.
 
-    One exception (:func:`_sdpa_masks_it`): a model without a pattern gets
-    transformers' own 4-D ``"sdpa"`` mask, built without reading where the
-    queries stand, for a decode step of a static cache and for queries
-    continuing a cache under ``torch.compile``. Elsewhere the mask is built
-    eagerly (one graph break per forward under ``torch.compile``)."""
-    if _sdpa_masks_it(q_length, kv_length, q_offset, kv_offset, kwargs.get("config")):
+    Two exceptions build no key map, so that a static cache's decode step
+    reads no position and has one shape for every step: without a pattern
+    transformers' own 4-D ``"sdpa"`` mask (:func:`_sdpa_masks_it`); with one,
+    the position map of :mod:`ring_attention.hf.decode` (``generate`` builds
+    the mask of a static cache's step eagerly and hands it to the compiled
+    step, so its shape must not follow the position). Under ``torch.compile`` queries
+    continuing a cache whose position is an int (a sliding-window layer)
+    get the key map built by traced tensor operations; elsewhere it is
+    built eagerly (one graph break per forward)."""
+    config = kwargs.get("config")
+    if _sdpa_masks_it(q_length, kv_length, q_offset, kv_offset, config):
         from transformers.masking_utils import sdpa_mask
 
         kwargs["allow_is_causal_skip"] = False  # None would mean every key of the cache
         return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset,
                          mask_function, attention_mask, **kwargs)  # fmt: skip
+    compiling = torch.compiler.is_compiling()
+    tensor = isinstance(q_offset, torch.Tensor)
+    if tensor and q_length == 1 and kv_offset == 0:
+        if not compiling:  # its closures cannot be traced
+            _packed_sequences(mask_function, config)  # raises for what the kernels cannot express
+        return position_map(batch_size, kv_length, q_offset, mask_function, attention_mask,
+                            **kwargs)  # fmt: skip
+    continues = q_offset != 0 or kv_offset != 0 or kv_length != q_length
+    if compiling and continues and not tensor:
+        # with a cache transformers detects no packed documents; the mask
+        # function's closures cannot be traced (the eager prefill checked them)
+        filled = _filled(q_offset, q_length, kv_offset, kv_length)
+        return _padding(batch_size, filled, attention_mask, kwargs.get("device", "cpu"))
     return _key_map(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
                     attention_mask, **kwargs)  # fmt: skip
 
@@ -166,6 +189,30 @@ def _sdpa_masks_it(
     return tensor and q_length == 1
 
 
+def _filled(q_offset: int, q_length: int, kv_offset: int, kv_length: int) -> int:
+    """Where the queries end (the end of the keys in use), checked against the cache."""
+    filled = q_offset + q_length
+    if filled > kv_offset + kv_length:
+        raise ValueError(
+            f"the queries end at {filled}, past the {kv_length} keys of the cache from "
+            f"{kv_offset} (q_offset={q_offset}, q_length={q_length})"
+        )
+    return filled
+
+
+def _padding(
+    batch_size: int, filled: int, attention_mask: torch.Tensor | None, device: Any
+) -> torch.Tensor:
+    """The bool ``(batch, filled)`` map of the keys not padded (``True``); keys
+    past the 2-D mask are padding, as transformers pads it."""
+    if attention_mask is None:
+        return torch.ones(batch_size, filled, dtype=torch.bool, device=device)
+    keep = attention_mask[:, :filled].to(torch.bool)
+    if keep.shape[1] < filled:
+        keep = torch.nn.functional.pad(keep, (0, filled - keep.shape[1]), value=False)
+    return keep
+
+
 @torch.compiler.disable  # reads mask functions' closures and values: eager, one graph break
 def _key_map(
     batch_size: int,
@@ -179,19 +226,12 @@ def _key_map(
 ) -> torch.Tensor | None:
     """The key map of the module docstring (eager)."""
     documents = _packed_sequences(mask_function, kwargs.get("config"))
-    filled = int(q_offset) + q_length  # q_offset is a 0-d tensor for static caches
-    if filled > kv_offset + kv_length:
-        raise ValueError(
-            f"the queries end at {filled}, past the {kv_length} keys of the cache from "
-            f"{kv_offset} (q_offset={int(q_offset)}, q_length={q_length})"
-        )
-    keep = None
-    if attention_mask is not None:
-        keep = attention_mask[:, :filled].to(torch.bool)
-        if keep.shape[1] < filled:  # as transformers pads it: keys past the mask are not attended
-            keep = torch.nn.functional.pad(keep, (0, filled - keep.shape[1]), value=False)
-        if bool(keep.all()):
-            keep = None
+    # q_offset is a 0-d tensor for static caches
+    filled = _filled(int(q_offset), q_length, kv_offset, kv_length)
+    device = attention_mask.device if attention_mask is not None else kwargs.get("device", "cpu")
+    keep = None if attention_mask is None else _padding(batch_size, filled, attention_mask, device)
+    if keep is not None and bool(keep.all()):
+        keep = None
     if sequence_parallel() is not None:
         documents = None  # a shard's positions cannot show them: cu_seq_lens_q holds them
     elif documents is not None and bool((documents == documents[:, :1]).all()):
@@ -201,10 +241,8 @@ def _key_map(
         documents = None
     if keep is None and documents is None and filled == kv_length and not kv_offset:
         return None
-    device = attention_mask.device if attention_mask is not None else kwargs.get("device", "cpu")
     if documents is None:  # padding only: the layers need not read it
-        ones = keep is None
-        return torch.ones(batch_size, filled, dtype=torch.bool, device=device) if ones else keep
+        return _padding(batch_size, filled, None, device) if keep is None else keep
     ids = (documents + 1).to(device=device, dtype=torch.int32)
     return ids if keep is None else ids * keep
 
@@ -256,6 +294,19 @@ _masks = PerBatch()
 def batch_keys(mask: torch.Tensor) -> Keys:
     """:class:`Keys` of the 2-D key map (computed once per batch)."""
     return _masks.get(mask, "keys", lambda: _read(mask))
+
+
+@torch.compiler.disable  # reads the position (and a per-batch cache): eager
+def filled_keys(positions: torch.Tensor) -> torch.Tensor | None:
+    """The bool key map ``(batch, p + 1)`` of the position map of a decode
+    step at ``p`` (ring_attention/hf/decode.py), computed once per batch;
+    ``None`` when it allows no key (then ``p`` is unknown)."""
+
+    def read() -> torch.Tensor | None:
+        filled = int(positions.amax())
+        return positions[:, :filled] > 0 if filled else None
+
+    return _masks.get(positions, "filled", read)
 
 
 def _read(mask: torch.Tensor) -> Keys:

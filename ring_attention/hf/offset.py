@@ -15,16 +15,17 @@ from torch.autograd.function import once_differentiable
 from .. import ops
 from ..dtypes import acc_dtype
 
-__all__ = ["offset_attention"]
+__all__ = ["offset_attention", "offset_attention_lse"]
 
 
 def _block_ops(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, k_start: int,
     op_args: ops.OpArgs, grad_out: torch.Tensor | None = None, out: torch.Tensor | None = None,
-    lse: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None, grad_lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """The block operators: ``(out, lse)`` of the block, or with
-    ``grad_out`` (and the forward's ``out``, ``lse``) its ``(dq, dk, dv)``."""
+    ``grad_out`` (and ``grad_lse``, the forward's ``out``, ``lse``) its
+    ``(dq, dk, dv)``."""
     acc = acc_dtype(q.dtype)
     if grad_out is None:
         B, L, H, D = q.shape
@@ -36,7 +37,7 @@ def _block_ops(
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
     ops.block_backward(
-        grad_out.contiguous(), None, q, k, v, out, lse, dq, dk, dv, q_start, k_start, op_args
+        grad_out.contiguous(), grad_lse, q, k, v, out, lse, dq, dk, dv, q_start, k_start, op_args
     )
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
@@ -48,13 +49,15 @@ class _OffsetAttention(torch.autograd.Function):
         out, lse = _block_ops(q, k, v, q_start, k_start, op_args)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.starts, ctx.op_args = (q_start, k_start), op_args
-        return out
+        return out, lse
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out):  # type: ignore[override]
+    def backward(ctx, grad_out, grad_lse):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _block_ops(q, k, v, *ctx.starts, ctx.op_args, grad_out, out, lse)
+        if grad_lse is not None:
+            grad_lse = grad_lse.contiguous()
+        dq, dk, dv = _block_ops(q, k, v, *ctx.starts, ctx.op_args, grad_out, out, lse, grad_lse)
         return dq, dk, dv, None, None, None
 
 
@@ -66,4 +69,13 @@ def offset_attention(
     Lq)`` to ``k``, ``v`` ``(B, Lk, H_kv, d)`` at ``[k_start, k_start + Lk)``,
     with the pattern arguments ``op_args`` (:func:`ring_attention.ops.op_args`;
     its ``key_padding_mask`` is ``(B, Lk)``); differentiable (once)."""
+    return offset_attention_lse(q, k, v, q_start, op_args, k_start)[0]
+
+
+def offset_attention_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, op_args: ops.OpArgs,
+    k_start: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """:func:`offset_attention` and its ``lse`` ``(B, H, Lq)`` (accumulation
+    dtype), both differentiable (once)."""
     return _OffsetAttention.apply(q, k, v, int(q_start), int(k_start), op_args)
