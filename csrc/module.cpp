@@ -1,12 +1,16 @@
 // Makes ring_attention._C importable; loading it registers the operators.
-// One plain function besides: cpu_tile_path(dtype, head_dim, scale), the CPU
-// kernels' tile path for such a call (csrc/cpu/tile_path.h), for tests and
-// benchmarks.
+// Two plain functions besides, for tests and benchmarks: cpu_tile_path(dtype,
+// head_dim, scale), the CPU kernels' tile path for such a call
+// (csrc/cpu/tile_path.h), and cpu_avx2_exp_row(buffer, scale, sub), the AVX2
+// softmax pass's exponential over a float32 buffer in place (its error
+// against float64 is measured by tests/test_cpu_tile_paths.py).
 #include <Python.h>
 #include <c10/util/Exception.h>
 
 #include <string>
 
+#include "config.h"
+#include "cpu/softmax_rows.h"
 #include "cpu/tile_path.h"
 
 namespace {
@@ -27,10 +31,34 @@ PyObject* cpu_tile_path(PyObject*, PyObject* args) {
   return nullptr;
 }
 
+PyObject* cpu_avx2_exp_row(PyObject*, PyObject* args) {
+  Py_buffer view;
+  double scale = 0, sub = 0;
+  if (!PyArg_ParseTuple(args, "w*dd", &view, &scale, &sub)) return nullptr;
+  PyObject* result = nullptr;
+  if (view.itemsize != 4 || view.len % 4 != 0 || !PyBuffer_IsContiguous(&view, 'C')) {
+    PyErr_SetString(PyExc_ValueError, "cpu_avx2_exp_row: buffer must be contiguous float32");
+  } else if (ring_attention::cpu::machine_isa() < ring_attention::config::CpuIsa::kAvx2) {
+    PyErr_SetString(PyExc_RuntimeError, "cpu_avx2_exp_row: this CPU has no AVX2 and FMA");
+  } else {
+#if defined(__x86_64__)
+    const float sum =
+        ring_attention::cpu::avx2::exp_row(static_cast<float*>(view.buf), view.len / 4,
+                                           static_cast<float>(scale), static_cast<float>(sub));
+    result = PyFloat_FromDouble(sum);
+#endif
+  }
+  PyBuffer_Release(&view);
+  return result;
+}
+
 PyMethodDef methods[] = {
     {"cpu_tile_path", cpu_tile_path, METH_VARARGS,
      "cpu_tile_path(dtype: str, head_dim: int, scale: float) -> str: the CPU kernels' tile path "
      "for such a call under the current RING_ATTENTION_CPU_* settings."},
+    {"cpu_avx2_exp_row", cpu_avx2_exp_row, METH_VARARGS,
+     "cpu_avx2_exp_row(buffer, scale: float, sub: float) -> float: x = exp(scale * x - sub) on "
+     "a contiguous float32 buffer in place with the AVX2 softmax pass; returns the sum."},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

@@ -28,6 +28,7 @@ refused.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import platform
 
@@ -486,6 +487,49 @@ def test_later_key_tiles_with_the_pass_in_the_product(path, bad: str | None) -> 
         assert torch.equal(torch.isnan(a), torch.isnan(b))
         torch.testing.assert_close(a, b, atol=tol, rtol=tol, equal_nan=True)
     assert torch.isnan(got[0][:, :, 1]).any()
+
+
+def test_avx2_exponential_against_float64() -> None:
+    """The AVX2 softmax passes' exponential (csrc/cpu/avx2_exp.h, which S's
+    epilogue shares) against float64, on its arguments as the passes make
+    them (a score times the scale minus the shift, so at most 0 but for
+    rounding): 2^t within 1.5e-7 relative wherever it is a normal number
+    (t in [-126, 0]: a grid, random points, the neighbourhood of 0 and of the
+    integers where the rounding of t flips), exactly 1 at 0; within 2^-126
+    below that, exactly 0 at -inf and from -127 on; NaN kept; the pass's sum."""
+    if ISAS.index(machine_isa()) < ISAS.index("avx2"):
+        with pytest.raises(RuntimeError, match="AVX2"):
+            _C.cpu_avx2_exp_row(torch.zeros(8).numpy(), 1.0, 0.0)
+        return
+    g = torch.Generator().manual_seed(7700)
+    ints = torch.arange(-126.0, 1.0).repeat_interleave(4)
+    t = torch.cat(
+        [
+            torch.linspace(-126, 0, 1 << 18),
+            -126 * torch.rand(1 << 18, generator=g),
+            torch.logspace(-30, 0, 4001) * torch.tensor([-1.0, 1.0]).repeat(2001)[:4001],
+            ints + torch.tensor([-0.5, 0.5, -0.49999997, 0.49999997]).repeat(127),
+        ]
+    ).float()
+    t = t[(t >= -126) & (t <= 0)]
+    special = torch.tensor([0.0, -0.0, -126.75, -127.0, -150.0, -1e30, -float("inf"), float("nan")])
+    x = torch.cat([t, special])
+    y = x.clone()
+    # scale ln 2: the pass's base-2 scale (scale * log2 e) is 1, so 2^x exactly.
+    total = _C.cpu_avx2_exp_row(y.numpy(), math.log(2.0), 0.0)
+    want = torch.exp2(x.double())
+    rel = ((y[: len(t)].double() - want[: len(t)]) / want[: len(t)]).abs().max().item()
+    assert rel <= 1.5e-7, rel
+    got = y[len(t) :].tolist()
+    assert got[:2] == [1.0, 1.0]
+    assert abs(got[2] - 2.0**-126.75) <= 2.0**-126
+    assert got[3:7] == [0.0, 0.0, 0.0, 0.0]
+    assert math.isnan(got[7])
+    # The sum of the finite ones (NaN's sum is NaN).
+    assert math.isnan(total)
+    z = x[: len(t)].clone()
+    total = _C.cpu_avx2_exp_row(z.numpy(), math.log(2.0), 0.0)
+    assert math.isclose(total, want[: len(t)].sum().item(), rel_tol=1e-5)
 
 
 def test_block_ops_at_offsets(bf16_path) -> None:

@@ -105,7 +105,7 @@ void block(int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, 
         if (kMasked && v == NV - 1)
           c[i][v] = _mm256_blendv_ps(neg_inf, c[i][v], _mm256_castsi256_ps(mask));
         top = _mm256_max_ps(c[i][v], top);
-        c[i][v] = exp2_ps(c[i][v]);
+        c[i][v] = exp2_ps<false>(c[i][v]);  // a row past the cap is computed again
         sum = _mm256_add_ps(sum, c[i][v]);
       }
       if (_mm256_movemask_ps(_mm256_cmp_ps(top, ep->vcap, _CMP_GT_OQ)) != 0)

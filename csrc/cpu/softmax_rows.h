@@ -1,8 +1,8 @@
 // The softmax passes over one row of scores (fp32 or fp64), between the
 // GEMMs of the CPU kernels. The fp32 passes run in the lanes the tile path
 // names (tile_path.h): 16 of AVX-512 with an exponential of 7 vector
-// instructions (softmax_lanes.h), 8 of AVX2 + FMA with the same polynomial
-// (softmax_rows_avx2.cpp), or at::vec with Sleef's exponential; the bf16-tile
+// instructions (softmax_lanes.h), 8 of AVX2 + FMA with one of 11 (avx2_exp.h,
+// softmax_rows_avx2.cpp), or at::vec with Sleef's exponential; the bf16-tile
 // kernels get P and dS already rounded to bf16 from the same pass (one read
 // of the row instead of three passes over it).
 //
