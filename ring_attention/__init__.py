@@ -31,7 +31,6 @@ else:
     from . import ops  # noqa: F401  (the operators' autograd)
     from .dtypes import select_dtype
     from .functional import dilated_attention
-    from .hf import register_transformers
     from .modules import DilatedAttention, MultiheadDilatedAttention, RingDilatedAttention
     from .multihead import MultiheadAttentionError
     from .pattern import Pattern
@@ -40,6 +39,12 @@ else:
 
 
 def __getattr__(name: str) -> Any:
+    if name == "register_transformers" and _EXTENSION_ERROR is None:
+        # imported on first use: ring_attention.hf's torch.compiler.disable
+        # imports torch._dynamo, seconds that a plain import need not pay
+        from .hf import register_transformers
+
+        return register_transformers
     if _EXTENSION_ERROR is not None and name in __all__:
         raise ImportError(
             f"ring_attention.{name} needs the compiled extension ring_attention._C, which did "

@@ -9,7 +9,8 @@ or the error that building them raised) is a :class:`RingSpec`, registered
 here under a key derived from its contents and passed to the operators as
 that string. :func:`ring_call_spec` builds and registers a spec; under
 ``torch.compile`` it runs once, while tracing
-(``torch.compiler.assume_constant_result``), and its key becomes a constant
+(``torch.compiler.assume_constant_result``'s mark, set by
+:func:`_assume_constant_result`), and its key becomes a constant
 of the graph, so a compiled step neither re-validates nor recompiles.
 
 A spec holds the pattern without the per-batch documents (those travel as a
@@ -108,7 +109,16 @@ def get_spec(key: str) -> RingSpec:
     return _REGISTRY.get(key)
 
 
-@torch.compiler.assume_constant_result
+def _assume_constant_result(fn: Callable[..., str]) -> Callable[..., str]:
+    """``torch.compiler.assume_constant_result(fn)`` without its import of
+    ``torch._dynamo`` (most of the seconds ``import ring_attention`` would
+    take, paid by every process that never compiles): the same mark on
+    ``fn``. tests/test_imports.py checks that the mark is the decorator's."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
+
+
+@_assume_constant_result
 def ring_call_spec(
     build: Callable[..., Pattern],
     *args: Any,

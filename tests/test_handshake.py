@@ -77,7 +77,7 @@ _RESULTS: list[dict] = []
 
 def _results() -> list[dict]:
     if not _RESULTS:
-        _RESULTS.extend(run_distributed(_suite, WORLD, timeout=120, pg_timeout=30))
+        _RESULTS.extend(run_distributed(_suite, WORLD, timeout=300, pg_timeout=30))
     return _RESULTS
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,3 +48,36 @@ def test_no_file_edits_the_module_path() -> None:
     assert not found, f"edits of sys.path (import the package instead): {found}"
     (bench,) = LOADS_BY_PATH
     assert edits((ROOT / bench).read_text()) == ["spec_from_file_location"]
+
+
+_IMPORT_SCRIPT = """
+import sys
+import ring_attention
+from ring_attention.ring_spec import ring_call_spec
+assert "torch._dynamo" not in sys.modules, "import ring_attention imported torch._dynamo"
+import torch
+
+def plain():
+    pass
+
+marks = vars(torch.compiler.assume_constant_result(plain))
+assert marks, "torch.compiler.assume_constant_result sets no mark any more"
+assert {k: getattr(ring_call_spec, k, None) for k in marks} == marks, marks
+print("ok")
+"""
+
+
+def test_import_skips_dynamo_and_ring_call_spec_is_marked_constant() -> None:
+    """``import ring_attention`` leaves ``torch._dynamo`` unimported (seconds
+    per process: every subprocess of the tests pays it otherwise), and
+    ``ring_call_spec`` carries exactly the mark that
+    ``torch.compiler.assume_constant_result`` sets (tests/test_compile_ring.py
+    checks what the mark does under ``torch.compile``)."""
+    res = subprocess.run(
+        [sys.executable, "-c", _IMPORT_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stdout + res.stderr

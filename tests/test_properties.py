@@ -220,7 +220,7 @@ def _ring_error(c: dict) -> float:
 @given(st.lists(problems(max_n=30), min_size=2, max_size=2), st.integers(2, 4))
 def test_ring_matches_one_process(cs: list[dict], world: int) -> None:
     cs = [{**c, "mask": False} for c in cs]  # the ring takes no key_padding_mask
-    errors = run_distributed(_ring_worker, world, cs, timeout=120)
+    errors = run_distributed(_ring_worker, world, cs, timeout=300)
     for i, c in enumerate(cs):
         tol = 1e-9 if c["dtype"] == torch.float64 else 1e-4
         assert max(e[i] for e in errors) <= tol, ([e[i] for e in errors], world, c)
