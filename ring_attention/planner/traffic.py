@@ -61,10 +61,10 @@ _PLAN_WORK_LIMIT = 1 << 24  # p * n * heads: build real plans up to this
 MAX_WORLD_SIZE = 1 << 17
 _CHUNK = 1 << 18  # (rank, distance) pairs evaluated at once
 _NONE = torch.empty(0, dtype=torch.int64)
-#: A branch with at most this many rows of one offset in the longest piece
-#: has its rows listed per pair (vectorised) instead of entering the memo's
-#: keys: its residues differ from pair to pair, which would make every pair's
-#: key distinct (shards that do not align with its segments).
+#: A branch with at most this many rows of one offset in the longest piece,
+#: not aligned with the pieces, has its rows listed per pair (vectorised)
+#: instead of entering the memo's keys: its residues differ from pair to
+#: pair, which would make every pair's key distinct.
 _LISTED_ROWS = 2
 _BIG = 1 << 62  # a listed row that is not there
 
@@ -292,6 +292,21 @@ def _with_listed_rows(
     return out
 
 
+def _listed_branches(
+    branches: list[tuple[int, int]], starts: torch.Tensor, bounds: torch.Tensor, longest: int
+) -> list[bool]:
+    """Which branches :func:`_analytic` lists per pair instead of keying:
+    those with at most ``_LISTED_ROWS`` rows of an offset in the longest
+    piece whose segments do not align with the pieces (a piece start, a
+    document start or the segment length not a multiple of the dilation:
+    residues that differ from pair to pair). Aligned ones share few keys."""
+    out = []
+    for w, r in branches:
+        aligned = w % r == 0 and not bool((starts % r).any() or (bounds[:-1] % r).any())
+        out.append(-(-longest // r) <= _LISTED_ROWS and not aligned)
+    return out
+
+
 def all_pieces(seq_len: int, p: int, layout: str) -> list[list[Piece]]:
     """Every rank's pieces, as :func:`ring_attention.layout.layout_pieces`
     gives them (computed from one split instead of one per rank)."""
@@ -321,7 +336,7 @@ def _analytic(
     class_offsets = list(classes)
     class_counts = torch.tensor(list(classes.values()), dtype=torch.int64)
     longest = int(lens.max()) if lens.numel() else 0
-    listed = [-(-longest // r) <= _LISTED_ROWS for _, r in branches]
+    listed = _listed_branches(branches, starts, bounds, longest)
     memo: dict[tuple[int, ...], tuple[int, ...]] = {}
 
     per_chunk = max(1, _CHUNK // p)  # distances per chunk
