@@ -66,6 +66,7 @@ _NONE = torch.empty(0, dtype=torch.int64)
 #: instead of entering the memo's keys: its residues differ from pair to
 #: pair, which would make every pair's key distinct.
 _LISTED_ROWS = 2
+_FEW_RESIDUES = 16  # piece starts modulo a dilation: few keep few keys
 _BIG = 1 << 62  # a listed row that is not there
 
 
@@ -235,6 +236,20 @@ def _class_stats(
     return tuple(out)
 
 
+def _totals(
+    per_class: torch.Tensor, class_counts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(rows, first, last)`` over the K/V heads from ``(N, classes, 3)``
+    stats of one K/V head per class (``class_counts`` heads each)."""
+    n_rows, first, last = per_class.unbind(2)
+    have = n_rows > 0
+    return (
+        (n_rows * class_counts).sum(1),
+        torch.where(have, first, _BIG).amin(1),
+        torch.where(have, last, -1).amax(1),
+    )
+
+
 def _with_listed_rows(
     stats: torch.Tensor,
     columns: list[tuple[int, torch.Tensor, torch.Tensor]],
@@ -297,13 +312,14 @@ def _listed_branches(
 ) -> list[bool]:
     """Which branches :func:`_analytic` lists per pair instead of keying:
     those with at most ``_LISTED_ROWS`` rows of an offset in the longest
-    piece whose segments do not align with the pieces (a piece start, a
-    document start or the segment length not a multiple of the dilation:
-    residues that differ from pair to pair). Aligned ones share few keys."""
+    piece whose residues differ from pair to pair (the segment length not a
+    multiple of the dilation, or more than ``_FEW_RESIDUES`` distinct piece
+    and document starts modulo it). The others share few keys."""
     out = []
     for w, r in branches:
-        aligned = w % r == 0 and not bool((starts % r).any() or (bounds[:-1] % r).any())
-        out.append(-(-longest // r) <= _LISTED_ROWS and not aligned)
+        residues = torch.cat([starts.flatten(), bounds[:-1]]) % r
+        many = w % r != 0 or torch.unique(residues).numel() > _FEW_RESIDUES
+        out.append(-(-longest // r) <= _LISTED_ROWS and many)
     return out
 
 
@@ -407,16 +423,13 @@ def _analytic(
                     memo[key] = _class_stats(key, branches, class_offsets, n_pc)
                 stats.append(memo[key])
             per_class = torch.tensor(stats, dtype=torch.int64).reshape(-1, len(classes), 3)
-            per_class = per_class[inverse]
             if any(listed[i] for i, _, _ in columns):
                 per_class = _with_listed_rows(
-                    per_class, columns, listed, branches, class_offsets, longest
+                    per_class[inverse], columns, listed, branches, class_offsets, longest
                 )
-            n_rows, first, last = per_class.unbind(2)
-            have = n_rows > 0
-            rows = (n_rows * class_counts).sum(1)
-            first = torch.where(have, first, _BIG).amin(1)
-            last = torch.where(have, last, -1).amax(1)
+                rows, first, last = _totals(per_class, class_counts)
+            else:  # per key, then per pair
+                rows, first, last = (t[inverse] for t in _totals(per_class, class_counts))
             width = torch.where(rows > 0, last - first + 1, 0)
             recv += rows
             span += torch.where(rows == width * kv_heads, 0, width)
