@@ -6,7 +6,8 @@
 * unions of dilated rows == brute force, on every counting path;
 * the analytic exchange model == the ring's own plans (rows and span rows
   per rank and step), and == brute force from the multiplicity matrix with
-  grouped K/V heads, documents, grouped offsets, zigzag, head groups;
+  grouped K/V heads, documents, grouped offsets, zigzag, head groups, on
+  both counting paths (a branch's rows in the memo's keys or listed per pair);
 * the memory model == the ring's own buffer accounting
   (``last_exchange_stats.buffer_bytes``) and the tensor bytes it allocates,
   in a real 3-process gloo run;
@@ -29,7 +30,7 @@ from oracle import multiplicity as oracle_multiplicity
 from ring_attention.layout import layout_pieces
 from ring_attention.multiplicity import multiplicity
 from ring_attention.pattern import Pattern
-from ring_attention.planner import progressions
+from ring_attention.planner import progressions, traffic
 from ring_attention.planner.capacity import Setup, evaluate, fewest_ranks, largest_length
 from ring_attention.planner.cli import main, parse_size
 from ring_attention.planner.memory import layer_memories, transport_buffers
@@ -178,8 +179,12 @@ def _brute_traffic(pattern, n, heads, kv_heads, p, layout):
     return recv, span, pairs
 
 
-@pytest.mark.parametrize("seed", range(5))
-def test_analytic_exchange_matches_brute_force(seed: int) -> None:
+@pytest.mark.parametrize("seed", range(6))
+def test_analytic_exchange_matches_brute_force(monkeypatch, seed: int) -> None:
+    # every branch's rows in the memo's keys, the default, every branch listed per pair
+    if seed % 3 != 1:
+        listed = seed % 3 == 2
+        monkeypatch.setattr(traffic, "_listed_branches", lambda b, *_: [listed] * len(b))
     rng = random.Random(3000 + seed)
     for _ in range(12):
         n, p = rng.randint(1, 45), rng.randint(1, 5)

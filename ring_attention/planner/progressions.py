@@ -6,7 +6,10 @@ offset, every ``r``-th position of an interval (the active rows of the one
 segment the two ranks share, docs/design.md §4.1). A row needed by two
 branches (or by two query heads of one K/V head) travels once, so the rows
 that travel are the *union* of such progressions. :func:`union_stats` counts
-it exactly. Small unions are listed; otherwise, between consecutive interval
+it exactly. A progression inside another (its rate a multiple of the other's,
+its residue congruent, its rows within the other's interval) is dropped first:
+the nested branches of a power-of-two pattern leave one. Small unions are
+listed; otherwise, between consecutive interval
 ends the union is periodic with the
 lcm of the rates, so a count is whole periods times the members of one period
 plus a prefix. A few classes are counted by inclusion-exclusion over their
@@ -139,29 +142,36 @@ def _periodic_count(x: int, y: int, classes: tuple[tuple[int, int], ...]) -> int
 def union_stats(sets: Iterable[Progression]) -> tuple[int, int, int]:
     """``(count, first, last)`` of the union of the progressions ``sets``;
     ``(0, -1, -1)`` when it is empty."""
-    live = []
-    first = last = -1
+    live: list[tuple[int, int, int, int, int, int]] = []  # (rate, residue, lo, hi, first, last)
     for lo, hi, r, p in sets:
         p %= r
         f = lo + (p - lo) % r
-        if f >= hi:
-            continue
-        live.append((lo, hi, r, p))
-        l = hi - 1 - (hi - 1 - p) % r
-        first = f if first < 0 else min(first, f)
-        last = max(last, l)
-    if len(live) <= 1:
-        return (_count(*live[0]), first, last) if live else (0, -1, -1)
-    if sum((hi - lo) // r + 1 for lo, hi, r, _ in live) <= _MAX_LISTED:
+        if f < hi:
+            live.append((r, p, lo, hi, f, hi - 1 - (hi - 1 - p) % r))
+    if not live:
+        return 0, -1, -1
+    first = min(s[4] for s in live)
+    last = max(s[5] for s in live)
+    kept: list[tuple[int, int, int, int, int, int]] = []
+    for s in sorted(live):  # a progression inside another (a container's rate is never larger)
+        r, p, _, _, f, l = s
+        if not any(
+            r % r2 == 0 and p % r2 == p2 and lo2 <= f and l < hi2 for r2, p2, lo2, hi2, _, _ in kept
+        ):
+            kept.append(s)
+    if len(kept) == 1:
+        r, p, lo, hi, _, _ = kept[0]
+        return _count(lo, hi, r, p), first, last
+    if sum((hi - lo) // r + 1 for r, _, lo, hi, _, _ in kept) <= _MAX_LISTED:
         # few rows (dilated branches near the gap, or far apart): list them
         rows = set()
-        for lo, hi, r, p in live:
-            rows.update(range(lo + (p - lo) % r, hi, r))
+        for r, _, _, hi, f, _ in kept:
+            rows.update(range(f, hi, r))
         return len(rows), first, last
-    cuts = sorted({s[0] for s in live} | {s[1] for s in live})
+    cuts = sorted({s[2] for s in kept} | {s[3] for s in kept})
     count = 0
     for x, y in itertools.pairwise(cuts):
-        classes = _minimal((r, p) for lo, hi, r, p in live if lo <= x and y <= hi)
+        classes = _minimal((r, p) for r, p, lo, hi, _, _ in kept if lo <= x and y <= hi)
         if classes:
             count += _periodic_count(x, y, classes)
     return count, first, last

@@ -26,7 +26,11 @@ Two sources give the rows:
   Every quantity depends on the pieces only relative to the sender piece's
   start, so equal configurations (most pairs of ranks, far apart, inside one
   long segment) are counted once: the pairs of ranks are reduced to their
-  distinct keys first.
+  distinct keys first. A branch whose dilation is at least half the longest
+  piece (a row or two of each offset per piece) stays out of the keys: where
+  shards do not align with its segments its residues differ from pair to
+  pair, so its rows are listed per pair instead (vectorised) and counted
+  where no other branch's progression holds them.
 
 The pairs always come from the closed forms of :mod:`.pairs`.
 """
@@ -57,6 +61,13 @@ _PLAN_WORK_LIMIT = 1 << 24  # p * n * heads: build real plans up to this
 MAX_WORLD_SIZE = 1 << 17
 _CHUNK = 1 << 18  # (rank, distance) pairs evaluated at once
 _NONE = torch.empty(0, dtype=torch.int64)
+#: A branch with at most this many rows of one offset in the longest piece,
+#: not aligned with the pieces, has its rows listed per pair (vectorised)
+#: instead of entering the memo's keys: its residues differ from pair to
+#: pair, which would make every pair's key distinct.
+_LISTED_ROWS = 2
+_FEW_RESIDUES = 16  # piece starts modulo a dilation: few keep few keys
+_BIG = 1 << 62  # a listed row that is not there
 
 
 @dataclass(frozen=True, eq=False)
@@ -192,39 +203,124 @@ def _unique_keys(
     return torch.unique(full, dim=0, return_inverse=True)
 
 
-def _rows_of_key(
-    key: tuple[int, ...], branches: list[tuple[int, int]], classes: Counter, n_q: int
-) -> tuple[int, int, int]:
+def _class_stats(
+    key: tuple[int, ...], branches: list[tuple[int, int]], offsets: list[tuple], n_q: int
+) -> tuple[int, ...]:
     """``(rows, first, last)`` of one sender piece (relative to its start)
-    from a key of :func:`_analytic`: per query piece and branch, the shared
-    segment's part of the sender piece ``[klo, khi)``, the residue of the
-    segment start, and the extent of the query piece's part (length capped at
-    ``r``, phase) that decides which offsets have an active query there."""
+    for every K/V class (``offsets``: per class, the offsets of each branch),
+    flattened, from a key of :func:`_analytic`: per query piece and branch,
+    the shared segment's part of the sender piece ``[klo, khi)``, the residue
+    of the segment start, and the extent of the query piece's part (length
+    capped at ``r``, phase) that decides which offsets have an active query
+    there."""
     shared = []
     for q in range(n_q):
         for i, (_, r) in enumerate(branches):
             at = 5 * (q * len(branches) + i)
             if key[at] >= 0:
                 shared.append((i, r, *key[at : at + 5]))
-    by_sets: Counter = Counter()
-    for offsets, count in classes.items():
+    out: list[int] = []
+    seen: dict[tuple, tuple[int, int, int]] = {}
+    for offs in offsets:
         sets = tuple(
             sorted(
                 (klo, khi, r, (res + o) % r)
                 for i, r, klo, khi, res, qlen, qph in shared
-                for o in offsets[i]
+                for o in offs[i]
                 if qlen >= r or (o - qph) % r < qlen
             )
         )
-        by_sets[sets] += count
-    rows, first, last = 0, -1, -1
-    for sets, count in by_sets.items():
-        n, f, l = union_stats(sets)
-        if n:
-            rows += count * n
-            first = f if first < 0 else min(first, f)
-            last = max(last, l)
-    return rows, first, last
+        if sets not in seen:
+            seen[sets] = union_stats(sets)
+        out.extend(seen[sets])
+    return tuple(out)
+
+
+def _totals(
+    per_class: torch.Tensor, class_counts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(rows, first, last)`` over the K/V heads from ``(N, classes, 3)``
+    stats of one K/V head per class (``class_counts`` heads each)."""
+    n_rows, first, last = per_class.unbind(2)
+    have = n_rows > 0
+    return (
+        (n_rows * class_counts).sum(1),
+        torch.where(have, first, _BIG).amin(1),
+        torch.where(have, last, -1).amax(1),
+    )
+
+
+def _with_listed_rows(
+    stats: torch.Tensor,
+    columns: list[tuple[int, torch.Tensor, torch.Tensor]],
+    listed: list[bool],
+    branches: list[tuple[int, int]],
+    offsets: list[tuple],
+    longest: int,
+) -> torch.Tensor:
+    """``stats`` (``(N, classes, 3)``: rows, first, last of the other
+    branches' union) with the rows of the *listed* branches added.
+
+    A listed branch has at most ``ceil(longest / r)`` rows of one offset in a
+    piece (``longest``: the longest piece), so its rows are listed per pair
+    (vectorised): a row counts when no other branch's progression holds it
+    (arithmetic: interval and residue) and no listed row before it equals it.
+    ``columns``: ``(branch, rows, vals)`` per query piece and branch, the
+    pairs sharing a segment and the 5 values of a key part.
+    """
+    n = stats.shape[0]
+    out = stats.clone()
+    listed_cols = [c for c in columns if listed[c[0]]]
+    other_cols = [c for c in columns if not listed[c[0]]]
+    for k, offs in enumerate(offsets):
+        elems = []
+        for i, rows, vals in listed_cols:
+            r = branches[i][1]
+            klo, khi, res, qlen, qph = (t[:, None] for t in vals.unbind(1))
+            steps = torch.arange(-(-longest // r), dtype=torch.int64) * r
+            for o in offs[i]:
+                active = (qlen >= r) | ((o - qph) % r < qlen)
+                e = klo + ((res + o - klo) % r) + steps
+                full = torch.full((n, steps.numel()), _BIG, dtype=torch.int64)
+                full[rows] = torch.where(active & (e < khi), e, _BIG)
+                elems.append(full)
+        if not elems:
+            continue
+        e = torch.cat(elems, 1)
+        for i, rows, vals in other_cols:
+            r = branches[i][1]
+            klo, khi, res, qlen, qph = (t[:, None] for t in vals.unbind(1))
+            er = e[rows]
+            inside = (er >= klo) & (er < khi)
+            held = torch.zeros_like(inside)
+            for o in offs[i]:
+                active = (qlen >= r) | ((o - qph) % r < qlen)
+                held |= active & inside & ((er - res - o) % r == 0)
+            e[rows] = torch.where(held, _BIG, er)
+        e = e.sort(1).values
+        new = e < _BIG
+        new[:, 1:] &= e[:, 1:] != e[:, :-1]
+        rows_k, first_k, last_k = stats[:, k].unbind(1)
+        out[:, k, 0] = rows_k + new.sum(1)
+        out[:, k, 1] = torch.where(rows_k > 0, torch.minimum(first_k, e[:, 0]), e[:, 0])
+        out[:, k, 2] = torch.maximum(last_k, torch.where(new, e, -1).amax(1))
+    return out
+
+
+def _listed_branches(
+    branches: list[tuple[int, int]], starts: torch.Tensor, bounds: torch.Tensor, longest: int
+) -> list[bool]:
+    """Which branches :func:`_analytic` lists per pair instead of keying:
+    those with at most ``_LISTED_ROWS`` rows of an offset in the longest
+    piece whose residues differ from pair to pair (the segment length not a
+    multiple of the dilation, or more than ``_FEW_RESIDUES`` distinct piece
+    and document starts modulo it). The others share few keys."""
+    out = []
+    for w, r in branches:
+        residues = torch.cat([starts.flatten(), bounds[:-1]]) % r
+        many = w % r != 0 or torch.unique(residues).numel() > _FEW_RESIDUES
+        out.append(-(-longest // r) <= _LISTED_ROWS and many)
+    return out
 
 
 def all_pieces(seq_len: int, p: int, layout: str) -> list[list[Piece]]:
@@ -253,7 +349,11 @@ def _analytic(
     cu = pattern.documents_tensor("cpu")
     bounds = torch.tensor([0, seq_len]) if cu is None else cu
     out = {k: torch.zeros(p, p, dtype=torch.int64) for k in ("recv", "span", "pairs")}
-    memo: dict[tuple[int, ...], tuple[int, int, int]] = {}
+    class_offsets = list(classes)
+    class_counts = torch.tensor(list(classes.values()), dtype=torch.int64)
+    longest = int(lens.max()) if lens.numel() else 0
+    listed = _listed_branches(branches, starts, bounds, longest)
+    memo: dict[tuple[int, ...], tuple[int, ...]] = {}
 
     per_chunk = max(1, _CHUNK // p)  # distances per chunk
     for d0 in range(1, p, per_chunk):
@@ -267,7 +367,8 @@ def _analytic(
         for kp in range(n_pc):
             c = starts[sender, kp]
             e = c + lens[sender, kp]
-            parts = []
+            parts = []  # the memo's key parts: branches not listed
+            columns = []  # (branch, rows, vals) of every shared segment
             for qp in range(n_pc):
                 qa = starts[j, qp]
                 qb = qa + lens[j, qp]
@@ -296,19 +397,19 @@ def _analytic(
                     qlo = torch.where(rl, rqa, torch.maximum(rqa, s))
                     qhi = torch.where(rl, torch.minimum(rqb, se), rqb)
                     qlen = qhi - qlo
-                    parts[-1] = (
-                        rows,
-                        torch.stack(
-                            [
-                                klo - rc,
-                                khi - rc,
-                                (s - rc) % r,
-                                torch.clamp(qlen, max=r),
-                                torch.where(qlen < r, (qlo - s) % r, 0),
-                            ],
-                            dim=1,
-                        ),
+                    vals = torch.stack(
+                        [
+                            klo - rc,
+                            khi - rc,
+                            (s - rc) % r,
+                            torch.clamp(qlen, max=r),
+                            torch.where(qlen < r, (qlo - s) % r, 0),
+                        ],
+                        dim=1,
                     )
+                    columns.append((i, rows, vals))
+                    if not listed[i]:
+                        parts[-1] = (rows, vals)
                     acc = torch.zeros_like(s)
                     for o, nh in offsets[i].items():
                         nq = active_before(qhi - s, o, r) - active_before(qlo - s, o, r)
@@ -319,10 +420,16 @@ def _analytic(
             stats = []
             for key in map(tuple, keys.tolist()):
                 if key not in memo:
-                    memo[key] = _rows_of_key(key, branches, classes, n_pc)
+                    memo[key] = _class_stats(key, branches, class_offsets, n_pc)
                 stats.append(memo[key])
-            stats_t = torch.tensor(stats, dtype=torch.int64).reshape(-1, 3)[inverse]
-            rows, first, last = stats_t.unbind(1)
+            per_class = torch.tensor(stats, dtype=torch.int64).reshape(-1, len(classes), 3)
+            if any(listed[i] for i, _, _ in columns):
+                per_class = _with_listed_rows(
+                    per_class[inverse], columns, listed, branches, class_offsets, longest
+                )
+                rows, first, last = _totals(per_class, class_counts)
+            else:  # per key, then per pair
+                rows, first, last = (t[inverse] for t in _totals(per_class, class_counts))
             width = torch.where(rows > 0, last - first + 1, 0)
             recv += rows
             span += torch.where(rows == width * kv_heads, 0, width)
