@@ -35,13 +35,12 @@ their zero weights): each block's K/V are checked when it runs (a host sync).
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from . import branches
 from .backends import backend, kv_finite
 from .dispatch import Route, route
+from .lse_merge import merge_into
 from .pattern import Pattern
 
 __all__ = ["DenseBlocks", "block_kind"]
@@ -61,17 +60,6 @@ def block_kind(causal: bool, q_start: int, lq: int, k_start: int, lk: int) -> st
     if k_start == q_start and lk == lq:
         return "causal"
     return None
-
-
-def _merge(out: Tensor, lse: Tensor, o: Tensor, bl: Tensor) -> None:
-    """Merge a block's ``o`` ``(B, L, H, D)`` and ``bl`` ``(B, H, L)`` into
-    the accumulators ``out``, ``lse`` by log-sum-exp."""
-    new = torch.logaddexp(lse, bl)
-    ref = torch.where(new == -math.inf, 0.0, new)  # rows reached by nothing yet
-    keep = torch.exp(lse - ref).transpose(1, 2).unsqueeze(-1)
-    take = torch.exp(bl - ref).transpose(1, 2).unsqueeze(-1)
-    out.mul_(keep).add_(o * take)
-    lse.copy_(new)
 
 
 class DenseBlocks:
@@ -111,7 +99,7 @@ class DenseBlocks:
             r = self._local("forward", q, k, v, q_start, k_start)
             if r is None:
                 return False
-            _merge(out, lse, *branches.dense_forward(q, k, v, self.pattern, self.scale, r))
+            merge_into(out, lse, *branches.dense_forward(q, k, v, self.pattern, self.scale, r))
             return True
         kind = self._kind(q, k, v, q_start, k_start)
         if kind is None:
@@ -122,7 +110,7 @@ class DenseBlocks:
         o = torch.empty(B, H, lq, D, dtype=q.dtype, device=q.device)
         bl = torch.empty(B, H, lq, dtype=lse.dtype, device=q.device)
         self.backend.forward(q, k, v, kind == "causal", self.scale, o, bl)
-        _merge(out, lse, o.transpose(1, 2), bl)
+        merge_into(out, lse, o.transpose(1, 2), bl)
         return True
 
     def backward(

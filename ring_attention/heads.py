@@ -30,6 +30,7 @@ from collections.abc import Callable
 import torch
 
 from .functional import attend
+from .lse_merge import merge
 from .pattern import Pattern
 
 __all__ = ["attend_head_range", "kv_head_range"]
@@ -92,23 +93,6 @@ def _placement(offsets: list[int], r: int) -> list[int]:
         taken.add(p)
         out.append(p)
     return out
-
-
-def _merge(parts: list[tuple[Tensor, Tensor]], dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """Log-sum-exp merge of ``(out, lse)`` parts (``out`` ``(B, S, H, D)``,
-    ``lse`` ``(B, H, S)``): rows no part reaches get ``out = 0``,
-    ``lse = -inf`` and zero gradients."""
-    lses = torch.stack([lse for _, lse in parts])  # (P, B, H, S)
-    top = lses.amax(dim=0).detach()
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    w = torch.exp(lses - top)  # 0 for parts that reach nothing
-    total = w.sum(dim=0)
-    reached = total > 0
-    safe = torch.where(reached, total, torch.ones_like(total))
-    lse = torch.where(reached, top + torch.log(safe), torch.full_like(total, -math.inf))
-    out = sum(o.to(lse.dtype) * (wi / safe).transpose(1, 2).unsqueeze(-1)
-              for (o, _), wi in zip(parts, w, strict=True))  # fmt: skip
-    return out.to(dtype), lse
 
 
 def attend_head_range(
@@ -177,4 +161,4 @@ def attend_head_range(
         lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         out = q * 0
         return out, out.new_full((B, count, S), -math.inf, dtype=lse_dtype)
-    return _merge(parts, q.dtype)
+    return merge(parts, q.dtype)

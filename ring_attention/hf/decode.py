@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from .. import ops
+from ..lse_merge import merge
 from ..pattern import Pattern
 from .config import pattern_from_config
 from .offset import offset_attention_lse
@@ -101,8 +102,4 @@ def decode_attention(
             active &= applies
         outs.append(out)
         lses.append(lse.masked_fill(~active[:, :, None], float("-inf")))
-    lse = torch.stack(lses)  # (branches, B, H, 1)
-    total = torch.logsumexp(lse, dim=0)
-    ref = total.masked_fill(torch.isinf(total), 0.0)  # rows reached by no branch
-    weights = torch.exp(lse - ref).transpose(2, 3)[..., None]  # (branches, B, 1, H, 1)
-    return (weights * torch.stack(outs)).sum(0).to(q.dtype)
+    return merge(list(zip(outs, lses, strict=True)), q.dtype)[0]
