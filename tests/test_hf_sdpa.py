@@ -163,6 +163,20 @@ def test_dropout_without_pattern_is_sdpas_own():
     got = ring(ids).logits
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert (got - ring.eval()(ids).logits).abs().max() > 1e-3  # dropout was applied
+    # a padding mask (left and right), then packed documents: sdpa gets the
+    # 4-D mask of the key map (rows with no key give 0, not NaN)
+    mask = torch.ones(2, 17, dtype=torch.long)
+    mask[0, :4], mask[1, 12:] = 0, 0
+    positions = torch.cat([torch.arange(6), torch.arange(11)])[None].expand(2, -1)
+    ring.train()
+    for extra in (dict(attention_mask=mask), dict(position_ids=positions, use_cache=False)):
+        torch.manual_seed(5)
+        want = sdpa(ids, **extra).logits
+        torch.manual_seed(5)
+        got = ring(ids, **extra).logits
+        keep = extra["attention_mask"].bool() if "attention_mask" in extra else slice(None)
+        torch.testing.assert_close(got[keep], want[keep], rtol=0, atol=1e-6)
+        assert not got.isnan().any()
     # with a pattern it cannot be applied exactly
     dilated = build(tiny_config(attention_dropout=0.3, pattern=PATTERN), "ring_dilated").train()
     with pytest.raises(ValueError, match=r"attention dropout.*attention_dropout"):

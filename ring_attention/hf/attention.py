@@ -15,7 +15,7 @@ from ..pattern import Pattern
 from ..ring import ring_attention, ring_call, ring_call_spec
 from .config import is_dense, layer_pattern, layer_window, pattern_from_config
 from .decode import decode_attention
-from .masks import Keys, PerBatch, batch_keys, filled_keys
+from .masks import Keys, PerBatch, batch_keys, filled_keys, sdpa_mask_of
 from .offset import offset_attention
 from .registry import ATTN_IMPLEMENTATION, SequenceParallel, sequence_parallel
 
@@ -107,8 +107,16 @@ def dilated_attention_forward(
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         kwargs.pop("output_attentions", None)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, is_causal=is_causal, **kwargs)  # fmt: skip
+        reached = None
+        if isinstance(attention_mask, torch.Tensor) and not prepared:  # our key map
+            attention_mask, reached = sdpa_mask_of(attention_mask, query.shape[2], key.shape[2],
+                                                   causal)  # fmt: skip
+        out, weights = sdpa_attention_forward(module, query, key, value, attention_mask,
+                                              dropout=dropout, scaling=scaling,
+                                              is_causal=is_causal, **kwargs)  # fmt: skip
+        if reached is not None:  # (batch, q_len, heads, head_dim)
+            out = out * reached[:, :, None, None].to(out.dtype)
+        return out, weights
     pattern = layer_pattern(module, causal, kwargs.get("sliding_window"))
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     if _is_position_map(attention_mask, query, key):

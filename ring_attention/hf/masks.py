@@ -57,7 +57,14 @@ from .config import is_dense
 from .decode import position_map
 from .registry import ATTN_IMPLEMENTATION, sequence_parallel
 
-__all__ = ["Keys", "PerBatch", "batch_keys", "dilated_attention_mask", "filled_keys"]
+__all__ = [
+    "Keys",
+    "PerBatch",
+    "batch_keys",
+    "dilated_attention_mask",
+    "filled_keys",
+    "sdpa_mask_of",
+]
 
 
 def _closure(fn: Callable) -> dict[str, Any]:
@@ -343,3 +350,33 @@ def _read(mask: torch.Tensor) -> Keys:
         (torch.tensor(members, device=mask.device), docs) for docs, members in groups.items()
     )
     return Keys(length, None, rows)
+
+
+def sdpa_mask_of(
+    key_map: torch.Tensor, q_len: int, k_len: int, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 4-D bool mask ``(batch, 1, q_len, k_len)`` sdpa takes for a key
+    map of :func:`dilated_attention_mask` (bool or int32 documents) and a
+    layer of ``q_len`` queries and ``k_len`` keys placed as the module
+    docstring says, with ``(batch, q_len)``: whether each query row reaches
+    a key. A row that reaches none attends every key in the mask (sdpa
+    gives NaN for a row with none) and its output must be zeroed, as the
+    kernels' is."""
+    batch, filled = key_map.shape
+    dev = key_map.device
+    q_pos = torch.arange(filled - q_len, filled, device=dev)
+    k_pos = torch.arange(filled - k_len, filled, device=dev) if k_len < filled else (
+        torch.arange(k_len, device=dev))  # fmt: skip
+    in_map = k_pos < filled  # a static cache: the slots past the filled keys
+    at = k_pos.clamp(max=filled - 1)
+    keys = key_map[:, at]
+    if key_map.dtype == torch.bool:
+        allowed = keys[:, None, :].expand(batch, q_len, k_len)
+    else:  # documents: the query's own, never padding (0)
+        allowed = (keys[:, None, :] == key_map[:, q_pos][:, :, None]) & (keys[:, None, :] != 0)
+    allowed = allowed & in_map
+    if causal:
+        allowed = allowed & (k_pos[None, :] <= q_pos[:, None])
+    reached = allowed.any(dim=-1)
+    allowed = allowed | ~reached[..., None]
+    return allowed[:, None], reached
