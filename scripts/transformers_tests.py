@@ -9,8 +9,19 @@ with ``"sdpa"`` and fail with ``"ring_dilated"``, and exits 1 if there are
 any (``--allow NAME=REASON`` lists expected ones, each with its reason in the
 output).
 
+    python scripts/transformers_tests.py --sdist [TARBALL] [--models llama] [-- PYTEST ARGS]
     python scripts/transformers_tests.py --source DIR [--models llama] [-- PYTEST ARGS]
 
+``--sdist`` (what CI runs) needs only the installed release's sdist from
+PyPI (downloaded with pip into build/transformers_tests/ unless TARBALL is
+given): its ``tests/`` common files, with ``GenerationTesterMixin`` and
+``ExportTesterMixin`` stood in by empty classes (the sdist lacks both), judge
+the project's own tiny testers of Llama, Mistral and Qwen2
+(tests/transformers_suite/common_models.py): every test of the release's
+``ModelTesterMixin``. The generation tests are not among them (the project's
+tests/test_hf_generate.py covers generation against ``"sdpa"``).
+
+``--source`` runs the models' own test files, generation mixin included.
 DIR is a transformers source tree at the installed version (its
 ``src/transformers/__init__.py`` names it). A checkout of the repository at
 tag ``v<version>`` is one. The release's sdist is another once completed:
@@ -57,8 +68,10 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -66,6 +79,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PLUGIN_DIR = ROOT / "tests" / "transformers_suite"
 OUTCOMES = ("passed", "failed", "skipped")
+SDIST_DIR = ROOT / "build" / "transformers_tests"
+#: the sdist's tests/ imports these; it does not carry them
+STAND_INS = {
+    "generation/test_utils.py": "GenerationTesterMixin",
+    "exporters/test_export.py": "ExportTesterMixin",
+}
+MODEL_CLASSES = {
+    "llama": "LlamaCommonTest",
+    "mistral": "MistralCommonTest",
+    "qwen2": "Qwen2CommonTest",
+}
 
 
 def _source_version(source: Path) -> str | None:
@@ -89,6 +113,46 @@ def _outcomes(junit: Path) -> dict[str, str]:
     return out
 
 
+def _sdist_tree(tarball: Path | None, version: str, tree: Path) -> Path:
+    """A tests/ tree in ``tree`` from the release's sdist (cached in
+    build/transformers_tests/), the stand-ins and the project's testers."""
+    if tarball is None:
+        name = f"transformers-{version}.tar.gz"
+        tarball = SDIST_DIR / name
+        if not tarball.exists():
+            SDIST_DIR.mkdir(parents=True, exist_ok=True)
+            pip = [sys.executable, "-m", "pip", "download", "--no-input", "--no-deps"]
+            cmd = [*pip, "--no-binary", ":all:", "-d", str(SDIST_DIR), f"transformers=={version}"]
+            subprocess.run(cmd, check=True)
+    if not tarball.name.startswith(f"transformers-{version}."):
+        raise SystemExit(f"{tarball} is not the installed release's sdist (transformers {version})")
+    prefix = f"transformers-{version}/tests/"
+    with tarfile.open(tarball) as tar:
+        files = [m for m in tar.getmembers() if m.isfile() and m.name.startswith(prefix)]
+        tops = [m for m in files if "/" not in m.name[len(prefix) :]]
+        tree.mkdir(parents=True)
+        if not any(m.name.endswith("/test_modeling_common.py") for m in tops):
+            raise SystemExit(f"{tarball} has no tests/test_modeling_common.py")
+        for m in tops:
+            out = tree / "tests" / m.name[len(prefix) :]
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_bytes(tar.extractfile(m).read())
+    tests = tree / "tests"
+    (tests / "__init__.py").write_text("")
+    for rel, cls in STAND_INS.items():
+        (tests / rel).parent.mkdir(exist_ok=True)
+        (tests / rel).parent.joinpath("__init__.py").write_text("")
+        (tests / rel).write_text(f'class {cls}:\n    """Stand-in: not in the sdist."""\n')
+    (tests / "ring_dilated").mkdir()
+    (tests / "ring_dilated" / "__init__.py").write_text("")
+    shutil.copy(PLUGIN_DIR / "common_models.py", tests / "ring_dilated" / "test_common_models.py")
+    return tree
+
+
+def _calls(path: Path) -> int:
+    return sum(int(x) for x in path.read_text().split()) if path.exists() else 0
+
+
 def _run(source: Path, files: list[str], plugin: bool, junit: Path, extra: list[str]) -> None:
     env = dict(os.environ)
     paths = [str(ROOT), str(PLUGIN_DIR)] + [p for p in [env.get("PYTHONPATH")] if p]
@@ -96,39 +160,63 @@ def _run(source: Path, files: list[str], plugin: bool, junit: Path, extra: list[
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"]
     if plugin:
         cmd += ["-p", "ring_dilated_default"]
+        env["RING_DILATED_CALLS"] = str(junit.with_suffix(".calls"))
     subprocess.run([*cmd, *files, *extra], cwd=source, env=env, check=False)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--source", type=Path, required=True, help="transformers source tree")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--source", type=Path, help="transformers source tree")
+    where.add_argument("--sdist", type=Path, nargs="?", const=Path(), metavar="TARBALL",
+                       help="the release's sdist (downloaded if not given)")  # fmt: skip
     parser.add_argument("--models", default="llama,mistral,qwen2", help="tests/models folders, a,b")
     parser.add_argument("--allow", action="append", default=[], help="NAME=reason, expected")
     parser.add_argument("pytest_args", nargs="*", help="after --: extra pytest arguments")
     args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        return _judge(parser, args, Path(tmp))
+
+
+def _judge(parser: argparse.ArgumentParser, args: argparse.Namespace, tmp: Path) -> int:
     import transformers
 
-    version = _source_version(args.source)
-    if version != transformers.__version__:
-        parser.error(
-            f"--source holds transformers {version}, the installed release is "
-            f"{transformers.__version__}: check out tag v{transformers.__version__}"
-        )
-    files = [f"tests/models/{m}/test_modeling_{m}.py" for m in args.models.split(",")]
-    missing = [f for f in files if not (args.source / f).exists()]
-    if missing:
-        parser.error(f"not in --source: {missing}")
+    models = args.models.split(",")
+    if args.sdist is not None:
+        unknown = [m for m in models if m not in MODEL_CLASSES]
+        if unknown:
+            parser.error(f"--models with --sdist: one of {sorted(MODEL_CLASSES)}, got {unknown}")
+        tarball = None if args.sdist == Path() else args.sdist
+        source = _sdist_tree(tarball, transformers.__version__, tmp / "tree")
+        files = ["tests/ring_dilated/test_common_models.py"]
+        args.pytest_args += ["-k", " or ".join(MODEL_CLASSES[m] for m in models)]
+    else:
+        source = args.source
+        version = _source_version(source)
+        if version != transformers.__version__:
+            parser.error(
+                f"--source holds transformers {version}, the installed release is "
+                f"{transformers.__version__}: check out tag v{transformers.__version__}"
+            )
+        files = [f"tests/models/{m}/test_modeling_{m}.py" for m in models]
+        missing = [f for f in files if not (source / f).exists()]
+        if missing:
+            parser.error(f"not in --source: {missing}")
     allowed = dict(a.split("=", 1) for a in args.allow)
-    with tempfile.TemporaryDirectory() as tmp:
-        results = {}
-        for plugin in (False, True):
-            junit = Path(tmp) / f"{plugin}.xml"
-            _run(args.source, files, plugin, junit, args.pytest_args)
-            results[plugin] = _outcomes(junit)
+    results = {}
+    for plugin in (False, True):
+        junit = tmp / f"{plugin}.xml"
+        _run(source, files, plugin, junit, args.pytest_args)
+        results[plugin] = _outcomes(junit)
+    calls = _calls(tmp / "True.calls")
     regressed = sorted(
         t for t, r in results[False].items() if r == "passed" and results[True].get(t) != "passed"
     )
     counts = {k: sum(r == "passed" for r in v.values()) for k, v in results.items()}
+    print(f"ring_dilated served {calls} attention calls")
+    if calls == 0:
+        print("FAILED: no test attended through ring_dilated")
+        return 1
     print(f"passed: sdpa {counts[False]}, ring_dilated {counts[True]} of {len(results[False])}")
     for plugin, name in ((False, "sdpa"), (True, "ring_dilated")):
         tally = {k: sum(r == k for r in results[plugin].values()) for k in OUTCOMES}

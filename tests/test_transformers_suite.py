@@ -7,8 +7,10 @@ the harness on a stand-in source tree."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import tarfile
 import textwrap
 
 import torch
@@ -98,3 +100,60 @@ def test_harness_reports_what_regresses(tmp_path) -> None:
     init.write_text('__version__ = "0.0.1"\n')
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert res.returncode == 2 and f"tag v{transformers.__version__}" in res.stderr, res.stderr
+
+
+STAND_IN_COMMON = """
+import torch
+
+from .generation.test_utils import GenerationTesterMixin  # the harness's stand-ins
+from .exporters.test_export import ExportTesterMixin
+
+
+def ids_tensor(shape, vocab_size):
+    return torch.randint(0, vocab_size, shape, generator=torch.Generator().manual_seed(5))
+
+
+def random_attention_mask(shape):
+    mask = ids_tensor(shape, 2)
+    mask[:, 0] = 1
+    return mask
+
+
+class ModelTesterMixin(ExportTesterMixin):
+    def test_forward(self):
+        config, inputs = self.model_tester.prepare_config_and_inputs_for_common()
+        for cls in self.all_model_classes[:2]:
+            cls(config).eval()(**inputs)
+
+    def test_attention_dropout_in_training(self):
+        config, inputs = self.model_tester.prepare_config_and_inputs_for_common()
+        config.attention_dropout = 0.5
+        if config.model_type == "mistral":
+            config.sliding_window = 3
+        self.all_model_classes[0](config).train()(**inputs)
+"""
+
+
+def test_sdist_harness_judges_the_project_testers(tmp_path) -> None:
+    """``--sdist`` on a stand-in of the release's sdist: the tree gets the
+    stand-in mixins and the project's testers, the ``-k`` of ``--models``,
+    the count of attention calls, and a test that passes with sdpa and not
+    with ring_dilated (Mistral's dropout on a sliding layer) is reported."""
+    top = f"transformers-{transformers.__version__}"
+    (tmp_path / top / "tests").mkdir(parents=True)
+    (tmp_path / top / "tests" / "test_modeling_common.py").write_text(STAND_IN_COMMON)
+    tarball = tmp_path / f"{top}.tar.gz"
+    with tarfile.open(tarball, "w:gz") as tar:
+        tar.add(tmp_path / top, arcname=top)
+    script = os.path.join(ROOT, "scripts", "transformers_tests.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, script, "--sdist", str(tarball), "--models", "mistral,llama"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 1, res.stdout + res.stderr
+    served = re.search(r"ring_dilated served (\d+) attention calls", res.stdout)
+    assert served and int(served.group(1)) > 0, res.stdout
+    assert "sdpa: 4 passed, 0 failed, 0 skipped" in res.stdout, res.stdout
+    assert "ring_dilated: 3 passed, 1 failed, 0 skipped" in res.stdout, res.stdout
+    assert "REGRESSED: tests.ring_dilated.test_common_models.MistralCommonTest::" in res.stdout
+    res = subprocess.run(cmd[:-1] + ["qwen3"], capture_output=True, text=True, env=env)
+    assert res.returncode == 2 and "--models with --sdist" in res.stderr, res.stderr

@@ -12,14 +12,26 @@ transformers' ``sdpa_attention_forward`` (the function, not the registry
 entry), as it does for any user.
 
 Use: ``python -m pytest -p ring_dilated_default ...`` with this folder on
-``PYTHONPATH`` (scripts/transformers_tests.py does this).
+``PYTHONPATH`` (scripts/transformers_tests.py does this). With
+``RING_DILATED_CALLS`` naming a file, each pytest process appends to it the
+number of attention calls the backend served, so the harness can tell that
+the tests ran through it.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 _saved: dict[str, Any] = {}
+_calls = [0]
+
+
+def _counted(*args: Any, **kwargs: Any) -> Any:
+    from ring_attention import hf
+
+    _calls[0] += 1
+    return hf.dilated_attention_forward(*args, **kwargs)
 
 
 def install() -> None:
@@ -34,7 +46,8 @@ def install() -> None:
     ra.register_transformers()
     _saved.setdefault("attention", ALL_ATTENTION_FUNCTIONS["sdpa"])
     _saved.setdefault("mask", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-    AttentionInterface.register("sdpa", hf.dilated_attention_forward)
+    counted = bool(os.environ.get("RING_DILATED_CALLS"))
+    AttentionInterface.register("sdpa", _counted if counted else hf.dilated_attention_forward)
     AttentionMaskInterface.register("sdpa", hf.dilated_attention_mask)
 
 
@@ -50,3 +63,10 @@ def uninstall() -> None:
 
 def pytest_configure(config: Any) -> None:
     install()
+
+
+def pytest_unconfigure(config: Any) -> None:
+    out = os.environ.get("RING_DILATED_CALLS")
+    if out:
+        with open(out, "a") as f:
+            f.write(f"{_calls[0]}\n")

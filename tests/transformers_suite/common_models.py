@@ -1,0 +1,121 @@
+"""Llama, Mistral and Qwen2 under transformers' common model tests.
+
+scripts/transformers_tests.py (``--sdist``) places this file in the tests/
+tree of the installed release's sdist, as ``tests/ring_dilated/test_common_models.py``,
+and runs it with and without ``"ring_dilated"`` as the default attention. The
+tests are the release's ``ModelTesterMixin`` (tests/test_modeling_common.py
+of the sdist); the model testers below are the project's: a tiny config of
+each model and its inputs (ragged padding, GQA). Nothing of transformers is
+copied here. Not collected by the project's own suite (no ``test_`` prefix
+here, and its imports need the sdist's tree).
+"""
+
+from __future__ import annotations
+
+import unittest
+
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlamaForQuestionAnswering,
+    LlamaForSequenceClassification,
+    LlamaForTokenClassification,
+    LlamaModel,
+    MistralConfig,
+    MistralForCausalLM,
+    MistralForQuestionAnswering,
+    MistralForSequenceClassification,
+    MistralForTokenClassification,
+    MistralModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen2ForQuestionAnswering,
+    Qwen2ForSequenceClassification,
+    Qwen2ForTokenClassification,
+    Qwen2Model,
+)
+
+from ..generation.test_utils import GenerationTesterMixin
+from ..test_modeling_common import ModelTesterMixin, ids_tensor, random_attention_mask
+
+
+class TinyCausalLMTester:
+    """A tiny config of ``config_class`` and a padded batch for it: the
+    attributes ``ModelTesterMixin`` reads of its ``model_tester``."""
+
+    batch_size = 13
+    seq_length = 7
+    is_training = True
+    vocab_size = 99
+    hidden_size = 32
+    num_hidden_layers = 2
+    num_attention_heads = 4
+    num_key_value_heads = 2
+    intermediate_size = 37
+    num_labels = 3
+
+    def __init__(self, parent: unittest.TestCase, config_class: type) -> None:
+        self.parent = parent
+        self.config_class = config_class
+
+    def get_config(self):
+        return self.config_class(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            intermediate_size=self.intermediate_size,
+            hidden_act="gelu",
+            max_position_embeddings=512,
+            initializer_range=0.02,
+            num_labels=self.num_labels,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+
+    def prepare_config_and_inputs_for_common(self):
+        input_ids = ids_tensor([self.batch_size, self.seq_length], self.vocab_size)
+        mask = random_attention_mask([self.batch_size, self.seq_length])
+        return self.get_config(), {"input_ids": input_ids, "attention_mask": mask}
+
+
+class _CommonTests(ModelTesterMixin, GenerationTesterMixin):
+    config_class: type = LlamaConfig
+
+    def setUp(self) -> None:
+        self.model_tester = TinyCausalLMTester(self, self.config_class)
+
+
+class LlamaCommonTest(_CommonTests, unittest.TestCase):
+    config_class = LlamaConfig
+    all_model_classes = (
+        LlamaModel,
+        LlamaForCausalLM,
+        LlamaForSequenceClassification,
+        LlamaForQuestionAnswering,
+        LlamaForTokenClassification,
+    )
+
+
+class MistralCommonTest(_CommonTests, unittest.TestCase):
+    config_class = MistralConfig
+    all_model_classes = (
+        MistralModel,
+        MistralForCausalLM,
+        MistralForSequenceClassification,
+        MistralForQuestionAnswering,
+        MistralForTokenClassification,
+    )
+
+
+class Qwen2CommonTest(_CommonTests, unittest.TestCase):
+    config_class = Qwen2Config
+    all_model_classes = (
+        Qwen2Model,
+        Qwen2ForCausalLM,
+        Qwen2ForSequenceClassification,
+        Qwen2ForQuestionAnswering,
+        Qwen2ForTokenClassification,
+    )
