@@ -5,7 +5,9 @@
 # and torch (headers), no GPU. Prints one line per file; exits non-zero if any
 # file fails. The largest source starts first, and each nvcc compiles its two
 # architectures in parallel (--threads 2), so the last file to finish keeps
-# both cores busy.
+# both cores busy. Then checks that the objects' project symbols are defined
+# by them or by the CPU sources (scripts/cuda_link_check.py; the built CPU
+# extension stands for those).
 #   usage: scripts/compile_cuda.sh [-j N] [--keep DIR]
 #     -j N        N parallel compile jobs (default 2)
 #     --keep DIR  keep the objects (DIR/<name>.o) and the compiler's output
@@ -107,4 +109,16 @@ for src in "${sources[@]}"; do
   name="$(basename "$src")"
   [[ -f "$out/${name%.*}.o" ]] || status=1
 done
+# The objects against the CPU sources they link with (scripts/cuda_link_check.py).
+so=("$root"/ring_attention/_C*.so)
+if ((status == 0)); then
+  if [[ ${#so[@]} -gt 0 ]]; then
+    "$python" "$root/scripts/cuda_link_check.py" "$out"/*.o --cpu-extension "${so[0]}" || status=1
+  elif [[ "${CI:-}" == true ]]; then
+    echo "compile_cuda: no built CPU extension to check the link against" >&2
+    status=1
+  else
+    echo "compile_cuda: link not checked (build the CPU extension first: scripts/setup.sh)"
+  fi
+fi
 exit "$status"
