@@ -1,15 +1,18 @@
 """One decode step of a small Llama (``"ring_dilated"`` with a dilated
 pattern, and ``"sdpa"``) with a dynamic and a static cache, eager and
 compiled (``torch.compile(fullgraph=True, dynamic=False)``, the static cache
-only), at a few cache lengths, float32 on CPU.
+only), at a few cache lengths, float32 on CPU; with ``--chunk N``, a step of
+``N`` queries continuing the cache (chunked prefill, assisted decoding).
 
 Each cache holds ``length - 64`` random keys (written by ``cache.update``:
 the step's cost does not depend on their values); every variant then takes
-one step in turn (round-robin), ``--repeats`` times, and the medians of the
-wall and the thread CPU time of a step are printed. Compilation (inductor)
-is timed apart; a variant whose compilation fails is reported as such.
+one step in turn (round-robin), ``--repeats`` times, each step's keys cropped
+from the cache afterwards (untimed) so that every step starts at the same
+position, and the medians of the wall and the thread CPU time of a step are
+printed. Compilation (inductor) is timed apart; a variant whose compilation
+fails is reported as such.
 
-    python benchmarks/hf_decode.py [--lengths 1024 8192 32768] [--repeats 24]
+    python benchmarks/hf_decode.py [--lengths 1024 8192 32768] [--repeats 24] [--chunk 1]
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ class Variant:
         self.name = f"{attn:12s} {kind:7s} {'compiled' if compiled else 'eager':8s}"
         self.model = _model(attn, args, length)
         self.cache = _cache(self.model, kind, length)
-        self.token = torch.tensor([[7]])
+        self.tokens = torch.full((1, args.chunk), 7)
         self.step, self.compiled = self.model.forward, compiled
         self.wall, self.cpu, self.error, self.compile_s, self.frames = [], [], None, 0.0, 0
         if compiled:
@@ -67,16 +70,22 @@ class Variant:
             try:
                 for _ in range(2):
                     self.run()
+                    self.rewind()
             except Exception as exc:  # reported: what a user of this variant gets
                 self.error = f"{type(exc).__name__}"
             self.compile_s = time.perf_counter() - start
             self.frames = self.counter.frame_count
         else:
             self.run()  # warm-up
+            self.rewind()
 
     def run(self) -> None:
         with torch.no_grad():
-            self.step(input_ids=self.token, cache=self.cache, use_cache=True)
+            self.step(input_ids=self.tokens, cache=self.cache, use_cache=True)
+
+    def rewind(self) -> None:
+        """Drop the step's keys: the next step at the same position."""
+        self.cache.crop(-self.tokens.shape[1])
 
     def timed(self) -> None:
         if self.error:
@@ -85,6 +94,7 @@ class Variant:
         self.run()
         self.cpu.append(time.thread_time() - cpu)
         self.wall.append(time.perf_counter() - wall)
+        self.rewind()
 
 
 def main() -> None:
@@ -96,6 +106,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=24)
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--chunk", type=int, default=1, help="queries per step (at most 64)")
     parser.add_argument("--no-compile", action="store_true", help="eager variants only")
     args = parser.parse_args()
     import ring_attention as ra
@@ -105,7 +116,8 @@ def main() -> None:
     print(f"Llama hidden {args.hidden}, {args.layers} layers, {args.heads} heads "
           f"({args.heads // 2} K/V), float32, {args.threads} thread(s); ring_dilated pattern "
           f"{SEGMENTS} / {DILATIONS}; backend {args.backend}, fullgraph=True, dynamic=False; "
-          f"median of {args.repeats} round-robin steps at position length - 64 ..")  # fmt: skip
+          f"median of {args.repeats} round-robin steps of {args.chunk} quer"
+          f"{'y' if args.chunk == 1 else 'ies'} at position length - 64 ..")  # fmt: skip
     for length in args.lengths:
         torch._dynamo.reset()
         variants = []

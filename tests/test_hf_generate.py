@@ -72,32 +72,36 @@ def test_offset_attention_matches_oracle(heads, kv_heads, causal, head_groups, p
 
 
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "head_groups", "offsets", "window", "padded", "p"),
+    ("heads", "kv_heads", "head_groups", "offsets", "window", "padded", "p", "queries"),
     [
-        (4, 2, False, "modulo", None, True, 33),
-        (5, 5, True, "modulo", None, False, 37),
-        (6, 3, False, "grouped", (6, 0), True, 29),
-        (3, 1, False, "modulo", (9, 0), False, 0),
-        (4, 4, False, "modulo", None, True, 19),
+        (4, 2, False, "modulo", None, True, 33, 1),
+        (5, 5, True, "modulo", None, False, 37, 4),
+        (6, 3, False, "grouped", (6, 0), True, 29, 3),
+        (3, 1, False, "modulo", (9, 0), False, 0, 1),
+        (4, 4, False, "modulo", None, True, 19, 1),
+        (4, 2, False, "modulo", (7, 0), True, 40, 5),
     ],
 )
-def test_decode_attention_matches_oracle(heads, kv_heads, head_groups, offsets, window, padded, p):
-    """A static cache's decode step (ring_attention/hf/decode.py): the query
-    at position ``p`` against every slot of a 41-slot cache (those past
-    ``p`` unwritten) equals row ``p`` of the whole sequence's attention,
-    forward and backward."""
+def test_decode_attention_matches_oracle(
+    heads, kv_heads, head_groups, offsets, window, padded, p, queries
+):
+    """Queries continuing a static cache (ring_attention/hf/decode.py): the
+    ``queries`` queries ending at position ``p`` against every slot of a
+    41-slot cache (those past ``p`` unwritten) equal those rows of the whole
+    sequence's attention, forward and backward."""
     gen = torch.Generator().manual_seed(24)
     n, d, segs, dils = 41, 8, [3, 8, 20], [1, 2, 4]
     q = torch.randn(2, n, heads, d, generator=gen, dtype=torch.float64)
     k = torch.randn(2, n, kv_heads, d, generator=gen, dtype=torch.float64)
     v = torch.randn(2, n, kv_heads, d, generator=gen, dtype=torch.float64)
     kpm = (torch.rand(2, n, generator=gen) < 0.25) if padded else torch.zeros(2, n, dtype=bool)
-    grad = torch.randn(2, 1, heads, d, generator=gen, dtype=torch.float64)
+    grad = torch.randn(2, queries, heads, d, generator=gen, dtype=torch.float64)
     pattern = Pattern(segs, dils, causal=True, head_groups=head_groups, head_offsets=offsets,
                       window=window)  # fmt: skip
     positions = torch.where(~kpm & (torch.arange(n) <= p), p + 1, 0)
+    first = p + 1 - queries
 
-    q1, k1, v1 = q[:, p : p + 1].clone().requires_grad_(), k.clone(), v.clone()
+    q1, k1, v1 = q[:, first : p + 1].clone().requires_grad_(), k.clone(), v.clone()
     k1.requires_grad_(), v1.requires_grad_()
     got = decode_attention(q1, k1, v1, positions, pattern, 0.3)
     got.backward(grad)
@@ -106,10 +110,10 @@ def test_decode_attention_matches_oracle(heads, kv_heads, head_groups, offsets, 
     want, _ = reference_attention(q2, k2, v2, segs, dils, causal=True, scale=0.3,
                                   head_groups=head_groups, key_padding_mask=kpm[:, : p + 1],
                                   grouped_offsets=offsets == "grouped", window=window)  # fmt: skip
-    want = want[:, p:]
+    want = want[:, first:]
     want.backward(grad)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
-    torch.testing.assert_close(q1.grad, q2.grad[:, p:], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(q1.grad, q2.grad[:, first:], rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(k1.grad[:, : p + 1], k2.grad, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(v1.grad[:, : p + 1], v2.grad, rtol=1e-10, atol=1e-12)
     assert not k1.grad[:, p + 1 :].any() and not v1.grad[:, p + 1 :].any()
@@ -128,30 +132,67 @@ def _full_static_cache(config, max_cache_len):
 WINDOWED = dict(arch="mistral", sliding_window=5)
 
 
+def graph_counter():
+    """``(graphs, backend)``: a ``torch.compile`` backend that records the
+    graphs it is given in ``graphs`` and runs them eagerly (cheap: no
+    inductor). A function, so that ``generate``'s copies of its compile
+    config keep it."""
+    graphs = []
+
+    def backend(gm, example_inputs, **options):
+        graphs.append(gm)
+        return gm.forward
+
+    return graphs, backend
+
+
+def graph_targets(graphs) -> set[str]:
+    """The functions the recorded graphs call."""
+    return {
+        str(node.target)
+        for gm in graphs
+        for module in gm.modules()
+        if isinstance(module, torch.fx.GraphModule)
+        for node in module.graph.nodes
+        if node.op == "call_function"
+    }
+
+
 @pytest.mark.parametrize(
-    ("pattern", "extra", "cache", "tokens"),
+    ("pattern", "extra", "cache", "chunk", "compiled"),
     [
-        (None, {}, "dynamic", False),
-        (None, {}, "static", False),
-        (PATTERN, {}, "dynamic", False),
-        (PATTERN, {}, "static", False),
-        (PATTERN, {}, "dynamic", True),
-        (PATTERN, {}, "static", True),
-        (PATTERN, WINDOWED, "full-static", True),
+        (None, {}, "dynamic", None, False),
+        (None, {}, "static", None, False),
+        (PATTERN, {}, "dynamic", None, False),
+        (PATTERN, {}, "static", None, False),
+        (PATTERN, {}, "dynamic", 1, False),
+        (PATTERN, {}, "static", 1, False),
+        (PATTERN, WINDOWED, "full-static", 1, False),
+        (PATTERN, {}, "static", 4, True),
+        (PATTERN, WINDOWED, "full-static", 3, True),
     ],
 )
-def test_continuing_a_cache_equals_recomputing(pattern, extra, cache, tokens):
-    """A prefix in the cache, then several tokens at once (or one at a time:
-    decode steps): their logits and (dynamic cache: it holds the prefix's
-    graph; a static cache writes in place) the parameter gradients through
-    them equal the whole sequence's."""
+def test_continuing_a_cache_equals_recomputing(pattern, extra, cache, chunk, compiled):
+    """A prefix in the cache, then the other tokens at once (``chunk``
+    ``None``) or ``chunk`` at a time (1: decode steps; more: chunked prefill,
+    the candidates of assisted decoding): their logits and (dynamic cache: it
+    holds the prefix's graph; a static cache writes in place) the parameter
+    gradients through them equal the whole sequence's. Compiled
+    (``fullgraph=True, dynamic=False``; a left-padded batch, its 2-D mask as
+    long as the cache): one graph for every chunk, attending with the
+    kernels."""
     cfg = tiny_config(**{"kv_heads": 2, "pattern": pattern, **extra})
     model = build(cfg, "ring_dilated", torch.float64)
     ids = torch.randint(1, VOCAB, (2, 29), generator=torch.Generator().manual_seed(22))
-    split = 17
+    split, slots = 17, 40
+    mask = {}
+    if compiled:
+        mask = {"attention_mask": torch.ones(2, slots, dtype=torch.long)}
+        mask["attention_mask"][1, :3] = 0
 
     model.zero_grad()
-    full = model(ids, use_cache=False).logits[:, split:]
+    full = model(ids, use_cache=False, **{k: m[:, :29] for k, m in mask.items()}).logits
+    full = full[:, split:]
     full.pow(2).sum().backward()
     want_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -159,14 +200,24 @@ def test_continuing_a_cache_equals_recomputing(pattern, extra, cache, tokens):
     if cache == "dynamic":
         past = DynamicCache(config=model.config)
     elif cache == "static":
-        past = StaticCache(config=model.config, max_cache_len=40)
+        past = StaticCache(config=model.config, max_cache_len=slots)
     else:
-        past = _full_static_cache(model.config, 40)
-    chunks = ids[:, split:].split(1 if tokens else ids.shape[1], dim=1)
+        past = _full_static_cache(model.config, slots)
+    graphs, backend = graph_counter()
+    step = model.forward
+    if compiled:
+        torch.compiler.reset()
+        step = torch.compile(model.forward, fullgraph=True, dynamic=False, backend=backend)
+    chunks = ids[:, split:].split(chunk or ids.shape[1], dim=1)
     with torch.set_grad_enabled(cache == "dynamic"):
-        model(ids[:, :split], cache=past, use_cache=True)
-        got = torch.cat([model(c, cache=past, use_cache=True).logits for c in chunks], dim=1)
+        model(ids[:, :split], cache=past, use_cache=True, **mask)
+        got = torch.cat([step(c, cache=past, use_cache=True, **mask).logits for c in chunks], 1)
     torch.testing.assert_close(got, full, rtol=1e-9, atol=1e-10)
+    if compiled:
+        targets = graph_targets(graphs)
+        assert len(graphs) == 1
+        assert "ring_attention.block_forward" in targets, targets
+        assert not any("scaled_dot_product" in t for t in targets), targets
     if cache != "dynamic":
         return
     got.pow(2).sum().backward()
@@ -356,12 +407,7 @@ def test_compiled_static_cache_decode(arch, pattern, cache):
     if pattern is not None:
         ring = build(tiny_config(**ARCHS[arch], pattern=pattern), "ring_dilated", torch.float64,
                      state=ring.state_dict())  # fmt: skip
-    graphs = []
-
-    def backend(gm, example_inputs, **options):  # counts the graphs, runs them eagerly
-        graphs.append(gm)
-        return gm.forward
-
+    graphs, backend = graph_counter()
     compile_config = CompileConfig(fullgraph=True, dynamic=False, backend=backend, mode=None)
     compile_config._compile_all_devices = True  # generate compiles on accelerators only otherwise
     sliding = arch == "mistral" and cache == "static"  # a compilation per step: fewer steps
@@ -384,13 +430,6 @@ def test_compiled_static_cache_decode(arch, pattern, cache):
     _assert_same_generation(got, want)
     if cache == "full-static" or arch == "llama":
         assert len(graphs) == 1
-    targets = {
-        str(node.target)
-        for gm in graphs
-        for module in gm.modules()
-        if isinstance(module, torch.fx.GraphModule)
-        for node in module.graph.nodes
-        if node.op == "call_function"
-    }
+    targets = graph_targets(graphs)
     assert "ring_attention.block_forward" in targets, targets
     assert not any("scaled_dot_product" in t for t in targets), targets

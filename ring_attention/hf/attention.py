@@ -49,7 +49,7 @@ def dilated_attention_forward(
             are the last ``q_len`` of the keys in use.
         attention_mask: what :func:`~ring_attention.hf.masks.dilated_attention_mask`
             returned (``None``, the 2-D key map, the int64 position map of
-            a static cache's decode step or transformers' 4-D ``"sdpa"``
+            queries continuing a static cache or transformers' 4-D ``"sdpa"``
             mask), or a 4-D mask the caller prepared.
         dropout: attention dropout probability (training).
         scaling: score scale, default ``head_dim ** -0.5``.
@@ -140,12 +140,11 @@ def _check_supported(kwargs: Mapping[str, Any]) -> None:
 
 def _is_position_map(attention_mask: Any, query: torch.Tensor, key: torch.Tensor) -> bool:
     """Whether ``attention_mask`` is the int64 ``(batch, keys)`` position map
-    of a static cache's decode step (ring_attention/hf/decode.py)."""
+    of queries continuing a static cache (ring_attention/hf/decode.py)."""
     return (
         isinstance(attention_mask, torch.Tensor)
         and attention_mask.dtype == torch.int64
         and attention_mask.shape == (query.shape[0], key.shape[2])
-        and query.shape[2] == 1
     )
 
 

@@ -27,10 +27,12 @@ attention call as ``attention_mask``. That value is
 Without a pattern, a static cache's decode step (and, under
 ``torch.compile``, any queries continuing a cache) gets transformers' own
 4-D ``"sdpa"`` mask instead (:func:`_sdpa_masks_it`): built without reading
-where the queries stand, it has one shape for every step. With a pattern, a
-static cache's decode step gets the int64 position map of
-:mod:`ring_attention.hf.decode` (the same: one shape for every step); an
-eager layer reads it as the key map of the filled keys (:func:`filled_keys`).
+where the queries stand, it has one shape for every step. With a pattern,
+queries continuing a static cache (a decode step, or several: a chunk of
+prefill, assisted decoding) get the int64 position map of
+:mod:`ring_attention.hf.decode` (the same: one shape for every step of ``L``
+queries); an eager layer reads it as the key map of the filled keys
+(:func:`filled_keys`).
 
 The window itself is not in the key map: each layer reads it from its config
 (:func:`ring_attention.hf.config.layer_window`), and the mask function's
@@ -140,12 +142,12 @@ def dilated_attention_mask(
     the ``(batch, q_offset + q_length)`` key map of the module docstring.
     Raises ``ValueError`` for mask structures the kernels cannot express.
 
-    Two exceptions build no key map, so that a static cache's decode step
-    reads no position and has one shape for every step: without a pattern
-    transformers' own 4-D ``"sdpa"`` mask (:func:`_sdpa_masks_it`); with one,
-    the position map of :mod:`ring_attention.hf.decode` (``generate`` builds
-    the mask of a static cache's step eagerly and hands it to the compiled
-    step, so its shape must not follow the position). Under ``torch.compile`` queries
+    Two exceptions build no key map, so that queries continuing a static
+    cache read no position and have one shape for every step: without a
+    pattern transformers' own 4-D ``"sdpa"`` mask (:func:`_sdpa_masks_it`);
+    with one, the position map of :mod:`ring_attention.hf.decode` (``generate``
+    builds the mask of a static cache's step eagerly and hands it to the
+    compiled step, so its shape must not follow the position). Under ``torch.compile`` queries
     continuing a cache whose position is an int (a sliding-window layer)
     get the key map built by traced tensor operations; elsewhere it is
     built eagerly (one graph break per forward)."""
@@ -158,11 +160,10 @@ def dilated_attention_mask(
                          mask_function, attention_mask, **kwargs)  # fmt: skip
     compiling = torch.compiler.is_compiling()
     tensor = isinstance(q_offset, torch.Tensor)
-    if tensor and q_length == 1 and kv_offset == 0:
+    if tensor and kv_offset == 0:
         if not compiling:  # its closures cannot be traced
             _packed_sequences(mask_function, config)  # raises for what the kernels cannot express
-        return position_map(batch_size, kv_length, q_offset, mask_function, attention_mask,
-                            **kwargs)  # fmt: skip
+        return position_map(batch_size, q_length, kv_length, q_offset, attention_mask, **kwargs)
     continues = q_offset != 0 or kv_offset != 0 or kv_length != q_length
     if compiling and continues and not tensor:
         # with a cache transformers detects no packed documents; the mask
@@ -305,8 +306,8 @@ def batch_keys(mask: torch.Tensor) -> Keys:
 
 @torch.compiler.disable  # reads the position (and a per-batch cache): eager
 def filled_keys(positions: torch.Tensor) -> torch.Tensor | None:
-    """The bool key map ``(batch, p + 1)`` of the position map of a decode
-    step at ``p`` (ring_attention/hf/decode.py), computed once per batch;
+    """The bool key map ``(batch, p + 1)`` of the position map of queries
+    ending at ``p`` (ring_attention/hf/decode.py), computed once per batch;
     ``None`` when it allows no key (then ``p`` is unknown)."""
 
     def read() -> torch.Tensor | None:
