@@ -3,7 +3,7 @@
 
 With no pattern, group or ``compute_dtype`` the module runs
 ``nn.MultiheadAttention.forward`` itself, so every check there is PyTorch's
-own. Its other paths (``multihead.py``) check their inputs here, in the order
+own. Its other paths (``multihead_call.py``) check their inputs here, in the order
 ``nn.MultiheadAttention.forward`` and ``F.multi_head_attention_forward`` do and
 with the same messages, so that code written against ``nn.MultiheadAttention``
 (including code that matches on messages) sees no difference. Where PyTorch

@@ -96,8 +96,8 @@ class _FA4StandIn:
     the fa4 baseline's own code (layouts, LSE, merge) is checked against on a
     machine where flash-attn-4 cannot run."""
 
-    def __init__(self, methods) -> None:
-        self.m = methods
+    def __init__(self, sdpa) -> None:
+        self.m = sdpa  # benchmarks/sdpa.py: its math reference
         self.calls = 0
 
     def flash_attn_func(self, q, k, v, *, softmax_scale, causal, return_lse):
@@ -122,9 +122,10 @@ def test_fa4_baseline_layout_and_merge(methods, monkeypatch, causal: bool) -> No
     adapter's transposes and LSE shapes are what this checks; a run of the
     real library is the CUDA test below)."""
     import ring_attention as ra
+    from benchmarks import sdpa  # where the gather baseline looks flash-attn-4 up
 
-    stand_in = _FA4StandIn(methods)
-    monkeypatch.setattr(methods, "fa4_interface", lambda: stand_in)
+    stand_in = _FA4StandIn(sdpa)
+    monkeypatch.setattr(sdpa, "fa4_interface", lambda: stand_in)
     gen = torch.Generator().manual_seed(random.randrange(2**31))
     n, h, d, segs, dils = 700, 5, 16, [64, 160, 384], [1, 3, 4]
     q, k, v, g = (torch.randn(2, n, h, d, generator=gen) for _ in range(4))
