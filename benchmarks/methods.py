@@ -12,7 +12,7 @@ dispatches to them, ``(B, N, H, D)`` in and out, with one pattern.
   flash attention do (``gather.py``, on ``sdpa.py``'s kernels);
 * ``fa4`` — the same gather and merge with flash-attn-4 (``flash_attn.cute``,
   the CuTe-DSL FlashAttention for Hopper and Blackwell) in place of SDPA, on
-  CUDA where it is installed (:func:`fa4_interface`);
+  CUDA where it is installed (``ring_attention.backends.fa4_interface``);
 * ``flex`` — :class:`FlexDilated`: one FlexAttention call with a ``mask_mod``
   for reachability and a ``score_mod`` adding ``log(multiplicity)`` (how many
   branches reach the pair), under which an ordinary softmax is the multiset
@@ -56,8 +56,6 @@ from .ours import (
 from .sdpa import (
     SDPA_BACKENDS,
     dense_sdpa,
-    fa4_interface,
-    fa4_missing,
     sdpa_with_lse,
 )
 from .work import dense_pairs, flops, pattern_pairs
@@ -76,8 +74,6 @@ __all__ = [
     "dense_pairs",
     "dense_sdpa",
     "exchange_counters",
-    "fa4_interface",
-    "fa4_missing",
     "flex_block_mask",
     "flex_block_state",
     "flex_mods",
@@ -134,6 +130,8 @@ class Methods:
         if method == "fa4":
             if self.device.type != "cuda":
                 return "flash-attn-4 runs on CUDA GPUs only"
+            from ring_attention.backends import fa4_missing  # loads the extension
+
             missing = fa4_missing()
             if missing:
                 return f"flash-attn-4 not importable ({missing})"

@@ -8,9 +8,6 @@ float32 math reference elsewhere.
 
 from __future__ import annotations
 
-import functools
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 
@@ -94,30 +91,12 @@ def _cuda_sdpa_bwd(do, q, k, v, out, lse, state, causal: bool, scale: float):
     return dq, dk, dv
 
 
-def fa4_interface() -> Any:
-    """flash-attn-4's ``flash_attn.cute.interface``: ``flash_attn_func`` (the
-    forward, with ``return_lse``) and ``_flash_attn_bwd`` (the backward from a
-    given ``out`` and ``lse``, as SDPA's aten backward ops take them). Raises
-    ImportError where flash-attn-4 is not installed."""
-    from flash_attn.cute import interface
-
-    return interface
-
-
-@functools.cache
-def fa4_missing() -> str | None:
-    """Why flash-attn-4 does not import here (None when it does)."""
-    try:
-        fa4_interface()
-    except Exception as exc:  # ImportError, or a broken install of its CUDA libraries
-        return f"{type(exc).__name__}: {exc}"
-    return None
-
-
 def _fa4_fwd(q, k, v, causal: bool, scale: float):
     """flash-attn-4 on ``(B, H, L, D)`` (it takes ``(B, L, H, D)``; the
     compacted chunks are contiguous in that layout): ``(out, lse, state)``."""
-    out, lse = fa4_interface().flash_attn_func(
+    from ring_attention import backends  # imported on use: it loads the extension
+
+    out, lse = backends.fa4_interface().flash_attn_func(
         *(t.transpose(1, 2) for t in (q, k, v)), softmax_scale=scale, causal=causal,
         return_lse=True,
     )  # fmt: skip
@@ -125,7 +104,9 @@ def _fa4_fwd(q, k, v, causal: bool, scale: float):
 
 
 def _fa4_bwd(do, q, k, v, out, lse, causal: bool, scale: float):
-    dq, dk, dv = fa4_interface()._flash_attn_bwd(
+    from ring_attention import backends
+
+    dq, dk, dv = backends.fa4_interface()._flash_attn_bwd(
         *(t.transpose(1, 2) for t in (q, k, v, out, do)), lse.float().contiguous(), scale, causal
     )
     return tuple(t.transpose(1, 2) for t in (dq, dk, dv))

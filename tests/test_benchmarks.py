@@ -122,10 +122,11 @@ def test_fa4_baseline_layout_and_merge(methods, monkeypatch, causal: bool) -> No
     adapter's transposes and LSE shapes are what this checks; a run of the
     real library is the CUDA test below)."""
     import ring_attention as ra
-    from benchmarks import sdpa  # where the gather baseline looks flash-attn-4 up
+    from benchmarks import sdpa
+    from ring_attention import backends  # where the gather baseline looks flash-attn-4 up
 
     stand_in = _FA4StandIn(sdpa)
-    monkeypatch.setattr(sdpa, "fa4_interface", lambda: stand_in)
+    monkeypatch.setattr(backends, "fa4_interface", lambda: stand_in)
     gen = torch.Generator().manual_seed(random.randrange(2**31))
     n, h, d, segs, dils = 700, 5, 16, [64, 160, 384], [1, 3, 4]
     q, k, v, g = (torch.randn(2, n, h, d, generator=gen) for _ in range(4))
