@@ -130,6 +130,8 @@ def test_far_group_matches_the_oracle_and_the_planner(world) -> None:
 
 
 def test_knob_values(monkeypatch) -> None:
+    monkeypatch.delenv(config.FAR_BYTES, raising=False)
+    assert (config.far_bytes("cpu"), config.far_bytes("cuda")) == (0, 0)  # off by default
     for raw, want in (("off", 0), ("0", 0), ("4096", 4096), ("auto", 125_000)):
         monkeypatch.setenv(config.FAR_BYTES, raw)
         assert config.far_bytes("cpu") == want
