@@ -79,16 +79,13 @@ def checked_call(
 ) -> Call:
     """Check and project one call; when sharded, a failure here makes
     every rank raise (it is reported through the ring's handshake)."""
-    if not m._sharded:
-        return _check_call(
-            m, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal
-        )
     try:
         return _check_call(
             m, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal
         )
     except Exception:
-        reject_sharded(m.group, m.ulysses_group, m.mesh)
+        if m._sharded:
+            reject_sharded(m.group, m.ulysses_group, m.mesh)
         raise
 
 
