@@ -96,7 +96,7 @@ elif ((fast)); then
   # The ring's cases all run in one launch per world size: one launch (3 ranks).
   # The longest targets first, so that a worker starts them early.
   tests=("$ring[3-documents]" "$ring[3-gqa]" "$ring[3-huge_values]" "$ring[3-lse_documents_gqa]"
-    "$emu[mma64-bf16-longnet-groups-mask-causal]" "$emu[simt-f32-d32-longnet-groups-mask-full]"
+    "$emu[mma64-bf16-longnet-groups-mask-causal]" "$emu[simt-f32-d72-longnet-groups-mask-full]"
     tests/test_limits.py tests/test_nan_exclusion.py tests/test_exchange_rows.py tests/test_block_ops.py
     tests/test_cpu_tile_paths.py)
 else

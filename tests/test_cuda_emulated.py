@@ -79,6 +79,18 @@ PATTERNS = {
 }
 
 
+def alternating(paths, cases) -> list:
+    """(path, case, causal) for every path and case, ``causal`` alternating
+    along both: each pair runs once, and each path and each case runs both
+    causal and not (the full product doubles the emulated time and adds no
+    pair that this leaves out)."""
+    return [
+        pytest.param(p, c, bool((i + j) % 2), id=f"{p}-{c}-{'causal' if (i + j) % 2 else 'full'}")
+        for i, p in enumerate(paths)
+        for j, c in enumerate(cases)
+    ]
+
+
 def _cfg(path: str, pattern: str, causal: bool, n: int = 150, batch: int | None = None) -> Cfg:
     _, d, _ = PATHS[path]
     ws, rs, heads, hg, mask, rows = PATTERNS[pattern]
@@ -110,9 +122,7 @@ def _forward_backward(emu, cfg: Cfg, q, k, v, go, kpm, glse=None):
     return out, lse, dq, dk, dv
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("pattern", list(PATTERNS))
-@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize(("path", "pattern", "causal"), alternating(PATHS, PATTERNS))
 def test_kernels_match_oracle(emu, path, pattern, causal) -> None:
     dtype, _, cc = PATHS[path]
     emu.configure(0, cc)
@@ -355,9 +365,7 @@ def _feature_cfg(path: str, feature: str, causal: bool, n: int = 150) -> Cfg:
     return Cfg(1, n, heads, d, ws, rs, causal, hg, None, mask, kv_heads, grouped, bounds)
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("feature", list(FEATURES))
-@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize(("path", "feature", "causal"), alternating(PATHS, FEATURES))
 def test_features_match_oracle(emu, path, feature, causal) -> None:
     """Grouped K/V heads, documents, grouped offsets and grad_lse on every kernel path."""
     dtype, _, cc = PATHS[path]
@@ -573,9 +581,7 @@ def _window_cfg(path: str, name: str, causal: bool) -> Cfg:
     return cfg
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("name", list(WINDOWS))
-@pytest.mark.parametrize("path", WINDOW_PATHS)
+@pytest.mark.parametrize(("path", "name", "causal"), alternating(WINDOW_PATHS, WINDOWS))
 def test_windows_match_oracle(emu, path, name, causal) -> None:
     dtype, _, cc = PATHS[path]
     emu.configure(3, cc)  # an odd seed: warps run ahead, blocks in a shuffled order
