@@ -3,7 +3,7 @@ group, K/V rows exchanged point-to-point along a cached exchange plan
 (docs/design.md §4). This module holds the schedule and the public API; its
 autograd is :class:`ring_attention.ops.RingFunction` (the operator boundary),
 the plan :mod:`ring_attention.plan`, the transport
-:mod:`ring_attention.exchange`, the agreement check
+:mod:`ring_attention.transport`, the agreement check
 :mod:`ring_attention.handshake`.
 
 Forward, per rank:
@@ -20,7 +20,7 @@ Forward, per rank:
    next active step into the other buffers (communication of step ``i+1``
    overlaps the compute of step ``i``), read the rows in place (a sender
    piece's needed rows directly where they are a whole range, e.g. the whole
-   piece; else through a row map: ring_attention/exchange.py) and merge the
+   piece; else through a row map: ring_attention/transport.py) and merge the
    blocks into the
    accumulators. For plain dense attention each block may instead be one
    dense backend call, and where every segment lies inside one piece each
@@ -59,13 +59,7 @@ from .config import far_bytes
 from .dense_blocks import DenseBlocks
 from .dispatch import route_blocks
 from .dtypes import acc_dtype
-from .exchange import (
-    ExchangeEvent,
-    Exchanger,
-    ExchangeStats,
-    last_exchange_stats,
-    register_exchange_hook,
-)
+from .exchange import ExchangeEvent, ExchangeStats, last_exchange_stats, register_exchange_hook
 from .handshake import ring_handshake, ring_message
 from .layout import Piece, check_layout
 from .ops import OpArgs, RingFunction, op_args
@@ -74,6 +68,7 @@ from .ops import block_forward as _block_forward
 from .pattern import Pattern, as_flag
 from .plan import ExchangePlan, get_plan
 from .ring_spec import get_spec, ring_call_spec
+from .transport import Exchanger
 
 __all__ = [
     "ExchangeEvent",
