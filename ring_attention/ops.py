@@ -15,8 +15,8 @@ through this module, and so does their autograd:
   called directly, under ``torch.compile`` or ``torch.export`` has one
   autograd;
 * :func:`ring_forward`, :func:`ring_backward` and :class:`RingFunction`: the
-  ring's two operators (defined with their schedule in
-  :mod:`ring_attention.ring`) and their autograd.
+  ring's two operators (defined in :mod:`ring_attention.ring_ops`) and
+  their autograd.
 
 The C++ side checks the flat arguments once at each operator's entry
 (``csrc/checks.h``) and passes one checked value down to the kernels.
@@ -239,7 +239,7 @@ def ring_forward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(out, lse, global length)`` of the ring call registered as ``spec``
     (``torch.ops.ring_attention.ring_forward``, defined by
-    :mod:`ring_attention.ring`: an operator ``torch.compile`` keeps opaque)."""
+    :mod:`ring_attention.ring_ops`: an operator ``torch.compile`` keeps opaque)."""
     return _OPS.ring_forward(q, k, v, documents, spec, needs_grad)
 
 

@@ -1,5 +1,5 @@
 """What a ring call attends with, named by a string: the operator boundary of
-the ring (:mod:`ring_attention.ring`).
+the ring (:mod:`ring_attention.ring_ops`).
 
 The ring runs as two custom operators, ``torch.ops.ring_attention.
 ring_forward`` / ``ring_backward``, that ``torch.compile`` keeps opaque (they

@@ -552,7 +552,7 @@ if want fa4; then
     {
       echo "## the CUDA test of gather + flash-attn-4"
       timeout --kill-after=10 120 "$PY" -m pytest -q -p no:cacheprovider -rfEs \
-        tests/test_benchmarks.py -k "fa4 and cuda"
+        tests/test_benchmarks_methods.py -k "fa4 and cuda"
       echo "rc=$?"
     } 2>&1 | tee -a "$OUT/fa4.log"
     test_rc=$(grep -Eo '^rc=[0-9]+' "$OUT/fa4.log" | tail -n 1 | cut -d= -f2)

@@ -32,7 +32,8 @@ from ring_attention.multiplicity import multiplicity
 from ring_attention.pattern import Pattern
 from ring_attention.planner import progressions, traffic
 from ring_attention.planner.capacity import Setup, evaluate, fewest_ranks, largest_length
-from ring_attention.planner.cli import main, parse_size
+from ring_attention.planner.cli import main
+from ring_attention.planner.cli_args import parse_size
 from ring_attention.planner.memory import layer_memories, transport_buffers
 from ring_attention.planner.pairs import pattern_flops, reached_pairs
 from ring_attention.planner.presets import MODELS, longnet_pattern

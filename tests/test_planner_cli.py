@@ -14,7 +14,7 @@ from pathlib import Path
 
 from child_env import with_path
 
-from ring_attention.planner.cli import build_parser
+from ring_attention.planner.cli_args import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 SEARCH = ["--seq-len", "300000", "--gpu-memory", "1GB", "--heads", "4", "--head-dim", "64"]

@@ -1,10 +1,10 @@
 """Peak memory per rank of one ring attention layer, item by item.
 
-The items follow what ``ring.py`` and ``exchange.py`` allocate (docs/design.md
+The items follow what ``ring_schedule.py`` and ``transport.py`` allocate (docs/design.md
 §4.3-§4.5), so that the transport buffers agree byte for byte with
 ``last_exchange_stats.buffer_bytes``:
 
-forward (``_ring_forward``)
+forward (``schedule_forward``)
     inputs q, k, v (K/V at ``kv_heads`` width); the accumulators ``out``
     (``acc`` dtype: float32, float64 for float64) and ``lse``; the output
     cast to the input dtype (a copy only when it differs from ``acc``); with
@@ -17,7 +17,7 @@ forward (``_ring_forward``)
     in place. With a far group, the ring's buffers are sized by the near
     transfers and the far group's send and receive buffers hold all of its
     rows at once.
-backward (``_ring_backward``)
+backward (``schedule_backward``)
     inputs q, k, v and grad_out; ``out`` and ``lse`` saved by the forward;
     fp32 accumulators dq, dk, dv; their casts; zigzag piece copies; the
     transport buffers: K/V as forward (slots by distance parity), returned

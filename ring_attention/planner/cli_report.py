@@ -1,0 +1,238 @@
+"""The capacity planner's report: sizes, times and token counts as text, the
+header of a setup, one attention layer's details (memory items, time, the
+far group's schedules, bytes per link), the whole model's lines, and the
+assumptions printed under every report."""
+
+from __future__ import annotations
+
+import argparse
+
+from .capacity import Evaluation, Setup
+from .cli_args import LINK_DEFAULTS
+from .pairs import pattern_flops
+from .presets import PATTERNS
+
+__all__ = [
+    "ASSUMPTIONS",
+    "MODEL_ASSUMPTIONS",
+    "fmt_bytes",
+    "fmt_time",
+    "fmt_tokens",
+    "header",
+    "layer_details",
+    "model_header",
+    "model_lines",
+]
+
+
+def fmt_bytes(x: float) -> str:
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(x) >= size:
+            return f"{x / size:.2f} {unit}"
+    return f"{x:.0f} B"
+
+
+def fmt_time(s: float) -> str:
+    if s >= 1:
+        return f"{s:.3g} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3g} ms"
+    return f"{s * 1e6:.3g} us"
+
+
+def fmt_tokens(n: int) -> str:
+    if n < 10**6:
+        return f"{n:,}"
+    e = len(str(n)) - 1
+    return f"{n:,} ({n / 10**e:.2f}e{e})"
+
+
+def header(s: Setup, args: argparse.Namespace) -> list[str]:
+    pat = (
+        f"segments {list(s.segments)} dilations {list(s.dilations)}"
+        if s.segments
+        else f"{s.pattern}: {PATTERNS[s.pattern][0]}"
+    )
+    flags = ", ".join(
+        x
+        for x in (
+            "causal" if s.causal else "non-causal",
+            "head groups" if s.head_groups else "",
+            f"{s.head_offsets} head offsets" if s.head_offsets != "modulo" else "",
+            f"documents of {s.document_length:,} tokens" if s.document_length else "",
+        )
+        if x
+    )
+    link_why = (
+        "given"
+        if args.link_gbps or args.link_latency_us is not None or args.message_us is not None
+        else LINK_DEFAULTS[s.device][2]
+    )
+    mem_note = "per GPU" if s.device == "cuda" else "per process (host memory / processes)"
+    return [
+        "ring_attention capacity planner",
+        f"  ranks        {s.ranks} x {s.device}, {fmt_bytes(s.memory)} {mem_note}; usable "
+        f"{fmt_bytes(s.usable)} (reserve {fmt_bytes(s.reserve)})",
+        f"  attention    {s.heads} heads (K/V {s.kv_heads}), head_dim {s.head_dim}, {s.dtype}, "
+        f"batch {s.batch}, {s.layout} layout, {flags}",
+        f"  pattern      {pat}",
+        f"  link         {s.link.gbps:g} Gbit/s each way, {s.link.latency_us:g} us per transfer, "
+        f"{s.link.message_us:g} us per further message of a batch ({link_why})",
+    ]
+
+
+def layer_details(ev: Evaluation, training: bool) -> list[str]:
+    s, tr = ev.setup, ev.traffic
+    p = s.ranks
+    lines = [
+        f"  pattern      segments {list(ev.pattern.segment_lengths)} dilations "
+        f"{list(ev.pattern.dilation_rates)}",
+        f"  per rank     {fmt_tokens(int(tr.local_len.max()))} tokens (longest shard)",
+    ]
+    pairs_max = int(tr.total_pairs.max())
+    lines.append(
+        f"  work         {pairs_max:.4g} reached pairs per batch row on the busiest rank "
+        f"({int(tr.total_pairs.sum()):.4g} in all): "
+        f"{pattern_flops(pairs_max, s.head_dim, s.batch) / 1e12:.4g} TFLOP forward, "
+        f"{pattern_flops(pairs_max, s.head_dim, s.batch, backward=True) / 1e12:.4g} TFLOP fwd+bwd"
+    )
+    lines.append(f"  kernel rate  {ev.rates.source}")
+    key = (lambda j: ev.memories[j].training_peak) if training else (
+        lambda j: ev.memories[j].forward_peak
+    )  # fmt: skip
+    j = ev.worst(key)
+    m = ev.memories[j]
+    what = "training (forward + backward)" if training else "inference (forward)"
+    peak = m.training_peak if training else m.forward_peak
+    lines.append(f"  peak memory  {fmt_bytes(peak)} on rank {j}, {what}:")
+    items = dict(m.inputs)
+    if not training:
+        items.pop("grad_out")
+    phase = m.backward if training and m.backward_peak >= m.forward_peak else m.forward
+    items.update(phase)
+    for name, v in items.items():
+        if v:
+            lines.append(f"      {name:<28} {fmt_bytes(v):>12}")
+    bufs = m.buffers["backward" if training else "forward"]
+    if any(bufs.values()):
+        lines.append(
+            "      (transport buffers: "
+            + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in bufs.items() if v)
+            + ")"
+        )
+    t_rank = ev.worst(lambda k: ev.times[k].forward_backward)
+    t = ev.times[t_rank]
+    f_rank = ev.worst(lambda k: ev.times[k].forward)
+    tf = ev.times[f_rank]
+    lines.append(
+        f"  time/layer   forward {fmt_time(tf.forward)} (compute {fmt_time(tf.compute_forward)},"
+        f" exposed communication {fmt_time(tf.exposed_forward)}; rank {f_rank})"
+    )
+    lines.append(
+        f"               forward+backward {fmt_time(t.forward_backward)} (compute "
+        f"{fmt_time(t.compute_forward_backward)}, exposed communication "
+        f"{fmt_time(t.exposed_forward_backward)}; rank {t_rank})"
+    )
+    lines += _far_lines(ev)
+    row = 2 * s.batch * s.head_dim
+    acc = 8 if s.itemsize == 8 else 4
+    sent = tr.rows_sent
+    recv = tr.rows_received
+    fwd_sent = int(sent.max()) * row * s.itemsize
+    fb_sent = int((2 * row * s.itemsize * sent + row * acc * recv).max())
+    fb_recv = int((2 * row * s.itemsize * recv + row * acc * sent).max())
+    big = int(max(tr.send_rows.max(), tr.recv_rows.max())) * row * s.itemsize
+    steps = int(tr.active.sum(1).max())
+    lines.append(
+        f"  bytes/link   sent per rank per layer: forward {fmt_bytes(fwd_sent)}, forward+backward "
+        f"{fmt_bytes(fb_sent)} (received: {fmt_bytes(int(recv.max()) * row * s.itemsize)}, "
+        f"{fmt_bytes(fb_recv)}); largest transfer {fmt_bytes(big)}; {steps} of {p - 1} ring "
+        f"steps carry data (rows: {tr.source})"
+    )
+    return lines
+
+
+def _far_lines(ev: Evaluation) -> list[str]:
+    """The two schedules side by side: the ring alone and the far group
+    (``--far-bytes``, else ``auto``), exposed communication of the slowest
+    rank of each pass, and which is cheaper."""
+    s = ev.setup
+    far = s.far_bytes or s.link.far_bytes
+    out = []
+    for name, times in (
+        ("ring alone", ev.times_with(0)),
+        (f"far group (transfers <= {fmt_bytes(far)})", ev.times_with(far)),
+    ):
+        f = max(times, key=lambda t: t.forward)
+        fb = max(times, key=lambda t: t.forward_backward)
+        msgs = max(t.far_messages for t in times)
+        out.append(
+            (name, fb.forward_backward, f"{name}: forward {fmt_time(f.forward)} (exposed "
+             f"{fmt_time(f.exposed_forward)}, {f.exposed_forward / f.compute_forward:.0%} of "
+             f"compute), forward+backward {fmt_time(fb.forward_backward)} (exposed "
+             f"{fmt_time(fb.exposed_forward_backward)}, "
+             f"{fb.exposed_forward_backward / fb.compute_forward_backward:.0%}); "
+             f"{max(t.steps for t in times)} ring steps"
+             + (f", {msgs} messages in the group" if msgs else ""))
+        )  # fmt: skip
+    best = min(out, key=lambda o: o[1])[0]
+    return [
+        f"  far steps    {out[0][2]}",
+        f"               {out[1][2]}",
+        f"               cheaper: {best} (RING_ATTENTION_FAR_BYTES: the ring's choice)",
+    ]
+
+
+def model_lines(ev: Evaluation) -> list[str]:
+    s = ev.setup
+    shape = s.model
+    assert shape is not None
+    j = ev.worst(lambda k: sum(ev.model_items(k).values()))
+    items = ev.model_items(j)
+    lines = [f"  peak memory  {fmt_bytes(sum(items.values()))} on rank {j}:"]
+    lines += [f"      {k:<42} {fmt_bytes(v):>12}" for k, v in items.items() if v]
+    secs = ev.model_seconds()
+    _, why = s.matmul_rate(ev.rates)
+    lines.append(
+        f"  step time    {fmt_time(sum(secs.values()))} per training step of one sequence: "
+        + "; ".join(f"{k} {fmt_time(v)}" for k, v in secs.items())
+        + f" (matmul rate {why})"
+    )
+    return lines
+
+
+def model_header(s: Setup) -> str:
+    m = s.model
+    assert m is not None
+    return (
+        f"Whole model: {m.layers} blocks, hidden {m.hidden}, MLP {m.ffn} "
+        f"({'gated' if m.gated else 'GELU'}), vocab {m.vocab or 'none'}, "
+        f"{m.params() / 1e9:.3g} B parameters;"
+        f" training, activation checkpointing {'on' if s.checkpointing else 'off'}, parameters "
+        f"{'sharded over the ranks (FSDP/ZeRO-3)' if s.shard_params else 'replicated'}"
+    )
+
+
+ASSUMPTIONS = [
+    "Assumptions:",
+    "  - memory per rank follows what ring_attention allocates (ring_schedule.py, "
+    "transport.py): inputs, "
+    "fp32 accumulators (out, lse; dq, dk, dv), casts, transport buffers sized from the exchange "
+    "rows, the backward kernel's delta, the cached plan's indices; kernel tiles not counted;",
+    "  - time per layer = the ring schedule: each step's K/V transfer overlaps the previous "
+    "step's compute, gradient returns overlap the next; compute = reached pairs x 4d (fwd) / "
+    "10d (bwd) FLOPs at the kernel rate; transfer = latency + bytes / link; the slowest rank "
+    "sets the pace; packing copies and launch overheads not modelled;",
+    "  - one attention layer alone: q, k, v exist before the call (grad_out too for training); "
+    "inference = forward under no_grad;",
+]
+
+MODEL_ASSUMPTIONS = [
+    "  - whole model: sequence parallel, every rank holds batch x n / p tokens of every block; "
+    "AdamW mixed precision at 16 B/parameter; stored activations per token and block: 4h + "
+    "(2H + 2H_kv)d + 2f (3f gated) values + fp32 lse, or the block input h with checkpointing "
+    "(one block recomputed at a time); the attention backward of one block and two residual "
+    "gradients on top; chunked loss (no full logits); matmuls 2 FLOPs per parameter and token "
+    "forward, 6 fwd+bwd, 8 with recomputation; optimizer step and data-parallel/FSDP "
+    "collectives not modelled.",
+]
