@@ -8,6 +8,12 @@ of the sdist); the model testers below are the project's: a tiny config of
 each model and its inputs (ragged padding, GQA). Nothing of transformers is
 copied here. Not collected by the project's own suite (no ``test_`` prefix
 here, and its imports need the sdist's tree).
+
+Llama runs with every model class (the base model, causal LM and the three
+task heads); Mistral and Qwen2, whose attention differs from Llama's
+(sliding windows, projection biases) and whose task heads do not, with the
+base model and the causal LM only: the task heads thrice took 40 % of the
+run and reached no attention path that Llama's do not.
 """
 
 from __future__ import annotations
@@ -23,15 +29,9 @@ from transformers import (
     LlamaModel,
     MistralConfig,
     MistralForCausalLM,
-    MistralForQuestionAnswering,
-    MistralForSequenceClassification,
-    MistralForTokenClassification,
     MistralModel,
     Qwen2Config,
     Qwen2ForCausalLM,
-    Qwen2ForQuestionAnswering,
-    Qwen2ForSequenceClassification,
-    Qwen2ForTokenClassification,
     Qwen2Model,
 )
 
@@ -101,21 +101,9 @@ class LlamaCommonTest(_CommonTests, unittest.TestCase):
 
 class MistralCommonTest(_CommonTests, unittest.TestCase):
     config_class = MistralConfig
-    all_model_classes = (
-        MistralModel,
-        MistralForCausalLM,
-        MistralForSequenceClassification,
-        MistralForQuestionAnswering,
-        MistralForTokenClassification,
-    )
+    all_model_classes = (MistralModel, MistralForCausalLM)  # the task heads: Llama's
 
 
 class Qwen2CommonTest(_CommonTests, unittest.TestCase):
     config_class = Qwen2Config
-    all_model_classes = (
-        Qwen2Model,
-        Qwen2ForCausalLM,
-        Qwen2ForSequenceClassification,
-        Qwen2ForQuestionAnswering,
-        Qwen2ForTokenClassification,
-    )
+    all_model_classes = (Qwen2Model, Qwen2ForCausalLM)  # the task heads: Llama's
