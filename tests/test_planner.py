@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import subprocess
@@ -30,7 +31,7 @@ from oracle import multiplicity as oracle_multiplicity
 from ring_attention.layout import layout_pieces
 from ring_attention.multiplicity import multiplicity
 from ring_attention.pattern import Pattern
-from ring_attention.planner import progressions, traffic
+from ring_attention.planner import pairs, progressions, traffic
 from ring_attention.planner.capacity import Setup, evaluate, fewest_ranks, largest_length
 from ring_attention.planner.cli import main
 from ring_attention.planner.cli_args import parse_size
@@ -83,16 +84,27 @@ def test_pairs_match_the_oracle_multiplicity(seed: int) -> None:
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_pairs_with_documents_and_grouped_offsets(seed: int) -> None:
+def test_pairs_with_documents_and_grouped_offsets(monkeypatch, seed: int) -> None:
+    # every rank's pairs at once: in int64 (even seeds) or rank by rank in
+    # Python integers (odd seeds); sliding windows in half the patterns
+    if seed % 2:
+        monkeypatch.setattr(pairs, "_INT64_SAFE", 0)
     rng = random.Random(2000 + seed)
     for _ in range(25):
         n, heads = rng.randint(1, 70), rng.randint(1, 6)
         pattern = _random_pattern(rng, n, heads, docs=True, offsets=True)
+        if rng.random() < 0.5:
+            pattern = dataclasses.replace(pattern, window=(rng.randint(-1, 9), rng.randint(-1, 9)))
         m = multiplicity(pattern, n, heads, dtype=torch.float64)
         lo = rng.randint(0, n)
         hi = rng.randint(lo, n)
         assert reached_pairs(pattern, n, heads) == int(m.sum())
         assert reached_pairs(pattern, n, heads, [(lo, hi - lo)]) == int(m[:, lo:hi].sum())
+        p, layout = rng.randint(1, 5), rng.choice(["contiguous", "zigzag"])
+        ranges = [[(pc.start, pc.length) for pc in ps] for ps in all_pieces(n, p, layout)]
+        assert pairs.ranks_pairs(pattern, n, heads, ranges) == [
+            sum(int(m[:, s : s + k].sum()) for s, k in rs) for rs in ranges
+        ], (pattern, n, heads, p, layout)
 
 
 def test_pairs_of_a_billion_tokens_are_instant_and_consistent() -> None:

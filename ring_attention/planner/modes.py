@@ -42,9 +42,9 @@ from ..layout import Piece, layout_pieces, layout_shard_lengths, shard_bounds
 from ..pattern import Pattern
 from .capacity import Setup
 from .memory import KERNEL_WORKSPACE, LayerMemory, acc_bytes, layer_memories
-from .pairs import reached_pairs
+from .pairs import ranks_pairs
 from .timing import Link, RankTime, layer_times
-from .traffic import Traffic, _analytic
+from .traffic import Traffic, _analytic, sent_rows
 
 __all__ = [
     "MODES",
@@ -82,8 +82,9 @@ def stretch_traffic(
     for ps in pieces:
         end = sum(p.length for p in ps)
         ps += [Piece(ps[-1].start + ps[-1].length, 0, end)] * (most - len(ps))
-    total = [reached_pairs(pattern, seq_len, heads, [(p.start, p.length) for p in ps])
-             for ps in pieces]  # fmt: skip
+    total = ranks_pairs(
+        pattern, seq_len, heads, [[(p.start, p.length) for p in ps] for ps in pieces]
+    )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -107,10 +108,7 @@ def stretch_traffic(
                             span[i, step.distance] += hi - lo
         counts.update(recv=recv, span=span)
     recv = counts["recv"]
-    send = torch.zeros_like(recv)
-    ranks = torch.arange(R)
-    for d in range(1, R):
-        send[:, d] = recv[(ranks + d) % R, d]
+    send = sent_rows(recv)
     total_t = torch.tensor(total, dtype=torch.int64)
     return Traffic(
         pattern=pattern, seq_len=int(seq_len), heads=int(heads), kv_heads=int(kv_heads),

@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from functools import lru_cache
 
 import torch
 
 from ..checks import check_int
-from ..geometry import MAX_SEQ_LEN, active_before, branch_offsets
+from ..geometry import MAX_SEQ_LEN, IntOrTensor, active_before, branch_offsets
 from ..pattern import Pattern, as_flag
 
 __all__ = [
@@ -35,6 +34,7 @@ __all__ = [
     "check_planner_args",
     "pattern_flops",
     "range_pairs",
+    "ranks_pairs",
     "reached_pairs",
 ]
 
@@ -44,66 +44,55 @@ FWD_FLOPS_PER_PAIR = 4
 BWD_FLOPS_PER_PAIR = 10
 
 
-def _sum_range(x0: int, x1: int) -> int:
-    """The sum of the integers in ``[x0, x1)``."""
-    return (x0 + x1 - 1) * (x1 - x0) // 2 if x1 > x0 else 0
+def _min(x: IntOrTensor, y: int | IntOrTensor) -> IntOrTensor:
+    if isinstance(x, torch.Tensor):
+        return torch.minimum(x, y) if isinstance(y, torch.Tensor) else x.clamp(max=y)
+    return y.clamp(max=x) if isinstance(y, torch.Tensor) else min(x, y)
 
 
-def _band_pairs(j0: int, j1: int, a: int, left: int | None, right: int | None) -> int:
-    """Pairs of the active queries ``j0 <= j < j1`` of a segment with ``a``
-    active rows, query ``j`` reaching keys ``max(0, j - left) .. min(a - 1, j
-    + right)`` (rows of the offset; ``None``: unbounded)."""
-    total = j1 - j0  # every query reaches itself
+def _nonneg(x: IntOrTensor) -> IntOrTensor:
+    return x.clamp(min=0) if isinstance(x, torch.Tensor) else max(x, 0)
+
+
+def _band_below(j: IntOrTensor, a: IntOrTensor, left: int | None, right: int | None) -> IntOrTensor:
+    """Pairs of the active queries ``0 <= i < j`` of a segment with ``a``
+    active rows, query ``i`` reaching keys ``max(0, i - left) .. min(a - 1, i
+    + right)`` (rows of the offset; ``None``: unbounded), elementwise for
+    tensors. Sides are first cut to ``a`` (the same pairs): no product
+    exceeds ``3 a**2``."""
+    total = j  # every query reaches itself
     if right is None:
-        total += (a - 1) * (j1 - j0)
-    else:  # min(a - 1, j + right): j + right below j < a - right
-        b = min(j1, max(j0, a - right))
-        total += _sum_range(j0 + right, b + right) + (a - 1) * (j1 - b)
-    if left is not None:  # less max(0, j - left)
-        c = max(j0, left)
-        total -= _sum_range(c - left, j1 - left)
+        total = total + (a - 1) * j
+    else:  # i + right while i < a - right, then a - 1
+        right = _min(a, right)
+        b = _min(j, a - right)
+        total = total + (2 * right + b - 1) * b // 2 + (a - 1) * (j - b)
+    if left is not None:  # less i - left for left <= i < j
+        m = _nonneg(j - _min(a, left))
+        total = total - (m - 1) * m // 2
     return total
 
 
-def _rows(side: int, r: int) -> int | None:
-    """A side of the window in active rows of dilation ``r`` (two active rows
-    of one offset lie a multiple of ``r`` apart); ``None``: unbounded."""
-    return None if side < 0 else side // r
-
-
-def _segment_pairs(
-    seg_len: int, lo: int, hi: int, r: int, o: int, causal: bool, window: tuple[int, int]
-) -> int:  # fmt: skip
-    """Pairs of one segment ``[0, seg_len)`` whose query lies in ``[lo, hi)``
-    (positions relative to the segment), offset ``o``."""
-    keys = active_before(seg_len, o, r)
-    j0 = active_before(max(lo, 0), o, r)
-    j1 = max(j0, active_before(min(hi, seg_len), o, r))
-    right = 0 if causal else _rows(window[1], r)  # causal: the j-th reaches j + 1 keys
-    return _band_pairs(j0, j1, keys, _rows(window[0], r), right)
-
-
-@lru_cache(maxsize=4096)
-def _doc_range_pairs(
-    length: int, lo: int, hi: int, w: int, r: int, o: int, causal: bool, window: tuple[int, int]
-) -> int:  # fmt: skip
-    """Pairs of offset ``o`` in branch ``(w, r)`` whose query lies in
-    ``[lo, hi)``, in a document of ``length`` positions (relative)."""
-    lo, hi = max(lo, 0), min(hi, length)
-    if lo >= hi:
-        return 0
-    n_full = length // w  # segments 0 .. n_full-1 have length w
-    first = -(-lo // w)  # the first segment starting at or after lo
-    last = min(hi // w, n_full)  # segments [first, last) are full and inside [lo, hi)
-    total = max(0, last - first) * _segment_pairs(w, 0, w, r, o, causal, window)
-    # The segments cut by lo or hi, or the short last one: at most two.
-    for s in {lo // w, (hi - 1) // w}:
-        if not first <= s < last:
-            start = s * w
-            total += _segment_pairs(
-                min(w, length - start), lo - start, hi - start, r, o, causal, window
-            )
-    return total
+def _pairs_below(
+    length: IntOrTensor, x: IntOrTensor, w: int, r: int, o: int, causal: bool,
+    window: tuple[int, int],
+) -> IntOrTensor:  # fmt: skip
+    """Pairs of offset ``o`` in branch ``(w, r)`` whose query lies below
+    ``x``, in a document of ``length`` positions (relative; elementwise for
+    tensors): the full segments before ``x`` by multiplication, then the one
+    ``x`` cuts, or the short last one."""
+    x = _nonneg(_min(x, length))
+    # A side of the window in active rows (two active rows of one offset lie
+    # a multiple of r apart); causal: the i-th query reaches i + 1 keys.
+    left = None if window[0] < 0 else window[0] // r
+    right = 0 if causal else None if window[1] < 0 else window[1] // r
+    whole = active_before(w, o, r)
+    s = x // w
+    start = s * w
+    seg_len = _min(_nonneg(length - start), w)
+    j = active_before(_min(x - start, seg_len), o, r)
+    cut = _band_below(j, active_before(seg_len, o, r), left, right)
+    return s * _band_below(whole, whole, left, right) + cut  # x <= length: s full segments
 
 
 def range_pairs(
@@ -121,7 +110,11 @@ def range_pairs(
 
     def doc_pairs(length: int, a: int, b: int, times: int = 1) -> int:
         return times * sum(
-            heads * _doc_range_pairs(length, a, b, w, r, o, causal, pattern.window)
+            heads
+            * (
+                _pairs_below(length, b, w, r, o, causal, pattern.window)
+                - _pairs_below(length, a, w, r, o, causal, pattern.window)
+            )
             for i, (w, r) in enumerate(pattern.branches)
             for o, heads in offsets[i].items()
         )
@@ -178,6 +171,67 @@ def reached_pairs(
         ) from None
     offsets = branch_offsets(pattern, heads)
     return sum(range_pairs(pattern, seq_len, offsets, s, s + n) for s, n in ranges)
+
+
+def _prefix_pairs(
+    pattern: Pattern, seq_len: int, offsets: Sequence[dict[int, int]], x: torch.Tensor
+) -> torch.Tensor:
+    """Reached pairs, summed over heads and branches, whose query lies below
+    ``x`` (an int64 tensor of positions in ``[0, seq_len]``), elementwise."""
+
+    def below(length: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        total = torch.zeros_like(y)
+        for i, (w, r) in enumerate(pattern.branches):
+            w = min(w, max(seq_len, 1))  # the same pairs; a whole segment's count stays small
+            for o, heads in offsets[i].items():
+                total += heads * _pairs_below(length, y, w, r, o, pattern.causal, pattern.window)
+        return total
+
+    cu = pattern.documents_tensor("cpu")
+    if cu is None:
+        return below(torch.full_like(x, seq_len), x)
+    lengths = cu[1:] - cu[:-1]
+    if lengths.numel() == 0:
+        return torch.zeros_like(x)
+    distinct, inverse = torch.unique(lengths, return_inverse=True)
+    before = torch.cat(
+        [torch.zeros(1, dtype=torch.int64), below(distinct, distinct)[inverse].cumsum(0)]
+    )
+    k = (torch.searchsorted(cu, x, right=True) - 1).clamp(0, lengths.numel() - 1)
+    return before[k] + below(lengths[k], x - cu[k])
+
+
+_INT64_SAFE = 1 << 62  # ranks_pairs counts in int64 below this bound
+
+
+def ranks_pairs(
+    pattern: Pattern, seq_len: int, heads: int, ranges: Sequence[Sequence[tuple[int, int]]]
+) -> list[int]:
+    """:func:`reached_pairs` of every rank at once: ``ranges[j]`` holds rank
+    ``j``'s ``(start, length)`` runs (checked by the caller, inside
+    ``[0, seq_len]``).
+
+    Vectorised over the runs' ends: pairs with a query in ``[s, s + n)``
+    are those below ``s + n`` less those below ``s``. In int64 when no
+    count (nor a step towards it) can reach ``2**62``: every query reaches
+    at most ``ceil(w / r)`` keys per branch and head, so the counts stay
+    below ``seq_len`` times their sum (times 8 for the intermediate
+    products); otherwise rank by rank in Python integers."""
+    seq_len, heads = check_planner_args(pattern, seq_len, heads)
+    offsets = branch_offsets(pattern, heads)
+    reach = sum(
+        sum(offsets[i].values()) * (-(-min(w, seq_len) // r) + 1)
+        for i, (w, r) in enumerate(pattern.branches)
+    )
+    if 8 * seq_len * reach >= _INT64_SAFE:
+        return [reached_pairs(pattern, seq_len, heads, rs) for rs in ranges]
+    most = max([1, *map(len, ranges)])
+    pad = [(0, 0)] * most
+    ends = torch.tensor(
+        [[(s, s + n) for s, n in [*rs, *pad[len(rs) :]]] for rs in ranges], dtype=torch.int64
+    ).reshape(len(ranges), most, 2)
+    below = _prefix_pairs(pattern, seq_len, offsets, ends.reshape(-1)).view(ends.shape)
+    return (below[..., 1] - below[..., 0]).sum(1).tolist()
 
 
 #: The planner counts offsets head by head: at most this many heads.

@@ -47,7 +47,7 @@ from ..checks import check_int
 from ..geometry import active_before, branch_offsets, segment_around
 from ..layout import Piece, check_layout, shard_bounds
 from ..pattern import Pattern
-from .pairs import check_planner_args, reached_pairs
+from .pairs import check_planner_args, ranks_pairs
 from .progressions import union_stats
 
 __all__ = ["SOURCES", "Traffic", "kv_classes", "predict_traffic"]
@@ -204,7 +204,11 @@ def _unique_keys(
 
 
 def _class_stats(
-    key: tuple[int, ...], branches: list[tuple[int, int]], offsets: list[tuple], n_q: int
+    key: tuple[int, ...],
+    branches: list[tuple[int, int]],
+    offsets: list[tuple],
+    n_q: int,
+    seen: dict[tuple, tuple[int, int, int]],
 ) -> tuple[int, ...]:
     """``(rows, first, last)`` of one sender piece (relative to its start)
     for every K/V class (``offsets``: per class, the offsets of each branch),
@@ -212,7 +216,7 @@ def _class_stats(
     the shared segment's part of the sender piece ``[klo, khi)``, the residue
     of the segment start, and the extent of the query piece's part (length
     capped at ``r``, phase) that decides which offsets have an active query
-    there."""
+    there. ``seen``: the unions counted so far (keys share many)."""
     shared = []
     for q in range(n_q):
         for i, (_, r) in enumerate(branches):
@@ -220,7 +224,6 @@ def _class_stats(
             if key[at] >= 0:
                 shared.append((i, r, *key[at : at + 5]))
     out: list[int] = []
-    seen: dict[tuple, tuple[int, int, int]] = {}
     for offs in offsets:
         sets = tuple(
             sorted(
@@ -354,6 +357,7 @@ def _analytic(
     longest = int(lens.max()) if lens.numel() else 0
     listed = _listed_branches(branches, starts, bounds, longest)
     memo: dict[tuple[int, ...], tuple[int, ...]] = {}
+    unions: dict[tuple, tuple[int, int, int]] = {}
 
     per_chunk = max(1, _CHUNK // p)  # distances per chunk
     for d0 in range(1, p, per_chunk):
@@ -420,7 +424,7 @@ def _analytic(
             stats = []
             for key in map(tuple, keys.tolist()):
                 if key not in memo:
-                    memo[key] = _class_stats(key, branches, class_offsets, n_pc)
+                    memo[key] = _class_stats(key, branches, class_offsets, n_pc, unions)
                 stats.append(memo[key])
             per_class = torch.tensor(stats, dtype=torch.int64).reshape(-1, len(classes), 3)
             if any(listed[i] for i, _, _ in columns):
@@ -433,10 +437,18 @@ def _analytic(
             width = torch.where(rows > 0, last - first + 1, 0)
             recv += rows
             span += torch.where(rows == width * kv_heads, 0, width)
-        out["recv"][j, d] = recv
-        out["span"][j, d] = span
-        out["pairs"][j, d] = pairs
+        for name, t in (("recv", recv), ("span", span), ("pairs", pairs)):
+            out[name][:, ds[0] : ds[-1] + 1] = t.view(ds.numel(), p).T
     return out
+
+
+def sent_rows(recv: torch.Tensor) -> torch.Tensor:
+    """``send[j, d]``: what rank ``j + d`` receives from ``j`` at distance
+    ``d``, ``recv[(j + d) % p, d]`` (column 0 zero)."""
+    ranks = torch.arange(recv.shape[0])
+    send = recv.gather(0, (ranks[:, None] + ranks) % recv.shape[0])
+    send[:, 0] = 0
+    return send
 
 
 def _from_plans(
@@ -506,17 +518,16 @@ def predict_traffic(
     if source not in SOURCES:
         raise ValueError(f"source must be one of {list(SOURCES)}, got {source!r}")
     p = check_int(world_size, "world_size", 1, MAX_WORLD_SIZE)
-    if pattern.windowed:  # reached_pairs counts them; the traffic model does not
+    if pattern.windowed:  # ranks_pairs counts them; the traffic model does not
         raise ValueError(
             f"the planner's traffic model does not take a sliding window (window="
             f"{pattern.window}); measure it with the ring's own plan "
             "(ring_attention.ring.exchange_plan)"
         )
     pieces = all_pieces(seq_len, p, layout)
-    total = [
-        reached_pairs(pattern, seq_len, heads, [(pc.start, pc.length) for pc in ps])
-        for ps in pieces
-    ]
+    total = ranks_pairs(
+        pattern, seq_len, heads, [[(pc.start, pc.length) for pc in ps] for ps in pieces]
+    )
     if max(total) >= 1 << 62:
         raise ValueError(
             f"seq_len = {seq_len} on {p} ranks with {heads} heads: a rank's {max(total)} "
@@ -534,10 +545,7 @@ def predict_traffic(
     if use_plan:
         counts.update(_from_plans(pattern, seq_len, heads, kv_heads, p, layout))
     recv = counts["recv"]
-    send = torch.zeros_like(recv)
-    ranks = torch.arange(p)
-    for d in range(1, p):
-        send[:, d] = recv[(ranks + d) % p, d]
+    send = sent_rows(recv)
     total_t = torch.tensor(total, dtype=torch.int64)
     return Traffic(
         pattern=pattern,
