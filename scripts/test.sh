@@ -3,7 +3,7 @@
 # the whole test suite (CPU; the CUDA tests run too where a GPU is present),
 # one pytest-xdist worker per core (PYTEST_WORKERS=N to choose, 0: in this
 # process). On 2 CPU cores: a fresh setup 6-8 min, the emulator's build 2-4
-# min the first time, the suite about 13 min on 2 workers (2 cores).
+# min the first time, the suite about 12 min on 2 workers (2 cores).
 # Extra arguments go to pytest, e.g.  bash scripts/test.sh -k ring -x
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -48,5 +48,5 @@ xdist=()
 if [[ "$workers" != 0 ]]; then
   xdist=(-n "$workers" --dist worksteal)
 fi
-echo "test: the suite (about 13 min on 2 cores with 2 workers; workers: $workers)"
+echo "test: the suite (about 12 min on 2 cores with 2 workers; workers: $workers)"
 exec "$py" -m pytest -q "${xdist[@]}" "$@"
