@@ -35,17 +35,18 @@ void block_backward_op(const at::Tensor& grad_out, const std::optional<at::Tenso
 
 template <BlockKernel Kernel>
 std::tuple<at::Tensor, at::Tensor> local_forward_op(const at::Tensor& q, const at::Tensor& k,
-                                                    const at::Tensor& v, RA_PATTERN_PARAMS) {
-  return dilated_attention_local(Kernel, q, k, v, RA_PATTERN_ARGS_OF);
+                                                    const at::Tensor& v, RA_PATTERN_PARAMS,
+                                                    RA_ROWS_PARAMS) {
+  return dilated_attention_local(Kernel, q, k, v, RA_PATTERN_ARGS_OF, RA_ROWS_ARGS_OF);
 }
 
 template <BlockKernel Kernel>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> local_backward_op(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
     const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
-    RA_PATTERN_PARAMS) {
+    RA_PATTERN_PARAMS, RA_ROWS_PARAMS) {
   return dilated_attention_backward_local(Kernel, grad_out, grad_lse, q, k, v, out, lse,
-                                          RA_PATTERN_ARGS_OF);
+                                          RA_PATTERN_ARGS_OF, RA_ROWS_ARGS_OF);
 }
 
 }  // namespace ring_attention

@@ -87,9 +87,7 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, in
   const c10::SymInt& heads = q.sym_size(2);
   const c10::SymInt& kv_heads = packed ? k_rows->sym_size(1) : k.sym_size(2);
   const c10::SymInt& k_len = packed ? k_rows->sym_size(0) : k.sym_size(1);
-  TORCH_CHECK(kv_heads >= 1 && heads % kv_heads == 0,
-              "k and v must have kv_heads heads dividing q's heads (grouped K/V): q has ", heads,
-              " heads, k has kv_heads = ", kv_heads);
+  check_heads(heads, kv_heads, pattern);
   TORCH_CHECK(at::isFloatingType(q.scalar_type()), "q must have a floating dtype, got ",
               q.scalar_type());
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
@@ -102,10 +100,6 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, in
   constexpr int64_t kMaxStart = int64_t{1} << 62;
   TORCH_CHECK(q_start >= 0 && k_start >= 0 && q_start <= kMaxStart && k_start <= kMaxStart,
               "q_start and k_start must be in [0, 2**62], got ", q_start, " and ", k_start);
-  const auto n_branches = static_cast<int64_t>(pattern.segment_lengths.size());
-  TORCH_CHECK(!pattern.head_groups || heads >= n_branches,
-              "head_groups needs at least as many heads as branches: ", heads, " heads, ",
-              n_branches, " branches");
   if (pattern.key_padding_mask.has_value()) {
     check_same_geometry("key_padding_mask", *pattern.key_padding_mask, {k.sym_size(0), k_len},
                         at::kBool, q);
@@ -166,6 +160,9 @@ BlockCall make_block(const CheckedPattern& pattern, const at::Tensor& q, const a
                         : Documents{nullptr, 0};
   p.batch = q.size(0);
   p.heads = q.size(2);
+  p.head_start = pattern.head_start;
+  p.total_heads = pattern.total_heads;
+  p.kv_group = pattern.kv_group;
   p.head_dim = q.size(3);
   p.q_start = q_start;
   p.q_len = q.size(1);
@@ -195,6 +192,39 @@ at::Tensor value_or_undefined(const std::optional<at::Tensor>& t) {
 }
 
 }  // namespace
+
+void check_heads(const c10::SymInt& heads, const c10::SymInt& kv_heads, const PatternArgs& p) {
+  const auto n_branches = static_cast<int64_t>(p.segment_lengths.size());
+  if (p.total_heads == 0) {
+    TORCH_CHECK(p.head_start == 0 && p.total_kv_heads == 0,
+                "head_start and total_kv_heads need total_heads (0: the call holds every head), "
+                "got head_start = ",
+                p.head_start, ", total_kv_heads = ", p.total_kv_heads);
+    TORCH_CHECK(kv_heads >= 1 && heads % kv_heads == 0,
+                "k and v must have kv_heads heads dividing q's heads (grouped K/V): q has ", heads,
+                " heads, k has kv_heads = ", kv_heads);
+    TORCH_CHECK(!p.head_groups || heads >= n_branches,
+                "head_groups needs at least as many heads as branches: ", heads, " heads, ",
+                n_branches, " branches");
+    return;
+  }
+  constexpr int64_t kMaxHeads = int64_t{1} << 31;
+  TORCH_CHECK(p.total_heads >= 1 && p.total_heads <= kMaxHeads && p.total_kv_heads >= 1 &&
+                  p.total_heads % p.total_kv_heads == 0,
+              "total_kv_heads must divide total_heads (at most 2**31), got total_heads = ",
+              p.total_heads, ", total_kv_heads = ", p.total_kv_heads);
+  TORCH_CHECK(p.head_start >= 0 && heads >= 1 && heads <= p.total_heads - p.head_start,
+              "q's heads must be heads [head_start, head_start + heads) of total_heads = ",
+              p.total_heads, ", got head_start = ", p.head_start, " and ", heads, " heads");
+  const int64_t group = p.total_heads / p.total_kv_heads;
+  const c10::SymInt kv_needed = (heads + (p.head_start - 1)) / group - p.head_start / group + 1;
+  TORCH_CHECK(kv_heads == kv_needed, "k and v must hold the ", kv_needed,
+              " K/V heads that query heads [", p.head_start, ", ", p.head_start, " + ", heads,
+              ") read (", group, " query heads per K/V head), got ", kv_heads);
+  TORCH_CHECK(!p.head_groups || p.total_heads >= n_branches,
+              "head_groups needs at least as many heads as branches: ", p.total_heads, " heads, ",
+              n_branches, " branches");
+}
 
 std::vector<int64_t> clamped_branches(at::IntArrayRef values, int64_t cap) {
   std::vector<int64_t> out(values.begin(), values.end());
@@ -229,10 +259,19 @@ void check_window(int64_t left, int64_t right) {
 }
 
 void check_local_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                    const PatternArgs& pattern) {
-  check_qkv(q, k, v, 0, 0, pattern, std::nullopt);
-  TORCH_CHECK(k.sym_size(1) == q.sym_size(1), "k and v must have q's sequence length (dim 1): q ",
-              q.sym_sizes(), ", k ", k.sym_sizes());
+                    const PatternArgs& pattern, const RowArgs& rows) {
+  check_qkv(q, k, v, rows.q_start, rows.k_start, pattern, std::nullopt);
+  if (rows.whole()) {
+    TORCH_CHECK(k.sym_size(1) == q.sym_size(1), "k and v must have q's sequence length (dim 1): q ",
+                q.sym_sizes(), ", k ", k.sym_sizes());
+  }
+  if (rows.q_starts.has_value()) {
+    const at::Tensor& s = *rows.q_starts;
+    TORCH_CHECK(s.dim() == 1 && s.sym_size(0) == q.sym_size(0) && s.scalar_type() == at::kLong,
+                "q_starts must be int64 of shape (batch,) = (", q.sym_size(0), ",), got ",
+                s.scalar_type(), " of shape ", s.sym_sizes());
+    TORCH_CHECK(rows.q_start == 0, "q_start must be 0 with q_starts, got ", rows.q_start);
+  }
 }
 
 void check_local_backward(const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse,
@@ -282,9 +321,12 @@ void check_block_backward(const at::Tensor& grad_out, const std::optional<at::Te
   check_grad("dv", dv, k);
 }
 
-CheckedPattern checked_pattern(const PatternArgs& pattern, const at::Tensor& q, int64_t extent,
-                               bool exact) {
-  const int64_t cap = branch_cap(extent, q.size(2));
+CheckedPattern checked_pattern(const PatternArgs& pattern, const at::Tensor& q, int64_t kv_heads,
+                               int64_t extent, bool exact) {
+  const bool all = pattern.total_heads == 0;
+  const int64_t total = all ? q.size(2) : pattern.total_heads;
+  const int64_t group = all ? q.size(2) / kv_heads : total / pattern.total_kv_heads;
+  const int64_t cap = branch_cap(extent, total);
   return CheckedPattern{clamped_branches(pattern.segment_lengths, cap),
                         clamped_branches(pattern.dilation_rates, cap),
                         pattern.scale,
@@ -293,6 +335,9 @@ CheckedPattern checked_pattern(const PatternArgs& pattern, const at::Tensor& q, 
                         pattern.grouped_offsets,
                         pattern.window_left,
                         pattern.window_right,
+                        all ? 0 : pattern.head_start,
+                        total,
+                        group,
                         pattern.cu_seqlens.has_value()
                             ? checked_documents(*pattern.cu_seqlens, q.device(), extent, exact)
                             : at::Tensor()};
@@ -355,8 +400,9 @@ BlockCall forward_call(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                        const PatternArgs& pattern, const std::optional<at::Tensor>& k_rows) {
   check_block_forward(q, k, v, out, lse, q_start, k_start, pattern, k_rows);
   const int64_t k_len = k_rows.has_value() ? k_rows->size(0) : k.size(1);
+  const int64_t kv_heads = k_rows.has_value() ? k_rows->size(1) : k.size(2);
   const int64_t blocks_end = std::max(q_start + q.size(1), k_start + k_len);
-  return forward_block(checked_pattern(pattern, q, blocks_end, false), q, k, v,
+  return forward_block(checked_pattern(pattern, q, kv_heads, blocks_end, false), q, k, v,
                        value_or_undefined(pattern.key_padding_mask), out, lse, q_start, k_start,
                        value_or_undefined(k_rows));
 }
@@ -370,11 +416,13 @@ BlockCall backward_call(const at::Tensor& grad_out, const std::optional<at::Tens
   check_block_backward(grad_out, grad_lse, q, k, v, out, lse, dq, dk, dv, q_start, k_start, pattern,
                        k_rows);
   const int64_t k_len = k_rows.has_value() ? k_rows->size(0) : k.size(1);
+  const int64_t kv_heads = k_rows.has_value() ? k_rows->size(1) : k.size(2);
   const int64_t blocks_end = std::max(q_start + q.size(1), k_start + k_len);
-  return backward_block(
-      checked_pattern(pattern, q, blocks_end, false), grad_out, value_or_undefined(grad_lse), q, k,
-      v, value_or_undefined(pattern.key_padding_mask), out, lse, value_or_undefined(dq),
-      value_or_undefined(dk), value_or_undefined(dv), q_start, k_start, value_or_undefined(k_rows));
+  return backward_block(checked_pattern(pattern, q, kv_heads, blocks_end, false), grad_out,
+                        value_or_undefined(grad_lse), q, k, v,
+                        value_or_undefined(pattern.key_padding_mask), out, lse,
+                        value_or_undefined(dq), value_or_undefined(dk), value_or_undefined(dv),
+                        q_start, k_start, value_or_undefined(k_rows));
 }
 
 }  // namespace ring_attention

@@ -26,6 +26,10 @@ struct PatternArgs {
   const std::optional<at::Tensor>& key_padding_mask;
   const std::optional<at::Tensor>& cu_seqlens;
   int64_t window_left, window_right;  // -1: unbounded on that side
+  // The call's heads among all heads (params.h): its first query head's
+  // global index, and the global query and K/V head counts (0: the call's
+  // own, head_start 0).
+  int64_t head_start, total_heads, total_kv_heads;
 };
 
 // The C++ parameters of RA_PATTERN_ARGS in schema order, and the PatternArgs
@@ -36,11 +40,12 @@ struct PatternArgs {
 #define RA_PATTERN_PARAMS                                                                       \
   at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rates, bool causal, double scale,   \
   bool head_groups, bool grouped_offsets, const std::optional<at::Tensor>& key_padding_mask,    \
-  const std::optional<at::Tensor>& cu_seqlens, int64_t window_left, int64_t window_right
+  const std::optional<at::Tensor>& cu_seqlens, int64_t window_left, int64_t window_right,      \
+  int64_t head_start, int64_t total_heads, int64_t total_kv_heads
 #define RA_PATTERN_ARGS_OF                                                                      \
   ::ring_attention::PatternArgs{segment_lengths, dilation_rates, causal, scale, head_groups,     \
                                 grouped_offsets, key_padding_mask, cu_seqlens, window_left,      \
-                                window_right}
+                                window_right, head_start, total_heads, total_kv_heads}
 // clang-format on
 
 // Accumulator dtype: float64 for float64 inputs, float32 otherwise.
@@ -58,10 +63,29 @@ void check_pattern(at::IntArrayRef segment_lengths, at::IntArrayRef dilation_rat
 // window_left, window_right: each >= -1 (-1: unbounded).
 void check_window(int64_t window_left, int64_t window_right);
 
-// Shape, dtype and device checks of the local operator (q, k, v of one
-// sequence length; on symbolic sizes: the Meta kernels use them as they are).
+// The local op's rows (RA_ROWS_ARGS in schemas.h): queries at [q_start,
+// q_start + Lq), or batch row b's from q_starts[b] on (int64 (batch,), read
+// on the host), keys at [k_start, k_start + Lk).
+struct RowArgs {
+  int64_t q_start, k_start;
+  const std::optional<at::Tensor>& q_starts;
+  // Whether the call is one sequence attending to itself (no rows given).
+  bool whole() const { return q_start == 0 && k_start == 0 && !q_starts.has_value(); }
+};
+#define RA_ROWS_PARAMS int64_t q_start, int64_t k_start, const std::optional<at::Tensor>&q_starts
+#define RA_ROWS_ARGS_OF \
+  ::ring_attention::RowArgs { q_start, k_start, q_starts }
+
+// The call's heads: every head (total_heads 0: heads % kv_heads == 0), or
+// query heads [head_start, head_start + heads) of total_heads and exactly the
+// K/V heads they read (params.h).
+void check_heads(const c10::SymInt& heads, const c10::SymInt& kv_heads, const PatternArgs& pattern);
+
+// Shape, dtype and device checks of the local operator (on symbolic sizes:
+// the Meta kernels use them as they are). Without rows, q, k and v have one
+// sequence length.
 void check_local_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                    const PatternArgs& pattern);
+                    const PatternArgs& pattern, const RowArgs& rows);
 
 // The backward's own tensors: grad_out of q's shape (any floating dtype: it
 // is cast to q's), out of q's shape and dtype, lse and grad_lse (optional)
@@ -94,18 +118,20 @@ struct CheckedPattern {
   std::vector<int64_t> segment_lengths, dilation_rates;  // clamped to branch_cap
   double scale;
   bool causal, head_groups, grouped_offsets;
-  int64_t window_left, window_right;  // -1: unbounded
+  int64_t window_left, window_right;          // -1: unbounded
+  int64_t head_start, total_heads, kv_group;  // BlockParams' head range
   // int64, contiguous, on the inputs' device (checked_documents); undefined:
   // no documents.
   at::Tensor cu_seqlens;
 };
 
 // The values of a call's pattern arguments, checked for blocks that end at
-// or before `extent` (the sequence length, exactly, for the local op: then
-// cu_seqlens must end there), for q's device and heads. The shapes must have
-// been checked (check_local_op, check_block_*).
-CheckedPattern checked_pattern(const PatternArgs& pattern, const at::Tensor& q, int64_t extent,
-                               bool exact);
+// or before `extent` (the sequence length, exactly, for the local op on one
+// sequence: then cu_seqlens must end there), for q's device and heads and
+// the call's kv_heads. The shapes must have been checked (check_local_op,
+// check_block_*).
+CheckedPattern checked_pattern(const PatternArgs& pattern, const at::Tensor& q, int64_t kv_heads,
+                               int64_t extent, bool exact);
 
 // cu_seqlens, a 1-D integer tensor on `device`, as an int64 contiguous
 // tensor. Its values are checked only on the CPU (reading them on a GPU would

@@ -57,14 +57,6 @@ Tensor neg_inf_lse(const Tensor& q, int64_t rows, at::ScalarType acc) {
                   q.options().dtype(acc));
 }
 
-// The local op's checks, once: shapes, then the pattern's values against the
-// sequence length (cu_seqlens must end there).
-CheckedPattern check_local(const Tensor& q, const Tensor& k, const Tensor& v,
-                           const PatternArgs& pa) {
-  check_local_op(q, k, v, pa);
-  return checked_pattern(pa, q, q.size(1), true);
-}
-
 Tensor undefined_or(const OptTensor& t) { return t.has_value() ? *t : Tensor(); }
 
 // One block of the local op by the backend's kernel, a profiler event
@@ -78,62 +70,92 @@ void run_backward(BlockKernel kernel, const BlockCall& call) {
   kernel(call);
 }
 
-}  // namespace
+// The rows of a checked call: one (q_start, k_start) for the whole batch, or
+// one q_start per batch row (q_starts, read here: a wait on a GPU).
+struct Rows {
+  int64_t q_start, k_start;
+  std::vector<int64_t> per_row;  // empty: q_start for every row
+};
 
-std::tuple<Tensor, Tensor> dilated_attention_local(BlockKernel forward, const Tensor& q,
-                                                   const Tensor& k, const Tensor& v,
-                                                   const PatternArgs& pa) {
-  const CheckedPattern pattern = check_local(q, k, v, pa);
-  const Tensor kpm = undefined_or(pa.key_padding_mask);
-  const at::ScalarType acc = acc_dtype(q.scalar_type());
-  const int64_t len = q.size(1);
-  Tensor lse = neg_inf_lse(q, len, acc);
-  if (acc == q.scalar_type()) {  // the output is its own accumulator
-    Tensor out = at::zeros(q.sizes(), q.options());
-    run_forward(forward, forward_block(pattern, q, k, v, kpm, out, lse, 0, 0));
-    return {out, lse};
+// The local op's checks, once: shapes, then the pattern's values against the
+// rows' extent (without rows, cu_seqlens must end at the sequence length).
+std::pair<CheckedPattern, Rows> check_local(const Tensor& q, const Tensor& k, const Tensor& v,
+                                            const PatternArgs& pa, const RowArgs& ra) {
+  check_local_op(q, k, v, pa, ra);
+  Rows rows{ra.q_start, ra.k_start, {}};
+  int64_t q_end = ra.q_start;
+  if (ra.q_starts.has_value()) {
+    const Tensor starts = ra.q_starts->to(at::kCPU).contiguous();
+    rows.per_row.assign(starts.const_data_ptr<int64_t>(),
+                        starts.const_data_ptr<int64_t>() + starts.numel());
+    constexpr int64_t kMaxStart = int64_t{1} << 62;
+    for (const int64_t s : rows.per_row) {
+      TORCH_CHECK(s >= 0 && s <= kMaxStart, "q_starts must be in [0, 2**62], got ", s);
+      q_end = std::max(q_end, s);
+    }
   }
-  Tensor out = at::empty(q.sizes(), q.options());
+  const int64_t extent = std::max(q_end + q.size(1), ra.k_start + k.size(1));
+  return {checked_pattern(pa, q, k.size(2), extent, ra.whole()), std::move(rows)};
+}
+
+// Batch row b of t (all rows for b < 0).
+Tensor batch_row(const Tensor& t, int64_t b) {
+  return b < 0 || !t.defined() ? t : t.slice(0, b, b + 1);
+}
+
+// Calls f(b, q_start) for each group of batch rows sharing a q_start: b = -1
+// (every row) without per-row starts.
+template <typename F>
+void for_rows(const Rows& rows, F&& f) {
+  if (rows.per_row.empty()) return f(int64_t{-1}, rows.q_start);
+  for (size_t b = 0; b < rows.per_row.size(); ++b) f(static_cast<int64_t>(b), rows.per_row[b]);
+}
+
+// The forward of queries q at q_start against keys at k_start into out and
+// lse, in chunks of rows for low precision.
+void forward_rows(BlockKernel forward, const CheckedPattern& pattern, const Tensor& q,
+                  const Tensor& k, const Tensor& v, const Tensor& kpm, Tensor out, Tensor lse,
+                  int64_t q_start, int64_t k_start) {
+  const at::ScalarType acc = acc_dtype(q.scalar_type());
+  if (acc == q.scalar_type()) {  // the output is its own accumulator
+    run_forward(forward, forward_block(pattern, q, k, v, kpm, out, lse, q_start, k_start));
+    return;
+  }
+  const int64_t len = q.size(1);
   const int64_t rows =
       chunk_rows(q, pattern.segment_lengths, q.size(0) * q.size(2) * q.size(3) * elementSize(acc));
   for (int64_t a = 0; a < len; a += rows) {
     const int64_t b = std::min(a + rows, len);
     Tensor out_c = at::zeros({q.size(0), b - a, q.size(2), q.size(3)}, q.options().dtype(acc));
     Tensor lse_c = neg_inf_lse(q, b - a, acc);
-    run_forward(forward, forward_block(pattern, q.slice(1, a, b), k, v, kpm, out_c, lse_c, a, 0));
+    run_forward(forward, forward_block(pattern, q.slice(1, a, b), k, v, kpm, out_c, lse_c,
+                                       q_start + a, k_start));
     out.slice(1, a, b).copy_(out_c);
     lse.slice(2, a, b).copy_(lse_c);
   }
-  return {out, lse};
 }
 
-std::tuple<Tensor, Tensor, Tensor> dilated_attention_backward_local(
-    BlockKernel backward, const Tensor& grad_out_in, const OptTensor& grad_lse_in, const Tensor& q,
-    const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse, const PatternArgs& pa) {
-  const CheckedPattern pattern = check_local(q, k, v, pa);
-  check_local_backward(grad_out_in, grad_lse_in, q, out, lse);
-  const Tensor kpm = undefined_or(pa.key_padding_mask);
-  const at::ScalarType acc = acc_dtype(q.scalar_type());
-  const Tensor grad_out = grad_out_in.to(q.scalar_type());
-  const Tensor grad_lse = undefined_or(grad_lse_in);
+// The backward of one group of rows (forward_rows' blocks) into dq, dk, dv
+// (q's dtype; the accumulators themselves for fp32 and fp64).
+void backward_rows(BlockKernel backward, const CheckedPattern& pattern, const Tensor& grad_out,
+                   const Tensor& grad_lse, const Tensor& q, const Tensor& k, const Tensor& v,
+                   const Tensor& kpm, const Tensor& out, const Tensor& lse, const Tensor& dq,
+                   const Tensor& dk, const Tensor& dv, int64_t q_start, int64_t k_start) {
   const auto run = [&](const Tensor& go, const Tensor& glse, const Tensor& q_c, const Tensor& k_c,
                        const Tensor& v_c, const Tensor& kpm_c, const Tensor& out_c,
-                       const Tensor& lse_c, const Tensor& dq, const Tensor& dk, const Tensor& dv,
-                       int64_t q_start, int64_t k_start) {
-    run_backward(backward, backward_block(pattern, go, glse, q_c, k_c, v_c, kpm_c, out_c, lse_c, dq,
-                                          dk, dv, q_start, k_start));
+                       const Tensor& lse_c, const Tensor& dq_c, const Tensor& dk_c,
+                       const Tensor& dv_c, int64_t qs, int64_t ks) {
+    run_backward(backward, backward_block(pattern, go, glse, q_c, k_c, v_c, kpm_c, out_c, lse_c,
+                                          dq_c, dk_c, dv_c, qs, ks));
   };
+  const at::ScalarType acc = acc_dtype(q.scalar_type());
   if (acc == q.scalar_type()) {  // the gradients are their own accumulators
-    Tensor dq = at::zeros(q.sizes(), q.options()), dk = at::zeros(k.sizes(), k.options()),
-           dv = at::zeros(v.sizes(), v.options());
-    run(grad_out, grad_lse, q, k, v, kpm, out, lse, dq, dk, dv, 0, 0);
-    return {dq, dk, dv};
+    run(grad_out, grad_lse, q, k, v, kpm, out, lse, dq, dk, dv, q_start, k_start);
+    return;
   }
-  Tensor dq = at::empty(q.sizes(), q.options()), dk = at::empty(k.sizes(), k.options()),
-         dv = at::empty(v.sizes(), v.options());
   const auto acc_opts = q.options().dtype(acc);
   // Three fp32 accumulators a row at a time at most: dq, dk, dv.
-  const int64_t len = q.size(1);
+  const int64_t len = q.size(1), k_len = k.size(1);
   const int64_t rows =
       chunk_rows(q, pattern.segment_lengths,
                  q.size(0) * (q.size(2) + 2 * k.size(2)) * q.size(3) * elementSize(acc));
@@ -147,25 +169,26 @@ std::tuple<Tensor, Tensor, Tensor> dilated_attention_backward_local(
   const auto kpm_rows = [&](int64_t a, int64_t b) {
     return kpm.defined() ? kpm.slice(1, a, b) : Tensor();
   };
-  // Without documents, chunks that hold whole segments of every branch are
-  // closed: their queries reach only their keys. Then one pass per chunk
-  // computes dq, dk and dv together (three fp32 chunks at a time).
+  // Without documents, chunks of one sequence that hold whole segments of
+  // every branch are closed: their queries reach only their keys. Then one
+  // pass per chunk computes dq, dk and dv together (three fp32 chunks at a time).
   const std::vector<int64_t>& segs = pattern.segment_lengths;
-  const bool closed = !pattern.cu_seqlens.defined() &&
-                      std::all_of(segs.begin(), segs.end(),
-                                  [&](int64_t w) { return rows == len || rows % w == 0; });
+  const bool closed = !pattern.cu_seqlens.defined() && q_start == k_start && len == k_len &&
+                      std::all_of(segs.begin(), segs.end(), [&](int64_t w) {
+                        return q_start % w == 0 && (rows == len || rows % w == 0);
+                      });
   if (closed) {
     for (int64_t a = 0; a < len; a += rows) {
       const int64_t b = std::min(a + rows, len);
       const Tensor dq_c = acc_chunk(q, a, b), dk_c = acc_chunk(k, a, b), dv_c = acc_chunk(v, a, b);
       run(grad_out.slice(1, a, b), grad_lse_rows(a, b), q.slice(1, a, b), k.slice(1, a, b),
           v.slice(1, a, b), kpm_rows(a, b), out.slice(1, a, b), lse.slice(2, a, b), dq_c, dk_c,
-          dv_c, a, a);
+          dv_c, q_start + a, k_start + a);
       dq.slice(1, a, b).copy_(dq_c);
       dk.slice(1, a, b).copy_(dk_c);
       dv.slice(1, a, b).copy_(dv_c);
     }
-    return {dq, dk, dv};
+    return;
   }
   // Else dq by chunks of queries (against all keys), then dk, dv by chunks of
   // keys (against all queries). Each pass makes S, dP and the softmax pass of
@@ -175,23 +198,65 @@ std::tuple<Tensor, Tensor, Tensor> dilated_attention_backward_local(
     const int64_t b = std::min(a + rows, len);
     const Tensor dq_c = acc_chunk(q, a, b);
     run(grad_out.slice(1, a, b), grad_lse_rows(a, b), q.slice(1, a, b), k, v, kpm,
-        out.slice(1, a, b), lse.slice(2, a, b), dq_c, Tensor(), Tensor(), a, 0);
+        out.slice(1, a, b), lse.slice(2, a, b), dq_c, Tensor(), Tensor(), q_start + a, k_start);
     dq.slice(1, a, b).copy_(dq_c);
   }
-  for (int64_t a = 0; a < len; a += rows) {
-    const int64_t b = std::min(a + rows, len);
+  for (int64_t a = 0; a < k_len; a += rows) {
+    const int64_t b = std::min(a + rows, k_len);
     const Tensor dk_c = acc_chunk(k, a, b), dv_c = acc_chunk(v, a, b);
     run(grad_out, grad_lse, q, k.slice(1, a, b), v.slice(1, a, b), kpm_rows(a, b), out, lse,
-        Tensor(), dk_c, dv_c, 0, a);
+        Tensor(), dk_c, dv_c, q_start, k_start + a);
     dk.slice(1, a, b).copy_(dk_c);
     dv.slice(1, a, b).copy_(dv_c);
   }
+}
+
+}  // namespace
+
+std::tuple<Tensor, Tensor> dilated_attention_local(BlockKernel forward, const Tensor& q,
+                                                   const Tensor& k, const Tensor& v,
+                                                   const PatternArgs& pa, const RowArgs& ra) {
+  const auto [pattern, rows] = check_local(q, k, v, pa, ra);
+  const Tensor kpm = undefined_or(pa.key_padding_mask);
+  const at::ScalarType acc = acc_dtype(q.scalar_type());
+  Tensor lse = neg_inf_lse(q, q.size(1), acc);
+  // fp32 and fp64: the output is its own accumulator (zeros); else chunks are copied in.
+  Tensor out = acc == q.scalar_type() ? at::zeros(q.sizes(), q.options())
+                                      : at::empty(q.sizes(), q.options());
+  for_rows(rows, [&](int64_t b, int64_t q_start) {
+    forward_rows(forward, pattern, batch_row(q, b), batch_row(k, b), batch_row(v, b),
+                 batch_row(kpm, b), batch_row(out, b), batch_row(lse, b), q_start, rows.k_start);
+  });
+  return {out, lse};
+}
+
+std::tuple<Tensor, Tensor, Tensor> dilated_attention_backward_local(
+    BlockKernel backward, const Tensor& grad_out_in, const OptTensor& grad_lse_in, const Tensor& q,
+    const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse, const PatternArgs& pa,
+    const RowArgs& ra) {
+  const auto [pattern, rows] = check_local(q, k, v, pa, ra);
+  check_local_backward(grad_out_in, grad_lse_in, q, out, lse);
+  const Tensor kpm = undefined_or(pa.key_padding_mask);
+  const Tensor grad_out = grad_out_in.to(q.scalar_type());
+  const Tensor grad_lse = undefined_or(grad_lse_in);
+  // fp32 and fp64: the gradients are their own accumulators (zeros); else chunks are copied in.
+  const bool own = acc_dtype(q.scalar_type()) == q.scalar_type();
+  const auto grad = [&](const Tensor& t) {
+    return own ? at::zeros(t.sizes(), t.options()) : at::empty(t.sizes(), t.options());
+  };
+  Tensor dq = grad(q), dk = grad(k), dv = grad(v);
+  for_rows(rows, [&](int64_t b, int64_t q_start) {
+    backward_rows(backward, pattern, batch_row(grad_out, b), batch_row(grad_lse, b),
+                  batch_row(q, b), batch_row(k, b), batch_row(v, b), batch_row(kpm, b),
+                  batch_row(out, b), batch_row(lse, b), batch_row(dq, b), batch_row(dk, b),
+                  batch_row(dv, b), q_start, rows.k_start);
+  });
   return {dq, dk, dv};
 }
 
 std::tuple<Tensor, Tensor> dilated_attention_meta(const Tensor& q, const Tensor& k, const Tensor& v,
-                                                  RA_PATTERN_PARAMS) {
-  check_local_op(q, k, v, RA_PATTERN_ARGS_OF);
+                                                  RA_PATTERN_PARAMS, RA_ROWS_PARAMS) {
+  check_local_op(q, k, v, RA_PATTERN_ARGS_OF, RA_ROWS_ARGS_OF);
   // Contiguous, as the CPU and CUDA kernels return them (whatever q's strides).
   return {at::empty_like(q, at::MemoryFormat::Contiguous),
           at::empty_symint(lse_sizes(q), q.options().dtype(acc_dtype(q.scalar_type())))};
@@ -199,8 +264,8 @@ std::tuple<Tensor, Tensor> dilated_attention_meta(const Tensor& q, const Tensor&
 
 std::tuple<Tensor, Tensor, Tensor> dilated_attention_backward_meta(
     const Tensor& grad_out, const OptTensor& grad_lse, const Tensor& q, const Tensor& k,
-    const Tensor& v, const Tensor& out, const Tensor& lse, RA_PATTERN_PARAMS) {
-  check_local_op(q, k, v, RA_PATTERN_ARGS_OF);
+    const Tensor& v, const Tensor& out, const Tensor& lse, RA_PATTERN_PARAMS, RA_ROWS_PARAMS) {
+  check_local_op(q, k, v, RA_PATTERN_ARGS_OF, RA_ROWS_ARGS_OF);
   check_local_backward(grad_out, grad_lse, q, out, lse);
   const auto contiguous = at::MemoryFormat::Contiguous;
   return {at::empty_like(q, contiguous), at::empty_like(k, contiguous),

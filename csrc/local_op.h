@@ -15,19 +15,21 @@ namespace ring_attention {
 
 std::tuple<at::Tensor, at::Tensor> dilated_attention_local(BlockKernel forward, const at::Tensor& q,
                                                            const at::Tensor& k, const at::Tensor& v,
-                                                           const PatternArgs& pattern);
+                                                           const PatternArgs& pattern,
+                                                           const RowArgs& rows);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dilated_attention_backward_local(
     BlockKernel backward, const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse,
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-    const at::Tensor& lse, const PatternArgs& pattern);
+    const at::Tensor& lse, const PatternArgs& pattern, const RowArgs& rows);
 
 std::tuple<at::Tensor, at::Tensor> dilated_attention_meta(const at::Tensor& q, const at::Tensor& k,
-                                                          const at::Tensor& v, RA_PATTERN_PARAMS);
+                                                          const at::Tensor& v, RA_PATTERN_PARAMS,
+                                                          RA_ROWS_PARAMS);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dilated_attention_backward_meta(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
     const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
-    RA_PATTERN_PARAMS);
+    RA_PATTERN_PARAMS, RA_ROWS_PARAMS);
 
 }  // namespace ring_attention

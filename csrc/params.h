@@ -59,6 +59,12 @@ struct BlockParams {
   void *dq, *dk, *dv;
 
   int64_t batch, heads, kv_heads, head_dim;
+  // The query heads the call holds among all heads: local head h is global
+  // head head_start + h of total_heads (its offsets and head group are the
+  // global head's), reading global K/V head (head_start + h) / kv_group; the
+  // call's K/V heads are those from global head head_start / kv_group on. A
+  // call holding every head has head_start 0 and total_heads == heads.
+  int64_t head_start, total_heads, kv_group;
   int64_t q_start, q_len, k_start, k_len;  // global positions of the blocks
   int64_t n_branches;
   double scale;
@@ -75,13 +81,37 @@ struct BlockParams {
   RA_HOST_DEVICE int64_t band_first(int64_t t) const { return t - window_left; }
   RA_HOST_DEVICE int64_t band_last(int64_t t) const { return t + window_right; }
 
-  // Query head h reads K/V head h / (heads / kv_heads).
-  RA_HOST_DEVICE int64_t kv_head(int64_t h) const { return h / (heads / kv_heads); }
+  // Local query head h reads local K/V head kv_head(h); the local query
+  // heads reading it are [kv_group_begin(h), kv_group_end(h)).
+  RA_HOST_DEVICE int64_t kv_head(int64_t h) const {
+    return (head_start + h) / kv_group - head_start / kv_group;
+  }
+  RA_HOST_DEVICE int64_t kv_group_begin(int64_t h) const {
+    const int64_t first = (head_start + h) / kv_group * kv_group - head_start;
+    return first > 0 ? first : 0;
+  }
+  RA_HOST_DEVICE int64_t kv_group_end(int64_t h) const {
+    const int64_t end = ((head_start + h) / kv_group + 1) * kv_group - head_start;
+    return end < heads ? end : heads;
+  }
   RA_HOST_DEVICE int64_t offset(int64_t h, int64_t r) const {
-    return head_offset(h, r, heads, grouped_offsets);
+    return head_offset(head_start + h, r, total_heads, grouped_offsets);
   }
   RA_HOST_DEVICE bool applies(int64_t h, int64_t branch) const {
-    return branch_applies(h, branch, heads, n_branches, head_groups);
+    return branch_applies(head_start + h, branch, total_heads, n_branches, head_groups);
+  }
+  // The local heads [begin, end) that branch applies to (head_groups: its
+  // group's global heads that the call holds; else every head).
+  RA_HOST_DEVICE int64_t branch_heads_begin(int64_t branch) const {
+    return local_head(head_groups ? head_group_begin(branch, total_heads, n_branches) : 0);
+  }
+  RA_HOST_DEVICE int64_t branch_heads_end(int64_t branch) const {
+    return head_groups ? local_head(head_group_begin(branch + 1, total_heads, n_branches)) : heads;
+  }
+  // Global head g as a local index, clamped to [0, heads].
+  RA_HOST_DEVICE int64_t local_head(int64_t g) const {
+    const int64_t h = g - head_start;
+    return h < 0 ? 0 : h > heads ? heads : h;
   }
   // Query head h reads the same key rows as head `leader` in branch (branch,
   // r): same K/V head, same offset, and the branch applies to both.
@@ -94,8 +124,7 @@ struct BlockParams {
   RA_HOST_DEVICE int64_t set_rank(int64_t h, int64_t branch, int64_t r) const {
     if (!applies(h, branch)) return -1;
     int64_t rank = 0;
-    for (int64_t g = h / (heads / kv_heads) * (heads / kv_heads); g < h; ++g)
-      rank += shares_keys(g, h, branch, r) ? 1 : 0;
+    for (int64_t g = kv_group_begin(h); g < h; ++g) rank += shares_keys(g, h, branch, r) ? 1 : 0;
     return rank;
   }
 

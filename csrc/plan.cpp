@@ -52,7 +52,8 @@ void check_range(const std::string& start_name, const std::string& len_name, int
               " and ", len_name, " = ", len);
 }
 
-// One branch of the planner: its dilation and the query heads it applies to.
+// One branch of the planner: its dilation and the query heads it applies to
+// (global indices among `heads`, within the call's head range).
 struct Branch {
   int64_t r, heads, group;  // group: query heads per K/V head
   int64_t h_lo, h_hi;       // the query heads the branch applies to
@@ -113,7 +114,8 @@ at::Tensor exchange_rows(at::IntArrayRef q_starts, at::IntArrayRef q_lens, int64
                          int64_t k_len, int64_t heads, int64_t kv_heads, at::IntArrayRef segs,
                          at::IntArrayRef dils, bool causal, bool head_groups, bool grouped_offsets,
                          const std::optional<at::Tensor>& cu_seqlens, int64_t window_left,
-                         int64_t window_right) {
+                         int64_t window_right, int64_t head_start, int64_t total_heads,
+                         int64_t total_kv_heads) {
   check_pattern(segs, dils);
   check_window(window_left, window_right);
   TORCH_CHECK(q_starts.size() == q_lens.size(),
@@ -121,17 +123,22 @@ at::Tensor exchange_rows(at::IntArrayRef q_starts, at::IntArrayRef q_lens, int64
               " and ", q_lens.size());
   TORCH_CHECK(heads >= 1 && heads < kLimit, "exchange_rows: heads must be in [1, 2**62), got ",
               heads);
-  TORCH_CHECK(kv_heads >= 1 && heads % kv_heads == 0, "kv_heads must divide heads (", heads,
-              "), got kv_heads = ", kv_heads);
+  TORCH_CHECK(kv_heads >= 1, "exchange_rows: kv_heads must be >= 1, got ", kv_heads);
+  const std::optional<at::Tensor> none;
+  check_heads(heads, kv_heads,
+              PatternArgs{segs, dils, causal, 1.0, head_groups, grouped_offsets, none, none,
+                          window_left, window_right, head_start, total_heads, total_kv_heads});
   check_range("k_start", "k_len", k_start, k_len);
   TORCH_CHECK(k_len <= INT64_MAX / kv_heads,
               "exchange_rows: k_len * kv_heads must fit in int64 (the flat indices row * "
               "kv_heads + g), got k_len = ",
               k_len, " and kv_heads = ", kv_heads);
   const auto n_branches = static_cast<int64_t>(segs.size());
-  TORCH_CHECK(!head_groups || heads >= n_branches,
-              "head_groups needs at least as many heads as branches: ", heads, " heads, ",
-              n_branches, " branches");
+  // The call's heads among all of them: global query heads [h0, h0 + heads)
+  // of `all`, reading global K/V heads from kv0 on (the rows' kvh is local).
+  const int64_t all = total_heads == 0 ? heads : total_heads, h0 = head_start;
+  const int64_t group = total_heads == 0 ? heads / kv_heads : total_heads / total_kv_heads;
+  const int64_t kv0 = h0 / group;
   const int64_t k_end = k_start + k_len;
   int64_t end = k_end;
   for (size_t i = 0; i < q_starts.size(); ++i) {
@@ -139,8 +146,8 @@ at::Tensor exchange_rows(at::IntArrayRef q_starts, at::IntArrayRef q_lens, int64
     check_range("q_starts" + at, "q_lens" + at, q_starts[i], q_lens[i]);
     end = std::max(end, q_starts[i] + q_lens[i]);
   }
-  const std::vector<int64_t> ws = clamped_branches(segs, branch_cap(end, heads)),
-                             rs = clamped_branches(dils, branch_cap(end, heads));
+  const std::vector<int64_t> ws = clamped_branches(segs, branch_cap(end, all)),
+                             rs = clamped_branches(dils, branch_cap(end, all));
   const at::Tensor cu =
       cu_seqlens.has_value() ? checked_documents(*cu_seqlens, at::kCPU, end, false) : at::Tensor();
   const Documents docs = cu.defined() ? Documents{cu.const_data_ptr<int64_t>(), cu.numel() - 1}
@@ -149,12 +156,14 @@ at::Tensor exchange_rows(at::IntArrayRef q_starts, at::IntArrayRef q_lens, int64
   std::vector<int64_t> rows;  // flat indices row * kv_heads + kvh, row relative to k_start
   try {
     for (int64_t i = 0; i < n_branches && k_len > 0; ++i) {
-      const Branch branch{rs[i],
-                          heads,
-                          heads / kv_heads,
-                          head_groups ? head_group_begin(i, heads, n_branches) : 0,
-                          head_groups ? head_group_begin(i + 1, heads, n_branches) : heads,
-                          grouped_offsets};
+      const Branch branch{
+          rs[i],
+          all,
+          group,
+          std::max(h0, head_groups ? head_group_begin(i, all, n_branches) : 0),
+          std::min(h0 + heads, head_groups ? head_group_begin(i + 1, all, n_branches) : all),
+          grouped_offsets};
+      if (branch.h_lo >= branch.h_hi) continue;
       const int64_t w = ws[i], r = rs[i];
       const Residues offsets = branch.offsets();
       for (size_t qi = 0; qi < q_starts.size(); ++qi) {
@@ -182,7 +191,7 @@ at::Tensor exchange_rows(at::IntArrayRef q_starts, at::IntArrayRef q_lens, int64
                                       .k;
               branch.kv_heads_of(o, [&](int64_t kvh) {
                 for (int64_t m = 0; m < k.count; ++m)
-                  rows.push_back((k.first + m * r - k_start) * kv_heads + kvh);
+                  rows.push_back((k.first + m * r - k_start) * kv_heads + (kvh - kv0));
               });
             }
           }

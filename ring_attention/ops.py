@@ -71,6 +71,9 @@ class OpArgs(NamedTuple):
     cu_seqlens: Tensor | None
     window_left: int
     window_right: int
+    head_start: int = 0
+    total_heads: int = 0
+    total_kv_heads: int = 0
 
 
 def op_args(
@@ -200,22 +203,27 @@ def exchange_rows(
 # Autograd of the local operator.
 
 
+_N_ARGS = len(OpArgs._fields)
+
+
 def _setup_context(ctx, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
-    q, k, v, *pattern = inputs
+    q, k, v, *rest = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.pattern = OpArgs(*pattern)
+    ctx.pattern, ctx.rows = OpArgs(*rest[:_N_ARGS]), tuple(rest[_N_ARGS:])
     ctx.set_materialize_grads(False)  # an unused output's gradient stays None
 
 
 def _backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
     q, k, v, out, lse = ctx.saved_tensors
-    none = (None,) * len(ctx.pattern)
+    none = (None,) * (len(ctx.pattern) + len(ctx.rows))
     if grad_out is None and grad_lse is None:
         return (None, None, None, *none)
     if grad_out is None:
         grad_out = torch.zeros_like(out)
-    dq, dk, dv = local_attention_backward(grad_out, grad_lse, q, k, v, out, lse, ctx.pattern)
+    dq, dk, dv = _OPS.dilated_attention_backward(
+        grad_out, grad_lse, q, k, v, out, lse, *ctx.pattern, *ctx.rows
+    )
     return (dq, dk, dv, *none)
 
 

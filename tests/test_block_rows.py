@@ -124,7 +124,7 @@ def _check_packed(ops, cfg, qr, kr, dtype, order) -> None:
     out_w, lse_w = fresh_acc(q, qb - qa)
     block_forward(cfg, qb_, kc, vc, out_w, lse_w, qa, ka, None, ops)
     out_p, lse_p = fresh_acc(q, qb - qa)
-    ops.block_forward(qb_, kp, vp, out_p, lse_p, qa, ka, *args, rmap)
+    ops.block_forward(qb_, kp, vp, out_p, lse_p, qa, ka, *args, k_rows=rmap)
     assert lse_w.isfinite().any(), ctx
     close(out_p, out_w, tol, "out", ctx)
     close(lse_p, lse_w, tol, "lse", ctx)
@@ -135,7 +135,7 @@ def _check_packed(ops, cfg, qr, kr, dtype, order) -> None:
     dq_p = torch.zeros(qb_.shape, dtype=acc)
     dk_p, dv_p = (torch.zeros(kp.shape, dtype=acc) for _ in range(2))
     ops.block_backward(go_b, None, qb_, kp, vp, out_f, lse_f, dq_p, dk_p, dv_p, qa, ka, *args,
-                       rmap)  # fmt: skip
+                       k_rows=rmap)  # fmt: skip
     B, D = kc.shape[0], kc.shape[3]
     close(dq_p, dq_w, tol, "dq", ctx)
     close(dk_p, dk_w.reshape(B, -1, D)[:, flat], tol, "dk", ctx)
@@ -167,4 +167,4 @@ def test_row_map_checks_name_k_rows(change, words) -> None:
     cfg, q, rows, out, lse, rmap = _small()
     rmap, rows = change(rmap, rows)
     with pytest.raises(RuntimeError, match=re.escape(words)):
-        OPS.block_forward(q, rows, rows, out, lse, 10, 0, *cfg.pattern(None, "cpu"), rmap)
+        OPS.block_forward(q, rows, rows, out, lse, 10, 0, *cfg.pattern(None, "cpu"), k_rows=rmap)

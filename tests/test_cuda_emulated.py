@@ -632,3 +632,43 @@ def test_windows_in_blocks_at_offsets(emu, path) -> None:
     close(dq, r_dq, GRAD_TOL[dtype], "dq", ctx)
     close(dk, r_dk, GRAD_TOL[dtype], "dk", ctx)
     close(dv, r_dv, GRAD_TOL[dtype], "dv", ctx)
+
+
+# Head ranges (a Ulysses rank's heads): (heads, kv_heads, pattern, head_groups,
+# grouped offsets, the range); the oracle runs every head and the range's
+# rows, K/V heads and gradients are cut out of it.
+HEAD_RANGES = [
+    (6, 2, ([16, 48, 96], [1, 2, 4]), False, False, (1, 4)),
+    (7, 7, ([16, 48, 96], [1, 3, 4]), True, False, (2, 6)),
+    (8, 4, ([32, 96], [2, 4]), False, True, (3, 8)),
+]
+
+
+@pytest.mark.parametrize("path", ["mma64-bf16", "simt-f32-d32"])
+@pytest.mark.parametrize("case", range(len(HEAD_RANGES)))
+def test_head_ranges_match_oracle(emu, path, case) -> None:
+    dtype, d, cc = PATHS[path]
+    emu.configure(case + 1, cc)
+    heads, kv, (ws, rs), hg, grouped, (h0, h1) = HEAD_RANGES[case]
+    cfg = Cfg(1, 120, heads, d, ws, rs, bool(case % 2), hg, kv_heads=kv, grouped_offsets=grouped)
+    q, k, v, go, _ = make_inputs(cfg, dtype, "cpu", case)
+    group = heads // kv
+    kv0, kv1 = h0 // group, (h1 - 1) // group + 1
+    go_r = torch.zeros_like(go)
+    go_r[:, :, h0:h1] = go[:, :, h0:h1]
+    want = run_oracle(cfg, q, k, v, go_r, None)
+    qs, ks, vs, gos = (t[:, :, a:b].contiguous() for t, a, b in
+                       ((q, h0, h1), (k, kv0, kv1), (v, kv0, kv1), (go, h0, h1)))  # fmt: skip
+    heads_args = dict(head_start=h0, total_heads=heads, total_kv_heads=kv)
+    pattern = cfg.pattern(None, "cpu")
+    out, lse = fresh_acc(qs)
+    emu.block_forward(qs, ks, vs, out, lse, 0, 0, *pattern, **heads_args)
+    grads = tuple(torch.zeros(x.shape, dtype=acc_dtype(dtype)) for x in (qs, ks, vs))
+    emu.block_backward(gos, None, qs, ks, vs, out.to(dtype), lse, *grads, 0, 0, *pattern,
+                       **heads_args)  # fmt: skip
+    ctx = (path, HEAD_RANGES[case])
+    close(out, want[0][:, :, h0:h1], OUT_TOL[dtype], "out", ctx)
+    close(lse, want[1][:, h0:h1], LSE_TOL[dtype], "lse", ctx)
+    close(grads[0], want[2][:, :, h0:h1], GRAD_TOL[dtype], "dq", ctx)
+    close(grads[1], want[3][:, :, kv0:kv1], GRAD_TOL[dtype], "dk", ctx)
+    close(grads[2], want[4][:, :, kv0:kv1], GRAD_TOL[dtype], "dv", ctx)

@@ -57,11 +57,10 @@ inline BranchWork branch_work(const BlockParams& p, int64_t i, int64_t w, int64_
     work.segments.push_back(walk.segment());
   if (work.segments.empty()) return work;
 
-  const int64_t group = p.heads / p.kv_heads;
   for (int64_t h = 0; h < p.heads; ++h) {
     if (p.set_rank(h, i, r) != 0) continue;
     HeadSet set{p.kv_head(h), p.offset(h, r), {}};
-    for (int64_t g = h; g < (p.kv_head(h) + 1) * group; ++g) {
+    for (int64_t g = h; g < p.kv_group_end(h); ++g) {
       if (!p.shares_keys(g, h, i, r)) continue;
       if (set.heads.size() == max_set_heads) {
         work.head_sets.push_back(set);

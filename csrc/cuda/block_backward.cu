@@ -83,7 +83,7 @@ __device__ inline bool decode_span(const Problem& p, const Tile& t, Span& s) {
 // columns (keys) are the same for all the tile's heads; one pass.
 template <bool DKDV>
 __device__ inline int64_t heads_end(const Problem& p, const Tile& t) {
-  return DKDV ? (t.kvh + 1) * (p.heads / p.kv_heads) : t.heads[0] + 1;
+  return DKDV ? p.kv_group_end(t.heads[0]) : t.heads[0] + 1;
 }
 template <bool DKDV>
 __device__ inline bool column_head(const Problem& p, const Tile& t, int64_t hq) {

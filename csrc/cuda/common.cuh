@@ -94,8 +94,7 @@ class BlockTiles {
     offset_ = p.offset(h_, p.r);
     // The next pack - 1 heads of the set (every set has a multiple of pack).
     int n = 0;
-    const int64_t group = p.heads / p.kv_heads;
-    for (int64_t g = h_; live_ && n < p.pack && g < (h_ / group + 1) * group; ++g)
+    for (int64_t g = h_; live_ && n < p.pack && g < p.kv_group_end(h_); ++g)
       if (p.shares_keys(g, h_, p.branch, p.r)) heads_[n++] = g;
   }
 
@@ -549,8 +548,8 @@ inline void launch_branches(Kernel kernel, Problem p, at::IntArrayRef segs, at::
     p.w = segs[i];
     p.r = dils[i];
     p.branch = i;
-    p.h_lo = p.head_groups ? head_group_begin(i, p.heads, p.n_branches) : 0;
-    const int64_t h_hi = p.head_groups ? head_group_begin(i + 1, p.heads, p.n_branches) : p.heads;
+    p.h_lo = p.branch_heads_begin(i);
+    const int64_t h_hi = p.branch_heads_end(i);
     // A segment meeting both blocks (at most w long) ends after the later
     // start and starts before the earlier end; windows start on multiples of
     // span, so that without documents a segment (w a multiple of span) is
