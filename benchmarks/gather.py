@@ -17,12 +17,11 @@ from .sdpa import sdpa_bwd, sdpa_with_lse
 
 def branch_classes(heads: int, segs, dils, head_groups: bool = False):
     """Yield ``(w, r, o, heads_of_class)`` for every branch and head-offset class
-    (``ring_attention.geometry.offset_classes``)."""
-    from ring_attention.geometry import offset_classes
-    from ring_attention.pattern import Pattern
+    (``Pattern.offset_classes``)."""
+    from ring_attention.core.pattern import Pattern
 
     pattern = Pattern(segs, dils, head_groups=head_groups)
-    for (w, r), classes in zip(pattern.branches, offset_classes(pattern, heads), strict=True):
+    for (w, r), classes in zip(pattern.branches, pattern.offset_classes(heads), strict=True):
         for o, hs in sorted(classes.items()):
             yield w, r, o, hs
 
@@ -31,7 +30,7 @@ def _chunks(n: int, heads: int, segs, dils, head_groups: bool, device):
     """Flat row indices ``pos * heads + h`` of every compacted SDPA call:
     ``(n_segments, a, heads_of_class)`` per chunk; full segments form one
     chunk, the ragged last segment another."""
-    from ring_attention.geometry import segment_active_positions
+    from ring_attention.core.geometry import segment_active_positions
 
     out = []
     for w, r, o, hs in branch_classes(heads, segs, dils, head_groups):

@@ -2,7 +2,7 @@
 kernels. transformers prepares a batch's mask once and then calls the
 attention function once per layer with the same tensors; this times that
 call (``hf.dilated_attention_forward``) against the bare kernel call on a
-pattern built once (``ring_attention.functional.attend``), on a short packed
+pattern built once (``ring_attention.local.functional.attend``), on a short packed
 sequence so that the work around the kernels shows: ``--batches`` batches
 (new tensors each) of ``--layers`` calls, round-robin, the median of the
 repeats.
@@ -28,8 +28,8 @@ from transformers.masking_utils import create_causal_mask
 
 import ring_attention as ra
 from ring_attention import hf
-from ring_attention.functional import attend
-from ring_attention.pattern import Pattern
+from ring_attention.core.pattern import Pattern
+from ring_attention.local.functional import attend
 
 PATTERN = {"segment_lengths": [8, 32], "dilation_rates": [1, 2]}
 

@@ -1,4 +1,4 @@
-"""The host (Python) time of the dense per-branch path (ring_attention/branches.py),
+"""The host (Python) time of the dense per-branch path (ring_attention/local/branches.py),
 measurable on any machine: the dense backends, the merge operators and the
 K/V finiteness check are replaced by no-ops and q, k, v live on the ``meta``
 device (shapes and strides, no memory, no kernel), so what is timed is the
@@ -64,7 +64,7 @@ def stub() -> None:
     the backends then)."""
     import torch
 
-    from ring_attention import backends, branches, ops
+    from ring_attention.local import backends, branches, ops
 
     for name in list(backends.BACKENDS):
         backends.BACKENDS[name] = _NoOpBackend(name)
@@ -78,9 +78,11 @@ def measure(point: str, reps: int, backward: bool) -> dict:
     """Process CPU seconds of ``reps`` passes of one point (after a warm-up)."""
     import torch
 
-    from ring_attention import config, dispatch
-    from ring_attention.branches import DenseBranches
-    from ring_attention.pattern import Pattern
+    from ring_attention.core import config
+    from ring_attention.core.call import Call
+    from ring_attention.core.pattern import Pattern
+    from ring_attention.local import dispatch, engine
+    from ring_attention.local.branches import PerBranch
 
     n, heads, d = (int(x) for x in point.split("x"))
     dtype, meta, cpu = torch.bfloat16, torch.device("meta"), torch.device("cpu")
@@ -98,12 +100,14 @@ def measure(point: str, reps: int, backward: bool) -> dict:
         for p in ("forward", "backward")
     )
     assert fwd.dense and bwd.dense, (fwd.why, bwd.why)
+    args = engine.op_args(Call(pattern, d**-0.5), meta)
 
     def one() -> None:
         dispatch.route("forward", q, k, v, pattern, None)
         if backward:
             dispatch.route("backward", q, k, v, pattern, None)
-        out, _ = DenseBranches.apply(q, k, v, pattern, d**-0.5, fwd, bwd if backward else None)
+        impl = PerBranch(pattern, d**-0.5, args, fwd, bwd if backward else None)
+        out, _ = engine.differentiable(impl, q, k, v)
         if backward:
             out.backward(go)
             for t in (q, k, v):

@@ -28,7 +28,7 @@ from .measure import MiB
 
 def _plan_bytes(pattern, n: int, heads: int, kv_heads: int, p: int, head_dim: int, itemsize: int):
     """Max over ranks of the bytes sent per layer, (forward, forward + backward)."""
-    from ring_attention.plan import build_plan
+    from ring_attention.parallel.exchange_plan import build_plan
 
     fwd = both = 0
     for rank in range(p):
@@ -61,7 +61,7 @@ def _random_documents(n: int, count: int, seed: int) -> torch.Tensor:
 
 
 def cmd_llm(a: argparse.Namespace) -> int:
-    from ring_attention.pattern import Pattern
+    from ring_attention.core.pattern import Pattern
 
     segs, dils = list(a.segments), list(a.dilations)
     pattern = Pattern(segs, dils, causal=True)

@@ -14,15 +14,7 @@ from typing import Any
 import torch
 
 from . import measure, methods
-from .common import (
-    dtype_name,
-    md_table,
-    progress,
-    rate_unit,
-    resolve_device,
-    resolve_dtype,
-    say,
-)
+from .common import dtype_name, md_table, progress, rate_unit, resolve_device, resolve_dtype, say
 from .local_report import finish_local
 from .measure import MiB
 

@@ -12,7 +12,7 @@ dispatches to them, ``(B, N, H, D)`` in and out, with one pattern.
   flash attention do (``gather.py``, on ``sdpa.py``'s kernels);
 * ``fa4`` — the same gather and merge with flash-attn-4 (``flash_attn.cute``,
   the CuTe-DSL FlashAttention for Hopper and Blackwell) in place of SDPA, on
-  CUDA where it is installed (``ring_attention.backends.fa4_interface``);
+  CUDA where it is installed (``ring_attention.local.backends.fa4_interface``);
 * ``flex`` — :class:`FlexDilated`: one FlexAttention call with a ``mask_mod``
   for reachability and a ``score_mod`` adding ``log(multiplicity)`` (how many
   branches reach the pair), under which an ordinary softmax is the multiset
@@ -46,18 +46,8 @@ from .flex import (
     reference_block_state,
 )
 from .gather import branch_classes, gather_sdpa_dilated
-from .ours import (
-    exchange_counters,
-    layout_pieces,
-    plan_bytes_sent,
-    ring_attention,
-    ring_call,
-)
-from .sdpa import (
-    SDPA_BACKENDS,
-    dense_sdpa,
-    sdpa_with_lse,
-)
+from .ours import exchange_counters, layout_pieces, plan_bytes_sent, ring_attention, ring_call
+from .sdpa import SDPA_BACKENDS, dense_sdpa, sdpa_with_lse
 from .work import dense_pairs, flops, pattern_pairs
 
 __all__ = [
@@ -130,7 +120,7 @@ class Methods:
         if method == "fa4":
             if self.device.type != "cuda":
                 return "flash-attn-4 runs on CUDA GPUs only"
-            from ring_attention.backends import fa4_missing  # loads the extension
+            from ring_attention.local.backends import fa4_missing  # loads the extension
 
             missing = fa4_missing()
             if missing:
@@ -141,10 +131,10 @@ class Methods:
         return len(self.segs) == 1 and self.dils[0] == 1 and self.segs[0] >= n
 
     def ours_paths(self, q, k, v) -> dict[str, str | None]:
-        """Which path ``ours`` takes on these inputs (ring_attention/dispatch.py):
+        """Which path ``ours`` takes on these inputs (ring_attention/local/dispatch.py):
         ``{"forward": "kernel" | "dense", "backward": ... | None}`` (None: no
         backward; K/V assumed finite)."""
-        from ring_attention.dispatch import route
+        from ring_attention.local.dispatch import route
 
         pattern = self.ra.Pattern(self.segs, self.dils, causal=self.causal)
         grad = q.requires_grad or k.requires_grad or v.requires_grad

@@ -58,9 +58,9 @@ def _worker(rank: int, world: int, spec: dict) -> dict:
     import torch.distributed as dist
 
     import ring_attention as ra
-    from ring_attention.exchange import register_exchange_hook
+    from ring_attention.parallel.exchange import register_exchange_hook
+    from ring_attention.parallel.ulysses import last_all_to_all_stats
     from ring_attention.planner.validate import tensor_peak
-    from ring_attention.ulysses import last_all_to_all_stats
 
     g = torch.Generator().manual_seed(spec["seed"])
     B, n, H, Hkv, D = spec["batch"], spec["n"], spec["heads"], spec["kv_heads"], spec["head_dim"]
@@ -140,9 +140,9 @@ def _predict(a: argparse.Namespace, R: int, U: int):
 
 def _fits_as_is(a: argparse.Namespace, U: int) -> bool:
     """Whether every rank's head slice runs in one call (no stand-in)."""
-    from ring_attention.heads import _fits_as_is, kv_head_range
-    from ring_attention.layout import shard_bounds
-    from ring_attention.pattern import Pattern
+    from ring_attention.core.layout import shard_bounds
+    from ring_attention.core.pattern import Pattern
+    from ring_attention.parallel.heads import _fits_as_is, kv_head_range
 
     pattern = Pattern(a.segments, a.dilations, causal=a.causal)
     for s, c in shard_bounds(a.heads, U):
@@ -209,7 +209,7 @@ def cmd_modes(a: argparse.Namespace) -> int:
         "torch.distributed per layer (worst rank); peak: CPU tensor bytes of one forward "
         "(no grad) / forward + backward with the inputs (worst rank); planner: "
         "ring_attention.planner.modes; (stand-in): a head slice runs through "
-        "ring_attention.heads' per-branch stand-in",
+        "ring_attention.parallel.heads' per-branch stand-in",
     ]
     print("\n".join(lines))
     if a.json:

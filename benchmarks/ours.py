@@ -20,7 +20,7 @@ def ring_attention() -> Any:
 
 def layout_pieces(n: int, world: int, rank: int, layout: str) -> list[tuple[int, int]]:
     """``(start, length)`` of the runs of global positions rank ``rank`` holds."""
-    from ring_attention.sharding import layout_pieces as pieces
+    from ring_attention.parallel.sharding import layout_pieces as pieces
 
     return [(p.start, p.length) for p in pieces(n, world, rank, layout)]
 
@@ -35,8 +35,8 @@ def ring_call(q, k, v, segs, dils, *, causal: bool, head_groups: bool, layout: s
 
 def exchange_counters() -> dict[str, Any]:
     """Bytes the last ring call on this rank handed to torch.distributed, and
-    the transport buffers it allocated (``ring_attention.exchange``)."""
-    from ring_attention.exchange import last_exchange_stats as s
+    the transport buffers it allocated (``ring_attention.parallel.exchange``)."""
+    from ring_attention.parallel.exchange import last_exchange_stats as s
 
     return {
         "sent_fwd": s.bytes_sent("forward_kv"),
@@ -55,14 +55,14 @@ def plan_bytes_sent(
     otherwise this rank's plan in the default process group.
     """
     if world is None:
-        from ring_attention.ring import exchange_plan
+        from ring_attention.parallel.ring import exchange_plan
 
         plan = exchange_plan(
             n, heads, segs, dils, causal=causal, head_groups=head_groups, layout=layout
         )
     else:
-        from ring_attention.pattern import Pattern
-        from ring_attention.plan import build_plan
+        from ring_attention.core.pattern import Pattern
+        from ring_attention.parallel.exchange_plan import build_plan
 
         pattern = Pattern(segs, dils, causal=causal, head_groups=head_groups)
         plan = build_plan(pattern, n, heads, heads, world, rank, layout)

@@ -33,12 +33,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ring_attention import backends, config
-from ring_attention.dense_blocks import block_kind
-from ring_attention.dispatch import route_blocks
-from ring_attention.pattern import Pattern
-from ring_attention.ring import ring_dilated_attention
-from ring_attention.sharding import layout_pieces, shard_sequence
+from ring_attention.core import config
+from ring_attention.core.pattern import Pattern
+from ring_attention.local import backends
+from ring_attention.local.blocks import block_kind
+from ring_attention.local.dispatch import route_blocks
+from ring_attention.parallel.ring import ring_dilated_attention
+from ring_attention.parallel.sharding import layout_pieces, shard_sequence
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

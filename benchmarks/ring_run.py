@@ -267,7 +267,7 @@ def check_ring_args(a: argparse.Namespace) -> int:
     too): ``SystemExit`` naming the option and what it must be. Returns the
     number of processes ``scripts/run_ring.sh`` launches (one per GPU with two
     or more GPUs, else ``$NPROC``, default 4)."""
-    from ring_attention.pattern import Pattern
+    from ring_attention.core.pattern import Pattern
 
     def need(ok: bool, message: str) -> None:
         if not ok:

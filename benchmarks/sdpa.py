@@ -94,7 +94,7 @@ def _cuda_sdpa_bwd(do, q, k, v, out, lse, state, causal: bool, scale: float):
 def _fa4_fwd(q, k, v, causal: bool, scale: float):
     """flash-attn-4 on ``(B, H, L, D)`` (it takes ``(B, L, H, D)``; the
     compacted chunks are contiguous in that layout): ``(out, lse, state)``."""
-    from ring_attention import backends  # imported on use: it loads the extension
+    from ring_attention.local import backends  # imported on use: it loads the extension
 
     out, lse = backends.fa4_interface().flash_attn_func(
         *(t.transpose(1, 2) for t in (q, k, v)), softmax_scale=scale, causal=causal,
@@ -104,7 +104,7 @@ def _fa4_fwd(q, k, v, causal: bool, scale: float):
 
 
 def _fa4_bwd(do, q, k, v, out, lse, causal: bool, scale: float):
-    from ring_attention import backends
+    from ring_attention.local import backends
 
     dq, dk, dv = backends.fa4_interface()._flash_attn_bwd(
         *(t.transpose(1, 2) for t in (q, k, v, out, do)), lse.float().contiguous(), scale, causal

@@ -1,4 +1,4 @@
-"""The GPU check of the dense per-branch path (ring_attention/branches.py), in
+"""The GPU check of the dense per-branch path (ring_attention/local/branches.py), in
 one process, within a time budget (``scripts/gpu_check.sh --stages views``):
 
 * ``check``: out, lse, dq, dk, dv against a float64 oracle at n = 10240 (bf16,
@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from ring_attention.pattern import head_group_bounds, head_offset
+from ring_attention.core.pattern import head_group_bounds, head_offset
 
 from .measure import environment, hardware_rate, median, time_call
 from .methods import flops, pattern_pairs
@@ -196,9 +196,9 @@ def _ra():
 
 
 def stage_check(sz: Sizes, device, emit, left) -> None:
-    from ring_attention.backends import fa4_missing
-    from ring_attention.dispatch import route
-    from ring_attention.pattern import Pattern
+    from ring_attention.core.pattern import Pattern
+    from ring_attention.local.backends import fa4_missing
+    from ring_attention.local.dispatch import route
 
     ra = _ra()
     if device.type == "cuda":
@@ -252,7 +252,7 @@ def stage_check(sz: Sizes, device, emit, left) -> None:
 
 
 def _fa4_dense(q, k, v, do, backward: bool):
-    from ring_attention.backends import fa4_interface
+    from ring_attention.local.backends import fa4_interface
 
     iface = fa4_interface()
     out, lse = iface._flash_attn_fwd(q, k, v, causal=False, return_lse=True)[:2]
@@ -272,7 +272,7 @@ def _fa2_dense(q, k, v, do, backward: bool):
 
 
 def stage_dense(sz: Sizes, device, emit, left) -> None:
-    from ring_attention.backends import fa4_missing
+    from ring_attention.local.backends import fa4_missing
 
     dt = torch.bfloat16 if device.type == "cuda" else sz.dtype
     rate = hardware_rate(device, sz.dense[0][3], dt)
@@ -322,7 +322,7 @@ def _point(method, n, heads, d, backward, device, dtype, segs, dils, budget_s):
     with env(**paths_env(path)):
         times = time_call(call, device, 1, 5, budget_s)
         if method == "dense":
-            from ring_attention.branches import phase_times
+            from ring_attention.local.branches import phase_times
 
             with phase_times() as pt:
                 t_one = min(time_call(call, device, 0, 1, budget_s))
@@ -437,7 +437,7 @@ def summary(records: list[dict]) -> str:
 
 def header(device: torch.device) -> dict:
     """The first record of a run: when, where, which commit and flash-attn-4."""
-    from ring_attention.backends import fa4_missing
+    from ring_attention.local.backends import fa4_missing
 
     try:
         from importlib.metadata import version

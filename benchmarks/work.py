@@ -25,7 +25,7 @@ def pattern_pairs(
     ``(start, length)`` runs (a rank's shard), default the whole sequence.
     Pattern FLOPs are ``4 * head_dim`` per pair forward, 2.5x that backward.
     """
-    from ring_attention.pattern import Pattern
+    from ring_attention.core.pattern import Pattern
     from ring_attention.planner.pairs import reached_pairs
 
     pattern = Pattern(segs, dils, causal=causal, head_groups=head_groups)

@@ -41,10 +41,10 @@ int64_t chunk_budget_bytes() {
   return mib.value_or(kDefaultChunkMiB) << 20;
 }
 
-// Rows of a chunk of q's sequence whose fp32 accumulators take bytes_per_row
+// Rows of a chunk of len rows whose fp32 accumulators take bytes_per_row
 // bytes a row.
-int64_t chunk_rows(const Tensor& q, IntArrayRef segs, int64_t bytes_per_row) {
-  const int64_t len = q.size(1), w = *std::max_element(segs.begin(), segs.end());
+int64_t chunk_rows(int64_t len, IntArrayRef segs, int64_t bytes_per_row) {
+  const int64_t w = *std::max_element(segs.begin(), segs.end());
   int64_t rows = std::max(kMinChunkRows, (len + kChunks - 1) / kChunks);
   if (w <= rows) rows = (rows + w - 1) / w * w;
   int64_t budget = chunk_budget_bytes() / std::max<int64_t>(bytes_per_row, 1);
@@ -122,8 +122,8 @@ void forward_rows(BlockKernel forward, const CheckedPattern& pattern, const Tens
     return;
   }
   const int64_t len = q.size(1);
-  const int64_t rows =
-      chunk_rows(q, pattern.segment_lengths, q.size(0) * q.size(2) * q.size(3) * elementSize(acc));
+  const int64_t rows = chunk_rows(len, pattern.segment_lengths,
+                                  q.size(0) * q.size(2) * q.size(3) * elementSize(acc));
   for (int64_t a = 0; a < len; a += rows) {
     const int64_t b = std::min(a + rows, len);
     Tensor out_c = at::zeros({q.size(0), b - a, q.size(2), q.size(3)}, q.options().dtype(acc));
@@ -156,9 +156,9 @@ void backward_rows(BlockKernel backward, const CheckedPattern& pattern, const Te
   const auto acc_opts = q.options().dtype(acc);
   // Three fp32 accumulators a row at a time at most: dq, dk, dv.
   const int64_t len = q.size(1), k_len = k.size(1);
-  const int64_t rows =
-      chunk_rows(q, pattern.segment_lengths,
-                 q.size(0) * (q.size(2) + 2 * k.size(2)) * q.size(3) * elementSize(acc));
+  const int64_t row_bytes = q.size(0) * (q.size(2) + 2 * k.size(2)) * q.size(3) * elementSize(acc);
+  const int64_t rows = chunk_rows(len, pattern.segment_lengths, row_bytes);
+  const int64_t k_rows = chunk_rows(k_len, pattern.segment_lengths, row_bytes);
   // A chunk's fp32 accumulator, its rows of grad_lse and of the key padding mask.
   const auto acc_chunk = [&](const Tensor& t, int64_t a, int64_t b) {
     return at::zeros({t.size(0), b - a, t.size(2), t.size(3)}, acc_opts);
@@ -201,8 +201,8 @@ void backward_rows(BlockKernel backward, const CheckedPattern& pattern, const Te
         out.slice(1, a, b), lse.slice(2, a, b), dq_c, Tensor(), Tensor(), q_start + a, k_start);
     dq.slice(1, a, b).copy_(dq_c);
   }
-  for (int64_t a = 0; a < k_len; a += rows) {
-    const int64_t b = std::min(a + rows, k_len);
+  for (int64_t a = 0; a < k_len; a += k_rows) {
+    const int64_t b = std::min(a + k_rows, k_len);
     const Tensor dk_c = acc_chunk(k, a, b), dv_c = acc_chunk(v, a, b);
     run(grad_out, grad_lse, q, k.slice(1, a, b), v.slice(1, a, b), kpm_rows(a, b), out, lse,
         Tensor(), dk_c, dv_c, q_start, k_start + a);

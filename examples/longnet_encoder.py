@@ -36,8 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ring_attention import MultiheadDilatedAttention
-from ring_attention.multiplicity import multiplicity
-from ring_attention.pattern import Pattern
+from ring_attention.core.multiplicity import multiplicity
+from ring_attention.core.pattern import Pattern
 
 VOCAB = 8  # plain tokens 0..7, marked tokens 8..15, query token 16
 QUERY_EVERY = 16  # a query token at every 16th position

@@ -24,8 +24,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import ring_attention as ra
-from ring_attention.exchange import register_exchange_hook
-from ring_attention.ulysses import last_all_to_all_stats
+from ring_attention.parallel.exchange import register_exchange_hook
+from ring_attention.parallel.ulysses import last_all_to_all_stats
 
 
 def sharding(mode: str, world: int, ulysses: int, device: str) -> dict:

@@ -28,14 +28,17 @@ except ImportError as error:
     _EXTENSION_ERROR: ImportError | None = error
 else:
     _EXTENSION_ERROR = None
-    from . import ops  # noqa: F401  (the operators' autograd)
-    from .dtypes import select_dtype
-    from .functional import dilated_attention
-    from .modules import DilatedAttention, MultiheadDilatedAttention, RingDilatedAttention
-    from .multihead import MultiheadAttentionError
-    from .pattern import Pattern
-    from .ring import ring_dilated_attention
-    from .sharding import gather_sequence, shard_sequence
+    from .core.dtypes import select_dtype
+    from .core.pattern import Pattern
+    from .local.functional import dilated_attention
+    from .nn.modules import DilatedAttention, MultiheadDilatedAttention, RingDilatedAttention
+    from .nn.multihead import MultiheadAttentionError
+    from .parallel.exchange_plan import build_plan as _build_plan
+    from .parallel.ring import ring_dilated_attention
+    from .parallel.sharding import gather_sequence, shard_sequence
+    from .planner import traffic as _traffic
+
+    _traffic.exact_plans = _build_plan  # the planner's exact source: the ring's own plans
 
 
 def __getattr__(name: str) -> Any:

@@ -3,9 +3,9 @@
     python -m ring_attention.info --seq-len 131072 --heads 16 --head-dim 128 \\
         --dtype bfloat16 --device cuda [--capability 9.0] [--causal] ...
 
-prints the forward's and the backward's route (ring_attention/dispatch.py:
+prints the forward's and the backward's route (ring_attention/local/dispatch.py:
 our kernels or dense attention per branch, the table row or the reason),
-the environment it read (ring_attention/config.py), the windows and, per
+the environment it read (ring_attention/core/config.py), the windows and, per
 branch, its dense calls and the backend each takes. It needs no GPU:
 ``--capability`` stands in for the device's compute capability.
 """
@@ -19,9 +19,9 @@ from collections import Counter
 
 import torch
 
-from . import config
-from .dispatch import Route, decide
-from .pattern import Pattern
+from .core import config
+from .core.pattern import Pattern
+from .local.dispatch import Route, decide
 
 __all__ = ["describe", "main"]
 

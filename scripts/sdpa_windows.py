@@ -1,5 +1,5 @@
 """Time and memory of the local op's dense per-branch path against the rows
-per window (``RING_ATTENTION_DENSE_WINDOW_ROWS``, ring_attention/config.py),
+per window (``RING_ATTENTION_DENSE_WINDOW_ROWS``, ring_attention/core/config.py),
 on CUDA.
 
 The per-branch calls of a window write their outputs (and in the backward
@@ -25,7 +25,7 @@ import statistics
 import torch
 
 import ring_attention as ra
-from ring_attention import config
+from ring_attention.core import config
 
 SEGMENTS = [2048, 4096, 8192, 16384, 32768]
 DILATIONS = [1, 2, 4, 6, 12]

@@ -86,7 +86,7 @@ def test_fa4_baseline_layout_and_merge(methods, monkeypatch, causal: bool) -> No
     real library is the CUDA test below)."""
     import ring_attention as ra
     from benchmarks import sdpa
-    from ring_attention import backends  # where the gather baseline looks flash-attn-4 up
+    from ring_attention.local import backends  # where the gather baseline looks flash-attn-4 up
 
     stand_in = _FA4StandIn(sdpa)
     monkeypatch.setattr(backends, "fa4_interface", lambda: stand_in)

@@ -1,5 +1,5 @@
 """The local op through dense attention per branch on strided views
-(ring_attention/branches.py), its dispatch table (dispatch.py) and knobs
+(ring_attention/local/branches.py), its dispatch table (dispatch.py) and knobs
 (config.py), against the float64 oracle.
 
 On the CPU the dense path runs only when asked for (``RING_ATTENTION_FORWARD
@@ -20,8 +20,10 @@ import torch
 from oracle import reference_attention
 
 import ring_attention as ra
-from ring_attention import backends, branches, config, dispatch, info
-from ring_attention.pattern import Pattern
+from ring_attention import info
+from ring_attention.core import config
+from ring_attention.core.pattern import Pattern
+from ring_attention.local import backends, branches, dispatch
 
 F64, F32, BF16, F16 = torch.float64, torch.float32, torch.bfloat16, torch.float16
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
@@ -423,7 +425,7 @@ def test_knobs_are_read_only_by_config_and_listed_in_the_design() -> None:
     for path in [*ROOT.glob("ring_attention/**/*.py"), *ROOT.glob("benchmarks/*.py")]:
         if path.name != "config.py" and reads.search(path.read_text()):
             offenders.append(str(path.relative_to(ROOT)))
-    assert offenders == [], "RING_ATTENTION_* read outside ring_attention/config.py"
+    assert offenders == [], "RING_ATTENTION_* read outside ring_attention/core/config.py"
     design = (ROOT / "docs" / "design.md").read_text()
     table = design[design.index("| Python knob |") :]
     table = table[: table.index("\n\n")]

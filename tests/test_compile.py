@@ -16,7 +16,7 @@ import torch._dynamo.testing
 from torch import nn
 
 import ring_attention as ra
-from ring_attention.modules import DilatedAttention, MultiheadDilatedAttention
+from ring_attention.nn.modules import DilatedAttention, MultiheadDilatedAttention
 
 SEGS, DILS = [4, 8], [1, 2]
 

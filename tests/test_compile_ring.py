@@ -18,8 +18,8 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import ring_attention as ra
-from ring_attention.pattern import Pattern
-from ring_attention.ring import ring_call_spec
+from ring_attention.core.pattern import Pattern
+from ring_attention.parallel.ring import ring_call_spec
 from ring_attention.testing import run_distributed
 
 SEGS, DILS = [4, 8], [1, 2]

@@ -22,13 +22,13 @@ import torch
 from oracle import multiplicity
 
 import ring_attention
-from ring_attention import exchange, ring
-from ring_attention.cache import LRUCache
-from ring_attention.exchange import last_exchange_stats, register_exchange_hook
-from ring_attention.pattern import Pattern
-from ring_attention.plan import PLAN_CACHE, build_plan, get_plan
-from ring_attention.ring import ring_dilated_attention
-from ring_attention.sharding import layout_pieces, shard_sequence
+from ring_attention.core.cache import LRUCache
+from ring_attention.core.pattern import Pattern
+from ring_attention.parallel import exchange, ring
+from ring_attention.parallel.exchange import last_exchange_stats, register_exchange_hook
+from ring_attention.parallel.exchange_plan import PLAN_CACHE, build_plan, get_plan
+from ring_attention.parallel.ring import ring_dilated_attention
+from ring_attention.parallel.sharding import layout_pieces, shard_sequence
 from ring_attention.testing import run_distributed
 
 
@@ -256,7 +256,7 @@ def test_build_plan_checks_world_and_rank(world_size, rank, match: str) -> None:
 
 
 def test_exchange_names_reexported_by_ring() -> None:
-    """The transport's public names are importable from ``ring_attention.ring``
+    """The transport's public names are importable from ``ring_attention.parallel.ring``
     too, as the same objects (``last_exchange_stats`` is mutated in place)."""
     for name in ("ExchangeEvent", "ExchangeStats", "last_exchange_stats", "register_exchange_hook"):
         assert getattr(ring, name) is getattr(exchange, name)

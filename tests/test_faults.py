@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import ring_attention as ra
-from ring_attention.exchange import register_exchange_hook
+from ring_attention.parallel.exchange import register_exchange_hook
 from ring_attention.testing import run_distributed
 
 PG_TIMEOUT = 10.0

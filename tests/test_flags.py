@@ -21,8 +21,9 @@ import pytest
 import torch
 
 import ring_attention as ra
-from ring_attention import hf, planner, ring
-from ring_attention.pattern import Pattern
+from ring_attention import hf, planner
+from ring_attention.core.pattern import Pattern
+from ring_attention.parallel import ring
 
 MODULES = {"ra": ra, "ring": ring, "hf": hf, "planner": planner}
 BAD = ["no", "False", 0, 1, None, 1.0, torch.tensor(True), [True]]

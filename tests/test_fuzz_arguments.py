@@ -109,8 +109,9 @@ def _public() -> dict[str, tuple[Callable, dict[str, Any], dict[str, Any]]]:
     import torch
 
     import ring_attention as ra
-    from ring_attention import hf, planner, ring
-    from ring_attention.pattern import Pattern
+    from ring_attention import hf, planner
+    from ring_attention.core.pattern import Pattern
+    from ring_attention.parallel import ring
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 8, 2, 4, generator=g)
@@ -323,8 +324,8 @@ def _op_base() -> dict[str, Any]:
     batch 1, 8 positions, 2 query heads on 1 K/V head, head_dim 4)."""
     import torch
 
-    from ring_attention.pattern import Pattern
-    from ring_attention.ring import ring_call_spec
+    from ring_attention.core.pattern import Pattern
+    from ring_attention.parallel.ring import ring_call_spec
 
     g = torch.Generator().manual_seed(1)
     q = torch.randn(1, 8, 2, 4, generator=g)
@@ -630,7 +631,8 @@ NOT_FUZZED = {
 
 def test_every_public_entry_is_fuzzed_or_said_why_not() -> None:
     import ring_attention as ra
-    from ring_attention import hf, planner, ring
+    from ring_attention import hf, planner
+    from ring_attention.parallel import ring
 
     entries = set(_public())
     missing = []

@@ -1,4 +1,4 @@
-"""Control messages between ranks (ring_attention/handshake.py), in real gloo
+"""Control messages between ranks (ring_attention/parallel/handshake.py), in real gloo
 processes: every message has one fixed size and names its call, so ranks in
 different calls, or ranks whose calls disagree, or a rank whose own checks
 fail, make every rank raise the library's own ValueError — never a transport

@@ -1,9 +1,10 @@
 """Generation with a KV cache under ``"ring_dilated"``: a decode step attends
 its queries at their global positions to the cached keys
-(ring_attention/hf/offset.py), so generating with a cache equals generating
-without one (recomputing the whole sequence per token), token for token, and
-equals ``"sdpa"`` without a pattern. References: the float64 oracle for the
-offset block, the uncached model for generation."""
+(the one engine's rows at an offset, ring_attention/local/engine.py), so
+generating with a cache equals generating without one (recomputing the
+whole sequence per token), token for token, and equals ``"sdpa"`` without a
+pattern. References: the float64 oracle for the offset block, the uncached
+model for generation."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ from transformers import Cache, DynamicCache, StaticCache
 from transformers.cache_utils import StaticLayer
 
 import ring_attention as ra
-from ring_attention import Pattern, ops
+from ring_attention import Pattern
+from ring_attention.core.call import prepare
 from ring_attention.hf.decode import decode_attention
-from ring_attention.hf.offset import offset_attention
+from ring_attention.local import engine
 
 PATTERN = {"segment_lengths": [3, 8, 20], "dilation_rates": [1, 2, 4]}
 
@@ -57,7 +59,8 @@ def test_offset_attention_matches_oracle(heads, kv_heads, causal, head_groups, p
 
     q_tail = q[:, q_start:].clone().requires_grad_()
     k1, v1 = k.clone().requires_grad_(), v.clone().requires_grad_()
-    got = offset_attention(q_tail, k1, v1, q_start, ops.op_args(pattern, 0.3, kpm, q.device))
+    call, _ = prepare(q_tail, k1, v1, pattern, scale=0.3, key_padding_mask=kpm, q_start=q_start)
+    got = engine.attend(call, q_tail, k1, v1)[0]
     got.backward(grad)
 
     q2, k2, v2 = (t.clone().requires_grad_() for t in (q, k, v))
@@ -103,7 +106,8 @@ def test_decode_attention_matches_oracle(
 
     q1, k1, v1 = q[:, first : p + 1].clone().requires_grad_(), k.clone(), v.clone()
     k1.requires_grad_(), v1.requires_grad_()
-    got = decode_attention(q1, k1, v1, positions, pattern, 0.3)
+    call, _ = prepare(q1, k1, v1, pattern, scale=0.3, q_start=n - queries)
+    got = decode_attention(q1, k1, v1, positions, call)
     got.backward(grad)
 
     q2, k2, v2 = (t[:, : p + 1].clone().requires_grad_() for t in (q, k, v))

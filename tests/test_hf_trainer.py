@@ -37,8 +37,8 @@ from transformers import (
 
 import ring_attention as ra
 from ring_attention import hf
-from ring_attention.plan import PLAN_CACHE
-from ring_attention.ring import register_exchange_hook
+from ring_attention.parallel.exchange_plan import PLAN_CACHE
+from ring_attention.parallel.ring import register_exchange_hook
 from ring_attention.testing import run_distributed
 
 VOCAB = 61

@@ -53,7 +53,7 @@ def test_no_file_edits_the_module_path() -> None:
 _IMPORT_SCRIPT = """
 import sys
 import ring_attention
-from ring_attention.ring_spec import ring_call_spec
+from ring_attention.parallel.ring_spec import ring_call_spec
 assert "torch._dynamo" not in sys.modules, "import ring_attention imported torch._dynamo"
 import torch
 

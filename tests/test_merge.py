@@ -15,8 +15,8 @@ import torch
 from oracle import reference_attention
 
 import ring_attention  # noqa: F401  (registers torch.ops.ring_attention)
-from ring_attention.pattern import Pattern
-from ring_attention.views import plan_windows
+from ring_attention.core.pattern import Pattern
+from ring_attention.local.views import plan_windows
 
 F64, F32, F16, BF16 = torch.float64, torch.float32, torch.float16, torch.bfloat16
 TOL = {F64: 1e-12, F32: 1e-5, F16: 2e-3, BF16: 1e-2}

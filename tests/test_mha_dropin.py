@@ -39,7 +39,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from ring_attention.multihead import MultiheadAttentionError, MultiheadDilatedAttention
+from ring_attention.nn.multihead import MultiheadAttentionError, MultiheadDilatedAttention
 
 pytestmark = pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
 

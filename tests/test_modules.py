@@ -9,7 +9,7 @@ import torch
 from oracle import reference_attention
 
 import ring_attention as ra
-from ring_attention.modules import DilatedAttention
+from ring_attention.nn.modules import DilatedAttention
 
 E, H = 16, 4
 TOL = 1e-5

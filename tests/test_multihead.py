@@ -19,12 +19,12 @@ import torch.nn as nn
 from oracle import multiplicity, reference_attention
 
 import ring_attention as ra
-from ring_attention import multihead_paths as ra_multihead_paths
-from ring_attention import multiplicity as ra_multiplicity
-from ring_attention.multihead import MultiheadAttentionError, MultiheadDilatedAttention
-from ring_attention.multiplicity import PATTERN_CACHE, log_multiplicity
-from ring_attention.multiplicity import multiplicity as pattern_multiplicity
-from ring_attention.pattern import Pattern
+from ring_attention.core import multiplicity as ra_multiplicity
+from ring_attention.core.multiplicity import PATTERN_CACHE, log_multiplicity
+from ring_attention.core.multiplicity import multiplicity as pattern_multiplicity
+from ring_attention.core.pattern import Pattern
+from ring_attention.nn import multihead_paths as ra_multihead_paths
+from ring_attention.nn.multihead import MultiheadAttentionError, MultiheadDilatedAttention
 from ring_attention.testing import run_distributed
 
 E, H = 16, 4
@@ -491,8 +491,8 @@ SHARD_CASES = [
 def _sharded_worker(rank: int, world: int, n: int) -> list[str]:
     import torch.distributed as dist
 
-    from ring_attention.plan import PLAN_CACHE
-    from ring_attention.sharding import gather_sequence, shard_sequence
+    from ring_attention.parallel.exchange_plan import PLAN_CACHE
+    from ring_attention.parallel.sharding import gather_sequence, shard_sequence
 
     group = dist.group.WORLD
     problems: list[str] = []

@@ -14,7 +14,7 @@ import torch
 from oracle import multiplicity
 
 import ring_attention as ra
-from ring_attention import config
+from ring_attention.core import config
 
 SEGS, DILS = [8, 16, 32], [1, 2, 4]
 
@@ -22,7 +22,7 @@ SEGS, DILS = [8, 16, 32], [1, 2, 4]
 @pytest.fixture(autouse=True)
 def _kernels_both_ways(monkeypatch):
     """The clean and the non-finite call take the same path, our kernels: a
-    non-finite K/V always does (ring_attention/dispatch.py), and on CUDA the
+    non-finite K/V always does (ring_attention/local/dispatch.py), and on CUDA the
     clean call would otherwise take the dense backends per branch, whose
     rounding differs from the kernel's."""
     monkeypatch.setenv(config.FORWARD, "kernel")

@@ -1,8 +1,8 @@
 """torch.library.opcheck of every operator (schema, fake/meta kernels,
 autograd registration, AOT dispatch), with and without the optional
 arguments (grouped K/V heads, documents, grouped offsets, grad_lse), and
-gradcheck of the local op's autograd (ring_attention/ops.py) in float64 on both outputs; double
-backward raises.
+gradcheck of the local op's autograd (ring_attention/local/ops.py) in float64
+on both outputs; double backward raises.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The Pattern value (ring_attention/pattern.py) and the argument contract of
+"""The Pattern value (ring_attention/core/pattern.py) and the argument contract of
 docs/design.md §6 that it carries: pattern values are Python/NumPy integers or
 0-d integer tensors, flags are bool, cu_seqlens is a 1-D non-decreasing
 integer sequence from 0 to seq; and the byte-bounded caches."""
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import ring_attention as ra
-from ring_attention.cache import LRUCache
-from ring_attention.multiplicity import PATTERN_CACHE
-from ring_attention.pattern import Pattern, head_group_bounds, head_offset
+from ring_attention.core.cache import LRUCache
+from ring_attention.core.multiplicity import PATTERN_CACHE
+from ring_attention.core.pattern import Pattern, head_group_bounds, head_offset
 
 
 def qkv(n: int = 16, heads: int = 4, d: int = 8, kv_heads: int | None = None):
@@ -121,8 +121,8 @@ def test_head_dim_zero_names_head_dim() -> None:
 def test_digest_is_the_same_in_every_process() -> None:
     p = Pattern([4, 8], [1, 2], causal=True, head_offsets="grouped").with_documents([0, 3, 16])
     code = (
-        "from ring_attention.pattern import Pattern; print(Pattern([4, 8], [1, 2], causal=True, "
-        "head_offsets='grouped').with_documents([0, 3, 16]).digest())"
+        "from ring_attention.core.pattern import Pattern; print(Pattern([4, 8], [1, 2], "
+        "causal=True, head_offsets='grouped').with_documents([0, 3, 16]).digest())"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert int(out.stdout) == p.digest()
@@ -198,7 +198,7 @@ def test_many_documents_are_checked_without_a_python_loop_per_document() -> None
 
 def test_with_documents_does_not_check_the_pattern_again(monkeypatch) -> None:
     """with_documents copies a checked pattern: only the documents are checked."""
-    import ring_attention.pattern as pattern_module
+    import ring_attention.core.pattern as pattern_module
 
     p = Pattern([4, 8], [1, 2], causal=True, head_offsets="grouped")
 

@@ -27,10 +27,10 @@ soft, hard = resource.getrlimit(resource.RLIMIT_AS)
 size = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
 resource.setrlimit(resource.RLIMIT_AS, (size + 2**30, hard))
 
-from ring_attention.pattern import Pattern
-from ring_attention.plan import build_plan
+from ring_attention.core.pattern import Pattern
+from ring_attention.parallel.exchange_plan import build_plan
 from ring_attention.planner.traffic import predict_traffic
-from ring_attention.ring import exchange_plan
+from ring_attention.parallel.ring import exchange_plan
 
 # one process: nothing is exchanged, the local block reaches something
 plan = exchange_plan(10**8, 8, [2048, 8192], [1, 4])

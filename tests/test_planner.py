@@ -1,7 +1,7 @@
 """The capacity planner (ring_attention/planner).
 
 * closed-form reached pairs == brute-force counts of the multiplicity matrix
-  (tests/oracle.py; ring_attention.multiplicity for documents and grouped
+  (tests/oracle.py; ring_attention.core.multiplicity for documents and grouped
   offsets), whole sequence and query ranges;
 * unions of dilated rows == brute force, on every counting path;
 * the analytic exchange model == the ring's own plans (rows and span rows
@@ -28,9 +28,9 @@ import pytest
 import torch
 from oracle import multiplicity as oracle_multiplicity
 
-from ring_attention.layout import layout_pieces
-from ring_attention.multiplicity import multiplicity
-from ring_attention.pattern import Pattern
+from ring_attention.core.layout import layout_pieces
+from ring_attention.core.multiplicity import multiplicity
+from ring_attention.core.pattern import Pattern
 from ring_attention.planner import pairs, progressions, traffic
 from ring_attention.planner.capacity import Setup, evaluate, fewest_ranks, largest_length
 from ring_attention.planner.cli import main
@@ -279,7 +279,7 @@ def _memory_worker(rank: int, world: int) -> list[dict]:
     import gc
 
     import ring_attention as ra
-    from ring_attention.exchange import last_exchange_stats
+    from ring_attention.parallel.exchange import last_exchange_stats
     from ring_attention.planner.validate import tensor_peak
 
     out = []
@@ -486,7 +486,7 @@ sys.modules["ring_attention._C"] = None  # as if the extension had not been buil
 import ring_attention
 from ring_attention.planner import predict_traffic, reached_pairs
 from ring_attention.planner.cli import main
-from ring_attention.pattern import Pattern
+from ring_attention.core.pattern import Pattern
 
 assert main(["--device", "cpu", "--processes", "4", "--memory", "24GB", "--heads", "8",
              "--head-dim", "64", "--dtype", "float32", "--seq-len", "16384",
@@ -494,7 +494,7 @@ assert main(["--device", "cpu", "--processes", "4", "--memory", "24GB", "--heads
 pattern = Pattern([512, 2048], [1, 4], causal=True).with_documents([0, 1000, 16384])
 assert predict_traffic(pattern, 16384, 8, 8, 4).source == "analytic"
 assert reached_pairs(pattern, 16384, 8) > 0
-assert "ring_attention.ops" not in sys.modules
+assert "ring_attention.local.ops" not in sys.modules
 try:
     ring_attention.dilated_attention
 except ImportError as error:

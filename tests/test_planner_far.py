@@ -17,7 +17,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from ring_attention.pattern import Pattern
+from ring_attention.core.pattern import Pattern
 from ring_attention.planner.cli import main
 from ring_attention.planner.memory import transport_buffers
 from ring_attention.planner.throughput import Rates

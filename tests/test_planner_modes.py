@@ -36,9 +36,9 @@ def _measure(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     import ring_attention as ra
-    from ring_attention.exchange import register_exchange_hook
+    from ring_attention.parallel.exchange import register_exchange_hook
+    from ring_attention.parallel.ulysses import last_all_to_all_stats
     from ring_attention.planner.validate import tensor_peak
-    from ring_attention.ulysses import last_all_to_all_stats
 
     rows = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     cols = [dist.new_group([0, 2]), dist.new_group([1, 3])]
@@ -106,9 +106,9 @@ def test_predicted_bytes_are_the_measured_bytes(name: str) -> None:
 def _runs_one_call(H: int, Hkv: int, segs, dils, causal: bool, U: int, j: int) -> bool:
     """Whether Ulysses rank ``j``'s heads run in one call, not through the
     head-range stand-in (whose memory the planner does not model)."""
-    from ring_attention.heads import _fits_as_is, kv_head_range
-    from ring_attention.layout import shard_bounds
-    from ring_attention.pattern import Pattern
+    from ring_attention.core.layout import shard_bounds
+    from ring_attention.core.pattern import Pattern
+    from ring_attention.parallel.heads import _fits_as_is, kv_head_range
 
     s, c = shard_bounds(H, U)[j]
     lo, hi = kv_head_range(s, c, H, Hkv)

@@ -155,10 +155,10 @@ def test_dilated_attention_matches_the_oracle(c: dict) -> None:
 @given(problems())
 def test_dense_branches_match_the_oracle(c: dict) -> None:
     """The forward and the backward through dense attention per branch on
-    strided views (ring_attention/branches.py, with the CPU stand-in when
+    strided views (ring_attention/local/branches.py, with the CPU stand-in when
     asked for), windows as short as the pattern allows: random patterns and
     documents, without masks or an lse gradient (those take the kernel)."""
-    from ring_attention import config
+    from ring_attention.core import config
 
     c = dict(c, mask=False, lse_weight=False)
     q, k, v, go, mask, glse = _inputs(c)

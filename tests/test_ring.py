@@ -22,10 +22,15 @@ from oracle import reference_attention
 
 import ring_attention as ra
 from ring_attention import RingDilatedAttention
-from ring_attention.exchange import last_exchange_stats
-from ring_attention.plan import PLAN_CACHE
-from ring_attention.ring import ring_dilated_attention
-from ring_attention.sharding import gather_sequence, layout_pieces, shard_bounds, shard_sequence
+from ring_attention.parallel.exchange import last_exchange_stats
+from ring_attention.parallel.exchange_plan import PLAN_CACHE
+from ring_attention.parallel.ring import ring_dilated_attention
+from ring_attention.parallel.sharding import (
+    gather_sequence,
+    layout_pieces,
+    shard_bounds,
+    shard_sequence,
+)
 from ring_attention.testing import run_distributed
 
 LONGNET = ([8, 16, 32], [1, 2, 4])

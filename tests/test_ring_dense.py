@@ -1,4 +1,4 @@
-"""The ring's per-step blocks through the dense backends (ring_attention/dense_blocks.py).
+"""The ring's per-step blocks through the dense backends (ring_attention/local/blocks.py).
 
 Each world size (2, 3) is launched once (real gloo processes) and runs every
 case of ``CASES``; the tests below read the cached results. Every rank
@@ -21,11 +21,12 @@ import pytest
 import torch
 from oracle import reference_attention
 
-from ring_attention import backends, config
-from ring_attention.dense_blocks import block_kind
-from ring_attention.dispatch import block_shape, decide_blocks, route_blocks
-from ring_attention.pattern import Pattern
-from ring_attention.sharding import layout_pieces, shard_sequence
+from ring_attention.core import config
+from ring_attention.core.pattern import Pattern
+from ring_attention.local import backends
+from ring_attention.local.blocks import block_kind
+from ring_attention.local.dispatch import block_shape, decide_blocks, route_blocks
+from ring_attention.parallel.sharding import layout_pieces, shard_sequence
 from ring_attention.testing import run_distributed
 
 # name -> configuration; lengths divide nothing (37, 53), GQA and MQA included.
@@ -88,7 +89,7 @@ def _lse_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _run_case(rank: int, world: int, name: str, c: dict) -> dict:
-    from ring_attention.ring import ring_dilated_attention
+    from ring_attention.parallel.ring import ring_dilated_attention
 
     n, causal = c["n"], c["causal"]
     layout, dtype = c.get("layout", "contiguous"), c.get("dtype", torch.float32)
@@ -186,7 +187,7 @@ def test_ring_dense_blocks(world: int, name: str) -> None:
 def _nan_worker(rank: int, world: int) -> dict:
     """Dense forced against our kernels forced, K holding a NaN row (our
     kernels exclude it): the blocks reading it take our kernels."""
-    from ring_attention.ring import ring_dilated_attention
+    from ring_attention.parallel.ring import ring_dilated_attention
 
     n = 37
     g = torch.Generator().manual_seed(7)

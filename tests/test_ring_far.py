@@ -1,4 +1,4 @@
-"""The ring's far group (``RING_ATTENTION_FAR_BYTES``, ring_attention/transport.py):
+"""The ring's far group (``RING_ATTENTION_FAR_BYTES``, ring_attention/parallel/transport.py):
 transfers of at most that many K/V bytes travel in one batch per pass,
 posted first, the others in their ring steps.
 
@@ -21,10 +21,10 @@ import torch
 from test_ring import _config, _run_case
 from test_ring_rows import CASES, assert_matches_oracle
 
-from ring_attention import config
-from ring_attention.exchange import last_exchange_stats
-from ring_attention.pattern import Pattern
-from ring_attention.plan import build_plan
+from ring_attention.core import config
+from ring_attention.core.pattern import Pattern
+from ring_attention.parallel.exchange import last_exchange_stats
+from ring_attention.parallel.exchange_plan import build_plan
 from ring_attention.planner.memory import transport_buffers
 from ring_attention.planner.traffic import predict_traffic
 from ring_attention.testing import run_distributed

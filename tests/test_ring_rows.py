@@ -1,5 +1,5 @@
 """The ring's CPU transport reads the rows of partly needed sender pieces in
-place through row maps (ring_attention/transport.py): a 6-process gloo ring
+place through row maps (ring_attention/parallel/transport.py): a 6-process gloo ring
 (shards of 21-22 rows of 131: dividing nothing) against the float64 oracle
 and the single-process op, forward and backward, for dilated branches,
 causal or not, zigzag, grouped K/V heads, head groups, documents, windows;
@@ -14,8 +14,8 @@ import pytest
 import torch
 from test_ring import LONGNET, LSE_TOL, TOLERANCES, _config, _run_case
 
-from ring_attention.exchange import last_exchange_stats
-from ring_attention.pattern import Pattern
+from ring_attention.core.pattern import Pattern
+from ring_attention.parallel.exchange import last_exchange_stats
 from ring_attention.planner.memory import transport_buffers
 from ring_attention.planner.traffic import predict_traffic
 from ring_attention.testing import run_distributed

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import ring_attention as ra
-from ring_attention.pattern import head_offset
+from ring_attention.core.pattern import head_offset
 
 
 def _dense_to_sparse(x: torch.Tensor, r: int) -> torch.Tensor:

@@ -17,7 +17,7 @@ spanning ranks; causal and not; both layouts.
 
 A second launch checks ranks that disagree: every rank raises
 ``ValueError``, none hangs. Single-process tests cover the head-range
-stand-in (``ring_attention.heads``) and the folded layout.
+stand-in (``ring_attention.parallel.heads``) and the folded layout.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ import torch
 from oracle import reference_attention
 
 import ring_attention as ra
-from ring_attention.heads import attend_head_range, kv_head_range, local_runner
-from ring_attention.layout import layout_pieces, layout_shard_lengths, shard_bounds
-from ring_attention.pattern import Pattern
+from ring_attention.core.layout import layout_pieces, layout_shard_lengths, shard_bounds
+from ring_attention.core.pattern import Pattern
+from ring_attention.parallel.heads import attend_head_range, kv_head_range, local_runner
 from ring_attention.testing import run_distributed
 
 LONGNET = ([8, 16, 32], [1, 2, 4])

@@ -1,4 +1,4 @@
-"""The view planner (ring_attention/views.py): every branch's rows as strided
+"""The view planner (ring_attention/local/views.py): every branch's rows as strided
 views of q, k, v, checked against the gather indices the per-branch SDPA path
 used before it (``_gather_calls`` below, its index builder kept as the
 reference), against the oracle's activity (documents, windows), for storage
@@ -14,8 +14,8 @@ import pytest
 import torch
 from oracle import active, head_group_bounds
 
-from ring_attention.pattern import Pattern
-from ring_attention.views import Plan, batched, head_runs, plan_windows
+from ring_attention.core.pattern import Pattern
+from ring_attention.local.views import Plan, batched, head_runs, plan_windows
 
 BIG = 1 << 40  # one window
 

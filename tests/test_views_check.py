@@ -104,9 +104,9 @@ def test_host_overhead_runs_a_tree_against_another(tmp_path: Path) -> None:
 
 def host_overhead_plan(point: str):
     from benchmarks import host_overhead
-    from ring_attention import config
-    from ring_attention.pattern import Pattern
-    from ring_attention.views import plan_windows
+    from ring_attention.core import config
+    from ring_attention.core.pattern import Pattern
+    from ring_attention.local.views import plan_windows
 
     n, heads, _ = (int(x) for x in point.split("x"))
     pattern = Pattern(host_overhead.SEGS, host_overhead.DILS)

@@ -38,8 +38,8 @@ from op_helpers import (
 from oracle import multiplicity
 
 import ring_attention as ra
-from ring_attention.pattern import Pattern
-from ring_attention.plan import build_plan, exchange_rows
+from ring_attention.core.pattern import Pattern
+from ring_attention.parallel.exchange_plan import build_plan, exchange_rows
 
 # name -> (n, heads, kv_heads, segments, dilations, window, head_groups, documents)
 # Windows smaller than, equal to and larger than the segments; one-sided.

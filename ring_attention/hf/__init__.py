@@ -40,7 +40,7 @@ What the backend does with transformers' arguments:
 
 **Sequence parallelism** (``register_transformers(group=g)``): every
 ``"ring_dilated"`` call of this process is ring attention over ``g``
-(:func:`ring_attention.ring.ring_call`: one operator forward and one
+(:func:`ring_attention.parallel.ring.ring_call`: one operator forward and one
 backward, compiled with ``fullgraph=True`` too); with ``ulysses_group=`` or
 ``mesh=`` it is Ulysses or the ring x Ulysses hybrid
 (:func:`ring_attention.ring_dilated_attention`'s arguments): each rank feeds the model
@@ -77,7 +77,8 @@ from .batch import documents_from_position_ids, shard_causal_lm_batch
 from .config import CONFIG_KEY, pattern_from_config
 from .loader import SequenceParallelDataLoader
 from .masks import dilated_attention_mask
-from .registry import ATTN_IMPLEMENTATION, register_transformers, sequence_parallel
+from .register import register_transformers
+from .setting import ATTN_IMPLEMENTATION, sequence_parallel
 
 __all__ = [
     "ATTN_IMPLEMENTATION",

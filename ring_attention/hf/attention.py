@@ -8,16 +8,14 @@ from typing import Any
 
 import torch
 
-from .. import ops
-from ..checks import check_key_padding_mask, check_qkv, resolve_scale
-from ..functional import attend
-from ..pattern import Pattern
-from ..ring import ring_attention, ring_call, ring_call_spec
+from ..core.call import prepare
+from ..core.pattern import Pattern
+from ..local import engine
+from ..parallel.ring import ring_attention, ring_call, ring_call_spec
 from .config import is_dense, layer_pattern, layer_window, pattern_from_config
 from .decode import decode_attention
 from .masks import Keys, PerBatch, batch_keys, filled_keys, sdpa_mask_of
-from .offset import offset_attention
-from .registry import ATTN_IMPLEMENTATION, SequenceParallel, sequence_parallel
+from .setting import ATTN_IMPLEMENTATION, SequenceParallel, sequence_parallel
 
 __all__ = ["dilated_attention_forward"]
 
@@ -124,10 +122,8 @@ def dilated_attention_forward(
         # takes: cheaper than gathering); compiled, fixed shapes
         filled = None if torch.compiler.is_compiling() else filled_keys(attention_mask)
         if filled is None:
-            shape = check_qkv(q, k, v, same_length=False)
-            pattern.check_heads(shape.heads)
-            scale = resolve_scale(scaling, shape.head_dim)
-            return decode_attention(q, k, v, attention_mask, pattern, scale), None
+            call, _ = prepare(q, k, v, pattern, scale=scaling, q_start=k.shape[1] - q.shape[1])
+            return decode_attention(q, k, v, attention_mask, call), None
         attention_mask = filled
     return _local(q, k, v, pattern, attention_mask, scaling, kwargs), None
 
@@ -176,12 +172,11 @@ def _one_query(
     cache's decode step, ring_attention/hf/masks.py). The keys' order does
     not matter, so a sliding-window cache's rolled keys need no position."""
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    shape = check_qkv(q, k, v, same_length=False)
     pattern = pattern_from_config(config, False)  # dense: the mask decides the keys
-    pattern.check_heads(shape.heads)
-    padding = ~attention_mask[:, 0, 0, :].expand(shape.batch, -1)
-    args = ops.op_args(pattern, resolve_scale(scaling, shape.head_dim), padding, q.device)
-    return offset_attention(q, k, v, k.shape[1] - 1, args)
+    padding = ~attention_mask[:, 0, 0, :].expand(q.shape[0], -1)
+    call, _ = prepare(q, k, v, pattern, scale=scaling, key_padding_mask=padding,
+                      q_start=k.shape[1] - 1)  # fmt: skip
+    return engine.attend(call, q, k, v)[0]
 
 
 def _sdpa_only(attention_mask: Any, dropout: float, kwargs: Mapping[str, Any]) -> str | None:
@@ -276,9 +271,8 @@ def _local(
                 f"whole sequence, got {q_len} queries after {q_start} cached keys"
             )
         rows, memo = ((None, cu[1]),), _cu_batches.get(cu[0], "patterns", dict)
-    shape = check_qkv(q, k, v, same_length=False)
-    pattern.check_heads(shape.heads)
-    scale = resolve_scale(scaling, shape.head_dim)
+    call, _ = prepare(q, k, v, pattern, scale=scaling, key_padding_mask=padding, q_start=q_start,
+                      k_start=k_start)  # fmt: skip
     outs, order = [], []
     for members, documents in rows:
         p = _with_documents(memo, pattern, documents)
@@ -287,12 +281,8 @@ def _local(
             t if t is None or members is None else t.index_select(0, members)
             for t in (q, k, v, padding)
         )
-        if q_start == 0:
-            outs.append(attend(qr, kr, vr, p, scale=scale, key_padding_mask=pr))
-        else:
-            check_key_padding_mask(pr, qr.shape[0], kr.shape[1], q.device)
-            args = ops.op_args(p, scale, pr, q.device)
-            outs.append(offset_attention(qr, kr, vr, q_start, args, k_start))
+        part = call.with_pattern(p).with_mask(pr)
+        outs.append(engine.attend(part, qr, kr, vr)[0])
         order.append(members)
     if len(outs) == 1:
         return outs[0]
@@ -330,7 +320,7 @@ def _sharded(
     sp: SequenceParallel,
 ) -> torch.Tensor:
     """Ring attention over the sequence-parallel ranks, one operator forward
-    and one backward (:func:`ring_attention.ring.ring_call`): under
+    and one backward (:func:`ring_attention.parallel.ring.ring_call`): under
     ``torch.compile`` the call is one node of the graph, its configuration
     decided once while tracing. What this rank refuses (and a bad config
     entry) is reported through the ring's handshake, so that every rank

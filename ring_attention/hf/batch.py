@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .registry import sequence_parallel, spread_of
+from .setting import sequence_parallel, spread_of
 
 __all__ = ["documents_from_position_ids", "shard_causal_lm_batch"]
 

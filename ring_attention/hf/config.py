@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..pattern import Pattern, as_flag
+from ..core.pattern import Pattern, as_flag
 
 __all__ = ["CONFIG_KEY", "is_dense", "layer_pattern", "layer_window", "pattern_from_config"]
 

@@ -9,9 +9,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._comm import control_device
+from ..parallel.comm import control_device
 from .batch import shard_causal_lm_batch
-from .registry import sequence_parallel
+from .setting import sequence_parallel
 
 __all__ = ["SequenceParallelDataLoader"]
 

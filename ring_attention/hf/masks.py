@@ -57,7 +57,7 @@ import torch
 
 from .config import is_dense
 from .decode import position_map
-from .registry import ATTN_IMPLEMENTATION, sequence_parallel
+from .setting import ATTN_IMPLEMENTATION, sequence_parallel
 
 __all__ = [
     "Keys",

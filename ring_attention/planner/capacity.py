@@ -7,9 +7,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
-from ..checks import check_int
-from ..geometry import MAX_SEQ_LEN
-from ..pattern import Pattern, as_flag
+from ..core.checks import check_int
+from ..core.geometry import MAX_SEQ_LEN
+from ..core.pattern import Pattern, as_flag
 from .memory import DTYPE_BYTES, LayerMemory, layer_memories
 from .model import model_memory, model_step_seconds
 from .presets import ModelShape, make_pattern

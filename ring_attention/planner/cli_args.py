@@ -7,8 +7,8 @@ import argparse
 import re
 from collections.abc import Sequence
 
-from ..layout import LAYOUTS
-from ..pattern import HEAD_OFFSETS
+from ..core.layout import LAYOUTS
+from ..core.pattern import HEAD_OFFSETS
 from .modes_cli import add_arguments as add_mode_arguments
 from .presets import MODELS, PATTERNS
 from .timing import LINKS

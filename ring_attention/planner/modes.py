@@ -3,7 +3,7 @@
 ring x Ulysses hybrid (``U`` ranks per Ulysses group, ``R`` rings), per rank
 and attention layer: bytes sent, peak memory and time, and which mode wins.
 
-The modes follow ``ring_attention.ulysses``: the rank with ring index ``i``
+The modes follow ``ring_attention.parallel.ulysses``: the rank with ring index ``i``
 and Ulysses index ``j`` holds shard ``i * U + j``; an all-to-all inside the
 Ulysses group gives it query heads ``j`` of ``torch.tensor_split`` (``c_j``
 of them) and the K/V heads they read (``k_j``) for its group's stretch of
@@ -38,8 +38,9 @@ from functools import cached_property
 
 import torch
 
-from ..layout import Piece, layout_pieces, layout_shard_lengths, shard_bounds
-from ..pattern import Pattern
+from ..core.layout import Piece, layout_pieces, layout_shard_lengths, shard_bounds
+from ..core.pattern import Pattern
+from . import traffic
 from .capacity import Setup
 from .memory import KERNEL_WORKSPACE, LayerMemory, acc_bytes, layer_memories
 from .pairs import ranks_pairs
@@ -91,22 +92,11 @@ def stretch_traffic(
         counts = _analytic(pattern, seq_len, heads, kv_heads, pieces)
     finally:
         torch.set_num_threads(threads)
-    use_plan = source == "plan" or (source == "auto" and R * seq_len * heads <= _PLAN_WORK_LIMIT)
+    use_plan = source == "plan" or (
+        source == "auto" and R * seq_len * heads <= _PLAN_WORK_LIMIT and traffic.exact_plans
+    )
     if use_plan and R > 1:
-        from ..plan import build_plan
-
-        recv = torch.zeros(R, R, dtype=torch.int64)
-        span = torch.zeros(R, R, dtype=torch.int64)
-        for i in range(R):
-            plan = build_plan(pattern, seq_len, heads, kv_heads, R, i, layout, U)
-            for step in plan.steps:
-                recv[i, step.distance] = step.recv_rows
-                for ix in step.recv_idx:
-                    if ix.numel():
-                        lo, hi = int(ix[0]) // kv_heads, int(ix[-1]) // kv_heads + 1
-                        if ix.numel() != (hi - lo) * kv_heads:
-                            span[i, step.distance] += hi - lo
-        counts.update(recv=recv, span=span)
+        counts.update(traffic.plan_rows(pattern, seq_len, heads, kv_heads, R, layout, U))
     recv = counts["recv"]
     send = sent_rows(recv)
     total_t = torch.tensor(total, dtype=torch.int64)

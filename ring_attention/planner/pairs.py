@@ -24,9 +24,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ..checks import check_int
-from ..geometry import MAX_SEQ_LEN, IntOrTensor, active_before, branch_offsets
-from ..pattern import Pattern, as_flag
+from ..core.checks import check_int
+from ..core.geometry import MAX_SEQ_LEN, IntOrTensor, active_before
+from ..core.pattern import Pattern, as_flag
 
 __all__ = [
     "BWD_FLOPS_PER_PAIR",
@@ -103,7 +103,7 @@ def range_pairs(
     hi: int,
 ) -> int:
     """Reached pairs, summed over heads and branches, whose query lies in
-    ``[lo, hi)`` (keys anywhere). ``offsets`` is :func:`branch_offsets`."""
+    ``[lo, hi)`` (keys anywhere). ``offsets`` is :meth:`Pattern.branch_offsets`."""
     if lo >= hi:
         return 0
     causal = pattern.causal
@@ -169,7 +169,7 @@ def reached_pairs(
             f"q_ranges must be (start, length) pairs of integers inside [0, seq_len = "
             f"{seq_len}], got {q_ranges!r} ({e})"
         ) from None
-    offsets = branch_offsets(pattern, heads)
+    offsets = pattern.branch_offsets(heads)
     return sum(range_pairs(pattern, seq_len, offsets, s, s + n) for s, n in ranges)
 
 
@@ -218,7 +218,7 @@ def ranks_pairs(
     below ``seq_len`` times their sum (times 8 for the intermediate
     products); otherwise rank by rank in Python integers."""
     seq_len, heads = check_planner_args(pattern, seq_len, heads)
-    offsets = branch_offsets(pattern, heads)
+    offsets = pattern.branch_offsets(heads)
     reach = sum(
         sum(offsets[i].values()) * (-(-min(w, seq_len) // r) + 1)
         for i, (w, r) in enumerate(pattern.branches)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..checks import check_int
-from ..geometry import MAX_SEQ_LEN
-from ..pattern import Pattern, as_flag
+from ..core.checks import check_int
+from ..core.geometry import MAX_SEQ_LEN
+from ..core.pattern import Pattern, as_flag
 
 __all__ = ["MODELS", "PATTERNS", "ModelShape", "longnet_pattern", "make_pattern"]
 

@@ -52,50 +52,13 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.links import LINKS, Link
 from .memory import acc_bytes
 from .pairs import BWD_FLOPS_PER_PAIR, FWD_FLOPS_PER_PAIR
 from .throughput import Rates
 from .traffic import Traffic
 
 __all__ = ["LINKS", "Link", "RankTime", "layer_times"]
-
-
-@dataclass(frozen=True)
-class Link:
-    """A rank's link: ``gbps`` gigabits per second each way, ``latency_us``
-    per transfer (a posted batch), ``message_us`` per further message inside
-    one batch of point-to-point operations (the far group)."""
-
-    gbps: float
-    latency_us: float
-    message_us: float = 1.0
-
-    def seconds(self, nbytes: int) -> float:
-        """Time of one transfer of ``nbytes`` (0 for nothing)."""
-        return 0.0 if nbytes <= 0 else self.latency_us * 1e-6 + 8 * nbytes / (self.gbps * 1e9)
-
-    @property
-    def far_bytes(self) -> int:
-        """The transfer size whose wire time equals the latency (latency x
-        bandwidth): smaller transfers are latency-bound, and the ring's
-        ``RING_ATTENTION_FAR_BYTES=auto`` sends them in the far group."""
-        return int(self.latency_us * 1e-6 * self.gbps * 1e9 / 8)
-
-
-#: The assumed link per device type, with why (the planner's defaults, and
-#: what ``RING_ATTENTION_FAR_BYTES=auto`` takes latency x bandwidth of).
-LINKS = {
-    "cuda": (
-        Link(400.0, 10.0, 1.0),
-        "assumed: one 400 Gbit/s NIC per GPU (InfiniBand NDR class), 10 us per transfer, "
-        "1 us per further message of a batch (NCCL grouped send/recv)",
-    ),
-    "cpu": (
-        Link(10.0, 100.0, 20.0),
-        "assumed: gloo over TCP loopback, ~12 Gbit/s measured on 16 MB messages, 100 us per "
-        "transfer, 20 us per further message of a batch",
-    ),
-}
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ own pieces.
 
 Two sources give the rows:
 
-* ``"plan"``: :func:`ring_attention.plan.build_plan` for every rank, the
+* ``"plan"``: :func:`ring_attention.parallel.exchange_plan.build_plan` for every rank, the
   ring's own plan (``O(p * n * heads)`` work: small sizes only);
 * ``"analytic"``: closed forms, whose cost does not grow with ``n`` (it
   grows with the ``p * (p - 1)`` pairs of ranks, vectorised: seconds for
@@ -38,15 +38,17 @@ The pairs always come from the closed forms of :mod:`.pairs`.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import torch
 
-from ..checks import check_int
-from ..geometry import active_before, branch_offsets, segment_around
-from ..layout import Piece, check_layout, shard_bounds
-from ..pattern import Pattern
+from ..core.checks import check_int
+from ..core.geometry import active_before, segment_around
+from ..core.layout import Piece, check_layout, shard_bounds
+from ..core.pattern import Pattern
 from .pairs import check_planner_args, ranks_pairs
 from .progressions import union_stats
 
@@ -327,7 +329,7 @@ def _listed_branches(
 
 
 def all_pieces(seq_len: int, p: int, layout: str) -> list[list[Piece]]:
-    """Every rank's pieces, as :func:`ring_attention.layout.layout_pieces`
+    """Every rank's pieces, as :func:`ring_attention.core.layout.layout_pieces`
     gives them (computed from one split instead of one per rank)."""
     if layout == "contiguous":
         return [[Piece(s, n, 0)] for s, n in shard_bounds(seq_len, p)]
@@ -344,7 +346,7 @@ def _analytic(
 ) -> dict[str, torch.Tensor]:
     p = len(pieces)
     branches = list(pattern.branches)
-    offsets = branch_offsets(pattern, heads)
+    offsets = pattern.branch_offsets(heads)
     classes = kv_classes(pattern, heads, kv_heads)
     starts = torch.tensor([[pc.start for pc in ps] for ps in pieces], dtype=torch.int64)
     lens = torch.tensor([[pc.length for pc in ps] for ps in pieces], dtype=torch.int64)
@@ -451,15 +453,25 @@ def sent_rows(recv: torch.Tensor) -> torch.Tensor:
     return send
 
 
-def _from_plans(
-    pattern: Pattern, seq_len: int, heads: int, kv_heads: int, p: int, layout: str
-) -> dict[str, torch.Tensor]:
-    from ..plan import build_plan
+#: The ring's own exchange plans, ``build_plan(pattern, seq_len, heads,
+#: kv_heads, world_size, rank, layout, fold=1)``
+#: (:func:`ring_attention.parallel.exchange_plan.build_plan`): set by
+#: ``ring_attention/__init__.py`` when the compiled extension loads. The
+#: planner imports the core alone and runs on its closed forms without it.
+exact_plans: Callable[..., Any] | None = None
 
+
+def plan_rows(
+    pattern: Pattern, seq_len: int, heads: int, kv_heads: int, p: int, layout: str, fold: int = 1
+) -> dict[str, torch.Tensor]:
+    """``recv[j, d]`` and ``span[j, d]`` of every rank's own plan
+    (:data:`exact_plans`; ``span``: K/V rows between the first and last
+    received row of a step whose rows are not contiguous)."""
+    assert exact_plans is not None
     recv = torch.zeros(p, p, dtype=torch.int64)
     span = torch.zeros(p, p, dtype=torch.int64)
     for j in range(p):
-        plan = build_plan(pattern, seq_len, heads, kv_heads, p, j, layout)
+        plan = exact_plans(pattern, seq_len, heads, kv_heads, p, j, layout, fold=fold)
         for step in plan.steps:
             recv[j, step.distance] = step.recv_rows
             for ix in step.recv_idx:
@@ -468,16 +480,6 @@ def _from_plans(
                     if ix.numel() != (hi - lo) * kv_heads:
                         span[j, step.distance] += hi - lo
     return {"recv": recv, "span": span}
-
-
-def _plans_available() -> bool:
-    """Whether the ring's own plans can be built: they need the compiled
-    extension (the ``exchange_rows`` operator); the closed forms do not."""
-    try:
-        from .. import ops  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def predict_traffic(
@@ -522,7 +524,7 @@ def predict_traffic(
         raise ValueError(
             f"the planner's traffic model does not take a sliding window (window="
             f"{pattern.window}); measure it with the ring's own plan "
-            "(ring_attention.ring.exchange_plan)"
+            "(ring_attention.parallel.ring.exchange_plan)"
         )
     pieces = all_pieces(seq_len, p, layout)
     total = ranks_pairs(
@@ -540,10 +542,15 @@ def predict_traffic(
     finally:
         torch.set_num_threads(threads)
     use_plan = source == "plan" or (
-        source == "auto" and p * seq_len * heads <= _PLAN_WORK_LIMIT and _plans_available()
+        source == "auto" and p * seq_len * heads <= _PLAN_WORK_LIMIT and exact_plans is not None
     )
     if use_plan:
-        counts.update(_from_plans(pattern, seq_len, heads, kv_heads, p, layout))
+        if exact_plans is None:
+            raise ImportError(
+                "source='plan' builds the ring's own plans, which need the compiled extension "
+                "ring_attention._C (scripts/setup.sh); source='analytic' does not"
+            )
+        counts.update(plan_rows(pattern, seq_len, heads, kv_heads, p, layout))
     recv = counts["recv"]
     send = sent_rows(recv)
     total_t = torch.tensor(total, dtype=torch.int64)

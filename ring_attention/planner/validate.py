@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from ..pattern import Pattern
+from ..core.pattern import Pattern
 from ..testing import run_distributed
 from .capacity import Setup, evaluate
 from .memory import KERNEL_WORKSPACE
@@ -134,7 +134,7 @@ def _ring_worker(rank: int, world: int, spec: dict) -> dict:
     import torch.distributed as dist
 
     import ring_attention as ra
-    from ring_attention.exchange import last_exchange_stats
+    from ring_attention.parallel.exchange import last_exchange_stats
 
     q, k, v, go = _inputs(spec, world, rank)
     segs, dils = spec["segments"], spec["dilations"]

@@ -45,7 +45,7 @@ def load():
         MISSING = "CUDA toolkit headers (cuda_bf16.h) not found; set CUDA_HOME"
         return None
     # scripts/sanitize.sh builds a sanitized copy (its own build directory).
-    from ring_attention.config import emulator_sanitize
+    from ring_attention.core.config import emulator_sanitize
 
     sanitize = emulator_sanitize()
     name = "cuda_emulator_sanitized" if sanitize else "cuda_emulator"

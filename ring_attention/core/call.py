@@ -1,0 +1,138 @@
+"""One checked attention call: the value every layer below a public entry
+reads (flash-attention's params struct is the model).
+
+A public entry (``dilated_attention``, the ring, Ulysses, the modules, the
+transformers backend) checks its arguments once with :func:`prepare` and
+passes the :class:`Call` down; a ring step's block, a Ulysses rank's head
+slice, a decode step or a chunk of prefill is the same call with its
+:meth:`Call.with_heads` / :meth:`Call.with_rows`, never checked again. The
+operators keep their own checks for direct callers (``csrc/checks.cpp``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .checks import Shape, check_key_padding_mask, check_qkv, resolve_scale
+from .pattern import Pattern, as_flag, check_documents_tensor
+
+__all__ = ["Call", "prepare"]
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True, eq=False)
+class Call:
+    """What one attention call attends with, besides ``q``, ``k``, ``v``.
+
+    Attributes:
+        pattern: the checked pattern (branches, causality, head groups and
+            offsets, window, documents).
+        scale: the score scale.
+        key_padding_mask: bool ``(batch, keys)``, ``True`` = ignore that key.
+        documents: a ``cu_seqlens`` tensor traced by ``torch.compile`` (its
+            values are not known while tracing: the operator checks them),
+            replacing the pattern's documents.
+        head_start, total_heads, total_kv_heads: the call holds query heads
+            ``[head_start, head_start + heads)`` of ``total_heads`` and the
+            K/V heads they read (of ``total_kv_heads``); ``total_heads`` 0:
+            every head.
+        q_start, k_start, q_starts: its queries sit at global positions
+            ``[q_start, q_start + Lq)`` (or batch row ``b``'s from
+            ``q_starts[b]`` on), its keys at ``[k_start, k_start + Lk)``.
+        return_lse: the caller wants ``(out, lse)``.
+    """
+
+    pattern: Pattern
+    scale: float
+    key_padding_mask: Tensor | None = None
+    documents: Tensor | None = None
+    head_start: int = 0
+    total_heads: int = 0
+    total_kv_heads: int = 0
+    q_start: int = 0
+    k_start: int = 0
+    q_starts: Tensor | None = None
+    return_lse: bool = False
+
+    @property
+    def every_head(self) -> bool:
+        """The call holds every head."""
+        return self.total_heads == 0
+
+    @property
+    def one_sequence(self) -> bool:
+        """Queries and keys are one sequence from position 0."""
+        return self.q_start == 0 and self.k_start == 0 and self.q_starts is None
+
+    def with_heads(self, head_start: int, total_heads: int, total_kv_heads: int) -> Call:
+        """The same call on query heads ``[head_start, ...)`` of ``total_heads``."""
+        return dataclasses.replace(
+            self, head_start=head_start, total_heads=total_heads, total_kv_heads=total_kv_heads
+        )
+
+    def with_rows(self, q_start: int = 0, k_start: int = 0, q_starts: Tensor | None = None) -> Call:
+        """The same call on queries at ``q_start`` (or ``q_starts``) and keys at ``k_start``."""
+        return dataclasses.replace(self, q_start=q_start, k_start=k_start, q_starts=q_starts)
+
+    def with_pattern(self, pattern: Pattern) -> Call:
+        return dataclasses.replace(self, pattern=pattern)
+
+    def with_mask(self, key_padding_mask: Tensor | None) -> Call:
+        return dataclasses.replace(self, key_padding_mask=key_padding_mask)
+
+
+def prepare(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pattern: Pattern,
+    *,
+    scale: float | None = None,
+    key_padding_mask: Tensor | None = None,
+    cu_seqlens: Tensor | Sequence[int] | None = None,
+    return_lse: bool = False,
+    q_start: int = 0,
+    k_start: int = 0,
+) -> tuple[Call, Shape]:
+    """Check one call's arguments (docs/design.md §6) into a :class:`Call`.
+
+    ``cu_seqlens``, when given, replaces the pattern's documents; traced by
+    ``torch.compile`` it is passed to the operator as it is. ``q_start``,
+    ``k_start``: the rows' global positions (a cached decode step or a chunk
+    of prefill; ``k`` may then be longer or shorter than ``q``).
+
+    Returns:
+        The call and the checked sizes.
+
+    Raises:
+        ValueError: naming the argument (shapes, dtypes, devices, the
+            pattern against the heads and the length, the mask, the scale,
+            flags).
+    """
+    one_sequence = q_start == 0 and k_start == 0
+    shape = check_qkv(q, k, v, same_length=one_sequence)
+    documents = None  # a traced cu_seqlens tensor, passed to the operator as it is
+    if isinstance(cu_seqlens, torch.Tensor) and torch.compiler.is_compiling():
+        check_documents_tensor(cu_seqlens)
+        pattern, documents = pattern.with_documents(None), cu_seqlens.to(q.device)
+    elif cu_seqlens is not None:
+        pattern = pattern.with_documents(cu_seqlens)
+    pattern.check_heads(shape.heads)
+    if documents is None:
+        pattern.check_length(max(q_start + shape.seq_q, k_start + shape.seq_k))
+    check_key_padding_mask(key_padding_mask, shape.batch, shape.seq_k, q.device)
+    call = Call(
+        pattern,
+        resolve_scale(scale, shape.head_dim),
+        key_padding_mask,
+        documents,
+        q_start=q_start,
+        k_start=k_start,
+        return_lse=as_flag(return_lse, "return_lse"),
+    )
+    return call, shape

@@ -1,0 +1,139 @@
+"""Argument checks of the public functions (docs/design.md §6), in one place.
+
+The Python counterpart of ``csrc/checks.cpp``: every public entry point runs
+these once, before any kernel runs and before any rank communicates, and
+raises ``ValueError`` naming the argument and what was expected. The C++
+checks stay as the safety net of direct operator calls. Pattern values are
+checked by :class:`ring_attention.core.pattern.Pattern` itself.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import NamedTuple
+
+import torch
+
+from .dtypes import supported_dtypes
+
+__all__ = ["Shape", "check_int", "check_key_padding_mask", "check_qkv", "resolve_scale"]
+
+
+class Shape(NamedTuple):
+    """Sizes of a checked ``(q, k, v)`` triple."""
+
+    batch: int
+    seq_q: int
+    seq_k: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+def check_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, same_length: bool = True
+) -> Shape:
+    """Check ``q`` ``(batch, seq, heads, head_dim)`` and ``k``, ``v``
+    ``(batch, seq_k, kv_heads, head_dim)`` (``kv_heads`` dividing ``heads``;
+    ``seq_k == seq`` when ``same_length``): one dtype the kernels support,
+    one device. Returns the sizes."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must be 4-D (batch, seq, heads, head_dim), got shape {tuple(t.shape)}"
+            )
+    B, L, H, D = q.shape
+    if k.shape != v.shape:
+        raise ValueError(
+            f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}"
+        )
+    Bk, S, Hkv, Dk = k.shape
+    if Bk != B or Dk != D or (same_length and S != L):
+        what = "batch, seq and head_dim" if same_length else "batch and head_dim"
+        raise ValueError(
+            f"k and v must match q in {what}, got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+            f"v {tuple(v.shape)}"
+        )
+    if D < 1:
+        raise ValueError(f"head_dim (q.shape[3]) must be >= 1, got {D}")
+    if H < 1:
+        raise ValueError(f"heads (q.shape[2]) must be >= 1, got {H}")
+    if Hkv < 1 or H % Hkv:
+        raise ValueError(
+            f"kv_heads (k.shape[2] = {Hkv}) must divide heads (q.shape[2] = {H}): query head h "
+            "reads K/V head h // (heads // kv_heads)"
+        )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(
+            f"q, k and v must have the same dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    if not (q.device == k.device == v.device):
+        raise ValueError(
+            f"q, k and v must be on the same device, got {q.device}, {k.device}, {v.device}"
+        )
+    if q.dtype not in supported_dtypes(q.device):
+        allowed = ", ".join(str(d) for d in supported_dtypes(q.device))
+        raise ValueError(
+            f"dtype {q.dtype} is not supported on {q.device.type}; use one of {allowed}"
+        )
+    return Shape(B, L, S, H, Hkv, D)
+
+
+def resolve_scale(scale: float | None, head_dim: int) -> float:
+    """``head_dim ** -0.5`` by default; otherwise a finite positive float."""
+    if scale is None:
+        if head_dim < 1:
+            raise ValueError(f"head_dim must be >= 1, got {head_dim}")
+        return head_dim**-0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise ValueError(f"scale must be a float or None, got {scale!r}")
+    try:
+        scale = float(scale)
+    except OverflowError:  # an int beyond the float range
+        raise ValueError(
+            f"scale must be a finite positive number, got an integer of {scale.bit_length()} "
+            "bits, beyond the float range"
+        ) from None
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a finite positive number, got {scale}")
+    return scale
+
+
+def check_key_padding_mask(
+    mask: torch.Tensor | None, batch: int, seq: int, device: torch.device
+) -> None:
+    """A bool ``(batch, seq)`` mask on the inputs' device, ``True`` = ignore that key."""
+    if mask is None:
+        return
+    if not isinstance(mask, torch.Tensor):
+        raise ValueError(f"key_padding_mask must be a bool tensor, got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise ValueError(f"key_padding_mask must have dtype torch.bool, got {mask.dtype}")
+    if tuple(mask.shape) != (batch, seq):
+        raise ValueError(
+            f"key_padding_mask must have shape (batch, seq) = {(batch, seq)}, "
+            f"got {tuple(mask.shape)}"
+        )
+    if mask.device != device:
+        raise ValueError(f"key_padding_mask must be on {device}, got {mask.device}")
+
+
+def check_int(value: object, name: str, low: int, high: int) -> int:
+    """``value`` as an int in ``[low, high]``: Python/NumPy integers or 0-d
+    integer tensors (not ``bool``), else ``ValueError`` naming ``name``."""
+    try:
+        if isinstance(value, bool) or (
+            isinstance(value, torch.Tensor) and value.dtype == torch.bool
+        ):
+            raise TypeError
+        n = operator.index(value)
+    except TypeError:
+        raise ValueError(
+            f"{name} must be an integer, got {value!r} ({type(value).__name__})"
+        ) from None
+    if not low <= n <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {n}")
+    return n

@@ -1,0 +1,177 @@
+"""Every ``RING_ATTENTION_*`` environment variable the Python side reads, in
+one place (the C++ extension reads its own: docs/design.md §5).
+
+Each is parsed once per value it takes (a cache keyed by the raw string, so a
+test or a script may change it between calls) and checked: a value outside
+the accepted ones raises ``ValueError`` naming the variable and the values it
+accepts, before any kernel runs. :data:`KNOBS` is the table docs/design.md
+lists (a test keeps them equal).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+from .links import LINKS
+
+__all__ = [
+    "BACKWARD",
+    "DENSE_BACKEND",
+    "DENSE_BACKENDS",
+    "EMULATOR_SANITIZE",
+    "FAR_BYTES",
+    "FORWARD",
+    "KNOBS",
+    "MODES",
+    "WINDOW_ROWS",
+    "Knob",
+    "backward_mode",
+    "dense_backend",
+    "emulator_sanitize",
+    "far_bytes",
+    "forward_mode",
+    "window_rows",
+]
+
+FORWARD = "RING_ATTENTION_FORWARD"
+BACKWARD = "RING_ATTENTION_BACKWARD"
+DENSE_BACKEND = "RING_ATTENTION_DENSE_BACKEND"
+WINDOW_ROWS = "RING_ATTENTION_DENSE_WINDOW_ROWS"
+EMULATOR_SANITIZE = "RING_ATTENTION_EMULATOR_SANITIZE"
+FAR_BYTES = "RING_ATTENTION_FAR_BYTES"
+
+#: ``auto``: the table of ring_attention/local/dispatch.py; ``kernel``: always our
+#: kernels; ``dense``: the per-branch dense backends wherever one can run the
+#: call (the CPU included, through PyTorch's CPU flash attention), and the
+#: ring's blocks of plain dense attention through them likewise.
+MODES = ("auto", "kernel", "dense")
+#: ``auto``: the table's choice per call; a name: that backend where it can
+#: run a call, the table's choice elsewhere.
+DENSE_BACKENDS = ("auto", "fa4", "flash", "cudnn", "cpu")
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One environment variable: its name, accepted values (in words),
+    default and what it selects."""
+
+    name: str
+    values: str
+    default: str
+    what: str
+
+
+KNOBS = (
+    Knob(
+        FORWARD,
+        ", ".join(MODES),
+        "auto",
+        "the local op's forward (and the ring's dense blocks): the dispatch table, our kernels, "
+        "or the dense backends",
+    ),
+    Knob(
+        BACKWARD,
+        ", ".join(MODES),
+        "auto",
+        "the backward, likewise (a gradient reaching lse always takes our kernel)",
+    ),
+    Knob(
+        DENSE_BACKEND,
+        ", ".join(DENSE_BACKENDS),
+        "auto",
+        "the dense backend of the per-branch calls: the table's, or the one named where it can run",
+    ),
+    Knob(
+        WINDOW_ROWS,
+        "an integer >= 1",
+        "131072",
+        "the fewest rows of a window of the per-branch path (its buffers: about n / 16 rows)",
+    ),
+    Knob(
+        FAR_BYTES,
+        "off, auto, or an integer >= 0",
+        "off",
+        "the ring's transfers of at most this many K/V bytes travel in one batch per pass, "
+        "posted first (auto: latency x bandwidth of the planner's link, 500 kB on cuda)",
+    ),
+    Knob(
+        EMULATOR_SANITIZE,
+        "compiler flags",
+        "(none)",
+        "tests only: build the CUDA emulator with these flags (scripts/sanitize.sh)",
+    ),
+)
+
+
+@functools.cache
+def _choice(name: str, raw: str, accepted: tuple[str, ...]) -> str:
+    if raw not in accepted:
+        raise ValueError(f"{name} must be one of {list(accepted)}, got {raw!r}")
+    return raw
+
+
+def _get(name: str, default: str) -> str:
+    return os.environ.get(name, default)
+
+
+def forward_mode() -> str:
+    """``RING_ATTENTION_FORWARD``: one of :data:`MODES` (default ``auto``)."""
+    return _choice(FORWARD, _get(FORWARD, "auto"), MODES)
+
+
+def backward_mode() -> str:
+    """``RING_ATTENTION_BACKWARD``: one of :data:`MODES` (default ``auto``)."""
+    return _choice(BACKWARD, _get(BACKWARD, "auto"), MODES)
+
+
+def dense_backend() -> str:
+    """``RING_ATTENTION_DENSE_BACKEND``: one of :data:`DENSE_BACKENDS` (default ``auto``)."""
+    return _choice(DENSE_BACKEND, _get(DENSE_BACKEND, "auto"), DENSE_BACKENDS)
+
+
+@functools.cache
+def _rows(raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1 or str(value) != raw.strip():
+        raise ValueError(f"{WINDOW_ROWS} must be an integer >= 1, got {raw!r}")
+    return value
+
+
+def window_rows() -> int:
+    """``RING_ATTENTION_DENSE_WINDOW_ROWS``: the fewest rows a window of the
+    per-branch path holds (default 131072; windows are about n / 16 rows)."""
+    return _rows(_get(WINDOW_ROWS, "131072"))
+
+
+@functools.cache
+def _far(raw: str, device_type: str) -> int:
+    if raw == "off":
+        return 0
+    if raw == "auto":
+        return LINKS["cuda" if device_type == "cuda" else "cpu"][0].far_bytes
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0 or str(value) != raw.strip():
+        raise ValueError(f"{FAR_BYTES} must be off, auto or an integer >= 0, got {raw!r}")
+    return value
+
+
+def far_bytes(device_type: str) -> int:
+    """``RING_ATTENTION_FAR_BYTES`` for tensors on ``device_type``: the
+    ring's transfers of at most this many K/V bytes travel in one far group
+    per pass (0: ``off``, the default; ``auto``: the planner's latency x
+    bandwidth, ring_attention/core/links.py)."""
+    return _far(_get(FAR_BYTES, "off"), device_type)
+
+
+def emulator_sanitize() -> list[str]:
+    """``RING_ATTENTION_EMULATOR_SANITIZE``: compiler (and linker) flags of a
+    sanitized CUDA emulator build (tests only; empty: the plain build)."""
+    return _get(EMULATOR_SANITIZE, "").split()

@@ -1,0 +1,83 @@
+"""Dense matrices of a pattern: the multiplicity ``M[h, t, u]`` of
+docs/design.md §1 (how many branches let query ``t`` reach key ``u`` for head
+``h``) and its log, an additive score bias under which an ordinary softmax is
+the pattern's multiset softmax.
+
+Used by the exact dense path of :class:`ring_attention.MultiheadDilatedAttention`
+(attention weights, arbitrary masks, dropout); O(heads * seq**2) memory, so
+never on the kernels' path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cache import LRUCache
+from .geometry import document_positions, window_mask
+from .pattern import Pattern
+
+__all__ = ["PATTERN_CACHE", "log_multiplicity", "multiplicity"]
+
+#: Cache of the dense ``log(multiplicity)`` bias, keyed by ``(pattern,
+#: seq_len, heads, device, dtype)``. Bounded in entries and in bytes
+#: (``PATTERN_CACHE.max_bytes``, default 256 MiB; a matrix larger than the
+#: bound is built for the call and not kept).
+PATTERN_CACHE: LRUCache[torch.Tensor] = LRUCache(
+    maxsize=32, max_bytes=256 * 2**20, size_of=lambda t: t.numel() * t.element_size()
+)
+
+
+def multiplicity(
+    pattern: Pattern,
+    seq_len: int,
+    heads: int,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``M[h, t, u]``, ``(heads, seq_len, seq_len)``: the number of branches in
+    which query ``t`` reaches key ``u`` for head ``h`` (documents, head groups,
+    head offsets and ``causal`` included). Built fresh (not cached)."""
+    pattern.check_length(seq_len)
+    rel, doc = document_positions(pattern.documents_tensor("cpu"), seq_len, device)
+    same_doc = doc[:, None] == doc[None, :]
+    m = torch.zeros(heads, seq_len, seq_len, dtype=dtype, device=device)
+    for (w, r), classes in zip(pattern.branches, pattern.offset_classes(heads), strict=True):
+        seg = rel // w
+        same = same_doc & (seg[:, None] == seg[None, :])  # (L, L)
+        for offset, heads_o in classes.items():
+            act = (rel % w) % r == offset  # (L,)
+            m[heads_o] += (act[:, None] & act[None, :] & same).to(dtype)
+    if pattern.causal:
+        m = m.tril()
+    if pattern.windowed:
+        m *= window_mask(pattern.window, seq_len, device)
+    return m
+
+
+def log_multiplicity(
+    pattern: Pattern,
+    seq_len: int,
+    heads: int,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``log(M)`` of :func:`multiplicity` (``-inf`` where a key is not reached),
+    from :data:`PATTERN_CACHE` (built in the graph instead under
+    ``torch.compile``).
+
+    The returned tensor is shared by every caller: do not modify it in place.
+    """
+    device = torch.device("cpu") if device is None else torch.device(device)
+
+    def build() -> torch.Tensor:
+        with torch.no_grad():
+            m = multiplicity(pattern, seq_len, heads, device=device, dtype=torch.float64)
+            return torch.log(m).to(dtype)
+
+    if torch.compiler.is_compiling():
+        # Under torch.compile the matrix is built inside the graph (a lock-
+        # protected cache would be a graph break).
+        return build()
+    return PATTERN_CACHE.get((pattern, int(seq_len), int(heads), str(device), dtype), build)

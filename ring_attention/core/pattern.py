@@ -1,0 +1,377 @@
+"""The attention pattern: one frozen, hashable value, validated once.
+
+A :class:`Pattern` holds everything that defines which keys a query reaches
+(docs/design.md §1): the branches ``(w_i, r_i)``, ``causal``, ``head_groups``,
+how heads pick their dilation offsets, and the document boundaries of a packed
+sequence. It is built (and checked) once at the top — by
+:func:`ring_attention.dilated_attention`, the modules' constructors, the ring —
+and then passed down unchanged: it keys the exchange-plan and dense-matrix
+caches, the ring handshake serialises it, and :func:`ring_attention.local.ops.op_args`
+turns it into the arguments of the C++ operators, where ``csrc/pattern.h`` is
+the same definition in C++.
+"""
+
+from __future__ import annotations
+
+import operator
+import zlib
+from collections.abc import Sequence
+from dataclasses import InitVar, dataclass, field, replace
+from typing import Any, Literal
+
+import torch
+
+from .geometry import head_group_bounds, head_offset
+
+__all__ = [
+    "HEAD_OFFSETS",
+    "Pattern",
+    "as_flag",
+    "check_documents_tensor",
+    "head_group_bounds",
+    "head_offset",
+]
+
+#: How head ``h`` picks its offset in a branch with dilation ``r``:
+#: ``"modulo"``: ``h mod r`` (LongNet's per-head offsets, the default);
+#: ``"grouped"``: ``h // ceil(heads / r)``, contiguous groups of heads share an
+#: offset (torchscale's LongNet implementation).
+HEAD_OFFSETS: tuple[str, ...] = ("modulo", "grouped")
+
+HeadOffsets = Literal["modulo", "grouped"]
+
+INT64_MAX = 2**63 - 1  # the operators' integers are int64
+
+
+def as_flag(value: Any, name: str) -> bool:
+    """``value`` as a ``bool``; only ``bool`` (and NumPy's ``bool_``) is accepted.
+
+    A string such as ``"no"`` is truthy in Python; taking it as ``True`` would
+    be a silent wrong answer, so anything but a real boolean raises
+    ``ValueError`` naming the argument.
+    """
+    if isinstance(value, bool):
+        return value
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
+        return bool(value)
+    raise ValueError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+
+
+def _as_index(value: Any, name: str) -> int:
+    """A Python int from a Python/NumPy integer or a 0-d integer tensor."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or value.is_floating_point() or value.is_complex():
+            raise ValueError(
+                f"{name} must be an integer, got a tensor of shape {tuple(value.shape)}"
+            )
+        if value.dtype == torch.bool:
+            raise ValueError(f"{name} must be an integer, got a bool tensor")
+        return int(value.item())
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    try:
+        return operator.index(value)
+    except TypeError:  # e.g. a NumPy array of several values
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+
+
+def _as_ints(values: Any, name: str) -> tuple[int, ...]:
+    """A tuple of ints from one integer (a one-branch pattern) or a sequence /
+    1-D tensor of integers."""
+    if getattr(values, "ndim", None) == 1:  # a 1-D tensor or NumPy array
+        return tuple(_as_index(v, f"{name}[{i}]") for i, v in enumerate(values))
+    if isinstance(values, torch.Tensor) or hasattr(values, "__index__"):
+        return (_as_index(values, name),)
+    if isinstance(values, (str, bytes)):
+        raise ValueError(f"{name} must be a sequence of integers, got {values!r}")
+    try:
+        items = list(values)
+    except TypeError:
+        raise ValueError(
+            f"{name} must be an integer or a sequence of integers, got {values!r}"
+        ) from None
+    return tuple(_as_index(v, f"{name}[{i}]") for i, v in enumerate(items))
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """A dilated-attention pattern (docs/design.md §1), validated at construction.
+
+    Args:
+        segment_lengths, dilation_rates: one ``(w, r)`` per branch, ``1 <= r <=
+            w``; Python/NumPy integers or 0-d integer tensors, or one integer
+            for a one-branch pattern.
+        causal: keys only at or before the query.
+        head_groups: split heads into ``len(segment_lengths)`` contiguous
+            groups, branch ``i`` applying only to group ``i``.
+        head_offsets: ``"modulo"`` (head ``h`` starts at ``h mod r``, the
+            default) or ``"grouped"`` (``h // ceil(heads / r)``, as torchscale's
+            LongNet assigns offsets to contiguous head groups).
+        documents: ``cu_seqlens`` of a packed sequence, ``(0, e_1, ..., e_m)``
+            non-decreasing; ``None`` for one document. Build it with
+            :meth:`with_documents`.
+        window: ``(left, right)``, the sliding window: query ``t`` reaches key
+            ``u`` only if also ``t - left <= u <= t + right``; ``-1`` is
+            unbounded on that side; ``None`` (the default) is ``(-1, -1)``.
+
+    Raises:
+        ValueError: naming the argument, for an empty pattern, mismatched
+            lengths, ``w < 1``, ``r < 1``, ``r > w``, ``w`` beyond int64, a
+            non-integer value, a flag that is not a ``bool``, an unknown
+            ``head_offsets`` or a window that is not two integers ``>= -1``.
+
+    The value is immutable and hashable: equal patterns are interchangeable as
+    cache keys.
+    """
+
+    segment_lengths: tuple[int, ...]
+    dilation_rates: tuple[int, ...]
+    causal: bool = False
+    head_groups: bool = False
+    head_offsets: HeadOffsets = "modulo"
+    documents: tuple[int, ...] | None = None
+    window: tuple[int, int] | None = None
+    # Tensors derived from the value (documents on a device), built once.
+    _tensors: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    # Private: the values are those of a checked pattern (with_documents
+    # builds copies without checking them again).
+    _checked: InitVar[bool] = False
+
+    def __post_init__(self, _checked: bool) -> None:
+        if _checked:
+            return
+        segs = _as_ints(self.segment_lengths, "segment_lengths")
+        dils = _as_ints(self.dilation_rates, "dilation_rates")
+        if not segs:
+            raise ValueError(
+                "segment_lengths must not be empty: a pattern needs at least one branch"
+            )
+        if len(segs) != len(dils):
+            raise ValueError(
+                f"segment_lengths and dilation_rates must have the same length, got "
+                f"{len(segs)} segment_lengths and {len(dils)} dilation_rates"
+            )
+        for i, (w, r) in enumerate(zip(segs, dils, strict=True)):
+            if w < 1:
+                raise ValueError(f"segment_lengths[{i}] must be >= 1, got {w}")
+            if w > INT64_MAX:  # the operators take int64
+                raise ValueError(
+                    f"segment_lengths[{i}] must be at most 2**63 - 1 (a segment longer than "
+                    f"any sequence behaves as one of that length), got {w}"
+                )
+            if r < 1:
+                raise ValueError(f"dilation_rates[{i}] must be >= 1, got {r}")
+            if r > w:
+                raise ValueError(
+                    f"dilation_rates[{i}] must be <= segment_lengths[{i}] = {w}, got {r}"
+                )
+        if self.head_offsets not in HEAD_OFFSETS:
+            raise ValueError(
+                f"head_offsets must be one of {list(HEAD_OFFSETS)}, got {self.head_offsets!r}"
+            )
+        set_ = object.__setattr__
+        set_(self, "segment_lengths", segs)
+        set_(self, "dilation_rates", dils)
+        set_(self, "causal", as_flag(self.causal, "causal"))
+        set_(self, "head_groups", as_flag(self.head_groups, "head_groups"))
+        if self.documents is not None:
+            set_(self, "documents", _check_documents(self.documents))
+        set_(self, "window", _check_window(self.window))
+
+    # -- derived values ------------------------------------------------------
+    @property
+    def n_branches(self) -> int:
+        """Number of branches."""
+        return len(self.segment_lengths)
+
+    @property
+    def windowed(self) -> bool:
+        """Whether a sliding window restricts the pattern."""
+        return self.window != (-1, -1)
+
+    @property
+    def branches(self) -> tuple[tuple[int, int], ...]:
+        """``((w_0, r_0), (w_1, r_1), ...)``."""
+        return tuple(zip(self.segment_lengths, self.dilation_rates, strict=True))
+
+    def with_documents(self, cu_seqlens: Any) -> Pattern:
+        """This pattern on a packed sequence with boundaries ``cu_seqlens`` (a
+        1-D integer tensor or sequence ``[0, e_1, ..., e_m]``, non-decreasing;
+        ``None`` for one document). The last boundary is checked against the
+        sequence length where the pattern is used."""
+        if cu_seqlens is None:
+            return self if self.documents is None else self._replace(documents=None)
+        return self._replace(documents=_check_documents(cu_seqlens))
+
+    def _replace(self, **changes: Any) -> Pattern:
+        """A copy with checked ``changes``; the other values are not checked again."""
+        return replace(self, **changes, _checked=True)
+
+    def check_heads(self, heads: int) -> None:
+        """``head_groups=True`` needs at least one head per branch."""
+        if self.head_groups and heads < self.n_branches:
+            raise ValueError(
+                f"head_groups=True needs at least as many heads as branches: "
+                f"got {heads} heads and {self.n_branches} branches"
+            )
+
+    def check_length(self, seq_len: int) -> None:
+        """The documents must end where the sequence does."""
+        if self.documents is not None and self.documents[-1] != seq_len:
+            raise ValueError(
+                f"cu_seqlens must end at the sequence length {seq_len}, got "
+                f"cu_seqlens[-1] = {self.documents[-1]}"
+            )
+
+    def applies(self, branch: int, heads: int) -> list[int]:
+        """The heads branch ``branch`` applies to."""
+        if not self.head_groups:
+            return list(range(heads))
+        lo, hi = head_group_bounds(heads, self.n_branches)[branch]
+        return list(range(lo, hi))
+
+    def offset(self, h: int, branch: int, heads: int) -> int:
+        """The dilation offset of head ``h`` in branch ``branch``."""
+        return head_offset(h, self.dilation_rates[branch], heads, self.head_offsets)
+
+    def offset_classes(self, heads: int) -> list[dict[int, list[int]]]:
+        """Per branch, ``{offset: query heads}`` over the heads the branch
+        applies to (all, or its group with ``head_groups``): heads of one
+        offset read the same rows of their K/V head."""
+        self.check_heads(heads)
+        classes = []
+        for i in range(self.n_branches):
+            by_offset: dict[int, list[int]] = {}
+            for h in self.applies(i, heads):
+                by_offset.setdefault(self.offset(h, i, heads), []).append(h)
+            classes.append(by_offset)
+        return classes
+
+    def branch_offsets(self, heads: int) -> list[dict[int, int]]:
+        """Per branch, ``{offset: number of query heads with that offset}``."""
+        return [{o: len(hs) for o, hs in c.items()} for c in self.offset_classes(heads)]
+
+    def documents_tensor(self, device: torch.device | str) -> torch.Tensor | None:
+        """``documents`` as an int64 tensor on ``device`` (built once per device)."""
+        if self.documents is None:
+            return None
+        if torch.compiler.is_compiling():  # a constant of the graph, not a cached tensor
+            return torch.tensor(self.documents, dtype=torch.int64, device=device)
+        key = str(device)
+        t = self._tensors.get(key)
+        if t is None:
+            t = torch.tensor(self.documents, dtype=torch.int64, device=device)
+            self._tensors[key] = t
+        return t
+
+    def digest(self) -> int:
+        """A stable 63-bit digest of the value (the same in every process; the
+        ring handshake compares it across ranks)."""
+        text = repr(
+            (
+                self.segment_lengths,
+                self.dilation_rates,
+                self.causal,
+                self.head_groups,
+                self.head_offsets,
+                self.documents,
+                *(() if self.window == (-1, -1) else (self.window,)),
+            )
+        ).encode()
+        return (zlib.crc32(text) << 31) ^ zlib.adler32(text)
+
+    def describe(self) -> str:
+        """A short human-readable description (error messages)."""
+        s = f"segment_lengths={list(self.segment_lengths)} "
+        s += f"dilation_rates={list(self.dilation_rates)}"
+        if self.causal:
+            s += " causal"
+        if self.head_groups:
+            s += " head_groups"
+        if self.head_offsets != "modulo":
+            s += f" head_offsets={self.head_offsets}"
+        if self.documents is not None:
+            s += f" documents={len(self.documents) - 1}"
+        if self.windowed:
+            s += f" window=({self.window[0]},{self.window[1]})"
+        return s
+
+
+def _check_window(window: Any) -> tuple[int, int]:
+    """``window`` as ``(left, right)``, each an integer ``>= -1`` (``-1``:
+    unbounded); ``None`` is ``(-1, -1)`` (docs/design.md §6)."""
+    if window is None:
+        return (-1, -1)
+    if isinstance(window, (str, bytes)) or not hasattr(window, "__len__") or len(window) != 2:
+        raise ValueError(
+            f"window must be (left, right), two integers >= -1 (-1: unbounded), got {window!r}"
+        )
+    sides = []
+    for i, x in enumerate(window):
+        x = _as_index(x, f"window[{i}]")
+        if x < -1:
+            raise ValueError(f"window[{i}] must be >= -1 (-1: unbounded), got {x}")
+        if x > INT64_MAX:
+            raise ValueError(f"window[{i}] must be at most 2**63 - 1, got {x}")
+        sides.append(x)
+    return (sides[0], sides[1])
+
+
+def check_documents_tensor(cu_seqlens: torch.Tensor) -> None:
+    """A ``cu_seqlens`` tensor is 1-D and integer (its metadata only: what a
+    traced call can check before its values exist)."""
+    if cu_seqlens.dim() != 1:
+        raise ValueError(
+            f"cu_seqlens must be a 1-D integer tensor, got shape {tuple(cu_seqlens.shape)}"
+        )
+    if cu_seqlens.is_floating_point() or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool:
+        raise ValueError(f"cu_seqlens must have an integer dtype, got {cu_seqlens.dtype}")
+
+
+def _check_documents(cu_seqlens: Any) -> tuple[int, ...]:
+    """``cu_seqlens`` as a tuple of ints: 1-D integer, starting at 0,
+    non-decreasing (docs/design.md §6). A tensor is checked with vectorised
+    tensor ops (thousands of documents are normal), a sequence in plain
+    Python (so that a constant list traces under ``torch.compile``)."""
+    if not isinstance(cu_seqlens, torch.Tensor) and type(cu_seqlens).__module__ == "numpy":
+        cu_seqlens = torch.as_tensor(cu_seqlens)
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.device.type == "meta":
+            raise ValueError("cu_seqlens must hold values: got a tensor on the meta device")
+        check_documents_tensor(cu_seqlens)
+        cu = cu_seqlens.detach().to("cpu", torch.int64)
+        if cu.numel() == 0 or int(cu[0]) != 0:
+            _bad_documents(cu[:1].tolist())
+        drops = torch.nonzero(cu[1:] < cu[:-1])
+        if drops.numel():
+            i = int(drops[0])
+            _bad_documents(cu[i : i + 2].tolist(), i)
+        return tuple(cu.tolist())
+    if not isinstance(cu_seqlens, Sequence) or isinstance(cu_seqlens, (str, bytes)):
+        raise ValueError(
+            f"cu_seqlens must be a 1-D integer tensor, got {type(cu_seqlens).__name__}"
+        )
+    if not all(type(x) is int for x in cu_seqlens):
+        cu_seqlens = [_as_index(v, f"cu_seqlens[{i}]") for i, v in enumerate(cu_seqlens)]
+    for i, x in enumerate(cu_seqlens):
+        if not -INT64_MAX - 1 <= x <= INT64_MAX:
+            raise ValueError(f"cu_seqlens[{i}] must fit in int64, got {x}")
+    if not cu_seqlens or cu_seqlens[0] != 0:
+        _bad_documents(list(cu_seqlens[:1]))
+    for i in range(1, len(cu_seqlens)):
+        if cu_seqlens[i] < cu_seqlens[i - 1]:
+            _bad_documents(list(cu_seqlens[i - 1 : i + 1]), i - 1)
+    return tuple(cu_seqlens)
+
+
+def _bad_documents(values: list[int], at: int = 0) -> None:
+    """Raise for boundaries ``values`` (from ``cu_seqlens[at]`` on): empty, not
+    starting at 0, or decreasing from the first to the second."""
+    if not values:
+        raise ValueError("cu_seqlens must not be empty: it starts with 0 and ends at seq")
+    if at == 0 and values[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got cu_seqlens[0] = {values[0]}")
+    raise ValueError(
+        f"cu_seqlens must be non-decreasing, got cu_seqlens[{at}] = {values[0]} > "
+        f"cu_seqlens[{at + 1}] = {values[1]}"
+    )

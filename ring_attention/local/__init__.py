@@ -1,0 +1,2 @@
+"""The local layer: the one engine (the operators' boundary, the dispatch, the
+dense backends, the merge)."""

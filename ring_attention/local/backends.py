@@ -1,0 +1,181 @@
+"""Dense attention backends behind one interface, for the per-branch path
+(ring_attention/local/branches.py): each call is an ordinary dense attention
+(causal or not) on strided views, grouped K/V heads as FlashAttention takes
+them (query head ``i`` reads K/V head ``i // (hq // hk)``).
+
+Interface (every tensor a view; stride 1 along the head dim):
+
+* ``forward(q, k, v, causal, scale, out, lse)``: ``q`` ``(N, L, hq, d)``,
+  ``k``, ``v`` ``(N, Lk, hk, d)`` (``Lk == L`` where ``causal``); writes
+  ``out`` ``(N, hq, L, d)`` (q's dtype) and ``lse`` ``(N, hq, L)`` (float32,
+  float64 for float64), the caller's part buffers: in place where the
+  backend takes output buffers, else copied.
+* ``backward(do, q, k, v, out, lse, causal, scale, dq, dk, dv)``: the
+  gradients of the call given the *merged* ``out`` and ``lse`` of its rows
+  (``do``, ``out`` like ``q``; ``lse`` ``(N, hq, L)``): with them the
+  call's ``P = exp(S - lse)`` is the multiset softmax's probability and its
+  ``D = rowsum(dO * out)`` the merged one, so the branches' gradients add up
+  exactly. Writes ``dq`` ``(N, hq, L, d)`` and ``dk``, ``dv`` ``(N, hk, Lk,
+  d)``.
+
+Backends: ``cpu`` (PyTorch's CPU flash attention: the stand-in that runs the
+whole path on the CPU, against the float64 oracle in the tests), ``flash``
+(PyTorch's FlashAttention-2 on CUDA), ``cudnn`` (cuDNN through ATen, forward
+only) and ``fa4`` (flash-attn-4, ``flash_attn.cute``, where it imports).
+Which one a call takes is ring_attention/local/dispatch.py's table.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+__all__ = ["BACKENDS", "backend", "fa4_missing", "kv_finite"]
+
+aten = torch.ops.aten
+
+
+def _t(x: torch.Tensor) -> torch.Tensor:
+    """``(N, L, h, d)`` <-> ``(N, h, L, d)`` (a view)."""
+    return x.transpose(1, 2)
+
+
+class CpuFlash:
+    """PyTorch's CPU flash attention (``_scaled_dot_product_flash_attention_for_cpu``
+    and its backward): strided inputs, grouped K/V heads, an explicit LSE."""
+
+    name = "cpu"
+
+    @staticmethod
+    def forward(q, k, v, causal, scale, out, lse) -> None:
+        o, lse_ = aten._scaled_dot_product_flash_attention_for_cpu(
+            _t(q), _t(k), _t(v), 0.0, causal, scale=scale
+        )
+        out.copy_(o)
+        lse.copy_(lse_)
+
+    @staticmethod
+    def backward(do, q, k, v, out, lse, causal, scale, dq, dk, dv) -> None:
+        gq, gk, gv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            _t(do), _t(q), _t(k), _t(v), _t(out), lse, 0.0, causal, scale=scale
+        )
+        dq.copy_(gq)
+        dk.copy_(gk)
+        dv.copy_(gv)
+
+
+@functools.cache
+def _flash_side(device: str, dtype: torch.dtype, d: int) -> tuple[Any, ...]:
+    """What the flash backward takes from its forward besides out and lse
+    (sequence offsets, RNG state): with no dropout and no nesting they do not
+    depend on the shapes, so one tiny forward per (device, dtype, head_dim)."""
+    x = torch.zeros(1, 1, 8, d, dtype=dtype, device=device)
+    res = aten._scaled_dot_product_flash_attention(x, x, x, 0.0, False, False)
+    return res[2], res[3], res[6], res[7]
+
+
+class AtenFlash:
+    """PyTorch's FlashAttention-2 (``_scaled_dot_product_flash_attention``
+    and its backward); its outputs are copied into the part buffers."""
+
+    name = "flash"
+
+    @staticmethod
+    def forward(q, k, v, causal, scale, out, lse) -> None:
+        res = aten._scaled_dot_product_flash_attention(
+            _t(q), _t(k), _t(v), 0.0, causal, False, scale=scale
+        )
+        out.copy_(res[0])
+        lse.copy_(res[1])
+
+    @staticmethod
+    def backward(do, q, k, v, out, lse, causal, scale, dq, dk, dv) -> None:
+        cq, ck, rng, unused = _flash_side(str(q.device), q.dtype, q.shape[-1])
+        lq, lk = q.shape[1], k.shape[1]
+        gq, gk, gv = aten._scaled_dot_product_flash_attention_backward(
+            _t(do), _t(q), _t(k), _t(v), _t(out), lse.float().contiguous(), cq, ck, lq, lk,
+            0.0, causal, rng, unused, scale=scale,
+        )  # fmt: skip
+        dq.copy_(gq)
+        dk.copy_(gk)
+        dv.copy_(gv)
+
+
+class AtenCudnn:
+    """cuDNN attention through ATen (``_scaled_dot_product_cudnn_attention``),
+    forward only; its outputs are copied into the part buffers."""
+
+    name = "cudnn"
+
+    @staticmethod
+    def forward(q, k, v, causal, scale, out, lse) -> None:
+        res = aten._scaled_dot_product_cudnn_attention(
+            _t(q), _t(k), _t(v), None, True, 0.0, causal, False, scale=scale
+        )
+        out.copy_(res[0])
+        lse.copy_(res[1].reshape(lse.shape))
+
+    @staticmethod
+    def backward(*_args) -> None:
+        raise NotImplementedError("the cudnn backend has no backward in the dispatch table")
+
+
+def fa4_interface() -> Any:
+    """flash-attn-4's ``flash_attn.cute.interface`` (ImportError where it is
+    not installed)."""
+    from flash_attn.cute import interface
+
+    return interface
+
+
+@functools.cache
+def fa4_missing() -> str | None:
+    """Why flash-attn-4 does not import here (None when it does)."""
+    try:
+        fa4_interface()
+    except Exception as exc:  # ImportError, or a broken install of its CUDA libraries
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def kv_finite(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether K and V hold no NaN and no infinity, in one host sync: their
+    sums, accumulated in fp32 (fp64 for fp64) without a temporary, are NaN or
+    infinite when an element is. A sum of finite values beyond fp32's range
+    (about 3e38) reads as non-finite too, which only sends the call to our
+    kernels; the dense backends cannot exclude non-finite keys (they multiply
+    the zero weights of masked keys by their values)."""
+    acc = torch.float64 if k.dtype == torch.float64 else torch.float32
+    sums = torch.stack([k.sum(dtype=acc), v.sum(dtype=acc)])
+    return bool(torch.isfinite(sums).all())
+
+
+class FlashAttn4:
+    """flash-attn-4 (``flash_attn.cute``, CuTe DSL; Hopper and Blackwell): it
+    takes strided ``(N, L, h, d)`` views and writes into the caller's ``out``,
+    ``lse``, ``dq``, ``dk`` and ``dv``."""
+
+    name = "fa4"
+
+    @staticmethod
+    def forward(q, k, v, causal, scale, out, lse) -> None:
+        fa4_interface()._flash_attn_fwd(
+            q, k, v, softmax_scale=scale, causal=causal, return_lse=True, out=_t(out), lse=lse
+        )
+
+    @staticmethod
+    def backward(do, q, k, v, out, lse, causal, scale, dq, dk, dv) -> None:
+        fa4_interface()._flash_attn_bwd(
+            q, k, v, out, do, lse.float().contiguous(), softmax_scale=scale, causal=causal,
+            dq=_t(dq), dk=_t(dk), dv=_t(dv),
+        )  # fmt: skip
+
+
+BACKENDS = {b.name: b for b in (FlashAttn4(), AtenFlash(), AtenCudnn(), CpuFlash())}
+
+
+def backend(name: str):
+    """The backend called ``name`` (:data:`BACKENDS`)."""
+    return BACKENDS[name]

@@ -1,0 +1,183 @@
+"""A ring pass's blocks (docs/design.md §4.3, §4.4): each block of queries
+(global rows ``[q_start, q_start + Lq)``) against a run of keys (``[k_start,
+k_start + Lk)``, or packed K/V rows with their row map) merged into the
+pass's fp32 accumulators, or its gradients added, by our block kernel or by
+a dense backend where the pass's route is dense
+(ring_attention/local/dispatch.py's ``route_blocks``): for plain dense
+attention (one segment covering the sequence, dilation 1, no documents, no
+window) and for patterns whose every segment lies inside one rank's piece.
+
+Pieces holding whole segments: a query then reaches keys of its own piece
+only, so the ring's only blocks are the diagonal ones, each the local op on
+the piece as a sequence of its own (its start a multiple of every segment
+length): the per-branch path where the local op's route takes it for the
+piece, its ``out`` and ``lse`` merged as below, its gradients added.
+
+Plain dense attention: the block's geometry alone decides the call:
+
+* non-causal, or causal with every key at or before every query: one full
+  (non-causal) dense call;
+* causal with no key at or before any query: nothing (no call);
+* causal on the diagonal (the same rows): one causal dense call;
+* anything else (a causal block cut across the diagonal, which the ring's
+  pieces do not produce for dense patterns): our block kernel.
+
+Forward: the call's ``out`` and ``lse`` are merged into the accumulators by
+log-sum-exp, the rule of the block kernels (:func:`merge_into`). Backward:
+the call gets the final ``out`` and ``lse`` (its ``P = exp(S - lse)`` is
+then the whole row's probability and ``D = rowsum(dO * out)`` the whole
+row's), so the blocks' ``dq``, ``dk``, ``dv`` add up exactly. K/V holding a
+NaN or an infinity take our kernel (it excludes them; a dense kernel would
+multiply their zero weights): each block's K/V are checked when it runs (a
+host sync). A gradient reaching ``lse`` takes our kernel (the dense
+backwards have no input for it).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..core.call import Call
+from . import ops
+from .backends import backend, kv_finite
+from .branches import dense_backward, dense_forward
+from .dispatch import Route, route
+
+__all__ = ["Blocks", "block_kind", "merge_into"]
+
+Tensor = torch.Tensor
+
+
+def block_kind(causal: bool, q_start: int, lq: int, k_start: int, lk: int) -> str | None:
+    """``"full"``, ``"causal"`` or ``"skip"`` for a dense block (see the
+    module docstring), ``None`` where one dense call cannot run it."""
+    if lq == 0 or lk == 0:
+        return "skip"
+    if not causal or k_start + lk <= q_start + 1:
+        return "full"
+    if k_start >= q_start + lq:
+        return "skip"
+    if k_start == q_start and lk == lq:
+        return "causal"
+    return None
+
+
+class Blocks:
+    """The blocks of one ring pass of ``call``: by the dense route ``dense``
+    (:func:`~ring_attention.local.dispatch.route_blocks`: one backend call
+    per block, or, no backend named, the local op's per-branch path per
+    piece) where a block allows it, else by the block kernel with the
+    operators' arguments ``args``."""
+
+    def __init__(self, call: Call, args: ops.OpArgs, dense: Route | None) -> None:
+        self.args = args
+        self.dense = dense
+        self.backend = backend(dense.backends[0][0]) if dense and dense.backends else None
+        self.pattern = call.pattern
+        self.causal = call.pattern.causal
+        self.scale = call.scale
+
+    def forward(
+        self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_start: int,
+        k_start: int, k_rows: Tensor | None = None,
+    ) -> None:  # fmt: skip
+        """Merge the block into the accumulators ``out`` ``(B, Lq, H, D)`` and
+        ``lse`` ``(B, H, Lq)`` (the accumulation dtype)."""
+        args = (q, k, v, out, lse, q_start, k_start)
+        if k_rows is None and self.dense is not None and self._dense_forward(*args):
+            return
+        ops.block_forward(*args, self.args, k_rows)
+
+    def backward(
+        self, go: Tensor, glse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+        lse: Tensor, dq: Tensor, dk: Tensor, dv: Tensor, q_start: int, k_start: int,
+        k_rows: Tensor | None = None,
+    ) -> None:  # fmt: skip
+        """Add the block's gradients into ``dq``, ``dk``, ``dv`` (``(B, L, h,
+        D)``, the accumulation dtype), given the final ``out`` (q's dtype)
+        and ``lse`` of the query rows."""
+        if k_rows is None and glse is None and self.dense is not None and self._dense_backward(
+            go, q, k, v, out, lse, dq, dk, dv, q_start, k_start
+        ):  # fmt: skip
+            return
+        ops.block_backward(go, glse, q, k, v, out, lse, dq, dk, dv, q_start, k_start, self.args,
+                           k_rows)  # fmt: skip
+
+    def _local(self, pass_: str, q: Tensor, k: Tensor, v: Tensor, q_start: int,
+               k_start: int) -> Route | None:  # fmt: skip
+        """The per-branch route of a piece's own block (None: our kernel)."""
+        if q_start != k_start or q.shape[1] != k.shape[1] or not kv_finite(k, v):
+            return None
+        r = route(pass_, q, k, v, self.pattern, None)
+        return r if r.dense else None
+
+    def _kind(self, q: Tensor, k: Tensor, v: Tensor, q_start: int, k_start: int) -> str | None:
+        kind = block_kind(self.causal, q_start, q.shape[1], k_start, k.shape[1])
+        if kind is not None and kind != "skip" and not kv_finite(k, v):
+            return None
+        return kind
+
+    def _dense_forward(
+        self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_start: int,
+        k_start: int,
+    ) -> bool:  # fmt: skip
+        """:meth:`forward` by the dense route; ``False``: the block kernel's."""
+        if self.backend is None:
+            r = self._local("forward", q, k, v, q_start, k_start)
+            if r is None:
+                return False
+            merge_into(out, lse, *dense_forward(q, k, v, self.pattern, self.scale, r))
+            return True
+        kind = self._kind(q, k, v, q_start, k_start)
+        if kind is None:
+            return False
+        if kind == "skip":
+            return True
+        B, lq, H, D = q.shape
+        o = torch.empty(B, H, lq, D, dtype=q.dtype, device=q.device)
+        bl = torch.empty(B, H, lq, dtype=lse.dtype, device=q.device)
+        self.backend.forward(q, k, v, kind == "causal", self.scale, o, bl)
+        merge_into(out, lse, o.transpose(1, 2), bl)
+        return True
+
+    def _dense_backward(
+        self, go: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+        dq: Tensor, dk: Tensor, dv: Tensor, q_start: int, k_start: int,
+    ) -> bool:  # fmt: skip
+        """:meth:`backward` by the dense route; ``False``: the block kernel's."""
+        if self.backend is None:
+            r = self._local("backward", q, k, v, q_start, k_start)
+            if r is None:
+                return False
+            grads = dense_backward(go, q, k, v, out, lse, self.pattern, self.scale, r)
+            for acc, g in zip((dq, dk, dv), grads, strict=True):
+                acc.add_(g)
+            return True
+        kind = self._kind(q, k, v, q_start, k_start)
+        if kind is None:
+            return False
+        if kind == "skip":
+            return True
+        B, lq, H, D = q.shape
+        lk, hk = k.shape[1], k.shape[2]
+        gq = torch.empty(B, H, lq, D, dtype=q.dtype, device=q.device)
+        gk = torch.empty(B, hk, lk, D, dtype=q.dtype, device=q.device)
+        gv = torch.empty_like(gk)
+        self.backend.backward(go, q, k, v, out, lse, kind == "causal", self.scale, gq, gk, gv)
+        dq.add_(gq.transpose(1, 2))
+        dk.add_(gk.transpose(1, 2))
+        dv.add_(gv.transpose(1, 2))
+        return True
+
+
+def merge_into(out: Tensor, lse: Tensor, o: Tensor, bl: Tensor) -> None:
+    """Merge one part ``(o, bl)`` into the accumulators ``out``, ``lse`` in
+    place (no autograd; the accumulators start at ``0`` and ``-inf``)."""
+    new = torch.logaddexp(lse, bl)
+    ref = torch.where(new == -math.inf, 0.0, new)  # rows reached by nothing yet
+    keep = torch.exp(lse - ref).transpose(1, 2).unsqueeze(-1)
+    take = torch.exp(bl - ref).transpose(1, 2).unsqueeze(-1)
+    out.mul_(keep).add_(o * take)
+    lse.copy_(new)

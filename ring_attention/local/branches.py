@@ -1,0 +1,275 @@
+"""The local op, through our kernels or through dense attention per branch on
+strided views (docs/design.md §5): :func:`local_attention` is the one call
+``functional.attend`` makes.
+
+The per-branch path: the view planner (ring_attention/local/views.py) cuts the
+sequence into windows of whole segments and each window into dense calls,
+one per (branch, head-offset class, head run, full segments | short last
+segment), each a strided view of q, k, v (no gather, no copy). The forward
+runs every call of a window on its dense backend (ring_attention/local/backends.py,
+chosen by ring_attention/local/dispatch.py), each writing its output and LSE into
+the window's part buffers, then one merge operator
+(``torch.ops.ring_attention.merge_branches``) combines the parts of each
+(position, head) by their log-sum-exp in fp32 and writes ``out`` and ``lse``
+once. The backward hands every call the merged ``out`` and ``lse`` (its ``P
+= exp(S - lse)`` is then the multiset softmax's probability and its ``D =
+rowsum(dO * out)`` the merged one, so the branches' gradients add up
+exactly), and ``sum_branches`` adds the per-call ``dq``, ``dk``, ``dv``
+parts into the gradients. Rows no branch reaches get ``out = 0``,
+``lse = -inf`` and zero gradients.
+
+Our kernels run the pass instead where the table says, or where the dense
+backends cannot give the same answer (dispatch.py); K/V finiteness is
+checked when a dense pass runs (a host sync) and a gradient reaching
+``lse`` takes our backward kernel. A double backward raises, as the
+kernel's does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+from typing import Any, NamedTuple
+
+import torch
+
+from ..core.cache import LRUCache
+from ..core.dtypes import acc_dtype
+from ..core.pattern import Pattern
+from . import ops
+from .backends import backend, kv_finite
+from .dispatch import Route
+from .views import Call, Geometry, batch_groups
+
+__all__ = ["PerBranch", "PhaseTimes", "dense_backward", "dense_forward", "phase_times"]
+
+
+class PhaseTimes:
+    """Seconds the dense path spends per phase while :func:`phase_times` is
+    active: ``calls`` (the dense backends), ``merge`` (the merge operators),
+    ``finite`` (the check of K and V for NaN and infinity); CUDA events on
+    GPUs (device time: what the host adds between them is the caller's wall
+    time less these), a synchronised clock elsewhere."""
+
+    def __init__(self) -> None:
+        self._spans: list[tuple[str, object, object]] = []
+
+    @contextlib.contextmanager
+    def span(self, phase: str, device: torch.device):
+        if device.type == "cuda":
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            yield
+            end.record()
+            self._spans.append((phase, start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self._spans.append((phase, t0, time.perf_counter()))
+
+    def totals(self) -> dict[str, float]:
+        """Seconds per phase so far (synchronises CUDA)."""
+        out: dict[str, float] = defaultdict(float)
+        for phase, a, b in self._spans:
+            if isinstance(a, float):
+                out[phase] += b - a  # type: ignore[operator]
+            else:
+                b.synchronize()  # type: ignore[attr-defined]
+                out[phase] += a.elapsed_time(b) / 1000  # type: ignore[attr-defined]
+        return dict(out)
+
+
+_TIMES: list[PhaseTimes] = []
+
+
+@contextlib.contextmanager
+def phase_times():
+    """Collect :class:`PhaseTimes` of the dense passes run inside the block."""
+    times = PhaseTimes()
+    _TIMES.append(times)
+    try:
+        yield times
+    finally:
+        _TIMES.remove(times)
+
+
+def _span(phase: str, device: torch.device):
+    return _TIMES[-1].span(phase, device) if _TIMES else contextlib.nullcontext()
+
+
+class Program(NamedTuple):
+    """The dense calls of one pass as plain geometry: per window, its part
+    rows on the query and the K/V side and its launches ``(backend name,
+    geometry of each argument)`` (:class:`~ring_attention.local.views.Geometry`,
+    offsets absolute in each tensor's storage); ``q_rows``, ``kv_rows``:
+    the most rows a window's part buffers need."""
+
+    q_rows: int
+    kv_rows: int
+    windows: tuple[tuple[int, int, tuple[tuple[Any, ...], ...]], ...]
+
+
+def _program(pass_: str, r: Route, *tensors: torch.Tensor) -> Program:
+    """The :class:`Program` of ``pass_`` of the route ``r`` on these tensors
+    (forward: q, k, v; backward: grad_out, q, k, v, out), cached per
+    route, pass, and every tensor's shape, strides, storage offset, dtype
+    and device: a pass on the same layout builds no view geometry again."""
+    key = (pass_, r.plan, r.backends, layout_key(tensors))
+    return _PROGRAMS.get(key, lambda: _build(pass_, r, tensors))
+
+
+def layout_key(tensors: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
+    """What a :class:`Program` depends on in its tensors."""
+    return tuple((t.shape, t.stride(), t.storage_offset(), t.dtype, t.device) for t in tensors)
+
+
+def _build(pass_: str, r: Route, tensors: tuple[torch.Tensor, ...]) -> Program:
+    assert r.plan is not None
+    backward = pass_ == "backward"
+    batch, d = tensors[0].shape[0], tensors[0].shape[3]
+
+    def view(call: Call, t: torch.Tensor, kv: bool = False) -> Geometry:
+        size, stride, offset = call.geometry(t.shape, t.stride(), kv)
+        return size, stride, offset + t.storage_offset()
+
+    windows, q_max, kv_max = [], 0, 0
+    for window, names in zip(r.plan.windows, r.backends, strict=True):
+        launches, q_base, kv_base = [], 0, 0
+        for call, name in zip(window.calls, names, strict=True):
+            if backward:
+                go, q, k, v, out = tensors
+                geoms = (
+                    view(call, go), view(call, q), view(call, k, True), view(call, v, True),
+                    view(call, out), call.part_geometry(q_base, batch, False, None),
+                    call.part_geometry(q_base, batch, False, d),
+                    call.part_geometry(kv_base, batch, True, d),
+                    call.part_geometry(kv_base, batch, True, d),
+                )  # fmt: skip
+            else:
+                q, k, v = tensors
+                geoms = (
+                    view(call, q), view(call, k, True), view(call, v, True),
+                    call.part_geometry(q_base, batch, False, d),
+                    call.part_geometry(q_base, batch, False, None),
+                )  # fmt: skip
+            launches += [(name, *g) for g in batch_groups(geoms)]
+            q_base += call.part_rows(batch)
+            kv_base += call.part_rows(batch, True)
+        windows.append((q_base, kv_base, tuple(launches)))
+        q_max, kv_max = max(q_max, q_base), max(kv_max, kv_base)
+    return Program(q_max, kv_max, tuple(windows))
+
+
+_PROGRAMS: LRUCache[Program] = LRUCache(64)
+
+
+def dense_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Pattern, scale: float, r: Route
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out`` and ``lse`` of the local op by the dense calls of ``r``."""
+    batch, n, heads, d = q.shape
+    device, causal = q.device, pattern.causal
+    acc = acc_dtype(q.dtype)
+    prog = _program("forward", r, q, k, v)
+    fns = {name: backend(name).forward for names in r.backends for name in set(names)}
+    out = torch.empty_like(q)
+    lse = torch.empty(batch, heads, n, dtype=acc, device=device)
+    # one pair of part buffers for every window (the stream orders each
+    # window's merge before the next window's calls write)
+    parts = torch.empty(prog.q_rows, d, dtype=q.dtype, device=device)
+    part_lse = torch.empty(prog.q_rows, dtype=acc, device=device)
+    for i, (window, (rows, _, launches)) in enumerate(
+        zip(r.plan.windows, prog.windows, strict=True)
+    ):
+        with _span("calls", device):
+            for name, qg, kg, vg, og, lg in launches:
+                fns[name](
+                    q.as_strided(*qg), k.as_strided(*kg), v.as_strided(*vg), causal, scale,
+                    parts.as_strided(*og), part_lse.as_strided(*lg),
+                )  # fmt: skip
+        q_index = r.plan.index(i, batch, device)[0]
+        a, length = window.start, window.length
+        with _span("merge", device):
+            ops.merge_branches(
+                parts[:rows], part_lse[:rows], q_index, out[:, a : a + length],
+                lse[:, :, a : a + length].transpose(1, 2),
+            )  # fmt: skip
+    return out, lse
+
+
+def dense_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    pattern: Pattern,
+    scale: float,
+    r: Route,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``dq``, ``dk``, ``dv`` of the local op by the dense calls of ``r``,
+    given the merged ``out`` and ``lse``."""
+    batch, _, _, d = q.shape
+    device, causal = q.device, pattern.causal
+    if grad_out.stride(-1) != 1:
+        grad_out = grad_out.contiguous()
+    prog = _program("backward", r, grad_out, q, k, v, out)
+    fns = {name: backend(name).backward for names in r.backends for name in set(names)}
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    gq = torch.empty(prog.q_rows, d, dtype=q.dtype, device=device)
+    gk = torch.empty(prog.kv_rows, d, dtype=q.dtype, device=device)
+    gv = torch.empty_like(gk)
+    for i, (window, (q_rows, kv_rows, launches)) in enumerate(
+        zip(r.plan.windows, prog.windows, strict=True)
+    ):
+        with _span("calls", device):
+            # the merged lse of every part row, in the parts' order: one
+            # gather a window (4 bytes a row), each call's rows contiguous
+            part_lse = torch.take(lse, r.plan.lse_index(i, batch, device))
+            for name, dog, qg, kg, vg, og, lg, gqg, gkg, gvg in launches:
+                fns[name](
+                    grad_out.as_strided(*dog), q.as_strided(*qg), k.as_strided(*kg),
+                    v.as_strided(*vg), out.as_strided(*og), part_lse.as_strided(*lg),
+                    causal, scale, gq.as_strided(*gqg), gk.as_strided(*gkg), gv.as_strided(*gvg),
+                )  # fmt: skip
+        q_index, _, kv_index, _ = r.plan.index(i, batch, device)
+        a, length = window.start, window.length
+        with _span("merge", device):
+            ops.sum_branches(gq[:q_rows], q_index, dq[:, a : a + length])
+            ops.sum_branches(gk[:kv_rows], kv_index, dk[:, a : a + length])
+            ops.sum_branches(gv[:kv_rows], kv_index, dv[:, a : a + length])
+    return dq, dk, dv
+
+
+class PerBranch:
+    """The local op by the dense per-branch path (:class:`~.ops.Attention`'s
+    implementation) where its route is dense: :func:`dense_forward` and
+    :func:`dense_backward` where K/V are finite (a dense kernel would
+    multiply the zero weights of masked keys by their values), our kernels
+    otherwise, and our backward kernel too when a gradient reaches ``lse``
+    (the dense backwards have no input for it)."""
+
+    def __init__(self, pattern: Pattern, scale: float, args: ops.OpArgs, fwd: Route,
+                 bwd: Route | None) -> None:  # fmt: skip
+        self.pattern, self.scale, self.args = pattern, scale, args
+        self.fwd, self.bwd = fwd, bwd
+        self.finite: bool | None = None  # K/V checked: not yet
+
+    def _finite(self, k: torch.Tensor, v: torch.Tensor) -> bool:
+        if self.finite is None:
+            with _span("finite", k.device):
+                self.finite = kv_finite(k, v)
+        return self.finite
+
+    def forward(self, q, k, v):
+        if self.fwd.dense and self._finite(k, v):
+            return dense_forward(q, k, v, self.pattern, self.scale, self.fwd)
+        return ops.local_attention(q, k, v, self.args)
+
+    def backward(self, grad_out, grad_lse, q, k, v, out, lse):
+        bwd = self.bwd
+        if bwd is not None and bwd.dense and grad_lse is None and self._finite(k, v):
+            return dense_backward(grad_out, q, k, v, out, lse, self.pattern, self.scale, bwd)
+        return ops.local_attention_backward(grad_out, grad_lse, q, k, v, out, lse, self.args)

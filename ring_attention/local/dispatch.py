@@ -1,0 +1,380 @@
+"""Which path the local op takes, and which dense backend each of its
+per-branch calls takes: two tables, one function (:func:`route`).
+
+* :data:`PATHS`: where ``auto`` takes the per-branch dense path at all
+  (forward and backward decide apart); elsewhere our kernels. Each row cites
+  the measurement behind it (benchmarks/RESULTS.md).
+* :data:`BACKENDS`: per call, the first row that can run it, in table order;
+  a backend named by ``RING_ATTENTION_DENSE_BACKEND`` goes first.
+
+Our kernels run instead, whatever the tables say, wherever the dense
+backends cannot give the same answer: a key padding mask, a sliding window
+(the per-branch calls take none), non-finite K/V
+(checked when the call runs: a dense kernel multiplies the zero weights of
+masked keys by their values), a gradient reaching ``lse`` (their backwards
+have no input for it), calls traced by ``torch.compile`` (the graph keeps
+the operator: no host sync), empty inputs, a head dim that is not
+contiguous, more than :data:`MAX_CALLS` calls a pass (many documents), and
+any call no backend can run (fp32 / fp64 on CUDA, head dims or devices the
+backends do not take). ``python -m ring_attention.info`` prints the route
+of a shape and why.
+
+The ring's per-step blocks (:func:`route_blocks`) take the same modes, path
+table and backend table where the pattern is plain dense attention (one
+segment covering the sequence, dilation 1, no documents, no window: each
+block is then one dense call, ring_attention/local/blocks.py), or where
+every segment lies inside one rank's piece (each piece is then a local op
+of its own, through the per-branch path where :func:`route` takes it);
+other patterns keep our block kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..core import config
+from ..core.cache import LRUCache
+from ..core.pattern import Pattern
+from .backends import fa4_missing
+from .views import Plan, plan_windows
+
+__all__ = [
+    "BACKENDS",
+    "MAX_CALLS",
+    "PATHS",
+    "BackendRow",
+    "PathRow",
+    "Route",
+    "block_shape",
+    "decide",
+    "decide_blocks",
+    "route",
+    "route_blocks",
+]
+
+F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
+
+#: More dense calls than this in one pass (documents: calls per document
+#: span) take our kernels, which handle documents in one launch per branch.
+MAX_CALLS = 4096
+
+
+@dataclass(frozen=True)
+class PathRow:
+    """``auto`` takes the dense path for this pass on this device and dtype
+    when the head dim is one of ``head_dims`` (``None``: any) and the
+    sequence has at least ``min_rows`` rows."""
+
+    pass_: str
+    device: str
+    dtypes: tuple[torch.dtype, ...]
+    head_dims: tuple[int, ...] | None
+    min_rows: int
+    source: str
+
+
+PATHS = (
+    PathRow(
+        "backward", "cuda", (F16, BF16), None, 0,
+        "H200 2026-11-27 (journal/2026-11-27-gpu-h200-views.md): the dense backward per branch "
+        "on strided views made forward+backward 1.6-3.1x faster than 9cf198c's default "
+        "(32K-1M, 12 x 64 and 16 x 128; FlashAttention-2 or flash-attn-4); earlier, on an "
+        "H100, FlashAttention-2's backward per branch beat our backward kernel 1.5-1.6x",
+    ),
+    PathRow(
+        "forward", "cuda", (F16, BF16), (128,), 0,
+        "H200 2026-11-27: at head_dim 128 the dense forward per branch took 4.1 / 10.4 / 84.5 ms "
+        "with flash-attn-4 and 5.5 / 18.4 / 145.4 ms with FlashAttention-2 against our "
+        "kernel's 9.8 / 18.4 / 145.8 ms (n = 32K / 131K / 1M, 16 x 128)",
+    ),
+    PathRow(
+        "forward", "cuda", (F16, BF16), (64,), 131072,
+        "H200 2026-11-27: at head_dim 64 from 131072 rows the dense forward per branch took "
+        "5.3 / 40.0 ms with flash-attn-4 and 8.8 / 65.6 ms with FlashAttention-2 against our "
+        "kernel's 12.2 / 92.7 ms (n = 131K / 1M, 12 x 64); at 32K our kernel was as fast "
+        "(3.5 ms against 3.5 and 5.0)",
+    ),
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class BackendRow:
+    """A dense backend and the calls it takes: device, dtypes, head dims (a
+    multiple of ``head_dim_multiple`` up to ``head_dim_max``, or one of
+    ``head_dims``), compute capability, passes, call rows a multiple of
+    ``rows_multiple``, grouped K/V heads or not. ``default``: taken by
+    ``RING_ATTENTION_DENSE_BACKEND=auto``; else only when named."""
+
+    backend: str
+    device: str
+    dtypes: tuple[torch.dtype, ...]
+    head_dims: tuple[int, ...] | None
+    head_dim_multiple: int
+    head_dim_max: int
+    min_capability: tuple[int, int]
+    passes: tuple[str, ...]
+    rows_multiple: int
+    gqa: bool
+    default: bool
+    source: str
+
+
+BOTH = ("forward", "backward")
+BACKENDS = (
+    BackendRow(
+        "fa4", "cuda", (F16, BF16), (64, 96, 128), 8, 128, (9, 0), BOTH, 1, True, True,
+        "flash-attn-4 4.0.0b36 (CuTe DSL) on the strided views: checked against the float64 "
+        "oracle and 1.6-1.9x faster than FlashAttention-2 per branch (H200 2026-11-27; "
+        "journal/2026-11-27-gpu-h200-views.md)",
+    ),
+    BackendRow(
+        "flash", "cuda", (F16, BF16), None, 8, 256, (8, 0), BOTH, 1, True, True,
+        "PyTorch's FlashAttention-2: per branch on an H100 (2026-11-25/26), checked against "
+        "the float64 oracle",
+    ),
+    BackendRow(
+        "cudnn", "cuda", (F16, BF16), None, 8, 128, (9, 0), ("forward",), 128, False, False,
+        "cuDNN through ATen: the fastest gather forward at 16 x 128, 32K (H100, seventh); its "
+        "forward on the views matched the float64 oracle (H200 2026-11-27, n = 10240, the "
+        "calls it takes) but is untimed there; its backward disagreed with the "
+        "oracle on ragged lengths (2026-11-25): only when named, forward only, rows a "
+        "multiple of 128, no GQA",
+    ),
+    BackendRow(
+        "cpu", "cpu", (F32, F64, F16, BF16), None, 1, 1 << 30, (0, 0), BOTH, 1, True, True,
+        "PyTorch's CPU flash attention: the stand-in that runs the whole path on the CPU "
+        "(tests); our CPU kernels are faster (benchmarks/RESULTS.md), so auto never takes it",
+    ),
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Route:
+    """The path of one pass: ``dense`` (the per-branch calls of ``plan``, call
+    ``j`` of window ``i`` on backend ``backends[i][j]``; for the ring's blocks
+    no plan and one backend, ``((name,),)``) or our kernel, and why."""
+
+    dense: bool
+    why: str
+    plan: Plan | None = None
+    backends: tuple[tuple[str, ...], ...] = ()
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
+
+
+def _fits(row: BackendRow, pass_, device, dtype, d, cc, rows, gqa) -> str | None:
+    """Why ``row`` cannot run the call (None when it can)."""
+    if row.device != device.type:
+        return f"runs on {row.device}"
+    if pass_ not in row.passes:
+        return f"no {pass_}"
+    if dtype not in row.dtypes:
+        return f"no {dtype}"
+    if (row.head_dims is not None and d not in row.head_dims) or (
+        d % row.head_dim_multiple or d > row.head_dim_max
+    ):
+        return f"no head_dim {d}"
+    if cc < row.min_capability:
+        return f"needs sm_{row.min_capability[0]}{row.min_capability[1]}"
+    if rows % row.rows_multiple:
+        return f"call rows {rows} not a multiple of {row.rows_multiple}"
+    if gqa and not row.gqa:
+        return "no grouped K/V heads"
+    if row.backend == "fa4" and fa4_missing():
+        return "not importable"
+    return None
+
+
+def _backend_for(
+    pass_: str, named: str, device, dtype, d: int, cc, rows: int, gqa: bool
+) -> tuple[str | None, str]:
+    """The first backend of the table (``named`` first) that runs a call of
+    ``rows`` rows, and why each one before it cannot."""
+    order = [r for r in BACKENDS if r.backend == named] + [
+        r for r in BACKENDS if r.default and r.backend != named
+    ]
+    reasons = []
+    for r in order:
+        why_not = _fits(r, pass_, device, dtype, d, cc, rows, gqa)
+        if why_not is None:
+            return r.backend, "; ".join(reasons)
+        reasons.append(f"{r.backend}: {why_not}")
+    return None, "; ".join(reasons)
+
+
+def _mode_why(pass_: str, mode: str, device, dtype, d: int, n: int) -> str | None:
+    """Why ``mode`` takes the dense path (None: ``auto`` finds no row)."""
+    if mode != "auto":
+        return f"{config.FORWARD if pass_ == 'forward' else config.BACKWARD}={mode}"
+    row = _path_row(pass_, device, dtype, d, n)
+    return None if row is None else f"auto: {row.source}"
+
+
+def _path_row(pass_: str, device: torch.device, dtype, d: int, n: int) -> PathRow | None:
+    for row in PATHS:
+        if (
+            row.pass_ == pass_
+            and row.device == device.type
+            and dtype in row.dtypes
+            and (row.head_dims is None or d in row.head_dims)
+            and n >= row.min_rows
+        ):
+            return row
+    return None
+
+
+def route(
+    pass_: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pattern: Pattern,
+    key_padding_mask: torch.Tensor | None,
+) -> Route:
+    """The route of ``pass_`` (``"forward"`` or ``"backward"``) of the local op
+    on these inputs (K/V finiteness and an ``lse`` gradient are checked when
+    the pass runs). Reads the environment (ring_attention/core/config.py)."""
+    if torch.compiler.is_compiling():
+        return Route(False, "traced by torch.compile: the graph keeps the operator")
+    mode = config.forward_mode() if pass_ == "forward" else config.backward_mode()
+    named = config.dense_backend()
+    rows = config.window_rows()
+    if mode == "kernel":
+        env = config.FORWARD if pass_ == "forward" else config.BACKWARD
+        return Route(False, f"{env}=kernel")
+    if key_padding_mask is not None:
+        return Route(False, "a key padding mask")
+    if pattern.windowed:
+        return Route(False, "a sliding window")
+    if q.numel() == 0 or k.numel() == 0:
+        return Route(False, "empty inputs")
+    if any(t.stride(-1) != 1 for t in (q, k, v)):
+        return Route(False, "a head dim that is not contiguous")
+    _, n, heads, d = q.shape
+    device = q.device
+    cc = _capability(device)
+    key = (pass_, mode, named, rows, device, cc, q.dtype, n, heads, k.shape[2], d, pattern)
+    return _ROUTES.get(key, lambda: decide(*key))
+
+
+def decide(
+    pass_: str,
+    mode: str,
+    named: str,
+    rows: int,
+    device: torch.device,
+    cc: tuple[int, int],
+    dtype: torch.dtype,
+    n: int,
+    heads: int,
+    kv_heads: int,
+    d: int,
+    pattern: Pattern,
+) -> Route:
+    """:func:`route` from the values it reads: the pass, the modes and window
+    rows of ring_attention/core/config.py, the device and its compute capability,
+    dtype, sizes and pattern (no tensors: the tables alone)."""
+    why = _mode_why(pass_, mode, device, dtype, d, n)
+    if why is None:
+        what = f"{device.type} {dtype} head_dim {d} n {n}"
+        return Route(False, f"auto: no row of the path table for {what}")
+    plan = plan_windows(pattern, n, heads, kv_heads, rows)
+    if plan.calls > MAX_CALLS:
+        return Route(False, f"{plan.calls} dense calls a pass (more than {MAX_CALLS})")
+    chosen: dict[tuple[int, int, int], str] = {}
+    per_window = []
+    for window in plan.windows:
+        names = []
+        for call in window.calls:
+            shape = (call.rows, call.q_heads, call.kv_heads)
+            if shape not in chosen:
+                gqa = call.q_heads != call.kv_heads
+                name, reasons = _backend_for(pass_, named, device, dtype, d, cc, call.rows, gqa)
+                if name is None:
+                    what = f"{call.rows} rows, {call.q_heads}/{call.kv_heads} heads"
+                    return Route(False, f"no dense backend for a call of {what} ({reasons})")
+                chosen[shape] = name
+            names.append(chosen[shape])
+        per_window.append(tuple(names))
+    used = sorted(set(chosen.values()))
+    return Route(True, f"{why}; backends {', '.join(used)}", plan, tuple(per_window))
+
+
+_ROUTES: LRUCache[Route] = LRUCache(64)
+
+
+def block_shape(pattern: Pattern, n: int, boundaries: tuple[int, ...]) -> tuple[str | None, str]:
+    """What the ring's blocks of ``pattern`` on ``n`` rows are, the pieces
+    starting and ending at ``boundaries``: ``"dense"`` (plain dense
+    attention: one branch whose segment covers the sequence, dilation 1),
+    ``"local"`` (every segment of every branch inside one piece: each piece
+    is a local op of its own), or ``None`` (our block kernels), and why."""
+    if pattern.documents is not None:
+        return None, "documents"
+    if pattern.windowed:
+        return None, "a sliding window"
+    (w, r), *others = pattern.branches
+    if not others and r == 1 and w >= n:
+        return "dense", "plain dense attention"
+    if all(b % w == 0 for b in boundaries if 0 < b < n for w in pattern.segment_lengths):
+        return "local", "every segment inside one piece"
+    return None, "segments crossing the pieces (dilated blocks as views: not built)"
+
+
+def route_blocks(
+    pass_: str, q: torch.Tensor, k: torch.Tensor, pattern: Pattern, n: int,
+    boundaries: tuple[int, ...], rows: int,
+) -> Route:  # fmt: skip
+    """The route of the ring's per-step blocks in ``pass_`` for this rank's
+    shard ``q`` and K/V like ``k``: our block kernels, or ``dense`` and
+    either one backend per block (``backends == ((name,),)``, plain dense
+    attention) or, every segment inside a piece, no backend named
+    (``backends == ()``: each piece's own block takes :func:`route`'s), and
+    why. ``n``: the global length (the path table's rows); ``boundaries``:
+    where the pieces of every rank start and end; ``rows``: a length every
+    block's pieces are a multiple of (a backend's ``rows_multiple``). K/V
+    finiteness and an ``lse`` gradient are checked when the pass runs."""
+    mode = config.forward_mode() if pass_ == "forward" else config.backward_mode()
+    if mode == "kernel":
+        return Route(False, f"{config.FORWARD if pass_ == 'forward' else config.BACKWARD}=kernel")
+    shape, why = block_shape(pattern, n, boundaries)
+    if shape is None:
+        return Route(False, why)
+    if shape == "local":
+        return Route(True, f"{why}: each piece's block by the local op's route")
+    _, _, heads, d = q.shape
+    device = q.device
+    key = (pass_, mode, config.dense_backend(), device, _capability(device), q.dtype, n, heads,
+           k.shape[2], d, rows)  # fmt: skip
+    return _BLOCK_ROUTES.get(key, lambda: decide_blocks(*key))
+
+
+def decide_blocks(
+    pass_: str,
+    mode: str,
+    named: str,
+    device: torch.device,
+    cc: tuple[int, int],
+    dtype: torch.dtype,
+    n: int,
+    heads: int,
+    kv_heads: int,
+    d: int,
+    rows: int,
+) -> Route:
+    """:func:`route_blocks` from the values it reads (the tables alone)."""
+    why = _mode_why(pass_, mode, device, dtype, d, n)
+    if why is None:
+        what = f"{device.type} {dtype} head_dim {d} n {n}"
+        return Route(False, f"auto: no row of the path table for {what}")
+    name, reasons = _backend_for(pass_, named, device, dtype, d, cc, rows, heads != kv_heads)
+    if name is None:
+        return Route(False, f"no dense backend for the ring's blocks ({reasons})")
+    return Route(True, f"{why}; backend {name}", None, ((name,),))
+
+
+_BLOCK_ROUTES: LRUCache[Route] = LRUCache(64)

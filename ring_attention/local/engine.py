@@ -1,0 +1,112 @@
+"""The one engine: every attention the package computes is a checked
+:class:`~ring_attention.core.call.Call` run here.
+
+* :func:`attend`: ``(out, lse)`` of a call, differentiable: the whole
+  sequence of one process, a Ulysses rank's head slice (the call's head
+  range), a cached decode step or a chunk of prefill (its rows at offsets),
+  the MHA module's path without weights. The C++ operator runs it (its
+  autograd registered on it), or the per-branch dense path where the
+  dispatch table takes it (ring_attention/local/dispatch.py) under
+  :class:`~ring_attention.local.ops.Attention`.
+* :func:`blocks`: a ring pass's blocks (ring_attention/local/blocks.py).
+* :func:`ring`: the ring's operators under their autograd.
+* :func:`differentiable`: :class:`~ring_attention.local.ops.Attention`
+  around another implementation.
+* :func:`reached_rows`: the key rows a set of query ranges reaches (the
+  ring's exchange planner).
+* :func:`op_args`: the operators' pattern arguments of a call, built here
+  only.
+
+Nothing is checked here: the public entries checked the call
+(:func:`ring_attention.core.call.prepare`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..core.call import Call
+from ..core.pattern import Pattern
+from . import ops
+from .blocks import Blocks
+from .branches import PerBranch
+from .dispatch import route, route_blocks
+
+__all__ = ["attend", "blocks", "differentiable", "op_args", "reached_rows", "ring"]
+
+Tensor = torch.Tensor
+
+
+def op_args(call: Call, device: torch.device | str) -> ops.OpArgs:
+    """The operators' pattern arguments of ``call`` (its documents as an
+    int64 tensor on ``device``, built once per device; a traced call's
+    ``cu_seqlens`` as it is)."""
+    pattern = call.pattern
+    return ops.OpArgs(
+        list(pattern.segment_lengths),
+        list(pattern.dilation_rates),
+        pattern.causal,
+        float(call.scale),
+        pattern.head_groups,
+        pattern.head_offsets == "grouped",
+        call.key_padding_mask,
+        pattern.documents_tensor(device) if call.documents is None else call.documents,
+        *pattern.window,
+        call.head_start,
+        call.total_heads,
+        call.total_kv_heads,
+    )
+
+
+def attend(call: Call, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` of ``call`` on ``q`` ``(B, Lq, H, D)``, ``k``, ``v``
+    ``(B, Lk, KVH, D)`` (the call's heads and rows), both differentiable.
+    ``lse`` is ``(B, H, Lq)`` in the accumulation dtype."""
+    args = op_args(call, q.device)
+    rows = ops.Rows(call.q_start, call.k_start, call.q_starts)
+    if call.documents is not None or not (call.one_sequence and call.every_head):
+        return ops.local_attention(q, k, v, args, rows)  # the kernels alone take these
+    fwd = route("forward", q, k, v, call.pattern, call.key_padding_mask)
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    bwd = route("backward", q, k, v, call.pattern, call.key_padding_mask) if grad else None
+    if fwd.dense or (bwd is not None and bwd.dense):
+        return differentiable(PerBranch(call.pattern, call.scale, args, fwd, bwd), q, k, v)
+    return ops.local_attention(q, k, v, args)
+
+
+def differentiable(impl: ops.Implementation, q: Tensor, k: Tensor, v: Tensor):
+    """``impl``'s ``(out, lse)`` under the package's attention autograd."""
+    return ops.Attention.apply(q, k, v, impl)
+
+
+def ring(
+    q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None, spec: str, needs_grad: bool
+) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` of the ring call registered as ``spec``
+    (ring_attention/parallel/ring_spec.py): its two operators under their
+    autograd (:class:`~ring_attention.local.ops.RingFunction`)."""
+    return ops.RingFunction.apply(q, k, v, documents, spec, needs_grad)
+
+
+def blocks(call: Call, pass_: str, q: Tensor, k: Tensor, n: int, bounds: tuple[int, ...],
+           rows: int) -> Blocks:  # fmt: skip
+    """The blocks of one ring pass (``pass_``: ``"forward"`` or
+    ``"backward"``) of ``call`` on this rank's shard ``q`` and K/V like
+    ``k``: ``n`` the global length, ``bounds`` where every rank's pieces
+    start and end, ``rows`` a length every piece is a multiple of."""
+    r = route_blocks(pass_, q, k, call.pattern, n, bounds, rows) if call.every_head else None
+    return Blocks(call, op_args(call, q.device), r if r is not None and r.dense else None)
+
+
+def reached_rows(
+    q_starts: Sequence[int], q_lens: Sequence[int], k_start: int, k_len: int, heads: int,
+    kv_heads: int, pattern: Pattern, call: Call | None = None,
+) -> Tensor:  # fmt: skip
+    """Sorted flat indices ``row * kv_heads + g`` (``row`` relative to
+    ``k_start``) of the key rows of ``[k_start, k_start + k_len)`` that some
+    query of the ranges reaches under ``pattern`` (with ``call``'s head
+    range: ``heads``, ``kv_heads`` the call's own)."""
+    c = Call(pattern, 1.0) if call is None else call.with_pattern(pattern)
+    return ops.exchange_rows(q_starts, q_lens, k_start, k_len, heads, kv_heads, op_args(c, "cpu"))

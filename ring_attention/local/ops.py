@@ -1,0 +1,311 @@
+"""The boundary between Python and the C++ operators (docs/design.md §2.5, §8),
+and the package's one autograd boundary of attention.
+
+* the operator calls: :func:`local_attention` (the one engine's operator:
+  a head range, rows at offsets), :func:`local_attention_backward`,
+  :func:`block_forward`, :func:`block_backward` (a ring step's block),
+  :func:`exchange_rows` (the exchange planner), :func:`merge_branches`,
+  :func:`sum_branches` (the per-branch path's merge); :class:`OpArgs`, their
+  pattern arguments in schema order (built by
+  :func:`ring_attention.local.engine.op_args`);
+* the autograd of the local operator, registered on it
+  (``torch.library.register_autograd``, as PyTorch's extension-cpp does:
+  both outputs differentiable, double backward raises), so that the
+  operator called directly, under ``torch.compile`` or ``torch.export`` has
+  one autograd;
+* :class:`Attention`: the autograd of the per-branch dense path, around an
+  implementation's forward and backward;
+* :func:`ring_forward`, :func:`ring_backward` and :class:`RingFunction`: the
+  ring's two operators (defined in ring_attention/parallel/ring_ops.py) and
+  their autograd.
+
+The C++ side checks the flat arguments once at each operator's entry
+(``csrc/checks.h``) and passes one checked value down to the kernels.
+Nothing outside ring_attention/local/ imports this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol
+
+import torch
+
+from .. import _C  # noqa: F401  (loads the extension: registers torch.ops.ring_attention)
+
+__all__ = [
+    "DOUBLE_BACKWARD_ERROR",
+    "Attention",
+    "Implementation",
+    "OpArgs",
+    "RingFunction",
+    "block_backward",
+    "block_forward",
+    "exchange_rows",
+    "local_attention",
+    "local_attention_backward",
+    "merge_branches",
+    "ring_backward",
+    "ring_forward",
+    "sum_branches",
+]
+
+Tensor = torch.Tensor
+_OPS = torch.ops.ring_attention
+
+DOUBLE_BACKWARD_ERROR = (
+    "ring_attention: double backward is not supported (the gradients of q, k, v are not "
+    "differentiable)"
+)
+
+
+class OpArgs(NamedTuple):
+    """The pattern arguments of the attention operators, in schema order
+    (``RA_PATTERN_ARGS`` in ``csrc/schemas.h``)."""
+
+    segment_lengths: list[int]
+    dilation_rates: list[int]
+    causal: bool
+    scale: float
+    head_groups: bool
+    grouped_offsets: bool
+    key_padding_mask: Tensor | None
+    cu_seqlens: Tensor | None
+    window_left: int
+    window_right: int
+    head_start: int = 0
+    total_heads: int = 0
+    total_kv_heads: int = 0
+
+
+class Rows(NamedTuple):
+    """The local operator's rows (``RA_ROWS_ARGS`` in ``csrc/schemas.h``):
+    queries at ``q_start`` (or batch row ``b``'s at ``q_starts[b]``), keys at
+    ``k_start``."""
+
+    q_start: int = 0
+    k_start: int = 0
+    q_starts: Tensor | None = None
+
+
+#: One sequence from position 0.
+WHOLE = Rows()
+
+# ---------------------------------------------------------------------------
+# The operator calls.
+
+
+def local_attention(
+    q: Tensor, k: Tensor, v: Tensor, args: OpArgs, rows: Rows = WHOLE
+) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` of the local operator, both differentiable."""
+    return _OPS.dilated_attention(q, k, v, *args, *rows)
+
+
+def local_attention_backward(
+    grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+    lse: Tensor, args: OpArgs, rows: Rows = WHOLE,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """``(dq, dk, dv)`` of the local operator, from its final ``out`` and ``lse``."""
+    return _OPS.dilated_attention_backward(grad_out, grad_lse, q, k, v, out, lse, *args, *rows)
+
+
+def block_forward(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_start: int, k_start: int,
+    args: OpArgs, k_rows: Tensor | None = None,
+) -> None:  # fmt: skip
+    """Merge the block (queries at ``q_start``, keys at ``k_start``) into the
+    running accumulators ``out``/``lse``. ``k_rows``: the ``(k_len,
+    kv_heads)`` int32 row map of packed ``(batch, rows, head_dim)`` K/V
+    rows (``csrc/params.h``), or ``None`` for ``(batch, k_len, kv_heads,
+    head_dim)`` K/V."""
+    _OPS.block_forward(q, k, v, out, lse, int(q_start), int(k_start), *args, k_rows=k_rows)
+
+
+def block_backward(
+    grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+    lse: Tensor, dq: Tensor | None, dk: Tensor | None, dv: Tensor | None, q_start: int,
+    k_start: int, args: OpArgs, k_rows: Tensor | None = None,
+) -> None:  # fmt: skip
+    """Accumulate the block's share of the gradients into ``dq``/``dk``/``dv``
+    (``k_rows``: as for :func:`block_forward`; ``dk``/``dv`` then have
+    ``k``'s packed shape)."""
+    _OPS.block_backward(
+        grad_out, grad_lse, q, k, v, out, lse, dq, dk, dv, int(q_start), int(k_start), *args,
+        k_rows=k_rows,
+    )  # fmt: skip
+
+
+def merge_branches(
+    parts: Tensor, part_lse: Tensor, index: Tensor, out: Tensor, lse: Tensor
+) -> None:
+    """Write ``out`` and ``lse`` of a window from the per-call ``parts`` and
+    their ``part_lse``, merged by log-sum-exp (``index``: the span planner's
+    slots, ring_attention/local/views.py)."""
+    _OPS.merge_branches(parts, part_lse, index, out, lse)
+
+
+def sum_branches(parts: Tensor, index: Tensor, grad: Tensor) -> None:
+    """Write into ``grad`` the sum of the per-call gradient ``parts`` (``index``
+    as for :func:`merge_branches`)."""
+    _OPS.sum_branches(parts, index, grad)
+
+
+def exchange_rows(
+    q_starts: Sequence[int], q_lens: Sequence[int], k_start: int, k_len: int, heads: int,
+    kv_heads: int, args: OpArgs,
+) -> Tensor:  # fmt: skip
+    """Sorted flat indices ``row * kv_heads + g`` (``row`` relative to
+    ``k_start``) of the key rows of ``[k_start, k_start + k_len)`` that some
+    query of the ranges reaches (``csrc/plan.cpp``; ``kv_heads`` local to
+    the call's head range)."""
+    idx = _OPS.exchange_rows(
+        [int(s) for s in q_starts], [int(n) for n in q_lens], int(k_start), int(k_len),
+        int(heads), int(kv_heads), args.segment_lengths, args.dilation_rates, args.causal,
+        args.head_groups, args.grouped_offsets, args.cu_seqlens, args.window_left,
+        args.window_right, args.head_start, args.total_heads, args.total_kv_heads,
+    )  # fmt: skip
+    return idx.to(torch.int64)
+
+
+# ---------------------------------------------------------------------------
+# Autograd of the local operator.
+
+_N_ARGS = len(OpArgs._fields)
+
+
+def _setup_context(ctx, inputs: tuple, output: tuple[Tensor, Tensor]) -> None:
+    q, k, v, *rest = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.args, ctx.rows = OpArgs(*rest[:_N_ARGS]), Rows(*rest[_N_ARGS:])
+    ctx.set_materialize_grads(False)  # an unused output's gradient stays None
+
+
+def _backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
+    q, k, v, out, lse = ctx.saved_tensors
+    none = (None,) * (len(ctx.args) + len(ctx.rows))
+    if grad_out is None and grad_lse is None:
+        return (None, None, None, *none)
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    grads = local_attention_backward(grad_out, grad_lse, q, k, v, out, lse, ctx.args, ctx.rows)
+    return (*grads, *none)
+
+
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError(DOUBLE_BACKWARD_ERROR)
+
+
+torch.library.register_autograd(
+    "ring_attention::dilated_attention", _backward, setup_context=_setup_context
+)
+# The gradients are not differentiable: differentiating them raises (never silent zeros).
+torch.library.register_autograd("ring_attention::dilated_attention_backward", _no_double_backward)
+
+
+# ---------------------------------------------------------------------------
+# Every other attention's autograd.
+
+
+class Implementation(Protocol):
+    """An attention whose autograd is :class:`Attention`: its forward, and its
+    backward from the final ``out`` and ``lse`` (``grad_lse`` may be None)."""
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]: ...
+
+    def backward(
+        self, grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
+        out: Tensor, lse: Tensor,
+    ) -> tuple[Tensor, Tensor, Tensor]: ...  # fmt: skip
+
+
+class Attention(torch.autograd.Function):
+    """The autograd of an :class:`Implementation` (the per-branch dense
+    path): forward and backward each run it once, both outputs
+    (``out`` and ``lse``) are differentiable, double backward raises."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, impl: Implementation):  # type: ignore[override]
+        out, lse = impl.forward(q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.impl = impl
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):  # type: ignore[override]
+        if grad_out is None and grad_lse is None:
+            return None, None, None, None
+        q, k, v, out, lse = ctx.saved_tensors
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        grads = ctx.impl.backward(grad_out, grad_lse, q, k, v, out, lse)
+        if torch.is_grad_enabled():  # create_graph=True: the gradients are not differentiable
+            # The error node hangs off the inputs the gradients depend on, so
+            # differentiating a gradient with respect to any of them reaches it.
+            grads = _DoubleBackwardError.apply(len(grads), *grads, q, k, v, grad_out, grad_lse)
+        return (*grads, None)
+
+
+# ---------------------------------------------------------------------------
+# The ring's operators (ring_attention/parallel/ring_ops.py) and their autograd.
+
+
+def ring_forward(
+    q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None, spec: str, needs_grad: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(out, lse, global length)`` of the ring call registered as ``spec``
+    (``torch.ops.ring_attention.ring_forward``, defined by
+    :mod:`ring_attention.ring_ops`: an operator ``torch.compile`` keeps opaque)."""
+    return _OPS.ring_forward(q, k, v, documents, spec, needs_grad)
+
+
+def ring_backward(
+    grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+    lse: Tensor, documents: Tensor | None, seq_len: Tensor, spec: str,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """``(dq, dk, dv)`` of the ring call ``spec`` (its plan is the forward's)."""
+    return _OPS.ring_backward(grad_out, grad_lse, q, k, v, out, lse, documents, seq_len, spec)
+
+
+class RingFunction(torch.autograd.Function):
+    """The ring's autograd: forward and backward each run one operator
+    (:func:`ring_forward`, :func:`ring_backward`); both outputs (``out`` and
+    ``lse``) are differentiable; double backward raises."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None, spec: str,
+                needs_grad: bool) -> tuple[Tensor, Tensor]:  # type: ignore[override]  # fmt: skip
+        out, lse, seq_len = ring_forward(q, k, v, documents, spec, needs_grad)
+        ctx.save_for_backward(q, k, v, out, lse, documents, seq_len)
+        ctx.spec = spec
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):  # type: ignore[override]
+        q, k, v, out, lse, documents, seq_len = ctx.saved_tensors
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        grads = ring_backward(grad_out, grad_lse, q, k, v, out, lse, documents, seq_len, ctx.spec)
+        if torch.is_grad_enabled():  # create_graph=True: the gradients are not differentiable
+            # The error node hangs off the inputs the gradients depend on, so
+            # differentiating a gradient with respect to any of them reaches it.
+            grads = _DoubleBackwardError.apply(len(grads), *grads, q, k, v, grad_out, grad_lse)
+        return (*grads, None, None, None)
+
+
+class _DoubleBackwardError(torch.autograd.Function):
+    """Passes gradients through; differentiating them raises (a gradient of a
+    gradient would otherwise be silently zero)."""
+
+    @staticmethod
+    def forward(ctx, n: int, *tensors: Tensor | None) -> tuple[Tensor, ...]:  # type: ignore[override]
+        """The first ``n`` tensors (gradients), passed through; the others are
+        what they depend on."""
+        return tuple(g.view_as(g) for g in tensors[:n])
+
+    @staticmethod
+    def backward(ctx, *_: Tensor):  # type: ignore[override]
+        raise RuntimeError(DOUBLE_BACKWARD_ERROR)

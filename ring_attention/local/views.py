@@ -1,0 +1,487 @@
+"""The local op's branches as strided views of q, k, v: no gather, no copy.
+
+For branch ``(w, r)`` and the query heads whose offset is ``o`` (docs/design.md
+§1.1), the rows the branch reads in its full segments are a strided view of q
+starting at position ``o`` (of the first segment) and at the class's first
+head: ``(segments, ceil((w - o) / r), heads of the class, d)`` with strides
+``(w * H * d, r * H * d, r * d, 1)`` for contiguous ``(B, n, H, d)`` inputs
+(head stride ``d`` with grouped offsets, whose classes are contiguous heads).
+A short last segment is one more call. K/V take the same positions at
+K/V-head width: the class's query heads ``h`` read K/V heads ``h // g``, and
+where those do not form ``kv0 + (i // gg) * s`` (``gg`` query heads per K/V
+head, one stride ``s``; e.g. ``r = 6`` with 4 query heads per K/V head) the
+class is split into runs that do. Every call is then an ordinary dense
+attention (causal or not) whose query head ``i`` reads K/V head ``i // gg``,
+what FlashAttention-style kernels take (GQA), and K/V are never repeated.
+Classes of one query and one K/V head each whose starts and heads step
+evenly (same part, rows and K/V slot; e.g. ``r = 12`` over 16 heads) run side
+by side as the heads of one call: its head index also moves the rows
+(``Call.head_shift``; head stride ``(H + 1) * d`` for modulo offsets).
+
+The planner cuts the sequence into **windows** of whole segments of every
+branch (cuts at multiples of the lcm of the segment lengths, relative to each
+document's start, or at document boundaries), at least ``window_rows`` and
+about ``n / 16`` rows each, so that the per-call output buffers stay bounded;
+with documents every document span of a window has its own calls.
+
+A window's calls write their outputs (and LSE) into one buffer of *parts*,
+call after call, each call's rows in ``(batch, segment, head, row)`` order;
+:meth:`Plan.index` maps every ``(batch, position, head)`` of the window to
+its part row in each *slot* (``-1``: none): a query row has one part per
+branch (slot = branch), a K/V row one per branch and head run (slots of the
+K/V side). The merge operators (``torch.ops.ring_attention.merge_branches``,
+``sum_branches``) read those maps.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..core.cache import LRUCache
+from ..core.pattern import Pattern
+
+__all__ = [
+    "Call",
+    "Geometry",
+    "Plan",
+    "Window",
+    "batch_groups",
+    "batched",
+    "head_runs",
+    "merge_batch",
+    "plan_windows",
+    "split_batch",
+]
+
+#: Windows hold at least this many rows (the calls stay large) and about
+#: 1/WINDOWS of the sequence (the part buffers stay small).
+WINDOWS = 16
+
+
+@dataclass(frozen=True)
+class Call:
+    """One dense attention call: rows ``start + s * seg_stride + j * row_stride``
+    (``s < segments``, ``j < rows``) of query heads ``q_head + c * q_head_stride``
+    (``c < q_heads``) against the same rows of K/V heads ``kv_head + i *
+    kv_head_stride`` (``i < kv_heads``); query head ``c`` reads K/V head
+    ``c // (q_heads // kv_heads)``. Positions are absolute. With a
+    ``head_shift``, head index ``c`` (of the queries and of the K/V alike,
+    one K/V head a query head) also moves its rows by ``c * head_shift``
+    positions: offset classes of one head each, side by side in one call."""
+
+    branch: int
+    offset: int
+    start: int
+    segments: int
+    seg_stride: int
+    rows: int
+    row_stride: int
+    q_head: int
+    q_heads: int
+    q_head_stride: int
+    kv_head: int
+    kv_heads: int
+    kv_head_stride: int
+    kv_slot: int  # slot of the K/V-side sums (dk, dv)
+    head_shift: int = 0  # positions a head index moves (classes of one head each as heads)
+
+    @property
+    def group(self) -> int:
+        """Query heads per K/V head of the call."""
+        return self.q_heads // self.kv_heads
+
+    def positions(self) -> torch.Tensor:
+        """``(segments, 1, rows)`` int64 absolute positions (``(segments,
+        q_heads, rows)`` with a ``head_shift``)."""
+        s = torch.arange(self.segments, dtype=torch.int64)[:, None, None] * self.seg_stride
+        j = torch.arange(self.rows, dtype=torch.int64)[None, None, :] * self.row_stride
+        pos = self.start + s + j
+        if self.head_shift:
+            pos = pos + torch.arange(self.q_heads)[None, :, None] * self.head_shift
+        return pos
+
+    def geometry(self, shape: Sequence[int], stride: Sequence[int], kv: bool = False) -> Geometry:
+        """:meth:`view`'s geometry on a tensor of this ``shape`` and ``stride``."""
+        head, count, step = (
+            (self.kv_head, self.kv_heads, self.kv_head_stride)
+            if kv
+            else (self.q_head, self.q_heads, self.q_head_stride)
+        )
+        sb, sn, sh, sd = stride
+        return (
+            (shape[0], self.segments, self.rows, count, shape[3]),
+            (sb, self.seg_stride * sn, self.row_stride * sn, step * sh + self.head_shift * sn, sd),
+            self.start * sn + head * sh,
+        )
+
+    def view(self, t: torch.Tensor, kv: bool = False) -> torch.Tensor:
+        """The call's rows of ``t`` ``(B, n, heads, d)`` (q-shaped, or K/V-shaped
+        with ``kv``) as a ``(B, segments, rows, heads_of_call, d)`` view: same
+        storage, no copy."""
+        return _apply(t, self.geometry(t.shape, t.stride(), kv))
+
+    def lse_geometry(self, shape: Sequence[int], stride: Sequence[int]) -> Geometry:
+        """:meth:`lse_view`'s geometry on an ``lse`` of this ``shape`` and ``stride``."""
+        lb, lh, ln = stride
+        return (
+            (shape[0], self.segments, self.q_heads, self.rows),
+            (
+                lb,
+                self.seg_stride * ln,
+                self.q_head_stride * lh + self.head_shift * ln,
+                self.row_stride * ln,
+            ),
+            self.start * ln + self.q_head * lh,
+        )
+
+    def lse_view(self, lse: torch.Tensor) -> torch.Tensor:
+        """The call's rows of ``lse`` ``(B, H, n)`` as ``(B, segments, heads, rows)``."""
+        return _apply(lse, self.lse_geometry(lse.shape, lse.stride()))
+
+    def part_rows(self, batch: int, kv: bool = False) -> int:
+        """Rows the call's outputs take in its window's part buffer."""
+        return batch * self.segments * (self.kv_heads if kv else self.q_heads) * self.rows
+
+    def part_geometry(self, base: int, batch: int, kv: bool, width: int | None) -> Geometry:
+        """The call's rows ``[base, base + part_rows)`` of a contiguous part
+        buffer (``(rows, width)``, or ``(rows,)`` with ``width`` None) as
+        ``(B, segments, heads, rows[, width])``."""
+        size = (batch, self.segments, self.kv_heads if kv else self.q_heads, self.rows)
+        size = size if width is None else (*size, width)
+        stride, step = [], 1
+        for x in reversed(size):
+            stride.append(step)
+            step *= x
+        return size, tuple(reversed(stride)), base * (width or 1)
+
+
+#: A view as ``(size, stride, offset)``, the offset in elements from the
+#: viewed tensor's own storage offset (``Tensor.as_strided`` adds it).
+Geometry = tuple[tuple[int, ...], tuple[int, ...], int]
+
+
+def _apply(t: torch.Tensor, g: Geometry) -> torch.Tensor:
+    return t.as_strided(g[0], g[1], t.storage_offset() + g[2])
+
+
+def merge_batch(g: Geometry) -> Geometry | None:
+    """A ``(B, S, ...)`` geometry as ``(B * S, ...)`` where the batch and
+    segment dimensions merge (B or S is 1, or the batch stride is S segment
+    strides), else None."""
+    (b, s, *size), (sb, ss, *stride), offset = g
+    if s == 1:
+        first = sb
+    elif b == 1 or sb == s * ss:
+        first = ss
+    else:
+        return None
+    return (b * s, *size), (first, *stride), offset
+
+
+def split_batch(g: Geometry) -> list[Geometry]:
+    """A ``(B, S, ...)`` geometry as B geometries ``(S, ...)``, one a batch row."""
+    (b, *size), (sb, *stride), offset = g
+    return [(tuple(size), tuple(stride), offset + i * sb) for i in range(b)]
+
+
+def batch_groups(gs: Sequence[Geometry]) -> list[tuple[Geometry, ...]]:
+    """``(B, S, ...)`` geometries as groups of ``(B * S, ...)`` ones: one group
+    where every one merges batch and segments, else one a batch row."""
+    merged = [merge_batch(g) for g in gs]
+    if all(m is not None for m in merged):
+        return [tuple(merged)]  # type: ignore[arg-type]
+    return list(zip(*(split_batch(g) for g in gs), strict=True))
+
+
+def batched(view: torch.Tensor) -> list[torch.Tensor]:
+    """A ``(B, S, ...)`` view as ``(B * S, ...)`` views without copying: one
+    when the batch and segment dimensions merge (:func:`merge_batch`), else
+    one per batch row."""
+    g = (tuple(view.shape), view.stride(), 0)
+    merged = merge_batch(g)
+    return [_apply(view, x) for x in ([merged] if merged is not None else split_batch(g))]
+
+
+@dataclass(frozen=True)
+class Window:
+    """Positions ``[start, start + length)`` and the calls that cover them."""
+
+    start: int
+    length: int
+    calls: tuple[Call, ...]
+    q_slots: int
+    kv_slots: int
+
+
+def head_runs(kv: list[int]) -> list[tuple[int, int, int, int]]:
+    """Split the K/V heads ``kv`` (non-decreasing) read by a class's query
+    heads, in order, into runs ``(c0, c1, gg, step)``: ``kv[c0 + i] == kv[c0] + (i // gg) * step``,
+    ``gg`` dividing ``c1 - c0``. Greedy, each run as long as it can be."""
+    runs, c, n = [], 0, len(kv)
+    while c < n:
+        gg = 1
+        while c + gg < n and kv[c + gg] == kv[c]:
+            gg += 1
+        end, step = c + gg, 0
+        while end + gg <= n:
+            block = kv[end : end + gg]
+            if any(x != block[0] for x in block) or (end + gg < n and kv[end + gg] == block[0]):
+                break
+            d = block[0] - kv[end - 1]
+            if step and d != step:
+                break
+            step, end = d, end + gg
+        runs.append((c, end, gg, step or 1))
+        c = end
+    return runs
+
+
+def _classes(pattern: Pattern, branch: int, heads: int, kv_heads: int):
+    """``(offset, [(q_head, q_heads, q_stride, kv_head, kv_heads, kv_stride)])``
+    per offset class of the branch: its query heads and their runs."""
+    group = heads // kv_heads
+    by_offset: dict[int, list[int]] = {}
+    for h in pattern.applies(branch, heads):
+        by_offset.setdefault(pattern.offset(h, branch, heads), []).append(h)
+    for o, hs in sorted(by_offset.items()):
+        step = hs[1] - hs[0] if len(hs) > 1 else 1
+        kv = [h // group for h in hs]
+        runs = []
+        for c0, c1, gg, kv_step in head_runs(kv):
+            runs.append((hs[c0], c1 - c0, step, kv[c0], (c1 - c0) // gg, kv_step))
+        yield o, runs
+
+
+def _piece_calls(
+    pattern: Pattern, start: int, length: int, heads: int, kv_heads: int, slots: list[int]
+) -> list[Call]:
+    """Calls of positions ``[start, start + length)``, which begin a segment of
+    every branch (a document's start or a window cut) and end a document or
+    a whole segment of every branch."""
+    calls = []
+    for b, (w, r) in enumerate(pattern.branches):
+        branch: list[tuple[int, Call]] = []
+        w = min(w, length) if length else w
+        nfull, rem = divmod(length, w)
+        for o, runs in _classes(pattern, b, heads, kv_heads):
+            parts = []
+            if nfull and o < w:
+                parts.append((start + o, nfull, -(-(w - o) // r)))
+            if rem > o:
+                parts.append((start + nfull * w + o, 1, -(-(rem - o) // r)))
+            for part, (first, segments, rows) in enumerate(parts):
+                for k, (qh, qc, qs, kh, kc, ks) in enumerate(runs):
+                    call = (b, o, first, segments, w, rows, r, qh, qc, qs, kh, kc, ks)
+                    branch.append((part, Call(*call, kv_slot=slots[b] + k)))
+        calls += _side_by_side(branch)
+    return calls
+
+
+def _side_by_side(calls: list[tuple[int, Call]]) -> list[Call]:
+    """A branch's calls (``(part, call)``: full segments 0, short last 1),
+    those of one query and one K/V head whose starts and heads step evenly
+    from class to class (same part, segments, rows and K/V slot) merged
+    into one call each, the classes as its heads (``head_shift``): e.g.
+    ``r = 12`` over 16 heads, classes 4 ... 11 of one head each, 2731 or
+    2730 rows: two calls instead of eight."""
+    out: list[Call] = []
+    runs: dict[tuple[int, ...], list[Call]] = {}
+
+    def emit(run: list[Call]) -> None:
+        if len(run) == 1:
+            out.append(run[0])
+            return
+        a, b = run[0], run[1]
+        out.append(dataclasses.replace(
+            a, q_heads=len(run), q_head_stride=b.q_head - a.q_head, kv_heads=len(run),
+            kv_head_stride=b.kv_head - a.kv_head, head_shift=b.start - a.start,
+        ))  # fmt: skip
+
+    for part, call in calls:
+        if call.q_heads != 1 or call.kv_heads != 1:
+            out.append(call)
+            continue
+        key = (part, call.segments, call.rows, call.kv_slot)
+        run = runs.setdefault(key, [])
+        if run:
+            a, b = run[0], run[-1]
+            steps = (call.start - b.start, call.q_head - b.q_head, call.kv_head - b.kv_head)
+            if len(run) > 1:
+                first = (
+                    run[1].start - a.start,
+                    run[1].q_head - a.q_head,
+                    run[1].kv_head - a.kv_head,
+                )
+            else:
+                first = steps
+            if steps != first or steps[0] <= 0:
+                emit(run)
+                run.clear()
+        run.append(call)
+    for run in runs.values():
+        if run:
+            emit(run)
+    return out
+
+
+def _cuts(n: int, documents: tuple[int, ...] | None, period: int, target: int) -> list[int]:
+    """Window boundaries ``0 = c_0 < ... < c_k = n``: document boundaries or
+    multiples of ``period`` from a document's start, each window as close to
+    ``target`` rows as such points allow (the next point when none is close)."""
+    docs = list(documents) if documents is not None else [0, n]
+    docs = [d for i, d in enumerate(docs) if i == 0 or d != docs[i - 1]]  # empty ones
+
+    def doc_of(p: int) -> int:  # index j with docs[j] <= p < docs[j + 1]
+        return bisect.bisect_right(docs, p) - 1
+
+    cuts, a = [0], 0
+    while a < n:
+        limit = min(a + target, n)
+        best = None
+        j = bisect.bisect_right(docs, limit) - 1  # largest boundary <= limit
+        if docs[j] > a:
+            best = docs[j]
+        e = docs[doc_of(limit - 1)]
+        p = e + (limit - e) // period * period
+        if p > a and (best is None or p > best):
+            best = p
+        if best is None:  # nothing in (a, limit]: the next safe point
+            j = doc_of(a)
+            e, nxt = docs[j], docs[j + 1]
+            p = e + ((a - e) // period + 1) * period
+            best = min(p, nxt)
+        cuts.append(best)
+        a = best
+    return cuts
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The windows of one ``(pattern, n, heads, kv_heads)`` problem and their
+    calls; :meth:`index` gives a window's part-row maps on a device."""
+
+    pattern: Pattern
+    n: int
+    heads: int
+    kv_heads: int
+    window_rows: int
+    windows: tuple[Window, ...] = field(compare=False, hash=False, repr=False)
+
+    @property
+    def calls(self) -> int:
+        """Dense calls of one pass over the sequence."""
+        return sum(len(w.calls) for w in self.windows)
+
+    def index(
+        self, i: int, batch: int, device: torch.device
+    ) -> tuple[torch.Tensor, int, torch.Tensor, int]:
+        """``(q_index, q_rows, kv_index, kv_rows)`` of window ``i``: int32
+        ``(slots, B, length, heads)`` part rows (``-1``: none) on the query
+        side and at K/V-head width, and the part rows each side's buffer
+        needs (cached)."""
+        window = self.windows[i]
+
+        def build():
+            q_index, q_rows = _index_of(window, batch, self.heads, False, device)
+            kv_index, kv_rows = _index_of(window, batch, self.kv_heads, True, device)
+            return q_index, q_rows, kv_index, kv_rows
+
+        return _INDEX.get((self, i, batch, str(device)), build)
+
+    def lse_index(self, i: int, batch: int, device: torch.device) -> torch.Tensor:
+        """Int64, one a query-side part row of window ``i``: the flat index of
+        its ``(batch, head, position)`` in a ``(B, heads, n)`` tensor, so that
+        ``torch.take(lse, index)`` lays ``lse`` out as the window's parts
+        (cached)."""
+        window = self.windows[i]
+
+        def build():
+            flat = []
+            for call in window.calls:
+                size, stride, offset = call.lse_geometry(
+                    (batch, self.heads, self.n), (self.heads * self.n, self.n, 1)
+                )
+                base = torch.zeros((), dtype=torch.int64).expand(size)
+                for dim, (extent, step) in enumerate(zip(size, stride, strict=True)):
+                    shape = [1] * len(size)
+                    shape[dim] = extent
+                    base = base + torch.arange(extent, dtype=torch.int64).view(shape) * step
+                flat.append((base + offset).reshape(-1))
+            return torch.cat(flat).to(device) if flat else torch.zeros(0, dtype=torch.int64)
+
+        return _LSE_INDEX.get((self, i, batch, str(device)), build)
+
+
+def plan_windows(pattern: Pattern, n: int, heads: int, kv_heads: int, window_rows: int) -> Plan:
+    """The :class:`Plan` of a ``(n, heads, kv_heads)`` problem (cached)."""
+    key = (pattern, n, heads, kv_heads, window_rows)
+    return _PLANS.get(
+        key, lambda: Plan(*key, windows=_plan(pattern, n, heads, kv_heads, window_rows))
+    )
+
+
+def _plan(pattern: Pattern, n: int, heads: int, kv_heads: int, window_rows: int):
+    # K/V slots: per branch, as many as its classes have head runs at most
+    slots, total = [], 0
+    for b in range(pattern.n_branches):
+        slots.append(total)
+        total += max((len(runs) for _, runs in _classes(pattern, b, heads, kv_heads)), default=0)
+    period = 1
+    for w in pattern.segment_lengths:
+        period = math.lcm(period, min(w, n + 1))
+    target = max(window_rows, -(-n // WINDOWS))
+    cuts = _cuts(n, pattern.documents, period, target)
+    docs = pattern.documents or (0, n)
+    windows = []
+    for a, b in itertools.pairwise(cuts):
+        calls: list[Call] = []
+        # the document spans of [a, b)
+        j = max(bisect.bisect_right(docs, a) - 1, 0)
+        while j + 1 < len(docs) and docs[j] < b:
+            lo, hi = max(docs[j], a), min(docs[j + 1], b)
+            if hi > lo:
+                calls += _piece_calls(pattern, lo, hi - lo, heads, kv_heads, slots)
+            j += 1
+        windows.append(Window(a, b - a, tuple(calls), pattern.n_branches, total))
+    return tuple(windows)
+
+
+_PLANS: LRUCache[Plan] = LRUCache(32)
+
+
+def _index_of(
+    window: Window, batch: int, width: int, kv: bool, device: torch.device
+) -> tuple[torch.Tensor, int]:
+    slots = window.kv_slots if kv else window.q_slots
+    index = torch.full((slots, batch, window.length, width), -1, dtype=torch.int32, device=device)
+    base = 0
+    bi = torch.arange(batch, device=device)[:, None, None, None]
+    for call in window.calls:
+        count = call.part_rows(batch, kv)
+        pos = (call.positions() - window.start).to(device)[None]
+        head, heads, step = (
+            (call.kv_head, call.kv_heads, call.kv_head_stride)
+            if kv
+            else (call.q_head, call.q_heads, call.q_head_stride)
+        )
+        hs = (head + step * torch.arange(heads, device=device))[None, None, :, None]
+        rows = torch.arange(base, base + count, dtype=torch.int32, device=device)
+        slot = call.kv_slot if kv else call.branch
+        index[slot][bi, pos, hs] = rows.view(batch, call.segments, heads, call.rows)
+        base += count
+    if base >= 2**31:
+        raise RuntimeError(f"window of {base} part rows: beyond int32 (smaller windows needed)")
+    return index, base
+
+
+_INDEX: LRUCache[tuple[torch.Tensor, int, torch.Tensor, int]] = LRUCache(
+    32, max_bytes=1 << 30, size_of=lambda v: v[0].nbytes + v[2].nbytes
+)
+_LSE_INDEX: LRUCache[torch.Tensor] = LRUCache(32, max_bytes=1 << 30, size_of=lambda v: v.nbytes)

@@ -1,0 +1,1 @@
+"""The modules: DilatedAttention, RingDilatedAttention, MultiheadDilatedAttention."""

@@ -1,0 +1,105 @@
+"""Exact dense attention with materialised scores: the path of
+:class:`ring_attention.MultiheadDilatedAttention` for what the kernels do not
+cover (attention weights, arbitrary masks, extra bias/zero keys, dropout)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..core.multiplicity import log_multiplicity
+from ..core.pattern import Pattern
+
+__all__ = ["dense_attention"]
+
+
+def dense_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    num_heads: int,
+    compute_dtype: torch.dtype,
+    key_padding_mask: torch.Tensor | None,
+    attn_mask: torch.Tensor | None,
+    causal: bool,
+    dropout_p: float,
+    need_weights: bool,
+    bias_k: torch.Tensor | None = None,
+    bias_v: torch.Tensor | None = None,
+    add_zero_attn: bool = False,
+    pattern: Pattern | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Exact attention of projected ``(batch, seq, embed)`` q/k/v with
+    materialised ``(batch, heads, L, S)`` scores, as ``nn.MultiheadAttention``
+    computes it: additive float masks (``-inf`` = masked; the caller converts
+    bool masks), ``bias_k``/``bias_v`` and ``add_zero_attn`` keys (reached
+    once by every query), dropout on the probabilities, and a dilated ``pattern`` entering
+    as the ``log(multiplicity)`` bias (its ``causal`` replaces ``causal``).
+    Rows that reach nothing give zeros.
+    Returns ``(out (batch, L, embed), weights (batch, heads, L, S) or None)``.
+    """
+    cdt = compute_dtype
+    B, L, E = q.shape
+    H = num_heads
+    D = E // H
+    kpm, am = key_padding_mask, attn_mask
+    if bias_k is not None:
+        k = torch.cat([k, bias_k.expand(B, 1, E).to(k.dtype)], dim=1)
+        v = torch.cat([v, bias_v.expand(B, 1, E).to(v.dtype)], dim=1)
+        am = None if am is None else F.pad(am, (0, 1))
+        kpm = None if kpm is None else F.pad(kpm, (0, 1))
+    q = q.reshape(B, L, H, D).transpose(1, 2).to(cdt)
+    k = k.reshape(B, k.shape[1], H, D).transpose(1, 2).to(cdt)
+    v = v.reshape(B, v.shape[1], H, D).transpose(1, 2).to(cdt)
+    if add_zero_attn:
+        zeros = q.new_zeros(B, H, 1, D)
+        k = torch.cat([k, zeros], dim=2)
+        v = torch.cat([v, zeros], dim=2)
+        am = None if am is None else F.pad(am, (0, 1))
+        kpm = None if kpm is None else F.pad(kpm, (0, 1))
+    S = k.shape[2]
+
+    bias = None
+    if am is not None:
+        bias = am.view(1, 1, L, S) if am.dim() == 2 else am.view(B, H, L, S)
+    if kpm is not None:
+        kb = kpm.view(B, 1, 1, S)
+        bias = kb if bias is None else bias + kb
+    if pattern is not None:
+        logm = log_multiplicity(pattern, L, H, device=q.device, dtype=cdt)
+        if S > L:  # add_bias_kv / add_zero_attn keys: reached once by every query
+            logm = F.pad(logm, (0, S - L))
+        logm = logm.unsqueeze(0)
+        bias = logm if bias is None else bias + logm
+        causal = False  # inside the multiplicity
+    if bias is not None:
+        bias = bias.to(cdt)
+        empty = torch.isneginf(bias).all(dim=-1, keepdim=True)
+    else:
+        empty = None
+
+    if need_weights:
+        scores = torch.matmul(q * math.sqrt(1.0 / D), k.transpose(-2, -1))
+        if bias is not None:
+            scores = scores + bias
+        if empty is not None:
+            # Rows reaching nothing: zero weights, finite gradients.
+            scores = scores.masked_fill(empty, 0.0)
+            weights = torch.softmax(scores, dim=-1).masked_fill(empty, 0.0)
+        else:
+            weights = torch.softmax(scores, dim=-1)
+        if dropout_p > 0.0:
+            weights = F.dropout(weights, p=dropout_p)
+        out = torch.matmul(weights, v)
+    else:
+        weights = None
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=bias, dropout_p=dropout_p, is_causal=causal
+        )
+        if empty is not None:
+            out = out.masked_fill(empty, 0.0)
+    out = out.transpose(1, 2).reshape(B, L, E)
+    return out, weights

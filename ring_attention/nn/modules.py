@@ -1,0 +1,204 @@
+"""``nn.Module`` front ends of the attention: :class:`DilatedAttention` (one
+process), :class:`RingDilatedAttention` (sequence sharded across a process
+group) and :class:`~ring_attention.nn.multihead.MultiheadDilatedAttention` (a
+drop-in for ``torch.nn.MultiheadAttention``, in its own module).
+
+Each holds one :class:`~ring_attention.core.pattern.Pattern`, checked at
+construction (a bad pattern raises ``ValueError`` there, not at the first
+forward) and passed down unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..core.checks import resolve_scale
+from ..core.layout import check_layout
+from ..core.pattern import Pattern
+from ..local.functional import attend
+from ..parallel.ring import ring_attention
+from .multihead import MultiheadDilatedAttention
+
+__all__ = ["DilatedAttention", "MultiheadDilatedAttention", "RingDilatedAttention"]
+
+
+class _PatternModule(nn.Module):
+    """Holds the pattern and the score scale of an attention module."""
+
+    def __init__(
+        self,
+        segment_lengths: Sequence[int],
+        dilation_rates: Sequence[int],
+        causal: bool,
+        scale: float | None,
+        head_groups: bool,
+        head_offsets: str,
+        window: tuple[int, int] | None,
+    ) -> None:
+        super().__init__()
+        self.pattern = Pattern(
+            segment_lengths,
+            dilation_rates,
+            causal=causal,
+            head_groups=head_groups,
+            head_offsets=head_offsets,
+            window=window,
+        )
+        self.scale = None if scale is None else resolve_scale(scale, 1)
+
+    @property
+    def segment_lengths(self) -> tuple[int, ...]:
+        return self.pattern.segment_lengths
+
+    @property
+    def dilation_rates(self) -> tuple[int, ...]:
+        return self.pattern.dilation_rates
+
+    @property
+    def causal(self) -> bool:
+        return self.pattern.causal
+
+    @property
+    def head_groups(self) -> bool:
+        return self.pattern.head_groups
+
+    def _pattern(self, cu_seqlens: torch.Tensor | Sequence[int] | None) -> Pattern:
+        return self.pattern.with_documents(cu_seqlens)
+
+    def extra_repr(self) -> str:
+        p = self.pattern
+        s = (
+            f"segment_lengths={list(p.segment_lengths)}, dilation_rates={list(p.dilation_rates)}, "
+            f"causal={p.causal}, scale={self.scale}, head_groups={p.head_groups}"
+        )
+        if p.head_offsets != "modulo":
+            s += f", head_offsets={p.head_offsets!r}"
+        return s + (f", window={p.window}" if p.windowed else "")
+
+
+class DilatedAttention(_PatternModule):
+    """Exact dilated attention (docs/design.md §1) over ``(batch, seq, heads,
+    head_dim)`` tensors: an ``nn.Module`` around
+    :func:`ring_attention.dilated_attention`.
+
+    Args:
+        segment_lengths, dilation_rates: the pattern, one ``(w, r)`` per branch.
+        causal: keys only at or before the query.
+        scale: score scale, default ``head_dim ** -0.5``.
+        head_groups: split heads into ``len(pattern)`` groups, branch ``i``
+            applying only to group ``i``.
+        head_offsets: ``"modulo"`` (default) or ``"grouped"`` (torchscale).
+        window: ``(left, right)``, a sliding window (``-1``: unbounded;
+            ``None``: none), see :func:`ring_attention.dilated_attention`.
+    """
+
+    def __init__(
+        self,
+        segment_lengths: Sequence[int],
+        dilation_rates: Sequence[int],
+        causal: bool = False,
+        scale: float | None = None,
+        head_groups: bool = False,
+        head_offsets: str = "modulo",
+        *,
+        window: tuple[int, int] | None = None,
+    ) -> None:
+        super().__init__(
+            segment_lengths, dilation_rates, causal, scale, head_groups, head_offsets, window
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_padding_mask: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``out`` of ``q``'s shape and dtype. ``k``, ``v`` may have fewer
+        (K/V) heads than ``q``; ``key_padding_mask``: bool ``(batch, seq)``,
+        ``True`` = ignore that key; ``cu_seqlens``: document boundaries of a
+        packed sequence."""
+        return attend(
+            q,
+            k,
+            v,
+            self.pattern,
+            scale=self.scale,
+            key_padding_mask=key_padding_mask,
+            cu_seqlens=cu_seqlens,
+        )
+
+
+class RingDilatedAttention(_PatternModule):
+    """``nn.Module`` wrapper of :func:`ring_attention.ring_dilated_attention`.
+
+    ``forward(q, k, v)`` takes and returns this rank's ``(batch, seq_local,
+    heads, head_dim)`` shards (``k``, ``v`` may have fewer K/V heads).
+
+    Args:
+        segment_lengths, dilation_rates: the pattern.
+        causal: causal masking on global positions.
+        scale: score scale, default ``head_dim ** -0.5``.
+        head_groups: branch ``i`` applies only to head group ``i``.
+        head_offsets: ``"modulo"`` (default) or ``"grouped"`` (torchscale).
+        group: process group, default the default group (with
+            ``ulysses_group``: the ring, ``None`` = none).
+        layout: ``"contiguous"`` (default) or ``"zigzag"``.
+        ulysses_group, mesh: head-parallel (Ulysses) or ring x Ulysses
+            sharding, as for :func:`ring_attention.ring_dilated_attention`.
+        window: ``(left, right)``, a sliding window (``-1``: unbounded;
+            ``None``: none), see :func:`ring_attention.ring_dilated_attention`.
+    """
+
+    def __init__(
+        self,
+        segment_lengths: Sequence[int],
+        dilation_rates: Sequence[int],
+        causal: bool = False,
+        scale: float | None = None,
+        head_groups: bool = False,
+        group: dist.ProcessGroup | None = None,
+        layout: str = "contiguous",
+        head_offsets: str = "modulo",
+        *,
+        ulysses_group: dist.ProcessGroup | None = None,
+        mesh=None,
+        window: tuple[int, int] | None = None,
+    ) -> None:
+        super().__init__(
+            segment_lengths, dilation_rates, causal, scale, head_groups, head_offsets, window
+        )
+        self.group = group
+        self.ulysses_group = ulysses_group
+        self.mesh = mesh
+        self.layout = check_layout(layout)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attend this rank's query shard to the whole (sharded) sequence;
+        ``cu_seqlens`` holds GLOBAL document boundaries (the same on every
+        rank)."""
+        return ring_attention(
+            q,
+            k,
+            v,
+            lambda: self._pattern(cu_seqlens),
+            scale=self.scale,
+            group=self.group,
+            ulysses_group=self.ulysses_group,
+            mesh=self.mesh,
+            layout=self.layout,
+        )
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", layout={self.layout!r}"

@@ -1,0 +1,1 @@
+"""The parallel layer: the ring, Ulysses and their hybrid, the sharding helpers, the transport."""

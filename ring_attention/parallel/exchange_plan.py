@@ -1,0 +1,414 @@
+"""The exchange plan of ring dilated attention (docs/design.md §4).
+
+For a rank ``j`` of ``p`` and every ring distance ``d = 1 .. p-1``, rank ``j``
+sends to ``(j + d) % p`` exactly the K/V rows (per head, compacted) that the
+queries of that rank reach, and receives from ``(j - d) % p`` the rows its own
+queries reach. The rows come from the ``exchange_rows`` operator
+(:func:`ring_attention.local.engine.reached_rows`), the C++ planner that shares
+``csrc/pattern.h`` with the kernels, as flat indices ``row * kv_heads + g``
+relative to the start of a key range: K/V travel at K/V-head width, a K/V
+head's row once for every query head of its group that reaches it.
+
+The operator's cost is the segments it walks plus the rows it returns. A
+rank's own blocks (:attr:`ExchangePlan.local_pairs`) exchange nothing, so
+whether one of them reaches anything is asked of key chunks that double in
+length up to ``_MAX_PROBE_ROWS`` (:func:`reaches`): planning a call that
+exchanges little stays cheap however long the sequence.
+
+Both ends of a transfer compute the same ``exchange_rows`` call, so the sizes
+of every send and receive match without any size exchange. Steps in which a
+rank neither sends nor receives are dropped from its plan; empty sends or
+receives inside a step are omitted (``send_to`` / ``recv_from`` is ``None``).
+
+A plan depends only on ``(pattern, seq_len, heads, kv_heads, world_size, rank,
+layout, fold)`` (:class:`~ring_attention.core.pattern.Pattern` holds the branches,
+``causal``, ``head_groups``, the head offsets and the documents): it holds
+group-relative ranks, translated to global
+ranks at send time, so one plan serves every group of the same size. Plans are
+cached in :data:`PLAN_CACHE`, a bounded thread-safe LRU with hit/miss counters.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..core.cache import LRUCache
+from ..core.checks import check_int
+from ..core.geometry import MAX_SEQ_LEN
+from ..core.layout import Piece, check_layout, layout_pieces
+from ..core.pattern import Pattern
+from ..local import engine
+
+__all__ = [
+    "PLAN_CACHE",
+    "ExchangePlan",
+    "Step",
+    "build_plan",
+    "exchange_rows",
+    "get_plan",
+    "reaches",
+]
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+# Positions of the exchange planner stay below 2**62 (``exchange_rows``):
+# geometry.MAX_SEQ_LEN.
+
+# reaches(): key chunks of _PROBE_ROWS rows, doubling up to _MAX_PROBE_ROWS.
+_PROBE_ROWS = 1 << 12
+_MAX_PROBE_ROWS = 1 << 20
+
+
+def _check_plan_args(
+    pattern: Pattern,
+    seq_len: object,
+    heads: object,
+    kv_heads: object,
+    world_size: object,
+    rank: object,
+    layout: str,
+    fold: object = 1,
+) -> tuple:
+    """The cache key of a plan, its arguments checked (docs/design.md §6)."""
+    if not isinstance(pattern, Pattern):
+        raise ValueError(f"pattern must be a Pattern, got {type(pattern).__name__}")
+    n = check_int(seq_len, "seq_len", 0, MAX_SEQ_LEN)
+    h = check_int(heads, "heads", 1, MAX_SEQ_LEN)
+    kv = check_int(kv_heads, "kv_heads", 1, h)
+    if h % kv:
+        raise ValueError(f"kv_heads must divide heads = {h}, got kv_heads = {kv}")
+    p = check_int(world_size, "world_size", 1, MAX_SEQ_LEN)
+    j = check_int(rank, "rank", 0, p - 1)
+    check_layout(layout)
+    pattern.check_heads(h)
+    pattern.check_length(n)
+    f = check_int(fold, "fold", 1, MAX_SEQ_LEN)
+    return (pattern, n, h, kv, p, j, layout, f)
+
+
+def exchange_rows(
+    q_pieces: Sequence[Piece | tuple[int, int]],
+    k_start: int,
+    k_len: int,
+    heads: int,
+    kv_heads: int,
+    pattern: Pattern,
+) -> torch.Tensor:
+    """Sorted flat indices ``row * kv_heads + g`` (``row`` relative to
+    ``k_start``) of the key rows that some query in ``q_pieces`` reaches.
+
+    A thin wrapper over the ``exchange_rows`` operator
+    (:func:`ring_attention.local.engine.reached_rows`) that drops empty query ranges
+    and answers an empty key range without calling the op.
+    ``q_pieces`` holds :class:`Piece` or ``(start, length)`` pairs.
+    """
+    ranges = [(int(p[0]), int(p[1])) for p in q_pieces if int(p[1]) > 0]
+    if k_len <= 0 or not ranges:
+        return _EMPTY
+    return engine.reached_rows(
+        [r[0] for r in ranges], [r[1] for r in ranges], k_start, k_len, heads, kv_heads, pattern
+    )
+
+
+def reaches(q_piece: Piece | tuple[int, int], k_start: int, k_len: int, heads: int,
+            pattern: Pattern) -> bool:  # fmt: skip
+    """Whether some query of ``q_piece`` reaches some key of ``[k_start,
+    k_start + k_len)``, without listing every reached row.
+
+    Only keys less than the longest segment away from the queries can share
+    a segment with one; over them, ``exchange_rows`` (one K/V head: the union
+    over query heads) of key chunks of ``_PROBE_ROWS`` rows doubling up to
+    ``_MAX_PROBE_ROWS``, stopping at the first that holds a reached row. At
+    most ``_MAX_PROBE_ROWS`` indices exist at once; a block reached near its
+    start is answered by one chunk, pieces further apart than every segment
+    by none."""
+    q_start, q_len = int(q_piece[0]), int(q_piece[1])
+    if q_len <= 0:
+        return False
+    w = max(pattern.segment_lengths)
+    start = max(int(k_start), q_start - w + 1)
+    end = min(int(k_start) + int(k_len), q_start + q_len + w - 1)
+    size = _PROBE_ROWS
+    while start < end:
+        n = min(size, end - start)
+        if exchange_rows([(q_start, q_len)], start, n, heads, 1, pattern).numel():
+            return True
+        start, size = start + n, min(2 * size, _MAX_PROBE_ROWS)
+    return False
+
+
+@dataclass(frozen=True, eq=False)
+class Step:
+    """One ring distance of one rank's plan.
+
+    Attributes:
+        distance: ``d``; this rank sends to ``(rank + d) % p`` and receives
+            from ``(rank - d) % p``.
+        send_to: group rank sent to, or ``None`` when it needs nothing.
+        recv_from: group rank received from, or ``None`` when nothing is needed.
+        send_idx: per local piece of this rank, the flat indices
+            ``row * kv_heads + g`` (row relative to the piece) ``send_to`` needs.
+        recv_idx: per piece of the sender, the flat indices this rank needs.
+        recv_pieces: the sender's pieces (global start, length, local offset).
+        pairs: ``(query piece of this rank, key piece of the sender)`` pairs
+            with at least one reached (query, key) pair: the blocks to compute.
+    """
+
+    distance: int
+    send_to: int | None
+    recv_from: int | None
+    send_idx: tuple[torch.Tensor, ...]
+    recv_idx: tuple[torch.Tensor, ...]
+    recv_pieces: tuple[Piece, ...]
+    pairs: tuple[tuple[int, int], ...]
+
+    @property
+    def send_counts(self) -> tuple[int, ...]:
+        """Rows (row, head pairs) sent per local piece."""
+        return tuple(int(i.numel()) for i in self.send_idx)
+
+    @property
+    def recv_counts(self) -> tuple[int, ...]:
+        """Rows (row, head pairs) received per sender piece."""
+        return tuple(int(i.numel()) for i in self.recv_idx)
+
+    @property
+    def send_rows(self) -> int:
+        """Total (row, K/V head) pairs sent: each is one ``head_dim`` vector of K and one of V."""
+        return sum(self.send_counts)
+
+    @property
+    def recv_rows(self) -> int:
+        """Total (row, K/V head) pairs received."""
+        return sum(self.recv_counts)
+
+
+@dataclass(frozen=True, eq=False)
+class ExchangePlan:
+    """Everything one rank needs to run the ring for one configuration.
+
+    Attributes:
+        pattern, seq_len, heads, kv_heads, world_size, rank, layout, fold: the
+            configuration (the cache key; ``fold``: see
+            :func:`ring_attention.core.layout.layout_pieces`).
+        pieces: this rank's runs of global positions (one for ``contiguous``,
+            two for ``zigzag``).
+        all_pieces: the pieces of every rank.
+        local_pairs: ``(query piece, key piece)`` pairs of this rank's own
+            pieces with at least one reached pair.
+        steps: the active steps (this rank sends or receives), by distance.
+    """
+
+    pattern: Pattern
+    seq_len: int
+    heads: int
+    kv_heads: int
+    world_size: int
+    rank: int
+    layout: str
+    pieces: tuple[Piece, ...]
+    all_pieces: tuple[tuple[Piece, ...], ...]
+    local_pairs: tuple[tuple[int, int], ...]
+    steps: tuple[Step, ...]
+    fold: int = 1
+    _device_idx: dict = field(default_factory=dict, repr=False, compare=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    # -- sizes ---------------------------------------------------------------
+    @property
+    def max_local_len(self) -> int:
+        """The longest local sequence length of any rank."""
+        return max(sum(p.length for p in ps) for ps in self.all_pieces)
+
+    @property
+    def rows_sent(self) -> int:
+        """(row, K/V head) pairs of K (and as many of V) this rank sends per forward."""
+        return sum(s.send_rows for s in self.steps)
+
+    @property
+    def rows_received(self) -> int:
+        """(row, K/V head) pairs of K (and as many of V) this rank receives per forward."""
+        return sum(s.recv_rows for s in self.steps)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the plan's row indices on the host (device copies made by
+        :meth:`indices_on` add as much again per device)."""
+        return sum(
+            sum(i.numel() * i.element_size() for i in (*s.send_idx, *s.recv_idx))
+            for s in self.steps
+        )
+
+    def step_for(self, distance: int) -> Step | None:
+        """The step at ring distance ``distance``, or ``None`` if it is skipped."""
+        for s in self.steps:
+            if s.distance == distance:
+                return s
+        return None
+
+    def bytes_sent(
+        self,
+        batch: int,
+        head_dim: int,
+        itemsize: int,
+        *,
+        backward: bool = False,
+        grad_itemsize: int = 4,
+    ) -> int:
+        """Bytes this rank sends per layer.
+
+        Forward: K and V rows, ``2 * rows_sent * batch * head_dim * itemsize``.
+        With ``backward=True`` add the backward pass: K and V are sent again and
+        the fp32 (``grad_itemsize``) dK/dV of the rows this rank received go
+        back to their owners.
+        """
+        fwd = 2 * self.rows_sent * batch * head_dim * itemsize
+        if not backward:
+            return fwd
+        return 2 * fwd + 2 * self.rows_received * batch * head_dim * grad_itemsize
+
+    def bytes_received(
+        self,
+        batch: int,
+        head_dim: int,
+        itemsize: int,
+        *,
+        backward: bool = False,
+        grad_itemsize: int = 4,
+    ) -> int:
+        """Bytes this rank receives per layer (see :meth:`bytes_sent`)."""
+        fwd = 2 * self.rows_received * batch * head_dim * itemsize
+        if not backward:
+            return fwd
+        return 2 * fwd + 2 * self.rows_sent * batch * head_dim * grad_itemsize
+
+    def indices_on(
+        self, device: torch.device
+    ) -> dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]]:
+        """``distance -> (send_idx, recv_idx)`` of every step, as tensors on
+        ``device`` (copied once per device and kept)."""
+        key = str(device)
+        with self._lock:
+            cached = self._device_idx.get(key)
+            if cached is None:
+                cached = {
+                    s.distance: (
+                        [i.to(device) for i in s.send_idx],
+                        [i.to(device) for i in s.recv_idx],
+                    )
+                    for s in self.steps
+                }
+                self._device_idx[key] = cached
+            return cached
+
+
+def build_plan(
+    pattern: Pattern,
+    seq_len: int,
+    heads: int,
+    kv_heads: int,
+    world_size: int,
+    rank: int,
+    layout: str = "contiguous",
+    fold: int = 1,
+) -> ExchangePlan:
+    """Build (without caching) the exchange plan of ``rank`` in a ring of
+    ``world_size`` for a sequence of ``seq_len`` sharded per ``layout`` (and
+    ``fold``: the ring of a hybrid over stretches of ``fold`` shards).
+
+    Raises:
+        ValueError: naming the argument, for a ``seq_len``, ``heads``,
+            ``kv_heads``, ``world_size``, ``rank`` or ``fold`` that is not an integer in
+            range, an unknown ``layout``, or a pattern whose documents do not
+            end at ``seq_len``.
+    """
+    pattern, seq_len, heads, kv_heads, p, rank, layout, fold = _check_plan_args(
+        pattern, seq_len, heads, kv_heads, world_size, rank, layout, fold
+    )
+    all_pieces = tuple(tuple(layout_pieces(seq_len, p, r, layout, fold)) for r in range(p))
+    mine = all_pieces[rank]
+
+    def rows(q_pieces: Sequence[Piece], k_piece: Piece) -> torch.Tensor:
+        return exchange_rows(q_pieces, k_piece.start, k_piece.length, heads, kv_heads, pattern)
+
+    def reached(q_piece: Piece, k_piece: Piece) -> bool:
+        return reaches(q_piece, k_piece.start, k_piece.length, heads, pattern)
+
+    local_pairs = tuple(
+        (qi, ki) for qi, qp in enumerate(mine) for ki, kp in enumerate(mine) if reached(qp, kp)
+    )
+
+    steps = []
+    for d in range(1, p):
+        to = (rank + d) % p
+        frm = (rank - d) % p
+        send_idx = tuple(rows(all_pieces[to], kp) for kp in mine)
+        sender = all_pieces[frm]
+        recv_idx = tuple(rows(mine, kp) for kp in sender)
+        pairs = tuple(
+            (qi, kj)
+            for kj, kp in enumerate(sender)
+            if recv_idx[kj].numel() > 0
+            for qi, qp in enumerate(mine)
+            if len(mine) == 1 or reached(qp, kp)
+        )
+        sends = any(i.numel() > 0 for i in send_idx)
+        recvs = any(i.numel() > 0 for i in recv_idx)
+        if not (sends or recvs):
+            continue
+        steps.append(
+            Step(
+                distance=d,
+                send_to=to if sends else None,
+                recv_from=frm if recvs else None,
+                send_idx=send_idx,
+                recv_idx=recv_idx,
+                recv_pieces=sender,
+                pairs=pairs,
+            )
+        )
+
+    return ExchangePlan(
+        pattern=pattern,
+        seq_len=seq_len,
+        heads=heads,
+        kv_heads=kv_heads,
+        world_size=p,
+        rank=rank,
+        layout=layout,
+        pieces=mine,
+        all_pieces=all_pieces,
+        local_pairs=local_pairs,
+        steps=tuple(steps),
+        fold=int(fold),
+    )
+
+
+#: The module-level plan cache used by ``ring_dilated_attention``: at most 64
+#: plans and 512 MiB of row indices (``PLAN_CACHE.max_bytes``; a larger plan
+#: is used for its call and not kept).
+PLAN_CACHE: LRUCache[ExchangePlan] = LRUCache(
+    maxsize=64, max_bytes=512 * 2**20, size_of=lambda plan: plan.nbytes
+)
+
+
+def get_plan(
+    pattern: Pattern,
+    seq_len: int,
+    heads: int,
+    kv_heads: int,
+    world_size: int,
+    rank: int,
+    layout: str = "contiguous",
+    fold: int = 1,
+    *,
+    cache: LRUCache[ExchangePlan] | None = None,
+) -> ExchangePlan:
+    """The cached plan for this configuration (built on first use); raises
+    as :func:`build_plan` does."""
+    key = _check_plan_args(pattern, seq_len, heads, kv_heads, world_size, rank, layout, fold)
+    return (PLAN_CACHE if cache is None else cache).get(key, lambda: build_plan(*key))

@@ -1,0 +1,270 @@
+"""Agreement between ranks before anything large moves (docs/design.md §6).
+
+Every collective entry point of the library (the ring, ``gather_sequence``)
+starts with one control message per rank, all-gathered in one small
+collective. Every message has the same fixed size, ``WORDS`` int64 words::
+
+    [magic, call tag, error flag, payload ...]
+
+so ranks that are in different calls (the ring on one rank,
+``gather_sequence`` on another) still exchange messages of equal size: the
+mismatch becomes the library's own "ranks are out of step" error on every
+rank instead of an abort inside the transport. A rank whose own inputs failed
+validation sends the error flag (:func:`reject`), so every rank raises instead
+of some ranks entering the collective and waiting for the group's timeout.
+Ranks whose calls disagree (pattern, global length, dtype, shapes, flags)
+raise ``ValueError`` on every rank.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..core.dtypes import dtype_code, dtype_name
+from ..core.layout import LAYOUTS, layout_shard_lengths
+from ..core.pattern import Pattern
+from .comm import all_gather_ints
+
+__all__ = [
+    "RING_FIELDS",
+    "WORDS",
+    "exchange_message",
+    "gather_handshake",
+    "reject",
+    "ring_handshake",
+    "ring_message",
+]
+
+#: Words (int64) of every control message.
+WORDS = 20
+_MAGIC = 0x52494E47  # "RING"
+_CALLS = {
+    "ring_dilated_attention": 1,
+    "gather_sequence": 2,
+    # the two rounds of a ring x Ulysses grid (ring_attention.parallel.grid)
+    "ring_dilated_attention (Ulysses group)": 3,
+    "ring_dilated_attention (ring of the grid)": 4,
+    "gather_sequence (Ulysses group)": 5,
+    "gather_sequence (ring of the grid)": 6,
+}
+_NAMES = {v: k for k, v in _CALLS.items()}
+
+#: The ring handshake's fields, in :func:`ring_message`'s order (the hybrid's
+#: row round sends the same message: ring_attention/parallel/ulysses.py).
+RING_FIELDS = (
+    "seq_len_local", "batch", "heads", "kv_heads", "head_dim", "dtype", "pattern", "scale",
+    "layout", "requires_grad", "far_bytes",
+)  # fmt: skip
+_GATHER_DIMS = WORDS - 3 - 4  # shapes of up to 13 dimensions
+_GATHER_FIELDS = ("ndim", "dim", "dtype", "layout", *(f"size{i}" for i in range(_GATHER_DIMS)))
+
+
+def _exchange(
+    group: dist.ProcessGroup | None, call: str, payload: Sequence[int] | None
+) -> list[list[int]] | None:
+    """All-gather this rank's message; the payload rows of every rank.
+
+    ``payload=None`` says this rank rejected its inputs: it returns ``None``
+    after the collective and the caller raises its own error. Raises
+    ``ValueError`` on every rank when a rank is in another call (or not in a
+    library call at all) or when another rank rejected its inputs.
+    """
+    body = [-1] * (WORDS - 3) if payload is None else list(payload)
+    if len(body) > WORDS - 3:  # would break the equal sizes the transport relies on
+        raise RuntimeError(f"{call}: a control payload of {len(body)} words (at most {WORDS - 3})")
+    body += [0] * (WORDS - 3 - len(body))
+    rows = all_gather_ints([_MAGIC, _CALLS[call], int(payload is None), *body], group)
+    calls = [r[1] if r[0] == _MAGIC else 0 for r in rows]
+    if any(c != _CALLS[call] for c in calls):
+        where = ", ".join(
+            f"rank {i}: {_NAMES.get(c, 'not a ring_attention call')}" for i, c in enumerate(calls)
+        )
+        raise ValueError(
+            f"{call}: ranks are out of step (every rank must make the same call): {where}"
+        )
+    bad = [i for i, r in enumerate(rows) if r[2]]
+    if payload is None:
+        return None
+    if bad:
+        raise ValueError(
+            f"{call}: rank(s) {bad} rejected their inputs (see the error raised there); "
+            "nothing was communicated"
+        )
+    return [r[3:] for r in rows]
+
+
+def exchange_message(
+    group: dist.ProcessGroup | None, call: str, payload: Sequence[int] | None
+) -> list[list[int]] | None:
+    """One control round of ``call`` over ``group``: every rank's payload
+    (``None``: this rank rejected its inputs; it gets ``None`` back). Raises
+    ``ValueError`` on every rank when ranks are in different calls or another
+    rank rejected its inputs."""
+    return _exchange(group, call, payload)
+
+
+def reject(group: dist.ProcessGroup | None, call: str = "ring_dilated_attention") -> None:
+    """Take part in ``call``'s handshake as a rank whose inputs failed
+    validation: the other ranks raise; the caller raises its own error."""
+    _exchange(group, call, None)
+
+
+def _scale_bits(scale: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(scale)))[0]
+
+
+def _bits_scale(bits: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", int(bits)))[0]
+
+
+def ring_message(
+    q: torch.Tensor,
+    kv_heads: int,
+    pattern: Pattern,
+    *,
+    scale: float,
+    layout: str,
+    needs_grad: bool,
+    far_bytes: int = 0,
+) -> list[int]:
+    """This rank's ring handshake payload (``q``: the validated local query;
+    ``far_bytes``: its ``RING_ATTENTION_FAR_BYTES``)."""
+    B, L, H, D = q.shape
+    values = {
+        "seq_len_local": L,
+        "batch": B,
+        "heads": H,
+        "kv_heads": kv_heads,
+        "head_dim": D,
+        "dtype": dtype_code(q.dtype),
+        "pattern": pattern.digest(),
+        "scale": _scale_bits(scale),
+        "layout": LAYOUTS.index(layout),
+        "requires_grad": int(needs_grad),
+        "far_bytes": int(far_bytes),
+    }
+    return [values[f] for f in RING_FIELDS]
+
+
+def ring_handshake(
+    group: dist.ProcessGroup | None,
+    world: int,
+    message: list[int] | None,
+    pattern: Pattern | None,
+    layout: str,
+    fold: int = 1,
+) -> int:
+    """Check that every rank makes the same ring call; the global length.
+
+    ``message`` is :func:`ring_message`, or ``None`` when this rank's inputs
+    failed validation (it returns -1 and the caller raises its own error).
+    ``fold``: the ring of a ring x Ulysses hybrid holds stretches
+    (:func:`ring_attention.core.layout.layout_pieces`). Raises ``ValueError`` on
+    every rank when ranks disagree.
+    """
+    rows = _exchange(group, "ring_dilated_attention", message)
+    if rows is None:
+        return -1
+    table = {f: [r[i] for r in rows] for i, f in enumerate(RING_FIELDS)}
+    prefix = "ring_dilated_attention: ranks disagree on "
+    if len(set(table["pattern"])) > 1:
+        gathered: list = [None] * world
+        mine = (pattern.describe(), pattern.documents) if pattern else ("?", None)
+        dist.all_gather_object(gathered, mine, group=group)
+        detail = "; ".join(f"rank {r}: {d}" for r, (d, _) in enumerate(gathered))
+        raise ValueError(prefix + f"the pattern: {detail}" + _documents_detail(gathered))
+    if len(set(table["dtype"])) > 1:
+        raise ValueError(
+            prefix + f"the dtype: {[dtype_name(c) for c in table['dtype']]} (rank order)"
+        )
+    for name, what in (
+        ("heads", "the number of heads (q.shape[2])"),
+        ("kv_heads", "the number of K/V heads (k.shape[2])"),
+        ("head_dim", "head_dim (q.shape[3])"),
+        ("batch", "the batch size (q.shape[0])"),
+        ("layout", "layout"),
+        ("requires_grad", "whether a gradient is needed (every rank must run the backward)"),
+        ("far_bytes", "RING_ATTENTION_FAR_BYTES (the far group's threshold in bytes)"),
+    ):
+        vals = table[name]
+        if len(set(vals)) > 1:
+            if name == "requires_grad":
+                vals = [bool(x) for x in vals]
+            if name == "layout":
+                vals = [LAYOUTS[x] if 0 <= x < len(LAYOUTS) else x for x in vals]
+            raise ValueError(prefix + f"{what}: {vals} (rank order)")
+    if len(set(table["scale"])) > 1:
+        raise ValueError(prefix + f"scale: {[_bits_scale(b) for b in table['scale']]} (rank order)")
+    lengths = table["seq_len_local"]
+    n = sum(lengths)
+    expected = layout_shard_lengths(n, world, layout, fold)
+    if lengths != expected:
+        raise ValueError(
+            f"ring_dilated_attention: the local sequence lengths {lengths} (rank order, global "
+            f"length {n}) do not follow the layout={layout!r} sharding convention, which expects "
+            f"{expected} (torch.tensor_split); shard inputs with ring_attention.shard_sequence"
+        )
+    return n
+
+
+def _documents_detail(gathered: list[tuple[str, tuple[int, ...] | None]]) -> str:
+    """Where the ranks' document boundaries first differ, with every rank's
+    boundaries around that index (``""`` when they agree): a description
+    only counts documents."""
+    docs = [d for _, d in gathered]
+    if len(set(docs)) <= 1 or any(d is None for d in docs):
+        return ""
+    longest = max(len(d) for d in docs)
+    at = next(i for i in range(longest) if len({d[i] if i < len(d) else None for d in docs}) > 1)
+    lo, hi = max(0, at - 2), at + 3
+    parts = []
+    for r, d in enumerate(docs):
+        more = "" if hi >= len(d) else ", ..."
+        parts.append(
+            f"rank {r}: cu_seqlens[{lo}:] = [{'..., ' if lo else ''}"
+            f"{', '.join(map(str, d[lo:hi]))}{more}] ({len(d) - 1} documents)"
+        )
+    return f". The document boundaries differ first at cu_seqlens[{at}]: " + "; ".join(parts)
+
+
+def gather_handshake(
+    group: dist.ProcessGroup | None, world: int, x_local: torch.Tensor, dim: int, layout: str
+) -> list[int]:
+    """Check that every rank gathers pieces of one tensor along ``dim``; the
+    local lengths along ``dim`` (rank order)."""
+    if x_local.dim() > _GATHER_DIMS:
+        reject(group, "gather_sequence")
+        raise ValueError(
+            f"gather_sequence supports tensors of at most {_GATHER_DIMS} dimensions, got "
+            f"{x_local.dim()}"
+        )
+    shape = list(x_local.shape) + [-1] * (_GATHER_DIMS - x_local.dim())
+    rows = _exchange(
+        group,
+        "gather_sequence",
+        [x_local.dim(), dim, dtype_code(x_local.dtype), LAYOUTS.index(layout), *shape],
+    )
+    assert rows is not None
+    table = {f: [r[i] for r in rows] for i, f in enumerate(_GATHER_FIELDS)}
+    prefix = "gather_sequence: ranks disagree on "
+    for name in ("ndim", "dim", "layout"):
+        if len(set(table[name])) > 1:
+            raise ValueError(prefix + f"{name}: {table[name]} (rank order)")
+    if len(set(table["dtype"])) > 1:
+        raise ValueError(prefix + f"the dtype: {[dtype_name(c) for c in table['dtype']]}")
+    shapes = [r[4 : 4 + x_local.dim()] for r in rows]
+    if len({tuple(s[:dim] + s[dim + 1 :]) for s in shapes}) > 1:
+        raise ValueError(prefix + f"the shape outside dim {dim}: {shapes}")
+    lengths = [s[dim] for s in shapes]
+    n = sum(lengths)
+    expected = layout_shard_lengths(n, world, layout)
+    if lengths != expected:
+        raise ValueError(
+            f"gather_sequence: local lengths along dim {dim} are {lengths} (global length "
+            f"{n}), but layout={layout!r} expects {expected} (torch.tensor_split convention)"
+        )
+    return lengths

@@ -1,0 +1,160 @@
+"""What a ring call attends with, named by a string: the operator boundary of
+the ring (:mod:`ring_attention.parallel.ring_ops`).
+
+The ring runs as two custom operators, ``torch.ops.ring_attention.
+ring_forward`` / ``ring_backward``, that ``torch.compile`` keeps opaque (they
+communicate). Their tensors are arguments; everything else a call needs (its
+:class:`~ring_attention.core.pattern.Pattern`, scale, process group and layout,
+or the error that building them raised) is a :class:`RingSpec`, registered
+here under a key derived from its contents and passed to the operators as
+that string. :func:`ring_call_spec` builds and registers a spec; under
+``torch.compile`` it runs once, while tracing
+(``torch.compiler.assume_constant_result``'s mark, set by
+:func:`_assume_constant_result`), and its key becomes a constant
+of the graph, so a compiled step neither re-validates nor recompiles.
+
+A spec holds the pattern without the per-batch documents (those travel as a
+tensor argument) so that the specs of a model are few. Specs registered while
+compiling are kept for the life of the process; the others are kept in a
+bounded least-recently-used table.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..core.pattern import Pattern
+
+__all__ = ["RingSpec", "get_spec", "ring_call_spec"]
+
+
+@dataclass(frozen=True, eq=False)
+class RingSpec:
+    """One ring call's configuration (all but its tensors).
+
+    ``pattern`` is ``None`` exactly when ``error`` is set: the exception that
+    building the call raised, which the operator reports through the ring's
+    handshake, so that every rank raises. The group is held by a weak
+    reference (``destroy_process_group`` must be able to release it)."""
+
+    pattern: Pattern | None
+    error: BaseException | None
+    scale: float | None
+    layout: str
+    fold: int
+    _group: Callable[[], dist.ProcessGroup | None]
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The process group (``None``: the default group)."""
+        group = self._group()
+        if group is None and self._group is not _DEFAULT_GROUP:
+            raise RuntimeError(
+                "the process group of this ring_dilated_attention call no longer exists "
+                "(destroy_process_group released it)"
+            )
+        return group
+
+
+def _default_group() -> None:
+    return None
+
+
+_DEFAULT_GROUP = _default_group
+
+
+class _Registry:
+    """Specs by key: pinned (registered while compiling) or LRU-bounded."""
+
+    def __init__(self, maxsize: int) -> None:
+        self.maxsize = maxsize
+        self._pinned: dict[str, RingSpec] = {}
+        self._recent: OrderedDict[str, RingSpec] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def add(self, key: str, spec: RingSpec, pin: bool) -> None:
+        with self._lock:
+            if pin:
+                self._pinned[key] = spec
+                return
+            self._recent[key] = spec
+            self._recent.move_to_end(key)
+            while len(self._recent) > self.maxsize:
+                self._recent.popitem(last=False)
+
+    def get(self, key: str) -> RingSpec:
+        with self._lock:
+            spec = self._pinned.get(key) or self._recent.get(key)
+        if spec is None:
+            raise RuntimeError(
+                f"ring_attention: no ring call is registered under spec={key!r} (more than "
+                f"{self.maxsize} distinct calls since it was made?)"
+            )
+        return spec
+
+
+_REGISTRY = _Registry(maxsize=1024)
+
+
+def get_spec(key: str) -> RingSpec:
+    """The spec registered under ``key``."""
+    return _REGISTRY.get(key)
+
+
+def _assume_constant_result(fn: Callable[..., str]) -> Callable[..., str]:
+    """``torch.compiler.assume_constant_result(fn)`` without its import of
+    ``torch._dynamo`` (most of the seconds ``import ring_attention`` would
+    take, paid by every process that never compiles): the same mark on
+    ``fn``. tests/test_imports.py checks that the mark is the decorator's."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
+
+
+@_assume_constant_result
+def ring_call_spec(
+    build: Callable[..., Pattern],
+    *args: Any,
+    scale: float | None = None,
+    group: dist.ProcessGroup | None = None,
+    layout: str = "contiguous",
+    fold: int = 1,
+) -> str:
+    """Register the ring call whose pattern is ``build(*args)``; its key.
+
+    ``build`` is a module-level function and ``args`` values that
+    ``torch.compile`` can hold as constants (Python values, modules, process
+    groups). An exception it raises is kept: the operator reports it in the
+    handshake, so every rank raises (this one the exception itself).
+    ``fold > 1``: each rank holds the stretch of its Ulysses group
+    (:func:`ring_attention.core.layout.layout_pieces`).
+    """
+    try:
+        pattern, error = build(*args), None
+        if not isinstance(pattern, Pattern):
+            raise TypeError(f"a ring call needs a Pattern, got {type(pattern).__name__}")
+    except Exception as exc:
+        pattern, error = None, exc
+    # torch.compile hands a process group to a function like this one as a
+    # fake script object wrapping the real group
+    group = getattr(group, "real_obj", group)
+    if group is None:
+        ref, group_key = _DEFAULT_GROUP, "default"
+    elif isinstance(group, dist.ProcessGroup):
+        ref, group_key = weakref.ref(group), group.group_name
+    else:
+        ref, group_key = _DEFAULT_GROUP, "invalid"
+        pattern, error = None, ValueError(f"group must be a ProcessGroup or None, got {group!r}")
+    what = repr(pattern) if error is None else f"{type(error).__name__}: {error}"
+    key = f"{what} | scale={scale!r} | group={group_key} | layout={layout!r} | fold={fold}"
+    spec = RingSpec(pattern=pattern, error=error, scale=scale, layout=layout, fold=fold,
+                    _group=ref)  # fmt: skip
+    _REGISTRY.add(key, spec, pin=torch.compiler.is_compiling())
+    return key

@@ -1,0 +1,202 @@
+"""Sequence sharding across the ranks of a process group (user API).
+
+A rank holds the piece of the sequence that ``torch.tensor_split(x,
+world_size, dim)`` gives it (docs/design.md §3): any global length, pieces
+differing by at most one. ``layout="zigzag"`` (balanced causal work) is
+described in :mod:`ring_attention.core.layout`.
+
+``group=None`` means the default process group; with no initialised process
+group (or a group of one) both functions are the identity. With
+``ulysses_group`` (``group`` then the ring, ``None`` = no ring) or ``mesh``,
+the rank with ring index ``i`` and Ulysses index ``j`` of ``U`` holds piece
+``i * U + j`` (docs/design.md §2, :mod:`ring_attention.parallel.mesh`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..core.layout import (
+    LAYOUTS,
+    Piece,
+    check_layout,
+    layout_pieces,
+    layout_shard_lengths,
+    shard_bounds,
+)
+from .comm import comm_device, world_info
+from .handshake import gather_handshake
+from .mesh import check_grid, resolve_topology
+from .ulysses import gather_grid
+
+__all__ = [
+    "LAYOUTS",
+    "Piece",
+    "gather_sequence",
+    "layout_pieces",
+    "layout_shard_lengths",
+    "shard_bounds",
+    "shard_sequence",
+]
+
+
+def _check_dim(x: torch.Tensor, dim: int, name: str) -> int:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise ValueError(f"dim must be an int, got {dim!r}")
+    if x.dim() == 0:
+        raise ValueError(f"{name} must have at least one dimension to shard along")
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(
+            f"dim must be in [{-x.dim()}, {x.dim()}) for {name} of shape "
+            f"{tuple(x.shape)}, got {dim}"
+        )
+    return dim % x.dim()
+
+
+def _grid(group, ulysses_group, mesh) -> tuple[int, int]:
+    """``(shards, this rank's shard)``."""
+    if ulysses_group is None and mesh is None:
+        return world_info(group)
+    topo = resolve_topology(group, ulysses_group, mesh)
+    return topo.world_size, topo.shard_index
+
+
+def shard_sequence(
+    x: torch.Tensor,
+    dim: int = 1,
+    group: dist.ProcessGroup | None = None,
+    *,
+    ulysses_group: dist.ProcessGroup | None = None,
+    mesh=None,
+    layout: str = "contiguous",
+) -> torch.Tensor:
+    """This rank's piece of the full tensor ``x`` along ``dim``.
+
+    ``layout="contiguous"`` returns ``torch.tensor_split(x, world_size, dim)[rank]``
+    (a view, like ``tensor_split``); ``layout="zigzag"`` returns the
+    concatenation of chunks ``rank`` and ``2 * world_size - 1 - rank`` of
+    ``torch.tensor_split(x, 2 * world_size, dim)`` (a new tensor).
+    Differentiable. Every rank must pass the same full ``x``; nothing is
+    communicated.
+
+    Args:
+        x: the full tensor, e.g. ``(batch, seq, heads, head_dim)``.
+        dim: the sequence dimension (default 1).
+        group: process group, default the default group; with no initialised
+            process group the world size is 1 and ``x`` is returned unchanged.
+            With ``ulysses_group``: the ring (``None``: no ring).
+        ulysses_group: the Ulysses group: piece ``i * U + j`` for ring index
+            ``i`` and Ulysses index ``j`` (``ring_dilated_attention``).
+        mesh: instead of the groups, a 1-D or 2-D ``("ring", "ulysses")``
+            ``DeviceMesh``.
+        layout: ``"contiguous"`` (default) or ``"zigzag"``.
+    """
+    dim = _check_dim(x, dim, "x")
+    check_layout(layout)
+    world, rank = _grid(group, ulysses_group, mesh)
+    if world == 1:
+        return x
+    pieces = layout_pieces(x.shape[dim], world, rank, layout)
+    if len(pieces) == 1:
+        return x.narrow(dim, pieces[0].start, pieces[0].length)
+    return torch.cat([x.narrow(dim, p.start, p.length) for p in pieces], dim=dim)
+
+
+def _gather_varlen(
+    x_local: torch.Tensor, dim: int, group: dist.ProcessGroup | None, layout: str
+) -> tuple[torch.Tensor, list[Piece]]:
+    """All-gather variable-length pieces and reassemble the full tensor.
+
+    Returns the full tensor and this rank's pieces (for the backward)."""
+    world, rank = world_info(group)
+    lengths = gather_handshake(group, world, x_local, dim, layout)
+    n = sum(lengths)
+    device = comm_device(group, x_local.device)
+    max_len = max(lengths)
+    send = x_local.to(device)
+    if send.shape[dim] < max_len:
+        pad_shape = list(send.shape)
+        pad_shape[dim] = max_len - send.shape[dim]
+        send = torch.cat([send, send.new_zeros(pad_shape)], dim=dim)
+    send = send.contiguous()
+    recv = [torch.empty_like(send) for _ in range(world)]
+    dist.all_gather(recv, send, group=group)
+
+    parts: list[tuple[int, torch.Tensor]] = []
+    for r in range(world):
+        for p in layout_pieces(n, world, r, layout):
+            if p.length:
+                parts.append((p.start, recv[r].narrow(dim, p.offset, p.length)))
+    parts.sort(key=lambda item: item[0])
+    if parts:
+        full = torch.cat([t for _, t in parts], dim=dim)
+    else:
+        full = send.narrow(dim, 0, 0)
+    return full.to(x_local.device), layout_pieces(n, world, rank, layout)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along ``dim``; the backward returns this rank's slice of the
+    gradient (every rank is assumed to compute the same loss of the full
+    tensor, as in sequence-parallel training)."""
+
+    @staticmethod
+    def forward(ctx, x_local: torch.Tensor, dim: int, group, layout: str) -> torch.Tensor:  # type: ignore[override]
+        full, pieces = _gather_varlen(x_local, dim, group, layout)
+        ctx.dim = dim
+        ctx.pieces = pieces
+        return full
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        parts = [grad.narrow(ctx.dim, p.start, p.length) for p in ctx.pieces]
+        g = parts[0] if len(parts) == 1 else torch.cat(parts, dim=ctx.dim)
+        return g, None, None, None
+
+
+def gather_sequence(
+    x_local: torch.Tensor,
+    dim: int = 1,
+    group: dist.ProcessGroup | None = None,
+    *,
+    ulysses_group: dist.ProcessGroup | None = None,
+    mesh=None,
+    layout: str = "contiguous",
+) -> torch.Tensor:
+    """The full tensor from every rank's piece along ``dim`` (inverse of
+    :func:`shard_sequence`).
+
+    Pieces may differ in length (they follow the ``torch.tensor_split``
+    convention of ``layout``); they are padded to the longest, all-gathered and
+    trimmed. Ranks whose shapes, dtypes or lengths disagree raise
+    ``ValueError`` on every rank. Differentiable: the gradient of ``x_local``
+    is this rank's slice of the gradient of the full tensor (the loss is
+    assumed identical on every rank). CUDA tensors on a gloo group travel
+    through host memory.
+
+    Args:
+        x_local: this rank's piece.
+        dim: the sequence dimension (default 1).
+        group: process group, default the default group; with no initialised
+            process group ``x_local`` is returned unchanged. With
+            ``ulysses_group``: the ring (``None``: no ring).
+        ulysses_group, mesh: as for :func:`shard_sequence`.
+        layout: ``"contiguous"`` (default) or ``"zigzag"``.
+    """
+    dim = _check_dim(x_local, dim, "x_local")
+    check_layout(layout)
+    if ulysses_group is not None or mesh is not None:
+        topo = resolve_topology(group, ulysses_group, mesh)
+        check_grid(topo)
+        if topo.ulysses_size > 1:
+            return gather_grid(x_local, dim, topo, layout)
+        if topo.ring_size == 1:
+            return x_local
+        group = topo.ring_group
+    world, _ = world_info(group)
+    if world == 1:
+        return x_local
+    return _GatherSequence.apply(x_local, dim, group, layout)

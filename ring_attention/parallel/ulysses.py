@@ -1,0 +1,517 @@
+"""Head-parallel (Ulysses) and ring x Ulysses hybrid attention
+(docs/design.md §2).
+
+The ranks form a grid (:mod:`ring_attention.parallel.mesh`): ``R`` Ulysses groups of
+``U`` ranks, the rank with ring index ``i`` and Ulysses index ``j`` holding
+shard ``i * U + j`` of the sequence. Per call, on every rank:
+
+1. The agreement check: once per configuration that the groups form one
+   grid (:func:`~ring_attention.parallel.mesh.check_grid`), then every call's
+   arguments in two small rounds (:mod:`ring_attention.parallel.grid`), so that
+   ranks that disagree raise ``ValueError`` on every rank.
+2. An all-to-all inside the Ulysses group trades sequence for heads: rank
+   ``j`` receives, for the stretch of sequence its group holds, query heads
+   ``j`` of ``torch.tensor_split(range(heads), U)`` (any head count; ranks
+   past ``heads`` get none) and only the K/V heads those read (a K/V head
+   goes to every rank that reads it: replicated where ``kv_heads < U``,
+   never repeated to the query-head count).
+3. Attention over the whole stretch for those heads, with their global
+   indices (:func:`~ring_attention.parallel.heads.attend_head_range`): locally for
+   pure Ulysses (``R = 1``), else along the ring between the ranks holding
+   the same heads, each holding its group's stretch (zigzag balancing at the
+   ring level with ``layout="zigzag"``).
+4. A second all-to-all trades heads back: every rank gets ``out`` (and
+   ``lse``) of its own shard for every head.
+
+The all-to-alls are autograd functions whose backward is the reverse
+exchange (gradients of K/V heads sent to several ranks add up), so the
+gradients are exact; every rank must run the backward.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..core.checks import check_qkv, resolve_scale
+from ..core.dtypes import dtype_code, dtype_name
+from ..core.layout import (
+    LAYOUTS,
+    Piece,
+    check_layout,
+    layout_pieces,
+    layout_shard_lengths,
+    shard_bounds,
+)
+from ..core.pattern import Pattern
+from ..local.functional import attend
+from .comm import comm_device, world_info
+from .grid import grid_handshake
+from .handshake import RING_FIELDS, reject, ring_message
+from .heads import attend_head_range, kv_head_range, local_runner
+from .mesh import Topology, check_grid, resolve_topology
+from .ring import ring_on_pieces
+
+__all__ = [
+    "AllToAllStats",
+    "gather_grid",
+    "last_all_to_all_stats",
+    "reject_sharded",
+    "ulysses_attention",
+]
+
+Tensor = torch.Tensor
+
+#: The fields of the row round: those of the ring's own handshake.
+_FIELDS = RING_FIELDS
+_CALL = "ring_dilated_attention"
+
+
+# ---------------------------------------------------------------------------
+# Accounting.
+
+
+@dataclass
+class AllToAllStats:
+    """Bytes this rank's all-to-alls moved in the last Ulysses call (reset at
+    every forward, the backward's appended), per phase: ``"qkv"`` (sequence
+    -> heads), ``"out"`` (heads -> sequence, ``out`` and ``lse``), and
+    ``"qkv_grad"``, ``"out_grad"`` (their backward)."""
+
+    sent: dict[str, int] = field(default_factory=dict)
+    received: dict[str, int] = field(default_factory=dict)
+
+    def reset(self) -> None:
+        """Forget everything."""
+        self.sent.clear()
+        self.received.clear()
+
+    def record(self, phase: str, sent: int, received: int) -> None:
+        """Add one exchange."""
+        self.sent[phase] = self.sent.get(phase, 0) + sent
+        self.received[phase] = self.received.get(phase, 0) + received
+
+    def bytes_sent(self, phase: str | None = None) -> int:
+        """Bytes sent, all phases or one."""
+        return sum(v for k, v in self.sent.items() if phase is None or k == phase)
+
+
+#: All-to-all counters of the last Ulysses call on this rank (mutated in place).
+last_all_to_all_stats = AllToAllStats()
+
+
+# ---------------------------------------------------------------------------
+# The all-to-all.
+
+
+@dataclass(frozen=True, eq=False)
+class _Link:
+    """The Ulysses group of a call: who is who, and the transport device."""
+
+    group: dist.ProcessGroup
+    peers: tuple[int, ...]  # global ranks, Ulysses-index order
+    me: int
+    device: torch.device  # compute device
+    comm: torch.device  # transport device
+
+    def exchange(
+        self, sends: list[list[Tensor]], recv: list[list[tuple[tuple[int, ...], torch.dtype]]],
+        phase: str,
+    ) -> list[list[Tensor]]:  # fmt: skip
+        """Send ``sends[p]`` to peer ``p`` and receive tensors of ``recv[p]``
+        from it; parts of one dtype travel packed in one buffer per peer."""
+        out: list[list[Tensor | None]] = [[None] * len(spec) for spec in recv]
+        for k, t in enumerate(sends[self.me]):  # a copy: an output is never an input
+            out[self.me][k] = t.clone(memory_format=torch.contiguous_format)
+        dtypes = list(dict.fromkeys(dt for spec in recv for _, dt in spec))
+        dtypes += [t.dtype for ts in sends for t in ts if t.dtype not in dtypes]
+        sent = received = 0
+        for dt in dtypes:
+            ops, inbox = [], []
+            for p, peer in enumerate(self.peers):
+                if p == self.me:
+                    continue
+                parts = [t for t in sends[p] if t.dtype == dt]
+                if parts and sum(t.numel() for t in parts):
+                    buf = torch.cat([t.flatten() for t in parts]).to(self.comm)
+                    ops.append(dist.P2POp(dist.isend, buf, peer, self.group))
+                    inbox.append(buf)  # kept alive until the wait
+                    sent += buf.numel() * buf.element_size()
+                numel = sum(math.prod(s) for s, d in recv[p] if d == dt)
+                if numel:
+                    buf = torch.empty(numel, dtype=dt, device=self.comm)
+                    ops.append(dist.P2POp(dist.irecv, buf, peer, self.group))
+                    inbox.append((p, buf))
+                    received += buf.numel() * buf.element_size()
+            for w in dist.batch_isend_irecv(ops) if ops else []:
+                w.wait()
+            for item in inbox:
+                if not isinstance(item, tuple):
+                    continue
+                p, buf = item
+                buf = buf.to(self.device)
+                at = 0
+                for k, (shape, d) in enumerate(recv[p]):
+                    if d == dt:
+                        size = math.prod(shape)
+                        out[p][k] = buf[at : at + size].view(shape)
+                        at += size
+        for p, spec in enumerate(recv):  # empty parts
+            for k, (shape, d) in enumerate(spec):
+                if out[p][k] is None:
+                    out[p][k] = torch.empty(shape, dtype=d, device=self.device)
+        last_all_to_all_stats.record(phase, sent, received)
+        return out  # type: ignore[return-value]
+
+
+class _AllToAll(torch.autograd.Function):
+    """``link.exchange`` as an autograd function: the backward sends the
+    gradients of what was received back to its senders."""
+
+    @staticmethod
+    def forward(ctx, link: _Link, counts: tuple[int, ...], recv, phase: str, *sends: Tensor):  # type: ignore[override]
+        nested, at = [], 0
+        for c in counts:
+            nested.append(list(sends[at : at + c]))
+            at += c
+        got = link.exchange(nested, recv, phase)
+        ctx.link, ctx.phase = link, phase
+        ctx.back = [[(tuple(t.shape), t.dtype) for t in ts] for ts in nested]
+        ctx.recv = recv
+        ctx.set_materialize_grads(False)
+        return tuple(t for ts in got for t in ts)
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor | None):  # type: ignore[override]
+        nested, at = [], 0
+        for spec in ctx.recv:
+            part = []
+            for shape, dt in spec:
+                g = grads[at]
+                if g is None:
+                    g = torch.zeros(shape, dtype=dt, device=ctx.link.device)
+                part.append(g)
+                at += 1
+            nested.append(part)
+        got = ctx.link.exchange(nested, ctx.back, ctx.phase + "_grad")
+        return (None, None, None, None, *(t for ts in got for t in ts))
+
+
+def _all_to_all(
+    link: _Link, sends: list[list[Tensor]], recv: list[list[tuple]], phase: str
+) -> list[list[Tensor]]:
+    flat = _AllToAll.apply(link, tuple(len(s) for s in sends), recv, phase,
+                           *(t for ts in sends for t in ts))  # fmt: skip
+    out, at = [], 0
+    for spec in recv:
+        out.append(list(flat[at : at + len(spec)]))
+        at += len(spec)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Sequence <-> heads.
+
+
+@dataclass(frozen=True)
+class _Row:
+    """The sequence and the heads of one Ulysses group."""
+
+    pieces: tuple[tuple[Piece, ...], ...]  # every member's pieces, local order
+    heads: tuple[tuple[int, int], ...]  # every member's query heads (start, count)
+    kv: tuple[tuple[int, int], ...]  # every member's K/V heads [begin, end)
+
+    def lengths(self) -> list[int]:
+        return [sum(p.length for p in ps) for ps in self.pieces]
+
+    def order(self) -> list[tuple[int, int, int]]:
+        """``(member, offset in its local tensor, length)`` of every non-empty
+        piece, in global order: the stretch, concatenated."""
+        runs = [(p.start, m, p.offset, p.length)
+                for m, ps in enumerate(self.pieces) for p in ps if p.length]  # fmt: skip
+        return [(m, off, ln) for _, m, off, ln in sorted(runs)]
+
+
+def _to_stretch(blocks: list[Tensor], row: _Row, dim: int) -> Tensor:
+    """Received per-member blocks (each a member's local rows) -> the stretch."""
+    parts = [blocks[m].narrow(dim, off, ln) for m, off, ln in row.order()]
+    if not parts:
+        return blocks[0].narrow(dim, 0, 0)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
+def _from_stretch(x: Tensor, row: _Row, dim: int) -> list[Tensor]:
+    """The stretch -> each member's local rows (inverse of :func:`_to_stretch`)."""
+    where: dict[tuple[int, int], int] = {}
+    at = 0
+    for m, off, ln in row.order():
+        where[(m, off)] = at
+        at += ln
+    out = []
+    for m, ps in enumerate(row.pieces):
+        parts = [x.narrow(dim, where[(m, p.offset)], p.length) for p in ps if p.length]
+        out.append(torch.cat(parts, dim=dim) if parts else x.narrow(dim, 0, 0))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# The call.
+
+
+def _explain(pattern_of: Callable[[], Pattern | None], group) -> Callable:
+    prefix = f"{_CALL}: the ranks of a Ulysses group disagree on "
+
+    def explain(name: str, vals: list[int]) -> str | None:
+        if name == "pattern":
+            words: list = [None] * len(vals)
+            p = pattern_of()
+            dist.all_gather_object(words, p.describe() if p else "?", group=group)
+            return (
+                prefix
+                + "the pattern: "
+                + "; ".join(f"Ulysses index {j}: {w}" for j, w in enumerate(words))
+            )
+        if name == "dtype":
+            return prefix + f"the dtype: {[dtype_name(c) for c in vals]} (Ulysses-index order)"
+        if name == "requires_grad":
+            return prefix + (
+                f"whether a gradient is needed (every rank must run the backward): "
+                f"{[bool(v) for v in vals]} (Ulysses-index order)"
+            )
+        return None
+
+    return explain
+
+
+def ulysses_attention(
+    q_local: Tensor,
+    k_local: Tensor,
+    v_local: Tensor,
+    pattern: Pattern | Callable[[], Pattern],
+    *,
+    scale: float | None = None,
+    group: dist.ProcessGroup | None = None,
+    ulysses_group: dist.ProcessGroup | None = None,
+    mesh=None,
+    layout: str = "contiguous",
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """:func:`ring_attention.ring_dilated_attention` with ``ulysses_group``
+    or ``mesh`` (the module docstring): this rank's shard ``i * U + j``
+    of ``q``, ``k``, ``v`` in, its shard of ``out`` (and ``lse``) out."""
+    topo = resolve_topology(group, ulysses_group, mesh)
+    check_grid(topo)
+    if topo.ulysses_size == 1:  # a ring (a 1-D mesh), or one process
+        if topo.ring_size > 1:
+            return ring_on_pieces(
+                q_local, k_local, v_local, pattern, scale=scale, group=topo.ring_group,
+                layout=layout, return_lse=return_lse,
+            )  # fmt: skip
+        if callable(pattern) and not isinstance(pattern, Pattern):
+            pattern = pattern()
+        check_layout(layout)
+        return attend(q_local, k_local, v_local, pattern, scale=scale, return_lse=return_lse)
+
+    message = None
+    error: Exception | None = None
+    try:
+        if callable(pattern) and not isinstance(pattern, Pattern):
+            pattern = pattern()
+        check_layout(layout)
+        shape = check_qkv(q_local, k_local, v_local)
+        pattern.check_heads(shape.heads)
+        scale = resolve_scale(scale, shape.head_dim)
+        for g in (topo.ulysses_group, topo.ring_group):
+            if g is not None:
+                comm_device(g, q_local.device)  # raises for unsupported transports
+        needs_grad = torch.is_grad_enabled() and any(
+            t.requires_grad for t in (q_local, k_local, v_local)
+        )
+        # the window is part of the pattern, so of its digest in this message
+        message = ring_message(
+            q_local, shape.kv_heads, pattern, scale=scale, layout=layout, needs_grad=needs_grad
+        )
+    except Exception as exc:  # every rank must hear of it: reported in the rounds
+        error = exc
+
+    def describe() -> str:
+        B, _, H, D = q_local.shape
+        return (
+            f"batch {B}, heads {H}, kv_heads {k_local.shape[2]}, head_dim {D}, {q_local.dtype}, "
+            f"{pattern.describe()}, scale {scale}, layout {layout}, "
+            f"requires_grad {message[RING_FIELDS.index('requires_grad')] if message else '?'}"
+        )
+
+    n, row_lengths = grid_handshake(
+        topo, _CALL, _FIELDS, message, layout,
+        explain=_explain(lambda: pattern if isinstance(pattern, Pattern) else None,
+                         topo.ulysses_group),
+        describe=describe,
+    )  # fmt: skip
+    if error is not None:
+        raise error
+    pattern.check_length(n)
+    last_all_to_all_stats.reset()
+
+    U, W = topo.ulysses_size, topo.world_size
+    H, Hkv = shape.heads, shape.kv_heads
+    heads = tuple(shard_bounds(H, U))
+    row = _Row(
+        pieces=tuple(tuple(layout_pieces(n, W, topo.ring_index * U + m, layout))
+                     for m in range(U)),
+        heads=heads,
+        kv=tuple(kv_head_range(s, c, H, Hkv) for s, c in heads),
+    )  # fmt: skip
+    assert row.lengths() == row_lengths
+    link = _Link(
+        topo.ulysses_group, topo.ulysses_ranks, topo.ulysses_index, q_local.device,
+        comm_device(topo.ulysses_group, q_local.device),
+    )  # fmt: skip
+    out, lse = _ulysses(link, topo, row, q_local, k_local, v_local, pattern, scale, layout)
+    return (out, lse) if return_lse else out
+
+
+def _ulysses(
+    link: _Link, topo: Topology, row: _Row, q: Tensor, k: Tensor, v: Tensor, pattern: Pattern,
+    scale: float, layout: str,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    B, L, H, D = q.shape
+    Hkv = k.shape[2]
+    me = link.me
+    h0, hl = row.heads[me]
+    kv0, kv1 = row.kv[me]
+    dt = q.dtype
+    # sequence -> heads
+    sends = [[q.narrow(2, s, c), k.narrow(2, a, b - a), v.narrow(2, a, b - a)]
+             for (s, c), (a, b) in zip(row.heads, row.kv, strict=True)]  # fmt: skip
+    recv = [[((B, ln, hl, D), dt), ((B, ln, kv1 - kv0, D), dt), ((B, ln, kv1 - kv0, D), dt)]
+            for ln in row.lengths()]  # fmt: skip
+    got = _all_to_all(link, sends, recv, "qkv")
+    qs, ks, vs = (_to_stretch([g[x] for g in got], row, 1) for x in range(3))
+    del got, sends  # the received blocks: copied into the stretch
+    S = qs.shape[1]
+
+    # the whole stretch, this rank's heads
+    lse_dt = torch.float64 if dt == torch.float64 else torch.float32
+    if hl == 0:  # more ranks than heads: nothing to compute, but the backward's
+        # exchanges need this rank, so its (empty) output stays in the graph
+        out_s = qs * 0
+        lse_s = torch.zeros(B, 0, S, dtype=lse_dt, device=q.device)
+    else:
+        if topo.ring_size == 1:
+            run = local_runner(scale)
+        else:
+
+            def run(q_, k_, v_, pat):
+                return ring_on_pieces(
+                    q_, k_, v_, pat, scale=scale, group=topo.ring_group, layout=layout,
+                    return_lse=True, fold=topo.ulysses_size,
+                )  # fmt: skip
+
+        out_s, lse_s = attend_head_range(qs, ks, vs, pattern, h0, H, Hkv, run)
+    del qs, ks, vs  # (kept by autograd where the backward needs them)
+
+    # heads -> sequence
+    sends = [[o, s] for o, s in zip(_from_stretch(out_s, row, 1), _from_stretch(lse_s, row, 2),
+                                     strict=True)]  # fmt: skip
+    del out_s, lse_s
+    recv = [[((B, L, c, D), dt), ((B, c, L), lse_dt)] for _, c in row.heads]
+    got = _all_to_all(link, sends, recv, "out")
+    del sends
+    out = torch.cat([g[0] for g in got], dim=2)
+    lse = torch.cat([g[1] for g in got], dim=1)
+    return out, lse
+
+
+# ---------------------------------------------------------------------------
+# gather_sequence over a grid.
+
+_GATHER_DIMS = 5
+_GATHER_FIELDS = ("seq_len_local", "ndim", "dim", "dtype", "layout",
+                  *(f"size{k}" for k in range(_GATHER_DIMS)))  # fmt: skip
+
+
+def _all_gather_padded(x: Tensor, dim: int, lengths: list[int], group) -> list[Tensor]:
+    """Every rank's ``x`` (lengths along ``dim`` given), through one all-gather."""
+    device = comm_device(group, x.device)
+    longest = max(lengths)
+    send = x.to(device)
+    if send.shape[dim] < longest:
+        pad = list(send.shape)
+        pad[dim] = longest - send.shape[dim]
+        send = torch.cat([send, send.new_zeros(pad)], dim=dim)
+    send = send.contiguous()
+    recv = [torch.empty_like(send) for _ in lengths]
+    dist.all_gather(recv, send, group=group)
+    return [t.narrow(dim, 0, ln).to(x.device) for t, ln in zip(recv, lengths, strict=True)]
+
+
+class _GatherGrid(torch.autograd.Function):
+    """All-gather along ``dim`` over the grid (rows, then the ring); the
+    backward returns this rank's slice of the gradient (the loss is assumed
+    the same on every rank, as in sequence-parallel training)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, dim: int, topo: Topology, layout: str) -> Tensor:  # type: ignore[override]
+        sizes = [s if k != dim else -1 for k, s in enumerate(x.shape)]
+        message = [x.shape[dim], x.dim(), dim, dtype_code(x.dtype), LAYOUTS.index(layout),
+                   *sizes, *([-1] * (_GATHER_DIMS - x.dim()))]  # fmt: skip
+        n, row_lengths = grid_handshake(topo, "gather_sequence", _GATHER_FIELDS, message, layout)
+        U, R, W = topo.ulysses_size, topo.ring_size, topo.world_size
+        row = _Row(
+            pieces=tuple(tuple(layout_pieces(n, W, topo.ring_index * U + m, layout))
+                         for m in range(U)),
+            heads=(), kv=(),
+        )  # fmt: skip
+        stretch = _to_stretch(_all_gather_padded(x, dim, row_lengths, topo.ulysses_group), row, dim)
+        if R > 1:
+            stretches = _all_gather_padded(
+                stretch, dim, layout_shard_lengths(n, R, layout, U), topo.ring_group
+            )
+            runs = sorted(
+                (p.start, i, p.offset, p.length)
+                for i in range(R) for p in layout_pieces(n, R, i, layout, U) if p.length
+            )  # fmt: skip
+            parts = [stretches[i].narrow(dim, off, ln) for _, i, off, ln in runs]
+            stretch = torch.cat(parts, dim=dim) if parts else stretch
+        ctx.dim, ctx.pieces = dim, layout_pieces(n, W, topo.shard_index, layout)
+        return stretch
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        parts = [grad.narrow(ctx.dim, p.start, p.length) for p in ctx.pieces]
+        return torch.cat(parts, dim=ctx.dim), None, None, None
+
+
+def gather_grid(x_local: Tensor, dim: int, topo: Topology, layout: str) -> Tensor:
+    """``gather_sequence`` over a grid with ``U > 1`` (``dim`` checked,
+    non-negative). Tensors of more than 5 dimensions are refused on every
+    rank."""
+    if x_local.dim() > _GATHER_DIMS:
+        grid_handshake(topo, "gather_sequence", _GATHER_FIELDS, None, layout)
+        raise ValueError(
+            f"gather_sequence with ulysses_group or mesh supports tensors of at most "
+            f"{_GATHER_DIMS} dimensions, got {x_local.dim()}"
+        )
+    return _GatherGrid.apply(x_local, dim, topo, layout)
+
+
+def reject_sharded(group, ulysses_group, mesh) -> None:
+    """Take part in a sharded attention call's agreement rounds as a rank whose
+    inputs failed validation (``ring``, ``ulysses_group`` or ``mesh`` as
+    given to the call): the other ranks raise; the caller raises its own
+    error."""
+    if ulysses_group is None and mesh is None:
+        if world_info(group)[0] > 1:
+            reject(group)
+        return
+    topo = resolve_topology(group, ulysses_group, mesh)
+    check_grid(topo)
+    if topo.ulysses_size > 1:
+        grid_handshake(topo, _CALL, _FIELDS, None, "contiguous")
+    elif topo.ring_size > 1:
+        reject(topo.ring_group)
