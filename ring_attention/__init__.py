@@ -11,6 +11,8 @@ __all__ = [
     "MultiheadDilatedAttention",
     "Pattern",
     "RingDilatedAttention",
+    "cache_info",
+    "clear_caches",
     "dilated_attention",
     "gather_sequence",
     "register_transformers",
@@ -19,6 +21,8 @@ __all__ = [
     "shard_sequence",
 ]
 __version__ = "0.1.0"
+
+from .core.cache import cache_info, clear_caches
 
 try:
     from . import _C  # noqa: F401  (registers torch.ops.ring_attention)

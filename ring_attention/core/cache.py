@@ -1,15 +1,86 @@
-"""A small bounded, thread-safe LRU cache with hit/miss counters."""
+"""Every cache of the package, in one registry (:func:`cache_info`,
+:func:`clear_caches`, both public as ``ring_attention.cache_info`` and
+``ring_attention.clear_caches``), and the two kinds they are:
+
+* :class:`LRUCache`: bounded in entries and bytes, thread-safe, with hit and
+  miss counters (exchange plans, dense-path routes and programs, span
+  plans and their index maps, pattern matrices);
+* :class:`PerBatch`: values derived from one batch's tensor (a mask,
+  ``cu_seq_lens_q``, a traced call's documents), computed at the first
+  layer and reused by the others while the tensor is the same object at the
+  same version.
+
+Small parse caches of the environment knobs and the transformers configs
+(``functools`` caches) are registered too (:func:`register`).
+"""
 
 from __future__ import annotations
 
+import functools
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
-__all__ = ["LRUCache"]
+import torch
+
+__all__ = ["LRUCache", "PerBatch", "cache_info", "cached", "clear_caches", "register"]
 
 V = TypeVar("V")
+C = TypeVar("C")
+
+_REGISTRY: dict[str, Any] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
+def register(name: str, cache: C) -> C:
+    """Add ``cache`` to the registry under ``name`` (an :class:`LRUCache`, a
+    :class:`PerBatch`, a ``functools`` cache, or any object with
+    ``info() -> dict`` and ``clear()``); returns it."""
+    with _REGISTRY_LOCK:
+        if name in _REGISTRY and _REGISTRY[name] is not cache:
+            raise ValueError(f"a cache is already registered as {name!r}")
+        _REGISTRY[name] = cache
+    return cache
+
+
+def cached(name: str, maxsize: int | None = None) -> Callable[[Callable[..., V]], Callable[..., V]]:
+    """``functools.lru_cache(maxsize)`` (``None``: unbounded), registered as ``name``."""
+
+    def wrap(fn: Callable[..., V]) -> Callable[..., V]:
+        return register(name, functools.lru_cache(maxsize=maxsize)(fn))
+
+    return wrap
+
+
+def _info_of(cache: Any) -> dict[str, Any]:
+    if hasattr(cache, "cache_info"):  # functools
+        i = cache.cache_info()
+        return {"entries": i.currsize, "bytes": 0, "cap": i.maxsize, "hits": i.hits,
+                "misses": i.misses}  # fmt: skip
+    if isinstance(cache, LRUCache):
+        i = cache.info()
+        return {"entries": i["size"], "bytes": cache.nbytes, "cap": i["maxsize"],
+                "hits": i["hits"], "misses": i["misses"]}  # fmt: skip
+    return cache.info()
+
+
+def cache_info() -> dict[str, dict[str, Any]]:
+    """Every cache of the package: ``{name: {"entries", "bytes", "cap",
+    "hits", "misses"}}`` (``cap``: the most entries kept, ``None`` for
+    unbounded; ``bytes``: the tensors' bytes kept, 0 where not counted)."""
+    with _REGISTRY_LOCK:
+        caches = dict(_REGISTRY)
+    return {name: _info_of(cache) for name, cache in sorted(caches.items())}
+
+
+def clear_caches() -> None:
+    """Empty every cache of the package (the values are rebuilt on demand)."""
+    with _REGISTRY_LOCK:
+        caches = list(_REGISTRY.values())
+    for cache in caches:
+        (cache.cache_clear if hasattr(cache, "cache_clear") else cache.clear)()
 
 
 class LRUCache(Generic[V]):
@@ -18,6 +89,7 @@ class LRUCache(Generic[V]):
 
     Args:
         maxsize: the most entries kept.
+        name: its name in the registry (:func:`cache_info`).
         max_bytes: the most bytes kept (``None``: no byte bound); the least
             recently used entries are evicted until both bounds hold, and a
             value larger than ``max_bytes`` is returned without being kept.
@@ -36,6 +108,7 @@ class LRUCache(Generic[V]):
         self,
         maxsize: int = 64,
         *,
+        name: str | None = None,
         max_bytes: int | None = None,
         size_of: Callable[[V], int] | None = None,
     ) -> None:
@@ -51,6 +124,8 @@ class LRUCache(Generic[V]):
         self._size_of = size_of
         self._data: OrderedDict[Hashable, tuple[V, int]] = OrderedDict()
         self._lock = threading.RLock()
+        if name is not None:
+            register(name, self)
 
     def get(self, key: Hashable, build: Callable[[], V]) -> V:
         """The value under ``key``, built with ``build()`` on a miss."""
@@ -107,3 +182,49 @@ class LRUCache(Generic[V]):
             f"LRUCache(maxsize={i['maxsize']}, size={i['size']}, hits={i['hits']}, "
             f"misses={i['misses']}, nbytes={self.nbytes}, max_bytes={self.max_bytes})"
         )
+
+
+class PerBatch:
+    """Values derived from one batch's tensor (the mask or ``cu_seq_lens_q``
+    that transformers passes unchanged to every layer, the documents of a
+    ring call), computed at the first layer and reused by the others: keyed
+    by the tensor's identity and version (an in-place change rebuilds), one
+    batch at a time."""
+
+    def __init__(self, name: str) -> None:
+        self._source: tuple[weakref.ref, int] | None = None
+        self._values: dict[Hashable, Any] = {}
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+        register(name, self)
+
+    def get(self, source: torch.Tensor, key: Hashable, build: Callable[[], Any]) -> Any:
+        """The value under ``key`` for the batch of ``source``, built with
+        ``build()`` on a miss (a new batch drops the previous one's values)."""
+        version = source._version if not source.is_inference() else -1
+        with self._lock:
+            if (
+                self._source is None
+                or self._source[0]() is not source
+                or self._source[1] != version
+            ):
+                self._source, self._values = (weakref.ref(source), version), {}
+            if key in self._values:
+                self.hits += 1
+                return self._values[key]
+            self.misses += 1
+        value = build()
+        with self._lock:
+            if self._source is not None and self._source[0]() is source:
+                self._values[key] = value
+        return value
+
+    def clear(self) -> None:
+        with self._lock:
+            self._source, self._values = None, {}
+            self.hits = self.misses = 0
+
+    def info(self) -> dict[str, Any]:
+        with self._lock:
+            return {"entries": len(self._values), "bytes": 0, "cap": None, "hits": self.hits,
+                    "misses": self.misses}  # fmt: skip

@@ -10,10 +10,10 @@ lists (a test keeps them equal).
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
+from .cache import cached
 from .links import LINKS
 
 __all__ = [
@@ -105,7 +105,7 @@ KNOBS = (
 )
 
 
-@functools.cache
+@cached("config choices")
 def _choice(name: str, raw: str, accepted: tuple[str, ...]) -> str:
     if raw not in accepted:
         raise ValueError(f"{name} must be one of {list(accepted)}, got {raw!r}")
@@ -131,7 +131,7 @@ def dense_backend() -> str:
     return _choice(DENSE_BACKEND, _get(DENSE_BACKEND, "auto"), DENSE_BACKENDS)
 
 
-@functools.cache
+@cached("config rows")
 def _rows(raw: str) -> int:
     try:
         value = int(raw)
@@ -148,7 +148,7 @@ def window_rows() -> int:
     return _rows(_get(WINDOW_ROWS, "131072"))
 
 
-@functools.cache
+@cached("config far bytes")
 def _far(raw: str, device_type: str) -> int:
     if raw == "off":
         return 0

@@ -8,13 +8,14 @@ from typing import Any
 
 import torch
 
+from ..core.cache import PerBatch
 from ..core.call import prepare
 from ..core.pattern import Pattern
 from ..local import engine
 from ..parallel.ring import ring_attention, ring_call, ring_call_spec
 from .config import is_dense, layer_pattern, layer_window, pattern_from_config
 from .decode import decode_attention
-from .masks import Keys, PerBatch, batch_keys, filled_keys, sdpa_mask_of
+from .masks import Keys, batch_keys, filled_keys, sdpa_mask_of
 from .setting import ATTN_IMPLEMENTATION, SequenceParallel, sequence_parallel
 
 __all__ = ["dilated_attention_forward"]
@@ -195,7 +196,7 @@ def _sdpa_only(attention_mask: Any, dropout: float, kwargs: Mapping[str, Any]) -
 # ---------------------------------------------------------------------------
 # Documents given as cu_seq_lens_q / cu_seq_lens_k (read once per batch).
 
-_cu_batches = PerBatch()
+_cu_batches = PerBatch("transformers documents")
 
 
 @torch.compiler.disable  # reads the boundaries (and a per-batch cache): eager

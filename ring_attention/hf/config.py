@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from ..core.cache import cached
 from ..core.pattern import Pattern, as_flag
 
 __all__ = ["CONFIG_KEY", "is_dense", "layer_pattern", "layer_window", "pattern_from_config"]
@@ -159,7 +159,7 @@ def _pattern(entry: tuple | None, causal: bool, window: tuple[int, int] | None) 
     return build(entry, causal, window)
 
 
-@functools.lru_cache(maxsize=64)
+@cached("transformers layer patterns", 64)
 def _cached_pattern(entry: tuple | None, causal: bool, window: tuple[int, int] | None) -> Pattern:
     if entry is None:
         return Pattern((_DENSE_SEGMENT,), (1,), causal=causal, window=window)

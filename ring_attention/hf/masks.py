@@ -48,13 +48,13 @@ the layers read nothing from a bool map, so they compile without breaks.
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ..core.cache import PerBatch
 from .config import is_dense
 from .decode import position_map
 from .setting import ATTN_IMPLEMENTATION, sequence_parallel
@@ -259,24 +259,6 @@ def _key_map(
 # The attention side: the key map read once per batch.
 
 
-class PerBatch:
-    """Values derived from one batch's tensor (the mask or ``cu_seq_lens_q``
-    that transformers passes unchanged to every layer), computed at the first
-    layer and reused by the others: keyed by the tensor's identity, one batch
-    at a time."""
-
-    def __init__(self) -> None:
-        self._source: weakref.ref | None = None
-        self._values: dict[Hashable, Any] = {}
-
-    def get(self, source: torch.Tensor, key: Hashable, build: Callable[[], Any]) -> Any:
-        if self._source is None or self._source() is not source:
-            self._source, self._values = weakref.ref(source), {}
-        if key not in self._values:
-            self._values[key] = build()
-        return self._values[key]
-
-
 @dataclass(frozen=True)
 class Keys:
     """The keys of one batch as the kernels take them.
@@ -295,7 +277,7 @@ class Keys:
     patterns: dict = field(default_factory=dict, compare=False, repr=False)
 
 
-_masks = PerBatch()
+_masks = PerBatch("transformers masks")
 
 
 @torch.compiler.disable  # reads the map's values (and a per-batch cache): eager

@@ -27,10 +27,11 @@ Which one a call takes is ring_attention/local/dispatch.py's table.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
+
+from ..core.cache import cached
 
 __all__ = ["BACKENDS", "backend", "fa4_missing", "kv_finite"]
 
@@ -66,7 +67,7 @@ class CpuFlash:
         dv.copy_(gv)
 
 
-@functools.cache
+@cached("flash backward arguments")
 def _flash_side(device: str, dtype: torch.dtype, d: int) -> tuple[Any, ...]:
     """What the flash backward takes from its forward besides out and lse
     (sequence offsets, RNG state): with no dropout and no nesting they do not
@@ -130,7 +131,7 @@ def fa4_interface() -> Any:
     return interface
 
 
-@functools.cache
+@cached("flash-attn-4 import")
 def fa4_missing() -> str | None:
     """Why flash-attn-4 does not import here (None when it does)."""
     try:

@@ -161,7 +161,7 @@ def _build(pass_: str, r: Route, tensors: tuple[torch.Tensor, ...]) -> Program:
     return Program(q_max, kv_max, tuple(windows))
 
 
-_PROGRAMS: LRUCache[Program] = LRUCache(64)
+_PROGRAMS: LRUCache[Program] = LRUCache(64, name="dense programs")
 
 
 def dense_forward(

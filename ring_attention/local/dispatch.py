@@ -304,7 +304,7 @@ def decide(
     return Route(True, f"{why}; backends {', '.join(used)}", plan, tuple(per_window))
 
 
-_ROUTES: LRUCache[Route] = LRUCache(64)
+_ROUTES: LRUCache[Route] = LRUCache(64, name="dense routes")
 
 
 def block_shape(pattern: Pattern, n: int, boundaries: tuple[int, ...]) -> tuple[str | None, str]:
@@ -377,4 +377,4 @@ def decide_blocks(
     return Route(True, f"{why}; backend {name}", None, ((name,),))
 
 
-_BLOCK_ROUTES: LRUCache[Route] = LRUCache(64)
+_BLOCK_ROUTES: LRUCache[Route] = LRUCache(64, name="ring block routes")

@@ -453,7 +453,7 @@ def _plan(pattern: Pattern, n: int, heads: int, kv_heads: int, window_rows: int)
     return tuple(windows)
 
 
-_PLANS: LRUCache[Plan] = LRUCache(32)
+_PLANS: LRUCache[Plan] = LRUCache(32, name="span plans")
 
 
 def _index_of(
@@ -482,6 +482,8 @@ def _index_of(
 
 
 _INDEX: LRUCache[tuple[torch.Tensor, int, torch.Tensor, int]] = LRUCache(
-    32, max_bytes=1 << 30, size_of=lambda v: v[0].nbytes + v[2].nbytes
+    32, name="span indices", max_bytes=1 << 30, size_of=lambda v: v[0].nbytes + v[2].nbytes
 )
-_LSE_INDEX: LRUCache[torch.Tensor] = LRUCache(32, max_bytes=1 << 30, size_of=lambda v: v.nbytes)
+_LSE_INDEX: LRUCache[torch.Tensor] = LRUCache(
+    32, name="span lse indices", max_bytes=1 << 30, size_of=lambda v: v.nbytes
+)

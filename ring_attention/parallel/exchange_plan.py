@@ -392,7 +392,7 @@ def build_plan(
 #: plans and 512 MiB of row indices (``PLAN_CACHE.max_bytes``; a larger plan
 #: is used for its call and not kept).
 PLAN_CACHE: LRUCache[ExchangePlan] = LRUCache(
-    maxsize=64, max_bytes=512 * 2**20, size_of=lambda plan: plan.nbytes
+    maxsize=64, name="exchange plans", max_bytes=512 * 2**20, size_of=lambda plan: plan.nbytes
 )
 
 

@@ -15,11 +15,9 @@ cache.
 
 from __future__ import annotations
 
-import weakref
-from typing import Any
-
 import torch
 
+from ..core.cache import PerBatch
 from ..core.call import Call
 from ..core.checks import check_qkv, resolve_scale
 from ..core.config import far_bytes
@@ -36,31 +34,16 @@ from .schedule import RingCall, schedule_backward, schedule_forward
 Tensor = torch.Tensor
 
 
-class _Documents:
-    """The pattern with the documents of the last ``documents`` tensor seen,
-    per spec: the layers of a model pass the same tensor, so its boundaries
-    are read (device -> host) once per batch, not once per layer and pass."""
-
-    def __init__(self) -> None:
-        self._source: Any = None
-        self._patterns: dict[str, Pattern] = {}
-
-    def pattern(self, key: str, base: Pattern, documents: Tensor | None) -> Pattern:
-        if documents is None:
-            return base
-        source = (weakref.ref(documents), documents._version)
-        if (
-            self._source is None
-            or self._source[0]() is not documents
-            or self._source[1] != (documents._version)
-        ):
-            self._source, self._patterns = source, {}
-        if key not in self._patterns:
-            self._patterns[key] = base.with_documents(documents)
-        return self._patterns[key]
+_documents = PerBatch("ring documents")
 
 
-_documents = _Documents()
+def _with_documents(key: str, base: Pattern, documents: Tensor | None) -> Pattern:
+    """The spec's pattern with the documents of ``documents``: the layers of a
+    model pass the same tensor, so its boundaries are read (device -> host)
+    once per batch, not once per layer and pass."""
+    if documents is None:
+        return base
+    return _documents.get(documents, key, lambda: base.with_documents(documents))
 
 
 def _call_of(
@@ -76,7 +59,7 @@ def _call_of(
     message, pattern, error, far = None, None, spec.error, 0
     if error is None:
         try:
-            pattern = _documents.pattern(key, spec.pattern, documents)
+            pattern = _with_documents(key, spec.pattern, documents)
             check_layout(spec.layout)
             shape = check_qkv(q, k, v)
             far = far_bytes(q.device.type)

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..core.cache import register
 from ..core.pattern import Pattern
 
 __all__ = ["RingSpec", "get_spec", "ring_call_spec"]
@@ -100,8 +101,19 @@ class _Registry:
             )
         return spec
 
+    def info(self) -> dict[str, object]:
+        with self._lock:
+            n = len(self._pinned) + len(self._recent)
+        return {"entries": n, "bytes": 0, "cap": self.maxsize, "hits": 0, "misses": 0}
 
-_REGISTRY = _Registry(maxsize=1024)
+    def clear(self) -> None:
+        """Drop the specs of eager calls (a compiled graph's pinned specs stay:
+        the graph names them)."""
+        with self._lock:
+            self._recent.clear()
+
+
+_REGISTRY = register("ring call specs", _Registry(maxsize=1024))
 
 
 def get_spec(key: str) -> RingSpec:

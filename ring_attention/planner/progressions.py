@@ -24,9 +24,10 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterable
-from functools import lru_cache
 
 import torch
+
+from ..core.cache import cached
 
 __all__ = ["Progression", "union_stats"]
 
@@ -60,7 +61,7 @@ def _minimal(classes: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
     return tuple(keep)
 
 
-@lru_cache(maxsize=256)
+@cached("planner period tables", 256)
 def _period_table(classes: tuple[tuple[int, int], ...], period: int) -> tuple[int, torch.Tensor]:
     """Members of one period of the union of ``classes``: their number and
     the prefix counts ``pre[k]`` = members in ``[0, k]``."""
@@ -106,7 +107,7 @@ def _inclusion_exclusion(x: int, y: int, classes: tuple[tuple[int, int], ...]) -
     return total
 
 
-@lru_cache(maxsize=1 << 16)
+@cached("planner periodic counts", 1 << 16)
 def _periodic_count(x: int, y: int, classes: tuple[tuple[int, int], ...]) -> int:
     """Members of ``[x, y)`` in the union of the residue classes."""
     if len(classes) == 1:
