@@ -91,7 +91,7 @@ def measure(point: str, reps: int, backward: bool) -> dict:
     for t in (q, k, v):
         t.requires_grad_(backward)
     go = torch.empty_like(q)
-    rows = config.window_rows()
+    rows = config.span_rows()
     # the routes a GPU takes with both passes dense, decided for the CPU
     # stand-in (its device has a backend row); route() is timed too (its
     # cache lookup, on the meta tensors), but its answer there is unused
@@ -119,7 +119,7 @@ def measure(point: str, reps: int, backward: bool) -> dict:
         t0 = time.process_time()
         one()
         times.append(time.process_time() - t0)
-    calls = fwd.plan.calls * (2 if backward else 1)
+    calls = fwd.spans.calls * (2 if backward else 1)
     return {"point": point, "pass": "fwdbwd" if backward else "fwd", "calls": calls,
             "pass_ms": [round(t * 1e3, 3) for t in times]}  # fmt: skip
 

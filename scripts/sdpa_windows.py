@@ -1,5 +1,5 @@
 """Time and memory of the local op's dense per-branch path against the rows
-per window (``RING_ATTENTION_DENSE_WINDOW_ROWS``, ring_attention/core/config.py),
+per window (``RING_ATTENTION_DENSE_SPAN_ROWS``, ring_attention/core/config.py),
 on CUDA.
 
 The per-branch calls of a window write their outputs (and in the backward
@@ -83,7 +83,7 @@ def main() -> None:
             heads, d = (int(x) for x in cfg.split("x"))
             for passes in a.passes:
                 for w in a.windows:
-                    os.environ[config.WINDOW_ROWS] = str(w)
+                    os.environ[config.SPAN_ROWS] = str(w)
                     ms, peak = one(n, heads, d, passes, a.iters)
                     print(f"| {n} | {cfg} | {passes} | {w} | {ms:.1f} | {peak:.2f} |", flush=True)
 

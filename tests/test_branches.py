@@ -57,7 +57,7 @@ def dense(monkeypatch):
 @pytest.fixture
 def small_windows(monkeypatch):
     """Windows as short as the pattern allows: several at test sizes."""
-    monkeypatch.setenv(config.WINDOW_ROWS, "1")
+    monkeypatch.setenv(config.SPAN_ROWS, "1")
 
 
 def _inputs(batch, n, heads, kv_heads, d, dtype, device, seed):
@@ -145,9 +145,9 @@ def test_windows_give_the_same_results(dense, monkeypatch) -> None:
     segs, dils, kw = _kw("longnet-causal")
     q, k, v, go, _ = _inputs(2, 150, 4, 2, 8, F64, "cpu", seed=11)
     whole = _run(q, k, v, go, segs, dils, **kw)
-    monkeypatch.setenv(config.WINDOW_ROWS, "1")
+    monkeypatch.setenv(config.SPAN_ROWS, "1")
     route = _routes(q, k, v, segs, dils, kw)[0]
-    assert [w.length for w in route.plan.windows] == [32, 32, 32, 32, 22]
+    assert [w.length for w in route.spans.spans] == [32, 32, 32, 32, 22]
     windowed = _run(q, k, v, go, segs, dils, **kw)
     for a, b in zip(windowed, whole, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
@@ -332,7 +332,7 @@ def test_cpu_default_is_the_kernel_and_modes_are_checked(monkeypatch) -> None:
     q, k, v, _, _ = _inputs(1, 24, 2, 2, 4, F32, "cpu", seed=7)
     q.requires_grad_()
     pattern = Pattern([8], [2])
-    for env in (config.FORWARD, config.BACKWARD, config.DENSE_BACKEND, config.WINDOW_ROWS):
+    for env in (config.FORWARD, config.BACKWARD, config.DENSE_BACKEND, config.SPAN_ROWS):
         monkeypatch.delenv(env, raising=False)
     for p in ("forward", "backward"):
         r = dispatch.route(p, q, k, v, pattern, None)
@@ -343,8 +343,8 @@ def test_cpu_default_is_the_kernel_and_modes_are_checked(monkeypatch) -> None:
         (config.FORWARD, "sdpa"),
         (config.BACKWARD, "fast"),
         (config.DENSE_BACKEND, "efficient"),
-        (config.WINDOW_ROWS, "0"),
-        (config.WINDOW_ROWS, "1e5"),
+        (config.SPAN_ROWS, "0"),
+        (config.SPAN_ROWS, "1e5"),
     ):
         monkeypatch.setenv(env, bad)
         with pytest.raises(ValueError, match=f"{env} must be"):
@@ -402,7 +402,7 @@ def test_the_backend_table() -> None:
     # cuDNN when named: forward calls whose rows are a multiple of 128 and no
     # GQA; the table's choice for the others
     r = _decide("forward", n=140000, named="cudnn")
-    calls = [c for w in r.plan.windows for c in w.calls]
+    calls = [c for w in r.spans.spans for c in w.calls]
     names = [b for w in r.backends for b in w]
     for c, b in zip(calls, names, strict=True):
         assert b == ("cudnn" if c.rows % 128 == 0 else ("fa4" if fa4 else "flash")), (c, b)

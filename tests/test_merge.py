@@ -16,7 +16,7 @@ from oracle import reference_attention
 
 import ring_attention  # noqa: F401  (registers torch.ops.ring_attention)
 from ring_attention.core.pattern import Pattern
-from ring_attention.local.views import plan_windows
+from ring_attention.local.spans import plan_spans
 
 F64, F32, F16, BF16 = torch.float64, torch.float32, torch.float16, torch.bfloat16
 TOL = {F64: 1e-12, F32: 1e-5, F16: 2e-3, BF16: 1e-2}
@@ -165,10 +165,10 @@ def test_merged_branches_equal_the_oracle(which, dtype, case, request) -> None:
     for w, r in pattern.branches:
         o, lse_b = reference_attention(q, kv[0], kv[1], [w], [r], **kwo)
         per_branch.append((o, lse_b))
-    plan = plan_windows(pattern, n, heads, heads, 40)
+    plan = plan_spans(pattern, n, heads, heads, 40)
     out = torch.empty(batch, n, heads, d, dtype=dtype)
     lse = torch.empty(batch, heads, n, dtype=_acc(dtype))
-    for i, window in enumerate(plan.windows):
+    for i, window in enumerate(plan.spans):
         q_index, q_rows, _, _ = plan.index(i, batch, torch.device("cpu"))
         parts = torch.empty(q_rows, d, dtype=dtype)
         part_lse = torch.empty(q_rows, dtype=_acc(dtype))

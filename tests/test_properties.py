@@ -163,7 +163,7 @@ def test_dense_branches_match_the_oracle(c: dict) -> None:
     c = dict(c, mask=False, lse_weight=False)
     q, k, v, go, mask, glse = _inputs(c)
     want = _oracle(c, q, k, v, go, mask, glse)
-    envs = {config.FORWARD: "dense", config.BACKWARD: "dense", config.WINDOW_ROWS: "1"}
+    envs = {config.FORWARD: "dense", config.BACKWARD: "dense", config.SPAN_ROWS: "1"}
     saved = {e: os.environ.get(e) for e in envs}
     os.environ.update(envs)
     try:

@@ -1,4 +1,4 @@
-"""The view planner (ring_attention/local/views.py): every branch's rows as strided
+"""The view planner (ring_attention/local/spans.py): every branch's rows as strided
 views of q, k, v, checked against the gather indices the per-branch SDPA path
 used before it (``_gather_calls`` below, its index builder kept as the
 reference), against the oracle's activity (documents, windows), for storage
@@ -15,7 +15,7 @@ import torch
 from oracle import active, head_group_bounds
 
 from ring_attention.core.pattern import Pattern
-from ring_attention.local.views import Plan, batched, head_runs, plan_windows
+from ring_attention.local.spans import SpanPlan, batched, head_runs, plan_spans
 
 BIG = 1 << 40  # one window
 
@@ -101,18 +101,18 @@ def test_one_head_classes_side_by_side() -> None:
     classes keep their calls (a K/V head a query head only)."""
     pattern = Pattern([2048, 4096, 8192, 16384, 32768], [1, 2, 4, 6, 12])
     for heads, kv_heads, calls in ((16, 16, 19), (12, 12, 15), (24, 6, 31)):
-        (window,) = plan_windows(pattern, 131072, heads, kv_heads, 131072).windows
+        (window,) = plan_spans(pattern, 131072, heads, kv_heads, 131072).spans
         assert len(window.calls) == calls, heads
     shifted = [c for c in window.calls if c.head_shift]
     assert not shifted
-    (window,) = plan_windows(pattern, 131072, 16, 16, 131072).windows
+    (window,) = plan_spans(pattern, 131072, 16, 16, 131072).spans
     shifted = [(c.offset, c.q_heads, c.rows, c.head_shift) for c in window.calls if c.head_shift]
     assert shifted == [(4, 4, 2731, 1), (8, 4, 2730, 1)]
 
 
-def _plan(name, window_rows=BIG) -> Plan:
+def _plan(name, window_rows=BIG) -> SpanPlan:
     n, heads, kv_heads, segs, dils, kw = SHAPES[name]
-    return plan_windows(Pattern(segs, dils, **kw), n, heads, kv_heads, window_rows)
+    return plan_spans(Pattern(segs, dils, **kw), n, heads, kv_heads, window_rows)
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
@@ -121,11 +121,11 @@ def test_views_equal_the_gather_indices(name) -> None:
     pattern = Pattern(segs, dils, **kw)
     q, k = _inputs(SHAPES[name])
     plan = _plan(name)
-    assert len(plan.windows) == 1
+    assert len(plan.spans) == 1
     ref = _gather_calls(n, heads, kv_heads, pattern)
     q_flat, k_flat = q.reshape(2, n * heads, 8), k.reshape(2, n * kv_heads, 8)
     covered = set()
-    for call in _classes(plan.windows[0].calls, q, k):
+    for call in _classes(plan.spans[0].calls, q, k):
         qi, ki, hs = ref[(call.branch, call.offset, call.start)]
         c0 = hs.index(call.q_head)
         sub = slice(c0, c0 + call.q_heads)
@@ -150,7 +150,7 @@ def test_views_share_storage_and_have_the_strides(name) -> None:
     n, _heads, _kv_heads, segs, dils, kw = SHAPES[name]
     q, k = _inputs(SHAPES[name])
     d = q.shape[-1]
-    for call in _plan(name).windows[0].calls:
+    for call in _plan(name).spans[0].calls:
         w, r = Pattern(segs, dils, **kw).branches[call.branch]
         for t, kv in ((q, False), (k, True)):
             v = call.view(t, kv)
@@ -172,14 +172,14 @@ def test_views_share_storage_and_have_the_strides(name) -> None:
 
 def test_batched_views_merge_batch_and_segments_only_when_they_can() -> None:
     x = torch.randn(3, 64, 4, 8)
-    plan = plan_windows(Pattern([16], [2]), 64, 4, 4, BIG)
-    full = next(c for c in plan.windows[0].calls if c.segments == 4)
+    plan = plan_spans(Pattern([16], [2]), 64, 4, 4, BIG)
+    full = next(c for c in plan.spans[0].calls if c.segments == 4)
     (merged,) = batched(full.view(x))  # 64 = 4 * 16: one view of 12 segments
     assert merged.shape == (12, 8, 2, 8)
     assert torch.equal(merged, full.view(x).reshape(12, 8, 2, 8))
     y = torch.randn(3, 70, 4, 8)
-    plan = plan_windows(Pattern([16], [2]), 70, 4, 4, BIG)
-    full = next(c for c in plan.windows[0].calls if c.segments == 4)
+    plan = plan_spans(Pattern([16], [2]), 70, 4, 4, BIG)
+    full = next(c for c in plan.spans[0].calls if c.segments == 4)
     views = batched(full.view(y))  # 70 rows: the batch stride is no multiple of 16
     assert len(views) == 3 and all(v.shape == (4, 8, 2, 8) for v in views)
     for i, v in enumerate(views):
@@ -233,15 +233,15 @@ CASES = [
 def test_window_index_maps_cover_the_active_rows_once(case) -> None:
     n, heads, kv_heads, segs, dils, kw, cu, rows = CASES[case]
     pattern = Pattern(segs, dils, **kw).with_documents(cu)
-    plan = plan_windows(pattern, n, heads, kv_heads, rows)
+    plan = plan_spans(pattern, n, heads, kv_heads, rows)
     if rows == 1:
-        assert len(plan.windows) > 1
+        assert len(plan.spans) > 1
     group = heads // kv_heads
-    starts = [w.start for w in plan.windows]
-    assert starts[0] == 0 and sum(w.length for w in plan.windows) == n
+    starts = [w.start for w in plan.spans]
+    assert starts[0] == 0 and sum(w.length for w in plan.spans) == n
     batch = 2
     q_full, kv_full = [], []
-    for i, window in enumerate(plan.windows):
+    for i, window in enumerate(plan.spans):
         q_index, q_rows, kv_index, kv_rows = plan.index(i, batch, torch.device("cpu"))
         assert q_index.shape == (pattern.n_branches, batch, window.length, heads)
         # every part row appears exactly once
@@ -263,6 +263,6 @@ def test_window_index_maps_cover_the_active_rows_once(case) -> None:
         assert torch.equal(q_full[b, 0], act) and torch.equal(q_full[b, 1], act), (case, b)
         # a K/V row is in some slot of the branch iff a query head of its group is active
         kv_act = act.view(n, kv_heads, group).any(-1)
-        slots = {c.kv_slot for w in plan.windows for c in w.calls if c.branch == b}
+        slots = {c.kv_slot for w in plan.spans for c in w.calls if c.branch == b}
         got = kv_full[sorted(slots), 0].any(0) if slots else torch.zeros_like(kv_act)
         assert torch.equal(got, kv_act), (case, b)

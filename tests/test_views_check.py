@@ -95,7 +95,7 @@ def test_host_overhead_runs_a_tree_against_another(tmp_path: Path) -> None:
     }
     # 8192 rows, 4 heads, LongNet: one window, every segment length cut to n
     fwd = {r["calls"] for r in recs if r["pass"] == "fwd"}
-    assert fwd == {len(host_overhead_plan(point).windows[0].calls)}
+    assert fwd == {len(host_overhead_plan(point).spans[0].calls)}
     assert all(r["calls"] == 2 * next(iter(fwd)) for r in recs if r["pass"] == "fwdbwd")
     assert all(t >= 0 for r in recs for t in r["pass_ms"])
     table = (tmp_path / "summary.md").read_text()
@@ -106,8 +106,8 @@ def host_overhead_plan(point: str):
     from benchmarks import host_overhead
     from ring_attention.core import config
     from ring_attention.core.pattern import Pattern
-    from ring_attention.local.views import plan_windows
+    from ring_attention.local.spans import plan_spans
 
     n, heads, _ = (int(x) for x in point.split("x"))
     pattern = Pattern(host_overhead.SEGS, host_overhead.DILS)
-    return plan_windows(pattern, n, heads, heads, config.window_rows())
+    return plan_spans(pattern, n, heads, heads, config.span_rows())

@@ -25,20 +25,20 @@ __all__ = [
     "FORWARD",
     "KNOBS",
     "MODES",
-    "WINDOW_ROWS",
+    "SPAN_ROWS",
     "Knob",
     "backward_mode",
     "dense_backend",
     "emulator_sanitize",
     "far_bytes",
     "forward_mode",
-    "window_rows",
+    "span_rows",
 ]
 
 FORWARD = "RING_ATTENTION_FORWARD"
 BACKWARD = "RING_ATTENTION_BACKWARD"
 DENSE_BACKEND = "RING_ATTENTION_DENSE_BACKEND"
-WINDOW_ROWS = "RING_ATTENTION_DENSE_WINDOW_ROWS"
+SPAN_ROWS = "RING_ATTENTION_DENSE_SPAN_ROWS"
 EMULATOR_SANITIZE = "RING_ATTENTION_EMULATOR_SANITIZE"
 FAR_BYTES = "RING_ATTENTION_FAR_BYTES"
 
@@ -84,10 +84,10 @@ KNOBS = (
         "the dense backend of the per-branch calls: the table's, or the one named where it can run",
     ),
     Knob(
-        WINDOW_ROWS,
+        SPAN_ROWS,
         "an integer >= 1",
         "131072",
-        "the fewest rows of a window of the per-branch path (its buffers: about n / 16 rows)",
+        "the fewest rows of a span of the per-branch path (its buffers: about n / 16 rows)",
     ),
     Knob(
         FAR_BYTES,
@@ -138,14 +138,14 @@ def _rows(raw: str) -> int:
     except ValueError:
         value = 0
     if value < 1 or str(value) != raw.strip():
-        raise ValueError(f"{WINDOW_ROWS} must be an integer >= 1, got {raw!r}")
+        raise ValueError(f"{SPAN_ROWS} must be an integer >= 1, got {raw!r}")
     return value
 
 
-def window_rows() -> int:
-    """``RING_ATTENTION_DENSE_WINDOW_ROWS``: the fewest rows a window of the
-    per-branch path holds (default 131072; windows are about n / 16 rows)."""
-    return _rows(_get(WINDOW_ROWS, "131072"))
+def span_rows() -> int:
+    """``RING_ATTENTION_DENSE_SPAN_ROWS``: the fewest rows a span of the
+    per-branch path holds (default 131072; spans are about n / 16 rows)."""
+    return _rows(_get(SPAN_ROWS, "131072"))
 
 
 @cached("config far bytes")

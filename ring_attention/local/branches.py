@@ -2,13 +2,13 @@
 strided views (docs/design.md §5): :func:`local_attention` is the one call
 ``functional.attend`` makes.
 
-The per-branch path: the view planner (ring_attention/local/views.py) cuts the
-sequence into windows of whole segments and each window into dense calls,
+The per-branch path: the span planner (ring_attention/local/spans.py) cuts the
+sequence into spans of whole segments and each span into dense calls,
 one per (branch, head-offset class, head run, full segments | short last
 segment), each a strided view of q, k, v (no gather, no copy). The forward
-runs every call of a window on its dense backend (ring_attention/local/backends.py,
+runs every call of a span on its dense backend (ring_attention/local/backends.py,
 chosen by ring_attention/local/dispatch.py), each writing its output and LSE into
-the window's part buffers, then one merge operator
+the span's part buffers, then one merge operator
 (``torch.ops.ring_attention.merge_branches``) combines the parts of each
 (position, head) by their log-sum-exp in fp32 and writes ``out`` and ``lse``
 once. The backward hands every call the merged ``out`` and ``lse`` (its ``P
@@ -40,7 +40,7 @@ from ..core.pattern import Pattern
 from . import ops
 from .backends import backend, kv_finite
 from .dispatch import Route
-from .views import Call, Geometry, batch_groups
+from .spans import Call, Geometry, batch_groups
 
 __all__ = ["PerBranch", "PhaseTimes", "dense_backward", "dense_forward", "phase_times"]
 
@@ -99,15 +99,15 @@ def _span(phase: str, device: torch.device):
 
 
 class Program(NamedTuple):
-    """The dense calls of one pass as plain geometry: per window, its part
+    """The dense calls of one pass as plain geometry: per span, its part
     rows on the query and the K/V side and its launches ``(backend name,
     geometry of each argument)`` (:class:`~ring_attention.local.views.Geometry`,
     offsets absolute in each tensor's storage); ``q_rows``, ``kv_rows``:
-    the most rows a window's part buffers need."""
+    the most rows a span's part buffers need."""
 
     q_rows: int
     kv_rows: int
-    windows: tuple[tuple[int, int, tuple[tuple[Any, ...], ...]], ...]
+    spans: tuple[tuple[int, int, tuple[tuple[Any, ...], ...]], ...]
 
 
 def _program(pass_: str, r: Route, *tensors: torch.Tensor) -> Program:
@@ -115,7 +115,7 @@ def _program(pass_: str, r: Route, *tensors: torch.Tensor) -> Program:
     (forward: q, k, v; backward: grad_out, q, k, v, out), cached per
     route, pass, and every tensor's shape, strides, storage offset, dtype
     and device: a pass on the same layout builds no view geometry again."""
-    key = (pass_, r.plan, r.backends, layout_key(tensors))
+    key = (pass_, r.spans, r.backends, layout_key(tensors))
     return _PROGRAMS.get(key, lambda: _build(pass_, r, tensors))
 
 
@@ -125,7 +125,7 @@ def layout_key(tensors: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
 
 
 def _build(pass_: str, r: Route, tensors: tuple[torch.Tensor, ...]) -> Program:
-    assert r.plan is not None
+    assert r.spans is not None
     backward = pass_ == "backward"
     batch, d = tensors[0].shape[0], tensors[0].shape[3]
 
@@ -133,10 +133,10 @@ def _build(pass_: str, r: Route, tensors: tuple[torch.Tensor, ...]) -> Program:
         size, stride, offset = call.geometry(t.shape, t.stride(), kv)
         return size, stride, offset + t.storage_offset()
 
-    windows, q_max, kv_max = [], 0, 0
-    for window, names in zip(r.plan.windows, r.backends, strict=True):
+    spans, q_max, kv_max = [], 0, 0
+    for span, names in zip(r.spans.spans, r.backends, strict=True):
         launches, q_base, kv_base = [], 0, 0
-        for call, name in zip(window.calls, names, strict=True):
+        for call, name in zip(span.calls, names, strict=True):
             if backward:
                 go, q, k, v, out = tensors
                 geoms = (
@@ -156,9 +156,9 @@ def _build(pass_: str, r: Route, tensors: tuple[torch.Tensor, ...]) -> Program:
             launches += [(name, *g) for g in batch_groups(geoms)]
             q_base += call.part_rows(batch)
             kv_base += call.part_rows(batch, True)
-        windows.append((q_base, kv_base, tuple(launches)))
+        spans.append((q_base, kv_base, tuple(launches)))
         q_max, kv_max = max(q_max, q_base), max(kv_max, kv_base)
-    return Program(q_max, kv_max, tuple(windows))
+    return Program(q_max, kv_max, tuple(spans))
 
 
 _PROGRAMS: LRUCache[Program] = LRUCache(64, name="dense programs")
@@ -175,21 +175,19 @@ def dense_forward(
     fns = {name: backend(name).forward for names in r.backends for name in set(names)}
     out = torch.empty_like(q)
     lse = torch.empty(batch, heads, n, dtype=acc, device=device)
-    # one pair of part buffers for every window (the stream orders each
-    # window's merge before the next window's calls write)
+    # one pair of part buffers for every span (the stream orders each
+    # span's merge before the next span's calls write)
     parts = torch.empty(prog.q_rows, d, dtype=q.dtype, device=device)
     part_lse = torch.empty(prog.q_rows, dtype=acc, device=device)
-    for i, (window, (rows, _, launches)) in enumerate(
-        zip(r.plan.windows, prog.windows, strict=True)
-    ):
+    for i, (span, (rows, _, launches)) in enumerate(zip(r.spans.spans, prog.spans, strict=True)):
         with _span("calls", device):
             for name, qg, kg, vg, og, lg in launches:
                 fns[name](
                     q.as_strided(*qg), k.as_strided(*kg), v.as_strided(*vg), causal, scale,
                     parts.as_strided(*og), part_lse.as_strided(*lg),
                 )  # fmt: skip
-        q_index = r.plan.index(i, batch, device)[0]
-        a, length = window.start, window.length
+        q_index = r.spans.index(i, batch, device)[0]
+        a, length = span.start, span.length
         with _span("merge", device):
             ops.merge_branches(
                 parts[:rows], part_lse[:rows], q_index, out[:, a : a + length],
@@ -221,21 +219,21 @@ def dense_backward(
     gq = torch.empty(prog.q_rows, d, dtype=q.dtype, device=device)
     gk = torch.empty(prog.kv_rows, d, dtype=q.dtype, device=device)
     gv = torch.empty_like(gk)
-    for i, (window, (q_rows, kv_rows, launches)) in enumerate(
-        zip(r.plan.windows, prog.windows, strict=True)
+    for i, (span, (q_rows, kv_rows, launches)) in enumerate(
+        zip(r.spans.spans, prog.spans, strict=True)
     ):
         with _span("calls", device):
             # the merged lse of every part row, in the parts' order: one
-            # gather a window (4 bytes a row), each call's rows contiguous
-            part_lse = torch.take(lse, r.plan.lse_index(i, batch, device))
+            # gather a span (4 bytes a row), each call's rows contiguous
+            part_lse = torch.take(lse, r.spans.lse_index(i, batch, device))
             for name, dog, qg, kg, vg, og, lg, gqg, gkg, gvg in launches:
                 fns[name](
                     grad_out.as_strided(*dog), q.as_strided(*qg), k.as_strided(*kg),
                     v.as_strided(*vg), out.as_strided(*og), part_lse.as_strided(*lg),
                     causal, scale, gq.as_strided(*gqg), gk.as_strided(*gkg), gv.as_strided(*gvg),
                 )  # fmt: skip
-        q_index, _, kv_index, _ = r.plan.index(i, batch, device)
-        a, length = window.start, window.length
+        q_index, _, kv_index, _ = r.spans.index(i, batch, device)
+        a, length = span.start, span.length
         with _span("merge", device):
             ops.sum_branches(gq[:q_rows], q_index, dq[:, a : a + length])
             ops.sum_branches(gk[:kv_rows], kv_index, dk[:, a : a + length])

@@ -38,7 +38,7 @@ from ..core import config
 from ..core.cache import LRUCache
 from ..core.pattern import Pattern
 from .backends import fa4_missing
-from .views import Plan, plan_windows
+from .spans import SpanPlan, plan_spans
 
 __all__ = [
     "BACKENDS",
@@ -152,13 +152,13 @@ BACKENDS = (
 
 @dataclass(frozen=True)
 class Route:
-    """The path of one pass: ``dense`` (the per-branch calls of ``plan``, call
-    ``j`` of window ``i`` on backend ``backends[i][j]``; for the ring's blocks
-    no plan and one backend, ``((name,),)``) or our kernel, and why."""
+    """The path of one pass: ``dense`` (the per-branch calls of ``spans``, call
+    ``j`` of span ``i`` on backend ``backends[i][j]``; for the ring's blocks
+    no spans and one backend, ``((name,),)``) or our kernel, and why."""
 
     dense: bool
     why: str
-    plan: Plan | None = None
+    spans: SpanPlan | None = None
     backends: tuple[tuple[str, ...], ...] = ()
 
 
@@ -242,7 +242,7 @@ def route(
         return Route(False, "traced by torch.compile: the graph keeps the operator")
     mode = config.forward_mode() if pass_ == "forward" else config.backward_mode()
     named = config.dense_backend()
-    rows = config.window_rows()
+    rows = config.span_rows()
     if mode == "kernel":
         env = config.FORWARD if pass_ == "forward" else config.BACKWARD
         return Route(False, f"{env}=kernel")
@@ -275,21 +275,21 @@ def decide(
     d: int,
     pattern: Pattern,
 ) -> Route:
-    """:func:`route` from the values it reads: the pass, the modes and window
+    """:func:`route` from the values it reads: the pass, the modes and span
     rows of ring_attention/core/config.py, the device and its compute capability,
     dtype, sizes and pattern (no tensors: the tables alone)."""
     why = _mode_why(pass_, mode, device, dtype, d, n)
     if why is None:
         what = f"{device.type} {dtype} head_dim {d} n {n}"
         return Route(False, f"auto: no row of the path table for {what}")
-    plan = plan_windows(pattern, n, heads, kv_heads, rows)
-    if plan.calls > MAX_CALLS:
-        return Route(False, f"{plan.calls} dense calls a pass (more than {MAX_CALLS})")
+    spans = plan_spans(pattern, n, heads, kv_heads, rows)
+    if spans.calls > MAX_CALLS:
+        return Route(False, f"{spans.calls} dense calls a pass (more than {MAX_CALLS})")
     chosen: dict[tuple[int, int, int], str] = {}
-    per_window = []
-    for window in plan.windows:
+    per_span = []
+    for span in spans.spans:
         names = []
-        for call in window.calls:
+        for call in span.calls:
             shape = (call.rows, call.q_heads, call.kv_heads)
             if shape not in chosen:
                 gqa = call.q_heads != call.kv_heads
@@ -299,9 +299,9 @@ def decide(
                     return Route(False, f"no dense backend for a call of {what} ({reasons})")
                 chosen[shape] = name
             names.append(chosen[shape])
-        per_window.append(tuple(names))
+        per_span.append(tuple(names))
     used = sorted(set(chosen.values()))
-    return Route(True, f"{why}; backends {', '.join(used)}", plan, tuple(per_window))
+    return Route(True, f"{why}; backends {', '.join(used)}", spans, tuple(per_span))
 
 
 _ROUTES: LRUCache[Route] = LRUCache(64, name="dense routes")

@@ -141,7 +141,7 @@ def merge_branches(
 ) -> None:
     """Write ``out`` and ``lse`` of a window from the per-call ``parts`` and
     their ``part_lse``, merged by log-sum-exp (``index``: the span planner's
-    slots, ring_attention/local/views.py)."""
+    slots, ring_attention/local/spans.py)."""
     _OPS.merge_branches(parts, part_lse, index, out, lse)
 
 

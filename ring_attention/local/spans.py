@@ -18,15 +18,15 @@ evenly (same part, rows and K/V slot; e.g. ``r = 12`` over 16 heads) run side
 by side as the heads of one call: its head index also moves the rows
 (``Call.head_shift``; head stride ``(H + 1) * d`` for modulo offsets).
 
-The planner cuts the sequence into **windows** of whole segments of every
+The planner cuts the sequence into **spans** of whole segments of every
 branch (cuts at multiples of the lcm of the segment lengths, relative to each
-document's start, or at document boundaries), at least ``window_rows`` and
+document's start, or at document boundaries), at least ``span_rows`` and
 about ``n / 16`` rows each, so that the per-call output buffers stay bounded;
-with documents every document span of a window has its own calls.
+with documents every document span of a span has its own calls.
 
-A window's calls write their outputs (and LSE) into one buffer of *parts*,
+A span's calls write their outputs (and LSE) into one buffer of *parts*,
 call after call, each call's rows in ``(batch, segment, head, row)`` order;
-:meth:`Plan.index` maps every ``(batch, position, head)`` of the window to
+:meth:`SpanPlan.index` maps every ``(batch, position, head)`` of the span to
 its part row in each *slot* (``-1``: none): a query row has one part per
 branch (slot = branch), a K/V row one per branch and head run (slots of the
 K/V side). The merge operators (``torch.ops.ring_attention.merge_branches``,
@@ -50,19 +50,19 @@ from ..core.pattern import Pattern
 __all__ = [
     "Call",
     "Geometry",
-    "Plan",
-    "Window",
+    "Span",
+    "SpanPlan",
     "batch_groups",
     "batched",
     "head_runs",
     "merge_batch",
-    "plan_windows",
+    "plan_spans",
     "split_batch",
 ]
 
-#: Windows hold at least this many rows (the calls stay large) and about
-#: 1/WINDOWS of the sequence (the part buffers stay small).
-WINDOWS = 16
+#: Spans hold at least this many rows (the calls stay large) and about
+#: 1/SPANS of the sequence (the part buffers stay small).
+SPANS = 16
 
 
 @dataclass(frozen=True)
@@ -146,7 +146,7 @@ class Call:
         return _apply(lse, self.lse_geometry(lse.shape, lse.stride()))
 
     def part_rows(self, batch: int, kv: bool = False) -> int:
-        """Rows the call's outputs take in its window's part buffer."""
+        """Rows the call's outputs take in its span's part buffer."""
         return batch * self.segments * (self.kv_heads if kv else self.q_heads) * self.rows
 
     def part_geometry(self, base: int, batch: int, kv: bool, width: int | None) -> Geometry:
@@ -210,7 +210,7 @@ def batched(view: torch.Tensor) -> list[torch.Tensor]:
 
 
 @dataclass(frozen=True)
-class Window:
+class Span:
     """Positions ``[start, start + length)`` and the calls that cover them."""
 
     start: int
@@ -263,7 +263,7 @@ def _piece_calls(
     pattern: Pattern, start: int, length: int, heads: int, kv_heads: int, slots: list[int]
 ) -> list[Call]:
     """Calls of positions ``[start, start + length)``, which begin a segment of
-    every branch (a document's start or a window cut) and end a document or
+    every branch (a document's start or a span cut) and end a document or
     a whole segment of every branch."""
     calls = []
     for b, (w, r) in enumerate(pattern.branches):
@@ -332,8 +332,8 @@ def _side_by_side(calls: list[tuple[int, Call]]) -> list[Call]:
 
 
 def _cuts(n: int, documents: tuple[int, ...] | None, period: int, target: int) -> list[int]:
-    """Window boundaries ``0 = c_0 < ... < c_k = n``: document boundaries or
-    multiples of ``period`` from a document's start, each window as close to
+    """Span boundaries ``0 = c_0 < ... < c_k = n``: document boundaries or
+    multiples of ``period`` from a document's start, each span as close to
     ``target`` rows as such points allow (the next point when none is close)."""
     docs = list(documents) if documents is not None else [0, n]
     docs = [d for i, d in enumerate(docs) if i == 0 or d != docs[i - 1]]  # empty ones
@@ -363,48 +363,48 @@ def _cuts(n: int, documents: tuple[int, ...] | None, period: int, target: int) -
 
 
 @dataclass(frozen=True)
-class Plan:
-    """The windows of one ``(pattern, n, heads, kv_heads)`` problem and their
-    calls; :meth:`index` gives a window's part-row maps on a device."""
+class SpanPlan:
+    """The spans of one ``(pattern, n, heads, kv_heads)`` problem and their
+    calls; :meth:`index` gives a span's part-row maps on a device."""
 
     pattern: Pattern
     n: int
     heads: int
     kv_heads: int
-    window_rows: int
-    windows: tuple[Window, ...] = field(compare=False, hash=False, repr=False)
+    span_rows: int
+    spans: tuple[Span, ...] = field(compare=False, hash=False, repr=False)
 
     @property
     def calls(self) -> int:
         """Dense calls of one pass over the sequence."""
-        return sum(len(w.calls) for w in self.windows)
+        return sum(len(w.calls) for w in self.spans)
 
     def index(
         self, i: int, batch: int, device: torch.device
     ) -> tuple[torch.Tensor, int, torch.Tensor, int]:
-        """``(q_index, q_rows, kv_index, kv_rows)`` of window ``i``: int32
+        """``(q_index, q_rows, kv_index, kv_rows)`` of span ``i``: int32
         ``(slots, B, length, heads)`` part rows (``-1``: none) on the query
         side and at K/V-head width, and the part rows each side's buffer
         needs (cached)."""
-        window = self.windows[i]
+        span = self.spans[i]
 
         def build():
-            q_index, q_rows = _index_of(window, batch, self.heads, False, device)
-            kv_index, kv_rows = _index_of(window, batch, self.kv_heads, True, device)
+            q_index, q_rows = _index_of(span, batch, self.heads, False, device)
+            kv_index, kv_rows = _index_of(span, batch, self.kv_heads, True, device)
             return q_index, q_rows, kv_index, kv_rows
 
         return _INDEX.get((self, i, batch, str(device)), build)
 
     def lse_index(self, i: int, batch: int, device: torch.device) -> torch.Tensor:
-        """Int64, one a query-side part row of window ``i``: the flat index of
+        """Int64, one a query-side part row of span ``i``: the flat index of
         its ``(batch, head, position)`` in a ``(B, heads, n)`` tensor, so that
-        ``torch.take(lse, index)`` lays ``lse`` out as the window's parts
+        ``torch.take(lse, index)`` lays ``lse`` out as the span's parts
         (cached)."""
-        window = self.windows[i]
+        span = self.spans[i]
 
         def build():
             flat = []
-            for call in window.calls:
+            for call in span.calls:
                 size, stride, offset = call.lse_geometry(
                     (batch, self.heads, self.n), (self.heads * self.n, self.n, 1)
                 )
@@ -419,15 +419,15 @@ class Plan:
         return _LSE_INDEX.get((self, i, batch, str(device)), build)
 
 
-def plan_windows(pattern: Pattern, n: int, heads: int, kv_heads: int, window_rows: int) -> Plan:
-    """The :class:`Plan` of a ``(n, heads, kv_heads)`` problem (cached)."""
-    key = (pattern, n, heads, kv_heads, window_rows)
+def plan_spans(pattern: Pattern, n: int, heads: int, kv_heads: int, span_rows: int) -> SpanPlan:
+    """The :class:`SpanPlan` of a ``(n, heads, kv_heads)`` problem (cached)."""
+    key = (pattern, n, heads, kv_heads, span_rows)
     return _PLANS.get(
-        key, lambda: Plan(*key, windows=_plan(pattern, n, heads, kv_heads, window_rows))
+        key, lambda: SpanPlan(*key, spans=_plan(pattern, n, heads, kv_heads, span_rows))
     )
 
 
-def _plan(pattern: Pattern, n: int, heads: int, kv_heads: int, window_rows: int):
+def _plan(pattern: Pattern, n: int, heads: int, kv_heads: int, span_rows: int):
     # K/V slots: per branch, as many as its classes have head runs at most
     slots, total = [], 0
     for b in range(pattern.n_branches):
@@ -436,10 +436,10 @@ def _plan(pattern: Pattern, n: int, heads: int, kv_heads: int, window_rows: int)
     period = 1
     for w in pattern.segment_lengths:
         period = math.lcm(period, min(w, n + 1))
-    target = max(window_rows, -(-n // WINDOWS))
+    target = max(span_rows, -(-n // SPANS))
     cuts = _cuts(n, pattern.documents, period, target)
     docs = pattern.documents or (0, n)
-    windows = []
+    spans = []
     for a, b in itertools.pairwise(cuts):
         calls: list[Call] = []
         # the document spans of [a, b)
@@ -449,23 +449,23 @@ def _plan(pattern: Pattern, n: int, heads: int, kv_heads: int, window_rows: int)
             if hi > lo:
                 calls += _piece_calls(pattern, lo, hi - lo, heads, kv_heads, slots)
             j += 1
-        windows.append(Window(a, b - a, tuple(calls), pattern.n_branches, total))
-    return tuple(windows)
+        spans.append(Span(a, b - a, tuple(calls), pattern.n_branches, total))
+    return tuple(spans)
 
 
-_PLANS: LRUCache[Plan] = LRUCache(32, name="span plans")
+_PLANS: LRUCache[SpanPlan] = LRUCache(32, name="span plans")
 
 
 def _index_of(
-    window: Window, batch: int, width: int, kv: bool, device: torch.device
+    span: Span, batch: int, width: int, kv: bool, device: torch.device
 ) -> tuple[torch.Tensor, int]:
-    slots = window.kv_slots if kv else window.q_slots
-    index = torch.full((slots, batch, window.length, width), -1, dtype=torch.int32, device=device)
+    slots = span.kv_slots if kv else span.q_slots
+    index = torch.full((slots, batch, span.length, width), -1, dtype=torch.int32, device=device)
     base = 0
     bi = torch.arange(batch, device=device)[:, None, None, None]
-    for call in window.calls:
+    for call in span.calls:
         count = call.part_rows(batch, kv)
-        pos = (call.positions() - window.start).to(device)[None]
+        pos = (call.positions() - span.start).to(device)[None]
         head, heads, step = (
             (call.kv_head, call.kv_heads, call.kv_head_stride)
             if kv
@@ -477,7 +477,7 @@ def _index_of(
         index[slot][bi, pos, hs] = rows.view(batch, call.segments, heads, call.rows)
         base += count
     if base >= 2**31:
-        raise RuntimeError(f"window of {base} part rows: beyond int32 (smaller windows needed)")
+        raise RuntimeError(f"span of {base} part rows: beyond int32 (smaller spans needed)")
     return index, base
 
 
