@@ -5,7 +5,7 @@
 # CuTe DSL's compile then run on the CPU with fake CUDA tensors
 # (benchmarks/fa4_interface.py, tests/test_fa4_interface.py); nothing runs a
 # kernel. About 110 MB downloaded, 300 MB installed (measured figures:
-# benchmarks/journal/2026-11-29-gpu-plan.md).
+# benchmarks/journal/2026-12-07-gpu-plan.md).
 #
 #   bash scripts/fa4_cpu.sh                      # install (nothing to do when complete)
 #   source <(bash scripts/fa4_cpu.sh --env)      # PYTHONPATH and the cross-compile target
