@@ -323,9 +323,12 @@ def _phases(call, device, budget_s: float, runs: int = 3) -> dict:
     calls (one slow call, e.g. a first launch or a host stall, is not the
     figure), each call's in ``phases_samples``; ``other``: the call's wall
     time less its phases' device time (the host between launches,
-    allocations, syncs). Empty where the dense path did not run."""
-    from ring_attention.branches import phase_times
-
+    allocations, syncs). Empty where the dense path did not run (or an
+    earlier tree has none)."""
+    try:
+        from ring_attention.branches import phase_times
+    except ImportError:  # an earlier tree (--prev) without the dense path
+        return {}
     samples = []
     for _ in range(runs):
         with phase_times() as pt:
