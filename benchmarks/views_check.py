@@ -13,14 +13,27 @@ one process, within a time budget (``scripts/gpu_check.sh --stages views``):
 * ``dense``: dense attention at (16, 2048, 16, 128) and (16, 2048, 12, 64)
   (batch, n, heads, head_dim), flash-attn-4 and FlashAttention-2, forward and
   forward + backward, beside a bf16 ``torch.mm`` (8192^3): the card's ceiling.
-* ``bench``: forward and forward + backward at 32K, 131K and 1M rows, 12 x 64
-  and 16 x 128: the dense path (both passes forced dense) with its time per
-  phase (the dense calls, the merge operators, the rest), this tree's default
-  dispatch, and with ``--prev DIR`` the default of an earlier tree
-  (``scripts/prev_tree.sh``; run in a subprocess with ``PYTHONPATH=DIR``).
+* ``bench``: forward and forward + backward at 131K, 1M and 32K rows, 16 x 128
+  and 12 x 64, not causal and causal (``--n``, ``--configs``, ``--causal``,
+  ``--passes`` choose): each method of ``--methods`` per point, its median
+  time, pattern TFLOP/s and share of the bf16 matmul rate measured at the
+  start of the stage (``of_mm``). Methods: ``default`` (this tree's
+  dispatch), ``dense`` (both passes forced dense), ``kernel`` (our kernels
+  both ways), the baselines ``gather`` (gather + SDPA, the faster of its
+  CUDA backends), ``fa4`` (gather + flash-attn-4) and ``flex``
+  (FlexAttention), and two run in a subprocess: ``prev`` (the default of an
+  earlier tree, ``--prev DIR``, ``scripts/prev_tree.sh``, with
+  ``PYTHONPATH=DIR``) and ``torch`` (this tree's default with flash-attn-4
+  made unimportable: what ``pip install torch`` alone gives). Where the
+  dense path runs, its time per phase (the dense calls, the merge
+  operators, the K/V check, the rest) is the median of 3 timed calls
+  (``phases_ms``; each call's in ``phases_samples``).
 * ``big``: forward + backward at 2M rows (16 x 128) with this tree's default:
   time and peak over the bytes of q, k, v, out and their gradients.
 
+The first record of ``views.jsonl`` (``kind: run``) holds the date, device,
+versions, commit, flash-attn-4's version or why it does not import, and the
+command line and environment of the run.
 Points run in that order until ``--budget-s`` is spent (the rest are recorded
 as skipped). Writes ``OUT/views.jsonl`` (one record a point) and
 ``OUT/summary.md``; prints the summary last. ``--dry-run`` runs every stage on
@@ -75,7 +88,8 @@ class Sizes:
             self.check_n, self.check_docs = 10240, [0, 3000, 3001, 7000, 10240]
             self.check_heads = [(8, 8, 128), (24, 6, 64)]
             self.dense = [(16, 2048, 16, 128), (16, 2048, 12, 64)]
-            self.bench_n, self.configs = [32768, 131072, 1048576], [(12, 64), (16, 128)]
+            # the targets' points first (131072), then 1M, then 32K
+            self.bench_n, self.configs = [131072, 1048576, 32768], [(16, 128), (12, 64)]
             self.big = (2097152, 16, 128)
             self.dtype, self.tol = torch.bfloat16, 2e-2
 
@@ -299,9 +313,63 @@ def stage_dense(sz: Sizes, device, emit, left) -> None:
                 emit(rec)
 
 
-def _point(method, n, heads, d, backward, device, dtype, segs, dils, budget_s):
-    """Time one (method, n, config, pass): ms, pattern TFLOP/s and, for the
-    dense path, seconds per phase of one call."""
+PHASES = ("calls", "merge", "finite")
+BASELINES = ("gather", "fa4", "flex")
+SUBPROCESS = ("prev", "torch")  # methods run by a subprocess (``--tag``)
+
+
+def _phases(call, device, budget_s: float, runs: int = 3) -> dict:
+    """The dense path's milliseconds per phase: the median of ``runs`` timed
+    calls (one slow call, e.g. a first launch or a host stall, is not the
+    figure), each call's in ``phases_samples``; ``other``: the call's wall
+    time less its phases' device time (the host between launches,
+    allocations, syncs). Empty where the dense path did not run (or an
+    earlier tree has none)."""
+    try:
+        from ring_attention.local.branches import phase_times
+    except ImportError:  # an earlier tree (--prev) without the dense path
+        return {}
+    samples = []
+    for _ in range(runs):
+        with phase_times() as pt:
+            t_one = min(time_call(call, device, 0, 1, budget_s))
+        ms = {p: pt.totals().get(p, 0.0) * 1e3 for p in PHASES}
+        if not any(ms.values()):
+            return {}
+        ms["other"] = t_one - sum(ms.values())
+        samples.append({p: round(x, 3) for p, x in ms.items()})
+    return {"phases_ms": {p: round(median(s[p] for s in samples), 2) for p in samples[0]},
+            "phases_samples": samples}  # fmt: skip
+
+
+class Baselines:
+    """The same-function baselines of benchmarks/methods.py (gather + SDPA,
+    gather + flash-attn-4, FlexAttention), one :class:`Methods` per pattern."""
+
+    def __init__(self, dry: bool) -> None:
+        self.dry = dry
+        self._methods: dict = {}
+
+    def fn(self, method, segs, dils, causal, device, q, k, v):
+        """A call of ``method`` on q, k, v and its backend, or why it cannot run."""
+        from .methods import Methods
+
+        key = (tuple(segs), tuple(dils), causal, str(device))
+        if key not in self._methods:  # compiled FlexAttention on the CPU: slow to build
+            self._methods[key] = Methods(segs, dils, causal, device, flex_compiled=not self.dry)
+        m = self._methods[key]
+        why = m.unsupported(method, q.requires_grad)
+        if why:
+            return None, None, why
+        backends = ["flash", "cudnn"] if method == "gather" and device.type == "cuda" else \
+            m.backends(method, ())  # fmt: skip
+        return m, backends, None
+
+
+def _point(method, n, heads, d, causal, backward, device, dtype, segs, dils, budget_s,
+           baselines: Baselines):  # fmt: skip
+    """Time one (method, n, config, causal, pass): ms, pattern TFLOP/s and,
+    where the dense path runs, its milliseconds per phase."""
     ra = _ra()
     g = torch.Generator(device=device).manual_seed(n + heads)
     q, k, v = (torch.randn(1, n, heads, d, generator=g, device=device, dtype=dtype)
@@ -310,52 +378,81 @@ def _point(method, n, heads, d, backward, device, dtype, segs, dils, budget_s):
     for t in (q, k, v):
         t.requires_grad_(backward)
 
-    def call():
-        out = ra.dilated_attention(q, k, v, segs, dils)
+    def finish(out):
         if backward:
             out.backward(do)
             for t in (q, k, v):
                 t.grad = None
 
-    path = "default" if method in ("default", "prev") else method
-    rec = {}
-    with env(**paths_env(path)):
-        times = time_call(call, device, 1, 5, budget_s)
-        if method == "dense":
-            from ring_attention.local.branches import phase_times
+    rec: dict = {}
+    if method in BASELINES:
+        m, backends, why = baselines.fn(method, segs, dils, causal, device, q, k, v)
+        if why:
+            return {"status": f"skipped: {why}"}
+        best = None
+        for backend in backends:
 
-            with phase_times() as pt:
-                t_one = min(time_call(call, device, 0, 1, budget_s))
-            ms = {p: pt.totals().get(p, 0.0) * 1e3 for p in ("calls", "merge", "finite")}
-            # other: the wall time of the call less its phases' device time
-            # (the host between launches, allocations, syncs)
-            ms["other"] = t_one - sum(ms.values())
-            rec["phases_ms"] = {p: round(x, 2) for p, x in ms.items()}
-    ms = median(times)
-    pairs = pattern_pairs(n, heads, segs, dils, False)
+            def call(backend=backend):
+                finish(m.call(method, backend, q, k, v))
+
+            try:
+                ms = median(time_call(call, device, 1, 5, budget_s))
+            except Exception as exc:  # a backend that cannot run this case: the next one
+                rec.setdefault("backend_errors", {})[str(backend)] = f"{type(exc).__name__}: " \
+                    f"{str(exc)[:200]}"  # fmt: skip
+                continue
+            if best is None or ms < best[0]:
+                best = (ms, backend)
+        if best is None:
+            raise RuntimeError(f"no backend ran: {rec.get('backend_errors')}")
+        ms, rec["backend"] = best
+    else:
+        path = "default" if method in ("default", *SUBPROCESS) else method
+
+        def call():
+            finish(ra.dilated_attention(q, k, v, segs, dils, causal=causal))
+
+        with env(**paths_env(path)):
+            ms = median(time_call(call, device, 1, 5, budget_s))
+            rec.update(_phases(call, device, budget_s))
+    pairs = pattern_pairs(n, heads, segs, dils, causal)
     rec.update(ms=round(ms, 3), tflops=round(flops(pairs, d, backward) / ms / 1e9, 2))
     return rec
 
 
-def stage_bench(sz: Sizes, device, emit, left, methods) -> None:
+def bench_points(sz: Sizes, causal: list[bool], passes: list[str]):
+    """``(n, heads, d, causal, backward)`` of the bench stage, in its order."""
     for n in sz.bench_n:
-        for heads, d in sz.configs:
-            for backward in (False, True):
-                for method in methods:
-                    rec = {"stage": "bench", "method": method, "n": n, "config": f"{heads}x{d}",
-                           "pass": "fwdbwd" if backward else "fwd"}  # fmt: skip
-                    if left() < 15:
-                        rec["status"] = "skipped (budget)"
-                    else:
-                        try:
-                            budget = min(20.0, left() / 4)
-                            rec.update(_point(method, n, heads, d, backward, device, sz.dtype,
-                                              sz.segs, sz.dils, budget), status="ok")  # fmt: skip
-                        except Exception as exc:
-                            rec["status"] = f"error: {type(exc).__name__}: {str(exc)[:300]}"
-                        if device.type == "cuda":
-                            torch.cuda.empty_cache()
-                    emit(rec)
+        for c in causal:
+            for heads, d in sz.configs:
+                for p in passes:
+                    yield n, heads, d, c, p == "fwdbwd"
+
+
+def stage_bench(sz: Sizes, device, emit, left, methods, causal, passes) -> None:
+    rate = hardware_rate(device, sz.configs[0][1], sz.dtype)["flop_rate"]
+    emit({"stage": "bench", "what": "matmul rate", "flop_rate": rate})
+    baselines = Baselines(device.type == "cpu")
+    for n, heads, d, c, backward in bench_points(sz, causal, passes):
+        for method in methods:
+            rec = {"stage": "bench", "method": method, "n": n, "config": f"{heads}x{d}",
+                   "causal": c, "pass": "fwdbwd" if backward else "fwd"}  # fmt: skip
+            if left() < 15:
+                rec["status"] = "skipped (budget)"
+            else:
+                try:
+                    budget = min(20.0, left() / 4)
+                    got = _point(method, n, heads, d, c, backward, device, sz.dtype, sz.segs,
+                                 sz.dils, budget, baselines)  # fmt: skip
+                    rec.update(got)
+                    rec.setdefault("status", "ok")
+                    if "tflops" in rec:
+                        rec["of_mm"] = round(rec["tflops"] * 1e12 / rate, 4)
+                except Exception as exc:
+                    rec["status"] = f"error: {type(exc).__name__}: {str(exc)[:300]}"
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            emit(rec)
 
 
 def stage_big(sz: Sizes, device, emit, left) -> None:
@@ -416,15 +513,29 @@ def summary(records: list[dict]) -> str:
         lines.append("")
     bench = [r for r in records if r["stage"] == "bench"]
     if bench:
-        lines += ["### the local op (ms, TFLOP/s; dense: calls / merge / finite / other ms)", "",
-                  "| n | h x d | pass | method | ms | TFLOP/s | phases | status |",
-                  "|---:|---|---|---|---:|---:|---|---|"]  # fmt: skip
+        lines += [
+            "### the local op (ms, TFLOP/s, share of the matmul rate; dense path: "
+            "calls / merge / finite / other ms, median of 3 calls)",
+            "",
+        ]
+        lines += [
+            f"- {r.get('method_of', 'this run')}: {r['what']} {r['flop_rate'] / 1e12:.0f} TFLOP/s"
+            for r in bench
+            if "method" not in r
+        ]
+        lines += ["",
+                  "| n | h x d | causal | pass | method | ms | TFLOP/s | of mm | phases | status |",
+                  "|---:|---|---|---|---|---:|---:|---:|---|---|"]  # fmt: skip
         for r in bench:
+            if "method" not in r:
+                continue
             ph = r.get("phases_ms")
             ph = " / ".join(str(ph.get(p, "?")) for p in ("calls", "merge", "finite", "other")) \
                 if ph else ""  # fmt: skip
-            cells = [r["n"], r["config"], r["pass"], r["method"], r.get("ms", ""),
-                     r.get("tflops", ""), ph, r["status"]]  # fmt: skip
+            of = f"{100 * r['of_mm']:.0f} %" if "of_mm" in r else ""
+            method = r["method"] + (f" [{r['backend']}]" if r.get("backend") else "")
+            cells = [r["n"], r["config"], "yes" if r.get("causal") else "no", r["pass"], method,
+                     r.get("ms", ""), r.get("tflops", ""), of, ph, r["status"]]  # fmt: skip
             lines.append("| " + " | ".join(str(c) for c in cells) + " |")
         lines.append("")
     for r in records:
@@ -435,17 +546,90 @@ def summary(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def header(device: torch.device) -> dict:
-    """The first record of a run: when, where, which commit and flash-attn-4."""
-    from ring_attention.local.backends import fa4_missing
+#: environment variables a run's header records (what changes the results)
+ENV_PREFIXES = (
+    "RING_ATTENTION_",
+    "GPU_CHECK_",
+    "FLASH_ATTENTION_",
+    "CUTE_DSL_",
+    "CUDA_",
+    "TORCH",
+    "PYTORCH_",
+    "TRITON_",
+    "OMP_",
+    "PYTHONPATH",
+    "BENCH_",
+    "KERNELS_",
+)
 
+
+def run_environment() -> dict:
+    """The command line and the environment variables that shape a run."""
+    return {"argv": list(sys.argv), "env": {k: v for k, v in sorted(os.environ.items())
+                                            if k.startswith(ENV_PREFIXES)}}  # fmt: skip
+
+
+def header(device: torch.device) -> dict:
+    """The first record of a run: when, where, which commit and flash-attn-4,
+    the command line and the environment."""
+    try:  # an earlier tree (--prev) may have no ring_attention.local.backends
+        from ring_attention.local.backends import fa4_missing
+
+        why = fa4_missing()
+    except Exception as exc:
+        why = f"{type(exc).__name__}: {exc}"
     try:
         from importlib.metadata import version
 
-        fa4 = fa4_missing() or version("flash-attn-4")
+        fa4 = why or version("flash-attn-4")
     except Exception as exc:  # recorded, not fatal: the header says why
         fa4 = f"{type(exc).__name__}: {exc}"
-    return {"kind": "run", "sweep": "views", **environment(device), "flash_attn_4": fa4}
+    return {"kind": "run", "sweep": "views", **environment(device), "flash_attn_4": fa4,
+            **run_environment()}  # fmt: skip
+
+
+class _NoFlashAttn:
+    """A ``sys.meta_path`` entry that makes ``flash_attn`` unimportable (the
+    ``torch`` method: this tree as ``pip install torch`` alone leaves it)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "flash_attn" or name.startswith("flash_attn."):
+            raise ImportError("flash-attn-4 hidden (views_check --block-fa4)")
+        return None
+
+
+def _subprocess_method(a, method: str, out: Path, budget_s: float, emit) -> None:
+    """Run ``method`` (``prev`` or ``torch``) over the bench points in a
+    subprocess that records under its own header in ``OUT/<method>.jsonl``;
+    its records are appended here with the subprocess's exit status."""
+    cmd = [sys.executable, str(BENCH), "views", "--out", str(out), "--stages", "bench",
+           "--tag", method, "--methods", method, "--budget-s", str(int(budget_s)),
+           "--device", a.device, "--causal", a.causal, "--passes", a.passes]  # fmt: skip
+    for opt, val in (("--n", a.n), ("--configs", a.configs)):
+        if val:
+            cmd += [opt, val]
+    if a.dry_run:
+        cmd.append("--dry-run")
+    penv = dict(os.environ)
+    if method == "prev":
+        if not a.prev:
+            emit({"stage": "bench", "method": method, "status": "skipped: no --prev tree"})
+            return
+        penv["PYTHONPATH"] = os.pathsep.join([str(Path(a.prev).resolve()),
+                                              os.environ.get("PYTHONPATH", "")])  # fmt: skip
+    else:
+        cmd.append("--block-fa4")
+    try:
+        rc = subprocess.run(cmd, env=penv, timeout=max(budget_s + 10, 1)).returncode
+    except subprocess.TimeoutExpired:
+        rc = 124
+    path = out / f"{method}.jsonl"
+    recs = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    for rec in recs:
+        if rec.get("kind") != "run":  # its header stays in <method>.jsonl
+            emit(dict(rec, run_rc=rc))
+    if not recs:
+        emit({"stage": "bench", "method": method, "status": f"error: subprocess rc={rc}"})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -457,17 +641,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="build/views_check")
     ap.add_argument("--budget-s", type=float, default=420.0)
     ap.add_argument("--stages", default=",".join(STAGES))
-    ap.add_argument("--methods", default="dense,default", help="bench: dense, default, kernel")
+    ap.add_argument(
+        "--methods",
+        default="default",
+        help="bench: default, dense, kernel, gather, fa4, flex, prev, torch",
+    )
+    ap.add_argument("--n", default=None, help="bench: lengths, comma-separated (in this order)")
+    ap.add_argument("--configs", default=None, help="bench: HEADSxDIM, comma-separated")
+    ap.add_argument("--causal", default="both", choices=["no", "yes", "both"])
+    ap.add_argument("--passes", default="fwd,fwdbwd")
     ap.add_argument("--prev", default=None, help="an earlier tree to time (scripts/prev_tree.sh)")
-    ap.add_argument("--tag", default=None, help="record the bench methods under this name")
+    ap.add_argument("--tag", default=None, help="(internal) a subprocess method's run")
+    ap.add_argument("--block-fa4", action="store_true", help="make flash-attn-4 unimportable")
     a = ap.parse_args(argv)
+    if a.block_fa4:
+        sys.meta_path.insert(0, _NoFlashAttn())
     device = torch.device("cpu" if a.dry_run else a.device)
     sz = Sizes(a.dry_run)
+    if a.n:
+        sz.bench_n = [int(x) for x in a.n.split(",")]
+    if a.configs:
+        sz.configs = [tuple(int(v) for v in c.split("x")) for c in a.configs.split(",")]
+    causal = {"no": [False], "yes": [True], "both": [False, True]}[a.causal]
+    passes = a.passes.split(",")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + a.budget_s
     left = lambda: deadline - time.monotonic()  # noqa: E731
-    jsonl = out / ("prev.jsonl" if a.tag == "prev" else "views.jsonl")
+    jsonl = out / (f"{a.tag}.jsonl" if a.tag else "views.jsonl")
     jsonl.write_text(json.dumps(header(device)) + "\n")
     records: list[dict] = []
 
@@ -477,29 +678,24 @@ def main(argv: list[str] | None = None) -> int:
             f.write(json.dumps(rec) + "\n")
         print(json.dumps(rec), flush=True)
 
-    stages = a.stages.split(",")
-    methods = a.methods.split(",") if a.tag is None else [a.tag]
-    for stage in stages:
+    methods = a.methods.split(",")
+    here = [m for m in methods if a.tag or m not in SUBPROCESS]
+    for stage in a.stages.split(","):
         t0 = time.perf_counter()
         if stage == "check":
             stage_check(sz, device, emit, left)
         elif stage == "dense":
             stage_dense(sz, device, emit, left)
         elif stage == "bench":
-            stage_bench(sz, device, emit, left, methods)
-            if a.prev and left() > 30:
-                budget = str(int(left() - 10))
-                cmd = [sys.executable, str(BENCH), "views", "--out", str(out), "--stages", "bench",
-                       "--tag", "prev", "--budget-s", budget, "--device", a.device]  # fmt: skip
-                if a.dry_run:
-                    cmd.append("--dry-run")
-                penv = dict(os.environ, PYTHONPATH=os.pathsep.join(
-                    [str(Path(a.prev).resolve()), os.environ.get("PYTHONPATH", "")]))  # fmt: skip
-                rc = subprocess.run(cmd, env=penv, timeout=max(left(), 1)).returncode
-                prev = [json.loads(x) for x in (out / "prev.jsonl").read_text().splitlines()]
-                for rec in prev:
-                    if rec.get("kind") != "run":  # its header stays in prev.jsonl
-                        emit(dict(rec, prev_rc=rc))
+            if here:
+                stage_bench(sz, device, emit, left, here, causal, passes)
+            sub = [m for m in methods if not a.tag and m in SUBPROCESS]
+            for i, method in enumerate(sub):
+                budget = (left() - 5) / (len(sub) - i)
+                if budget < 30:
+                    emit({"stage": "bench", "method": method, "status": "skipped (budget)"})
+                else:
+                    _subprocess_method(a, method, out, budget, emit)
         elif stage == "big":
             stage_big(sz, device, emit, left)
         else:

@@ -5,23 +5,29 @@
 
 prints the forward's and the backward's route (ring_attention/local/dispatch.py:
 our kernels or dense attention per branch, the table row or the reason),
-the environment it read (ring_attention/core/config.py), the spans and, per
+the environment it read (ring_attention/core/config.py), the windows and, per
 branch, its dense calls and the backend each takes. It needs no GPU:
-``--capability`` stands in for the device's compute capability.
+``--capability`` stands in for the device's compute capability. Every
+option is checked before anything is decided: a bad one exits 2 with
+argparse's message naming it.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections import Counter
 
 import torch
 
 from .core import config
+from .core.geometry import MAX_SEQ_LEN
 from .core.pattern import Pattern
 from .local.dispatch import Route, decide
+from .planner.cli_types import int_in
+from .planner.pairs import MAX_HEADS
 
 __all__ = ["describe", "main"]
 
@@ -37,7 +43,7 @@ def describe(
     capability: tuple[int, int],
 ) -> str:
     """The report :func:`main` prints."""
-    rows = config.span_rows()
+    rows = config.window_rows()
     named = config.dense_backend()
     routes: dict[str, Route] = {}
     for pass_ in ("forward", "backward"):
@@ -60,19 +66,19 @@ def describe(
     for pass_, r in routes.items():
         path = "dense per branch" if r.dense else "our kernel"
         lines.append(f"{pass_}: {path}: {r.why}")
-    plan = next((r.spans for r in routes.values() if r.spans is not None), None)
+    plan = next((r.plan for r in routes.values() if r.plan is not None), None)
     if plan is None:
         return "\n".join(lines)
-    sizes = Counter(w.length for w in plan.spans)
+    sizes = Counter(w.length for w in plan.windows)
     lines.append(
-        f"spans: {', '.join(f'{c} x {s} rows' for s, c in sorted(sizes.items()))}; "
+        f"windows: {', '.join(f'{c} x {s} rows' for s, c in sorted(sizes.items()))}; "
         f"{plan.calls} dense calls a pass"
     )
     for b, (w, r_) in enumerate(pattern.branches):
         shapes = Counter()
         backends = {p: Counter() for p in routes}
-        for i, span in enumerate(plan.spans):
-            for j, call in enumerate(span.calls):
+        for i, window in enumerate(plan.windows):
+            for j, call in enumerate(window.calls):
                 if call.branch != b:
                     continue
                 shapes[(call.segments, call.rows, call.q_heads, call.kv_heads)] += 1
@@ -95,46 +101,94 @@ def _env(name: str, default: str) -> str:
     return os.environ.get(name, default)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _device(text: str) -> torch.device:
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected cpu or cuda (cuda:N), got {text!r}")
+    return device
+
+
+def _capability(text: str) -> tuple[int, int]:
+    m = re.fullmatch(r"\s*(\d{1,3})\.(\d{1,3})\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"expected MAJOR.MINOR (e.g. 9.0), got {text!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The options, each checked while parsing (:mod:`.planner.cli_types`)."""
     ap = argparse.ArgumentParser(prog="python -m ring_attention.info", description=__doc__)
-    ap.add_argument("--seq-len", type=int, required=True)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
-    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--seq-len", type=int_in(1, MAX_SEQ_LEN), required=True)
+    ap.add_argument("--heads", type=int_in(1, MAX_HEADS), default=16)
+    ap.add_argument("--kv-heads", type=int_in(1, MAX_HEADS), default=None, help="default: --heads")
+    ap.add_argument("--head-dim", type=int_in(1, 2**16), default=128)
     ap.add_argument(
         "--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32", "float64"]
     )
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--capability", default=None, help="e.g. 9.0 (default: the device's)")
-    ap.add_argument("--segments", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
-    ap.add_argument("--dilations", type=int, nargs="+", default=[1, 2, 4, 6, 12])
+    ap.add_argument(
+        "--device", type=_device, default="cuda" if torch.cuda.is_available() else "cpu"
+    )
+    ap.add_argument(
+        "--capability", type=_capability, default=None, help="e.g. 9.0 (default: the device's)"
+    )
+    ap.add_argument(
+        "--segments", type=int_in(1, MAX_SEQ_LEN), nargs="+",
+        default=[2048, 4096, 8192, 16384, 32768],
+    )  # fmt: skip
+    ap.add_argument("--dilations", type=int_in(1, MAX_SEQ_LEN), nargs="+", default=[1, 2, 4, 6, 12])
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--head-groups", action="store_true")
     ap.add_argument("--head-offsets", default="modulo", choices=["modulo", "grouped"])
-    ap.add_argument("--cu-seqlens", type=int, nargs="+", default=None)
-    args = ap.parse_args(argv)
-    device = torch.device(args.device)
-    if args.capability is not None:
-        major, minor = (int(x) for x in args.capability.split("."))
-        capability = (major, minor)
-    elif device.type == "cuda":
-        capability = torch.cuda.get_device_capability(device)
-    else:
-        capability = (0, 0)
-    pattern = Pattern(
-        args.segments, args.dilations, causal=args.causal, head_groups=args.head_groups,
-        head_offsets=args.head_offsets,
-    ).with_documents(args.cu_seqlens)  # fmt: skip
-    heads = args.heads
-    kv_heads = args.kv_heads or heads
-    if heads % kv_heads:
-        ap.error(f"--kv-heads must divide --heads {heads}, got {kv_heads}")
-    pattern.check_heads(heads)
-    pattern.check_length(args.seq_len)
+    ap.add_argument("--cu-seqlens", type=int_in(0, MAX_SEQ_LEN), nargs="+", default=None)
+    return ap
+
+
+def _checked(ap: argparse.ArgumentParser, option: str, check):
+    """``check()``, its ``ValueError`` reported as argparse does, naming ``option``."""
+    try:
+        return check()
+    except ValueError as exc:
+        ap.error(f"argument {option}: {exc}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the route; the exit status (2: a bad option, said as argparse
+    does, naming it)."""
+    ap = _parser()
+    try:
+        args = ap.parse_args(argv)
+        if args.device.type == "cuda" and args.capability is None and (
+            not torch.cuda.is_available()
+        ):  # fmt: skip
+            ap.error("argument --capability: give it (e.g. 9.0): this machine has no CUDA device")
+        if args.capability is not None:
+            capability = args.capability
+        elif args.device.type == "cuda":
+            capability = torch.cuda.get_device_capability(args.device)
+        else:
+            capability = (0, 0)
+        heads = args.heads
+        kv_heads = heads if args.kv_heads is None else args.kv_heads
+        if heads % kv_heads:
+            ap.error(f"argument --kv-heads: must divide --heads {heads}, got {kv_heads}")
+        pattern = _checked(ap, "--segments/--dilations", lambda: Pattern(
+            args.segments, args.dilations, causal=args.causal, head_groups=args.head_groups,
+            head_offsets=args.head_offsets,
+        ))  # fmt: skip
+        pattern = _checked(ap, "--cu-seqlens", lambda: pattern.with_documents(args.cu_seqlens))
+        _checked(ap, "--heads", lambda: pattern.check_heads(heads))
+        _checked(ap, "--seq-len" if args.cu_seqlens is None else "--cu-seqlens",
+                 lambda: pattern.check_length(args.seq_len))  # fmt: skip
+    except SystemExit as exc:  # argparse: --help (0) or a bad option (2)
+        return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
     dtype = getattr(torch, args.dtype)
     print(
-        describe(pattern, args.seq_len, heads, kv_heads, args.head_dim, dtype, device, capability)
-    )
+        describe(pattern, args.seq_len, heads, kv_heads, args.head_dim, dtype, args.device,
+                 capability)
+    )  # fmt: skip
     return 0
 
 

@@ -5,6 +5,8 @@
 #
 #   bash scripts/fa4_install.sh          # unpack what this call carried; install when complete
 #   source <(bash scripts/fa4_install.sh --env)   # PYTHONPATH for the installed copy
+#   bash scripts/fa4_install.sh --stand-in DIR    # stand-in parts for a dry run: DIR/call1/a,
+#                                                 # DIR/call2/b (a tiny flash_attn.cute, cutlass)
 #
 # Exit status: 0 installed (and flash_attn.cute imports), 3 a part is still
 # missing (the message says which), 1 anything else.
@@ -21,6 +23,26 @@ PATHS="$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages"
 if [[ "${1:-}" == "--env" ]]; then
   echo "export PYTHONPATH=$PATHS\${PYTHONPATH:+:\$PYTHONPATH}"
   exit 0
+fi
+if [[ "${1:-}" == "--stand-in" ]]; then
+  "$PY" - "${2:?--stand-in needs a folder}" <<'EOF'
+import io, lzma, os, sys, tarfile, zipfile
+root = sys.argv[1]
+a, b = os.path.join(root, "call1", "a"), os.path.join(root, "call2", "b")
+os.makedirs(a, exist_ok=True)
+os.makedirs(b, exist_ok=True)
+big = "./nvidia_cutlass_dsl/dsl_packages/cutlass/_mlir/_cutlass_ir.cu13.so"
+open(os.path.join(a, "path.txt"), "w").write(big + "\n")
+open(os.path.join(a, "cutlass_ir.so.xz"), "wb").write(lzma.compress(b"stand-in module"))
+with zipfile.ZipFile(os.path.join(b, "stand_in-1.0-py3-none-any.whl"), "w") as whl:
+    whl.writestr("flash_attn/__init__.py", "")
+    whl.writestr("flash_attn/cute/__init__.py", "__version__ = 'stand-in'\n")
+with tarfile.open(os.path.join(b, "libs_cu13_rest.tar.xz"), "w:xz") as tar:
+    info = tarfile.TarInfo("./nvidia_cutlass_dsl/dsl_packages/cutlass/__init__.py")
+    tar.addfile(info, io.BytesIO(b""))
+print("fa4_install: stand-in parts in", root)
+EOF
+  exit $?
 fi
 mkdir -p "$DEST/a" "$DEST/b"
 for part in a b; do

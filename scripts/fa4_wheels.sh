@@ -11,24 +11,17 @@
 # carried into build/fa4 (kept while the machine stays warm) and installs once
 # both are there. Two calls, back to back on the same machine:
 #
-#   carry .fa4/a:  bash scripts/fa4_install.sh; GPU_CHECK_TOTAL_S=... bash scripts/gpu_check.sh ...
-#   carry .fa4/b:  GPU_CHECK_TOTAL_S=... bash scripts/gpu_check.sh --stages fa4
+#   call 1, carry .fa4/a .prev:  bash scripts/gpu_check.sh --call 1   (unpacks part a)
+#   call 2, carry .fa4/b:        bash scripts/gpu_check.sh --call 2   (installs, measures)
+# (bash scripts/gpu_check.sh --plan prints both invocations with their budgets)
 #
 # Usage: bash scripts/fa4_wheels.sh   (from anywhere; ~4 minutes, mostly xz)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-# The GPU image has torch, einops, cuda-bindings, protobuf, typing-extensions.
-PINS=(
-  flash-attn-4==4.0.0b36
-  quack-kernels==0.6.5
-  nvidia-cutlass-dsl==4.8.1
-  nvidia-cutlass-dsl-libs-base==4.8.1
-  nvidia-cutlass-dsl-libs-core==4.8.1
-  nvidia-cutlass-dsl-libs-cu13==4.8.1
-  apache-tvm-ffi==0.1.15.post2
-  torch-c-dlpack-ext==0.1.5
-)
+# The pins (scripts/fa4_pins.txt) but the "cpu-only" ones: the GPU image has
+# torch, einops, cuda-bindings, protobuf, typing-extensions.
+mapfile -t PINS < <(sed -e 's/#.*//' scripts/fa4_pins.txt | grep -v -e '^ *$' -e '^cpu-only:')
 PY=${PYTHON:-python3}
 DL=build/fa4_download
 rm -rf .fa4 "$DL"

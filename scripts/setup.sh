@@ -6,6 +6,8 @@
 #
 #   bash scripts/setup.sh              # everything
 #   bash scripts/setup.sh --no-build   # the environment only (scripts/lint.sh)
+#   bash scripts/setup.sh --fa4        # also flash-attn-4 for the CPU interface check
+#                                      # (scripts/fa4_cpu.sh: ~1 min, 300 MB; opt-in)
 #
 # A new .venv sees the base interpreter's packages (--system-site-packages)
 # when that interpreter already has torch >= 2.4 (e.g. a GPU machine with
@@ -21,10 +23,12 @@ venv=$root/.venv
 py=$venv/bin/python
 logs=$root/build/logs
 build=1
+fa4=0
 for arg in "$@"; do
   case "$arg" in
     --no-build) build=0 ;;
-    -h | --help) sed -n '2,16p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --fa4) fa4=1 ;;
+    -h | --help) sed -n '2,18p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "setup: unknown argument $arg (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -102,6 +106,9 @@ mapfile -t missing < <(value missing)
 if ((${#missing[@]})); then
   echo "setup: installing ${missing[*]}"
   "${pip[@]}" -q "${missing[@]}" 2>&1 | { grep -v '^WARNING: Location' || true; }
+fi
+if ((fa4)); then
+  PYTHON=$py bash scripts/fa4_cpu.sh
 fi
 ((build)) || exit 0
 

@@ -505,9 +505,11 @@ def _is_tensor(value: Any) -> bool:
     return isinstance(value, torch.Tensor)
 
 
-def worker(start: int) -> None:
-    """Run cases from ``start`` on, printing ``S i`` before and ``E i
-    result`` after each (the parent's record of where a crash or hang was)."""
+def worker(start: int, kind: str = "api") -> None:
+    """Run cases of ``kind`` (``"api"``: the entries and operators;
+    ``"cli"``: the command lines' options) from ``start`` on, printing
+    ``S i`` before and ``E i result`` after each (the parent's record of
+    where a crash or hang was)."""
     import resource
 
     import torch  # noqa: F401
@@ -515,24 +517,30 @@ def worker(start: int) -> None:
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     size = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
     resource.setrlimit(resource.RLIMIT_AS, (size + MEMORY_HEADROOM, hard))
-    table = _entries()
-    all_cases = cases()
+    if kind == "cli":
+        all_cases, run = cli_cases(), run_cli_case
+    else:
+        table = _entries()
+        all_cases, run = cases(), lambda *case: run_case(*case, table)
     for i in range(start, len(all_cases)):
         print(f"S {i}", flush=True)
-        result = run_case(*all_cases[i], table)
+        result = run(*all_cases[i])
         print(f"E {i} {result}".replace("\n", " "), flush=True)
 
 
-def run_all(limit: int | None = None) -> tuple[list[tuple[int, str]], int, float]:
-    """Every case through workers; (failures, cases run, seconds)."""
+def run_all(
+    limit: int | None = None, kind: str = "api"
+) -> tuple[list[tuple[int, str]], int, float]:
+    """Every case of ``kind`` (:func:`worker`) through workers; (failures,
+    cases run, seconds)."""
     tests = os.path.dirname(os.path.abspath(__file__))
-    n = len(cases())
+    n = len(cli_cases() if kind == "cli" else cases())
     if limit is not None:
         n = min(n, limit)
     failures: list[tuple[int, str]] = []
     start, t0 = 0, time.monotonic()
     while start < n and time.monotonic() - t0 < TOTAL_TIMEOUT:
-        script = f"import test_fuzz_arguments as f; f.worker({start})"
+        script = f"import test_fuzz_arguments as f; f.worker({start}, {kind!r})"
         proc = subprocess.Popen(  # tests/ on the child's path: its helpers
             [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True, bufsize=1, env=with_path(tests),
@@ -656,6 +664,98 @@ def test_op_schemas_are_fuzzed_from_the_registry() -> None:
         schema = getattr(torch.ops.ring_attention, name).default._schema
         _, base, _ = ops[f"torch.ops.ring_attention.{name}"]
         assert list(base) == [a.name for a in schema.arguments]
+
+
+# ---------------------------------------------------------------------------
+# The command lines: every option of ``python -m ring_attention.planner``
+# and ``python -m ring_attention.info``, read from their parsers.
+
+#: What every option is given in turn: zero, negative, fractional, NaN,
+#: infinite, a float's smallest and beyond its largest, beyond int64,
+#: malformed, empty.
+CLI_VALUES = ["0", "-1", "0.5", "nan", "inf", "-inf", "1e-320", "1e30", "1e400", str(2**63),
+              "x", ""]  # fmt: skip
+#: Valid command lines the options are fuzzed from (quick to answer): the
+#: ring at one length, the three modes compared, info's route.
+CLI_BASES = {
+    "planner": ["--gpus", "4", "--seq-len", "64K", "--heads", "4", "--head-dim", "64"],
+    "planner --mode compare": ["--mode", "compare", "--gpus", "4", "--gpus-per-node", "2",
+                               "--seq-len", "64K", "--heads", "4", "--head-dim", "64"],
+    "info": ["--seq-len", "4096", "--device", "cpu", "--dtype", "float32", "--head-dim", "64"],
+}  # fmt: skip
+
+
+def _cli(program: str):
+    """``(parser, main)`` of a command line."""
+    if program == "info":
+        from ring_attention import info
+
+        return info._parser(), info.main
+    from ring_attention.planner.cli import main
+    from ring_attention.planner.cli_args import build_parser
+
+    return build_parser(), main
+
+
+def cli_cases() -> list[tuple[str, str, str]]:
+    """(base, option, value) of every case: each base as it is, then every
+    option that takes a value, replaced (or added) with each of
+    ``CLI_VALUES``."""
+    out = []
+    for base in CLI_BASES:
+        parser, _ = _cli(base.split()[0])
+        out.append((base, "", ""))
+        for action in parser._actions:
+            if action.option_strings and action.nargs != 0:
+                out += [(base, action.option_strings[-1], v) for v in CLI_VALUES]
+    return out
+
+
+def run_cli_case(base: str, option: str, value: str) -> str:
+    """One case: "ok" (an answer: exit 0, no NaN or infinity in it),
+    "named" (exit 2, argparse's error or the planner's "Not possible:"
+    naming the option) or a failure description."""
+    import contextlib
+    import io
+    import traceback
+
+    _, main = _cli(base.split()[0])
+    argv = list(CLI_BASES[base])
+    if option in argv:  # replace the base's value (one value each)
+        del argv[argv.index(option) : argv.index(option) + 2]
+    if option:
+        argv += [option, value]
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(argv)
+    except BaseException as e:  # a traceback is the failure this looks for
+        return f"RAISED {type(e).__name__}: {str(e)[:200]} {traceback.format_exc()[-600:]}"
+    text = out.getvalue()
+    if not option:
+        return "ok" if code == 0 else f"BASELINE FAILED: exit {code}: {text[-300:]}"
+    if code == 0:
+        bad = re.search(r"(?<![A-Za-z_])(nan|inf)(?![A-Za-z_])", text, re.I)
+        return "ok" if not bad else f"NOT FINITE: ...{text[max(bad.start() - 150, 0) :][:300]}"
+    said = [line for line in err.getvalue().splitlines() if ": error: " in line]
+    said += [line for line in text.splitlines() if line.startswith("Not possible:")]
+    if code != 2 or not said:
+        return f"EXIT {code}: {(err.getvalue() + text)[-300:]}"
+    if any(re.search(rf"(?<![\w-]){re.escape(option)}(?![\w-])", line) for line in said):
+        return "named"
+    return f"UNNAMED: {said[-1][:300]}"
+
+
+def test_command_line_options_fuzz() -> None:
+    """Every option of the planner's and info's command lines, given zero,
+    negative, NaN, infinite, huge or malformed values: an answer, or exit 2
+    with a message naming the option; never a traceback, a hang or a
+    silent default (issue 46, items 10-11)."""
+    failures, n, seconds = run_all(kind="cli")
+    table = cli_cases()
+    lines = [f"{table[i][0]} {table[i][1]} {table[i][2]!r}: {why}" for i, why in failures]
+    print(f"{n} command-line cases in {seconds:.0f} s, {len(failures)} failures")
+    assert n > 600 and not failures, f"{len(failures)} of {n} cases failed:\n" + "\n".join(lines)
 
 
 if __name__ == "__main__":  # python tests/test_fuzz_arguments.py [N]: a report

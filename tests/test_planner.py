@@ -32,7 +32,15 @@ from ring_attention.core.layout import layout_pieces
 from ring_attention.core.multiplicity import multiplicity
 from ring_attention.core.pattern import Pattern
 from ring_attention.planner import pairs, progressions, traffic
-from ring_attention.planner.capacity import Setup, evaluate, fewest_ranks, largest_length
+from ring_attention.planner.capacity import (
+    Evaluation,
+    Setup,
+    evaluate,
+    fewest_ranks,
+    floor_peak,
+    floor_ranks,
+    largest_length,
+)
 from ring_attention.planner.cli import main
 from ring_attention.planner.cli_args import parse_size
 from ring_attention.planner.memory import layer_memories, transport_buffers
@@ -423,6 +431,33 @@ def test_fewest_ranks_is_the_fewest() -> None:
     assert evaluate(replace(setup, ranks=p - 1), 20000).training_peak > setup.usable
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_the_floor_bounds_the_peak_and_the_fewest_ranks_from_below(layout) -> None:
+    """floor_peak (the items that do not depend on the exchange, at the
+    longest shard) never exceeds the evaluated peak of any goal, so
+    floor_ranks never exceeds the fewest ranks; the command line refuses
+    from it what needs more ranks than the planner models."""
+    from dataclasses import replace
+
+    model = MODELS["24x2048"]
+    setup = _cpu_setup(memory=64 * 2**20, layout=layout, batch=2, dtype="bfloat16")
+    for n, p in [(20000, 1), (20000, 3), (20001, 5), (7, 4), (99999, 7)]:
+        ev = evaluate(replace(setup, ranks=p), n)
+        assert floor_peak(setup, n, p, "inference") <= ev.forward_peak
+        assert floor_peak(setup, n, p, "training") <= ev.training_peak
+        with_model = Evaluation(replace(ev.setup, model=model), n, ev.pattern, ev.traffic)
+        assert floor_peak(with_model.setup, n, p, "model") <= with_model.model_peak
+    fewest = fewest_ranks(setup, 20000, lambda e: e.training_peak)
+    low = floor_ranks(setup, 20000, "training")
+    assert fewest is not None and 1 <= low <= fewest.setup.ranks
+    assert floor_peak(setup, 20000, low, "training") <= setup.usable
+    assert low > 1  # (so the bound below is tested)
+    assert floor_peak(setup, 20000, low - 1, "training") > setup.usable
+    assert floor_ranks(setup, 20000, "training", high=low - 1) is None
+    tiny = _cpu_setup(memory=1000)  # one token per rank already needs more
+    assert floor_ranks(tiny, 10**9, "training") is None
+
+
 def test_parse_size() -> None:
     assert parse_size("80GB") == 80 * 10**9
     assert parse_size("24GiB") == 24 * 2**30
@@ -467,17 +502,33 @@ def test_cli_cpu_processes_at_a_length(capsys) -> None:
     [
         (["--gpus", "8", "--gpu-memory", "1GB", "--model", "llama2-7b", "--replicate-params"],
          "the largest item, parameters"),
-        (["--gpus", "8", "--heads", "16", "--kv-heads", "3"], "kv_heads must divide heads"),
         (["--gpus", "2", "--gpu-memory", "1GB", "--heads", "1", "--head-dim", "8", "--seq-len",
           "2e7"], "do not fit on 2 ranks"),
-        (["--gpus", "2", "--segments", "8", "--dilations", "9"], "dilation_rates[0]"),
-        (["--seq-len", "1e6", "--device", "cpu"], "fewest-ranks search is for GPUs"),
     ],
 )  # fmt: skip
 def test_cli_explains_impossible_requests(capsys, argv, reason) -> None:
     assert main(argv) == 2
     out = capsys.readouterr().out
     assert "Not possible" in out and reason in out, out
+
+
+@pytest.mark.parametrize(
+    "argv, option, reason",
+    [
+        (["--gpus", "8", "--heads", "16", "--kv-heads", "3"], "--kv-heads",
+         "kv_heads must divide heads"),
+        (["--gpus", "2", "--segments", "8", "--dilations", "9"], "--segments/--dilations",
+         "dilation_rates[0]"),
+        (["--seq-len", "1e6", "--device", "cpu"], "--seq-len", "fewest-ranks search is for GPUs"),
+    ],
+)  # fmt: skip
+def test_cli_refuses_bad_option_combinations(capsys, argv, option, reason) -> None:
+    """Options that do not go together: argparse's error naming one, exit 2."""
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    error = captured.err.strip().splitlines()[-1]
+    assert error.startswith(f"python -m ring_attention.planner: error: argument {option}: ")
+    assert reason in error and captured.out == "", captured
 
 
 _NO_EXTENSION = """

@@ -155,4 +155,4 @@ def test_cli_prints_both_schedules(capsys) -> None:
     assert "far group (transfers <= 500.00 kB)" in out
     assert "1 us per further message of a batch" in out
     assert main([*argv[:-1], "lots"]) == 2
-    assert "--far-bytes must be off, auto or a size" in capsys.readouterr().out
+    assert "--far-bytes must be off, auto or a size" in capsys.readouterr().err

@@ -5,6 +5,8 @@ hand count, and ``python -m ring_attention.planner --mode``."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -149,10 +151,42 @@ def test_grids_of_the_modes() -> None:
     assert grid_for("ring", 16, 8) == (16, 1)
     assert grid_for("ulysses", 16, 8) == (1, 16)
     assert grid_for("hybrid", 16, 8) == (2, 8)
-    assert grid_for("hybrid", 12, 8) == (2, 6)  # the largest divisor within a node
+    assert grid_for("hybrid", 6, 8) == (1, 6)  # one node: all its ranks
     assert grid_for("hybrid", 16, 8, ulysses=4) == (4, 4)
+    assert grid_for("hybrid", 12, 8, ulysses=4) == (3, 4)  # a half node, no group across two
+    assert grid_for("hybrid", 32, 8, ulysses=16) == (2, 16)
     with pytest.raises(ValueError, match="--ulysses 5 must divide"):
         grid_for("hybrid", 16, 8, ulysses=5)
+
+
+@pytest.mark.parametrize(
+    "ranks, per_node, ulysses, reason",
+    [
+        (8, 3, None, "8 ranks .* are not a whole number of nodes of --gpus-per-node 3"),
+        (12, 8, None, "12 ranks .* are not a whole number of nodes of --gpus-per-node 8"),
+        (24, 8, 3, "--ulysses 3 neither divides --gpus-per-node 8 nor is a multiple of it"),
+        (8, 3, 2, "--ulysses 2 neither divides --gpus-per-node 3"),
+    ],
+)
+def test_hybrid_grids_that_would_straddle_nodes_are_refused(
+    capsys, ranks, per_node, ulysses, reason
+) -> None:
+    """A Ulysses group is a run of consecutive ranks, and its all-to-alls are
+    modelled on the link inside a node: a grid whose groups would straddle
+    two nodes is refused (8 GPUs at 3 per node were planned as 4 x 2,
+    silently), on the command line too, naming the option."""
+    with pytest.raises(ValueError, match=reason):
+        grid_for("hybrid", ranks, per_node, ulysses)
+    argv = ["--gpus", str(ranks), "--gpus-per-node", str(per_node), "--seq-len", "64K"]
+    argv += ["--ulysses", str(ulysses)] if ulysses else []
+    for mode in ("hybrid", "compare"):
+        assert main(["--mode", mode, *argv]) == 2
+        done = capsys.readouterr()
+        assert done.out == "", done.out
+        error = done.err.strip().splitlines()[-1]
+        option = "--ulysses" if ulysses else "--gpus-per-node"
+        assert error.startswith(f"python -m ring_attention.planner: error: argument {option}: ")
+        assert re.search(reason, error), error
 
 
 def test_cli_compares_the_modes_and_advises(capsys) -> None:
@@ -169,7 +203,7 @@ def test_cli_compares_the_modes_and_advises(capsys) -> None:
 
 def test_cli_mode_needs_a_length(capsys) -> None:
     assert main(["--mode", "hybrid", "--gpus", "16"]) == 2
-    assert "needs --gpus/--processes and --seq-len" in capsys.readouterr().out
+    assert "needs --gpus/--processes and --seq-len" in capsys.readouterr().err
 
 
 def test_cli_hybrid_report(capsys) -> None:

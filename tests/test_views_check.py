@@ -52,31 +52,61 @@ def test_per_head_oracle_equals_the_oracle(kw) -> None:
 def test_dry_run_runs_every_stage(tmp_path: Path) -> None:
     vc = _script()
     # the earlier tree: this checkout itself, through the same subprocess
-    rc = vc.main(["--dry-run", "--out", str(tmp_path), "--budget-s", "600", "--prev", str(ROOT)])
+    rc = vc.main(
+        [
+            "--dry-run",
+            "--out",
+            str(tmp_path),
+            "--budget-s",
+            "600",
+            "--prev",
+            str(ROOT),
+            "--methods",
+            "dense,default,gather,flex,prev,torch",
+            "--n",
+            "256",
+        ]
+    )
     assert rc == 0
     head, *recs = [json.loads(x) for x in (tmp_path / "views.jsonl").read_text().splitlines()]
     # the header: when, where, which commit (benchmarks/report.py reads it)
     assert head["kind"] == "run" and head["sweep"] == "views"
     assert head["date"] and head["commit"] and head["device_name"].startswith("CPU")
     assert head["flash_attn_4"]  # a version, or why it does not import
+    assert head["argv"] and "env" in head  # the command line and the environment
     assert all("kind" not in r for r in recs)  # the earlier tree's header stays in prev.jsonl
     checks = [r for r in recs if r["stage"] == "check"]
     assert len(checks) == 10 and {r["status"] for r in checks} == {"ok"}
     assert {(r["path"], r["backend"]) for r in checks} == {("dense", "cpu"), ("kernel", None)}
     assert all("dense" in r["routes"][0] for r in checks if r["path"] == "dense")
-    bench = [r for r in recs if r["stage"] == "bench"]
-    assert {r["method"] for r in bench} == {"dense", "default", "prev"}
-    assert all(r["status"] == "ok" and r["ms"] > 0 for r in bench)
-    assert all(set(r["phases_ms"]) == {"calls", "merge", "finite", "other"} for r in bench
-               if r["method"] == "dense")  # fmt: skip
+    bench = [r for r in recs if r["stage"] == "bench" and "method" in r]
+    assert {r["method"] for r in bench} == {"dense", "default", "gather", "flex", "prev", "torch"}
+    # flex has no backward on the CPU: recorded as skipped, with why
+    assert all(r["status"] == "ok" and r["ms"] > 0 for r in bench
+               if not (r["method"] == "flex" and r["pass"] == "fwdbwd"))  # fmt: skip
+    # causal and not, each point's share of the matmul rate measured in the stage
+    assert {r["causal"] for r in bench} == {False, True} and all(
+        "of_mm" in r for r in bench if r["status"] == "ok"
+    )
+    # the dense path's phases: the median of 3 calls, each call's kept
+    dense = [r for r in bench if r["method"] == "dense"]
+    assert all(set(r["phases_ms"]) == {"calls", "merge", "finite", "other"} for r in dense)
+    assert all(len(r["phases_samples"]) == 3 for r in dense)
+    for r in dense:
+        for p, ms in r["phases_ms"].items():
+            assert ms == pytest.approx(sorted(s[p] for s in r["phases_samples"])[1], abs=0.01)
     assert len([r for r in bench if r["method"] == "prev"]) == 4
+    # the torch method's subprocess ran with flash-attn-4 hidden, said in its header
+    torch_head = json.loads((tmp_path / "torch.jsonl").read_text().splitlines()[0])
+    assert "hidden" in torch_head["flash_attn_4"]
     dense = [r for r in recs if r["stage"] == "dense" and "backend" in r]
     assert {r["status"] for r in dense if r["backend"] == "flash"} == {"ok"}
     assert all(r["status"].startswith("skipped") for r in dense if r["backend"] == "fa4")
     (big,) = [r for r in recs if r["stage"] == "big"]
     assert big["status"] == "ok"
     summary = (tmp_path / "summary.md").read_text()
-    assert "against the float64 oracle" in summary and "| 512 | 2x16 | fwdbwd | prev |" in summary
+    assert "against the float64 oracle" in summary
+    assert "| 256 | 2x16 | yes | fwdbwd | prev |" in summary
 
 
 def test_host_overhead_runs_a_tree_against_another(tmp_path: Path) -> None:

@@ -257,7 +257,7 @@ def ring_forward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(out, lse, global length)`` of the ring call registered as ``spec``
     (``torch.ops.ring_attention.ring_forward``, defined by
-    :mod:`ring_attention.ring_ops`: an operator ``torch.compile`` keeps opaque)."""
+    :mod:`ring_attention.parallel.ring_ops`: an operator ``torch.compile`` keeps opaque)."""
     return _OPS.ring_forward(q, k, v, documents, spec, needs_grad)
 
 

@@ -10,14 +10,32 @@ from functools import cached_property
 from ..core.checks import check_int
 from ..core.geometry import MAX_SEQ_LEN
 from ..core.pattern import Pattern, as_flag
-from .memory import DTYPE_BYTES, LayerMemory, layer_memories
+from .memory import (
+    DTYPE_BYTES,
+    LayerMemory,
+    layer_memories,
+    own_memory,
+)
 from .model import model_memory, model_step_seconds
 from .presets import ModelShape, make_pattern
-from .throughput import Rates, assumed_rates, dtype_name, rates_from_records
+from .throughput import (
+    Rates,
+    assumed_rates,
+    dtype_name,
+    rates_from_records,
+)
 from .timing import Link, RankTime, layer_times
-from .traffic import Traffic, predict_traffic
+from .traffic import MAX_WORLD_SIZE, Traffic, predict_traffic
 
-__all__ = ["Evaluation", "Setup", "evaluate", "fewest_ranks", "largest_length"]
+__all__ = [
+    "Evaluation",
+    "Setup",
+    "evaluate",
+    "fewest_ranks",
+    "floor_peak",
+    "floor_ranks",
+    "largest_length",
+]
 
 
 @dataclass(frozen=True)
@@ -237,11 +255,13 @@ def largest_length(
     *,
     rel_tol: float = 0.005,
     cache: dict[int, Evaluation] | None = None,
+    progress: Callable[[int, bool], None] | None = None,
 ) -> Evaluation | None:
     """The longest sequence (within ``rel_tol``, or one token per rank)
     whose ``peak`` fits in ``setup.usable``; ``None`` when one token per rank
     does not fit. ``cache`` (length -> evaluation) shares evaluations
-    between searches of one setup.
+    between searches of one setup; ``progress(length, fits)`` is called
+    after each new evaluation. Lengths stay within ``MAX_SEQ_LEN``.
 
     Memory grows about linearly with ``n``: after ``n = p`` and ``n = 1024
     p`` the next length is where the line through the last two fitting
@@ -251,13 +271,15 @@ def largest_length(
     p, budget = setup.ranks, setup.usable
     cache = {} if cache is None else cache
 
+    def over(ev: Evaluation) -> int:  # <= 0: fits
+        return peak(ev) - budget
+
     def at(n: int) -> Evaluation:
         if n not in cache:
             cache[n] = evaluate(setup, n)
+            if progress is not None:
+                progress(n, over(cache[n]) <= 0)
         return cache[n]
-
-    def over(ev: Evaluation) -> int:  # <= 0: fits
-        return peak(ev) - budget
 
     lo = at(p)
     if over(lo) > 0:
@@ -281,7 +303,7 @@ def largest_length(
             slope = (over(lo) - over(prev)) / (lo.seq_len - prev.seq_len)
             if slope > 0:
                 cand = int(1.01 * (lo.seq_len - over(lo) / slope))
-        tried(at(min(max(cand, lo.seq_len + p), 1024 * lo.seq_len)))
+        tried(at(min(max(cand, lo.seq_len + p), 1024 * lo.seq_len, MAX_SEQ_LEN)))
     while hi is not None and hi.seq_len - lo.seq_len > max(p, rel_tol * lo.seq_len):
         # the line through lo and hi meets the budget at est: try just below and above it
         width = hi.seq_len - lo.seq_len
@@ -303,13 +325,15 @@ def fewest_ranks(
     peak: Peak,
     *,
     rel_tol: float = 0.02,
-    limit: int = 1 << 17,
+    limit: int = MAX_WORLD_SIZE,
     progress: Callable[[int, bool], None] | None = None,
 ) -> Evaluation | None:
     """The fewest ranks at which ``seq_len`` tokens fit (exact up to 50
     ranks, within ``rel_tol`` above), or ``None`` when more than ``limit``
-    would be needed. ``progress(ranks, fits)`` is called after each
-    evaluation (the command line's progress line).
+    (at most the ``MAX_WORLD_SIZE`` ranks the traffic model takes) would be
+    needed. ``progress(ranks, fits)`` is called after each evaluation (the
+    command line's progress line); :func:`floor_ranks` bounds the answer
+    from below without evaluating.
 
     The peak per rank is about ``a + b / p``: the first guess is where
     ``b / p`` alone (``b`` = the peak on one rank) meets the budget; each
@@ -319,6 +343,7 @@ def fewest_ranks(
     tokens on 80 GB GPUs: about five evaluations near the answer.
     """
     budget = setup.usable
+    limit = check_int(limit, "limit", 1, MAX_WORLD_SIZE)
 
     def at(p: int) -> Evaluation:
         ev = evaluate(replace(setup, ranks=p), seq_len)
@@ -367,3 +392,46 @@ def _meets(a: tuple[int, int], b: tuple[int, int], budget: int) -> float | None:
     v = (y1 - y2) / (1 / p1 - 1 / p2)
     u = y1 - v / p1
     return v / (budget - u) if v > 0 and budget > u else None
+
+
+def floor_peak(setup: Setup, seq_len: int, ranks: int, goal: str) -> int:
+    """A lower bound of the worst rank's peak for ``goal`` (``"inference"``,
+    ``"training"`` or ``"model"``) at ``ranks`` ranks, in closed form: the
+    items that do not depend on the exchange (:func:`.memory.own_memory`)
+    of the rank holding the longest shard (at least ``ceil(seq_len /
+    ranks)`` rows), and for ``"model"`` the whole model's items on top."""
+    local = -(-seq_len // ranks)
+    s = setup
+    m = own_memory(local, s.heads, s.kv_heads, s.batch, s.head_dim, s.itemsize)
+    if goal == "inference":
+        return m.forward_peak
+    if goal == "training":
+        return m.training_peak
+    if s.model is None:
+        raise ValueError(f"goal must be inference or training without a model, got {goal!r}")
+    items = model_memory(
+        s.model, m, s.batch * local, s.itemsize, ranks,
+        checkpointing=s.checkpointing, shard_params=s.shard_params,
+    )  # fmt: skip
+    return sum(items.values())
+
+
+def floor_ranks(setup: Setup, seq_len: int, goal: str, high: int = MAX_SEQ_LEN) -> int | None:
+    """The fewest ranks (up to ``high``) at which :func:`floor_peak` fits
+    in ``setup.usable``: no fewer ranks can hold ``seq_len`` tokens (a lower
+    bound of :func:`fewest_ranks`, in microseconds). ``None`` when not even
+    ``high`` ranks do. The floor falls with more ranks beyond two (one rank
+    gathers no weights), so a bisection finds it."""
+    budget = setup.usable
+    if floor_peak(setup, seq_len, 1, goal) <= budget:
+        return 1
+    if high < 2 or floor_peak(setup, seq_len, high, goal) > budget:
+        return None
+    lo, hi = 1, high  # lo: too few (or one), hi: enough
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if floor_peak(setup, seq_len, mid, goal) <= budget:
+            hi = mid
+        else:
+            lo = mid
+    return hi

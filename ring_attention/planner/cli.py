@@ -22,7 +22,8 @@ import sys
 import time
 from collections.abc import Sequence
 
-from .capacity import Setup, evaluate, fewest_ranks, largest_length
+from ..geometry import MAX_SEQ_LEN
+from .capacity import Setup, evaluate, fewest_ranks, floor_peak, floor_ranks, largest_length
 from .cli_args import parse_args
 from .cli_report import (
     ASSUMPTIONS,
@@ -35,41 +36,70 @@ from .cli_report import (
     model_lines,
 )
 from .cli_setup import Impossible, build_setup
+from .cli_types import MAX_BYTES
 from .model import activation_bytes_per_token
 from .modes_cli import mode_report
+from .traffic import MAX_WORLD_SIZE
 
 __all__ = ["main", "run"]
 
 
 class _Progress:
-    """The fewest-ranks search's progress on one line of stderr (rewritten
-    in place), shown only to a terminal and without ``--quiet``."""
+    """A search's progress on stderr, and its time limit.
 
-    def __init__(self, seq_len: int, quiet: bool) -> None:
-        self.on = not quiet and sys.stderr.isatty()
-        self.seq_len, self.tries, self.fits, self.fails = seq_len, 0, None, 0
-        self.start = time.monotonic()
+    On a terminal one line, rewritten in place; elsewhere (a pipe, a log) a
+    line per evaluation once the search has run ``_QUIET_SECONDS``; nothing
+    with ``--quiet``. Past ``limit`` seconds the search stops after the
+    evaluation under way (:class:`Impossible`, with what it found)."""
 
-    def __call__(self, ranks: int, fits: bool) -> None:
-        self.tries += 1
-        if fits:
-            self.fits = ranks if self.fits is None else min(self.fits, ranks)
-        else:
-            self.fails = max(self.fails, ranks)
-        if self.on:
-            best = f"fits on {self.fits:,}" if self.fits is not None else "no fit yet"
-            sys.stderr.write(
-                f"\rplanner: fewest ranks for {fmt_tokens(self.seq_len)} tokens: "
-                f"{self.tries} tried ({ranks:,} last), {best}, not on {self.fails:,}, "
-                f"{time.monotonic() - self.start:.0f} s\033[K"
-            )
+    def __init__(
+        self, what: str, unit: str, limit: float, quiet: bool, start: float | None = None
+    ) -> None:
+        self.what, self.unit, self.limit = what, unit, limit
+        self.tty = not quiet and sys.stderr.isatty()
+        self.lines = not quiet and not self.tty
+        self.tries, self.last, self.fits, self.fails = 0, 0, [], []
+        self.start = time.monotonic() if start is None else start
+
+    def state(self) -> str:
+        """What the search has found: the best value that fits, the nearest that does not."""
+        tried = f"{self.tries} tried ({self.last:,} last)"
+        if self.unit == "ranks":  # the fewest that fit, the most that do not
+            best, worst = min(self.fits, default=None), max(self.fails, default=0)
+            found = "no fit yet" if best is None else f"fits on {best:,}"
+            return f"{tried}, {found}, not on {worst:,}"
+        best, worst = max(self.fits, default=None), min(self.fails, default=None)
+        found = "no fit yet" if best is None else f"fits at {best:,}"
+        return f"{tried}, {found}, " + (
+            "none too long yet" if worst is None else f"not at {worst:,}"
+        )
+
+    def __call__(self, value: int, fits: bool) -> None:
+        self.tries, self.last = self.tries + 1, value
+        (self.fits if fits else self.fails).append(value)
+        elapsed = time.monotonic() - self.start
+        text = f"planner: {self.what}: {self.state()}, {elapsed:.0f} s"
+        if self.tty:
+            sys.stderr.write(f"\r{text}\033[K")
             sys.stderr.flush()
+        elif self.lines and elapsed >= _QUIET_SECONDS:
+            sys.stderr.write(text + "\n")
+            sys.stderr.flush()
+        if elapsed > self.limit:
+            raise Impossible(
+                f"the search for the {self.what} stopped after {elapsed:.0f} s (--time-limit "
+                f"{self.limit:g}): {self.state()} {self.unit}; raise --time-limit, or give "
+                + ("--gpus/--processes" if self.unit == "ranks" else "--seq-len")
+            )
 
     def done(self) -> None:
-        if self.on and self.tries:
+        if self.tty and self.tries:
             sys.stderr.write("\r\033[K")
             sys.stderr.flush()
 
+
+#: Seconds a search runs before its progress goes to a stderr that is not a terminal.
+_QUIET_SECONDS = 10.0
 
 _LABELS = {
     "inference": "one attention layer, inference (forward)",
@@ -88,47 +118,71 @@ def _peak_fns(s: Setup):
     return fns
 
 
+def _too_large(setup: Setup, seq_len: int, goal: str, limit: int) -> str | None:
+    """Why ``seq_len`` tokens need more ranks than the planner models
+    (``limit``), from the closed-form floor of the peak; ``None`` when
+    ``limit`` ranks may hold them."""
+    if floor_ranks(setup, seq_len, goal, limit) is not None:
+        return None
+    floor = floor_peak(setup, seq_len, limit, goal)
+    need = floor_ranks(setup, seq_len, goal)
+    what = (
+        f"{fmt_tokens(seq_len)} tokens need more than {limit:,} ranks with "
+        f"{fmt_bytes(setup.usable)} usable each ({goal}): at {limit:,} ranks the items that do "
+        "not depend on the exchange (inputs, accumulators, casts"
+        f"{', the model' * (goal == 'model')}"
+        f") alone take {fmt_bytes(floor)} per rank"
+    )
+    if need is None:
+        top = floor_peak(setup, seq_len, MAX_SEQ_LEN, goal)
+        return (
+            f"{what}, and {fmt_bytes(top)} with one token per rank: no number of ranks holds "
+            "them (what does not shrink with more ranks exceeds the memory)"
+        )
+    return (
+        f"{what}; at least {need:,} ranks would be needed, and the planner models at most "
+        f"{limit:,} (its tables of rank pairs grow as the square of the ranks)"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
-    """Plan and print; returns the exit status (2: impossible, explained)."""
+    """Plan and print (``args`` from :func:`.cli_args.parse_args`, checked);
+    returns the exit status (2: impossible, explained)."""
     ranks = args.gpus if args.gpus is not None else args.processes
     try:
-        if ranks is not None and ranks < 1:
-            raise Impossible(f"the number of ranks must be >= 1, got {ranks}")
-        if ranks is None and args.seq_len is None:
-            raise Impossible(
-                "give --gpus/--processes (longest sequence) or --seq-len (fewest ranks)"
-            )
         setup = build_setup(args, ranks or 1)
-        if ranks is None and setup.device == "cpu":
-            raise Impossible(
-                "the fewest-ranks search is for GPUs (CPU processes on one machine share its "
-                "memory): give --gpus or --gpu-memory, or --processes"
-            )
         setup.pattern_at(max(args.seq_len or 1, 1)).check_heads(setup.heads)
-        if setup.usable <= 0:
-            raise Impossible(
-                f"the reserve ({fmt_bytes(setup.reserve)}) leaves no memory of "
-                f"{fmt_bytes(setup.memory)} per rank"
-            )
-        if args.mode != "ring":  # Ulysses, the hybrid, or the three compared
-            if ranks is None or args.seq_len is None:
-                raise Impossible(f"--mode {args.mode} needs --gpus/--processes and --seq-len")
-            print("\n".join(header(setup, args) + mode_report(args, setup, args.seq_len)))
-            return 0
         peaks = _peak_fns(setup)
         goal = "model" if setup.model is not None else "training"
+        if ranks is not None and args.seq_len is not None:
+            floor = floor_peak(setup, args.seq_len, ranks, "inference")
+            if floor > MAX_BYTES:  # beyond any memory: no need to count (nor overflow) it
+                raise Impossible(
+                    f"{fmt_tokens(args.seq_len)} tokens do not fit on {ranks} ranks: their "
+                    f"inputs and accumulators alone take {fmt_bytes(floor)} per rank, "
+                    f"{fmt_bytes(setup.usable)} usable"
+                )
+        if args.mode != "ring":  # Ulysses, the hybrid, or the three compared
+            print("\n".join(header(setup, args) + mode_report(args, setup, args.seq_len)))
+            return 0
         out = []
         if ranks is None:  # fewest ranks for --seq-len
-            progress = _Progress(args.seq_len, args.quiet)
+            why = _too_large(setup, args.seq_len, goal, MAX_WORLD_SIZE)
+            if why is not None:
+                raise Impossible(why)
+            progress = _Progress(
+                f"fewest ranks for {fmt_tokens(args.seq_len)} tokens", "ranks", args.time_limit,
+                args.quiet,
+            )  # fmt: skip
             try:
                 ev = fewest_ranks(setup, args.seq_len, peaks[goal], progress=progress)
             finally:
                 progress.done()
             if ev is None:
                 raise Impossible(
-                    f"{args.seq_len:,} tokens do not fit on any number of ranks up to 131072 with "
-                    f"{fmt_bytes(setup.usable)} usable each (what does not shrink with more "
-                    "ranks, e.g. replicated parameters, exceeds it)"
+                    f"{args.seq_len:,} tokens do not fit on any number of ranks up to "
+                    f"{MAX_WORLD_SIZE:,} with {fmt_bytes(setup.usable)} usable each (what does "
+                    "not shrink with more ranks, e.g. replicated parameters, exceeds it)"
                 )
             setup = ev.setup
             out += header(setup, args)
@@ -161,7 +215,16 @@ def run(args: argparse.Namespace) -> int:
             out += header(setup, args)
             out.append("")
             cache: dict = {}
-            longest = {name: largest_length(setup, fn, cache=cache) for name, fn in peaks.items()}
+            longest, start = {}, time.monotonic()
+            for name, fn in peaks.items():  # the searches share evaluations and the time limit
+                progress = _Progress(
+                    f"longest sequence on {setup.ranks} ranks ({name})", "tokens",
+                    args.time_limit, args.quiet, start,
+                )  # fmt: skip
+                try:
+                    longest[name] = largest_length(setup, fn, cache=cache, progress=progress)
+                finally:
+                    progress.done()
             if longest[goal] is None:
                 ev1 = evaluate(setup, setup.ranks)
                 need = peaks[goal](ev1)
@@ -207,8 +270,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``python -m ring_attention.planner``."""
-    return run(parse_args(argv))
+    """Entry point of ``python -m ring_attention.planner``: the exit status
+    (0; 2 for a bad option, said on stderr as argparse does, or for a
+    request that cannot be met, said on stdout after ``Not possible:``)."""
+    try:
+        args = parse_args(argv)
+    except SystemExit as exc:  # argparse: --help (0) or a bad option (2)
+        return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
+    return run(args)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ __all__ = [
     "acc_bytes",
     "layer_memories",
     "layer_memory",
+    "own_memory",
     "transport_buffers",
 ]
 
@@ -150,6 +151,54 @@ class LayerMemory:
         return max(self.forward_peak, self.backward_peak)
 
 
+def _items(
+    L, heads: int, kv_heads: int, batch: int, head_dim: int, itemsize: int, *, plan_idx=0,
+    copies: tuple = (0, 0), buffers: tuple = (0, 0),
+) -> tuple[dict, dict, dict]:  # fmt: skip
+    """``(inputs, forward, backward)`` items at the local length ``L`` (an
+    int or a ``(p,)`` tensor), given what the exchange adds: the plan's
+    indices, the zigzag piece copies and the transport buffers (forward,
+    backward)."""
+    acc = acc_bytes(itemsize)
+    q = batch * L * heads * head_dim
+    kv = batch * L * kv_heads * head_dim
+    lse = batch * heads * L * acc
+    cast = int(itemsize != acc)
+    inputs = {
+        "q": q * itemsize,
+        "k, v": 2 * kv * itemsize,
+        "grad_out": q * itemsize,
+        "plan indices (cached)": plan_idx,
+    }
+    forward = {
+        "out accumulator": q * acc,
+        "lse": lse,
+        "out (input dtype)": q * itemsize * cast,
+        "piece copies (zigzag)": copies[0],
+        "transport buffers": buffers[0],
+    }
+    backward = {
+        "out, lse (saved)": q * itemsize + lse,
+        "dq, dk, dv accumulators": (q + 2 * kv) * acc,
+        "dq, dk, dv (input dtype)": (q + 2 * kv) * itemsize * cast,
+        "piece copies (zigzag)": copies[1],
+        "transport buffers": buffers[1],
+        KERNEL_WORKSPACE: batch * heads * L * acc,
+    }
+    return inputs, forward, backward
+
+
+def own_memory(
+    local_len: int, heads: int, kv_heads: int, batch: int, head_dim: int, itemsize: int
+) -> LayerMemory:
+    """The items of a rank holding ``local_len`` rows that do not depend on
+    the exchange (its inputs, accumulators, casts, the kernel's ``delta``;
+    no transport buffer, plan index or piece copy): a lower bound of the
+    :class:`LayerMemory` of the rank with the longest shard, in closed form
+    (the planner refuses from it what needs more ranks than it models)."""
+    return LayerMemory(*_items(local_len, heads, kv_heads, batch, head_dim, itemsize))
+
+
 def layer_memories(
     tr: Traffic, batch: int, head_dim: int, itemsize: int, *, device: str = "cpu",
     far_bytes: int = 0,
@@ -172,31 +221,17 @@ def layer_memories(
     cast = int(itemsize != acc)
     plan_idx = 8 * (tr.rows_sent + tr.rows_received)
     bufs = transport_buffers(tr, batch, head_dim, itemsize, far_bytes)
-    inputs = {
-        "q": q * itemsize,
-        "k, v": 2 * kv * itemsize,
-        "grad_out": q * itemsize,
-        "plan indices (cached)": plan_idx * (2 if device == "cuda" else 1),
-    }
-    forward = {
-        "out accumulator": q * acc,
-        "lse": lse,
-        "out (input dtype)": q * itemsize * cast,
-        "piece copies (zigzag)": two_pieces
-        * ((q + 2 * kv) * itemsize * split + q * itemsize + lse),
-        "transport buffers": sum(bufs["forward"].values()),
-    }
     # the cast pieces of one gradient live until their concatenation
     last_cat = torch.maximum(q - 2 * kv, kv) if cast else q + 2 * kv
-    backward = {
-        "out, lse (saved)": q * itemsize + lse,
-        "dq, dk, dv accumulators": (q + 2 * kv) * acc,
-        "dq, dk, dv (input dtype)": (q + 2 * kv) * itemsize * cast,
-        "piece copies (zigzag)": two_pieces
-        * ((3 * q + 2 * kv) * itemsize * split + split_lse + last_cat * itemsize),
-        "transport buffers": sum(bufs["backward"].values()),
-        KERNEL_WORKSPACE: batch * H * L * acc,
-    }
+    inputs, forward, backward = _items(
+        L, H, Hkv, batch, head_dim, itemsize,
+        plan_idx=plan_idx * (2 if device == "cuda" else 1),
+        copies=(
+            two_pieces * ((q + 2 * kv) * itemsize * split + q * itemsize + lse),
+            two_pieces * ((3 * q + 2 * kv) * itemsize * split + split_lse + last_cat * itemsize),
+        ),
+        buffers=(sum(bufs["forward"].values()), sum(bufs["backward"].values())),
+    )  # fmt: skip
 
     def at(items: dict[str, torch.Tensor], j: int) -> dict[str, int]:
         return {k: int(v[j]) if isinstance(v, torch.Tensor) else int(v) for k, v in items.items()}

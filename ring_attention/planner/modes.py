@@ -315,15 +315,39 @@ def _grid_items(L, S, H, Hkv, c, k, j, row, D, B, s, acc, mem):
 
 def grid_for(mode: str, ranks: int, gpus_per_node: int, ulysses: int | None = None):
     """``(R, U)`` of a mode on ``ranks``: the ring ``(ranks, 1)``, Ulysses
-    ``(1, ranks)``, the hybrid ``(ranks / U, U)`` with ``U = ulysses`` or
-    the GPUs of a node (the largest divisor of ``ranks`` not above it)."""
+    ``(1, ranks)``, the hybrid ``(ranks / U, U)``: one Ulysses group per
+    node (``U = gpus_per_node``; all the ranks when they fit in one node),
+    or ``U = ulysses``.
+
+    The hybrid's Ulysses groups are runs of ``U`` consecutive ranks, and
+    the model takes their all-to-alls on the link inside a node when ``U``
+    fits in one: a group must not straddle two nodes. So ``ValueError``
+    (naming the options) when ``ranks`` is not a whole number of nodes (more
+    than one node, no ``ulysses``), when ``ulysses`` does not divide
+    ``ranks``, or when it neither divides ``gpus_per_node`` nor is a
+    multiple of it; nothing is chosen in their place."""
     if mode == "ring":
         return ranks, 1
     if mode == "ulysses":
         return 1, ranks
-    U = ulysses or max(d for d in range(1, min(gpus_per_node, ranks) + 1) if ranks % d == 0)
-    if ranks % U:
-        raise ValueError(f"--ulysses {U} must divide the ranks ({ranks})")
+    G = gpus_per_node
+    if ulysses is None:
+        if ranks > G and ranks % G:
+            raise ValueError(
+                f"the hybrid puts one Ulysses group on each node: {ranks} ranks (--gpus/"
+                f"--processes) are not a whole number of nodes of --gpus-per-node {G}; give "
+                f"whole nodes, or --ulysses U (U dividing both {ranks} and {G})"
+            )
+        U = min(G, ranks)
+    else:
+        U = ulysses
+        if ranks % U:
+            raise ValueError(f"--ulysses {U} must divide the ranks ({ranks})")
+        if ranks > G and G % U and U % G:
+            raise ValueError(
+                f"--ulysses {U} neither divides --gpus-per-node {G} nor is a multiple of it: "
+                "its Ulysses groups would straddle nodes"
+            )
     return ranks // U, U
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from .capacity import Setup
+from .cli_types import MICROSECONDS, RANKS, RATE
 from .modes import ModeEvaluation, advice, compare_modes, evaluate_mode, grid_for
 from .timing import Link
 
@@ -34,17 +35,17 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "rank; hybrid: Ulysses inside a node x ring between nodes; compare: the three side by "
         "side and which wins (needs --seq-len)",
     )
-    g.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node")
-    g.add_argument("--ulysses", type=int, help="U of the hybrid (default: --gpus-per-node)")
+    g.add_argument("--gpus-per-node", type=RANKS, default=8, help="ranks per node")
+    g.add_argument("--ulysses", type=RANKS, help="U of the hybrid (default: --gpus-per-node)")
     g.add_argument(
         "--intra-gbps",
-        type=float,
+        type=RATE,
         help="link inside a node, Gbit/s each way (default "
         f"{INTRA_DEFAULTS['cuda'][0]:g} on cuda, {INTRA_DEFAULTS['cpu'][0]:g} on cpu)",
     )
     g.add_argument(
         "--intra-latency-us",
-        type=float,
+        type=MICROSECONDS,
         help="latency inside a node, microseconds (default "
         f"{INTRA_DEFAULTS['cuda'][1]:g} on cuda, {INTRA_DEFAULTS['cpu'][1]:g} on cpu)",
     )
@@ -64,8 +65,8 @@ def _t(s: float) -> str:
 def _links(args: argparse.Namespace, setup: Setup) -> tuple[Link, str]:
     gbps, lat, why = INTRA_DEFAULTS[setup.device]
     given = args.intra_gbps is not None or args.intra_latency_us is not None
-    link = Link(args.intra_gbps or gbps, lat if args.intra_latency_us is None else
-                args.intra_latency_us)  # fmt: skip
+    link = Link(gbps if args.intra_gbps is None else args.intra_gbps,
+                lat if args.intra_latency_us is None else args.intra_latency_us)  # fmt: skip
     return link, "given" if given else why
 
 
@@ -97,8 +98,6 @@ def mode_report(args: argparse.Namespace, setup: Setup, seq_len: int) -> list[st
     """The report of ``--mode`` (not ``ring``) at ``seq_len`` tokens."""
     intra, why = _links(args, setup)
     G = args.gpus_per_node
-    if G < 1:
-        raise ValueError(f"--gpus-per-node must be >= 1, got {G}")
     lines = [
         f"  links        inside a node {intra.gbps:g} Gbit/s, {intra.latency_us:g} us ({why}); "
         f"between nodes {setup.link.gbps:g} Gbit/s, {setup.link.latency_us:g} us; "

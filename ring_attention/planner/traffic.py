@@ -59,8 +59,10 @@ __all__ = ["SOURCES", "Traffic", "kv_classes", "predict_traffic"]
 SOURCES = ("auto", "plan", "analytic")
 
 _PLAN_WORK_LIMIT = 1 << 24  # p * n * heads: build real plans up to this
-#: Ranks the traffic model takes (its work grows with the pairs of ranks).
-MAX_WORLD_SIZE = 1 << 17
+#: Ranks the traffic model takes: its work and its ``(p, p)`` tables grow
+#: with the pairs of ranks (4096 ranks: about 3.5 GB resident and minutes of
+#: CPU; 131072 would need 137 GB for one table).
+MAX_WORLD_SIZE = 1 << 12
 _CHUNK = 1 << 18  # (rank, distance) pairs evaluated at once
 _NONE = torch.empty(0, dtype=torch.int64)
 #: A branch with at most this many rows of one offset in the longest piece,

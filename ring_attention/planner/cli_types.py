@@ -1,0 +1,145 @@
+"""Checked option types of the command lines (``python -m
+ring_attention.planner``, ``python -m ring_attention.info``).
+
+Every value is checked once, while parsing: a bad one is refused the
+argparse way (``error: argument --heads: expected an integer in [1, 65536],
+got 0``, exit 2), naming what was expected. Sizes take units (``80GB``,
+``24GiB``, ``1e9``, ``64K``); numbers must be finite. Nothing is turned
+into a default: a default is what an option left out gets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from collections.abc import Callable
+
+from .traffic import MAX_WORLD_SIZE
+
+__all__ = [
+    "MAX_BYTES",
+    "MICROSECONDS",
+    "RANKS",
+    "RATE",
+    "int_in",
+    "number_in",
+    "parse_size",
+    "reserve",
+    "size_in",
+]
+
+#: The most memory per rank the planner takes (256 TiB): its byte counts stay
+#: far inside int64.
+MAX_BYTES = 2**48
+
+_UNITS = {
+    "": 1,
+    "k": 10**3,
+    "m": 10**6,
+    "g": 10**9,
+    "b": 10**9,  # a billion tokens
+    "t": 10**12,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_size(text: str) -> int:
+    """``"80GB"`` (10^9), ``"24GiB"`` (2^30), ``"1e9"``, ``"64K"``, ``"1B"`` -> an int."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    value = float(m.group(1)) if m else math.nan
+    if not m or m.group(2).lower() not in _UNITS or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 80GB, 24GiB, 1e9, 64K)")
+    return int(value * _UNITS[m.group(2).lower()])
+
+
+def _named(parse: Callable, name: str) -> Callable:
+    parse.__name__ = name  # argparse names a type by it
+    return parse
+
+
+def int_in(low: int, high: int) -> Callable[[str], int]:
+    """An integer in ``[low, high]``."""
+
+    def parse(text: str) -> int:
+        expected = f"expected an integer in [{low}, {high}]"
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{expected}, got {text!r}") from None
+        if not low <= n <= high:
+            raise argparse.ArgumentTypeError(f"{expected}, got {n}")
+        return n
+
+    return _named(parse, "integer")
+
+
+def size_in(low: int, high: int) -> Callable[[str], int]:
+    """A size (:func:`parse_size`) in ``[low, high]``."""
+
+    def parse(text: str) -> int:
+        expected = f"expected a size in [{low}, {high:.4g}] (e.g. 80GB, 24GiB, 1e9, 64K)"
+        try:
+            n = parse_size(text)
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(f"{expected}, got {text!r}") from None
+        if not low <= n <= high:
+            raise argparse.ArgumentTypeError(f"{expected}, got {text!r} = {n}")
+        return n
+
+    return _named(parse, "size")
+
+
+def number_in(low: float, high: float, *, above: bool = False) -> Callable[[str], float]:
+    """A finite number in ``[low, high]`` (``above``: ``> low``)."""
+
+    def parse(text: str) -> float:
+        expected = f"expected a finite number {'>' if above else '>='} {low:g} and <= {high:g}"
+        try:
+            x = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{expected}, got {text!r}") from None
+        if not (math.isfinite(x) and (x > low if above else x >= low) and x <= high):
+            raise argparse.ArgumentTypeError(f"{expected}, got {text!r}")
+        return x
+
+    return _named(parse, "number")
+
+
+def reserve(high: int) -> Callable[[str], tuple[str, float]]:
+    """Memory kept free per rank: a share (``"10%"``, in ``[0, 100)``) as
+    ``("%", 10.0)``, or bytes (a size in ``[0, high]``) as ``("bytes", n)``."""
+
+    def parse(text: str) -> tuple[str, float]:
+        expected = f"expected bytes (8GB, at most {high:.4g}) or a share in [0%, 100%) (10%)"
+        text = str(text).strip()
+        try:
+            if text.endswith("%"):
+                share = float(text[:-1])
+                if math.isfinite(share) and 0 <= share < 100:
+                    return ("%", share)
+            else:
+                n = parse_size(text)
+                if n <= high:
+                    return ("bytes", n)
+        except (ValueError, argparse.ArgumentTypeError):
+            pass
+        raise argparse.ArgumentTypeError(f"{expected}, got {text!r}")
+
+    return _named(parse, "reserve")
+
+
+#: A rank count the planner models (:data:`.traffic.MAX_WORLD_SIZE`).
+RANKS = int_in(1, MAX_WORLD_SIZE)
+#: A bandwidth (Gbit/s) or a rate (TFLOP/s): finite, from 10^-6 (a kbit/s, a
+#: MFLOP/s: times stay finite) to far beyond any machine.
+RATE = number_in(1e-6, 1e9)
+#: A latency in microseconds: finite, >= 0 (at most about 16 minutes).
+MICROSECONDS = number_in(0, 1e9)
