@@ -159,7 +159,7 @@ def launch_program(routes, q, k, v, go, causal: bool, scale: float) -> None:
     prog = _program("forward", routes["forward"], q, k, v)
     parts = torch.empty(prog.q_rows, d, dtype=dt, device=dev)
     part_lse = torch.empty(prog.q_rows, dtype=acc, device=dev)
-    for _, _, launches in prog.windows:
+    for _, _, launches in prog.spans:
         for name, qg, kg, vg, og, lg in launches:
             backend(name).forward(
                 q.as_strided(*qg), k.as_strided(*kg), v.as_strided(*vg), causal, scale,
@@ -172,7 +172,7 @@ def launch_program(routes, q, k, v, go, causal: bool, scale: float) -> None:
     gk, gv = (torch.empty(prog.kv_rows, d, dtype=dt, device=dev) for _ in "kv")
     # the window's merged lse in part order (dense_backward's torch.take)
     part_lse = torch.empty(prog.q_rows, dtype=acc, device=dev)
-    for _, _, launches in prog.windows:
+    for _, _, launches in prog.spans:
         for name, dog, qg, kg, vg, og, lg, gqg, gkg, gvg in launches:
             backend(name).backward(
                 go.as_strided(*dog), q.as_strided(*qg), k.as_strided(*kg), v.as_strided(*vg),
@@ -209,7 +209,7 @@ def run_case(name: str, iface) -> dict[str, Any]:
             routes = {p: dispatch.route(p, q, k, v, pattern, None) for p in ("forward", "backward")}
             rec["routes"] = {p: r.why for p, r in routes.items()}
             rec["backends"] = sorted({b for p in routes.values() for w in p.backends for b in w})
-            rec["calls"] = routes["forward"].plan.calls if routes["forward"].plan else 0
+            rec["calls"] = routes["forward"].spans.calls if routes["forward"].spans else 0
             if all(r.dense for r in routes.values()):
                 passes = launch_program(routes, q, k, v, go, causal, d**-0.5)
                 for pass_, entry in zip(passes, ARGS, strict=True):
