@@ -98,6 +98,7 @@ def prepare(
     return_lse: bool = False,
     q_start: int = 0,
     k_start: int = 0,
+    head_range: tuple[int, int, int] | None = None,
 ) -> tuple[Call, Shape]:
     """Check one call's arguments (docs/design.md §6) into a :class:`Call`.
 
@@ -105,6 +106,8 @@ def prepare(
     ``torch.compile`` it is passed to the operator as it is. ``q_start``,
     ``k_start``: the rows' global positions (a cached decode step or a chunk
     of prefill; ``k`` may then be longer or shorter than ``q``).
+    ``head_range``: ``(head_start, total_heads, total_kv_heads)`` of a call
+    holding part of the heads (a Ulysses rank's).
 
     Returns:
         The call and the checked sizes.
@@ -115,22 +118,32 @@ def prepare(
             flags).
     """
     one_sequence = q_start == 0 and k_start == 0
-    shape = check_qkv(q, k, v, same_length=one_sequence)
+    shape = check_qkv(q, k, v, same_length=one_sequence, head_range=head_range)
     documents = None  # a traced cu_seqlens tensor, passed to the operator as it is
     if isinstance(cu_seqlens, torch.Tensor) and torch.compiler.is_compiling():
         check_documents_tensor(cu_seqlens)
         pattern, documents = pattern.with_documents(None), cu_seqlens.to(q.device)
     elif cu_seqlens is not None:
         pattern = pattern.with_documents(cu_seqlens)
-    pattern.check_heads(shape.heads)
-    if documents is None:
-        pattern.check_length(max(q_start + shape.seq_q, k_start + shape.seq_k))
+    pattern.check_heads(shape.heads if head_range is None else head_range[1])
+    end = max(q_start + shape.seq_q, k_start + shape.seq_k)
+    if documents is None and one_sequence:
+        pattern.check_length(end)
+    elif documents is None and pattern.documents is not None and pattern.documents[-1] < end:
+        raise ValueError(
+            f"cu_seqlens must end at or after the last position {end}, got "
+            f"cu_seqlens[-1] = {pattern.documents[-1]}"
+        )
     check_key_padding_mask(key_padding_mask, shape.batch, shape.seq_k, q.device)
+    start, total, total_kv = head_range or (0, 0, 0)
     call = Call(
         pattern,
         resolve_scale(scale, shape.head_dim),
         key_padding_mask,
         documents,
+        head_start=start,
+        total_heads=total,
+        total_kv_heads=total_kv,
         q_start=q_start,
         k_start=k_start,
         return_lse=as_flag(return_lse, "return_lse"),

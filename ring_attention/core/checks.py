@@ -32,12 +32,16 @@ class Shape(NamedTuple):
 
 
 def check_qkv(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, same_length: bool = True
-) -> Shape:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, same_length: bool = True,
+    head_range: tuple[int, int, int] | None = None,
+) -> Shape:  # fmt: skip
     """Check ``q`` ``(batch, seq, heads, head_dim)`` and ``k``, ``v``
     ``(batch, seq_k, kv_heads, head_dim)`` (``kv_heads`` dividing ``heads``;
     ``seq_k == seq`` when ``same_length``): one dtype the kernels support,
-    one device. Returns the sizes."""
+    one device. With ``head_range`` ``(head_start, total_heads,
+    total_kv_heads)`` the tensors hold query heads ``[head_start, head_start
+    + heads)`` of ``total_heads`` and the K/V heads those read. Returns the
+    sizes."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -61,7 +65,9 @@ def check_qkv(
         raise ValueError(f"head_dim (q.shape[3]) must be >= 1, got {D}")
     if H < 1:
         raise ValueError(f"heads (q.shape[2]) must be >= 1, got {H}")
-    if Hkv < 1 or H % Hkv:
+    if head_range is not None:
+        _check_head_range(H, Hkv, *head_range)
+    elif Hkv < 1 or H % Hkv:
         raise ValueError(
             f"kv_heads (k.shape[2] = {Hkv}) must divide heads (q.shape[2] = {H}): query head h "
             "reads K/V head h // (heads // kv_heads)"
@@ -80,6 +86,22 @@ def check_qkv(
             f"dtype {q.dtype} is not supported on {q.device.type}; use one of {allowed}"
         )
     return Shape(B, L, S, H, Hkv, D)
+
+
+def _check_head_range(heads: int, kv_heads: int, start: int, total: int, total_kv: int) -> None:
+    if total_kv < 1 or total % total_kv or not 0 <= start <= total - heads:
+        raise ValueError(
+            f"a head range needs query heads [head_start, head_start + {heads}) of total_heads "
+            f"with total_kv_heads dividing total_heads, got head_start = {start}, total_heads = "
+            f"{total}, total_kv_heads = {total_kv}"
+        )
+    group = total // total_kv
+    want = (start + heads - 1) // group - start // group + 1
+    if kv_heads != want:
+        raise ValueError(
+            f"k and v must hold the {want} K/V heads that query heads [{start}, "
+            f"{start + heads}) read ({group} query heads per K/V head), got {kv_heads}"
+        )
 
 
 def resolve_scale(scale: float | None, head_dim: int) -> float:

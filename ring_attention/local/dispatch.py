@@ -234,10 +234,12 @@ def route(
     v: torch.Tensor,
     pattern: Pattern,
     key_padding_mask: torch.Tensor | None,
+    head_range: tuple[int, int, int] = (0, 0, 0),
 ) -> Route:
     """The route of ``pass_`` (``"forward"`` or ``"backward"``) of the local op
     on these inputs (K/V finiteness and an ``lse`` gradient are checked when
-    the pass runs). Reads the environment (ring_attention/core/config.py)."""
+    the pass runs; ``head_range``: the call's ``(head_start, total_heads,
+    total_kv_heads)``). Reads the environment (ring_attention/core/config.py)."""
     if torch.compiler.is_compiling():
         return Route(False, "traced by torch.compile: the graph keeps the operator")
     mode = config.forward_mode() if pass_ == "forward" else config.backward_mode()
@@ -257,7 +259,8 @@ def route(
     _, n, heads, d = q.shape
     device = q.device
     cc = _capability(device)
-    key = (pass_, mode, named, rows, device, cc, q.dtype, n, heads, k.shape[2], d, pattern)
+    key = (pass_, mode, named, rows, device, cc, q.dtype, n, heads, k.shape[2], d, pattern,
+           head_range)  # fmt: skip
     return _ROUTES.get(key, lambda: decide(*key))
 
 
@@ -274,6 +277,7 @@ def decide(
     kv_heads: int,
     d: int,
     pattern: Pattern,
+    head_range: tuple[int, int, int] = (0, 0, 0),
 ) -> Route:
     """:func:`route` from the values it reads: the pass, the modes and span
     rows of ring_attention/core/config.py, the device and its compute capability,
@@ -282,7 +286,7 @@ def decide(
     if why is None:
         what = f"{device.type} {dtype} head_dim {d} n {n}"
         return Route(False, f"auto: no row of the path table for {what}")
-    spans = plan_spans(pattern, n, heads, kv_heads, rows)
+    spans = plan_spans(pattern, n, heads, kv_heads, rows, head_range)
     if spans.calls > MAX_CALLS:
         return Route(False, f"{spans.calls} dense calls a pass (more than {MAX_CALLS})")
     chosen: dict[tuple[int, int, int], str] = {}

@@ -66,11 +66,12 @@ def attend(call: Call, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]
     ``lse`` is ``(B, H, Lq)`` in the accumulation dtype."""
     args = op_args(call, q.device)
     rows = ops.Rows(call.q_start, call.k_start, call.q_starts)
-    if call.documents is not None or not (call.one_sequence and call.every_head):
+    if call.documents is not None or not call.one_sequence:
         return ops.local_attention(q, k, v, args, rows)  # the kernels alone take these
-    fwd = route("forward", q, k, v, call.pattern, call.key_padding_mask)
+    heads = (call.head_start, call.total_heads, call.total_kv_heads)
+    fwd = route("forward", q, k, v, call.pattern, call.key_padding_mask, heads)
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    bwd = route("backward", q, k, v, call.pattern, call.key_padding_mask) if grad else None
+    bwd = route("backward", q, k, v, call.pattern, call.key_padding_mask, heads) if grad else None
     if fwd.dense or (bwd is not None and bwd.dense):
         return differentiable(PerBranch(call.pattern, call.scale, args, fwd, bwd), q, k, v)
     return ops.local_attention(q, k, v, args)

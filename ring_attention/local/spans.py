@@ -41,6 +41,7 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -243,24 +244,26 @@ def head_runs(kv: list[int]) -> list[tuple[int, int, int, int]]:
     return runs
 
 
-def _classes(pattern: Pattern, branch: int, heads: int, kv_heads: int):
+def _classes(pattern: Pattern, branch: int, heads: HeadRange):
     """``(offset, [(q_head, q_heads, q_stride, kv_head, kv_heads, kv_stride)])``
-    per offset class of the branch: its query heads and their runs."""
-    group = heads // kv_heads
+    per offset class of the branch: its query heads (local indices of the
+    range, offsets and K/V heads of the global heads) and their runs."""
+    start, total, group = heads.start, heads.total, heads.group
     by_offset: dict[int, list[int]] = {}
-    for h in pattern.applies(branch, heads):
-        by_offset.setdefault(pattern.offset(h, branch, heads), []).append(h)
+    for h in pattern.applies(branch, total):
+        if start <= h < start + heads.count:
+            by_offset.setdefault(pattern.offset(h, branch, total), []).append(h)
     for o, hs in sorted(by_offset.items()):
         step = hs[1] - hs[0] if len(hs) > 1 else 1
-        kv = [h // group for h in hs]
+        kv = [h // group - start // group for h in hs]
         runs = []
         for c0, c1, gg, kv_step in head_runs(kv):
-            runs.append((hs[c0], c1 - c0, step, kv[c0], (c1 - c0) // gg, kv_step))
+            runs.append((hs[c0] - start, c1 - c0, step, kv[c0], (c1 - c0) // gg, kv_step))
         yield o, runs
 
 
 def _piece_calls(
-    pattern: Pattern, start: int, length: int, heads: int, kv_heads: int, slots: list[int]
+    pattern: Pattern, start: int, length: int, heads: HeadRange, slots: list[int]
 ) -> list[Call]:
     """Calls of positions ``[start, start + length)``, which begin a segment of
     every branch (a document's start or a span cut) and end a document or
@@ -270,7 +273,7 @@ def _piece_calls(
         branch: list[tuple[int, Call]] = []
         w = min(w, length) if length else w
         nfull, rem = divmod(length, w)
-        for o, runs in _classes(pattern, b, heads, kv_heads):
+        for o, runs in _classes(pattern, b, heads):
             parts = []
             if nfull and o < w:
                 parts.append((start + o, nfull, -(-(w - o) // r)))
@@ -372,6 +375,7 @@ class SpanPlan:
     heads: int
     kv_heads: int
     span_rows: int
+    head_range: tuple[int, int, int]
     spans: tuple[Span, ...] = field(compare=False, hash=False, repr=False)
 
     @property
@@ -419,20 +423,42 @@ class SpanPlan:
         return _LSE_INDEX.get((self, i, batch, str(device)), build)
 
 
-def plan_spans(pattern: Pattern, n: int, heads: int, kv_heads: int, span_rows: int) -> SpanPlan:
-    """The :class:`SpanPlan` of a ``(n, heads, kv_heads)`` problem (cached)."""
-    key = (pattern, n, heads, kv_heads, span_rows)
+class HeadRange(NamedTuple):
+    """Query heads ``[start, start + count)`` of ``total`` (``group`` query
+    heads per K/V head): a Ulysses rank's heads, or every head."""
+
+    start: int
+    count: int
+    total: int
+    group: int
+
+
+def plan_spans(
+    pattern: Pattern, n: int, heads: int, kv_heads: int, span_rows: int,
+    head_range: tuple[int, int, int] = (0, 0, 0),
+) -> SpanPlan:  # fmt: skip
+    """The :class:`SpanPlan` of a ``(n, heads, kv_heads)`` problem (cached);
+    ``head_range``: ``(head_start, total_heads, total_kv_heads)`` of a call
+    holding part of the heads (``total_heads`` 0: every head)."""
+    key = (pattern, n, heads, kv_heads, span_rows, head_range)
     return _PLANS.get(
-        key, lambda: SpanPlan(*key, spans=_plan(pattern, n, heads, kv_heads, span_rows))
+        key, lambda: SpanPlan(*key, spans=_plan(pattern, n, heads, kv_heads, span_rows, head_range))
     )
 
 
-def _plan(pattern: Pattern, n: int, heads: int, kv_heads: int, span_rows: int):
+def _plan(pattern: Pattern, n: int, heads: int, kv_heads: int, span_rows: int,
+          head_range: tuple[int, int, int]):  # fmt: skip
+    start, all_heads, all_kv = head_range
+    hr = (
+        HeadRange(0, heads, heads, heads // kv_heads)
+        if all_heads == 0
+        else HeadRange(start, heads, all_heads, all_heads // all_kv)
+    )
     # K/V slots: per branch, as many as its classes have head runs at most
     slots, total = [], 0
     for b in range(pattern.n_branches):
         slots.append(total)
-        total += max((len(runs) for _, runs in _classes(pattern, b, heads, kv_heads)), default=0)
+        total += max((len(runs) for _, runs in _classes(pattern, b, hr)), default=0)
     period = 1
     for w in pattern.segment_lengths:
         period = math.lcm(period, min(w, n + 1))
@@ -447,7 +473,7 @@ def _plan(pattern: Pattern, n: int, heads: int, kv_heads: int, span_rows: int):
         while j + 1 < len(docs) and docs[j] < b:
             lo, hi = max(docs[j], a), min(docs[j + 1], b)
             if hi > lo:
-                calls += _piece_calls(pattern, lo, hi - lo, heads, kv_heads, slots)
+                calls += _piece_calls(pattern, lo, hi - lo, hr, slots)
             j += 1
         spans.append(Span(a, b - a, tuple(calls), pattern.n_branches, total))
     return tuple(spans)
