@@ -46,7 +46,7 @@ from .handshake import RING_FIELDS, reject, ring_message
 from .heads import attend_head_range, kv_head_range, local_runner
 from .layout import LAYOUTS, Piece, check_layout, layout_pieces, layout_shard_lengths, shard_bounds
 from .mesh import Topology, check_grid, resolve_topology
-from .pattern import Pattern
+from .pattern import Pattern, as_flag
 from .ring import ring_on_pieces
 
 __all__ = [
@@ -312,6 +312,7 @@ def ulysses_attention(
     message = None
     error: Exception | None = None
     try:
+        return_lse = as_flag(return_lse, "return_lse")
         if callable(pattern) and not isinstance(pattern, Pattern):
             pattern = pattern()
         check_layout(layout)
