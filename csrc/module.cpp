@@ -1,7 +1,8 @@
 // Makes ring_attention._C importable; loading it registers the operators.
-// Two plain functions besides, for tests and benchmarks: cpu_tile_path(dtype,
+// Three plain functions besides, for tests and benchmarks: cpu_tile_path(dtype,
 // head_dim, scale), the CPU kernels' tile path for such a call
-// (csrc/cpu/tile_path.h), and cpu_avx2_exp_row(buffer, scale, sub), the AVX2
+// (csrc/cpu/tile_path.h), cpu_tile_path_runs(), the paths the kernels ran
+// (counted by pass), and cpu_avx2_exp_row(buffer, scale, sub), the AVX2
 // softmax pass's exponential over a float32 buffer in place (its error
 // against float64 is measured by tests/test_cpu_tile_paths.py).
 #include <Python.h>
@@ -31,6 +32,21 @@ PyObject* cpu_tile_path(PyObject*, PyObject* args) {
   return nullptr;
 }
 
+PyObject* cpu_tile_path_runs(PyObject*, PyObject*) {
+  PyObject* runs = PyDict_New();
+  if (runs == nullptr) return nullptr;
+  for (const auto& [name, count] : ring_attention::cpu::path_runs()) {
+    PyObject* value = PyLong_FromUnsignedLongLong(count);
+    if (value == nullptr || PyDict_SetItemString(runs, name.c_str(), value) != 0) {
+      Py_XDECREF(value);
+      Py_DECREF(runs);
+      return nullptr;
+    }
+    Py_DECREF(value);
+  }
+  return runs;
+}
+
 PyObject* cpu_avx2_exp_row(PyObject*, PyObject* args) {
   Py_buffer view;
   double scale = 0, sub = 0;
@@ -56,6 +72,9 @@ PyMethodDef methods[] = {
     {"cpu_tile_path", cpu_tile_path, METH_VARARGS,
      "cpu_tile_path(dtype: str, head_dim: int, scale: float) -> str: the CPU kernels' tile path "
      "for such a call under the current RING_ATTENTION_CPU_* settings."},
+    {"cpu_tile_path_runs", cpu_tile_path_runs, METH_NOARGS,
+     "cpu_tile_path_runs() -> dict[str, int]: how many CPU block calls of this process ran each "
+     "tile path, by pass ('forward Bf16Packed/avx512': n); the paths run at least once."},
     {"cpu_avx2_exp_row", cpu_avx2_exp_row, METH_VARARGS,
      "cpu_avx2_exp_row(buffer, scale: float, sub: float) -> float: x = exp(scale * x - sub) on "
      "a contiguous float32 buffer in place with the AVX2 softmax pass; returns the sum."},

@@ -4,8 +4,11 @@ The ring is two custom operators (``torch.ops.ring_attention.ring_forward``
 / ``ring_backward``) that the compiler keeps opaque; the configuration of a
 call is decided once, while tracing. These tests compile with
 ``fullgraph=True`` (a graph break is an error), count the compiled frames
-over several steps (no recompilation for fixed shapes) and compare forward
-and backward with eager, in real gloo processes.
+over several steps (no recompilation for fixed shapes; with ``dynamic=True``
+one per distinct pattern) and compare forward and backward with eager, in
+real gloo processes. Ulysses and the hybrid, whose all-to-alls run eagerly,
+compile with ``fullgraph=False`` (one break at the call) and refuse
+``fullgraph=True`` saying so.
 """
 
 from __future__ import annotations
@@ -116,6 +119,127 @@ def test_ring_and_decoder_layer_compile_fullgraph_on_two_ranks() -> None:
             assert "non-decreasing" in found["refused"], found["refused"]
         else:
             assert "rank(s) [0] rejected their inputs" in found["refused"], found["refused"]
+
+
+def _compiled_steps(fn, calls, params, **options):
+    """``fn`` compiled (aot_eager) over ``calls`` (argument tuples) against
+    eager, forward and backward: the largest error, and the frames compiled."""
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(fn, backend=counter, **options)
+    error = 0.0
+    for args in calls:
+        got = _eager(lambda *a: compiled(*a), args, params)
+        error = max(error, _max_error(got, _eager(fn, args, params)))
+    return error, counter.frame_count
+
+
+def _compile_error(fn, args) -> str:
+    """What ``torch.compile(fn, fullgraph=True)(*args)`` raises."""
+    torch._dynamo.reset()
+    try:
+        torch.compile(fn, backend="aot_eager", fullgraph=True)(*args)
+    except torch._dynamo.exc.Unsupported as exc:
+        return str(exc)
+    return "no error"
+
+
+def _modules_worker(rank: int, world: int) -> dict:
+    """On 4 ranks: the ring modules under fullgraph=True; dynamic=True with
+    the window and the segment lengths from arguments and from a closure;
+    Ulysses (U = 4) and the 2 x 2 hybrid under fullgraph=False and True."""
+    from ring_attention.parallel.ulysses_eager import REASON
+
+    torch.manual_seed(0)
+    found: dict = {}
+    ring = dist.group.WORLD
+    n = 31  # shards of 8, 8, 8, 7
+    q, k, v = (torch.randn(2, n, h, 8, dtype=torch.float64) for h in (4, 2, 2))
+    cu = torch.tensor([0, 9, 20, n])
+    q, k, v = (ra.shard_sequence(t, 1).detach().requires_grad_() for t in (q, k, v))
+
+    # RingDilatedAttention: a window, GQA, causal, documents as a tensor.
+    module = ra.RingDilatedAttention(SEGS, DILS, causal=True, group=ring, window=(5, 0))
+    found["RingDilatedAttention"] = _compiled_steps(
+        lambda q, k, v, cu: module(q, k, v, cu), [(q, k, v, cu)] * 2, (q, k, v), fullgraph=True
+    )
+
+    # MultiheadDilatedAttention with group=, batch first.
+    mha = ra.MultiheadDilatedAttention(
+        32, 4, batch_first=True, segment_lengths=[4, 8], dilation_rates=[1, 2], group=ring,
+        dtype=torch.float64,
+    )  # fmt: skip
+    x = ra.shard_sequence(torch.randn(2, n, 32, dtype=torch.float64), 1).requires_grad_()
+    found["MultiheadDilatedAttention"] = _compiled_steps(
+        lambda x: mha(x, x, x, need_weights=False)[0], [(x,)] * 2, [x, *mha.parameters()],
+        fullgraph=True,
+    )  # fmt: skip
+
+    # dynamic=True: the window and the segment lengths of an argument, then
+    # of a closure; another value recompiles (the graph guards on them).
+    def by_argument(q, k, v, segments, window):
+        return ra.ring_dilated_attention(q, k, v, segments, DILS, window=window, group=ring)
+
+    values = [([4, 8], (3, 0)), ([6, 12], (2, 2)), ([4, 8], (3, 0)), ([6, 12], [-1, 1])]
+    found["dynamic argument"] = _compiled_steps(
+        by_argument, [(q, k, v, s, w) for s, w in values], (q, k, v), fullgraph=True,
+        dynamic=True,
+    )  # fmt: skip
+
+    def closure(segments, window):
+        def by_closure(q, k, v):
+            return ra.ring_dilated_attention(q, k, v, segments, DILS, window=window, group=ring)
+
+        return by_closure
+
+    found["dynamic closure"] = [
+        _compiled_steps(closure(*value), [(q, k, v)], (q, k, v), fullgraph=True, dynamic=True)
+        for value in values[:2]
+    ]
+
+    # Ulysses over the 4 ranks and the 2 x 2 hybrid: one graph break at the
+    # call (the code before and after it compiles), or Dynamo's error.
+    i, j = divmod(rank, 2)
+    rows = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    cols = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    for name, kw in (("Ulysses", dict(group=None, ulysses_group=ring)),
+                     ("hybrid", dict(group=cols[j], ulysses_group=rows[i]))):  # fmt: skip
+        full = [torch.randn(2, n, h, 8, dtype=torch.float64) for h in (4, 2, 2)]
+        qs, ks, vs = (ra.shard_sequence(t, 1, **kw).requires_grad_() for t in full)
+
+        def spread(q, k, v, kw=kw):
+            out = ra.ring_dilated_attention(q * 2, k, v, SEGS, DILS, causal=True, window=(6, 0),
+                                            **kw)  # fmt: skip
+            return out + 1
+
+        found[name] = _compiled_steps(spread, [(qs, ks, vs)] * 2, (qs, ks, vs))
+        found[f"{name} fullgraph"] = _compile_error(spread, (qs, ks, vs))
+    found["reason"] = REASON
+    return found
+
+
+def test_ring_modules_dynamic_values_and_ulysses_compile_on_four_ranks() -> None:
+    """``torch.compile(RingDilatedAttention(...))`` and of a sharded
+    ``MultiheadDilatedAttention`` (a closure in the ring's call spec used to
+    raise ClosureConversionError, even with fullgraph=False), ``dynamic=True``
+    with the window and segment lengths from an argument or a closure (used to
+    raise "assume_constant_result argument conversion failed"), equal to eager
+    forward and backward; Ulysses and the hybrid break the graph once at the
+    call, or refuse fullgraph=True saying that the all-to-alls run eagerly
+    (used to fail inside: "lock context manager")."""
+    for rank, found in enumerate(run_distributed(_modules_worker, 4, timeout=600)):
+        for name in ("RingDilatedAttention", "MultiheadDilatedAttention"):
+            err, frames = found[name]
+            assert (err, frames) == (0.0, 1), (rank, name, err, frames)
+        err, frames = found["dynamic argument"]
+        # one graph per distinct (segments, window), none for a value seen before
+        assert err == 0.0 and frames == 3, (rank, err, frames)
+        assert found["dynamic closure"] == [(0.0, 1), (0.0, 1)], (rank, found["dynamic closure"])
+        for name in ("Ulysses", "hybrid"):
+            err, frames = found[name]
+            assert (err, frames) == (0.0, 2), (rank, name, err, frames)
+            assert found["reason"] in found[f"{name} fullgraph"], found[f"{name} fullgraph"]
+            assert "run their all-to-alls eagerly" in found["reason"]
 
 
 @pytest.mark.parametrize("padding", [False, True])

@@ -21,12 +21,13 @@ grouped K/V heads, documents, several key tiles per run, causal tiles that use
 part of a packed key tile, NaN V rows; for bf16 also chunked accumulation and
 the block operators at offsets). The choice itself is checked against a
 re-derivation of the table from /proc/cpuinfo, the switches are checked to
-take effect exactly where the machine has the path, and bad knob values to be
-refused.
+change the path the kernels run (as they count it: ``_C.cpu_tile_path_runs``)
+exactly where the machine has the path, and bad knob values to be refused.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
@@ -600,45 +601,100 @@ def test_non_finite_unreached_values_stay_out(bf16_path) -> None:
         torch.testing.assert_close(got, want)
 
 
-def test_switch_takes_effect_where_the_machine_has_it(monkeypatch) -> None:
-    """With the native path, P is rounded to bf16 before P @ V, so the outputs
-    differ from the fp32-converted path's; without it the two are one path."""
-    g = torch.Generator().manual_seed(7600)
-    q, k, v = (torch.randn(1, 512, 4, 64, generator=g).to(BF16) for _ in range(3))
-
-    def run():
-        return ra.dilated_attention(q, k, v, [128, 512], [1, 2])
-
-    monkeypatch.delenv(ENV, raising=False)
-    default = run()
-    monkeypatch.setenv(ENV, "0")
-    converted = run()
-    assert torch.equal(default, converted) != native_bf16_expected()
+def ran(fn) -> tuple[object, set[str]]:
+    """``fn()`` and the tile paths the CPU kernels ran during it, by pass
+    ({"forward Bf16Packed/avx512", "backward Bf16Packed/avx512"}): what the
+    kernels counted (``_C.cpu_tile_path_runs``), not what their outputs
+    suggest. (Paths whose outputs are equal bit for bit exist: on AMX, MKL's
+    bf16 GEMM and brgemm's packed one at a power-of-two scale.)"""
+    before = _C.cpu_tile_path_runs()
+    result = fn()
+    after = _C.cpu_tile_path_runs()
+    return result, {name for name, n in after.items() if n > before.get(name, 0)}
 
 
-@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")  # mkldnn.flags
-def test_packed_switch_takes_effect_where_the_machine_has_it(monkeypatch) -> None:
-    """brgemm's packed path applies the softmax scale in the softmax pass, MKL's
-    GEMM in the product: the outputs and gradients differ wherever the native
-    path packs (every machine with avx512_bf16), and turning oneDNN off
-    selects MKL's GEMM exactly."""
-    g = torch.Generator().manual_seed(7620)
-    q, k, v, go = (torch.randn(1, 512, 4, 64, generator=g).to(BF16) for _ in range(4))
+def both_passes(path: str) -> set[str]:
+    return {f"forward {path}", f"backward {path}"}
+
+
+def _forward_backward(q, k, v, go):
+    """A closure: ``dilated_attention`` of q, k, v and its gradients for ``go``."""
 
     def run():
         qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
         out = ra.dilated_attention(qq, kk, vv, [128, 512], [1, 2])
         return (out, *torch.autograd.grad(out, (qq, kk, vv), go))
 
+    return run
+
+
+def test_path_runs_are_counted_by_pass() -> None:
+    """What the kernels count is what select_path() picks, forward and
+    backward separately: a forward alone counts no backward."""
+    q = torch.randn(1, 40, 2, 16)
+    _, forward_only = ran(lambda: ra.dilated_attention(q, q, q, [16, 40], [1, 2]))
+    assert forward_only == {f"forward {expected_path(F32, 16, 0.25, {})}"}
+    go = torch.randn(1, 40, 2, 16)
+    want = both_passes(expected_path(torch.float64, 16, 0.25, {}))
+    assert ran(_forward_backward(q.double(), q.double(), q.double(), go.double()))[1] == want
+
+
+def test_switch_takes_effect_where_the_machine_has_it(monkeypatch) -> None:
+    """RING_ATTENTION_CPU_BF16_GEMM=0 runs bf16 on the fp32 tiles, forward and
+    backward, where the machine multiplies bf16 tiles (avx512_bf16, AMX), and
+    the outputs differ; elsewhere both settings run the fp32 path (the same
+    outputs and gradients)."""
+    g = torch.Generator().manual_seed(7600)
+    q, k, v, go = (torch.randn(1, 512, 4, 64, generator=g).to(BF16) for _ in range(4))
+    run = _forward_backward(q, k, v, go)
     monkeypatch.delenv(ENV, raising=False)
-    packed = run()
+    default, default_ran = ran(run)
+    monkeypatch.setenv(ENV, "0")
+    converted, converted_ran = ran(run)
+    assert default_ran == both_passes(expected_path(BF16, 64, 0.125, {}))
+    assert converted_ran == both_passes(expected_path(BF16, 64, 0.125, {ENV: "0"}))
+    assert converted_ran.isdisjoint(default_ran) == native_bf16_expected()
+    # bf16 tiles round P to bf16 before P @ V (2^-9 relative): some of the
+    # 131072 bf16 outputs round the other way. One path: the same bits.
+    assert torch.equal(default[0], converted[0]) == (default_ran == converted_ran)
+    if default_ran == converted_ran:
+        for a, b in zip(default[1:], converted[1:], strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")  # mkldnn.flags
+def test_packed_switch_takes_effect_where_the_machine_has_it(monkeypatch) -> None:
+    """Where the machine multiplies bf16 tiles, the default packs K/V for
+    brgemm (Bf16Packed), and both RING_ATTENTION_CPU_BF16_GEMM=mkl and
+    turning oneDNN off run MKL's bf16 GEMM on the tiles in place (Bf16Mkl),
+    forward and backward, with outputs and gradients equal bit for bit;
+    elsewhere all three run one path (the fp32 tiles), the switch changing
+    no bit. The kernels' own count says which path ran: the outputs cannot,
+    since at head dim 64 (scale 1/8, a power of two) MKL's GEMM and brgemm
+    give the same bits on AMX."""
+    g = torch.Generator().manual_seed(7620)
+    q, k, v, go = (torch.randn(1, 512, 4, 64, generator=g).to(BF16) for _ in range(4))
+    run = _forward_backward(q, k, v, go)
+    monkeypatch.delenv(ENV, raising=False)
+    packed, packed_ran = ran(run)
     with torch.backends.mkldnn.flags(enabled=False):
-        onednn_off = run()
+        onednn_off, onednn_off_ran = ran(run)
     monkeypatch.setenv(ENV, "mkl")
-    mkl = run()
+    mkl, mkl_ran = ran(run)
+    unpacked = expected_path(BF16, 64, 0.125, {ENV: "mkl"})
+    assert packed_ran == both_passes(expected_path(BF16, 64, 0.125, {}))
+    assert mkl_ran == onednn_off_ran == both_passes(unpacked)
+    assert (unpacked == "Bf16Mkl/avx512") == native_bf16_expected()
+    assert (packed_ran != mkl_ran) == native_bf16_expected()
+    # One GEMM, the same bits: MKL's (where it runs, oneDNN plays no part),
+    # else the one path the switch leaves (oneDNN on in both). Turning oneDNN
+    # off there changes libtorch's brgemm inside Fp32Brgemm (its fallback GEMM
+    # on AVX-512): another order of sums, not compared.
     for name, a, b, c in zip(("out", "dq", "dk", "dv"), packed, mkl, onednn_off, strict=True):
-        assert torch.equal(a, b) != native_bf16_expected(), name
-        assert torch.equal(b, c), name
+        if native_bf16_expected():
+            assert torch.equal(b, c), name
+        else:
+            assert torch.equal(a, b), name
 
 
 @pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")  # mkldnn.flags
@@ -656,29 +712,43 @@ def test_onednn_off_matches_oracle(dtype, monkeypatch) -> None:
 
 
 def test_fp32_switch_takes_effect_where_the_machine_has_it(monkeypatch) -> None:
-    """The split score products round differently from brgemm's fp32 kernel,
-    so the outputs differ where the machine has AMX, and so does dq when
-    the forward's output is the same (the backward's S and dP split too);
-    elsewhere, or at an odd head dim, the two settings are one path."""
+    """RING_ATTENTION_CPU_FP32_PACK=fp32 turns the split score products off
+    (the forward's, and the backward's S and dP, each read at its own call)
+    where the machine has AMX and the head dim is even, and the outputs and
+    dq differ (the backward of each setting from the other's forward
+    results); elsewhere, or at an odd head dim, the two settings run one
+    path (the same outputs)."""
     g = torch.Generator().manual_seed(7610)
-    for d, splits in ((64, split_fp32_expected()), (33, False)):
+    for d in (64, 33):
+        scale = d**-0.5
         q, k, v, go = (torch.randn(1, 512, 4, d, generator=g) for _ in range(4))
 
-        def run(q=q, k=k, v=v):
+        def forward(q=q, k=k, v=v):
             qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
             return ra.dilated_attention(qq, kk, vv, [128, 512], [1, 2]), qq
 
+        split = expected_path(F32, d, scale, {})
+        unsplit = expected_path(F32, d, scale, {FP32_ENV: "fp32"})
+        assert (split == "Fp32Split/avx512") == (split_fp32_expected() and d % 2 == 0), d
         monkeypatch.delenv(FP32_ENV, raising=False)
-        out, _ = run()
+        (out, _), split_ran = ran(forward)
         monkeypatch.setenv(FP32_ENV, "fp32")
-        out_packed, qq_packed = run()
-        assert torch.equal(out, out_packed) != splits, d
-        # The backward of each setting from the same forward results.
-        (dq_packed,) = torch.autograd.grad(out_packed, qq_packed, go)
-        out_again, qq_again = run()
+        (out_packed, qq_packed), unsplit_ran = ran(forward)
+        assert (split_ran, unsplit_ran) == ({f"forward {split}"}, {f"forward {unsplit}"}), d
+        # The backward of each setting from the other's forward results.
+        grad = torch.autograd.grad
+        ((dq_packed,), backward_ran) = ran(functools.partial(grad, out_packed, qq_packed, go))
+        assert backward_ran == {f"backward {unsplit}"}, d
+        (out_again, qq_again), _ = ran(forward)
         monkeypatch.delenv(FP32_ENV, raising=False)
-        (dq,) = torch.autograd.grad(out_again, qq_again, go)
-        assert torch.equal(dq, dq_packed) != splits, d
+        ((dq,), backward_ran) = ran(functools.partial(grad, out_again, qq_again, go))
+        assert backward_ran == {f"backward {split}"}, d
+        # Where the products split, they take effect in both passes: they drop
+        # the three smallest part products (about 2^-24 of |q| |k| each) of
+        # full-mantissa fp32 values, so S and dP move in their last bits for
+        # nearly every score, and out and dq (fp32) with them.
+        assert torch.equal(out, out_packed) == (split == unsplit), d
+        assert torch.equal(dq, dq_packed) == (split == unsplit), d
 
 
 def _errors(cfg: Cfg, seed: int) -> list[float]:

@@ -31,6 +31,7 @@ only. ``python tests/test_fuzz_arguments.py`` prints the failures.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import select
@@ -42,6 +43,8 @@ from collections.abc import Callable
 from typing import Any
 
 from child_env import with_path
+
+from ring_attention.testing import run_distributed
 
 CASE_TIMEOUT = 30.0  # seconds one case may take (the machine is shared)
 TOTAL_TIMEOUT = 900.0
@@ -70,6 +73,42 @@ SEQS = [
     ("None", None), ("[True]", [True]), ("[4, 4, 4]", [4, 4, 4]),
 ]  # fmt: skip
 GROUPS = [("'x'", "x"), ("0", 0), ("object()", object())]
+
+
+def _windows() -> tuple[list[tuple[str, Any]], list[tuple[str, Any]]]:
+    """``window`` values: (accepted, refused). A window is a tuple or list of
+    two integers >= -1 (Python/NumPy integers or 0-d integer tensors); a set
+    (``{255, 0}`` iterates as 0, 255), a dict, a string, a tensor or an array
+    holds no order of its own and is refused."""
+    import numpy as np
+    import torch
+
+    good = [
+        ("(3, 0)", (3, 0)), ("[3, 0]", [3, 0]), ("(-1, -1)", (-1, -1)), ("(0, 2)", (0, 2)),
+        ("(np.int64(3), 0)", (np.int64(3), 0)), ("(tensor(3), tensor(0))",
+                                                 (torch.tensor(3), torch.tensor(0))),
+    ]  # fmt: skip
+    bad = [
+        ("{255, 0}", {255, 0}), ("{3: 0, 0: 3}", {3: 0, 0: 3}), ("'ab'", "ab"), ("b'ab'", b"ab"),
+        ("(3,)", (3,)), ("(3, 0, 0)", (3, 0, 0)), ("()", ()), ("3", 3), ("(-2, 0)", (-2, 0)),
+        ("(0, -5)", (0, -5)), ("(3.0, 0)", (3.0, 0)), ("(True, 0)", (True, 0)),
+        ("(2**63, 0)", (2**63, 0)), ("(nan, 0)", (NAN, 0)), ("(None, 0)", (None, 0)),
+        ("tensor([3, 0])", torch.tensor([3, 0])), ("array([3, 0])", np.array([3, 0])),
+        ("range(3, 5)", range(3, 5)), ("frozenset({0, 3})", frozenset({0, 3})),
+        ("((3, 0), (3, 0))", ((3, 0), (3, 0))), ("(tensor([3]), 0)", (torch.tensor([3]), 0)),
+    ]  # fmt: skip
+    return good, bad
+
+
+@functools.cache
+def _named_pools() -> dict[str, tuple[list[tuple[str, Any]], set[str]]]:
+    """Parameters whose pool is their own (not their baseline's kind), and the
+    labels of their pool that must be refused: a call that returns fails."""
+    good, bad = _windows()
+    return {
+        "window": (good + bad, {label for label, _ in bad}),
+        "return_lse": (FLAGS, {label for label, _ in FLAGS}),
+    }
 
 
 def _tensor_pool(t) -> list[tuple[str, Any]]:
@@ -124,10 +163,10 @@ def _public() -> dict[str, tuple[Callable, dict[str, Any], dict[str, Any]]]:
                  "compute_dtype": torch.float32, "labels": torch.zeros(1, 8, dtype=torch.long),
                  "position_ids": torch.arange(8)[None], "q_ranges": [(0, 8)],
                  "segment_lengths": [4], "dilation_rates": [2], "device": "cpu",
-                 "dtype": torch.float32}  # fmt: skip
+                 "dtype": torch.float32, "window": (3, 0)}  # fmt: skip
     attn = dict(q=q, k=kv, v=kv, segment_lengths=[4, 8], dilation_rates=[1, 2], causal=False,
                 scale=None, head_groups=False, key_padding_mask=None, cu_seqlens=None,
-                head_offsets="modulo", return_lse=False)  # fmt: skip
+                head_offsets="modulo", window=None, return_lse=False)  # fmt: skip
     ring_args = {
         ("q_local" if k == "q" else "k_local" if k == "k" else "v_local" if k == "v" else k): v
         for k, v in attn.items()
@@ -137,12 +176,12 @@ def _public() -> dict[str, tuple[Callable, dict[str, Any], dict[str, Any]]]:
     mha = dict(embed_dim=16, num_heads=4, dropout=0.0, bias=True, add_bias_kv=False,
                add_zero_attn=False, kdim=None, vdim=None, batch_first=False, device=None,
                dtype=None, segment_lengths=None, dilation_rates=None, head_groups=False,
-               head_offsets="modulo", group=None, compute_dtype=None)  # fmt: skip
+               head_offsets="modulo", group=None, compute_dtype=None, window=None)  # fmt: skip
     mha_fwd = dict(query=x, key=x, value=x, key_padding_mask=None, need_weights=True,
                    attn_mask=None, average_attn_weights=True, is_causal=False,
                    cu_seqlens=None)  # fmt: skip
     dil = dict(segment_lengths=[4, 8], dilation_rates=[1, 2], causal=False, scale=None,
-               head_groups=False, head_offsets="modulo")  # fmt: skip
+               head_groups=False, head_offsets="modulo", window=None)  # fmt: skip
     pattern = Pattern([4, 8], [1, 2])
 
     entries = {
@@ -173,6 +212,7 @@ def _public() -> dict[str, tuple[Callable, dict[str, Any], dict[str, Any]]]:
                 kv_heads=None,
                 cu_seqlens=None,
                 head_offsets="modulo",
+                window=None,
                 group=None,
                 layout="contiguous",
             ),
@@ -186,6 +226,7 @@ def _public() -> dict[str, tuple[Callable, dict[str, Any], dict[str, Any]]]:
                 head_groups=False,
                 head_offsets="modulo",
                 documents=None,
+                window=None,
             ),
         ),
         "DilatedAttention": (lambda **kw: ra.DilatedAttention(**kw), dil),
@@ -289,9 +330,11 @@ def _public() -> dict[str, tuple[Callable, dict[str, Any], dict[str, Any]]]:
     return {name: (call, base, like_none) for name, (call, base) in entries.items()}
 
 
-def _pool(value: Any, like: Any = None) -> list[tuple[str, Any]]:
+def _pool(param: str, value: Any, like: Any = None) -> list[tuple[str, Any]]:
     import torch
 
+    if param in (named := _named_pools()):
+        return named[param][0]
     v = like if value is None and like is not None else value
     pool: list[tuple[str, Any]]
     if isinstance(v, bool):
@@ -430,7 +473,7 @@ def cases() -> list[tuple[str, str, str]]:
     for entry, (_, base, like) in _entries().items():
         out.append((entry, "", "baseline"))
         for param, value in base.items():
-            out += [(entry, param, label) for label, _ in _pool(value, like.get(param))]
+            out += [(entry, param, label) for label, _ in _pool(param, value, like.get(param))]
     return out
 
 
@@ -470,7 +513,7 @@ def run_case(entry: str, param: str, label: str, table) -> str:
     call, base, like = table[entry]
     kw = dict(base)
     if param:
-        kw[param] = dict(_pool(base[param], like.get(param)))[label]
+        kw[param] = dict(_pool(param, base[param], like.get(param)))[label]
     try:
         call(**kw)
     except Exception as e:  # judged below
@@ -496,6 +539,8 @@ def run_case(entry: str, param: str, label: str, table) -> str:
         if _is_tensor_shape(label) and any(_names(str(e), t) for t in tensors):
             return "named"
         return f"UNNAMED {type(e).__name__}: {str(e)[:300]}"
+    if param in (named := _named_pools()) and label in named[param][1]:
+        return f"ACCEPTED: {param}={label} must raise ValueError naming {param}"
     return "ok"
 
 
@@ -592,6 +637,147 @@ def test_arguments_fuzz() -> None:
     print(f"{n} cases in {seconds:.0f} s, {len(failures)} failures")
     assert not failures, f"{len(failures)} of {n} cases failed:\n" + "\n".join(lines)
     assert torch.ops.ring_attention  # the extension's ops were fuzzed
+
+
+# ---------------------------------------------------------------------------
+# window and return_lse in every mode, across real processes.
+
+#: label -> whether the value is a valid ``return_lse`` (and the flag it means)
+_LSE_GOOD = {"True": True, "False": False, "np.bool_(True)": True}
+
+
+def _seeded(cls: Callable) -> Callable:
+    """``cls`` constructed with the same random weights every time."""
+    import torch
+
+    def make(*args, **kw):
+        torch.manual_seed(5)
+        return cls(*args, **kw)
+
+    return make
+
+
+def _mode_entries(rank: int, world: int) -> dict[str, dict[str, Callable]]:
+    """mode -> entry -> call(**kw) taking ``window`` and/or ``return_lse`` (4
+    ranks: the ring over all, Ulysses over all, the 2 x 2 hybrid from groups
+    and from a mesh). Every rank builds every group, in the same order."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import ring_attention as ra
+    from ring_attention import ring
+    from ring_attention.core.pattern import Pattern
+
+    segs, dils, n = [4, 8], [1, 2], 23
+    pattern = Pattern(segs, dils)
+    g = torch.Generator().manual_seed(3)
+    full = [torch.randn(1, n, h, 4, generator=g, dtype=torch.float64) for h in (4, 2, 2)]
+    x_full = torch.randn(1, n, 16, generator=g, dtype=torch.float64)
+    i, j = divmod(rank, 2)
+    rows = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    cols = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "ulysses"))
+    spreads = {
+        "ring": dict(group=dist.group.WORLD),
+        "Ulysses": dict(group=None, ulysses_group=dist.group.WORLD),
+        "hybrid": dict(group=cols[j], ulysses_group=rows[i]),
+        "hybrid (mesh)": dict(mesh=mesh),
+    }
+    modes: dict[str, dict[str, Callable]] = {
+        "local": {
+            "dilated_attention": lambda **kw: ra.dilated_attention(*full, segs, dils, **kw),
+            "DilatedAttention": lambda window: ra.DilatedAttention(segs, dils, window=window)(
+                *full
+            ),
+            "MultiheadDilatedAttention": lambda window: _seeded(ra.MultiheadDilatedAttention)(
+                16, 4, batch_first=True, window=window, dtype=torch.float64
+            )(x_full, x_full, x_full, need_weights=False)[0],
+        }
+    }
+    for mode, spread in spreads.items():
+        q, k, v = (ra.shard_sequence(t, 1, **spread) for t in full)
+        x = ra.shard_sequence(x_full, 1, **spread)
+
+        def mha(window, spread=spread, x=x):
+            m = _seeded(ra.MultiheadDilatedAttention)(16, 4, batch_first=True, window=window,
+                                                      dtype=torch.float64, **spread)  # fmt: skip
+            return m(x, x, x, need_weights=False)[0]
+
+        modes[mode] = {
+            "ring_dilated_attention": lambda q=q, k=k, v=v, spread=spread, **kw: (
+                ra.ring_dilated_attention(q, k, v, segs, dils, **spread, **kw)
+            ),
+            "ring.ring_attention": lambda return_lse, q=q, k=k, v=v, spread=spread: (
+                ring.ring_attention(q, k, v, pattern, return_lse=return_lse, **spread)
+            ),
+            "RingDilatedAttention": lambda window, q=q, k=k, v=v, spread=spread: (
+                ra.RingDilatedAttention(segs, dils, window=window, **spread)(q, k, v)
+            ),
+            "MultiheadDilatedAttention": mha,
+        }
+    return modes
+
+
+def _modes_worker(rank: int, world: int) -> list[str]:
+    """Every entry of every mode with every ``window`` and ``return_lse`` of
+    the pools, the same value on every rank: a refused value raises
+    ValueError naming the argument (on every rank: none waits), an accepted
+    window gives what its tuple gives, an accepted return_lse its
+    flag's result. The failures, as text."""
+    import inspect
+
+    import torch
+
+    good, bad = _windows()
+    refused = {label for label, _ in bad}
+    canonical = {"(3, 0)": (3, 0), "[3, 0]": (3, 0), "(np.int64(3), 0)": (3, 0),
+                 "(tensor(3), tensor(0))": (3, 0), "(-1, -1)": (-1, -1),
+                 "(0, 2)": (0, 2)}  # fmt: skip
+    failures = []
+    for mode, entries in _mode_entries(rank, world).items():
+        for entry, call in entries.items():
+            params = inspect.signature(call).parameters
+            takes = [p for p in ("window", "return_lse") if p in params or "kw" in params]
+            for param in takes:
+                pool = good + bad if param == "window" else [*FLAGS, ("True", True),
+                                                             ("False", False)]  # fmt: skip
+                if param == "return_lse":
+                    import numpy as np
+
+                    pool.append(("np.bool_(True)", np.bool_(True)))
+                for label, value in pool:
+                    where = f"{mode} {entry}({param}={label})"
+                    try:
+                        got = call(**{param: value})
+                    except ValueError as e:
+                        ok = label in refused or (param == "return_lse" and label not in _LSE_GOOD)
+                        if not ok or not re.search(rf"\b{param}\b", str(e)):
+                            failures.append(f"{where}: ValueError {str(e)[:200]}")
+                        continue
+                    except Exception as e:  # judged: a failure
+                        failures.append(f"{where}: {type(e).__name__} {str(e)[:200]}")
+                        continue
+                    if param == "return_lse":
+                        if label not in _LSE_GOOD:
+                            failures.append(f"{where}: accepted")
+                        elif isinstance(got, tuple) != _LSE_GOOD[label]:
+                            failures.append(f"{where}: returned {type(got).__name__}")
+                    elif label in refused:
+                        failures.append(f"{where}: accepted")
+                    elif not torch.equal(got, call(window=canonical[label])):
+                        failures.append(f"{where}: differs from window={canonical[label]}")
+    return failures
+
+
+def test_window_and_return_lse_in_every_mode() -> None:
+    """``window`` of every kind and ``return_lse`` of every flag pool value
+    through every entry of every mode (one process; the ring, Ulysses and
+    the hybrid of groups and of a mesh on 4 gloo ranks): ``return_lse="no"``
+    with ``ulysses_group=``/``mesh=`` used to return ``(out, lse)``, a set
+    window ``{255, 0}`` to attend the band ``(0, 255)``."""
+    for rank, failures in enumerate(run_distributed(_modes_worker, 4, timeout=600)):
+        assert not failures, f"rank {rank}: {len(failures)} failures:\n" + "\n".join(failures)
 
 
 #: Public names not fuzzed here, and why.

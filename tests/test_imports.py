@@ -53,7 +53,7 @@ def test_no_file_edits_the_module_path() -> None:
 _IMPORT_SCRIPT = """
 import sys
 import ring_attention
-from ring_attention.parallel.ring_spec import ring_call_spec
+from ring_attention.parallel.ring_spec import _registered_spec
 assert "torch._dynamo" not in sys.modules, "import ring_attention imported torch._dynamo"
 import torch
 
@@ -62,7 +62,7 @@ def plain():
 
 marks = vars(torch.compiler.assume_constant_result(plain))
 assert marks, "torch.compiler.assume_constant_result sets no mark any more"
-assert {k: getattr(ring_call_spec, k, None) for k in marks} == marks, marks
+assert {k: getattr(_registered_spec, k, None) for k in marks} == marks, marks
 print("ok")
 """
 
@@ -70,7 +70,7 @@ print("ok")
 def test_import_skips_dynamo_and_ring_call_spec_is_marked_constant() -> None:
     """``import ring_attention`` leaves ``torch._dynamo`` unimported (seconds
     per process: every subprocess of the tests pays it otherwise), and
-    ``ring_call_spec`` carries exactly the mark that
+    ``ring_call_spec``'s registration carries exactly the mark that
     ``torch.compiler.assume_constant_result`` sets (tests/test_compile_ring.py
     checks what the mark does under ``torch.compile``)."""
     res = subprocess.run(

@@ -401,7 +401,8 @@ void backward_kernel(const BlockCall& call, const TilePath& path) {
 
 void block_backward(const BlockCall& call) {
   if (call.params.dq == nullptr && call.params.dk == nullptr) return;
-  const TilePath path = select_path(call.dtype, call.params.head_dim, call.params.scale);
+  const TilePath path =
+      run_path(Pass::kBackward, call.dtype, call.params.head_dim, call.params.scale);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, call.dtype, "block_backward_cpu", [&] {
     if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
       if (path.bf16_tiles()) return backward_kernel<scalar_t, scalar_t>(call, path);

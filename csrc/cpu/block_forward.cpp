@@ -373,7 +373,8 @@ void forward_kernel(const BlockCall& call, const TilePath& path) {
 }  // namespace
 
 void block_forward(const BlockCall& call) {
-  const TilePath path = select_path(call.dtype, call.params.head_dim, call.params.scale);
+  const TilePath path =
+      run_path(Pass::kForward, call.dtype, call.params.head_dim, call.params.scale);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, call.dtype, "block_forward_cpu", [&] {
     if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
       if (path.bf16_tiles()) return forward_kernel<scalar_t, scalar_t>(call, path);

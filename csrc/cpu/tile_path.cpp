@@ -3,6 +3,7 @@
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/Exception.h>
 
+#include <atomic>
 #include <sstream>
 
 #include "packed_tiles.h"
@@ -87,18 +88,24 @@ TilePath select_path(c10::ScalarType dtype, int64_t head_dim, double scale) {
   return {TileGemm::kBlas, lanes_of(isa)};
 }
 
-std::string describe_path(std::string_view dtype, int64_t head_dim, double scale) {
-  c10::ScalarType type = c10::kFloat;
-  if (dtype == "float64")
-    type = c10::kDouble;
-  else if (dtype == "bfloat16")
-    type = c10::kBFloat16;
-  else if (dtype == "float16")
-    type = c10::kHalf;
-  else
-    TORCH_CHECK_VALUE(dtype == "float32", "dtype must be one of float64, float32, bfloat16, ",
-                      "float16, got '", dtype, "'");
-  const TilePath path = select_path(type, head_dim, scale);
+namespace {
+
+constexpr int kGemms = static_cast<int>(TileGemm::kBf16Packed) + 1;
+constexpr int kLanes = static_cast<int>(Lanes::kAvx512) + 1;
+
+// The runs of each (pass, gemm, lanes): a relaxed increment per block call.
+std::atomic<uint64_t> runs[2][kGemms][kLanes];
+
+}  // namespace
+
+TilePath run_path(Pass pass, c10::ScalarType dtype, int64_t head_dim, double scale) {
+  const TilePath path = select_path(dtype, head_dim, scale);
+  runs[static_cast<int>(pass)][static_cast<int>(path.gemm)][static_cast<int>(path.lanes)].fetch_add(
+      1, std::memory_order_relaxed);
+  return path;
+}
+
+std::string path_name(TilePath path) {
   const char* gemm = "?";
   switch (path.gemm) {
     case TileGemm::kBlas:
@@ -124,6 +131,33 @@ std::string describe_path(std::string_view dtype, int64_t head_dim, double scale
                       : path.lanes == Lanes::kAvx2 ? "avx2"
                                                    : "vec";
   return std::string(gemm) + "/" + lanes;
+}
+
+std::string describe_path(std::string_view dtype, int64_t head_dim, double scale) {
+  c10::ScalarType type = c10::kFloat;
+  if (dtype == "float64")
+    type = c10::kDouble;
+  else if (dtype == "bfloat16")
+    type = c10::kBFloat16;
+  else if (dtype == "float16")
+    type = c10::kHalf;
+  else
+    TORCH_CHECK_VALUE(dtype == "float32", "dtype must be one of float64, float32, bfloat16, ",
+                      "float16, got '", dtype, "'");
+  return path_name(select_path(type, head_dim, scale));
+}
+
+std::vector<std::pair<std::string, uint64_t>> path_runs() {
+  std::vector<std::pair<std::string, uint64_t>> out;
+  for (int pass = 0; pass < 2; ++pass)
+    for (int gemm = 0; gemm < kGemms; ++gemm)
+      for (int lanes = 0; lanes < kLanes; ++lanes) {
+        const uint64_t n = runs[pass][gemm][lanes].load(std::memory_order_relaxed);
+        if (n == 0) continue;
+        const TilePath path{static_cast<TileGemm>(gemm), static_cast<Lanes>(lanes)};
+        out.emplace_back(std::string(pass == 0 ? "forward " : "backward ") + path_name(path), n);
+      }
+  return out;
 }
 
 }  // namespace ring_attention::cpu

@@ -34,6 +34,8 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include "../config.h"
 #include "softmax_rows.h"
@@ -64,11 +66,26 @@ struct TilePath {
 // The path of a block call on inputs of `dtype`, head dim d, softmax scale.
 TilePath select_path(c10::ScalarType dtype, int64_t head_dim, double scale);
 
+// The kernels' passes, as path_runs() counts them.
+enum class Pass : uint8_t { kForward, kBackward };
+
+// select_path() for a block call of `pass` about to run on that path: the
+// run is counted (path_runs()). block_forward and block_backward call this.
+TilePath run_path(Pass pass, c10::ScalarType dtype, int64_t head_dim, double scale);
+
+// The name of a path: the TileGemm without its k, then the lanes, e.g.
+// "Fp32Avx2/avx2".
+std::string path_name(TilePath path);
+
 // The name of select_path's choice for inputs of `dtype` ("float64",
-// "float32", "bfloat16" or "float16"): the TileGemm without its k, then the
-// lanes, e.g. "Fp32Avx2/avx2" (Python: ring_attention._C.cpu_tile_path, for
-// tests and benchmarks).
+// "float32", "bfloat16" or "float16") (Python: ring_attention._C.
+// cpu_tile_path, for tests and benchmarks).
 std::string describe_path(std::string_view dtype, int64_t head_dim, double scale);
+
+// How many block calls of this process ran each path, by pass: "forward
+// Bf16Packed/avx512" -> count, the paths run at least once (Python:
+// ring_attention._C.cpu_tile_path_runs: what a test sees the kernels run).
+std::vector<std::pair<std::string, uint64_t>> path_runs();
 
 // The machine's widest ISA as the build can use it (RING_ATTENTION_CPU_ISA
 // not applied).

@@ -299,12 +299,15 @@ class Pattern:
 
 def _check_window(window: Any) -> tuple[int, int]:
     """``window`` as ``(left, right)``, each an integer ``>= -1`` (``-1``:
-    unbounded); ``None`` is ``(-1, -1)`` (docs/design.md §6)."""
+    unbounded); ``None`` is ``(-1, -1)`` (docs/design.md §6). Only a tuple or
+    a list holds the two sides in their order: a set (``{255, 0}`` iterates
+    as ``0, 255``), a dict, a string or a tensor is refused."""
     if window is None:
         return (-1, -1)
-    if isinstance(window, (str, bytes)) or not hasattr(window, "__len__") or len(window) != 2:
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
         raise ValueError(
-            f"window must be (left, right), two integers >= -1 (-1: unbounded), got {window!r}"
+            "window must be (left, right), a tuple or list of two integers >= -1 (-1: "
+            f"unbounded), got {window!r} ({type(window).__name__})"
         )
     sides = []
     for i, x in enumerate(window):

@@ -20,7 +20,7 @@ from ..core.checks import resolve_scale
 from ..core.layout import check_layout
 from ..core.pattern import Pattern
 from ..local.functional import attend
-from ..parallel.ring import ring_attention
+from ..parallel.ring import given_pattern, sharded_attention
 from .multihead import MultiheadDilatedAttention
 
 __all__ = ["DilatedAttention", "MultiheadDilatedAttention", "RingDilatedAttention"]
@@ -65,9 +65,6 @@ class _PatternModule(nn.Module):
     @property
     def head_groups(self) -> bool:
         return self.pattern.head_groups
-
-    def _pattern(self, cu_seqlens: torch.Tensor | Sequence[int] | None) -> Pattern:
-        return self.pattern.with_documents(cu_seqlens)
 
     def extra_repr(self) -> str:
         p = self.pattern
@@ -188,17 +185,12 @@ class RingDilatedAttention(_PatternModule):
         """Attend this rank's query shard to the whole (sharded) sequence;
         ``cu_seqlens`` holds GLOBAL document boundaries (the same on every
         rank)."""
-        return ring_attention(
-            q,
-            k,
-            v,
-            lambda: self._pattern(cu_seqlens),
-            scale=self.scale,
-            group=self.group,
-            ulysses_group=self.ulysses_group,
-            mesh=self.mesh,
-            layout=self.layout,
-        )
+        # (the pattern an argument of its own: a constant of a compiled graph)
+        return sharded_attention(
+            q, k, v, given_pattern, (self.pattern,), cu_seqlens=cu_seqlens, scale=self.scale,
+            group=self.group, ulysses_group=self.ulysses_group, mesh=self.mesh,
+            layout=self.layout, return_lse=False,
+        )  # fmt: skip
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", layout={self.layout!r}"

@@ -18,7 +18,7 @@ from ..core.pattern import Pattern
 if TYPE_CHECKING:
     from .multihead_call import Call
 
-__all__ = ["DENSE", "call_pattern", "check_options", "compute_dtype"]
+__all__ = ["DENSE", "call_pattern", "check_options", "compute_dtype", "module_pattern"]
 
 #: A pattern whose one segment is longer than any sequence: dense attention.
 DENSE = Pattern((2**62,), (1,))
@@ -63,12 +63,18 @@ def check_options(
     return pattern
 
 
-def call_pattern(m: nn.MultiheadAttention, call: Call, cu_seqlens) -> Pattern:
-    """The pattern of one call: the module's (dense when it has none),
-    causal per the ``is_causal`` hint, with the call's documents."""
+def module_pattern(m: nn.MultiheadAttention, causal: bool) -> Pattern:
+    """The module's pattern (dense when it has none), causal per the call's
+    ``is_causal`` hint (the sharded path builds it in the ring's spec, from
+    these two constants of a compiled graph)."""
     pattern = m.pattern if m.pattern is not None else DENSE
-    if call.causal != pattern.causal:
-        pattern = replace(pattern, causal=call.causal)
+    return pattern if causal == pattern.causal else replace(pattern, causal=causal)
+
+
+def call_pattern(m: nn.MultiheadAttention, call: Call, cu_seqlens) -> Pattern:
+    """The pattern of one call: :func:`module_pattern` with the call's
+    documents."""
+    pattern = module_pattern(m, call.causal)
     if cu_seqlens is not None and call.q.shape[1] != call.k.shape[1]:
         raise ValueError(
             "cu_seqlens needs query and key of the same sequence length (self-attention), "

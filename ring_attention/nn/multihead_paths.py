@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from ..local.functional import attend
-from ..parallel.ring import ring_attention
+from ..parallel.ring import sharded_attention
 from .dense import dense_attention
 from .multihead_call import Call
-from .multihead_options import call_pattern, compute_dtype
+from .multihead_options import call_pattern, compute_dtype, module_pattern
 
 __all__ = ["dense_path", "kernel_attention", "outputs"]
 
@@ -36,9 +36,11 @@ def kernel_attention(m: nn.MultiheadAttention, call: Call, cu_seqlens) -> torch.
         for t in (call.q, call.k, call.v)
     )
     if m._sharded:  # pattern errors are reported on every rank
-        out = ring_attention(
-            q, k, v, lambda: call_pattern(m, call, cu_seqlens), group=m.group,
-            ulysses_group=m.ulysses_group, mesh=m.mesh,
+        # (query and key have one length here: _check_group_call)
+        out = sharded_attention(
+            q, k, v, module_pattern, (m, call.causal), cu_seqlens=cu_seqlens, scale=None,
+            group=m.group, ulysses_group=m.ulysses_group, mesh=m.mesh, layout="contiguous",
+            return_lse=False,
         )  # fmt: skip
     else:
         out = attend(q, k, v, call_pattern(m, call, cu_seqlens), key_padding_mask=call.bool_kpm)

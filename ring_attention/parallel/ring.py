@@ -27,7 +27,12 @@ from ..core.pattern import Pattern, as_flag
 from ..local import engine
 from . import ring_ops  # noqa: F401  (registers torch.ops.ring_attention.ring_forward/_backward)
 from .comm import world_info
-from .exchange import ExchangeEvent, ExchangeStats, last_exchange_stats, register_exchange_hook
+from .exchange import (
+    ExchangeEvent,
+    ExchangeStats,
+    last_exchange_stats,
+    register_exchange_hook,
+)
 from .exchange_plan import ExchangePlan, get_plan
 from .ring_spec import ring_call_spec
 
@@ -102,15 +107,6 @@ def exchange_plan(
                     layout)  # fmt: skip
 
 
-def _built(pattern: Pattern | Callable[[], Pattern], return_lse: bool) -> Pattern:
-    as_flag(return_lse, "return_lse")
-    if callable(pattern) and not isinstance(pattern, Pattern):
-        pattern = pattern()
-    if not isinstance(pattern, Pattern):
-        raise ValueError(f"pattern must be a Pattern or a function returning one, got {pattern!r}")
-    return pattern
-
-
 def ring_attention(
     q_local: Tensor,
     k_local: Tensor,
@@ -126,17 +122,56 @@ def ring_attention(
 ) -> Tensor | tuple[Tensor, Tensor]:
     """:func:`ring_dilated_attention` with a :class:`Pattern` (or a function
     building one: its errors, like every other check here, are reported
-    through the handshake so that every rank raises)."""
-    if ulysses_group is not None or mesh is not None:
-        from .ulysses import ulysses_attention  # (ulysses.py calls back into the ring)
+    through the handshake so that every rank raises). Under ``torch.compile``
+    the ring's pattern is a constant of the graph: a function must be a
+    module-level one (or a ``functools.partial`` of one with constant
+    arguments), not a closure."""
+    build, args = _builder(pattern)
+    return sharded_attention(
+        q_local, k_local, v_local, build, args, cu_seqlens=None, scale=scale, group=group,
+        ulysses_group=ulysses_group, mesh=mesh, layout=layout, return_lse=return_lse,
+    )  # fmt: skip
 
-        return ulysses_attention(
-            q_local, k_local, v_local, pattern, scale=scale, group=group,
-            ulysses_group=ulysses_group, mesh=mesh, layout=layout, return_lse=return_lse,
+
+def sharded_attention(
+    q_local: Tensor,
+    k_local: Tensor,
+    v_local: Tensor,
+    build: Callable[..., Pattern],
+    args: tuple,
+    *,
+    cu_seqlens: Sequence[int] | Tensor | None,
+    scale: float | None,
+    group: dist.ProcessGroup | None,
+    ulysses_group: dist.ProcessGroup | None,
+    mesh,
+    layout: str,
+    return_lse: bool,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """The ring, Ulysses or the hybrid (by the groups, as
+    :func:`ring_dilated_attention`) with the pattern ``build(*args)`` and the
+    documents ``cu_seqlens`` (``None``: the pattern's own). Every entry of the
+    package calls this: ``build`` a module-level function and ``args``
+    values ``torch.compile`` holds as constants (:func:`ring_call_spec`; a
+    module or a :class:`Pattern` as an argument of its own, not inside a
+    ``functools.partial``); a tensor ``cu_seqlens`` is an input of the
+    operator, read once per batch.
+
+    Ulysses and the hybrid run eagerly under ``torch.compile``
+    (:mod:`ring_attention.parallel.ulysses_eager`): their all-to-alls cannot be
+    traced."""
+    if ulysses_group is not None or mesh is not None:
+        run = _ulysses
+        if torch.compiler.is_compiling():
+            from .ulysses_eager import ulysses_eagerly as run
+        return run(
+            q_local, k_local, v_local, build, args, cu_seqlens=cu_seqlens, scale=scale,
+            group=group, ulysses_group=ulysses_group, mesh=mesh, layout=layout,
+            return_lse=return_lse,
         )  # fmt: skip
-    return ring_on_pieces(
-        q_local, k_local, v_local, pattern, scale=scale, group=group, layout=layout,
-        return_lse=return_lse,
+    return _ring(
+        q_local, k_local, v_local, build, args, cu_seqlens=cu_seqlens, scale=scale, group=group,
+        layout=layout, return_lse=return_lse,
     )  # fmt: skip
 
 
@@ -155,9 +190,88 @@ def ring_on_pieces(
     """The ring over ``group``, each rank holding its pieces of ``layout``
     (``fold > 1``: the stretch of its Ulysses group, see
     :func:`ring_attention.core.layout.layout_pieces`)."""
-    spec = ring_call_spec(_built, pattern, return_lse, scale=scale, group=group, layout=layout,
-                          fold=fold)  # fmt: skip
-    return ring_call(q_local, k_local, v_local, spec, return_lse=bool(return_lse))
+    build, args = _builder(pattern)
+    return _ring(
+        q_local, k_local, v_local, build, args, cu_seqlens=None, scale=scale, group=group,
+        layout=layout, return_lse=return_lse, fold=fold,
+    )  # fmt: skip
+
+
+def _ring(
+    q_local: Tensor,
+    k_local: Tensor,
+    v_local: Tensor,
+    build: Callable[..., Pattern],
+    args: tuple,
+    *,
+    cu_seqlens: Sequence[int] | Tensor | None,
+    scale: float | None,
+    group: dist.ProcessGroup | None,
+    layout: str,
+    return_lse: bool,
+    fold: int = 1,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """The ring call of :func:`sharded_attention`: one operator forward and
+    one backward, the documents as a tensor argument (read once per batch),
+    the rest as the spec."""
+    documents = cu_seqlens if isinstance(cu_seqlens, Tensor) else None
+    spec = ring_call_spec(
+        _ring_pattern, return_lse, None if documents is not None else cu_seqlens, build, *args,
+        scale=scale, group=group, layout=layout, fold=fold,
+    )  # fmt: skip
+    # (a bad return_lse is reported by the spec: the operator raises on every rank)
+    return ring_call(q_local, k_local, v_local, spec, documents, return_lse=bool(return_lse))
+
+
+def _ulysses(
+    q_local: Tensor,
+    k_local: Tensor,
+    v_local: Tensor,
+    build: Callable[..., Pattern],
+    args: tuple,
+    *,
+    cu_seqlens: Sequence[int] | Tensor | None,
+    **kwargs,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Ulysses or the hybrid of :func:`sharded_attention` (its pattern built
+    inside the agreement rounds, so that every rank hears of its errors)."""
+    from .ulysses import ulysses_attention  # (ulysses.py calls back into the ring)
+
+    pattern = functools.partial(_pattern_of_call, cu_seqlens, build, *args)
+    return ulysses_attention(q_local, k_local, v_local, pattern, **kwargs)
+
+
+def given_pattern(pattern: Pattern) -> Pattern:
+    """The builder of a pattern given built (:func:`sharded_attention`)."""
+    return pattern
+
+
+def _builder(pattern: Pattern | Callable[[], Pattern]) -> tuple[Callable[..., Pattern], tuple]:
+    """``pattern`` as a builder and its arguments."""
+    if callable(pattern) and not isinstance(pattern, Pattern):
+        return pattern, ()
+    return given_pattern, (pattern,)
+
+
+def _pattern_of_call(
+    documents: Sequence[int] | Tensor | None, build: Callable[..., Pattern], *args
+) -> Pattern:
+    """``build(*args)``, a :class:`Pattern`, with ``documents`` (``None``:
+    its own)."""
+    pattern = build(*args)
+    if not isinstance(pattern, Pattern):
+        raise ValueError(f"pattern must be a Pattern or a function returning one, got {pattern!r}")
+    return pattern if documents is None else pattern.with_documents(documents)
+
+
+def _ring_pattern(
+    return_lse: bool, documents: Sequence[int] | None, build: Callable[..., Pattern], *args
+) -> Pattern:
+    """The pattern of a ring call (:func:`_pattern_of_call`); a bad
+    ``return_lse`` raises here, so that the operator reports it on every
+    rank."""
+    as_flag(return_lse, "return_lse")
+    return _pattern_of_call(documents, build, *args)
 
 
 def ring_dilated_attention(
@@ -240,30 +354,18 @@ def ring_dilated_attention(
     needed, every rank must run the backward.
     """
 
-    if ulysses_group is not None or mesh is not None:
-        pattern = functools.partial(
-            _pattern_of, segment_lengths, dilation_rates, causal, head_groups, head_offsets,
-            window, cu_seqlens, False,
-        )  # fmt: skip
-        return ring_attention(
-            q_local, k_local, v_local, pattern, scale=scale, group=group,
-            ulysses_group=ulysses_group, mesh=mesh, layout=layout, return_lse=return_lse,
-        )  # fmt: skip
-    # The documents travel as a tensor (read once per batch), the rest as the spec.
-    documents = cu_seqlens if isinstance(cu_seqlens, Tensor) else None
-    spec = ring_call_spec(
-        _pattern_of, segment_lengths, dilation_rates, causal, head_groups, head_offsets, window,
-        None if documents is not None else cu_seqlens, return_lse, scale=scale, group=group,
-        layout=layout,
+    return sharded_attention(
+        q_local, k_local, v_local, _pattern_of,
+        (segment_lengths, dilation_rates, causal, head_groups, head_offsets, window),
+        cu_seqlens=cu_seqlens, scale=scale, group=group, ulysses_group=ulysses_group, mesh=mesh,
+        layout=layout, return_lse=return_lse,
     )  # fmt: skip
-    return ring_call(q_local, k_local, v_local, spec, documents, return_lse=return_lse)
 
 
 def _pattern_of(
     segment_lengths: Sequence[int], dilation_rates: Sequence[int], causal: bool,
     head_groups: bool, head_offsets: str, window: tuple[int, int] | None,
-    cu_seqlens: Sequence[int] | Tensor | None, return_lse: bool,
 ) -> Pattern:  # fmt: skip
-    as_flag(return_lse, "return_lse")
+    """The pattern of :func:`ring_dilated_attention`'s arguments."""
     return Pattern(segment_lengths, dilation_rates, causal=causal, head_groups=head_groups,
-                   head_offsets=head_offsets, window=window).with_documents(cu_seqlens)  # fmt: skip
+                   head_offsets=head_offsets, window=window)  # fmt: skip

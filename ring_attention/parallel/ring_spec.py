@@ -8,8 +8,8 @@ communicate). Their tensors are arguments; everything else a call needs (its
 or the error that building them raised) is a :class:`RingSpec`, registered
 here under a key derived from its contents and passed to the operators as
 that string. :func:`ring_call_spec` builds and registers a spec; under
-``torch.compile`` it runs once, while tracing
-(``torch.compiler.assume_constant_result``'s mark, set by
+``torch.compile`` it runs once, while tracing (its ``_registered_spec``
+carries ``torch.compiler.assume_constant_result``'s mark, set by
 :func:`_assume_constant_result`), and its key becomes a constant
 of the graph, so a compiled step neither re-validates nor recompiles.
 
@@ -21,6 +21,7 @@ bounded least-recently-used table.
 
 from __future__ import annotations
 
+import operator
 import threading
 import weakref
 from collections import OrderedDict
@@ -130,7 +131,6 @@ def _assume_constant_result(fn: Callable[..., str]) -> Callable[..., str]:
     return fn
 
 
-@_assume_constant_result
 def ring_call_spec(
     build: Callable[..., Pattern],
     *args: Any,
@@ -141,13 +141,50 @@ def ring_call_spec(
 ) -> str:
     """Register the ring call whose pattern is ``build(*args)``; its key.
 
-    ``build`` is a module-level function and ``args`` values that
-    ``torch.compile`` can hold as constants (Python values, modules, process
-    groups). An exception it raises is kept: the operator reports it in the
-    handshake, so every rank raises (this one the exception itself).
+    ``build`` is a module-level function (or a ``functools.partial`` of one
+    with constant arguments) and ``args`` values that ``torch.compile`` can
+    hold as constants: Python values, modules, process groups, patterns
+    (each an argument of its own: inside a ``functools.partial`` a module
+    or a :class:`Pattern` is not one), not a closure nor a tensor. While
+    tracing, the integers among them (in lists and tuples too), which
+    ``dynamic=True`` makes symbolic where they come from an argument or a
+    closure, are specialized first (:func:`_specialized`): the graph guards
+    on their values, so another value recompiles instead of reusing this
+    spec. An exception ``build`` raises is kept: the operator reports it in
+    the handshake, so every rank raises (this one the exception itself).
     ``fold > 1``: each rank holds the stretch of its Ulysses group
     (:func:`ring_attention.core.layout.layout_pieces`).
     """
+    if torch.compiler.is_compiling():
+        args = tuple(_specialized(a) for a in args)
+    return _registered_spec(build, *args, scale=scale, group=group, layout=layout, fold=fold)
+
+
+def _specialized(value: Any) -> Any:
+    """``value`` with its integers (in lists and tuples too) plain Python
+    ints: while ``torch.compile`` traces, ``operator.index`` turns a
+    symbolic one into a constant that the graph guards on. (A float from
+    an argument stays symbolic under ``dynamic=True`` and is refused by
+    Dynamo, as in the one-process operators.)"""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_specialized(v) for v in value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return operator.index(value)
+    return value
+
+
+@_assume_constant_result
+def _registered_spec(
+    build: Callable[..., Pattern],
+    *args: Any,
+    scale: float | None,
+    group: dist.ProcessGroup | None,
+    layout: str,
+    fold: int,
+) -> str:
+    """:func:`ring_call_spec`, its arguments constants (under
+    ``torch.compile`` run once, while tracing: the mark of
+    ``assume_constant_result``)."""
     try:
         pattern, error = build(*args), None
         if not isinstance(pattern, Pattern):

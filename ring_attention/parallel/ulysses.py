@@ -47,7 +47,7 @@ from ..core.layout import (
     layout_shard_lengths,
     shard_bounds,
 )
-from ..core.pattern import Pattern
+from ..core.pattern import Pattern, as_flag
 from ..local.functional import attend
 from .comm import comm_device, world_info
 from .grid import grid_handshake
@@ -319,6 +319,7 @@ def ulysses_attention(
     message = None
     error: Exception | None = None
     try:
+        return_lse = as_flag(return_lse, "return_lse")
         if callable(pattern) and not isinstance(pattern, Pattern):
             pattern = pattern()
         check_layout(layout)
