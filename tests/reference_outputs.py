@@ -5,8 +5,9 @@ tests/data/reference_outputs.json, written by the commit before a change that
 must keep them bit for bit (``python tests/reference_outputs.py --write``).
 
 The CPU kernels' results depend on the instruction set and the BLAS path, so
-the cases run pinned (:data:`PINNED`: the AVX2 kernels, MKL's AVX2 code path,
-one thread): every x86-64 machine with AVX2 then computes the same bits.
+the cases run pinned (:data:`PINNED`: our AVX2 kernels, PyTorch's AVX2
+kernels, MKL's AVX2 code path, one thread): every x86-64 machine with AVX2
+then computes the same bits.
 
 A case's digest is the SHA-256 of each output's bytes, with its float64 sum
 beside it so that a mismatch says how far off it is.
@@ -25,7 +26,12 @@ import torch
 
 DATA = Path(__file__).parent / "data" / "reference_outputs.json"
 #: The environment the cases run in (module docstring).
-PINNED = {"RING_ATTENTION_CPU_ISA": "avx2", "MKL_CBWR": "AVX2", "OMP_NUM_THREADS": "1"}
+PINNED = {
+    "RING_ATTENTION_CPU_ISA": "avx2",
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "MKL_CBWR": "AVX2",
+    "OMP_NUM_THREADS": "1",
+}
 
 LONGNET = ([16, 32, 64], [1, 2, 4])
 
