@@ -72,6 +72,7 @@ def _check_plan_args(
     rank: object,
     layout: str,
     fold: object = 1,
+    head_range: tuple[int, int, int] = (0, 0, 0),
 ) -> tuple:
     """The cache key of a plan, its arguments checked (docs/design.md §6)."""
     if not isinstance(pattern, Pattern):
@@ -79,15 +80,15 @@ def _check_plan_args(
     n = check_int(seq_len, "seq_len", 0, MAX_SEQ_LEN)
     h = check_int(heads, "heads", 1, MAX_SEQ_LEN)
     kv = check_int(kv_heads, "kv_heads", 1, h)
-    if h % kv:
+    if head_range[1] == 0 and h % kv:
         raise ValueError(f"kv_heads must divide heads = {h}, got kv_heads = {kv}")
     p = check_int(world_size, "world_size", 1, MAX_SEQ_LEN)
     j = check_int(rank, "rank", 0, p - 1)
     check_layout(layout)
-    pattern.check_heads(h)
+    pattern.check_heads(h if head_range[1] == 0 else head_range[1])
     pattern.check_length(n)
     f = check_int(fold, "fold", 1, MAX_SEQ_LEN)
-    return (pattern, n, h, kv, p, j, layout, f)
+    return (pattern, n, h, kv, p, j, layout, f, tuple(int(x) for x in head_range))
 
 
 def exchange_rows(
@@ -97,9 +98,12 @@ def exchange_rows(
     heads: int,
     kv_heads: int,
     pattern: Pattern,
+    head_range: tuple[int, int, int] = (0, 0, 0),
 ) -> torch.Tensor:
     """Sorted flat indices ``row * kv_heads + g`` (``row`` relative to
-    ``k_start``) of the key rows that some query in ``q_pieces`` reaches.
+    ``k_start``) of the key rows that some query in ``q_pieces`` reaches
+    (``head_range``: a hybrid ring's ``(head_start, total_heads,
+    total_kv_heads)``; ``heads``, ``kv_heads`` its own).
 
     A thin wrapper over the ``exchange_rows`` operator
     (:func:`ring_attention.local.engine.reached_rows`) that drops empty query ranges
@@ -110,22 +114,24 @@ def exchange_rows(
     if k_len <= 0 or not ranges:
         return _EMPTY
     return engine.reached_rows(
-        [r[0] for r in ranges], [r[1] for r in ranges], k_start, k_len, heads, kv_heads, pattern
-    )
+        [r[0] for r in ranges], [r[1] for r in ranges], k_start, k_len, heads, kv_heads, pattern,
+        head_range,
+    )  # fmt: skip
 
 
 def reaches(q_piece: Piece | tuple[int, int], k_start: int, k_len: int, heads: int,
-            pattern: Pattern) -> bool:  # fmt: skip
+            pattern: Pattern, kv_heads: int = 1,
+            head_range: tuple[int, int, int] = (0, 0, 0)) -> bool:  # fmt: skip
     """Whether some query of ``q_piece`` reaches some key of ``[k_start,
     k_start + k_len)``, without listing every reached row.
 
     Only keys less than the longest segment away from the queries can share
-    a segment with one; over them, ``exchange_rows`` (one K/V head: the union
-    over query heads) of key chunks of ``_PROBE_ROWS`` rows doubling up to
-    ``_MAX_PROBE_ROWS``, stopping at the first that holds a reached row. At
-    most ``_MAX_PROBE_ROWS`` indices exist at once; a block reached near its
-    start is answered by one chunk, pieces further apart than every segment
-    by none."""
+    a segment with one; over them, ``exchange_rows`` (one K/V head, the union
+    over query heads, where the call holds every head) of key chunks of
+    ``_PROBE_ROWS`` rows doubling up to ``_MAX_PROBE_ROWS``, stopping at the
+    first that holds a reached row. At most ``_MAX_PROBE_ROWS`` indices exist
+    at once; a block reached near its start is answered by one chunk, pieces
+    further apart than every segment by none."""
     q_start, q_len = int(q_piece[0]), int(q_piece[1])
     if q_len <= 0:
         return False
@@ -135,7 +141,8 @@ def reaches(q_piece: Piece | tuple[int, int], k_start: int, k_len: int, heads: i
     size = _PROBE_ROWS
     while start < end:
         n = min(size, end - start)
-        if exchange_rows([(q_start, q_len)], start, n, heads, 1, pattern).numel():
+        if exchange_rows([(q_start, q_len)], start, n, heads, kv_heads, pattern,
+                         head_range).numel():  # fmt: skip
             return True
         start, size = start + n, min(2 * size, _MAX_PROBE_ROWS)
     return False
@@ -192,9 +199,10 @@ class ExchangePlan:
     """Everything one rank needs to run the ring for one configuration.
 
     Attributes:
-        pattern, seq_len, heads, kv_heads, world_size, rank, layout, fold: the
-            configuration (the cache key; ``fold``: see
-            :func:`ring_attention.core.layout.layout_pieces`).
+        pattern, seq_len, heads, kv_heads, world_size, rank, layout, fold,
+            head_range: the configuration (the cache key; ``fold``: see
+            :func:`ring_attention.core.layout.layout_pieces`; ``head_range``:
+            :func:`build_plan`).
         pieces: this rank's runs of global positions (one for ``contiguous``,
             two for ``zigzag``).
         all_pieces: the pieces of every rank.
@@ -215,6 +223,7 @@ class ExchangePlan:
     local_pairs: tuple[tuple[int, int], ...]
     steps: tuple[Step, ...]
     fold: int = 1
+    head_range: tuple[int, int, int] = (0, 0, 0)
     _device_idx: dict = field(default_factory=dict, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -315,10 +324,13 @@ def build_plan(
     rank: int,
     layout: str = "contiguous",
     fold: int = 1,
+    head_range: tuple[int, int, int] = (0, 0, 0),
 ) -> ExchangePlan:
     """Build (without caching) the exchange plan of ``rank`` in a ring of
     ``world_size`` for a sequence of ``seq_len`` sharded per ``layout`` (and
-    ``fold``: the ring of a hybrid over stretches of ``fold`` shards).
+    ``fold``: the ring of a hybrid over stretches of ``fold`` shards, its
+    ranks holding query heads ``head_range = (head_start, total_heads,
+    total_kv_heads)``; ``heads``, ``kv_heads`` are then the ranks' own).
 
     Raises:
         ValueError: naming the argument, for a ``seq_len``, ``heads``,
@@ -326,17 +338,21 @@ def build_plan(
             range, an unknown ``layout``, or a pattern whose documents do not
             end at ``seq_len``.
     """
-    pattern, seq_len, heads, kv_heads, p, rank, layout, fold = _check_plan_args(
-        pattern, seq_len, heads, kv_heads, world_size, rank, layout, fold
+    pattern, seq_len, heads, kv_heads, p, rank, layout, fold, head_range = _check_plan_args(
+        pattern, seq_len, heads, kv_heads, world_size, rank, layout, fold, head_range
     )
+    # every head: one K/V head answers whether a block is reached at all
+    probe_kv = 1 if head_range[1] == 0 else kv_heads
     all_pieces = tuple(tuple(layout_pieces(seq_len, p, r, layout, fold)) for r in range(p))
     mine = all_pieces[rank]
 
     def rows(q_pieces: Sequence[Piece], k_piece: Piece) -> torch.Tensor:
-        return exchange_rows(q_pieces, k_piece.start, k_piece.length, heads, kv_heads, pattern)
+        return exchange_rows(q_pieces, k_piece.start, k_piece.length, heads, kv_heads, pattern,
+                             head_range)  # fmt: skip
 
     def reached(q_piece: Piece, k_piece: Piece) -> bool:
-        return reaches(q_piece, k_piece.start, k_piece.length, heads, pattern)
+        return reaches(q_piece, k_piece.start, k_piece.length, heads, pattern, probe_kv,
+                       head_range)  # fmt: skip
 
     local_pairs = tuple(
         (qi, ki) for qi, qp in enumerate(mine) for ki, kp in enumerate(mine) if reached(qp, kp)
@@ -385,6 +401,7 @@ def build_plan(
         local_pairs=local_pairs,
         steps=tuple(steps),
         fold=int(fold),
+        head_range=head_range,
     )
 
 
@@ -405,10 +422,13 @@ def get_plan(
     rank: int,
     layout: str = "contiguous",
     fold: int = 1,
+    head_range: tuple[int, int, int] = (0, 0, 0),
     *,
     cache: LRUCache[ExchangePlan] | None = None,
 ) -> ExchangePlan:
     """The cached plan for this configuration (built on first use); raises
     as :func:`build_plan` does."""
-    key = _check_plan_args(pattern, seq_len, heads, kv_heads, world_size, rank, layout, fold)
+    key = _check_plan_args(
+        pattern, seq_len, heads, kv_heads, world_size, rank, layout, fold, head_range
+    )
     return (PLAN_CACHE if cache is None else cache).get(key, lambda: build_plan(*key))
