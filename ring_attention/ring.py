@@ -150,12 +150,16 @@ def ring_on_pieces(
     layout: str,
     return_lse: bool,
     fold: int = 1,
+    ranks: tuple[int, ...] | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """The ring over ``group``, each rank holding its pieces of ``layout``
     (``fold > 1``: the stretch of its Ulysses group, see
-    :func:`ring_attention.layout.layout_pieces`)."""
+    :func:`ring_attention.layout.layout_pieces`). ``ranks``: the group's
+    global ranks by ring index, from a grid call (which has checked its
+    grid: the ring then does not check its group again); ``None``: a ring
+    call of its own, by group rank."""
     spec = ring_call_spec(_built, pattern, return_lse, scale=scale, group=group, layout=layout,
-                          fold=fold)  # fmt: skip
+                          fold=fold, ranks=ranks)  # fmt: skip
     return ring_call(q_local, k_local, v_local, spec, return_lse=bool(return_lse))
 
 
