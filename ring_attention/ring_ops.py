@@ -19,19 +19,21 @@ import weakref
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ._comm import comm_device, global_ranks, world_info
 from .checks import check_qkv, resolve_scale
 from .config import far_bytes
 from .dtypes import acc_dtype
 from .exchange import last_exchange_stats
-from .handshake import ring_handshake, ring_message
+from .handshake import reject, ring_handshake, ring_message
 from .layout import check_layout
+from .mesh import check_ring, report_grid_error
 from .ops import op_args
 from .pattern import Pattern
 from .plan import get_plan
 from .ring_schedule import RingCall, schedule_backward, schedule_forward
-from .ring_spec import get_spec
+from .ring_spec import GroupError, get_spec
 
 Tensor = torch.Tensor
 
@@ -73,6 +75,12 @@ def _call_of(
     spec = get_spec(key)
     group = spec.group
     world, rank = world_info(group)
+    order = None
+    if spec.ranks is not None and world > 1:  # ring indices: a mesh's coordinates
+        order = tuple(dist.get_group_rank(group or dist.group.WORLD, r) for r in spec.ranks)
+        rank = spec.ranks.index(dist.get_rank())
+        if order == tuple(range(world)):
+            order = None
     message, pattern, error, far = None, None, spec.error, 0
     if error is None:
         try:
@@ -92,7 +100,14 @@ def _call_of(
             error = exc
     if n is None:
         if world > 1:
-            n = ring_handshake(group, world, message, pattern, spec.layout, spec.fold)
+            if isinstance(error, GroupError):  # which ring? the peers must hear of it
+                topo = report_grid_error("not a group", None, None, error, "ring")
+                if topo is not None:
+                    reject(topo.ring_group, "ring_dilated_attention", error, topo.ring_order)
+                raise error
+            if spec.ranks is None:  # (ranks: a call of the grid's, which checked it)
+                check_ring(group)
+            n = ring_handshake(group, world, message, pattern, spec.layout, spec.fold, error, order)
         else:
             n = q.shape[1] if error is None else -1
     if error is not None:
@@ -102,7 +117,7 @@ def _call_of(
     return RingCall(
         plan=plan,
         group=group,
-        peers=global_ranks(group, world),
+        peers=spec.ranks if order is not None else global_ranks(group, world),
         op_args=op_args(pattern, scale, None, q.device),
         far_bytes=far,
     )
