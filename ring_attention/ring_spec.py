@@ -154,7 +154,9 @@ def ring_call_spec(
     """
     if torch.compiler.is_compiling():
         args = tuple(_specialized(a) for a in args)
-    return _registered_spec(build, *args, scale=scale, group=group, layout=layout, fold=fold)
+    return _registered_spec(
+        build, *args, scale=scale, group=group, layout=layout, fold=fold, ranks=ranks
+    )
 
 
 def _specialized(value: Any) -> Any:
@@ -178,6 +180,7 @@ def _registered_spec(
     group: dist.ProcessGroup | None,
     layout: str,
     fold: int,
+    ranks: tuple[int, ...] | None,
 ) -> str:
     """:func:`ring_call_spec`, its arguments constants (under
     ``torch.compile`` run once, while tracing: the mark of
