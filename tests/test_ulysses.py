@@ -404,6 +404,13 @@ def _errors(rank: int, world: int) -> dict:
     res["mesh_differs"] = _attempt(
         lambda: ra.ring_dilated_attention(ql, kl, vl, segs, dils, mesh=b if rank == 0 else a)
     )
+    # the failed check leaves nothing behind: mesh a, now on every rank, works
+    # (it failed on ranks 1-3 a moment ago, and rank 0 has never checked it)
+    res["mesh_again"] = _maxerr(
+        ra.ring_dilated_attention(*(ra.shard_sequence(t, 1, mesh=a) for t in (q, k, v)), segs,
+                                  dils, causal=True, mesh=a),
+        ra.shard_sequence(ra.dilated_attention(q, k, v, segs, dils, causal=True), 1, mesh=a),
+    )  # fmt: skip
     c1 = DeviceMesh("cpu", [0, 1, 2, 3], mesh_dim_names=("sp",))  # a mesh not used before
     c2 = DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("ring", "ulysses"))
     res["mesh_1d_vs_2d"] = _attempt(
@@ -448,13 +455,14 @@ def test_ranks_that_disagree_raise_value_error_on_every_rank() -> None:
     assert "pattern" in results[2]["pattern"] and "pattern" in results[3]["pattern"]
     windows = [r["window"] for r in results]  # the window is part of the pattern
     assert all("pattern" in windows[r] for r in (0, 1)), windows  # rank 1's Ulysses group
-    assert all("rejected" in windows[r] for r in (2, 3)), windows
+    # passed on along the ring by rank 0 and rank 1 (which found it)
+    assert all(f"rank {r - 2} failed" in windows[r] and "pattern" in windows[r] for r in (2, 3))
     assert "kv_heads" in results[0]["bad_input"]
-    assert "rejected" in results[1]["bad_input"]
+    assert all("rank 0 failed: kv_heads" in results[r]["bad_input"] for r in (1, 2, 3))
     assert "gradient" in results[3]["grad"]
     assert all("out of step" in results[r]["out_of_step"] for r in (0, 1, 2))
     for r in results:
-        assert r["after"] <= 1e-10
+        assert r["after"] <= 1e-10 and r["mesh_again"] <= 1e-10
 
 
 # ---------------------------------------------------------------------------

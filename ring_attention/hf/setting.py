@@ -37,7 +37,9 @@ class SequenceParallel:
     that destroy_process_group released alive, with its gloo worker threads,
     into the interpreter's shutdown, where a thread still releasing a
     finished collective's tensors needs the GIL and aborts the process. A
-    1-D mesh is its ring group; a 2-D mesh is kept (it holds no group)."""
+    1-D mesh listing its ranks in group order is its ring group; other meshes
+    are kept (a mesh holds no group; the ring then runs in its coordinates'
+    order)."""
 
     def __init__(
         self, group: dist.ProcessGroup | None, layout: str,
@@ -84,10 +86,11 @@ class SequenceParallel:
         shard and the groups to gather over (Ulysses first, then the ring)."""
         if self.ring_only:
             size, rank = world_info(self.group)
-            return size, rank, ((self.group, size),)
-        topo = resolve_topology(**self.spread())
+            return size, rank, ((self.group, size, None),)
+        topo = resolve_topology(**self.spread())  # (indices: a mesh's coordinates)
         return topo.world_size, topo.shard_index, (
-            (topo.ulysses_group, topo.ulysses_size), (topo.ring_group, topo.ring_size),
+            (topo.ulysses_group, topo.ulysses_size, topo.ulysses_order),
+            (topo.ring_group, topo.ring_size, topo.ring_order),
         )  # fmt: skip
 
     @property
@@ -109,10 +112,12 @@ class SequenceParallel:
         share a sequence (``all_gather_object`` inside the Ulysses group,
         then along the ring: no group of its own is needed)."""
         items = [obj]
-        for group, size in self._grid()[2]:
+        for group, size, order in self._grid()[2]:
             if size > 1:
                 parts: list[Any] = [None] * size
                 dist.all_gather_object(parts, items, group=group)
+                if order is not None:  # group ranks -> indices
+                    parts = [parts[g] for g in order]
                 items = [x for part in parts for x in part]
         return items
 
@@ -130,9 +135,9 @@ def spread_of(group: Any, ulysses_group: Any, mesh: Any, layout: str) -> Sequenc
             raise ValueError(f"{name} must be a torch.distributed ProcessGroup or None, got {g!r}")
     if mesh is None and ulysses_group is None:
         return None if group is None else SequenceParallel(group, layout)
-    resolve_topology(group, ulysses_group, mesh)  # checks this rank's arguments
-    if mesh is not None and mesh.ndim == 1:
-        group, mesh = mesh.get_group(), None  # a 1-D mesh is a ring
+    topo = resolve_topology(group, ulysses_group, mesh)  # checks this rank's arguments
+    if mesh is not None and mesh.ndim == 1 and topo.ring_order is None:
+        group, mesh = mesh.get_group(), None  # a ring (its ranks in group order)
     return SequenceParallel(group, layout, ulysses_group, mesh)
 
 

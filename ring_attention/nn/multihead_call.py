@@ -83,9 +83,9 @@ def checked_call(
         return _check_call(
             m, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal
         )
-    except Exception:
+    except Exception as exc:
         if m._sharded:
-            reject_sharded(m.group, m.ulysses_group, m.mesh)
+            reject_sharded(m.group, m.ulysses_group, m.mesh, exc)
         raise
 
 

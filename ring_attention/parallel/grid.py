@@ -5,10 +5,13 @@ No process group spans the whole grid, so the check takes two of the small
 fixed-size rounds of :mod:`ring_attention.parallel.handshake`: one inside the Ulysses
 group (a row), then one along the ring (a column). The row round carries the
 call's arguments and the local lengths; the column round carries each row's
-stretch length, a digest of its lengths and of its arguments, and whether
-the row round failed. Every row meets every column, so after the two rounds
-every rank knows everything any rank found, and every rank raises the same
-``ValueError``; none is left waiting in a collective.
+stretch length, a digest of its lengths and of its arguments, or the
+failure the row round found (a rank's own error: which rank and its
+message, passed on). Every row meets every column, so after the two rounds
+every rank knows everything any rank found, and every rank raises: the rank
+whose own checks failed its own error, the others ``ValueError`` naming it
+(``"rank j failed: ..."``); none is left waiting in a collective. Rows come
+back by index (a mesh's coordinates), not group rank.
 
 The local lengths must follow the sharding of docs/design.md §2: shard
 ``i * U + j`` of ``layout`` over ``R * U`` ranks.
@@ -22,7 +25,7 @@ from collections.abc import Callable, Sequence
 import torch.distributed as dist
 
 from ..core.layout import layout_shard_lengths
-from .handshake import exchange_message
+from .handshake import Reason, exchange_message
 from .mesh import Topology
 
 __all__ = ["grid_handshake"]
@@ -46,6 +49,7 @@ def grid_handshake(
     message: Sequence[int] | None,
     layout: str,
     *,
+    error: BaseException | Reason | None = None,
     explain: Callable[[str, list[int]], str | None] | None = None,
     describe: Callable[[], str] | None = None,
 ) -> tuple[int, list[int]]:
@@ -60,6 +64,7 @@ def grid_handshake(
         message: this rank's values, or ``None`` when its inputs failed
             validation (it takes part, and then the caller raises its error).
         layout: the sharding layout.
+        error: with ``message=None``, why (the others' message names it).
         explain: ``explain(field, values)`` -> the message of a disagreement
             on ``field`` (values in row order), or ``None`` for the default.
         describe: this rank's arguments in words (the message when two rows
@@ -69,7 +74,8 @@ def grid_handshake(
     part in both rounds).
 
     Raises:
-        ValueError: on every rank of the grid, naming what differs.
+        ValueError: on every rank of the grid, naming what differs or the
+            rank whose own checks failed (:func:`~ring_attention.parallel.handshake.peer_error`).
     """
     row_call, col_call = _rounds(call)
     U, R = topo.ulysses_size, topo.ring_size
@@ -80,7 +86,7 @@ def grid_handshake(
     if message is not None:
         payload = [*message, topo.ring_index, topo.ring_size, topo.digest("ulysses")]
     try:
-        rows = exchange_message(topo.ulysses_group, row_call, payload)
+        rows = exchange_message(topo.ulysses_group, row_call, payload, error, topo.ulysses_order)
         if rows is not None:
             names = (*fields, *_GRID_FIELDS)
             table = {f: [r[k] for r in rows] for k, f in enumerate(names)}
@@ -101,10 +107,11 @@ def grid_handshake(
     n = sum(row_lengths)
     if R > 1:
         col = None
-        if err is None:
+        if message is not None and err is None:
             col = [n, _digest(row_lengths), topo.ulysses_index, U, topo.digest("ring"), args_digest]
+        why = error if message is None else err  # passed on along the ring
         try:
-            cols = exchange_message(topo.ring_group, col_call, col)
+            cols = exchange_message(topo.ring_group, col_call, col, why, topo.ring_order)
             if cols is not None:
                 _check_columns(call, topo, cols, row_lengths, layout, describe)
                 n = sum(c[0] for c in cols)
@@ -149,6 +156,8 @@ def _check_columns(
     if len({c[5] for c in cols}) > 1:
         words: list = [None] * topo.ring_size
         dist.all_gather_object(words, describe() if describe else "?", group=topo.ring_group)
+        if topo.ring_order is not None:
+            words = [words[g] for g in topo.ring_order]
         detail = "; ".join(f"ring index {i}: {w}" for i, w in enumerate(words))
         raise ValueError(prefix + f"the arguments of the call: {detail}")
     n = sum(c[0] for c in cols)

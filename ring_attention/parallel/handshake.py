@@ -33,7 +33,9 @@ __all__ = [
     "RING_FIELDS",
     "WORDS",
     "exchange_message",
+    "failure",
     "gather_handshake",
+    "peer_error",
     "reject",
     "ring_handshake",
     "ring_message",
@@ -63,21 +65,57 @@ _GATHER_DIMS = WORDS - 3 - 4  # shapes of up to 13 dimensions
 _GATHER_FIELDS = ("ndim", "dim", "dtype", "layout", *(f"size{i}" for i in range(_GATHER_DIMS)))
 
 
-def _exchange(
-    group: dist.ProcessGroup | None, call: str, payload: Sequence[int] | None
-) -> list[list[int]] | None:
-    """All-gather this rank's message; the payload rows of every rank.
+def peer_error(call: str, origin: int, reason: str, others: Sequence[int] = ()) -> ValueError:
+    """The ``ValueError`` of a rank whose peer's own checks failed, naming
+    the peer (global rank ``origin``) and its error; ``(origin, reason)``
+    rides along (``failed_rank``) to be passed on."""
+    more = f" (and rank(s) {list(others)})" if others else ""
+    error = ValueError(f"{call}: rank {origin} failed{more}: {reason}")
+    error.failed_rank = (origin, reason)  # type: ignore[attr-defined]
+    return error
 
-    ``payload=None`` says this rank rejected its inputs: it returns ``None``
-    after the collective and the caller raises its own error. Raises
-    ``ValueError`` on every rank when a rank is in another call (or not in a
-    library call at all) or when another rank rejected its inputs.
+
+Reason = tuple[int, str]
+
+
+def failure(error: BaseException | Reason | None) -> Reason:
+    """``(global rank, text)`` of a failure to report: this rank's own
+    error, or a :func:`peer_error` passed on (its origin kept)."""
+    if isinstance(error, tuple):
+        return error
+    if getattr(error, "failed_rank", None) is not None:
+        return error.failed_rank  # type: ignore[union-attr]
+    me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if error is None:
+        return me, "its inputs failed validation"
+    return me, str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
+
+
+def _exchange(
+    group: dist.ProcessGroup | None,
+    call: str,
+    payload: Sequence[int] | None,
+    error: BaseException | Reason | None = None,
+    order: Sequence[int] | None = None,
+) -> list[list[int]] | None:
+    """All-gather this rank's message; the payload rows of every rank (by
+    index: ``order`` gives the group rank of each index, default the group
+    ranks themselves).
+
+    ``payload=None`` says this rank rejected its inputs (``error``: why):
+    it returns ``None`` after the collective and the caller raises its own
+    error. Raises ``ValueError`` on every rank when a rank is in another
+    call (or not in a library call at all), :func:`peer_error` when another
+    rank rejected its inputs (a second, small collective carries the
+    reasons, only then).
     """
     body = [-1] * (WORDS - 3) if payload is None else list(payload)
     if len(body) > WORDS - 3:  # would break the equal sizes the transport relies on
         raise RuntimeError(f"{call}: a control payload of {len(body)} words (at most {WORDS - 3})")
     body += [0] * (WORDS - 3 - len(body))
     rows = all_gather_ints([_MAGIC, _CALLS[call], int(payload is None), *body], group)
+    if order is not None:
+        rows = [rows[g] for g in order]
     calls = [r[1] if r[0] == _MAGIC else 0 for r in rows]
     if any(c != _CALLS[call] for c in calls):
         where = ", ".join(
@@ -86,31 +124,46 @@ def _exchange(
         raise ValueError(
             f"{call}: ranks are out of step (every rank must make the same call): {where}"
         )
-    bad = [i for i, r in enumerate(rows) if r[2]]
+    reasons: list = []
+    if any(r[2] for r in rows):  # every rank sees the flags: every rank takes part
+        reasons = [None] * len(rows)
+        mine = failure(error) if payload is None else None
+        dist.all_gather_object(reasons, mine, group=group)
     if payload is None:
         return None
-    if bad:
-        raise ValueError(
-            f"{call}: rank(s) {bad} rejected their inputs (see the error raised there); "
-            "nothing was communicated"
-        )
+    if reasons:
+        seen = sorted({tuple(r) for r in reasons if r is not None})
+        origin, reason = seen[0]
+        others = sorted({o for o, _ in seen[1:]} - {origin})
+        raise peer_error(call.split(" (")[0], origin, reason, others)
     return [r[3:] for r in rows]
 
 
 def exchange_message(
-    group: dist.ProcessGroup | None, call: str, payload: Sequence[int] | None
+    group: dist.ProcessGroup | None,
+    call: str,
+    payload: Sequence[int] | None,
+    error: BaseException | Reason | None = None,
+    order: Sequence[int] | None = None,
 ) -> list[list[int]] | None:
-    """One control round of ``call`` over ``group``: every rank's payload
-    (``None``: this rank rejected its inputs; it gets ``None`` back). Raises
-    ``ValueError`` on every rank when ranks are in different calls or another
-    rank rejected its inputs."""
-    return _exchange(group, call, payload)
+    """One control round of ``call`` over ``group``: every rank's payload,
+    by index (``order``: the group rank of each index). ``None``: this rank
+    rejected its inputs (``error``: why); it gets ``None`` back. Raises
+    ``ValueError`` on every rank when ranks are in different calls,
+    :func:`peer_error` when another rank rejected its inputs."""
+    return _exchange(group, call, payload, error, order)
 
 
-def reject(group: dist.ProcessGroup | None, call: str = "ring_dilated_attention") -> None:
+def reject(
+    group: dist.ProcessGroup | None,
+    call: str = "ring_dilated_attention",
+    error: BaseException | Reason | None = None,
+    order: Sequence[int] | None = None,
+) -> None:
     """Take part in ``call``'s handshake as a rank whose inputs failed
-    validation: the other ranks raise; the caller raises its own error."""
-    _exchange(group, call, None)
+    validation (``error``): the other ranks raise :func:`peer_error`
+    naming this rank and the error; the caller raises its own error."""
+    _exchange(group, call, None, error, order)
 
 
 def _scale_bits(scale: float) -> int:
@@ -157,16 +210,20 @@ def ring_handshake(
     pattern: Pattern | None,
     layout: str,
     fold: int = 1,
+    error: BaseException | Reason | None = None,
+    order: Sequence[int] | None = None,
 ) -> int:
     """Check that every rank makes the same ring call; the global length.
 
     ``message`` is :func:`ring_message`, or ``None`` when this rank's inputs
-    failed validation (it returns -1 and the caller raises its own error).
-    ``fold``: the ring of a ring x Ulysses hybrid holds stretches
+    failed validation (``error``: why; it returns -1 and the caller raises
+    its own error, the others :func:`peer_error`). ``order``: the group rank
+    of each ring index (default: the group ranks). ``fold``: the ring of a
+    ring x Ulysses hybrid holds stretches
     (:func:`ring_attention.core.layout.layout_pieces`). Raises ``ValueError`` on
     every rank when ranks disagree.
     """
-    rows = _exchange(group, "ring_dilated_attention", message)
+    rows = _exchange(group, "ring_dilated_attention", message, error, order)
     if rows is None:
         return -1
     table = {f: [r[i] for r in rows] for i, f in enumerate(RING_FIELDS)}
@@ -175,6 +232,8 @@ def ring_handshake(
         gathered: list = [None] * world
         mine = (pattern.describe(), pattern.documents) if pattern else ("?", None)
         dist.all_gather_object(gathered, mine, group=group)
+        if order is not None:
+            gathered = [gathered[g] for g in order]
         detail = "; ".join(f"rank {r}: {d}" for r, (d, _) in enumerate(gathered))
         raise ValueError(prefix + f"the pattern: {detail}" + _documents_detail(gathered))
     if len(set(table["dtype"])) > 1:
@@ -232,21 +291,28 @@ def _documents_detail(gathered: list[tuple[str, tuple[int, ...] | None]]) -> str
 
 
 def gather_handshake(
-    group: dist.ProcessGroup | None, world: int, x_local: torch.Tensor, dim: int, layout: str
+    group: dist.ProcessGroup | None,
+    world: int,
+    x_local: torch.Tensor,
+    dim: int,
+    layout: str,
+    order: Sequence[int] | None = None,
 ) -> list[int]:
     """Check that every rank gathers pieces of one tensor along ``dim``; the
-    local lengths along ``dim`` (rank order)."""
+    local lengths along ``dim`` (by index: ``order`` as for :func:`reject`)."""
     if x_local.dim() > _GATHER_DIMS:
-        reject(group, "gather_sequence")
-        raise ValueError(
+        error = ValueError(
             f"gather_sequence supports tensors of at most {_GATHER_DIMS} dimensions, got "
             f"{x_local.dim()}"
         )
+        reject(group, "gather_sequence", error, order)
+        raise error
     shape = list(x_local.shape) + [-1] * (_GATHER_DIMS - x_local.dim())
     rows = _exchange(
         group,
         "gather_sequence",
         [x_local.dim(), dim, dtype_code(x_local.dtype), LAYOUTS.index(layout), *shape],
+        order=order,
     )
     assert rows is not None
     table = {f: [r[i] for r in rows] for i, f in enumerate(_GATHER_FIELDS)}

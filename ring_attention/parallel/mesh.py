@@ -5,29 +5,43 @@ The ranks of a ring x Ulysses hybrid form a grid of ``R`` rows (one Ulysses
 group of ``U`` ranks each) and ``U`` columns (one ring of ``R`` ranks each):
 the rank with ring index ``i`` and Ulysses index ``j`` holds shard
 ``i * U + j`` of the sequence. A 1-D mesh is a ring (``U = 1``); a 2-D mesh
-names its dimensions ``("ring", "ulysses")``.
+names its dimensions ``("ring", "ulysses")``. From groups, a rank's index is
+its rank in the group; from a mesh, its coordinate on that dimension (what
+``DeviceMesh.get_coordinate`` and DTensor use), whatever the order of the
+ranks in the mesh.
 
 :func:`check_grid` makes sure, once per configuration, that every rank of
 the grid passed groups that form the same grid, through the default
 process group's key-value store rather than a collective: a collective on
 groups that differ between ranks (a mesh not the same on every rank) would
 wait forever, while every rank can read what its peers wrote to the store.
+A plain ring call takes part too (:func:`ring_topology`), so that a rank
+making a ring call while its peers make a Ulysses call is found there.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import threading
 import weakref
 import zlib
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
 from .comm import world_info
 
-__all__ = ["Topology", "check_grid", "resolve_topology"]
+__all__ = [
+    "Topology",
+    "check_grid",
+    "check_ring",
+    "report_grid_error",
+    "resolve_topology",
+    "ring_topology",
+]
 
 _DIM_NAMES = ("ring", "ulysses")
 
@@ -44,8 +58,13 @@ class Topology:
         ring_size, ulysses_size: ``R`` and ``U``.
         ring_index, ulysses_index: ``i`` and ``j``.
         ring_ranks, ulysses_ranks: the global ranks of the two groups, by
-            their index in the group.
+            their index (ring or Ulysses index).
         mesh: ``(mesh ranks, dimension names)`` when given as a mesh.
+        ring_order, ulysses_order: the group rank of each index, where it
+            is not the index itself (a mesh whose ranks are not in
+            ascending order along that dimension), else ``None``.
+        mode: ``"ring"`` for a ring call (``group`` only, or a 1-D mesh),
+            ``"grid"`` for a call with a Ulysses group.
     """
 
     ring_group: dist.ProcessGroup | None
@@ -57,6 +76,9 @@ class Topology:
     ring_ranks: tuple[int, ...]
     ulysses_ranks: tuple[int, ...]
     mesh: tuple | None = None
+    ring_order: tuple[int, ...] | None = None
+    ulysses_order: tuple[int, ...] | None = None
+    mode: str = "grid"
 
     @property
     def world_size(self) -> int:
@@ -71,6 +93,7 @@ class Topology:
     def view(self) -> dict:
         """What this rank believes (compared between ranks by :func:`check_grid`)."""
         return {
+            "mode": self.mode,
             "ring": [_group_name(self.ring_group), list(self.ring_ranks)],
             "ulysses": [_group_name(self.ulysses_group), list(self.ulysses_ranks)],
             "i": self.ring_index,
@@ -94,6 +117,15 @@ def _group_ranks(group: dist.ProcessGroup, size: int) -> tuple[int, ...]:
     return tuple(dist.get_global_rank(group, r) for r in range(size))
 
 
+def _order(group: dist.ProcessGroup | None, ranks: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The group rank of each of ``ranks`` (by index), ``None`` where it is
+    the index itself."""
+    if group is None or len(ranks) < 2:
+        return None
+    order = tuple(dist.get_group_rank(group, r) for r in ranks)
+    return None if order == tuple(range(len(ranks))) else order
+
+
 def _check_group(group, name: str) -> None:
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise ValueError(
@@ -102,21 +134,30 @@ def _check_group(group, name: str) -> None:
 
 
 def _from_mesh(mesh) -> tuple:
-    """``(ring group, ulysses group, mesh key)`` of a 1-D or 2-D mesh."""
+    """``(ring group, ulysses group, i, j, ring ranks, ulysses ranks, mesh
+    key)`` of a 1-D or 2-D mesh: the indices are this rank's coordinates,
+    the ranks those along each dimension through this rank, by coordinate."""
     from torch.distributed.device_mesh import DeviceMesh
 
     if not isinstance(mesh, DeviceMesh):
         raise ValueError(
             f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}"
         )
-    if mesh.get_coordinate() is None:
+    coord = mesh.get_coordinate()
+    if coord is None:
         raise ValueError("mesh: this process is not a member of the mesh")
     names = tuple(mesh.mesh_dim_names or ())
-    key = (mesh.mesh.tolist(), names)
+    ranks = mesh.mesh
+    key = (ranks.tolist(), names)
     if mesh.ndim == 1:
-        return mesh.get_group(), None, key
+        return mesh.get_group(), None, coord[0], 0, tuple(ranks.tolist()), None, key
     if mesh.ndim == 2 and sorted(names) == sorted(_DIM_NAMES):
-        return mesh.get_group("ring"), mesh.get_group("ulysses"), key
+        r, u = names.index("ring"), names.index("ulysses")
+        i, j = coord[r], coord[u]
+        return (
+            mesh.get_group("ring"), mesh.get_group("ulysses"), i, j,
+            tuple(ranks.select(u, j).tolist()), tuple(ranks.select(r, i).tolist()), key,
+        )  # fmt: skip
     if mesh.ndim == 2:
         raise ValueError(
             f"a 2-D mesh needs mesh_dim_names=('ring', 'ulysses') (the ring between the ranks "
@@ -138,7 +179,8 @@ def resolve_topology(
 
     ``group`` is then the ring between the ranks holding the same heads;
     ``None`` means no ring (pure Ulysses). Checks only this rank's
-    arguments; :func:`check_grid` compares them between ranks.
+    arguments; :func:`check_grid` compares them between ranks (a rank whose
+    arguments fail here tells its peers through :func:`report_grid_error`).
 
     Raises:
         ValueError: ``mesh`` together with ``group``/``ulysses_group``, a mesh
@@ -150,7 +192,8 @@ def resolve_topology(
             raise ValueError(
                 "mesh replaces group and ulysses_group: pass either mesh= or the groups, not both"
             )
-        group, ulysses_group, key = _from_mesh(mesh)
+        group, ulysses_group, i, j, ring_ranks, ulysses_ranks, key = _from_mesh(mesh)
+        R, U = len(ring_ranks), len(ulysses_ranks or (0,))
     else:
         key = None
         _check_group(group, "group")
@@ -160,37 +203,144 @@ def resolve_topology(
             "ulysses_group and mesh need torch.distributed: call "
             "torch.distributed.init_process_group first"
         )
-    R, i = world_info(group) if group is not None else (1, 0)
-    U, j = world_info(ulysses_group) if ulysses_group is not None else (1, 0)
     me = dist.get_rank()
+    if mesh is None:
+        R, i = world_info(group) if group is not None else (1, 0)
+        U, j = world_info(ulysses_group) if ulysses_group is not None else (1, 0)
+        ring_ranks = _group_ranks(group, R) if group is not None else (me,)
+        ulysses_ranks = _group_ranks(ulysses_group, U) if ulysses_group is not None else None
+    ulysses_ranks = ulysses_ranks or (me,)
+    ring = group if R > 1 else None
+    uly = ulysses_group if U > 1 else None
     return Topology(
-        ring_group=group if R > 1 else None,
-        ulysses_group=ulysses_group if U > 1 else None,
+        ring_group=ring,
+        ulysses_group=uly,
         ring_size=R,
         ulysses_size=U,
         ring_index=i,
         ulysses_index=j,
-        ring_ranks=_group_ranks(group, R) if group is not None else (me,),
-        ulysses_ranks=_group_ranks(ulysses_group, U) if ulysses_group is not None else (me,),
+        ring_ranks=ring_ranks,
+        ulysses_ranks=ulysses_ranks,
         mesh=key,
+        ring_order=_order(ring, ring_ranks),
+        ulysses_order=_order(uly, ulysses_ranks),
+        mode="grid" if U > 1 else "ring",
     )
+
+
+def ring_topology(
+    group: dist.ProcessGroup | None, ranks: tuple[int, ...] | None = None
+) -> Topology:
+    """The topology of a ring call over ``group`` (``None``: the default
+    group) of two or more ranks; ``ranks``: its global ranks by ring index
+    (default: group-rank order)."""
+    g = group if group is not None else dist.distributed_c10d._get_default_group()
+    R, _ = world_info(group)
+    ranks = tuple(ranks) if ranks is not None else _group_ranks(g, R)
+    me = dist.get_rank()
+    return Topology(
+        ring_group=g, ulysses_group=None, ring_size=R, ulysses_size=1,
+        ring_index=ranks.index(me), ulysses_index=0, ring_ranks=ranks, ulysses_ranks=(me,),
+        ring_order=_order(g, ranks), mode="ring",
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------
 # The one-time agreement check (through the store).
+#
+# Every check a process runs is one round, numbered by a per-process count
+# (reset with the default process group). Rank r writes what it believes
+# under ``ring_attention/grid/<r>/<round>/view``, then what it found
+# (``.../found``), then the round's outcome (``.../done``). A reader keeps,
+# per peer, the next of the peer's rounds it has not read: it takes the
+# first one that names it among the peer's peers (or that is a failure
+# record, which names nobody), and passes over the rounds the peer held
+# with other ranks (a rank may share groups with some ranks and not
+# others), except one of the same call that failed: that is the mismatch.
+# Only successes are cached; a failed check is checked again next time,
+# under new round numbers.
+#
+# A failure record (a rank whose grid arguments are invalid: it cannot know
+# its peers) is meant for the peers checking a new configuration in the same
+# call; it carries the number of calls its rank has made that need a check
+# (every call with peers counts, checked before or not), and a reader in
+# another call passes over it: no one may read it in a later call (when
+# every rank failed, or the peers had checked their configuration before).
 
+_PREFIX = "ring_attention/grid"
 _lock = threading.Lock()
-_checked: dict[tuple, Exception | None] = {}
+
+
+@dataclass(frozen=True)
+class _Checked:
+    """A configuration that passed the check (its groups held weakly: the
+    cache must not keep a group alive after ``destroy_process_group``, as a
+    live gloo group can abort the process at exit)."""
+
+    ring: weakref.ref | None
+    ulysses: weakref.ref | None
+    fields: dict
+
+    @classmethod
+    def of(cls, topo: Topology) -> _Checked:
+        rest = {f.name: getattr(topo, f.name) for f in dataclasses.fields(topo)
+                if f.name not in ("ring_group", "ulysses_group")}  # fmt: skip
+        return cls(_ref(topo.ring_group), _ref(topo.ulysses_group), rest)
+
+    def topology(self) -> Topology | None:
+        """The configuration again, or ``None`` if a group no longer exists."""
+        groups = [None if r is None else r() for r in (self.ring, self.ulysses)]
+        if any(r is not None and g is None for r, g in zip((self.ring, self.ulysses), groups,
+                                                            strict=True)):  # fmt: skip
+            return None
+        return Topology(ring_group=groups[0], ulysses_group=groups[1], **self.fields)
+
+
+@dataclass
+class _State:
+    """The check's state in this process, for one default process group."""
+
+    rounds: int = 0  # rounds this process has run
+    calls: int = 0  # calls with peers this process has made (checked before or not)
+    next_round: dict[int, int] = field(default_factory=dict)  # peer -> its next unread round
+    checked: OrderedDict = field(default_factory=OrderedDict)  # key -> _Checked, last used last
+    rings: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+
+
+_states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _state() -> _State:
+    pg = dist.distributed_c10d._get_default_group()
+    with _lock:
+        if pg not in _states:
+            _states[pg] = _State()
+        return _states[pg]
 
 
 def _ref(group: dist.ProcessGroup | None) -> weakref.ref | None:
     return None if group is None else weakref.ref(group)
 
 
+def _key(topo: Topology) -> tuple:
+    return (_ref(topo.ring_group), _ref(topo.ulysses_group), repr(topo.mesh), topo.ring_ranks,
+            topo.ulysses_ranks, topo.mode)  # fmt: skip
+
+
+_MODES = {"ring": "a ring call (group= only, or a 1-D mesh)",
+          "grid": "a call with ulysses_group= or a 2-D mesh"}  # fmt: skip
+
+
 def _problems(topo: Topology, me: int, views: dict[int, dict]) -> list[str]:
     mine = topo.view()
     out = []
     for rank, v in views.items():
+        if v["mode"] != mine["mode"]:
+            out.append(
+                f"rank {rank} is in {_MODES[v['mode']]}, rank {me} in {_MODES[mine['mode']]} "
+                "(a rank in another call: every rank must make the same call)"
+            )
+            continue
         if v["mesh"] != mine["mesh"]:
             out.append(f"rank {rank} passed mesh {v['mesh']}, rank {me} {mine['mesh']}")
         if rank in topo.ulysses_ranks:
@@ -220,7 +370,12 @@ def _problems(topo: Topology, me: int, views: dict[int, dict]) -> list[str]:
     return out
 
 
-def _read(store, keys: list[str], timeout: datetime.timedelta, ranks: list[int]) -> list[str]:
+def _timeout(store) -> datetime.timedelta:
+    return getattr(store, "timeout", datetime.timedelta(seconds=300))
+
+
+def _read(store, keys: list[str], ranks: list[int]) -> list[str]:
+    timeout = _timeout(store)
     try:
         store.wait(keys, timeout)
     except Exception as exc:  # a peer never came: name it
@@ -234,57 +389,168 @@ def _read(store, keys: list[str], timeout: datetime.timedelta, ranks: list[int])
     return [store.get(k).decode() for k in keys]
 
 
+def _next_view(store, st: _State, peer: int, me: int, call: int) -> tuple[int, dict]:
+    """The peer's round this rank meets in its ``call``-th call (see above),
+    and the peer's view."""
+    j = st.next_round.get(peer, 0)
+    while True:
+        (text,) = _read(store, [f"{_PREFIX}/{peer}/{j}/view"], [peer])
+        view = json.loads(text)
+        if view.get("error") is not None:
+            if view["call"] == call:
+                break
+        elif me in view["peers"]:
+            break
+        elif view["call"] == call:  # held with others in this call: did it fail?
+            (done,) = _read(store, [f"{_PREFIX}/{peer}/{j}/done"], [peer])
+            if done:  # then it is the mismatch this rank meets
+                break
+        j += 1
+    st.next_round[peer] = j + 1
+    return j, view
+
+
+def _round(st: _State, topo: Topology, me: int, peers: list[int], call: int) -> str:
+    """One check; the error every rank raises ("" when the grid agrees)."""
+    store = dist.distributed_c10d._get_default_store()
+    with _lock:
+        mine = f"{_PREFIX}/{me}/{st.rounds}"
+        st.rounds += 1
+    store.set(f"{mine}/view", json.dumps({**topo.view(), "peers": peers, "call": call}))
+    views, at, text = {}, {}, ""
+    for p in peers:
+        at[p], views[p] = _next_view(store, st, p, me, call)
+        if views[p].get("error") is not None and not text:
+            text = f"ring_attention: rank {p} failed: {views[p]['error']}"
+    if not text:
+        found = _problems(topo, me, {p: v for p, v in views.items()})
+        if found:
+            text = (
+                "ring_attention: the ranks' groups do not form one ring x Ulysses grid "
+                "(group, ulysses_group or mesh must describe the same grid on every rank; "
+                f"found by rank {me}): {found[0]}"
+            )
+    store.set(f"{mine}/found", text)
+    if not text:
+        flags = _read(store, [f"{_PREFIX}/{p}/{at[p]}/found" for p in peers], peers)
+        text = next((f for f in flags if f), "")
+    store.set(f"{mine}/done", text)
+    return text
+
+
 def check_grid(topo: Topology) -> None:
     """Check, once per configuration of groups, that every rank of this
-    rank's row and column passed groups (or a mesh) forming the same grid.
+    rank's row and column passed groups (or a mesh) forming the same grid,
+    and makes the same kind of call (ring or grid).
 
-    Two rounds through the default store: each rank writes its view and
+    Two steps through the default store: each rank writes its view and
     reads its peers', then writes what it found and reads theirs, so that a
-    mismatch seen anywhere in a row or a column of the grid reaches every rank
-    of it. Raises ``ValueError`` on every rank of a grid whose ranks
-    disagree, ``RuntimeError`` when a peer never writes (within the store's
-    timeout). Every rank must make its calls in the same order.
+    mismatch seen anywhere in a row or a column of the grid reaches every
+    rank of it. Raises ``ValueError`` on every rank of a grid whose ranks
+    disagree (or where a rank's own arguments failed:
+    :func:`report_grid_error`), ``RuntimeError`` when a peer never writes
+    (within the store's timeout). Every rank must meet new configurations
+    in the same order (the same calls in the same order).
 
-    The check runs once per configuration and process: a rank that passes a
-    configuration it has used before while its peers pass one they have not
-    is not caught here (the calls' own rounds then meet different groups).
+    Only a configuration that passed is remembered, so a failed check
+    leaves nothing behind. A rank that passes a configuration it has used
+    before while its peers pass one they have not is not caught here (the
+    calls' own rounds then meet different groups).
     """
-    # Weak references: the cache must not keep a group alive after
-    # destroy_process_group (a live gloo group can abort the process at exit).
-    key = (_ref(topo.ring_group), _ref(topo.ulysses_group), repr(topo.mesh))
-    with _lock:
-        if key in _checked:
-            err = _checked[key]
-            if err is not None:
-                raise err
-            return
-        serial = len(_checked)
-        _checked[key] = None
     me = dist.get_rank()
     peers = sorted((set(topo.ring_ranks) | set(topo.ulysses_ranks)) - {me})
     if not peers:
         return
+    st = _state()
+    key = _key(topo)
+    with _lock:
+        st.calls += 1
+        call = st.calls
+        if key in st.checked:
+            st.checked.move_to_end(key)
+            return
+    text = _round(st, topo, me, peers, call)
+    if text:
+        raise ValueError(text)
+    with _lock:
+        st.checked[key] = _Checked.of(topo)
+
+
+def check_ring(group: dist.ProcessGroup | None) -> None:
+    """:func:`check_grid` of a plain ring call over ``group`` (two or more
+    ranks), without building its topology once the group has passed (a
+    ring call's cost must not grow with the number of ranks)."""
+    g = group if group is not None else dist.distributed_c10d._get_default_group()
+    st = _state()
+    with _lock:
+        key = st.rings.get(g)
+        if key is not None and key in st.checked:
+            st.calls += 1
+            st.checked.move_to_end(key)
+            return
+    topo = ring_topology(group)
+    check_grid(topo)
+    with _lock:
+        st.rings[g] = _key(topo)
+
+
+def _reason(error: BaseException) -> str:
+    return str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
+
+
+def report_grid_error(
+    group, ulysses_group, mesh, error: BaseException, mode: str | None = None
+) -> Topology | None:
+    """Tell the peers of a rank whose grid arguments failed (``error``) so
+    that they raise too instead of waiting; ``mode``: the kind of call
+    (``"ring"``, ``"grid"``, ``None``: either).
+
+    The peers are either checking a new configuration (they read this
+    rank's next round in the store: it gets a failure record, and this
+    returns ``None``), or, with a configuration checked before, already in
+    the call's own rounds: then this returns that configuration, the last
+    one used that fits what is valid in the arguments (the mesh, or the
+    arguments that are groups), and the caller rejects through its rounds.
+    Nothing is done without an initialised default group.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    want = None
+    if mesh is not None:
+        try:
+            want = _key(resolve_topology(None, None, mesh))
+        except ValueError:
+            pass
+    st = _state()
+    with _lock:
+        st.calls += 1
+        entries = list(reversed(st.checked.values()))
+    for e in entries:
+        t = e.topology()
+        if t is None or (mode is not None and want is None and t.mode != mode):
+            continue
+        if mesh is not None:
+            fits = want is None or _key(t) == want
+        else:
+            fits = all(
+                have is given if isinstance(given, dist.ProcessGroup) else
+                not (given is None and have is not None)
+                for given, have in ((group, t.ring_group), (ulysses_group, t.ulysses_group))
+            )  # fmt: skip
+        if fits:
+            return t
+    _fail_round(st, dist.get_rank(), _reason(error))
+    return None
+
+
+def _fail_round(st: _State, me: int, reason: str) -> None:
+    """A round of a rank that cannot know its peers: a failure record."""
     store = dist.distributed_c10d._get_default_store()
-    timeout = getattr(store, "timeout", datetime.timedelta(seconds=300))
-    prefix = f"ring_attention/grid/{serial}"
-    err: Exception | None = None
-    try:
-        store.set(f"{prefix}/view/{me}", json.dumps(topo.view()))
-        texts = _read(store, [f"{prefix}/view/{r}" for r in peers], timeout, peers)
-        found = _problems(topo, me, {r: json.loads(t) for r, t in zip(peers, texts, strict=True)})
-        store.set(f"{prefix}/found/{me}", "; ".join(found))
-        flags = _read(store, [f"{prefix}/found/{r}" for r in peers], timeout, peers)
-        if found or any(flags):
-            seen = found or [f for f in flags if f]
-            where = [r for r, f in zip(peers, flags, strict=True) if f] + ([me] if found else [])
-            err = ValueError(
-                "ring_attention: the ranks' groups do not form one ring x Ulysses grid "
-                "(group, ulysses_group or mesh must describe the same grid on every rank; "
-                f"found by rank(s) {sorted(where)}): {seen[0]}"
-            )
-    except Exception as exc:
-        err = exc
-    if err is not None:
-        with _lock:
-            _checked[key] = err
-        raise err
+    with _lock:
+        mine = f"{_PREFIX}/{me}/{st.rounds}"
+        st.rounds += 1
+        call = st.calls
+    store.set(f"{mine}/view", json.dumps({"error": reason, "peers": None, "call": call}))
+    text = f"ring_attention: rank {me} failed: {reason}"
+    store.set(f"{mine}/found", text)
+    store.set(f"{mine}/done", text)

@@ -186,14 +186,18 @@ def ring_on_pieces(
     layout: str,
     return_lse: bool,
     fold: int = 1,
+    ranks: tuple[int, ...] | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """The ring over ``group``, each rank holding its pieces of ``layout``
     (``fold > 1``: the stretch of its Ulysses group, see
-    :func:`ring_attention.core.layout.layout_pieces`)."""
+    :func:`ring_attention.core.layout.layout_pieces`). ``ranks``: the group's
+    global ranks by ring index, from a grid call (which has checked its
+    grid: the ring then does not check its group again); ``None``: a ring
+    call of its own, by group rank."""
     build, args = _builder(pattern)
     return _ring(
         q_local, k_local, v_local, build, args, cu_seqlens=None, scale=scale, group=group,
-        layout=layout, return_lse=return_lse, fold=fold,
+        layout=layout, return_lse=return_lse, fold=fold, ranks=ranks,
     )  # fmt: skip
 
 
@@ -210,6 +214,7 @@ def _ring(
     layout: str,
     return_lse: bool,
     fold: int = 1,
+    ranks: tuple[int, ...] | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """The ring call of :func:`sharded_attention`: one operator forward and
     one backward, the documents as a tensor argument (read once per batch),
@@ -217,7 +222,7 @@ def _ring(
     documents = cu_seqlens if isinstance(cu_seqlens, Tensor) else None
     spec = ring_call_spec(
         _ring_pattern, return_lse, None if documents is not None else cu_seqlens, build, *args,
-        scale=scale, group=group, layout=layout, fold=fold,
+        scale=scale, group=group, layout=layout, fold=fold, ranks=ranks,
     )  # fmt: skip
     # (a bad return_lse is reported by the spec: the operator raises on every rank)
     return ring_call(q_local, k_local, v_local, spec, documents, return_lse=bool(return_lse))

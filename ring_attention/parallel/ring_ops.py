@@ -16,6 +16,7 @@ cache.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from ..core.cache import PerBatch
 from ..core.call import Call
@@ -27,8 +28,9 @@ from ..core.pattern import Pattern
 from .comm import comm_device, global_ranks, world_info
 from .exchange import last_exchange_stats
 from .exchange_plan import get_plan
-from .handshake import ring_handshake, ring_message
-from .ring_spec import get_spec
+from .handshake import reject, ring_handshake, ring_message
+from .mesh import check_ring, report_grid_error
+from .ring_spec import GroupError, get_spec
 from .schedule import RingCall, schedule_backward, schedule_forward
 
 Tensor = torch.Tensor
@@ -56,6 +58,12 @@ def _call_of(
     spec = get_spec(key)
     group = spec.group
     world, rank = world_info(group)
+    order = None
+    if spec.ranks is not None and world > 1:  # ring indices: a mesh's coordinates
+        order = tuple(dist.get_group_rank(group or dist.group.WORLD, r) for r in spec.ranks)
+        rank = spec.ranks.index(dist.get_rank())
+        if order == tuple(range(world)):
+            order = None
     message, pattern, error, far = None, None, spec.error, 0
     if error is None:
         try:
@@ -75,7 +83,14 @@ def _call_of(
             error = exc
     if n is None:
         if world > 1:
-            n = ring_handshake(group, world, message, pattern, spec.layout, spec.fold)
+            if isinstance(error, GroupError):  # which ring? the peers must hear of it
+                topo = report_grid_error("not a group", None, None, error, "ring")
+                if topo is not None:
+                    reject(topo.ring_group, "ring_dilated_attention", error, topo.ring_order)
+                raise error
+            if spec.ranks is None:  # (ranks: a call of the grid's, which checked it)
+                check_ring(group)
+            n = ring_handshake(group, world, message, pattern, spec.layout, spec.fold, error, order)
         else:
             n = q.shape[1] if error is None else -1
     if error is not None:
@@ -85,7 +100,7 @@ def _call_of(
     return RingCall(
         plan=plan,
         group=group,
-        peers=global_ranks(group, world),
+        peers=spec.ranks if order is not None else global_ranks(group, world),
         call=Call(pattern, scale),
         far_bytes=far,
     )

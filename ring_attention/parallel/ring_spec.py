@@ -35,7 +35,11 @@ import torch.distributed as dist
 from ..core.cache import register
 from ..core.pattern import Pattern
 
-__all__ = ["RingSpec", "get_spec", "ring_call_spec"]
+__all__ = ["GroupError", "RingSpec", "get_spec", "ring_call_spec"]
+
+
+class GroupError(ValueError):
+    """``group`` is not a process group (the ring cannot know its peers)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -53,6 +57,7 @@ class RingSpec:
     layout: str
     fold: int
     _group: Callable[[], dist.ProcessGroup | None]
+    ranks: tuple[int, ...] | None = None  # global ranks by ring index (None: group order)
 
     @property
     def group(self) -> dist.ProcessGroup | None:
@@ -138,6 +143,7 @@ def ring_call_spec(
     group: dist.ProcessGroup | None = None,
     layout: str = "contiguous",
     fold: int = 1,
+    ranks: tuple[int, ...] | None = None,
 ) -> str:
     """Register the ring call whose pattern is ``build(*args)``; its key.
 
@@ -153,11 +159,16 @@ def ring_call_spec(
     spec. An exception ``build`` raises is kept: the operator reports it in
     the handshake, so every rank raises (this one the exception itself).
     ``fold > 1``: each rank holds the stretch of its Ulysses group
-    (:func:`ring_attention.core.layout.layout_pieces`).
+    (:func:`ring_attention.core.layout.layout_pieces`). ``ranks``: the global
+    ranks of the group by ring index (a mesh's coordinates), given by a
+    grid call, which has checked its grid (the ring then skips its own
+    check of the group); ``None``: the group-rank order.
     """
     if torch.compiler.is_compiling():
         args = tuple(_specialized(a) for a in args)
-    return _registered_spec(build, *args, scale=scale, group=group, layout=layout, fold=fold)
+    return _registered_spec(
+        build, *args, scale=scale, group=group, layout=layout, fold=fold, ranks=ranks
+    )
 
 
 def _specialized(value: Any) -> Any:
@@ -181,6 +192,7 @@ def _registered_spec(
     group: dist.ProcessGroup | None,
     layout: str,
     fold: int,
+    ranks: tuple[int, ...] | None,
 ) -> str:
     """:func:`ring_call_spec`, its arguments constants (under
     ``torch.compile`` run once, while tracing: the mark of
@@ -200,10 +212,13 @@ def _registered_spec(
         ref, group_key = weakref.ref(group), group.group_name
     else:
         ref, group_key = _DEFAULT_GROUP, "invalid"
-        pattern, error = None, ValueError(f"group must be a ProcessGroup or None, got {group!r}")
+        pattern, error = None, GroupError(f"group must be a ProcessGroup or None, got {group!r}")
     what = repr(pattern) if error is None else f"{type(error).__name__}: {error}"
     key = f"{what} | scale={scale!r} | group={group_key} | layout={layout!r} | fold={fold}"
+    if ranks is not None:
+        ranks = tuple(int(r) for r in ranks)
+        key += f" | ranks={list(ranks)}"
     spec = RingSpec(pattern=pattern, error=error, scale=scale, layout=layout, fold=fold,
-                    _group=ref)  # fmt: skip
+                    _group=ref, ranks=ranks)  # fmt: skip
     _REGISTRY.add(key, spec, pin=torch.compiler.is_compiling())
     return key

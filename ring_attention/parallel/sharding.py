@@ -9,7 +9,8 @@ described in :mod:`ring_attention.core.layout`.
 group (or a group of one) both functions are the identity. With
 ``ulysses_group`` (``group`` then the ring, ``None`` = no ring) or ``mesh``,
 the rank with ring index ``i`` and Ulysses index ``j`` of ``U`` holds piece
-``i * U + j`` (docs/design.md §2, :mod:`ring_attention.parallel.mesh`).
+``i * U + j`` (docs/design.md §2, :mod:`ring_attention.parallel.mesh`); from a mesh,
+``i`` and ``j`` are the rank's coordinates.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from ..core.layout import (
 )
 from .comm import comm_device, world_info
 from .handshake import gather_handshake
-from .mesh import check_grid, resolve_topology
-from .ulysses import gather_grid
+from .mesh import check_grid, check_ring, resolve_topology
+from .ulysses import gather_grid, topology_of
 
 __all__ = [
     "LAYOUTS",
@@ -106,13 +107,21 @@ def shard_sequence(
 
 
 def _gather_varlen(
-    x_local: torch.Tensor, dim: int, group: dist.ProcessGroup | None, layout: str
+    x_local: torch.Tensor,
+    dim: int,
+    group: dist.ProcessGroup | None,
+    layout: str,
+    order: tuple[int, ...] | None,
 ) -> tuple[torch.Tensor, list[Piece]]:
-    """All-gather variable-length pieces and reassemble the full tensor.
+    """All-gather variable-length pieces and reassemble the full tensor
+    (``order``: the group rank holding each piece, ``None``: piece r on
+    group rank r).
 
     Returns the full tensor and this rank's pieces (for the backward)."""
     world, rank = world_info(group)
-    lengths = gather_handshake(group, world, x_local, dim, layout)
+    if order is not None:
+        rank = order.index(rank)
+    lengths = gather_handshake(group, world, x_local, dim, layout, order)
     n = sum(lengths)
     device = comm_device(group, x_local.device)
     max_len = max(lengths)
@@ -124,6 +133,8 @@ def _gather_varlen(
     send = send.contiguous()
     recv = [torch.empty_like(send) for _ in range(world)]
     dist.all_gather(recv, send, group=group)
+    if order is not None:
+        recv = [recv[g] for g in order]
 
     parts: list[tuple[int, torch.Tensor]] = []
     for r in range(world):
@@ -144,8 +155,8 @@ class _GatherSequence(torch.autograd.Function):
     tensor, as in sequence-parallel training)."""
 
     @staticmethod
-    def forward(ctx, x_local: torch.Tensor, dim: int, group, layout: str) -> torch.Tensor:  # type: ignore[override]
-        full, pieces = _gather_varlen(x_local, dim, group, layout)
+    def forward(ctx, x_local: torch.Tensor, dim: int, group, layout: str, order) -> torch.Tensor:  # type: ignore[override]
+        full, pieces = _gather_varlen(x_local, dim, group, layout, order)
         ctx.dim = dim
         ctx.pieces = pieces
         return full
@@ -154,7 +165,7 @@ class _GatherSequence(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         parts = [grad.narrow(ctx.dim, p.start, p.length) for p in ctx.pieces]
         g = parts[0] if len(parts) == 1 else torch.cat(parts, dim=ctx.dim)
-        return g, None, None, None
+        return g, None, None, None, None
 
 
 def gather_sequence(
@@ -189,14 +200,15 @@ def gather_sequence(
     dim = _check_dim(x_local, dim, "x_local")
     check_layout(layout)
     if ulysses_group is not None or mesh is not None:
-        topo = resolve_topology(group, ulysses_group, mesh)
+        topo = topology_of(group, ulysses_group, mesh, "gather_sequence")
         check_grid(topo)
         if topo.ulysses_size > 1:
             return gather_grid(x_local, dim, topo, layout)
         if topo.ring_size == 1:
             return x_local
-        group = topo.ring_group
+        return _GatherSequence.apply(x_local, dim, topo.ring_group, layout, topo.ring_order)
     world, _ = world_info(group)
     if world == 1:
         return x_local
-    return _GatherSequence.apply(x_local, dim, group, layout)
+    check_ring(group)  # (once per group: a rank in another call)
+    return _GatherSequence.apply(x_local, dim, group, layout, None)

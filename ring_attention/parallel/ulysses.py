@@ -8,7 +8,9 @@ shard ``i * U + j`` of the sequence. Per call, on every rank:
 1. The agreement check: once per configuration that the groups form one
    grid (:func:`~ring_attention.parallel.mesh.check_grid`), then every call's
    arguments in two small rounds (:mod:`ring_attention.parallel.grid`), so that
-   ranks that disagree raise ``ValueError`` on every rank.
+   ranks that disagree raise ``ValueError`` on every rank. A rank whose
+   grid arguments themselves are invalid tells its peers
+   (:func:`~ring_attention.parallel.mesh.report_grid_error`) before it raises.
 2. An all-to-all inside the Ulysses group trades sequence for heads: rank
    ``j`` receives, for the stretch of sequence its group holds, query heads
    ``j`` of ``torch.tensor_split(range(heads), U)`` (any head count; ranks
@@ -53,7 +55,13 @@ from .comm import comm_device, world_info
 from .grid import grid_handshake
 from .handshake import RING_FIELDS, reject, ring_message
 from .heads import attend_head_range, kv_head_range, local_runner
-from .mesh import Topology, check_grid, resolve_topology
+from .mesh import (
+    Topology,
+    check_grid,
+    check_ring,
+    report_grid_error,
+    resolve_topology,
+)
 from .ring import ring_on_pieces
 
 __all__ = [
@@ -61,6 +69,8 @@ __all__ = [
     "gather_grid",
     "last_all_to_all_stats",
     "reject_sharded",
+    "reject_through",
+    "topology_of",
     "ulysses_attention",
 ]
 
@@ -262,14 +272,16 @@ def _from_stretch(x: Tensor, row: _Row, dim: int) -> list[Tensor]:
 # The call.
 
 
-def _explain(pattern_of: Callable[[], Pattern | None], group) -> Callable:
+def _explain(pattern_of: Callable[[], Pattern | None], topo: Topology) -> Callable:
     prefix = f"{_CALL}: the ranks of a Ulysses group disagree on "
 
     def explain(name: str, vals: list[int]) -> str | None:
         if name == "pattern":
             words: list = [None] * len(vals)
             p = pattern_of()
-            dist.all_gather_object(words, p.describe() if p else "?", group=group)
+            dist.all_gather_object(words, p.describe() if p else "?", group=topo.ulysses_group)
+            if topo.ulysses_order is not None:
+                words = [words[g] for g in topo.ulysses_order]
             return (
                 prefix
                 + "the pattern: "
@@ -303,13 +315,13 @@ def ulysses_attention(
     """:func:`ring_attention.ring_dilated_attention` with ``ulysses_group``
     or ``mesh`` (the module docstring): this rank's shard ``i * U + j``
     of ``q``, ``k``, ``v`` in, its shard of ``out`` (and ``lse``) out."""
-    topo = resolve_topology(group, ulysses_group, mesh)
+    topo = topology_of(group, ulysses_group, mesh, _CALL)
     check_grid(topo)
     if topo.ulysses_size == 1:  # a ring (a 1-D mesh), or one process
         if topo.ring_size > 1:
             return ring_on_pieces(
                 q_local, k_local, v_local, pattern, scale=scale, group=topo.ring_group,
-                layout=layout, return_lse=return_lse,
+                layout=layout, return_lse=return_lse, ranks=topo.ring_ranks,
             )  # fmt: skip
         if callable(pattern) and not isinstance(pattern, Pattern):
             pattern = pattern()
@@ -339,18 +351,18 @@ def ulysses_attention(
     except Exception as exc:  # every rank must hear of it: reported in the rounds
         error = exc
 
-    def describe() -> str:
+    def describe() -> str:  # (only where every rank's checks passed)
         B, _, H, D = q_local.shape
+        words = pattern.describe() if isinstance(pattern, Pattern) else "?"
         return (
             f"batch {B}, heads {H}, kv_heads {k_local.shape[2]}, head_dim {D}, {q_local.dtype}, "
-            f"{pattern.describe()}, scale {scale}, layout {layout}, "
+            f"{words}, scale {scale}, layout {layout}, "
             f"requires_grad {message[RING_FIELDS.index('requires_grad')] if message else '?'}"
         )
 
     n, row_lengths = grid_handshake(
-        topo, _CALL, _FIELDS, message, layout,
-        explain=_explain(lambda: pattern if isinstance(pattern, Pattern) else None,
-                         topo.ulysses_group),
+        topo, _CALL, _FIELDS, message, layout, error=error,
+        explain=_explain(lambda: pattern if isinstance(pattern, Pattern) else None, topo),
         describe=describe,
     )  # fmt: skip
     if error is not None:
@@ -410,7 +422,7 @@ def _ulysses(
             def run(q_, k_, v_, pat):
                 return ring_on_pieces(
                     q_, k_, v_, pat, scale=scale, group=topo.ring_group, layout=layout,
-                    return_lse=True, fold=topo.ulysses_size,
+                    return_lse=True, fold=topo.ulysses_size, ranks=topo.ring_ranks,
                 )  # fmt: skip
 
         out_s, lse_s = attend_head_range(qs, ks, vs, pattern, h0, H, Hkv, run)
@@ -436,8 +448,12 @@ _GATHER_FIELDS = ("seq_len_local", "ndim", "dim", "dtype", "layout",
                   *(f"size{k}" for k in range(_GATHER_DIMS)))  # fmt: skip
 
 
-def _all_gather_padded(x: Tensor, dim: int, lengths: list[int], group) -> list[Tensor]:
-    """Every rank's ``x`` (lengths along ``dim`` given), through one all-gather."""
+def _all_gather_padded(
+    x: Tensor, dim: int, lengths: list[int], group, order: tuple[int, ...] | None
+) -> list[Tensor]:
+    """Every rank's ``x`` (lengths along ``dim`` given, by index), through
+    one all-gather; ``order``: the group rank of each index (``None``: the
+    index)."""
     device = comm_device(group, x.device)
     longest = max(lengths)
     send = x.to(device)
@@ -448,6 +464,8 @@ def _all_gather_padded(x: Tensor, dim: int, lengths: list[int], group) -> list[T
     send = send.contiguous()
     recv = [torch.empty_like(send) for _ in lengths]
     dist.all_gather(recv, send, group=group)
+    if order is not None:
+        recv = [recv[g] for g in order]
     return [t.narrow(dim, 0, ln).to(x.device) for t, ln in zip(recv, lengths, strict=True)]
 
 
@@ -468,11 +486,15 @@ class _GatherGrid(torch.autograd.Function):
                          for m in range(U)),
             heads=(), kv=(),
         )  # fmt: skip
-        stretch = _to_stretch(_all_gather_padded(x, dim, row_lengths, topo.ulysses_group), row, dim)
+        stretch = _to_stretch(
+            _all_gather_padded(x, dim, row_lengths, topo.ulysses_group, topo.ulysses_order), row,
+            dim,
+        )  # fmt: skip
         if R > 1:
             stretches = _all_gather_padded(
-                stretch, dim, layout_shard_lengths(n, R, layout, U), topo.ring_group
-            )
+                stretch, dim, layout_shard_lengths(n, R, layout, U), topo.ring_group,
+                topo.ring_order,
+            )  # fmt: skip
             runs = sorted(
                 (p.start, i, p.offset, p.length)
                 for i in range(R) for p in layout_pieces(n, R, i, layout, U) if p.length
@@ -493,26 +515,48 @@ def gather_grid(x_local: Tensor, dim: int, topo: Topology, layout: str) -> Tenso
     non-negative). Tensors of more than 5 dimensions are refused on every
     rank."""
     if x_local.dim() > _GATHER_DIMS:
-        grid_handshake(topo, "gather_sequence", _GATHER_FIELDS, None, layout)
-        raise ValueError(
+        error = ValueError(
             f"gather_sequence with ulysses_group or mesh supports tensors of at most "
             f"{_GATHER_DIMS} dimensions, got {x_local.dim()}"
         )
+        grid_handshake(topo, "gather_sequence", _GATHER_FIELDS, None, layout, error=error)
+        raise error
     return _GatherGrid.apply(x_local, dim, topo, layout)
 
 
-def reject_sharded(group, ulysses_group, mesh) -> None:
+def reject_through(topo: Topology, call: str, error: BaseException) -> None:
+    """Take part in the rounds of ``call`` over ``topo`` as a rank whose
+    inputs failed (``error``): the other ranks raise naming it."""
+    if topo.ulysses_size > 1:
+        grid_handshake(topo, call, (), None, "contiguous", error=error)
+    elif topo.ring_size > 1:
+        reject(topo.ring_group, call, error, topo.ring_order)
+
+
+def topology_of(group, ulysses_group, mesh, call: str) -> Topology:
+    """:func:`~ring_attention.parallel.mesh.resolve_topology`; a rank whose grid
+    arguments fail there tells its peers (which then raise naming it)
+    before it raises its own error."""
+    try:
+        return resolve_topology(group, ulysses_group, mesh)
+    except ValueError as exc:
+        mode = None if mesh is not None else "grid"
+        topo = report_grid_error(group, ulysses_group, mesh, exc, mode)
+        if topo is not None:
+            reject_through(topo, call, exc)
+        raise
+
+
+def reject_sharded(group, ulysses_group, mesh, error: BaseException | None = None) -> None:
     """Take part in a sharded attention call's agreement rounds as a rank whose
-    inputs failed validation (``ring``, ``ulysses_group`` or ``mesh`` as
-    given to the call): the other ranks raise; the caller raises its own
-    error."""
+    inputs failed validation (``error``; ``ring``, ``ulysses_group`` or
+    ``mesh`` as given to the call): the other ranks raise; the caller raises
+    its own error."""
     if ulysses_group is None and mesh is None:
         if world_info(group)[0] > 1:
-            reject(group)
+            check_ring(group)
+            reject(group, _CALL, error)
         return
-    topo = resolve_topology(group, ulysses_group, mesh)
+    topo = topology_of(group, ulysses_group, mesh, _CALL)
     check_grid(topo)
-    if topo.ulysses_size > 1:
-        grid_handshake(topo, _CALL, _FIELDS, None, "contiguous")
-    elif topo.ring_size > 1:
-        reject(topo.ring_group)
+    reject_through(topo, _CALL, error)
