@@ -38,7 +38,7 @@ from ring_attention.core.pattern import Pattern
 from ring_attention.local import backends
 from ring_attention.local.blocks import block_kind
 from ring_attention.local.dispatch import route_blocks
-from ring_attention.parallel.ring import ring_dilated_attention
+from ring_attention.parallel.api import ring_dilated_attention
 from ring_attention.parallel.sharding import layout_pieces, shard_sequence
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -37,8 +37,8 @@ else:
     from .local.functional import dilated_attention
     from .nn.modules import DilatedAttention, MultiheadDilatedAttention, RingDilatedAttention
     from .nn.multihead import MultiheadAttentionError
+    from .parallel.api import ring_dilated_attention
     from .parallel.exchange_plan import build_plan as _build_plan
-    from .parallel.ring import ring_dilated_attention
     from .parallel.sharding import gather_sequence, shard_sequence
     from .planner import traffic as _traffic
 

@@ -25,9 +25,9 @@ import ring_attention
 from ring_attention.core.cache import LRUCache
 from ring_attention.core.pattern import Pattern
 from ring_attention.parallel import exchange, ring
+from ring_attention.parallel.api import ring_dilated_attention
 from ring_attention.parallel.exchange import last_exchange_stats, register_exchange_hook
 from ring_attention.parallel.exchange_plan import PLAN_CACHE, build_plan, get_plan
-from ring_attention.parallel.ring import ring_dilated_attention
 from ring_attention.parallel.sharding import layout_pieces, shard_sequence
 from ring_attention.testing import run_distributed
 

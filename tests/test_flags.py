@@ -23,7 +23,7 @@ import torch
 import ring_attention as ra
 from ring_attention import hf, planner
 from ring_attention.core.pattern import Pattern
-from ring_attention.parallel import ring
+from ring_attention.parallel import api, ring
 
 MODULES = {"ra": ra, "ring": ring, "hf": hf, "planner": planner}
 BAD = ["no", "False", 0, 1, None, 1.0, torch.tensor(True), [True]]
@@ -47,8 +47,8 @@ def _setup(**kw):
 CALLS = {
     "ra.dilated_attention": lambda **kw: ra.dilated_attention(_q, _q, _q, [4], [2], **kw),
     "ra.ring_dilated_attention": lambda **kw: ra.ring_dilated_attention(_q, _q, _q, [4], [2], **kw),
-    "ring.ring_attention": lambda **kw: ring.ring_attention(_q, _q, _q, Pattern([4], [2]), **kw),
-    "ring.ring_dilated_attention": lambda **kw: ring.ring_dilated_attention(
+    "ring.ring_attention": lambda **kw: api.ring_attention(_q, _q, _q, Pattern([4], [2]), **kw),
+    "ring.ring_dilated_attention": lambda **kw: api.ring_dilated_attention(
         _q, _q, _q, [4], [2], **kw
     ),
     "ring.ring_call": lambda **kw: ring.ring_call(

@@ -150,7 +150,7 @@ def _public() -> dict[str, tuple[Callable, dict[str, Any], dict[str, Any]]]:
     import ring_attention as ra
     from ring_attention import hf, planner
     from ring_attention.core.pattern import Pattern
-    from ring_attention.parallel import ring
+    from ring_attention.parallel import api, ring
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 8, 2, 4, generator=g)
@@ -188,7 +188,7 @@ def _public() -> dict[str, tuple[Callable, dict[str, Any], dict[str, Any]]]:
         "dilated_attention": (lambda **kw: ra.dilated_attention(**kw), attn),
         "ring_dilated_attention": (lambda **kw: ra.ring_dilated_attention(**kw), ring_args),
         "ring.ring_attention": (
-            lambda **kw: ring.ring_attention(**kw),
+            lambda **kw: api.ring_attention(**kw),
             dict(
                 q_local=q,
                 k_local=kv,
@@ -666,8 +666,8 @@ def _mode_entries(rank: int, world: int) -> dict[str, dict[str, Callable]]:
     from torch.distributed.device_mesh import init_device_mesh
 
     import ring_attention as ra
-    from ring_attention import ring
     from ring_attention.core.pattern import Pattern
+    from ring_attention.parallel import api
 
     segs, dils, n = [4, 8], [1, 2], 23
     pattern = Pattern(segs, dils)
@@ -709,7 +709,7 @@ def _mode_entries(rank: int, world: int) -> dict[str, dict[str, Callable]]:
                 ra.ring_dilated_attention(q, k, v, segs, dils, **spread, **kw)
             ),
             "ring.ring_attention": lambda return_lse, q=q, k=k, v=v, spread=spread: (
-                ring.ring_attention(q, k, v, pattern, return_lse=return_lse, **spread)
+                api.ring_attention(q, k, v, pattern, return_lse=return_lse, **spread)
             ),
             "RingDilatedAttention": lambda window, q=q, k=k, v=v, spread=spread: (
                 ra.RingDilatedAttention(segs, dils, window=window, **spread)(q, k, v)
@@ -826,11 +826,12 @@ NOT_FUZZED = {
 def test_every_public_entry_is_fuzzed_or_said_why_not() -> None:
     import ring_attention as ra
     from ring_attention import hf, planner
-    from ring_attention.parallel import ring
+    from ring_attention.parallel import api, ring
 
     entries = set(_public())
     missing = []
-    for prefix, module in (("ra", ra), ("ring", ring), ("hf", hf), ("planner", planner)):
+    for prefix, module in (("ra", ra), ("ring", ring), ("ring", api), ("hf", hf),
+                           ("planner", planner)):  # fmt: skip
         for name in module.__all__:
             key = f"{prefix}.{name}"
             fuzzed = {key, name, f"{prefix}.{name}".removeprefix("ra.")}

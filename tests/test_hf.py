@@ -178,12 +178,12 @@ def test_grouped_kv_heads_equal_sdpa_without_repeating(kv_heads: int, monkeypatc
     ring = build(cfg, "ring_dilated", state=sdpa.state_dict())
     seen: list[tuple[int, int]] = []
 
-    def spy(q, k, v, pattern, **kwargs):
+    def spy(call, q, k, v):
         seen.append((q.shape[2], k.shape[2]))
-        return attend(q, k, v, pattern, **kwargs)
+        return attend(call, q, k, v)
 
-    attend = hf.attention.attend
-    monkeypatch.setattr(hf.attention, "attend", spy)
+    attend = hf.attention.engine.attend
+    monkeypatch.setattr(hf.attention.engine, "attend", spy)
     ids = torch.randint(1, VOCAB, (2, 29), generator=torch.Generator().manual_seed(2))
     mask = padding_mask("right", 2, 29)
     keep = mask.bool()

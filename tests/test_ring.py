@@ -22,9 +22,9 @@ from oracle import reference_attention
 
 import ring_attention as ra
 from ring_attention import RingDilatedAttention
+from ring_attention.parallel.api import ring_dilated_attention
 from ring_attention.parallel.exchange import last_exchange_stats
 from ring_attention.parallel.exchange_plan import PLAN_CACHE
-from ring_attention.parallel.ring import ring_dilated_attention
 from ring_attention.parallel.sharding import (
     gather_sequence,
     layout_pieces,

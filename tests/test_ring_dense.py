@@ -89,7 +89,7 @@ def _lse_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _run_case(rank: int, world: int, name: str, c: dict) -> dict:
-    from ring_attention.parallel.ring import ring_dilated_attention
+    from ring_attention.parallel.api import ring_dilated_attention
 
     n, causal = c["n"], c["causal"]
     layout, dtype = c.get("layout", "contiguous"), c.get("dtype", torch.float32)
@@ -187,7 +187,7 @@ def test_ring_dense_blocks(world: int, name: str) -> None:
 def _nan_worker(rank: int, world: int) -> dict:
     """Dense forced against our kernels forced, K holding a NaN row (our
     kernels exclude it): the blocks reading it take our kernels."""
-    from ring_attention.parallel.ring import ring_dilated_attention
+    from ring_attention.parallel.api import ring_dilated_attention
 
     n = 37
     g = torch.Generator().manual_seed(7)

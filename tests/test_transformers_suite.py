@@ -31,8 +31,10 @@ def test_plugin_routes_sdpa_to_ring_dilated(monkeypatch) -> None:
     with torch.no_grad():
         want = sdpa(ids).logits
     calls = []
-    attend = hf.attention.attend
-    monkeypatch.setattr(hf.attention, "attend", lambda *a, **k: calls.append(1) or attend(*a, **k))
+    attend = hf.attention.engine.attend
+    monkeypatch.setattr(
+        hf.attention.engine, "attend", lambda *a, **k: calls.append(1) or attend(*a, **k)
+    )
     original = ALL_ATTENTION_FUNCTIONS["sdpa"]
     ring_dilated_default.install()
     try:

@@ -16,8 +16,8 @@ over 4: a rank with no head), K/V heads 1 and 2 under ``U = 4``; documents
 spanning ranks; causal and not; both layouts.
 
 A second launch checks ranks that disagree: every rank raises
-``ValueError``, none hangs. Single-process tests cover the head-range
-stand-in (``ring_attention.parallel.heads``) and the folded layout.
+``ValueError``, none hangs. Single-process tests cover the one engine's
+head range (ring_attention/local/engine.py) and the folded layout.
 """
 
 from __future__ import annotations
@@ -27,9 +27,11 @@ import torch
 from oracle import reference_attention
 
 import ring_attention as ra
+from ring_attention.core.call import Call
 from ring_attention.core.layout import layout_pieces, layout_shard_lengths, shard_bounds
 from ring_attention.core.pattern import Pattern
-from ring_attention.parallel.heads import attend_head_range, kv_head_range, local_runner
+from ring_attention.local import engine
+from ring_attention.parallel.ulysses import kv_head_range
 from ring_attention.testing import run_distributed
 
 LONGNET = ([8, 16, 32], [1, 2, 4])
@@ -483,8 +485,8 @@ def test_ranks_that_disagree_raise_value_error_on_every_rank() -> None:
     ],
 )
 def test_head_range_matches_the_whole_tensor(heads, kv, start, count, pattern, kw) -> None:
-    """The stand-in for the kernels' head range: heads [start, start + count)
-    of the whole op, forward and backward (out and lse), float64."""
+    """The engine's head range: heads [start, start + count) of the whole
+    op, forward and backward (out and lse), float64."""
     g = torch.Generator().manual_seed(heads * 100 + start)
     n = 37
     q = torch.randn(2, n, heads, 4, generator=g, dtype=F64, requires_grad=True)
@@ -504,9 +506,9 @@ def test_head_range_matches_the_whole_tensor(heads, kv, start, count, pattern, k
         *pattern, causal=kw.get("causal", False), head_groups=kw.get("head_groups", False),
         head_offsets=kw.get("head_offsets", "modulo"),
     ).with_documents(kw.get("cu_seqlens"))  # fmt: skip
-    out, lse = attend_head_range(
-        q[:, :, start : start + count], k[:, :, a:b], v[:, :, a:b], pat, start, heads, kv,
-        local_runner(4**-0.5),
+    out, lse = engine.attend(
+        Call(pat, 4**-0.5).with_heads(start, heads, kv), q[:, :, start : start + count],
+        k[:, :, a:b], v[:, :, a:b],
     )  # fmt: skip
     (out * go).sum().add((torch.where(torch.isinf(lse), 0, lse) * gl).sum()).backward()
     assert _maxerr(out, ref) <= 1e-12
@@ -522,7 +524,7 @@ def test_head_range_gradcheck() -> None:
     pat = Pattern([4, 8], [2, 4], causal=True)
 
     def fn(a, b, c):
-        out, lse = attend_head_range(a, b, c, pat, 3, 6, 2, local_runner(0.7))
+        out, lse = engine.attend(Call(pat, 0.7).with_heads(3, 6, 2), a, b, c)
         return out, lse.masked_fill(torch.isinf(lse), 0)  # rows that reach nothing
 
     assert torch.autograd.gradcheck(fn, (q, k, v))

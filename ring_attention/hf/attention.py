@@ -12,7 +12,8 @@ from ..core.cache import PerBatch
 from ..core.call import prepare
 from ..core.pattern import Pattern
 from ..local import engine
-from ..parallel.ring import ring_attention, ring_call, ring_call_spec
+from ..parallel.api import ring_attention
+from ..parallel.ring import ring_call, ring_call_spec
 from .config import is_dense, layer_pattern, layer_window, pattern_from_config
 from .decode import decode_attention
 from .masks import Keys, batch_keys, filled_keys, sdpa_mask_of

@@ -20,7 +20,8 @@ from ..core.checks import resolve_scale
 from ..core.layout import check_layout
 from ..core.pattern import Pattern
 from ..local.functional import attend
-from ..parallel.ring import given_pattern, sharded_attention
+from ..parallel.api import sharded_attention
+from ..parallel.ring import given_pattern
 from .multihead import MultiheadDilatedAttention
 
 __all__ = ["DilatedAttention", "MultiheadDilatedAttention", "RingDilatedAttention"]

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..local.functional import attend
-from ..parallel.ring import sharded_attention
+from ..parallel.api import sharded_attention
 from .dense import dense_attention
 from .multihead_call import Call
 from .multihead_options import call_pattern, compute_dtype, module_pattern

@@ -69,9 +69,10 @@ def _call_of(
         try:
             pattern = _with_documents(key, spec.pattern, documents)
             check_layout(spec.layout)
-            shape = check_qkv(q, k, v)
+            heads = spec.head_range if spec.head_range[1] else None
+            shape = check_qkv(q, k, v, head_range=heads)
             far = far_bytes(q.device.type)
-            pattern.check_heads(shape.heads)
+            pattern.check_heads(shape.heads if heads is None else heads[1])
             scale = resolve_scale(spec.scale, shape.head_dim)
             if n is None:
                 if world > 1:
@@ -96,12 +97,13 @@ def _call_of(
     if error is not None:
         raise error
     pattern.check_length(n)
-    plan = get_plan(pattern, n, shape.heads, shape.kv_heads, world, rank, spec.layout, spec.fold)
+    plan = get_plan(pattern, n, shape.heads, shape.kv_heads, world, rank, spec.layout, spec.fold,
+                    spec.head_range)  # fmt: skip
     return RingCall(
         plan=plan,
         group=group,
         peers=spec.ranks if order is not None else global_ranks(group, world),
-        call=Call(pattern, scale),
+        call=Call(pattern, scale).with_heads(*spec.head_range),
         far_bytes=far,
     )
 

@@ -58,6 +58,8 @@ class RingSpec:
     fold: int
     _group: Callable[[], dist.ProcessGroup | None]
     ranks: tuple[int, ...] | None = None  # global ranks by ring index (None: group order)
+    # a hybrid ring's query heads: (head_start, total_heads, total_kv_heads); (0, 0, 0): all
+    head_range: tuple[int, int, int] = (0, 0, 0)
 
     @property
     def group(self) -> dist.ProcessGroup | None:
@@ -144,6 +146,7 @@ def ring_call_spec(
     layout: str = "contiguous",
     fold: int = 1,
     ranks: tuple[int, ...] | None = None,
+    head_range: tuple[int, int, int] = (0, 0, 0),
 ) -> str:
     """Register the ring call whose pattern is ``build(*args)``; its key.
 
@@ -162,13 +165,16 @@ def ring_call_spec(
     (:func:`ring_attention.core.layout.layout_pieces`). ``ranks``: the global
     ranks of the group by ring index (a mesh's coordinates), given by a
     grid call, which has checked its grid (the ring then skips its own
-    check of the group); ``None``: the group-rank order.
+    check of the group); ``None``: the group-rank order. ``head_range``:
+    the query heads ``(head_start, total_heads, total_kv_heads)`` the ranks
+    of a hybrid's ring hold (``(0, 0, 0)``: every head).
     """
     if torch.compiler.is_compiling():
         args = tuple(_specialized(a) for a in args)
     return _registered_spec(
-        build, *args, scale=scale, group=group, layout=layout, fold=fold, ranks=ranks
-    )
+        build, *args, scale=scale, group=group, layout=layout, fold=fold, ranks=ranks,
+        head_range=tuple(head_range),
+    )  # fmt: skip
 
 
 def _specialized(value: Any) -> Any:
@@ -193,6 +199,7 @@ def _registered_spec(
     layout: str,
     fold: int,
     ranks: tuple[int, ...] | None,
+    head_range: tuple[int, int, int],
 ) -> str:
     """:func:`ring_call_spec`, its arguments constants (under
     ``torch.compile`` run once, while tracing: the mark of
@@ -218,7 +225,10 @@ def _registered_spec(
     if ranks is not None:
         ranks = tuple(int(r) for r in ranks)
         key += f" | ranks={list(ranks)}"
+    head_range = tuple(int(h) for h in head_range)
+    if head_range[1]:
+        key += f" | heads={list(head_range)}"
     spec = RingSpec(pattern=pattern, error=error, scale=scale, layout=layout, fold=fold,
-                    _group=ref, ranks=ranks)  # fmt: skip
+                    _group=ref, ranks=ranks, head_range=head_range)  # fmt: skip
     _REGISTRY.add(key, spec, pin=torch.compiler.is_compiling())
     return key

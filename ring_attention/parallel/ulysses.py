@@ -18,9 +18,9 @@ shard ``i * U + j`` of the sequence. Per call, on every rank:
    goes to every rank that reads it: replicated where ``kv_heads < U``,
    never repeated to the query-head count).
 3. Attention over the whole stretch for those heads, with their global
-   indices (:func:`~ring_attention.parallel.heads.attend_head_range`): locally for
-   pure Ulysses (``R = 1``), else along the ring between the ranks holding
-   the same heads, each holding its group's stretch (zigzag balancing at the
+   indices (the call's head range, ring_attention/local/engine.py): locally
+   for pure Ulysses (``R = 1``), else along the ring between the ranks
+   holding the same heads, each holding its group's stretch (zigzag balancing at the
    ring level with ``layout="zigzag"``).
 4. A second all-to-all trades heads back: every rank gets ``out`` (and
    ``lse``) of its own shard for every head.
@@ -32,13 +32,15 @@ gradients are exact; every rank must run the backward.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from ..core.call import Call
 from ..core.checks import check_qkv, resolve_scale
 from ..core.dtypes import dtype_code, dtype_name
 from ..core.layout import (
@@ -50,11 +52,11 @@ from ..core.layout import (
     shard_bounds,
 )
 from ..core.pattern import Pattern, as_flag
+from ..local import engine
 from ..local.functional import attend
 from .comm import comm_device, world_info
 from .grid import grid_handshake
 from .handshake import RING_FIELDS, reject, ring_message
-from .heads import attend_head_range, kv_head_range, local_runner
 from .mesh import (
     Topology,
     check_grid,
@@ -62,7 +64,7 @@ from .mesh import (
     report_grid_error,
     resolve_topology,
 )
-from .ring import ring_on_pieces
+from .ring import _pattern_of_call, ring_on_pieces
 
 __all__ = [
     "AllToAllStats",
@@ -299,6 +301,15 @@ def _explain(pattern_of: Callable[[], Pattern | None], topo: Topology) -> Callab
     return explain
 
 
+def kv_head_range(head_start: int, count: int, heads: int, kv_heads: int) -> tuple[int, int]:
+    """``[begin, end)`` of the K/V heads that query heads ``[head_start,
+    head_start + count)`` read (empty for no query head)."""
+    if count <= 0:
+        return (0, 0)
+    group = heads // kv_heads
+    return head_start // group, (head_start + count - 1) // group + 1
+
+
 def ulysses_attention(
     q_local: Tensor,
     k_local: Tensor,
@@ -388,6 +399,24 @@ def ulysses_attention(
     return (out, lse) if return_lse else out
 
 
+def ulysses_call(
+    q_local: Tensor,
+    k_local: Tensor,
+    v_local: Tensor,
+    build: Callable[..., Pattern],
+    args: tuple,
+    *,
+    cu_seqlens: Sequence[int] | Tensor | None,
+    **kwargs,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Ulysses or the hybrid with the pattern ``build(*args)``
+    (ring_attention/parallel/api.py's ``sharded_attention``): the pattern is
+    built inside the agreement rounds, so that every rank hears of its
+    errors."""
+    pattern = functools.partial(_pattern_of_call, cu_seqlens, build, *args)
+    return ulysses_attention(q_local, k_local, v_local, pattern, **kwargs)
+
+
 def _ulysses(
     link: _Link, topo: Topology, row: _Row, q: Tensor, k: Tensor, v: Tensor, pattern: Pattern,
     scale: float, layout: str,
@@ -415,17 +444,15 @@ def _ulysses(
         out_s = qs * 0
         lse_s = torch.zeros(B, 0, S, dtype=lse_dt, device=q.device)
     else:
+        heads = (h0, H, Hkv)  # the global heads' offsets, groups and K/V heads
         if topo.ring_size == 1:
-            run = local_runner(scale)
+            out_s, lse_s = engine.attend(Call(pattern, scale).with_heads(*heads), qs, ks, vs)
         else:
-
-            def run(q_, k_, v_, pat):
-                return ring_on_pieces(
-                    q_, k_, v_, pat, scale=scale, group=topo.ring_group, layout=layout,
-                    return_lse=True, fold=topo.ulysses_size, ranks=topo.ring_ranks,
-                )  # fmt: skip
-
-        out_s, lse_s = attend_head_range(qs, ks, vs, pattern, h0, H, Hkv, run)
+            out_s, lse_s = ring_on_pieces(
+                qs, ks, vs, pattern, scale=scale, group=topo.ring_group, layout=layout,
+                return_lse=True, fold=topo.ulysses_size, ranks=topo.ring_ranks,
+                head_range=heads,
+            )  # fmt: skip
     del qs, ks, vs  # (kept by autograd where the backward needs them)
 
     # heads -> sequence

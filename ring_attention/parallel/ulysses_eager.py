@@ -8,7 +8,7 @@ before and after it compiles), with ``fullgraph=True`` Dynamo raises, naming
 :data:`REASON`. The ring alone (``group=``) is one operator forward and one
 backward and compiles with ``fullgraph=True``.
 
-Imported by :func:`ring_attention.parallel.ring.sharded_attention` only while
+Imported by :func:`ring_attention.parallel.api.sharded_attention` only while
 compiling: ``torch.compiler.disable`` imports ``torch._dynamo``, which a
 plain ``import ring_attention`` does not pay for.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .ring import _ulysses
+from .ulysses import ulysses_call
 
 __all__ = ["REASON", "ulysses_eagerly"]
 
@@ -29,5 +29,5 @@ REASON = (
     "mesh), which compiles with fullgraph=True"
 )
 
-#: :func:`ring_attention.parallel.ring._ulysses`, never traced.
-ulysses_eagerly = torch.compiler.disable(_ulysses, reason=REASON)
+#: :func:`ring_attention.parallel.ulysses.ulysses_call`, never traced.
+ulysses_eagerly = torch.compiler.disable(ulysses_call, reason=REASON)
