@@ -585,8 +585,8 @@ def test_llama_finetune_example_runs_on_two_processes() -> None:
 
 
 # ---------------------------------------------------------------------------
-# The README's section, run as written under torchrun (a tiny saved model
-# stands in for the checkpoint).
+# docs/transformers.md's examples, run as written under torchrun (a tiny saved
+# model stands in for the checkpoint).
 
 README_CHECKPOINT = "meta-llama/Llama-3.2-1B"
 
@@ -624,12 +624,11 @@ os._exit(0)
 
 
 def test_readme_section_runs_under_torchrun(tmp_path) -> None:
-    text = open(os.path.join(ROOT, "README.md")).read()
-    section = text.split("## Hugging Face transformers\n", 1)[1].split("\n## ", 1)[0]
-    blocks = [b.split("```", 1)[0] for b in section.split("```python\n")[1:]]
+    text = open(os.path.join(ROOT, "docs", "transformers.md")).read()
+    blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
     usage = next(b for b in blocks if README_CHECKPOINT in b)
     parallel = next(b for b in blocks if "register_transformers(group=dist" in b)
-    trainer = blocks[-1]
+    trainer = next(b for b in blocks if "SequenceParallelTrainer(" in b)
     assert README_CHECKPOINT in usage and "register_transformers(group=" in parallel
     # the Trainer lines are quoted from the example (in order), which its own test runs
     example = [line.strip() for line in open(os.path.join(ROOT, "examples", "hf_trainer_sp.py"))]

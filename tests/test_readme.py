@@ -1,13 +1,16 @@
-"""Every command and snippet of README.md runs as written from a fresh clone.
+"""Every command and snippet of README.md and of the user pages under docs/
+runs as written from a fresh clone.
 
 Each ```python block runs in its own subprocess with this checkout's package
 (distributed ones, tagged ``<!-- readme-test: torchrun -->`` above the block,
 under ``torch.distributed.run`` with 2 gloo processes). A block that cannot
 run alone says so with a tag the test checks: ``fragment FILE`` (part of the
 runnable program FILE, which a test runs) or ``hub REASON`` (needs the Hugging
-Face hub; it must compile, and an untagged block beside it runs the same
+Face hub; it must compile, and an untagged block after it runs the same
 without the hub). Every shell command (```bash blocks and inline ``python``,
-``bash``, ``torchrun`` commands) names files and modules that exist.
+``bash``, ``torchrun`` commands) names files and modules that exist. The
+README stays short (at most 250 lines), does not repeat docs/design.md's
+module layout, and its figures are rows of benchmarks/RESULTS.md's tables.
 """
 
 from __future__ import annotations
@@ -22,8 +25,15 @@ from pathlib import Path
 import pytest
 from child_env import with_path
 
+from benchmarks import report
+
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+#: The pages a user reads (docs/design.md is the specification: its blocks are signatures).
+PAGES = [README] + [
+    ROOT / "docs" / f"{name}.md"
+    for name in ("modules", "parallel", "transformers", "performance", "development")
+]
 TESTS = Path(__file__).resolve().parent
 BLOCK = re.compile(
     r"(?:<!-- readme-test: (?P<tag>[^>]*?) -->\n)?^```(?P<lang>\w*)\n(?P<code>.*?)^```", re.S | re.M
@@ -31,9 +41,9 @@ BLOCK = re.compile(
 TAGS = ("torchrun", "fragment", "hub")
 
 
-def blocks(lang: str) -> list[tuple[int, str, str]]:
-    """(line, tag, code) of the README's ``lang`` blocks."""
-    text = README.read_text()
+def blocks(lang: str, page: Path = README) -> list[tuple[int, str, str]]:
+    """(line, tag, code) of a page's ``lang`` blocks."""
+    text = page.read_text()
     return [
         (text.count("\n", 0, m.start("code")) + 1, m["tag"] or "", m["code"])
         for m in BLOCK.finditer(text)
@@ -41,7 +51,11 @@ def blocks(lang: str) -> list[tuple[int, str, str]]:
     ]
 
 
-PYTHON = blocks("python")
+def _name(page: Path) -> str:
+    return str(page.relative_to(ROOT))
+
+
+PYTHON = [(page, *b) for page in PAGES for b in blocks("python", page)]
 
 
 def run_block(code: str, tmp_path: Path, torchrun: bool) -> subprocess.CompletedProcess:
@@ -54,29 +68,72 @@ def run_block(code: str, tmp_path: Path, torchrun: bool) -> subprocess.Completed
 
 
 def test_the_readme_has_its_examples() -> None:
-    tags = [tag.split()[0] for _, tag, _ in PYTHON if tag]
-    assert len(PYTHON) >= 8 and tags.count("torchrun") == 1, PYTHON
+    """One example per mode: one process, the ring (run under torchrun),
+    Ulysses and the hybrid (fragments), the MHA drop-in, transformers."""
+    readme = blocks("python")
+    tags = [tag.split()[0] for _, tag, _ in readme if tag]
+    assert len(readme) >= 6 and tags.count("torchrun") == 1, readme
+    assert tags.count("fragment") >= 2, tags
     assert set(tags) <= set(TAGS), tags
+    code = "\n".join(c for _, _, c in readme)
+    for call in ("ra.dilated_attention(", "ulysses_group=", "mesh=mesh", "register_transformers("):
+        assert call in code, call
+    assert "MultiheadDilatedAttention(" in code
 
 
-@pytest.mark.parametrize("line,tag,code", PYTHON, ids=[f"line{b[0]}" for b in PYTHON])
-def test_python_block_runs(line: int, tag: str, code: str, tmp_path: Path) -> None:
+def test_the_readme_is_short_and_links_its_pages() -> None:
+    text = README.read_text()
+    assert len(text.splitlines()) <= 250
+    assert "arxiv.org/abs/2307.02486" in text  # the LongNet paper
+    for page in PAGES[1:]:
+        assert f"({_name(page)})" in text, f"the README does not link {_name(page)}"
+    for target in ("benchmarks/RESULTS.md", "docs/design.md", "LICENSE"):
+        assert f"({target})" in text, target
+    # docs/design.md §8 owns the module layout: no line of the README lists a module file
+    assert not re.search(r"^\s*`?ring_attention/\w+\.py", text, re.M)
+
+
+def test_the_readme_figures_are_rows_of_results() -> None:
+    """Each row of the README's figures table is a row of RESULTS.md's
+    generated tables: the same n, shape, pass and times."""
+    text = README.read_text()
+    row = r"^\| [^|]+ \| (\d+) \| (\d+x\d+) \| (fwd(?:\+bwd)?) \| ([\d.]+) \| ([\d.]+) \|"
+    rows = re.findall(row, text, re.M)
+    assert len(rows) >= 2, "the README has no figures table"
+    table = report.generate().splitlines()
+    for n, shape, pass_, ours, ref in rows:
+        found = [
+            line
+            for line in table
+            if line.startswith(f"| {n} | {shape} |")
+            and f"| {pass_} |" in line
+            and f"| {ours} |" in line
+            and f"| {ref}" in line
+        ]
+        assert found, f"README figures row {n} {shape} {pass_} {ours} {ref} is not in RESULTS"
+
+
+@pytest.mark.parametrize(
+    "page,line,tag,code", PYTHON, ids=[f"{b[0].stem}-line{b[1]}" for b in PYTHON]
+)
+def test_python_block_runs(page: Path, line: int, tag: str, code: str, tmp_path: Path) -> None:
+    where = f"{_name(page)}:{line}"
     kind, _, rest = tag.partition(" ")
-    compile(code, f"README.md:{line}", "exec")  # every block is valid Python
+    compile(code, where, "exec")  # every block is valid Python
     if kind == "fragment":  # part of a runnable example that a test runs
         example = rest.strip()
-        assert (ROOT / example).is_file(), f"README.md:{line} names {example}, which is missing"
+        assert (ROOT / example).is_file(), f"{where} names {example}, which is missing"
         name = Path(example).name
         runners = [p.name for p in TESTS.glob("test_*.py") if name in p.read_text()]
         assert [r for r in runners if r != "test_readme.py"], f"no test runs {example}"
         return
     if kind == "hub":  # needs the hub; the block after it runs the same locally
-        following = [b for b in PYTHON if b[0] > line]
-        assert following and not following[0][1], f"README.md:{line}: no local block beside it"
+        following = [b for b in PYTHON if b[0] == page and b[1] > line]
+        assert following and not following[0][2], f"{where}: no local block beside it"
         return
-    assert kind in ("", "torchrun"), f"README.md:{line}: unknown tag {tag!r}"
+    assert kind in ("", "torchrun"), f"{where}: unknown tag {tag!r}"
     proc = run_block(code, tmp_path, torchrun=kind == "torchrun")
-    assert proc.returncode == 0, f"README.md:{line}\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, f"{where}\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}"
     if kind == "torchrun":  # the ring example prints its check once: a small error
         found = re.findall(r"max \|ring - one process\| = (\S+)", proc.stdout)
         assert len(found) == 1 and float(found[0]) < 1e-5, proc.stdout
@@ -87,12 +144,12 @@ LAUNCHERS = ("python", "python3", "bash", "torchrun", ".venv/bin/python")
 FILE = re.compile(r"^[\w./-]+\.(py|sh|md|toml|png)$")
 
 
-def commands() -> list[str]:
-    """Every shell command of the README: the lines of ```bash blocks and the
+def commands(page: Path = README) -> list[str]:
+    """Every shell command of a page: the lines of ```bash blocks and the
     inline code spans that start with a launcher."""
-    text = README.read_text()
+    text = page.read_text()
     out = []
-    for _, _, code in blocks("bash"):
+    for _, _, code in blocks("bash", page):
         joined = code.replace("\\\n", " ")
         out += [line.split("#")[0].strip() for line in joined.splitlines()]
     prose = BLOCK.sub("", text)
@@ -104,8 +161,9 @@ def commands() -> list[str]:
 
 
 def saved_as() -> set[str]:
-    """Files the README tells the reader to write (``save it as `x.py```)."""
-    return set(re.findall(r"save (?:it|the block) as `([^`]+)`", README.read_text()))
+    """Files the pages tell the reader to write (``save it as `x.py```)."""
+    text = "\n".join(p.read_text() for p in PAGES)
+    return set(re.findall(r"save (?:it|the block) as `([^`]+)`", text))
 
 
 def missing(command: str) -> list[str]:
@@ -131,10 +189,13 @@ def missing(command: str) -> list[str]:
 def test_commands_name_files_that_exist() -> None:
     found = commands()
     assert any(c.startswith("bash scripts/test.sh") for c in found), found
+    assert any(c.startswith("bash scripts/run_ring.sh") for c in found), found
     assert any("-m ring_attention.planner" in c for c in found), found
     assert any("examples/sequence_parallel.py" in c for c in found), found
-    bad = {c: missing(c) for c in found if missing(c)}
-    assert not bad, f"README commands name what does not exist: {bad}"
+    assert any(c.startswith("pip install --no-build-isolation") for c in found), found
+    for page in PAGES:
+        bad = {c: missing(c) for c in commands(page) if missing(c)}
+        assert not bad, f"{_name(page)}: commands name what does not exist: {bad}"
 
 
 def test_missing_names_are_found() -> None:

@@ -1,9 +1,11 @@
 """benchmarks/RESULTS.md's current tables are those the checked-in records give.
 
-`benchmarks/report.py` builds them from `benchmarks/results/`; a stale block
-(a record added or changed without `python benchmarks/report.py --write`)
-fails here. The planner's default CUDA rates are checked against the record
-the report names for them.
+`benchmarks/report.py` builds them from `benchmarks/results/`, with the list
+of what is not measured yet (from every record there) and the journal's index
+(from `benchmarks/journal/README.md`); a stale block (a record added or
+changed without `python benchmarks/report.py --write`) fails here. The
+planner's default CUDA rates are checked against the record the report names
+for them.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_results_md_block_is_up_to_date():
     text = (ROOT / "benchmarks" / "RESULTS.md").read_text(encoding="utf-8")
     assert report.current_block(text) == report.generate()
+    assert report.current_block(text, report.JOURNAL_BEGIN, report.JOURNAL_END)
     assert report.main(["--check"]) == 0
 
 
@@ -106,3 +109,127 @@ def test_every_journal_note_is_indexed(index):
     assert notes - linked == set(), f"{index} does not index {sorted(notes - linked)}"
     named = set(re.findall(rf"\]\({prefix}(\d{{4}}-[^)/]+\.md)\)", text))
     assert named - notes == set(), f"{index} links notes that do not exist: {sorted(named - notes)}"
+
+
+def test_the_journal_index_of_results_is_the_journals():
+    """RESULTS.md's journal index is generated from journal/README.md."""
+    text = (ROOT / "benchmarks" / "RESULTS.md").read_text(encoding="utf-8")
+    block = report.current_block(text, report.JOURNAL_BEGIN, report.JOURNAL_END)
+    assert block == report.journal_index()
+    readme = (ROOT / "benchmarks" / "journal" / "README.md").read_text(encoding="utf-8")
+    rows = [line for line in readme.splitlines() if line.startswith("| [")]
+    assert len(rows) == block.count("](journal/2") > 40
+
+
+def test_check_fails_on_a_stale_journal_index(tmp_path, monkeypatch):
+    text = (ROOT / "benchmarks" / "RESULTS.md").read_text(encoding="utf-8")
+    stale = tmp_path / "RESULTS.md"
+    row = next(line for line in text.splitlines() if line.startswith("| [2026-"))
+    stale.write_text(text.replace(row + "\n", "", 1), encoding="utf-8")  # a note dropped
+    monkeypatch.setattr(report, "RESULTS_MD", stale)
+    assert report.main(["--check"]) == 1
+    assert report.main(["--write"]) == 0
+    assert stale.read_text(encoding="utf-8") == text
+
+
+def test_what_is_not_measured_is_generated():
+    """The list of what is not measured yet sits in the generated block (no
+    hand-written list beside it) and names each entry no record measures."""
+    text = (ROOT / "benchmarks" / "RESULTS.md").read_text(encoding="utf-8")
+    block = report.current_block(text)
+    outside = text.replace(block, "")
+    assert not re.search(r"not measured( yet)?\s*:|#+ not measured", outside, re.I)
+    listed = block.split("### Not measured yet", 1)[1]
+    for w in report.WANTED:
+        assert (w.what in listed) == (w in report.not_measured()), w.what
+
+
+GPU = {"kind": "run", "cuda": "13.0", "date": "2027-01-01T00:00:00+00:00"}
+H100 = {**GPU, "device_name": "NVIDIA H100 80GB HBM3 (cc 9.0, 79 GiB)"}
+H200 = {**GPU, "device_name": "NVIDIA H200 (cc 9.0, 140 GiB)"}
+VIEWS = {"stage": "bench", "n": 131072, "config": "16x128", "pass": "fwd", "ms": 1.0}
+MEASURES = {  # a start of each entry's text: the files of a run that measures it
+    "the per-branch dense path": {"views.jsonl": [H100, {**VIEWS, "method": "dense"}]},
+    "causal LongNet points": {
+        "views.jsonl": [H200, {**VIEWS, "method": "dense", "causal": True, "status": "ok"}]
+    },
+    "gather + SDPA, gather + flash-attn-4 and FlexAttention": {
+        "views.jsonl": [H200, {**VIEWS, "method": "flex", "status": "ok"}]
+    },
+    "the ring's dense blocks": {
+        "ring_dense_rank0.jsonl": [
+            {
+                "stage": "time",
+                "method": "ring_dense",
+                "pass": "fwd",
+                "median_s": 0.1,
+                "device": "cuda:0",
+                "gpu": "NVIDIA H200",
+            }
+        ]
+    },
+    "the ring across several GPUs": {
+        "ring_run.json": [
+            {
+                "world": 4,
+                "device": "cuda",
+                "env": {"device_name": H200["device_name"]},
+                "ranks": [{"rank": r, "fwd_ms": 1.0} for r in range(4)],
+            }
+        ]
+    },
+    "our CUDA backward kernel": {
+        "local.jsonl": [
+            H100,
+            {
+                "method": "ours",
+                "pass": "fwdbwd",
+                "ms": 1.0,
+                "status": "ok",
+                "paths": {"forward": "dense", "backward": "kernel"},
+            },
+        ]
+    },
+    "a GPU other than compute capability 9.0": {
+        "local.jsonl": [
+            {**GPU, "device_name": "NVIDIA A100-SXM4-80GB (cc 8.0, 79 GiB)"},
+            {"method": "ours", "pass": "fwd", "ms": 1.0, "status": "ok"},
+        ]
+    },
+}
+
+
+def test_every_entry_has_a_run_that_measures_it():
+    assert sorted(MEASURES) == sorted(
+        next(k for k in MEASURES if w.what.startswith(k)) for w in report.WANTED
+    )
+
+
+@pytest.mark.parametrize("start", sorted(MEASURES))
+def test_a_run_takes_its_entry_off_the_list(start, tmp_path):
+    """With the files of a run that measures an entry, that entry, and only
+    it, leaves the list; without them every entry is listed."""
+    assert report.not_measured(tmp_path) == list(report.WANTED)
+    for name, recs in MEASURES[start].items():
+        path = tmp_path / "gpu_run" / name
+        path.parent.mkdir(exist_ok=True)
+        path.write_text("".join(json.dumps(r) + "\n" for r in recs), encoding="utf-8")
+    left = report.not_measured(tmp_path)
+    assert [w.what for w in report.WANTED if w not in left] == [
+        w.what for w in report.WANTED if w.what.startswith(start)
+    ]
+
+
+def test_a_failed_or_old_run_measures_nothing(tmp_path):
+    """Failed points, and our CUDA backward before the 1 GiB chunks, measure nothing."""
+    failed = {**VIEWS, "method": "dense", "status": "error: oom"}
+    old = {"method": "ours", "pass": "fwdbwd", "ms": 1.0, "paths": {"backward": "kernel"}}
+    for folder, recs in {
+        "a": [H100, failed],
+        "b": [{**H100, "date": "2026-11-26T16:50:32+00:00"}, old],
+    }.items():
+        (tmp_path / folder).mkdir()
+        name = "views.jsonl" if folder == "a" else "local.jsonl"
+        text = "".join(json.dumps(r) + "\n" for r in recs)
+        (tmp_path / folder / name).write_text(text, encoding="utf-8")
+    assert report.not_measured(tmp_path) == list(report.WANTED)
