@@ -138,20 +138,6 @@ def _predict(a: argparse.Namespace, R: int, U: int):
     return evaluate_mode(setup, a.seq_len, R, U)
 
 
-def _fits_as_is(a: argparse.Namespace, U: int) -> bool:
-    """Whether every rank's head slice runs in one call (no stand-in)."""
-    from ring_attention.core.layout import shard_bounds
-    from ring_attention.core.pattern import Pattern
-    from ring_attention.parallel.heads import _fits_as_is, kv_head_range
-
-    pattern = Pattern(a.segments, a.dilations, causal=a.causal)
-    for s, c in shard_bounds(a.heads, U):
-        lo, hi = kv_head_range(s, c, a.heads, a.kv_heads)
-        if c and not _fits_as_is(pattern, s, c, a.heads, a.kv_heads, hi - lo):
-            return False
-    return True
-
-
 def cmd_modes(a: argparse.Namespace) -> int:
     from ring_attention.testing import run_distributed
 
@@ -190,9 +176,8 @@ def cmd_modes(a: argparse.Namespace) -> int:
         p_peak = pred.worst["training_peak"]
         peak_f = max(r["peak_f"] for r in rows)
         p_peak_f = pred.worst["forward_peak"]
-        note = "" if U == 1 or _fits_as_is(a, U) else " (stand-in)"
         lines.append(
-            f"| {m}{note} | {R} x {U} | {f:.0f} | {fb:.0f} | {sent / MiB:.2f} ({a2a / MiB:.2f} + "
+            f"| {m} | {R} x {U} | {f:.0f} | {fb:.0f} | {sent / MiB:.2f} ({a2a / MiB:.2f} + "
             f"{ring / MiB:.2f}) | {p_sent / MiB:.2f} | {peak_f / MiB:.1f} / {peak / MiB:.1f} | "
             f"{p_peak_f / MiB:.1f} / {p_peak / MiB:.1f} | "
             f"{rows[0]['max_abs_err']:.1e} |"

@@ -24,8 +24,6 @@ __all__ = [
     "active_before",
     "active_run",
     "document_positions",
-    "head_group_bounds",
-    "head_offset",
     "segment_active_positions",
     "segment_around",
     "window_mask",
@@ -35,28 +33,6 @@ IntOrTensor = TypeVar("IntOrTensor", int, torch.Tensor)
 
 #: the longest sequence (and the largest position + 1) the package takes
 MAX_SEQ_LEN = 2**62 - 1
-
-
-def head_offset(h: int, r: int, heads: int, head_offsets: str = "modulo") -> int:
-    """The offset of query head ``h`` (of ``heads``) in a branch of dilation
-    ``r``: ``h mod r``, or ``h // ceil(heads / r)`` for ``"grouped"``
-    (``head_offset`` in ``csrc/pattern.h``)."""
-    if head_offsets == "grouped":
-        return h // -(-heads // r)
-    return h % r
-
-
-def head_group_bounds(heads: int, n_branches: int) -> list[tuple[int, int]]:
-    """``[begin, end)`` of the ``n_branches`` contiguous head groups of
-    ``head_groups=True``: sizes differ by at most one, the first groups take
-    the extra heads (``head_group_begin`` in ``csrc/pattern.h``)."""
-    base, extra = divmod(heads, n_branches)
-    bounds, begin = [], 0
-    for i in range(n_branches):
-        size = base + (1 if i < extra else 0)
-        bounds.append((begin, begin + size))
-        begin += size
-    return bounds
 
 
 def active_before(x: IntOrTensor, offset: int, r: int) -> IntOrTensor:

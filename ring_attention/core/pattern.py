@@ -21,8 +21,6 @@ from typing import Any, Literal
 
 import torch
 
-from .geometry import head_group_bounds, head_offset
-
 __all__ = [
     "HEAD_OFFSETS",
     "Pattern",
@@ -41,6 +39,28 @@ HEAD_OFFSETS: tuple[str, ...] = ("modulo", "grouped")
 HeadOffsets = Literal["modulo", "grouped"]
 
 INT64_MAX = 2**63 - 1  # the operators' integers are int64
+
+
+def head_offset(h: int, r: int, heads: int, head_offsets: str = "modulo") -> int:
+    """The offset of query head ``h`` (of ``heads``) in a branch of dilation
+    ``r``: ``h mod r``, or ``h // ceil(heads / r)`` for ``"grouped"``
+    (``head_offset`` in ``csrc/pattern.h``)."""
+    if head_offsets == "grouped":
+        return h // -(-heads // r)
+    return h % r
+
+
+def head_group_bounds(heads: int, n_branches: int) -> list[tuple[int, int]]:
+    """``[begin, end)`` of the ``n_branches`` contiguous head groups of
+    ``head_groups=True``: sizes differ by at most one, the first groups take
+    the extra heads (``head_group_begin`` in ``csrc/pattern.h``)."""
+    base, extra = divmod(heads, n_branches)
+    bounds, begin = [], 0
+    for i in range(n_branches):
+        size = base + (1 if i < extra else 0)
+        bounds.append((begin, begin + size))
+        begin += size
+    return bounds
 
 
 def as_flag(value: Any, name: str) -> bool:

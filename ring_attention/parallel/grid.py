@@ -25,8 +25,8 @@ from collections.abc import Callable, Sequence
 import torch.distributed as dist
 
 from ..core.layout import layout_shard_lengths
-from .handshake import Reason, exchange_message
-from .mesh import Topology
+from .handshake import Reason, exchange_message, reject
+from .mesh import Topology, report_grid_error, resolve_topology
 
 __all__ = ["grid_handshake"]
 
@@ -173,3 +173,26 @@ def _check_columns(
                 else f"{call}: the local sequence lengths of the ranks with ring index {i} do "
                 f"not follow layout={layout!r} over the grid (global length {n}: expected {want})"
             )
+
+
+def reject_through(topo: Topology, call: str, error: BaseException) -> None:
+    """Take part in the rounds of ``call`` over ``topo`` as a rank whose
+    inputs failed (``error``): the other ranks raise naming it."""
+    if topo.ulysses_size > 1:
+        grid_handshake(topo, call, (), None, "contiguous", error=error)
+    elif topo.ring_size > 1:
+        reject(topo.ring_group, call, error, topo.ring_order)
+
+
+def topology_of(group, ulysses_group, mesh, call: str) -> Topology:
+    """:func:`~ring_attention.parallel.mesh.resolve_topology`; a rank whose grid
+    arguments fail there tells its peers (which then raise naming it)
+    before it raises its own error."""
+    try:
+        return resolve_topology(group, ulysses_group, mesh)
+    except ValueError as exc:
+        mode = None if mesh is not None else "grid"
+        topo = report_grid_error(group, ulysses_group, mesh, exc, mode)
+        if topo is not None:
+            reject_through(topo, call, exc)
+        raise

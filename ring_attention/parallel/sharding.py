@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..core.dtypes import dtype_code
 from ..core.layout import (
     LAYOUTS,
     Piece,
@@ -27,9 +28,10 @@ from ..core.layout import (
     shard_bounds,
 )
 from .comm import comm_device, world_info
+from .grid import grid_handshake, topology_of
 from .handshake import gather_handshake
-from .mesh import check_grid, check_ring, resolve_topology
-from .ulysses import gather_grid, topology_of
+from .mesh import Topology, check_grid, check_ring, resolve_topology
+from .stretch import Row, to_stretch
 
 __all__ = [
     "LAYOUTS",
@@ -40,6 +42,8 @@ __all__ = [
     "shard_bounds",
     "shard_sequence",
 ]
+
+Tensor = torch.Tensor
 
 
 def _check_dim(x: torch.Tensor, dim: int, name: str) -> int:
@@ -212,3 +216,87 @@ def gather_sequence(
         return x_local
     check_ring(group)  # (once per group: a rank in another call)
     return _GatherSequence.apply(x_local, dim, group, layout, None)
+
+
+# ---------------------------------------------------------------------------
+# gather_sequence over a grid.
+
+_GATHER_DIMS = 5
+_GATHER_FIELDS = ("seq_len_local", "ndim", "dim", "dtype", "layout",
+                  *(f"size{k}" for k in range(_GATHER_DIMS)))  # fmt: skip
+
+
+def _all_gather_padded(
+    x: Tensor, dim: int, lengths: list[int], group, order: tuple[int, ...] | None
+) -> list[Tensor]:
+    """Every rank's ``x`` (lengths along ``dim`` given, by index), through
+    one all-gather; ``order``: the group rank of each index (``None``: the
+    index)."""
+    device = comm_device(group, x.device)
+    longest = max(lengths)
+    send = x.to(device)
+    if send.shape[dim] < longest:
+        pad = list(send.shape)
+        pad[dim] = longest - send.shape[dim]
+        send = torch.cat([send, send.new_zeros(pad)], dim=dim)
+    send = send.contiguous()
+    recv = [torch.empty_like(send) for _ in lengths]
+    dist.all_gather(recv, send, group=group)
+    if order is not None:
+        recv = [recv[g] for g in order]
+    return [t.narrow(dim, 0, ln).to(x.device) for t, ln in zip(recv, lengths, strict=True)]
+
+
+class _GatherGrid(torch.autograd.Function):
+    """All-gather along ``dim`` over the grid (rows, then the ring); the
+    backward returns this rank's slice of the gradient (the loss is assumed
+    the same on every rank, as in sequence-parallel training)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, dim: int, topo: Topology, layout: str) -> Tensor:  # type: ignore[override]
+        sizes = [s if k != dim else -1 for k, s in enumerate(x.shape)]
+        message = [x.shape[dim], x.dim(), dim, dtype_code(x.dtype), LAYOUTS.index(layout),
+                   *sizes, *([-1] * (_GATHER_DIMS - x.dim()))]  # fmt: skip
+        n, row_lengths = grid_handshake(topo, "gather_sequence", _GATHER_FIELDS, message, layout)
+        U, R, W = topo.ulysses_size, topo.ring_size, topo.world_size
+        row = Row(
+            pieces=tuple(tuple(layout_pieces(n, W, topo.ring_index * U + m, layout))
+                         for m in range(U)),
+            heads=(), kv=(),
+        )  # fmt: skip
+        stretch = to_stretch(
+            _all_gather_padded(x, dim, row_lengths, topo.ulysses_group, topo.ulysses_order), row,
+            dim,
+        )  # fmt: skip
+        if R > 1:
+            stretches = _all_gather_padded(
+                stretch, dim, layout_shard_lengths(n, R, layout, U), topo.ring_group,
+                topo.ring_order,
+            )  # fmt: skip
+            runs = sorted(
+                (p.start, i, p.offset, p.length)
+                for i in range(R) for p in layout_pieces(n, R, i, layout, U) if p.length
+            )  # fmt: skip
+            parts = [stretches[i].narrow(dim, off, ln) for _, i, off, ln in runs]
+            stretch = torch.cat(parts, dim=dim) if parts else stretch
+        ctx.dim, ctx.pieces = dim, layout_pieces(n, W, topo.shard_index, layout)
+        return stretch
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        parts = [grad.narrow(ctx.dim, p.start, p.length) for p in ctx.pieces]
+        return torch.cat(parts, dim=ctx.dim), None, None, None
+
+
+def gather_grid(x_local: Tensor, dim: int, topo: Topology, layout: str) -> Tensor:
+    """``gather_sequence`` over a grid with ``U > 1`` (``dim`` checked,
+    non-negative). Tensors of more than 5 dimensions are refused on every
+    rank."""
+    if x_local.dim() > _GATHER_DIMS:
+        error = ValueError(
+            f"gather_sequence with ulysses_group or mesh supports tensors of at most "
+            f"{_GATHER_DIMS} dimensions, got {x_local.dim()}"
+        )
+        grid_handshake(topo, "gather_sequence", _GATHER_FIELDS, None, layout, error=error)
+        raise error
+    return _GatherGrid.apply(x_local, dim, topo, layout)

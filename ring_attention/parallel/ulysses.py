@@ -42,39 +42,27 @@ import torch.distributed as dist
 
 from ..core.call import Call
 from ..core.checks import check_qkv, resolve_scale
-from ..core.dtypes import dtype_code, dtype_name
+from ..core.dtypes import dtype_name
 from ..core.layout import (
-    LAYOUTS,
-    Piece,
     check_layout,
     layout_pieces,
-    layout_shard_lengths,
     shard_bounds,
 )
 from ..core.pattern import Pattern, as_flag
 from ..local import engine
 from ..local.functional import attend
 from .comm import comm_device, world_info
-from .grid import grid_handshake
+from .grid import grid_handshake, reject_through, topology_of
 from .handshake import RING_FIELDS, reject, ring_message
 from .mesh import (
     Topology,
     check_grid,
     check_ring,
-    report_grid_error,
-    resolve_topology,
 )
 from .ring import _pattern_of_call, ring_on_pieces
+from .stretch import Row, from_stretch, to_stretch
 
-__all__ = [
-    "AllToAllStats",
-    "gather_grid",
-    "last_all_to_all_stats",
-    "reject_sharded",
-    "reject_through",
-    "topology_of",
-    "ulysses_attention",
-]
+__all__ = ["AllToAllStats", "last_all_to_all_stats", "reject_sharded", "ulysses_attention"]
 
 Tensor = torch.Tensor
 
@@ -229,47 +217,6 @@ def _all_to_all(
 # Sequence <-> heads.
 
 
-@dataclass(frozen=True)
-class _Row:
-    """The sequence and the heads of one Ulysses group."""
-
-    pieces: tuple[tuple[Piece, ...], ...]  # every member's pieces, local order
-    heads: tuple[tuple[int, int], ...]  # every member's query heads (start, count)
-    kv: tuple[tuple[int, int], ...]  # every member's K/V heads [begin, end)
-
-    def lengths(self) -> list[int]:
-        return [sum(p.length for p in ps) for ps in self.pieces]
-
-    def order(self) -> list[tuple[int, int, int]]:
-        """``(member, offset in its local tensor, length)`` of every non-empty
-        piece, in global order: the stretch, concatenated."""
-        runs = [(p.start, m, p.offset, p.length)
-                for m, ps in enumerate(self.pieces) for p in ps if p.length]  # fmt: skip
-        return [(m, off, ln) for _, m, off, ln in sorted(runs)]
-
-
-def _to_stretch(blocks: list[Tensor], row: _Row, dim: int) -> Tensor:
-    """Received per-member blocks (each a member's local rows) -> the stretch."""
-    parts = [blocks[m].narrow(dim, off, ln) for m, off, ln in row.order()]
-    if not parts:
-        return blocks[0].narrow(dim, 0, 0)
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
-
-
-def _from_stretch(x: Tensor, row: _Row, dim: int) -> list[Tensor]:
-    """The stretch -> each member's local rows (inverse of :func:`_to_stretch`)."""
-    where: dict[tuple[int, int], int] = {}
-    at = 0
-    for m, off, ln in row.order():
-        where[(m, off)] = at
-        at += ln
-    out = []
-    for m, ps in enumerate(row.pieces):
-        parts = [x.narrow(dim, where[(m, p.offset)], p.length) for p in ps if p.length]
-        out.append(torch.cat(parts, dim=dim) if parts else x.narrow(dim, 0, 0))
-    return out
-
-
 # ---------------------------------------------------------------------------
 # The call.
 
@@ -384,7 +331,7 @@ def ulysses_attention(
     U, W = topo.ulysses_size, topo.world_size
     H, Hkv = shape.heads, shape.kv_heads
     heads = tuple(shard_bounds(H, U))
-    row = _Row(
+    row = Row(
         pieces=tuple(tuple(layout_pieces(n, W, topo.ring_index * U + m, layout))
                      for m in range(U)),
         heads=heads,
@@ -418,7 +365,7 @@ def ulysses_call(
 
 
 def _ulysses(
-    link: _Link, topo: Topology, row: _Row, q: Tensor, k: Tensor, v: Tensor, pattern: Pattern,
+    link: _Link, topo: Topology, row: Row, q: Tensor, k: Tensor, v: Tensor, pattern: Pattern,
     scale: float, layout: str,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     B, L, H, D = q.shape
@@ -433,7 +380,7 @@ def _ulysses(
     recv = [[((B, ln, hl, D), dt), ((B, ln, kv1 - kv0, D), dt), ((B, ln, kv1 - kv0, D), dt)]
             for ln in row.lengths()]  # fmt: skip
     got = _all_to_all(link, sends, recv, "qkv")
-    qs, ks, vs = (_to_stretch([g[x] for g in got], row, 1) for x in range(3))
+    qs, ks, vs = (to_stretch([g[x] for g in got], row, 1) for x in range(3))
     del got, sends  # the received blocks: copied into the stretch
     S = qs.shape[1]
 
@@ -456,7 +403,7 @@ def _ulysses(
     del qs, ks, vs  # (kept by autograd where the backward needs them)
 
     # heads -> sequence
-    sends = [[o, s] for o, s in zip(_from_stretch(out_s, row, 1), _from_stretch(lse_s, row, 2),
+    sends = [[o, s] for o, s in zip(from_stretch(out_s, row, 1), from_stretch(lse_s, row, 2),
                                      strict=True)]  # fmt: skip
     del out_s, lse_s
     recv = [[((B, L, c, D), dt), ((B, c, L), lse_dt)] for _, c in row.heads]
@@ -465,113 +412,6 @@ def _ulysses(
     out = torch.cat([g[0] for g in got], dim=2)
     lse = torch.cat([g[1] for g in got], dim=1)
     return out, lse
-
-
-# ---------------------------------------------------------------------------
-# gather_sequence over a grid.
-
-_GATHER_DIMS = 5
-_GATHER_FIELDS = ("seq_len_local", "ndim", "dim", "dtype", "layout",
-                  *(f"size{k}" for k in range(_GATHER_DIMS)))  # fmt: skip
-
-
-def _all_gather_padded(
-    x: Tensor, dim: int, lengths: list[int], group, order: tuple[int, ...] | None
-) -> list[Tensor]:
-    """Every rank's ``x`` (lengths along ``dim`` given, by index), through
-    one all-gather; ``order``: the group rank of each index (``None``: the
-    index)."""
-    device = comm_device(group, x.device)
-    longest = max(lengths)
-    send = x.to(device)
-    if send.shape[dim] < longest:
-        pad = list(send.shape)
-        pad[dim] = longest - send.shape[dim]
-        send = torch.cat([send, send.new_zeros(pad)], dim=dim)
-    send = send.contiguous()
-    recv = [torch.empty_like(send) for _ in lengths]
-    dist.all_gather(recv, send, group=group)
-    if order is not None:
-        recv = [recv[g] for g in order]
-    return [t.narrow(dim, 0, ln).to(x.device) for t, ln in zip(recv, lengths, strict=True)]
-
-
-class _GatherGrid(torch.autograd.Function):
-    """All-gather along ``dim`` over the grid (rows, then the ring); the
-    backward returns this rank's slice of the gradient (the loss is assumed
-    the same on every rank, as in sequence-parallel training)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, dim: int, topo: Topology, layout: str) -> Tensor:  # type: ignore[override]
-        sizes = [s if k != dim else -1 for k, s in enumerate(x.shape)]
-        message = [x.shape[dim], x.dim(), dim, dtype_code(x.dtype), LAYOUTS.index(layout),
-                   *sizes, *([-1] * (_GATHER_DIMS - x.dim()))]  # fmt: skip
-        n, row_lengths = grid_handshake(topo, "gather_sequence", _GATHER_FIELDS, message, layout)
-        U, R, W = topo.ulysses_size, topo.ring_size, topo.world_size
-        row = _Row(
-            pieces=tuple(tuple(layout_pieces(n, W, topo.ring_index * U + m, layout))
-                         for m in range(U)),
-            heads=(), kv=(),
-        )  # fmt: skip
-        stretch = _to_stretch(
-            _all_gather_padded(x, dim, row_lengths, topo.ulysses_group, topo.ulysses_order), row,
-            dim,
-        )  # fmt: skip
-        if R > 1:
-            stretches = _all_gather_padded(
-                stretch, dim, layout_shard_lengths(n, R, layout, U), topo.ring_group,
-                topo.ring_order,
-            )  # fmt: skip
-            runs = sorted(
-                (p.start, i, p.offset, p.length)
-                for i in range(R) for p in layout_pieces(n, R, i, layout, U) if p.length
-            )  # fmt: skip
-            parts = [stretches[i].narrow(dim, off, ln) for _, i, off, ln in runs]
-            stretch = torch.cat(parts, dim=dim) if parts else stretch
-        ctx.dim, ctx.pieces = dim, layout_pieces(n, W, topo.shard_index, layout)
-        return stretch
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):  # type: ignore[override]
-        parts = [grad.narrow(ctx.dim, p.start, p.length) for p in ctx.pieces]
-        return torch.cat(parts, dim=ctx.dim), None, None, None
-
-
-def gather_grid(x_local: Tensor, dim: int, topo: Topology, layout: str) -> Tensor:
-    """``gather_sequence`` over a grid with ``U > 1`` (``dim`` checked,
-    non-negative). Tensors of more than 5 dimensions are refused on every
-    rank."""
-    if x_local.dim() > _GATHER_DIMS:
-        error = ValueError(
-            f"gather_sequence with ulysses_group or mesh supports tensors of at most "
-            f"{_GATHER_DIMS} dimensions, got {x_local.dim()}"
-        )
-        grid_handshake(topo, "gather_sequence", _GATHER_FIELDS, None, layout, error=error)
-        raise error
-    return _GatherGrid.apply(x_local, dim, topo, layout)
-
-
-def reject_through(topo: Topology, call: str, error: BaseException) -> None:
-    """Take part in the rounds of ``call`` over ``topo`` as a rank whose
-    inputs failed (``error``): the other ranks raise naming it."""
-    if topo.ulysses_size > 1:
-        grid_handshake(topo, call, (), None, "contiguous", error=error)
-    elif topo.ring_size > 1:
-        reject(topo.ring_group, call, error, topo.ring_order)
-
-
-def topology_of(group, ulysses_group, mesh, call: str) -> Topology:
-    """:func:`~ring_attention.parallel.mesh.resolve_topology`; a rank whose grid
-    arguments fail there tells its peers (which then raise naming it)
-    before it raises its own error."""
-    try:
-        return resolve_topology(group, ulysses_group, mesh)
-    except ValueError as exc:
-        mode = None if mesh is not None else "grid"
-        topo = report_grid_error(group, ulysses_group, mesh, exc, mode)
-        if topo is not None:
-            reject_through(topo, call, exc)
-        raise
 
 
 def reject_sharded(group, ulysses_group, mesh, error: BaseException | None = None) -> None:
