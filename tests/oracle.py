@@ -149,6 +149,7 @@ def reference_attention(
     grouped_offsets: bool = False,
     cu_seqlens: Sequence[int] | torch.Tensor | None = None,
     window: tuple[int, int] | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dilated attention in float64. Returns ``(out (B,N,H,D), lse (B,H,N))``.
 
@@ -156,9 +157,11 @@ def reference_attention(
     head ``h`` reads K/V head ``h // (heads // kv_heads)``. ``key_padding_mask``
     is bool ``(B, N)``, ``True`` = ignore that key. ``cu_seqlens`` holds the
     document boundaries ``[0, ..., N]``; ``window = (left, right)`` the
-    sliding window (``-1``: unbounded). Rows that reach no key get
-    ``out = 0``, ``lse = -inf`` and zero gradients. Both outputs are
-    differentiable.
+    sliding window (``-1``: unbounded). ``sinks`` ``(H,)``: one virtual key
+    of value 0 and score ``sinks[h]`` in every row's softmax, once. Rows that
+    reach no key get ``out = 0`` and ``lse = -inf`` (``sinks[h]`` with
+    sinks) and zero gradients. Both outputs are differentiable (``sinks``
+    too).
     """
     batch, n, heads, head_dim = q.shape
     kv_heads = k.shape[2]
@@ -201,12 +204,19 @@ def reference_attention(
     neg_inf = torch.tensor(float("-inf"), dtype=torch.float64, device=q.device)
     rowmax = torch.where(reached, s, neg_inf).amax(dim=-1, keepdim=True)
     rowmax = torch.where(nonempty[..., None], rowmax, torch.zeros_like(rowmax)).detach()
+    if sinks is not None:  # the virtual key's score takes part in the max
+        z = sinks.to(device=q.device, dtype=torch.float64).view(1, heads, 1, 1)
+        z = z.expand(batch, heads, n, 1)
+        rowmax = torch.where(nonempty[..., None], torch.maximum(rowmax, z), z).detach()
     shifted = torch.where(reached, s - rowmax, torch.zeros_like(s))
     weights = torch.where(reached, mult * torch.exp(shifted), torch.zeros_like(s))
 
     denom = weights.sum(dim=-1)  # (B, H, N); >= 1 on non-empty rows
-    safe_denom = torch.where(nonempty, denom, torch.ones_like(denom))
     numer = torch.einsum("bhtu,buhd->bhtd", weights, v64)
+    if sinks is not None:  # value 0: the denominator only
+        denom = denom + torch.exp(z - rowmax).squeeze(-1)
+        return (numer / denom[..., None]).permute(0, 2, 1, 3), torch.log(denom) + rowmax.squeeze(-1)
+    safe_denom = torch.where(nonempty, denom, torch.ones_like(denom))
 
     out = torch.where(nonempty[..., None], numer / safe_denom[..., None], torch.zeros_like(numer))
     lse = torch.where(

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .checks import Shape, check_key_padding_mask, check_qkv, resolve_scale
+from .checks import Shape, check_key_padding_mask, check_qkv, check_sinks, resolve_scale
 from .pattern import Pattern, as_flag, check_documents_tensor
 
 __all__ = ["Call", "prepare"]
@@ -45,6 +45,8 @@ class Call:
             ``[q_start, q_start + Lq)`` (or batch row ``b``'s from
             ``q_starts[b]`` on), its keys at ``[k_start, k_start + Lk)``.
         return_lse: the caller wants ``(out, lse)``.
+        sinks: ``(heads,)`` attention sinks of the call's query heads (one
+            virtual key of value 0 per query, added once), or ``None``.
     """
 
     pattern: Pattern
@@ -58,6 +60,7 @@ class Call:
     k_start: int = 0
     q_starts: Tensor | None = None
     return_lse: bool = False
+    sinks: Tensor | None = None
 
     @property
     def every_head(self) -> bool:
@@ -99,6 +102,7 @@ def prepare(
     q_start: int = 0,
     k_start: int = 0,
     head_range: tuple[int, int, int] | None = None,
+    sinks: Tensor | None = None,
 ) -> tuple[Call, Shape]:
     """Check one call's arguments (docs/design.md §6) into a :class:`Call`.
 
@@ -107,7 +111,8 @@ def prepare(
     ``k_start``: the rows' global positions (a cached decode step or a chunk
     of prefill; ``k`` may then be longer or shorter than ``q``).
     ``head_range``: ``(head_start, total_heads, total_kv_heads)`` of a call
-    holding part of the heads (a Ulysses rank's).
+    holding part of the heads (a Ulysses rank's). ``sinks``: ``(heads,)``
+    attention sinks of the call's query heads.
 
     Returns:
         The call and the checked sizes.
@@ -135,6 +140,7 @@ def prepare(
             f"cu_seqlens[-1] = {pattern.documents[-1]}"
         )
     check_key_padding_mask(key_padding_mask, shape.batch, shape.seq_k, q.device)
+    check_sinks(sinks, shape.heads, q.device)
     start, total, total_kv = head_range or (0, 0, 0)
     call = Call(
         pattern,
@@ -147,5 +153,6 @@ def prepare(
         q_start=q_start,
         k_start=k_start,
         return_lse=as_flag(return_lse, "return_lse"),
+        sinks=sinks,
     )
     return call, shape

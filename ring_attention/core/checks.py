@@ -17,7 +17,16 @@ import torch
 
 from .dtypes import supported_dtypes
 
-__all__ = ["Shape", "check_int", "check_key_padding_mask", "check_qkv", "resolve_scale"]
+__all__ = [
+    "Shape",
+    "check_int",
+    "check_key_padding_mask",
+    "check_qkv",
+    "check_sinks",
+    "check_sinks_meta",
+    "resolve_scale",
+    "sinks_meta",
+]
 
 
 class Shape(NamedTuple):
@@ -141,6 +150,37 @@ def check_key_padding_mask(
         )
     if mask.device != device:
         raise ValueError(f"key_padding_mask must be on {device}, got {mask.device}")
+
+
+def sinks_meta(sinks: object) -> tuple | None:
+    """What the checks of :func:`check_sinks` read of ``sinks`` (a hashable
+    value a ring call's spec carries to every rank's check), or ``None``."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor):
+        return ("not a tensor", type(sinks).__name__)
+    return (tuple(sinks.shape), str(sinks.dtype), sinks.is_floating_point(), str(sinks.device))
+
+
+def check_sinks(sinks: object, heads: int, device: torch.device) -> None:
+    """Attention sinks: a floating tensor of shape ``(heads,)`` on the inputs'
+    device (one learned logit per query head), or ``None``."""
+    check_sinks_meta(sinks_meta(sinks), heads, device)
+
+
+def check_sinks_meta(meta: tuple | None, heads: int, device: torch.device) -> None:
+    """:func:`check_sinks` from :func:`sinks_meta`'s value."""
+    if meta is None:
+        return
+    if meta[0] == "not a tensor":
+        raise ValueError(f"sinks must be a tensor of shape (heads,), got {meta[1]}")
+    shape, dtype, floating, where = meta
+    if not floating:
+        raise ValueError(f"sinks must have a floating dtype, got {dtype}")
+    if shape != (heads,):
+        raise ValueError(f"sinks must have shape (heads,) = ({heads},), got {shape}")
+    if where != str(device):
+        raise ValueError(f"sinks must be on {device}, got {where}")
 
 
 def check_int(value: object, name: str, low: int, high: int) -> int:

@@ -10,6 +10,7 @@ import torch
 
 from ..core.cache import PerBatch
 from ..core.call import prepare
+from ..core.checks import sinks_meta
 from ..core.pattern import Pattern
 from ..local import engine
 from ..parallel.api import ring_attention
@@ -24,7 +25,6 @@ __all__ = ["dilated_attention_forward"]
 _NAME = f"attn_implementation={ATTN_IMPLEMENTATION!r}"
 _UNSUPPORTED = {
     "softcap": "logit soft-capping (softcap)",
-    "s_aux": "attention sinks (s_aux)",
 }
 
 
@@ -67,7 +67,8 @@ def dilated_attention_forward(
     ``"sdpa"`` itself; with a pattern it raises
     ``ValueError``, as do attention dropout and a position bias on a
     sliding-window layer (``"sdpa"`` would need transformers' 4-D mask).
-    Logit soft-capping and attention sinks always raise.
+    Attention sinks (``s_aux``, gpt-oss's ``module.sinks``) are added once
+    to every query, in every mode; logit soft-capping raises.
 
     Returns:
         ``(out (batch, q_len, heads, head_dim), None)``: no attention
@@ -87,9 +88,12 @@ def dilated_attention_forward(
                         kwargs, sp), None  # fmt: skip
     _check_supported(kwargs)
     config = getattr(module, "config", None)
+    sinks = kwargs.get("s_aux")
     if _one_query_row(attention_mask, query, key) and is_dense(config) and not dropout:
-        return _one_query(query, key, value, attention_mask, scaling, config), None
+        return _one_query(query, key, value, attention_mask, scaling, config, sinks), None
     reason = _sdpa_only(attention_mask, dropout, kwargs)
+    if reason is not None and sinks is not None:
+        raise ValueError(f"{_NAME} with attention sinks (s_aux) cannot apply {reason}")
     if reason is not None:
         if not is_dense(config):
             raise ValueError(
@@ -124,7 +128,8 @@ def dilated_attention_forward(
         # takes: cheaper than gathering); compiled, fixed shapes
         filled = None if torch.compiler.is_compiling() else filled_keys(attention_mask)
         if filled is None:
-            call, _ = prepare(q, k, v, pattern, scale=scaling, q_start=k.shape[1] - q.shape[1])
+            call, _ = prepare(q, k, v, pattern, scale=scaling, q_start=k.shape[1] - q.shape[1],
+                              sinks=sinks)  # fmt: skip
             return decode_attention(q, k, v, attention_mask, call), None
         attention_mask = filled
     return _local(q, k, v, pattern, attention_mask, scaling, kwargs), None
@@ -167,6 +172,7 @@ def _one_query(
     attention_mask: torch.Tensor,
     scaling: float | None,
     config: Any,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """One query per row attending the keys its 4-D mask keeps: dense
     attention with that key padding, causality and any window being in the
@@ -177,7 +183,7 @@ def _one_query(
     pattern = pattern_from_config(config, False)  # dense: the mask decides the keys
     padding = ~attention_mask[:, 0, 0, :].expand(q.shape[0], -1)
     call, _ = prepare(q, k, v, pattern, scale=scaling, key_padding_mask=padding,
-                      q_start=k.shape[1] - 1)  # fmt: skip
+                      q_start=k.shape[1] - 1, sinks=sinks)  # fmt: skip
     return engine.attend(call, q, k, v)[0]
 
 
@@ -274,7 +280,7 @@ def _local(
             )
         rows, memo = ((None, cu[1]),), _cu_batches.get(cu[0], "patterns", dict)
     call, _ = prepare(q, k, v, pattern, scale=scaling, key_padding_mask=padding, q_start=q_start,
-                      k_start=k_start)  # fmt: skip
+                      k_start=k_start, sinks=kwargs.get("s_aux"))  # fmt: skip
     outs, order = [], []
     for members, documents in rows:
         p = _with_documents(memo, pattern, documents)
@@ -293,15 +299,20 @@ def _local(
 
 
 def _check_reach(pattern: Pattern, q_start: int, k_start: int) -> None:
-    """A layer whose keys start at ``k_start > 0`` (a sliding-window cache
-    dropped the earlier ones) must not reach before them."""
+    """A layer whose keys start at ``k_start > 0`` (a sliding-window or a
+    chunked cache dropped the earlier ones) must not reach before them: its
+    queries reach no key before the start of their segments (chunks), nor
+    before their window."""
+    earliest = min(q_start // w * w for w in pattern.segment_lengths)
     left = pattern.window[0]
-    if left == -1 or q_start - left < k_start:
-        reach = "every earlier key" if left == -1 else f"keys from position {q_start - left}"
+    if left != -1:
+        earliest = max(earliest, q_start - left)
+    if earliest < k_start:
+        reach = "every earlier key" if earliest == 0 else f"keys from position {earliest}"
         raise ValueError(
             f"{_NAME}: the layer's cache holds the keys from position {k_start} on, but its "
             f"queries from position {q_start} reach {reach} (a cache that drops keys needs a "
-            "sliding window no wider than it keeps)"
+            "sliding window or chunks no wider than it keeps)"
         )
 
 
@@ -332,12 +343,18 @@ def _sharded(
         documents = kwargs.get("cu_seq_lens_k")
     refusal = _sharded_refusal(query, key, attention_mask, dropout, kwargs, documents is None)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    sinks = kwargs.get("s_aux")
     if not sp.ring_only:  # Ulysses or the hybrid: the refusal is reported in its rounds
         pattern = functools.partial(_grid_pattern, module, causal, refusal, kwargs)
-        return ring_attention(q, k, v, pattern, scale=scaling, layout=sp.layout, **sp.spread())
+        return ring_attention(q, k, v, pattern, scale=scaling, layout=sp.layout, sinks=sinks,
+                              **sp.spread())  # fmt: skip
     spec = ring_call_spec(_sharded_pattern, module, causal, refusal, kwargs.get("sliding_window"),
-                          scale=scaling, group=sp.group, layout=sp.layout)  # fmt: skip
-    return ring_call(q, k, v, spec, documents)
+                          scale=scaling, group=sp.group, layout=sp.layout,
+                          sinks=sinks_meta(sinks))  # fmt: skip
+    if sinks is None:
+        return ring_call(q, k, v, spec, documents)
+    out, lse = ring_call(q, k, v, spec, documents, return_lse=True)
+    return engine.fold_sinks(out, lse, sinks)[0]
 
 
 def _sharded_refusal(

@@ -10,7 +10,14 @@ import torch
 from ..core.cache import cached
 from ..core.pattern import Pattern, as_flag
 
-__all__ = ["CONFIG_KEY", "is_dense", "layer_pattern", "layer_window", "pattern_from_config"]
+__all__ = [
+    "CONFIG_KEY",
+    "is_dense",
+    "layer_chunk",
+    "layer_pattern",
+    "layer_window",
+    "pattern_from_config",
+]
 
 #: The config attribute holding the pattern.
 CONFIG_KEY = "dilated_attention"
@@ -19,6 +26,8 @@ _FIELDS = ("segment_lengths", "dilation_rates", "head_groups", "head_offsets")
 _DENSE_SEGMENT = 2**62
 # The layer types transformers gives a sliding-window mask (create_sliding_window_causal_mask).
 _SLIDING_TYPES = ("sliding_attention",)
+# ... and a chunked one (create_chunked_causal_mask).
+_CHUNKED_TYPES = ("chunked_attention",)
 
 
 def is_dense(config: Any) -> bool:
@@ -44,7 +53,41 @@ def layer_pattern(
             f"attn_implementation='ring_dilated' reads the pattern from the attention "
             f"module's config.{CONFIG_KEY}, but {type(module).__name__} has no config"
         )
+    chunk = layer_chunk(module)
+    if chunk is not None:
+        return _pattern((("segment_lengths", (chunk,)), ("dilation_rates", (1,))), causal, None)
     return pattern_from_config(config, causal, layer_window(module, causal, sliding_window))
+
+
+def layer_chunk(module: torch.nn.Module) -> int | None:
+    """The chunk of a chunked-attention layer (Llama 4's ``"chunked_attention"``
+    layers: a query reaches the keys of its own chunk of
+    ``config.attention_chunk_size`` positions, causally), or ``None``. As a
+    pattern that is one branch of segments of the chunk's length, dilation 1:
+    no kernel of its own.
+
+    Raises:
+        ValueError: a chunked layer with a dilated pattern
+            (``config.dilated_attention``: the two do not combine) or a
+            chunk size that is not an integer ``>= 1``.
+    """
+    config = module.config
+    types = getattr(config, "layer_types", None)
+    index = getattr(module, "layer_idx", None)
+    if types is None or not isinstance(index, int) or not 0 <= index < len(types):
+        return None
+    if types[index] not in _CHUNKED_TYPES:
+        return None
+    chunk = getattr(config, "attention_chunk_size", None)
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"config.attention_chunk_size must be an integer >= 1, got {chunk!r}")
+    if not is_dense(config):
+        raise ValueError(
+            f"attn_implementation='ring_dilated': layer {index} is chunked attention "
+            f"(config.attention_chunk_size = {chunk}), which does not combine with "
+            f"config.{CONFIG_KEY}"
+        )
+    return chunk
 
 
 def layer_window(

@@ -115,6 +115,21 @@ def _packed_sequences(fn: Callable | None, config: Any = None) -> torch.Tensor |
                 f"config.sliding_window ({expected!r}); this model's mask slides over {width!r}"
             )
         return None
+    if name == "chunked_overlay.<locals>.inner_mask":  # Llama 4's chunked layers
+        cells = _closure(fn)
+        chunk, left = cells.get("chunk_size"), cells.get("left_padding")
+        expected = getattr(config, "attention_chunk_size", None)
+        if chunk != expected:
+            raise ValueError(
+                f"attn_implementation={ATTN_IMPLEMENTATION!r} takes the chunks of "
+                f"config.attention_chunk_size ({expected!r}); this model's mask has {chunk!r}"
+            )
+        if isinstance(left, torch.Tensor) and bool((left != 0).any()):
+            raise ValueError(
+                f"attn_implementation={ATTN_IMPLEMENTATION!r} starts chunks at position 0: "
+                "chunked attention with left padding is not supported (pad on the right)"
+            )
+        return None
     if name.startswith("sliding_window_bidirectional_overlay."):
         raise ValueError(
             f"attn_implementation={ATTN_IMPLEMENTATION!r} applies a sliding window to causal "

@@ -34,7 +34,15 @@ from .blocks import Blocks
 from .branches import PerBranch
 from .dispatch import route, route_blocks
 
-__all__ = ["attend", "blocks", "differentiable", "op_args", "reached_rows", "ring"]
+__all__ = [
+    "attend",
+    "blocks",
+    "differentiable",
+    "fold_sinks",
+    "op_args",
+    "reached_rows",
+    "ring",
+]
 
 Tensor = torch.Tensor
 
@@ -62,8 +70,29 @@ def op_args(call: Call, device: torch.device | str) -> ops.OpArgs:
 
 def attend(call: Call, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     """``(out, lse)`` of ``call`` on ``q`` ``(B, Lq, H, D)``, ``k``, ``v``
-    ``(B, Lk, KVH, D)`` (the call's heads and rows), both differentiable.
-    ``lse`` is ``(B, H, Lq)`` in the accumulation dtype."""
+    ``(B, Lk, KVH, D)`` (the call's heads and rows), both differentiable,
+    the call's sinks added (:func:`fold_sinks`). ``lse`` is ``(B, H, Lq)``
+    in the accumulation dtype."""
+    out, lse = _attend(call, q, k, v)
+    return (out, lse) if call.sinks is None else fold_sinks(out, lse, call.sinks)
+
+
+def fold_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
+    """``(out, lse)`` of every key of a query (``out`` ``(B, L, H, D)``,
+    ``lse`` ``(B, H, L)``) with one more virtual key of value 0 and score
+    ``sinks[h]`` (docs/design.md §1): ``lse' = logaddexp(lse, sinks[h])``,
+    ``out' = out * exp(lse - lse')``. Exact: the sink is one more term of
+    the log-sum-exp. Differentiable in all three (the gradient of ``lse``
+    reaches the keys through the kernels' ``lse`` gradient). A query that
+    reaches no key gets ``out' = 0`` and ``lse' = sinks[h]``."""
+    z = sinks.to(lse.dtype)[None, :, None]
+    folded = torch.logaddexp(lse, z)
+    keep = torch.exp(torch.where(torch.isneginf(lse), -torch.inf, lse - folded))
+    scaled = out.to(lse.dtype) * keep.transpose(1, 2).unsqueeze(-1)
+    return scaled.to(out.dtype), folded
+
+
+def _attend(call: Call, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     args = op_args(call, q.device)
     rows = ops.Rows(call.q_start, call.k_start, call.q_starts)
     if call.documents is not None or not call.one_sequence:

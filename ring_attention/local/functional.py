@@ -25,11 +25,12 @@ def attend(
     key_padding_mask: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | Sequence[int] | None = None,
     return_lse: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`dilated_attention` with an already-built :class:`Pattern`
     (the modules hold one); ``cu_seqlens``, when given, replaces its documents."""
     call, _ = prepare(q, k, v, pattern, scale=scale, key_padding_mask=key_padding_mask,
-                      cu_seqlens=cu_seqlens, return_lse=return_lse)  # fmt: skip
+                      cu_seqlens=cu_seqlens, return_lse=return_lse, sinks=sinks)  # fmt: skip
     out, lse = engine.attend(call, q, k, v)
     return (out, lse) if call.return_lse else out
 
@@ -49,6 +50,7 @@ def dilated_attention(
     head_offsets: str = "modulo",
     window: tuple[int, int] | None = None,
     return_lse: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact LongNet-style dilated attention (docs/design.md §1) on one process.
 
@@ -81,10 +83,14 @@ def dilated_attention(
             ``sliding_window = W`` is ``(W - 1, 0)``. Its cost is O(n * W).
         return_lse: also return the log-sum-exp ``(batch, heads, seq)``
             (float32; float64 for float64 inputs). It is differentiable.
+        sinks: attention sinks, a floating tensor ``(heads,)`` on q's device
+            (gpt-oss's ``sinks``): one virtual key of value 0 and score
+            ``sinks[h]`` in every query's softmax, once; ``lse`` includes
+            it and gradients reach ``sinks``.
 
     Returns:
         ``out`` of q's shape and dtype, or ``(out, lse)``. A query that reaches
-        no key gets ``out = 0`` and ``lse = -inf``.
+        no key gets ``out = 0`` and ``lse = -inf`` (``sinks[h]`` with sinks).
 
     Raises:
         ValueError: naming the argument, for bad shapes, dtypes, devices,
@@ -107,4 +113,5 @@ def dilated_attention(
         key_padding_mask=key_padding_mask,
         cu_seqlens=cu_seqlens,
         return_lse=return_lse,
+        sinks=sinks,
     )

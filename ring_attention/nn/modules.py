@@ -116,11 +116,13 @@ class DilatedAttention(_PatternModule):
         v: torch.Tensor,
         key_padding_mask: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``out`` of ``q``'s shape and dtype. ``k``, ``v`` may have fewer
         (K/V) heads than ``q``; ``key_padding_mask``: bool ``(batch, seq)``,
         ``True`` = ignore that key; ``cu_seqlens``: document boundaries of a
-        packed sequence."""
+        packed sequence; ``sinks``: attention sinks ``(heads,)`` (a
+        parameter of the caller's layer, as gpt-oss's)."""
         return attend(
             q,
             k,
@@ -129,6 +131,7 @@ class DilatedAttention(_PatternModule):
             scale=self.scale,
             key_padding_mask=key_padding_mask,
             cu_seqlens=cu_seqlens,
+            sinks=sinks,
         )
 
 
@@ -182,15 +185,17 @@ class RingDilatedAttention(_PatternModule):
         k: torch.Tensor,
         v: torch.Tensor,
         cu_seqlens: torch.Tensor | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attend this rank's query shard to the whole (sharded) sequence;
         ``cu_seqlens`` holds GLOBAL document boundaries (the same on every
-        rank)."""
+        rank); ``sinks``: attention sinks ``(heads,)``, the same on every
+        rank."""
         # (the pattern an argument of its own: a constant of a compiled graph)
         return sharded_attention(
             q, k, v, given_pattern, (self.pattern,), cu_seqlens=cu_seqlens, scale=self.scale,
             group=self.group, ulysses_group=self.ulysses_group, mesh=self.mesh,
-            layout=self.layout, return_lse=False,
+            layout=self.layout, return_lse=False, sinks=sinks,
         )  # fmt: skip
 
     def extra_repr(self) -> str:

@@ -34,6 +34,7 @@ def ring_attention(
     mesh=None,
     layout: str = "contiguous",
     return_lse: bool = False,
+    sinks: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """:func:`ring_dilated_attention` with a :class:`Pattern` (or a function
     building one: its errors, like every other check here, are reported
@@ -44,7 +45,7 @@ def ring_attention(
     build, args = _builder(pattern)
     return sharded_attention(
         q_local, k_local, v_local, build, args, cu_seqlens=None, scale=scale, group=group,
-        ulysses_group=ulysses_group, mesh=mesh, layout=layout, return_lse=return_lse,
+        ulysses_group=ulysses_group, mesh=mesh, layout=layout, return_lse=return_lse, sinks=sinks,
     )  # fmt: skip
 
 
@@ -62,6 +63,7 @@ def sharded_attention(
     mesh,
     layout: str,
     return_lse: bool,
+    sinks: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """The ring, Ulysses or the hybrid (by the groups, as
     :func:`ring_dilated_attention`) with the pattern ``build(*args)`` and the
@@ -82,11 +84,11 @@ def sharded_attention(
         return run(
             q_local, k_local, v_local, build, args, cu_seqlens=cu_seqlens, scale=scale,
             group=group, ulysses_group=ulysses_group, mesh=mesh, layout=layout,
-            return_lse=return_lse,
+            return_lse=return_lse, sinks=sinks,
         )  # fmt: skip
     return _ring(
         q_local, k_local, v_local, build, args, cu_seqlens=cu_seqlens, scale=scale, group=group,
-        layout=layout, return_lse=return_lse,
+        layout=layout, return_lse=return_lse, sinks=sinks,
     )  # fmt: skip
 
 
@@ -108,6 +110,7 @@ def ring_dilated_attention(
     mesh=None,
     layout: str = "contiguous",
     return_lse: bool = False,
+    sinks: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Dilated attention over a sequence sharded across the ranks of ``group``.
 
@@ -153,6 +156,10 @@ def ring_dilated_attention(
             the ring level).
         return_lse: also return this rank's ``lse`` ``(batch, heads,
             seq_local)`` (float32; float64 for float64 inputs), differentiable.
+        sinks: attention sinks ``(heads,)``, the same on every rank (as
+            ``dilated_attention``): added once to every query; this rank's
+            ``sinks.grad`` holds its own queries' share (summed over the
+            ranks, as data-parallel reduction does, it is one process's).
 
     Returns:
         This rank's output shard, shape and dtype of ``q_local`` (and ``lse``).
@@ -174,7 +181,7 @@ def ring_dilated_attention(
         q_local, k_local, v_local, _pattern_of,
         (segment_lengths, dilation_rates, causal, head_groups, head_offsets, window),
         cu_seqlens=cu_seqlens, scale=scale, group=group, ulysses_group=ulysses_group, mesh=mesh,
-        layout=layout, return_lse=return_lse,
+        layout=layout, return_lse=return_lse, sinks=sinks,
     )  # fmt: skip
 
 

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from ..core.checks import sinks_meta
 from ..core.layout import check_layout
 from ..core.pattern import Pattern, as_flag
 from ..local import engine
@@ -120,6 +121,7 @@ def ring_on_pieces(
     fold: int = 1,
     ranks: tuple[int, ...] | None = None,
     head_range: tuple[int, int, int] = (0, 0, 0),
+    sinks: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """The ring over ``group``, each rank holding its pieces of ``layout``
     (``fold > 1``: the stretch of its Ulysses group, see
@@ -131,6 +133,7 @@ def ring_on_pieces(
     return _ring(
         q_local, k_local, v_local, build, args, cu_seqlens=None, scale=scale, group=group,
         layout=layout, return_lse=return_lse, fold=fold, ranks=ranks, head_range=head_range,
+        sinks=sinks,
     )  # fmt: skip
 
 
@@ -149,17 +152,24 @@ def _ring(
     fold: int = 1,
     ranks: tuple[int, ...] | None = None,
     head_range: tuple[int, int, int] = (0, 0, 0),
+    sinks: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """The ring call of :func:`sharded_attention`: one operator forward and
     one backward, the documents as a tensor argument (read once per batch),
-    the rest as the spec."""
+    the rest as the spec. ``sinks``: added once to every query of this rank,
+    after the ring (checked on every rank by the operator)."""
     documents = cu_seqlens if isinstance(cu_seqlens, Tensor) else None
     spec = ring_call_spec(
         _ring_pattern, return_lse, None if documents is not None else cu_seqlens, build, *args,
         scale=scale, group=group, layout=layout, fold=fold, ranks=ranks, head_range=head_range,
+        sinks=sinks_meta(sinks),
     )  # fmt: skip
-    # (a bad return_lse is reported by the spec: the operator raises on every rank)
-    return ring_call(q_local, k_local, v_local, spec, documents, return_lse=bool(return_lse))
+    # (a bad return_lse or sinks is reported by the spec: the operator raises on every rank)
+    if sinks is None:
+        return ring_call(q_local, k_local, v_local, spec, documents, return_lse=bool(return_lse))
+    out, lse = ring_call(q_local, k_local, v_local, spec, documents, return_lse=True)
+    out, lse = engine.fold_sinks(out, lse, sinks)
+    return (out, lse) if bool(return_lse) else out
 
 
 def given_pattern(pattern: Pattern) -> Pattern:

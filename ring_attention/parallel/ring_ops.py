@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ..core.cache import PerBatch
 from ..core.call import Call
-from ..core.checks import check_qkv, resolve_scale
+from ..core.checks import check_qkv, check_sinks_meta, resolve_scale
 from ..core.config import far_bytes
 from ..core.dtypes import acc_dtype
 from ..core.layout import check_layout
@@ -73,6 +73,7 @@ def _call_of(
             shape = check_qkv(q, k, v, head_range=heads)
             far = far_bytes(q.device.type)
             pattern.check_heads(shape.heads if heads is None else heads[1])
+            check_sinks_meta(spec.sinks, shape.heads, q.device)
             scale = resolve_scale(spec.scale, shape.head_dim)
             if n is None:
                 if world > 1:

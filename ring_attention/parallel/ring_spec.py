@@ -60,6 +60,8 @@ class RingSpec:
     ranks: tuple[int, ...] | None = None  # global ranks by ring index (None: group order)
     # a hybrid ring's query heads: (head_start, total_heads, total_kv_heads); (0, 0, 0): all
     head_range: tuple[int, int, int] = (0, 0, 0)
+    # the attention sinks' description (core.checks.sinks_meta), checked by every rank
+    sinks: tuple | None = None
 
     @property
     def group(self) -> dist.ProcessGroup | None:
@@ -147,6 +149,7 @@ def ring_call_spec(
     fold: int = 1,
     ranks: tuple[int, ...] | None = None,
     head_range: tuple[int, int, int] = (0, 0, 0),
+    sinks: tuple | None = None,
 ) -> str:
     """Register the ring call whose pattern is ``build(*args)``; its key.
 
@@ -167,13 +170,16 @@ def ring_call_spec(
     grid call, which has checked its grid (the ring then skips its own
     check of the group); ``None``: the group-rank order. ``head_range``:
     the query heads ``(head_start, total_heads, total_kv_heads)`` the ranks
-    of a hybrid's ring hold (``(0, 0, 0)``: every head).
+    of a hybrid's ring hold (``(0, 0, 0)``: every head). ``sinks``: the
+    description of the call's attention sinks (shape, dtype, device:
+    :func:`ring_attention.core.checks.sinks_meta`), checked by the operator
+    on every rank.
     """
     if torch.compiler.is_compiling():
         args = tuple(_specialized(a) for a in args)
     return _registered_spec(
         build, *args, scale=scale, group=group, layout=layout, fold=fold, ranks=ranks,
-        head_range=tuple(head_range),
+        head_range=tuple(head_range), sinks=sinks,
     )  # fmt: skip
 
 
@@ -200,6 +206,7 @@ def _registered_spec(
     fold: int,
     ranks: tuple[int, ...] | None,
     head_range: tuple[int, int, int],
+    sinks: tuple | None,
 ) -> str:
     """:func:`ring_call_spec`, its arguments constants (under
     ``torch.compile`` run once, while tracing: the mark of
@@ -228,7 +235,9 @@ def _registered_spec(
     head_range = tuple(int(h) for h in head_range)
     if head_range[1]:
         key += f" | heads={list(head_range)}"
+    if sinks is not None:
+        key += f" | sinks={sinks!r}"
     spec = RingSpec(pattern=pattern, error=error, scale=scale, layout=layout, fold=fold,
-                    _group=ref, ranks=ranks, head_range=head_range)  # fmt: skip
+                    _group=ref, ranks=ranks, head_range=head_range, sinks=sinks)  # fmt: skip
     _REGISTRY.add(key, spec, pin=torch.compiler.is_compiling())
     return key

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.call import Call
-from ..core.checks import check_qkv, resolve_scale
+from ..core.checks import check_qkv, check_sinks, resolve_scale
 from ..core.dtypes import dtype_name
 from ..core.layout import (
     check_layout,
@@ -269,6 +269,7 @@ def ulysses_attention(
     mesh=None,
     layout: str = "contiguous",
     return_lse: bool = False,
+    sinks: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """:func:`ring_attention.ring_dilated_attention` with ``ulysses_group``
     or ``mesh`` (the module docstring): this rank's shard ``i * U + j``
@@ -279,12 +280,13 @@ def ulysses_attention(
         if topo.ring_size > 1:
             return ring_on_pieces(
                 q_local, k_local, v_local, pattern, scale=scale, group=topo.ring_group,
-                layout=layout, return_lse=return_lse, ranks=topo.ring_ranks,
+                layout=layout, return_lse=return_lse, ranks=topo.ring_ranks, sinks=sinks,
             )  # fmt: skip
         if callable(pattern) and not isinstance(pattern, Pattern):
             pattern = pattern()
         check_layout(layout)
-        return attend(q_local, k_local, v_local, pattern, scale=scale, return_lse=return_lse)
+        return attend(q_local, k_local, v_local, pattern, scale=scale, return_lse=return_lse,
+                      sinks=sinks)  # fmt: skip
 
     message = None
     error: Exception | None = None
@@ -295,6 +297,7 @@ def ulysses_attention(
         check_layout(layout)
         shape = check_qkv(q_local, k_local, v_local)
         pattern.check_heads(shape.heads)
+        check_sinks(sinks, shape.heads, q_local.device)
         scale = resolve_scale(scale, shape.head_dim)
         for g in (topo.ulysses_group, topo.ring_group):
             if g is not None:
@@ -343,6 +346,8 @@ def ulysses_attention(
         comm_device(topo.ulysses_group, q_local.device),
     )  # fmt: skip
     out, lse = _ulysses(link, topo, row, q_local, k_local, v_local, pattern, scale, layout)
+    if sinks is not None:  # once per query: this rank's shard, every head
+        out, lse = engine.fold_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out
 
 
