@@ -15,6 +15,7 @@ __all__ = [
     "clear_caches",
     "dilated_attention",
     "gather_sequence",
+    "plan_mesh",
     "register_transformers",
     "ring_dilated_attention",
     "select_dtype",
@@ -38,6 +39,7 @@ else:
     from .nn.modules import DilatedAttention, MultiheadDilatedAttention, RingDilatedAttention
     from .nn.multihead import MultiheadAttentionError
     from .parallel.api import ring_dilated_attention
+    from .parallel.auto import plan_mesh
     from .parallel.exchange_plan import build_plan as _build_plan
     from .parallel.sharding import gather_sequence, shard_sequence
     from .planner import traffic as _traffic

@@ -5,7 +5,7 @@
 
 prints the forward's and the backward's route (ring_attention/local/dispatch.py:
 our kernels or dense attention per branch, the table row or the reason),
-the environment it read (ring_attention/core/config.py), the windows and, per
+the environment it read (ring_attention/core/config.py), the spans and, per
 branch, its dense calls and the backend each takes. It needs no GPU:
 ``--capability`` stands in for the device's compute capability. Every
 option is checked before anything is decided: a bad one exits 2 with
@@ -43,7 +43,7 @@ def describe(
     capability: tuple[int, int],
 ) -> str:
     """The report :func:`main` prints."""
-    rows = config.window_rows()
+    rows = config.span_rows()
     named = config.dense_backend()
     routes: dict[str, Route] = {}
     for pass_ in ("forward", "backward"):
@@ -66,19 +66,19 @@ def describe(
     for pass_, r in routes.items():
         path = "dense per branch" if r.dense else "our kernel"
         lines.append(f"{pass_}: {path}: {r.why}")
-    plan = next((r.plan for r in routes.values() if r.plan is not None), None)
+    plan = next((r.spans for r in routes.values() if r.spans is not None), None)
     if plan is None:
         return "\n".join(lines)
-    sizes = Counter(w.length for w in plan.windows)
+    sizes = Counter(w.length for w in plan.spans)
     lines.append(
-        f"windows: {', '.join(f'{c} x {s} rows' for s, c in sorted(sizes.items()))}; "
+        f"spans: {', '.join(f'{c} x {s} rows' for s, c in sorted(sizes.items()))}; "
         f"{plan.calls} dense calls a pass"
     )
     for b, (w, r_) in enumerate(pattern.branches):
         shapes = Counter()
         backends = {p: Counter() for p in routes}
-        for i, window in enumerate(plan.windows):
-            for j, call in enumerate(window.calls):
+        for i, span in enumerate(plan.spans):
+            for j, call in enumerate(span.calls):
                 if call.branch != b:
                     continue
                 shapes[(call.segments, call.rows, call.q_heads, call.kv_heads)] += 1

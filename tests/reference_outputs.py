@@ -198,7 +198,32 @@ def _dist_worker(rank: int, world: int, ring: int, uly: int, seed: int, n: int, 
         for name, t in (("out", out), ("dq", ql.grad), ("dk", kl.grad), ("dv", vl.grad))
     }
     gathered["lse"] = ra.gather_sequence(lse.detach(), dim=2, **groups, **shard_kw)
-    return {name: digest(t) for name, t in gathered.items()} if rank == 0 else None
+    if rank != 0:
+        return None
+    got = {name: digest(t) for name, t in gathered.items()}
+    got["oracle_error"] = repr(_oracle_error(q, k, v, go, segs, dils, kw, gathered))
+    return got
+
+
+def _oracle_error(q, k, v, go, segs, dils, kw, got) -> float:
+    """The largest error of ``got`` against the float64 oracle, relative to
+    each output's largest magnitude (not a digest: every run recomputes it)."""
+    from oracle import reference_attention
+
+    q, k, v = (t.double().requires_grad_() for t in (q, k, v))
+    out, lse = reference_attention(
+        q, k, v, segs, dils, causal=kw.get("causal", False), cu_seqlens=kw.get("cu_seqlens"),
+        window=kw.get("window"),
+    )  # fmt: skip
+    (out * go.double()).sum().backward()
+    err = 0.0
+    for name, want in (("out", out), ("lse", lse), ("dq", q.grad), ("dk", k.grad),
+                       ("dv", v.grad)):  # fmt: skip
+        want = want.detach()
+        a, b = got[name].double(), want
+        fin = torch.isfinite(b)
+        err = max(err, float((a[fin] - b[fin]).abs().max() / b[fin].abs().max().clamp_min(1e-30)))
+    return err
 
 
 def dist_cases() -> dict[str, dict]:

@@ -22,11 +22,10 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.fa4_interface import CASES
+
 ROOT = Path(__file__).resolve().parent.parent
 SITE = ROOT / "build" / "fa4_cpu" / "site"
-sys.path.insert(0, str(ROOT))
-from benchmarks.fa4_interface import CASES  # noqa: E402
-
 # where the backward still copies: the part buffers of a call do not start on
 # a multiple of 4 rows, and flash-attn-4 copies such an LSE (16-byte alignment)
 LSE_COPIES = dict.fromkeys(

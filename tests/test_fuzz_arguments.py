@@ -163,10 +163,11 @@ def _public() -> dict[str, tuple[Callable, dict[str, Any], dict[str, Any]]]:
                  "compute_dtype": torch.float32, "labels": torch.zeros(1, 8, dtype=torch.long),
                  "position_ids": torch.arange(8)[None], "q_ranges": [(0, 8)],
                  "segment_lengths": [4], "dilation_rates": [2], "device": "cpu",
-                 "dtype": torch.float32, "window": (3, 0)}  # fmt: skip
+                 "dtype": torch.float32, "window": (3, 0), "sinks": torch.zeros(2),
+                 "gpus_per_node": 2, "device_type": "cpu", "memory": 1 << 30}  # fmt: skip
     attn = dict(q=q, k=kv, v=kv, segment_lengths=[4, 8], dilation_rates=[1, 2], causal=False,
                 scale=None, head_groups=False, key_padding_mask=None, cu_seqlens=None,
-                head_offsets="modulo", window=None, return_lse=False)  # fmt: skip
+                head_offsets="modulo", window=None, return_lse=False, sinks=None)  # fmt: skip
     ring_args = {
         ("q_local" if k == "q" else "k_local" if k == "k" else "v_local" if k == "v" else k): v
         for k, v in attn.items()
@@ -187,6 +188,23 @@ def _public() -> dict[str, tuple[Callable, dict[str, Any], dict[str, Any]]]:
     entries = {
         "dilated_attention": (lambda **kw: ra.dilated_attention(**kw), attn),
         "ring_dilated_attention": (lambda **kw: ra.ring_dilated_attention(**kw), ring_args),
+        "plan_mesh": (
+            lambda **kw: ra.plan_mesh(**kw),
+            dict(
+                seq_len=64,
+                heads=2,
+                kv_heads=1,
+                head_dim=4,
+                pattern=pattern,
+                group=None,
+                gpus_per_node=None,
+                device_type=None,
+                dtype=None,
+                batch=1,
+                memory=None,
+                layout="contiguous",
+            ),
+        ),
         "ring.ring_attention": (
             lambda **kw: api.ring_attention(**kw),
             dict(
@@ -392,11 +410,15 @@ def _op_base() -> dict[str, Any]:
 def _op_overrides() -> dict[str, dict[str, Any]]:
     """Per operator, baselines that differ from ``_op_base``'s: the running
     lse of block_forward (-inf), the (batch, position, head) lse of
-    merge_branches."""
+    merge_branches, the local op's ``q_starts`` (a tensor; exchange_rows'
+    is a list)."""
     import torch
 
     return {"block_forward": {"lse": torch.full((1, 2, 8), -INF)},
-            "merge_branches": {"lse": torch.zeros(1, 8, 2)}}  # fmt: skip
+            "merge_branches": {"lse": torch.zeros(1, 8, 2)},
+            # the local op's q_starts is a tensor, exchange_rows' a list
+            "dilated_attention": {"q_starts": None},
+            "dilated_attention_backward": {"q_starts": None}}  # fmt: skip
 
 
 #: a typical value per schema type, for optional arguments appended later
@@ -783,6 +805,8 @@ def test_window_and_return_lse_in_every_mode() -> None:
 #: Public names not fuzzed here, and why.
 NOT_FUZZED = {
     "ra.MultiheadAttentionError": "an exception class",
+    "ra.cache_info": "takes no argument",
+    "ra.clear_caches": "takes no argument",
     "ring.ExchangeEvent": "a record the ring builds",
     "ring.ExchangeStats": "a record the ring builds",
     "ring.last_exchange_stats": "a record the ring fills",

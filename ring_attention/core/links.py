@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["LINKS", "Link"]
+__all__ = ["INTRA_DEFAULTS", "LINKS", "Link"]
 
 
 @dataclass(frozen=True)
@@ -44,4 +44,11 @@ LINKS = {
         "assumed: gloo over TCP loopback, ~12 Gbit/s measured on 16 MB messages, 100 us per "
         "transfer, 20 us per further message of a batch",
     ),
+}
+
+
+#: The link inside a node per device type: (Gbit/s, latency in us, why).
+INTRA_DEFAULTS = {
+    "cuda": (3600.0, 5.0, "assumed: NVLink 4, 450 GB/s each way per GPU (H100 SXM)"),
+    "cpu": (10.0, 100.0, "assumed: gloo over TCP loopback (as --link-gbps on the CPU)"),
 }

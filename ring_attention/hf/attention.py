@@ -14,6 +14,7 @@ from ..core.checks import sinks_meta
 from ..core.pattern import Pattern
 from ..local import engine
 from ..parallel.api import ring_attention
+from ..parallel.auto import plan_mesh
 from ..parallel.ring import ring_call, ring_call_spec
 from .config import is_dense, layer_pattern, layer_window, pattern_from_config
 from .decode import decode_attention
@@ -344,17 +345,43 @@ def _sharded(
     refusal = _sharded_refusal(query, key, attention_mask, dropout, kwargs, documents is None)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     sinks = kwargs.get("s_aux")
-    if not sp.ring_only:  # Ulysses or the hybrid: the refusal is reported in its rounds
+    spread = sp.spread()
+    if sp.auto and documents is not None:  # the planner's grid for this layer (once per shape)
+        spread = _auto_spread(sp, module, causal, kwargs, q, k, documents)
+    if spread["ulysses_group"] is not None or spread["mesh"] is not None:
+        # Ulysses or the hybrid: the refusal is reported in its rounds
         pattern = functools.partial(_grid_pattern, module, causal, refusal, kwargs)
         return ring_attention(q, k, v, pattern, scale=scaling, layout=sp.layout, sinks=sinks,
-                              **sp.spread())  # fmt: skip
+                              **spread)  # fmt: skip
     spec = ring_call_spec(_sharded_pattern, module, causal, refusal, kwargs.get("sliding_window"),
-                          scale=scaling, group=sp.group, layout=sp.layout,
+                          scale=scaling, group=spread["group"], layout=sp.layout,
                           sinks=sinks_meta(sinks))  # fmt: skip
     if sinks is None:
         return ring_call(q, k, v, spec, documents)
     out, lse = ring_call(q, k, v, spec, documents, return_lse=True)
     return engine.fold_sinks(out, lse, sinks)[0]
+
+
+def _auto_spread(
+    sp: SequenceParallel, module: torch.nn.Module, causal: bool, kwargs: Mapping[str, Any],
+    q: torch.Tensor, k: torch.Tensor, documents: torch.Tensor,
+) -> dict[str, Any]:  # fmt: skip
+    """``mesh="auto"``: this layer's grid, the planner's choice for its
+    pattern (a sliding layer takes the ring: its bytes are bounded by the
+    window) at the batch's global length (the documents' end, the same on
+    every rank)."""
+    try:
+        pattern = layer_pattern(module, causal, kwargs.get("sliding_window"))
+    except ValueError:  # reported by the ring's handshake, as without "auto"
+        return sp.spread()
+    n = int(documents[-1])
+    key = (pattern, n, q.shape[2], k.shape[2], q.shape[3], q.dtype, q.device.type)
+
+    def plan():
+        return plan_mesh(n, q.shape[2], k.shape[2], q.shape[3], pattern, group=sp.group,
+                         device_type=q.device.type, dtype=q.dtype, batch=q.shape[0])  # fmt: skip
+
+    return sp.layer_spread(key, plan)
 
 
 def _sharded_refusal(

@@ -18,7 +18,7 @@ def register_transformers(
     group: dist.ProcessGroup | None = None,
     *,
     ulysses_group: dist.ProcessGroup | None = None,
-    mesh: Any = None,
+    mesh: Any = None,  # a DeviceMesh, or "auto"
     layout: str = "contiguous",
 ) -> None:
     """Register ``"ring_dilated"`` with transformers' attention and
@@ -42,7 +42,13 @@ def register_transformers(
             ``group`` too, the ring x Ulysses hybrid (rank with ring index
             ``i`` and Ulysses index ``j`` holding shard ``i * U + j``).
         mesh: instead of the groups, a ``DeviceMesh``: 1-D = a ring over it,
-            2-D with ``mesh_dim_names=("ring", "ulysses")`` = the hybrid.
+            2-D with ``mesh_dim_names=("ring", "ulysses")`` = the hybrid; or
+            ``"auto"``: each layer type's grid over ``group``'s ranks (the
+            default group by default) is the planner's choice
+            (:func:`ring_attention.plan_mesh`) at the batch's length: a
+            sliding layer the ring (its bytes bounded by the window), a full
+            layer the fastest grid predicted. Every rank chooses the same
+            without communicating; the batch shards as for the ring.
         layout: the sharding layout of the sequence-parallel ranks,
             ``"contiguous"`` (default) or ``"zigzag"`` (docs/design.md §3;
             in the hybrid, at the ring level).

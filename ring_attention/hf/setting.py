@@ -43,11 +43,28 @@ class SequenceParallel:
 
     def __init__(
         self, group: dist.ProcessGroup | None, layout: str,
-        ulysses_group: dist.ProcessGroup | None = None, mesh: Any = None,
+        ulysses_group: dist.ProcessGroup | None = None, mesh: Any = None, auto: bool = False,
     ) -> None:  # fmt: skip
         self._refs = tuple(None if g is None else weakref.ref(g) for g in (group, ulysses_group))
         self.mesh = mesh
         self.layout = layout
+        #: ``mesh="auto"``: each layer's grid over ``group``'s ranks is the
+        #: planner's (:meth:`layer_spread`); the batch shards as for the ring
+        #: (shard ``i * U + j`` is group rank ``i * U + j`` in every grid)
+        self.auto = auto
+        self._meshes: dict[tuple, dict[str, Any]] = {}
+
+    def layer_spread(self, key: tuple, plan: Any) -> dict[str, Any]:
+        """``mesh="auto"``: the groups of a layer, chosen once per ``key`` by
+        ``plan()`` (a :class:`~ring_attention.parallel.auto.MeshPlan`; every
+        rank decides the same, so the meshes are built in step)."""
+        if key not in self._meshes:
+            mesh, prediction = plan()
+            if prediction.ulysses == 1:
+                self._meshes[key] = {"group": self.group, "ulysses_group": None, "mesh": None}
+            else:
+                self._meshes[key] = {"group": None, "ulysses_group": None, "mesh": mesh}
+        return self._meshes[key]
 
     def _live(self, index: int) -> dist.ProcessGroup | None:
         ref = self._refs[index]
@@ -75,16 +92,19 @@ class SequenceParallel:
     @property
     def ring_only(self) -> bool:
         """Whether the attention is the ring alone (one operator, compiles)."""
-        return self._refs[1] is None and self.mesh is None
+        return self._refs[1] is None and self.mesh is None and not self.auto
 
     def spread(self) -> dict[str, Any]:
-        """``group``/``ulysses_group``/``mesh`` as the functional API takes them."""
+        """``group``/``ulysses_group``/``mesh`` as the functional API takes them
+        (``mesh="auto"``: the ring's, which shards the batch the same)."""
+        if self.auto:
+            return {"group": self.group, "ulysses_group": None, "mesh": None}
         return {"group": self.group, "ulysses_group": self.ulysses_group, "mesh": self.mesh}
 
     def _grid(self) -> tuple[int, int, tuple]:
         """``(size, rank, groups)``: the ranks sharing a sequence, this rank's
         shard and the groups to gather over (Ulysses first, then the ring)."""
-        if self.ring_only:
+        if self.ring_only or self.auto:
             size, rank = world_info(self.group)
             return size, rank, ((self.group, size, None),)
         topo = resolve_topology(**self.spread())  # (indices: a mesh's coordinates)
@@ -130,6 +150,18 @@ def spread_of(group: Any, ulysses_group: Any, mesh: Any, layout: str) -> Sequenc
         ValueError: as :func:`register_transformers`.
     """
     check_layout(layout)
+    if isinstance(mesh, str) and mesh == "auto":
+        if ulysses_group is not None or layout != "contiguous":
+            raise ValueError(
+                "mesh=\"auto\" chooses each layer's grid over group's ranks: it takes no "
+                f"ulysses_group and the contiguous layout, got ulysses_group={ulysses_group!r}, "
+                f"layout={layout!r}"
+            )
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise ValueError(
+                f"group must be a torch.distributed ProcessGroup or None, got {group!r}"
+            )
+        return SequenceParallel(group or dist.group.WORLD, layout, auto=True)
     for name, g in (("group", group), ("ulysses_group", ulysses_group)):
         if g is not None and not isinstance(g, dist.ProcessGroup):
             raise ValueError(f"{name} must be a torch.distributed ProcessGroup or None, got {g!r}")

@@ -41,12 +41,10 @@ __all__ = [
     "ExchangeEvent",
     "ExchangeStats",
     "exchange_plan",
-    "given_pattern",
     "last_exchange_stats",
     "register_exchange_hook",
     "ring_call",
     "ring_call_spec",
-    "ring_on_pieces",
 ]
 
 Tensor = torch.Tensor

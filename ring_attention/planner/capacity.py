@@ -62,6 +62,8 @@ class Setup:
         source: where the exchanged rows come from (:func:`.traffic.predict_traffic`).
         far_bytes: transfers of at most this many K/V bytes travel in the
             far group (:mod:`.timing`; 0: the ring alone).
+        window: the sliding window (``None``: none): the ring's exact plans
+            count its rows (the closed forms do not).
     """
 
     ranks: int
@@ -91,6 +93,7 @@ class Setup:
     shard_params: bool = True
     source: str = "auto"
     far_bytes: int = 0
+    window: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         for name in ("causal", "head_groups", "checkpointing", "shard_params"):
@@ -117,6 +120,7 @@ class Setup:
             head_groups=self.head_groups,
             head_offsets=self.head_offsets,
             document_length=self.document_length,
+            window=self.window,
         )
 
     def rates(self, local_len: int) -> Rates:

@@ -95,6 +95,11 @@ def stretch_traffic(
     use_plan = source == "plan" or (
         source == "auto" and R * seq_len * heads <= _PLAN_WORK_LIMIT and traffic.exact_plans
     )
+    if pattern.windowed and not (use_plan and traffic.exact_plans):
+        raise ValueError(
+            f"the planner's closed forms do not take a sliding window (window={pattern.window});"
+            f" the ring's own plans do, up to R * n * heads = {_PLAN_WORK_LIMIT}"
+        )
     if use_plan and R > 1:
         counts.update(traffic.plan_rows(pattern, seq_len, heads, kv_heads, R, layout, U))
     recv = counts["recv"]

@@ -10,18 +10,13 @@ from __future__ import annotations
 
 import argparse
 
+from ..core.links import INTRA_DEFAULTS
 from .capacity import Setup
 from .cli_types import MICROSECONDS, RANKS, RATE
 from .modes import ModeEvaluation, advice, compare_modes, evaluate_mode, grid_for
 from .timing import Link
 
 __all__ = ["INTRA_DEFAULTS", "add_arguments", "mode_report"]
-
-#: The link inside a node per device type: (Gbit/s, latency in us, why).
-INTRA_DEFAULTS = {
-    "cuda": (3600.0, 5.0, "assumed: NVLink 4, 450 GB/s each way per GPU (H100 SXM)"),
-    "cpu": (10.0, 100.0, "assumed: gloo over TCP loopback (as --link-gbps on the CPU)"),
-}
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

@@ -51,6 +51,7 @@ def make_pattern(
     head_groups: bool = False,
     head_offsets: str = "modulo",
     document_length: int | None = None,
+    window: tuple[int, int] | None = None,
 ) -> Pattern:
     """The :class:`Pattern` of a preset (or of explicit segments and
     dilations) at ``seq_len``; ``document_length`` packs documents of that
@@ -63,7 +64,8 @@ def make_pattern(
         if name not in PATTERNS:
             raise ValueError(f"pattern must be one of {sorted(PATTERNS)}, got {name!r}")
         segs, dils = PATTERNS[name][1](seq_len)
-    pattern = Pattern(segs, dils, causal=causal, head_groups=head_groups, head_offsets=head_offsets)
+    pattern = Pattern(segs, dils, causal=causal, head_groups=head_groups, head_offsets=head_offsets,
+                      window=window)  # fmt: skip
     if document_length:
         if document_length < 1:
             raise ValueError(f"document_length must be >= 1, got {document_length}")

@@ -522,12 +522,6 @@ def predict_traffic(
     if source not in SOURCES:
         raise ValueError(f"source must be one of {list(SOURCES)}, got {source!r}")
     p = check_int(world_size, "world_size", 1, MAX_WORLD_SIZE)
-    if pattern.windowed:  # ranks_pairs counts them; the traffic model does not
-        raise ValueError(
-            f"the planner's traffic model does not take a sliding window (window="
-            f"{pattern.window}); measure it with the ring's own plan "
-            "(ring_attention.parallel.ring.exchange_plan)"
-        )
     pieces = all_pieces(seq_len, p, layout)
     total = ranks_pairs(
         pattern, seq_len, heads, [[(pc.start, pc.length) for pc in ps] for ps in pieces]
@@ -546,6 +540,12 @@ def predict_traffic(
     use_plan = source == "plan" or (
         source == "auto" and p * seq_len * heads <= _PLAN_WORK_LIMIT and exact_plans is not None
     )
+    if pattern.windowed and not use_plan:  # ranks_pairs counts them; the closed forms do not
+        raise ValueError(
+            f"the planner's closed forms do not take a sliding window (window="
+            f"{pattern.window}); the ring's own plans do (source='plan', or 'auto' up to "
+            f"p * n * heads = {_PLAN_WORK_LIMIT}, with the compiled extension)"
+        )
     if use_plan:
         if exact_plans is None:
             raise ImportError(
