@@ -13,6 +13,7 @@ Importing this module also releases the default group that PyTorch's
 
 from __future__ import annotations
 
+import os
 import types
 
 import torch
@@ -60,14 +61,37 @@ def _unpin_default_group() -> None:
 _unpin_default_group()
 
 
+def _launched_world_size() -> int:
+    """``WORLD_SIZE`` from the environment (a launcher's, e.g. torchrun's);
+    1 when unset or not an integer."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
 def world_info(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
     """``(world_size, rank)`` of ``group``; ``(1, 0)`` when torch.distributed is
-    unavailable or not initialised and ``group`` is None."""
+    unavailable or not initialised and ``group`` is None.
+
+    Raises ``RuntimeError`` when ``group`` is None, torch.distributed is not
+    initialised and the environment says this process is one of several
+    (``WORLD_SIZE`` > 1, as torchrun sets): each process would otherwise
+    compute the whole sequence alone, silently."""
     if not dist.is_available() or not dist.is_initialized():
         if group is not None:
             raise ValueError(
                 "group was given but torch.distributed is not initialised; "
                 "call torch.distributed.init_process_group first (or pass group=None)"
+            )
+        launched = _launched_world_size()
+        if launched > 1:
+            raise RuntimeError(
+                f"WORLD_SIZE={launched} is set (a launcher such as torchrun started "
+                f"{launched} processes) but torch.distributed is not initialised, so each "
+                "process would compute the whole sequence alone: call "
+                "torch.distributed.init_process_group first (or unset WORLD_SIZE to run "
+                "one process)"
             )
         return 1, 0
     world = dist.get_world_size(group)
