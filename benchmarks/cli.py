@@ -357,6 +357,12 @@ def add_output(p: argparse.ArgumentParser, resumable: bool = True) -> None:
             action="store_true",
             help="measure again the points already in the result file",
         )
+        p.add_argument(
+            "--write-tracked",
+            action="store_true",
+            help="write into result files that git tracks (published results); without it "
+            "a sweep refuses to measure into them and leaves their reports as they are",
+        )
 
 
 DEVICE_HELP = "auto: CUDA when a GPU is visible, else the CPU"

@@ -10,6 +10,7 @@ from typing import Any
 from . import gpu_targets, measure, methods
 from .common import heading, md_table, pyplot, rate_unit, wrap, write_text
 from .measure import MiB
+from .outputs import kept_line
 
 # What the tables call each method.
 LABELS = {
@@ -274,8 +275,14 @@ def local_summary(store: measure.ResultFile) -> list[str]:
     )  # fmt: skip
 
 
-def finish_local(store: measure.ResultFile, out_dir: str) -> int:
+def finish_local(store: measure.ResultFile, out_dir: str, kept: list[str] | None = None) -> int:
+    """Print the tables of ``store``; write them and the plot to ``out_dir``
+    unless ``kept`` names files to leave as they are
+    (:func:`benchmarks.outputs.tracked_to_keep`)."""
     lines = local_report(store)
+    if kept:
+        print("\n".join(lines) + "\n\n" + kept_line(kept))
+        return 0
     run = latest_run(store)
     head = heading("bench.py local", run)
     summary = local_summary(store)

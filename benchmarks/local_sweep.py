@@ -17,6 +17,7 @@ from . import measure, methods
 from .common import dtype_name, md_table, progress, rate_unit, resolve_device, resolve_dtype, say
 from .local_report import finish_local
 from .measure import MiB
+from .outputs import announce, tracked_to_keep
 
 # --------------------------------------------------------------------------- #
 # bench.py local
@@ -423,8 +424,11 @@ def cmd_local(args: argparse.Namespace) -> int:
     groups = local_groups(args)
     todo = [[p for p in g if not sweep.store.done(local_key(args, device, p))] for g in groups]
     todo = [g for g in todo if g]
-    n_all, n_todo = sum(map(len, groups)), sum(map(len, todo))
-    print(f"{n_all} points: {n_all - n_todo} already in {sweep.store.path}, {n_todo} to run")
+    reports = [os.path.join(args.out_dir, f) for f in ("local.md", "local.png")]
+    kept = tracked_to_keep(sweep.store, reports, bool(todo or args.search_step),
+                           args.write_tracked)  # fmt: skip
+    announce(sweep.store, [local_key(args, device, p) for g in groups for p in g],
+             [local_key(args, device, p) for g in todo for p in g], "points")  # fmt: skip
     if todo or args.search_step:
         sweep.start_run()
     for group in progress(todo, "local", size=len):
@@ -433,5 +437,5 @@ def cmd_local(args: argparse.Namespace) -> int:
             break
         sweep.run_group(group, args.iters, args.warmup)
     sweep.search()
-    rc = finish_local(sweep.store, args.out_dir)
+    rc = finish_local(sweep.store, args.out_dir, kept)
     return 1 if sweep.fatal else rc

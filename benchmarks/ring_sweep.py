@@ -20,6 +20,7 @@ from . import measure
 from .common import HERE, fmt, heading, md_table, progress, pyplot, say, write_text
 from .local_report import latest_run
 from .measure import MiB
+from .outputs import announce, kept_line, tracked_to_keep
 
 
 # --------------------------------------------------------------------------- #
@@ -114,14 +115,15 @@ def cmd_ring(a: argparse.Namespace) -> int:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     device = "cuda" if gpus else "cpu"
     store = measure.ResultFile(os.path.join(a.out_dir, "ring.jsonl"), a.redo)
-    logs = os.path.join(a.out_dir, "logs")
-    os.makedirs(logs, exist_ok=True)
     pts = [(s, p, a.seq_len if s == "strong" else a.shard * p) for s in a.scaling for p in a.worlds]
     todo = [x for x in pts if not store.done(ring_key(a, *x, device))]
-    print(
-        f"{len(pts)} ring runs: {len(pts) - len(todo)} already in {store.path}, "
-        f"{len(todo)} to run (torchrun, {'NCCL' if device == 'cuda' else 'gloo'})"
-    )
+    reports = [os.path.join(a.out_dir, f) for f in ("ring.md", "ring.png")]
+    kept = tracked_to_keep(store, reports, bool(todo), a.write_tracked)
+    announce(store, [ring_key(a, *x, device) for x in pts],
+             [ring_key(a, *x, device) for x in todo],
+             f"ring runs (torchrun, {'NCCL' if device == 'cuda' else 'gloo'})")  # fmt: skip
+    logs = os.path.join(a.out_dir, "logs")
+    os.makedirs(logs, exist_ok=True)
     t0 = time.perf_counter()
     if todo:
         env = {**measure.environment(torch.device(device)), "threads": a.threads}  # per process
@@ -156,7 +158,7 @@ def cmd_ring(a: argparse.Namespace) -> int:
             f"{scaling} p={p} n={n}: fwd+bwd max cpu {rec['fwdbwd_cpu_ms']:.0f} ms, "
             f"peak/rank {fmt(rec['peak_MiB'])} MiB, sent/rank {rec['sent_MiB']:.2f} MiB"
         )
-    return finish_ring(store, a.out_dir)
+    return finish_ring(store, a.out_dir, kept)
 
 
 def ring_summary(res: dict) -> dict[str, Any]:
@@ -286,8 +288,15 @@ def ring_plot(store: measure.ResultFile, path: str) -> bool:
     return True
 
 
-def finish_ring(store: measure.ResultFile, out_dir: str) -> int:
+def finish_ring(store: measure.ResultFile, out_dir: str, kept: list[str] | None = None) -> int:
+    """Print the table of ``store``; write it and the plot to ``out_dir``
+    unless ``kept`` names files to leave as they are
+    (:func:`benchmarks.outputs.tracked_to_keep`). 1 when a run failed."""
     lines = ring_report(store)
+    bad = [r for r in store.records.values() if r.get("kind") == "ring" and r["status"] == "error"]
+    if kept:
+        print("\n".join(lines) + "\n\n" + kept_line(kept))
+        return 1 if bad else 0
     run = latest_run(store)
     head = heading("bench.py ring", run)
     write_text(os.path.join(out_dir, "ring.md"), head + lines)
@@ -295,5 +304,4 @@ def finish_ring(store: measure.ResultFile, out_dir: str) -> int:
     plotted = ring_plot(store, png)
     print("\n".join(lines))
     print(f"\nwrote {os.path.join(out_dir, 'ring.md')}" + (f", {png}" if plotted else ""))
-    bad = [r for r in store.records.values() if r.get("kind") == "ring" and r["status"] == "error"]
     return 1 if bad else 0

@@ -136,7 +136,11 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         args.output_dir = args.output_dir or os.path.join(tmp, "out")
         if "RANK" in os.environ:  # started by torchrun
-            train(args)
+            try:
+                train(args)
+            finally:  # the Trainer (Accelerate) joined the group; leave none behind
+                if dist.is_initialized():
+                    dist.destroy_process_group()
             return
         if args.world_size % args.sp:
             parser.error(f"--sp ({args.sp}) must divide --world-size ({args.world_size})")

@@ -33,7 +33,7 @@ def test_local_sweep_records_resumes_and_plots(tmp_path: Path) -> None:
             str(tmp_path)]  # fmt: skip
     proc = bench_run(*args)
     out = proc.stdout
-    assert "12 points: 0 already" in out
+    assert out.startswith(f"12 points to measure, into {tmp_path / 'local.jsonl'}")
     assert "| 12/12 [" in proc.stderr and "/6 [" not in proc.stderr  # points, not 6 groups
     recs = records(tmp_path / "local.jsonl")
     runs = [r for r in recs if r["kind"] == "run"]
@@ -62,9 +62,9 @@ def test_local_sweep_records_resumes_and_plots(tmp_path: Path) -> None:
     # header and notes fit 100 columns; dense SDPA's note is there as dense ran
     assert prose_width(report) <= 100 and "dense SDPA computes all n²" in " ".join(report.split())
     assert (tmp_path / "local.png").read_bytes()[:4] == b"\x89PNG"
-    # a second run finds every point done and measures nothing
-    out = bench(*args)
-    assert "12 points: 12 already" in out and "0 to run" in out
+    # a second run finds every point done, measures nothing and says so
+    out = " ".join(bench(*args).split())
+    assert out.startswith("nothing measured: all 12 points are already in") and "--redo" in out
     assert len(records(tmp_path / "local.jsonl")) == len(recs)
 
 

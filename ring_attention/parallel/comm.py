@@ -5,9 +5,16 @@ group's backend, and the one small collective that carries control messages.
 NCCL moves CUDA tensors directly; gloo moves CPU tensors, and CUDA tensors on
 a gloo group are staged through host memory (so several processes can share
 one GPU in tests).
+
+Importing this module also releases the default group that PyTorch's
+``torch.distributed.nn.functional`` would otherwise keep alive
+(:func:`_unpin_default_group`).
 """
 
 from __future__ import annotations
+
+import os
+import types
 
 import torch
 import torch.distributed as dist
@@ -22,14 +29,69 @@ __all__ = [
 ]
 
 
+def _unpin_default_group() -> None:
+    """Import ``torch.distributed.nn.functional`` now and make its functions'
+    default ``group`` ``None`` (the default group, looked up at each call).
+
+    PyTorch evaluates ``group=group.WORLD`` in those functions' signatures
+    when the module is first imported. Imported after
+    ``init_process_group``, as the first call of any ``torch.library``
+    custom operator does (it imports ``torch._dynamo``, which imports FSDP,
+    which imports this module), the defaults hold the default group, and
+    ``destroy_process_group`` cannot release it: its gloo worker threads live
+    on into the interpreter's shutdown, where one still releasing a finished
+    collective's tensors needs the GIL and aborts the process ("terminate
+    called without an active exception", SIGABRT). The ring's operators are
+    such custom operators. Imported here, with the package, the defaults are
+    ``None`` when no group exists yet, and a group already held is replaced
+    by ``None``, which means the same group."""
+    if not dist.is_available():
+        return
+    import torch.distributed.nn.functional as functional
+
+    for fn in vars(functional).values():
+        if not isinstance(fn, types.FunctionType) or not fn.__defaults__:
+            continue
+        if any(isinstance(d, dist.ProcessGroup) for d in fn.__defaults__):
+            fn.__defaults__ = tuple(
+                None if isinstance(d, dist.ProcessGroup) else d for d in fn.__defaults__
+            )
+
+
+_unpin_default_group()
+
+
+def _launched_world_size() -> int:
+    """``WORLD_SIZE`` from the environment (a launcher's, e.g. torchrun's);
+    1 when unset or not an integer."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
 def world_info(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
     """``(world_size, rank)`` of ``group``; ``(1, 0)`` when torch.distributed is
-    unavailable or not initialised and ``group`` is None."""
+    unavailable or not initialised and ``group`` is None.
+
+    Raises ``RuntimeError`` when ``group`` is None, torch.distributed is not
+    initialised and the environment says this process is one of several
+    (``WORLD_SIZE`` > 1, as torchrun sets): each process would otherwise
+    compute the whole sequence alone, silently."""
     if not dist.is_available() or not dist.is_initialized():
         if group is not None:
             raise ValueError(
                 "group was given but torch.distributed is not initialised; "
                 "call torch.distributed.init_process_group first (or pass group=None)"
+            )
+        launched = _launched_world_size()
+        if launched > 1:
+            raise RuntimeError(
+                f"WORLD_SIZE={launched} is set (a launcher such as torchrun started "
+                f"{launched} processes) but torch.distributed is not initialised, so each "
+                "process would compute the whole sequence alone: call "
+                "torch.distributed.init_process_group first (or unset WORLD_SIZE to run "
+                "one process)"
             )
         return 1, 0
     world = dist.get_world_size(group)
