@@ -8,7 +8,7 @@ PyTorch's ``torch.distributed.nn.functional`` holds the default group in its
 functions' default arguments when it is first imported after
 ``init_process_group``, and the first call of any ``torch.library`` custom
 operator (the ring's) imports it through ``torch._dynamo``.
-``ring_attention._comm`` imports it with the package and drops a group it
+``ring_attention.parallel.comm`` imports it with the package and drops a group it
 holds. So after a ring, Ulysses or hybrid call and ``destroy_process_group``
 no gloo thread is left: in the harness's real processes, which import
 ``ring_attention`` before they make the group, and in a script that imports
