@@ -1,6 +1,7 @@
 """Sequence parallelism in the transformers backend: a call that one rank
 refuses raises ``ValueError`` on every rank (through the ring's handshake),
-promptly. Real gloo processes; the process group's timeout is far longer
+promptly, and so does a generation step on one rank beside a training step
+on the others. Real gloo processes; the process group's timeout is far longer
 than the whole run is given, so a peer left waiting fails the run instead of
 raising."""
 
@@ -14,7 +15,7 @@ import ring_attention as ra
 from ring_attention import hf
 from ring_attention.testing import run_distributed
 
-FAULTS = ["padding mask", "dropout", "config entry", "no cu_seq_lens", "4-D mask"]
+FAULTS = ["padding mask", "dropout", "config entry", "no cu_seq_lens", "4-D mask", "generating"]
 PATTERN = {"segment_lengths": [4, 8], "dilation_rates": [1, 2]}
 
 
@@ -37,8 +38,11 @@ def _worker(rank: int, world: int) -> list[tuple[str, int, str]]:
         if mine and fault == "padding mask":
             batch["attention_mask"] = torch.ones_like(batch["input_ids"])
             batch["attention_mask"][0, -1] = 0
-        if mine and fault == "no cu_seq_lens":
+        if mine and fault in ("no cu_seq_lens", "generating"):
             del batch["cu_seq_lens_q"], batch["cu_seq_lens_k"]
+        # without documents and with use_cache (the default) a call is a
+        # generation step: the ranks in a training step raise with it
+        batch["use_cache"] = fault == "generating"
         if mine and fault == "4-D mask":
             n = batch["input_ids"].shape[1]
             batch["attention_mask"] = torch.ones(2, 1, n, n, dtype=torch.bool).tril()
@@ -64,11 +68,15 @@ def test_a_refused_call_raises_on_every_rank() -> None:
         "config entry": r"config.dilated_attention",
         "no cu_seq_lens": "cu_seq_lens_q",
         "4-D mask": "4-D attention mask",
+        "generating": "ranks are out of step",
     }
     for rank, seen in enumerate(out):
         assert [s[0] for s in seen] == [*FAULTS, "after"]
         for fault, faulty, message in seen[:-1]:
-            if rank == faulty:
+            if fault == "generating":  # every rank names the calls
+                assert own[fault] in message and "cu_seq_lens_q" in message, (rank, message)
+                assert f"rank {faulty}: generation over the group" in message, (rank, message)
+            elif rank == faulty:
                 assert own[fault] in message, (rank, fault, message)
             else:
                 # the others name the rank and its error

@@ -18,6 +18,7 @@ from ..parallel.auto import plan_mesh
 from ..parallel.ring import ring_call, ring_call_spec
 from .config import is_dense, layer_pattern, layer_window, pattern_from_config
 from .decode import decode_attention
+from .generation import generation_step, is_generation
 from .masks import Keys, batch_keys, filled_keys, sdpa_mask_of
 from .setting import ATTN_IMPLEMENTATION, SequenceParallel, sequence_parallel
 
@@ -342,6 +343,9 @@ def _sharded(
     documents = kwargs.get("cu_seq_lens_q")
     if documents is None:
         documents = kwargs.get("cu_seq_lens_k")
+    if is_generation(kwargs, documents):  # the same sequence on every rank
+        return generation_step(module, query, key, value, attention_mask, scaling, causal, kwargs,
+                               sp)  # fmt: skip
     refusal = _sharded_refusal(query, key, attention_mask, dropout, kwargs, documents is None)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     sinks = kwargs.get("s_aux")

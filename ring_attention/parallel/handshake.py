@@ -30,6 +30,7 @@ from ..core.pattern import Pattern
 from .comm import all_gather_ints
 
 __all__ = [
+    "GENERATION",
     "RING_FIELDS",
     "WORDS",
     "exchange_message",
@@ -41,6 +42,8 @@ __all__ = [
     "ring_message",
 ]
 
+#: The call name of a generation step over the sequence-parallel group.
+GENERATION = "generation over the group (use_cache, no cu_seq_lens_q)"
 #: Words (int64) of every control message.
 WORDS = 20
 _MAGIC = 0x52494E47  # "RING"
@@ -52,6 +55,10 @@ _CALLS = {
     "ring_dilated_attention (ring of the grid)": 4,
     "gather_sequence (Ulysses group)": 5,
     "gather_sequence (ring of the grid)": 6,
+    # generation over the group (ring_attention.hf.generation): its rounds
+    # inside the Ulysses group, then along the ring
+    GENERATION: 7,
+    f"{GENERATION} (ring of the grid)": 8,
 }
 _NAMES = {v: k for k, v in _CALLS.items()}
 

@@ -1,0 +1,121 @@
+"""Generation over the sequence-parallel group (docs/design.md §2): every
+rank of the group calls ``model.generate()`` with the same prompt and returns
+the tokens one process would (greedy tokens identical, logits within
+tolerance), on 2 and 3 gloo ranks (the ring) and 4 (the 2 x 2 hybrid), for
+Llama (GQA, a dilated pattern), Qwen2 and Mistral (sliding windows) and
+gpt-oss (sinks) configs, with left padding in a batch of 2."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_hf import VOCAB, build, tiny_config
+
+import ring_attention as ra
+from ring_attention.testing import run_distributed
+
+PATTERN = {"segment_lengths": [4, 8, 16], "dilation_rates": [1, 2, 4]}
+
+
+def _configs() -> dict:
+    import transformers as tr
+
+    gptoss = tr.GptOssConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=6,
+        layer_types=["sliding_attention", "full_attention"], max_position_embeddings=128,
+        pad_token_id=0,
+    )  # fmt: skip
+    return {
+        "llama-pattern": tiny_config("llama", 2, PATTERN),
+        "qwen2-window": tiny_config("qwen2", 2, None, use_sliding_window=True, sliding_window=5,
+                                    num_hidden_layers=2,
+                                    layer_types=["sliding_attention", "full_attention"]),
+        "mistral-window": tiny_config("mistral", 2, None, sliding_window=6),
+        "gpt-oss": gptoss,
+    }  # fmt: skip
+
+
+def _prompt():
+    ids = torch.randint(1, VOCAB, (2, 19), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding
+    ids[1, :3] = 0
+    return ids, mask
+
+
+def _generate(model, ids, mask):
+    with torch.no_grad():
+        res = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True,
+                             pad_token_id=0)  # fmt: skip
+    return res.sequences, torch.stack(res.logits)
+
+
+def _worker(rank: int, world: int, spread: str, cases: list) -> list:
+    if spread == "hybrid":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        group = {"mesh": init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "ulysses"))}
+    else:
+        group = {"group": dist.group.WORLD}
+    ra.register_transformers(**group)
+    ids, mask = _prompt()
+    out = []
+    for cfg, state in cases:
+        model = build(cfg, "ring_dilated", state=state)
+        out.append(_generate(model, ids, mask))
+    ra.register_transformers()
+    return out
+
+
+@pytest.mark.parametrize(("world", "spread"), [(2, "group"), (3, "group"), (4, "hybrid")])
+def test_every_rank_generates_one_process_tokens(world: int, spread: str) -> None:
+    ra.register_transformers()
+    ids, mask = _prompt()
+    cases, wants = [], []
+    for name, cfg in _configs().items():
+        model = build(copy.deepcopy(cfg), "ring_dilated")
+        if name == "gpt-oss":
+            for m in model.modules():
+                if hasattr(m, "sinks"):
+                    torch.nn.init.normal_(m.sinks, std=2.0)
+        cases.append((cfg, model.state_dict()))
+        wants.append(_generate(model, ids, mask))
+    for rank, got in enumerate(run_distributed(_worker, world, spread, cases, timeout=400)):
+        for (tokens, logits), (want_tokens, want_logits), name in zip(got, wants, _configs(),
+                                                                      strict=True):  # fmt: skip
+            assert torch.equal(tokens, want_tokens), (rank, name)
+            torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4, msg=name)
+
+
+def _one_rank_generates(rank: int, world: int) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ring_attention import hf
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ring", "ulysses"))
+    ra.register_transformers(mesh=mesh)
+    ids = torch.randint(1, VOCAB, (2, 23), generator=torch.Generator().manual_seed(3))
+    model = build(tiny_config("llama", 2, PATTERN), "ring_dilated")
+    batch = hf.shard_causal_lm_batch(ids, ids)
+    if rank == world - 1:  # a generation step beside the others' training step
+        del batch["cu_seq_lens_q"], batch["cu_seq_lens_k"]
+    try:
+        model(**batch, use_cache=rank == world - 1)
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        ra.register_transformers()
+    return "no error"
+
+
+def test_generation_beside_training_raises_on_every_rank_of_the_hybrid() -> None:
+    for rank, message in enumerate(run_distributed(_one_rank_generates, 4, timeout=120,
+                                                   pg_timeout=1800)):  # fmt: skip
+        assert "out of step" in message or "rank 3 failed" in message, (rank, message)
+        assert "generation over the group" in message or "out of step" in message, message
