@@ -145,17 +145,46 @@ def add_ring_run_options(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command line: one subparser per subcommand, in ``--help``'s order."""
     parser = argparse.ArgumentParser(
         prog="bench.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="SUBCOMMAND")
+    add_local_parser(sub)
+    add_ring_parser(sub)
+    add_ring_run_parser(sub)
+    add_bytes_parser(sub)
+    llm.add_parser(sub)
+    modes.add_parser(sub)
+    cpu_tile_gemm.add_parser(sub)
+    cpu_efficiency.add_parser(sub)
+    add_check_parser(sub)
+    compare.add_parser(sub)
+    # its own parser: main() hands it the arguments (bench.py views --help)
+    sub.add_parser("views", help="the GPU check of the dense per-branch path (views_check.py)")
+    sub.add_parser("host", help="the dense path's host time per call (host_overhead.py)")
+    add_report_parser(sub)
+    return parser
 
+
+def add_local_parser(sub: argparse._SubParsersAction) -> None:
+    """``bench.py local``: the local op against the baselines."""
     p = sub.add_parser(
         "local",
         help="the local op vs baselines: time, memory, rate vs n",
         description=LOCAL_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    add_local_inputs(p)
+    add_local_baselines(p)
+    add_local_timing(p)
+    add_output(p)
+    p.add_argument("--dry-run", action="store_true", help="print the plan; run nothing")
+    p.set_defaults(func=cmd_local)
+
+
+def add_local_inputs(p: argparse.ArgumentParser) -> None:
+    """``local``: the device, the sizes, the pattern, the dtype, the methods and passes."""
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help=DEVICE_HELP)
     p.add_argument(
         "--seq-lens",
@@ -180,6 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=["fwd", "fwdbwd"],
         help="forward (no_grad), forward + backward (both)",
     )
+
+
+def add_local_baselines(p: argparse.ArgumentParser) -> None:
+    """``local``: which SDPA backends the baselines try, and up to which n."""
     p.add_argument(
         "--sdpa-backends",
         nargs="+",
@@ -202,6 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=131072,
         help="order: every method up to this n first, then ours, then the baselines",
     )
+
+
+def add_local_timing(p: argparse.ArgumentParser) -> None:
+    """``local``: warm-up, rounds, time limits, memory, the fwd+bwd size search, threads."""
     p.add_argument("--warmup", type=int, default=1, help="untimed calls of each method first (1)")
     p.add_argument(
         "--iters", type=int, help="timed rounds over the methods, median reported (CPU 3, CUDA 5)"
@@ -235,10 +272,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--search-max-n", type=int, default=4194304, help="the search stops here (4194304)"
     )
     p.add_argument("--threads", type=int, default=0, help="CPU intra-op threads (0: torch's)")
-    add_output(p)
-    p.add_argument("--dry-run", action="store_true", help="print the plan; run nothing")
-    p.set_defaults(func=cmd_local)
 
+
+def add_ring_parser(sub: argparse._SubParsersAction) -> None:
+    """``bench.py ring``: the ring's strong and weak scaling under torchrun."""
     p = sub.add_parser(
         "ring",
         help="the ring under torchrun: strong and weak scaling",
@@ -275,6 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_output(p)
     p.set_defaults(func=cmd_ring)
 
+
+def add_ring_run_parser(sub: argparse._SubParsersAction) -> None:
+    """``bench.py ring-run``: one ring run (the main job)."""
     p = sub.add_parser(
         "ring-run",
         help="one ring run (the main job; launch it with torchrun)",
@@ -293,6 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_ring_run)
 
+
+def add_bytes_parser(sub: argparse._SubParsersAction) -> None:
+    """``bench.py bytes``: bytes a rank sends per layer."""
     p = sub.add_parser("bytes", help="bytes a rank sends per layer, from the exchange plans")
     p.add_argument(
         "--seq-lens",
@@ -316,11 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_output(p, resumable=False)
     p.set_defaults(func=cmd_bytes)
 
-    llm.add_parser(sub)
-    modes.add_parser(sub)
-    cpu_tile_gemm.add_parser(sub)
-    cpu_efficiency.add_parser(sub)
 
+def add_check_parser(sub: argparse._SubParsersAction) -> None:
+    """``bench.py check``: every method against a reference."""
     p = sub.add_parser("check", help="every method against a reference, then exit")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help=DEVICE_HELP)
     p.add_argument("--n", type=int, help="sequence length (CPU 1000, CUDA 10240)")
@@ -334,15 +375,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--flex-eager", action="store_true", help="FlexAttention without compile")
     p.set_defaults(func=cmd_check)
 
-    compare.add_parser(sub)
-    # its own parser: main() hands it the arguments (bench.py views --help)
-    sub.add_parser("views", help="the GPU check of the dense per-branch path (views_check.py)")
-    sub.add_parser("host", help="the dense path's host time per call (host_overhead.py)")
 
+def add_report_parser(sub: argparse._SubParsersAction) -> None:
+    """``bench.py report``: tables and plots again from the result files."""
     p = sub.add_parser("report", help="tables and plots again from the result files")
     add_output(p, resumable=False)
     p.set_defaults(func=cmd_report)
-    return parser
 
 
 def add_output(p: argparse.ArgumentParser, resumable: bool = True) -> None:

@@ -1,5 +1,5 @@
 // Entry points of the operators for one backend: the block operators check
-// their arguments once into a BlockCall (checks.h), which the backend's
+// their arguments once into a BlockCall (block_call.h), which the backend's
 // kernel receives; the local op checks once and chunks the backend's kernel
 // (local_op.h). Registered for CPU (ops.cpp), CUDA (cuda/registration.cpp) and
 // the test suite's CUDA emulator.
@@ -10,7 +10,7 @@
 #include <optional>
 #include <tuple>
 
-#include "checks.h"
+#include "block_call.h"
 #include "local_op.h"
 
 namespace ring_attention {

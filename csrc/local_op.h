@@ -9,7 +9,7 @@
 #include <optional>
 #include <tuple>
 
-#include "checks.h"
+#include "block_call.h"
 
 namespace ring_attention {
 

@@ -146,31 +146,76 @@ struct ForwardTile {
     return std::all_of(m.begin(), m.begin() + rows, [](acc_t x) { return std::isfinite(x); });
   }
 
+  // The query rows of a tile: row j * tq + i is position t0 + r*i of head
+  // heads[j] of the set, in batch row b.
+  struct QueryRows {
+    int64_t b, r, t0, tq;
+    const HeadSet& set;
+    int64_t head(int64_t row) const { return set.heads[row / tq]; }
+    int64_t pos(int64_t row) const { return t0 + (row % tq) * r; }
+  };
+
+  // One key tile of the run: keys n0 .. n0 + tk of it, at positions u0 + r*j.
+  // Packed tiles hold the whole tile of the run (tw keys; a causal query tile
+  // may use fewer). Its K and V rows as tile_t (kt, vt) are read only where
+  // needed (read_kv): converted inputs (fp16, bf16) of a packed tile only
+  // where it is packed or its non-finite V rows are added back.
+  struct KeyTile {
+    int64_t n0, tk, u0, tw;
+    KeyRows rows;
+    TileRef<tile_t> kt{}, vt{};
+  };
+
+  // The packed K (fp32 K^T, or split into bf16 parts: the other one is null)
+  // and V of a key tile, in the run's slot `index`.
+  struct Slot {
+    int64_t index;
+    tile_t* k;
+    c10::BFloat16* ksplit;
+    tile_t* v;
+  };
+
   // Attend the queries of the set's heads at positions t0 + r*i, i < tq, to
   // the key run. Tile row j * tq + i is position i of head j.
   void run(int64_t b, const HeadSet& set, int64_t r, int64_t t0, int64_t tq, ActiveRun keys) {
-    constexpr acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
-    const int64_t d = p.head_dim, nh = static_cast<int64_t>(set.heads.size()), rows = nh * tq;
-    const int64_t t_last = t0 + (tq - 1) * r;
+    const int64_t nh = static_cast<int64_t>(set.heads.size()), rows = nh * tq;
+    const RowRange tiles = reached_key_tiles(r, t0, t0 + (tq - 1) * r, keys);
+    if (tiles.end <= tiles.begin) return;
+    const QueryRows qr{b, r, t0, tq, set};
+    const TileRef<tile_t> qt = start_query_tile(qr, rows);
+    start_key_run(b, set.kv_head, keys, r);
+    for (int64_t n0 = tiles.begin; n0 < tiles.end; n0 += kTileK)
+      attend_key_tile(qr, qt, rows, keys, n0, tiles.end);
+    merge_rows(
+        rows, p.head_dim, o.data(), m.data(), l.data(),
+        [&](int64_t i) { return out + p.q_index(b, qr.pos(i), qr.head(i)); },
+        [&](int64_t i) { return lse + p.row_index(b, qr.head(i), qr.pos(i)); }, scratch.data());
+  }
+
+  // The keys [begin, end) of the run that query rows t0 .. t_last (stride r)
+  // attend to, none when end <= begin: causal, the keys up to t_last;
+  // windowed, the whole key tiles of the run (as packed) that meet the query
+  // tile's band [t0 - left, t_last + right] (the others are skipped).
+  RowRange reached_key_tiles(int64_t r, int64_t t0, int64_t t_last, ActiveRun keys) const {
     int64_t nk = keys.count;
     if (p.causal) nk = t_last < keys.first ? 0 : std::min(nk, (t_last - keys.first) / r + 1);
-    // Window: the key tiles (whole tiles of the run, as packed) that meet the
-    // query tile's band [t0 - left, t_last + right]; the others are skipped.
-    int64_t n_begin = 0;
-    if (p.windowed) {
-      const RowRange band = band_keys(p, keys.first, r, t0, t_last, nk);
-      if (band.end <= band.begin) return;
-      n_begin = band.begin / kTileK * kTileK, nk = band.end;
-    }
-    if (nk <= n_begin) return;
+    if (!p.windowed) return {0, nk};
+    const RowRange band = band_keys(p, keys.first, r, t0, t_last, nk);
+    if (band.end <= band.begin) return {0, 0};
+    return {band.begin / kTileK * kTileK, band.end};
+  }
 
-    const auto row_head = [&](int64_t row) { return set.heads[row / tq]; };
-    const auto row_pos = [&](int64_t row) { return t0 + (row % tq) * r; };
-    const TileRef<tile_t> qt =
-        nh == 1 ? tile_rows<tile_t>(q + p.q_index(b, t0, set.heads[0]), p.q_stride(r), tq, d, qbuf)
-                : gather_rows<tile_t>(rows, d, qbuf, [&](int64_t row) {
-                    return q + p.q_index(b, row_pos(row), row_head(row));
-                  });
+  // The query tile's rows as tile_t (and, fp32 S on AMX, split into bf16
+  // parts), the running state reset and the scratch sized for `rows` rows.
+  TileRef<tile_t> start_query_tile(const QueryRows& qr, int64_t rows) {
+    constexpr acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
+    const int64_t d = p.head_dim;
+    const TileRef<tile_t> qt = qr.set.heads.size() == 1
+                                   ? tile_rows<tile_t>(q + p.q_index(qr.b, qr.t0, qr.set.heads[0]),
+                                                       p.q_stride(qr.r), qr.tq, d, qbuf)
+                                   : gather_rows<tile_t>(rows, d, qbuf, [&](int64_t row) {
+                                       return q + p.q_index(qr.b, qr.pos(row), qr.head(row));
+                                     });
     s.resize(rows * kLd);
     pw.reserve(rows * kLd);
     if constexpr (kFp32Tiles) {
@@ -184,161 +229,196 @@ struct ForwardTile {
     m.assign(rows, neg_inf);
     l.assign(rows, acc_t(0));
     m_next.resize(rows), row_sum.resize(rows), scratch.resize(4 * rows);
-    start_key_run(b, set.kv_head, keys, r);
-    // Packed: S comes out unscaled and the softmax pass scales it.
-    const acc_t s_scale = packed ? scale : acc_t(1);
+    return qt;
+  }
 
-    for (int64_t n0 = n_begin; n0 < nk; n0 += kTileK) {
-      const int64_t tk = std::min(kTileK, nk - n0);
-      const int64_t u0 = keys.first + n0 * r;
-      // Packed tiles hold the whole tile of the run (tw keys; a causal query
-      // tile may use fewer), read in place: look at all its V rows, once per
-      // run (while packing them, where packed).
-      const int64_t tw = packed ? std::min(kTileK, keys.count - n0) : tk;
-      const KeyRows key_rows(p, b, set.kv_head, u0, r, tw);
-      if (n0 < keyrun.checked_from || n0 > keyrun.checked) restart_checks(n0);
-      // The tile's K and V rows as tile_t. Converted inputs (fp16, bf16) of
-      // a packed tile are converted only where it is packed or its
-      // non-finite V rows are added back.
-      TileRef<tile_t> kt{}, vt{};
-      const auto read_kv = [&] {
-        if (kt.ptr != nullptr) return;
-        kt = key_rows.tile(k, tw, kbuf);
-        vt = key_rows.tile(v, tw, vbuf);
-      };
-      if (!packed || std::is_same_v<scalar_t, tile_t>) read_kv();
-      const auto tile_bad = [&] {
-        const auto lo = std::lower_bound(keyrun.bad_v.begin(), keyrun.bad_v.end(), n0);
-        const auto hi = std::lower_bound(lo, keyrun.bad_v.end(), n0 + tw);
-        bad.assign(lo, hi);
-        for (int64_t& j : bad) j -= n0;
-      };
+  // The query tile against key tile n0 of the run (up to key nk): S = Q K^T,
+  // the softmax pass, the rescale and O += P V.
+  void attend_key_tile(const QueryRows& qr, const TileRef<tile_t>& qt, int64_t rows, ActiveRun keys,
+                       int64_t n0, int64_t nk) {
+    const int64_t tk = std::min(kTileK, nk - n0);
+    const int64_t u0 = keys.first + n0 * qr.r;
+    // Packed tiles are read in place: look at all their V rows, once per run
+    // (while packing them, where packed).
+    const int64_t tw = packed ? std::min(kTileK, keys.count - n0) : tk;
+    KeyTile kv{n0, tk, u0, tw, KeyRows(p, qr.b, qr.set.kv_head, u0, qr.r, tw)};
+    if (n0 < keyrun.checked_from || n0 > keyrun.checked) restart_checks(n0);
+    if (!packed || std::is_same_v<scalar_t, tile_t>) read_kv(kv);
 
-      const tile_t* vp = nullptr;  // packed V of the tile
-      const tile_t* kp = nullptr;  // packed K^T of the tile (not split)
-      const bool fused = packed && pass_in_epilogue(rows, t0, u0, r, tk);
-      if constexpr (kBf16Tiles || kFp32Tiles) {
-        if (packed) {
-          const int64_t tile = n0 / kTileK;
-          const int64_t slots = static_cast<int64_t>(keyrun.slot_tile.size());
-          const int64_t slot = p.windowed ? tile % slots : std::min(tile, slots - 1);
-          // K in the slot: fp32, or split (the other one is empty).
-          tile_t* kslot = split ? nullptr : keyrun.k.data() + slot * kTileK * d;
-          c10::BFloat16* kslot_split =
-              split ? keyrun.ksplit.data() + slot * kTileK * 6 * d : nullptr;
-          tile_t* vslot = keyrun.v.data() + slot * kTileK * d;
-          if (keyrun.slot_tile[slot] != tile) {
-            read_kv();
-            if constexpr (kFp32Tiles) {
-              if (split) {
-                keyrun.bad_k[slot].clear();
-                pack_keys_split(kt.ptr, kt.ld, tw, d, kslot_split, keyrun.bad_k[slot]);
-              }
-            }
-            if (!split) pack_keys(kt.ptr, kt.ld, tw, d, kslot);
-            if (keyrun.checked < n0 + tw) {
-              // Whole tiles: the run's first visit of this one.
-              TORCH_INTERNAL_ASSERT(keyrun.checked == n0);
-              pack_values_checked(vt.ptr, vt.ld, tw, d, n0, keyrun.bad_v, vslot);
-              keyrun.checked = n0 + tw;
-              tile_bad();
-            } else {
-              tile_bad();
-              pack_values(vt.ptr, vt.ld, tw, d, bad, vslot);
-            }
-            keyrun.slot_tile[slot] = tile;
-          } else {
-            tile_bad();
-          }
-          vp = vslot;
-          if constexpr (kFp32Tiles) {
-            if (split)
-              gemm_split_scores(rows, tk, d, qsplit.data(), kslot_split, tw, s.data(), kLd, qt, kt,
-                                bad_q, keyrun.bad_k[slot]);
-          }
-          kp = kslot;
-          if (fused) {
-            if constexpr (kFp32Tiles) {
-#if defined(__x86_64__)
-              passed.resize(rows);
-              avx2::gemm_exp(rows, tk, d, qt.ptr, qt.ld, kslot, tw, s.data(), kLd, scale, m.data(),
-                             acc_t(kCap), row_sum.data(), passed.data());
-#endif
-            }
-          } else if (!split) {
-            gemm_packed(path.gemm, rows, tk, d, qt.ptr, qt.ld, kslot, tw, s.data(), kLd, false);
-          }
-          // The products of the non-finite V rows a query row reaches are
-          // added back after P V; those past tk it does not reach.
-          bad.erase(std::lower_bound(bad.begin(), bad.end(), tk), bad.end());
-        }
+    const tile_t* vp = nullptr;  // packed V of the tile
+    const tile_t* kp = nullptr;  // packed K^T of the tile (not split)
+    const bool fused = packed && pass_in_epilogue(rows, qr.t0, u0, qr.r, tk);
+    if constexpr (kBf16Tiles || kFp32Tiles) {
+      if (packed) {
+        const Slot slot = slot_of(n0 / kTileK);
+        fill_slot(kv, slot, n0 / kTileK);
+        packed_scores(kv, qt, rows, slot, fused);
+        vp = slot.v;
+        kp = slot.k;
       }
-      if (!packed) {
-        if (keyrun.checked < n0 + tw) {
-          non_finite_rows(vt, keyrun.checked - n0, tw, d, n0, keyrun.bad_v);
-          keyrun.checked = n0 + tw;
-        }
-        tile_bad();
-        gemm(false, true, rows, tk, d, scale, qt.ptr, qt.ld, kt.ptr, kt.ld, acc_t(0), s.data(),
-             kLd);
-      }
-
-      const bool* mrow = p.key_padding_mask == nullptr
-                             ? nullptr
-                             : p.key_padding_mask + b * p.k_len + (u0 - p.k_start);
-      for (int64_t i = 0; i < rows; ++i) {
-        acc_t* srow = &s[i * kLd];
-        if (fused) {
-          // The epilogue's weights and sum stand unless a score passed the
-          // cap: then the row's scores again, and the pass as below.
-          m_next[i] = m[i];
-          if (!passed[i]) continue;
-          if constexpr (kBf16Tiles || kFp32Tiles)
-            gemm_packed(path.gemm, 1, tk, d, qt.ptr + i * qt.ld, qt.ld, kp, tw, srow, kLd, false);
-          row_sum[i] = pw.exp_row_lazy(srow, i * kLd, tk, s_scale, &m_next[i], kCap);
-          continue;
-        }
-        mask_row(srow, tk, row_pos(i), u0, r, p.causal, mrow);
-        if (p.windowed) mask_band(srow, tk, p, row_pos(i), u0, r);
-        // The running shift stays unless the tile's scores pass it by kCap.
-        // A row's first scores start it at the maximum of their first
-        // kGuessKeys (one pass, not one for the maximum and one for exp).
-        const bool started = m[i] != neg_inf;
-        m_next[i] = started ? m[i] : row_max(srow, std::min(tk, kGuessKeys)) * s_scale;
-        if (started || std::isfinite(m_next[i])) {
-          row_sum[i] = pw.exp_row_lazy(srow, i * kLd, tk, s_scale, &m_next[i], kCap);
-          continue;
-        }
-        // None of those reached (masked), or not finite: shift by the row's
-        // maximum, which skips NaN scores (they turn l and the row's P to NaN).
-        acc_t m_new = row_max(srow, tk) * s_scale;
-        row_sum[i] = 0;
-        m_next[i] = m_new;
-        if (m_new == neg_inf && !has_nan(srow, tk)) {
-          pw.zero_row(srow, i * kLd, tk);  // reaches nothing yet
-          continue;
-        }
-        if (m_new == neg_inf) m_new = m_next[i] = 0;  // only NaN: any finite shift
-        row_sum[i] = pw.exp_row(srow, i * kLd, tk, s_scale, m_new);
-      }
-      rescale_rows(rows, d, m.data(), m_next.data(), l.data(), row_sum.data(), o.data(),
-                   scratch.data());
-      if constexpr (kBf16Tiles || kFp32Tiles) {
-        if (packed) {
-          if (!bad.empty()) read_kv();
-          gemm_weights_packed(path.gemm, rows, d, tk, pw.of(s.data()), kLd, vp, vt, bad, o.data(),
-                              d, true);
-          continue;
-        }
-      }
-      gemm_weights(rows, d, tk, acc_t(1), pw.of(s.data()), kLd, vt, acc_t(1), o.data(), d, bad,
-                   wbuf);
     }
+    if (!packed) plain_scores(kv, qt, rows);
+    softmax_pass(qr, kv, qt, kp, rows, fused);
+    rescale_rows(rows, p.head_dim, m.data(), m_next.data(), l.data(), row_sum.data(), o.data(),
+                 scratch.data());
+    add_weighted_values(kv, vp, rows);
+  }
 
-    merge_rows(
-        rows, d, o.data(), m.data(), l.data(),
-        [&](int64_t i) { return out + p.q_index(b, row_pos(i), row_head(i)); },
-        [&](int64_t i) { return lse + p.row_index(b, row_head(i), row_pos(i)); }, scratch.data());
+  void read_kv(KeyTile& kv) {
+    if (kv.kt.ptr != nullptr) return;
+    kv.kt = kv.rows.tile(k, kv.tw, kbuf);
+    kv.vt = kv.rows.tile(v, kv.tw, vbuf);
+  }
+
+  // bad: the non-finite V rows of the run's rows [n0, n0 + tw), from n0.
+  void tile_bad(int64_t n0, int64_t tw) {
+    const auto lo = std::lower_bound(keyrun.bad_v.begin(), keyrun.bad_v.end(), n0);
+    const auto hi = std::lower_bound(lo, keyrun.bad_v.end(), n0 + tw);
+    bad.assign(lo, hi);
+    for (int64_t& j : bad) j -= n0;
+  }
+
+  // The run's slot of its packed key tile `tile` (slot_tile: which tile it
+  // holds; ForwardTile's keyrun says which slot a tile takes).
+  Slot slot_of(int64_t tile) {
+    const int64_t d = p.head_dim;
+    const int64_t slots = static_cast<int64_t>(keyrun.slot_tile.size());
+    const int64_t index = p.windowed ? tile % slots : std::min(tile, slots - 1);
+    return {index, split ? nullptr : keyrun.k.data() + index * kTileK * d,
+            split ? keyrun.ksplit.data() + index * kTileK * 6 * d : nullptr,
+            keyrun.v.data() + index * kTileK * d};
+  }
+
+  // The key tile packed into its slot, unless the slot holds it already
+  // (its V rows looked at on the run's first visit of the tile); bad then
+  // holds the tile's non-finite V rows.
+  void fill_slot(KeyTile& kv, const Slot& slot, int64_t tile) {
+    const int64_t d = p.head_dim, n0 = kv.n0, tw = kv.tw;
+    if (keyrun.slot_tile[slot.index] == tile) return tile_bad(n0, tw);
+    read_kv(kv);
+    if constexpr (kFp32Tiles) {
+      if (split) {
+        keyrun.bad_k[slot.index].clear();
+        pack_keys_split(kv.kt.ptr, kv.kt.ld, tw, d, slot.ksplit, keyrun.bad_k[slot.index]);
+      }
+    }
+    if (!split) pack_keys(kv.kt.ptr, kv.kt.ld, tw, d, slot.k);
+    if (keyrun.checked < n0 + tw) {
+      // Whole tiles: the run's first visit of this one.
+      TORCH_INTERNAL_ASSERT(keyrun.checked == n0);
+      pack_values_checked(kv.vt.ptr, kv.vt.ld, tw, d, n0, keyrun.bad_v, slot.v);
+      keyrun.checked = n0 + tw;
+      tile_bad(n0, tw);
+    } else {
+      tile_bad(n0, tw);
+      pack_values(kv.vt.ptr, kv.vt.ld, tw, d, bad, slot.v);
+    }
+    keyrun.slot_tile[slot.index] = tile;
+  }
+
+  // S = Q K^T (unscaled) of a packed key tile into s: split into bf16
+  // parts, or fp32 / bf16 from the packed K^T, or (fused) its weights
+  // straight from the product's epilogue. The products of the non-finite V
+  // rows a query row reaches are added back after P V; those past tk it
+  // does not reach leave bad.
+  void packed_scores(const KeyTile& kv, const TileRef<tile_t>& qt, int64_t rows, const Slot& slot,
+                     bool fused) {
+    const int64_t d = p.head_dim, tk = kv.tk, tw = kv.tw;
+    if constexpr (kFp32Tiles) {
+      if (split)
+        gemm_split_scores(rows, tk, d, qsplit.data(), slot.ksplit, tw, s.data(), kLd, qt, kv.kt,
+                          bad_q, keyrun.bad_k[slot.index]);
+    }
+    if (fused) {
+      if constexpr (kFp32Tiles) {
+#if defined(__x86_64__)
+        passed.resize(rows);
+        avx2::gemm_exp(rows, tk, d, qt.ptr, qt.ld, slot.k, tw, s.data(), kLd, scale, m.data(),
+                       acc_t(kCap), row_sum.data(), passed.data());
+#endif
+      }
+    } else if (!split) {
+      gemm_packed(path.gemm, rows, tk, d, qt.ptr, qt.ld, slot.k, tw, s.data(), kLd, false);
+    }
+    bad.erase(std::lower_bound(bad.begin(), bad.end(), tk), bad.end());
+  }
+
+  // S = scale Q K^T of an unpacked key tile into s, its V rows looked at
+  // once per run (bad: the tile's non-finite ones).
+  void plain_scores(const KeyTile& kv, const TileRef<tile_t>& qt, int64_t rows) {
+    const int64_t d = p.head_dim, n0 = kv.n0, tw = kv.tw;
+    if (keyrun.checked < n0 + tw) {
+      non_finite_rows(kv.vt, keyrun.checked - n0, tw, d, n0, keyrun.bad_v);
+      keyrun.checked = n0 + tw;
+    }
+    tile_bad(n0, tw);
+    gemm(false, true, rows, kv.tk, d, scale, qt.ptr, qt.ld, kv.kt.ptr, kv.kt.ld, acc_t(0), s.data(),
+         kLd);
+  }
+
+  // Each row's scores in s become its weights under its shift m_next (the
+  // running shift unless the tile's scores pass it by kCap), their sum
+  // row_sum. Packed tiles' scores come out unscaled: the pass scales them.
+  void softmax_pass(const QueryRows& qr, const KeyTile& kv, const TileRef<tile_t>& qt,
+                    const tile_t* kp, int64_t rows, bool fused) {
+    constexpr acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
+    const int64_t tk = kv.tk;
+    const acc_t s_scale = packed ? scale : acc_t(1);
+    const bool* mrow = p.key_padding_mask == nullptr
+                           ? nullptr
+                           : p.key_padding_mask + qr.b * p.k_len + (kv.u0 - p.k_start);
+    for (int64_t i = 0; i < rows; ++i) {
+      acc_t* srow = &s[i * kLd];
+      if (fused) {
+        // The epilogue's weights and sum stand unless a score passed the
+        // cap: then the row's scores again, and the pass as below.
+        m_next[i] = m[i];
+        if (!passed[i]) continue;
+        if constexpr (kBf16Tiles || kFp32Tiles)
+          gemm_packed(path.gemm, 1, tk, p.head_dim, qt.ptr + i * qt.ld, qt.ld, kp, kv.tw, srow, kLd,
+                      false);
+        row_sum[i] = pw.exp_row_lazy(srow, i * kLd, tk, s_scale, &m_next[i], kCap);
+        continue;
+      }
+      mask_row(srow, tk, qr.pos(i), kv.u0, qr.r, p.causal, mrow);
+      if (p.windowed) mask_band(srow, tk, p, qr.pos(i), kv.u0, qr.r);
+      // The running shift stays unless the tile's scores pass it by kCap.
+      // A row's first scores start it at the maximum of their first
+      // kGuessKeys (one pass, not one for the maximum and one for exp).
+      const bool started = m[i] != neg_inf;
+      m_next[i] = started ? m[i] : row_max(srow, std::min(tk, kGuessKeys)) * s_scale;
+      if (started || std::isfinite(m_next[i])) {
+        row_sum[i] = pw.exp_row_lazy(srow, i * kLd, tk, s_scale, &m_next[i], kCap);
+        continue;
+      }
+      // None of those reached (masked), or not finite: shift by the row's
+      // maximum, which skips NaN scores (they turn l and the row's P to NaN).
+      acc_t m_new = row_max(srow, tk) * s_scale;
+      row_sum[i] = 0;
+      m_next[i] = m_new;
+      if (m_new == neg_inf && !has_nan(srow, tk)) {
+        pw.zero_row(srow, i * kLd, tk);  // reaches nothing yet
+        continue;
+      }
+      if (m_new == neg_inf) m_new = m_next[i] = 0;  // only NaN: any finite shift
+      row_sum[i] = pw.exp_row(srow, i * kLd, tk, s_scale, m_new);
+    }
+  }
+
+  // O += P V for the key tile (vp: its packed V), the products of its
+  // non-finite V rows (bad) added back where a row's weight is not 0.
+  void add_weighted_values(KeyTile& kv, const tile_t* vp, int64_t rows) {
+    const int64_t d = p.head_dim;
+    if constexpr (kBf16Tiles || kFp32Tiles) {
+      if (packed) {
+        if (!bad.empty()) read_kv(kv);
+        gemm_weights_packed(path.gemm, rows, d, kv.tk, pw.of(s.data()), kLd, vp, kv.vt, bad,
+                            o.data(), d, true);
+        return;
+      }
+    }
+    gemm_weights(rows, d, kv.tk, acc_t(1), pw.of(s.data()), kLd, kv.vt, acc_t(1), o.data(), d, bad,
+                 wbuf);
   }
 };
 

@@ -1,7 +1,7 @@
 // CPU kernels of the block operators (registered in csrc/ops.cpp).
 #pragma once
 
-#include "../checks.h"
+#include "../block_call.h"
 
 namespace ring_attention::cpu {
 

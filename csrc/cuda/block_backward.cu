@@ -282,14 +282,32 @@ template <int DP>
 constexpr int mma_cols() {
   return DP > 64 ? 32 : 64;
 }
-// Two stages of column tiles (C1, C2), their reached columns as bit masks and
-// (dkdv) their lse / delta; the row tile (R1, R2).
+
+// The shared memory of a block: the row tile (R1, R2), two stages of column
+// tiles (C1, C2), the stages' reached columns as bit masks and (dkdv) their
+// columns' lse / delta. Rows are LD apart (16-byte aligned for ldmatrix).
 template <int DP, bool DKDV>
-constexpr size_t mma_smem() {
-  constexpr int BM = 64, BN = mma_cols<DP>(), LD = DP + 8;
-  return (2 * BM * LD + 4 * BN * LD) * sizeof(uint16_t) + 2 * sizeof(uint64_t) +
-         (DKDV ? 4 * BN * sizeof(float) : 0);
-}
+struct BwdShared {
+  static constexpr int BM = 64, BN = mma_cols<DP>(), LD = DP + 8;
+  static constexpr size_t kTiles = (2 * BM * LD + 4 * BN * LD) * sizeof(uint16_t);
+  static constexpr size_t bytes() {
+    return kTiles + 2 * sizeof(uint64_t) + (DKDV ? 4 * BN * sizeof(float) : 0);
+  }
+  uint16_t *r1, *r2;   // BM x LD each
+  uint16_t *c1, *c2;   // 2 stages x BN x LD each
+  uint64_t* kbits;     // 2 stages
+  float *lse, *delta;  // dkdv: 2 stages x BN each
+  __device__ explicit BwdShared(unsigned char* smem)
+      : r1(reinterpret_cast<uint16_t*>(smem)),
+        r2(r1 + BM * LD),
+        c1(r2 + BM * LD),
+        c2(c1 + 2 * BN * LD),
+        kbits(reinterpret_cast<uint64_t*>(smem + kTiles)),
+        lse(reinterpret_cast<float*>(kbits + 2)),
+        delta(lse + 2 * BN) {}
+  __device__ uint16_t* c1_stage(int st) const { return c1 + st * BN * LD; }
+  __device__ uint16_t* c2_stage(int st) const { return c2 + st * BN * LD; }
+};
 
 // The column steps of a tile, in order: column tiles c0 = c_begin, c_begin +
 // BN, ... < c_end of each column head in turn (dq: one).
@@ -310,221 +328,293 @@ struct ColumnSteps {
   }
 };
 
+// The lse and delta of this thread's column of a column step (dkdv, thread
+// < BN), in exponent units (+inf, 0 where the column is not reached).
+struct ColumnStats {
+  float lse = INFINITY, delta = 0.f;
+};
+
+// The row tile into shared memory: (R1, R2) of each of the pack head slots,
+// rows_per_head rows each (part of the first cp.async group).
+template <int DP, bool DKDV, KeyMap M>
+__device__ __forceinline__ void stage_row_tile(const Problem& p, const BwdShared<DP, DKDV>& sm,
+                                               const Tile& t, const Span& sp, int rows_per_head) {
+  constexpr int LD = BwdShared<DP, DKDV>::LD;
+  constexpr bool kRowsMapped = DKDV && M == KeyMap::kMapped;  // K/V rows are the rows (dkdv)
+  for (int j = 0; j < p.pack; ++j) {
+    const Rows<uint16_t, DKDV, M> rows(p, t, j);
+    load_rows16<DP, 64, kRowsMapped>(
+        {sm.r1 + j * rows_per_head * LD, sm.r2 + j * rows_per_head * LD}, LD, rows_per_head,
+        {rows.r1, rows.r2}, rows.at, sp.nrows, rows.mask, p.r, static_cast<int>(p.head_dim), p.vec);
+  }
+}
+
+// Column step `cs` into stage st: C1, C2 (one cp.async group) and the bit
+// mask of its reached columns (bit c: column c0 + c) in kbits[st]. Returns
+// (dkdv) this thread's column's lse / delta, to be stored in the stage once
+// the step before has been computed.
+template <int DP, bool DKDV, KeyMap M>
+__device__ __forceinline__ ColumnStats
+stage_column_step(const Problem& p, const BwdShared<DP, DKDV>& sm, const Tile& t, const Span& sp,
+                  const ColumnSteps<DKDV, mma_cols<DP>()>& cs, int st) {
+  constexpr int BN = mma_cols<DP>(), LD = BwdShared<DP, DKDV>::LD;
+  constexpr bool kColsMapped = !DKDV && M == KeyMap::kMapped;  // K/V rows are the columns (dq)
+  const int nvalid = static_cast<int>(imin(BN, sp.c_end - cs.c0));
+  const Columns<uint16_t, DKDV, M> cols(p, t, cs.hq, cs.c0);
+  load_rows16<DP, BN, kColsMapped>({sm.c1_stage(st), sm.c2_stage(st)}, LD, BN, {cols.c1, cols.c2},
+                                   cols.at, nvalid, cols.mask, p.r, static_cast<int>(p.head_dim),
+                                   p.vec);
+  cp_async_commit();
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    const uint32_t lo = __ballot_sync(kFull, row_ok(lane, nvalid, cols.mask, p.r));
+    const uint32_t hi = __ballot_sync(kFull, row_ok(lane + 32, nvalid, cols.mask, p.r));
+    if (lane == 0) sm.kbits[st] = static_cast<uint64_t>(hi) << 32 | lo;
+  }
+  ColumnStats stats;
+  if (DKDV && threadIdx.x < BN) {
+    const int c = threadIdx.x;
+    const bool ok = row_ok(c, nvalid, cols.mask, p.r);
+    const int64_t si = p.row_index(t.b, cs.hq, t.q.first + (cs.c0 + c) * p.r);
+    const float* lse = static_cast<const float*>(p.lse_in);
+    const float* delta = static_cast<const float*>(p.delta);
+    stats.lse = ok ? lse_for_exp(lse[si], kLog2e) : INFINITY;
+    stats.delta = ok ? delta[si] : 0.f;
+  }
+  return stats;
+}
+
+// This thread's rows m0 + g + 8 i of its head slot: whether each is a
+// reached row, and (dq) its lse (exponent units) and delta.
+struct RowStats {
+  bool ok[2];
+  float lse[2], delta[2];
+};
+template <bool DKDV, KeyMap M>
+__device__ __forceinline__ RowStats row_stats(const Problem& p, const Tile& t, const Span& sp,
+                                              RowSlot ws) {
+  const int g = threadIdx.x % 32 / 4;
+  const Rows<uint16_t, DKDV, M> rows(p, t, ws.slot);
+  RowStats r;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int m = ws.m + g + 8 * i;
+    r.ok[i] = row_ok(m, sp.nrows, rows.mask, p.r);
+    r.lse[i] = INFINITY;
+    r.delta[i] = 0.f;
+    if (!DKDV && r.ok[i]) {
+      const int64_t si = row_stat(p, t, ws.slot, m);
+      r.lse[i] = lse_for_exp(static_cast<const float*>(p.lse_in)[si], kLog2e);
+      r.delta[i] = static_cast<const float*>(p.delta)[si];
+    }
+  }
+  return r;
+}
+
+// Which pairs of the warp's rows m0 .. m0 + 15 and a column tile at c0 are
+// reached. Causal: row m (query, dq) reaches column c (key) iff c <= m + dm
+// (dkdv: key row m is reached by query column c iff c >= m - dm).
+// Windowed: iff m + dm - band_l <= c <= m + dm + band_r (dkdv: m - dm -
+// band_r <= c <= m - dm + band_l).
+template <bool DKDV, int BN>
+struct ColumnReach {
+  int64_t m0, dm, band_lo_off, band_hi_off;  // the window's columns of row m: m + [lo, hi]
+  __device__ ColumnReach(const Problem& p, const Tile& t, int64_t m0_)
+      : m0(m0_),
+        dm(t.dm),
+        band_lo_off(DKDV ? -t.dm - p.band_r : t.dm - p.band_l),
+        band_hi_off(DKDV ? -t.dm + p.band_l : t.dm + p.band_r) {}
+  // Warp-uniform: some pair reached.
+  __device__ bool any(const Problem& p, int64_t c0) const {
+    const int64_t lo_m = m0, hi_m = m0 + 15;
+    const bool none = DKDV ? c0 + BN - 1 < lo_m - dm : c0 > hi_m + dm;
+    const bool none_w = c0 + BN - 1 < lo_m + band_lo_off || c0 > hi_m + band_hi_off;
+    return !(p.causal && none) && !(p.windowed && none_w);
+  }
+  // Warp-uniform: every pair reached (all_cols: every column of the tile is
+  // a reached one, all_rows: every row).
+  __device__ bool whole(const Problem& p, int64_t c0, bool all_cols, bool all_rows) const {
+    const int64_t lo_m = m0, hi_m = m0 + 15;
+    const bool full_w = c0 >= hi_m + band_lo_off && c0 + BN - 1 <= lo_m + band_hi_off;
+    return all_cols && all_rows &&
+           (!p.causal || (DKDV ? c0 >= hi_m - dm : c0 + BN - 1 <= lo_m + dm)) &&
+           (!p.windowed || full_w);
+  }
+};
+
+// X1 = R1 C1^T and X2 = R2 C2^T of the warp's rows against the column tile
+// in stage st become P (or P^T) and dS (or dS^T), zero where a pair is not
+// reached; then a1 += dS C1 and (dkdv) a2 += P^T C2.
+template <typename T, int DP, bool DKDV>
+__device__ __forceinline__ void column_products(const Problem& p, const BwdShared<DP, DKDV>& sm,
+                                                const ColumnReach<DKDV, mma_cols<DP>()>& reach,
+                                                const RowStats& rs, int st, int64_t c0, bool full,
+                                                float (&a1)[DP / 8][4],
+                                                float (&a2)[DKDV ? DP / 8 : 1][4]) {
+  constexpr int BN = mma_cols<DP>(), LD = BwdShared<DP, DKDV>::LD, NJ = BN / 8, ND = DP / 8;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tg = lane % 4;
+  const float scale_log2 = static_cast<float>(p.scale) * kLog2e;
+  const uint16_t* c1t = sm.c1_stage(st);
+  const uint16_t* c2t = sm.c2_stage(st);
+  float x1[NJ][4] = {}, x2[NJ][4] = {};
+  mma_ss<T, 1, NJ, DP>(one_tile(x1), sm.r1 + warp * 16 * LD, LD, c1t, LD, lane);
+  mma_ss<T, 1, NJ, DP>(one_tile(x2), sm.r2 + warp * 16 * LD, LD, c2t, LD, lane);
+  const float* clse = sm.lse + st * BN;
+  const float* cdelta = sm.delta + st * BN;
+  // P (or P^T) into x1 and dS (or dS^T) into x2 for element e of column
+  // block j, zero where the pair is not reached.
+  const auto grads = [&](int j, int e, bool ok) {
+    const int i = e >> 1, col = j * 8 + 2 * tg + (e & 1);
+    const float l = DKDV ? clse[col] : rs.lse[i];
+    const float dl = DKDV ? cdelta[col] : rs.delta[i];
+    const float pr = ok ? fast_exp2(x1[j][e] * scale_log2 - l) : 0.f;
+    x2[j][e] = ok ? pr * (x2[j][e] - dl) : 0.f;
+    x1[j][e] = pr;
+  };
+  // Two loops, not `full || ...` per element: that compiled to a branch and
+  // a convergence barrier around every element.
+  if (full) {
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) grads(j, e, true);
+  } else {
+    // Causal bound of this thread's rows as a column index of the tile,
+    // less 2 tg; bit c - 2 tg of km: column c reached; and the window's,
+    // band_lo[i] <= c <= band_hi[i].
+    int lim[2], band_lo[2], band_hi[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int64_t m = reach.m0 + g + 8 * i;
+      lim[i] = tile_limit((DKDV ? m - reach.dm - c0 : m + reach.dm - c0) - 2 * tg, BN);
+      band_lo[i] = tile_limit(m + reach.band_lo_off - c0 - 2 * tg, BN);
+      band_hi[i] = tile_limit(m + reach.band_hi_off - c0 - 2 * tg, BN);
+    }
+    const uint64_t km = sm.kbits[st] >> (2 * tg);
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = e >> 1, c = j * 8 + (e & 1);  // the column less 2 tg
+        const bool causal_ok = DKDV ? c >= lim[i] : c <= lim[i];
+        const bool band_ok = c >= band_lo[i] && c <= band_hi[i];
+        grads(
+            j, e,
+            (km >> c & 1) != 0 && rs.ok[i] && (!p.causal || causal_ok) && (!p.windowed || band_ok));
+      }
+  }
+  mma_rs<T, 1, ND, NJ>(one_tile(a1), one_tile(x2), c1t, LD, lane);
+  if constexpr (DKDV) mma_rs<T, 1, ND, NJ>(one_tile(a2), one_tile(x1), c2t, LD, lane);
+}
+
+// This thread's rows m0 + g + 8 i of the tile's gradients, which the block
+// owns: dq += scale a1 (dq mode), or dk += scale a1, dv += a2 (dkdv).
+template <int DP, bool DKDV, KeyMap M>
+__device__ __forceinline__ void write_gradients(const Problem& p, const Tile& t, const Span& sp,
+                                                RowSlot ws, const float (&a1)[DP / 8][4],
+                                                const float (&a2)[DKDV ? DP / 8 : 1][4]) {
+  const int tg = threadIdx.x % 4, g = threadIdx.x % 32 / 4;
+  const int D = static_cast<int>(p.head_dim);
+  const float scale = static_cast<float>(p.scale);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int m = ws.m + g + 8 * i;
+    if (m >= sp.nrows) continue;
+    float* o1 = out_row<float, DKDV, M>(p, t, ws.slot, m, false);
+    float* o2 = DKDV ? out_row<float, DKDV, M>(p, t, ws.slot, m, true) : nullptr;
+#pragma unroll
+    for (int j = 0; j < DP / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int d = j * 8 + 2 * tg + e;
+        if (d >= D) continue;
+        o1[d] += scale * a1[j][2 * i + e];
+        if constexpr (DKDV) o2[d] += a2[j][2 * i + e];
+      }
+  }
+}
+
+// The column loop of a tile: column steps double-buffered (the copy of the
+// next in flight while one is computed, across column heads too), the first
+// staged already (its stats in stage 0). Accumulates the warp's rows'
+// gradients into a1 and (dkdv) a2.
+template <typename T, int DP, bool DKDV, KeyMap M>
+__device__ __forceinline__ void attend_columns(const Problem& p, const BwdShared<DP, DKDV>& sm,
+                                               const Tile& t, const Span& sp, RowSlot ws,
+                                               ColumnSteps<DKDV, mma_cols<DP>()> cur,
+                                               float (&a1)[DP / 8][4],
+                                               float (&a2)[DKDV ? DP / 8 : 1][4]) {
+  constexpr int BN = mma_cols<DP>();
+  constexpr uint64_t kAllCols = ~uint64_t{0} >> (64 - BN);
+  const RowStats rs = row_stats<DKDV, M>(p, t, sp, ws);
+  const bool rows_all_ok = __all_sync(kFull, rs.ok[0] && rs.ok[1]);
+  const ColumnReach<DKDV, BN> reach(p, t, ws.m);
+  for (int it = 0; !cur.done(p, t); ++it) {
+    const int st = it & 1;
+    ColumnSteps<DKDV, BN> next = cur;
+    next.advance(p, t, sp);
+    const bool more = !next.done(p, t);
+    ColumnStats stats;
+    if (more) {
+      stats = stage_column_step<DP, DKDV, M>(p, sm, t, sp, next,
+                                             st ^ 1);  // read before the last barrier
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();  // stage st complete for every thread
+    const int64_t c0 = cur.c0;
+    const uint64_t kmask = sm.kbits[st];
+    if constexpr (!DKDV) {
+      // dQ += dS K: a key no row reaches has dS = 0 and its K row may be
+      // non-finite: zeroed, unless every row of the block reaches every key
+      // of the tile (block-uniform). A row that reaches it has a non-finite
+      // lse (the forward's), so its P, dS and dQ stay NaN without that row.
+      if (kmask != kAllCols || (p.causal && c0 + BN - 1 > t.dm) || p.windowed) {
+        zero_nonfinite16<T, DP, BN>(sm.c1_stage(st), BwdShared<DP, DKDV>::LD);
+        __syncthreads();
+      }
+    }
+    if (ws.m < sp.nrows && reach.any(p, c0)) {
+      column_products<T, DP, DKDV>(p, sm, reach, rs, st, c0,
+                                   reach.whole(p, c0, kmask == kAllCols, rows_all_ok), a1, a2);
+    }
+    if (DKDV && more && threadIdx.x < BN) {  // stage st ^ 1 was last read before the barrier
+      sm.lse[(st ^ 1) * BN + threadIdx.x] = stats.lse;
+      sm.delta[(st ^ 1) * BN + threadIdx.x] = stats.delta;
+    }
+    cur = next;
+    __syncthreads();  // stage st fully read before it is rewritten
+  }
+}
+
 template <typename T, int DP, bool DKDV, KeyMap M>
 __global__ void __launch_bounds__(kThreads) bwd_mma_kernel(__grid_constant__ const Problem p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
   __trap();  // host only launches this on sm_80+
 #else
-  constexpr int BM = 64, BN = mma_cols<DP>(), LD = DP + 8;
-  constexpr int NJ = BN / 8, ND = DP / 8, NA = DKDV ? ND : 1;
-  constexpr uint64_t kAllCols = ~uint64_t{0} >> (64 - BN);
   static_assert(M != KeyMap::kEither);
-  // The K/V rows are the row operands (dkdv) or the column operands (dq).
-  constexpr bool kRowsMapped = DKDV && M == KeyMap::kMapped;
-  constexpr bool kColsMapped = !DKDV && M == KeyMap::kMapped;
+  constexpr int BN = mma_cols<DP>(), NA = DKDV ? DP / 8 : 1;
   RING_ATTENTION_DYNAMIC_SMEM(smem);
-  uint16_t* r1s = reinterpret_cast<uint16_t*>(smem);                 // BM x LD
-  uint16_t* r2s = r1s + BM * LD;                                     // BM x LD
-  uint16_t* c1s = r2s + BM * LD;                                     // 2 stages x BN x LD
-  uint16_t* c2s = c1s + 2 * BN * LD;                                 // 2 stages x BN x LD
-  uint64_t* kbits = reinterpret_cast<uint64_t*>(c2s + 2 * BN * LD);  // 2 stages: reached columns
-  float* col_lse = reinterpret_cast<float*>(kbits + 2);              // dkdv: 2 stages x BN
-  float* col_delta = col_lse + 2 * BN;                               // dkdv: 2 stages x BN
-
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, tg = lane % 4;
-  const int D = static_cast<int>(p.head_dim);
-  const float scale_log2 = static_cast<float>(p.scale) * kLog2e;
-  const float* lse = static_cast<const float*>(p.lse_in);
-  const float* delta = static_cast<const float*>(p.delta);
-
+  const BwdShared<DP, DKDV> sm(smem);
   // This warp's 16 rows are rows m0 + [0, 16) of head slot `slot`.
-  const int rph = BM / static_cast<int>(p.pack);
-  const RowSlot ws = row_slot(warp * 16, rph);
-  const int slot = ws.slot, m0 = ws.m;
-
+  const int rph = 64 / static_cast<int>(p.pack);
+  const RowSlot ws = row_slot(threadIdx.x / 32 * 16, rph);
   Tile t;
   Span sp;
   for (BlockTiles<DKDV> tiles(p); tiles.next(t);) {
     if (!decode_span<DKDV>(p, t, sp)) continue;
     __syncthreads();  // the previous tile's rows fully read
-    for (int j = 0; j < p.pack; ++j) {
-      const Rows<uint16_t, DKDV, M> rows(p, t, j);
-      uint16_t* r1t = r1s + j * rph * LD;
-      uint16_t* r2t = r2s + j * rph * LD;
-      load_rows16<DP, BM, kRowsMapped>({r1t, r2t}, LD, rph, {rows.r1, rows.r2}, rows.at, sp.nrows,
-                                       rows.mask, p.r, D, p.vec);
+    stage_row_tile<DP, DKDV, M>(p, sm, t, sp, rph);
+    const ColumnSteps<DKDV, BN> first(sp, t);
+    const ColumnStats stats = stage_column_step<DP, DKDV, M>(p, sm, t, sp, first, 0);
+    if (DKDV && threadIdx.x < BN) {  // with the row tile: the first group
+      sm.lse[threadIdx.x] = stats.lse;
+      sm.delta[threadIdx.x] = stats.delta;
     }
-
-    // Column step `cs` into stage st: C1, C2 (one cp.async group), the bit
-    // mask of its reached columns (bit c: column c0 + c) in kbits[st], and
-    // (dkdv) this thread's column's lse / delta, returned to be stored in
-    // the stage once the step before has been computed.
-    const auto stage_cols = [&](const ColumnSteps<DKDV, BN>& cs, int st, float& cl, float& cd) {
-      const int nvalid = static_cast<int>(imin(BN, sp.c_end - cs.c0));
-      const Columns<uint16_t, DKDV, M> cols(p, t, cs.hq, cs.c0);
-      load_rows16<DP, BN, kColsMapped>({c1s + st * BN * LD, c2s + st * BN * LD}, LD, BN,
-                                       {cols.c1, cols.c2}, cols.at, nvalid, cols.mask, p.r, D,
-                                       p.vec);
-      cp_async_commit();
-      if (warp == 0) {
-        const uint32_t lo = __ballot_sync(kFull, row_ok(lane, nvalid, cols.mask, p.r));
-        const uint32_t hi = __ballot_sync(kFull, row_ok(lane + 32, nvalid, cols.mask, p.r));
-        if (lane == 0) kbits[st] = static_cast<uint64_t>(hi) << 32 | lo;
-      }
-      if (DKDV && threadIdx.x < BN) {
-        const int c = threadIdx.x;
-        const bool ok = row_ok(c, nvalid, cols.mask, p.r);
-        const int64_t si = p.row_index(t.b, cs.hq, t.q.first + (cs.c0 + c) * p.r);
-        cl = ok ? lse_for_exp(lse[si], kLog2e) : INFINITY;
-        cd = ok ? delta[si] : 0.f;
-      }
-    };
-    ColumnSteps<DKDV, BN> cur(sp, t);
-    float cl = INFINITY, cd = 0.f;
-    stage_cols(cur, 0, cl, cd);  // with the row tile: the first group
-    if (DKDV && threadIdx.x < BN) {
-      col_lse[threadIdx.x] = cl;
-      col_delta[threadIdx.x] = cd;
-    }
-
-    // This thread's rows m0 + g + 8 * i of its slot.
-    const Rows<uint16_t, DKDV, M> rows(p, t, slot);
-    bool rok[2];
-    float row_lse[2], row_delta[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int m = m0 + g + 8 * i;
-      rok[i] = row_ok(m, sp.nrows, rows.mask, p.r);
-      row_lse[i] = INFINITY;
-      row_delta[i] = 0.f;
-      if (!DKDV && rok[i]) {
-        const int64_t si = row_stat(p, t, slot, m);
-        row_lse[i] = lse_for_exp(lse[si], kLog2e);
-        row_delta[i] = delta[si];
-      }
-    }
-    const bool rows_all_ok = __all_sync(kFull, rok[0] && rok[1]);
-    float a1[ND][4] = {}, a2[NA][4] = {};
-
-    for (int it = 0; !cur.done(p, t); ++it) {
-      const int st = it & 1;
-      ColumnSteps<DKDV, BN> next = cur;
-      next.advance(p, t, sp);
-      const bool more = !next.done(p, t);
-      if (more) {
-        stage_cols(next, st ^ 1, cl, cd);  // its stage was last read before the previous barrier
-        cp_async_wait<1>();
-      } else {
-        cp_async_wait<0>();
-      }
-      __syncthreads();  // stage st complete for every thread
-      const uint16_t* c1t = c1s + st * BN * LD;
-      const uint16_t* c2t = c2s + st * BN * LD;
-      const int64_t c0 = cur.c0;
-      const uint64_t kmask = kbits[st];
-      if constexpr (!DKDV) {
-        // dQ += dS K: a key no row reaches has dS = 0 and its K row may be
-        // non-finite: zeroed, unless every row of the block reaches every
-        // key of the tile (block-uniform). A row that reaches it has a
-        // non-finite lse (the forward's), so its P, dS and dQ stay NaN
-        // without that row.
-        if (kmask != kAllCols || (p.causal && c0 + BN - 1 > t.dm) || p.windowed) {
-          zero_nonfinite16<T, DP, BN>(c1s + st * BN * LD, LD);
-          __syncthreads();
-        }
-      }
-
-      // Causal: row m (query, dq) reaches column c (key) iff c <= m + dm;
-      // (dkdv: key row m is reached by query column c iff c >= m - dm).
-      // Windowed: iff m + dm - band_l <= c <= m + dm + band_r (dkdv: m - dm
-      // - band_r <= c <= m - dm + band_l). Warp-uniform: every pair of the
-      // warp's rows and the tile's columns reached, or none.
-      const int64_t lo_m = m0, hi_m = m0 + 15;
-      const bool none = DKDV ? c0 + BN - 1 < lo_m - t.dm : c0 > hi_m + t.dm;
-      // The window's columns of row m: [m + band_lo_off, m + band_hi_off].
-      const int64_t band_lo_off = DKDV ? -t.dm - p.band_r : t.dm - p.band_l;
-      const int64_t band_hi_off = DKDV ? -t.dm + p.band_l : t.dm + p.band_r;
-      const bool none_w = c0 + BN - 1 < lo_m + band_lo_off || c0 > hi_m + band_hi_off;
-      const bool full_w = c0 >= hi_m + band_lo_off && c0 + BN - 1 <= lo_m + band_hi_off;
-      const bool full = kmask == kAllCols && rows_all_ok &&
-                        (!p.causal || (DKDV ? c0 >= hi_m - t.dm : c0 + BN - 1 <= lo_m + t.dm)) &&
-                        (!p.windowed || full_w);
-      if (m0 < sp.nrows && !(p.causal && none) && !(p.windowed && none_w)) {
-        float x1[NJ][4] = {}, x2[NJ][4] = {};
-        mma_ss<T, 1, NJ, DP>(one_tile(x1), r1s + warp * 16 * LD, LD, c1t, LD, lane);
-        mma_ss<T, 1, NJ, DP>(one_tile(x2), r2s + warp * 16 * LD, LD, c2t, LD, lane);
-        const float* clse = col_lse + st * BN;
-        const float* cdelta = col_delta + st * BN;
-        // P (or P^T) into x1 and dS (or dS^T) into x2 for element e of
-        // column block j, zero where the pair is not reached.
-        const auto grads = [&](int j, int e, bool ok) {
-          const int i = e >> 1, col = j * 8 + 2 * tg + (e & 1);
-          const float l = DKDV ? clse[col] : row_lse[i];
-          const float dl = DKDV ? cdelta[col] : row_delta[i];
-          const float pr = ok ? fast_exp2(x1[j][e] * scale_log2 - l) : 0.f;
-          x2[j][e] = ok ? pr * (x2[j][e] - dl) : 0.f;
-          x1[j][e] = pr;
-        };
-        // Two loops, not `full || ...` per element: that compiled to a
-        // branch and a convergence barrier around every element.
-        if (full) {
-#pragma unroll
-          for (int j = 0; j < NJ; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) grads(j, e, true);
-        } else {
-          // Causal bound of this thread's rows as a column index of the
-          // tile, less 2 tg; bit c - 2 tg of km: column c reached.
-          // and the window's, band_lo[i] <= c <= band_hi[i].
-          int lim[2], band_lo[2], band_hi[2];
-#pragma unroll
-          for (int i = 0; i < 2; ++i) {
-            const int64_t m = m0 + g + 8 * i;
-            lim[i] = tile_limit((DKDV ? m - t.dm - c0 : m + t.dm - c0) - 2 * tg, BN);
-            band_lo[i] = tile_limit(m + band_lo_off - c0 - 2 * tg, BN);
-            band_hi[i] = tile_limit(m + band_hi_off - c0 - 2 * tg, BN);
-          }
-          const uint64_t km = kmask >> (2 * tg);
-#pragma unroll
-          for (int j = 0; j < NJ; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int i = e >> 1, c = j * 8 + (e & 1);  // the column less 2 tg
-              const bool causal_ok = DKDV ? c >= lim[i] : c <= lim[i];
-              const bool band_ok = c >= band_lo[i] && c <= band_hi[i];
-              grads(j, e,
-                    (km >> c & 1) != 0 && rok[i] && (!p.causal || causal_ok) &&
-                        (!p.windowed || band_ok));
-            }
-        }
-        mma_rs<T, 1, ND, NJ>(one_tile(a1), one_tile(x2), c1t, LD, lane);
-        if constexpr (DKDV) mma_rs<T, 1, ND, NJ>(one_tile(a2), one_tile(x1), c2t, LD, lane);
-      }
-      if (DKDV && more && threadIdx.x < BN) {  // stage st ^ 1 was last read before the barrier
-        col_lse[(st ^ 1) * BN + threadIdx.x] = cl;
-        col_delta[(st ^ 1) * BN + threadIdx.x] = cd;
-      }
-      cur = next;
-      __syncthreads();  // stage st fully read before it is rewritten
-    }
-
-    const float scale = static_cast<float>(p.scale);
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int m = m0 + g + 8 * i;
-      if (m >= sp.nrows) continue;
-      float* o1 = out_row<float, DKDV, M>(p, t, slot, m, false);
-      float* o2 = DKDV ? out_row<float, DKDV, M>(p, t, slot, m, true) : nullptr;
-#pragma unroll
-      for (int j = 0; j < ND; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int d = j * 8 + 2 * tg + e;
-          if (d >= D) continue;
-          o1[d] += scale * a1[j][2 * i + e];
-          if constexpr (DKDV) o2[d] += a2[j][2 * i + e];
-        }
-    }
+    float a1[DP / 8][4] = {}, a2[NA][4] = {};
+    attend_columns<T, DP, DKDV, M>(p, sm, t, sp, ws, first, a1, a2);
+    write_gradients<DP, DKDV, M>(p, t, sp, ws, a1, a2);
   }
 #endif
 }
@@ -557,9 +647,10 @@ template <typename T, int DP, KeyMap M>
 void launch_mma(const Problem& p, at::IntArrayRef segs, at::IntArrayRef dils) {
   if (p.dq != nullptr)
     launch_branches(bwd_mma_kernel<T, DP, false, M>, p, segs, dils, false, 64,
-                    mma_smem<DP, false>());
+                    BwdShared<DP, false>::bytes());
   if (p.dk != nullptr)
-    launch_branches(bwd_mma_kernel<T, DP, true, M>, p, segs, dils, true, 64, mma_smem<DP, true>());
+    launch_branches(bwd_mma_kernel<T, DP, true, M>, p, segs, dils, true, 64,
+                    BwdShared<DP, true>::bytes());
 }
 
 template <typename T, int DP>

@@ -32,7 +32,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "../checks.h"
+#include "../block_call.h"
 #include "../params.h"
 #include "../pattern.h"
 #include "runtime.cuh"

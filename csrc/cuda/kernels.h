@@ -2,7 +2,7 @@
 // the test suite's CPU emulator registers the same functions as its own ops).
 #pragma once
 
-#include "../checks.h"
+#include "../block_call.h"
 
 namespace ring_attention::gpu {
 

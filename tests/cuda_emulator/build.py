@@ -23,6 +23,7 @@ SOURCES = [
     os.path.join(HERE, "block_backward.cpp"),
     os.path.join(HERE, "merge_rows.cpp"),
     os.path.join(ROOT, "csrc", "checks.cpp"),
+    os.path.join(ROOT, "csrc", "block_call.cpp"),
     os.path.join(ROOT, "csrc", "merge.cpp"),
 ]
 MISSING = ""
