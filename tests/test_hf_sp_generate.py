@@ -3,7 +3,9 @@ rank of the group calls ``model.generate()`` with the same prompt and returns
 the tokens one process would (greedy tokens identical, logits within
 tolerance), on 2 and 3 gloo ranks (the ring) and 4 (the 2 x 2 hybrid), for
 Llama (GQA, a dilated pattern), Qwen2 and Mistral (sliding windows) and
-gpt-oss (sinks) configs, with left padding in a batch of 2."""
+gpt-oss (sinks) configs, with left padding in a batch of 2; with the cache
+sharded by sequence (``ShardedCache``) each rank's full-attention layers hold
+only their share of the positions."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch.distributed as dist
 from test_hf import VOCAB, build, tiny_config
 
 import ring_attention as ra
+from ring_attention.hf.sharded_cache import ShardedCache, ShardedLayer
 from ring_attention.testing import run_distributed
 
 PATTERN = {"segment_lengths": [4, 8, 16], "dilation_rates": [1, 2, 4]}
@@ -48,15 +51,16 @@ def _prompt():
     return ids, mask
 
 
-def _generate(model, ids, mask):
+def _generate(model, ids, mask, cache=None):
+    given = {} if cache is None else {"cache": cache}
     with torch.no_grad():
         res = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
                              output_logits=True, return_dict_in_generate=True,
-                             pad_token_id=0)  # fmt: skip
+                             pad_token_id=0, **given)  # fmt: skip
     return res.sequences, torch.stack(res.logits)
 
 
-def _worker(rank: int, world: int, spread: str, cases: list) -> list:
+def _worker(rank: int, world: int, spread: str, cases: list, sharded: bool) -> list:
     if spread == "hybrid":
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -68,13 +72,25 @@ def _worker(rank: int, world: int, spread: str, cases: list) -> list:
     out = []
     for cfg, state in cases:
         model = build(cfg, "ring_dilated", state=state)
-        out.append(_generate(model, ids, mask))
+        cache = ShardedCache(model.config, block=3) if sharded else None
+        out.append((*_generate(model, ids, mask, cache), _held(cache)))
     ra.register_transformers()
     return out
 
 
-@pytest.mark.parametrize(("world", "spread"), [(2, "group"), (3, "group"), (4, "hybrid")])
-def test_every_rank_generates_one_process_tokens(world: int, spread: str) -> None:
+def _held(cache) -> list[int] | None:
+    """The positions each full-attention layer of a sharded cache holds here."""
+    if cache is None:
+        return None
+    return [layer.keys.shape[-2] for layer in cache.layers if isinstance(layer, ShardedLayer)]
+
+
+@pytest.mark.parametrize(
+    ("world", "spread", "sharded"),
+    [(2, "group", False), (3, "group", False), (4, "hybrid", False), (2, "group", True),
+     (3, "group", True), (4, "hybrid", True)],
+)  # fmt: skip
+def test_every_rank_generates_one_process_tokens(world: int, spread: str, sharded: bool) -> None:
     ra.register_transformers()
     ids, mask = _prompt()
     cases, wants = [], []
@@ -86,11 +102,21 @@ def test_every_rank_generates_one_process_tokens(world: int, spread: str) -> Non
                     torch.nn.init.normal_(m.sinks, std=2.0)
         cases.append((cfg, model.state_dict()))
         wants.append(_generate(model, ids, mask))
-    for rank, got in enumerate(run_distributed(_worker, world, spread, cases, timeout=400)):
-        for (tokens, logits), (want_tokens, want_logits), name in zip(got, wants, _configs(),
-                                                                      strict=True):  # fmt: skip
+    got_all = run_distributed(_worker, world, spread, cases, sharded, timeout=400)
+    for rank, got in enumerate(got_all):
+        for (tokens, logits, _), (want_tokens, want_logits), name in zip(got, wants, _configs(),
+                                                                         strict=True):  # fmt: skip
             assert torch.equal(tokens, want_tokens), (rank, name)
             torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4, msg=name)
+    if sharded:  # each full layer's positions, 19 + 8 - 1 cached, split over the ranks
+        for i, name in enumerate(_configs()):
+            held = [got[i][2] for got in got_all]
+            per_layer = list(zip(*held, strict=True))
+            # Mistral's layers all slide: transformers' window cache, not sharded
+            assert bool(per_layer) == (name != "mistral-window"), name
+            for counts in per_layer:
+                assert sum(counts) == 19 + 8 - 1, (name, counts)
+                assert max(counts) <= -(-19 // world) + 3 * -(-3 // world), (name, counts)
 
 
 def _one_rank_generates(rank: int, world: int) -> str:

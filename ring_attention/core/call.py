@@ -101,6 +101,7 @@ def prepare(
     return_lse: bool = False,
     q_start: int = 0,
     k_start: int = 0,
+    q_starts: Tensor | None = None,
     head_range: tuple[int, int, int] | None = None,
     sinks: Tensor | None = None,
 ) -> tuple[Call, Shape]:
@@ -109,7 +110,9 @@ def prepare(
     ``cu_seqlens``, when given, replaces the pattern's documents; traced by
     ``torch.compile`` it is passed to the operator as it is. ``q_start``,
     ``k_start``: the rows' global positions (a cached decode step or a chunk
-    of prefill; ``k`` may then be longer or shorter than ``q``).
+    of prefill; ``k`` may then be longer or shorter than ``q``);
+    ``q_starts`` (an int64 tensor on the host), one query start per batch
+    row instead of ``q_start``.
     ``head_range``: ``(head_start, total_heads, total_kv_heads)`` of a call
     holding part of the heads (a Ulysses rank's). ``sinks``: ``(heads,)``
     attention sinks of the call's query heads.
@@ -122,7 +125,9 @@ def prepare(
             pattern against the heads and the length, the mask, the scale,
             flags).
     """
-    one_sequence = q_start == 0 and k_start == 0
+    one_sequence = q_start == 0 and k_start == 0 and q_starts is None
+    if q_starts is not None:
+        q_start = 0
     shape = check_qkv(q, k, v, same_length=one_sequence, head_range=head_range)
     documents = None  # a traced cu_seqlens tensor, passed to the operator as it is
     if isinstance(cu_seqlens, torch.Tensor) and torch.compiler.is_compiling():
@@ -131,7 +136,8 @@ def prepare(
     elif cu_seqlens is not None:
         pattern = pattern.with_documents(cu_seqlens)
     pattern.check_heads(shape.heads if head_range is None else head_range[1])
-    end = max(q_start + shape.seq_q, k_start + shape.seq_k)
+    last = q_start if q_starts is None or not q_starts.numel() else int(q_starts.max())
+    end = max(last + shape.seq_q, k_start + shape.seq_k)
     if documents is None and one_sequence:
         pattern.check_length(end)
     elif documents is None and pattern.documents is not None and pattern.documents[-1] < end:
@@ -152,6 +158,7 @@ def prepare(
         total_kv_heads=total_kv,
         q_start=q_start,
         k_start=k_start,
+        q_starts=q_starts,
         return_lse=as_flag(return_lse, "return_lse"),
         sinks=sinks,
     )

@@ -27,15 +27,16 @@ What the backend does with transformers' arguments:
   = W`` is ``window=(W - 1, 0)`` on the layers transformers gives a
   sliding-window mask (every layer without ``config.layer_types``, else its
   ``"sliding_attention"`` layers), with or without a pattern.
-- **KV caches** (:mod:`.offset`): a decode step attends its queries at
+- **KV caches** (:mod:`.masks`, :mod:`.decode`): a decode step attends its queries at
   their global positions to the cached keys, at theirs, that the pattern
   reaches (dynamic and static caches, sliding-window caches holding the last
   keys; a static cache's unfilled keys are never attended).
 - **Fallback**: without a pattern, what the kernels cannot express (a 4-D
   or float mask, attention dropout, a position bias) is computed by
   transformers' ``"sdpa"``; with a pattern it raises ``ValueError``, as do
-  dropout and a position bias on a sliding layer, soft-capping, attention
-  sinks, bidirectional sliding windows and custom mask functions.
+  dropout and a position bias on a sliding layer, soft-capping,
+  bidirectional sliding windows and custom mask functions. Attention sinks
+  (``s_aux``) are added once to every query, in every mode.
   ``output_attentions=True`` warns and returns no weights, as ``"sdpa"``.
 
 **Sequence parallelism** (``register_transformers(group=g)``): every
@@ -54,8 +55,10 @@ tokens of the whole batch over the ranks sharing it
 ranks are the single-process gradients; and the global document boundaries
 (``cu_seq_lens_q``/``cu_seq_lens_k``). Every rank must run the same forward
 and backward; a call one rank refuses (a padding mask, dropout, a bad config
-entry, missing ``cu_seq_lens_q``, a KV cache) raises ``ValueError`` on every
-rank through the ring's handshake.
+entry, missing ``cu_seq_lens_q``) raises ``ValueError`` on every rank
+through the ring's handshake. A call without documents and with
+``use_cache`` is generation over the group (:mod:`.generation`; the cache
+sharded by sequence with :class:`ShardedCache`).
 
 **Training** over a data x sequence mesh: :class:`SequenceParallelDataLoader`
 turns a data-parallel loader into sequence-parallel steps (the ranks that
@@ -86,6 +89,7 @@ __all__ = [
     "SequenceParallelDataLoader",
     "SequenceParallelMixin",
     "SequenceParallelTrainer",
+    "ShardedCache",
     "dilated_attention_forward",
     "dilated_attention_mask",
     "documents_from_position_ids",
@@ -102,4 +106,8 @@ def __getattr__(name: str) -> Any:
         from . import trainer
 
         return getattr(trainer, name)
+    if name == "ShardedCache":
+        from . import sharded_cache
+
+        return sharded_cache.ShardedCache
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

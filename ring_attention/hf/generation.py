@@ -23,8 +23,9 @@ position today, so its memory is one process's); static caches.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -38,7 +39,7 @@ from ..parallel.mesh import check_grid, check_ring, resolve_topology
 from .config import layer_pattern
 from .setting import ATTN_IMPLEMENTATION, SequenceParallel
 
-__all__ = ["generation_step", "is_generation"]
+__all__ = ["Pieces", "generation_step", "is_generation", "record_pieces"]
 
 _NAME = f"attn_implementation={ATTN_IMPLEMENTATION!r}"
 
@@ -60,32 +61,99 @@ def generation_step(
     ``(B, L, H, D)``."""
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     B, L = q.shape[:2]
-    S = k.shape[1]
     size, rank, groups = sp._grid()
+    pieces = _pieces_of(key)
+    if pieces is None:  # every rank holds every position: its tensor_split piece
+        keys, first, filled, padding = _keys_in_use(attention_mask, B, k.shape[1])
+        lo, length = shard_bounds(keys, size)[rank]
+        runs = ((first + lo, length),)
+        k, v = k[:, lo : lo + length], v[:, lo : lo + length]
+    else:  # a ShardedCache: this rank's positions only
+        runs, filled = pieces.runs, pieces.filled
+        padding = _padding_of(attention_mask, B, filled)
     position = kwargs.get("position_ids")
     ends = (-1, -1)
     if isinstance(position, torch.Tensor) and position.numel():
         ends = (int(position.min()), int(position.max()))
-    _agree(sp, [B, L, S, *ends])
-    keys, first, filled, padding = _keys_in_use(attention_mask, B, S)
+    _agree(sp, [B, L, filled, *ends])
     pattern = layer_pattern(module, causal, kwargs.get("sliding_window"))
-    k, v = k[:, :keys], v[:, :keys]
-    call, _ = prepare(q, k, v, pattern, scale=scaling, key_padding_mask=padding,
-                      q_start=filled - L, k_start=first)  # fmt: skip
-    lo, length = shard_bounds(keys, size)[rank]
-    hi = lo + length
-    piece = call.with_mask(None if padding is None else padding[:, lo:hi].contiguous())
-    # queries at filled - L, this rank's keys at first + lo: rows given per
-    # batch row (the operator takes rows at offsets; one start each)
-    starts = torch.full((B,), filled - L, dtype=torch.int64)
-    piece = piece.with_rows(k_start=first + lo, q_starts=starts)
     with torch.no_grad():
-        out, lse = engine.attend(piece, q, k[:, lo:hi], v[:, lo:hi])
-        out, lse = _merge_over(out.to(lse.dtype), lse, groups)
+        out, lse = _attend_runs(q, k, v, runs, padding, pattern, scaling, filled - L)
+        out, lse = _merge_over(out, lse, groups)
     sinks = kwargs.get("s_aux")
     if sinks is not None:
         out, lse = engine.fold_sinks(out, lse, sinks)
     return out.to(q.dtype)
+
+
+class Pieces(NamedTuple):
+    """Where a :class:`~ring_attention.hf.sharded_cache.ShardedCache` layer's
+    keys sit: ``runs`` of ``(global start, length)`` in local order, and the
+    positions cached over the group (``filled``)."""
+
+    runs: tuple[tuple[int, int], ...]
+    filled: int
+
+
+_pieces: dict[int, tuple[weakref.ref, Pieces]] = {}
+
+
+def record_pieces(keys: torch.Tensor, pieces: Pieces) -> None:
+    """Remember where the keys a sharded cache layer hands out sit (read by
+    :func:`generation_step` for the same tensor)."""
+    for dead in [i for i, (ref, _) in _pieces.items() if ref() is None]:
+        del _pieces[dead]
+    _pieces[id(keys)] = (weakref.ref(keys), pieces)
+
+
+def _pieces_of(keys: torch.Tensor) -> Pieces | None:
+    found = _pieces.get(id(keys))
+    return found[1] if found is not None and found[0]() is keys else None
+
+
+def _attend_runs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: Any, padding: Any,
+    pattern: Any, scaling: float | None, q_start: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(out, lse)`` of the queries at ``q_start`` against this rank's keys,
+    run by run (``k`` holds the runs in order; ``padding`` is indexed by
+    global position), merged here; ``lse`` is ``-inf`` where nothing is
+    reached."""
+    B, L, H, D = q.shape
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = torch.zeros(B, L, H, D, dtype=acc, device=q.device)
+    lse = torch.full((B, H, L), float("-inf"), dtype=acc, device=q.device)
+    # queries at q_start, keys at their run's start: rows given per batch
+    # row (the operator takes rows at offsets; one start each)
+    starts = torch.full((B,), q_start, dtype=torch.int64)
+    offset = 0
+    for start, length in runs:
+        if length == 0:
+            continue
+        kr, vr = k[:, offset : offset + length], v[:, offset : offset + length]
+        pad = None if padding is None else padding[:, start : start + length].contiguous()
+        call, _ = prepare(q, kr, vr, pattern, scale=scaling, key_padding_mask=pad,
+                          k_start=start, q_starts=starts)  # fmt: skip
+        o, s = engine.attend(call, q, kr, vr)
+        merge_into(out, lse, o.to(out.dtype), s.to(lse.dtype))
+        offset += length
+    return out, lse
+
+
+def _padding_of(attention_mask: Any, batch: int, filled: int) -> torch.Tensor | None:
+    """The ``(batch, filled)`` padding (``True``: ignore) by global position
+    of a sharded cache's key map, or ``None``."""
+    if attention_mask is None:
+        return None
+    if not (isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool
+            and attention_mask.shape == (batch, filled)):  # fmt: skip
+        raise ValueError(
+            f"{_NAME}: generation with a ShardedCache takes a 2-D padding mask of the "
+            f"{filled} cached positions; got an attention_mask of "
+            f"{getattr(attention_mask, 'dtype', type(attention_mask).__name__)} "
+            f"{tuple(getattr(attention_mask, 'shape', ()))}"
+        )
+    return None if bool(attention_mask.all()) else ~attention_mask
 
 
 def _keys_in_use(attention_mask: Any, batch: int, keys: int) -> tuple[int, int, int, Any]:
@@ -94,7 +162,7 @@ def _keys_in_use(attention_mask: Any, batch: int, keys: int) -> tuple[int, int, 
     key, from position 0) or the bool ``(batch, filled)`` map of positions
     ``[0, filled)``; a layer with more keys uses the first ``filled``, one
     with fewer (a sliding-window cache) holds the last. ``padding``: ``True``
-    for a key to ignore, or ``None``."""
+    for a key to ignore, by global position, or ``None``."""
     if attention_mask is None:
         return keys, 0, keys, None
     if not (isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool
@@ -108,8 +176,8 @@ def _keys_in_use(attention_mask: Any, batch: int, keys: int) -> tuple[int, int, 
     filled = attention_mask.shape[1]
     first = max(filled - keys, 0)
     used = min(keys, filled)
-    keep = attention_mask[:, first:]
-    return used, first, filled, None if bool(keep.all()) else ~keep
+    keep = attention_mask[:, first : first + used]
+    return used, first, filled, None if bool(keep.all()) else ~attention_mask
 
 
 def _agree(sp: SequenceParallel, payload: list[int]) -> None:
