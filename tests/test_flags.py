@@ -55,6 +55,8 @@ CALLS = {
         _q, _q, _q, ring.ring_call_spec(Pattern, [4], [2]), **kw
     ),
     "ring.exchange_plan": lambda **kw: ring.exchange_plan(8, 2, [4], [2], **kw),
+    "ra.shard_sequence": lambda **kw: ra.shard_sequence(_q, 1, layout="balanced", **kw),
+    "ra.gather_sequence": lambda **kw: ra.gather_sequence(_q, 1, layout="balanced", **kw),
     "ra.Pattern": lambda **kw: Pattern([4], [2], **kw),
     "ra.DilatedAttention": lambda **kw: ra.DilatedAttention([4], [2], **kw),
     "ra.RingDilatedAttention": lambda **kw: ra.RingDilatedAttention([4], [2], **kw),

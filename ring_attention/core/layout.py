@@ -15,23 +15,78 @@ rank ``i`` holds the pieces of the ``U`` ranks ``i * U .. i * U + U - 1`` (its
 Ulysses group's stretch), adjacent runs merged, in global order. With
 ``"zigzag"`` that is chunks ``i * U ..`` and ``(2 * world_size - 1 - i) * U ..``
 of ``2 * world_size * U``: zigzag balancing at the ring level.
+
+``layout="balanced"`` balances the work of any pattern: rank ``j`` holds one
+contiguous run, the runs cut where the running sum of per-query-row work
+(the keys each row reaches under the pattern, window, causality and
+documents: :func:`ring_attention.planner.pairs.balanced_work_below`) crosses
+``j / p`` of the total. The cuts depend on the pattern, so the string is
+resolved where the pattern is known (:func:`resolve_layout`) into a
+:class:`Balanced` value, which every function here takes like a string
+layout; with ``fold=U`` the cuts are over ``world_size * U`` shards.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
+
+from .cache import cached
+from .pattern import Pattern
 
 __all__ = [
     "LAYOUTS",
+    "Balanced",
+    "Layout",
     "Piece",
+    "balanced_cuts",
     "check_layout",
+    "layout_code",
+    "layout_digest",
     "layout_pieces",
     "layout_shard_lengths",
+    "resolve_layout",
     "shard_bounds",
 ]
 
 #: The sequence layouts ``shard_sequence``/``ring_dilated_attention`` accept.
-LAYOUTS: tuple[str, ...] = ("contiguous", "zigzag")
+LAYOUTS: tuple[str, ...] = ("contiguous", "zigzag", "balanced")
+
+
+@dataclass(frozen=True)
+class Balanced:
+    """``layout="balanced"`` for one pattern (:func:`resolve_layout` builds
+    it): hashable, equal for patterns with the same branches, causality,
+    window and documents (what decides the work of a query row)."""
+
+    pattern: Pattern
+
+    def __repr__(self) -> str:
+        return f"'balanced' ({self.pattern.describe()}; digest {self.pattern.digest():#x})"
+
+
+#: A layout as the functions here take it: a name of :data:`LAYOUTS` other
+#: than ``"balanced"``, or a :class:`Balanced`.
+Layout = str | Balanced
+
+
+def resolve_layout(layout: Layout, pattern: Pattern) -> Layout:
+    """``layout`` checked, ``"balanced"`` resolved for ``pattern`` (with its
+    documents); a name of another layout is returned as it is."""
+    if isinstance(layout, Balanced) or check_layout(layout) != "balanced":
+        return layout
+    return Balanced(pattern._replace(head_groups=False, head_offsets="modulo"))
+
+
+def layout_code(layout: Layout) -> int:
+    """The index in :data:`LAYOUTS` of ``layout``'s name (the handshakes)."""
+    return LAYOUTS.index("balanced" if isinstance(layout, Balanced) else check_layout(layout))
+
+
+def layout_digest(layout: Layout) -> int:
+    """What the handshakes compare beside :func:`layout_code`: the digest of
+    a balanced layout's pattern, 0 for the others."""
+    return layout.pattern.digest() if isinstance(layout, Balanced) else 0
 
 
 class Piece(NamedTuple):
@@ -49,9 +104,10 @@ class Piece(NamedTuple):
     offset: int
 
 
-def check_layout(layout: str) -> str:
-    """Return ``layout`` if it is one of :data:`LAYOUTS`, else raise ``ValueError``."""
-    if layout not in LAYOUTS:
+def check_layout(layout: Layout) -> Layout:
+    """Return ``layout`` if it is one of :data:`LAYOUTS` (or a
+    :class:`Balanced`), else raise ``ValueError``."""
+    if not isinstance(layout, Balanced) and (not isinstance(layout, str) or layout not in LAYOUTS):
         raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {layout!r}")
     return layout
 
@@ -78,20 +134,30 @@ def shard_bounds(n: int, world_size: int) -> list[tuple[int, int]]:
 
 
 def layout_pieces(
-    n: int, world_size: int, rank: int, layout: str = "contiguous", fold: int = 1
+    n: int, world_size: int, rank: int, layout: Layout = "contiguous", fold: int = 1
 ) -> list[Piece]:
     """The runs of global positions rank ``rank`` holds, in local order.
 
-    One piece for ``"contiguous"``; two (chunks ``rank`` and
-    ``2 * world_size - 1 - rank`` of ``2 * world_size``) for ``"zigzag"``.
-    With ``fold > 1``: the merged pieces of ranks ``rank * fold ..
-    rank * fold + fold - 1`` of ``world_size * fold`` (see the module docstring).
+    One piece for ``"contiguous"`` and a :class:`Balanced`; two (chunks
+    ``rank`` and ``2 * world_size - 1 - rank`` of ``2 * world_size``) for
+    ``"zigzag"``. With ``fold > 1``: the merged pieces of ranks ``rank *
+    fold .. rank * fold + fold - 1`` of ``world_size * fold`` (see the module
+    docstring).
     """
     check_layout(layout)
+    if layout == "balanced":
+        raise ValueError(
+            "layout='balanced' places its cuts by the attention pattern: resolve it with the "
+            "pattern first (ring_attention.core.layout.resolve_layout; shard_sequence and "
+            "gather_sequence take the pattern's keywords)"
+        )
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
     if fold != 1:
         return _folded_pieces(n, world_size, rank, layout, fold)
+    if isinstance(layout, Balanced):
+        cuts = balanced_cuts(layout, n, world_size)
+        return [Piece(cuts[rank], cuts[rank + 1] - cuts[rank], 0)]
     if layout == "contiguous":
         start, length = shard_bounds(n, world_size)[rank]
         return [Piece(start, length, 0)]
@@ -101,7 +167,42 @@ def layout_pieces(
     return [Piece(first[0], first[1], 0), Piece(second[0], second[1], first[1])]
 
 
-def _folded_pieces(n: int, world_size: int, rank: int, layout: str, fold: int) -> list[Piece]:
+@cached("balanced layout cuts", 64)
+def balanced_cuts(layout: Balanced, n: int, shards: int) -> tuple[int, ...]:
+    """``shards + 1`` boundaries ``0 = c_0 <= ... <= c_shards = n``: shard
+    ``j`` is ``[c_j, c_{j+1})``, each ``c_j`` the position whose work below it
+    (:func:`ring_attention.planner.pairs.balanced_work_below`) is nearest
+    ``j / shards`` of the total. A vectorised bisection: about ``log2(n)``
+    evaluations of the closed-form count, never one per position."""
+    from ..planner.pairs import balanced_work_below  # (the planner imports this module)
+
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be a non-negative int, got {n!r}")
+    layout.pattern.check_length(n)
+    total = balanced_work_below(layout.pattern, n, [n])[0]
+    targets = [(total * j + shards // 2) // shards for j in range(1, shards)]
+    lo, hi = [0] * len(targets), [n] * len(targets)
+    while any(a < b for a, b in zip(lo, hi, strict=True)):
+        mid = [(a + b) // 2 for a, b in zip(lo, hi, strict=True)]
+        work = balanced_work_below(layout.pattern, n, mid)
+        for i, (m, w) in enumerate(zip(mid, work, strict=True)):
+            if lo[i] < hi[i]:
+                if w >= targets[i]:
+                    hi[i] = m
+                else:
+                    lo[i] = m + 1
+    # lo[i]: the first position whose work below reaches the target; the one
+    # before it may be nearer.
+    before = balanced_work_below(layout.pattern, n, [max(x - 1, 0) for x in lo])
+    at = balanced_work_below(layout.pattern, n, lo)
+    cuts = [0]
+    for x, t, b, a in zip(lo, targets, before, at, strict=True):
+        x = x - 1 if x > 0 and t - b < a - t else x
+        cuts.append(max(x, cuts[-1]))
+    return (*cuts, n)
+
+
+def _folded_pieces(n: int, world_size: int, rank: int, layout: Layout, fold: int) -> list[Piece]:
     parts = sorted(
         p
         for j in range(fold)
@@ -124,7 +225,7 @@ def _folded_pieces(n: int, world_size: int, rank: int, layout: str, fold: int) -
 
 
 def layout_shard_lengths(
-    n: int, world_size: int, layout: str = "contiguous", fold: int = 1
+    n: int, world_size: int, layout: Layout = "contiguous", fold: int = 1
 ) -> list[int]:
     """Local sequence length of every rank for a global length ``n``."""
     return [

@@ -51,7 +51,8 @@ def register_transformers(
             without communicating; the batch shards as for the ring.
         layout: the sharding layout of the sequence-parallel ranks,
             ``"contiguous"`` (default) or ``"zigzag"`` (docs/design.md §3;
-            in the hybrid, at the ring level).
+            in the hybrid, at the ring level). ``"balanced"`` is refused:
+            its cuts follow one pattern, the layers' may differ.
 
     The groups are held by weak references, so that
     ``destroy_process_group`` releases them; a sharded call after that raises
@@ -61,7 +62,7 @@ def register_transformers(
 
     Raises:
         ImportError: transformers is not installed (the ``hf`` extra).
-        ValueError: an unknown ``layout``, a ``group`` or ``ulysses_group``
+        ValueError: an unknown ``layout`` or ``"balanced"``, a ``group`` or ``ulysses_group``
             that is not a process group, a ``mesh`` that is not a 1-D or 2-D
             ``("ring", "ulysses")`` ``DeviceMesh``, or ``mesh`` together with
             the groups.

@@ -149,7 +149,12 @@ def spread_of(group: Any, ulysses_group: Any, mesh: Any, layout: str) -> Sequenc
     Raises:
         ValueError: as :func:`register_transformers`.
     """
-    check_layout(layout)
+    if check_layout(layout) == "balanced":
+        raise ValueError(
+            "layout='balanced' is not available to transformers models: the sequence is sharded "
+            "once for every layer, and balanced cuts follow one attention pattern (the layers' "
+            "patterns may differ); use layout='contiguous' or 'zigzag'"
+        )
     if isinstance(mesh, str) and mesh == "auto":
         if ulysses_group is not None or layout != "contiguous":
             raise ValueError(

@@ -149,7 +149,9 @@ class RingDilatedAttention(_PatternModule):
         head_offsets: ``"modulo"`` (default) or ``"grouped"`` (torchscale).
         group: process group, default the default group (with
             ``ulysses_group``: the ring, ``None`` = none).
-        layout: ``"contiguous"`` (default) or ``"zigzag"``.
+        layout: ``"contiguous"`` (default), ``"zigzag"`` or ``"balanced"``
+            (cuts balancing this pattern's work: shard inputs with
+            ``shard_sequence(..., layout="balanced")`` and the same pattern).
         ulysses_group, mesh: head-parallel (Ulysses) or ring x Ulysses
             sharding, as for :func:`ring_attention.ring_dilated_attention`.
         window: ``(left, right)``, a sliding window (``-1``: unbounded;

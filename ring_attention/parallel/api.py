@@ -151,9 +151,13 @@ def ring_dilated_attention(
             ``i * U + j`` (``shard_sequence`` with the same arguments).
         mesh: instead of the groups, a ``DeviceMesh``: 1-D = a ring over it,
             2-D with ``mesh_dim_names=("ring", "ulysses")`` = the hybrid.
-        layout: ``"contiguous"`` (default) or ``"zigzag"`` (balanced causal
+        layout: ``"contiguous"`` (default), ``"zigzag"`` (balanced causal
             work, see ``ring_attention.core.layout``; in the hybrid, zigzag at
-            the ring level).
+            the ring level) or ``"balanced"``: one run per rank, cut so that
+            every rank's work under this pattern (window, causality and
+            ``cu_seqlens`` included) is nearly equal; shard with
+            ``shard_sequence(..., layout="balanced")`` and the same pattern
+            keywords.
         return_lse: also return this rank's ``lse`` ``(batch, heads,
             seq_local)`` (float32; float64 for float64 inputs), differentiable.
         sinks: attention sinks ``(heads,)``, the same on every rank (as

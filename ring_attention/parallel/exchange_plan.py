@@ -39,7 +39,7 @@ import torch
 from ..core.cache import LRUCache
 from ..core.checks import check_int
 from ..core.geometry import MAX_SEQ_LEN
-from ..core.layout import Piece, check_layout, layout_pieces
+from ..core.layout import Piece, layout_pieces, resolve_layout
 from ..core.pattern import Pattern
 from ..local import engine
 
@@ -84,7 +84,7 @@ def _check_plan_args(
         raise ValueError(f"kv_heads must divide heads = {h}, got kv_heads = {kv}")
     p = check_int(world_size, "world_size", 1, MAX_SEQ_LEN)
     j = check_int(rank, "rank", 0, p - 1)
-    check_layout(layout)
+    layout = resolve_layout(layout, pattern)
     pattern.check_heads(h if head_range[1] == 0 else head_range[1])
     pattern.check_length(n)
     f = check_int(fold, "fold", 1, MAX_SEQ_LEN)

@@ -132,7 +132,7 @@ def _lengths_error(call: str, i: int, got: list[int], want: list[int], n: int, l
     return (
         f"{call}: the local sequence lengths of the ranks with ring index {i} are {got} "
         f"(Ulysses-index order, global length {n}), but layout={layout!r} over the grid expects "
-        f"{want}: shard i * U + j of torch.tensor_split; shard inputs with "
+        f"{want}: shard i * U + j of the layout over R * U ranks; shard inputs with "
         "ring_attention.shard_sequence(..., group=..., ulysses_group=...) or mesh="
     )
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.dtypes import dtype_code, dtype_name
-from ..core.layout import LAYOUTS, layout_shard_lengths
+from ..core.layout import LAYOUTS, Layout, layout_code, layout_digest, layout_shard_lengths
 from ..core.pattern import Pattern
 from .comm import all_gather_ints
 
@@ -68,8 +68,9 @@ RING_FIELDS = (
     "seq_len_local", "batch", "heads", "kv_heads", "head_dim", "dtype", "pattern", "scale",
     "layout", "requires_grad", "far_bytes",
 )  # fmt: skip
-_GATHER_DIMS = WORDS - 3 - 4  # shapes of up to 13 dimensions
-_GATHER_FIELDS = ("ndim", "dim", "dtype", "layout", *(f"size{i}" for i in range(_GATHER_DIMS)))
+_GATHER_DIMS = WORDS - 3 - 5  # shapes of up to 12 dimensions
+_GATHER_FIELDS = ("ndim", "dim", "dtype", "layout", *(f"size{i}" for i in range(_GATHER_DIMS)),
+                  "layout_digest")  # fmt: skip
 
 
 def peer_error(call: str, origin: int, reason: str, others: Sequence[int] = ()) -> ValueError:
@@ -187,7 +188,7 @@ def ring_message(
     pattern: Pattern,
     *,
     scale: float,
-    layout: str,
+    layout: Layout,
     needs_grad: bool,
     far_bytes: int = 0,
 ) -> list[int]:
@@ -203,7 +204,7 @@ def ring_message(
         "dtype": dtype_code(q.dtype),
         "pattern": pattern.digest(),
         "scale": _scale_bits(scale),
-        "layout": LAYOUTS.index(layout),
+        "layout": layout_code(layout),
         "requires_grad": int(needs_grad),
         "far_bytes": int(far_bytes),
     }
@@ -215,7 +216,7 @@ def ring_handshake(
     world: int,
     message: list[int] | None,
     pattern: Pattern | None,
-    layout: str,
+    layout: Layout,
     fold: int = 1,
     error: BaseException | Reason | None = None,
     order: Sequence[int] | None = None,
@@ -272,9 +273,16 @@ def ring_handshake(
         raise ValueError(
             f"ring_dilated_attention: the local sequence lengths {lengths} (rank order, global "
             f"length {n}) do not follow the layout={layout!r} sharding convention, which expects "
-            f"{expected} (torch.tensor_split); shard inputs with ring_attention.shard_sequence"
+            f"{expected} ({_convention(layout)}); shard inputs with ring_attention.shard_sequence"
         )
     return n
+
+
+def _convention(layout: Layout) -> str:
+    """Where a layout's lengths come from (error messages)."""
+    if isinstance(layout, str):
+        return "torch.tensor_split convention"
+    return "the balanced cuts of its pattern: shard with the same pattern keywords"
 
 
 def _documents_detail(gathered: list[tuple[str, tuple[int, ...] | None]]) -> str:
@@ -302,7 +310,7 @@ def gather_handshake(
     world: int,
     x_local: torch.Tensor,
     dim: int,
-    layout: str,
+    layout: Layout,
     order: Sequence[int] | None = None,
 ) -> list[int]:
     """Check that every rank gathers pieces of one tensor along ``dim``; the
@@ -315,18 +323,22 @@ def gather_handshake(
         reject(group, "gather_sequence", error, order)
         raise error
     shape = list(x_local.shape) + [-1] * (_GATHER_DIMS - x_local.dim())
-    rows = _exchange(
-        group,
-        "gather_sequence",
-        [x_local.dim(), dim, dtype_code(x_local.dtype), LAYOUTS.index(layout), *shape],
-        order=order,
-    )
+    message = [x_local.dim(), dim, dtype_code(x_local.dtype), layout_code(layout), *shape]
+    rows = _exchange(group, "gather_sequence", [*message, layout_digest(layout)], order=order)
     assert rows is not None
     table = {f: [r[i] for r in rows] for i, f in enumerate(_GATHER_FIELDS)}
     prefix = "gather_sequence: ranks disagree on "
     for name in ("ndim", "dim", "layout"):
         if len(set(table[name])) > 1:
-            raise ValueError(prefix + f"{name}: {table[name]} (rank order)")
+            vals = table[name]
+            if name == "layout":
+                vals = [LAYOUTS[x] if 0 <= x < len(LAYOUTS) else x for x in vals]
+            raise ValueError(prefix + f"{name}: {vals} (rank order)")
+    if len(set(table["layout_digest"])) > 1:
+        raise ValueError(
+            prefix + "the pattern of layout='balanced' (segment_lengths, dilation_rates, "
+            "causal, window, cu_seqlens): each rank's cuts would differ"
+        )
     if len(set(table["dtype"])) > 1:
         raise ValueError(prefix + f"the dtype: {[dtype_name(c) for c in table['dtype']]}")
     shapes = [r[4 : 4 + x_local.dim()] for r in rows]
@@ -338,6 +350,6 @@ def gather_handshake(
     if lengths != expected:
         raise ValueError(
             f"gather_sequence: local lengths along dim {dim} are {lengths} (global length "
-            f"{n}), but layout={layout!r} expects {expected} (torch.tensor_split convention)"
+            f"{n}), but layout={layout!r} expects {expected} ({_convention(layout)})"
         )
     return lengths

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.checks import sinks_meta
-from ..core.layout import check_layout
+from ..core.layout import resolve_layout
 from ..core.pattern import Pattern, as_flag
 from ..local import engine
 from . import ring_ops  # noqa: F401  (registers torch.ops.ring_attention.ring_forward/_backward)
@@ -100,7 +100,7 @@ def exchange_plan(
         segment_lengths, dilation_rates, causal=causal, head_groups=head_groups,
         head_offsets=head_offsets, window=window,
     ).with_documents(cu_seqlens)  # fmt: skip
-    check_layout(layout)
+    layout = resolve_layout(layout, pattern)
     world, rank = world_info(group)
     return get_plan(pattern, seq_len, heads, heads if kv_heads is None else kv_heads, world, rank,
                     layout)  # fmt: skip

@@ -23,7 +23,7 @@ from ..core.call import Call
 from ..core.checks import check_qkv, check_sinks_meta, resolve_scale
 from ..core.config import far_bytes
 from ..core.dtypes import acc_dtype
-from ..core.layout import check_layout
+from ..core.layout import resolve_layout
 from ..core.pattern import Pattern
 from .comm import comm_device, global_ranks, world_info
 from .exchange import last_exchange_stats
@@ -64,11 +64,11 @@ def _call_of(
         rank = spec.ranks.index(dist.get_rank())
         if order == tuple(range(world)):
             order = None
-    message, pattern, error, far = None, None, spec.error, 0
+    message, pattern, error, far, layout = None, None, spec.error, 0, spec.layout
     if error is None:
         try:
             pattern = _with_documents(key, spec.pattern, documents)
-            check_layout(spec.layout)
+            layout = resolve_layout(spec.layout, pattern)
             heads = spec.head_range if spec.head_range[1] else None
             shape = check_qkv(q, k, v, head_range=heads)
             far = far_bytes(q.device.type)
@@ -79,7 +79,7 @@ def _call_of(
                 if world > 1:
                     comm_device(group, q.device)  # raises for unsupported transports
                 message = ring_message(q, shape.kv_heads, pattern, scale=scale,
-                                       layout=spec.layout, needs_grad=needs_grad,
+                                       layout=layout, needs_grad=needs_grad,
                                        far_bytes=far)  # fmt: skip
         except Exception as exc:  # every rank must hear of it: reported in the handshake
             error = exc
@@ -92,13 +92,13 @@ def _call_of(
                 raise error
             if spec.ranks is None:  # (ranks: a call of the grid's, which checked it)
                 check_ring(group)
-            n = ring_handshake(group, world, message, pattern, spec.layout, spec.fold, error, order)
+            n = ring_handshake(group, world, message, pattern, layout, spec.fold, error, order)
         else:
             n = q.shape[1] if error is None else -1
     if error is not None:
         raise error
     pattern.check_length(n)
-    plan = get_plan(pattern, n, shape.heads, shape.kv_heads, world, rank, spec.layout, spec.fold,
+    plan = get_plan(pattern, n, shape.heads, shape.kv_heads, world, rank, layout, spec.fold,
                     spec.head_range)  # fmt: skip
     return RingCall(
         plan=plan,

@@ -2,8 +2,10 @@
 
 A rank holds the piece of the sequence that ``torch.tensor_split(x,
 world_size, dim)`` gives it (docs/design.md §3): any global length, pieces
-differing by at most one. ``layout="zigzag"`` (balanced causal work) is
-described in :mod:`ring_attention.core.layout`.
+differing by at most one. ``layout="zigzag"`` (balanced causal work) and
+``layout="balanced"`` (balanced work of any pattern, given by the keywords
+``segment_lengths``, ``dilation_rates``, ``causal``, ``window`` and
+``cu_seqlens``) are described in :mod:`ring_attention.core.layout`.
 
 ``group=None`` means the default process group; with no initialised process
 group (or a group of one) both functions are the identity. With
@@ -15,18 +17,25 @@ the rank with ring index ``i`` and Ulysses index ``j`` of ``U`` holds piece
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
 from ..core.dtypes import dtype_code
 from ..core.layout import (
     LAYOUTS,
+    Layout,
     Piece,
     check_layout,
+    layout_code,
+    layout_digest,
     layout_pieces,
     layout_shard_lengths,
+    resolve_layout,
     shard_bounds,
 )
+from ..core.pattern import Pattern, as_flag
 from .comm import comm_device, world_info
 from .grid import grid_handshake, topology_of
 from .handshake import gather_handshake
@@ -69,6 +78,42 @@ def _grid(group, ulysses_group, mesh) -> tuple[int, int]:
     return topo.world_size, topo.shard_index
 
 
+#: The pattern of ``segment_lengths=None``: dense attention.
+_DENSE = ((2**62,), (1,))
+
+
+def _sharding_layout(
+    layout: str,
+    segment_lengths: Sequence[int] | None,
+    dilation_rates: Sequence[int] | None,
+    causal: bool,
+    window: tuple[int, int] | None,
+    cu_seqlens: Sequence[int] | Tensor | None,
+) -> Layout:
+    """``layout`` checked; ``"balanced"`` resolved for the pattern of the
+    keywords (checked as ``ring_dilated_attention`` checks them;
+    ``segment_lengths=None``: dense). The keywords serve ``"balanced"`` only."""
+    check_layout(layout)
+    causal = as_flag(causal, "causal")
+    if layout != "balanced":
+        given = [name for name, value, default in (
+            ("segment_lengths", segment_lengths, None), ("dilation_rates", dilation_rates, None),
+            ("causal", causal, False), ("window", window, None), ("cu_seqlens", cu_seqlens, None),
+        ) if value is not default]  # fmt: skip
+        if given:
+            raise ValueError(
+                f"{', '.join(given)}: the pattern places the cuts of layout='balanced' only, "
+                f"got it with layout={layout!r}"
+            )
+        return layout
+    if segment_lengths is None:
+        if dilation_rates is not None:
+            raise ValueError("dilation_rates needs segment_lengths (None: dense attention)")
+        segment_lengths, dilation_rates = _DENSE
+    pattern = Pattern(segment_lengths, dilation_rates, causal=causal, window=window)
+    return resolve_layout(layout, pattern.with_documents(cu_seqlens))
+
+
 def shard_sequence(
     x: torch.Tensor,
     dim: int = 1,
@@ -77,13 +122,20 @@ def shard_sequence(
     ulysses_group: dist.ProcessGroup | None = None,
     mesh=None,
     layout: str = "contiguous",
+    segment_lengths: Sequence[int] | None = None,
+    dilation_rates: Sequence[int] | None = None,
+    causal: bool = False,
+    window: tuple[int, int] | None = None,
+    cu_seqlens: Sequence[int] | Tensor | None = None,
 ) -> torch.Tensor:
     """This rank's piece of the full tensor ``x`` along ``dim``.
 
     ``layout="contiguous"`` returns ``torch.tensor_split(x, world_size, dim)[rank]``
     (a view, like ``tensor_split``); ``layout="zigzag"`` returns the
     concatenation of chunks ``rank`` and ``2 * world_size - 1 - rank`` of
-    ``torch.tensor_split(x, 2 * world_size, dim)`` (a new tensor).
+    ``torch.tensor_split(x, 2 * world_size, dim)`` (a new tensor);
+    ``layout="balanced"`` the rank's run of the cuts that balance the work of
+    the pattern the keywords give (a view).
     Differentiable. Every rank must pass the same full ``x``; nothing is
     communicated.
 
@@ -97,10 +149,21 @@ def shard_sequence(
             ``i`` and Ulysses index ``j`` (``ring_dilated_attention``).
         mesh: instead of the groups, a 1-D or 2-D ``("ring", "ulysses")``
             ``DeviceMesh``.
-        layout: ``"contiguous"`` (default) or ``"zigzag"``.
+        layout: ``"contiguous"`` (default), ``"zigzag"`` or ``"balanced"``.
+        segment_lengths, dilation_rates, causal, window, cu_seqlens: with
+            ``layout="balanced"`` only, the pattern whose work the cuts
+            balance, as given to ``ring_dilated_attention``
+            (``segment_lengths=None``: dense attention).
+
+    Raises:
+        ValueError: a bad ``dim`` or ``layout``, a bad pattern, pattern
+            keywords with a layout other than ``"balanced"``, or
+            ``cu_seqlens`` not ending at the length of ``x`` along ``dim``.
     """
     dim = _check_dim(x, dim, "x")
-    check_layout(layout)
+    layout = _sharding_layout(layout, segment_lengths, dilation_rates, causal, window, cu_seqlens)
+    if not isinstance(layout, str):
+        layout.pattern.check_length(x.shape[dim])
     world, rank = _grid(group, ulysses_group, mesh)
     if world == 1:
         return x
@@ -114,7 +177,7 @@ def _gather_varlen(
     x_local: torch.Tensor,
     dim: int,
     group: dist.ProcessGroup | None,
-    layout: str,
+    layout: Layout,
     order: tuple[int, ...] | None,
 ) -> tuple[torch.Tensor, list[Piece]]:
     """All-gather variable-length pieces and reassemble the full tensor
@@ -159,7 +222,7 @@ class _GatherSequence(torch.autograd.Function):
     tensor, as in sequence-parallel training)."""
 
     @staticmethod
-    def forward(ctx, x_local: torch.Tensor, dim: int, group, layout: str, order) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x_local: torch.Tensor, dim: int, group, layout: Layout, order) -> torch.Tensor:  # type: ignore[override]
         full, pieces = _gather_varlen(x_local, dim, group, layout, order)
         ctx.dim = dim
         ctx.pieces = pieces
@@ -180,12 +243,17 @@ def gather_sequence(
     ulysses_group: dist.ProcessGroup | None = None,
     mesh=None,
     layout: str = "contiguous",
+    segment_lengths: Sequence[int] | None = None,
+    dilation_rates: Sequence[int] | None = None,
+    causal: bool = False,
+    window: tuple[int, int] | None = None,
+    cu_seqlens: Sequence[int] | Tensor | None = None,
 ) -> torch.Tensor:
     """The full tensor from every rank's piece along ``dim`` (inverse of
     :func:`shard_sequence`).
 
-    Pieces may differ in length (they follow the ``torch.tensor_split``
-    convention of ``layout``); they are padded to the longest, all-gathered and
+    Pieces may differ in length (they follow the convention of ``layout``);
+    they are padded to the longest, all-gathered and
     trimmed. Ranks whose shapes, dtypes or lengths disagree raise
     ``ValueError`` on every rank. Differentiable: the gradient of ``x_local``
     is this rank's slice of the gradient of the full tensor (the loss is
@@ -199,10 +267,12 @@ def gather_sequence(
             process group ``x_local`` is returned unchanged. With
             ``ulysses_group``: the ring (``None``: no ring).
         ulysses_group, mesh: as for :func:`shard_sequence`.
-        layout: ``"contiguous"`` (default) or ``"zigzag"``.
+        layout, segment_lengths, dilation_rates, causal, window, cu_seqlens:
+            as for :func:`shard_sequence`; ranks whose balanced patterns
+            differ raise on every rank.
     """
     dim = _check_dim(x_local, dim, "x_local")
-    check_layout(layout)
+    layout = _sharding_layout(layout, segment_lengths, dilation_rates, causal, window, cu_seqlens)
     if ulysses_group is not None or mesh is not None:
         topo = topology_of(group, ulysses_group, mesh, "gather_sequence")
         check_grid(topo)
@@ -223,7 +293,7 @@ def gather_sequence(
 
 _GATHER_DIMS = 5
 _GATHER_FIELDS = ("seq_len_local", "ndim", "dim", "dtype", "layout",
-                  *(f"size{k}" for k in range(_GATHER_DIMS)))  # fmt: skip
+                  *(f"size{k}" for k in range(_GATHER_DIMS)), "layout_digest")  # fmt: skip
 
 
 def _all_gather_padded(
@@ -253,10 +323,10 @@ class _GatherGrid(torch.autograd.Function):
     the same on every rank, as in sequence-parallel training)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, dim: int, topo: Topology, layout: str) -> Tensor:  # type: ignore[override]
+    def forward(ctx, x: Tensor, dim: int, topo: Topology, layout: Layout) -> Tensor:  # type: ignore[override]
         sizes = [s if k != dim else -1 for k, s in enumerate(x.shape)]
-        message = [x.shape[dim], x.dim(), dim, dtype_code(x.dtype), LAYOUTS.index(layout),
-                   *sizes, *([-1] * (_GATHER_DIMS - x.dim()))]  # fmt: skip
+        message = [x.shape[dim], x.dim(), dim, dtype_code(x.dtype), layout_code(layout),
+                   *sizes, *([-1] * (_GATHER_DIMS - x.dim())), layout_digest(layout)]  # fmt: skip
         n, row_lengths = grid_handshake(topo, "gather_sequence", _GATHER_FIELDS, message, layout)
         U, R, W = topo.ulysses_size, topo.ring_size, topo.world_size
         row = Row(
@@ -288,7 +358,7 @@ class _GatherGrid(torch.autograd.Function):
         return torch.cat(parts, dim=ctx.dim), None, None, None
 
 
-def gather_grid(x_local: Tensor, dim: int, topo: Topology, layout: str) -> Tensor:
+def gather_grid(x_local: Tensor, dim: int, topo: Topology, layout: Layout) -> Tensor:
     """``gather_sequence`` over a grid with ``U > 1`` (``dim`` checked,
     non-negative). Tensors of more than 5 dimensions are refused on every
     rank."""

@@ -44,8 +44,10 @@ from ..core.call import Call
 from ..core.checks import check_qkv, check_sinks, resolve_scale
 from ..core.dtypes import dtype_name
 from ..core.layout import (
+    Layout,
     check_layout,
     layout_pieces,
+    resolve_layout,
     shard_bounds,
 )
 from ..core.pattern import Pattern, as_flag
@@ -294,7 +296,7 @@ def ulysses_attention(
         return_lse = as_flag(return_lse, "return_lse")
         if callable(pattern) and not isinstance(pattern, Pattern):
             pattern = pattern()
-        check_layout(layout)
+        layout = resolve_layout(layout, pattern)
         shape = check_qkv(q_local, k_local, v_local)
         pattern.check_heads(shape.heads)
         check_sinks(sinks, shape.heads, q_local.device)
@@ -371,7 +373,7 @@ def ulysses_call(
 
 def _ulysses(
     link: _Link, topo: Topology, row: Row, q: Tensor, k: Tensor, v: Tensor, pattern: Pattern,
-    scale: float, layout: str,
+    scale: float, layout: Layout,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     B, L, H, D = q.shape
     Hkv = k.shape[2]

@@ -38,7 +38,13 @@ from functools import cached_property
 
 import torch
 
-from ..core.layout import Piece, layout_pieces, layout_shard_lengths, shard_bounds
+from ..core.layout import (
+    Piece,
+    layout_pieces,
+    layout_shard_lengths,
+    resolve_layout,
+    shard_bounds,
+)
 from ..core.pattern import Pattern
 from . import traffic
 from .capacity import Setup
@@ -198,20 +204,21 @@ def evaluate_mode(
     a2a_link = a2a_link or setup.link
     ring_link = ring_link or setup.link
     pattern = setup.pattern_at(seq_len)
+    layout = resolve_layout(setup.layout, pattern)
     H, Hkv, D, B, s = setup.heads, setup.kv_heads, setup.head_dim, setup.batch, setup.itemsize
     acc = acc_bytes(s)
     W = R * U
-    lengths = layout_shard_lengths(seq_len, W, setup.layout)
+    lengths = layout_shard_lengths(seq_len, W, layout)
     heads = shard_bounds(H, U)
     c = [n for _, n in heads]
     kv = [_kv_range(st, n, H, Hkv) for st, n in heads]
     k = [b - a for a, b in kv]
-    rates = setup.rates(max(layout_shard_lengths(seq_len, R, setup.layout, U)))
+    rates = setup.rates(max(layout_shard_lengths(seq_len, R, layout, U)))
     slices: dict[tuple[int, int], tuple[Traffic, list[LayerMemory], list[RankTime]]] = {}
     for j in range(U):
         key = (c[j], k[j] if c[j] % max(k[j], 1) == 0 else c[j])
         if c[j] and key not in slices:
-            tr = stretch_traffic(pattern, seq_len, *key, R, U, setup.layout, setup.source)
+            tr = stretch_traffic(pattern, seq_len, *key, R, U, layout, setup.source)
             slices[key] = (
                 tr,
                 layer_memories(tr, B, D, s, device=setup.device),
@@ -232,7 +239,7 @@ def evaluate_mode(
             ring_f = int(2 * tr.rows_sent[i]) * B * D * s
             ring_fb = 2 * ring_f + int(2 * tr.rows_received[i]) * B * D * acc
             mem, time = mems[i], times[i]
-            if len(layout_pieces(seq_len, R, i, setup.layout, U)) == 1:  # one run: no copies
+            if len(layout_pieces(seq_len, R, i, layout, U)) == 1:  # one run: no copies
                 mem = LayerMemory(
                     mem.inputs,
                     {**mem.forward, _ZIGZAG: 0},

@@ -20,6 +20,7 @@ scores); they change what travels (:mod:`.traffic`).
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Sequence
 
 import torch
@@ -31,6 +32,7 @@ from ..core.pattern import Pattern, as_flag
 __all__ = [
     "BWD_FLOPS_PER_PAIR",
     "FWD_FLOPS_PER_PAIR",
+    "balanced_work_below",
     "check_planner_args",
     "pattern_flops",
     "range_pairs",
@@ -232,6 +234,45 @@ def ranks_pairs(
     ).reshape(len(ranges), most, 2)
     below = _prefix_pairs(pattern, seq_len, offsets, ends.reshape(-1)).view(ends.shape)
     return (below[..., 1] - below[..., 0]).sum(1).tolist()
+
+
+#: :func:`balanced_work_below` counts at most this many offsets of a branch.
+BALANCE_OFFSETS = 64
+
+
+def balanced_work_below(pattern: Pattern, seq_len: int, xs: Sequence[int]) -> list[int]:
+    """The work of the queries below each ``x`` of ``xs`` (in ``[0,
+    seq_len]``), independent of the number of heads: what
+    ``layout="balanced"`` (:mod:`ring_attention.core.layout`) cuts evenly.
+
+    It is the reached pairs with every dilation offset of a branch equally
+    represented (heads spread evenly over the offsets, as ``h mod r`` does
+    for a number of heads that ``r`` divides): per branch ``(w, r)``, the
+    pairs of each offset ``o < r`` weighted ``1 / r`` (scaled to integers by
+    a common multiple; exact Python ints). A branch with ``r`` beyond
+    :data:`BALANCE_OFFSETS` is represented by that many evenly spread
+    offsets. Closed form (:func:`_prefix_pairs`), no position visited."""
+    xs = [int(x) for x in xs]
+    if not xs:
+        return []
+    most = BALANCE_OFFSETS
+    chosen = [
+        range(r) if r <= most else [k * r // most for k in range(most)] for _, r in pattern.branches
+    ]
+    scale = math.lcm(*(len(c) for c in chosen))
+    total = [0] * len(xs)
+    for (w, r), offs in zip(pattern.branches, chosen, strict=True):
+        branch = pattern._replace(segment_lengths=(w,), dilation_rates=(r,))
+        weights = [dict.fromkeys(offs, 1)]
+        reach = len(offs) * (-(-min(w, seq_len) // r) + 1)
+        if 8 * seq_len * reach < _INT64_SAFE:
+            ends = torch.tensor(xs, dtype=torch.int64)
+            counts = _prefix_pairs(branch, seq_len, weights, ends).tolist()
+        else:  # Python integers
+            counts = [range_pairs(branch, seq_len, weights, 0, x) for x in xs]
+        weight = scale // len(offs)
+        total = [t + weight * c for t, c in zip(total, counts, strict=True)]
+    return total
 
 
 #: The planner counts offsets head by head: at most this many heads.

@@ -47,7 +47,7 @@ import torch
 
 from ..core.checks import check_int
 from ..core.geometry import active_before, segment_around
-from ..core.layout import Piece, check_layout, shard_bounds
+from ..core.layout import Layout, Piece, layout_pieces, resolve_layout, shard_bounds
 from ..core.pattern import Pattern
 from .pairs import check_planner_args, ranks_pairs
 from .progressions import union_stats
@@ -330,9 +330,11 @@ def _listed_branches(
     return out
 
 
-def all_pieces(seq_len: int, p: int, layout: str) -> list[list[Piece]]:
+def all_pieces(seq_len: int, p: int, layout: Layout) -> list[list[Piece]]:
     """Every rank's pieces, as :func:`ring_attention.core.layout.layout_pieces`
     gives them (computed from one split instead of one per rank)."""
+    if not isinstance(layout, str):  # balanced: one (cached) set of cuts
+        return [layout_pieces(seq_len, p, j, layout) for j in range(p)]
     if layout == "contiguous":
         return [[Piece(s, n, 0)] for s, n in shard_bounds(seq_len, p)]
     chunks = shard_bounds(seq_len, 2 * p)
@@ -502,7 +504,7 @@ def predict_traffic(
         heads, kv_heads: query and K/V heads (``kv_heads`` divides ``heads``;
             default ``heads``).
         world_size: ranks.
-        layout: ``"contiguous"`` or ``"zigzag"``.
+        layout: ``"contiguous"``, ``"zigzag"`` or ``"balanced"``.
         source: ``"plan"`` (the ring's own plans), ``"analytic"``, or
             ``"auto"``: the plans when ``p * n * heads <= 2**24`` and the
             compiled extension is there (the planner imports and runs
@@ -518,7 +520,7 @@ def predict_traffic(
     kv_heads = heads if kv_heads is None else check_int(kv_heads, "kv_heads", 1, heads)
     if heads % kv_heads:
         raise ValueError(f"kv_heads must divide heads = {heads}, got kv_heads = {kv_heads}")
-    check_layout(layout)
+    layout = resolve_layout(layout, pattern)
     if source not in SOURCES:
         raise ValueError(f"source must be one of {list(SOURCES)}, got {source!r}")
     p = check_int(world_size, "world_size", 1, MAX_WORLD_SIZE)
