@@ -149,7 +149,7 @@ def cmd_llm(a: argparse.Namespace) -> int:
         f"{h} heads, head_dim {d}, {a.threads} threads (median of {a.iters})",
         "",
     ]
-    from ring_attention.planner.pairs import reached_pairs
+    from ring_attention.core.pairs import reached_pairs
 
     rows = []
     for name, extra in (("unpacked", {}), ("packed", {"cu_seqlens": cu})):

@@ -19,14 +19,14 @@ def pattern_pairs(
     rows: Sequence[tuple[int, int]] | None = None,
 ) -> int:
     """Exact number of reached (query, key) pairs, branches counted with multiplicity
-    (the planner's closed form, ``ring_attention.planner.pairs.reached_pairs``).
+    (the planner's closed form, ``ring_attention.core.pairs.reached_pairs``).
 
     Summed over batch and heads; ``rows``: only the queries in these
     ``(start, length)`` runs (a rank's shard), default the whole sequence.
     Pattern FLOPs are ``4 * head_dim`` per pair forward, 2.5x that backward.
     """
+    from ring_attention.core.pairs import reached_pairs
     from ring_attention.core.pattern import Pattern
-    from ring_attention.planner.pairs import reached_pairs
 
     pattern = Pattern(segs, dils, causal=causal, head_groups=head_groups)
     return batch * reached_pairs(pattern, n, heads, None if rows is None else list(rows))

@@ -24,10 +24,10 @@ import torch
 
 from .core import config
 from .core.geometry import MAX_SEQ_LEN
+from .core.pairs import MAX_HEADS
 from .core.pattern import Pattern
 from .local.dispatch import Route, decide
 from .planner.cli_types import int_in
-from .planner.pairs import MAX_HEADS
 
 __all__ = ["describe", "main"]
 

@@ -471,11 +471,12 @@ def sp_worker(rank: int, world: int, cases: list) -> list:
     errors = []
     model = build(cases[0][0], "ring_dilated", torch.float64, state=cases[0][1])
     batch = hf.shard_causal_lm_batch(cases[0][2], cases[0][3])
-    for drop in ("cu_seq_lens_q", "cu_seq_lens_k"):
-        batch.pop(drop)
     mask = torch.ones_like(batch["input_ids"])
     mask[:, -1] = 0
-    for kwargs in (batch, dict(batch, attention_mask=mask)):
+    padded = dict(batch, attention_mask=mask)
+    for drop in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        batch.pop(drop)
+    for kwargs in (batch, padded):
         try:
             model(**kwargs)
             errors.append(None)

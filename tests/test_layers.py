@@ -37,6 +37,7 @@ ACROSS = {
 LAZY = {
     (PKG, f"{PKG}.hf"): "register_transformers on first use: hf imports torch._dynamo",
     (f"{PKG}.hf", f"{PKG}.hf.trainer"): "SequenceParallelTrainer imports transformers",
+    (f"{PKG}.hf", f"{PKG}.hf.sharded_cache"): "ShardedCache imports transformers",
     (f"{PKG}.parallel.api", f"{PKG}.parallel.ulysses_eager"): "torch.compiler.disable imports "
     "torch._dynamo: only while compiling",
     (f"{PKG}.planner.validate", f"{PKG}.parallel.exchange"): "runs in the measured ranks",

@@ -28,10 +28,12 @@ import pytest
 import torch
 from oracle import multiplicity as oracle_multiplicity
 
+from ring_attention.core import pairs
 from ring_attention.core.layout import layout_pieces
 from ring_attention.core.multiplicity import multiplicity
+from ring_attention.core.pairs import pattern_flops, reached_pairs
 from ring_attention.core.pattern import Pattern
-from ring_attention.planner import pairs, progressions, traffic
+from ring_attention.planner import progressions, traffic
 from ring_attention.planner.capacity import (
     Evaluation,
     Setup,
@@ -44,7 +46,6 @@ from ring_attention.planner.capacity import (
 from ring_attention.planner.cli import main
 from ring_attention.planner.cli_args import parse_size
 from ring_attention.planner.memory import layer_memories, transport_buffers
-from ring_attention.planner.pairs import pattern_flops, reached_pairs
 from ring_attention.planner.presets import MODELS, longnet_pattern
 from ring_attention.planner.progressions import union_stats
 from ring_attention.planner.throughput import Rates, assumed_rates, rates_from_records

@@ -19,7 +19,7 @@ of ``2 * world_size * U``: zigzag balancing at the ring level.
 ``layout="balanced"`` balances the work of any pattern: rank ``j`` holds one
 contiguous run, the runs cut where the running sum of per-query-row work
 (the keys each row reaches under the pattern, window, causality and
-documents: :func:`ring_attention.planner.pairs.balanced_work_below`) crosses
+documents: :func:`ring_attention.core.pairs.balanced_work_below`) crosses
 ``j / p`` of the total. The cuts depend on the pattern, so the string is
 resolved where the pattern is known (:func:`resolve_layout`) into a
 :class:`Balanced` value, which every function here takes like a string
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from .cache import cached
+from .pairs import balanced_work_below
 from .pattern import Pattern
 
 __all__ = [
@@ -171,11 +172,9 @@ def layout_pieces(
 def balanced_cuts(layout: Balanced, n: int, shards: int) -> tuple[int, ...]:
     """``shards + 1`` boundaries ``0 = c_0 <= ... <= c_shards = n``: shard
     ``j`` is ``[c_j, c_{j+1})``, each ``c_j`` the position whose work below it
-    (:func:`ring_attention.planner.pairs.balanced_work_below`) is nearest
+    (:func:`ring_attention.core.pairs.balanced_work_below`) is nearest
     ``j / shards`` of the total. A vectorised bisection: about ``log2(n)``
     evaluations of the closed-form count, never one per position."""
-    from ..planner.pairs import balanced_work_below  # (the planner imports this module)
-
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"n must be a non-negative int, got {n!r}")
     layout.pattern.check_length(n)

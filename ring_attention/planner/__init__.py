@@ -16,9 +16,9 @@ attention layer and for a whole model (``python -m ring_attention.planner``):
 * :mod:`.validate`: predictions against measured gloo runs on this machine.
 """
 
+from ..core.pairs import pattern_flops, reached_pairs
 from .capacity import Evaluation, Setup, evaluate, fewest_ranks, largest_length
 from .memory import LayerMemory, layer_memories, layer_memory, transport_buffers
-from .pairs import pattern_flops, reached_pairs
 from .presets import MODELS, PATTERNS, ModelShape, longnet_pattern
 from .throughput import Rates, assumed_rates, load_records, rates_from_records
 from .timing import Link, RankTime, layer_times

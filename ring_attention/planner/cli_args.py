@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from ..core.geometry import MAX_SEQ_LEN
 from ..core.layout import LAYOUTS
+from ..core.pairs import MAX_HEADS
 from ..core.pattern import HEAD_OFFSETS
 from .cli_setup import OptionError, check_args
 from .cli_types import (
@@ -25,7 +26,6 @@ from .cli_types import (
 )
 from .memory import DTYPE_BYTES
 from .modes_cli import add_arguments as add_mode_arguments
-from .pairs import MAX_HEADS
 from .presets import MODELS, PATTERNS
 from .throughput import dtype_name
 from .timing import LINKS

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import argparse
 
+from ..core.pairs import pattern_flops
 from .capacity import Evaluation, Setup
 from .cli_args import LINK_DEFAULTS
-from .pairs import pattern_flops
 from .presets import PATTERNS
 
 __all__ = [

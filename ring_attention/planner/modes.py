@@ -45,11 +45,11 @@ from ..core.layout import (
     resolve_layout,
     shard_bounds,
 )
+from ..core.pairs import ranks_pairs
 from ..core.pattern import Pattern
 from . import traffic
 from .capacity import Setup
 from .memory import KERNEL_WORKSPACE, LayerMemory, acc_bytes, layer_memories
-from .pairs import ranks_pairs
 from .timing import Link, RankTime, layer_times
 from .traffic import Traffic, _analytic, sent_rows
 

@@ -53,8 +53,8 @@ from dataclasses import dataclass
 import torch
 
 from ..core.links import LINKS, Link
+from ..core.pairs import BWD_FLOPS_PER_PAIR, FWD_FLOPS_PER_PAIR
 from .memory import acc_bytes
-from .pairs import BWD_FLOPS_PER_PAIR, FWD_FLOPS_PER_PAIR
 from .throughput import Rates
 from .traffic import Traffic
 

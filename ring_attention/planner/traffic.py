@@ -48,8 +48,8 @@ import torch
 from ..core.checks import check_int
 from ..core.geometry import active_before, segment_around
 from ..core.layout import Layout, Piece, layout_pieces, resolve_layout, shard_bounds
+from ..core.pairs import check_planner_args, ranks_pairs
 from ..core.pattern import Pattern
-from .pairs import check_planner_args, ranks_pairs
 from .progressions import union_stats
 
 __all__ = ["SOURCES", "Traffic", "kv_classes", "predict_traffic"]

@@ -49,11 +49,11 @@ from pathlib import Path
 
 import torch
 
+from ..core.pairs import pattern_flops, reached_pairs
 from ..core.pattern import Pattern
 from ..testing import run_distributed
 from .capacity import Setup, evaluate
 from .memory import KERNEL_WORKSPACE
-from .pairs import pattern_flops, reached_pairs
 from .throughput import load_records
 from .timing import Link
 

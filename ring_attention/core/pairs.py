@@ -25,9 +25,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ..core.checks import check_int
-from ..core.geometry import MAX_SEQ_LEN, IntOrTensor, active_before
-from ..core.pattern import Pattern, as_flag
+from .checks import check_int
+from .geometry import MAX_SEQ_LEN, IntOrTensor, active_before
+from .pattern import Pattern, as_flag
 
 __all__ = [
     "BWD_FLOPS_PER_PAIR",
