@@ -145,3 +145,25 @@ def test_generation_beside_training_raises_on_every_rank_of_the_hybrid() -> None
                                                    pg_timeout=1800)):  # fmt: skip
         assert "out of step" in message or "rank 3 failed" in message, (rank, message)
         assert "generation over the group" in message or "out of step" in message, message
+
+
+def _bad_blocks(rank: int, world: int) -> list[str]:
+    ra.register_transformers(group=dist.group.WORLD)
+    cfg = tiny_config("llama", 2, PATTERN)
+    said = []
+    for block in (0, -3, True, 2.0):
+        try:
+            ShardedCache(cfg, block=block)
+            said.append("no error")
+        except ValueError as exc:
+            said.append(str(exc))
+    ra.register_transformers()
+    return said
+
+
+def test_sharded_cache_checks_its_arguments() -> None:
+    ra.register_transformers()
+    with pytest.raises(ValueError, match="register_transformers"):
+        ShardedCache(tiny_config("llama", 2, PATTERN))
+    for said in run_distributed(_bad_blocks, 2, timeout=120):
+        assert all("block must be a positive int" in s for s in said), said

@@ -22,7 +22,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from ..geometry import MAX_SEQ_LEN
+from ..core.geometry import MAX_SEQ_LEN
 from .capacity import Setup, evaluate, fewest_ranks, floor_peak, floor_ranks, largest_length
 from .cli_args import parse_args
 from .cli_report import (

@@ -10,7 +10,7 @@ import argparse
 import os
 from collections.abc import Sequence
 
-from ..pattern import Pattern
+from ..core.pattern import Pattern
 from .capacity import Setup
 from .modes import grid_for
 from .presets import MODELS, ModelShape
