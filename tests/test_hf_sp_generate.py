@@ -158,6 +158,7 @@ def _bad_blocks(rank: int, world: int) -> list[str]:
         except ValueError as exc:
             said.append(str(exc))
     ra.register_transformers()
+    dist.barrier()  # no rank leaves while another is still joining the group
     return said
 
 
