@@ -126,14 +126,17 @@ def _attend_runs(
     # queries at q_start, keys at their run's start: rows given per batch
     # row (the operator takes rows at offsets; one start each)
     starts = torch.full((B,), q_start, dtype=torch.int64)
-    offset = 0
+    offset, call = 0, None
     for start, length in runs:
         if length == 0:
             continue
         kr, vr = k[:, offset : offset + length], v[:, offset : offset + length]
         pad = None if padding is None else padding[:, start : start + length].contiguous()
-        call, _ = prepare(q, kr, vr, pattern, scale=scaling, key_padding_mask=pad,
-                          k_start=start, q_starts=starts)  # fmt: skip
+        if call is None:  # checked once; the other runs are the same call at other rows
+            call, _ = prepare(q, kr, vr, pattern, scale=scaling, key_padding_mask=pad,
+                              k_start=start, q_starts=starts)  # fmt: skip
+        else:
+            call = call.with_rows(k_start=start, q_starts=starts).with_mask(pad)
         o, s = engine.attend(call, q, kr, vr)
         merge_into(out, lse, o.to(out.dtype), s.to(lse.dtype))
         offset += length
