@@ -5,7 +5,8 @@ one process, within a time budget (``scripts/gpu_check.sh --stages views``):
   LongNet segments 2048 ... 32768, dilations 1 2 4 6 12): causal and not, both
   head-offset rules, grouped K/V heads (24 query / 6 K/V heads: r = 6 with 4
   query heads per K/V head splits its classes), documents; the dense path with
-  each backend that can run (flash-attn-4, FlashAttention-2, cuDNN's forward),
+  each backend that can run (flash-attn-4, FlashAttention-2, cuDNN where rows
+  are a multiple of 128),
   and our kernels beside them. The oracle works one head at a time on the
   device, with its own definition of segments (:func:`segment_starts`) and
   the library's head offsets (:func:`oracle_by_head`; tests/test_views_check.py

@@ -21,8 +21,10 @@ Interface (every tensor a view; stride 1 along the head dim):
 Backends: ``cpu`` (PyTorch's CPU flash attention: the stand-in that runs the
 whole path on the CPU, against the float64 oracle in the tests), ``flash``
 (PyTorch's FlashAttention-2 on CUDA), ``cudnn`` (cuDNN through ATen, forward
-only) and ``fa4`` (flash-attn-4, ``flash_attn.cute``, where it imports).
-Which one a call takes is ring_attention/local/dispatch.py's table.
+and backward, no new dependency) and ``fa4`` (flash-attn-4,
+``flash_attn.cute``, where it imports). Which one a call takes is
+ring_attention/local/dispatch.py's table; :func:`fa4_missing` and
+:func:`cudnn_missing` say why the optional ones cannot run here.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch
 
 from ..core.cache import cached
 
-__all__ = ["BACKENDS", "backend", "fa4_missing", "kv_finite"]
+__all__ = ["BACKENDS", "backend", "cudnn_missing", "fa4_missing", "kv_finite"]
 
 aten = torch.ops.aten
 
@@ -104,9 +106,50 @@ class AtenFlash:
         dv.copy_(gv)
 
 
+#: The oldest cuDNN whose attention graphs ATen's cuDNN backend builds
+#: forward and backward (9.0; the GPU runs had 9.19).
+CUDNN_MIN_VERSION = 90000
+
+
+def cudnn_missing() -> str | None:
+    """Why cuDNN attention through ATen cannot run here (None when it can):
+    PyTorch built without cuDNN, cuDNN turned off (``torch.backends.cudnn
+    .enabled``, read on every call: it can change), or older than
+    :data:`CUDNN_MIN_VERSION`."""
+    if not torch.backends.cudnn.is_available():
+        return "torch.backends.cudnn is not available (PyTorch built without cuDNN)"
+    if not torch.backends.cudnn.enabled:
+        return "torch.backends.cudnn.enabled is False"
+    version = torch.backends.cudnn.version() or 0
+    if version < CUDNN_MIN_VERSION:
+        return f"cuDNN {version} older than {CUDNN_MIN_VERSION}"
+    return None
+
+
+@cached("cudnn backward arguments")
+def _cudnn_side(device: str, dtype: torch.dtype, d: int) -> tuple[int, Any, Any]:
+    """What the cuDNN backward takes from its forward besides out and lse:
+    the rank of the forward's logsumexp (the backward takes it in the same
+    form, as autograd hands it over) and the philox seed and offset tensors
+    (unread with no dropout, but ``.to``-converted on some GPUs, so they
+    must be the forward's). Shape-independent: one tiny forward per
+    (device, dtype, head_dim)."""
+    x = torch.zeros(1, 1, 128, d, dtype=dtype, device=device)
+    res = aten._scaled_dot_product_cudnn_attention(x, x, x, None, True, 0.0, False, False)
+    return res[1].dim(), res[6], res[7]
+
+
 class AtenCudnn:
-    """cuDNN attention through ATen (``_scaled_dot_product_cudnn_attention``),
-    forward only; its outputs are copied into the part buffers."""
+    """cuDNN attention through ATen (``_scaled_dot_product_cudnn_attention``
+    and its backward, equal query and K/V heads); its outputs are copied
+    into the part buffers. The backward's arguments follow ATen's schema
+    (torch 2.13): no bias, no cumulative lengths (``None``: the dense path),
+    ``max_q``/``max_k`` the call's rows, the forward's philox tensors, and
+    the logsumexp as the forward returns it, ``(N, h, L, 1)`` float32, laid
+    out ``(N, L, h)`` in memory: cuDNN reads it through its strides, and in
+    its ragged mode (q, k, v in this ``(N, L, h, d)`` memory order) offsets
+    each batch entry by ``L * stride(-2)``, which only this layout satisfies
+    for every mode."""
 
     name = "cudnn"
 
@@ -119,8 +162,20 @@ class AtenCudnn:
         lse.copy_(res[1].reshape(lse.shape))
 
     @staticmethod
-    def backward(*_args) -> None:
-        raise NotImplementedError("the cudnn backend has no backward in the dispatch table")
+    def backward(do, q, k, v, out, lse, causal, scale, dq, dk, dv) -> None:
+        rank, seed, offset = _cudnn_side(str(q.device), q.dtype, q.shape[-1])
+        n, lq, h, _ = q.shape
+        stats = torch.empty(n, lq, h, dtype=torch.float32, device=q.device).transpose(1, 2)
+        stats.copy_(lse)
+        if rank == 4:
+            stats = stats.unsqueeze(-1)
+        gq, gk, gv = aten._scaled_dot_product_cudnn_attention_backward(
+            _t(do), _t(q), _t(k), _t(v), _t(out), stats, seed, offset, None, None, None,
+            lq, k.shape[1], 0.0, causal, scale=scale,
+        )  # fmt: skip
+        dq.copy_(gq)
+        dk.copy_(gk)
+        dv.copy_(gv)
 
 
 def fa4_interface() -> Any:
@@ -174,7 +229,7 @@ class FlashAttn4:
         )  # fmt: skip
 
 
-BACKENDS = {b.name: b for b in (FlashAttn4(), AtenFlash(), AtenCudnn(), CpuFlash())}
+BACKENDS = {b.name: b for b in (FlashAttn4(), AtenCudnn(), AtenFlash(), CpuFlash())}
 
 
 def backend(name: str):

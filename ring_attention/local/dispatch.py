@@ -5,7 +5,11 @@ per-branch calls takes: two tables, one function (:func:`route`).
   (forward and backward decide apart); elsewhere our kernels. Each row cites
   the measurement behind it (benchmarks/RESULTS.md).
 * :data:`BACKENDS`: per call, the first row that can run it, in table order;
-  a backend named by ``RING_ATTENTION_DENSE_BACKEND`` goes first.
+  a backend named by ``RING_ATTENTION_DENSE_BACKEND`` goes first. On CUDA:
+  flash-attn-4 where it imports; else cuDNN (through ATen) for calls whose
+  rows are a multiple of 128 where cuDNN is available; else FlashAttention-2.
+  :func:`choose_backend` says why each row before the chosen one cannot run
+  a call.
 
 Our kernels run instead, whatever the tables say, wherever the dense
 backends cannot give the same answer: a key padding mask, a sliding window
@@ -37,7 +41,7 @@ import torch
 from ..core import config
 from ..core.cache import LRUCache
 from ..core.pattern import Pattern
-from .backends import fa4_missing
+from .backends import cudnn_missing, fa4_missing
 from .spans import SpanPlan, plan_spans
 
 __all__ = [
@@ -48,10 +52,12 @@ __all__ = [
     "PathRow",
     "Route",
     "block_shape",
+    "choose_backend",
     "decide",
     "decide_blocks",
     "route",
     "route_blocks",
+    "unavailable",
 ]
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
@@ -130,17 +136,19 @@ BACKENDS = (
         "journal/2026-11-27-gpu-h200-views.md)",
     ),
     BackendRow(
+        "cudnn", "cuda", (F16, BF16), None, 8, 128, (9, 0), BOTH, 128, False, True,
+        "cuDNN through ATen: the fastest gather forward at 16 x 128, 32K (H100, seventh); its "
+        "forward on the views matched the float64 oracle (H200 2026-11-27, n = 10240); its "
+        "backward per branch was 1.65-1.73x our kernel's speed against FlashAttention-2's "
+        "1.49-1.50x (H100 2026-11-25, journal/2026-11-25-gpu-h100-first-runs.md) but "
+        "disagreed with the oracle on ragged lengths (n 70-300): only rows a multiple of 128, "
+        "no GQA; the backward at those rows is not yet run on a GPU (its arguments read from "
+        "ATen's schema and source, checked on the CPU against an emulation)",
+    ),
+    BackendRow(
         "flash", "cuda", (F16, BF16), None, 8, 256, (8, 0), BOTH, 1, True, True,
         "PyTorch's FlashAttention-2: per branch on an H100 (2026-11-25/26), checked against "
         "the float64 oracle",
-    ),
-    BackendRow(
-        "cudnn", "cuda", (F16, BF16), None, 8, 128, (9, 0), ("forward",), 128, False, False,
-        "cuDNN through ATen: the fastest gather forward at 16 x 128, 32K (H100, seventh); its "
-        "forward on the views matched the float64 oracle (H200 2026-11-27, n = 10240, the "
-        "calls it takes) but is untimed there; its backward disagreed with the "
-        "oracle on ragged lengths (2026-11-25): only when named, forward only, rows a "
-        "multiple of 128, no GQA",
     ),
     BackendRow(
         "cpu", "cpu", (F32, F64, F16, BF16), None, 1, 1 << 30, (0, 0), BOTH, 1, True, True,
@@ -166,8 +174,9 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
 
 
-def _fits(row: BackendRow, pass_, device, dtype, d, cc, rows, gqa) -> str | None:
-    """Why ``row`` cannot run the call (None when it can)."""
+def _fits(row: BackendRow, pass_, device, dtype, d, cc, rows, gqa, missing) -> str | None:
+    """Why ``row`` cannot run the call (None when it can; ``missing``: the
+    backends that cannot run here, :func:`unavailable`)."""
     if row.device != device.type:
         return f"runs on {row.device}"
     if pass_ not in row.passes:
@@ -184,22 +193,42 @@ def _fits(row: BackendRow, pass_, device, dtype, d, cc, rows, gqa) -> str | None
         return f"call rows {rows} not a multiple of {row.rows_multiple}"
     if gqa and not row.gqa:
         return "no grouped K/V heads"
-    if row.backend == "fa4" and fa4_missing():
-        return "not importable"
-    return None
+    return dict(missing).get(row.backend)
 
 
-def _backend_for(
-    pass_: str, named: str, device, dtype, d: int, cc, rows: int, gqa: bool
-) -> tuple[str | None, str]:
-    """The first backend of the table (``named`` first) that runs a call of
-    ``rows`` rows, and why each one before it cannot."""
+#: Why optional backends cannot run: ``((name, reason), ...)``.
+Unavailable = tuple[tuple[str, str], ...]
+
+
+def unavailable() -> Unavailable:
+    """The backends of the table this process cannot run and why: flash-attn-4
+    where it does not import, cuDNN where PyTorch has none or it is turned off
+    (read on every call: ``torch.backends.cudnn.enabled`` can change; part of
+    the route caches' keys)."""
+    out = []
+    if why := fa4_missing():
+        out.append(("fa4", "not installed" if why.startswith("ModuleNotFoundError")
+                    else f"no import ({why})"))  # fmt: skip
+    if why := cudnn_missing():
+        out.append(("cudnn", why))
+    return tuple(out)
+
+
+def choose_backend(
+    pass_: str, named: str, device, dtype, d: int, cc, rows: int, gqa: bool,
+    missing: Unavailable | None = None,
+) -> tuple[str | None, str]:  # fmt: skip
+    """The first backend of :data:`BACKENDS` (``named`` first) that runs a
+    call of ``rows`` query and K/V rows (grouped K/V heads or not), and why
+    each one before it cannot (``"fa4: not installed; cudnn: ..."``).
+    ``missing``: :func:`unavailable` (``None``: this process's)."""
+    missing = unavailable() if missing is None else missing
     order = [r for r in BACKENDS if r.backend == named] + [
         r for r in BACKENDS if r.default and r.backend != named
     ]
     reasons = []
     for r in order:
-        why_not = _fits(r, pass_, device, dtype, d, cc, rows, gqa)
+        why_not = _fits(r, pass_, device, dtype, d, cc, rows, gqa, missing)
         if why_not is None:
             return r.backend, "; ".join(reasons)
         reasons.append(f"{r.backend}: {why_not}")
@@ -260,7 +289,7 @@ def route(
     device = q.device
     cc = _capability(device)
     key = (pass_, mode, named, rows, device, cc, q.dtype, n, heads, k.shape[2], d, pattern,
-           head_range)  # fmt: skip
+           head_range, unavailable())  # fmt: skip
     return _ROUTES.get(key, lambda: decide(*key))
 
 
@@ -278,10 +307,13 @@ def decide(
     d: int,
     pattern: Pattern,
     head_range: tuple[int, int, int] = (0, 0, 0),
+    missing: Unavailable | None = None,
 ) -> Route:
     """:func:`route` from the values it reads: the pass, the modes and span
     rows of ring_attention/core/config.py, the device and its compute capability,
-    dtype, sizes and pattern (no tensors: the tables alone)."""
+    dtype, sizes, pattern and the backends that cannot run (:func:`unavailable`;
+    ``None``: this process's) (no tensors: the tables alone)."""
+    missing = unavailable() if missing is None else missing
     why = _mode_why(pass_, mode, device, dtype, d, n)
     if why is None:
         what = f"{device.type} {dtype} head_dim {d} n {n}"
@@ -297,7 +329,9 @@ def decide(
             shape = (call.rows, call.q_heads, call.kv_heads)
             if shape not in chosen:
                 gqa = call.q_heads != call.kv_heads
-                name, reasons = _backend_for(pass_, named, device, dtype, d, cc, call.rows, gqa)
+                name, reasons = choose_backend(
+                    pass_, named, device, dtype, d, cc, call.rows, gqa, missing
+                )
                 if name is None:
                     what = f"{call.rows} rows, {call.q_heads}/{call.kv_heads} heads"
                     return Route(False, f"no dense backend for a call of {what} ({reasons})")
@@ -353,7 +387,7 @@ def route_blocks(
     _, _, heads, d = q.shape
     device = q.device
     key = (pass_, mode, config.dense_backend(), device, _capability(device), q.dtype, n, heads,
-           k.shape[2], d, rows)  # fmt: skip
+           k.shape[2], d, rows, unavailable())  # fmt: skip
     return _BLOCK_ROUTES.get(key, lambda: decide_blocks(*key))
 
 
@@ -369,13 +403,16 @@ def decide_blocks(
     kv_heads: int,
     d: int,
     rows: int,
+    missing: Unavailable | None = None,
 ) -> Route:
-    """:func:`route_blocks` from the values it reads (the tables alone)."""
+    """:func:`route_blocks` from the values it reads (the tables alone;
+    ``missing`` as :func:`decide`'s)."""
     why = _mode_why(pass_, mode, device, dtype, d, n)
     if why is None:
         what = f"{device.type} {dtype} head_dim {d} n {n}"
         return Route(False, f"auto: no row of the path table for {what}")
-    name, reasons = _backend_for(pass_, named, device, dtype, d, cc, rows, heads != kv_heads)
+    gqa = heads != kv_heads
+    name, reasons = choose_backend(pass_, named, device, dtype, d, cc, rows, gqa, missing)
     if name is None:
         return Route(False, f"no dense backend for the ring's blocks ({reasons})")
     return Route(True, f"{why}; backend {name}", None, ((name,),))
