@@ -1,15 +1,19 @@
 """Which path the local op takes for a shape, and why:
 
-    python -m ring_attention.info --seq-len 131072 --heads 16 --head-dim 128 \\
-        --dtype bfloat16 --device cuda [--capability 9.0] [--causal] ...
+    python -m ring_attention.info [--seq-len 131072] [--heads 16] [--head-dim 128] \\
+        [--dtype bfloat16] [--device cuda] [--capability 9.0] [--causal] ...
 
 prints the forward's and the backward's route (ring_attention/local/dispatch.py:
 our kernels or dense attention per branch, the table row or the reason),
 the environment it read (ring_attention/core/config.py), the spans and, per
-branch, its dense calls and the backend each takes. It needs no GPU:
-``--capability`` stands in for the device's compute capability. Every
-option is checked before anything is decided: a bad one exits 2 with
-argparse's message naming it.
+branch, its dense calls, the backend each takes and why each backend before
+it in the table cannot run it. Without options it answers for the LongNet
+pattern at 131072 tokens, 16 heads x 128, bf16 on CUDA, and says which
+values are defaults. It needs no GPU: ``--capability`` stands in for the
+device's compute capability (9.0 where there is no CUDA device, and cuDNN is
+then assumed present, as in PyTorch's CUDA builds). Every option is checked
+before anything is decided: a bad one exits 2 with argparse's message naming
+it.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from .core import config
 from .core.geometry import MAX_SEQ_LEN
 from .core.pairs import MAX_HEADS
 from .core.pattern import Pattern
-from .local.dispatch import Route, decide
+from .local.dispatch import Route, Unavailable, choose_backend, decide, unavailable
 from .planner.cli_types import int_in
 
 __all__ = ["describe", "main"]
@@ -41,8 +45,11 @@ def describe(
     dtype: torch.dtype,
     device: torch.device,
     capability: tuple[int, int],
+    missing: Unavailable | None = None,
 ) -> str:
-    """The report :func:`main` prints."""
+    """The report :func:`main` prints (``missing``: the backends that cannot
+    run, :func:`~.local.dispatch.unavailable`; ``None``: this process's)."""
+    missing = unavailable() if missing is None else missing
     rows = config.span_rows()
     named = config.dense_backend()
     routes: dict[str, Route] = {}
@@ -54,7 +61,7 @@ def describe(
         else:
             routes[pass_] = decide(
                 pass_, mode, named, rows, device, capability, dtype, n, heads, kv_heads,
-                head_dim, pattern,
+                head_dim, pattern, (0, 0, 0), missing,
             )  # fmt: skip
     cc = f" (sm_{capability[0]}{capability[1]})" if device.type == "cuda" else ""
     lines = [
@@ -76,7 +83,7 @@ def describe(
     )
     for b, (w, r_) in enumerate(pattern.branches):
         shapes = Counter()
-        backends = {p: Counter() for p in routes}
+        took = {p: Counter() for p in routes}  # pass: (backend, why the others not): calls
         for i, span in enumerate(plan.spans):
             for j, call in enumerate(span.calls):
                 if call.branch != b:
@@ -84,7 +91,12 @@ def describe(
                 shapes[(call.segments, call.rows, call.q_heads, call.kv_heads)] += 1
                 for p, r in routes.items():
                     if r.dense:
-                        backends[p][r.backends[i][j]] += 1
+                        gqa = call.q_heads != call.kv_heads
+                        _, why = choose_backend(
+                            p, named, device, dtype, head_dim, capability, call.rows, gqa,
+                            missing,
+                        )  # fmt: skip
+                        took[p][(r.backends[i][j], why)] += 1
         calls = sum(shapes.values())
         desc = "; ".join(
             f"{c} x ({s} segments x {rows_} rows, {hq}/{hk} heads)"
@@ -92,8 +104,11 @@ def describe(
         )
         lines.append(f"branch {b} (w {w}, r {r_}): {calls} call{'s' * (calls != 1)}: {desc}")
         for p, r in routes.items():
-            took = ", ".join(f"{name} x {c}" for name, c in sorted(backends[p].items()))
-            lines.append(f"  {p}: {took if r.dense else 'our kernel'}")
+            if not r.dense:
+                lines.append(f"  {p}: our kernel")
+                continue
+            for (name, why), c in sorted(took[p].items()):
+                lines.append(f"  {p}: {name} x {c} ({why + '; ' if why else ''}{name}: chosen)")
     return "\n".join(lines)
 
 
@@ -121,19 +136,18 @@ def _capability(text: str) -> tuple[int, int]:
 def _parser() -> argparse.ArgumentParser:
     """The options, each checked while parsing (:mod:`.planner.cli_types`)."""
     ap = argparse.ArgumentParser(prog="python -m ring_attention.info", description=__doc__)
-    ap.add_argument("--seq-len", type=int_in(1, MAX_SEQ_LEN), required=True)
+    ap.add_argument("--seq-len", type=int_in(1, MAX_SEQ_LEN), default=131072)
     ap.add_argument("--heads", type=int_in(1, MAX_HEADS), default=16)
     ap.add_argument("--kv-heads", type=int_in(1, MAX_HEADS), default=None, help="default: --heads")
     ap.add_argument("--head-dim", type=int_in(1, 2**16), default=128)
     ap.add_argument(
         "--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32", "float64"]
     )
+    ap.add_argument("--device", type=_device, default="cuda")
     ap.add_argument(
-        "--device", type=_device, default="cuda" if torch.cuda.is_available() else "cpu"
-    )
-    ap.add_argument(
-        "--capability", type=_capability, default=None, help="e.g. 9.0 (default: the device's)"
-    )
+        "--capability", type=_capability, default=None,
+        help="e.g. 9.0 (default: the device's; 9.0 where there is no CUDA device)",
+    )  # fmt: skip
     ap.add_argument(
         "--segments", type=int_in(1, MAX_SEQ_LEN), nargs="+",
         default=[2048, 4096, 8192, 16384, 32768],
@@ -160,12 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = _parser()
     try:
         args = ap.parse_args(argv)
-        if args.device.type == "cuda" and args.capability is None and (
-            not torch.cuda.is_available()
-        ):  # fmt: skip
-            ap.error("argument --capability: give it (e.g. 9.0): this machine has no CUDA device")
+        assumed = args.device.type == "cuda" and not torch.cuda.is_available()
         if args.capability is not None:
             capability = args.capability
+        elif assumed:
+            capability = (9, 0)
         elif args.device.type == "cuda":
             capability = torch.cuda.get_device_capability(args.device)
         else:
@@ -185,11 +198,45 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # argparse: --help (0) or a bad option (2)
         return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
     dtype = getattr(torch, args.dtype)
+    missing = unavailable()
+    if assumed:  # what a CUDA build of PyTorch would find: its cuDNN
+        missing = tuple((name, why) for name, why in missing if name != "cudnn")
+    print(_defaults(ap, args, argv if argv is not None else sys.argv[1:], assumed))
     print(
         describe(pattern, args.seq_len, heads, kv_heads, args.head_dim, dtype, args.device,
-                 capability)
+                 capability, missing)
     )  # fmt: skip
     return 0
+
+
+def _defaults(ap: argparse.ArgumentParser, args, argv: list[str], assumed: bool) -> str:
+    """The line saying which values were defaults (the options not given)."""
+    given = {a.split("=")[0] for a in argv if a.startswith("--")}
+    shown = []
+    for action in ap._actions:
+        opt = action.option_strings[-1] if action.option_strings else None
+        if opt is None or opt in given or opt == "--help":
+            continue
+        value = getattr(args, action.dest)
+        if action.dest == "capability":
+            if not assumed:
+                continue
+            value = "9.0 (no CUDA device here)"
+        elif action.dest == "device":
+            value = value.type
+        elif action.dest == "kv_heads":
+            value = f"{args.heads} (--heads)"
+        elif value is None:
+            value = "none"
+        elif isinstance(value, list):
+            value = " ".join(map(str, value))
+        elif action.nargs == 0:
+            continue
+        shown.append(f"{opt} {value}")
+    text = "defaults: " + (", ".join(shown) or "none (every option given)")
+    if assumed:
+        text += "; cuDNN assumed present (no CUDA device here; PyTorch's CUDA builds carry it)"
+    return text + " (python -m ring_attention.info --help)"
 
 
 if __name__ == "__main__":

@@ -436,6 +436,21 @@ def test_info_prints_the_route(capsys, monkeypatch) -> None:
     text = capsys.readouterr().out
     assert "forward: dense per branch" in text and "backward: dense per branch" in text
     assert "19 dense calls a pass" in text and "branch 4 (w 32768, r 12): 6 calls" in text
+    # no options: the LongNet pattern at 131072 tokens, 16 x 128, bf16 on CUDA
+    # (sm_90 where there is none), the defaults said, and per branch the
+    # backend each call takes and why the ones before it in the table cannot
+    assert info.main([]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("defaults: --seq-len 131072, --heads 16,"), lines[0]
+    assert lines[1].startswith("local op, n = 131072, 16 query / 16 K/V heads, head_dim 128, "
+                               "bfloat16 on cuda (sm_")  # fmt: skip
+    if dispatch.fa4_missing() is None:
+        assert "  backward: fa4 x 1 (fa4: chosen)" in lines, lines
+    elif not torch.cuda.is_available():  # cuDNN assumed, and said
+        assert "cuDNN assumed present" in lines[0]
+        assert "  backward: cudnn x 1 (fa4: not installed; cudnn: chosen)" in lines, lines
+        assert ("  forward: flash x 2 (fa4: not installed; cudnn: call rows 2730 not a multiple "
+                "of 128; flash: chosen)") in lines, lines  # fmt: skip
     info.main(["--seq-len", "4096", "--device", "cpu", "--dtype", "float32", "--head-dim", "64"])
     text = capsys.readouterr().out
     assert "forward: our kernel: auto: no row" in text
