@@ -1,28 +1,22 @@
-"""The capacity planner's report: sizes, times and token counts as text, the
-header of a setup, one attention layer's details (memory items, time, the
-far group's schedules, bytes per link), the whole model's lines, and the
-assumptions printed under every report."""
+"""The capacity planner's report as text: sizes, times and token counts,
+the header of a setup, one attention layer's details (memory items, time,
+the far group's schedules, bytes per link), the whole model's lines, the
+modes side by side, and the assumptions printed under every report. Its
+functions read a :class:`~.capacity.Setup` and an
+:class:`~.capacity.Evaluation` or :class:`~.modes.ModeEvaluation`."""
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
+from ..core.links import LINKS
 from ..core.pairs import pattern_flops
-from .capacity import Evaluation, Setup
-from .cli_args import LINK_DEFAULTS
 from .presets import PATTERNS
 
-__all__ = [
-    "ASSUMPTIONS",
-    "MODEL_ASSUMPTIONS",
-    "fmt_bytes",
-    "fmt_time",
-    "fmt_tokens",
-    "header",
-    "layer_details",
-    "model_header",
-    "model_lines",
-]
+__all__ = ["ASSUMPTIONS", "MODEL_ASSUMPTIONS", "MODE_ASSUMPTIONS", "fmt_bytes", "fmt_time",
+           "fmt_tokens", "header", "layer_details", "mode_lines", "model_header",
+           "model_lines"]  # fmt: skip
 
 
 def fmt_bytes(x: float) -> str:
@@ -33,11 +27,7 @@ def fmt_bytes(x: float) -> str:
 
 
 def fmt_time(s: float) -> str:
-    if s >= 1:
-        return f"{s:.3g} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.3g} ms"
-    return f"{s * 1e6:.3g} us"
+    return f"{s:.3g} s" if s >= 1 else f"{s * 1e3:.3g} ms" if s >= 1e-3 else f"{s * 1e6:.3g} us"
 
 
 def fmt_tokens(n: int) -> str:
@@ -47,7 +37,7 @@ def fmt_tokens(n: int) -> str:
     return f"{n:,} ({n / 10**e:.2f}e{e})"
 
 
-def header(s: Setup, args: argparse.Namespace) -> list[str]:
+def header(s: Any, args: argparse.Namespace) -> list[str]:
     pat = (
         f"segments {list(s.segments)} dilations {list(s.dilations)}"
         if s.segments
@@ -66,7 +56,7 @@ def header(s: Setup, args: argparse.Namespace) -> list[str]:
     link_why = (
         "given"
         if args.link_gbps or args.link_latency_us is not None or args.message_us is not None
-        else LINK_DEFAULTS[s.device][2]
+        else LINKS[s.device][1]
     )
     mem_note = "per GPU" if s.device == "cuda" else "per process (host memory / processes)"
     return [
@@ -81,7 +71,7 @@ def header(s: Setup, args: argparse.Namespace) -> list[str]:
     ]
 
 
-def layer_details(ev: Evaluation, training: bool) -> list[str]:
+def layer_details(ev: Any, training: bool) -> list[str]:
     s, tr = ev.setup, ev.traffic
     p = s.ranks
     lines = [
@@ -152,7 +142,7 @@ def layer_details(ev: Evaluation, training: bool) -> list[str]:
     return lines
 
 
-def _far_lines(ev: Evaluation) -> list[str]:
+def _far_lines(ev: Any) -> list[str]:
     """The two schedules side by side: the ring alone and the far group
     (``--far-bytes``, else ``auto``), exposed communication of the slowest
     rank of each pass, and which is cheaper."""
@@ -183,7 +173,7 @@ def _far_lines(ev: Evaluation) -> list[str]:
     ]
 
 
-def model_lines(ev: Evaluation) -> list[str]:
+def model_lines(ev: Any) -> list[str]:
     s = ev.setup
     shape = s.model
     assert shape is not None
@@ -201,7 +191,7 @@ def model_lines(ev: Evaluation) -> list[str]:
     return lines
 
 
-def model_header(s: Setup) -> str:
+def model_header(s: Any) -> str:
     m = s.model
     assert m is not None
     return (
@@ -211,6 +201,58 @@ def model_header(s: Setup) -> str:
         f" training, activation checkpointing {'on' if s.checkpointing else 'off'}, parameters "
         f"{'sharded over the ranks (FSDP/ZeRO-3)' if s.shard_params else 'replicated'}"
     )
+
+
+def _details(ev: Any, usable: int) -> list[str]:
+    worst, b, t = ev.worst, fmt_bytes, fmt_time
+    j = max(range(len(ev.ranks)), key=lambda r: ev.ranks[r].training_peak)
+    m = ev.ranks[j]
+    fits = "fits" if worst["training_peak"] <= usable else "does NOT fit"
+    lines = [
+        f"{ev.mode}: {ev.ring} ring(s) x {ev.ulysses} Ulysses rank(s)"
+        + (f"; {ev.idle} Ulysses rank(s) hold no head" if ev.idle else ""),
+        f"  bytes/rank   sent per layer: forward {b(worst['sent_forward'])}, forward+backward "
+        f"{b(worst['sent_forward_backward'])} (all-to-all {b(worst['a2a_forward_backward'])}, "
+        f"ring {b(worst['ring_forward_backward'])})",
+        f"  peak memory  {b(worst['training_peak'])} training, {b(worst['forward_peak'])} "
+        f"inference (rank {j}; {fits}, {b(usable)} usable):",
+    ]
+    lines += [f"      {k:<28} {b(v):>12}" for k, v in m.training_items.items() if v]
+    f = max(ev.ranks, key=lambda r: r.seconds[1])
+    lines.append(
+        f"  time/layer   forward {t(worst['forward_s'])}, forward+backward "
+        f"{t(worst['forward_backward_s'])} (all-to-alls {t(f.a2a_seconds[1])} of it; rank "
+        f"{f.rank}; kernel rate {ev.rate_source})"
+    )
+    return lines
+
+
+def mode_lines(evals: list[Any], usable: int, advice: list[str]) -> list[str]:
+    """The modes side by side (``--mode compare``), the advice, and each
+    mode's details; one mode (``--mode ulysses|hybrid``): its details."""
+    if len(evals) == 1:
+        return [f"One attention layer at n = {evals[0].seq_len:,}:", *_details(evals[0], usable)]
+    ev = evals[0]
+    lines = [
+        f"Three modes at n = {ev.seq_len:,} on {len(ev.ranks)} ranks, one attention layer:",
+        f"  {'mode':<8} {'R x U':>9} {'sent fwd+bwd':>13} {'a2a':>11} {'ring':>11} "
+        f"{'training peak':>14} {'fwd+bwd time':>13}",
+    ]
+    for ev in evals:
+        w = ev.worst
+        lines.append(
+            f"  {ev.mode:<8} {f'{ev.ring} x {ev.ulysses}':>9} "
+            f"{fmt_bytes(w['sent_forward_backward']):>13} "
+            f"{fmt_bytes(w['a2a_forward_backward']):>11} "
+            f"{fmt_bytes(w['ring_forward_backward']):>11} {fmt_bytes(w['training_peak']):>14} "
+            f"{fmt_time(w['forward_backward_s']):>13}"
+        )
+    lines.append("")
+    lines += ["Advice: " + a if i == 0 else "        " + a for i, a in enumerate(advice)]
+    lines.append("")
+    for ev in evals:
+        lines += _details(ev, usable)
+    return lines
 
 
 ASSUMPTIONS = [
@@ -235,4 +277,14 @@ MODEL_ASSUMPTIONS = [
     "gradients on top; chunked loss (no full logits); matmuls 2 FLOPs per parameter and token "
     "forward, 6 fwd+bwd, 8 with recomputation; optimizer step and data-parallel/FSDP "
     "collectives not modelled.",
+]
+
+MODE_ASSUMPTIONS = [
+    "",
+    "Assumptions (modes): the all-to-alls (q, k, v out; out, lse back; both reversed in "
+    "the backward) are not overlapped with compute and take the link inside a node when "
+    "the Ulysses group fits in one; the ring's steps overlap as in the ring report; a "
+    "rank's heads are those of torch.tensor_split over U, its K/V heads only those they "
+    "read; memory: the largest phase (exchange buffers, stretch tensors, the attention's "
+    "own items).",
 ]

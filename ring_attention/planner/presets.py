@@ -76,26 +76,18 @@ def make_pattern(
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A decoder/encoder stack: ``layers`` blocks of attention and MLP.
-
-    Attributes:
-        layers: transformer blocks.
-        hidden: model width.
-        heads, kv_heads, head_dim: attention shape (projections ``hidden ->
-            heads * head_dim`` for q, ``kv_heads * head_dim`` for k and v).
-        ffn: MLP width.
-        gated: gated MLP (SwiGLU: three matrices) instead of two.
-        vocab: vocabulary (input embedding and an untied output head).
-    """
+    """A decoder/encoder stack: ``layers`` blocks of attention and MLP
+    (projections ``hidden -> heads * head_dim`` for q, ``kv_heads *
+    head_dim`` for k and v)."""
 
     layers: int
     hidden: int
     heads: int
     kv_heads: int
     head_dim: int
-    ffn: int
-    gated: bool = False
-    vocab: int = 0
+    ffn: int  # MLP width
+    gated: bool = False  # gated MLP (SwiGLU: three matrices) instead of two
+    vocab: int = 0  # input embedding and an untied output head
 
     def __post_init__(self) -> None:
         as_flag(self.gated, "gated")
