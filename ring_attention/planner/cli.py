@@ -27,11 +27,9 @@ from .cli_report import (
     header,
     layer_details,
     mode_lines,
-    model_header,
     model_lines,
 )
 from .cli_types import MAX_BYTES
-from .model import activation_bytes_per_token
 from .modes import advice, compare_modes, evaluate_mode, grid_for
 from .presets import MODELS, ModelShape
 from .throughput import load_records
@@ -390,12 +388,9 @@ def run(args: argparse.Namespace) -> int:
                 out.append(f"  {_LABELS[name]:<52} {text}")
             details = longest[goal] or longest["training"] or longest["inference"]
         out += ["", f"One attention layer at n = {fmt_tokens(details.seq_len)}:"]
-        out += layer_details(details, training=True)
+        out += layer_details(details)
         if setup.model is not None:
-            out += ["", model_header(details.setup) + f", at n = {fmt_tokens(details.seq_len)}:"]
-            out += model_lines(details)
-            act = activation_bytes_per_token(setup.model, setup.itemsize)
-            out.append(f"  activations  {fmt_bytes(act)} per token and block without checkpointing")
+            out += ["", *model_lines(details)]
         out += ["", *ASSUMPTIONS, *(MODEL_ASSUMPTIONS if setup.model is not None else [])]
         print("\n".join(out))
         return 0

@@ -35,23 +35,19 @@ def model_memory(
     per_param = 16
     per_token = activation_bytes_per_token(shape, itemsize)
     attention_backward = sum(v for k, v in layer.backward.items() if k != "out, lse (saved)")
-    items = {
+    gathered = 2 * shape.layer_params() * itemsize if shard_params and world_size > 1 else 0
+    stored = shape.hidden * itemsize if checkpointing else per_token
+    backward = attention_backward + layer.inputs["grad_out"] + layer.inputs["plan indices (cached)"]
+    return {
         "parameters, gradients, AdamW state": per_param
         * params
         // (world_size if shard_params else 1),
-        "gathered block weights + gradients (FSDP)": (
-            2 * shape.layer_params() * itemsize if shard_params and world_size > 1 else 0
-        ),
-        "stored activations (all blocks)": shape.layers
-        * tokens
-        * (shape.hidden * itemsize if checkpointing else per_token),
+        "gathered block weights + gradients (FSDP)": gathered,
+        "stored activations (all blocks)": shape.layers * tokens * stored,
         "recomputed block (checkpointing)": tokens * per_token if checkpointing else 0,
-        "attention backward (one block)": attention_backward
-        + layer.inputs["grad_out"]
-        + layer.inputs["plan indices (cached)"],
+        "attention backward (one block)": backward,
         "residual-stream gradients": 2 * tokens * shape.hidden * itemsize,
     }
-    return items
 
 
 def model_step_seconds(

@@ -128,14 +128,7 @@ def layer_times(
     cf, cb = total * f_pair, total * b_pair
     steps = act.sum(1)
     return [
-        RankTime(
-            j,
-            float(fwd[j]),
-            float(fwd[j] + bwd[j]),
-            float(cf[j]),
-            float(cf[j] + cb[j]),
-            int(steps[j]),
-            int(m[j]),
-        )
+        RankTime(j, float(fwd[j]), float(fwd[j] + bwd[j]), float(cf[j]), float(cf[j] + cb[j]),
+                 int(steps[j]), int(m[j]))
         for j in range(tr.world_size)
-    ]
+    ]  # fmt: skip

@@ -218,26 +218,18 @@ def _predict(args: argparse.Namespace, records: list[dict], world: int) -> list[
         bwd_tensor = sum(v for k, v in m.backward.items() if k != KERNEL_WORKSPACE)
         bwd_all = sum(m.backward.values())
         t = ev.times[j]
-        rows.append(
-            {
-                "rank": j,
-                "fwd": {
-                    "tensor_peak": inputs_fwd + fwd_call,
-                    "resident_peak": inputs_fwd + fwd_call,
+        fb_inputs = inputs_fwd + m.inputs["grad_out"]
+        rows.append({
+            "rank": j,
+            "fwd": {"tensor_peak": inputs_fwd + fwd_call, "resident_peak": inputs_fwd + fwd_call,
                     "buffers": sum(m.buffers["forward"].values()),
-                    "compute_s": t.compute_forward,
-                    "layer_s": t.forward,
-                },
-                "fwdbwd": {
-                    "tensor_peak": inputs_fwd + m.inputs["grad_out"] + max(fwd_call, bwd_tensor),
-                    "resident_peak": inputs_fwd + m.inputs["grad_out"] + max(fwd_call, bwd_all),
-                    "buffers": sum(m.buffers["backward"].values()),
-                    "compute_s": t.compute_forward_backward,
-                    "layer_s": t.forward_backward,
-                },
-                "rate_source": ev.rates.source,
-            }
-        )
+                    "compute_s": t.compute_forward, "layer_s": t.forward},
+            "fwdbwd": {"tensor_peak": fb_inputs + max(fwd_call, bwd_tensor),
+                       "resident_peak": fb_inputs + max(fwd_call, bwd_all),
+                       "buffers": sum(m.buffers["backward"].values()),
+                       "compute_s": t.compute_forward_backward, "layer_s": t.forward_backward},
+            "rate_source": ev.rates.source,
+        })  # fmt: skip
     return rows
 
 
