@@ -76,16 +76,11 @@ class Setup:
     def pattern_at(self, seq_len: int) -> Pattern:
         """The pattern at ``seq_len`` (presets grow with it)."""
         return make_pattern(
-            self.pattern,
-            seq_len,
-            segments=list(self.segments) if self.segments else None,
-            dilations=list(self.dilations) if self.dilations else None,
-            causal=self.causal,
-            head_groups=self.head_groups,
-            head_offsets=self.head_offsets,
-            document_length=self.document_length,
-            window=self.window,
-        )
+            self.pattern, seq_len, segments=list(self.segments) if self.segments else None,
+            dilations=list(self.dilations) if self.dilations else None, causal=self.causal,
+            head_groups=self.head_groups, head_offsets=self.head_offsets,
+            document_length=self.document_length, window=self.window,
+        )  # fmt: skip
 
     def rates(self, local_len: int) -> Rates:
         """Kernel rates for calls on ``local_len`` rows."""

@@ -192,10 +192,7 @@ def layer_memories(
 
     return [
         LayerMemory(
-            inputs=at(inputs, j),
-            forward=at(forward, j),
-            backward=at(backward, j),
-            buffers={k: at(v, j) for k, v in bufs.items()},
+            at(inputs, j), at(forward, j), at(backward, j), {k: at(v, j) for k, v in bufs.items()}
         )
         for j in range(tr.world_size)
     ]

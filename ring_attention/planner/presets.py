@@ -29,16 +29,12 @@ def longnet_pattern(seq_len: int, base: int = 2048, factor: int = 4) -> tuple[li
 
 #: name -> (description, function of the sequence length giving (segments, dilations)).
 PATTERNS = {
-    "longnet": (
-        "LongNet grown to n: segments 2048*4^i below n and n, dilations segment/2048",
-        longnet_pattern,
-    ),
-    "longnet-paper": (
-        "segments [2048, 4096, 8192, 16384, 32768], dilations [1, 2, 4, 6, 12]",
-        lambda n: ([2048, 4096, 8192, 16384, 32768], [1, 2, 4, 6, 12]),
-    ),
+    "longnet": ("LongNet grown to n: segments 2048*4^i below n and n, dilations segment/2048",
+                longnet_pattern),
+    "longnet-paper": ("segments [2048, 4096, 8192, 16384, 32768], dilations [1, 2, 4, 6, 12]",
+                      lambda n: ([2048, 4096, 8192, 16384, 32768], [1, 2, 4, 6, 12])),
     "dense": ("one segment of n, dilation 1 (dense attention)", lambda n: ([max(n, 1)], [1])),
-}
+}  # fmt: skip
 
 
 def make_pattern(

@@ -96,28 +96,20 @@ def rates_from_records(
     dtype, device = dtype_name(dtype), _device_type(device)
     found = {}
     for pass_ in PASSES:
-        pool = [
-            r
-            for r in records
-            if r.get("impl") == "ours"
-            and r.get("pass") == pass_
-            and dtype_name(r.get("dtype", "")) == dtype
-            and _device_type(r.get("device", "")) == device
-        ]
+        pool = [r for r in records if r.get("impl") == "ours" and r.get("pass") == pass_
+                and dtype_name(r.get("dtype", "")) == dtype
+                and _device_type(r.get("device", "")) == device]  # fmt: skip
         hit = _nearest(pool, n, heads, head_dim)
         if hit is None:
             return None
         found[pass_] = hit
     (fwd, fs), (fb, bs) = found["forward"], found["forward+backward"]
-    return Rates(
-        forward=fwd,
-        forward_backward=fb,
-        source=(
-            f"measured: benchmark records of 'ours' {dtype} {device}, nearest shapes "
-            f"n={fs['n']} heads={fs['heads']} head_dim={fs['head_dim']} (forward), "
-            f"n={bs['n']} heads={bs['heads']} head_dim={bs['head_dim']} (forward+backward)"
-        ),
+    source = (
+        f"measured: benchmark records of 'ours' {dtype} {device}, nearest shapes "
+        f"n={fs['n']} heads={fs['heads']} head_dim={fs['head_dim']} (forward), "
+        f"n={bs['n']} heads={bs['heads']} head_dim={bs['head_dim']} (forward+backward)"
     )
+    return Rates(forward=fwd, forward_backward=fb, source=source)
 
 
 def assumed_rates(device: str, dtype: str, threads: int = 1) -> Rates:

@@ -187,14 +187,10 @@ def _class_stats(
                 shared.append((i, r, *key[at : at + 5]))
     out: list[int] = []
     for offs in offsets:
-        sets = tuple(
-            sorted(
-                (klo, khi, r, (res + o) % r)
-                for i, r, klo, khi, res, qlen, qph in shared
-                for o in offs[i]
-                if qlen >= r or (o - qph) % r < qlen
-            )
-        )
+        sets = tuple(sorted(
+            (klo, khi, r, (res + o) % r) for i, r, klo, khi, res, qlen, qph in shared
+            for o in offs[i] if qlen >= r or (o - qph) % r < qlen
+        ))  # fmt: skip
         if sets not in seen:
             seen[sets] = union_stats(sets)
         out.extend(seen[sets])
@@ -365,16 +361,9 @@ def _analytic(
                     qlo = torch.where(rl, rqa, torch.maximum(rqa, s))
                     qhi = torch.where(rl, torch.minimum(rqb, se), rqb)
                     qlen = qhi - qlo
-                    vals = torch.stack(
-                        [
-                            klo - rc,
-                            khi - rc,
-                            (s - rc) % r,
-                            torch.clamp(qlen, max=r),
-                            torch.where(qlen < r, (qlo - s) % r, 0),
-                        ],
-                        dim=1,
-                    )
+                    phase = torch.where(qlen < r, (qlo - s) % r, 0)
+                    parts5 = [klo - rc, khi - rc, (s - rc) % r, torch.clamp(qlen, max=r), phase]
+                    vals = torch.stack(parts5, dim=1)
                     columns.append((i, rows, vals))
                     if not listed[i]:
                         parts[-1] = (rows, vals)
