@@ -10,9 +10,11 @@ import re
 import pytest
 import torch
 
+from ring_attention.core.pattern import Pattern
 from ring_attention.planner.capacity import Setup
 from ring_attention.planner.cli import main
 from ring_attention.planner.modes import _a2a_bytes, evaluate_mode, grid_for
+from ring_attention.planner.traffic import predict_traffic
 from ring_attention.testing import run_distributed
 
 # name -> (R, U, heads, kv_heads, n, segments, dilations, causal, layout)
@@ -200,3 +202,69 @@ def test_cli_hybrid_report(capsys) -> None:
     assert "hybrid: 4 ring(s) x 4 Ulysses rank(s)" in text
     assert "all-to-all" in text and "peak memory" in text
     assert torch.is_tensor(torch.zeros(1))  # (the planner left torch usable)
+
+
+def test_chunked_attention_exchanges_only_inside_a_chunk(capsys) -> None:
+    """Llama 4's chunked attention (every layer ``[(chunk, 1)]``) is the
+    dilated pattern of one segment of ``chunk``, dilation 1, non-causal
+    across chunks: with two ranks per chunk each rank receives exactly its
+    partner's rows (every K/V head) at one distance, and nothing else."""
+    chunk, p, heads, kv_heads, head_dim = 8192, 16, 4, 2, 128
+    n = p * chunk // 2
+    tr = predict_traffic(Pattern([chunk], [1]), n, heads, kv_heads, p, source="analytic")
+    recv, send = (torch.zeros(p, p, dtype=torch.int64) for _ in range(2))
+    for j in range(p):  # rank 2i's partner 2i + 1 is at distance 1 ahead, p - 1 behind
+        recv[j, 1 if j % 2 else p - 1] = send[j, p - 1 if j % 2 else 1] = (chunk // 2) * kv_heads
+    assert torch.equal(tr.recv_rows, recv) and torch.equal(tr.send_rows, send)
+    setup = Setup(ranks=p, device="cuda", memory=80 * 10**9, reserve=0, heads=heads,
+                  kv_heads=kv_heads, head_dim=head_dim, batch=1, dtype="bfloat16", pattern=None,
+                  segments=(chunk,), dilations=(1,))  # fmt: skip
+    ring = evaluate_mode(setup, n, p, 1)
+    k_and_v = 2 * (chunk // 2) * kv_heads * head_dim * 2  # bf16
+    assert {r.ring_forward for r in ring.ranks} == {k_and_v}
+    code = main(["--mode", "compare", "--gpus", str(p), "--seq-len", str(n), "--segments",
+                 str(chunk), "--dilations", "1", "--heads", str(heads), "--kv-heads",
+                 str(kv_heads), "--head-dim", str(head_dim)])  # fmt: skip
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert re.search(r"ring: 16 ring\(s\) x 1 Ulysses rank\(s\)\n  bytes/rank   sent per layer: "
+                     r"forward 4\.19 MB", text), text  # fmt: skip
+
+
+def _sink_bytes(rank: int, world: int) -> list[int]:
+    """Ring bytes this rank sends, forward and forward + backward, with
+    attention sinks (a learnt scalar per head)."""
+    import ring_attention as ra
+    from ring_attention.parallel.exchange import register_exchange_hook
+
+    _, _, H, Hkv, n, segs, dils, causal, _ = RUNS["ring"]
+    g = torch.Generator().manual_seed(0)
+    q, go = (ra.shard_sequence(torch.randn(B, n, H, D, generator=g), 1) for _ in range(2))
+    k, v = (ra.shard_sequence(torch.randn(B, n, Hkv, D, generator=g), 1) for _ in range(2))
+    sinks = torch.randn(H, generator=g, requires_grad=True)
+    sent = []
+    for backward in (False, True):
+        count = [0]
+
+        def hook(event, count=count) -> None:
+            count[0] += event.bytes_sent
+
+        leaves = [t.contiguous().requires_grad_(backward) for t in (q, k, v)]
+        with register_exchange_hook(hook), torch.set_grad_enabled(backward):
+            o = ra.ring_dilated_attention(*leaves, segs, dils, causal=causal, sinks=sinks)
+            if backward:
+                torch.autograd.grad(o, [*leaves, sinks], go.contiguous())
+        sent.append(count[0])
+    return sent
+
+
+def test_attention_sinks_cost_no_bytes() -> None:
+    """Sinks (one scalar per head, folded in after the ring) add nothing to
+    what a rank sends: the planner's ring bytes, which know no sinks, are
+    the measured bytes of a ring run with them."""
+    R, U, H, Hkv, n, segs, dils, causal, layout = RUNS["ring"]
+    ev = evaluate_mode(_setup(R, U, H, Hkv, segs, dils, causal, layout), n, R, U)
+    measured = run_distributed(_sink_bytes, R, timeout=300)
+    assert max(f for f, _ in measured) > 0
+    for rank, (f, fb) in enumerate(measured):
+        assert (f, fb) == (ev.ranks[rank].sent_forward, ev.ranks[rank].sent_forward_backward)

@@ -9,67 +9,31 @@ from functools import cached_property
 
 from ..core.checks import check_int
 from ..core.geometry import MAX_SEQ_LEN
+from ..core.links import Link
 from ..core.pattern import Pattern, as_flag
-from .memory import (
-    DTYPE_BYTES,
-    LayerMemory,
-    layer_memories,
-    own_memory,
-)
+from .memory import DTYPE_BYTES, LayerMemory, layer_memories, own_memory
 from .model import model_memory, model_step_seconds
 from .presets import ModelShape, make_pattern
-from .throughput import (
-    Rates,
-    assumed_rates,
-    dtype_name,
-    rates_from_records,
-)
-from .timing import Link, RankTime, layer_times
+from .throughput import Rates, assumed_rates, dtype_name, rates_from_records
+from .timing import RankTime, layer_times
 from .traffic import MAX_WORLD_SIZE, Traffic, predict_traffic
 
-__all__ = [
-    "Evaluation",
-    "Setup",
-    "evaluate",
-    "fewest_ranks",
-    "floor_peak",
-    "floor_ranks",
-    "largest_length",
-]
+__all__ = ["Evaluation", "Setup", "evaluate", "fewest_ranks", "floor_peak", "floor_ranks",
+           "largest_length"]  # fmt: skip
 
 
 @dataclass(frozen=True)
 class Setup:
-    """Everything but the sequence length.
+    """Everything but the sequence length: the ranks and their memory, the
+    attention inputs, the pattern (a preset name, or ``None`` with
+    ``segments`` and ``dilations``; the flags as in
+    :func:`ring_attention.ring_dilated_attention`), the rates, the link and
+    the whole model."""
 
-    Attributes:
-        ranks: processes (one per GPU).
-        device: ``"cuda"`` or ``"cpu"``.
-        memory, reserve: bytes per rank, and the bytes kept free of them.
-        heads, kv_heads, head_dim, batch, dtype: the attention inputs.
-        pattern: a preset name, or ``None`` with ``segments`` and ``dilations``.
-        causal, head_groups, head_offsets, document_length, layout: as in
-            :func:`ring_attention.ring_dilated_attention` (documents of
-            ``document_length`` tokens packed back to back).
-        records: benchmark records (:mod:`.throughput`), or ``None``.
-        tflops: ``(forward, forward+backward)`` TFLOP/s overriding the rates.
-        threads: CPU threads per process (the assumed CPU rate scales with it).
-        link: the link model.
-        matmul_tflops: dense matmul rate for the whole model (``None``: the
-            assumed default).
-        model: the whole model's shape, or ``None``.
-        checkpointing, shard_params: whole-model options (:mod:`.model`).
-        source: where the exchanged rows come from (:func:`.traffic.predict_traffic`).
-        far_bytes: transfers of at most this many K/V bytes travel in the
-            far group (:mod:`.timing`; 0: the ring alone).
-        window: the sliding window (``None``: none): the ring's exact plans
-            count its rows (the closed forms do not).
-    """
-
-    ranks: int
-    device: str
-    memory: int
-    reserve: int
+    ranks: int  # processes (one per GPU)
+    device: str  # "cuda" or "cpu"
+    memory: int  # bytes per rank
+    reserve: int  # bytes kept free of them
     heads: int
     kv_heads: int
     head_dim: int
@@ -81,19 +45,19 @@ class Setup:
     causal: bool = False
     head_groups: bool = False
     head_offsets: str = "modulo"
-    document_length: int | None = None
+    document_length: int | None = None  # documents of this many tokens, back to back
     layout: str = "contiguous"
-    records: tuple[dict, ...] | None = None
-    tflops: tuple[float, float] | None = None
-    threads: int = 1
+    records: tuple[dict, ...] | None = None  # benchmark records (.throughput)
+    tflops: tuple[float, float] | None = None  # (forward, forward+backward), over the rates
+    threads: int = 1  # CPU threads per process (the assumed CPU rate scales with it)
     link: Link = field(default_factory=lambda: Link(400.0, 10.0))
-    matmul_tflops: float | None = None
+    matmul_tflops: float | None = None  # the whole model's dense rate (None: assumed)
     model: ModelShape | None = None
-    checkpointing: bool = True
+    checkpointing: bool = True  # whole-model options (.model)
     shard_params: bool = True
-    source: str = "auto"
-    far_bytes: int = 0
-    window: tuple[int, int] | None = None
+    source: str = "auto"  # where the exchanged rows come from (.traffic.predict_traffic)
+    far_bytes: int = 0  # transfers of at most this many K/V bytes in the far group (0: none)
+    window: tuple[int, int] | None = None  # the ring's exact plans count it, not closed forms
 
     def __post_init__(self) -> None:
         for name in ("causal", "head_groups", "checkpointing", "shard_params"):
@@ -112,16 +76,11 @@ class Setup:
     def pattern_at(self, seq_len: int) -> Pattern:
         """The pattern at ``seq_len`` (presets grow with it)."""
         return make_pattern(
-            self.pattern,
-            seq_len,
-            segments=list(self.segments) if self.segments else None,
-            dilations=list(self.dilations) if self.dilations else None,
-            causal=self.causal,
-            head_groups=self.head_groups,
-            head_offsets=self.head_offsets,
-            document_length=self.document_length,
-            window=self.window,
-        )
+            self.pattern, seq_len, segments=list(self.segments) if self.segments else None,
+            dilations=list(self.dilations) if self.dilations else None, causal=self.causal,
+            head_groups=self.head_groups, head_offsets=self.head_offsets,
+            document_length=self.document_length, window=self.window,
+        )  # fmt: skip
 
     def rates(self, local_len: int) -> Rates:
         """Kernel rates for calls on ``local_len`` rows."""
@@ -129,14 +88,9 @@ class Setup:
             f, b = self.tflops
             return Rates(f * 1e12, b * 1e12, f"given: {f:g} / {b:g} TFLOP/s (--tflops)")
         if self.records:
-            found = rates_from_records(
-                list(self.records),
-                n=max(local_len, 1),
-                heads=self.heads,
-                head_dim=self.head_dim,
-                dtype=self.dtype,
-                device=self.device,
-            )
+            found = rates_from_records(list(self.records), n=max(local_len, 1), heads=self.heads,
+                                       head_dim=self.head_dim, dtype=self.dtype,
+                                       device=self.device)  # fmt: skip
             if found is not None:
                 return found
         return assumed_rates(self.device, self.dtype, self.threads)
@@ -204,15 +158,8 @@ class Evaluation:
         s = self.setup
         assert s.model is not None
         tokens = s.batch * int(self.traffic.local_len[rank])
-        return model_memory(
-            s.model,
-            self.memories[rank],
-            tokens,
-            s.itemsize,
-            s.ranks,
-            checkpointing=s.checkpointing,
-            shard_params=s.shard_params,
-        )
+        return model_memory(s.model, self.memories[rank], tokens, s.itemsize, s.ranks,
+                            checkpointing=s.checkpointing, shard_params=s.shard_params)  # fmt: skip
 
     @property
     def model_peak(self) -> int:
@@ -238,15 +185,8 @@ def evaluate(setup: Setup, seq_len: int) -> Evaluation:
         raise ValueError(f"setup must be a Setup, got {type(setup).__name__}")
     seq_len = check_int(seq_len, "seq_len", 0, MAX_SEQ_LEN)
     pattern = setup.pattern_at(seq_len)
-    tr = predict_traffic(
-        pattern,
-        seq_len,
-        setup.heads,
-        setup.kv_heads,
-        setup.ranks,
-        setup.layout,
-        source=setup.source,
-    )
+    s = setup
+    tr = predict_traffic(pattern, seq_len, s.heads, s.kv_heads, s.ranks, s.layout, source=s.source)
     return Evaluation(setup, seq_len, pattern, tr)
 
 
@@ -265,13 +205,7 @@ def largest_length(
     whose ``peak`` fits in ``setup.usable``; ``None`` when one token per rank
     does not fit. ``cache`` (length -> evaluation) shares evaluations
     between searches of one setup; ``progress(length, fits)`` is called
-    after each new evaluation. Lengths stay within ``MAX_SEQ_LEN``.
-
-    Memory grows about linearly with ``n``: after ``n = p`` and ``n = 1024
-    p`` the next length is where the line through the last two fitting
-    lengths meets the budget (plus 1 %); once bracketed, regula falsi and
-    bisection alternate. A billion tokens take about five evaluations.
-    """
+    after each new evaluation (the method: docs/planner.md)."""
     p, budget = setup.ranks, setup.usable
     cache = {} if cache is None else cache
 
@@ -334,18 +268,8 @@ def fewest_ranks(
 ) -> Evaluation | None:
     """The fewest ranks at which ``seq_len`` tokens fit (exact up to 50
     ranks, within ``rel_tol`` above), or ``None`` when more than ``limit``
-    (at most the ``MAX_WORLD_SIZE`` ranks the traffic model takes) would be
-    needed. ``progress(ranks, fits)`` is called after each evaluation (the
-    command line's progress line); :func:`floor_ranks` bounds the answer
-    from below without evaluating.
-
-    The peak per rank is about ``a + b / p``: the first guess is where
-    ``b / p`` alone (``b`` = the peak on one rank) meets the budget; each
-    next count is where the curve ``a + b / p`` through the last two
-    evaluations meets it (a step above it until a count fits), kept inside
-    the bracket; bisection when that does not halve the bracket. At 10^9
-    tokens on 80 GB GPUs: about five evaluations near the answer.
-    """
+    (at most ``MAX_WORLD_SIZE``) would be needed; ``progress(ranks, fits)``
+    is called after each evaluation (the method: docs/planner.md)."""
     budget = setup.usable
     limit = check_int(limit, "limit", 1, MAX_WORLD_SIZE)
 

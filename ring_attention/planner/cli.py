@@ -1,47 +1,197 @@
 """``python -m ring_attention.planner``: the capacity planner's command line:
-the longest sequence on given ranks, the fewest ranks for a length, or one
-length on given ranks (options: :mod:`.cli_args`; the setup they describe:
-:mod:`.cli_setup`; the report: :mod:`.cli_report`; ``--mode``:
-:mod:`.modes_cli`).
-
-Examples::
-
-    python -m ring_attention.planner --gpus 64 --gpu-memory 80GB --heads 16 --head-dim 128 \\
-        --pattern longnet --dtype bf16 --layers 24 --hidden 2048
-    python -m ring_attention.planner --device cpu --processes 4 --memory 24GB --heads 8 \\
-        --head-dim 64 --dtype float32
-    python -m ring_attention.planner --seq-len 1e9 --gpu-memory 80GB --heads 16 --head-dim 128
-    python -m ring_attention.planner --mode compare --gpus 64 --gpus-per-node 8 --seq-len 1M \\
-        --model llama3-8b
-"""
+the longest sequence on given ranks, the fewest ranks for a length, one
+length on given ranks, or the sharding modes compared (``--mode``). The
+options are :mod:`.cli_args`'s; here the rules between them, the
+:class:`~.capacity.Setup` they describe, the searches and the report
+(:mod:`.cli_report`). Examples: docs/performance.md."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Sequence
 
 from ..core.geometry import MAX_SEQ_LEN
+from ..core.links import INTRA_DEFAULTS, LINKS, Link
+from ..core.pattern import Pattern
 from .capacity import Setup, evaluate, fewest_ranks, floor_peak, floor_ranks, largest_length
-from .cli_args import parse_args
+from .cli_args import build_parser
 from .cli_report import (
     ASSUMPTIONS,
+    MODE_ASSUMPTIONS,
     MODEL_ASSUMPTIONS,
     fmt_bytes,
     fmt_tokens,
     header,
     layer_details,
-    model_header,
+    mode_lines,
     model_lines,
 )
-from .cli_setup import Impossible, build_setup
 from .cli_types import MAX_BYTES
-from .model import activation_bytes_per_token
-from .modes_cli import mode_report
+from .modes import advice, compare_modes, evaluate_mode, grid_for
+from .presets import MODELS, ModelShape
+from .throughput import load_records
 from .traffic import MAX_WORLD_SIZE
 
-__all__ = ["main", "run"]
+__all__ = ["Impossible", "OptionError", "build_setup", "check_args", "main", "parse_args", "run"]
+
+
+class Impossible(Exception):
+    """A request that cannot be met; the message says why (after the
+    ``report`` lines printed so far)."""
+
+    def __init__(self, message: str, report: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.report = list(report)
+
+
+class OptionError(ValueError):
+    """A bad option or combination of options, found before planning; the
+    parser reports it as argparse does (``argument OPTION: ...``, exit 2)."""
+
+    def __init__(self, option: str, message: str) -> None:
+        super().__init__(f"argument {option}: {message}")
+
+
+def _host_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _ranks(args: argparse.Namespace) -> int | None:
+    return args.gpus if args.gpus is not None else args.processes
+
+
+def _device(args: argparse.Namespace) -> str:
+    gpu = args.gpus is not None or args.gpu_memory is not None
+    return args.device or ("cuda" if gpu else "cpu")
+
+
+def _memory(args: argparse.Namespace, device: str, ranks: int) -> tuple[int, int]:
+    """Bytes per rank and the reserve kept free of them."""
+    if device == "cuda":
+        memory = args.gpu_memory or args.memory or 80 * 10**9
+    else:
+        memory = (args.memory or _host_memory()) // ranks
+    kind, value = args.reserve or (("%", 10.0) if device == "cuda" else ("bytes", 400 * 10**6))
+    return memory, int(memory * value / 100) if kind == "%" else int(value)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """The rules between options, before any planning (each option's own
+    range is its parser type's, :mod:`.cli_types`); raises
+    :class:`OptionError` naming the option. Fills in the attention shape a
+    ``--model`` gives (``--heads``, ``--kv-heads``, ``--head-dim`` left out)."""
+    ranks = _ranks(args)
+    if args.gpus is not None and args.processes is not None:
+        raise OptionError("--processes", "give either --gpus or --processes, not both")
+    device = _device(args)
+    if device == "cpu" and args.gpu_memory is not None:
+        raise OptionError("--gpu-memory", "is for GPUs; with --device cpu give --memory")
+    for name, default in (("heads", 16), ("kv_heads", None), ("head_dim", 128)):
+        if getattr(args, name) is None:  # a --model's, else the default (kv_heads: heads)
+            model = MODELS[args.model] if args.model else None
+            fallback = args.heads if default is None else default
+            setattr(args, name, getattr(model, name) if model else fallback)
+    if args.heads % args.kv_heads:
+        raise OptionError(
+            "--kv-heads", f"kv_heads must divide heads: got --heads {args.heads}, --kv-heads "
+            f"{args.kv_heads}"
+        )  # fmt: skip
+    if (args.layers is None) != (args.hidden is None):  # name the one given
+        raise OptionError(
+            "--hidden" if args.layers is None else "--layers",
+            "a whole model needs both --layers and --hidden",
+        )
+    if args.layers is None:  # the shape of a model of one's own, else unused
+        for option, given in (("--ffn", args.ffn is not None), ("--gated", args.gated),
+                              ("--vocab", args.vocab != 0)):  # fmt: skip
+            if given:
+                raise OptionError(
+                    option, "shapes a whole model of --layers and --hidden (a --model preset has "
+                    "its own): give them, or leave it out"
+                )  # fmt: skip
+    if (args.segments is None) != (args.dilations is None):
+        raise OptionError(
+            "--dilations" if args.segments is None else "--segments",
+            "--segments and --dilations go together",
+        )
+    if args.segments is not None:
+        try:
+            Pattern(args.segments, args.dilations)
+        except ValueError as exc:
+            raise OptionError("--segments/--dilations", str(exc)) from None
+    if ranks is None and args.seq_len is None:
+        raise OptionError(
+            "--seq-len", "give --gpus/--processes (the longest sequence) or --seq-len (the "
+            "fewest ranks)"
+        )  # fmt: skip
+    if ranks is None and device == "cpu":
+        raise OptionError(
+            "--seq-len", "the fewest-ranks search is for GPUs (CPU processes on one machine "
+            "share its memory): give --gpus or --gpu-memory, or --processes"
+        )  # fmt: skip
+    memory, reserve = _memory(args, device, ranks or 1)
+    if reserve >= memory:
+        raise OptionError(
+            "--reserve", f"{reserve:,} bytes leave nothing of the {memory:,} bytes per rank"
+        )
+    if args.bench_json:
+        try:
+            load_records(args.bench_json)
+        except (OSError, ValueError) as exc:
+            raise OptionError("--bench-json", f"cannot read its records: {exc}") from None
+    if args.mode != "ring":
+        if ranks is None or args.seq_len is None:
+            raise OptionError(
+                "--mode", f"--mode {args.mode} needs --gpus/--processes and --seq-len"
+            )
+        if args.mode in ("hybrid", "compare"):
+            try:
+                grid_for("hybrid", ranks, args.gpus_per_node, args.ulysses)
+            except ValueError as exc:
+                raise OptionError(
+                    "--ulysses" if args.ulysses else "--gpus-per-node", str(exc)
+                ) from None
+
+
+def build_setup(args: argparse.Namespace, ranks: int) -> Setup:
+    """The :class:`Setup` the arguments (checked by :func:`check_args`)
+    describe, on ``ranks`` processes."""
+    device = _device(args)
+    heads, kv_heads, head_dim = args.heads, args.kv_heads, args.head_dim
+    model = MODELS[args.model] if args.model else None
+    if args.layers is not None:
+        if heads * head_dim != args.hidden:
+            print(
+                f"note: heads x head_dim = {heads * head_dim} differs from --hidden {args.hidden} "
+                "(the projections map between them)"
+            )
+        model = ModelShape(
+            args.layers, args.hidden, heads, kv_heads, head_dim,
+            4 * args.hidden if args.ffn is None else args.ffn, args.gated, args.vocab,
+        )  # fmt: skip
+    dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
+    memory, reserve = _memory(args, device, ranks)
+    d = LINKS[device][0]
+    link = Link(d.gbps if args.link_gbps is None else args.link_gbps,
+                d.latency_us if args.link_latency_us is None else args.link_latency_us,
+                d.message_us if args.message_us is None else args.message_us)  # fmt: skip
+    records = tuple(load_records(args.bench_json)) if args.bench_json else None
+    far = {"off": 0, "auto": link.far_bytes}.get(args.far_bytes, args.far_bytes)
+    return Setup(
+        ranks=ranks, device=device, memory=memory, reserve=reserve, heads=heads,
+        kv_heads=kv_heads, head_dim=head_dim, batch=args.batch, dtype=dtype,
+        pattern=None if args.segments else args.pattern,
+        segments=tuple(args.segments) if args.segments else None,
+        dilations=tuple(args.dilations) if args.dilations else None, causal=args.causal,
+        head_groups=args.head_groups, head_offsets=args.head_offsets,
+        document_length=args.document_length, layout=args.layout, records=records,
+        tflops=args.tflops, threads=args.threads, link=link, far_bytes=far,
+        matmul_tflops=args.matmul_tflops, model=model, checkpointing=not args.no_checkpointing,
+        shard_params=not args.replicate_params, source=args.source,
+    )  # fmt: skip
 
 
 class _Progress:
@@ -109,10 +259,7 @@ _LABELS = {
 
 
 def _peak_fns(s: Setup):
-    fns = {
-        "inference": lambda ev: ev.forward_peak,
-        "training": lambda ev: ev.training_peak,
-    }
+    fns = {"inference": lambda ev: ev.forward_peak, "training": lambda ev: ev.training_peak}
     if s.model is not None:
         fns["model"] = lambda ev: ev.model_peak
     return fns
@@ -148,7 +295,7 @@ def _too_large(setup: Setup, seq_len: int, goal: str, limit: int) -> str | None:
 def run(args: argparse.Namespace) -> int:
     """Plan and print (``args`` from :func:`.cli_args.parse_args`, checked);
     returns the exit status (2: impossible, explained)."""
-    ranks = args.gpus if args.gpus is not None else args.processes
+    ranks = _ranks(args)
     try:
         setup = build_setup(args, ranks or 1)
         setup.pattern_at(max(args.seq_len or 1, 1)).check_heads(setup.heads)
@@ -163,9 +310,8 @@ def run(args: argparse.Namespace) -> int:
                     f"{fmt_bytes(setup.usable)} usable"
                 )
         if args.mode != "ring":  # Ulysses, the hybrid, or the three compared
-            print("\n".join(header(setup, args) + mode_report(args, setup, args.seq_len)))
+            print("\n".join(header(setup, args) + _mode_report(args, setup, args.seq_len)))
             return 0
-        out = []
         if ranks is None:  # fewest ranks for --seq-len
             why = _too_large(setup, args.seq_len, goal, MAX_WORLD_SIZE)
             if why is not None:
@@ -184,19 +330,14 @@ def run(args: argparse.Namespace) -> int:
                     f"{MAX_WORLD_SIZE:,} with {fmt_bytes(setup.usable)} usable each (what does "
                     "not shrink with more ranks, e.g. replicated parameters, exceeds it)"
                 )
-            setup = ev.setup
-            out += header(setup, args)
-            out.append("")
-            out.append(
-                f"Fewest ranks for {fmt_tokens(args.seq_len)} tokens ({goal}): {setup.ranks}"
-                + (" (within 2 %)" if setup.ranks > 50 else "")
-            )
-            details = ev
+            setup, details = ev.setup, ev
+            within = " (within 2 %)" if setup.ranks > 50 else ""
+            out = [*header(setup, args), "", f"Fewest ranks for {fmt_tokens(args.seq_len)} "
+                   f"tokens ({goal}): {setup.ranks}{within}"]  # fmt: skip
         elif args.seq_len is not None:  # this length on these ranks
-            out += header(setup, args)
-            out.append("")
             details = evaluate(setup, args.seq_len)
-            out.append(f"Does {fmt_tokens(args.seq_len)} fit on {setup.ranks} ranks?")
+            out = [*header(setup, args), "",
+                   f"Does {fmt_tokens(args.seq_len)} fit on {setup.ranks} ranks?"]  # fmt: skip
             for name, fn in peaks.items():
                 need = fn(details)
                 verdict = "yes" if need <= setup.usable else "NO"
@@ -212,8 +353,7 @@ def run(args: argparse.Namespace) -> int:
                     out,
                 )
         else:  # the longest length on these ranks
-            out += header(setup, args)
-            out.append("")
+            out = [*header(setup, args), ""]
             cache: dict = {}
             longest, start = {}, time.monotonic()
             for name, fn in peaks.items():  # the searches share evaluations and the time limit
@@ -247,17 +387,11 @@ def run(args: argparse.Namespace) -> int:
                 )
                 out.append(f"  {_LABELS[name]:<52} {text}")
             details = longest[goal] or longest["training"] or longest["inference"]
-        out.append("")
-        out.append(f"One attention layer at n = {fmt_tokens(details.seq_len)}:")
-        out += layer_details(details, training=True)
+        out += ["", f"One attention layer at n = {fmt_tokens(details.seq_len)}:"]
+        out += layer_details(details)
         if setup.model is not None:
-            out.append("")
-            out.append(model_header(details.setup) + f", at n = {fmt_tokens(details.seq_len)}:")
-            out += model_lines(details)
-            act = activation_bytes_per_token(setup.model, setup.itemsize)
-            out.append(f"  activations  {fmt_bytes(act)} per token and block without checkpointing")
-        out.append("")
-        out += ASSUMPTIONS + (MODEL_ASSUMPTIONS if setup.model is not None else [])
+            out += ["", *model_lines(details)]
+        out += ["", *ASSUMPTIONS, *(MODEL_ASSUMPTIONS if setup.model is not None else [])]
         print("\n".join(out))
         return 0
     except Impossible as exc:
@@ -267,6 +401,44 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:  # a bad pattern or configuration, named by the check
         print(f"Not possible: {exc}")
         return 2
+
+
+def _mode_report(args: argparse.Namespace, setup: Setup, seq_len: int) -> list[str]:
+    """The report of ``--mode`` (not ``ring``) at ``seq_len`` tokens."""
+    gbps, lat, why = INTRA_DEFAULTS[setup.device]
+    if args.intra_gbps is not None or args.intra_latency_us is not None:
+        why = "given"
+    intra = Link(gbps if args.intra_gbps is None else args.intra_gbps,
+                 lat if args.intra_latency_us is None else args.intra_latency_us)  # fmt: skip
+    G, inter = args.gpus_per_node, setup.link
+    lines = [
+        f"  links        inside a node {intra.gbps:g} Gbit/s, {intra.latency_us:g} us ({why}); "
+        f"between nodes {inter.gbps:g} Gbit/s, {inter.latency_us:g} us; {G} ranks per node",
+        "",
+    ]
+    if args.mode == "compare":
+        evals = compare_modes(setup, seq_len, G, intra, inter, args.ulysses)
+        lines += mode_lines(evals, setup.usable, advice(evals, setup.usable))
+    else:
+        R, U = grid_for(args.mode, setup.ranks, G, args.ulysses)
+        ev = evaluate_mode(
+            setup, seq_len, R, U, a2a_link=intra if U <= G else inter,
+            ring_link=intra if setup.ranks <= G else inter, mode=args.mode,
+        )  # fmt: skip
+        lines += mode_lines([ev], setup.usable, [])
+    return lines + MODE_ASSUMPTIONS
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse and check the planner's arguments: a bad option, or a bad
+    combination of them, exits 2 with argparse's message naming it."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        check_args(args)
+    except OptionError as exc:
+        parser.error(str(exc))
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:

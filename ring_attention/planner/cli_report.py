@@ -1,28 +1,22 @@
-"""The capacity planner's report: sizes, times and token counts as text, the
-header of a setup, one attention layer's details (memory items, time, the
-far group's schedules, bytes per link), the whole model's lines, and the
-assumptions printed under every report."""
+"""The capacity planner's report as text: sizes, times and token counts,
+the header of a setup, one attention layer's details (memory items, time,
+the far group's schedules, bytes per link), the whole model's lines, the
+modes side by side, and the assumptions printed under every report. Its
+functions read a :class:`~.capacity.Setup` and an
+:class:`~.capacity.Evaluation` or :class:`~.modes.ModeEvaluation`."""
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
+from ..core.links import LINKS
 from ..core.pairs import pattern_flops
-from .capacity import Evaluation, Setup
-from .cli_args import LINK_DEFAULTS
+from .model import activation_bytes_per_token
 from .presets import PATTERNS
 
-__all__ = [
-    "ASSUMPTIONS",
-    "MODEL_ASSUMPTIONS",
-    "fmt_bytes",
-    "fmt_time",
-    "fmt_tokens",
-    "header",
-    "layer_details",
-    "model_header",
-    "model_lines",
-]
+__all__ = ["ASSUMPTIONS", "MODEL_ASSUMPTIONS", "MODE_ASSUMPTIONS", "fmt_bytes", "fmt_time",
+           "fmt_tokens", "header", "layer_details", "mode_lines", "model_lines"]  # fmt: skip
 
 
 def fmt_bytes(x: float) -> str:
@@ -33,11 +27,7 @@ def fmt_bytes(x: float) -> str:
 
 
 def fmt_time(s: float) -> str:
-    if s >= 1:
-        return f"{s:.3g} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.3g} ms"
-    return f"{s * 1e6:.3g} us"
+    return f"{s:.3g} s" if s >= 1 else f"{s * 1e3:.3g} ms" if s >= 1e-3 else f"{s * 1e6:.3g} us"
 
 
 def fmt_tokens(n: int) -> str:
@@ -47,27 +37,17 @@ def fmt_tokens(n: int) -> str:
     return f"{n:,} ({n / 10**e:.2f}e{e})"
 
 
-def header(s: Setup, args: argparse.Namespace) -> list[str]:
-    pat = (
-        f"segments {list(s.segments)} dilations {list(s.dilations)}"
-        if s.segments
-        else f"{s.pattern}: {PATTERNS[s.pattern][0]}"
-    )
+def header(s: Any, args: argparse.Namespace) -> list[str]:
+    """The setup, as the report's first lines."""
+    pat = (f"segments {list(s.segments)} dilations {list(s.dilations)}" if s.segments
+           else f"{s.pattern}: {PATTERNS[s.pattern][0]}")  # fmt: skip
+    docs = f"documents of {s.document_length:,} tokens" if s.document_length else ""
+    offsets = f"{s.head_offsets} head offsets" if s.head_offsets != "modulo" else ""
+    groups = "head groups" if s.head_groups else ""
     flags = ", ".join(
-        x
-        for x in (
-            "causal" if s.causal else "non-causal",
-            "head groups" if s.head_groups else "",
-            f"{s.head_offsets} head offsets" if s.head_offsets != "modulo" else "",
-            f"documents of {s.document_length:,} tokens" if s.document_length else "",
-        )
-        if x
+        x for x in ("causal" if s.causal else "non-causal", groups, offsets, docs) if x
     )
-    link_why = (
-        "given"
-        if args.link_gbps or args.link_latency_us is not None or args.message_us is not None
-        else LINK_DEFAULTS[s.device][2]
-    )
+    given = args.link_gbps or args.link_latency_us is not None or args.message_us is not None
     mem_note = "per GPU" if s.device == "cuda" else "per process (host memory / processes)"
     return [
         "ring_attention capacity planner",
@@ -77,53 +57,38 @@ def header(s: Setup, args: argparse.Namespace) -> list[str]:
         f"batch {s.batch}, {s.layout} layout, {flags}",
         f"  pattern      {pat}",
         f"  link         {s.link.gbps:g} Gbit/s each way, {s.link.latency_us:g} us per transfer, "
-        f"{s.link.message_us:g} us per further message of a batch ({link_why})",
+        f"{s.link.message_us:g} us per further message of a batch "
+        f"({'given' if given else LINKS[s.device][1]})",
     ]
 
 
-def layer_details(ev: Evaluation, training: bool) -> list[str]:
-    s, tr = ev.setup, ev.traffic
-    p = s.ranks
+def layer_details(ev: Any) -> list[str]:
+    """One attention layer, training: work, rates, the worst rank's memory
+    items, time, the far group's schedules, bytes per link."""
+    s, tr, times = ev.setup, ev.traffic, ev.times
+    pairs_max = int(tr.total_pairs.max())
+    flops = [
+        pattern_flops(pairs_max, s.head_dim, s.batch, backward=b) / 1e12 for b in (False, True)
+    ]
+    j = ev.worst(lambda j: ev.memories[j].training_peak)
+    m = ev.memories[j]
     lines = [
         f"  pattern      segments {list(ev.pattern.segment_lengths)} dilations "
         f"{list(ev.pattern.dilation_rates)}",
         f"  per rank     {fmt_tokens(int(tr.local_len.max()))} tokens (longest shard)",
-    ]
-    pairs_max = int(tr.total_pairs.max())
-    lines.append(
         f"  work         {pairs_max:.4g} reached pairs per batch row on the busiest rank "
-        f"({int(tr.total_pairs.sum()):.4g} in all): "
-        f"{pattern_flops(pairs_max, s.head_dim, s.batch) / 1e12:.4g} TFLOP forward, "
-        f"{pattern_flops(pairs_max, s.head_dim, s.batch, backward=True) / 1e12:.4g} TFLOP fwd+bwd"
-    )
-    lines.append(f"  kernel rate  {ev.rates.source}")
-    key = (lambda j: ev.memories[j].training_peak) if training else (
-        lambda j: ev.memories[j].forward_peak
-    )  # fmt: skip
-    j = ev.worst(key)
-    m = ev.memories[j]
-    what = "training (forward + backward)" if training else "inference (forward)"
-    peak = m.training_peak if training else m.forward_peak
-    lines.append(f"  peak memory  {fmt_bytes(peak)} on rank {j}, {what}:")
-    items = dict(m.inputs)
-    if not training:
-        items.pop("grad_out")
-    phase = m.backward if training and m.backward_peak >= m.forward_peak else m.forward
-    items.update(phase)
-    for name, v in items.items():
-        if v:
-            lines.append(f"      {name:<28} {fmt_bytes(v):>12}")
-    bufs = m.buffers["backward" if training else "forward"]
-    if any(bufs.values()):
-        lines.append(
-            "      (transport buffers: "
-            + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in bufs.items() if v)
-            + ")"
-        )
-    t_rank = ev.worst(lambda k: ev.times[k].forward_backward)
-    t = ev.times[t_rank]
-    f_rank = ev.worst(lambda k: ev.times[k].forward)
-    tf = ev.times[f_rank]
+        f"({int(tr.total_pairs.sum()):.4g} in all): {flops[0]:.4g} TFLOP forward, "
+        f"{flops[1]:.4g} TFLOP fwd+bwd",
+        f"  kernel rate  {ev.rates.source}",
+        f"  peak memory  {fmt_bytes(m.training_peak)} on rank {j}, training (forward + backward):",
+    ]
+    items = {**m.inputs, **(m.backward if m.backward_peak >= m.forward_peak else m.forward)}
+    lines += [f"      {name:<28} {fmt_bytes(v):>12}" for name, v in items.items() if v]
+    bufs = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in m.buffers["backward"].items() if v)
+    lines += [f"      (transport buffers: {bufs})"] if bufs else []
+    t_rank = ev.worst(lambda k: times[k].forward_backward)
+    f_rank = ev.worst(lambda k: times[k].forward)
+    t, tf = times[t_rank], times[f_rank]
     lines.append(
         f"  time/layer   forward {fmt_time(tf.forward)} (compute {fmt_time(tf.compute_forward)},"
         f" exposed communication {fmt_time(tf.exposed_forward)}; rank {f_rank})"
@@ -134,25 +99,22 @@ def layer_details(ev: Evaluation, training: bool) -> list[str]:
         f"{fmt_time(t.exposed_forward_backward)}; rank {t_rank})"
     )
     lines += _far_lines(ev)
-    row = 2 * s.batch * s.head_dim
-    acc = 8 if s.itemsize == 8 else 4
-    sent = tr.rows_sent
-    recv = tr.rows_received
-    fwd_sent = int(sent.max()) * row * s.itemsize
+    row, acc = 2 * s.batch * s.head_dim, 8 if s.itemsize == 8 else 4
+    sent, recv = tr.rows_sent, tr.rows_received
     fb_sent = int((2 * row * s.itemsize * sent + row * acc * recv).max())
     fb_recv = int((2 * row * s.itemsize * recv + row * acc * sent).max())
     big = int(max(tr.send_rows.max(), tr.recv_rows.max())) * row * s.itemsize
-    steps = int(tr.active.sum(1).max())
     lines.append(
-        f"  bytes/link   sent per rank per layer: forward {fmt_bytes(fwd_sent)}, forward+backward "
+        f"  bytes/link   sent per rank per layer: forward "
+        f"{fmt_bytes(int(sent.max()) * row * s.itemsize)}, forward+backward "
         f"{fmt_bytes(fb_sent)} (received: {fmt_bytes(int(recv.max()) * row * s.itemsize)}, "
-        f"{fmt_bytes(fb_recv)}); largest transfer {fmt_bytes(big)}; {steps} of {p - 1} ring "
-        f"steps carry data (rows: {tr.source})"
+        f"{fmt_bytes(fb_recv)}); largest transfer {fmt_bytes(big)}; "
+        f"{int(tr.active.sum(1).max())} of {s.ranks - 1} ring steps carry data (rows: {tr.source})"
     )
     return lines
 
 
-def _far_lines(ev: Evaluation) -> list[str]:
+def _far_lines(ev: Any) -> list[str]:
     """The two schedules side by side: the ring alone and the far group
     (``--far-bytes``, else ``auto``), exposed communication of the slowest
     rank of each pass, and which is cheaper."""
@@ -183,34 +145,79 @@ def _far_lines(ev: Evaluation) -> list[str]:
     ]
 
 
-def model_lines(ev: Evaluation) -> list[str]:
-    s = ev.setup
-    shape = s.model
-    assert shape is not None
+def model_lines(ev: Any) -> list[str]:
+    """The whole model (a model must be set): its shape, the worst rank's
+    memory items, the step time and the activations per token."""
+    s, m = ev.setup, ev.setup.model
     j = ev.worst(lambda k: sum(ev.model_items(k).values()))
-    items = ev.model_items(j)
-    lines = [f"  peak memory  {fmt_bytes(sum(items.values()))} on rank {j}:"]
-    lines += [f"      {k:<42} {fmt_bytes(v):>12}" for k, v in items.items() if v]
-    secs = ev.model_seconds()
-    _, why = s.matmul_rate(ev.rates)
-    lines.append(
+    items, secs = ev.model_items(j), ev.model_seconds()
+    act = activation_bytes_per_token(m, s.itemsize)
+    return [
+        f"Whole model: {m.layers} blocks, hidden {m.hidden}, MLP {m.ffn} "
+        f"({'gated' if m.gated else 'GELU'}), vocab {m.vocab or 'none'}, "
+        f"{m.params() / 1e9:.3g} B parameters; training, activation checkpointing "
+        f"{'on' if s.checkpointing else 'off'}, parameters "
+        f"{'sharded over the ranks (FSDP/ZeRO-3)' if s.shard_params else 'replicated'}, "
+        f"at n = {fmt_tokens(ev.seq_len)}:",
+        f"  peak memory  {fmt_bytes(sum(items.values()))} on rank {j}:",
+        *(f"      {k:<42} {fmt_bytes(v):>12}" for k, v in items.items() if v),
         f"  step time    {fmt_time(sum(secs.values()))} per training step of one sequence: "
         + "; ".join(f"{k} {fmt_time(v)}" for k, v in secs.items())
-        + f" (matmul rate {why})"
+        + f" (matmul rate {s.matmul_rate(ev.rates)[1]})",
+        f"  activations  {fmt_bytes(act)} per token and block without checkpointing",
+    ]
+
+
+def _details(ev: Any, usable: int) -> list[str]:
+    worst, b, t = ev.worst, fmt_bytes, fmt_time
+    j = max(range(len(ev.ranks)), key=lambda r: ev.ranks[r].training_peak)
+    m = ev.ranks[j]
+    fits = "fits" if worst["training_peak"] <= usable else "does NOT fit"
+    lines = [
+        f"{ev.mode}: {ev.ring} ring(s) x {ev.ulysses} Ulysses rank(s)"
+        + (f"; {ev.idle} Ulysses rank(s) hold no head" if ev.idle else ""),
+        f"  bytes/rank   sent per layer: forward {b(worst['sent_forward'])}, forward+backward "
+        f"{b(worst['sent_forward_backward'])} (all-to-all {b(worst['a2a_forward_backward'])}, "
+        f"ring {b(worst['ring_forward_backward'])})",
+        f"  peak memory  {b(worst['training_peak'])} training, {b(worst['forward_peak'])} "
+        f"inference (rank {j}; {fits}, {b(usable)} usable):",
+    ]
+    lines += [f"      {k:<28} {b(v):>12}" for k, v in m.training_items.items() if v]
+    f = max(ev.ranks, key=lambda r: r.seconds[1])
+    lines.append(
+        f"  time/layer   forward {t(worst['forward_s'])}, forward+backward "
+        f"{t(worst['forward_backward_s'])} (all-to-alls {t(f.a2a_seconds[1])} of it; rank "
+        f"{f.rank}; kernel rate {ev.rate_source})"
     )
     return lines
 
 
-def model_header(s: Setup) -> str:
-    m = s.model
-    assert m is not None
-    return (
-        f"Whole model: {m.layers} blocks, hidden {m.hidden}, MLP {m.ffn} "
-        f"({'gated' if m.gated else 'GELU'}), vocab {m.vocab or 'none'}, "
-        f"{m.params() / 1e9:.3g} B parameters;"
-        f" training, activation checkpointing {'on' if s.checkpointing else 'off'}, parameters "
-        f"{'sharded over the ranks (FSDP/ZeRO-3)' if s.shard_params else 'replicated'}"
-    )
+def mode_lines(evals: list[Any], usable: int, advice: list[str]) -> list[str]:
+    """The modes side by side (``--mode compare``), the advice, and each
+    mode's details; one mode (``--mode ulysses|hybrid``): its details."""
+    if len(evals) == 1:
+        return [f"One attention layer at n = {evals[0].seq_len:,}:", *_details(evals[0], usable)]
+    ev = evals[0]
+    lines = [
+        f"Three modes at n = {ev.seq_len:,} on {len(ev.ranks)} ranks, one attention layer:",
+        f"  {'mode':<8} {'R x U':>9} {'sent fwd+bwd':>13} {'a2a':>11} {'ring':>11} "
+        f"{'training peak':>14} {'fwd+bwd time':>13}",
+    ]
+    for ev in evals:
+        w = ev.worst
+        lines.append(
+            f"  {ev.mode:<8} {f'{ev.ring} x {ev.ulysses}':>9} "
+            f"{fmt_bytes(w['sent_forward_backward']):>13} "
+            f"{fmt_bytes(w['a2a_forward_backward']):>11} "
+            f"{fmt_bytes(w['ring_forward_backward']):>11} {fmt_bytes(w['training_peak']):>14} "
+            f"{fmt_time(w['forward_backward_s']):>13}"
+        )
+    lines.append("")
+    lines += ["Advice: " + a if i == 0 else "        " + a for i, a in enumerate(advice)]
+    lines.append("")
+    for ev in evals:
+        lines += _details(ev, usable)
+    return lines
 
 
 ASSUMPTIONS = [
@@ -235,4 +242,14 @@ MODEL_ASSUMPTIONS = [
     "gradients on top; chunked loss (no full logits); matmuls 2 FLOPs per parameter and token "
     "forward, 6 fwd+bwd, 8 with recomputation; optimizer step and data-parallel/FSDP "
     "collectives not modelled.",
+]
+
+MODE_ASSUMPTIONS = [
+    "",
+    "Assumptions (modes): the all-to-alls (q, k, v out; out, lse back; both reversed in "
+    "the backward) are not overlapped with compute and take the link inside a node when "
+    "the Ulysses group fits in one; the ring's steps overlap as in the ring report; a "
+    "rank's heads are those of torch.tensor_split over U, its K/V heads only those they "
+    "read; memory: the largest phase (exchange buffers, stretch tensors, the attention's "
+    "own items).",
 ]

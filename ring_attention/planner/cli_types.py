@@ -1,12 +1,7 @@
 """Checked option types of the command lines (``python -m
-ring_attention.planner``, ``python -m ring_attention.info``).
-
-Every value is checked once, while parsing: a bad one is refused the
-argparse way (``error: argument --heads: expected an integer in [1, 65536],
-got 0``, exit 2), naming what was expected. Sizes take units (``80GB``,
-``24GiB``, ``1e9``, ``64K``); numbers must be finite. Nothing is turned
-into a default: a default is what an option left out gets.
-"""
+ring_attention.planner``, ``python -m ring_attention.info``): a bad value is
+refused while parsing, the argparse way (exit 2), naming what was expected;
+sizes take units (``80GB``, ``24GiB``, ``1e9``, ``64K``)."""
 
 from __future__ import annotations
 
@@ -15,40 +10,17 @@ import math
 import re
 from collections.abc import Callable
 
-from .traffic import MAX_WORLD_SIZE
-
-__all__ = [
-    "MAX_BYTES",
-    "MICROSECONDS",
-    "RANKS",
-    "RATE",
-    "int_in",
-    "number_in",
-    "parse_size",
-    "reserve",
-    "size_in",
-]
+__all__ = ["MAX_BYTES", "MICROSECONDS", "RATE", "int_in", "number_in", "parse_size", "reserve",
+           "size_in"]  # fmt: skip
 
 #: The most memory per rank the planner takes (256 TiB): its byte counts stay
 #: far inside int64.
 MAX_BYTES = 2**48
 
-_UNITS = {
-    "": 1,
-    "k": 10**3,
-    "m": 10**6,
-    "g": 10**9,
-    "b": 10**9,  # a billion tokens
-    "t": 10**12,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
+#: Unit -> multiplier (``b``: a billion tokens).
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "b": 10**9, "t": 10**12, "kb": 10**3,
+          "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+          "tib": 2**40}  # fmt: skip
 
 
 def parse_size(text: str) -> int:
@@ -60,57 +32,45 @@ def parse_size(text: str) -> int:
     return int(value * _UNITS[m.group(2).lower()])
 
 
-def _named(parse: Callable, name: str) -> Callable:
-    parse.__name__ = name  # argparse names a type by it
+def _checked(name: str, expected: str, convert: Callable, ok: Callable, got: Callable):
+    """A parser type named ``name`` (argparse names a type by it):
+    ``convert(text)``, refused with ``expected`` when it fails or is not
+    ``ok`` (``got(text, value)`` says what was given)."""
+
+    def parse(text: str):
+        try:
+            x = convert(text)
+        except (ValueError, argparse.ArgumentTypeError):
+            raise argparse.ArgumentTypeError(f"{expected}, got {text!r}") from None
+        if not ok(x):
+            raise argparse.ArgumentTypeError(f"{expected}, got {got(text, x)}")
+        return x
+
+    parse.__name__ = name
     return parse
 
 
 def int_in(low: int, high: int) -> Callable[[str], int]:
     """An integer in ``[low, high]``."""
-
-    def parse(text: str) -> int:
-        expected = f"expected an integer in [{low}, {high}]"
-        try:
-            n = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{expected}, got {text!r}") from None
-        if not low <= n <= high:
-            raise argparse.ArgumentTypeError(f"{expected}, got {n}")
-        return n
-
-    return _named(parse, "integer")
+    expected = f"expected an integer in [{low}, {high}]"
+    return _checked("integer", expected, int, lambda n: low <= n <= high, lambda _, n: n)
 
 
 def size_in(low: int, high: int) -> Callable[[str], int]:
     """A size (:func:`parse_size`) in ``[low, high]``."""
-
-    def parse(text: str) -> int:
-        expected = f"expected a size in [{low}, {high:.4g}] (e.g. 80GB, 24GiB, 1e9, 64K)"
-        try:
-            n = parse_size(text)
-        except argparse.ArgumentTypeError:
-            raise argparse.ArgumentTypeError(f"{expected}, got {text!r}") from None
-        if not low <= n <= high:
-            raise argparse.ArgumentTypeError(f"{expected}, got {text!r} = {n}")
-        return n
-
-    return _named(parse, "size")
+    expected = f"expected a size in [{low}, {high:.4g}] (e.g. 80GB, 24GiB, 1e9, 64K)"
+    return _checked("size", expected, parse_size, lambda n: low <= n <= high,
+                    lambda text, n: f"{text!r} = {n}")  # fmt: skip
 
 
 def number_in(low: float, high: float, *, above: bool = False) -> Callable[[str], float]:
     """A finite number in ``[low, high]`` (``above``: ``> low``)."""
+    expected = f"expected a finite number {'>' if above else '>='} {low:g} and <= {high:g}"
 
-    def parse(text: str) -> float:
-        expected = f"expected a finite number {'>' if above else '>='} {low:g} and <= {high:g}"
-        try:
-            x = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{expected}, got {text!r}") from None
-        if not (math.isfinite(x) and (x > low if above else x >= low) and x <= high):
-            raise argparse.ArgumentTypeError(f"{expected}, got {text!r}")
-        return x
+    def ok(x: float) -> bool:
+        return math.isfinite(x) and (x > low if above else x >= low) and x <= high
 
-    return _named(parse, "number")
+    return _checked("number", expected, float, ok, lambda text, _: repr(text))
 
 
 def reserve(high: int) -> Callable[[str], tuple[str, float]]:
@@ -133,11 +93,10 @@ def reserve(high: int) -> Callable[[str], tuple[str, float]]:
             pass
         raise argparse.ArgumentTypeError(f"{expected}, got {text!r}")
 
-    return _named(parse, "reserve")
+    parse.__name__ = "reserve"
+    return parse
 
 
-#: A rank count the planner models (:data:`.traffic.MAX_WORLD_SIZE`).
-RANKS = int_in(1, MAX_WORLD_SIZE)
 #: A bandwidth (Gbit/s) or a rate (TFLOP/s): finite, from 10^-6 (a kbit/s, a
 #: MFLOP/s: times stay finite) to far beyond any machine.
 RATE = number_in(1e-6, 1e9)

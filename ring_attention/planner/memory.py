@@ -1,55 +1,17 @@
-"""Peak memory per rank of one ring attention layer, item by item.
-
-The items follow what ``ring_schedule.py`` and ``transport.py`` allocate (docs/design.md
-§4.3-§4.5), so that the transport buffers agree byte for byte with
-``last_exchange_stats.buffer_bytes``:
-
-forward (``schedule_forward``)
-    inputs q, k, v (K/V at ``kv_heads`` width); the accumulators ``out``
-    (``acc`` dtype: float32, float64 for float64) and ``lse``; the output
-    cast to the input dtype (a copy only when it differs from ``acc``); with
-    two pieces per rank (zigzag) contiguous copies of the pieces of q, k, v
-    and the concatenated results; the transport buffers: one packed send
-    buffer (the largest step), packed receive buffers (one per slot the
-    receiving steps use: steps alternate two slots by position), and for
-    pieces needed only in part (the widest step) an int32 row map per
-    (position, K/V head) of their spans: the kernels read the packed rows
-    in place. With a far group, the ring's buffers are sized by the near
-    transfers and the far group's send and receive buffers hold all of its
-    rows at once.
-backward (``schedule_backward``)
-    inputs q, k, v and grad_out; ``out`` and ``lse`` saved by the forward;
-    fp32 accumulators dq, dk, dv; their casts; zigzag piece copies; the
-    transport buffers: K/V as forward (slots by distance parity), returned
-    gradients (``acc`` dtype) going back (per receiving slot) and coming home
-    (per sending slot; the kernels accumulate into the packed buffers that go
-    back), and the row map; the far group's K/V and dK/dV, likewise; the
-    kernel's ``delta`` (``batch * heads * rows``, one block at a time).
-before the call
-    the cached plan's row indices (int64, every row sent and received; a
-    device copy too on CUDA).
-
-Per-thread kernel tiles (a few KiB) are not counted.
-"""
+"""Peak memory per rank of one ring attention layer, item by item, as
+``ring_schedule.py`` and ``transport.py`` allocate it: the transport buffers
+agree byte for byte with ``last_exchange_stats.buffer_bytes`` (the items:
+docs/planner.md). The functions take a :class:`~.traffic.Traffic`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from .traffic import Traffic
-
-__all__ = [
-    "DTYPE_BYTES",
-    "KERNEL_WORKSPACE",
-    "LayerMemory",
-    "acc_bytes",
-    "layer_memories",
-    "layer_memory",
-    "own_memory",
-    "transport_buffers",
-]
+__all__ = ["DTYPE_BYTES", "KERNEL_WORKSPACE", "LayerMemory", "acc_bytes", "layer_memories",
+           "layer_memory", "own_memory", "transport_buffers"]  # fmt: skip
 
 #: The one item that is not a tensor: the backward kernel's ``delta`` (a
 #: host vector on the CPU), invisible to a tensor-allocation profiler.
@@ -75,7 +37,7 @@ def _slots_used(index: torch.Tensor, posting: torch.Tensor) -> torch.Tensor:
 
 
 def transport_buffers(
-    tr: Traffic, batch: int, head_dim: int, itemsize: int, far_bytes: int = 0
+    tr: Any, batch: int, head_dim: int, itemsize: int, far_bytes: int = 0
 ) -> dict[str, dict[str, torch.Tensor]]:
     """Bytes of every transport buffer each rank allocates per pass:
     ``{"forward": {kind: (p,) bytes}, "backward": {kind: (p,) bytes}}``; per
@@ -118,20 +80,12 @@ def transport_buffers(
 
 @dataclass(frozen=True)
 class LayerMemory:
-    """Bytes per rank of one attention layer, per item.
+    """Bytes per rank of one attention layer, per item."""
 
-    Attributes:
-        inputs: what exists before the call (q, k, v; grad_out for the
-            backward; the cached plan's indices).
-        forward: what the forward allocates, at its peak.
-        backward: what the backward allocates or keeps alive, at its peak.
-        buffers: the transport buffers per pass (part of forward/backward).
-    """
-
-    inputs: dict[str, int]
-    forward: dict[str, int]
-    backward: dict[str, int]
-    buffers: dict[str, dict[str, int]] = field(default_factory=dict)
+    inputs: dict[str, int]  # before the call: q, k, v; grad_out (backward); the plan's indices
+    forward: dict[str, int]  # what the forward allocates, at its peak
+    backward: dict[str, int]  # what the backward allocates or keeps alive, at its peak
+    buffers: dict[str, dict[str, int]] = field(default_factory=dict)  # transport, per pass
 
     @property
     def forward_peak(self) -> int:
@@ -200,7 +154,7 @@ def own_memory(
 
 
 def layer_memories(
-    tr: Traffic, batch: int, head_dim: int, itemsize: int, *, device: str = "cpu",
+    tr: Any, batch: int, head_dim: int, itemsize: int, *, device: str = "cpu",
     far_bytes: int = 0,
 ) -> list[LayerMemory]:  # fmt: skip
     """The :class:`LayerMemory` of every rank (see the module docstring);
@@ -238,17 +192,14 @@ def layer_memories(
 
     return [
         LayerMemory(
-            inputs=at(inputs, j),
-            forward=at(forward, j),
-            backward=at(backward, j),
-            buffers={k: at(v, j) for k, v in bufs.items()},
+            at(inputs, j), at(forward, j), at(backward, j), {k: at(v, j) for k, v in bufs.items()}
         )
         for j in range(tr.world_size)
     ]
 
 
 def layer_memory(
-    tr: Traffic, rank: int, batch: int, head_dim: int, itemsize: int, *, device: str = "cpu",
+    tr: Any, rank: int, batch: int, head_dim: int, itemsize: int, *, device: str = "cpu",
     far_bytes: int = 0,
 ) -> LayerMemory:  # fmt: skip
     """The :class:`LayerMemory` of one rank (:func:`layer_memories`)."""

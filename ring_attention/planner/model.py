@@ -1,30 +1,7 @@
-"""Whole-model memory and time per rank, for sequence-parallel training.
-
-Assumptions (printed by the command line with every whole-model figure):
-
-* every rank holds ``batch * n / p`` tokens of every layer (the ring shards
-  the sequence; everything outside attention is per token);
-* mixed-precision AdamW: 16 bytes per parameter (2-byte weights and
-  gradients, fp32 master weights, two fp32 moments; float32 training: 4 + 4
-  + 8), sharded over the ``p`` ranks (FSDP / ZeRO-3) unless replicated, plus
-  one block's gathered weights and gradients in the compute dtype;
-* stored activations per token of a block, without checkpointing: the
-  input and output of both norms (``4 h``), q, k, v and the attention output
-  (``(2 H + 2 H_kv) d``), the MLP's hidden activations (``2 f``, gated
-  ``3 f``), in the compute dtype, and the fp32 ``lse`` (``4 H`` bytes); no
-  dropout masks;
-* with full activation checkpointing, only each block's input (``h`` per
-  token) is kept, and one block is recomputed at a time during the backward;
-* the attention backward of one block (the ring: fp32 dq, dk, dv, gradient
-  of its output, transport buffers, kernel workspace; :mod:`.memory`) and
-  two residual-stream gradients (``2 h`` per token) live on top;
-* the loss is computed in chunks: full-sequence logits are never stored;
-* time: attention from :mod:`.timing` (forward + backward; forward again when
-  checkpointing), everything else as dense matmuls, ``2`` FLOPs per
-  parameter and token forward, ``6`` for forward + backward (``8`` with
-  recomputation; the output head ``6``), at the matmul rate; the
-  optimizer step and the data-parallel / FSDP collectives are not modelled.
-"""
+"""Whole-model memory and time per rank, for sequence-parallel training:
+every rank holds ``batch * n / p`` tokens of every block, AdamW in mixed
+precision, optional checkpointing and parameter sharding; the assumptions
+are printed with every figure (and listed in docs/planner.md)."""
 
 from __future__ import annotations
 
@@ -58,23 +35,19 @@ def model_memory(
     per_param = 16
     per_token = activation_bytes_per_token(shape, itemsize)
     attention_backward = sum(v for k, v in layer.backward.items() if k != "out, lse (saved)")
-    items = {
+    gathered = 2 * shape.layer_params() * itemsize if shard_params and world_size > 1 else 0
+    stored = shape.hidden * itemsize if checkpointing else per_token
+    backward = attention_backward + layer.inputs["grad_out"] + layer.inputs["plan indices (cached)"]
+    return {
         "parameters, gradients, AdamW state": per_param
         * params
         // (world_size if shard_params else 1),
-        "gathered block weights + gradients (FSDP)": (
-            2 * shape.layer_params() * itemsize if shard_params and world_size > 1 else 0
-        ),
-        "stored activations (all blocks)": shape.layers
-        * tokens
-        * (shape.hidden * itemsize if checkpointing else per_token),
+        "gathered block weights + gradients (FSDP)": gathered,
+        "stored activations (all blocks)": shape.layers * tokens * stored,
         "recomputed block (checkpointing)": tokens * per_token if checkpointing else 0,
-        "attention backward (one block)": attention_backward
-        + layer.inputs["grad_out"]
-        + layer.inputs["plan indices (cached)"],
+        "attention backward (one block)": backward,
         "residual-stream gradients": 2 * tokens * shape.hidden * itemsize,
     }
-    return items
 
 
 def model_step_seconds(

@@ -1,72 +1,26 @@
 """The planner for the three ways of sharding the sequence (docs/design.md
 §2): the ring over every rank, Ulysses (all-to-all over every rank) and the
 ring x Ulysses hybrid (``U`` ranks per Ulysses group, ``R`` rings), per rank
-and attention layer: bytes sent, peak memory and time, and which mode wins.
-
-The modes follow ``ring_attention.parallel.ulysses``: the rank with ring index ``i``
-and Ulysses index ``j`` holds shard ``i * U + j``; an all-to-all inside the
-Ulysses group gives it query heads ``j`` of ``torch.tensor_split`` (``c_j``
-of them) and the K/V heads they read (``k_j``) for its group's stretch of
-``S_i`` rows; it attends over the stretch (locally, or along the ring of
-the ranks with the same heads), and a second all-to-all returns ``out``
-and ``lse`` of every head for its own shard. Per rank, bytes sent:
-
-* forward: ``L_v (sum_{p != j} c_p + 2 k_p) D B s`` (q, k, v out) plus
-  ``sum_{p != j} L_p c_j (D s + a) B`` (``out`` and ``lse`` back), with
-  ``s`` the input's bytes per value and ``a`` the ``lse`` bytes;
-* backward: the same two exchanges reversed (``lse``'s gradient travels
-  too, zeros when the loss does not use it);
-* the hybrid adds the ring of its stretch (:mod:`.traffic` on the folded
-  layout, the head slice's ``c_j`` query and ``k_j`` K/V heads).
-
-The ring part counts the slice's heads with local indices: exact where the
-slice's heads have the offsets of heads ``0 .. c_j - 1`` (e.g. a head start
-that is a multiple of every dilation rate), close otherwise; a K/V slice
-that does not divide its query heads is counted expanded (an upper bound).
-
-Time per layer: the two all-to-alls on the Ulysses link (not overlapped),
-plus the attention over the stretch as :mod:`.timing` models the ring (the
-ring on the ring link); memory: the inputs, the all-to-all buffers and the
-stretch tensors, plus the attention's own items (:mod:`.memory`) at the
-largest of the phases.
-"""
+and attention layer: bytes sent, peak memory and time, and which mode wins
+(the model: docs/planner.md)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
-import torch
-
-from ..core.layout import (
-    Piece,
-    layout_pieces,
-    layout_shard_lengths,
-    resolve_layout,
-    shard_bounds,
-)
-from ..core.pairs import ranks_pairs
+from ..core.layout import Piece, layout_pieces, layout_shard_lengths, resolve_layout, shard_bounds
+from ..core.links import Link
 from ..core.pattern import Pattern
-from . import traffic
-from .capacity import Setup
 from .memory import KERNEL_WORKSPACE, LayerMemory, acc_bytes, layer_memories
-from .timing import Link, RankTime, layer_times
-from .traffic import Traffic, _analytic, sent_rows
+from .timing import RankTime, layer_times
+from .traffic import Traffic, traffic_of
 
-__all__ = [
-    "MODES",
-    "ModeEvaluation",
-    "ModeRank",
-    "advice",
-    "compare_modes",
-    "evaluate_mode",
-    "grid_for",
-    "stretch_traffic",
-]
+__all__ = ["MODES", "ModeEvaluation", "ModeRank", "advice", "compare_modes", "evaluate_mode",
+           "grid_for", "stretch_traffic"]  # fmt: skip
 
 MODES = ("ring", "ulysses", "hybrid")
-
-_PLAN_WORK_LIMIT = 1 << 24
 _ZIGZAG = "piece copies (zigzag)"  # a memory item of .memory
 
 
@@ -89,35 +43,7 @@ def stretch_traffic(
     for ps in pieces:
         end = sum(p.length for p in ps)
         ps += [Piece(ps[-1].start + ps[-1].length, 0, end)] * (most - len(ps))
-    total = ranks_pairs(
-        pattern, seq_len, heads, [[(p.start, p.length) for p in ps] for ps in pieces]
-    )
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        counts = _analytic(pattern, seq_len, heads, kv_heads, pieces)
-    finally:
-        torch.set_num_threads(threads)
-    use_plan = source == "plan" or (
-        source == "auto" and R * seq_len * heads <= _PLAN_WORK_LIMIT and traffic.exact_plans
-    )
-    if pattern.windowed and not (use_plan and traffic.exact_plans):
-        raise ValueError(
-            f"the planner's closed forms do not take a sliding window (window={pattern.window});"
-            f" the ring's own plans do, up to R * n * heads = {_PLAN_WORK_LIMIT}"
-        )
-    if use_plan and R > 1:
-        counts.update(traffic.plan_rows(pattern, seq_len, heads, kv_heads, R, layout, U))
-    recv = counts["recv"]
-    send = sent_rows(recv)
-    total_t = torch.tensor(total, dtype=torch.int64)
-    return Traffic(
-        pattern=pattern, seq_len=int(seq_len), heads=int(heads), kv_heads=int(kv_heads),
-        world_size=R, layout=layout, source="plan" if use_plan else "analytic",
-        local_len=torch.tensor([sum(p.length for p in ps) for ps in pieces], dtype=torch.int64),
-        total_pairs=total_t, local_pairs=total_t - counts["pairs"].sum(1), recv_rows=recv,
-        send_rows=send, span_rows=counts["span"], step_pairs=counts["pairs"],
-    )  # fmt: skip
+    return traffic_of(pattern, seq_len, heads, kv_heads, pieces, layout, source, U)
 
 
 @dataclass(frozen=True)
@@ -169,17 +95,12 @@ class ModeEvaluation:
     @cached_property
     def worst(self) -> dict[str, float]:
         """The largest value over the ranks of every quantity."""
-        r = self.ranks
-        return {
-            "sent_forward": max(x.sent_forward for x in r),
-            "sent_forward_backward": max(x.sent_forward_backward for x in r),
-            "a2a_forward_backward": max(x.a2a_forward_backward for x in r),
-            "ring_forward_backward": max(x.ring_forward_backward for x in r),
-            "forward_peak": max(x.forward_peak for x in r),
-            "training_peak": max(x.training_peak for x in r),
-            "forward_s": max(x.seconds[0] for x in r),
-            "forward_backward_s": max(x.seconds[1] for x in r),
-        }
+        names = ("sent_forward", "sent_forward_backward", "a2a_forward_backward",
+                 "ring_forward_backward", "forward_peak", "training_peak")  # fmt: skip
+        out = {k: max(getattr(x, k) for x in self.ranks) for k in names}
+        out["forward_s"] = max(x.seconds[0] for x in self.ranks)
+        out["forward_backward_s"] = max(x.seconds[1] for x in self.ranks)
+        return out
 
 
 def _a2a_bytes(L: list[int], c: list[int], k: list[int], j: int, D: int, B: int, s: int,
@@ -196,7 +117,7 @@ def _a2a_bytes(L: list[int], c: list[int], k: list[int], j: int, D: int, B: int,
 
 
 def evaluate_mode(
-    setup: Setup, seq_len: int, R: int, U: int, *, a2a_link: Link | None = None,
+    setup: Any, seq_len: int, R: int, U: int, *, a2a_link: Link | None = None,
     ring_link: Link | None = None, mode: str | None = None,
 ) -> ModeEvaluation:  # fmt: skip
     """Every rank of ``R`` rings x ``U`` Ulysses ranks at ``seq_len``
@@ -214,24 +135,20 @@ def evaluate_mode(
     kv = [_kv_range(st, n, H, Hkv) for st, n in heads]
     k = [b - a for a, b in kv]
     rates = setup.rates(max(layout_shard_lengths(seq_len, R, layout, U)))
+    keys = [(c[j], k[j] if c[j] % max(k[j], 1) == 0 else c[j]) for j in range(U)]
     slices: dict[tuple[int, int], tuple[Traffic, list[LayerMemory], list[RankTime]]] = {}
-    for j in range(U):
-        key = (c[j], k[j] if c[j] % max(k[j], 1) == 0 else c[j])
-        if c[j] and key not in slices:
+    for key in keys:
+        if key[0] and key not in slices:
             tr = stretch_traffic(pattern, seq_len, *key, R, U, layout, setup.source)
-            slices[key] = (
-                tr,
-                layer_memories(tr, B, D, s, device=setup.device),
-                layer_times(tr, B, D, s, rates, ring_link),
-            )
+            mems = layer_memories(tr, B, D, s, device=setup.device)
+            slices[key] = (tr, mems, layer_times(tr, B, D, s, rates, ring_link))
     out = []
     for v in range(W):
         i, j = divmod(v, U)
         row = lengths[i * U : (i + 1) * U]
         S = sum(row)
         qkv, o, og, qg = _a2a_bytes(row, c, k, j, D, B, s, acc) if U > 1 else (0, 0, 0, 0)
-        key = (c[j], k[j] if c[j] % max(k[j], 1) == 0 else c[j])
-        tr_mem_time = slices.get(key)
+        tr_mem_time = slices.get(keys[j])
         ring_f = ring_fb = 0
         mem = time = None
         if tr_mem_time is not None:
@@ -240,12 +157,8 @@ def evaluate_mode(
             ring_fb = 2 * ring_f + int(2 * tr.rows_received[i]) * B * D * acc
             mem, time = mems[i], times[i]
             if len(layout_pieces(seq_len, R, i, layout, U)) == 1:  # one run: no copies
-                mem = LayerMemory(
-                    mem.inputs,
-                    {**mem.forward, _ZIGZAG: 0},
-                    {**mem.backward, _ZIGZAG: 0},
-                    mem.buffers,
-                )
+                fwd, bwd = {**mem.forward, _ZIGZAG: 0}, {**mem.backward, _ZIGZAG: 0}
+                mem = LayerMemory(mem.inputs, fwd, bwd, mem.buffers)
         L = lengths[v]
         local = {"q, k, v": L * (H + 2 * Hkv) * D * B * s}
         if U == 1:  # the ring itself: its own items
@@ -256,22 +169,13 @@ def evaluate_mode(
             f_items, t_items = _grid_items(L, S, H, Hkv, c, k, j, row, D, B, s, acc, mem)
         a2a_f = a2a_link.seconds(qkv) + a2a_link.seconds(o) if U > 1 else 0.0
         a2a_b = a2a_link.seconds(og) + a2a_link.seconds(qg) if U > 1 else 0.0
-        out.append(
-            ModeRank(
-                rank=v,
-                local_len=L,
-                a2a_forward=qkv + o,
-                a2a_forward_backward=qkv + o + og + qg,
-                ring_forward=ring_f,
-                ring_forward_backward=ring_fb,
-                forward_peak=sum(f_items.values()),
-                training_peak=sum(t_items.values()),
-                forward_items=f_items,
-                training_items=t_items,
-                time=time,
-                a2a_seconds=(a2a_f, a2a_f + a2a_b),
-            )
-        )
+        out.append(ModeRank(
+            rank=v, local_len=L, a2a_forward=qkv + o, a2a_forward_backward=qkv + o + og + qg,
+            ring_forward=ring_f, ring_forward_backward=ring_fb,
+            forward_peak=sum(f_items.values()), training_peak=sum(t_items.values()),
+            forward_items=f_items, training_items=t_items, time=time,
+            a2a_seconds=(a2a_f, a2a_f + a2a_b),
+        ))  # fmt: skip
     name = mode or ("ring" if U == 1 else "ulysses" if R == 1 else "hybrid")
     return ModeEvaluation(name, R, U, seq_len, out, sum(1 for x in c if x == 0), rates.source)
 
@@ -329,15 +233,8 @@ def grid_for(mode: str, ranks: int, gpus_per_node: int, ulysses: int | None = No
     """``(R, U)`` of a mode on ``ranks``: the ring ``(ranks, 1)``, Ulysses
     ``(1, ranks)``, the hybrid ``(ranks / U, U)``: one Ulysses group per
     node (``U = gpus_per_node``; all the ranks when they fit in one node),
-    or ``U = ulysses``.
-
-    The hybrid's Ulysses groups are runs of ``U`` consecutive ranks, and
-    the model takes their all-to-alls on the link inside a node when ``U``
-    fits in one: a group must not straddle two nodes. So ``ValueError``
-    (naming the options) when ``ranks`` is not a whole number of nodes (more
-    than one node, no ``ulysses``), when ``ulysses`` does not divide
-    ``ranks``, or when it neither divides ``gpus_per_node`` nor is a
-    multiple of it; nothing is chosen in their place."""
+    or ``U = ulysses``. A group must not straddle two nodes: ``ValueError``
+    (naming the options) where it would; nothing is chosen in its place."""
     if mode == "ring":
         return ranks, 1
     if mode == "ulysses":
@@ -364,7 +261,7 @@ def grid_for(mode: str, ranks: int, gpus_per_node: int, ulysses: int | None = No
 
 
 def compare_modes(
-    setup: Setup, seq_len: int, gpus_per_node: int, intra: Link, inter: Link,
+    setup: Any, seq_len: int, gpus_per_node: int, intra: Link, inter: Link,
     ulysses: int | None = None,
 ) -> list[ModeEvaluation]:  # fmt: skip
     """The three modes on ``setup.ranks`` ranks, ``gpus_per_node`` per node:

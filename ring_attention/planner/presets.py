@@ -29,16 +29,12 @@ def longnet_pattern(seq_len: int, base: int = 2048, factor: int = 4) -> tuple[li
 
 #: name -> (description, function of the sequence length giving (segments, dilations)).
 PATTERNS = {
-    "longnet": (
-        "LongNet grown to n: segments 2048*4^i below n and n, dilations segment/2048",
-        longnet_pattern,
-    ),
-    "longnet-paper": (
-        "segments [2048, 4096, 8192, 16384, 32768], dilations [1, 2, 4, 6, 12]",
-        lambda n: ([2048, 4096, 8192, 16384, 32768], [1, 2, 4, 6, 12]),
-    ),
+    "longnet": ("LongNet grown to n: segments 2048*4^i below n and n, dilations segment/2048",
+                longnet_pattern),
+    "longnet-paper": ("segments [2048, 4096, 8192, 16384, 32768], dilations [1, 2, 4, 6, 12]",
+                      lambda n: ([2048, 4096, 8192, 16384, 32768], [1, 2, 4, 6, 12])),
     "dense": ("one segment of n, dilation 1 (dense attention)", lambda n: ([max(n, 1)], [1])),
-}
+}  # fmt: skip
 
 
 def make_pattern(
@@ -76,26 +72,18 @@ def make_pattern(
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A decoder/encoder stack: ``layers`` blocks of attention and MLP.
-
-    Attributes:
-        layers: transformer blocks.
-        hidden: model width.
-        heads, kv_heads, head_dim: attention shape (projections ``hidden ->
-            heads * head_dim`` for q, ``kv_heads * head_dim`` for k and v).
-        ffn: MLP width.
-        gated: gated MLP (SwiGLU: three matrices) instead of two.
-        vocab: vocabulary (input embedding and an untied output head).
-    """
+    """A decoder/encoder stack: ``layers`` blocks of attention and MLP
+    (projections ``hidden -> heads * head_dim`` for q, ``kv_heads *
+    head_dim`` for k and v)."""
 
     layers: int
     hidden: int
     heads: int
     kv_heads: int
     head_dim: int
-    ffn: int
-    gated: bool = False
-    vocab: int = 0
+    ffn: int  # MLP width
+    gated: bool = False  # gated MLP (SwiGLU: three matrices) instead of two
+    vocab: int = 0  # input embedding and an untied output head
 
     def __post_init__(self) -> None:
         as_flag(self.gated, "gated")

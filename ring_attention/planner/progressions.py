@@ -1,23 +1,7 @@
 """Unions of arithmetic progressions cut to intervals, counted without
-visiting their elements.
-
-The K/V rows one rank needs from another's piece are, per branch and head
-offset, every ``r``-th position of an interval (the active rows of the one
-segment the two ranks share, docs/design.md §4.1). A row needed by two
-branches (or by two query heads of one K/V head) travels once, so the rows
-that travel are the *union* of such progressions. :func:`union_stats` counts
-it exactly. A progression inside another (its rate a multiple of the other's,
-its residue congruent, its rows within the other's interval) is dropped first:
-the nested branches of a power-of-two pattern leave one. Small unions are
-listed; otherwise, between consecutive interval
-ends the union is periodic with the
-lcm of the rates, so a count is whole periods times the members of one period
-plus a prefix. A few classes are counted by inclusion-exclusion over their
-intersections (Chinese remainder theorem); more classes by tabulating one
-period (cached per set of residues) when it is short enough, else by
-inclusion-exclusion again, and only where that needs too many terms by
-enumerating the interval.
-"""
+visiting their elements (:func:`union_stats`): the K/V rows one rank needs
+from another's piece, per branch and head offset, travel once however many
+branches need them (the method: docs/planner.md)."""
 
 from __future__ import annotations
 
@@ -41,12 +25,8 @@ _MAX_ENUMERATED = 1 << 22  # longest interval enumerated when the period is long
 _MAX_TERMS = 1 << 14  # non-empty intersections summed by inclusion-exclusion
 
 
-def _first(lo: int, rate: int, residue: int) -> int:
-    return lo + (residue - lo) % rate
-
-
 def _count(lo: int, hi: int, rate: int, residue: int) -> int:
-    f = _first(lo, rate, residue)
+    f = lo + (residue - lo) % rate
     return (hi - f + rate - 1) // rate if f < hi else 0
 
 

@@ -1,20 +1,5 @@
-"""Kernel throughput: measured records, or labelled assumptions.
-
-A benchmark JSON is a list of records (or an object whose ``"records"`` is
-one), each one timed call of an attention implementation::
-
-    {"impl": "ours", "pass": "forward" | "forward+backward",
-     "n": 16384, "heads": 8, "head_dim": 64, "dtype": "float32",
-     "device": "cpu" | "cuda", "seconds": 0.42,
-     "flops": 1.2e11}          # pattern FLOPs of the call, or
-     "gflops": 285.0}          # the rate, GFLOP/s
-
-Only ``impl == "ours"`` records of the requested pass, dtype and device type
-count; of those the one nearest in shape is used: the smallest sum of
-``|log|`` ratios of ``n`` (matched against a rank's local length, the size of
-the kernel calls a rank makes), ``head_dim`` and ``heads`` (the median rate
-where several records share that shape). Other keys are ignored.
-"""
+"""Kernel throughput: measured benchmark records (the nearest shape of
+``ours``: the format in docs/planner.md), or labelled assumptions."""
 
 from __future__ import annotations
 
@@ -29,18 +14,11 @@ __all__ = ["Rates", "assumed_rates", "load_records", "rates_from_records"]
 PASSES = ("forward", "forward+backward")
 
 _DTYPE_ALIASES = {
-    "fp32": "float32",
-    "float": "float32",
-    "torch.float32": "float32",
-    "fp64": "float64",
-    "double": "float64",
-    "torch.float64": "float64",
-    "bf16": "bfloat16",
-    "torch.bfloat16": "bfloat16",
-    "fp16": "float16",
-    "half": "float16",
-    "torch.float16": "float16",
-}
+    alias: name
+    for name, aliases in (("float32", "fp32 float"), ("float64", "fp64 double"),
+                          ("bfloat16", "bf16"), ("float16", "fp16 half"))
+    for alias in (*aliases.split(), f"torch.{name}")
+}  # fmt: skip
 
 
 def dtype_name(name: str) -> str:
@@ -54,17 +32,11 @@ def _device_type(name: str) -> str:
 
 @dataclass(frozen=True)
 class Rates:
-    """Effective kernel rates in FLOP/s (pattern FLOPs per second).
-
-    Attributes:
-        forward: rate of the forward pass.
-        forward_backward: rate of forward + backward together.
-        source: where they come from (printed with every prediction).
-    """
+    """Effective kernel rates in FLOP/s (pattern FLOPs per second)."""
 
     forward: float
-    forward_backward: float
-    source: str
+    forward_backward: float  # forward + backward together
+    source: str  # where they come from (printed with every prediction)
 
     @property
     def backward(self) -> float:
@@ -124,46 +96,29 @@ def rates_from_records(
     dtype, device = dtype_name(dtype), _device_type(device)
     found = {}
     for pass_ in PASSES:
-        pool = [
-            r
-            for r in records
-            if r.get("impl") == "ours"
-            and r.get("pass") == pass_
-            and dtype_name(r.get("dtype", "")) == dtype
-            and _device_type(r.get("device", "")) == device
-        ]
+        pool = [r for r in records if r.get("impl") == "ours" and r.get("pass") == pass_
+                and dtype_name(r.get("dtype", "")) == dtype
+                and _device_type(r.get("device", "")) == device]  # fmt: skip
         hit = _nearest(pool, n, heads, head_dim)
         if hit is None:
             return None
         found[pass_] = hit
     (fwd, fs), (fb, bs) = found["forward"], found["forward+backward"]
-    return Rates(
-        forward=fwd,
-        forward_backward=fb,
-        source=(
-            f"measured: benchmark records of 'ours' {dtype} {device}, nearest shapes "
-            f"n={fs['n']} heads={fs['heads']} head_dim={fs['head_dim']} (forward), "
-            f"n={bs['n']} heads={bs['heads']} head_dim={bs['head_dim']} (forward+backward)"
-        ),
+    source = (
+        f"measured: benchmark records of 'ours' {dtype} {device}, nearest shapes "
+        f"n={fs['n']} heads={fs['heads']} head_dim={fs['head_dim']} (forward), "
+        f"n={bs['n']} heads={bs['heads']} head_dim={bs['head_dim']} (forward+backward)"
     )
+    return Rates(forward=fwd, forward_backward=fb, source=source)
 
 
 def assumed_rates(device: str, dtype: str, threads: int = 1) -> Rates:
-    """Labelled defaults when nothing was measured.
-
-    CPU: 50 GFLOP/s per thread (float32; float64 half of it), the one-thread
-    rate of the CPU kernels on a LongNet pattern on an AVX2-only AMD EPYC
-    (``benchmarks/journal/2026-11-21-local-operator-cpu.md``, per branch, one
-    thread); the current CPU tables of ``benchmarks/RESULTS.md`` run faster.
-    CUDA bf16/fp16: 121 TFLOP/s forward and 143 TFLOP/s forward+backward, our
-    local op on one H100 (LongNet, 16 heads of 128, n 524288): the record in
-    ``benchmarks/results/gpu_h100_2026-11-26/fa4/local.jsonl``, a row of the
-    H100 table of ``benchmarks/RESULTS.md`` (``benchmarks/report.py`` names it
-    in ``PLANNER_RECORD`` and the tests check the two agree). ASSUMED for other
-    GPUs and for the ring's partial blocks. float32 20 / 15 and float64
-    10 / 7.5: not timed, placeholders. Replace them with ``--bench-json`` or
-    ``--tflops``.
-    """
+    """Labelled defaults when nothing was measured: CPU 50 GFLOP/s per
+    thread (float32; float64 half), CUDA bf16/fp16 121 / 143 TFLOP/s (our
+    local op on one H100: ``benchmarks/results/gpu_h100_2026-11-26/fa4``,
+    ``benchmarks/report.py``'s ``PLANNER_RECORD``), float32 and float64 on
+    GPUs placeholders (the sources: docs/planner.md).
+    Replace them with ``--bench-json`` or ``--tflops``."""
     dtype, device = dtype_name(dtype), _device_type(device)
     if device == "cpu":
         per = 50e9 * (0.5 if dtype == "float64" else 1.0) * max(1, threads)

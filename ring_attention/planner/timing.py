@@ -1,54 +1,13 @@
-"""Predicted time per attention layer, from the ring's schedule.
-
-The model (docs/design.md §4.3-§4.4), per rank, over its active steps
-``d_1 < d_2 < ... < d_m``:
-
-* compute of a step = its reached pairs x FLOPs per pair / kernel rate
-  (``4 d`` per pair forward at the forward rate, ``10 d`` backward at the
-  backward rate of :class:`~.throughput.Rates`); ``c_0`` = the pairs among
-  the rank's own pieces;
-* a transfer = latency + max(bytes sent, bytes received) / link bandwidth
-  (a step's send and receive run at once on a full-duplex link);
-* forward: K/V of step ``k+1`` travel while step ``k`` is computed (and
-  step 1 while the local pairs are), so
-
-      T_fwd = max(c_0, x_1) + sum_k max(c_k, x_{k+1})          (x_{m+1} = 0)
-
-* backward: K/V are exchanged again in the same way and the dK/dV of step
-  ``k-1`` go back during the compute of step ``k`` on the same link, the last
-  return after the last compute:
-
-      T_bwd = max(b_0, x_1) + sum_k max(b_k, x_{k+1} + g_{k-1}) + g_m
-
-**Far steps in one group** (``far_bytes > 0``, the ring's
-``RING_ATTENTION_FAR_BYTES``): every transfer of at most ``far_bytes`` K/V
-bytes leaves its ring step and travels in one batch of point-to-point
-operations posted at the start (``F``), its gradients in one batch posted
-after the far blocks (``G``). A batch costs one latency, ``message_us`` per
-message in it (the messages a rank sends or receives, the larger count) and
-its bytes at the link rate:
-
-      X_F = latency + message_us * m + max(bytes sent, received) / bandwidth
-
-The rank computes its local blocks while ``F`` travels, then the far blocks
-(compute ``c_F``, ``b_F``), then the near steps as above, so ``c_0`` becomes
-``c_0' = max(c_0, X_F) + c_F`` (``b_0' = max(b_0, X_F) + b_F``). The
-group shares the link with the near steps' transfers (wire time ``W``:
-their bytes / bandwidth), so
-
-      T_fwd = max(T_fwd(c_0'), X_F + W_fwd)
-      T_bwd = max(T_bwd(b_0'), b_0' + X_G, X_F + X_G + W_bwd)
-
-With no far transfer (``far_bytes = 0``) this is the ring's model exactly.
-
-The layer takes as long as its slowest rank (the ring waits for it). Not
-modelled: packing and unpacking copies, waiting for a late peer beyond the
-slowest rank, kernel launch overheads, contention between links.
-"""
+"""Predicted time per attention layer of every rank, from the ring's
+schedule: each step's K/V transfer overlaps the previous step's compute,
+gradient returns overlap the next, and the transfers of at most
+``far_bytes`` bytes may travel in one far group per pass; the slowest rank
+sets the pace (the formulas: docs/planner.md)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -56,32 +15,22 @@ from ..core.links import LINKS, Link
 from ..core.pairs import BWD_FLOPS_PER_PAIR, FWD_FLOPS_PER_PAIR
 from .memory import acc_bytes
 from .throughput import Rates
-from .traffic import Traffic
 
 __all__ = ["LINKS", "Link", "RankTime", "layer_times"]
 
 
 @dataclass(frozen=True)
 class RankTime:
-    """Predicted seconds of one rank for one layer.
-
-    Attributes:
-        rank: the rank.
-        forward: forward time.
-        forward_backward: forward + backward time.
-        compute_forward, compute_forward_backward: the kernel time alone.
-        steps: active ring steps (near steps with a far group).
-        far_messages: transfers of this rank (sent or received, the larger
-            count) in the far group of each pass (0: the ring alone).
-    """
+    """Predicted seconds of one rank for one layer (``compute_*``: the
+    kernel time alone)."""
 
     rank: int
     forward: float
     forward_backward: float
     compute_forward: float
     compute_forward_backward: float
-    steps: int
-    far_messages: int = 0
+    steps: int  # active ring steps (near steps with a far group)
+    far_messages: int = 0  # its transfers in the far group of a pass (sent or received, more)
 
     @property
     def exposed_forward(self) -> float:
@@ -128,12 +77,12 @@ def _ring(
 
 
 def layer_times(
-    tr: Traffic, batch: int, head_dim: int, itemsize: int, rates: Rates, link: Link,
+    tr: Any, batch: int, head_dim: int, itemsize: int, rates: Rates, link: Link,
     far_bytes: int = 0,
 ) -> list[RankTime]:  # fmt: skip
     """The :class:`RankTime` of every rank: the ring's schedule, with the
     transfers of at most ``far_bytes`` K/V bytes in one far group per pass
-    (``0``: none; see the module docstring)."""
+    (``0``: none); ``tr``: a :class:`~.traffic.Traffic`."""
     f_pair = FWD_FLOPS_PER_PAIR * head_dim * batch / rates.forward
     b_pair = BWD_FLOPS_PER_PAIR * head_dim * batch / rates.backward
     kv_row = 2 * batch * head_dim * itemsize  # bytes of a (row, K/V head): K and V
@@ -179,14 +128,7 @@ def layer_times(
     cf, cb = total * f_pair, total * b_pair
     steps = act.sum(1)
     return [
-        RankTime(
-            j,
-            float(fwd[j]),
-            float(fwd[j] + bwd[j]),
-            float(cf[j]),
-            float(cf[j] + cb[j]),
-            int(steps[j]),
-            int(m[j]),
-        )
+        RankTime(j, float(fwd[j]), float(fwd[j] + bwd[j]), float(cf[j]), float(cf[j] + cb[j]),
+                 int(steps[j]), int(m[j]))
         for j in range(tr.world_size)
-    ]
+    ]  # fmt: skip

@@ -1,39 +1,8 @@
-"""What every rank of a ring sends, receives and computes per layer.
-
-:func:`predict_traffic` answers, for every rank ``j`` and ring distance ``d``, the
-numbers the ring's schedule and transport are built from (docs/design.md
-§4): the (row, K/V head) pairs ``j`` receives from ``j - d`` and sends to
-``j + d``, the positions of the row maps the received pieces need
-(``Exchanger``: a sender piece whose needed rows are not a whole range is
-read through an int32 map spanning its first to last needed position), and the
-reached pairs computed on the received rows; plus the pairs among the rank's
-own pieces.
-
-Two sources give the rows:
-
-* ``"plan"``: :func:`ring_attention.parallel.exchange_plan.build_plan` for every rank, the
-  ring's own plan (``O(p * n * heads)`` work: small sizes only);
-* ``"analytic"``: closed forms, whose cost does not grow with ``n`` (it
-  grows with the ``p * (p - 1)`` pairs of ranks, vectorised: seconds for
-  thousands of ranks). Two disjoint
-  pieces share at most one segment per branch (a segment is an interval, and
-  it must contain the gap between them), so the rows rank ``j`` needs from a
-  sender piece are, per branch and head offset, every ``r``-th row of that
-  segment's part of the piece, provided the segment's part of ``j``'s piece
-  holds an active query of that offset; and none when causal and the sender
-  piece lies after. A row needed by several branches or query heads travels
-  once per K/V head: :func:`~.progressions.union_stats` counts the union.
-  Every quantity depends on the pieces only relative to the sender piece's
-  start, so equal configurations (most pairs of ranks, far apart, inside one
-  long segment) are counted once: the pairs of ranks are reduced to their
-  distinct keys first. A branch whose dilation is at least half the longest
-  piece (a row or two of each offset per piece) stays out of the keys: where
-  shards do not align with its segments its residues differ from pair to
-  pair, so its rows are listed per pair instead (vectorised) and counted
-  where no other branch's progression holds them.
-
-The pairs always come from the closed forms of :mod:`.pairs`.
-"""
+"""What every rank of a ring sends, receives and computes per layer
+(:func:`predict_traffic`): per rank ``j`` and ring distance ``d``, the (row,
+K/V head) pairs received from ``j - d`` and sent to ``j + d``, the row-map
+spans and the reached pairs, from the ring's own plans or from closed forms
+whose cost does not grow with ``n`` (the model: docs/planner.md)."""
 
 from __future__ import annotations
 
@@ -82,17 +51,6 @@ class Traffic:
     (column 0, distance 0, is zero). Rows are (row, K/V head) pairs: each
     is one ``head_dim`` vector of K and one of V per batch row. Pairs are per
     batch row, summed over query heads and branches.
-
-    Attributes:
-        pattern, seq_len, heads, kv_heads, world_size, layout: the configuration.
-        source: ``"plan"`` or ``"analytic"`` (where the rows came from).
-        local_len: ``(p,)`` local sequence length of every rank.
-        total_pairs: ``(p,)`` reached pairs of every rank's queries.
-        local_pairs: ``(p,)`` pairs among the rank's own pieces.
-        recv_rows, send_rows: rows rank ``j`` receives from ``j - d`` /
-            sends to ``j + d`` (mod ``p``).
-        span_rows: positions of the row maps of the pieces received at ``d``.
-        step_pairs: pairs computed on the rows received at ``d``.
     """
 
     pattern: Pattern
@@ -101,14 +59,14 @@ class Traffic:
     kv_heads: int
     world_size: int
     layout: str
-    source: str
-    local_len: torch.Tensor
-    total_pairs: torch.Tensor
-    local_pairs: torch.Tensor
-    recv_rows: torch.Tensor
-    send_rows: torch.Tensor
-    span_rows: torch.Tensor
-    step_pairs: torch.Tensor
+    source: str  # "plan" or "analytic": where the rows came from
+    local_len: torch.Tensor  # (p,) local sequence length of every rank
+    total_pairs: torch.Tensor  # (p,) reached pairs of every rank's queries
+    local_pairs: torch.Tensor  # (p,) pairs among the rank's own pieces
+    recv_rows: torch.Tensor  # rows rank j receives from j - d (mod p)
+    send_rows: torch.Tensor  # rows rank j sends to j + d (mod p)
+    span_rows: torch.Tensor  # positions of the row maps of the pieces received at d
+    step_pairs: torch.Tensor  # pairs computed on the rows received at d
 
     @cached_property
     def active(self) -> torch.Tensor:
@@ -229,14 +187,10 @@ def _class_stats(
                 shared.append((i, r, *key[at : at + 5]))
     out: list[int] = []
     for offs in offsets:
-        sets = tuple(
-            sorted(
-                (klo, khi, r, (res + o) % r)
-                for i, r, klo, khi, res, qlen, qph in shared
-                for o in offs[i]
-                if qlen >= r or (o - qph) % r < qlen
-            )
-        )
+        sets = tuple(sorted(
+            (klo, khi, r, (res + o) % r) for i, r, klo, khi, res, qlen, qph in shared
+            for o in offs[i] if qlen >= r or (o - qph) % r < qlen
+        ))  # fmt: skip
         if sets not in seen:
             seen[sets] = union_stats(sets)
         out.extend(seen[sets])
@@ -407,16 +361,9 @@ def _analytic(
                     qlo = torch.where(rl, rqa, torch.maximum(rqa, s))
                     qhi = torch.where(rl, torch.minimum(rqb, se), rqb)
                     qlen = qhi - qlo
-                    vals = torch.stack(
-                        [
-                            klo - rc,
-                            khi - rc,
-                            (s - rc) % r,
-                            torch.clamp(qlen, max=r),
-                            torch.where(qlen < r, (qlo - s) % r, 0),
-                        ],
-                        dim=1,
-                    )
+                    phase = torch.where(qlen < r, (qlo - s) % r, 0)
+                    parts5 = [klo - rc, khi - rc, (s - rc) % r, torch.clamp(qlen, max=r), phase]
+                    vals = torch.stack(parts5, dim=1)
                     columns.append((i, rows, vals))
                     if not listed[i]:
                         parts[-1] = (rows, vals)
@@ -446,15 +393,6 @@ def _analytic(
         for name, t in (("recv", recv), ("span", span), ("pairs", pairs)):
             out[name][:, ds[0] : ds[-1] + 1] = t.view(ds.numel(), p).T
     return out
-
-
-def sent_rows(recv: torch.Tensor) -> torch.Tensor:
-    """``send[j, d]``: what rank ``j + d`` receives from ``j`` at distance
-    ``d``, ``recv[(j + d) % p, d]`` (column 0 zero)."""
-    ranks = torch.arange(recv.shape[0])
-    send = recv.gather(0, (ranks[:, None] + ranks) % recv.shape[0])
-    send[:, 0] = 0
-    return send
 
 
 #: The ring's own exchange plans, ``build_plan(pattern, seq_len, heads,
@@ -498,23 +436,12 @@ def predict_traffic(
 ) -> Traffic:
     """The :class:`Traffic` of every rank of a ring of ``world_size``.
 
-    Args:
-        pattern: the pattern (documents, head offsets included).
-        seq_len: global sequence length.
-        heads, kv_heads: query and K/V heads (``kv_heads`` divides ``heads``;
-            default ``heads``).
-        world_size: ranks.
-        layout: ``"contiguous"``, ``"zigzag"`` or ``"balanced"``.
-        source: ``"plan"`` (the ring's own plans), ``"analytic"``, or
-            ``"auto"``: the plans when ``p * n * heads <= 2**24`` and the
-            compiled extension is there (the planner imports and runs
-            without it).
-
-    Raises:
-        ValueError: for a bad configuration (naming it).
-
-    The vectorised work runs with one intra-op thread (its tensors are
-    small; the previous setting is restored).
+    ``kv_heads`` divides ``heads`` (default ``heads``); ``layout``:
+    ``"contiguous"``, ``"zigzag"`` or ``"balanced"``; ``source``: ``"plan"``
+    (the ring's own plans), ``"analytic"`` (closed forms), or ``"auto"``: the
+    plans when ``p * n * heads <= 2**24`` and the compiled extension is there
+    (the planner imports and runs without it). A bad configuration raises
+    ``ValueError`` naming it.
     """
     seq_len, heads = check_planner_args(pattern, seq_len, heads)
     kv_heads = heads if kv_heads is None else check_int(kv_heads, "kv_heads", 1, heads)
@@ -524,7 +451,19 @@ def predict_traffic(
     if source not in SOURCES:
         raise ValueError(f"source must be one of {list(SOURCES)}, got {source!r}")
     p = check_int(world_size, "world_size", 1, MAX_WORLD_SIZE)
-    pieces = all_pieces(seq_len, p, layout)
+    return traffic_of(pattern, seq_len, heads, kv_heads, all_pieces(seq_len, p, layout), layout,
+                      source)  # fmt: skip
+
+
+def traffic_of(
+    pattern: Pattern, seq_len: int, heads: int, kv_heads: int, pieces: list[list[Piece]],
+    layout: str, source: str = "auto", fold: int = 1,
+) -> Traffic:  # fmt: skip
+    """The :class:`Traffic` of the ranks holding ``pieces`` (checked
+    arguments; ``fold``: ranks per shard group, the hybrid's Ulysses size).
+    The vectorised work runs with one intra-op thread (small tensors; the
+    previous setting is restored)."""
+    p = len(pieces)
     total = ranks_pairs(
         pattern, seq_len, heads, [[(pc.start, pc.length) for pc in ps] for ps in pieces]
     )
@@ -548,29 +487,22 @@ def predict_traffic(
             f"{pattern.window}); the ring's own plans do (source='plan', or 'auto' up to "
             f"p * n * heads = {_PLAN_WORK_LIMIT}, with the compiled extension)"
         )
-    if use_plan:
-        if exact_plans is None:
-            raise ImportError(
-                "source='plan' builds the ring's own plans, which need the compiled extension "
-                "ring_attention._C (scripts/setup.sh); source='analytic' does not"
-            )
-        counts.update(plan_rows(pattern, seq_len, heads, kv_heads, p, layout))
+    if use_plan and exact_plans is None:
+        raise ImportError(
+            "source='plan' builds the ring's own plans, which need the compiled extension "
+            "ring_attention._C (scripts/setup.sh); source='analytic' does not"
+        )
+    if use_plan and p > 1:  # one rank exchanges nothing
+        counts.update(plan_rows(pattern, seq_len, heads, kv_heads, p, layout, fold))
     recv = counts["recv"]
-    send = sent_rows(recv)
+    ranks = torch.arange(p)  # send[j, d]: what j + d receives from j
+    send = recv.gather(0, (ranks[:, None] + ranks) % p)
+    send[:, 0] = 0
     total_t = torch.tensor(total, dtype=torch.int64)
     return Traffic(
-        pattern=pattern,
-        seq_len=int(seq_len),
-        heads=int(heads),
-        kv_heads=int(kv_heads),
-        world_size=p,
-        layout=layout,
-        source="plan" if use_plan else "analytic",
+        pattern=pattern, seq_len=int(seq_len), heads=int(heads), kv_heads=int(kv_heads),
+        world_size=p, layout=layout, source="plan" if use_plan else "analytic",
         local_len=torch.tensor([sum(pc.length for pc in ps) for ps in pieces], dtype=torch.int64),
-        total_pairs=total_t,
-        local_pairs=total_t - counts["pairs"].sum(1),
-        recv_rows=recv,
-        send_rows=send,
-        span_rows=counts["span"],
-        step_pairs=counts["pairs"],
-    )
+        total_pairs=total_t, local_pairs=total_t - counts["pairs"].sum(1), recv_rows=recv,
+        send_rows=send, span_rows=counts["span"], step_pairs=counts["pairs"],
+    )  # fmt: skip

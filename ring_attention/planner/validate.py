@@ -3,38 +3,12 @@
     python -m ring_attention.planner.validate                 # ~2 min on 2 cores
     python -m ring_attention.planner.validate --seq-len 8192 --worlds 1 2
 
-Run from a checkout (it starts real gloo processes with
-``ring_attention.testing.run_distributed``, one intra-op thread each). Steps:
-
-1. **Rates**: unless ``--bench-json`` is given, one process times the local
-   operator ``ring_attention.dilated_attention`` (median of ``--iters``
-   calls after a warm-up, forward under ``no_grad`` and forward + backward)
-   at every shard length ``n / p`` and writes the records in the planner's
-   benchmark format (``--records-out``).
-2. **Runs**: for every ``p`` in ``--worlds``, ``p`` fresh processes run
-   ``ring_dilated_attention`` on their shards of the same float32 q, k, v:
-   a warm-up call, then per mode (``fwd`` under ``no_grad``, ``fwdbwd``)
-   one call measured for tensor memory, one for resident memory, and
-   ``--iters`` timed calls. Measured per rank:
-
-   * *tensor peak*: the largest total of CPU tensor bytes allocated during
-     the call and not yet freed (the PyTorch profiler's allocation events),
-     plus the inputs that exist before it (q, k, v, and grad_out for
-     ``fwdbwd``);
-   * *resident peak*: ``VmHWM`` after the call minus ``VmRSS`` before it
-     (high-water mark reset by ``/proc/self/clear_refs``; glibc serves
-     every allocation above 64 KiB with ``mmap``), plus the same inputs:
-     it also sees the kernel's host workspace and allocator overheads;
-   * *CPU time*: the median thread CPU time of a call (``time.thread_time``:
-     compute, packing, posting; not the time spent waiting for peers);
-   * *wall time*: the median wall time of a call.
-3. **Predictions** with the planner (rows from the ring's own plan, rates
-   from the records, links: ``--link-gbps``/``--link-latency-us``): per
-   rank the peak (:mod:`.memory`; the resident prediction adds the kernel
-   workspace), the compute time (:mod:`.timing`) and the layer time.
-
-It prints one markdown table per quantity (worst rank per ``p``, and every
-rank) and writes everything to ``--json``.
+Run from a checkout: it times the local operator (unless ``--bench-json``),
+runs ``ring_dilated_attention`` in ``p`` fresh gloo processes for every
+``p`` in ``--worlds`` (tensor and resident peaks, CPU and wall time per
+rank), predicts the same with the planner, and prints one markdown table
+per quantity (worst rank per ``p``, and every rank); ``--json`` keeps it
+all. What is measured and how: docs/planner.md.
 """
 
 from __future__ import annotations
@@ -60,10 +34,6 @@ from .timing import Link
 __all__ = ["main"]
 
 MiB = 2**20
-
-
-# ---------------------------------------------------------------------------
-# Measuring (inside the worker processes).
 
 
 def _status_bytes(field: str) -> int:
@@ -221,49 +191,24 @@ def _calibrate_worker(rank: int, world: int, spec: dict) -> list[dict]:
                 call()
                 times.append(time.thread_time() - c0)
             seconds = statistics.median(times)
-            records.append(
-                {
-                    "impl": "ours",
-                    "pass": pass_,
-                    "n": n,
-                    "heads": spec["heads"],
-                    "head_dim": spec["head_dim"],
-                    "dtype": "float32",
-                    "device": "cpu",
-                    "batch": spec["batch"],
-                    "seconds": seconds,
-                    "flops": pattern_flops(
-                        pairs, spec["head_dim"], spec["batch"], backward=backward
-                    ),
-                    "timer": "thread CPU time, 1 thread",
-                }
-            )
+            flops = pattern_flops(pairs, spec["head_dim"], spec["batch"], backward=backward)
+            records.append({
+                "impl": "ours", "pass": pass_, "n": n, "heads": spec["heads"],
+                "head_dim": spec["head_dim"], "dtype": "float32", "device": "cpu",
+                "batch": spec["batch"], "seconds": seconds, "flops": flops,
+                "timer": "thread CPU time, 1 thread",
+            })  # fmt: skip
     return records
-
-
-# ---------------------------------------------------------------------------
-# Predicting and reporting.
 
 
 def _predict(args: argparse.Namespace, records: list[dict], world: int) -> list[dict]:
     setup = Setup(
-        ranks=world,
-        device="cpu",
-        memory=1 << 62,
-        reserve=0,
-        heads=args.heads,
-        kv_heads=args.heads,
-        head_dim=args.head_dim,
-        batch=args.batch,
-        dtype="float32",
-        pattern=None,
-        segments=tuple(args.segments),
-        dilations=tuple(args.dilations),
-        causal=args.causal,
-        records=tuple(records),
-        link=Link(args.link_gbps, args.link_latency_us),
-        source="plan",
-    )
+        ranks=world, device="cpu", memory=1 << 62, reserve=0, heads=args.heads,
+        kv_heads=args.heads, head_dim=args.head_dim, batch=args.batch, dtype="float32",
+        pattern=None, segments=tuple(args.segments), dilations=tuple(args.dilations),
+        causal=args.causal, records=tuple(records),
+        link=Link(args.link_gbps, args.link_latency_us), source="plan",
+    )  # fmt: skip
     ev = evaluate(setup, args.seq_len)
     rows = []
     for j in range(world):
@@ -273,26 +218,18 @@ def _predict(args: argparse.Namespace, records: list[dict], world: int) -> list[
         bwd_tensor = sum(v for k, v in m.backward.items() if k != KERNEL_WORKSPACE)
         bwd_all = sum(m.backward.values())
         t = ev.times[j]
-        rows.append(
-            {
-                "rank": j,
-                "fwd": {
-                    "tensor_peak": inputs_fwd + fwd_call,
-                    "resident_peak": inputs_fwd + fwd_call,
+        fb_inputs = inputs_fwd + m.inputs["grad_out"]
+        rows.append({
+            "rank": j,
+            "fwd": {"tensor_peak": inputs_fwd + fwd_call, "resident_peak": inputs_fwd + fwd_call,
                     "buffers": sum(m.buffers["forward"].values()),
-                    "compute_s": t.compute_forward,
-                    "layer_s": t.forward,
-                },
-                "fwdbwd": {
-                    "tensor_peak": inputs_fwd + m.inputs["grad_out"] + max(fwd_call, bwd_tensor),
-                    "resident_peak": inputs_fwd + m.inputs["grad_out"] + max(fwd_call, bwd_all),
-                    "buffers": sum(m.buffers["backward"].values()),
-                    "compute_s": t.compute_forward_backward,
-                    "layer_s": t.forward_backward,
-                },
-                "rate_source": ev.rates.source,
-            }
-        )
+                    "compute_s": t.compute_forward, "layer_s": t.forward},
+            "fwdbwd": {"tensor_peak": fb_inputs + max(fwd_call, bwd_tensor),
+                       "resident_peak": fb_inputs + max(fwd_call, bwd_all),
+                       "buffers": sum(m.buffers["backward"].values()),
+                       "compute_s": t.compute_forward_backward, "layer_s": t.forward_backward},
+            "rate_source": ev.rates.source,
+        })  # fmt: skip
     return rows
 
 
