@@ -1,10 +1,8 @@
 """The sharded attention's public entry: the ring, Ulysses and their hybrid
 composed in one place (docs/design.md §2), as yunchang's LongContextAttention
-composes Ulysses around a ring. :func:`ring_dilated_attention` (the public
-function) and :func:`ring_attention` (with a built pattern) check nothing
-themselves: the ring's operators (ring_attention/parallel/ring_ops.py) and
-Ulysses' agreement rounds (ring_attention/parallel/ulysses.py) check each
-call on every rank, so that every rank raises for one rank's bad input."""
+composes Ulysses around a ring. The entries check nothing themselves: the
+ring's operators and Ulysses' agreement rounds check each call on every
+rank, so that every rank raises for one rank's bad input."""
 
 from __future__ import annotations
 
@@ -14,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.pattern import Pattern
-from .ring import _builder, _ring
+from .ring import _builder, _ring, ring_on_pieces
 from .ulysses import ulysses_call
 
 __all__ = ["ring_attention", "ring_dilated_attention"]
@@ -78,14 +76,15 @@ def sharded_attention(
     (:mod:`ring_attention.parallel.ulysses_eager`): their all-to-alls cannot be
     traced."""
     if ulysses_group is not None or mesh is not None:
-        run = ulysses_call
+        call = (q_local, k_local, v_local, build, args)
+        kwargs = dict(cu_seqlens=cu_seqlens, scale=scale, group=group, ulysses_group=ulysses_group,
+                      mesh=mesh, layout=layout, return_lse=return_lse, sinks=sinks,
+                      ring=ring_on_pieces)  # fmt: skip
         if torch.compiler.is_compiling():
-            from .ulysses_eager import ulysses_eagerly as run
-        return run(
-            q_local, k_local, v_local, build, args, cu_seqlens=cu_seqlens, scale=scale,
-            group=group, ulysses_group=ulysses_group, mesh=mesh, layout=layout,
-            return_lse=return_lse, sinks=sinks,
-        )  # fmt: skip
+            from .ulysses_eager import ulysses_eagerly
+
+            return ulysses_eagerly(ulysses_call, *call, **kwargs)
+        return ulysses_call(*call, **kwargs)
     return _ring(
         q_local, k_local, v_local, build, args, cu_seqlens=cu_seqlens, scale=scale, group=group,
         layout=layout, return_lse=return_lse, sinks=sinks,

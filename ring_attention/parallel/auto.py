@@ -20,7 +20,7 @@ from ..core.links import INTRA_DEFAULTS, LINKS, Link
 from ..core.pattern import Pattern
 from ..planner.capacity import Setup
 from ..planner.modes import evaluate_mode
-from .comm import world_info
+from .mesh import world_info
 
 __all__ = ["MeshPlan", "Prediction", "choose_grid", "plan_mesh"]
 

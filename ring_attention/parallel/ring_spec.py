@@ -25,7 +25,7 @@ import operator
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +35,7 @@ import torch.distributed as dist
 from ..core.cache import register
 from ..core.pattern import Pattern
 
-__all__ = ["GroupError", "RingSpec", "get_spec", "ring_call_spec"]
+__all__ = ["GroupError", "RingSpec", "get_spec", "pattern_of_call", "ring_call_spec"]
 
 
 class GroupError(ValueError):
@@ -241,3 +241,14 @@ def _registered_spec(
                     _group=ref, ranks=ranks, head_range=head_range, sinks=sinks)  # fmt: skip
     _REGISTRY.add(key, spec, pin=torch.compiler.is_compiling())
     return key
+
+
+def pattern_of_call(
+    documents: Sequence[int] | torch.Tensor | None, build: Callable[..., Pattern], *args
+) -> Pattern:
+    """``build(*args)``, a :class:`Pattern`, with ``documents`` (``None``:
+    its own)."""
+    pattern = build(*args)
+    if not isinstance(pattern, Pattern):
+        raise ValueError(f"pattern must be a Pattern or a function returning one, got {pattern!r}")
+    return pattern if documents is None else pattern.with_documents(documents)

@@ -36,11 +36,11 @@ from ..core.layout import (
     shard_bounds,
 )
 from ..core.pattern import Pattern, as_flag
-from .comm import comm_device, world_info
-from .grid import grid_handshake, topology_of
-from .handshake import gather_handshake
-from .mesh import Topology, check_grid, check_ring, resolve_topology
+from .comm import comm_device
+from .handshake import gather_handshake, grid_handshake
+from .mesh import Topology, check_grid, check_ring, resolve_topology, world_info
 from .stretch import Row, to_stretch
+from .ulysses import topology_of
 
 __all__ = [
     "LAYOUTS",
@@ -180,40 +180,22 @@ def _gather_varlen(
     layout: Layout,
     order: tuple[int, ...] | None,
 ) -> tuple[torch.Tensor, list[Piece]]:
-    """All-gather variable-length pieces and reassemble the full tensor
-    (``order``: the group rank holding each piece, ``None``: piece r on
-    group rank r).
-
-    Returns the full tensor and this rank's pieces (for the backward)."""
+    """All-gather variable-length pieces (``order``: the group rank holding
+    each piece, ``None``: piece r on group rank r); the full tensor and this
+    rank's pieces (for the backward)."""
     world, rank = world_info(group)
     if order is not None:
         rank = order.index(rank)
     lengths = gather_handshake(group, world, x_local, dim, layout, order)
     n = sum(lengths)
-    device = comm_device(group, x_local.device)
-    max_len = max(lengths)
-    send = x_local.to(device)
-    if send.shape[dim] < max_len:
-        pad_shape = list(send.shape)
-        pad_shape[dim] = max_len - send.shape[dim]
-        send = torch.cat([send, send.new_zeros(pad_shape)], dim=dim)
-    send = send.contiguous()
-    recv = [torch.empty_like(send) for _ in range(world)]
-    dist.all_gather(recv, send, group=group)
-    if order is not None:
-        recv = [recv[g] for g in order]
-
-    parts: list[tuple[int, torch.Tensor]] = []
-    for r in range(world):
-        for p in layout_pieces(n, world, r, layout):
-            if p.length:
-                parts.append((p.start, recv[r].narrow(dim, p.offset, p.length)))
-    parts.sort(key=lambda item: item[0])
-    if parts:
-        full = torch.cat([t for _, t in parts], dim=dim)
-    else:
-        full = send.narrow(dim, 0, 0)
-    return full.to(x_local.device), layout_pieces(n, world, rank, layout)
+    recv = _all_gather_padded(x_local, dim, lengths, group, order)
+    parts = sorted(
+        (p.start, r, p.offset, p.length)
+        for r in range(world) for p in layout_pieces(n, world, r, layout) if p.length
+    )  # fmt: skip
+    pieces = [recv[r].narrow(dim, off, ln) for _, r, off, ln in parts]
+    full = torch.cat(pieces, dim=dim) if pieces else x_local.narrow(dim, 0, 0)
+    return full, layout_pieces(n, world, rank, layout)
 
 
 class _GatherSequence(torch.autograd.Function):

@@ -53,18 +53,26 @@ from ..core.layout import (
 from ..core.pattern import Pattern, as_flag
 from ..local import engine
 from ..local.functional import attend
-from .comm import comm_device, world_info
-from .grid import grid_handshake, reject_through, topology_of
-from .handshake import RING_FIELDS, reject, ring_message
+from .comm import comm_device
+from .handshake import RING_FIELDS, grid_handshake, reject, reject_through, ring_message
 from .mesh import (
     Topology,
     check_grid,
     check_ring,
+    report_grid_error,
+    resolve_topology,
+    world_info,
 )
-from .ring import _pattern_of_call, ring_on_pieces
+from .ring_spec import pattern_of_call
 from .stretch import Row, from_stretch, to_stretch
 
-__all__ = ["AllToAllStats", "last_all_to_all_stats", "reject_sharded", "ulysses_attention"]
+__all__ = [
+    "AllToAllStats",
+    "last_all_to_all_stats",
+    "reject_sharded",
+    "topology_of",
+    "ulysses_attention",
+]
 
 Tensor = torch.Tensor
 
@@ -216,10 +224,6 @@ def _all_to_all(
 
 
 # ---------------------------------------------------------------------------
-# Sequence <-> heads.
-
-
-# ---------------------------------------------------------------------------
 # The call.
 
 
@@ -272,15 +276,19 @@ def ulysses_attention(
     layout: str = "contiguous",
     return_lse: bool = False,
     sinks: Tensor | None = None,
+    ring: Callable[..., Tensor | tuple[Tensor, Tensor]],
 ) -> Tensor | tuple[Tensor, Tensor]:
     """:func:`ring_attention.ring_dilated_attention` with ``ulysses_group``
     or ``mesh`` (the module docstring): this rank's shard ``i * U + j``
-    of ``q``, ``k``, ``v`` in, its shard of ``out`` (and ``lse``) out."""
+    of ``q``, ``k``, ``v`` in, its shard of ``out`` (and ``lse``) out.
+    ``ring``: the ring over a group of this grid
+    (:func:`ring_attention.parallel.ring.ring_on_pieces`, given by the
+    caller that composes the two)."""
     topo = topology_of(group, ulysses_group, mesh, _CALL)
     check_grid(topo)
     if topo.ulysses_size == 1:  # a ring (a 1-D mesh), or one process
         if topo.ring_size > 1:
-            return ring_on_pieces(
+            return ring(
                 q_local, k_local, v_local, pattern, scale=scale, group=topo.ring_group,
                 layout=layout, return_lse=return_lse, ranks=topo.ring_ranks, sinks=sinks,
             )  # fmt: skip
@@ -347,7 +355,7 @@ def ulysses_attention(
         topo.ulysses_group, topo.ulysses_ranks, topo.ulysses_index, q_local.device,
         comm_device(topo.ulysses_group, q_local.device),
     )  # fmt: skip
-    out, lse = _ulysses(link, topo, row, q_local, k_local, v_local, pattern, scale, layout)
+    out, lse = _ulysses(link, topo, row, q_local, k_local, v_local, pattern, scale, layout, ring)
     if sinks is not None:  # once per query: this rank's shard, every head
         out, lse = engine.fold_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out
@@ -367,13 +375,13 @@ def ulysses_call(
     (ring_attention/parallel/api.py's ``sharded_attention``): the pattern is
     built inside the agreement rounds, so that every rank hears of its
     errors."""
-    pattern = functools.partial(_pattern_of_call, cu_seqlens, build, *args)
+    pattern = functools.partial(pattern_of_call, cu_seqlens, build, *args)
     return ulysses_attention(q_local, k_local, v_local, pattern, **kwargs)
 
 
 def _ulysses(
     link: _Link, topo: Topology, row: Row, q: Tensor, k: Tensor, v: Tensor, pattern: Pattern,
-    scale: float, layout: Layout,
+    scale: float, layout: Layout, ring: Callable,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     B, L, H, D = q.shape
     Hkv = k.shape[2]
@@ -402,7 +410,7 @@ def _ulysses(
         if topo.ring_size == 1:
             out_s, lse_s = engine.attend(Call(pattern, scale).with_heads(*heads), qs, ks, vs)
         else:
-            out_s, lse_s = ring_on_pieces(
+            out_s, lse_s = ring(
                 qs, ks, vs, pattern, scale=scale, group=topo.ring_group, layout=layout,
                 return_lse=True, fold=topo.ulysses_size, ranks=topo.ring_ranks,
                 head_range=heads,
@@ -434,3 +442,17 @@ def reject_sharded(group, ulysses_group, mesh, error: BaseException | None = Non
     topo = topology_of(group, ulysses_group, mesh, _CALL)
     check_grid(topo)
     reject_through(topo, _CALL, error)
+
+
+def topology_of(group, ulysses_group, mesh, call: str) -> Topology:
+    """:func:`~ring_attention.parallel.mesh.resolve_topology`; a rank whose grid
+    arguments fail there tells its peers (which then raise naming it)
+    before it raises its own error."""
+    try:
+        return resolve_topology(group, ulysses_group, mesh)
+    except ValueError as exc:
+        mode = None if mesh is not None else "grid"
+        topo = report_grid_error(group, ulysses_group, mesh, exc, mode)
+        if topo is not None:
+            reject_through(topo, call, exc)
+        raise
