@@ -1,12 +1,7 @@
 """Process-group helpers: a group's global ranks and the device a tensor
-travels on for the group's backend (NCCL moves CUDA tensors; on gloo, CUDA
-tensors are staged through host memory, so several processes can share one
-GPU in tests).
-
-Importing this module also releases the default group that PyTorch's
-``torch.distributed.nn.functional`` would otherwise keep alive
-(:func:`_unpin_default_group`).
-"""
+travels on for its backend (NCCL moves CUDA tensors; gloo CPU tensors,
+CUDA ones staged through host memory). Importing it releases the default
+group ``torch.distributed.nn.functional`` would keep alive."""
 
 from __future__ import annotations
 
@@ -19,16 +14,11 @@ __all__ = ["comm_device", "global_ranks"]
 
 
 def _unpin_default_group() -> None:
-    """Import ``torch.distributed.nn.functional`` now and make its functions'
-    default ``group`` ``None`` (the default group, looked up at each call).
-
-    PyTorch evaluates ``group=group.WORLD`` in those signatures when the
-    module is first imported. Imported after ``init_process_group`` (as the
-    first call of any ``torch.library`` custom operator, the ring's
-    included, does through ``torch._dynamo``), the defaults hold the default
-    group and ``destroy_process_group`` cannot release it: its gloo threads
-    live on into the interpreter's shutdown and abort the process (SIGABRT,
-    tests/test_clean_exit.py)."""
+    """Make the default ``group`` of ``torch.distributed.nn.functional``'s
+    functions ``None``: imported after ``init_process_group`` (as the first call
+    of any custom operator does, through ``torch._dynamo``), they hold the
+    default group, whose gloo threads then outlive ``destroy_process_group``
+    and abort the process at exit (tests/test_clean_exit.py)."""
     if not dist.is_available():
         return
     import torch.distributed.nn.functional as functional
@@ -63,9 +53,7 @@ def comm_device(group: dist.ProcessGroup | None, device: torch.device) -> torch.
         return device if "nccl" in backend else torch.device("cpu")
     if device.type == "cpu":
         if "nccl" in backend and "gloo" not in backend and "mpi" not in backend:
-            raise ValueError(
-                f"CPU tensors cannot travel over a {backend!r} process group; "
-                "use a gloo group (or move the tensors to the GPU)"
-            )
+            raise ValueError(f"CPU tensors cannot travel over a {backend!r} process group; "
+                             "use a gloo group (or move the tensors to the GPU)")  # fmt: skip
         return device
     raise ValueError(f"tensors on {device.type!r} are not supported by the ring transport")

@@ -1,21 +1,9 @@
-"""The ring's point-to-point exchange (docs/design.md §4.3, §4.4) and its
-counters (§2.4).
-
-:class:`Exchanger` moves the rows an exchange plan names between the ranks
-of one ring call: K/V rows (input dtype) to the ranks that need them, and
-their dK/dV (fp32) back to their owner. Rows travel packed, per sender
-piece: its ``(batch, rows, head_dim)`` K rows, then as many V rows, a row
-being one ``(position, K/V head)`` pair (flat index ``position * kv_heads +
-g``). Received rows are read in place: a span needed whole as the ``(B,
-rows, H, D)`` range itself, other pieces through a row map (an int32
-``(rows, H)`` tensor giving each pair its packed row; ``csrc/params.h``'s
-``k_rows``). Receive buffers have two slots so that one step's transfer
-overlaps the previous step's compute.
-
-Every posted batch is reported as an :class:`ExchangeEvent` to
-:data:`last_exchange_stats` (reset at every ring forward, the backward's
-events appended) and to the hooks of :func:`register_exchange_hook`.
-"""
+"""The ring's point-to-point exchange (docs/design.md §4.3, §4.4):
+:class:`Exchanger` packs, posts and hands the kernels in-place views of the
+K/V rows an exchange plan names, and returns their dK/dV to their owner.
+Every posted batch is an :class:`ExchangeEvent`, counted in
+:data:`last_exchange_stats` and passed to the hooks of
+:func:`register_exchange_hook` (§2.4)."""
 
 from __future__ import annotations
 
@@ -28,30 +16,16 @@ import torch.distributed as dist
 
 from ..core.dtypes import acc_dtype
 
-__all__ = [
-    "ExchangeEvent",
-    "ExchangeStats",
-    "Exchanger",
-    "Transfer",
-    "last_exchange_stats",
-    "register_exchange_hook",
-]
+__all__ = ["ExchangeEvent", "ExchangeStats", "Exchanger", "Transfer", "last_exchange_stats",
+           "register_exchange_hook"]  # fmt: skip
 
 
 @dataclass(frozen=True)
 class ExchangeEvent:
-    """One posted batch of point-to-point operations on this rank.
-
-    Attributes:
-        phase: ``"forward_kv"``, ``"backward_kv"`` or ``"backward_grad"``.
-        distance: the ring distance ``d`` of the step.
-        send_to: group rank sent to (``None`` when nothing is sent).
-        recv_from: group rank received from (``None`` when nothing is received).
-        rows_sent / rows_received: (row, head) pairs, each one ``head_dim``
-            vector of K and one of V (or of dK and dV), per batch element.
-        bytes_sent / bytes_received: bytes of the buffers actually handed to
-            ``torch.distributed``.
-    """
+    """One posted batch of point-to-point operations on this rank: its phase
+    (``"forward_kv"``, ``"backward_kv"``, ``"backward_grad"``), ring distance,
+    peers (group ranks, ``None``: none), (row, head) pairs per batch element
+    and the bytes handed to ``torch.distributed``."""
 
     phase: str
     distance: int
@@ -65,17 +39,9 @@ class ExchangeEvent:
 
 @dataclass
 class ExchangeStats:
-    """Events of the last ring call on this rank: reset at every forward, the
-    backward's events appended.
-
-    Attributes:
-        events: the posted batches, in order.
-        buffer_bytes: bytes of the transport buffers (packed send/receive
-            buffers and the row maps of partly needed pieces) allocated per pass,
-            ``{"forward": ..., "backward": ...}``; each pass frees its own when
-            it returns (host staging copies of CUDA tensors on gloo are not
-            counted).
-    """
+    """Events of the last ring call on this rank (reset at every forward, the
+    backward's appended) and the transport's buffer bytes per pass
+    (``buffer_bytes``: ``{"forward": ..., "backward": ...}``)."""
 
     events: list[ExchangeEvent] = field(default_factory=list)
     buffer_bytes: dict[str, int] = field(default_factory=dict)
@@ -134,12 +100,9 @@ class _HookHandle:
 
 
 def register_exchange_hook(hook: ExchangeHook) -> _HookHandle:
-    """Call ``hook(event)`` for every batch of P2P operations this process posts.
-
-    Returns a handle whose ``remove()`` unregisters the hook (also usable as a
-    context manager). Hooks observe real communication; they must not
-    communicate themselves.
-    """
+    """Call ``hook(event)`` for every batch of P2P operations this process
+    posts (hooks observe; they must not communicate). Returns a handle whose
+    ``remove()`` unregisters it (also a context manager)."""
     global _next_hook_id
     _next_hook_id += 1
     _hooks[_next_hook_id] = hook
@@ -147,22 +110,18 @@ def register_exchange_hook(hook: ExchangeHook) -> _HookHandle:
 
 
 def emit(event: ExchangeEvent) -> None:
-    """Report ``event``: record it in :data:`last_exchange_stats`, then call every hook."""
+    """Record ``event`` in :data:`last_exchange_stats`, then call every hook."""
     last_exchange_stats.record(event)
     for hook in list(_hooks.values()):
         hook(event)
 
-
-# ---------------------------------------------------------------------------
-# The transport.
 
 _PHASE_TAG = {"forward_kv": 0, "backward_kv": 1, "backward_grad": 2}
 
 
 class Transfer:
     """The posted operations of one step (or of the far group); ``wait()``
-    returns the received buffer (on the compute device) or ``None`` when
-    nothing was received."""
+    returns the received buffer on the compute device (``None``: nothing)."""
 
     def __init__(self, works: list, keep: list, recv, device: torch.device) -> None:
         self._works = works
@@ -181,10 +140,8 @@ class Transfer:
 
 class _Span(NamedTuple):
     """The needed rows of one sender piece at one step: positions ``first``
-    to ``first + rows - 1`` of the piece, ``idx`` their flat indices relative
-    to ``first``. ``whole``: every (row, head) pair of that range is needed
-    (a dense ring: the whole piece), so the packed rows are the ``(B, rows,
-    H, D)`` range itself and are used in place."""
+    to ``first + rows - 1``, ``idx`` their flat indices relative to ``first``;
+    ``whole``: every (row, head) pair of the range is needed (used in place)."""
 
     first: int
     rows: int
@@ -193,28 +150,14 @@ class _Span(NamedTuple):
 
 
 class Exchanger:
-    """Packs and posts the rows of one ring call (``plan``: this rank's
-    exchange plan; ``peers``: the global rank of every group rank; K/V
-    travel in ``dtype``, gradients in :func:`acc_dtype`, through
-    ``comm_dev``; ``role``: the pass its buffers are counted under in
-    ``last_exchange_stats.buffer_bytes``), and hands the kernels views of the
-    received ones. Transfers of at most ``far_bytes`` K/V bytes travel in
-    the far group (:attr:`far_steps`, :meth:`post_far_kv`), the others in
-    their ring steps (:attr:`steps`)."""
+    """Packs and posts the rows of one ring call and hands the kernels views of
+    the received ones: K/V in ``dtype``, gradients in :func:`acc_dtype`, through
+    ``comm_dev``; transfers of at most ``far_bytes`` K/V bytes travel in the far
+    group (:attr:`far_steps`), the others in their ring steps (:attr:`steps`)."""
 
-    def __init__(
-        self,
-        plan,
-        group: dist.ProcessGroup | None,
-        peers: Sequence[int],
-        device: torch.device,
-        comm_dev: torch.device,
-        dtype: torch.dtype,
-        batch: int,
-        head_dim: int,
-        role: str = "forward",
-        far_bytes: int = 0,
-    ) -> None:
+    def __init__(self, plan, group: dist.ProcessGroup | None, peers: Sequence[int],
+                 device: torch.device, comm_dev: torch.device, dtype: torch.dtype, batch: int,
+                 head_dim: int, role: str = "forward", far_bytes: int = 0) -> None:  # fmt: skip
         self.plan = plan
         self.role = role
         self.group = group
@@ -237,12 +180,8 @@ class Exchanger:
         recvs = [s.recv_rows for s in self.steps if s.recv_rows]
         far_sent = sum(s.send_rows for s in self.far_steps)
         far_received = sum(s.recv_rows for s in self.far_steps)
-        # packed buffer kind -> (capacity in rows, slots, dtype, device). A send
-        # buffer is free once its step is waited for, before the next post: one
-        # slot. Received K/V (read while the next step arrives) and gradients
-        # (a step's return travels while the next one is computed) need two
-        # when two steps use them. The gradients of the received rows go back,
-        # those of the sent rows return.
+        # kind -> (capacity in rows, slots, dtype, device): a send buffer is free
+        # before the next post (one slot); received K/V and gradients need two
         self._kinds = {
             "send_kv": (max(sends, default=0), 1, self.dtype, device),
             "recv_kv": (max(recvs, default=0), min(2, len(recvs)), self.dtype, self.comm_dev),
@@ -257,9 +196,8 @@ class Exchanger:
         self._bufs: dict[tuple[str, int], torch.Tensor] = {}
 
     def _split(self, steps: Sequence, far_bytes: int) -> tuple[tuple, tuple]:
-        """``(ring steps, far steps)``: every transfer of at most
-        ``far_bytes`` K/V bytes goes to the far group, a step keeping the
-        direction that does not."""
+        """``(ring steps, far steps)``: a transfer of at most ``far_bytes`` K/V
+        bytes goes to the far group, a step keeping the direction that does not."""
         row = 2 * self.B * self.D * self.dtype.itemsize
         near, far = [], []
         for s in steps:
@@ -289,7 +227,6 @@ class Exchanger:
             out.append(_Span(lo, hi - lo, rel, ix.numel() == (hi - lo) * self.H))
         return out
 
-    # -- buffers -----------------------------------------------------------
     def _keep(self, key: tuple[str, int], buf: torch.Tensor) -> torch.Tensor:
         self._bufs[key] = buf
         counts = last_exchange_stats.buffer_bytes
@@ -297,8 +234,8 @@ class Exchanger:
         return buf
 
     def _packed(self, kind: str, slot: int, rows: int) -> torch.Tensor:
-        """A packed buffer of ``rows`` K and V rows: a view of the ``(kind,
-        slot)`` buffer, allocated once for the largest step."""
+        """A view for ``rows`` K and V rows of the ``(kind, slot)`` buffer
+        (allocated once, for the largest step)."""
         capacity, slots, dtype, device = self._kinds[kind]
         key = (kind, slot % slots)
         buf = self._bufs.get(key)
@@ -310,12 +247,10 @@ class Exchanger:
     def _piece_views(
         self, packed: torch.Tensor, step
     ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None], list[int]]:
-        """Per sender piece of ``step``, the K and V (or dK and dV) views of
-        ``packed`` the kernels read (or accumulate into) and the global
-        position of the first row of the piece's span: ``(B, rows, H, D)``
-        where the span is needed whole, else the piece's ``(B, count, D)``
-        rows, addressed through its row map (``None`` for a piece without
-        rows)."""
+        """Per sender piece of ``step``: the K and V (or dK and dV) views of
+        ``packed`` (``(B, rows, H, D)`` where the span is whole, else ``(B, count,
+        D)`` read through the row map; ``None`` without rows) and the global
+        position of the span's first row."""
         spans, recv_idx = self.spans[step.distance], self.idx[step.distance][1]
         chunks = {j: (krows, vrows) for j, _, krows, vrows in self._chunks(packed, recv_idx)}
         ks, vs, starts = [], [], []
@@ -329,10 +264,9 @@ class Exchanger:
         return ks, vs, starts
 
     def _row_maps(self, step) -> list[torch.Tensor | None]:
-        """Per sender piece of ``step``, the ``(rows, H)`` int32 row map of
-        a partly needed span (``None`` for a span needed whole or empty):
-        entry ``idx[i]`` is ``i``; entries not needed hold a neighbouring
-        needed row (valid, never read). One buffer, for the widest step."""
+        """Per sender piece of ``step``, the int32 ``(rows, H)`` row map of a
+        partly needed span (``None`` otherwise): entry ``idx[i]`` is ``i``, entries
+        not needed a neighbouring row (never read). One buffer, the widest step."""
         spans = self.spans[step.distance]
         if all(sp.whole or not sp.rows for sp in spans):
             return [None] * len(spans)
@@ -351,7 +285,6 @@ class Exchanger:
             maps.append(m.view(span.rows, self.H))
         return maps
 
-    # -- packing -----------------------------------------------------------
     def _rows(self, t: torch.Tensor) -> torch.Tensor:
         """``(B, L, Hkv, D)`` as ``(B, L * Hkv, D)``: one row per (position, K/V head)."""
         return t.view(self.B, t.shape[1] * self.H, self.D)
@@ -359,25 +292,20 @@ class Exchanger:
     def _chunks(
         self, packed: torch.Tensor, idx: Sequence[torch.Tensor]
     ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """``(piece, indices, K rows, V rows)`` for every piece with rows; the
-        row blocks are ``(B, count, D)`` views of ``packed``."""
+        """``(piece, indices, K rows, V rows)`` of every piece with rows, as
+        ``(B, count, D)`` views of ``packed``."""
         off = 0
         for j, ix in enumerate(idx):
             c = ix.numel()
             if c == 0:
                 continue
             n = self.B * c * self.D
-            yield (
-                j,
-                ix,
-                packed[off : off + n].view(self.B, c, self.D),
-                packed[off + n : off + 2 * n].view(self.B, c, self.D),
-            )
+            yield (j, ix, packed[off : off + n].view(self.B, c, self.D),
+                   packed[off + n : off + 2 * n].view(self.B, c, self.D))  # fmt: skip
             off += 2 * n
 
     def _pack(self, out, ks, vs, idx) -> None:
-        """Gather the ``idx`` rows of ``ks``/``vs`` into ``out`` (every row of
-        a piece: a plain copy)."""
+        """Gather the ``idx`` rows of ``ks``/``vs`` into ``out``."""
         for j, ix, krows, vrows in self._chunks(out, idx):
             for rows, t in ((krows, ks[j]), (vrows, vs[j])):
                 if ix.numel() == t.shape[1] * self.H:
@@ -385,11 +313,8 @@ class Exchanger:
                 else:
                     torch.index_select(self._rows(t), 1, ix, out=rows)
 
-    # -- posting -----------------------------------------------------------
     def _post(self, phase: str, distance: int, send, recv) -> Transfer:
-        """Post ``send = (peer, buffer, rows)`` and ``recv = (peer, buffer,
-        rows)`` (either ``None``; empty buffers are skipped) as one batch and
-        report the event."""
+        """Post ``send`` and ``recv`` (``(peer, buffer, rows)`` or ``None``) as one batch."""
         if send is not None and send[1].numel():
             send = (send[0], send[1].to(self.comm_dev), send[2])
         recv_buf = recv[1] if recv is not None and recv[1].numel() else None
@@ -397,9 +322,8 @@ class Exchanger:
         return Transfer(works, keep, recv_buf, self.device)
 
     def _batch(self, phase: str, transfers) -> tuple[list, list]:
-        """Post the ``(distance, send, recv)`` transfers (buffers on the
-        transport's device) as one batch; report an event per transfer.
-        Returns the works and the buffers to keep alive."""
+        """Post the ``(distance, send, recv)`` transfers as one batch, an event
+        each; the works and the buffers to keep alive."""
         ops, keep = [], []
 
         def nbytes(t: torch.Tensor | None) -> int:
@@ -416,17 +340,14 @@ class Exchanger:
                 frm, recv_buf, rows_in = recv
                 ops.append(dist.P2POp(dist.irecv, recv_buf, self.peers[frm], self.group, tag))
             keep += [send_buf, recv_buf]
-            emit(
-                ExchangeEvent(
-                    phase, distance, to, frm, rows_out, rows_in, nbytes(send_buf), nbytes(recv_buf)
-                )
-            )
+            emit(ExchangeEvent(phase, distance, to, frm, rows_out, rows_in, nbytes(send_buf),
+                               nbytes(recv_buf)))  # fmt: skip
         works = dist.batch_isend_irecv(ops) if ops else []
         return works or [], keep
 
     def post_kv(self, phase: str, step, slot: int, ks, vs) -> Transfer:
-        """Send this rank's K/V rows that ``step.send_to`` needs (``ks``/``vs``:
-        this rank's pieces); receive the sender's rows this rank needs."""
+        """Send this rank's K/V rows ``step.send_to`` needs; receive the
+        sender's rows this rank needs."""
         send_idx, _ = self.idx[step.distance]
         send = recv = None
         if step.send_to is not None:
@@ -438,29 +359,23 @@ class Exchanger:
             recv = (step.recv_from, buf, step.recv_rows)
         return self._post(phase, step.distance, send, recv)
 
-    def unpack_kv(
-        self, packed: torch.Tensor, step
-    ) -> tuple[list, list, list[int], list[torch.Tensor | None]]:
-        """``(K views, V views, first positions, row maps)`` per sender piece
-        of the received ``packed`` rows (:meth:`_piece_views`,
-        :meth:`_row_maps`): nothing is copied."""
+    def unpack_kv(self, packed: torch.Tensor,
+                  step) -> tuple[list, list, list[int], list[torch.Tensor | None]]:  # fmt: skip
+        """``(K views, V views, first positions, row maps)`` per sender piece of
+        the received ``packed`` rows; nothing is copied."""
         kp, vp, starts = self._piece_views(packed, step)
         return kp, vp, starts, self._row_maps(step)
 
     def grad_views(self, step, slot: int) -> tuple[list, list]:
-        """fp32 dK/dV views for the sender's pieces (as :meth:`unpack_kv`'s
-        K/V views) into the packed return buffer of ``slot``, zeroed: the
-        kernels accumulate the gradients of the received rows straight into
-        what goes back."""
+        """Zeroed fp32 dK/dV views (as :meth:`unpack_kv`'s) into the return
+        buffer of ``slot``: the kernels accumulate straight into what goes back."""
         packed = self._packed("send_grad", slot, step.recv_rows).zero_()
         dkp, dvp, _ = self._piece_views(packed, step)
         return dkp, dvp
 
     def post_grad(self, step, slot: int, dkp, dvp) -> Transfer:
-        """Return the dK/dV of the rows received at ``step`` to their owner
-        (the packed buffer of ``slot`` that :meth:`grad_views` handed out;
-        ``dkp``/``dvp`` ``None`` when nothing was received) and receive this
-        rank's own rows' dK/dV from ``step.send_to``."""
+        """Return the dK/dV of the rows received at ``step`` (``dkp``/``dvp``
+        ``None``: none received) and receive this rank's own from ``step.send_to``."""
         send = recv = None
         if step.recv_from is not None and dkp is not None:
             buf = self._packed("send_grad", slot, step.recv_rows)
@@ -471,14 +386,13 @@ class Exchanger:
         return self._post("backward_grad", step.distance, send, recv)
 
     def finish_grad(self, transfer: Transfer, step, dks, dvs) -> None:
-        """Wait for this rank's returned dK/dV rows and add them into ``dks``/``dvs``
-        (every row of a piece: a plain add)."""
+        """Wait for this rank's returned dK/dV rows; add them into ``dks``/``dvs``."""
         packed = transfer.wait()
         if packed is not None:
             self._add_home(packed, step, dks, dvs)
 
     def _add_home(self, packed: torch.Tensor, step, dks, dvs) -> None:
-        """Add the returned dK/dV rows of ``step`` (``packed``) into ``dks``/``dvs``."""
+        """Add the returned dK/dV rows of ``step`` into ``dks``/``dvs``."""
         send_idx, _ = self.idx[step.distance]
         for j, ix, krows, vrows in self._chunks(packed, send_idx):
             for rows, t in ((krows, dks[j]), (vrows, dvs[j])):
@@ -487,36 +401,24 @@ class Exchanger:
                 else:
                     self._rows(t).index_add_(1, ix, rows)
 
-    # -- the far group ---------------------------------------------------
     def _far_transfers(self, out_buf, in_buf, back: bool) -> list:
-        """The far group's ``(distance, (peer, out slice, rows) | None,
-        (peer, in slice, rows) | None)`` for :meth:`_batch`: K/V out to each
-        step's ``send_to`` and in from its ``recv_from``, or, ``back``, the
-        received rows' dK/dV out to ``recv_from`` and this rank's in from
-        ``send_to``."""
+        """The far group's transfers for :meth:`_batch`: K/V out to ``send_to``
+        and in from ``recv_from``, or (``back``) dK/dV the other way."""
         out_peer, out_rows, in_peer, in_rows = (
             ("recv_from", "recv_rows", "send_to", "send_rows")
             if back
             else ("send_to", "send_rows", "recv_from", "recv_rows")
         )
-        return [
-            (
-                step.distance,
-                None if o is None else (getattr(step, out_peer), o, getattr(step, out_rows)),
-                None if i is None else (getattr(step, in_peer), i, getattr(step, in_rows)),
-            )
-            for step, o, i in zip(
-                self.far_steps,
-                self._far_slices(out_buf, out_rows),
-                self._far_slices(in_buf, in_rows),
-                strict=True,
-            )
-        ]
+        slices = zip(self.far_steps, self._far_slices(out_buf, out_rows),
+                     self._far_slices(in_buf, in_rows), strict=True)  # fmt: skip
+        return [(step.distance,
+                 None if o is None else (getattr(step, out_peer), o, getattr(step, out_rows)),
+                 None if i is None else (getattr(step, in_peer), i, getattr(step, in_rows)))
+                for step, o, i in slices]  # fmt: skip
 
     def _far_slices(self, packed: torch.Tensor | None, attr: str) -> list[torch.Tensor | None]:
-        """Per far step, its slice of the far group's ``packed`` buffer
-        (``attr``: ``"send_rows"`` or ``"recv_rows"``; ``None`` for a step
-        without rows of that direction)."""
+        """Per far step, its slice of the far group's ``packed`` buffer (``attr``:
+        ``"send_rows"``/``"recv_rows"``; ``None`` without rows)."""
         out, off = [], 0
         for step in self.far_steps:
             n = 2 * self.B * getattr(step, attr) * self.D
@@ -525,9 +427,7 @@ class Exchanger:
         return out
 
     def post_far_kv(self, phase: str, ks, vs) -> Transfer | None:
-        """Post every far transfer of K/V rows as one batch (``None`` when
-        there is none): this rank's rows the far peers need go out, the rows
-        it needs from them come in."""
+        """Post every far K/V transfer as one batch (``None``: no far step)."""
         if not self.far_steps:
             return None
         sent = sum(s.send_rows for s in self.far_steps)
@@ -544,14 +444,12 @@ class Exchanger:
         return Transfer(works, keep, recv_buf, self.device)
 
     def far_received(self, packed: torch.Tensor | None) -> list[tuple]:
-        """``(step, packed rows)`` of every far step that received rows (the
-        far group's waited buffer ``packed``): :meth:`unpack_kv` reads them."""
+        """``(step, packed rows)`` of every far step that received rows."""
         slices = self._far_slices(packed, "recv_rows")
         return [(s, p) for s, p in zip(self.far_steps, slices, strict=True) if p is not None]
 
     def far_grad_views(self) -> list[tuple]:
-        """``(step, dK views, dV views)`` of every far step that received
-        rows, into the far group's zeroed return buffer (as :meth:`grad_views`)."""
+        """``(step, dK views, dV views)`` of every far step that received rows."""
         received = sum(s.recv_rows for s in self.far_steps)
         if not received:
             return []
@@ -564,9 +462,7 @@ class Exchanger:
         return out
 
     def post_far_grad(self) -> Transfer | None:
-        """Return the dK/dV of every far step's received rows to their
-        owners (the buffer :meth:`far_grad_views` handed out) and receive
-        this rank's own rows' dK/dV, as one batch (``None``: no far step)."""
+        """Return the far steps' dK/dV and receive this rank's, as one batch."""
         if not self.far_steps:
             return None
         sent = sum(s.send_rows for s in self.far_steps)
@@ -580,8 +476,7 @@ class Exchanger:
         return Transfer(works, keep, home, self.device)
 
     def finish_far_grad(self, transfer: Transfer | None, dks, dvs) -> None:
-        """Wait for the far group's returned dK/dV of this rank's rows and
-        add them into ``dks``/``dvs``."""
+        """Wait for the far group's returned dK/dV; add them into ``dks``/``dvs``."""
         packed = None if transfer is None else transfer.wait()
         for step, p in zip(self.far_steps, self._far_slices(packed, "send_rows"), strict=True):
             if p is not None:
@@ -591,11 +486,8 @@ class Exchanger:
 def _only(step, send: bool, recv: bool):
     """``step`` with only its send (``send``) and/or receive (``recv``)."""
     empty = torch.empty(0, dtype=torch.int64)
-    return replace(
-        step,
-        send_to=step.send_to if send else None,
-        send_idx=step.send_idx if send else tuple(empty for _ in step.send_idx),
-        recv_from=step.recv_from if recv else None,
-        recv_idx=step.recv_idx if recv else tuple(empty for _ in step.recv_idx),
-        pairs=step.pairs if recv else (),
-    )
+    return replace(step, send_to=step.send_to if send else None,
+                   send_idx=step.send_idx if send else tuple(empty for _ in step.send_idx),
+                   recv_from=step.recv_from if recv else None,
+                   recv_idx=step.recv_idx if recv else tuple(empty for _ in step.recv_idx),
+                   pairs=step.pairs if recv else ())  # fmt: skip

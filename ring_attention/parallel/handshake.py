@@ -1,15 +1,9 @@
-"""Agreement between ranks before anything large moves (docs/design.md §6).
-
-Every collective entry point (the ring, ``gather_sequence``, the grid's two
-rounds) starts with one control message per rank, all-gathered in one small
-collective; every message has ``WORDS`` int64 words ``[magic, call tag,
-error flag, payload ...]``, so ranks in different calls still exchange
-messages of equal size and raise "out of step" instead of aborting in the
-transport. A rank whose own inputs failed sends the error flag
-(:func:`reject`): every rank raises, none waits for the group's timeout. A
-grid has no group spanning it: :func:`grid_handshake` takes one round in the
-Ulysses group (a row), then one along the ring (a column).
-"""
+"""Agreement between ranks before anything large moves (docs/design.md §6):
+fixed-size control messages (``WORDS`` int64 words: magic, call tag, error
+flag, payload), all-gathered in one small collective, so that ranks in
+different calls, ranks that disagree and a rank whose inputs failed make
+every rank raise instead of waiting. A grid has no group spanning it:
+:func:`grid_handshake` takes a round in the Ulysses group, then the ring."""
 
 from __future__ import annotations
 
@@ -24,22 +18,9 @@ from ..core.dtypes import dtype_code, dtype_name
 from ..core.layout import LAYOUTS, Layout, layout_code, layout_digest, layout_shard_lengths
 from ..core.pattern import Pattern
 
-__all__ = [
-    "GENERATION",
-    "RING_FIELDS",
-    "WORDS",
-    "all_gather_ints",
-    "control_device",
-    "exchange_message",
-    "failure",
-    "gather_handshake",
-    "grid_handshake",
-    "peer_error",
-    "reject",
-    "reject_through",
-    "ring_handshake",
-    "ring_message",
-]
+__all__ = ["GENERATION", "RING_FIELDS", "WORDS", "all_gather_ints", "control_device",
+           "exchange_message", "failure", "gather_handshake", "grid_handshake", "peer_error",
+           "reject", "reject_through", "ring_handshake", "ring_message"]  # fmt: skip
 
 #: The call name of a generation step over the sequence-parallel group.
 GENERATION = "generation over the group (use_cache, no cu_seq_lens_q)"
@@ -63,10 +44,8 @@ _NAMES = {v: k for k, v in _CALLS.items()}
 
 #: The ring handshake's fields, in :func:`ring_message`'s order (the hybrid's
 #: row round sends the same message: ring_attention/parallel/ulysses.py).
-RING_FIELDS = (
-    "seq_len_local", "batch", "heads", "kv_heads", "head_dim", "dtype", "pattern", "scale",
-    "layout", "requires_grad", "far_bytes",
-)  # fmt: skip
+RING_FIELDS = ("seq_len_local", "batch", "heads", "kv_heads", "head_dim", "dtype", "pattern",
+               "scale", "layout", "requires_grad", "far_bytes")  # fmt: skip
 _GATHER_DIMS = WORDS - 3 - 5  # shapes of up to 12 dimensions
 _GATHER_FIELDS = ("ndim", "dim", "dtype", "layout", *(f"size{i}" for i in range(_GATHER_DIMS)),
                   "layout_digest")  # fmt: skip
@@ -117,19 +96,13 @@ def failure(error: BaseException | Reason | None) -> Reason:
     return me, str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
 
 
-def exchange_message(
-    group: dist.ProcessGroup | None,
-    call: str,
-    payload: Sequence[int] | None,
-    error: BaseException | Reason | None = None,
-    order: Sequence[int] | None = None,
-) -> list[list[int]] | None:
-    """One control round of ``call`` over ``group``: every rank's payload,
-    by index (``order``: the group rank of each index). ``payload=None``:
-    this rank rejected its inputs (``error``: why) and gets ``None`` back.
-    Raises ``ValueError`` on every rank when ranks are in different calls,
-    :func:`peer_error` when another rank rejected its inputs (a second small
-    collective carries the reasons, only then)."""
+def exchange_message(group: dist.ProcessGroup | None, call: str, payload: Sequence[int] | None,
+                     error: BaseException | Reason | None = None,
+                     order: Sequence[int] | None = None) -> list[list[int]] | None:  # fmt: skip
+    """One control round of ``call`` over ``group``: every rank's payload by
+    index (``order``: the group rank of each). ``payload=None``: this rank
+    failed (``error``) and gets ``None``. Raises ``ValueError`` on every rank for
+    ranks in different calls or, via :func:`peer_error`, a rank that failed."""
     body = [-1] * (WORDS - 3) if payload is None else list(payload)
     if len(body) > WORDS - 3:  # would break the equal sizes the transport relies on
         raise RuntimeError(f"{call}: a control payload of {len(body)} words (at most {WORDS - 3})")
@@ -160,12 +133,9 @@ def exchange_message(
     return [r[3:] for r in rows]
 
 
-def reject(
-    group: dist.ProcessGroup | None,
-    call: str = "ring_dilated_attention",
-    error: BaseException | Reason | None = None,
-    order: Sequence[int] | None = None,
-) -> None:
+def reject(group: dist.ProcessGroup | None, call: str = "ring_dilated_attention",
+           error: BaseException | Reason | None = None,
+           order: Sequence[int] | None = None) -> None:  # fmt: skip
     """Take part in ``call``'s handshake as a rank whose inputs failed
     validation (``error``): the other ranks raise :func:`peer_error`
     naming this rank and the error; the caller raises its own error."""
@@ -180,33 +150,19 @@ def _bits_scale(bits: int) -> float:
     return struct.unpack("<d", struct.pack("<q", int(bits)))[0]
 
 
-def ring_message(
-    q: torch.Tensor,
-    kv_heads: int,
-    pattern: Pattern,
-    *,
-    scale: float,
-    layout: Layout,
-    needs_grad: bool,
-    far_bytes: int = 0,
-) -> list[int]:
-    """This rank's ring handshake payload (``q``: the validated local query;
-    ``far_bytes``: its ``RING_ATTENTION_FAR_BYTES``)."""
+def ring_message(q: torch.Tensor, kv_heads: int, pattern: Pattern, *, scale: float, layout: Layout,
+                 needs_grad: bool, far_bytes: int = 0) -> list[int]:  # fmt: skip
+    """This rank's ring handshake payload in ``RING_FIELDS``' order (``q``:
+    the validated local query; ``far_bytes``: its ``RING_ATTENTION_FAR_BYTES``)."""
     B, L, H, D = q.shape
     return [L, B, H, kv_heads, D, dtype_code(q.dtype), pattern.digest(), _scale_bits(scale),
-            layout_code(layout), int(needs_grad), int(far_bytes)]  # RING_FIELDS' order  # fmt: skip
+            layout_code(layout), int(needs_grad), int(far_bytes)]  # fmt: skip
 
 
-def ring_handshake(
-    group: dist.ProcessGroup | None,
-    world: int,
-    message: list[int] | None,
-    pattern: Pattern | None,
-    layout: Layout,
-    fold: int = 1,
-    error: BaseException | Reason | None = None,
-    order: Sequence[int] | None = None,
-) -> int:
+def ring_handshake(group: dist.ProcessGroup | None, world: int, message: list[int] | None,
+                   pattern: Pattern | None, layout: Layout, fold: int = 1,
+                   error: BaseException | Reason | None = None,
+                   order: Sequence[int] | None = None) -> int:  # fmt: skip
     """Check that every rank makes the same ring call; the global length
     (-1 where ``message`` is ``None``: this rank's inputs failed, ``error``
     says why). ``order``: the group rank of each ring index; ``fold``: a
@@ -286,14 +242,8 @@ def _documents_detail(gathered: list[tuple[str, tuple[int, ...] | None]]) -> str
     return f". The document boundaries differ first at cu_seqlens[{at}]: " + "; ".join(parts)
 
 
-def gather_handshake(
-    group: dist.ProcessGroup | None,
-    world: int,
-    x_local: torch.Tensor,
-    dim: int,
-    layout: Layout,
-    order: Sequence[int] | None = None,
-) -> list[int]:
+def gather_handshake(group: dist.ProcessGroup | None, world: int, x_local: torch.Tensor, dim: int,
+                     layout: Layout, order: Sequence[int] | None = None) -> list[int]:  # fmt: skip
     """Check that every rank gathers pieces of one tensor along ``dim``; the
     local lengths along ``dim`` (by index: ``order`` as for :func:`reject`)."""
     if x_local.dim() > _GATHER_DIMS:
@@ -337,9 +287,6 @@ def gather_handshake(
     return lengths
 
 
-# ---------------------------------------------------------------------------
-# The grid's rounds: a row (the Ulysses group), then a column (the ring).
-
 _GRID_FIELDS = ("ring_index", "ring_size", "grid")
 
 
@@ -348,25 +295,15 @@ def _digest(values: Sequence[int]) -> int:
     return (zlib.crc32(text) << 30) ^ zlib.adler32(text)
 
 
-def grid_handshake(
-    topo,
-    call: str,
-    fields: Sequence[str],
-    message: Sequence[int] | None,
-    layout: str,
-    *,
-    error: BaseException | Reason | None = None,
-    explain: Callable[[str, list[int]], str | None] | None = None,
-    describe: Callable[[], str] | None = None,
-) -> tuple[int, list[int]]:
+def grid_handshake(topo, call: str, fields: Sequence[str], message: Sequence[int] | None,
+                   layout: str, *, error: BaseException | Reason | None = None,
+                   explain: Callable[[str, list[int]], str | None] | None = None,
+                   describe: Callable[[], str] | None = None) -> tuple[int, list[int]]:  # fmt: skip
     """Check that every rank of the grid ``topo`` (``U > 1``) makes the same
-    ``call``; the global length and the local lengths of this rank's row (by
-    Ulysses index). ``fields`` names ``message``'s values: ``fields[0]`` the
-    local length, the others equal on every rank. ``message=None``: this
-    rank's inputs failed (``error``: why); it takes part in both rounds and
-    gets ``(-1, [])``. ``explain(field, values)``: the message of a
-    disagreement (``None``: the default); ``describe()``: this rank's
-    arguments in words. Raises ``ValueError`` on every rank of the grid."""
+    ``call``; the global length and the local lengths of this rank's row.
+    ``fields`` names ``message``'s values (``fields[0]``: the local length);
+    ``message=None``: this rank failed (``error``), it takes part and gets
+    ``(-1, [])``; ``explain``, ``describe``: the words of a disagreement."""
     row_call, col_call = f"{call} (Ulysses group)", f"{call} (ring of the grid)"
     U, R = topo.ulysses_size, topo.ring_size
     err: Exception | None = None
@@ -427,14 +364,8 @@ def _lengths_error(call: str, i: int, got: list[int], want: list[int], n: int, l
     )
 
 
-def _check_columns(
-    call: str,
-    topo,
-    cols: list[list[int]],
-    row_lengths: list[int],
-    layout: str,
-    describe: Callable[[], str] | None,
-) -> None:
+def _check_columns(call: str, topo, cols: list[list[int]], row_lengths: list[int], layout: str,
+                   describe: Callable[[], str] | None) -> None:  # fmt: skip
     """The column round's checks (every rank of a column sees the same rows)."""
     prefix = f"{call}: the ranks of a ring disagree on "
     for k, what in ((2, "their Ulysses index"), (3, "the Ulysses group size"), (4, "the grid")):

@@ -1,15 +1,9 @@
-"""Which ranks attend together (docs/design.md §2): this process's place in
-a group (:func:`world_info`), and the ring and the Ulysses groups of a call
-from ``group``/``ulysses_group`` or a ``DeviceMesh`` (:class:`Topology`; the
-rank with ring index ``i`` and Ulysses index ``j`` of ``U`` holds shard
-``i * U + j``; from a mesh, the indices are the rank's coordinates).
-
-:func:`check_grid` makes sure, once per configuration, that every rank of
-the grid passed groups that form the same grid, through the default group's
-key-value store: a collective on groups that differ between ranks would wait
-forever, while every rank can read what its peers wrote to the store. A
-plain ring call takes part too (:func:`check_ring`).
-"""
+"""Which ranks attend together (docs/design.md §2, §6): this process's place
+in a group (:func:`world_info`), the grid of a call from its groups or a
+``DeviceMesh`` (:class:`Topology`, rank ``(i, j)`` holding shard ``i * U +
+j``), and :func:`check_grid`, once per configuration, through the default
+group's store (a collective on groups that differ between ranks would wait
+forever)."""
 
 from __future__ import annotations
 
@@ -25,25 +19,16 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-__all__ = [
-    "Topology",
-    "check_grid",
-    "check_ring",
-    "report_grid_error",
-    "resolve_topology",
-    "ring_topology",
-    "world_info",
-]
+__all__ = ["Topology", "check_grid", "check_ring", "report_grid_error", "resolve_topology",
+           "ring_topology", "world_info"]  # fmt: skip
 
 _DIM_NAMES = ("ring", "ulysses")
 
 
 def world_info(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
-    """``(world_size, rank)`` of ``group``; ``(1, 0)`` when torch.distributed is
-    unavailable or not initialised and ``group`` is None. Raises
-    ``RuntimeError`` there when the environment says this process is one of
-    several (``WORLD_SIZE`` > 1, as torchrun sets): each process would
-    otherwise compute the whole sequence alone, silently."""
+    """``(world_size, rank)`` of ``group``; ``(1, 0)`` without an initialised
+    default group and ``group=None``, unless ``WORLD_SIZE`` > 1 (a launcher's
+    processes: ``RuntimeError``)."""
     if not dist.is_available() or not dist.is_initialized():
         if group is not None:
             raise ValueError(
@@ -72,13 +57,10 @@ def world_info(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
 
 @dataclass(frozen=True, eq=False)
 class Topology:
-    """The grid of one call, seen from this rank: the ring (``None`` for a
-    ring of one) and the Ulysses group (``None`` for ``U = 1``), their sizes
-    ``R``, ``U``, this rank's indices ``i``, ``j`` and their global ranks by
-    index; ``mesh``: ``(mesh ranks, dimension names)`` when given as a mesh;
-    ``*_order``: the group rank of each index where it is not the index
-    itself (else ``None``); ``mode``: ``"ring"`` (``group`` only, or a 1-D
-    mesh) or ``"grid"`` (a Ulysses group)."""
+    """The grid of one call, seen from this rank: the ring and the Ulysses group
+    (``None``: of one), their sizes, this rank's indices, their global ranks by
+    index, the mesh, ``*_order`` (the group rank of each index, ``None`` where
+    it is the index) and ``mode`` (``"ring"`` or ``"grid"``)."""
 
     ring_group: dist.ProcessGroup | None
     ulysses_group: dist.ProcessGroup | None
@@ -105,14 +87,10 @@ class Topology:
 
     def view(self) -> dict:
         """What this rank believes (compared between ranks by :func:`check_grid`)."""
-        return {
-            "mode": self.mode,
-            "ring": [_group_name(self.ring_group), list(self.ring_ranks)],
-            "ulysses": [_group_name(self.ulysses_group), list(self.ulysses_ranks)],
-            "i": self.ring_index,
-            "j": self.ulysses_index,
-            "mesh": None if self.mesh is None else [self.mesh[0], list(self.mesh[1])],
-        }
+        mesh = None if self.mesh is None else [self.mesh[0], list(self.mesh[1])]
+        return {"mode": self.mode, "ring": [_group_name(self.ring_group), list(self.ring_ranks)],
+                "ulysses": [_group_name(self.ulysses_group), list(self.ulysses_ranks)],
+                "i": self.ring_index, "j": self.ulysses_index, "mesh": mesh}  # fmt: skip
 
     def digest(self, along: str) -> int:
         """A 62-bit digest of the group ``along`` (``"ring"`` or ``"ulysses"``)
@@ -167,10 +145,9 @@ def _from_mesh(mesh) -> tuple:
     if mesh.ndim == 2 and sorted(names) == sorted(_DIM_NAMES):
         r, u = names.index("ring"), names.index("ulysses")
         i, j = coord[r], coord[u]
-        return (
-            mesh.get_group("ring"), mesh.get_group("ulysses"), i, j,
-            tuple(ranks.select(u, j).tolist()), tuple(ranks.select(r, i).tolist()), key,
-        )  # fmt: skip
+        return (mesh.get_group("ring"), mesh.get_group("ulysses"), i, j,
+                tuple(ranks.select(u, j).tolist()), tuple(ranks.select(r, i).tolist()),
+                key)  # fmt: skip
     if mesh.ndim == 2:
         raise ValueError(
             f"a 2-D mesh needs mesh_dim_names=('ring', 'ulysses') (the ring between the ranks "
@@ -183,16 +160,12 @@ def _from_mesh(mesh) -> tuple:
     )
 
 
-def resolve_topology(
-    group: dist.ProcessGroup | None = None,
-    ulysses_group: dist.ProcessGroup | None = None,
-    mesh=None,
-) -> Topology:
-    """The grid of a call with ``ulysses_group`` or ``mesh`` (``group``: the
-    ring between the ranks holding the same heads, ``None``: no ring), from
-    this rank's arguments only (:func:`check_grid` compares ranks). Raises
-    ``ValueError`` for ``mesh`` with a group, a mesh neither 1-D nor 2-D
-    ``("ring", "ulysses")``, a non-group, or a group this process is not in."""
+def resolve_topology(group: dist.ProcessGroup | None = None,
+                     ulysses_group: dist.ProcessGroup | None = None,
+                     mesh=None) -> Topology:  # fmt: skip
+    """The grid of a call with ``ulysses_group`` or ``mesh``, from this rank's
+    arguments only; ``ValueError`` for ``mesh`` with a group, a mesh neither 1-D
+    nor 2-D ``("ring", "ulysses")``, a non-group, or a group without this rank."""
     if mesh is not None:
         if group is not None or ulysses_group is not None:
             raise ValueError(
@@ -205,10 +178,8 @@ def resolve_topology(
         _check_group(group, "group")
         _check_group(ulysses_group, "ulysses_group")
     if not dist.is_available() or not dist.is_initialized():
-        raise ValueError(
-            "ulysses_group and mesh need torch.distributed: call "
-            "torch.distributed.init_process_group first"
-        )
+        raise ValueError("ulysses_group and mesh need torch.distributed: call "
+                         "torch.distributed.init_process_group first")  # fmt: skip
     me = dist.get_rank()
     if mesh is None:
         R, i = world_info(group) if group is not None else (1, 0)
@@ -218,25 +189,14 @@ def resolve_topology(
     ulysses_ranks = ulysses_ranks or (me,)
     ring = group if R > 1 else None
     uly = ulysses_group if U > 1 else None
-    return Topology(
-        ring_group=ring,
-        ulysses_group=uly,
-        ring_size=R,
-        ulysses_size=U,
-        ring_index=i,
-        ulysses_index=j,
-        ring_ranks=ring_ranks,
-        ulysses_ranks=ulysses_ranks,
-        mesh=key,
-        ring_order=_order(ring, ring_ranks),
-        ulysses_order=_order(uly, ulysses_ranks),
-        mode="grid" if U > 1 else "ring",
-    )
+    return Topology(ring_group=ring, ulysses_group=uly, ring_size=R, ulysses_size=U, ring_index=i,
+                    ulysses_index=j, ring_ranks=ring_ranks, ulysses_ranks=ulysses_ranks, mesh=key,
+                    ring_order=_order(ring, ring_ranks), ulysses_order=_order(uly, ulysses_ranks),
+                    mode="grid" if U > 1 else "ring")  # fmt: skip
 
 
-def ring_topology(
-    group: dist.ProcessGroup | None, ranks: tuple[int, ...] | None = None
-) -> Topology:
+def ring_topology(group: dist.ProcessGroup | None,
+                  ranks: tuple[int, ...] | None = None) -> Topology:  # fmt: skip
     """The topology of a ring call over ``group`` (``None``: the default
     group) of two or more ranks; ``ranks``: its global ranks by ring index
     (default: group-rank order)."""
@@ -342,10 +302,8 @@ def _problems(topo: Topology, me: int, views: dict[int, dict]) -> list[str]:
                     f"and has ring index {v['i']}"
                 )
             if len(v["ring"][1]) != topo.ring_size:
-                out.append(
-                    f"rank {rank} passed a ring of {len(v['ring'][1])} ranks, rank {me} one "
-                    f"of {topo.ring_size}"
-                )
+                out.append(f"rank {rank} passed a ring of {len(v['ring'][1])} ranks, rank {me} one "
+                           f"of {topo.ring_size}")  # fmt: skip
         if rank in topo.ring_ranks:
             if v["ring"] != mine["ring"] or v["j"] != topo.ulysses_index:
                 out.append(
@@ -354,10 +312,8 @@ def _problems(topo: Topology, me: int, views: dict[int, dict]) -> list[str]:
                     f"index {v['j']}"
                 )
             if len(v["ulysses"][1]) != topo.ulysses_size:
-                out.append(
-                    f"rank {rank} passed a Ulysses group of {len(v['ulysses'][1])} ranks, "
-                    f"rank {me} one of {topo.ulysses_size}"
-                )
+                out.append(f"rank {rank} passed a Ulysses group of {len(v['ulysses'][1])} ranks, "
+                           f"rank {me} one of {topo.ulysses_size}")  # fmt: skip
     return out
 
 
@@ -416,11 +372,9 @@ def _round(st: _State, topo: Topology, me: int, peers: list[int], call: int) -> 
     if not text:
         found = _problems(topo, me, {p: v for p, v in views.items()})
         if found:
-            text = (
-                "ring_attention: the ranks' groups do not form one ring x Ulysses grid "
-                "(group, ulysses_group or mesh must describe the same grid on every rank; "
-                f"found by rank {me}): {found[0]}"
-            )
+            text = ("ring_attention: the ranks' groups do not form one ring x Ulysses grid "
+                    "(group, ulysses_group or mesh must describe the same grid on every rank; "
+                    f"found by rank {me}): {found[0]}")  # fmt: skip
     store.set(f"{mine}/found", text)
     if not text:
         flags = _read(store, [f"{_PREFIX}/{p}/{at[p]}/found" for p in peers], peers)
@@ -430,12 +384,10 @@ def _round(st: _State, topo: Topology, me: int, peers: list[int], call: int) -> 
 
 
 def check_grid(topo: Topology) -> None:
-    """Check, once per configuration of groups, that every rank of this
-    rank's row and column passed groups (or a mesh) forming the same grid and
-    makes the same kind of call (two steps through the default store). Raises
-    ``ValueError`` on every rank of a grid whose ranks disagree,
-    ``RuntimeError`` when a peer never writes (the store's timeout). Only a
-    configuration that passed is remembered."""
+    """Check, once per configuration, that every rank of this rank's row and
+    column passed groups (or a mesh) forming the same grid and makes the same
+    kind of call: ``ValueError`` on every rank where they disagree,
+    ``RuntimeError`` when a peer never writes. Only a passed one is remembered."""
     me = dist.get_rank()
     peers = sorted((set(topo.ring_ranks) | set(topo.ulysses_ranks)) - {me})
     if not peers:
@@ -477,15 +429,12 @@ def _reason(error: BaseException) -> str:
     return str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
 
 
-def report_grid_error(
-    group, ulysses_group, mesh, error: BaseException, mode: str | None = None
-) -> Topology | None:
-    """Tell the peers of a rank whose grid arguments failed (``error``) so
-    that they raise too; ``mode``: ``"ring"``, ``"grid"`` or ``None`` (either).
-    Returns the last checked configuration that fits the valid arguments
-    (its peers are already in the call's rounds: the caller rejects through
-    them), else writes a failure record for peers checking a new one and
-    returns ``None``."""
+def report_grid_error(group, ulysses_group, mesh, error: BaseException,
+                      mode: str | None = None) -> Topology | None:  # fmt: skip
+    """Tell the peers of a rank whose grid arguments failed (``error``; ``mode``:
+    ``"ring"``, ``"grid"`` or ``None``): the last checked configuration that
+    fits the valid arguments (the caller rejects through its rounds), else
+    ``None`` after a failure record in the store."""
     if not dist.is_available() or not dist.is_initialized():
         return None
     want = None

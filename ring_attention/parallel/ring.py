@@ -1,23 +1,10 @@
-"""The ring (docs/design.md §4): the sequence sharded across the ranks of a
-process group, K/V rows exchanged point-to-point along a cached exchange
-plan (:mod:`ring_attention.parallel.exchange_plan`, moved by
-:mod:`ring_attention.parallel.exchange`). A call is two custom operators,
-``torch.ops.ring_attention.ring_forward`` / ``ring_backward``, opaque to
-``torch.compile`` (they communicate), with fake kernels; their autograd is
-:class:`ring_attention.local.ops.RingFunction`. The tensors are the
-operators' arguments, the rest of the call a string key
-(:mod:`ring_attention.parallel.ring_spec`).
-
-Each operator checks its call once: the forward through the handshake (one
-fixed-size control message per rank, :mod:`ring_attention.parallel.handshake`),
-so that ranks that disagree raise ``ValueError`` on every rank; the backward
-takes the forward's plan from the plan cache. Then the schedule runs (§4.3,
-§4.4): the local blocks while the first step travels, each active step's
-blocks while the next one travels; the backward returns every received
-row's dK/dV to its owner, every rank posting a subsequence of one global
-order (``KV(1), KV(2), G(1), KV(3), G(2), ...``) so that NCCL's in-order
-streams cannot deadlock. Double backward raises ``RuntimeError``.
-"""
+"""The ring (docs/design.md §4): two custom operators,
+``torch.ops.ring_attention.ring_forward`` / ``ring_backward`` (opaque to
+``torch.compile``; autograd :class:`ring_attention.local.ops.RingFunction`),
+taking the tensors and a :mod:`~ring_attention.parallel.ring_spec` key. The
+forward checks the call through the handshake (every rank raises for one
+rank's error), then runs the schedule along the cached exchange plan; the
+backward reuses the plan. Double backward raises ``RuntimeError``."""
 
 from __future__ import annotations
 
@@ -50,28 +37,15 @@ from .handshake import reject, ring_handshake, ring_message
 from .mesh import check_ring, report_grid_error, world_info
 from .ring_spec import GroupError, get_spec, pattern_of_call, ring_call_spec
 
-__all__ = [
-    "ExchangeEvent",
-    "ExchangeStats",
-    "exchange_plan",
-    "last_exchange_stats",
-    "register_exchange_hook",
-    "ring_call",
-    "ring_call_spec",
-]
+__all__ = ["ExchangeEvent", "ExchangeStats", "exchange_plan", "last_exchange_stats",
+           "register_exchange_hook", "ring_call", "ring_call_spec"]  # fmt: skip
 
 Tensor = torch.Tensor
 
 
-def ring_call(
-    q_local: Tensor,
-    k_local: Tensor,
-    v_local: Tensor,
-    spec: str,
-    documents: Tensor | None = None,
-    *,
-    return_lse: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
+def ring_call(q_local: Tensor, k_local: Tensor, v_local: Tensor, spec: str,
+              documents: Tensor | None = None, *,
+              return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
     """The ring call registered as ``spec`` (:func:`ring_call_spec`), with the
     global document boundaries ``documents`` (a 1-D integer tensor, the same
     on every rank, or ``None``). Compiles with ``fullgraph=True``: the ring is
@@ -88,93 +62,52 @@ def ring_call(
     return (out, lse) if as_flag(return_lse, "return_lse") else out
 
 
-def exchange_plan(
-    seq_len: int,
-    heads: int,
-    segment_lengths: Sequence[int],
-    dilation_rates: Sequence[int],
-    *,
-    causal: bool = False,
-    head_groups: bool = False,
-    kv_heads: int | None = None,
-    cu_seqlens: Sequence[int] | Tensor | None = None,
-    head_offsets: str = "modulo",
-    window: tuple[int, int] | None = None,
-    group: dist.ProcessGroup | None = None,
-    layout: str = "contiguous",
-) -> ExchangePlan:
-    """This rank's (cached) exchange plan for a global sequence of ``seq_len``.
-
-    Useful to report the rows/bytes a rank exchanges per layer
-    (:meth:`ExchangePlan.bytes_sent`) without running anything. ``kv_heads``
-    defaults to ``heads``.
-    """
-    pattern = Pattern(
-        segment_lengths, dilation_rates, causal=causal, head_groups=head_groups,
-        head_offsets=head_offsets, window=window,
-    ).with_documents(cu_seqlens)  # fmt: skip
+def exchange_plan(seq_len: int, heads: int, segment_lengths: Sequence[int],
+                  dilation_rates: Sequence[int], *, causal: bool = False, head_groups: bool = False,
+                  kv_heads: int | None = None, cu_seqlens: Sequence[int] | Tensor | None = None,
+                  head_offsets: str = "modulo", window: tuple[int, int] | None = None,
+                  group: dist.ProcessGroup | None = None,
+                  layout: str = "contiguous") -> ExchangePlan:  # fmt: skip
+    """This rank's (cached) exchange plan for a global sequence of
+    ``seq_len`` (``kv_heads`` defaults to ``heads``): the rows and bytes it
+    exchanges per layer (:meth:`ExchangePlan.bytes_sent`), without running
+    anything."""
+    pattern = Pattern(segment_lengths, dilation_rates, causal=causal, head_groups=head_groups,
+                      head_offsets=head_offsets,
+                      window=window).with_documents(cu_seqlens)  # fmt: skip
     layout = resolve_layout(layout, pattern)
     world, rank = world_info(group)
     return get_plan(pattern, seq_len, heads, heads if kv_heads is None else kv_heads, world, rank,
                     layout)  # fmt: skip
 
 
-def ring_on_pieces(
-    q_local: Tensor,
-    k_local: Tensor,
-    v_local: Tensor,
-    pattern: Pattern | Callable[[], Pattern],
-    *,
-    scale: float | None,
-    group: dist.ProcessGroup | None,
-    layout: str,
-    return_lse: bool,
-    fold: int = 1,
-    ranks: tuple[int, ...] | None = None,
-    head_range: tuple[int, int, int] = (0, 0, 0),
-    sinks: Tensor | None = None,
-) -> Tensor | tuple[Tensor, Tensor]:
+def ring_on_pieces(q_local: Tensor, k_local: Tensor, v_local: Tensor,
+                   pattern: Pattern | Callable[[], Pattern], *, scale: float | None,
+                   group: dist.ProcessGroup | None, layout: str, return_lse: bool, fold: int = 1,
+                   ranks: tuple[int, ...] | None = None,
+                   head_range: tuple[int, int, int] = (0, 0, 0),
+                   sinks: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
     """The ring over ``group``, each rank holding its pieces of ``layout``
-    (``fold > 1``: the stretch of its Ulysses group, see
-    :func:`ring_attention.core.layout.layout_pieces`). ``ranks``: the group's
-    global ranks by ring index, from a grid call (which has checked its
-    grid: the ring then does not check its group again); ``None``: a ring
-    call of its own, by group rank."""
+    (``fold > 1``: its Ulysses group's stretch). ``ranks``: the group's global
+    ranks by ring index from a grid call, which has checked its grid; ``None``:
+    a ring call of its own."""
     build, args = _builder(pattern)
-    return _ring(
-        q_local, k_local, v_local, build, args, cu_seqlens=None, scale=scale, group=group,
-        layout=layout, return_lse=return_lse, fold=fold, ranks=ranks, head_range=head_range,
-        sinks=sinks,
-    )  # fmt: skip
+    return _ring(q_local, k_local, v_local, build, args, cu_seqlens=None, scale=scale, group=group,
+                 layout=layout, return_lse=return_lse, fold=fold, ranks=ranks,
+                 head_range=head_range, sinks=sinks)  # fmt: skip
 
 
-def _ring(
-    q_local: Tensor,
-    k_local: Tensor,
-    v_local: Tensor,
-    build: Callable[..., Pattern],
-    args: tuple,
-    *,
-    cu_seqlens: Sequence[int] | Tensor | None,
-    scale: float | None,
-    group: dist.ProcessGroup | None,
-    layout: str,
-    return_lse: bool,
-    fold: int = 1,
-    ranks: tuple[int, ...] | None = None,
-    head_range: tuple[int, int, int] = (0, 0, 0),
-    sinks: Tensor | None = None,
-) -> Tensor | tuple[Tensor, Tensor]:
-    """The ring call of :func:`sharded_attention`: one operator forward and
-    one backward, the documents as a tensor argument (read once per batch),
-    the rest as the spec. ``sinks``: added once to every query of this rank,
-    after the ring (checked on every rank by the operator)."""
+def _ring(q_local: Tensor, k_local: Tensor, v_local: Tensor, build: Callable[..., Pattern],
+          args: tuple, *, cu_seqlens: Sequence[int] | Tensor | None, scale: float | None,
+          group: dist.ProcessGroup | None, layout: str, return_lse: bool, fold: int = 1,
+          ranks: tuple[int, ...] | None = None, head_range: tuple[int, int, int] = (0, 0, 0),
+          sinks: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
+    """The ring call of ``sharded_attention``: the documents a tensor argument
+    (read once per batch), the rest the spec; ``sinks`` added after the ring."""
     documents = cu_seqlens if isinstance(cu_seqlens, Tensor) else None
-    spec = ring_call_spec(
-        _ring_pattern, return_lse, None if documents is not None else cu_seqlens, build, *args,
-        scale=scale, group=group, layout=layout, fold=fold, ranks=ranks, head_range=head_range,
-        sinks=sinks_meta(sinks),
-    )  # fmt: skip
+    spec = ring_call_spec(_ring_pattern, return_lse, None if documents is not None else cu_seqlens,
+                          build, *args, scale=scale, group=group, layout=layout, fold=fold,
+                          ranks=ranks, head_range=head_range, sinks=sinks_meta(sinks))  # fmt: skip
     # (a bad return_lse or sinks is reported by the spec: the operator raises on every rank)
     if sinks is None:
         return ring_call(q_local, k_local, v_local, spec, documents, return_lse=bool(return_lse))
@@ -195,9 +128,8 @@ def _builder(pattern: Pattern | Callable[[], Pattern]) -> tuple[Callable[..., Pa
     return given_pattern, (pattern,)
 
 
-def _ring_pattern(
-    return_lse: bool, documents: Sequence[int] | None, build: Callable[..., Pattern], *args
-) -> Pattern:
+def _ring_pattern(return_lse: bool, documents: Sequence[int] | None, build: Callable[..., Pattern],
+                  *args) -> Pattern:  # fmt: skip
     """The pattern of a ring call (:func:`pattern_of_call`); a bad
     ``return_lse`` raises here, so that the operator reports it on every
     rank."""
@@ -205,14 +137,9 @@ def _ring_pattern(
     return pattern_of_call(documents, build, *args)
 
 
-# ---------------------------------------------------------------------------
-# The schedule (docs/design.md §4.3, §4.4).
-
-
 @dataclass(frozen=True, eq=False)
 class RingCall:
-    """One ring call: its plan, group and checked attention call (what the
-    schedules :func:`schedule_forward` and :func:`schedule_backward` run with)."""
+    """One ring call: its plan, group, peers and checked attention call."""
 
     plan: ExchangePlan
     group: dist.ProcessGroup | None
@@ -221,8 +148,8 @@ class RingCall:
     far_bytes: int = 0  # transfers of at most this many K/V bytes: the far group
 
     def blocks(self, pass_: str, q: Tensor, k: Tensor) -> Blocks:
-        """The blocks of ``pass_`` (``"forward"``/``"backward"``): the block
-        kernel, or a dense backend where the dispatch's route is dense."""
+        """The blocks of ``pass_``: the block kernel, or a dense backend where the
+        dispatch's route is dense."""
         plan = self.plan
         every = [p for pieces in plan.all_pieces for p in pieces]
         rows = math.gcd(*(p.length for p in every))
@@ -231,10 +158,9 @@ class RingCall:
 
     def exchanger(self, q: Tensor, role: str) -> Exchanger:
         """The transport of one pass (``role``: ``"forward"``/``"backward"``)."""
-        return Exchanger(
-            self.plan, self.group, self.peers, q.device, comm_device(self.group, q.device),
-            q.dtype, q.shape[0], q.shape[3], role, self.far_bytes,
-        )  # fmt: skip
+        return Exchanger(self.plan, self.group, self.peers, q.device,
+                         comm_device(self.group, q.device), q.dtype, q.shape[0], q.shape[3], role,
+                         self.far_bytes)  # fmt: skip
 
 
 def _split(t: Tensor, pieces: Sequence[Piece], dim: int = 1) -> list[Tensor]:
@@ -292,16 +218,9 @@ def schedule_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor) -> tuple[T
     return _cat([o.to(q.dtype) for o in outs], dim=1), _cat(lses, dim=2)
 
 
-def schedule_backward(
-    call: RingCall,
-    grad_out: Tensor,
-    grad_lse: Tensor | None,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-) -> tuple[Tensor, Tensor, Tensor]:
+def schedule_backward(call: RingCall, grad_out: Tensor, grad_lse: Tensor | None, q: Tensor,
+                      k: Tensor, v: Tensor, out: Tensor,
+                      lse: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     plan, pieces = call.plan, call.plan.pieces
     qs, ks, vs, outs, gos = (_split(t, pieces) for t in (q, k, v, out, grad_out.to(q.dtype)))
     lses = _split(lse, pieces, dim=2)
@@ -311,14 +230,10 @@ def schedule_backward(
 
     blocks = call.blocks("backward", q, k)
 
-    def attend(
-        qi: int, k_j: Tensor, v_j: Tensor, dk_j: Tensor, dv_j: Tensor, k_start: int,
-        rows: Tensor | None = None,
-    ) -> None:  # fmt: skip
-        blocks.backward(
-            gos[qi], glses[qi], qs[qi], k_j, v_j, outs[qi], lses[qi], dqs[qi], dk_j, dv_j,
-            pieces[qi].start, k_start, rows,
-        )  # fmt: skip
+    def attend(qi: int, k_j: Tensor, v_j: Tensor, dk_j: Tensor, dv_j: Tensor, k_start: int,
+               rows: Tensor | None = None) -> None:  # fmt: skip
+        blocks.backward(gos[qi], glses[qi], qs[qi], k_j, v_j, outs[qi], lses[qi], dqs[qi], dk_j,
+                        dv_j, pieces[qi].start, k_start, rows)  # fmt: skip
 
     ex = call.exchanger(q, "backward") if plan.steps else None
     steps = ex.steps if ex is not None else ()
@@ -369,25 +284,19 @@ def schedule_backward(
     return tuple(_cat([t.to(q.dtype) for t in g], dim=1) for g in (dqs, dks, dvs))
 
 
-# ---------------------------------------------------------------------------
-# The operators.
-
 _documents = PerBatch("ring documents")
 
 
 def _with_documents(key: str, base: Pattern, documents: Tensor | None) -> Pattern:
-    """The spec's pattern with the documents of ``documents``: the layers of a
-    model pass the same tensor, so its boundaries are read (device -> host)
-    once per batch, not once per layer and pass."""
+    """The spec's pattern with ``documents``: a model's layers pass one
+    tensor, read (device -> host) once per batch."""
     if documents is None:
         return base
     return _documents.get(documents, key, lambda: base.with_documents(documents))
 
 
-def _call_of(
-    key: str, q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None, needs_grad: bool,
-    n: int | None = None,
-) -> RingCall:  # fmt: skip
+def _call_of(key: str, q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None, needs_grad: bool,
+             n: int | None = None) -> RingCall:  # fmt: skip
     """The checked call. Forward (``n`` is None): the ranks agree through the
     handshake on everything, the global length included, and a rank whose
     call fails makes every rank raise. Backward: the forward's ``n``."""
@@ -436,19 +345,15 @@ def _call_of(
     pattern.check_length(n)
     plan = get_plan(pattern, n, shape.heads, shape.kv_heads, world, rank, layout, spec.fold,
                     spec.head_range)  # fmt: skip
-    return RingCall(
-        plan=plan,
-        group=group,
-        peers=spec.ranks if order is not None else global_ranks(group, world),
-        call=Call(pattern, scale).with_heads(*spec.head_range),
-        far_bytes=far,
-    )
+    return RingCall(plan=plan, group=group,
+                    peers=spec.ranks if order is not None else global_ranks(group, world),
+                    call=Call(pattern, scale).with_heads(*spec.head_range),
+                    far_bytes=far)  # fmt: skip
 
 
 @torch.library.custom_op("ring_attention::ring_forward", mutates_args=())
-def _ring_forward_op(
-    q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None, spec: str, needs_grad: bool
-) -> tuple[Tensor, Tensor, Tensor]:
+def _ring_forward_op(q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None, spec: str,
+                     needs_grad: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """This rank's ``(out, lse, global length)`` of the ring call ``spec``."""
     call = _call_of(spec, q, k, v, documents, needs_grad)
     last_exchange_stats.reset()
@@ -460,18 +365,14 @@ def _ring_forward_op(
 def _(q, k, v, documents, spec, needs_grad):
     B, L, H, _ = q.shape
     lse = q.new_empty((B, H, L), dtype=acc_dtype(q.dtype))
-    return (
-        torch.empty_like(q, memory_format=torch.contiguous_format),
-        lse,
-        q.new_empty((), dtype=torch.int64, device="cpu"),
-    )
+    return (torch.empty_like(q, memory_format=torch.contiguous_format), lse,
+            q.new_empty((), dtype=torch.int64, device="cpu"))  # fmt: skip
 
 
 @torch.library.custom_op("ring_attention::ring_backward", mutates_args=())
-def _ring_backward_op(
-    grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-    lse: Tensor, documents: Tensor | None, seq_len: Tensor, spec: str,
-) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+def _ring_backward_op(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
+                      out: Tensor, lse: Tensor, documents: Tensor | None, seq_len: Tensor,
+                      spec: str) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """This rank's ``(dq, dk, dv)`` of the ring call ``spec`` (its plan is
     the forward's, from the plan cache)."""
     if not isinstance(seq_len, Tensor) or seq_len.dim() != 0 or seq_len.is_floating_point():
