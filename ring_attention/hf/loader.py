@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..parallel.comm import control_device
+from ..parallel.handshake import control_device
 from .batch import shard_causal_lm_batch
 from .setting import sequence_parallel
 

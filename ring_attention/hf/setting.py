@@ -10,8 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.layout import check_layout
-from ..parallel.comm import world_info
-from ..parallel.mesh import resolve_topology
+from ..parallel.mesh import resolve_topology, world_info
 from ..parallel.sharding import shard_sequence
 
 __all__ = [

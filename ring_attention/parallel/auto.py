@@ -1,10 +1,6 @@
-"""The parallel mode chosen for you (docs/design.md §2, "Automatic layout"):
-:func:`plan_mesh` asks the planner's cost model (ring_attention/planner/)
-which grid of ``R`` rings x ``U`` Ulysses ranks runs a layer fastest within
-the memory, and returns it as a 2-D ``DeviceMesh`` (``mesh_dim_names=("ring",
-"ulysses")``, a size may be 1) with the prediction. Every rank computes the
-same choice from the same arguments, without communicating (building the
-mesh is collective, as ``DeviceMesh`` is)."""
+"""The parallel mode chosen for you (docs/design.md §2): :func:`plan_mesh`
+asks the planner's cost model for the fastest grid of ``R`` rings x ``U``
+Ulysses ranks within the memory, as a 2-D ``DeviceMesh`` and a prediction."""
 
 from __future__ import annotations
 
@@ -20,7 +16,7 @@ from ..core.links import INTRA_DEFAULTS, LINKS, Link
 from ..core.pattern import Pattern
 from ..planner.capacity import Setup
 from ..planner.modes import evaluate_mode
-from .comm import world_info
+from .mesh import world_info
 
 __all__ = ["MeshPlan", "Prediction", "choose_grid", "plan_mesh"]
 
@@ -31,10 +27,7 @@ _MAX_PLANNED = 1 << 48
 @dataclass(frozen=True)
 class Prediction:
     """The planner's prediction for the chosen grid (per layer, the busiest
-    rank): ``seconds`` forward + backward, ``forward_seconds``,
-    ``bytes_sent`` forward + backward, ``peak_bytes`` of training (``None``
-    where the model cannot say: a sliding window beyond the exact plans);
-    ``why`` the choice in words (the other grids' times)."""
+    rank; ``None`` where the model cannot say), and ``why`` in words."""
 
     ring: int
     ulysses: int
@@ -54,7 +47,7 @@ class MeshPlan(NamedTuple):
 
 def _grids(world: int, gpus_per_node: int) -> list[tuple[int, int]]:
     """Every ``(R, U)`` with ``R * U == world`` whose Ulysses groups do not
-    straddle nodes (``U`` divides a node, or is whole nodes)."""
+    straddle nodes."""
     out = []
     for U in range(1, world + 1):
         if world % U:
@@ -65,29 +58,24 @@ def _grids(world: int, gpus_per_node: int) -> list[tuple[int, int]]:
     return out
 
 
-def choose_grid(
-    seq_len: int, heads: int, kv_heads: int, head_dim: int, pattern: Pattern, *, world: int,
-    gpus_per_node: int, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
-    batch: int = 1, memory: int | None = None, intra: Link | None = None,
-    inter: Link | None = None, layout: str = "contiguous",
-) -> Prediction:  # fmt: skip
-    """The fastest grid of ``world`` ranks (``gpus_per_node`` a node) for one
-    layer of this shape that fits ``memory`` bytes per rank (``None``: any),
-    by the planner's model; ties go to the smaller Ulysses size. With no
-    grid fitting, the one needing the least memory (``why`` says so). A
-    sliding window takes the ring: its bytes are bounded by the window
-    (Ulysses' all-to-alls are not)."""
+def choose_grid(seq_len: int, heads: int, kv_heads: int, head_dim: int, pattern: Pattern, *,
+                world: int, gpus_per_node: int, device: str = "cuda",
+                dtype: torch.dtype = torch.bfloat16, batch: int = 1, memory: int | None = None,
+                intra: Link | None = None, inter: Link | None = None,
+                layout: str = "contiguous") -> Prediction:  # fmt: skip
+    """The fastest grid of ``world`` ranks for one layer of this shape that fits
+    ``memory`` bytes per rank (ties: the smaller ``U``; none fitting: the least
+    memory). A sliding window takes the ring (its bytes are bounded)."""
     gbps, lat, _ = INTRA_DEFAULTS[device]
     intra = intra or Link(gbps, lat)
     inter = inter or LINKS[device][0]
-    setup = Setup(
-        ranks=world, device=device, memory=memory or 1 << 62, reserve=0, heads=heads,
-        kv_heads=kv_heads, head_dim=head_dim, batch=batch, dtype=str(dtype).removeprefix("torch."),
-        pattern=None, segments=pattern.segment_lengths, dilations=pattern.dilation_rates,
-        causal=pattern.causal, head_groups=pattern.head_groups,
-        head_offsets=pattern.head_offsets, layout=layout, link=inter,
-        window=pattern.window if pattern.windowed else None,
-    )  # fmt: skip
+    setup = Setup(ranks=world, device=device, memory=memory or 1 << 62, reserve=0, heads=heads,
+                  kv_heads=kv_heads, head_dim=head_dim, batch=batch,
+                  dtype=str(dtype).removeprefix("torch."), pattern=None,
+                  segments=pattern.segment_lengths, dilations=pattern.dilation_rates,
+                  causal=pattern.causal, head_groups=pattern.head_groups,
+                  head_offsets=pattern.head_offsets, layout=layout, link=inter,
+                  window=pattern.window if pattern.windowed else None)  # fmt: skip
     one_node = world <= gpus_per_node
     grids = _grids(world, gpus_per_node)
     if pattern.windowed:  # the ring's bytes are bounded by the window; Ulysses' are not
@@ -95,10 +83,9 @@ def choose_grid(
     evals = []
     for R, U in grids:
         try:
-            ev = evaluate_mode(
-                setup, seq_len, R, U, a2a_link=intra if U <= gpus_per_node else inter,
-                ring_link=intra if one_node else inter,
-            )  # fmt: skip
+            ev = evaluate_mode(setup, seq_len, R, U,
+                               a2a_link=intra if U <= gpus_per_node else inter,
+                               ring_link=intra if one_node else inter)  # fmt: skip
         except ValueError:  # a window beyond the exact plans' reach: the ring, unpredicted
             if not pattern.windowed:
                 raise
@@ -113,10 +100,8 @@ def choose_grid(
     else:
         best = min(evals, key=lambda e: (e.worst["training_peak"], e.ulysses))
         why = "none fits: the least memory per rank"
-    others = ", ".join(
-        f"{e.ring}x{e.ulysses} {e.worst['forward_backward_s'] * 1e3:.3g} ms"
-        for e in evals if e is not best
-    )  # fmt: skip
+    others = ", ".join(f"{e.ring}x{e.ulysses} {e.worst['forward_backward_s'] * 1e3:.3g} ms"
+                       for e in evals if e is not best)  # fmt: skip
     w = best.worst
     return Prediction(
         ring=best.ring, ulysses=best.ulysses, seconds=w["forward_backward_s"],
@@ -126,38 +111,18 @@ def choose_grid(
     )  # fmt: skip
 
 
-def plan_mesh(
-    seq_len: int, heads: int, kv_heads: int, head_dim: int,
-    pattern: Pattern | tuple, *, group: dist.ProcessGroup | None = None,
-    gpus_per_node: int | None = None, device_type: str | None = None,
-    dtype: torch.dtype | None = None, batch: int = 1, memory: int | None = None,
-    layout: str = "contiguous",
-) -> MeshPlan:  # fmt: skip
-    """The grid of ring x Ulysses ranks the planner predicts fastest for
-    this layer, as a 2-D ``DeviceMesh`` over the ranks of ``group`` (the
-    default group by default; in group order, row-major: shard ``i * U +
-    j`` is ``group`` rank ``i * U + j``, whatever the grid, so that
-    ``shard_sequence`` hands out the same pieces for every choice).
-
-    Args:
-        seq_len: the global length; heads, kv_heads, head_dim: the layer's.
-        pattern: a :class:`~ring_attention.Pattern`, or ``(segment_lengths,
-            dilation_rates)`` (dense causal attention: ``([seq_len], [1])``
-            with ``Pattern(..., causal=True)``).
-        group: the ranks sharing the sequence (every rank of the default
-            group must call: creating the mesh's groups is collective).
-        gpus_per_node: ranks per node (default: the visible GPUs, else the
-            whole group).
-        device_type: ``"cuda"`` or ``"cpu"`` (default: cuda where available).
-        dtype: the inputs' (default: bfloat16 on cuda, float32 on cpu).
-        batch, memory: the batch and the bytes each rank may use (``None``:
-            no bound).
-        layout: ``"contiguous"`` or ``"zigzag"`` (at the ring level).
-
-    Returns:
-        ``MeshPlan(mesh, prediction)``: the mesh (``None`` without an
-        initialised process group) and the planner's :class:`Prediction`.
-    """
+def plan_mesh(seq_len: int, heads: int, kv_heads: int, head_dim: int, pattern: Pattern | tuple, *,
+              group: dist.ProcessGroup | None = None, gpus_per_node: int | None = None,
+              device_type: str | None = None, dtype: torch.dtype | None = None, batch: int = 1,
+              memory: int | None = None, layout: str = "contiguous") -> MeshPlan:  # fmt: skip
+    """The grid of ring x Ulysses ranks the planner predicts fastest for this
+    layer: ``MeshPlan(mesh, prediction)``, the mesh a 2-D ``DeviceMesh`` over
+    ``group``'s ranks in group order, row-major (``None`` without an
+    initialised process group). ``pattern``: a :class:`~ring_attention.Pattern`
+    or ``(segment_lengths, dilation_rates)``; ``gpus_per_node``: default the
+    visible GPUs, else the group; ``device_type``: default cuda where available;
+    ``dtype``: default bfloat16 on cuda, float32 on cpu; ``memory``: bytes per
+    rank (``None``: no bound). Every rank of the default group calls it."""
     if not isinstance(pattern, Pattern):
         if not isinstance(pattern, (tuple, list)) or len(pattern) != 2:
             raise ValueError(
@@ -188,10 +153,9 @@ def plan_mesh(
         gpus_per_node = torch.cuda.device_count() if device == "cuda" else world
     if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 1:
         raise ValueError(f"gpus_per_node must be an integer >= 1, got {gpus_per_node!r}")
-    prediction = choose_grid(
-        seq_len, heads, kv_heads, head_dim, pattern, world=world, gpus_per_node=gpus_per_node,
-        device=device, dtype=dtype, batch=batch, memory=memory, layout=layout,
-    )  # fmt: skip
+    prediction = choose_grid(seq_len, heads, kv_heads, head_dim, pattern, world=world,
+                             gpus_per_node=gpus_per_node, device=device, dtype=dtype, batch=batch,
+                             memory=memory, layout=layout)  # fmt: skip
     if not (dist.is_available() and dist.is_initialized()):
         return MeshPlan(None, prediction)
     from torch.distributed.device_mesh import DeviceMesh

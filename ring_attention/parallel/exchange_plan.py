@@ -1,32 +1,8 @@
-"""The exchange plan of ring dilated attention (docs/design.md §4).
-
-For a rank ``j`` of ``p`` and every ring distance ``d = 1 .. p-1``, rank ``j``
-sends to ``(j + d) % p`` exactly the K/V rows (per head, compacted) that the
-queries of that rank reach, and receives from ``(j - d) % p`` the rows its own
-queries reach. The rows come from the ``exchange_rows`` operator
-(:func:`ring_attention.local.engine.reached_rows`), the C++ planner that shares
-``csrc/pattern.h`` with the kernels, as flat indices ``row * kv_heads + g``
-relative to the start of a key range: K/V travel at K/V-head width, a K/V
-head's row once for every query head of its group that reaches it.
-
-The operator's cost is the segments it walks plus the rows it returns. A
-rank's own blocks (:attr:`ExchangePlan.local_pairs`) exchange nothing, so
-whether one of them reaches anything is asked of key chunks that double in
-length up to ``_MAX_PROBE_ROWS`` (:func:`reaches`): planning a call that
-exchanges little stays cheap however long the sequence.
-
-Both ends of a transfer compute the same ``exchange_rows`` call, so the sizes
-of every send and receive match without any size exchange. Steps in which a
-rank neither sends nor receives are dropped from its plan; empty sends or
-receives inside a step are omitted (``send_to`` / ``recv_from`` is ``None``).
-
-A plan depends only on ``(pattern, seq_len, heads, kv_heads, world_size, rank,
-layout, fold)`` (:class:`~ring_attention.core.pattern.Pattern` holds the branches,
-``causal``, ``head_groups``, the head offsets and the documents): it holds
-group-relative ranks, translated to global
-ranks at send time, so one plan serves every group of the same size. Plans are
-cached in :data:`PLAN_CACHE`, a bounded thread-safe LRU with hit/miss counters.
-"""
+"""The ring's exchange plan (docs/design.md §4.1, §4.2): per ring distance,
+the K/V rows (flat indices ``row * kv_heads + g``) a rank sends and
+receives, from the ``exchange_rows`` operator, which both ends compute alike
+(no size exchange). Plans hold group-relative ranks and are cached in
+:data:`PLAN_CACHE`."""
 
 from __future__ import annotations
 
@@ -43,37 +19,20 @@ from ..core.layout import Piece, layout_pieces, resolve_layout
 from ..core.pattern import Pattern
 from ..local import engine
 
-__all__ = [
-    "PLAN_CACHE",
-    "ExchangePlan",
-    "Step",
-    "build_plan",
-    "exchange_rows",
-    "get_plan",
-    "reaches",
-]
+__all__ = ["PLAN_CACHE", "ExchangePlan", "Step", "build_plan", "exchange_rows", "get_plan",
+           "reaches"]  # fmt: skip
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
-# Positions of the exchange planner stay below 2**62 (``exchange_rows``):
-# geometry.MAX_SEQ_LEN.
 
 # reaches(): key chunks of _PROBE_ROWS rows, doubling up to _MAX_PROBE_ROWS.
 _PROBE_ROWS = 1 << 12
 _MAX_PROBE_ROWS = 1 << 20
 
 
-def _check_plan_args(
-    pattern: Pattern,
-    seq_len: object,
-    heads: object,
-    kv_heads: object,
-    world_size: object,
-    rank: object,
-    layout: str,
-    fold: object = 1,
-    head_range: tuple[int, int, int] = (0, 0, 0),
-) -> tuple:
+def _check_plan_args(pattern: Pattern, seq_len: object, heads: object, kv_heads: object,
+                     world_size: object, rank: object, layout: str, fold: object = 1,
+                     head_range: tuple[int, int, int] = (0, 0, 0)) -> tuple:  # fmt: skip
     """The cache key of a plan, its arguments checked (docs/design.md §6)."""
     if not isinstance(pattern, Pattern):
         raise ValueError(f"pattern must be a Pattern, got {type(pattern).__name__}")
@@ -91,25 +50,13 @@ def _check_plan_args(
     return (pattern, n, h, kv, p, j, layout, f, tuple(int(x) for x in head_range))
 
 
-def exchange_rows(
-    q_pieces: Sequence[Piece | tuple[int, int]],
-    k_start: int,
-    k_len: int,
-    heads: int,
-    kv_heads: int,
-    pattern: Pattern,
-    head_range: tuple[int, int, int] = (0, 0, 0),
-) -> torch.Tensor:
+def exchange_rows(q_pieces: Sequence[Piece | tuple[int, int]], k_start: int, k_len: int, heads: int,
+                  kv_heads: int, pattern: Pattern,
+                  head_range: tuple[int, int, int] = (0, 0, 0)) -> torch.Tensor:  # fmt: skip
     """Sorted flat indices ``row * kv_heads + g`` (``row`` relative to
-    ``k_start``) of the key rows that some query in ``q_pieces`` reaches
-    (``head_range``: a hybrid ring's ``(head_start, total_heads,
-    total_kv_heads)``; ``heads``, ``kv_heads`` its own).
-
-    A thin wrapper over the ``exchange_rows`` operator
-    (:func:`ring_attention.local.engine.reached_rows`) that drops empty query ranges
-    and answers an empty key range without calling the op.
-    ``q_pieces`` holds :class:`Piece` or ``(start, length)`` pairs.
-    """
+    ``k_start``) of the key rows some query of ``q_pieces`` (pieces or ``(start,
+    length)`` pairs) reaches; ``head_range``: a hybrid ring's ``(head_start,
+    total_heads, total_kv_heads)``. An empty range calls no operator."""
     ranges = [(int(p[0]), int(p[1])) for p in q_pieces if int(p[1]) > 0]
     if k_len <= 0 or not ranges:
         return _EMPTY
@@ -123,15 +70,9 @@ def reaches(q_piece: Piece | tuple[int, int], k_start: int, k_len: int, heads: i
             pattern: Pattern, kv_heads: int = 1,
             head_range: tuple[int, int, int] = (0, 0, 0)) -> bool:  # fmt: skip
     """Whether some query of ``q_piece`` reaches some key of ``[k_start,
-    k_start + k_len)``, without listing every reached row.
-
-    Only keys less than the longest segment away from the queries can share
-    a segment with one; over them, ``exchange_rows`` (one K/V head, the union
-    over query heads, where the call holds every head) of key chunks of
-    ``_PROBE_ROWS`` rows doubling up to ``_MAX_PROBE_ROWS``, stopping at the
-    first that holds a reached row. At most ``_MAX_PROBE_ROWS`` indices exist
-    at once; a block reached near its start is answered by one chunk, pieces
-    further apart than every segment by none."""
+    k_start + k_len)``: ``exchange_rows`` over the keys within the longest
+    segment, in chunks doubling from ``_PROBE_ROWS`` to ``_MAX_PROBE_ROWS``
+    rows, stopping at the first reached row."""
     q_start, q_len = int(q_piece[0]), int(q_piece[1])
     if q_len <= 0:
         return False
@@ -150,20 +91,9 @@ def reaches(q_piece: Piece | tuple[int, int], k_start: int, k_len: int, heads: i
 
 @dataclass(frozen=True, eq=False)
 class Step:
-    """One ring distance of one rank's plan.
-
-    Attributes:
-        distance: ``d``; this rank sends to ``(rank + d) % p`` and receives
-            from ``(rank - d) % p``.
-        send_to: group rank sent to, or ``None`` when it needs nothing.
-        recv_from: group rank received from, or ``None`` when nothing is needed.
-        send_idx: per local piece of this rank, the flat indices
-            ``row * kv_heads + g`` (row relative to the piece) ``send_to`` needs.
-        recv_idx: per piece of the sender, the flat indices this rank needs.
-        recv_pieces: the sender's pieces (global start, length, local offset).
-        pairs: ``(query piece of this rank, key piece of the sender)`` pairs
-            with at least one reached (query, key) pair: the blocks to compute.
-    """
+    """One ring ``distance`` of one rank's plan: the group ranks sent to and
+    received from (``None``: nothing), the flat indices sent per local piece and
+    received per sender piece, the sender's pieces and the pairs to compute."""
 
     distance: int
     send_to: int | None
@@ -185,7 +115,7 @@ class Step:
 
     @property
     def send_rows(self) -> int:
-        """Total (row, K/V head) pairs sent: each is one ``head_dim`` vector of K and one of V."""
+        """Total (row, K/V head) pairs sent (each one ``head_dim`` vector of K and one of V)."""
         return sum(self.send_counts)
 
     @property
@@ -196,20 +126,10 @@ class Step:
 
 @dataclass(frozen=True, eq=False)
 class ExchangePlan:
-    """Everything one rank needs to run the ring for one configuration.
-
-    Attributes:
-        pattern, seq_len, heads, kv_heads, world_size, rank, layout, fold,
-            head_range: the configuration (the cache key; ``fold``: see
-            :func:`ring_attention.core.layout.layout_pieces`; ``head_range``:
-            :func:`build_plan`).
-        pieces: this rank's runs of global positions (one for ``contiguous``,
-            two for ``zigzag``).
-        all_pieces: the pieces of every rank.
-        local_pairs: ``(query piece, key piece)`` pairs of this rank's own
-            pieces with at least one reached pair.
-        steps: the active steps (this rank sends or receives), by distance.
-    """
+    """Everything one rank needs to run the ring for one configuration (the
+    cache key: ``pattern`` .. ``layout``, ``fold``, ``head_range``): this rank's
+    ``pieces``, every rank's, the ``local_pairs`` of its own pieces that reach
+    each other, and its active ``steps`` by distance."""
 
     pattern: Pattern
     seq_len: int
@@ -227,12 +147,6 @@ class ExchangePlan:
     _device_idx: dict = field(default_factory=dict, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    # -- sizes ---------------------------------------------------------------
-    @property
-    def max_local_len(self) -> int:
-        """The longest local sequence length of any rank."""
-        return max(sum(p.length for p in ps) for ps in self.all_pieces)
-
     @property
     def rows_sent(self) -> int:
         """(row, K/V head) pairs of K (and as many of V) this rank sends per forward."""
@@ -245,12 +159,9 @@ class ExchangePlan:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the plan's row indices on the host (device copies made by
-        :meth:`indices_on` add as much again per device)."""
-        return sum(
-            sum(i.numel() * i.element_size() for i in (*s.send_idx, *s.recv_idx))
-            for s in self.steps
-        )
+        """Bytes of the plan's row indices on the host."""
+        return sum(sum(i.numel() * i.element_size() for i in (*s.send_idx, *s.recv_idx))
+                   for s in self.steps)  # fmt: skip
 
     def step_for(self, distance: int) -> Step | None:
         """The step at ring distance ``distance``, or ``None`` if it is skipped."""
@@ -259,36 +170,18 @@ class ExchangePlan:
                 return s
         return None
 
-    def bytes_sent(
-        self,
-        batch: int,
-        head_dim: int,
-        itemsize: int,
-        *,
-        backward: bool = False,
-        grad_itemsize: int = 4,
-    ) -> int:
-        """Bytes this rank sends per layer.
-
-        Forward: K and V rows, ``2 * rows_sent * batch * head_dim * itemsize``.
-        With ``backward=True`` add the backward pass: K and V are sent again and
-        the fp32 (``grad_itemsize``) dK/dV of the rows this rank received go
-        back to their owners.
-        """
+    def bytes_sent(self, batch: int, head_dim: int, itemsize: int, *, backward: bool = False,
+                   grad_itemsize: int = 4) -> int:  # fmt: skip
+        """Bytes this rank sends per layer: K and V rows forward; with
+        ``backward=True`` K and V again and the dK/dV (``grad_itemsize``) of the
+        rows it received."""
         fwd = 2 * self.rows_sent * batch * head_dim * itemsize
         if not backward:
             return fwd
         return 2 * fwd + 2 * self.rows_received * batch * head_dim * grad_itemsize
 
-    def bytes_received(
-        self,
-        batch: int,
-        head_dim: int,
-        itemsize: int,
-        *,
-        backward: bool = False,
-        grad_itemsize: int = 4,
-    ) -> int:
+    def bytes_received(self, batch: int, head_dim: int, itemsize: int, *, backward: bool = False,
+                       grad_itemsize: int = 4) -> int:  # fmt: skip
         """Bytes this rank receives per layer (see :meth:`bytes_sent`)."""
         fwd = 2 * self.rows_received * batch * head_dim * itemsize
         if not backward:
@@ -298,46 +191,25 @@ class ExchangePlan:
     def indices_on(
         self, device: torch.device
     ) -> dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]]:
-        """``distance -> (send_idx, recv_idx)`` of every step, as tensors on
-        ``device`` (copied once per device and kept)."""
+        """``distance -> (send_idx, recv_idx)`` on ``device`` (copied once, kept)."""
         key = str(device)
         with self._lock:
             cached = self._device_idx.get(key)
             if cached is None:
-                cached = {
-                    s.distance: (
-                        [i.to(device) for i in s.send_idx],
-                        [i.to(device) for i in s.recv_idx],
-                    )
-                    for s in self.steps
-                }
+                cached = {s.distance: ([i.to(device) for i in s.send_idx],
+                                       [i.to(device) for i in s.recv_idx])
+                          for s in self.steps}  # fmt: skip
                 self._device_idx[key] = cached
             return cached
 
 
-def build_plan(
-    pattern: Pattern,
-    seq_len: int,
-    heads: int,
-    kv_heads: int,
-    world_size: int,
-    rank: int,
-    layout: str = "contiguous",
-    fold: int = 1,
-    head_range: tuple[int, int, int] = (0, 0, 0),
-) -> ExchangePlan:
+def build_plan(pattern: Pattern, seq_len: int, heads: int, kv_heads: int, world_size: int,
+               rank: int, layout: str = "contiguous", fold: int = 1,
+               head_range: tuple[int, int, int] = (0, 0, 0)) -> ExchangePlan:  # fmt: skip
     """Build (without caching) the exchange plan of ``rank`` in a ring of
-    ``world_size`` for a sequence of ``seq_len`` sharded per ``layout`` (and
-    ``fold``: the ring of a hybrid over stretches of ``fold`` shards, its
-    ranks holding query heads ``head_range = (head_start, total_heads,
-    total_kv_heads)``; ``heads``, ``kv_heads`` are then the ranks' own).
-
-    Raises:
-        ValueError: naming the argument, for a ``seq_len``, ``heads``,
-            ``kv_heads``, ``world_size``, ``rank`` or ``fold`` that is not an integer in
-            range, an unknown ``layout``, or a pattern whose documents do not
-            end at ``seq_len``.
-    """
+    ``world_size`` for ``seq_len`` positions sharded per ``layout`` (``fold``:
+    a hybrid's ring over stretches of ``fold`` shards, holding query heads
+    ``head_range``). Raises ``ValueError`` naming a bad argument."""
     pattern, seq_len, heads, kv_heads, p, rank, layout, fold, head_range = _check_plan_args(
         pattern, seq_len, heads, kv_heads, world_size, rank, layout, fold, head_range
     )
@@ -365,44 +237,23 @@ def build_plan(
         send_idx = tuple(rows(all_pieces[to], kp) for kp in mine)
         sender = all_pieces[frm]
         recv_idx = tuple(rows(mine, kp) for kp in sender)
-        pairs = tuple(
-            (qi, kj)
-            for kj, kp in enumerate(sender)
-            if recv_idx[kj].numel() > 0
-            for qi, qp in enumerate(mine)
-            if len(mine) == 1 or reached(qp, kp)
-        )
+        pairs = tuple((qi, kj)
+                      for kj, kp in enumerate(sender)
+                      if recv_idx[kj].numel() > 0
+                      for qi, qp in enumerate(mine)
+                      if len(mine) == 1 or reached(qp, kp))  # fmt: skip
         sends = any(i.numel() > 0 for i in send_idx)
         recvs = any(i.numel() > 0 for i in recv_idx)
         if not (sends or recvs):
             continue
-        steps.append(
-            Step(
-                distance=d,
-                send_to=to if sends else None,
-                recv_from=frm if recvs else None,
-                send_idx=send_idx,
-                recv_idx=recv_idx,
-                recv_pieces=sender,
-                pairs=pairs,
-            )
-        )
+        steps.append(Step(distance=d, send_to=to if sends else None,
+                          recv_from=frm if recvs else None, send_idx=send_idx, recv_idx=recv_idx,
+                          recv_pieces=sender, pairs=pairs))  # fmt: skip
 
-    return ExchangePlan(
-        pattern=pattern,
-        seq_len=seq_len,
-        heads=heads,
-        kv_heads=kv_heads,
-        world_size=p,
-        rank=rank,
-        layout=layout,
-        pieces=mine,
-        all_pieces=all_pieces,
-        local_pairs=local_pairs,
-        steps=tuple(steps),
-        fold=int(fold),
-        head_range=head_range,
-    )
+    return ExchangePlan(pattern=pattern, seq_len=seq_len, heads=heads, kv_heads=kv_heads,
+                        world_size=p, rank=rank, layout=layout, pieces=mine, all_pieces=all_pieces,
+                        local_pairs=local_pairs, steps=tuple(steps), fold=int(fold),
+                        head_range=head_range)  # fmt: skip
 
 
 #: The module-level plan cache used by ``ring_dilated_attention``: at most 64
@@ -413,19 +264,10 @@ PLAN_CACHE: LRUCache[ExchangePlan] = LRUCache(
 )
 
 
-def get_plan(
-    pattern: Pattern,
-    seq_len: int,
-    heads: int,
-    kv_heads: int,
-    world_size: int,
-    rank: int,
-    layout: str = "contiguous",
-    fold: int = 1,
-    head_range: tuple[int, int, int] = (0, 0, 0),
-    *,
-    cache: LRUCache[ExchangePlan] | None = None,
-) -> ExchangePlan:
+def get_plan(pattern: Pattern, seq_len: int, heads: int, kv_heads: int, world_size: int, rank: int,
+             layout: str = "contiguous", fold: int = 1,
+             head_range: tuple[int, int, int] = (0, 0, 0), *,
+             cache: LRUCache[ExchangePlan] | None = None) -> ExchangePlan:  # fmt: skip
     """The cached plan for this configuration (built on first use); raises
     as :func:`build_plan` does."""
     key = _check_plan_args(

@@ -1,25 +1,15 @@
-"""Agreement between ranks before anything large moves (docs/design.md §6).
-
-Every collective entry point of the library (the ring, ``gather_sequence``)
-starts with one control message per rank, all-gathered in one small
-collective. Every message has the same fixed size, ``WORDS`` int64 words::
-
-    [magic, call tag, error flag, payload ...]
-
-so ranks that are in different calls (the ring on one rank,
-``gather_sequence`` on another) still exchange messages of equal size: the
-mismatch becomes the library's own "ranks are out of step" error on every
-rank instead of an abort inside the transport. A rank whose own inputs failed
-validation sends the error flag (:func:`reject`), so every rank raises instead
-of some ranks entering the collective and waiting for the group's timeout.
-Ranks whose calls disagree (pattern, global length, dtype, shapes, flags)
-raise ``ValueError`` on every rank.
-"""
+"""Agreement between ranks before anything large moves (docs/design.md §6):
+fixed-size control messages (``WORDS`` int64 words: magic, call tag, error
+flag, payload), all-gathered in one small collective, so that ranks in
+different calls, ranks that disagree and a rank whose inputs failed make
+every rank raise instead of waiting. A grid has no group spanning it:
+:func:`grid_handshake` takes a round in the Ulysses group, then the ring."""
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+import zlib
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,20 +17,10 @@ import torch.distributed as dist
 from ..core.dtypes import dtype_code, dtype_name
 from ..core.layout import LAYOUTS, Layout, layout_code, layout_digest, layout_shard_lengths
 from ..core.pattern import Pattern
-from .comm import all_gather_ints
 
-__all__ = [
-    "GENERATION",
-    "RING_FIELDS",
-    "WORDS",
-    "exchange_message",
-    "failure",
-    "gather_handshake",
-    "peer_error",
-    "reject",
-    "ring_handshake",
-    "ring_message",
-]
+__all__ = ["GENERATION", "RING_FIELDS", "WORDS", "all_gather_ints", "control_device",
+           "exchange_message", "failure", "gather_handshake", "grid_handshake", "peer_error",
+           "reject", "reject_through", "ring_handshake", "ring_message"]  # fmt: skip
 
 #: The call name of a generation step over the sequence-parallel group.
 GENERATION = "generation over the group (use_cache, no cu_seq_lens_q)"
@@ -50,7 +30,7 @@ _MAGIC = 0x52494E47  # "RING"
 _CALLS = {
     "ring_dilated_attention": 1,
     "gather_sequence": 2,
-    # the two rounds of a ring x Ulysses grid (ring_attention.parallel.grid)
+    # the two rounds of a ring x Ulysses grid (grid_handshake)
     "ring_dilated_attention (Ulysses group)": 3,
     "ring_dilated_attention (ring of the grid)": 4,
     "gather_sequence (Ulysses group)": 5,
@@ -64,13 +44,30 @@ _NAMES = {v: k for k, v in _CALLS.items()}
 
 #: The ring handshake's fields, in :func:`ring_message`'s order (the hybrid's
 #: row round sends the same message: ring_attention/parallel/ulysses.py).
-RING_FIELDS = (
-    "seq_len_local", "batch", "heads", "kv_heads", "head_dim", "dtype", "pattern", "scale",
-    "layout", "requires_grad", "far_bytes",
-)  # fmt: skip
+RING_FIELDS = ("seq_len_local", "batch", "heads", "kv_heads", "head_dim", "dtype", "pattern",
+               "scale", "layout", "requires_grad", "far_bytes")  # fmt: skip
 _GATHER_DIMS = WORDS - 3 - 5  # shapes of up to 12 dimensions
 _GATHER_FIELDS = ("ndim", "dim", "dtype", "layout", *(f"size{i}" for i in range(_GATHER_DIMS)),
                   "layout_digest")  # fmt: skip
+
+
+def control_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Device of the small int64 control messages."""
+    backend = str(dist.get_backend(group)).lower()
+    if "gloo" in backend or "mpi" in backend or "nccl" not in backend:
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def all_gather_ints(values: list[int], group: dist.ProcessGroup | None) -> list[list[int]]:
+    """All-gather a list of int64 from every rank (one small collective);
+    every rank passes the same number of values."""
+    device = control_device(group)
+    world = dist.get_world_size(group)
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    out = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(out, mine, group=group)
+    return [t.cpu().tolist() for t in out]
 
 
 def peer_error(call: str, origin: int, reason: str, others: Sequence[int] = ()) -> ValueError:
@@ -99,24 +96,13 @@ def failure(error: BaseException | Reason | None) -> Reason:
     return me, str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
 
 
-def _exchange(
-    group: dist.ProcessGroup | None,
-    call: str,
-    payload: Sequence[int] | None,
-    error: BaseException | Reason | None = None,
-    order: Sequence[int] | None = None,
-) -> list[list[int]] | None:
-    """All-gather this rank's message; the payload rows of every rank (by
-    index: ``order`` gives the group rank of each index, default the group
-    ranks themselves).
-
-    ``payload=None`` says this rank rejected its inputs (``error``: why):
-    it returns ``None`` after the collective and the caller raises its own
-    error. Raises ``ValueError`` on every rank when a rank is in another
-    call (or not in a library call at all), :func:`peer_error` when another
-    rank rejected its inputs (a second, small collective carries the
-    reasons, only then).
-    """
+def exchange_message(group: dist.ProcessGroup | None, call: str, payload: Sequence[int] | None,
+                     error: BaseException | Reason | None = None,
+                     order: Sequence[int] | None = None) -> list[list[int]] | None:  # fmt: skip
+    """One control round of ``call`` over ``group``: every rank's payload by
+    index (``order``: the group rank of each). ``payload=None``: this rank
+    failed (``error``) and gets ``None``. Raises ``ValueError`` on every rank for
+    ranks in different calls or, via :func:`peer_error`, a rank that failed."""
     body = [-1] * (WORDS - 3) if payload is None else list(payload)
     if len(body) > WORDS - 3:  # would break the equal sizes the transport relies on
         raise RuntimeError(f"{call}: a control payload of {len(body)} words (at most {WORDS - 3})")
@@ -147,31 +133,13 @@ def _exchange(
     return [r[3:] for r in rows]
 
 
-def exchange_message(
-    group: dist.ProcessGroup | None,
-    call: str,
-    payload: Sequence[int] | None,
-    error: BaseException | Reason | None = None,
-    order: Sequence[int] | None = None,
-) -> list[list[int]] | None:
-    """One control round of ``call`` over ``group``: every rank's payload,
-    by index (``order``: the group rank of each index). ``None``: this rank
-    rejected its inputs (``error``: why); it gets ``None`` back. Raises
-    ``ValueError`` on every rank when ranks are in different calls,
-    :func:`peer_error` when another rank rejected its inputs."""
-    return _exchange(group, call, payload, error, order)
-
-
-def reject(
-    group: dist.ProcessGroup | None,
-    call: str = "ring_dilated_attention",
-    error: BaseException | Reason | None = None,
-    order: Sequence[int] | None = None,
-) -> None:
+def reject(group: dist.ProcessGroup | None, call: str = "ring_dilated_attention",
+           error: BaseException | Reason | None = None,
+           order: Sequence[int] | None = None) -> None:  # fmt: skip
     """Take part in ``call``'s handshake as a rank whose inputs failed
     validation (``error``): the other ranks raise :func:`peer_error`
     naming this rank and the error; the caller raises its own error."""
-    _exchange(group, call, None, error, order)
+    exchange_message(group, call, None, error, order)
 
 
 def _scale_bits(scale: float) -> int:
@@ -182,56 +150,25 @@ def _bits_scale(bits: int) -> float:
     return struct.unpack("<d", struct.pack("<q", int(bits)))[0]
 
 
-def ring_message(
-    q: torch.Tensor,
-    kv_heads: int,
-    pattern: Pattern,
-    *,
-    scale: float,
-    layout: Layout,
-    needs_grad: bool,
-    far_bytes: int = 0,
-) -> list[int]:
-    """This rank's ring handshake payload (``q``: the validated local query;
-    ``far_bytes``: its ``RING_ATTENTION_FAR_BYTES``)."""
+def ring_message(q: torch.Tensor, kv_heads: int, pattern: Pattern, *, scale: float, layout: Layout,
+                 needs_grad: bool, far_bytes: int = 0) -> list[int]:  # fmt: skip
+    """This rank's ring handshake payload in ``RING_FIELDS``' order (``q``:
+    the validated local query; ``far_bytes``: its ``RING_ATTENTION_FAR_BYTES``)."""
     B, L, H, D = q.shape
-    values = {
-        "seq_len_local": L,
-        "batch": B,
-        "heads": H,
-        "kv_heads": kv_heads,
-        "head_dim": D,
-        "dtype": dtype_code(q.dtype),
-        "pattern": pattern.digest(),
-        "scale": _scale_bits(scale),
-        "layout": layout_code(layout),
-        "requires_grad": int(needs_grad),
-        "far_bytes": int(far_bytes),
-    }
-    return [values[f] for f in RING_FIELDS]
+    return [L, B, H, kv_heads, D, dtype_code(q.dtype), pattern.digest(), _scale_bits(scale),
+            layout_code(layout), int(needs_grad), int(far_bytes)]  # fmt: skip
 
 
-def ring_handshake(
-    group: dist.ProcessGroup | None,
-    world: int,
-    message: list[int] | None,
-    pattern: Pattern | None,
-    layout: Layout,
-    fold: int = 1,
-    error: BaseException | Reason | None = None,
-    order: Sequence[int] | None = None,
-) -> int:
-    """Check that every rank makes the same ring call; the global length.
-
-    ``message`` is :func:`ring_message`, or ``None`` when this rank's inputs
-    failed validation (``error``: why; it returns -1 and the caller raises
-    its own error, the others :func:`peer_error`). ``order``: the group rank
-    of each ring index (default: the group ranks). ``fold``: the ring of a
-    ring x Ulysses hybrid holds stretches
-    (:func:`ring_attention.core.layout.layout_pieces`). Raises ``ValueError`` on
-    every rank when ranks disagree.
-    """
-    rows = _exchange(group, "ring_dilated_attention", message, error, order)
+def ring_handshake(group: dist.ProcessGroup | None, world: int, message: list[int] | None,
+                   pattern: Pattern | None, layout: Layout, fold: int = 1,
+                   error: BaseException | Reason | None = None,
+                   order: Sequence[int] | None = None) -> int:  # fmt: skip
+    """Check that every rank makes the same ring call; the global length
+    (-1 where ``message`` is ``None``: this rank's inputs failed, ``error``
+    says why). ``order``: the group rank of each ring index; ``fold``: a
+    hybrid's ring holds stretches. Raises ``ValueError`` on every rank when
+    ranks disagree."""
+    rows = exchange_message(group, "ring_dilated_attention", message, error, order)
     if rows is None:
         return -1
     table = {f: [r[i] for r in rows] for i, f in enumerate(RING_FIELDS)}
@@ -305,14 +242,8 @@ def _documents_detail(gathered: list[tuple[str, tuple[int, ...] | None]]) -> str
     return f". The document boundaries differ first at cu_seqlens[{at}]: " + "; ".join(parts)
 
 
-def gather_handshake(
-    group: dist.ProcessGroup | None,
-    world: int,
-    x_local: torch.Tensor,
-    dim: int,
-    layout: Layout,
-    order: Sequence[int] | None = None,
-) -> list[int]:
+def gather_handshake(group: dist.ProcessGroup | None, world: int, x_local: torch.Tensor, dim: int,
+                     layout: Layout, order: Sequence[int] | None = None) -> list[int]:  # fmt: skip
     """Check that every rank gathers pieces of one tensor along ``dim``; the
     local lengths along ``dim`` (by index: ``order`` as for :func:`reject`)."""
     if x_local.dim() > _GATHER_DIMS:
@@ -323,8 +254,9 @@ def gather_handshake(
         reject(group, "gather_sequence", error, order)
         raise error
     shape = list(x_local.shape) + [-1] * (_GATHER_DIMS - x_local.dim())
-    message = [x_local.dim(), dim, dtype_code(x_local.dtype), layout_code(layout), *shape]
-    rows = _exchange(group, "gather_sequence", [*message, layout_digest(layout)], order=order)
+    message = [x_local.dim(), dim, dtype_code(x_local.dtype), layout_code(layout), *shape,
+               layout_digest(layout)]  # fmt: skip
+    rows = exchange_message(group, "gather_sequence", message, order=order)
     assert rows is not None
     table = {f: [r[i] for r in rows] for i, f in enumerate(_GATHER_FIELDS)}
     prefix = "gather_sequence: ranks disagree on "
@@ -353,3 +285,121 @@ def gather_handshake(
             f"{n}), but layout={layout!r} expects {expected} ({_convention(layout)})"
         )
     return lengths
+
+
+_GRID_FIELDS = ("ring_index", "ring_size", "grid")
+
+
+def _digest(values: Sequence[int]) -> int:
+    text = repr([int(v) for v in values]).encode()
+    return (zlib.crc32(text) << 30) ^ zlib.adler32(text)
+
+
+def grid_handshake(topo, call: str, fields: Sequence[str], message: Sequence[int] | None,
+                   layout: str, *, error: BaseException | Reason | None = None,
+                   explain: Callable[[str, list[int]], str | None] | None = None,
+                   describe: Callable[[], str] | None = None) -> tuple[int, list[int]]:  # fmt: skip
+    """Check that every rank of the grid ``topo`` (``U > 1``) makes the same
+    ``call``; the global length and the local lengths of this rank's row.
+    ``fields`` names ``message``'s values (``fields[0]``: the local length);
+    ``message=None``: this rank failed (``error``), it takes part and gets
+    ``(-1, [])``; ``explain``, ``describe``: the words of a disagreement."""
+    row_call, col_call = f"{call} (Ulysses group)", f"{call} (ring of the grid)"
+    U, R = topo.ulysses_size, topo.ring_size
+    err: Exception | None = None
+    row_lengths: list[int] = []
+    args_digest = 0
+    payload = None
+    if message is not None:
+        payload = [*message, topo.ring_index, topo.ring_size, topo.digest("ulysses")]
+    try:
+        rows = exchange_message(topo.ulysses_group, row_call, payload, error, topo.ulysses_order)
+        if rows is not None:
+            names = (*fields, *_GRID_FIELDS)
+            table = {f: [r[k] for r in rows] for k, f in enumerate(names)}
+            for f in names[1:]:
+                vals = table[f]
+                if len(set(vals)) > 1:
+                    text = explain(f, vals) if explain is not None else None
+                    raise ValueError(
+                        text
+                        or f"{call}: the ranks of a Ulysses group disagree on {f}: {vals} "
+                        "(Ulysses-index order)"
+                    )
+            row_lengths = table[fields[0]]
+            args_digest = _digest(payload[1 : len(fields)])
+    except ValueError as exc:
+        err = exc
+
+    n = sum(row_lengths)
+    if R > 1:
+        col = None
+        if message is not None and err is None:
+            col = [n, _digest(row_lengths), topo.ulysses_index, U, topo.digest("ring"), args_digest]
+        why = error if message is None else err  # passed on along the ring
+        try:
+            cols = exchange_message(topo.ring_group, col_call, col, why, topo.ring_order)
+            if cols is not None:
+                _check_columns(call, topo, cols, row_lengths, layout, describe)
+                n = sum(c[0] for c in cols)
+        except ValueError as exc:
+            err = err or exc
+    if message is None:
+        return -1, []
+    if err is not None:
+        raise err
+    expected = layout_shard_lengths(n, topo.world_size, layout)
+    mine = expected[topo.ring_index * U : (topo.ring_index + 1) * U]
+    if row_lengths != mine:  # (R = 1 only: the column round checked it otherwise)
+        raise ValueError(_lengths_error(call, topo.ring_index, row_lengths, mine, n, layout))
+    return n, row_lengths
+
+
+def _lengths_error(call: str, i: int, got: list[int], want: list[int], n: int, layout: str) -> str:
+    return (
+        f"{call}: the local sequence lengths of the ranks with ring index {i} are {got} "
+        f"(Ulysses-index order, global length {n}), but layout={layout!r} over the grid expects "
+        f"{want}: shard i * U + j of the layout over R * U ranks; shard inputs with "
+        "ring_attention.shard_sequence(..., group=..., ulysses_group=...) or mesh="
+    )
+
+
+def _check_columns(call: str, topo, cols: list[list[int]], row_lengths: list[int], layout: str,
+                   describe: Callable[[], str] | None) -> None:  # fmt: skip
+    """The column round's checks (every rank of a column sees the same rows)."""
+    prefix = f"{call}: the ranks of a ring disagree on "
+    for k, what in ((2, "their Ulysses index"), (3, "the Ulysses group size"), (4, "the grid")):
+        vals = [c[k] for c in cols]
+        if len(set(vals)) > 1:
+            if k == 4:
+                vals = "ranks and groups differ"
+            raise ValueError(prefix + f"{what}: {vals} (ring-index order)")
+    if len({c[5] for c in cols}) > 1:
+        words: list = [None] * topo.ring_size
+        dist.all_gather_object(words, describe() if describe else "?", group=topo.ring_group)
+        if topo.ring_order is not None:
+            words = [words[g] for g in topo.ring_order]
+        detail = "; ".join(f"ring index {i}: {w}" for i, w in enumerate(words))
+        raise ValueError(prefix + f"the arguments of the call: {detail}")
+    n = sum(c[0] for c in cols)
+    U = topo.ulysses_size
+    expected = layout_shard_lengths(n, topo.world_size, layout)
+    for i, c in enumerate(cols):
+        want = expected[i * U : (i + 1) * U]
+        if c[1] != _digest(want):
+            got = row_lengths if i == topo.ring_index else "(see that rank's error)"
+            raise ValueError(
+                _lengths_error(call, i, got, want, n, layout)
+                if isinstance(got, list)
+                else f"{call}: the local sequence lengths of the ranks with ring index {i} do "
+                f"not follow layout={layout!r} over the grid (global length {n}: expected {want})"
+            )
+
+
+def reject_through(topo, call: str, error: BaseException) -> None:
+    """Take part in the rounds of ``call`` over ``topo`` as a rank whose
+    inputs failed (``error``): the other ranks raise naming it."""
+    if topo.ulysses_size > 1:
+        grid_handshake(topo, call, (), None, "contiguous", error=error)
+    elif topo.ring_size > 1:
+        reject(topo.ring_group, call, error, topo.ring_order)

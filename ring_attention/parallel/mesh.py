@@ -1,29 +1,16 @@
-"""Which ranks attend together: the ring and the Ulysses groups of a call
-(docs/design.md §2), from ``group``/``ulysses_group`` or a ``DeviceMesh``.
-
-The ranks of a ring x Ulysses hybrid form a grid of ``R`` rows (one Ulysses
-group of ``U`` ranks each) and ``U`` columns (one ring of ``R`` ranks each):
-the rank with ring index ``i`` and Ulysses index ``j`` holds shard
-``i * U + j`` of the sequence. A 1-D mesh is a ring (``U = 1``); a 2-D mesh
-names its dimensions ``("ring", "ulysses")``. From groups, a rank's index is
-its rank in the group; from a mesh, its coordinate on that dimension (what
-``DeviceMesh.get_coordinate`` and DTensor use), whatever the order of the
-ranks in the mesh.
-
-:func:`check_grid` makes sure, once per configuration, that every rank of
-the grid passed groups that form the same grid, through the default
-process group's key-value store rather than a collective: a collective on
-groups that differ between ranks (a mesh not the same on every rank) would
-wait forever, while every rank can read what its peers wrote to the store.
-A plain ring call takes part too (:func:`ring_topology`), so that a rank
-making a ring call while its peers make a Ulysses call is found there.
-"""
+"""Which ranks attend together (docs/design.md §2, §6): this process's place
+in a group (:func:`world_info`), the grid of a call from its groups or a
+``DeviceMesh`` (:class:`Topology`, rank ``(i, j)`` holding shard ``i * U +
+j``), and :func:`check_grid`, once per configuration, through the default
+group's store (a collective on groups that differ between ranks would wait
+forever)."""
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
 import json
+import os
 import threading
 import weakref
 import zlib
@@ -32,40 +19,48 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from .comm import world_info
-
-__all__ = [
-    "Topology",
-    "check_grid",
-    "check_ring",
-    "report_grid_error",
-    "resolve_topology",
-    "ring_topology",
-]
+__all__ = ["Topology", "check_grid", "check_ring", "report_grid_error", "resolve_topology",
+           "ring_topology", "world_info"]  # fmt: skip
 
 _DIM_NAMES = ("ring", "ulysses")
 
 
+def world_info(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
+    """``(world_size, rank)`` of ``group``; ``(1, 0)`` without an initialised
+    default group and ``group=None``, unless ``WORLD_SIZE`` > 1 (a launcher's
+    processes: ``RuntimeError``)."""
+    if not dist.is_available() or not dist.is_initialized():
+        if group is not None:
+            raise ValueError(
+                "group was given but torch.distributed is not initialised; "
+                "call torch.distributed.init_process_group first (or pass group=None)"
+            )
+        try:
+            launched = int(os.environ.get("WORLD_SIZE", "1"))
+        except ValueError:
+            launched = 1
+        if launched > 1:
+            raise RuntimeError(
+                f"WORLD_SIZE={launched} is set (a launcher such as torchrun started "
+                f"{launched} processes) but torch.distributed is not initialised, so each "
+                "process would compute the whole sequence alone: call "
+                "torch.distributed.init_process_group first (or unset WORLD_SIZE to run "
+                "one process)"
+            )
+        return 1, 0
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("this process is not a member of the given process group")
+    return world, rank
+
+
 @dataclass(frozen=True, eq=False)
 class Topology:
-    """The grid of one call, seen from this rank.
-
-    Attributes:
-        ring_group: the ring (ranks with this rank's Ulysses index), or
-            ``None`` for a ring of one.
-        ulysses_group: the Ulysses group (ranks with this rank's ring index),
-            or ``None`` for ``U = 1``.
-        ring_size, ulysses_size: ``R`` and ``U``.
-        ring_index, ulysses_index: ``i`` and ``j``.
-        ring_ranks, ulysses_ranks: the global ranks of the two groups, by
-            their index (ring or Ulysses index).
-        mesh: ``(mesh ranks, dimension names)`` when given as a mesh.
-        ring_order, ulysses_order: the group rank of each index, where it
-            is not the index itself (a mesh whose ranks are not in
-            ascending order along that dimension), else ``None``.
-        mode: ``"ring"`` for a ring call (``group`` only, or a 1-D mesh),
-            ``"grid"`` for a call with a Ulysses group.
-    """
+    """The grid of one call, seen from this rank: the ring and the Ulysses group
+    (``None``: of one), their sizes, this rank's indices, their global ranks by
+    index, the mesh, ``*_order`` (the group rank of each index, ``None`` where
+    it is the index) and ``mode`` (``"ring"`` or ``"grid"``)."""
 
     ring_group: dist.ProcessGroup | None
     ulysses_group: dist.ProcessGroup | None
@@ -92,14 +87,10 @@ class Topology:
 
     def view(self) -> dict:
         """What this rank believes (compared between ranks by :func:`check_grid`)."""
-        return {
-            "mode": self.mode,
-            "ring": [_group_name(self.ring_group), list(self.ring_ranks)],
-            "ulysses": [_group_name(self.ulysses_group), list(self.ulysses_ranks)],
-            "i": self.ring_index,
-            "j": self.ulysses_index,
-            "mesh": None if self.mesh is None else [self.mesh[0], list(self.mesh[1])],
-        }
+        mesh = None if self.mesh is None else [self.mesh[0], list(self.mesh[1])]
+        return {"mode": self.mode, "ring": [_group_name(self.ring_group), list(self.ring_ranks)],
+                "ulysses": [_group_name(self.ulysses_group), list(self.ulysses_ranks)],
+                "i": self.ring_index, "j": self.ulysses_index, "mesh": mesh}  # fmt: skip
 
     def digest(self, along: str) -> int:
         """A 62-bit digest of the group ``along`` (``"ring"`` or ``"ulysses"``)
@@ -154,10 +145,9 @@ def _from_mesh(mesh) -> tuple:
     if mesh.ndim == 2 and sorted(names) == sorted(_DIM_NAMES):
         r, u = names.index("ring"), names.index("ulysses")
         i, j = coord[r], coord[u]
-        return (
-            mesh.get_group("ring"), mesh.get_group("ulysses"), i, j,
-            tuple(ranks.select(u, j).tolist()), tuple(ranks.select(r, i).tolist()), key,
-        )  # fmt: skip
+        return (mesh.get_group("ring"), mesh.get_group("ulysses"), i, j,
+                tuple(ranks.select(u, j).tolist()), tuple(ranks.select(r, i).tolist()),
+                key)  # fmt: skip
     if mesh.ndim == 2:
         raise ValueError(
             f"a 2-D mesh needs mesh_dim_names=('ring', 'ulysses') (the ring between the ranks "
@@ -170,23 +160,12 @@ def _from_mesh(mesh) -> tuple:
     )
 
 
-def resolve_topology(
-    group: dist.ProcessGroup | None = None,
-    ulysses_group: dist.ProcessGroup | None = None,
-    mesh=None,
-) -> Topology:
-    """The grid of a call with ``ulysses_group`` or ``mesh`` (docs/design.md §2).
-
-    ``group`` is then the ring between the ranks holding the same heads;
-    ``None`` means no ring (pure Ulysses). Checks only this rank's
-    arguments; :func:`check_grid` compares them between ranks (a rank whose
-    arguments fail here tells its peers through :func:`report_grid_error`).
-
-    Raises:
-        ValueError: ``mesh`` together with ``group``/``ulysses_group``, a mesh
-            that is not 1-D or 2-D ``("ring", "ulysses")``, an argument that
-            is not a group or mesh, or a group this process is not in.
-    """
+def resolve_topology(group: dist.ProcessGroup | None = None,
+                     ulysses_group: dist.ProcessGroup | None = None,
+                     mesh=None) -> Topology:  # fmt: skip
+    """The grid of a call with ``ulysses_group`` or ``mesh``, from this rank's
+    arguments only; ``ValueError`` for ``mesh`` with a group, a mesh neither 1-D
+    nor 2-D ``("ring", "ulysses")``, a non-group, or a group without this rank."""
     if mesh is not None:
         if group is not None or ulysses_group is not None:
             raise ValueError(
@@ -199,10 +178,8 @@ def resolve_topology(
         _check_group(group, "group")
         _check_group(ulysses_group, "ulysses_group")
     if not dist.is_available() or not dist.is_initialized():
-        raise ValueError(
-            "ulysses_group and mesh need torch.distributed: call "
-            "torch.distributed.init_process_group first"
-        )
+        raise ValueError("ulysses_group and mesh need torch.distributed: call "
+                         "torch.distributed.init_process_group first")  # fmt: skip
     me = dist.get_rank()
     if mesh is None:
         R, i = world_info(group) if group is not None else (1, 0)
@@ -212,25 +189,14 @@ def resolve_topology(
     ulysses_ranks = ulysses_ranks or (me,)
     ring = group if R > 1 else None
     uly = ulysses_group if U > 1 else None
-    return Topology(
-        ring_group=ring,
-        ulysses_group=uly,
-        ring_size=R,
-        ulysses_size=U,
-        ring_index=i,
-        ulysses_index=j,
-        ring_ranks=ring_ranks,
-        ulysses_ranks=ulysses_ranks,
-        mesh=key,
-        ring_order=_order(ring, ring_ranks),
-        ulysses_order=_order(uly, ulysses_ranks),
-        mode="grid" if U > 1 else "ring",
-    )
+    return Topology(ring_group=ring, ulysses_group=uly, ring_size=R, ulysses_size=U, ring_index=i,
+                    ulysses_index=j, ring_ranks=ring_ranks, ulysses_ranks=ulysses_ranks, mesh=key,
+                    ring_order=_order(ring, ring_ranks), ulysses_order=_order(uly, ulysses_ranks),
+                    mode="grid" if U > 1 else "ring")  # fmt: skip
 
 
-def ring_topology(
-    group: dist.ProcessGroup | None, ranks: tuple[int, ...] | None = None
-) -> Topology:
+def ring_topology(group: dist.ProcessGroup | None,
+                  ranks: tuple[int, ...] | None = None) -> Topology:  # fmt: skip
     """The topology of a ring call over ``group`` (``None``: the default
     group) of two or more ranks; ``ranks``: its global ranks by ring index
     (default: group-rank order)."""
@@ -245,27 +211,12 @@ def ring_topology(
     )  # fmt: skip
 
 
-# ---------------------------------------------------------------------------
-# The one-time agreement check (through the store).
-#
-# Every check a process runs is one round, numbered by a per-process count
-# (reset with the default process group). Rank r writes what it believes
-# under ``ring_attention/grid/<r>/<round>/view``, then what it found
-# (``.../found``), then the round's outcome (``.../done``). A reader keeps,
-# per peer, the next of the peer's rounds it has not read: it takes the
-# first one that names it among the peer's peers (or that is a failure
-# record, which names nobody), and passes over the rounds the peer held
-# with other ranks (a rank may share groups with some ranks and not
-# others), except one of the same call that failed: that is the mismatch.
-# Only successes are cached; a failed check is checked again next time,
-# under new round numbers.
-#
-# A failure record (a rank whose grid arguments are invalid: it cannot know
-# its peers) is meant for the peers checking a new configuration in the same
-# call; it carries the number of calls its rank has made that need a check
-# (every call with peers counts, checked before or not), and a reader in
-# another call passes over it: no one may read it in a later call (when
-# every rank failed, or the peers had checked their configuration before).
+# The one-time agreement check through the store (docs/design.md §6). Rank r
+# writes its view under ``ring_attention/grid/<r>/<round>/view``, then what it
+# found (``.../found``), then the outcome (``.../done``); a reader keeps, per
+# peer, the next unread round and passes over rounds held with other ranks
+# (but for a failed one of the same call: the mismatch). A failure record (a
+# rank that cannot know its peers) names no peers and carries its call count.
 
 _PREFIX = "ring_attention/grid"
 _lock = threading.Lock()
@@ -351,10 +302,8 @@ def _problems(topo: Topology, me: int, views: dict[int, dict]) -> list[str]:
                     f"and has ring index {v['i']}"
                 )
             if len(v["ring"][1]) != topo.ring_size:
-                out.append(
-                    f"rank {rank} passed a ring of {len(v['ring'][1])} ranks, rank {me} one "
-                    f"of {topo.ring_size}"
-                )
+                out.append(f"rank {rank} passed a ring of {len(v['ring'][1])} ranks, rank {me} one "
+                           f"of {topo.ring_size}")  # fmt: skip
         if rank in topo.ring_ranks:
             if v["ring"] != mine["ring"] or v["j"] != topo.ulysses_index:
                 out.append(
@@ -363,10 +312,8 @@ def _problems(topo: Topology, me: int, views: dict[int, dict]) -> list[str]:
                     f"index {v['j']}"
                 )
             if len(v["ulysses"][1]) != topo.ulysses_size:
-                out.append(
-                    f"rank {rank} passed a Ulysses group of {len(v['ulysses'][1])} ranks, "
-                    f"rank {me} one of {topo.ulysses_size}"
-                )
+                out.append(f"rank {rank} passed a Ulysses group of {len(v['ulysses'][1])} ranks, "
+                           f"rank {me} one of {topo.ulysses_size}")  # fmt: skip
     return out
 
 
@@ -425,11 +372,9 @@ def _round(st: _State, topo: Topology, me: int, peers: list[int], call: int) -> 
     if not text:
         found = _problems(topo, me, {p: v for p, v in views.items()})
         if found:
-            text = (
-                "ring_attention: the ranks' groups do not form one ring x Ulysses grid "
-                "(group, ulysses_group or mesh must describe the same grid on every rank; "
-                f"found by rank {me}): {found[0]}"
-            )
+            text = ("ring_attention: the ranks' groups do not form one ring x Ulysses grid "
+                    "(group, ulysses_group or mesh must describe the same grid on every rank; "
+                    f"found by rank {me}): {found[0]}")  # fmt: skip
     store.set(f"{mine}/found", text)
     if not text:
         flags = _read(store, [f"{_PREFIX}/{p}/{at[p]}/found" for p in peers], peers)
@@ -439,24 +384,10 @@ def _round(st: _State, topo: Topology, me: int, peers: list[int], call: int) -> 
 
 
 def check_grid(topo: Topology) -> None:
-    """Check, once per configuration of groups, that every rank of this
-    rank's row and column passed groups (or a mesh) forming the same grid,
-    and makes the same kind of call (ring or grid).
-
-    Two steps through the default store: each rank writes its view and
-    reads its peers', then writes what it found and reads theirs, so that a
-    mismatch seen anywhere in a row or a column of the grid reaches every
-    rank of it. Raises ``ValueError`` on every rank of a grid whose ranks
-    disagree (or where a rank's own arguments failed:
-    :func:`report_grid_error`), ``RuntimeError`` when a peer never writes
-    (within the store's timeout). Every rank must meet new configurations
-    in the same order (the same calls in the same order).
-
-    Only a configuration that passed is remembered, so a failed check
-    leaves nothing behind. A rank that passes a configuration it has used
-    before while its peers pass one they have not is not caught here (the
-    calls' own rounds then meet different groups).
-    """
+    """Check, once per configuration, that every rank of this rank's row and
+    column passed groups (or a mesh) forming the same grid and makes the same
+    kind of call: ``ValueError`` on every rank where they disagree,
+    ``RuntimeError`` when a peer never writes. Only a passed one is remembered."""
     me = dist.get_rank()
     peers = sorted((set(topo.ring_ranks) | set(topo.ulysses_ranks)) - {me})
     if not peers:
@@ -498,21 +429,12 @@ def _reason(error: BaseException) -> str:
     return str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
 
 
-def report_grid_error(
-    group, ulysses_group, mesh, error: BaseException, mode: str | None = None
-) -> Topology | None:
-    """Tell the peers of a rank whose grid arguments failed (``error``) so
-    that they raise too instead of waiting; ``mode``: the kind of call
-    (``"ring"``, ``"grid"``, ``None``: either).
-
-    The peers are either checking a new configuration (they read this
-    rank's next round in the store: it gets a failure record, and this
-    returns ``None``), or, with a configuration checked before, already in
-    the call's own rounds: then this returns that configuration, the last
-    one used that fits what is valid in the arguments (the mesh, or the
-    arguments that are groups), and the caller rejects through its rounds.
-    Nothing is done without an initialised default group.
-    """
+def report_grid_error(group, ulysses_group, mesh, error: BaseException,
+                      mode: str | None = None) -> Topology | None:  # fmt: skip
+    """Tell the peers of a rank whose grid arguments failed (``error``; ``mode``:
+    ``"ring"``, ``"grid"`` or ``None``): the last checked configuration that
+    fits the valid arguments (the caller rejects through its rounds), else
+    ``None`` after a failure record in the store."""
     if not dist.is_available() or not dist.is_initialized():
         return None
     want = None

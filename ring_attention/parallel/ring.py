@@ -1,64 +1,51 @@
-"""Ring dilated attention: the sequence sharded across the ranks of a process
-group, K/V rows exchanged point-to-point along a cached exchange plan
-(docs/design.md §4). This module holds the ring alone
-(:func:`ring_on_pieces`, :func:`ring_call`, :func:`exchange_plan`); the
-public entry that composes it with Ulysses is
-ring_attention/parallel/api.py. A call runs as two custom
-operators (:mod:`ring_attention.parallel.ring_ops`: the handshake and the plan) whose
-autograd is :class:`ring_attention.local.ops.RingFunction`, around the schedule
-(:mod:`ring_attention.parallel.schedule`); the plan is
-:mod:`ring_attention.parallel.exchange_plan`, the transport
-:mod:`ring_attention.parallel.transport`, its counters
-:mod:`ring_attention.parallel.exchange`, the agreement check
-:mod:`ring_attention.parallel.handshake`.
-
-Double backward is not supported: it raises ``RuntimeError``.
-"""
+"""The ring (docs/design.md §4): two custom operators,
+``torch.ops.ring_attention.ring_forward`` / ``ring_backward`` (opaque to
+``torch.compile``; autograd :class:`ring_attention.local.ops.RingFunction`),
+taking the tensors and a :mod:`~ring_attention.parallel.ring_spec` key. The
+forward checks the call through the handshake (every rank raises for one
+rank's error), then runs the schedule along the cached exchange plan; the
+backward reuses the plan. Double backward raises ``RuntimeError``."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from ..core.checks import sinks_meta
-from ..core.layout import resolve_layout
+from ..core.cache import PerBatch
+from ..core.call import Call
+from ..core.checks import check_qkv, check_sinks_meta, resolve_scale, sinks_meta
+from ..core.config import far_bytes
+from ..core.dtypes import acc_dtype
+from ..core.layout import Piece, resolve_layout
 from ..core.pattern import Pattern, as_flag
 from ..local import engine
-from . import ring_ops  # noqa: F401  (registers torch.ops.ring_attention.ring_forward/_backward)
-from .comm import world_info
+from ..local.blocks import Blocks
+from .comm import comm_device, global_ranks
 from .exchange import (
     ExchangeEvent,
+    Exchanger,
     ExchangeStats,
     last_exchange_stats,
     register_exchange_hook,
 )
 from .exchange_plan import ExchangePlan, get_plan
-from .ring_spec import ring_call_spec
+from .handshake import reject, ring_handshake, ring_message
+from .mesh import check_ring, report_grid_error, world_info
+from .ring_spec import GroupError, get_spec, pattern_of_call, ring_call_spec
 
-__all__ = [
-    "ExchangeEvent",
-    "ExchangeStats",
-    "exchange_plan",
-    "last_exchange_stats",
-    "register_exchange_hook",
-    "ring_call",
-    "ring_call_spec",
-]
+__all__ = ["ExchangeEvent", "ExchangeStats", "exchange_plan", "last_exchange_stats",
+           "register_exchange_hook", "ring_call", "ring_call_spec"]  # fmt: skip
 
 Tensor = torch.Tensor
 
 
-def ring_call(
-    q_local: Tensor,
-    k_local: Tensor,
-    v_local: Tensor,
-    spec: str,
-    documents: Tensor | None = None,
-    *,
-    return_lse: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
+def ring_call(q_local: Tensor, k_local: Tensor, v_local: Tensor, spec: str,
+              documents: Tensor | None = None, *,
+              return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
     """The ring call registered as ``spec`` (:func:`ring_call_spec`), with the
     global document boundaries ``documents`` (a 1-D integer tensor, the same
     on every rank, or ``None``). Compiles with ``fullgraph=True``: the ring is
@@ -75,93 +62,52 @@ def ring_call(
     return (out, lse) if as_flag(return_lse, "return_lse") else out
 
 
-def exchange_plan(
-    seq_len: int,
-    heads: int,
-    segment_lengths: Sequence[int],
-    dilation_rates: Sequence[int],
-    *,
-    causal: bool = False,
-    head_groups: bool = False,
-    kv_heads: int | None = None,
-    cu_seqlens: Sequence[int] | Tensor | None = None,
-    head_offsets: str = "modulo",
-    window: tuple[int, int] | None = None,
-    group: dist.ProcessGroup | None = None,
-    layout: str = "contiguous",
-) -> ExchangePlan:
-    """This rank's (cached) exchange plan for a global sequence of ``seq_len``.
-
-    Useful to report the rows/bytes a rank exchanges per layer
-    (:meth:`ExchangePlan.bytes_sent`) without running anything. ``kv_heads``
-    defaults to ``heads``.
-    """
-    pattern = Pattern(
-        segment_lengths, dilation_rates, causal=causal, head_groups=head_groups,
-        head_offsets=head_offsets, window=window,
-    ).with_documents(cu_seqlens)  # fmt: skip
+def exchange_plan(seq_len: int, heads: int, segment_lengths: Sequence[int],
+                  dilation_rates: Sequence[int], *, causal: bool = False, head_groups: bool = False,
+                  kv_heads: int | None = None, cu_seqlens: Sequence[int] | Tensor | None = None,
+                  head_offsets: str = "modulo", window: tuple[int, int] | None = None,
+                  group: dist.ProcessGroup | None = None,
+                  layout: str = "contiguous") -> ExchangePlan:  # fmt: skip
+    """This rank's (cached) exchange plan for a global sequence of
+    ``seq_len`` (``kv_heads`` defaults to ``heads``): the rows and bytes it
+    exchanges per layer (:meth:`ExchangePlan.bytes_sent`), without running
+    anything."""
+    pattern = Pattern(segment_lengths, dilation_rates, causal=causal, head_groups=head_groups,
+                      head_offsets=head_offsets,
+                      window=window).with_documents(cu_seqlens)  # fmt: skip
     layout = resolve_layout(layout, pattern)
     world, rank = world_info(group)
     return get_plan(pattern, seq_len, heads, heads if kv_heads is None else kv_heads, world, rank,
                     layout)  # fmt: skip
 
 
-def ring_on_pieces(
-    q_local: Tensor,
-    k_local: Tensor,
-    v_local: Tensor,
-    pattern: Pattern | Callable[[], Pattern],
-    *,
-    scale: float | None,
-    group: dist.ProcessGroup | None,
-    layout: str,
-    return_lse: bool,
-    fold: int = 1,
-    ranks: tuple[int, ...] | None = None,
-    head_range: tuple[int, int, int] = (0, 0, 0),
-    sinks: Tensor | None = None,
-) -> Tensor | tuple[Tensor, Tensor]:
+def ring_on_pieces(q_local: Tensor, k_local: Tensor, v_local: Tensor,
+                   pattern: Pattern | Callable[[], Pattern], *, scale: float | None,
+                   group: dist.ProcessGroup | None, layout: str, return_lse: bool, fold: int = 1,
+                   ranks: tuple[int, ...] | None = None,
+                   head_range: tuple[int, int, int] = (0, 0, 0),
+                   sinks: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
     """The ring over ``group``, each rank holding its pieces of ``layout``
-    (``fold > 1``: the stretch of its Ulysses group, see
-    :func:`ring_attention.core.layout.layout_pieces`). ``ranks``: the group's
-    global ranks by ring index, from a grid call (which has checked its
-    grid: the ring then does not check its group again); ``None``: a ring
-    call of its own, by group rank."""
+    (``fold > 1``: its Ulysses group's stretch). ``ranks``: the group's global
+    ranks by ring index from a grid call, which has checked its grid; ``None``:
+    a ring call of its own."""
     build, args = _builder(pattern)
-    return _ring(
-        q_local, k_local, v_local, build, args, cu_seqlens=None, scale=scale, group=group,
-        layout=layout, return_lse=return_lse, fold=fold, ranks=ranks, head_range=head_range,
-        sinks=sinks,
-    )  # fmt: skip
+    return _ring(q_local, k_local, v_local, build, args, cu_seqlens=None, scale=scale, group=group,
+                 layout=layout, return_lse=return_lse, fold=fold, ranks=ranks,
+                 head_range=head_range, sinks=sinks)  # fmt: skip
 
 
-def _ring(
-    q_local: Tensor,
-    k_local: Tensor,
-    v_local: Tensor,
-    build: Callable[..., Pattern],
-    args: tuple,
-    *,
-    cu_seqlens: Sequence[int] | Tensor | None,
-    scale: float | None,
-    group: dist.ProcessGroup | None,
-    layout: str,
-    return_lse: bool,
-    fold: int = 1,
-    ranks: tuple[int, ...] | None = None,
-    head_range: tuple[int, int, int] = (0, 0, 0),
-    sinks: Tensor | None = None,
-) -> Tensor | tuple[Tensor, Tensor]:
-    """The ring call of :func:`sharded_attention`: one operator forward and
-    one backward, the documents as a tensor argument (read once per batch),
-    the rest as the spec. ``sinks``: added once to every query of this rank,
-    after the ring (checked on every rank by the operator)."""
+def _ring(q_local: Tensor, k_local: Tensor, v_local: Tensor, build: Callable[..., Pattern],
+          args: tuple, *, cu_seqlens: Sequence[int] | Tensor | None, scale: float | None,
+          group: dist.ProcessGroup | None, layout: str, return_lse: bool, fold: int = 1,
+          ranks: tuple[int, ...] | None = None, head_range: tuple[int, int, int] = (0, 0, 0),
+          sinks: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
+    """The ring call of ``sharded_attention``: the documents a tensor argument
+    (read once per batch), the rest the spec; ``sinks`` added after the ring."""
     documents = cu_seqlens if isinstance(cu_seqlens, Tensor) else None
-    spec = ring_call_spec(
-        _ring_pattern, return_lse, None if documents is not None else cu_seqlens, build, *args,
-        scale=scale, group=group, layout=layout, fold=fold, ranks=ranks, head_range=head_range,
-        sinks=sinks_meta(sinks),
-    )  # fmt: skip
+    spec = ring_call_spec(_ring_pattern, return_lse, None if documents is not None else cu_seqlens,
+                          build, *args, scale=scale, group=group, layout=layout, fold=fold,
+                          ranks=ranks, head_range=head_range, sinks=sinks_meta(sinks))  # fmt: skip
     # (a bad return_lse or sinks is reported by the spec: the operator raises on every rank)
     if sinks is None:
         return ring_call(q_local, k_local, v_local, spec, documents, return_lse=bool(return_lse))
@@ -182,22 +128,267 @@ def _builder(pattern: Pattern | Callable[[], Pattern]) -> tuple[Callable[..., Pa
     return given_pattern, (pattern,)
 
 
-def _pattern_of_call(
-    documents: Sequence[int] | Tensor | None, build: Callable[..., Pattern], *args
-) -> Pattern:
-    """``build(*args)``, a :class:`Pattern`, with ``documents`` (``None``:
-    its own)."""
-    pattern = build(*args)
-    if not isinstance(pattern, Pattern):
-        raise ValueError(f"pattern must be a Pattern or a function returning one, got {pattern!r}")
-    return pattern if documents is None else pattern.with_documents(documents)
-
-
-def _ring_pattern(
-    return_lse: bool, documents: Sequence[int] | None, build: Callable[..., Pattern], *args
-) -> Pattern:
-    """The pattern of a ring call (:func:`_pattern_of_call`); a bad
+def _ring_pattern(return_lse: bool, documents: Sequence[int] | None, build: Callable[..., Pattern],
+                  *args) -> Pattern:  # fmt: skip
+    """The pattern of a ring call (:func:`pattern_of_call`); a bad
     ``return_lse`` raises here, so that the operator reports it on every
     rank."""
     as_flag(return_lse, "return_lse")
-    return _pattern_of_call(documents, build, *args)
+    return pattern_of_call(documents, build, *args)
+
+
+@dataclass(frozen=True, eq=False)
+class RingCall:
+    """One ring call: its plan, group, peers and checked attention call."""
+
+    plan: ExchangePlan
+    group: dist.ProcessGroup | None
+    peers: tuple[int, ...]  # global rank of every group rank
+    call: Call  # what every block attends with (the one engine's call)
+    far_bytes: int = 0  # transfers of at most this many K/V bytes: the far group
+
+    def blocks(self, pass_: str, q: Tensor, k: Tensor) -> Blocks:
+        """The blocks of ``pass_``: the block kernel, or a dense backend where the
+        dispatch's route is dense."""
+        plan = self.plan
+        every = [p for pieces in plan.all_pieces for p in pieces]
+        rows = math.gcd(*(p.length for p in every))
+        bounds = tuple(sorted({b for p in every for b in (p.start, p.start + p.length)}))
+        return engine.blocks(self.call, pass_, q, k, plan.seq_len, bounds, rows or 1)
+
+    def exchanger(self, q: Tensor, role: str) -> Exchanger:
+        """The transport of one pass (``role``: ``"forward"``/``"backward"``)."""
+        return Exchanger(self.plan, self.group, self.peers, q.device,
+                         comm_device(self.group, q.device), q.dtype, q.shape[0], q.shape[3], role,
+                         self.far_bytes)  # fmt: skip
+
+
+def _split(t: Tensor, pieces: Sequence[Piece], dim: int = 1) -> list[Tensor]:
+    """Contiguous per-piece tensors along ``dim`` (no copy for one piece of a
+    contiguous tensor)."""
+    if len(pieces) == 1 and pieces[0].length == t.shape[dim]:
+        return [t.contiguous()]
+    return [t.narrow(dim, p.offset, p.length).contiguous() for p in pieces]
+
+
+def _cat(parts: list[Tensor], dim: int) -> Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
+def _zeros(like: Tensor, pieces: Sequence[Piece], dtype: torch.dtype) -> list[Tensor]:
+    B, _, H, D = like.shape
+    return [torch.zeros(B, p.length, H, D, dtype=dtype, device=like.device) for p in pieces]
+
+
+def schedule_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    plan, pieces = call.plan, call.plan.pieces
+    qs, ks, vs = _split(q, pieces), _split(k, pieces), _split(v, pieces)
+    B, _, H, _ = q.shape
+    acc = acc_dtype(q.dtype)
+    outs = _zeros(q, pieces, acc)
+    lses = [torch.full((B, H, p.length), -math.inf, dtype=acc, device=q.device) for p in pieces]
+
+    blocks = call.blocks("forward", q, k)
+
+    def attend(qi: int, k_j: Tensor, v_j: Tensor, k_start: int, rows: Tensor | None = None) -> None:
+        blocks.forward(qs[qi], k_j, v_j, outs[qi], lses[qi], pieces[qi].start, k_start, rows)
+
+    ex = call.exchanger(q, "forward") if plan.steps else None
+    steps = ex.steps if ex is not None else ()
+    far = ex.post_far_kv("forward_kv", ks, vs) if ex is not None else None  # posted first
+    pending = ex.post_kv("forward_kv", steps[0], 0, ks, vs) if steps else None
+    for qi, ki in plan.local_pairs:  # overlaps the first exchange
+        attend(qi, ks[ki], vs[ki], pieces[ki].start)
+    if far is not None:  # the far group's blocks, while the first ring step travels
+        for step, packed in ex.far_received(far.wait()):
+            kp, vp, starts, maps = ex.unpack_kv(packed, step)
+            for qi, kj in step.pairs:
+                attend(qi, kp[kj], vp[kj], starts[kj], maps[kj])
+
+    for i, step in enumerate(steps):
+        packed = pending.wait()
+        if i + 1 < len(steps):  # prefetch the next active step into the other buffers
+            pending = ex.post_kv("forward_kv", steps[i + 1], (i + 1) % 2, ks, vs)
+        if packed is None:
+            continue
+        kp, vp, starts, maps = ex.unpack_kv(packed, step)
+        for qi, kj in step.pairs:
+            attend(qi, kp[kj], vp[kj], starts[kj], maps[kj])
+
+    return _cat([o.to(q.dtype) for o in outs], dim=1), _cat(lses, dim=2)
+
+
+def schedule_backward(call: RingCall, grad_out: Tensor, grad_lse: Tensor | None, q: Tensor,
+                      k: Tensor, v: Tensor, out: Tensor,
+                      lse: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    plan, pieces = call.plan, call.plan.pieces
+    qs, ks, vs, outs, gos = (_split(t, pieces) for t in (q, k, v, out, grad_out.to(q.dtype)))
+    lses = _split(lse, pieces, dim=2)
+    glses = [None] * len(pieces) if grad_lse is None else _split(grad_lse.to(lse.dtype), pieces, 2)
+    acc = acc_dtype(q.dtype)
+    dqs, dks, dvs = _zeros(q, pieces, acc), _zeros(k, pieces, acc), _zeros(k, pieces, acc)
+
+    blocks = call.blocks("backward", q, k)
+
+    def attend(qi: int, k_j: Tensor, v_j: Tensor, dk_j: Tensor, dv_j: Tensor, k_start: int,
+               rows: Tensor | None = None) -> None:  # fmt: skip
+        blocks.backward(gos[qi], glses[qi], qs[qi], k_j, v_j, outs[qi], lses[qi], dqs[qi], dk_j,
+                        dv_j, pieces[qi].start, k_start, rows)  # fmt: skip
+
+    ex = call.exchanger(q, "backward") if plan.steps else None
+    steps = ex.steps if ex is not None else ()
+    far = ex.post_far_kv("backward_kv", ks, vs) if ex is not None else None  # posted first
+    first = ex.step_for(1) if ex is not None else None
+    kv_pending = ex.post_kv("backward_kv", first, 1, ks, vs) if first is not None else None
+    for qi, ki in plan.local_pairs:  # overlaps the first exchange
+        attend(qi, ks[ki], vs[ki], dks[ki], dvs[ki], pieces[ki].start)
+    far_grad = None
+    if far is not None:  # the far group's blocks; their dK/dV go back as one batch
+        packed = far.wait()
+        views = {s.distance: (dkp, dvp) for s, dkp, dvp in ex.far_grad_views()}
+        for step, rows in ex.far_received(packed):
+            kp, vp, starts, maps = ex.unpack_kv(rows, step)
+            dkp, dvp = views[step.distance]
+            for qi, kj in step.pairs:
+                attend(qi, kp[kj], vp[kj], dkp[kj], dvp[kj], starts[kj], maps[kj])
+        far_grad = ex.post_far_grad()
+
+    # Global order of posts: F, KV(1), FG, KV(2), G(1), KV(3), G(2), ... (F, FG:
+    # the far group's K/V and gradients); each rank posts the subsequence it
+    # takes part in. Buffers alternate by distance.
+    g_prev = None  # (transfer, step) of the previous gradient return
+    for d in range(1, plan.world_size if steps else 1):
+        step = ex.step_for(d)
+        packed = kv_pending.wait() if step is not None else None
+        nxt = ex.step_for(d + 1)
+        kv_pending = (
+            ex.post_kv("backward_kv", nxt, (d + 1) % 2, ks, vs) if nxt is not None else None
+        )
+        g_now = None
+        if step is not None:
+            dkp = dvp = None
+            if packed is not None:
+                kp, vp, starts, maps = ex.unpack_kv(packed, step)
+                dkp, dvp = ex.grad_views(step, d % 2)
+                for qi, kj in step.pairs:
+                    attend(qi, kp[kj], vp[kj], dkp[kj], dvp[kj], starts[kj], maps[kj])
+            g_now = (ex.post_grad(step, d % 2, dkp, dvp), step)
+        if g_prev is not None:
+            ex.finish_grad(*g_prev, dks, dvs)
+        g_prev = g_now
+    if g_prev is not None:
+        ex.finish_grad(*g_prev, dks, dvs)
+    if far_grad is not None:
+        ex.finish_far_grad(far_grad, dks, dvs)
+
+    return tuple(_cat([t.to(q.dtype) for t in g], dim=1) for g in (dqs, dks, dvs))
+
+
+_documents = PerBatch("ring documents")
+
+
+def _with_documents(key: str, base: Pattern, documents: Tensor | None) -> Pattern:
+    """The spec's pattern with ``documents``: a model's layers pass one
+    tensor, read (device -> host) once per batch."""
+    if documents is None:
+        return base
+    return _documents.get(documents, key, lambda: base.with_documents(documents))
+
+
+def _call_of(key: str, q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None, needs_grad: bool,
+             n: int | None = None) -> RingCall:  # fmt: skip
+    """The checked call. Forward (``n`` is None): the ranks agree through the
+    handshake on everything, the global length included, and a rank whose
+    call fails makes every rank raise. Backward: the forward's ``n``."""
+    spec = get_spec(key)
+    group = spec.group
+    world, rank = world_info(group)
+    order = None
+    if spec.ranks is not None and world > 1:  # ring indices: a mesh's coordinates
+        order = tuple(dist.get_group_rank(group or dist.group.WORLD, r) for r in spec.ranks)
+        rank = spec.ranks.index(dist.get_rank())
+        if order == tuple(range(world)):
+            order = None
+    message, pattern, error, far, layout = None, None, spec.error, 0, spec.layout
+    if error is None:
+        try:
+            pattern = _with_documents(key, spec.pattern, documents)
+            layout = resolve_layout(spec.layout, pattern)
+            heads = spec.head_range if spec.head_range[1] else None
+            shape = check_qkv(q, k, v, head_range=heads)
+            far = far_bytes(q.device.type)
+            pattern.check_heads(shape.heads if heads is None else heads[1])
+            check_sinks_meta(spec.sinks, shape.heads, q.device)
+            scale = resolve_scale(spec.scale, shape.head_dim)
+            if n is None:
+                if world > 1:
+                    comm_device(group, q.device)  # raises for unsupported transports
+                message = ring_message(q, shape.kv_heads, pattern, scale=scale,
+                                       layout=layout, needs_grad=needs_grad,
+                                       far_bytes=far)  # fmt: skip
+        except Exception as exc:  # every rank must hear of it: reported in the handshake
+            error = exc
+    if n is None:
+        if world > 1:
+            if isinstance(error, GroupError):  # which ring? the peers must hear of it
+                topo = report_grid_error("not a group", None, None, error, "ring")
+                if topo is not None:
+                    reject(topo.ring_group, "ring_dilated_attention", error, topo.ring_order)
+                raise error
+            if spec.ranks is None:  # (ranks: a call of the grid's, which checked it)
+                check_ring(group)
+            n = ring_handshake(group, world, message, pattern, layout, spec.fold, error, order)
+        else:
+            n = q.shape[1] if error is None else -1
+    if error is not None:
+        raise error
+    pattern.check_length(n)
+    plan = get_plan(pattern, n, shape.heads, shape.kv_heads, world, rank, layout, spec.fold,
+                    spec.head_range)  # fmt: skip
+    return RingCall(plan=plan, group=group,
+                    peers=spec.ranks if order is not None else global_ranks(group, world),
+                    call=Call(pattern, scale).with_heads(*spec.head_range),
+                    far_bytes=far)  # fmt: skip
+
+
+@torch.library.custom_op("ring_attention::ring_forward", mutates_args=())
+def _ring_forward_op(q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None, spec: str,
+                     needs_grad: bool) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """This rank's ``(out, lse, global length)`` of the ring call ``spec``."""
+    call = _call_of(spec, q, k, v, documents, needs_grad)
+    last_exchange_stats.reset()
+    out, lse = schedule_forward(call, q, k, v)
+    return out, lse, torch.tensor(call.plan.seq_len, dtype=torch.int64)
+
+
+@_ring_forward_op.register_fake
+def _(q, k, v, documents, spec, needs_grad):
+    B, L, H, _ = q.shape
+    lse = q.new_empty((B, H, L), dtype=acc_dtype(q.dtype))
+    return (torch.empty_like(q, memory_format=torch.contiguous_format), lse,
+            q.new_empty((), dtype=torch.int64, device="cpu"))  # fmt: skip
+
+
+@torch.library.custom_op("ring_attention::ring_backward", mutates_args=())
+def _ring_backward_op(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
+                      out: Tensor, lse: Tensor, documents: Tensor | None, seq_len: Tensor,
+                      spec: str) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """This rank's ``(dq, dk, dv)`` of the ring call ``spec`` (its plan is
+    the forward's, from the plan cache)."""
+    if not isinstance(seq_len, Tensor) or seq_len.dim() != 0 or seq_len.is_floating_point():
+        raise ValueError(f"seq_len must be a 0-d integer tensor (the forward's), got {seq_len!r}")
+    call = _call_of(spec, q, k, v, documents, True, int(seq_len))
+    B, L, H, _ = q.shape
+    for name, t, shape in (("grad_out", grad_out, q.shape), ("out", out, q.shape),
+                           ("lse", lse, (B, H, L)), ("grad_lse", grad_lse, (B, H, L))):  # fmt: skip
+        if (t is not None or name != "grad_lse") and (
+            not isinstance(t, Tensor) or tuple(t.shape) != tuple(shape)
+        ):
+            got = tuple(t.shape) if isinstance(t, Tensor) else t
+            raise ValueError(f"{name} must have shape {tuple(shape)}, got {got!r}")
+    return schedule_backward(call, grad_out, grad_lse, q, k, v, out, lse)
+
+
+@_ring_backward_op.register_fake
+def _(grad_out, grad_lse, q, k, v, out, lse, documents, seq_len, spec):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))

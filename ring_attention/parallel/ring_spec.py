@@ -1,23 +1,8 @@
-"""What a ring call attends with, named by a string: the operator boundary of
-the ring (:mod:`ring_attention.parallel.ring_ops`).
-
-The ring runs as two custom operators, ``torch.ops.ring_attention.
-ring_forward`` / ``ring_backward``, that ``torch.compile`` keeps opaque (they
-communicate). Their tensors are arguments; everything else a call needs (its
-:class:`~ring_attention.core.pattern.Pattern`, scale, process group and layout,
-or the error that building them raised) is a :class:`RingSpec`, registered
-here under a key derived from its contents and passed to the operators as
-that string. :func:`ring_call_spec` builds and registers a spec; under
-``torch.compile`` it runs once, while tracing (its ``_registered_spec``
-carries ``torch.compiler.assume_constant_result``'s mark, set by
-:func:`_assume_constant_result`), and its key becomes a constant
-of the graph, so a compiled step neither re-validates nor recompiles.
-
-A spec holds the pattern without the per-batch documents (those travel as a
-tensor argument) so that the specs of a model are few. Specs registered while
-compiling are kept for the life of the process; the others are kept in a
-bounded least-recently-used table.
-"""
+"""A ring call's configuration, named by a string (docs/design.md §8): a
+custom operator takes only tensors, numbers and strings, so the rest of a
+call (pattern, scale, group, layout, or the error building them raised) is a
+:class:`RingSpec` registered under a key of its contents, which the
+operators take. Under ``torch.compile`` the key is a constant of the graph."""
 
 from __future__ import annotations
 
@@ -25,7 +10,7 @@ import operator
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +20,7 @@ import torch.distributed as dist
 from ..core.cache import register
 from ..core.pattern import Pattern
 
-__all__ = ["GroupError", "RingSpec", "get_spec", "ring_call_spec"]
+__all__ = ["GroupError", "RingSpec", "get_spec", "pattern_of_call", "ring_call_spec"]
 
 
 class GroupError(ValueError):
@@ -44,12 +29,10 @@ class GroupError(ValueError):
 
 @dataclass(frozen=True, eq=False)
 class RingSpec:
-    """One ring call's configuration (all but its tensors).
-
-    ``pattern`` is ``None`` exactly when ``error`` is set: the exception that
-    building the call raised, which the operator reports through the ring's
-    handshake, so that every rank raises. The group is held by a weak
-    reference (``destroy_process_group`` must be able to release it)."""
+    """One ring call's configuration (all but its tensors). ``pattern`` is
+    ``None`` exactly when ``error`` is set (reported by the operator through
+    the handshake, so every rank raises); the group is held weakly
+    (``destroy_process_group`` must be able to release it)."""
 
     pattern: Pattern | None
     error: BaseException | None
@@ -132,63 +115,32 @@ def get_spec(key: str) -> RingSpec:
 
 
 def _assume_constant_result(fn: Callable[..., str]) -> Callable[..., str]:
-    """``torch.compiler.assume_constant_result(fn)`` without its import of
-    ``torch._dynamo`` (most of the seconds ``import ring_attention`` would
-    take, paid by every process that never compiles): the same mark on
-    ``fn``. tests/test_imports.py checks that the mark is the decorator's."""
+    """``torch.compiler.assume_constant_result``'s mark on ``fn`` without its
+    import of ``torch._dynamo`` (seconds per process; tests/test_imports.py
+    checks the mark)."""
     fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
     return fn
 
 
-def ring_call_spec(
-    build: Callable[..., Pattern],
-    *args: Any,
-    scale: float | None = None,
-    group: dist.ProcessGroup | None = None,
-    layout: str = "contiguous",
-    fold: int = 1,
-    ranks: tuple[int, ...] | None = None,
-    head_range: tuple[int, int, int] = (0, 0, 0),
-    sinks: tuple | None = None,
-) -> str:
+def ring_call_spec(build: Callable[..., Pattern], *args: Any, scale: float | None = None,
+                   group: dist.ProcessGroup | None = None, layout: str = "contiguous",
+                   fold: int = 1, ranks: tuple[int, ...] | None = None,
+                   head_range: tuple[int, int, int] = (0, 0, 0),
+                   sinks: tuple | None = None) -> str:  # fmt: skip
     """Register the ring call whose pattern is ``build(*args)``; its key.
-
-    ``build`` is a module-level function (or a ``functools.partial`` of one
-    with constant arguments) and ``args`` values that ``torch.compile`` can
-    hold as constants: Python values, modules, process groups, patterns
-    (each an argument of its own: inside a ``functools.partial`` a module
-    or a :class:`Pattern` is not one), not a closure nor a tensor. While
-    tracing, the integers among them (in lists and tuples too), which
-    ``dynamic=True`` makes symbolic where they come from an argument or a
-    closure, are specialized first (:func:`_specialized`): the graph guards
-    on their values, so another value recompiles instead of reusing this
-    spec. An exception ``build`` raises is kept: the operator reports it in
-    the handshake, so every rank raises (this one the exception itself).
-    ``fold > 1``: each rank holds the stretch of its Ulysses group
-    (:func:`ring_attention.core.layout.layout_pieces`). ``ranks``: the global
-    ranks of the group by ring index (a mesh's coordinates), given by a
-    grid call, which has checked its grid (the ring then skips its own
-    check of the group); ``None``: the group-rank order. ``head_range``:
-    the query heads ``(head_start, total_heads, total_kv_heads)`` the ranks
-    of a hybrid's ring hold (``(0, 0, 0)``: every head). ``sinks``: the
-    description of the call's attention sinks (shape, dtype, device:
-    :func:`ring_attention.core.checks.sinks_meta`), checked by the operator
-    on every rank.
-    """
+    ``build``: a module-level function (or a ``functools.partial`` of one);
+    ``args``: constants (while tracing their integers are specialized). What
+    ``build`` raises is kept and reported by the operator. ``fold``, ``ranks``,
+    ``head_range``: a hybrid's ring; ``sinks``: the sinks' description."""
     if torch.compiler.is_compiling():
         args = tuple(_specialized(a) for a in args)
-    return _registered_spec(
-        build, *args, scale=scale, group=group, layout=layout, fold=fold, ranks=ranks,
-        head_range=tuple(head_range), sinks=sinks,
-    )  # fmt: skip
+    return _registered_spec(build, *args, scale=scale, group=group, layout=layout, fold=fold,
+                            ranks=ranks, head_range=tuple(head_range), sinks=sinks)  # fmt: skip
 
 
 def _specialized(value: Any) -> Any:
-    """``value`` with its integers (in lists and tuples too) plain Python
-    ints: while ``torch.compile`` traces, ``operator.index`` turns a
-    symbolic one into a constant that the graph guards on. (A float from
-    an argument stays symbolic under ``dynamic=True`` and is refused by
-    Dynamo, as in the one-process operators.)"""
+    """``value`` with its integers (in lists and tuples too) plain ints:
+    while tracing, ``operator.index`` makes a symbolic one a guarded constant."""
     if isinstance(value, (list, tuple)):
         return type(value)(_specialized(v) for v in value)
     if isinstance(value, int) and not isinstance(value, bool):
@@ -197,20 +149,11 @@ def _specialized(value: Any) -> Any:
 
 
 @_assume_constant_result
-def _registered_spec(
-    build: Callable[..., Pattern],
-    *args: Any,
-    scale: float | None,
-    group: dist.ProcessGroup | None,
-    layout: str,
-    fold: int,
-    ranks: tuple[int, ...] | None,
-    head_range: tuple[int, int, int],
-    sinks: tuple | None,
-) -> str:
-    """:func:`ring_call_spec`, its arguments constants (under
-    ``torch.compile`` run once, while tracing: the mark of
-    ``assume_constant_result``)."""
+def _registered_spec(build: Callable[..., Pattern], *args: Any, scale: float | None,
+                     group: dist.ProcessGroup | None, layout: str, fold: int,
+                     ranks: tuple[int, ...] | None, head_range: tuple[int, int, int],
+                     sinks: tuple | None) -> str:  # fmt: skip
+    """:func:`ring_call_spec` on constants (run once, while tracing)."""
     try:
         pattern, error = build(*args), None
         if not isinstance(pattern, Pattern):
@@ -241,3 +184,13 @@ def _registered_spec(
                     _group=ref, ranks=ranks, head_range=head_range, sinks=sinks)  # fmt: skip
     _REGISTRY.add(key, spec, pin=torch.compiler.is_compiling())
     return key
+
+
+def pattern_of_call(documents: Sequence[int] | torch.Tensor | None, build: Callable[..., Pattern],
+                    *args) -> Pattern:  # fmt: skip
+    """``build(*args)``, a :class:`Pattern`, with ``documents`` (``None``:
+    its own)."""
+    pattern = build(*args)
+    if not isinstance(pattern, Pattern):
+        raise ValueError(f"pattern must be a Pattern or a function returning one, got {pattern!r}")
+    return pattern if documents is None else pattern.with_documents(documents)

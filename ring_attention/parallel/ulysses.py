@@ -1,34 +1,8 @@
 """Head-parallel (Ulysses) and ring x Ulysses hybrid attention
-(docs/design.md §2).
-
-The ranks form a grid (:mod:`ring_attention.parallel.mesh`): ``R`` Ulysses groups of
-``U`` ranks, the rank with ring index ``i`` and Ulysses index ``j`` holding
-shard ``i * U + j`` of the sequence. Per call, on every rank:
-
-1. The agreement check: once per configuration that the groups form one
-   grid (:func:`~ring_attention.parallel.mesh.check_grid`), then every call's
-   arguments in two small rounds (:mod:`ring_attention.parallel.grid`), so that
-   ranks that disagree raise ``ValueError`` on every rank. A rank whose
-   grid arguments themselves are invalid tells its peers
-   (:func:`~ring_attention.parallel.mesh.report_grid_error`) before it raises.
-2. An all-to-all inside the Ulysses group trades sequence for heads: rank
-   ``j`` receives, for the stretch of sequence its group holds, query heads
-   ``j`` of ``torch.tensor_split(range(heads), U)`` (any head count; ranks
-   past ``heads`` get none) and only the K/V heads those read (a K/V head
-   goes to every rank that reads it: replicated where ``kv_heads < U``,
-   never repeated to the query-head count).
-3. Attention over the whole stretch for those heads, with their global
-   indices (the call's head range, ring_attention/local/engine.py): locally
-   for pure Ulysses (``R = 1``), else along the ring between the ranks
-   holding the same heads, each holding its group's stretch (zigzag balancing at the
-   ring level with ``layout="zigzag"``).
-4. A second all-to-all trades heads back: every rank gets ``out`` (and
-   ``lse``) of its own shard for every head.
-
-The all-to-alls are autograd functions whose backward is the reverse
-exchange (gradients of K/V heads sent to several ranks add up), so the
-gradients are exact; every rank must run the backward.
-"""
+(docs/design.md §3.1): after the agreement rounds, an all-to-all in the
+Ulysses group trades sequence for heads, the group's stretch is attended for
+this rank's heads (locally, or along the ring between the ranks holding
+them), and a second all-to-all trades back; both are autograd functions."""
 
 from __future__ import annotations
 
@@ -45,6 +19,7 @@ from ..core.checks import check_qkv, check_sinks, resolve_scale
 from ..core.dtypes import dtype_name
 from ..core.layout import (
     Layout,
+    Piece,
     check_layout,
     layout_pieces,
     resolve_layout,
@@ -53,36 +28,30 @@ from ..core.layout import (
 from ..core.pattern import Pattern, as_flag
 from ..local import engine
 from ..local.functional import attend
-from .comm import comm_device, world_info
-from .grid import grid_handshake, reject_through, topology_of
-from .handshake import RING_FIELDS, reject, ring_message
+from .comm import comm_device
+from .handshake import RING_FIELDS, grid_handshake, reject, reject_through, ring_message
 from .mesh import (
     Topology,
     check_grid,
     check_ring,
+    report_grid_error,
+    resolve_topology,
+    world_info,
 )
-from .ring import _pattern_of_call, ring_on_pieces
-from .stretch import Row, from_stretch, to_stretch
+from .ring_spec import pattern_of_call
 
-__all__ = ["AllToAllStats", "last_all_to_all_stats", "reject_sharded", "ulysses_attention"]
+__all__ = ["AllToAllStats", "last_all_to_all_stats", "reject_sharded", "topology_of",
+           "ulysses_attention"]  # fmt: skip
 
 Tensor = torch.Tensor
 
-#: The fields of the row round: those of the ring's own handshake.
-_FIELDS = RING_FIELDS
 _CALL = "ring_dilated_attention"
-
-
-# ---------------------------------------------------------------------------
-# Accounting.
 
 
 @dataclass
 class AllToAllStats:
     """Bytes this rank's all-to-alls moved in the last Ulysses call (reset at
-    every forward, the backward's appended), per phase: ``"qkv"`` (sequence
-    -> heads), ``"out"`` (heads -> sequence, ``out`` and ``lse``), and
-    ``"qkv_grad"``, ``"out_grad"`` (their backward)."""
+    every forward), per phase: ``"qkv"``, ``"out"``, ``"qkv_grad"``, ``"out_grad"``."""
 
     sent: dict[str, int] = field(default_factory=dict)
     received: dict[str, int] = field(default_factory=dict)
@@ -106,8 +75,45 @@ class AllToAllStats:
 last_all_to_all_stats = AllToAllStats()
 
 
-# ---------------------------------------------------------------------------
-# The all-to-all.
+@dataclass(frozen=True)
+class Row:
+    """The sequence and the heads of one Ulysses group."""
+
+    pieces: tuple[tuple[Piece, ...], ...]  # every member's pieces, local order
+    heads: tuple[tuple[int, int], ...]  # every member's query heads (start, count)
+    kv: tuple[tuple[int, int], ...]  # every member's K/V heads [begin, end)
+
+    def lengths(self) -> list[int]:
+        return [sum(p.length for p in ps) for ps in self.pieces]
+
+    def order(self) -> list[tuple[int, int, int]]:
+        """``(member, offset in its local tensor, length)`` of every non-empty
+        piece, in global order: the stretch, concatenated."""
+        runs = [(p.start, m, p.offset, p.length)
+                for m, ps in enumerate(self.pieces) for p in ps if p.length]  # fmt: skip
+        return [(m, off, ln) for _, m, off, ln in sorted(runs)]
+
+
+def to_stretch(blocks: list[Tensor], row: Row, dim: int) -> Tensor:
+    """Received per-member blocks (each a member's local rows) -> the stretch."""
+    parts = [blocks[m].narrow(dim, off, ln) for m, off, ln in row.order()]
+    if not parts:
+        return blocks[0].narrow(dim, 0, 0)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+
+
+def from_stretch(x: Tensor, row: Row, dim: int) -> list[Tensor]:
+    """The stretch -> each member's local rows (inverse of :func:`to_stretch`)."""
+    where: dict[tuple[int, int], int] = {}
+    at = 0
+    for m, off, ln in row.order():
+        where[(m, off)] = at
+        at += ln
+    out = []
+    for m, ps in enumerate(row.pieces):
+        parts = [x.narrow(dim, where[(m, p.offset)], p.length) for p in ps if p.length]
+        out.append(torch.cat(parts, dim=dim) if parts else x.narrow(dim, 0, 0))
+    return out
 
 
 @dataclass(frozen=True, eq=False)
@@ -120,10 +126,9 @@ class _Link:
     device: torch.device  # compute device
     comm: torch.device  # transport device
 
-    def exchange(
-        self, sends: list[list[Tensor]], recv: list[list[tuple[tuple[int, ...], torch.dtype]]],
-        phase: str,
-    ) -> list[list[Tensor]]:  # fmt: skip
+    def exchange(self, sends: list[list[Tensor]],
+                 recv: list[list[tuple[tuple[int, ...], torch.dtype]]],
+                 phase: str) -> list[list[Tensor]]:  # fmt: skip
         """Send ``sends[p]`` to peer ``p`` and receive tensors of ``recv[p]``
         from it; parts of one dtype travel packed in one buffer per peer."""
         out: list[list[Tensor | None]] = [[None] * len(spec) for spec in recv]
@@ -176,10 +181,7 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, link: _Link, counts: tuple[int, ...], recv, phase: str, *sends: Tensor):  # type: ignore[override]
-        nested, at = [], 0
-        for c in counts:
-            nested.append(list(sends[at : at + c]))
-            at += c
+        nested = _nest(sends, counts)
         got = link.exchange(nested, recv, phase)
         ctx.link, ctx.phase = link, phase
         ctx.back = [[(tuple(t.shape), t.dtype) for t in ts] for ts in nested]
@@ -189,38 +191,28 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: Tensor | None):  # type: ignore[override]
-        nested, at = [], 0
-        for spec in ctx.recv:
-            part = []
-            for shape, dt in spec:
-                g = grads[at]
-                if g is None:
-                    g = torch.zeros(shape, dtype=dt, device=ctx.link.device)
-                part.append(g)
-                at += 1
-            nested.append(part)
-        got = ctx.link.exchange(nested, ctx.back, ctx.phase + "_grad")
+        specs = [s for spec in ctx.recv for s in spec]
+        grads = [torch.zeros(shape, dtype=dt, device=ctx.link.device) if g is None else g
+                 for g, (shape, dt) in zip(grads, specs, strict=True)]  # fmt: skip
+        got = ctx.link.exchange(_nest(grads, [len(s) for s in ctx.recv]), ctx.back,
+                                ctx.phase + "_grad")  # fmt: skip
         return (None, None, None, None, *(t for ts in got for t in ts))
 
 
-def _all_to_all(
-    link: _Link, sends: list[list[Tensor]], recv: list[list[tuple]], phase: str
-) -> list[list[Tensor]]:
+def _all_to_all(link: _Link, sends: list[list[Tensor]], recv: list[list[tuple]],
+                phase: str) -> list[list[Tensor]]:  # fmt: skip
     flat = _AllToAll.apply(link, tuple(len(s) for s in sends), recv, phase,
                            *(t for ts in sends for t in ts))  # fmt: skip
+    return _nest(flat, [len(spec) for spec in recv])
+
+
+def _nest(flat, sizes) -> list[list]:
+    """``flat`` cut into lists of ``sizes``."""
     out, at = [], 0
-    for spec in recv:
-        out.append(list(flat[at : at + len(spec)]))
-        at += len(spec)
+    for n in sizes:
+        out.append(list(flat[at : at + n]))
+        at += n
     return out
-
-
-# ---------------------------------------------------------------------------
-# Sequence <-> heads.
-
-
-# ---------------------------------------------------------------------------
-# The call.
 
 
 def _explain(pattern_of: Callable[[], Pattern | None], topo: Topology) -> Callable:
@@ -241,10 +233,8 @@ def _explain(pattern_of: Callable[[], Pattern | None], topo: Topology) -> Callab
         if name == "dtype":
             return prefix + f"the dtype: {[dtype_name(c) for c in vals]} (Ulysses-index order)"
         if name == "requires_grad":
-            return prefix + (
-                f"whether a gradient is needed (every rank must run the backward): "
-                f"{[bool(v) for v in vals]} (Ulysses-index order)"
-            )
+            return prefix + (f"whether a gradient is needed (every rank must run the backward): "
+                             f"{[bool(v) for v in vals]} (Ulysses-index order)")  # fmt: skip
         return None
 
     return explain
@@ -272,18 +262,18 @@ def ulysses_attention(
     layout: str = "contiguous",
     return_lse: bool = False,
     sinks: Tensor | None = None,
+    ring: Callable[..., Tensor | tuple[Tensor, Tensor]],
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """:func:`ring_attention.ring_dilated_attention` with ``ulysses_group``
-    or ``mesh`` (the module docstring): this rank's shard ``i * U + j``
-    of ``q``, ``k``, ``v`` in, its shard of ``out`` (and ``lse``) out."""
+    """``ring_dilated_attention`` with ``ulysses_group`` or ``mesh``: this rank's
+    shard ``i * U + j`` in and out; ``ring``: the ring over a group of the grid
+    (``ring.ring_on_pieces``, passed down by the one caller that composes them)."""
     topo = topology_of(group, ulysses_group, mesh, _CALL)
     check_grid(topo)
     if topo.ulysses_size == 1:  # a ring (a 1-D mesh), or one process
         if topo.ring_size > 1:
-            return ring_on_pieces(
-                q_local, k_local, v_local, pattern, scale=scale, group=topo.ring_group,
-                layout=layout, return_lse=return_lse, ranks=topo.ring_ranks, sinks=sinks,
-            )  # fmt: skip
+            return ring(q_local, k_local, v_local, pattern, scale=scale, group=topo.ring_group,
+                        layout=layout, return_lse=return_lse, ranks=topo.ring_ranks,
+                        sinks=sinks)  # fmt: skip
         if callable(pattern) and not isinstance(pattern, Pattern):
             pattern = pattern()
         check_layout(layout)
@@ -324,7 +314,7 @@ def ulysses_attention(
         )
 
     n, row_lengths = grid_handshake(
-        topo, _CALL, _FIELDS, message, layout, error=error,
+        topo, _CALL, RING_FIELDS, message, layout, error=error,
         explain=_explain(lambda: pattern if isinstance(pattern, Pattern) else None, topo),
         describe=describe,
     )  # fmt: skip
@@ -336,45 +326,30 @@ def ulysses_attention(
     U, W = topo.ulysses_size, topo.world_size
     H, Hkv = shape.heads, shape.kv_heads
     heads = tuple(shard_bounds(H, U))
-    row = Row(
-        pieces=tuple(tuple(layout_pieces(n, W, topo.ring_index * U + m, layout))
-                     for m in range(U)),
-        heads=heads,
-        kv=tuple(kv_head_range(s, c, H, Hkv) for s, c in heads),
-    )  # fmt: skip
+    row = Row(pieces=tuple(tuple(layout_pieces(n, W, topo.ring_index * U + m, layout))
+                           for m in range(U)),
+              heads=heads, kv=tuple(kv_head_range(s, c, H, Hkv) for s, c in heads))  # fmt: skip
     assert row.lengths() == row_lengths
-    link = _Link(
-        topo.ulysses_group, topo.ulysses_ranks, topo.ulysses_index, q_local.device,
-        comm_device(topo.ulysses_group, q_local.device),
-    )  # fmt: skip
-    out, lse = _ulysses(link, topo, row, q_local, k_local, v_local, pattern, scale, layout)
+    link = _Link(topo.ulysses_group, topo.ulysses_ranks, topo.ulysses_index, q_local.device,
+                 comm_device(topo.ulysses_group, q_local.device))  # fmt: skip
+    out, lse = _ulysses(link, topo, row, q_local, k_local, v_local, pattern, scale, layout, ring)
     if sinks is not None:  # once per query: this rank's shard, every head
         out, lse = engine.fold_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out
 
 
-def ulysses_call(
-    q_local: Tensor,
-    k_local: Tensor,
-    v_local: Tensor,
-    build: Callable[..., Pattern],
-    args: tuple,
-    *,
-    cu_seqlens: Sequence[int] | Tensor | None,
-    **kwargs,
-) -> Tensor | tuple[Tensor, Tensor]:
-    """Ulysses or the hybrid with the pattern ``build(*args)``
-    (ring_attention/parallel/api.py's ``sharded_attention``): the pattern is
-    built inside the agreement rounds, so that every rank hears of its
-    errors."""
-    pattern = functools.partial(_pattern_of_call, cu_seqlens, build, *args)
+def ulysses_call(q_local: Tensor, k_local: Tensor, v_local: Tensor, build: Callable[..., Pattern],
+                 args: tuple, *, cu_seqlens: Sequence[int] | Tensor | None,
+                 **kwargs) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
+    """Ulysses or the hybrid with the pattern ``build(*args)``, built inside
+    the agreement rounds so that every rank hears of its errors."""
+    pattern = functools.partial(pattern_of_call, cu_seqlens, build, *args)
     return ulysses_attention(q_local, k_local, v_local, pattern, **kwargs)
 
 
-def _ulysses(
-    link: _Link, topo: Topology, row: Row, q: Tensor, k: Tensor, v: Tensor, pattern: Pattern,
-    scale: float, layout: Layout,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
+def _ulysses(link: _Link, topo: Topology, row: Row, q: Tensor, k: Tensor, v: Tensor,
+             pattern: Pattern, scale: float, layout: Layout,
+             ring: Callable) -> tuple[Tensor, Tensor]:  # fmt: skip
     B, L, H, D = q.shape
     Hkv = k.shape[2]
     me = link.me
@@ -402,11 +377,9 @@ def _ulysses(
         if topo.ring_size == 1:
             out_s, lse_s = engine.attend(Call(pattern, scale).with_heads(*heads), qs, ks, vs)
         else:
-            out_s, lse_s = ring_on_pieces(
-                qs, ks, vs, pattern, scale=scale, group=topo.ring_group, layout=layout,
-                return_lse=True, fold=topo.ulysses_size, ranks=topo.ring_ranks,
-                head_range=heads,
-            )  # fmt: skip
+            out_s, lse_s = ring(qs, ks, vs, pattern, scale=scale, group=topo.ring_group,
+                                layout=layout, return_lse=True, fold=topo.ulysses_size,
+                                ranks=topo.ring_ranks, head_range=heads)  # fmt: skip
     del qs, ks, vs  # (kept by autograd where the backward needs them)
 
     # heads -> sequence
@@ -422,10 +395,8 @@ def _ulysses(
 
 
 def reject_sharded(group, ulysses_group, mesh, error: BaseException | None = None) -> None:
-    """Take part in a sharded attention call's agreement rounds as a rank whose
-    inputs failed validation (``error``; ``ring``, ``ulysses_group`` or
-    ``mesh`` as given to the call): the other ranks raise; the caller raises
-    its own error."""
+    """Take part in a sharded call's agreement rounds as a rank whose inputs
+    failed (``error``): the other ranks raise; the caller raises its own."""
     if ulysses_group is None and mesh is None:
         if world_info(group)[0] > 1:
             check_ring(group)
@@ -434,3 +405,16 @@ def reject_sharded(group, ulysses_group, mesh, error: BaseException | None = Non
     topo = topology_of(group, ulysses_group, mesh, _CALL)
     check_grid(topo)
     reject_through(topo, _CALL, error)
+
+
+def topology_of(group, ulysses_group, mesh, call: str) -> Topology:
+    """:func:`~ring_attention.parallel.mesh.resolve_topology`; a rank whose grid
+    arguments fail tells its peers (which then raise) before it raises."""
+    try:
+        return resolve_topology(group, ulysses_group, mesh)
+    except ValueError as exc:
+        mode = None if mesh is not None else "grid"
+        topo = report_grid_error(group, ulysses_group, mesh, exc, mode)
+        if topo is not None:
+            reject_through(topo, call, exc)
+        raise
