@@ -1,4 +1,4 @@
-"""The ring's far group (``RING_ATTENTION_FAR_BYTES``, ring_attention/parallel/transport.py):
+"""The ring's far group (``RING_ATTENTION_FAR_BYTES``, ring_attention/parallel/exchange.py):
 transfers of at most that many K/V bytes travel in one batch per pass,
 posted first, the others in their ring steps.
 

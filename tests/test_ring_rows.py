@@ -1,5 +1,5 @@
 """The ring's CPU transport reads the rows of partly needed sender pieces in
-place through row maps (ring_attention/parallel/transport.py): a 6-process gloo ring
+place through row maps (ring_attention/parallel/exchange.py): a 6-process gloo ring
 (shards of 21-22 rows of 131: dividing nothing) against the float64 oracle
 and the single-process op, forward and backward, for dilated branches,
 causal or not, zigzag, grouped K/V heads, head groups, documents, windows;

@@ -16,7 +16,7 @@ and the package's one autograd boundary of attention.
 * :class:`Attention`: the autograd of the per-branch dense path, around an
   implementation's forward and backward;
 * :func:`ring_forward`, :func:`ring_backward` and :class:`RingFunction`: the
-  ring's two operators (defined in ring_attention/parallel/ring_ops.py) and
+  ring's two operators (defined in ring_attention/parallel/ring.py) and
   their autograd.
 
 The C++ side checks the flat arguments once at each operator's entry
@@ -249,7 +249,7 @@ class Attention(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------------------
-# The ring's operators (ring_attention/parallel/ring_ops.py) and their autograd.
+# The ring's operators (ring_attention/parallel/ring.py) and their autograd.
 
 
 def ring_forward(
@@ -257,7 +257,7 @@ def ring_forward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(out, lse, global length)`` of the ring call registered as ``spec``
     (``torch.ops.ring_attention.ring_forward``, defined by
-    :mod:`ring_attention.parallel.ring_ops`: an operator ``torch.compile`` keeps opaque)."""
+    :mod:`ring_attention.parallel.ring`: an operator ``torch.compile`` keeps opaque)."""
     return _OPS.ring_forward(q, k, v, documents, spec, needs_grad)
 
 

@@ -222,8 +222,8 @@ def mode_lines(evals: list[Any], usable: int, advice: list[str]) -> list[str]:
 
 ASSUMPTIONS = [
     "Assumptions:",
-    "  - memory per rank follows what ring_attention allocates (ring_schedule.py, "
-    "transport.py): inputs, "
+    "  - memory per rank follows what ring_attention allocates (parallel/ring.py, "
+    "parallel/exchange.py): inputs, "
     "fp32 accumulators (out, lse; dq, dk, dv), casts, transport buffers sized from the exchange "
     "rows, the backward kernel's delta, the cached plan's indices; kernel tiles not counted;",
     "  - time per layer = the ring schedule: each step's K/V transfer overlaps the previous "

@@ -1,5 +1,5 @@
 """Peak memory per rank of one ring attention layer, item by item, as
-``ring_schedule.py`` and ``transport.py`` allocate it: the transport buffers
+``parallel/ring.py`` and ``parallel/exchange.py`` allocate it: the transport buffers
 agree byte for byte with ``last_exchange_stats.buffer_bytes`` (the items:
 docs/planner.md). The functions take a :class:`~.traffic.Traffic`."""
 
