@@ -20,8 +20,9 @@ parts into the gradients. Rows no branch reaches get ``out = 0``,
 
 Our kernels run the pass instead where the table says, or where the dense
 backends cannot give the same answer (dispatch.py); K/V finiteness is
-checked when a dense pass runs (a host sync) and a gradient reaching
-``lse`` takes our backward kernel. A double backward raises, as the
+checked once a call, its answer read after the dense calls are queued (no
+stall of the device: :class:`PerBranch`), and a gradient reaching ``lse``
+takes our backward kernel. A double backward raises, as the
 kernel's does.
 """
 
@@ -38,7 +39,7 @@ from ..core.cache import LRUCache
 from ..core.dtypes import acc_dtype
 from ..core.pattern import Pattern
 from . import ops
-from .backends import backend, kv_finite
+from .backends import KvFinite, backend
 from .dispatch import Route
 from .spans import Call, Geometry, batch_groups
 
@@ -246,28 +247,41 @@ class PerBranch:
     implementation) where its route is dense: :func:`dense_forward` and
     :func:`dense_backward` where K/V are finite (a dense kernel would
     multiply the zero weights of masked keys by their values), our kernels
-    otherwise, and our backward kernel too when a gradient reaches ``lse``
-    (the dense backwards have no input for it)."""
+    otherwise, and our backward kernel too when a gradient reaching ``lse``
+    (the dense backwards have no input for it).
+
+    K/V finiteness is checked once a call (forward and backward share it)
+    without stalling the device: the check is queued, the dense calls after
+    it, and its answer read once they are queued (:class:`~.backends.KvFinite`);
+    where it says non-finite, the dense result is dropped and our kernel
+    runs, so every input gets the answer of the route the check picks."""
 
     def __init__(self, pattern: Pattern, scale: float, args: ops.OpArgs, fwd: Route,
                  bwd: Route | None) -> None:  # fmt: skip
         self.pattern, self.scale, self.args = pattern, scale, args
         self.fwd, self.bwd = fwd, bwd
-        self.finite: bool | None = None  # K/V checked: not yet
+        self.finite: KvFinite | None = None  # K/V check: not queued yet
 
-    def _finite(self, k: torch.Tensor, v: torch.Tensor) -> bool:
+    def _finite(self, k: torch.Tensor, v: torch.Tensor) -> KvFinite:
         if self.finite is None:
             with _span("finite", k.device):
-                self.finite = kv_finite(k, v)
+                self.finite = KvFinite(k, v)
         return self.finite
 
     def forward(self, q, k, v):
-        if self.fwd.dense and self._finite(k, v):
-            return dense_forward(q, k, v, self.pattern, self.scale, self.fwd)
+        if self.fwd.dense:
+            finite = self._finite(k, v)
+            res = dense_forward(q, k, v, self.pattern, self.scale, self.fwd)
+            if finite:
+                return res
         return ops.local_attention(q, k, v, self.args)
 
     def backward(self, grad_out, grad_lse, q, k, v, out, lse):
         bwd = self.bwd
-        if bwd is not None and bwd.dense and grad_lse is None and self._finite(k, v):
-            return dense_backward(grad_out, q, k, v, out, lse, self.pattern, self.scale, bwd)
+        if bwd is not None and bwd.dense and grad_lse is None:
+            finite = self._finite(k, v)
+            if finite.known is not False:  # unread (the forward was ours) or finite
+                res = dense_backward(grad_out, q, k, v, out, lse, self.pattern, self.scale, bwd)
+                if finite:
+                    return res
         return ops.local_attention_backward(grad_out, grad_lse, q, k, v, out, lse, self.args)
