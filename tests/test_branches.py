@@ -594,3 +594,51 @@ def _dense_block(blk, q, k, v):
     bl = torch.empty(1, 2, 32)
     blk.backend.forward(q, k, v, True, blk.scale, o, bl)
     return o.transpose(1, 2), bl
+
+
+class _Targets:
+    """The CPU stand-in backend, recording the storage each forward call
+    writes its output into, and the branches' call count."""
+
+    name = "cpu"
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.storages: list[int] = []
+
+    def forward(self, q, k, v, causal, scale, out, lse) -> None:
+        self.storages.append(out.untyped_storage().data_ptr())
+        self.inner.forward(q, k, v, causal, scale, out, lse)
+
+    def backward(self, *args) -> None:
+        self.inner.backward(*args)
+
+
+@pytest.mark.parametrize("batch,span_rows", [(1, "1"), (2, "100000"), (2, "1")])
+def test_branch_zero_writes_into_out(batch, span_rows, dense, monkeypatch) -> None:
+    """The forward's branch-0 calls write straight into ``out``; the part
+    buffer holds the other branches' rows only, branch 0's LSE after
+    theirs. Out and lse match the oracle (bit-identity with the tree
+    before: a test-only comparison, see the commit)."""
+    in_place = True
+    monkeypatch.setenv(config.SPAN_ROWS, span_rows)
+    pattern = Pattern([8, 16, 32], [1, 2, 4])
+    q, k, v, _, _ = _inputs(batch, 96, 4, 2, 8, F64, "cpu", seed=12)
+    r = dispatch.route("forward", q, k, v, pattern, None)
+    assert r.dense and (len(r.spans.spans) > 1) == (span_rows == "1")
+    prog = branches._program("forward", r, q, k, v, torch.empty_like(q))
+    for (rows, lse_rows, _, into, launches), span in zip(prog.spans, r.spans.spans, strict=True):
+        others = sum(c.part_rows(batch) for c in span.calls if c.branch)
+        assert into == in_place
+        assert rows == (others if in_place else lse_rows)
+        assert lse_rows == sum(c.part_rows(batch) for c in span.calls)
+        assert any(t for (_, t), *_ in launches) == in_place
+    targets = _Targets(backends.BACKENDS["cpu"])
+    monkeypatch.setitem(backends.BACKENDS, "cpu", targets)
+    out, lse = branches.dense_forward(q, k, v, pattern, 8**-0.5, r)
+    into_out = targets.storages.count(out.untyped_storage().data_ptr())
+    first = sum(1 for (_, t), *_ in (x for s in prog.spans for x in s[4]) if t)
+    assert into_out == first and (first > 0) == in_place
+    want_out, want_lse = reference_attention(q, k, v, [8, 16, 32], [1, 2, 4])
+    torch.testing.assert_close(out, want_out, rtol=0, atol=1e-10)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=1e-10)

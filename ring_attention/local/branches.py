@@ -101,19 +101,23 @@ def _span(phase: str, device: torch.device):
 
 class Program(NamedTuple):
     """The dense calls of one pass as plain geometry: per span, its part
-    rows on the query and the K/V side and its launches ``(backend name,
-    geometry of each argument)`` (:class:`~ring_attention.local.views.Geometry`,
-    offsets absolute in each tensor's storage); ``q_rows``, ``kv_rows``:
-    the most rows a span's part buffers need."""
+    rows (of the outputs, of their LSE and of the K/V side), whether branch
+    0's outputs go straight into ``out`` (the forward: its LSE rows then
+    follow the other branches' part rows) and its launches ``(backend name, geometry of each
+    argument)`` (:class:`~ring_attention.local.views.Geometry`, offsets
+    absolute in each tensor's storage; in the forward ``(name, into_out)``:
+    whether the call's outputs go to ``out`` or to the parts); ``q_rows``, ``lse_rows``,
+    ``kv_rows``: the most rows a span's part buffers need."""
 
     q_rows: int
+    lse_rows: int
     kv_rows: int
-    spans: tuple[tuple[int, int, tuple[tuple[Any, ...], ...]], ...]
+    spans: tuple[tuple[int, int, int, bool, tuple[tuple[Any, ...], ...]], ...]
 
 
 def _program(pass_: str, r: Route, *tensors: torch.Tensor) -> Program:
     """The :class:`Program` of ``pass_`` of the route ``r`` on these tensors
-    (forward: q, k, v; backward: grad_out, q, k, v, out), cached per
+    (forward: q, k, v, out; backward: grad_out, q, k, v, out), cached per
     route, pass, and every tensor's shape, strides, storage offset, dtype
     and device: a pass on the same layout builds no view geometry again."""
     key = (pass_, r.spans, r.backends, layout_key(tensors))
@@ -125,6 +129,13 @@ def layout_key(tensors: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
     return tuple((t.shape, t.stride(), t.storage_offset(), t.dtype, t.device) for t in tensors)
 
 
+def _out_geometry(call: Call, out: torch.Tensor) -> Geometry:
+    """The call's rows of ``out`` ``(B, n, H, d)`` as its part views are
+    laid out, ``(B, segments, heads, rows, d)``."""
+    (b, s, rows, h, d), (sb, ss, sr, sh, sd), offset = call.geometry(out.shape, out.stride())
+    return (b, s, h, rows, d), (sb, ss, sh, sr, sd), offset + out.storage_offset()
+
+
 def _build(pass_: str, r: Route, tensors: tuple[torch.Tensor, ...]) -> Program:
     assert r.spans is not None
     backward = pass_ == "backward"
@@ -134,10 +145,13 @@ def _build(pass_: str, r: Route, tensors: tuple[torch.Tensor, ...]) -> Program:
         size, stride, offset = call.geometry(t.shape, t.stride(), kv)
         return size, stride, offset + t.storage_offset()
 
-    spans, q_max, kv_max = [], 0, 0
+    spans, q_max, lse_max, kv_max = [], 0, 0, 0
     for span, names in zip(r.spans.spans, r.backends, strict=True):
-        launches, q_base, kv_base = [], 0, 0
-        for call, name in zip(span.calls, names, strict=True):
+        order = span.part_order()
+        calls = [(span.calls[j], names[j]) for j in order]
+        in_place = not backward and any(c.branch == 0 for c, _ in calls)
+        launches, q_base, kv_base, parts_rows = [], 0, 0, 0
+        for call, name in calls:
             if backward:
                 go, q, k, v, out = tensors
                 geoms = (
@@ -148,18 +162,26 @@ def _build(pass_: str, r: Route, tensors: tuple[torch.Tensor, ...]) -> Program:
                     call.part_geometry(kv_base, batch, True, d),
                 )  # fmt: skip
             else:
-                q, k, v = tensors
+                q, k, v, out = tensors
+                into_out = in_place and call.branch == 0
+                if into_out:
+                    og = _out_geometry(call, out)
+                else:
+                    og = call.part_geometry(q_base, batch, False, d)
+                    parts_rows = q_base + call.part_rows(batch)
                 geoms = (
-                    view(call, q), view(call, k, True), view(call, v, True),
-                    call.part_geometry(q_base, batch, False, d),
+                    view(call, q), view(call, k, True), view(call, v, True), og,
                     call.part_geometry(q_base, batch, False, None),
                 )  # fmt: skip
+                name = (name, into_out)
             launches += [(name, *g) for g in batch_groups(geoms)]
             q_base += call.part_rows(batch)
             kv_base += call.part_rows(batch, True)
-        spans.append((q_base, kv_base, tuple(launches)))
-        q_max, kv_max = max(q_max, q_base), max(kv_max, kv_base)
-    return Program(q_max, kv_max, tuple(spans))
+        parts_rows = parts_rows if in_place else q_base
+        spans.append((parts_rows, q_base, kv_base, in_place, tuple(launches)))
+        q_max, lse_max = max(q_max, parts_rows), max(lse_max, q_base)
+        kv_max = max(kv_max, kv_base)
+    return Program(q_max, lse_max, kv_max, tuple(spans))
 
 
 _PROGRAMS: LRUCache[Program] = LRUCache(64, name="dense programs")
@@ -168,31 +190,36 @@ _PROGRAMS: LRUCache[Program] = LRUCache(64, name="dense programs")
 def dense_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Pattern, scale: float, r: Route
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``out`` and ``lse`` of the local op by the dense calls of ``r``."""
+    """``out`` and ``lse`` of the local op by the dense calls of ``r``:
+    branch 0's calls write into ``out`` (:class:`Program`),
+    the others into the part buffers, and the merge reads each part once
+    and writes ``out`` and ``lse`` once."""
     batch, n, heads, d = q.shape
     device, causal = q.device, pattern.causal
     acc = acc_dtype(q.dtype)
-    prog = _program("forward", r, q, k, v)
-    fns = {name: backend(name).forward for names in r.backends for name in set(names)}
     out = torch.empty_like(q)
+    prog = _program("forward", r, q, k, v, out)
+    fns = {name: backend(name).forward for names in r.backends for name in set(names)}
     lse = torch.empty(batch, heads, n, dtype=acc, device=device)
     # one pair of part buffers for every span (the stream orders each
     # span's merge before the next span's calls write)
     parts = torch.empty(prog.q_rows, d, dtype=q.dtype, device=device)
-    part_lse = torch.empty(prog.q_rows, dtype=acc, device=device)
-    for i, (span, (rows, _, launches)) in enumerate(zip(r.spans.spans, prog.spans, strict=True)):
+    part_lse = torch.empty(prog.lse_rows, dtype=acc, device=device)
+    for i, (span, (rows, lse_rows, _, in_place, launches)) in enumerate(
+        zip(r.spans.spans, prog.spans, strict=True)
+    ):
         with _span("calls", device):
-            for name, qg, kg, vg, og, lg in launches:
+            for (name, into_out), qg, kg, vg, og, lg in launches:
                 fns[name](
                     q.as_strided(*qg), k.as_strided(*kg), v.as_strided(*vg), causal, scale,
-                    parts.as_strided(*og), part_lse.as_strided(*lg),
+                    (out if into_out else parts).as_strided(*og), part_lse.as_strided(*lg),
                 )  # fmt: skip
         q_index = r.spans.index(i, batch, device)[0]
         a, length = span.start, span.length
         with _span("merge", device):
             ops.merge_branches(
-                parts[:rows], part_lse[:rows], q_index, out[:, a : a + length],
-                lse[:, :, a : a + length].transpose(1, 2),
+                parts[:rows], part_lse[:lse_rows], q_index, out[:, a : a + length],
+                lse[:, :, a : a + length].transpose(1, 2), in_place,
             )  # fmt: skip
     return out, lse
 
@@ -220,7 +247,7 @@ def dense_backward(
     gq = torch.empty(prog.q_rows, d, dtype=q.dtype, device=device)
     gk = torch.empty(prog.kv_rows, d, dtype=q.dtype, device=device)
     gv = torch.empty_like(gk)
-    for i, (span, (q_rows, kv_rows, launches)) in enumerate(
+    for i, (span, (q_rows, _, kv_rows, _, launches)) in enumerate(
         zip(r.spans.spans, prog.spans, strict=True)
     ):
         with _span("calls", device):

@@ -25,7 +25,10 @@ about ``n / 16`` rows each, so that the per-call output buffers stay bounded;
 with documents every document span of a span has its own calls.
 
 A span's calls write their outputs (and LSE) into one buffer of *parts*,
-call after call, each call's rows in ``(batch, segment, head, row)`` order;
+call after call in :meth:`Span.part_order` (branch 0's calls last), each
+call's rows in ``(batch, segment, head, row)`` order; in the forward branch
+0's outputs go straight into the op's ``out`` instead, its LSE into the
+parts' LSE after the other branches' (ring_attention/local/branches.py);
 :meth:`SpanPlan.index` maps every ``(batch, position, head)`` of the span to
 its part row in each *slot* (``-1``: none): a query row has one part per
 branch (slot = branch), a K/V row one per branch and head run (slots of the
@@ -220,6 +223,15 @@ class Span:
     q_slots: int
     kv_slots: int
 
+    def part_order(self) -> list[int]:
+        """Indices of :attr:`calls` in the order their rows take in the part
+        buffers: the other branches' calls, then branch 0's (whose forward
+        outputs can then go to ``out``, its part rows at the end)."""
+        order = range(len(self.calls))
+        return [i for i in order if self.calls[i].branch] + [
+            i for i in order if not self.calls[i].branch
+        ]
+
 
 def head_runs(kv: list[int]) -> list[tuple[int, int, int, int]]:
     """Split the K/V heads ``kv`` (non-decreasing) read by a class's query
@@ -408,7 +420,7 @@ class SpanPlan:
 
         def build():
             flat = []
-            for call in span.calls:
+            for call in (span.calls[j] for j in span.part_order()):
                 size, stride, offset = call.lse_geometry(
                     (batch, self.heads, self.n), (self.heads * self.n, self.n, 1)
                 )
@@ -489,7 +501,7 @@ def _index_of(
     index = torch.full((slots, batch, span.length, width), -1, dtype=torch.int32, device=device)
     base = 0
     bi = torch.arange(batch, device=device)[:, None, None, None]
-    for call in span.calls:
+    for call in (span.calls[j] for j in span.part_order()):
         count = call.part_rows(batch, kv)
         pos = (call.positions() - span.start).to(device)[None]
         head, heads, step = (
