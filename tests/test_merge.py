@@ -226,8 +226,11 @@ def test_merged_branches_equal_the_oracle(which, dtype, case, first_in_out, requ
                 others = min(others, base)
                 call.view(out).copy_(call.view(o))
             else:
-                parts[base : base + rows] = call.view(o).permute(0, 1, 3, 2, 4).reshape(rows, d)
-            part_lse[base : base + rows] = call.lse_view(lse_b).reshape(rows)
+                view = parts.as_strided(*call.part_geometry(base, batch, False, d))
+                view.copy_(call.view(o).permute(0, 1, 3, 2, 4))
+            part_lse.as_strided(*call.part_geometry(base, batch, False, None)).copy_(
+                call.lse_view(lse_b)
+            )
             base += rows
         a, length = window.start, window.length
         ops.merge_branches(

@@ -198,8 +198,9 @@ class FlashAttn4:
 
     @staticmethod
     def backward(do, q, k, v, out, lse, causal, scale, dq, dk, dv) -> None:
+        # lse as it is: the part buffers' views are aligned (strided, no copy)
         fa4_interface()._flash_attn_bwd(
-            q, k, v, out, do, lse.float().contiguous(), softmax_scale=scale, causal=causal,
+            q, k, v, out, do, lse.float(), softmax_scale=scale, causal=causal,
             dq=_t(dq), dk=_t(dk), dv=_t(dv),
         )  # fmt: skip
 

@@ -32,7 +32,9 @@ multiply their zero weights): each block's K/V check is queued before its
 dense call and read after it (:class:`~.backends.KvFinite`: the host waits
 for the check at most, never for the dense call), the dense result dropped
 where it says non-finite. A gradient reaching ``lse`` takes our kernel (the dense
-backwards have no input for it).
+backwards have no input for it), and so does a CUDA block whose pieces a
+dense backend would copy (not 16-byte aligned, strides not multiples of 8
+elements: a piece unpacked from a transfer buffer may start anywhere).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from ..core.call import Call
 from . import ops
 from .backends import KvFinite, backend
 from .branches import dense_backward, dense_forward
-from .dispatch import Route, route
+from .dispatch import Route, aligned, route
 
 __all__ = ["Blocks", "block_kind", "merge_into"]
 
@@ -131,6 +133,8 @@ class Blocks:
             kind = block_kind(self.causal, q_start, q.shape[1], k_start, k.shape[1])
             if kind is None or kind == "skip":
                 return kind == "skip"
+            if not _aligned(q, k, v):
+                return False
             finite = KvFinite(k, v)
             B, lq, H, D = q.shape
             o = torch.empty(B, H, lq, D, dtype=q.dtype, device=q.device)
@@ -158,6 +162,8 @@ class Blocks:
             kind = block_kind(self.causal, q_start, q.shape[1], k_start, k.shape[1])
             if kind is None or kind == "skip":
                 return kind == "skip"
+            if not _aligned(go, q, k, v, out):
+                return False
             finite = KvFinite(k, v)
             B, lq, H, D = q.shape
             lk, hk = k.shape[1], k.shape[2]
@@ -171,6 +177,13 @@ class Blocks:
         for acc, g in zip((dq, dk, dv), grads, strict=True):
             acc.add_(g)
         return True
+
+
+def _aligned(*tensors: Tensor) -> bool:
+    """Whether a block's tensors go to a CUDA backend without a copy
+    (:func:`~.dispatch.aligned`; a piece unpacked from a transfer buffer may
+    start anywhere): else the block kernel runs it."""
+    return tensors[0].device.type != "cuda" or all(aligned(t) for t in tensors)
 
 
 def merge_into(out: Tensor, lse: Tensor, o: Tensor, bl: Tensor) -> None:

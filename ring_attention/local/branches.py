@@ -40,7 +40,7 @@ from ..core.dtypes import acc_dtype
 from ..core.pattern import Pattern
 from . import ops
 from .backends import KvFinite, backend
-from .dispatch import Route
+from .dispatch import Route, aligned
 from .spans import Call, Geometry, batch_groups
 
 __all__ = ["PerBranch", "PhaseTimes", "dense_backward", "dense_forward", "phase_times"]
@@ -239,8 +239,9 @@ def dense_backward(
     given the merged ``out`` and ``lse``."""
     batch, _, _, d = q.shape
     device, causal = q.device, pattern.causal
-    if grad_out.stride(-1) != 1:
-        grad_out = grad_out.contiguous()
+    if grad_out.stride(-1) != 1 or (device.type == "cuda" and not aligned(grad_out)):
+        # one copy here rather than one in every dense call that reads it
+        grad_out = grad_out.clone(memory_format=torch.contiguous_format)
     prog = _program("backward", r, grad_out, q, k, v, out)
     fns = {name: backend(name).backward for names in r.backends for name in set(names)}
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
