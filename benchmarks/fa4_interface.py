@@ -156,23 +156,23 @@ def launch_program(routes, q, k, v, go, causal: bool, scale: float) -> None:
     from ring_attention.local.branches import _program
 
     d, dev, dt, acc = q.shape[3], q.device, q.dtype, torch.float32
-    prog = _program("forward", routes["forward"], q, k, v)
+    out = torch.empty_like(q)
+    prog = _program("forward", routes["forward"], q, k, v, out)
     parts = torch.empty(prog.q_rows, d, dtype=dt, device=dev)
-    part_lse = torch.empty(prog.q_rows, dtype=acc, device=dev)
-    for _, _, launches in prog.spans:
-        for name, qg, kg, vg, og, lg in launches:
+    part_lse = torch.empty(prog.lse_rows, dtype=acc, device=dev)
+    for *_, launches in prog.spans:
+        for (name, into_out), qg, kg, vg, og, lg in launches:
             backend(name).forward(
                 q.as_strided(*qg), k.as_strided(*kg), v.as_strided(*vg), causal, scale,
-                parts.as_strided(*og), part_lse.as_strided(*lg),
+                (out if into_out else parts).as_strided(*og), part_lse.as_strided(*lg),
             )  # fmt: skip
     yield "forward"
-    out = torch.empty_like(q)
     prog = _program("backward", routes["backward"], go, q, k, v, out)
     gq = torch.empty(prog.q_rows, d, dtype=dt, device=dev)
     gk, gv = (torch.empty(prog.kv_rows, d, dtype=dt, device=dev) for _ in "kv")
     # the window's merged lse in part order (dense_backward's torch.take)
     part_lse = torch.empty(prog.q_rows, dtype=acc, device=dev)
-    for _, _, launches in prog.spans:
+    for *_, launches in prog.spans:
         for name, dog, qg, kg, vg, og, lg, gqg, gkg, gvg in launches:
             backend(name).backward(
                 go.as_strided(*dog), q.as_strided(*qg), k.as_strided(*kg), v.as_strided(*vg),
@@ -187,8 +187,9 @@ def run_case(name: str, iface) -> dict[str, Any]:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from ring_attention import config, dispatch
+    from ring_attention.core import config
     from ring_attention.core.pattern import Pattern
+    from ring_attention.local import dispatch
 
     batch, n, heads, kv_heads, d, causal, offsets, cu = CASES[name]
     rec: dict[str, Any] = {"case": name, "batch": batch, "n": n, "heads": heads,

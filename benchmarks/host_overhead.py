@@ -59,9 +59,11 @@ class _NoOpBackend:
 
 
 def stub() -> None:
-    """Replace the dense backends, the merge operators and the finiteness
-    check by no-ops (before any route is built: routes and their views take
-    the backends then)."""
+    """Replace the dense backends and the merge operators by no-ops (before
+    any route is built: routes and their views take the backends then), and
+    the read of the K/V finiteness check by "finite": the check's own
+    operators still run on the meta tensors, in this tree and in trees
+    before its lazy read (``kv_finite``, whose read was a sync)."""
     import torch
 
     from ring_attention.local import backends, branches, ops
@@ -70,8 +72,16 @@ def stub() -> None:
         backends.BACKENDS[name] = _NoOpBackend(name)
     ops.merge_branches = lambda *_a: None
     ops.sum_branches = lambda *_a: None
-    branches.kv_finite = lambda *_a: True
-    del torch
+    if hasattr(backends, "KvFinite"):
+        backends.KvFinite.__bool__ = lambda _self: True
+    else:  # an earlier tree: its check's operators, not its read
+
+        def kv_finite(k, v) -> bool:
+            acc = torch.float64 if k.dtype == torch.float64 else torch.float32
+            torch.isfinite(torch.stack([k.sum(dtype=acc), v.sum(dtype=acc)])).all()
+            return True
+
+        branches.kv_finite = kv_finite
 
 
 def measure(point: str, reps: int, backward: bool) -> dict:

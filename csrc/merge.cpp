@@ -23,7 +23,7 @@ bool floating(at::ScalarType t) {
 
 void check_merge(const at::Tensor& parts, const std::optional<at::Tensor>& part_lse,
                  const at::Tensor& index, const at::Tensor& out,
-                 const std::optional<at::Tensor>& lse) {
+                 const std::optional<at::Tensor>& lse, bool first_in_out) {
   TORCH_CHECK(parts.dim() == 2, "parts must be 2-D (rows, head_dim), got ", parts.dim(), "-D");
   TORCH_CHECK(out.dim() == 4, "out must be 4-D (batch, rows, heads, head_dim), got ", out.dim(),
               "-D");
@@ -46,8 +46,14 @@ void check_merge(const at::Tensor& parts, const std::optional<at::Tensor>& part_
               "part_lse and lse must be given together (a merge) or not at all (a sum)");
   if (!part_lse.has_value()) return;
   const at::ScalarType acc = acc_dtype(parts.scalar_type());
-  TORCH_CHECK(part_lse->dim() == 1 && part_lse->sym_size(0) == parts.sym_size(0),
-              "part_lse must have shape (", parts.sym_size(0), "), got ", part_lse->sym_sizes());
+  if (first_in_out) {
+    TORCH_CHECK(part_lse->dim() == 1 && part_lse->sym_size(0) >= parts.sym_size(0),
+                "part_lse must have at least parts' ", parts.sym_size(0),
+                " rows (first_in_out), got ", part_lse->sym_sizes());
+  } else {
+    TORCH_CHECK(part_lse->dim() == 1 && part_lse->sym_size(0) == parts.sym_size(0),
+                "part_lse must have shape (", parts.sym_size(0), "), got ", part_lse->sym_sizes());
+  }
   TORCH_CHECK(lse->dim() == 3 && lse->sym_sizes() == out.sym_sizes().slice(0, 3),
               "lse must have shape ", out.sym_sizes().slice(0, 3), ", got ", lse->sym_sizes());
   TORCH_CHECK(part_lse->scalar_type() == acc && lse->scalar_type() == acc,
@@ -58,8 +64,9 @@ void check_merge(const at::Tensor& parts, const std::optional<at::Tensor>& part_
 }
 
 MergeCall merge_call(const at::Tensor& parts, const std::optional<at::Tensor>& part_lse,
-                     const at::Tensor& index, at::Tensor& out, std::optional<at::Tensor> lse) {
-  check_merge(parts, part_lse, index, out, lse);
+                     const at::Tensor& index, at::Tensor& out, std::optional<at::Tensor> lse,
+                     bool first_in_out) {
+  check_merge(parts, part_lse, index, out, lse, first_in_out);
   TORCH_CHECK(parts.is_contiguous(), "parts must be contiguous");
   TORCH_CHECK(index.is_contiguous(), "index must be contiguous");
   TORCH_CHECK(out.size(3) <= 1 || out.stride(3) == 1, "out must have stride 1 in head_dim, got ",
@@ -81,6 +88,8 @@ MergeCall merge_call(const at::Tensor& parts, const std::optional<at::Tensor>& p
     TORCH_CHECK(part_lse->is_contiguous(), "part_lse must be contiguous");
     c.part_lse = part_lse->data_ptr();
     c.lse = lse->data_ptr();
+    c.lse_rows = part_lse->size(0);
+    c.first_in_out = first_in_out;
     for (int i = 0; i < 3; ++i) c.lse_stride[i] = lse->stride(i);
   }
   return c;
@@ -104,7 +113,7 @@ void merge_typed(const MergeCall& c) {
           static_cast<T*>(c.out) + b * c.out_stride[0] + t * c.out_stride[1] + h * c.out_stride[2];
       const auto part = [&](int64_t s) -> int64_t {
         const int64_t i = c.index[s * rows + row];
-        return i >= 0 && i < c.part_rows ? i : -1;
+        return i >= 0 && i < (s == 0 && c.first_in_out ? c.lse_rows : c.part_rows) ? i : -1;
       };
       std::fill(acc.begin(), acc.end(), Acc(0));
       Acc m = -std::numeric_limits<Acc>::infinity(), sum = 0;
@@ -126,7 +135,7 @@ void merge_typed(const MergeCall& c) {
           weight = std::exp(plse[i] - m);
           sum += weight;
         }
-        const T* p = parts + i * d;
+        const T* p = s == 0 && c.first_in_out ? out : parts + i * d;
         for (int64_t j = 0; j < d; ++j) acc[j] += weight * static_cast<Acc>(p[j]);
       }
       Acc scale = 1;

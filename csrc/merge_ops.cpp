@@ -8,8 +8,9 @@ namespace ring_attention {
 namespace {
 
 void merge_branches_meta(const at::Tensor& parts, const at::Tensor& part_lse,
-                         const at::Tensor& index, at::Tensor& out, at::Tensor& lse) {
-  check_merge(parts, part_lse, index, out, lse);
+                         const at::Tensor& index, at::Tensor& out, at::Tensor& lse,
+                         bool first_in_out) {
+  check_merge(parts, part_lse, index, out, lse, first_in_out);
 }
 
 void sum_branches_meta(const at::Tensor& parts, const at::Tensor& index, at::Tensor& out) {

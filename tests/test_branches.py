@@ -11,6 +11,7 @@ backends' kernels left to check. The CUDA tests at the end run where a GPU is.
 
 from __future__ import annotations
 
+import math
 import random
 import re
 from pathlib import Path
@@ -18,13 +19,15 @@ from pathlib import Path
 import pytest
 import torch
 from oracle import reference_attention
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import ring_attention as ra
 from ring_attention import info
 from ring_attention.core import config
-from ring_attention.core.call import prepare
+from ring_attention.core.call import Call, prepare
 from ring_attention.core.pattern import Pattern
-from ring_attention.local import backends, branches, dispatch, engine
+from ring_attention.local import backends, branches, dispatch, engine, ops
+from ring_attention.local.blocks import merge_into
 
 F64, F32, BF16, F16 = torch.float64, torch.float32, torch.bfloat16, torch.float16
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
@@ -258,17 +261,17 @@ def test_kv_finite(dtype) -> None:
     with -inf, whose sum is NaN); large finite values are finite."""
     g = torch.Generator().manual_seed(3)
     k, v = (1e4 * torch.randn(2, 37, 3, 8, generator=g).to(dtype) for _ in range(2))
-    assert backends.kv_finite(k, v)
+    assert backends.KvFinite(k, v)
     for bads in ([float("nan")], [float("inf")], [-float("inf")], [float("inf"), -float("inf")]):
         for t in ("k", "v"):
             kb, vb = k.clone(), v.clone()
             for i, bad in enumerate(bads):
                 (kb if t == "k" else vb)[1, 5 + 7 * i, 2, 3] = bad
-            assert not backends.kv_finite(kb, vb), (t, bads)
+            assert not backends.KvFinite(kb, vb), (t, bads)
     # finite values whose fp32 sum overflows read as non-finite: our kernels
     # then run, which is exact anyway
     if dtype != F64:
-        assert not backends.kv_finite(torch.full((4, 8), 3e38, dtype=F32).to(dtype), v)
+        assert not backends.KvFinite(torch.full((4, 8), 3e38, dtype=F32).to(dtype), v)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
@@ -507,3 +510,143 @@ def test_head_ranges_take_the_dense_path_and_match_the_oracle(
                      (qs.grad, q2.grad[:, :, h0:h1]), (ks.grad, k2.grad[:, :, kv0:kv1]),
                      (vs.grad, v2.grad[:, :, kv0:kv1])):  # fmt: skip
         torch.testing.assert_close(got.detach(), ref.detach(), atol=1e-10, rtol=1e-10)
+
+
+class _OpLog(TorchDispatchMode):
+    """The ATen operators run inside the block, in order (short names)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+DENSE_CALL = "_scaled_dot_product_flash_attention_for_cpu"
+READ = "_local_scalar_dense"  # a host read of a tensor's value (.item(), bool())
+
+
+def test_finiteness_read_once_a_call_after_the_dense_work(dense) -> None:
+    """The K/V check is read once a call (forward and backward together), and
+    only once the forward's dense calls and merges are queued: the host never
+    waits for the device before it has queued the pass (on CUDA the read
+    waits for the check alone). Before, the read came first, a sync ahead of
+    every dense call."""
+    q, k, v, go, _ = _inputs(2, 64, 4, 2, 8, F32, "cpu", seed=9)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    with _OpLog() as log:
+        out = ra.dilated_attention(q, k, v, [8, 16, 32], [1, 2, 4])
+        forward = len(log.ops)
+        out.backward(go)
+    reads = [i for i, op in enumerate(log.ops) if op == READ]
+    assert len(reads) == 1, reads
+    work = (DENSE_CALL, "merge_branches")
+    last_work = max(i for i, op in enumerate(log.ops[:forward]) if op in work)
+    assert last_work < reads[0] < forward
+    assert log.ops.count(DENSE_CALL) > 3  # the forward's branches, then the backward's
+
+
+@pytest.mark.parametrize("pattern", [([64], [1]), ([16, 32], [1, 2])], ids=["dense", "local"])
+@pytest.mark.parametrize("bad", [False, True])
+def test_ring_block_reads_its_check_after_its_dense_call(pattern, bad, dense) -> None:
+    """A ring block's K/V check is read once, after the block's dense calls
+    are queued (never before: no sync ahead of them); with a NaN in V the
+    dense result is dropped and the block kernel's merged instead, bit for
+    bit what the kernel alone gives."""
+    call = Call(Pattern(*pattern, causal=True), 8**-0.5)
+    q, k, v, go, _ = _inputs(1, 32, 2, 2, 8, F32, "cpu", seed=10)
+    go = go.to(F32)
+    if bad:
+        v[0, 5, 1, 2] = float("nan")
+    blk = engine.blocks(call, "forward", q, k, 64, (0, 32, 64), 32)
+    assert blk.dense is not None
+    out = torch.zeros(1, 32, 2, 8)
+    lse = torch.full((1, 2, 32), -math.inf)
+    with _OpLog() as log:
+        blk.forward(q, k, v, out, lse, 32, 32)
+    reads = [i for i, op in enumerate(log.ops) if op == READ]
+    calls = [i for i, op in enumerate(log.ops) if op == DENSE_CALL]
+    assert len(reads) == 1 and calls and max(calls) < reads[0], log.ops
+    want_out, want_lse = torch.zeros(1, 32, 2, 8), torch.full((1, 2, 32), -math.inf)
+    if bad:
+        ops.block_forward(q, k, v, want_out, want_lse, 32, 32, blk.args, None)
+    else:
+        merge_into(want_out, want_lse, *_dense_block(blk, q, k, v))
+    torch.testing.assert_close(out, want_out, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=0, equal_nan=True)
+    # the backward: the same order, the kernel's gradients where V is bad
+    blk = engine.blocks(call, "backward", q, k, 64, (0, 32, 64), 32)
+    o = out.to(q.dtype)
+    grads = [torch.zeros(1, 32, 2, 8) for _ in range(3)]
+    with _OpLog() as log:
+        blk.backward(go, None, q, k, v, o, lse, *grads, 32, 32)
+    reads = [i for i, op in enumerate(log.ops) if op == READ]
+    calls = [i for i, op in enumerate(log.ops) if op == DENSE_CALL + "_backward"]
+    assert len(reads) == 1 and calls and max(calls) < reads[0], log.ops
+    if bad:
+        want = [torch.zeros(1, 32, 2, 8) for _ in range(3)]
+        ops.block_backward(go, None, q, k, v, o, lse, *want, 32, 32, blk.args, None)
+        for a, b in zip(grads, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+def _dense_block(blk, q, k, v):
+    """The dense result of a diagonal block as the tree before the lazy check
+    computed it (no check: K/V finite)."""
+    if blk.backend is None:
+        r = dispatch.route("forward", q, k, v, blk.pattern, None)
+        return branches.dense_forward(q, k, v, blk.pattern, blk.scale, r)
+    o = torch.empty(1, 2, 32, 8)
+    bl = torch.empty(1, 2, 32)
+    blk.backend.forward(q, k, v, True, blk.scale, o, bl)
+    return o.transpose(1, 2), bl
+
+
+class _Targets:
+    """The CPU stand-in backend, recording the storage each forward call
+    writes its output into, and the branches' call count."""
+
+    name = "cpu"
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.storages: list[int] = []
+
+    def forward(self, q, k, v, causal, scale, out, lse) -> None:
+        self.storages.append(out.untyped_storage().data_ptr())
+        self.inner.forward(q, k, v, causal, scale, out, lse)
+
+    def backward(self, *args) -> None:
+        self.inner.backward(*args)
+
+
+@pytest.mark.parametrize("batch,span_rows", [(1, "1"), (2, "100000"), (2, "1")])
+def test_branch_zero_writes_into_out(batch, span_rows, dense, monkeypatch) -> None:
+    """The forward's branch-0 calls write straight into ``out``; the part
+    buffer holds the other branches' rows only, branch 0's LSE after
+    theirs. Out and lse match the oracle (bit-identity with the tree
+    before: a test-only comparison, see the commit)."""
+    in_place = True
+    monkeypatch.setenv(config.SPAN_ROWS, span_rows)
+    pattern = Pattern([8, 16, 32], [1, 2, 4])
+    q, k, v, _, _ = _inputs(batch, 96, 4, 2, 8, F64, "cpu", seed=12)
+    r = dispatch.route("forward", q, k, v, pattern, None)
+    assert r.dense and (len(r.spans.spans) > 1) == (span_rows == "1")
+    prog = branches._program("forward", r, q, k, v, torch.empty_like(q))
+    for (rows, lse_rows, _, into, launches), span in zip(prog.spans, r.spans.spans, strict=True):
+        others = sum(c.part_rows(batch) for c in span.calls if c.branch)
+        assert into == in_place
+        assert rows == (others if in_place else lse_rows)
+        assert lse_rows == sum(c.part_rows(batch) for c in span.calls)
+        assert any(t for (_, t), *_ in launches) == in_place
+    targets = _Targets(backends.BACKENDS["cpu"])
+    monkeypatch.setitem(backends.BACKENDS, "cpu", targets)
+    out, lse = branches.dense_forward(q, k, v, pattern, 8**-0.5, r)
+    into_out = targets.storages.count(out.untyped_storage().data_ptr())
+    first = sum(1 for (_, t), *_ in (x for s in prog.spans for x in s[4]) if t)
+    assert into_out == first and (first > 0) == in_place
+    want_out, want_lse = reference_attention(q, k, v, [8, 16, 32], [1, 2, 4])
+    torch.testing.assert_close(out, want_out, rtol=0, atol=1e-10)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=1e-10)

@@ -26,12 +26,6 @@ from benchmarks.fa4_interface import CASES
 
 ROOT = Path(__file__).resolve().parent.parent
 SITE = ROOT / "build" / "fa4_cpu" / "site"
-# where the backward still copies: the part buffers of a call do not start on
-# a multiple of 4 rows, and flash-attn-4 copies such an LSE (16-byte alignment)
-LSE_COPIES = dict.fromkeys(
-    ("documents-24x6x64", "grouped-offsets-24x6x64-causal"),
-    "part buffers whose LSE is not 16-byte aligned: flash-attn-4 copies it (issue 48, item 3)",
-)
 
 
 @pytest.fixture(scope="module")
@@ -72,10 +66,7 @@ def test_forward_launches_go_through_fa4_without_a_copy(records, case) -> None:
     assert rec["status"] == "ok"
 
 
-@pytest.mark.parametrize("case", [
-    pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=LSE_COPIES[c]))
-    if c in LSE_COPIES else c for c in CASES
-])  # fmt: skip
+@pytest.mark.parametrize("case", list(CASES))
 def test_backward_launches_go_through_fa4_without_a_copy(records, case) -> None:
     rec = records[case]
     assert "error" not in rec, rec.get("where", rec["error"])

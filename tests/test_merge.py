@@ -108,6 +108,46 @@ def test_merge_propagates_nan_and_skips_minus_inf(which, request) -> None:
     assert (out[0, 2, 0] == 0).all() and lse[0, 2, 0] == -math.inf
 
 
+def _slot0_last(parts, part_lse, index):
+    """The problem with the part rows slot 0 names moved after all others
+    (the per-branch forward's order: branch 0 last), and how many others."""
+    rows = parts.shape[0]
+    first = index[0][(index[0] >= 0) & (index[0] < rows)].tolist()
+    others = [i for i in range(rows) if i not in set(first)]
+    order = torch.tensor(others + first)
+    new = torch.empty_like(order)
+    new[order] = torch.arange(rows)
+    valid = (index >= 0) & (index < rows)
+    index = torch.where(valid, new[index.clamp(0, rows - 1).long()].int(), index)
+    return parts[order], part_lse[order], index, len(others)
+
+
+@pytest.mark.parametrize("which", OPS)
+@pytest.mark.parametrize("dtype,d", [(BF16, 64), (F16, 24), (F32, 16), (F32, 6), (F64, 3)])
+@pytest.mark.parametrize("strided", [True, False])
+def test_first_in_out_equals_the_parts_bit_for_bit(which, dtype, d, strided, request) -> None:
+    """With ``first_in_out`` slot 0's part is read from the row's own out
+    (its LSE from part_lse's rows after parts'): out and lse are exactly the
+    merge of the same parts all in the buffer, NaN and -inf rows included."""
+    ops = _ops(which, request)
+    parts, part_lse, index, out, lse = _problem(dtype, d, strided=strided)
+    parts, part_lse, index, others = _slot0_last(parts, part_lse, index)
+    named = (index[0] >= 0) & (index[0] < parts.shape[0])
+    first = index[0][named].long()
+    part_lse[first[3]] = float("nan")  # slot 0's part NaN
+    part_lse[first[7]] = -math.inf  # slot 0's part reaching nothing
+    ops.merge_branches(parts, part_lse, index, out, lse)
+    _, _, _, out_ip, lse_ip = _problem(dtype, d, strided=strided)  # NaN-filled
+    out_ip[named] = parts[index[0][named].long()]
+    ops.merge_branches(parts[:others], part_lse, index, out_ip, lse_ip, True)
+    assert others < parts.shape[0]
+    assert torch.equal(out.view(torch.uint8), out_ip.view(torch.uint8))
+    assert torch.equal(lse.contiguous().view(torch.uint8), lse_ip.contiguous().view(torch.uint8))
+    # the others' rows bound parts: slot 0 is bound by part_lse
+    with pytest.raises(RuntimeError, match="part_lse must have shape"):
+        ops.merge_branches(parts[:others], part_lse, index, out_ip, lse_ip)
+
+
 def test_merge_checks_its_arguments() -> None:
     parts, part_lse, index, out, lse = _problem(F32, 8, strided=False)
     ops = torch.ops.ring_attention
@@ -119,6 +159,8 @@ def test_merge_checks_its_arguments() -> None:
         ops.sum_branches(parts, index[:, :, :3], out)
     with pytest.raises(RuntimeError, match="lse must have dtype"):
         ops.merge_branches(parts, part_lse, index, out, lse.double())
+    with pytest.raises(RuntimeError, match="at least parts' 165 rows"):
+        ops.merge_branches(parts, part_lse[:-1], index, out, lse, True)
     with pytest.raises(RuntimeError, match="parts must be contiguous"):
         ops.sum_branches(torch.randn(8, parts.shape[0]).t(), index, out)
     with pytest.raises(RuntimeError, match="stride 1 in head_dim"):
@@ -129,6 +171,7 @@ def test_merge_opcheck() -> None:
     parts, part_lse, index, out, lse = _problem(F32, 8, strided=False)
     ops = torch.ops.ring_attention
     torch.library.opcheck(ops.merge_branches.default, (parts, part_lse, index, out, lse))
+    torch.library.opcheck(ops.merge_branches.default, (parts, part_lse, index, out, lse, True))
     torch.library.opcheck(ops.sum_branches.default, (parts, index, out))
 
 
@@ -150,9 +193,12 @@ CASES = {
 @pytest.mark.parametrize("which", OPS)
 @pytest.mark.parametrize("dtype", [F64, BF16])
 @pytest.mark.parametrize("case", list(CASES))
-def test_merged_branches_equal_the_oracle(which, dtype, case, request) -> None:
+@pytest.mark.parametrize("first_in_out", [False, True])
+def test_merged_branches_equal_the_oracle(which, dtype, case, first_in_out, request) -> None:
     """Each call's rows of its branch's float64 oracle result, merged by the
-    operator, give the oracle's result of the whole pattern."""
+    operator, give the oracle's result of the whole pattern; with
+    ``first_in_out`` branch 0's rows written into out (as the forward
+    does), its LSE after the other parts' (the span's part order)."""
     ops = _ops(which, request)
     segs, dils, kw, batch, n, heads, d = CASES[case]
     pattern = Pattern(segs, dils, **kw)
@@ -172,20 +218,28 @@ def test_merged_branches_equal_the_oracle(which, dtype, case, request) -> None:
         q_index, q_rows, _, _ = plan.index(i, batch, torch.device("cpu"))
         parts = torch.empty(q_rows, d, dtype=dtype)
         part_lse = torch.empty(q_rows, dtype=_acc(dtype))
-        base = 0
-        for call in window.calls:
+        base, others = 0, q_rows
+        for call in (window.calls[j] for j in window.part_order()):
             o, lse_b = per_branch[call.branch]
             rows = call.part_rows(batch)
-            parts[base : base + rows] = call.view(o).permute(0, 1, 3, 2, 4).reshape(rows, d)
-            part_lse[base : base + rows] = call.lse_view(lse_b).reshape(rows)
+            if first_in_out and call.branch == 0:
+                others = min(others, base)
+                call.view(out).copy_(call.view(o))
+            else:
+                view = parts.as_strided(*call.part_geometry(base, batch, False, d))
+                view.copy_(call.view(o).permute(0, 1, 3, 2, 4))
+            part_lse.as_strided(*call.part_geometry(base, batch, False, None)).copy_(
+                call.lse_view(lse_b)
+            )
             base += rows
         a, length = window.start, window.length
         ops.merge_branches(
-            parts,
+            parts[:others] if first_in_out else parts,
             part_lse,
             q_index,
             out[:, a : a + length],
             lse[:, :, a : a + length].transpose(1, 2),
+            first_in_out,
         )
     unreached = torch.isneginf(want_lse)
     assert torch.equal(torch.isneginf(lse), unreached)

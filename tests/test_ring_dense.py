@@ -186,7 +186,9 @@ def test_ring_dense_blocks(world: int, name: str) -> None:
 
 def _nan_worker(rank: int, world: int) -> dict:
     """Dense forced against our kernels forced, K holding a NaN row (our
-    kernels exclude it): the blocks reading it take our kernels."""
+    kernels exclude it): the blocks reading it take our kernels (their
+    dense calls, queued before the check is read, dropped)."""
+    from ring_attention.local import ops
     from ring_attention.parallel.api import ring_dilated_attention
 
     n = 37
@@ -198,28 +200,44 @@ def _nan_worker(rank: int, world: int) -> dict:
         os.environ[config.FORWARD] = os.environ[config.BACKWARD] = mode
         counter = _Counting(backends.BACKENDS["cpu"])
         backends.BACKENDS["cpu"] = counter
+        kernel = {"forward": 0, "backward": 0}
+        block_ops = ops.block_forward, ops.block_backward
+
+        def counted(pass_, fn, kernel=kernel):
+            def run(*args):
+                kernel[pass_] += 1
+                return fn(*args)
+
+            return run
+
+        ops.block_forward, ops.block_backward = (
+            counted(p, f) for p, f in zip(("forward", "backward"), block_ops, strict=True)
+        )
         try:
             ql, kl, vl = (shard_sequence(t).clone().requires_grad_() for t in (q, k, v))
             out = ring_dilated_attention(ql, kl, vl, [n], [1], causal=True)
             (out * shard_sequence(go)).sum().backward()
         finally:
             backends.BACKENDS["cpu"] = counter.inner
+            ops.block_forward, ops.block_backward = block_ops
             del os.environ[config.FORWARD], os.environ[config.BACKWARD]
-        runs[mode] = ([out.detach(), ql.grad, kl.grad, vl.grad], counter.calls)
+        runs[mode] = ([out.detach(), ql.grad, kl.grad, vl.grad], counter.calls, kernel)
     same = all(
         torch.allclose(a, b, atol=1e-5, rtol=1e-5, equal_nan=True)
         for a, b in zip(runs["kernel"][0], runs["dense"][0], strict=True)
     )
-    return {"same": same, "calls": runs["dense"][1]}
+    return {"same": same, "calls": runs["dense"][1], "kernel": runs["dense"][2]}
 
 
 def test_ring_dense_non_finite_keys_take_our_kernels() -> None:
     results = run_distributed(_nan_worker, 3)
-    # rank 0 holds the NaN row: every block reading its K takes our kernel,
-    # rank r > 0 reads r clean pieces (its own diagonal and those before).
+    # rank 0 holds the NaN row: every block reading its K takes our kernel
+    # (one a rank and pass), its dense call queued and dropped; rank r reads
+    # r + 1 pieces (its own diagonal and those before), all queued densely.
     for rank, r in enumerate(results):
         assert r["same"], f"rank {rank}"
-        assert r["calls"] == {"forward": rank, "backward": rank}, f"rank {rank}"
+        assert r["calls"] == {"forward": rank + 1, "backward": rank + 1}, f"rank {rank}"
+        assert r["kernel"] == {"forward": 1, "backward": 1}, f"rank {rank}"
 
 
 def test_block_kind() -> None:

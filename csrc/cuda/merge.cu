@@ -39,7 +39,9 @@ struct MergeArgs {
   void* lse;
   int64_t rows, length, heads, dim, part_rows, slots;
   int64_t out_stride[3], lse_stride[3];
-  int tpr;  // threads per row
+  int64_t lse_rows;   // rows of part_lse: slot 0's bound with first_in_out
+  bool first_in_out;  // slot 0's values: the row's own out (read, then written, by each thread)
+  int tpr;            // threads per row
 };
 
 __device__ inline float acc_exp(float x) { return expf(x); }
@@ -170,7 +172,8 @@ __global__ void __launch_bounds__(kMergeThreads, kBlocksPerSM<Acc>)
 #pragma unroll
         for (int j = 0; j < kS; ++j) {
           const int32_t i = s0 + j < a.slots ? a.index[(s0 + j) * a.rows + row] : -1;
-          idx[j] = i >= 0 && i < a.part_rows ? i : -1;
+          const int64_t bound = s0 + j == 0 && a.first_in_out ? a.lse_rows : a.part_rows;
+          idx[j] = i >= 0 && i < bound ? i : -1;
         }
 #pragma unroll
         for (int j = 0; j < kS; ++j) {
@@ -181,7 +184,9 @@ __global__ void __launch_bounds__(kMergeThreads, kBlocksPerSM<Acc>)
         for (int j = 0; j < kS; ++j) {
           if (l[j] > -kInf)  // parts of unreached rows are never read
             raw[j] = *reinterpret_cast<const Raw<T, V>*>(
-                parts + static_cast<int64_t>(idx[j]) * a.dim + c * V);
+                s0 + j == 0 && a.first_in_out
+                    ? out + c * V
+                    : parts + static_cast<int64_t>(idx[j]) * a.dim + c * V);
         }
         Acc top = m;  // (NaN compares false: it is flagged, not a max)
 #pragma unroll
@@ -237,9 +242,22 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 void merge_rows(const MergeCall& c) {
   const DeviceGuard guard(c.device);
-  MergeArgs a{c.parts,  c.part_lse, c.index, c.out,       c.lse,   c.batch * c.length * c.heads,
-              c.length, c.heads,    c.dim,   c.part_rows, c.slots, {},
-              {},       1};
+  MergeArgs a{c.parts,
+              c.part_lse,
+              c.index,
+              c.out,
+              c.lse,
+              c.batch * c.length * c.heads,
+              c.length,
+              c.heads,
+              c.dim,
+              c.part_rows,
+              c.slots,
+              {},
+              {},
+              c.lse_rows,
+              c.first_in_out,
+              1};
   for (int i = 0; i < 3; ++i) {
     a.out_stride[i] = c.out_stride[i];
     a.lse_stride[i] = c.lse_stride[i];

@@ -35,7 +35,7 @@ import torch
 
 from ..core.cache import cached
 
-__all__ = ["BACKENDS", "backend", "cudnn_missing", "fa4_missing", "kv_finite"]
+__all__ = ["BACKENDS", "KvFinite", "backend", "cudnn_missing", "fa4_missing"]
 
 aten = torch.ops.aten
 
@@ -196,16 +196,46 @@ def fa4_missing() -> str | None:
     return None
 
 
-def kv_finite(k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether K and V hold no NaN and no infinity, in one host sync: their
-    sums, accumulated in fp32 (fp64 for fp64) without a temporary, are NaN or
-    infinite when an element is. A sum of finite values beyond fp32's range
-    (about 3e38) reads as non-finite too, which only sends the call to our
-    kernels; the dense backends cannot exclude non-finite keys (they multiply
-    the zero weights of masked keys by their values)."""
-    acc = torch.float64 if k.dtype == torch.float64 else torch.float32
-    sums = torch.stack([k.sum(dtype=acc), v.sum(dtype=acc)])
-    return bool(torch.isfinite(sums).all())
+class KvFinite:
+    """Whether K and V hold no NaN and no infinity, asked without waiting for
+    the device: the constructor queues the check (their sums, accumulated in
+    fp32, fp64 for fp64, without a temporary, are NaN or infinite when an
+    element is) and, on CUDA, a non-blocking copy of its answer to pinned host
+    memory and an event after it; ``bool()`` reads it, waiting at most for
+    that event, which the device passes before any work queued after the
+    check. The dense paths queue their calls first and read it after, so the
+    read never drains the queue: the host has stayed ahead of the device by
+    then. A sum of finite values beyond fp32's range (about 3e38) reads as
+    non-finite too, which only sends the call to our kernels; the dense
+    backends cannot exclude non-finite keys (they multiply the zero weights
+    of masked keys by their values)."""
+
+    __slots__ = ("_event", "_flag", "_value")
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        acc = torch.float64 if k.dtype == torch.float64 else torch.float32
+        flag = torch.isfinite(torch.stack([k.sum(dtype=acc), v.sum(dtype=acc)])).all()
+        self._event = None
+        self._value: bool | None = None
+        if flag.device.type == "cuda":
+            host = torch.empty((), dtype=torch.bool, pin_memory=True)
+            host.copy_(flag, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            flag = host
+        self._flag = flag
+
+    @property
+    def known(self) -> bool | None:
+        """The answer where it was read already, else None (no wait)."""
+        return self._value
+
+    def __bool__(self) -> bool:
+        if self._value is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._value = bool(self._flag)
+        return self._value
 
 
 class FlashAttn4:
@@ -223,8 +253,9 @@ class FlashAttn4:
 
     @staticmethod
     def backward(do, q, k, v, out, lse, causal, scale, dq, dk, dv) -> None:
+        # lse as it is: the part buffers' views are aligned (strided, no copy)
         fa4_interface()._flash_attn_bwd(
-            q, k, v, out, do, lse.float().contiguous(), softmax_scale=scale, causal=causal,
+            q, k, v, out, do, lse.float(), softmax_scale=scale, causal=causal,
             dq=_t(dq), dk=_t(dk), dv=_t(dv),
         )  # fmt: skip
 

@@ -28,9 +28,13 @@ the call gets the final ``out`` and ``lse`` (its ``P = exp(S - lse)`` is
 then the whole row's probability and ``D = rowsum(dO * out)`` the whole
 row's), so the blocks' ``dq``, ``dk``, ``dv`` add up exactly. K/V holding a
 NaN or an infinity take our kernel (it excludes them; a dense kernel would
-multiply their zero weights): each block's K/V are checked when it runs (a
-host sync). A gradient reaching ``lse`` takes our kernel (the dense
-backwards have no input for it).
+multiply their zero weights): each block's K/V check is queued before its
+dense call and read after it (:class:`~.backends.KvFinite`: the host waits
+for the check at most, never for the dense call), the dense result dropped
+where it says non-finite. A gradient reaching ``lse`` takes our kernel (the dense
+backwards have no input for it), and so does a CUDA block whose pieces a
+dense backend would copy (not 16-byte aligned, strides not multiples of 8
+elements: a piece unpacked from a transfer buffer may start anywhere).
 """
 
 from __future__ import annotations
@@ -41,9 +45,9 @@ import torch
 
 from ..core.call import Call
 from . import ops
-from .backends import backend, kv_finite
+from .backends import KvFinite, backend
 from .branches import dense_backward, dense_forward
-from .dispatch import Route, route
+from .dispatch import Route, aligned, route
 
 __all__ = ["Blocks", "block_kind", "merge_into"]
 
@@ -108,68 +112,78 @@ class Blocks:
     def _local(self, pass_: str, q: Tensor, k: Tensor, v: Tensor, q_start: int,
                k_start: int) -> Route | None:  # fmt: skip
         """The per-branch route of a piece's own block (None: our kernel)."""
-        if q_start != k_start or q.shape[1] != k.shape[1] or not kv_finite(k, v):
+        if q_start != k_start or q.shape[1] != k.shape[1]:
             return None
         r = route(pass_, q, k, v, self.pattern, None)
         return r if r.dense else None
-
-    def _kind(self, q: Tensor, k: Tensor, v: Tensor, q_start: int, k_start: int) -> str | None:
-        kind = block_kind(self.causal, q_start, q.shape[1], k_start, k.shape[1])
-        if kind is not None and kind != "skip" and not kv_finite(k, v):
-            return None
-        return kind
 
     def _dense_forward(
         self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_start: int,
         k_start: int,
     ) -> bool:  # fmt: skip
-        """:meth:`forward` by the dense route; ``False``: the block kernel's."""
+        """:meth:`forward` by the dense route; ``False``: the block kernel's
+        (nothing merged: K/V non-finite, or no dense call runs the block)."""
         if self.backend is None:
             r = self._local("forward", q, k, v, q_start, k_start)
             if r is None:
                 return False
-            merge_into(out, lse, *dense_forward(q, k, v, self.pattern, self.scale, r))
-            return True
-        kind = self._kind(q, k, v, q_start, k_start)
-        if kind is None:
+            finite = KvFinite(k, v)
+            res = dense_forward(q, k, v, self.pattern, self.scale, r)
+        else:
+            kind = block_kind(self.causal, q_start, q.shape[1], k_start, k.shape[1])
+            if kind is None or kind == "skip":
+                return kind == "skip"
+            if not _aligned(q, k, v):
+                return False
+            finite = KvFinite(k, v)
+            B, lq, H, D = q.shape
+            o = torch.empty(B, H, lq, D, dtype=q.dtype, device=q.device)
+            bl = torch.empty(B, H, lq, dtype=lse.dtype, device=q.device)
+            self.backend.forward(q, k, v, kind == "causal", self.scale, o, bl)
+            res = o.transpose(1, 2), bl
+        if not finite:  # read with the dense call queued: dropped, the kernel's instead
             return False
-        if kind == "skip":
-            return True
-        B, lq, H, D = q.shape
-        o = torch.empty(B, H, lq, D, dtype=q.dtype, device=q.device)
-        bl = torch.empty(B, H, lq, dtype=lse.dtype, device=q.device)
-        self.backend.forward(q, k, v, kind == "causal", self.scale, o, bl)
-        merge_into(out, lse, o.transpose(1, 2), bl)
+        merge_into(out, lse, *res)
         return True
 
     def _dense_backward(
         self, go: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
         dq: Tensor, dk: Tensor, dv: Tensor, q_start: int, k_start: int,
     ) -> bool:  # fmt: skip
-        """:meth:`backward` by the dense route; ``False``: the block kernel's."""
+        """:meth:`backward` by the dense route; ``False``: the block kernel's
+        (nothing added: K/V non-finite, or no dense call runs the block)."""
         if self.backend is None:
             r = self._local("backward", q, k, v, q_start, k_start)
             if r is None:
                 return False
+            finite = KvFinite(k, v)
             grads = dense_backward(go, q, k, v, out, lse, self.pattern, self.scale, r)
-            for acc, g in zip((dq, dk, dv), grads, strict=True):
-                acc.add_(g)
-            return True
-        kind = self._kind(q, k, v, q_start, k_start)
-        if kind is None:
+        else:
+            kind = block_kind(self.causal, q_start, q.shape[1], k_start, k.shape[1])
+            if kind is None or kind == "skip":
+                return kind == "skip"
+            if not _aligned(go, q, k, v, out):
+                return False
+            finite = KvFinite(k, v)
+            B, lq, H, D = q.shape
+            lk, hk = k.shape[1], k.shape[2]
+            gq = torch.empty(B, H, lq, D, dtype=q.dtype, device=q.device)
+            gk = torch.empty(B, hk, lk, D, dtype=q.dtype, device=q.device)
+            gv = torch.empty_like(gk)
+            self.backend.backward(go, q, k, v, out, lse, kind == "causal", self.scale, gq, gk, gv)
+            grads = gq.transpose(1, 2), gk.transpose(1, 2), gv.transpose(1, 2)
+        if not finite:  # read with the dense call queued: dropped, the kernel's instead
             return False
-        if kind == "skip":
-            return True
-        B, lq, H, D = q.shape
-        lk, hk = k.shape[1], k.shape[2]
-        gq = torch.empty(B, H, lq, D, dtype=q.dtype, device=q.device)
-        gk = torch.empty(B, hk, lk, D, dtype=q.dtype, device=q.device)
-        gv = torch.empty_like(gk)
-        self.backend.backward(go, q, k, v, out, lse, kind == "causal", self.scale, gq, gk, gv)
-        dq.add_(gq.transpose(1, 2))
-        dk.add_(gk.transpose(1, 2))
-        dv.add_(gv.transpose(1, 2))
+        for acc, g in zip((dq, dk, dv), grads, strict=True):
+            acc.add_(g)
         return True
+
+
+def _aligned(*tensors: Tensor) -> bool:
+    """Whether a block's tensors go to a CUDA backend without a copy
+    (:func:`~.dispatch.aligned`; a piece unpacked from a transfer buffer may
+    start anywhere): else the block kernel runs it."""
+    return tensors[0].device.type != "cuda" or all(aligned(t) for t in tensors)
 
 
 def merge_into(out: Tensor, lse: Tensor, o: Tensor, bl: Tensor) -> None:

@@ -20,8 +20,9 @@ parts into the gradients. Rows no branch reaches get ``out = 0``,
 
 Our kernels run the pass instead where the table says, or where the dense
 backends cannot give the same answer (dispatch.py); K/V finiteness is
-checked when a dense pass runs (a host sync) and a gradient reaching
-``lse`` takes our backward kernel. A double backward raises, as the
+checked once a call, its answer read after the dense calls are queued (no
+stall of the device: :class:`PerBranch`), and a gradient reaching ``lse``
+takes our backward kernel. A double backward raises, as the
 kernel's does.
 """
 
@@ -38,8 +39,8 @@ from ..core.cache import LRUCache
 from ..core.dtypes import acc_dtype
 from ..core.pattern import Pattern
 from . import ops
-from .backends import backend, kv_finite
-from .dispatch import Route
+from .backends import KvFinite, backend
+from .dispatch import Route, aligned
 from .spans import Call, Geometry, batch_groups
 
 __all__ = ["PerBranch", "PhaseTimes", "dense_backward", "dense_forward", "phase_times"]
@@ -100,19 +101,23 @@ def _span(phase: str, device: torch.device):
 
 class Program(NamedTuple):
     """The dense calls of one pass as plain geometry: per span, its part
-    rows on the query and the K/V side and its launches ``(backend name,
-    geometry of each argument)`` (:class:`~ring_attention.local.views.Geometry`,
-    offsets absolute in each tensor's storage); ``q_rows``, ``kv_rows``:
-    the most rows a span's part buffers need."""
+    rows (of the outputs, of their LSE and of the K/V side), whether branch
+    0's outputs go straight into ``out`` (the forward: its LSE rows then
+    follow the other branches' part rows) and its launches ``(backend name, geometry of each
+    argument)`` (:class:`~ring_attention.local.views.Geometry`, offsets
+    absolute in each tensor's storage; in the forward ``(name, into_out)``:
+    whether the call's outputs go to ``out`` or to the parts); ``q_rows``, ``lse_rows``,
+    ``kv_rows``: the most rows a span's part buffers need."""
 
     q_rows: int
+    lse_rows: int
     kv_rows: int
-    spans: tuple[tuple[int, int, tuple[tuple[Any, ...], ...]], ...]
+    spans: tuple[tuple[int, int, int, bool, tuple[tuple[Any, ...], ...]], ...]
 
 
 def _program(pass_: str, r: Route, *tensors: torch.Tensor) -> Program:
     """The :class:`Program` of ``pass_`` of the route ``r`` on these tensors
-    (forward: q, k, v; backward: grad_out, q, k, v, out), cached per
+    (forward: q, k, v, out; backward: grad_out, q, k, v, out), cached per
     route, pass, and every tensor's shape, strides, storage offset, dtype
     and device: a pass on the same layout builds no view geometry again."""
     key = (pass_, r.spans, r.backends, layout_key(tensors))
@@ -124,6 +129,13 @@ def layout_key(tensors: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
     return tuple((t.shape, t.stride(), t.storage_offset(), t.dtype, t.device) for t in tensors)
 
 
+def _out_geometry(call: Call, out: torch.Tensor) -> Geometry:
+    """The call's rows of ``out`` ``(B, n, H, d)`` as its part views are
+    laid out, ``(B, segments, heads, rows, d)``."""
+    (b, s, rows, h, d), (sb, ss, sr, sh, sd), offset = call.geometry(out.shape, out.stride())
+    return (b, s, h, rows, d), (sb, ss, sh, sr, sd), offset + out.storage_offset()
+
+
 def _build(pass_: str, r: Route, tensors: tuple[torch.Tensor, ...]) -> Program:
     assert r.spans is not None
     backward = pass_ == "backward"
@@ -133,10 +145,13 @@ def _build(pass_: str, r: Route, tensors: tuple[torch.Tensor, ...]) -> Program:
         size, stride, offset = call.geometry(t.shape, t.stride(), kv)
         return size, stride, offset + t.storage_offset()
 
-    spans, q_max, kv_max = [], 0, 0
+    spans, q_max, lse_max, kv_max = [], 0, 0, 0
     for span, names in zip(r.spans.spans, r.backends, strict=True):
-        launches, q_base, kv_base = [], 0, 0
-        for call, name in zip(span.calls, names, strict=True):
+        order = span.part_order()
+        calls = [(span.calls[j], names[j]) for j in order]
+        in_place = not backward and any(c.branch == 0 for c, _ in calls)
+        launches, q_base, kv_base, parts_rows = [], 0, 0, 0
+        for call, name in calls:
             if backward:
                 go, q, k, v, out = tensors
                 geoms = (
@@ -147,18 +162,26 @@ def _build(pass_: str, r: Route, tensors: tuple[torch.Tensor, ...]) -> Program:
                     call.part_geometry(kv_base, batch, True, d),
                 )  # fmt: skip
             else:
-                q, k, v = tensors
+                q, k, v, out = tensors
+                into_out = in_place and call.branch == 0
+                if into_out:
+                    og = _out_geometry(call, out)
+                else:
+                    og = call.part_geometry(q_base, batch, False, d)
+                    parts_rows = q_base + call.part_rows(batch)
                 geoms = (
-                    view(call, q), view(call, k, True), view(call, v, True),
-                    call.part_geometry(q_base, batch, False, d),
+                    view(call, q), view(call, k, True), view(call, v, True), og,
                     call.part_geometry(q_base, batch, False, None),
                 )  # fmt: skip
+                name = (name, into_out)
             launches += [(name, *g) for g in batch_groups(geoms)]
             q_base += call.part_rows(batch)
             kv_base += call.part_rows(batch, True)
-        spans.append((q_base, kv_base, tuple(launches)))
-        q_max, kv_max = max(q_max, q_base), max(kv_max, kv_base)
-    return Program(q_max, kv_max, tuple(spans))
+        parts_rows = parts_rows if in_place else q_base
+        spans.append((parts_rows, q_base, kv_base, in_place, tuple(launches)))
+        q_max, lse_max = max(q_max, parts_rows), max(lse_max, q_base)
+        kv_max = max(kv_max, kv_base)
+    return Program(q_max, lse_max, kv_max, tuple(spans))
 
 
 _PROGRAMS: LRUCache[Program] = LRUCache(64, name="dense programs")
@@ -167,31 +190,36 @@ _PROGRAMS: LRUCache[Program] = LRUCache(64, name="dense programs")
 def dense_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Pattern, scale: float, r: Route
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``out`` and ``lse`` of the local op by the dense calls of ``r``."""
+    """``out`` and ``lse`` of the local op by the dense calls of ``r``:
+    branch 0's calls write into ``out`` (:class:`Program`),
+    the others into the part buffers, and the merge reads each part once
+    and writes ``out`` and ``lse`` once."""
     batch, n, heads, d = q.shape
     device, causal = q.device, pattern.causal
     acc = acc_dtype(q.dtype)
-    prog = _program("forward", r, q, k, v)
-    fns = {name: backend(name).forward for names in r.backends for name in set(names)}
     out = torch.empty_like(q)
+    prog = _program("forward", r, q, k, v, out)
+    fns = {name: backend(name).forward for names in r.backends for name in set(names)}
     lse = torch.empty(batch, heads, n, dtype=acc, device=device)
     # one pair of part buffers for every span (the stream orders each
     # span's merge before the next span's calls write)
     parts = torch.empty(prog.q_rows, d, dtype=q.dtype, device=device)
-    part_lse = torch.empty(prog.q_rows, dtype=acc, device=device)
-    for i, (span, (rows, _, launches)) in enumerate(zip(r.spans.spans, prog.spans, strict=True)):
+    part_lse = torch.empty(prog.lse_rows, dtype=acc, device=device)
+    for i, (span, (rows, lse_rows, _, in_place, launches)) in enumerate(
+        zip(r.spans.spans, prog.spans, strict=True)
+    ):
         with _span("calls", device):
-            for name, qg, kg, vg, og, lg in launches:
+            for (name, into_out), qg, kg, vg, og, lg in launches:
                 fns[name](
                     q.as_strided(*qg), k.as_strided(*kg), v.as_strided(*vg), causal, scale,
-                    parts.as_strided(*og), part_lse.as_strided(*lg),
+                    (out if into_out else parts).as_strided(*og), part_lse.as_strided(*lg),
                 )  # fmt: skip
         q_index = r.spans.index(i, batch, device)[0]
         a, length = span.start, span.length
         with _span("merge", device):
             ops.merge_branches(
-                parts[:rows], part_lse[:rows], q_index, out[:, a : a + length],
-                lse[:, :, a : a + length].transpose(1, 2),
+                parts[:rows], part_lse[:lse_rows], q_index, out[:, a : a + length],
+                lse[:, :, a : a + length].transpose(1, 2), in_place,
             )  # fmt: skip
     return out, lse
 
@@ -211,15 +239,16 @@ def dense_backward(
     given the merged ``out`` and ``lse``."""
     batch, _, _, d = q.shape
     device, causal = q.device, pattern.causal
-    if grad_out.stride(-1) != 1:
-        grad_out = grad_out.contiguous()
+    if grad_out.stride(-1) != 1 or (device.type == "cuda" and not aligned(grad_out)):
+        # one copy here rather than one in every dense call that reads it
+        grad_out = grad_out.clone(memory_format=torch.contiguous_format)
     prog = _program("backward", r, grad_out, q, k, v, out)
     fns = {name: backend(name).backward for names in r.backends for name in set(names)}
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     gq = torch.empty(prog.q_rows, d, dtype=q.dtype, device=device)
     gk = torch.empty(prog.kv_rows, d, dtype=q.dtype, device=device)
     gv = torch.empty_like(gk)
-    for i, (span, (q_rows, kv_rows, launches)) in enumerate(
+    for i, (span, (q_rows, _, kv_rows, _, launches)) in enumerate(
         zip(r.spans.spans, prog.spans, strict=True)
     ):
         with _span("calls", device):
@@ -246,28 +275,41 @@ class PerBranch:
     implementation) where its route is dense: :func:`dense_forward` and
     :func:`dense_backward` where K/V are finite (a dense kernel would
     multiply the zero weights of masked keys by their values), our kernels
-    otherwise, and our backward kernel too when a gradient reaches ``lse``
-    (the dense backwards have no input for it)."""
+    otherwise, and our backward kernel too when a gradient reaching ``lse``
+    (the dense backwards have no input for it).
+
+    K/V finiteness is checked once a call (forward and backward share it)
+    without stalling the device: the check is queued, the dense calls after
+    it, and its answer read once they are queued (:class:`~.backends.KvFinite`);
+    where it says non-finite, the dense result is dropped and our kernel
+    runs, so every input gets the answer of the route the check picks."""
 
     def __init__(self, pattern: Pattern, scale: float, args: ops.OpArgs, fwd: Route,
                  bwd: Route | None) -> None:  # fmt: skip
         self.pattern, self.scale, self.args = pattern, scale, args
         self.fwd, self.bwd = fwd, bwd
-        self.finite: bool | None = None  # K/V checked: not yet
+        self.finite: KvFinite | None = None  # K/V check: not queued yet
 
-    def _finite(self, k: torch.Tensor, v: torch.Tensor) -> bool:
+    def _finite(self, k: torch.Tensor, v: torch.Tensor) -> KvFinite:
         if self.finite is None:
             with _span("finite", k.device):
-                self.finite = kv_finite(k, v)
+                self.finite = KvFinite(k, v)
         return self.finite
 
     def forward(self, q, k, v):
-        if self.fwd.dense and self._finite(k, v):
-            return dense_forward(q, k, v, self.pattern, self.scale, self.fwd)
+        if self.fwd.dense:
+            finite = self._finite(k, v)
+            res = dense_forward(q, k, v, self.pattern, self.scale, self.fwd)
+            if finite:
+                return res
         return ops.local_attention(q, k, v, self.args)
 
     def backward(self, grad_out, grad_lse, q, k, v, out, lse):
         bwd = self.bwd
-        if bwd is not None and bwd.dense and grad_lse is None and self._finite(k, v):
-            return dense_backward(grad_out, q, k, v, out, lse, self.pattern, self.scale, bwd)
+        if bwd is not None and bwd.dense and grad_lse is None:
+            finite = self._finite(k, v)
+            if finite.known is not False:  # unread (the forward was ours) or finite
+                res = dense_backward(grad_out, q, k, v, out, lse, self.pattern, self.scale, bwd)
+                if finite:
+                    return res
         return ops.local_attention_backward(grad_out, grad_lse, q, k, v, out, lse, self.args)

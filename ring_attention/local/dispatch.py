@@ -18,7 +18,8 @@ backends cannot give the same answer: a key padding mask, a sliding window
 masked keys by their values), a gradient reaching ``lse`` (their backwards
 have no input for it), calls traced by ``torch.compile`` (the graph keeps
 the operator: no host sync), empty inputs, a head dim that is not
-contiguous, more than :data:`MAX_CALLS` calls a pass (many documents), and
+contiguous, views the CUDA backends would copy (:func:`aligned`), more
+than :data:`MAX_CALLS` calls a pass (many documents), and
 any call no backend can run (fp32 / fp64 on CUDA, head dims or devices the
 backends do not take). ``python -m ring_attention.info`` prints the route
 of a shape and why.
@@ -51,6 +52,7 @@ __all__ = [
     "BackendRow",
     "PathRow",
     "Route",
+    "aligned",
     "block_shape",
     "choose_backend",
     "decide",
@@ -285,6 +287,8 @@ def route(
         return Route(False, "empty inputs")
     if any(t.stride(-1) != 1 for t in (q, k, v)):
         return Route(False, "a head dim that is not contiguous")
+    if q.device.type == "cuda" and not all(aligned(t) for t in (q, k, v)):
+        return Route(False, MISALIGNED)
     _, n, heads, d = q.shape
     device = q.device
     cc = _capability(device)
@@ -343,6 +347,26 @@ def decide(
 
 
 _ROUTES: LRUCache[Route] = LRUCache(64, name="dense routes")
+
+MISALIGNED = (
+    "a view not 16-byte aligned or with strides not multiples of 8 elements "
+    "(the dense backends would copy it)"
+)
+
+
+def aligned(t: torch.Tensor) -> bool:
+    """Whether the dense CUDA backends take ``t`` without a copy (flash-attn-4
+    silently copies anything else): its start 16-byte aligned (its storage
+    offset: storages start aligned), and it contiguous or its strides, but
+    the last and those of dimensions of one, multiples of 8 elements. The
+    views of the per-branch calls of aligned q, k, v are too (their offsets
+    and strides are sums of multiples of the tensor's), and so are the
+    calls' part buffers (ring_attention/local/spans.py)."""
+    if t.storage_offset() * t.element_size() % 16:
+        return False
+    if t.is_contiguous():
+        return True
+    return all(s % 8 == 0 for s, n in zip(t.stride()[:-1], t.shape[:-1], strict=True) if n > 1)
 
 
 def block_shape(pattern: Pattern, n: int, boundaries: tuple[int, ...]) -> tuple[str | None, str]:

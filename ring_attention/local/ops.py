@@ -137,12 +137,14 @@ def block_backward(
 
 
 def merge_branches(
-    parts: Tensor, part_lse: Tensor, index: Tensor, out: Tensor, lse: Tensor
-) -> None:
+    parts: Tensor, part_lse: Tensor, index: Tensor, out: Tensor, lse: Tensor,
+    first_in_out: bool = False,
+) -> None:  # fmt: skip
     """Write ``out`` and ``lse`` of a window from the per-call ``parts`` and
     their ``part_lse``, merged by log-sum-exp (``index``: the span planner's
-    slots, ring_attention/local/spans.py)."""
-    _OPS.merge_branches(parts, part_lse, index, out, lse)
+    slots, ring_attention/local/spans.py); ``first_in_out``: slot 0's parts
+    are in ``out`` already (their LSE in ``part_lse`` after ``parts``' rows)."""
+    _OPS.merge_branches(parts, part_lse, index, out, lse, first_in_out)
 
 
 def sum_branches(parts: Tensor, index: Tensor, grad: Tensor) -> None:

@@ -25,7 +25,12 @@ about ``n / 16`` rows each, so that the per-call output buffers stay bounded;
 with documents every document span of a span has its own calls.
 
 A span's calls write their outputs (and LSE) into one buffer of *parts*,
-call after call, each call's rows in ``(batch, segment, head, row)`` order;
+call after call in :meth:`Span.part_order` (branch 0's calls last), each
+call's rows in ``(batch, segment, head, row)`` order, a head's rows padded to
+a multiple of :data:`PART_ALIGN` (every part view 16-byte aligned, its
+strides multiples of 8 elements); in the forward branch
+0's outputs go straight into the op's ``out`` instead, its LSE into the
+parts' LSE after the other branches' (ring_attention/local/branches.py);
 :meth:`SpanPlan.index` maps every ``(batch, position, head)`` of the span to
 its part row in each *slot* (``-1``: none): a query row has one part per
 branch (slot = branch), a K/V row one per branch and head run (slots of the
@@ -64,6 +69,16 @@ __all__ = [
 #: Spans hold at least this many rows (the calls stay large) and about
 #: 1/SPANS of the sequence (the part buffers stay small).
 SPANS = 16
+
+#: A call's rows take a multiple of this many rows in the part buffers, so
+#: that every part view starts 16-byte aligned and has strides that are
+#: multiples of 8 elements (its LSE too): what the dense CUDA backends take
+#: without a copy (ring_attention/local/dispatch.py's ``aligned``).
+PART_ALIGN = 8
+
+
+def _padded(rows: int) -> int:
+    return -(-rows // PART_ALIGN) * PART_ALIGN
 
 
 @dataclass(frozen=True)
@@ -147,17 +162,23 @@ class Call:
         return _apply(lse, self.lse_geometry(lse.shape, lse.stride()))
 
     def part_rows(self, batch: int, kv: bool = False) -> int:
-        """Rows the call's outputs take in its span's part buffer."""
-        return batch * self.segments * (self.kv_heads if kv else self.q_heads) * self.rows
+        """Rows the call's outputs take in its span's part buffer: ``(B,
+        segments, heads, rows)``, ``rows`` padded to a multiple of
+        :data:`PART_ALIGN` (the padding never written, never read)."""
+        heads = self.kv_heads if kv else self.q_heads
+        return batch * self.segments * heads * _padded(self.rows)
 
     def part_geometry(self, base: int, batch: int, kv: bool, width: int | None) -> Geometry:
         """The call's rows ``[base, base + part_rows)`` of a contiguous part
         buffer (``(rows, width)``, or ``(rows,)`` with ``width`` None) as
-        ``(B, segments, heads, rows[, width])``."""
+        ``(B, segments, heads, rows[, width])``, the rows of a head
+        :data:`PART_ALIGN`-padded apart."""
         size = (batch, self.segments, self.kv_heads if kv else self.q_heads, self.rows)
-        size = size if width is None else (*size, width)
+        padded = (*size[:3], _padded(self.rows))
+        if width is not None:
+            size, padded = (*size, width), (*padded, width)
         stride, step = [], 1
-        for x in reversed(size):
+        for x in reversed(padded):
             stride.append(step)
             step *= x
         return size, tuple(reversed(stride)), base * (width or 1)
@@ -219,6 +240,15 @@ class Span:
     calls: tuple[Call, ...]
     q_slots: int
     kv_slots: int
+
+    def part_order(self) -> list[int]:
+        """Indices of :attr:`calls` in the order their rows take in the part
+        buffers: the other branches' calls, then branch 0's (whose forward
+        outputs can then go to ``out``, its part rows at the end)."""
+        order = range(len(self.calls))
+        return [i for i in order if self.calls[i].branch] + [
+            i for i in order if not self.calls[i].branch
+        ]
 
 
 def head_runs(kv: list[int]) -> list[tuple[int, int, int, int]]:
@@ -408,7 +438,7 @@ class SpanPlan:
 
         def build():
             flat = []
-            for call in span.calls:
+            for call in (span.calls[j] for j in span.part_order()):
                 size, stride, offset = call.lse_geometry(
                     (batch, self.heads, self.n), (self.heads * self.n, self.n, 1)
                 )
@@ -417,7 +447,8 @@ class SpanPlan:
                     shape = [1] * len(size)
                     shape[dim] = extent
                     base = base + torch.arange(extent, dtype=torch.int64).view(shape) * step
-                flat.append((base + offset).reshape(-1))
+                pad = _padded(call.rows) - call.rows  # the parts' padding: any valid index
+                flat.append(torch.nn.functional.pad(base + offset, (0, pad)).reshape(-1))
             return torch.cat(flat).to(device) if flat else torch.zeros(0, dtype=torch.int64)
 
         return _LSE_INDEX.get((self, i, batch, str(device)), build)
@@ -489,7 +520,7 @@ def _index_of(
     index = torch.full((slots, batch, span.length, width), -1, dtype=torch.int32, device=device)
     base = 0
     bi = torch.arange(batch, device=device)[:, None, None, None]
-    for call in span.calls:
+    for call in (span.calls[j] for j in span.part_order()):
         count = call.part_rows(batch, kv)
         pos = (call.positions() - span.start).to(device)[None]
         head, heads, step = (
@@ -499,8 +530,9 @@ def _index_of(
         )
         hs = (head + step * torch.arange(heads, device=device))[None, None, :, None]
         rows = torch.arange(base, base + count, dtype=torch.int32, device=device)
+        rows = rows.view(batch, call.segments, heads, _padded(call.rows))[..., : call.rows]
         slot = call.kv_slot if kv else call.branch
-        index[slot][bi, pos, hs] = rows.view(batch, call.segments, heads, call.rows)
+        index[slot][bi, pos, hs] = rows
         base += count
     if base >= 2**31:
         raise RuntimeError(f"span of {base} part rows: beyond int32 (smaller spans needed)")
