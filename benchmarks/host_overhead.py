@@ -91,7 +91,7 @@ def measure(point: str, reps: int, backward: bool) -> dict:
     from ring_attention.core import config
     from ring_attention.core.call import Call
     from ring_attention.core.pattern import Pattern
-    from ring_attention.local import dispatch, engine
+    from ring_attention.local import dispatch, engine, ops
     from ring_attention.local.branches import PerBranch
 
     n, heads, d = (int(x) for x in point.split("x"))
@@ -110,7 +110,8 @@ def measure(point: str, reps: int, backward: bool) -> dict:
         for p in ("forward", "backward")
     )
     assert fwd.dense and bwd.dense, (fwd.why, bwd.why)
-    args = engine.op_args(Call(pattern, d**-0.5), meta)
+    op_args = getattr(ops, "op_args", None) or engine.op_args  # earlier trees: engine's
+    args = op_args(Call(pattern, d**-0.5), meta)
 
     def one() -> None:
         dispatch.route("forward", q, k, v, pattern, None)

@@ -30,7 +30,8 @@ from .core import config
 from .core.geometry import MAX_SEQ_LEN
 from .core.pairs import MAX_HEADS
 from .core.pattern import Pattern
-from .local.dispatch import Route, Unavailable, choose_backend, decide, unavailable
+from .local.dispatch import Unavailable, choose_backend, decide, unavailable
+from .local.spans import Route
 from .planner.cli_types import int_in
 
 __all__ = ["describe", "main"]

@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ring_attention.core import config
 from ring_attention.core.call import Call
 from ring_attention.core.pattern import Pattern
-from ring_attention.local import blocks, dispatch, engine
+from ring_attention.local import backends, blocks, dispatch
 
 BF16 = torch.bfloat16
 SHAPE = (1, 4096, 4, 64)
@@ -41,16 +41,16 @@ def sm90(monkeypatch):
 
 
 def test_aligned() -> None:
-    assert dispatch.aligned(_at(SHAPE, device="cpu"))
-    assert dispatch.aligned(_at(SHAPE, offset=8, device="cpu"))  # 16 bytes in
-    assert not dispatch.aligned(_at(SHAPE, offset=1, device="cpu"))  # 2 bytes in
-    assert not dispatch.aligned(_at(SHAPE, offset=4, device="cpu"))  # 8 bytes in
-    assert dispatch.aligned(_at(SHAPE, offset=4, dtype=torch.float32, device="cpu"))
-    assert not dispatch.aligned(_at(SHAPE, pad=4, device="cpu"))  # head stride 68
-    assert dispatch.aligned(_at(SHAPE, pad=8, device="cpu"))  # head stride 72
+    assert backends.aligned(_at(SHAPE, device="cpu"))
+    assert backends.aligned(_at(SHAPE, offset=8, device="cpu"))  # 16 bytes in
+    assert not backends.aligned(_at(SHAPE, offset=1, device="cpu"))  # 2 bytes in
+    assert not backends.aligned(_at(SHAPE, offset=4, device="cpu"))  # 8 bytes in
+    assert backends.aligned(_at(SHAPE, offset=4, dtype=torch.float32, device="cpu"))
+    assert not backends.aligned(_at(SHAPE, pad=4, device="cpu"))  # head stride 68
+    assert backends.aligned(_at(SHAPE, pad=8, device="cpu"))  # head stride 72
     # a dimension of one has no stride that matters
     one = torch.empty(1, 8, 1, 16, dtype=BF16).as_strided((1, 8, 1, 16), (3, 16, 5, 1))
-    assert dispatch.aligned(one)
+    assert backends.aligned(one)
 
 
 @pytest.mark.parametrize("which", ["q", "k", "v"])
@@ -105,7 +105,7 @@ def test_misaligned_ring_blocks_take_the_block_kernel(which, sm90, monkeypatch) 
     lse = torch.zeros(1, 4, n, dtype=torch.float32, device="cuda")
     grads = [torch.zeros(SHAPE, dtype=torch.float32, device="cuda") for _ in range(3)]
     for pass_ in ("forward", "backward"):
-        blk = engine.blocks(call, pass_, t["q"], t["k"], 2 * n, (0, n, 2 * n), n)
+        blk = blocks.ring_blocks(call, pass_, t["q"], t["k"], 2 * n, (0, n, 2 * n), n)
         assert blk.dense is not None and blk.backend is not None, pass_
         blk.backend = rec = _Recorder()
 
@@ -165,13 +165,13 @@ def test_part_views_are_aligned(n, heads, kv_heads, kw, batch, monkeypatch) -> N
         for (_, into_out), qg, kg, vg, og, lg in launches:
             args = ((q, qg), (k, kg), (v, vg), (out if into_out else parts, og), (lse, lg))
             for t, g in args:
-                assert dispatch.aligned(t.as_strided(*g)), g
+                assert backends.aligned(t.as_strided(*g)), g
                 views += 1
     for *_, launches in pb.spans:
         for _, dog, qg, kg, vg, og, lg, gqg, gkg, gvg in launches:
             args = ((go, dog), (q, qg), (k, kg), (v, vg), (out, og), (blse, lg), (gq, gqg),
                     (gk, gkg), (gk, gvg))  # fmt: skip
             for t, g in args:
-                assert dispatch.aligned(t.as_strided(*g)), g
+                assert backends.aligned(t.as_strided(*g)), g
                 views += 1
     assert views > 100

@@ -27,7 +27,7 @@ from ring_attention.core import config
 from ring_attention.core.call import Call, prepare
 from ring_attention.core.pattern import Pattern
 from ring_attention.local import backends, branches, dispatch, engine, ops
-from ring_attention.local.blocks import merge_into
+from ring_attention.local.blocks import merge_into, ring_blocks
 
 F64, F32, BF16, F16 = torch.float64, torch.float32, torch.bfloat16, torch.float16
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
@@ -560,7 +560,7 @@ def test_ring_block_reads_its_check_after_its_dense_call(pattern, bad, dense) ->
     go = go.to(F32)
     if bad:
         v[0, 5, 1, 2] = float("nan")
-    blk = engine.blocks(call, "forward", q, k, 64, (0, 32, 64), 32)
+    blk = ring_blocks(call, "forward", q, k, 64, (0, 32, 64), 32)
     assert blk.dense is not None
     out = torch.zeros(1, 32, 2, 8)
     lse = torch.full((1, 2, 32), -math.inf)
@@ -577,7 +577,7 @@ def test_ring_block_reads_its_check_after_its_dense_call(pattern, bad, dense) ->
     torch.testing.assert_close(out, want_out, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(lse, want_lse, rtol=0, atol=0, equal_nan=True)
     # the backward: the same order, the kernel's gradients where V is bad
-    blk = engine.blocks(call, "backward", q, k, 64, (0, 32, 64), 32)
+    blk = ring_blocks(call, "backward", q, k, 64, (0, 32, 64), 32)
     o = out.to(q.dtype)
     grads = [torch.zeros(1, 32, 2, 8) for _ in range(3)]
     with _OpLog() as log:

@@ -35,7 +35,7 @@ import torch
 
 from ..core.cache import cached
 
-__all__ = ["BACKENDS", "KvFinite", "backend", "cudnn_missing", "fa4_missing"]
+__all__ = ["BACKENDS", "KvFinite", "aligned", "backend", "cudnn_missing", "fa4_missing"]
 
 aten = torch.ops.aten
 
@@ -266,3 +266,18 @@ BACKENDS = {b.name: b for b in (FlashAttn4(), AtenCudnn(), AtenFlash(), CpuFlash
 def backend(name: str):
     """The backend called ``name`` (:data:`BACKENDS`)."""
     return BACKENDS[name]
+
+
+def aligned(t: torch.Tensor) -> bool:
+    """Whether the dense CUDA backends take ``t`` without a copy (flash-attn-4
+    silently copies anything else): its start 16-byte aligned (its storage
+    offset: storages start aligned), and it contiguous or its strides, but
+    the last and those of dimensions of one, multiples of 8 elements. The
+    views of the per-branch calls of aligned q, k, v are too (their offsets
+    and strides are sums of multiples of the tensor's), and so are the
+    calls' part buffers (ring_attention/local/spans.py)."""
+    if t.storage_offset() * t.element_size() % 16:
+        return False
+    if t.is_contiguous():
+        return True
+    return all(s % 8 == 0 for s, n in zip(t.stride()[:-1], t.shape[:-1], strict=True) if n > 1)

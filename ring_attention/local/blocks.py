@@ -45,11 +45,12 @@ import torch
 
 from ..core.call import Call
 from . import ops
-from .backends import KvFinite, backend
+from .backends import KvFinite, aligned, backend
 from .branches import dense_backward, dense_forward
-from .dispatch import Route, aligned, route
+from .dispatch import route, route_blocks
+from .spans import Route
 
-__all__ = ["Blocks", "block_kind", "merge_into"]
+__all__ = ["Blocks", "block_kind", "merge_into", "ring_blocks"]
 
 Tensor = torch.Tensor
 
@@ -181,7 +182,7 @@ class Blocks:
 
 def _aligned(*tensors: Tensor) -> bool:
     """Whether a block's tensors go to a CUDA backend without a copy
-    (:func:`~.dispatch.aligned`; a piece unpacked from a transfer buffer may
+    (:func:`~.backends.aligned`; a piece unpacked from a transfer buffer may
     start anywhere): else the block kernel runs it."""
     return tensors[0].device.type != "cuda" or all(aligned(t) for t in tensors)
 
@@ -195,3 +196,14 @@ def merge_into(out: Tensor, lse: Tensor, o: Tensor, bl: Tensor) -> None:
     take = torch.exp(bl - ref).transpose(1, 2).unsqueeze(-1)
     out.mul_(keep).add_(o * take)
     lse.copy_(new)
+
+
+def ring_blocks(
+    call: Call, pass_: str, q: Tensor, k: Tensor, n: int, bounds: tuple[int, ...], rows: int
+) -> Blocks:
+    """The blocks of one ring pass (``pass_``: ``"forward"`` or
+    ``"backward"``) of ``call`` on this rank's shard ``q`` and K/V like
+    ``k``: ``n`` the global length, ``bounds`` where every rank's pieces
+    start and end, ``rows`` a length every piece is a multiple of."""
+    r = route_blocks(pass_, q, k, call.pattern, n, bounds, rows) if call.every_head else None
+    return Blocks(call, ops.op_args(call, q.device), r if r is not None and r.dense else None)

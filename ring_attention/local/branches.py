@@ -39,9 +39,8 @@ from ..core.cache import LRUCache
 from ..core.dtypes import acc_dtype
 from ..core.pattern import Pattern
 from . import ops
-from .backends import KvFinite, backend
-from .dispatch import Route, aligned
-from .spans import Call, Geometry, batch_groups
+from .backends import KvFinite, aligned, backend
+from .spans import Call, Geometry, Route, batch_groups
 
 __all__ = ["PerBranch", "PhaseTimes", "dense_backward", "dense_forward", "phase_times"]
 

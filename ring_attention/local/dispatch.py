@@ -42,8 +42,8 @@ import torch
 from ..core import config
 from ..core.cache import LRUCache
 from ..core.pattern import Pattern
-from .backends import cudnn_missing, fa4_missing
-from .spans import SpanPlan, plan_spans
+from .backends import aligned, cudnn_missing, fa4_missing
+from .spans import Route, plan_spans
 
 __all__ = [
     "BACKENDS",
@@ -51,8 +51,6 @@ __all__ = [
     "PATHS",
     "BackendRow",
     "PathRow",
-    "Route",
-    "aligned",
     "block_shape",
     "choose_backend",
     "decide",
@@ -158,18 +156,6 @@ BACKENDS = (
         "(tests); our CPU kernels are faster (benchmarks/RESULTS.md), so auto never takes it",
     ),
 )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Route:
-    """The path of one pass: ``dense`` (the per-branch calls of ``spans``, call
-    ``j`` of span ``i`` on backend ``backends[i][j]``; for the ring's blocks
-    no spans and one backend, ``((name,),)``) or our kernel, and why."""
-
-    dense: bool
-    why: str
-    spans: SpanPlan | None = None
-    backends: tuple[tuple[str, ...], ...] = ()
 
 
 def _capability(device: torch.device) -> tuple[int, int]:
@@ -352,21 +338,6 @@ MISALIGNED = (
     "a view not 16-byte aligned or with strides not multiples of 8 elements "
     "(the dense backends would copy it)"
 )
-
-
-def aligned(t: torch.Tensor) -> bool:
-    """Whether the dense CUDA backends take ``t`` without a copy (flash-attn-4
-    silently copies anything else): its start 16-byte aligned (its storage
-    offset: storages start aligned), and it contiguous or its strides, but
-    the last and those of dimensions of one, multiples of 8 elements. The
-    views of the per-branch calls of aligned q, k, v are too (their offsets
-    and strides are sums of multiples of the tensor's), and so are the
-    calls' part buffers (ring_attention/local/spans.py)."""
-    if t.storage_offset() * t.element_size() % 16:
-        return False
-    if t.is_contiguous():
-        return True
-    return all(s % 8 == 0 for s, n in zip(t.stride()[:-1], t.shape[:-1], strict=True) if n > 1)
 
 
 def block_shape(pattern: Pattern, n: int, boundaries: tuple[int, ...]) -> tuple[str | None, str]:

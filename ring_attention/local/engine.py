@@ -8,14 +8,11 @@
   autograd registered on it), or the per-branch dense path where the
   dispatch table takes it (ring_attention/local/dispatch.py) under
   :class:`~ring_attention.local.ops.Attention`.
-* :func:`blocks`: a ring pass's blocks (ring_attention/local/blocks.py).
 * :func:`ring`: the ring's operators under their autograd.
 * :func:`differentiable`: :class:`~ring_attention.local.ops.Attention`
   around another implementation.
 * :func:`reached_rows`: the key rows a set of query ranges reaches (the
   ring's exchange planner).
-* :func:`op_args`: the operators' pattern arguments of a call, built here
-  only.
 
 Nothing is checked here: the public entries checked the call
 (:func:`ring_attention.core.call.prepare`).
@@ -30,42 +27,18 @@ import torch
 from ..core.call import Call
 from ..core.pattern import Pattern
 from . import ops
-from .blocks import Blocks
 from .branches import PerBranch
-from .dispatch import route, route_blocks
+from .dispatch import route
 
 __all__ = [
     "attend",
-    "blocks",
     "differentiable",
     "fold_sinks",
-    "op_args",
     "reached_rows",
     "ring",
 ]
 
 Tensor = torch.Tensor
-
-
-def op_args(call: Call, device: torch.device | str) -> ops.OpArgs:
-    """The operators' pattern arguments of ``call`` (its documents as an
-    int64 tensor on ``device``, built once per device; a traced call's
-    ``cu_seqlens`` as it is)."""
-    pattern = call.pattern
-    return ops.OpArgs(
-        list(pattern.segment_lengths),
-        list(pattern.dilation_rates),
-        pattern.causal,
-        float(call.scale),
-        pattern.head_groups,
-        pattern.head_offsets == "grouped",
-        call.key_padding_mask,
-        pattern.documents_tensor(device) if call.documents is None else call.documents,
-        *pattern.window,
-        call.head_start,
-        call.total_heads,
-        call.total_kv_heads,
-    )
 
 
 def attend(call: Call, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -93,7 +66,7 @@ def fold_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]
 
 
 def _attend(call: Call, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    args = op_args(call, q.device)
+    args = ops.op_args(call, q.device)
     rows = ops.Rows(call.q_start, call.k_start, call.q_starts)
     if call.documents is not None or not call.one_sequence:
         return ops.local_attention(q, k, v, args, rows)  # the kernels alone take these
@@ -120,16 +93,6 @@ def ring(
     return ops.RingFunction.apply(q, k, v, documents, spec, needs_grad)
 
 
-def blocks(call: Call, pass_: str, q: Tensor, k: Tensor, n: int, bounds: tuple[int, ...],
-           rows: int) -> Blocks:  # fmt: skip
-    """The blocks of one ring pass (``pass_``: ``"forward"`` or
-    ``"backward"``) of ``call`` on this rank's shard ``q`` and K/V like
-    ``k``: ``n`` the global length, ``bounds`` where every rank's pieces
-    start and end, ``rows`` a length every piece is a multiple of."""
-    r = route_blocks(pass_, q, k, call.pattern, n, bounds, rows) if call.every_head else None
-    return Blocks(call, op_args(call, q.device), r if r is not None and r.dense else None)
-
-
 def reached_rows(
     q_starts: Sequence[int], q_lens: Sequence[int], k_start: int, k_len: int, heads: int,
     kv_heads: int, pattern: Pattern, head_range: tuple[int, int, int] = (0, 0, 0),
@@ -140,5 +103,5 @@ def reached_rows(
     call's ``(head_start, total_heads, total_kv_heads)``; ``heads``,
     ``kv_heads`` its own)."""
     call = Call(pattern, 1.0).with_heads(*head_range)
-    args = op_args(call, "cpu")
+    args = ops.op_args(call, "cpu")
     return ops.exchange_rows(q_starts, q_lens, k_start, k_len, heads, kv_heads, args)

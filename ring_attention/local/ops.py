@@ -7,7 +7,7 @@ and the package's one autograd boundary of attention.
   :func:`exchange_rows` (the exchange planner), :func:`merge_branches`,
   :func:`sum_branches` (the per-branch path's merge); :class:`OpArgs`, their
   pattern arguments in schema order (built by
-  :func:`ring_attention.local.engine.op_args`);
+  :func:`op_args`);
 * the autograd of the local operator, registered on it
   (``torch.library.register_autograd``, as PyTorch's extension-cpp does:
   both outputs differentiable, double backward raises), so that the
@@ -32,6 +32,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from .. import _C  # noqa: F401  (loads the extension: registers torch.ops.ring_attention)
+from ..core.call import Call
 
 __all__ = [
     "DOUBLE_BACKWARD_ERROR",
@@ -45,6 +46,7 @@ __all__ = [
     "local_attention",
     "local_attention_backward",
     "merge_branches",
+    "op_args",
     "ring_backward",
     "ring_forward",
     "sum_branches",
@@ -76,6 +78,27 @@ class OpArgs(NamedTuple):
     head_start: int = 0
     total_heads: int = 0
     total_kv_heads: int = 0
+
+
+def op_args(call: Call, device: torch.device | str) -> OpArgs:
+    """The operators' pattern arguments of ``call`` (its documents as an
+    int64 tensor on ``device``, built once per device; a traced call's
+    ``cu_seqlens`` as it is)."""
+    pattern = call.pattern
+    return OpArgs(
+        list(pattern.segment_lengths),
+        list(pattern.dilation_rates),
+        pattern.causal,
+        float(call.scale),
+        pattern.head_groups,
+        pattern.head_offsets == "grouped",
+        call.key_padding_mask,
+        pattern.documents_tensor(device) if call.documents is None else call.documents,
+        *pattern.window,
+        call.head_start,
+        call.total_heads,
+        call.total_kv_heads,
+    )
 
 
 class Rows(NamedTuple):

@@ -56,6 +56,7 @@ from ..core.pattern import Pattern
 __all__ = [
     "Call",
     "Geometry",
+    "Route",
     "Span",
     "SpanPlan",
     "batch_groups",
@@ -73,7 +74,7 @@ SPANS = 16
 #: A call's rows take a multiple of this many rows in the part buffers, so
 #: that every part view starts 16-byte aligned and has strides that are
 #: multiples of 8 elements (its LSE too): what the dense CUDA backends take
-#: without a copy (ring_attention/local/dispatch.py's ``aligned``).
+#: without a copy (ring_attention/local/backends.py's ``aligned``).
 PART_ALIGN = 8
 
 
@@ -545,3 +546,15 @@ _INDEX: LRUCache[tuple[torch.Tensor, int, torch.Tensor, int]] = LRUCache(
 _LSE_INDEX: LRUCache[torch.Tensor] = LRUCache(
     32, name="span lse indices", max_bytes=1 << 30, size_of=lambda v: v.nbytes
 )
+
+
+@dataclass(frozen=True)
+class Route:
+    """The path of one pass: ``dense`` (the per-branch calls of ``spans``, call
+    ``j`` of span ``i`` on backend ``backends[i][j]``; for the ring's blocks
+    no spans and one backend, ``((name,),)``) or our kernel, and why."""
+
+    dense: bool
+    why: str
+    spans: SpanPlan | None = None
+    backends: tuple[tuple[str, ...], ...] = ()

@@ -23,7 +23,7 @@ from ..core.dtypes import acc_dtype
 from ..core.layout import Piece, resolve_layout
 from ..core.pattern import Pattern, as_flag
 from ..local import engine
-from ..local.blocks import Blocks
+from ..local.blocks import Blocks, ring_blocks
 from .comm import comm_device, global_ranks
 from .exchange import (
     ExchangeEvent,
@@ -154,7 +154,7 @@ class RingCall:
         every = [p for pieces in plan.all_pieces for p in pieces]
         rows = math.gcd(*(p.length for p in every))
         bounds = tuple(sorted({b for p in every for b in (p.start, p.start + p.length)}))
-        return engine.blocks(self.call, pass_, q, k, plan.seq_len, bounds, rows or 1)
+        return ring_blocks(self.call, pass_, q, k, plan.seq_len, bounds, rows or 1)
 
     def exchanger(self, q: Tensor, role: str) -> Exchanger:
         """The transport of one pass (``role``: ``"forward"``/``"backward"``)."""
