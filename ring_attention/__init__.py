@@ -36,8 +36,8 @@ else:
     from .core.dtypes import select_dtype
     from .core.pattern import Pattern
     from .local.functional import dilated_attention
-    from .nn.modules import DilatedAttention, MultiheadDilatedAttention, RingDilatedAttention
-    from .nn.multihead import MultiheadAttentionError
+    from .nn.modules import DilatedAttention, RingDilatedAttention
+    from .nn.multihead import MultiheadAttentionError, MultiheadDilatedAttention
     from .parallel.api import ring_dilated_attention
     from .parallel.auto import plan_mesh
     from .parallel.exchange_plan import build_plan as _build_plan
