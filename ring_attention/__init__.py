@@ -51,7 +51,7 @@ def __getattr__(name: str) -> Any:
     if name == "register_transformers" and _EXTENSION_ERROR is None:
         # imported on first use: ring_attention.hf's torch.compiler.disable
         # imports torch._dynamo, seconds that a plain import need not pay
-        from .hf import register_transformers
+        from .hf.attention import register_transformers
 
         return register_transformers
     if _EXTENSION_ERROR is not None and name in __all__:
