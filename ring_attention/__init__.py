@@ -36,8 +36,8 @@ else:
     from .core.dtypes import select_dtype
     from .core.pattern import Pattern
     from .local.functional import dilated_attention
-    from .nn.modules import DilatedAttention, MultiheadDilatedAttention, RingDilatedAttention
-    from .nn.multihead import MultiheadAttentionError
+    from .nn.modules import DilatedAttention, RingDilatedAttention
+    from .nn.multihead import MultiheadAttentionError, MultiheadDilatedAttention
     from .parallel.api import ring_dilated_attention
     from .parallel.auto import plan_mesh
     from .parallel.exchange_plan import build_plan as _build_plan
@@ -51,7 +51,7 @@ def __getattr__(name: str) -> Any:
     if name == "register_transformers" and _EXTENSION_ERROR is None:
         # imported on first use: ring_attention.hf's torch.compiler.disable
         # imports torch._dynamo, seconds that a plain import need not pay
-        from .hf import register_transformers
+        from .hf.attention import register_transformers
 
         return register_transformers
     if _EXTENSION_ERROR is not None and name in __all__:

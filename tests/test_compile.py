@@ -16,7 +16,8 @@ import torch._dynamo.testing
 from torch import nn
 
 import ring_attention as ra
-from ring_attention.nn.modules import DilatedAttention, MultiheadDilatedAttention
+from ring_attention.nn.modules import DilatedAttention
+from ring_attention.nn.multihead import MultiheadDilatedAttention
 
 SEGS, DILS = [4, 8], [1, 2]
 

@@ -35,7 +35,7 @@ ACROSS = {
 }
 #: imports inside functions: (importing module, imported module) -> why
 LAZY = {
-    (PKG, f"{PKG}.hf"): "register_transformers on first use: hf imports torch._dynamo",
+    (PKG, f"{PKG}.hf.attention"): "register_transformers on first use: hf imports torch._dynamo",
     (f"{PKG}.hf", f"{PKG}.hf.trainer"): "SequenceParallelTrainer imports transformers",
     (f"{PKG}.hf", f"{PKG}.hf.sharded_cache"): "ShardedCache imports transformers",
     (f"{PKG}.parallel.api", f"{PKG}.parallel.ulysses_eager"): "torch.compiler.disable imports "

@@ -23,7 +23,7 @@ from ring_attention.core import multiplicity as ra_multiplicity
 from ring_attention.core.multiplicity import PATTERN_CACHE, log_multiplicity
 from ring_attention.core.multiplicity import multiplicity as pattern_multiplicity
 from ring_attention.core.pattern import Pattern
-from ring_attention.nn import multihead_paths as ra_multihead_paths
+from ring_attention.nn import multihead as ra_multihead
 from ring_attention.nn.multihead import MultiheadAttentionError, MultiheadDilatedAttention
 from ring_attention.testing import run_distributed
 
@@ -311,14 +311,14 @@ def test_plain_module_is_nn_mha_and_compute_dtype_uses_the_op(monkeypatch) -> No
     package). With compute_dtype, dense self-attention without weights runs
     the C++ op with one segment covering the sequence."""
     calls = []
-    real = ra_multihead_paths.attend
+    real = ra_multihead.attend
 
     def spy(*args, **kw):
         p = args[3]
         calls.append((p.segment_lengths[0] >= 11, p.dilation_rates))
         return real(*args, **kw)
 
-    monkeypatch.setattr(ra_multihead_paths, "attend", spy)
+    monkeypatch.setattr(ra_multihead, "attend", spy)
     ref, plain = pair(batch_first=True)
     x = torch.randn(2, 11, E)
     kpm = torch.rand(2, 11) < 0.3

@@ -1,12 +1,16 @@
-"""transformers' attention-interface entry of ``"ring_dilated"``."""
+"""The ``"ring_dilated"`` entries of transformers' attention and mask
+interfaces and :func:`register_transformers`, which registers them
+(docs/transformers.md): one process, sequence parallelism over the
+registered ranks, generation over them (``generation.py``)."""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..core.cache import PerBatch
 from ..core.call import prepare
@@ -19,62 +23,73 @@ from ..parallel.ring import ring_call, ring_call_spec
 from .config import is_dense, layer_pattern, layer_window, pattern_from_config
 from .decode import decode_attention
 from .generation import generation_step, is_generation
-from .masks import Keys, batch_keys, filled_keys, sdpa_mask_of
-from .setting import ATTN_IMPLEMENTATION, SequenceParallel, sequence_parallel
+from .masks import Keys, batch_keys, filled_keys, layer_mask, sdpa_mask_of
+from .setting import ATTN_IMPLEMENTATION, sequence_parallel, set_sequence_parallel, spread_of
 
-__all__ = ["dilated_attention_forward"]
+__all__ = ["dilated_attention_forward", "dilated_attention_mask", "register_transformers"]
 
 _NAME = f"attn_implementation={ATTN_IMPLEMENTATION!r}"
-_UNSUPPORTED = {
-    "softcap": "logit soft-capping (softcap)",
-}
+_SOFTCAP = f"{_NAME} does not support logit soft-capping (softcap)"
+
+
+def register_transformers(
+    group: dist.ProcessGroup | None = None, *, ulysses_group: dist.ProcessGroup | None = None,
+    mesh: Any = None, layout: str = "contiguous",
+) -> None:  # fmt: skip
+    """Register ``"ring_dilated"`` with transformers' attention and mask
+    interfaces (docs/transformers.md), replacing the sequence-parallel setting:
+    ``group`` (the ring; with ``ulysses_group`` the hybrid's), ``ulysses_group``,
+    ``mesh`` (a ``DeviceMesh``, or ``"auto"``: :func:`ring_attention.plan_mesh`'s
+    grid per layer type) and ``layout`` as for ``ring_dilated_attention``
+    (``"balanced"`` refused). Groups are held by weak references.
+
+    Raises:
+        ImportError: transformers is not installed (the ``hf`` extra).
+        ValueError: a bad ``layout``, group or ``mesh``.
+    """
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ImportError(
+            "ring_attention.register_transformers needs the Hugging Face transformers package: "
+            "install the 'hf' extra (pip install 'ring_attention[hf]') or pip install transformers"
+        ) from exc
+    sp = spread_of(group, ulysses_group, mesh, layout)
+    transformers.AttentionInterface.register(ATTN_IMPLEMENTATION, dilated_attention_forward)
+    transformers.masking_utils.AttentionMaskInterface.register(
+        ATTN_IMPLEMENTATION, dilated_attention_mask
+    )
+    set_sequence_parallel(sp)
+
+
+def dilated_attention_mask(
+    batch_size: int, q_length: int, kv_length: int, q_offset: int | torch.Tensor = 0,
+    kv_offset: int = 0, mask_function: Callable | None = None,
+    attention_mask: torch.Tensor | None = None, **kwargs: Any,
+) -> torch.Tensor | None:  # fmt: skip
+    """transformers' mask-interface entry of ``"ring_dilated"``: ``None``,
+    the key map or position map of ``masks.py``, or transformers' own
+    ``"sdpa"`` mask; ``ValueError`` for masks the kernels cannot express."""
+    dense, sharded = is_dense(kwargs.get("config")), sequence_parallel() is not None
+    return layer_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
+                      attention_mask, dense, sharded, **kwargs)  # fmt: skip
 
 
 def dilated_attention_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    is_causal: bool | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """transformers' attention-interface entry of ``"ring_dilated"``.
-
-    Args:
-        module: the attention module; its ``config`` holds the pattern.
-        query: ``(batch, heads, q_len, head_dim)``.
-        key, value: ``(batch, kv_heads, kv_len, head_dim)``, passed to the
-            kernels without repeating heads. With a KV cache the queries
-            are the last ``q_len`` of the keys in use.
-        attention_mask: what :func:`~ring_attention.hf.masks.dilated_attention_mask`
-            returned (``None``, the 2-D key map, the int64 position map of
-            queries continuing a static cache or transformers' 4-D ``"sdpa"``
-            mask), or a 4-D mask the caller prepared.
-        dropout: attention dropout probability (training).
-        scaling: score scale, default ``head_dim ** -0.5``.
-        is_causal: overrides ``module.is_causal``.
-        **kwargs: ``cu_seq_lens_q``/``cu_seq_lens_k`` (documents),
-            ``sliding_window`` (checked against the layer's window,
-            :func:`~ring_attention.hf.config.layer_window`) and
-            ``output_attentions`` are read; the other transformers kwargs
-            are ignored, except those the kernels cannot express.
-
-    Without a pattern (dense, equal to ``"sdpa"``), a 4-D bool mask of one
-    query row (a static cache's decode step) is applied by the kernels as
-    key padding; what they cannot express (another 4-D or a float mask,
-    attention dropout, a position bias) is computed by transformers'
-    ``"sdpa"`` itself; with a pattern it raises
-    ``ValueError``, as do attention dropout and a position bias on a
-    sliding-window layer (``"sdpa"`` would need transformers' 4-D mask).
-    Attention sinks (``s_aux``, gpt-oss's ``module.sinks``) are added once
-    to every query, in every mode; logit soft-capping raises.
-
-    Returns:
-        ``(out (batch, q_len, heads, head_dim), None)``: no attention
-        weights (with ``output_attentions=True`` it warns, as ``"sdpa"`` does).
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+    is_causal: bool | None = None, **kwargs: Any,
+) -> tuple[torch.Tensor, None]:  # fmt: skip
+    """transformers' attention-interface entry of ``"ring_dilated"``:
+    ``query`` ``(batch, heads, q_len, head_dim)`` (with a KV cache the last
+    ``q_len`` of the keys in use), ``key``, ``value`` ``(batch, kv_heads,
+    kv_len, head_dim)``, ``attention_mask`` what :func:`dilated_attention_mask`
+    returned (or a 4-D mask the caller prepared); ``is_causal`` overrides
+    ``module.is_causal``; ``cu_seq_lens_q``/``_k``, ``sliding_window``,
+    ``s_aux`` and ``output_attentions`` are read from ``kwargs``. Returns
+    ``(out (batch, q_len, heads, head_dim), None)``. What the kernels cannot
+    express goes to transformers' ``"sdpa"`` without a pattern and raises
+    ``ValueError`` with one (docs/transformers.md).
     """
     if kwargs.get("output_attentions"):
         from transformers.utils import logging
@@ -88,7 +103,8 @@ def dilated_attention_forward(
     if sp is not None:
         return _sharded(module, query, key, value, attention_mask, dropout, scaling, causal,
                         kwargs, sp), None  # fmt: skip
-    _check_supported(kwargs)
+    if kwargs.get("softcap") is not None:
+        raise ValueError(_SOFTCAP)
     config = getattr(module, "config", None)
     sinks = kwargs.get("s_aux")
     if _one_query_row(attention_mask, query, key) and is_dense(config) and not dropout:
@@ -137,15 +153,8 @@ def dilated_attention_forward(
     return _local(q, k, v, pattern, attention_mask, scaling, kwargs), None
 
 
-def _check_supported(kwargs: Mapping[str, Any]) -> None:
-    for name, what in _UNSUPPORTED.items():
-        if kwargs.get(name) is not None:
-            raise ValueError(f"{_NAME} does not support {what}")
-
-
 def _is_position_map(attention_mask: Any, query: torch.Tensor, key: torch.Tensor) -> bool:
-    """Whether ``attention_mask`` is the int64 ``(batch, keys)`` position map
-    of queries continuing a static cache (ring_attention/hf/decode.py)."""
+    """Whether ``attention_mask`` is the int64 ``(batch, keys)`` position map."""
     return (
         isinstance(attention_mask, torch.Tensor)
         and attention_mask.dtype == torch.int64
@@ -155,8 +164,7 @@ def _is_position_map(attention_mask: Any, query: torch.Tensor, key: torch.Tensor
 
 def _one_query_row(attention_mask: Any, query: torch.Tensor, key: torch.Tensor) -> bool:
     """Whether ``attention_mask`` is a 4-D bool mask ``(batch or 1, 1, 1,
-    keys)`` of the one query of each row, for all heads: a decode step's
-    keys, which the kernels apply as key padding."""
+    keys)`` of one query a row: a decode step's keys (key padding)."""
     return (
         isinstance(attention_mask, torch.Tensor)
         and attention_mask.dim() == 4
@@ -168,19 +176,12 @@ def _one_query_row(attention_mask: Any, query: torch.Tensor, key: torch.Tensor) 
 
 
 def _one_query(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor,
-    scaling: float | None,
-    config: Any,
-    sinks: torch.Tensor | None,
-) -> torch.Tensor:
-    """One query per row attending the keys its 4-D mask keeps: dense
-    attention with that key padding, causality and any window being in the
-    mask (what transformers' ``"sdpa"`` mask holds for a compiled static
-    cache's decode step, ring_attention/hf/masks.py). The keys' order does
-    not matter, so a sliding-window cache's rolled keys need no position."""
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor,
+    scaling: float | None, config: Any, sinks: torch.Tensor | None,
+) -> torch.Tensor:  # fmt: skip
+    """One query per row attending the keys its 4-D mask keeps (causality
+    and any window are in the mask): dense attention with that key padding.
+    The keys' order does not matter (a sliding cache's rolled keys)."""
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     pattern = pattern_from_config(config, False)  # dense: the mask decides the keys
     padding = ~attention_mask[:, 0, 0, :].expand(q.shape[0], -1)
@@ -201,9 +202,6 @@ def _sdpa_only(attention_mask: Any, dropout: float, kwargs: Mapping[str, Any]) -
         return "an additive position bias (position_bias)"
     return None
 
-
-# ---------------------------------------------------------------------------
-# Documents given as cu_seq_lens_q / cu_seq_lens_k (read once per batch).
 
 _cu_batches = PerBatch("transformers documents")
 
@@ -228,8 +226,7 @@ def _cu_documents(kwargs: Mapping[str, Any]) -> tuple[torch.Tensor, tuple[int, .
 
 
 def _with_documents(memo: dict, pattern: Pattern, documents: tuple[int, ...] | None) -> Pattern:
-    """``pattern`` with ``documents``, built once per batch (its device copy
-    of the boundaries too)."""
+    """``pattern`` with ``documents``, built once per batch."""
     if documents is None:  # one document: nothing to build (what torch.compile traces)
         return pattern
     key = (pattern, documents)
@@ -238,19 +235,11 @@ def _with_documents(memo: dict, pattern: Pattern, documents: tuple[int, ...] | N
     return memo[key]
 
 
-# ---------------------------------------------------------------------------
-# One process.
-
-
 def _local(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    pattern: Pattern,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None,
-    kwargs: Mapping[str, Any],
-) -> torch.Tensor:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Pattern,
+    attention_mask: torch.Tensor | None, scaling: float | None, kwargs: Mapping[str, Any],
+) -> torch.Tensor:  # fmt: skip
+    """One process: the key map's rows (grouped by documents) through the engine."""
     if attention_mask is None:
         keys = Keys(k.shape[1])
     elif attention_mask.dtype == torch.bool:  # padding only: nothing to read (compiles)
@@ -301,10 +290,8 @@ def _local(
 
 
 def _check_reach(pattern: Pattern, q_start: int, k_start: int) -> None:
-    """A layer whose keys start at ``k_start > 0`` (a sliding-window or a
-    chunked cache dropped the earlier ones) must not reach before them: its
-    queries reach no key before the start of their segments (chunks), nor
-    before their window."""
+    """A layer whose keys start at ``k_start > 0`` (a cache dropped the
+    earlier ones) must not reach before them (segments and window)."""
     earliest = min(q_start // w * w for w in pattern.segment_lengths)
     left = pattern.window[0]
     if left != -1:
@@ -318,34 +305,21 @@ def _check_reach(pattern: Pattern, q_start: int, k_start: int) -> None:
         )
 
 
-# ---------------------------------------------------------------------------
-# Sequence parallelism.
-
-
 def _sharded(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: Any,
-    dropout: float,
-    scaling: float | None,
-    causal: bool,
-    kwargs: Mapping[str, Any],
-    sp: SequenceParallel,
-) -> torch.Tensor:
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attention_mask: Any, dropout: float, scaling: float | None, causal: bool,
+    kwargs: Mapping[str, Any], sp: Any,
+) -> torch.Tensor:  # fmt: skip
     """Ring attention over the sequence-parallel ranks, one operator forward
-    and one backward (:func:`ring_attention.parallel.ring.ring_call`): under
-    ``torch.compile`` the call is one node of the graph, its configuration
-    decided once while tracing. What this rank refuses (and a bad config
-    entry) is reported through the ring's handshake, so that every rank
-    raises instead of its peers waiting out the group's timeout."""
+    and one backward (one node of a compiled graph), Ulysses or the hybrid,
+    or a generation step. What this rank refuses (and a bad config entry) is
+    reported through the ring's handshake, so that every rank raises."""
     documents = kwargs.get("cu_seq_lens_q")
     if documents is None:
         documents = kwargs.get("cu_seq_lens_k")
     if is_generation(kwargs, documents):  # the same sequence on every rank
-        return generation_step(module, query, key, value, attention_mask, scaling, causal, kwargs,
-                               sp)  # fmt: skip
+        pattern_of = functools.partial(layer_pattern, module, causal, kwargs.get("sliding_window"))
+        return generation_step(query, key, value, attention_mask, scaling, kwargs, sp, pattern_of)
     refusal = _sharded_refusal(query, key, attention_mask, dropout, kwargs, documents is None)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     sinks = kwargs.get("s_aux")
@@ -367,13 +341,11 @@ def _sharded(
 
 
 def _auto_spread(
-    sp: SequenceParallel, module: torch.nn.Module, causal: bool, kwargs: Mapping[str, Any],
+    sp: Any, module: torch.nn.Module, causal: bool, kwargs: Mapping[str, Any],
     q: torch.Tensor, k: torch.Tensor, documents: torch.Tensor,
 ) -> dict[str, Any]:  # fmt: skip
     """``mesh="auto"``: this layer's grid, the planner's choice for its
-    pattern (a sliding layer takes the ring: its bytes are bounded by the
-    window) at the batch's global length (the documents' end, the same on
-    every rank)."""
+    pattern at the batch's global length (the documents' end)."""
     try:
         pattern = layer_pattern(module, causal, kwargs.get("sliding_window"))
     except ValueError:  # reported by the ring's handshake, as without "auto"
@@ -393,9 +365,8 @@ def _sharded_refusal(
     kwargs: Mapping[str, Any], no_documents: bool,
 ) -> str | None:  # fmt: skip
     """Why this rank's sharded call cannot run, or ``None``."""
-    for name, what in _UNSUPPORTED.items():
-        if kwargs.get(name) is not None:
-            return f"{_NAME} does not support {what}"
+    if kwargs.get("softcap") is not None:
+        return _SOFTCAP
     reason = _sdpa_only(attention_mask, dropout, kwargs)
     if reason is not None:
         return f"{_NAME} with sequence parallelism cannot apply {reason}"
@@ -422,8 +393,7 @@ def _sharded_refusal(
 def _sharded_pattern(
     module: torch.nn.Module, causal: bool, refusal: str | None, sliding_window: int | None
 ) -> Pattern:
-    """The layer's pattern, its window included (its documents come with the
-    call), or the refusal."""
+    """The layer's pattern (its documents come with the call), or the refusal."""
     if refusal is not None:
         raise ValueError(refusal)
     return layer_pattern(module, causal, sliding_window)
@@ -432,8 +402,8 @@ def _sharded_pattern(
 def _grid_pattern(
     module: torch.nn.Module, causal: bool, refusal: str | None, kwargs: Mapping[str, Any]
 ) -> Pattern:
-    """The layer's pattern with the batch's documents (built once per batch),
-    or the refusal (Ulysses and the hybrid)."""
+    """Ulysses and the hybrid: the layer's pattern with the batch's documents,
+    or the refusal."""
     pattern = _sharded_pattern(module, causal, refusal, kwargs.get("sliding_window"))
     tensor, documents = _cu_documents(kwargs)  # given: else refused
     return _with_documents(_cu_batches.get(tensor, "patterns", dict), pattern, documents)

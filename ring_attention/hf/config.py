@@ -38,15 +38,11 @@ def is_dense(config: Any) -> bool:
 def layer_pattern(
     module: torch.nn.Module, causal: bool, sliding_window: int | None = None
 ) -> Pattern:
-    """The pattern of one attention layer: the one place a layer's attention
-    pattern is decided: ``config.dilated_attention`` and the layer's sliding
-    window (:func:`layer_window`; ``sliding_window``: what transformers
-    passes the attention function).
-
-    Raises:
-        ValueError: the module has no config, a bad config entry, or a
-            sliding window the layer cannot take.
-    """
+    """The pattern of one attention layer, the one place it is decided:
+    ``config.dilated_attention``, the layer's chunk (:func:`layer_chunk`) or
+    sliding window (:func:`layer_window`; ``sliding_window``: what
+    transformers passes the attention function). ``ValueError``: no config,
+    a bad config entry, or a window the layer cannot take."""
     config = getattr(module, "config", None)
     if config is None:
         raise ValueError(
@@ -60,17 +56,9 @@ def layer_pattern(
 
 
 def layer_chunk(module: torch.nn.Module) -> int | None:
-    """The chunk of a chunked-attention layer (Llama 4's ``"chunked_attention"``
-    layers: a query reaches the keys of its own chunk of
-    ``config.attention_chunk_size`` positions, causally), or ``None``. As a
-    pattern that is one branch of segments of the chunk's length, dilation 1:
-    no kernel of its own.
-
-    Raises:
-        ValueError: a chunked layer with a dilated pattern
-            (``config.dilated_attention``: the two do not combine) or a
-            chunk size that is not an integer ``>= 1``.
-    """
+    """The chunk of a chunked-attention layer (Llama 4's; as a pattern one
+    branch of segments of the chunk's length), or ``None``. ``ValueError``:
+    with ``config.dilated_attention``, or a chunk that is not an int ``>= 1``."""
     config = module.config
     types = getattr(config, "layer_types", None)
     index = getattr(module, "layer_idx", None)
@@ -94,22 +82,10 @@ def layer_window(
     module: torch.nn.Module, causal: bool, sliding_window: int | None = None
 ) -> tuple[int, int] | None:
     """The sliding window of one attention layer as the kernels take it, or
-    ``None`` (no window).
-
-    transformers' ``sliding_window = W`` lets query ``t`` reach keys ``u``
-    with ``t - W < u <= t`` (``sliding_window_overlay``: ``kv_idx > q_idx -
-    W``), that is ``window=(W - 1, 0)``. Which layers slide is what
-    transformers' mask preparation decides (``create_masks_for_generate``):
-    with ``config.layer_types``, the layers of type ``"sliding_attention"``;
-    without it, every layer when ``config.sliding_window`` is set. The
-    ``sliding_window`` transformers passes the attention function (what
-    flash-attention reads; some models pass none) must agree with it.
-
-    Raises:
-        ValueError: ``config.sliding_window`` not an integer ``>= 1``, a
-            layer type without ``module.layer_idx``, a ``sliding_window``
-            that disagrees with the config, or a window on a non-causal call.
-    """
+    ``None``: ``config.sliding_window = W`` is ``window=(W - 1, 0)`` on the
+    layers transformers slides (of type ``"sliding_attention"``, or all
+    without ``config.layer_types``). ``ValueError``: a bad width, no
+    ``layer_idx``, a disagreeing ``sliding_window``, a non-causal call."""
     config = module.config
     width = getattr(config, "sliding_window", None)
     types = getattr(config, "layer_types", None)
@@ -142,20 +118,10 @@ def layer_window(
 def pattern_from_config(
     config: Any, causal: bool, window: tuple[int, int] | None = None
 ) -> Pattern:
-    """The :class:`Pattern` of ``config.dilated_attention`` (dense without it),
-    with the sliding ``window`` ``(left, right)`` (``None``: none).
-
-    The entry is a dict with ``segment_lengths`` and ``dilation_rates`` and
-    optionally ``head_groups`` and ``head_offsets``; values may be Python or
-    NumPy integers, lists, tuples, NumPy arrays or 1-D tensors. Cached by the
-    entry's contents: a model builds it once, not per call.
-
-    Raises:
-        ValueError: naming ``config.dilated_attention``, for an entry that is
-            not a dict, lacks ``segment_lengths``/``dilation_rates``, has
-            unknown keys, values that are not integers (nested lists
-            included) or an invalid pattern.
-    """
+    """The :class:`Pattern` of ``config.dilated_attention`` (dense without
+    it: a dict of ``segment_lengths``, ``dilation_rates`` and optionally
+    ``head_groups``, ``head_offsets``) with the sliding ``window``; cached by
+    the entry's contents. ``ValueError`` naming the entry when it is bad."""
     causal = as_flag(causal, "causal")  # before the cache, whose keys take 1 for True
     entry = getattr(config, CONFIG_KEY, None)
     if entry is None:
@@ -179,9 +145,8 @@ def pattern_from_config(
 
 
 def _freeze(value: Any, key: str) -> Any:
-    """``value`` as a hashable cache key: NumPy arrays, NumPy scalars and
-    tensors as Python values, lists as tuples (nested ones too: the pattern
-    then rejects them with a message naming the entry)."""
+    """``value`` as a hashable cache key: arrays, NumPy scalars and tensors as
+    Python values, lists as tuples (nested ones too: the pattern rejects them)."""
     if hasattr(value, "tolist") and not isinstance(value, (str, bytes)):
         value = value.tolist()  # NumPy arrays and scalars, tensors
     if isinstance(value, (list, tuple)):

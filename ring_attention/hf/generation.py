@@ -1,30 +1,13 @@
-"""Generation over the sequence-parallel group (docs/design.md §2): with
-``register_transformers(group=...)`` (or a mesh), ``model.generate()`` runs
-on every rank of the group with the same prompt, and every rank returns the
-tokens one process would.
-
-Each rank attends, for every query (the prompt's in the prefill, the new
-token's in a decode step), only its piece of the keys: piece ``r`` of
-``torch.tensor_split`` of the cached positions, at its global positions,
-through the one engine (a piece outside a query's window or segments costs
-it nothing). The ranks' partial ``(out, lse)`` are merged by log-sum-exp
-(one all-gather per layer, inside the Ulysses group then along the ring:
-``O(batch * heads * head_dim)`` bytes a decode step), sinks added once
-after. The call is told apart from sequence-parallel training by its
-missing documents (training passes ``cu_seq_lens_q``,
-``shard_causal_lm_batch``) and ``use_cache``; the ranks check that they
-hold the same sequence (its length and positions) before anything merges, in
-a control round of the library's handshake (a rank in a training step's ring
-meanwhile makes every rank raise).
-
-Not yet: a cache that keeps only the rank's piece (every rank caches every
-position today, so its memory is one process's); static caches.
+"""Generation over the sequence-parallel group (docs/transformers.md): each
+rank attends its piece of the cached keys at their global positions, the
+partial ``(out, lse)`` merged by log-sum-exp after a control round checks
+that the ranks hold the same sequence. Not yet: static caches.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -36,29 +19,26 @@ from ..local import engine
 from ..local.blocks import merge_into
 from ..parallel.handshake import GENERATION, exchange_message
 from ..parallel.mesh import check_grid, check_ring, resolve_topology
-from .config import layer_pattern
-from .setting import ATTN_IMPLEMENTATION, SequenceParallel
 
 __all__ = ["Pieces", "generation_step", "is_generation", "record_pieces"]
 
-_NAME = f"attn_implementation={ATTN_IMPLEMENTATION!r}"
+_NAME = "attn_implementation='ring_dilated'"
 
 
 def is_generation(kwargs: Mapping[str, Any], documents: Any) -> bool:
-    """Whether a sequence-parallel call is a generation step (the same
-    sequence on every rank) rather than a training shard."""
+    """Whether a sequence-parallel call is a generation step, not a training shard."""
     return documents is None and bool(kwargs.get("use_cache"))
 
 
 def generation_step(
-    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-    attention_mask: Any, scaling: float | None, causal: bool, kwargs: Mapping[str, Any],
-    sp: SequenceParallel,
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+    scaling: float | None, kwargs: Mapping[str, Any], sp: Any, pattern_of: Callable[[], Any],
 ) -> torch.Tensor:  # fmt: skip
-    """The attention of one generation step over the group (module
-    docstring): ``query`` ``(B, H, L, D)`` the last ``L`` of the cached
-    positions, ``key``, ``value`` ``(B, KVH, S, D)`` all of them; returns
-    ``(B, L, H, D)``."""
+    """The attention of one generation step over the group: ``query`` ``(B,
+    H, L, D)`` the last ``L`` of the cached positions, ``key``, ``value``
+    ``(B, KVH, S, D)`` all of them; returns ``(B, L, H, D)``. ``sp``: the
+    :class:`~ring_attention.hf.setting.SequenceParallel`; ``pattern_of()``:
+    the layer's pattern, read after the ranks agree."""
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     B, L = q.shape[:2]
     size, rank, groups = sp._grid()
@@ -76,7 +56,7 @@ def generation_step(
     if isinstance(position, torch.Tensor) and position.numel():
         ends = (int(position.min()), int(position.max()))
     _agree(sp, [B, L, filled, *ends])
-    pattern = layer_pattern(module, causal, kwargs.get("sliding_window"))
+    pattern = pattern_of()
     with torch.no_grad():
         out, lse = _attend_runs(q, k, v, runs, padding, pattern, scaling, filled - L)
         out, lse = _merge_over(out, lse, groups)
@@ -87,9 +67,8 @@ def generation_step(
 
 
 class Pieces(NamedTuple):
-    """Where a :class:`~ring_attention.hf.sharded_cache.ShardedCache` layer's
-    keys sit: ``runs`` of ``(global start, length)`` in local order, and the
-    positions cached over the group (``filled``)."""
+    """Where a ``ShardedCache`` layer's keys sit: ``runs`` of ``(global start,
+    length)`` in local order, and the positions cached over the group."""
 
     runs: tuple[tuple[int, int], ...]
     filled: int
@@ -99,8 +78,7 @@ _pieces: dict[int, tuple[weakref.ref, Pieces]] = {}
 
 
 def record_pieces(keys: torch.Tensor, pieces: Pieces) -> None:
-    """Remember where the keys a sharded cache layer hands out sit (read by
-    :func:`generation_step` for the same tensor)."""
+    """Remember where the keys a sharded cache layer hands out sit."""
     for dead in [i for i, (ref, _) in _pieces.items() if ref() is None]:
         del _pieces[dead]
     _pieces[id(keys)] = (weakref.ref(keys), pieces)
@@ -116,9 +94,8 @@ def _attend_runs(
     pattern: Any, scaling: float | None, q_start: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(out, lse)`` of the queries at ``q_start`` against this rank's keys,
-    run by run (``k`` holds the runs in order; ``padding`` is indexed by
-    global position), merged here; ``lse`` is ``-inf`` where nothing is
-    reached."""
+    run by run (``k`` holds the runs in order; ``padding`` by global
+    position); ``lse`` is ``-inf`` where nothing is reached."""
     B, L, H, D = q.shape
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = torch.zeros(B, L, H, D, dtype=acc, device=q.device)
@@ -144,8 +121,7 @@ def _attend_runs(
 
 
 def _padding_of(attention_mask: Any, batch: int, filled: int) -> torch.Tensor | None:
-    """The ``(batch, filled)`` padding (``True``: ignore) by global position
-    of a sharded cache's key map, or ``None``."""
+    """A sharded cache's ``(batch, filled)`` padding (``True``: ignore), or ``None``."""
     if attention_mask is None:
         return None
     if not (isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool
@@ -161,11 +137,9 @@ def _padding_of(attention_mask: Any, batch: int, filled: int) -> torch.Tensor | 
 
 def _keys_in_use(attention_mask: Any, batch: int, keys: int) -> tuple[int, int, int, Any]:
     """``(keys in use, position of the first, end of the queries, padding)``
-    from the layer's key map (ring_attention/hf/masks.py): ``None`` (every
-    key, from position 0) or the bool ``(batch, filled)`` map of positions
-    ``[0, filled)``; a layer with more keys uses the first ``filled``, one
-    with fewer (a sliding-window cache) holds the last. ``padding``: ``True``
-    for a key to ignore, by global position, or ``None``."""
+    from the layer's key map (``masks.py``: ``None`` or bool ``(batch,
+    filled)``); ``padding``: ``True`` for a key to ignore, by global
+    position, or ``None``."""
     if attention_mask is None:
         return keys, 0, keys, None
     if not (isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool
@@ -183,13 +157,11 @@ def _keys_in_use(attention_mask: Any, batch: int, keys: int) -> tuple[int, int, 
     return used, first, filled, None if bool(keep.all()) else ~attention_mask
 
 
-def _agree(sp: SequenceParallel, payload: list[int]) -> None:
-    """The control rounds of a generation step (ring_attention/parallel/
-    handshake.py), over the groups the outputs merge over: every rank holds
-    the same sequence (``payload``: its sizes and positions; a training
-    shard passed without documents would differ), and a rank in another call
-    (the ring of a training step) makes every rank raise, not wait. An error
-    of the first round is passed on along the ring, as the hybrid does."""
+def _agree(sp: Any, payload: list[int]) -> None:
+    """The control rounds of a generation step over the groups the outputs
+    merge over: every rank holds the same sequence (``payload``: its sizes
+    and positions), and a rank in another call makes every rank raise, not
+    wait. An error of the first round is passed on along the ring."""
     if sp.ring_only or sp.auto:  # as the ring's and the grid's calls do first
         if sp.size > 1:
             check_ring(sp.group)
@@ -218,8 +190,7 @@ def _agree(sp: SequenceParallel, payload: list[int]) -> None:
 
 
 def _merge_over(out: torch.Tensor, lse: torch.Tensor, groups: tuple) -> tuple:
-    """The ranks' partial ``(out, lse)`` merged by log-sum-exp, the same on
-    every rank (an all-gather inside each group, in shard order)."""
+    """The ranks' partial ``(out, lse)`` merged by log-sum-exp, on every rank."""
     for group, size, order in groups:
         if size <= 1:
             continue

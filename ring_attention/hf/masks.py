@@ -1,49 +1,10 @@
-"""What transformers' mask preparation decided, carried to the attention calls.
-
-transformers prepares the mask once per forward (``create_causal_mask``,
-``create_sliding_window_causal_mask`` for sliding-window layers): it
-decides whether the batch is packed (its packed-sequence detection runs only
-without a padding mask and without a cache), where the queries stand among
-the keys (``q_offset``, ``kv_offset`` and ``kv_length`` from the cache: a
-static cache's keys run past the filled part, a sliding-window cache holds
-only the last keys), and which keys are padding. Its mask interface then
-calls :func:`dilated_attention_mask`, whose value reaches every layer's
-attention call as ``attention_mask``. That value is
-
-- ``None``: no padding, one document per row, and the layer's keys are
-  exactly the filled ones from position 0 (the queries are the last
-  ``q_length`` of them);
-- or a 2-D tensor ``(batch, filled)`` over the positions ``[0, filled)``,
-  ``filled = q_offset + q_length`` the end of the keys in use: a layer with
-  more keys than that (a static cache) attends only the first ``filled``
-  of them (as flash-attention's masks do for static caches), a layer with
-  fewer (a sliding-window cache) holds the last ones, positions ``[filled -
-  keys, filled)``. Without documents a bool tensor, ``True`` for a key,
-  ``False`` for padding (transformers' own 2-D padding mask, so a mask fed
-  back to the model, as ``generate`` does with static caches, means the
-  same); with packed documents an int32 tensor, ``0`` for a padding key,
-  ``d >= 1`` for a key of document ``d`` of its row.
-
-Without a pattern, a static cache's decode step (and, under
-``torch.compile``, any queries continuing a cache) gets transformers' own
-4-D ``"sdpa"`` mask instead (:func:`_sdpa_masks_it`): built without reading
-where the queries stand, it has one shape for every step. With a pattern,
-queries continuing a static cache (a decode step, or several: a chunk of
-prefill, assisted decoding) get the int64 position map of
-:mod:`ring_attention.hf.decode` (the same: one shape for every step of ``L``
-queries); an eager layer reads it as the key map of the filled keys
-(:func:`filled_keys`).
-
-The window itself is not in the key map: each layer reads it from its config
-(:func:`ring_attention.hf.config.layer_window`), and the mask function's
-window must be ``config.sliding_window``.
-
-:func:`batch_keys` reads an int32 map once per batch (the first layer) and
-hands the same :class:`Keys` to the other layers. Under ``torch.compile``
-:func:`dilated_attention_mask` runs eagerly (one graph break per forward),
-except for queries continuing a cache (the masks above, and the bool key
-map of a cache whose position is an int, built by traced tensor operations);
-the layers read nothing from a bool map, so they compile without breaks.
+"""What transformers' mask preparation decided (docs/transformers.md),
+carried to the layers as ``attention_mask``: ``None``; a 2-D **key map**
+``(batch, filled)`` of positions ``[0, q_offset + q_length)``, bool
+(``True``: a key) or int32 with packed documents (``0``: padding, ``d``:
+document ``d``); transformers' 4-D ``"sdpa"`` mask (no pattern, a static
+cache's decode step, or compiled); or the **position map** of queries
+continuing a static cache (:func:`position_map`). Read once per batch.
 """
 
 from __future__ import annotations
@@ -55,40 +16,21 @@ from typing import Any
 import torch
 
 from ..core.cache import PerBatch
-from .config import is_dense
-from .decode import position_map
-from .setting import ATTN_IMPLEMENTATION, sequence_parallel
 
-__all__ = [
-    "Keys",
-    "PerBatch",
-    "batch_keys",
-    "dilated_attention_mask",
-    "filled_keys",
-    "sdpa_mask_of",
-]
+__all__ = ["Keys", "batch_keys", "filled_keys", "layer_mask", "position_map", "sdpa_mask_of"]
+
+_NAME = "attn_implementation='ring_dilated'"
 
 
 def _closure(fn: Callable) -> dict[str, Any]:
-    cells = fn.__closure__ or ()
-    return {
-        name: cell.cell_contents for name, cell in zip(fn.__code__.co_freevars, cells, strict=True)
-    }
+    cells = zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True)
+    return {name: cell.cell_contents for name, cell in cells}
 
 
 def _packed_sequences(fn: Callable | None, config: Any = None) -> torch.Tensor | None:
-    """transformers' packed-sequence decision inside its mask function: the
-    ``(batch, n)`` sequence index of every token when it found packed
-    sequences, else ``None``.
-
-    Accepts only mask functions whose mask the kernels express exactly:
-    causal or bidirectional, possibly made packed-sequence aware, and
-    causal with a sliding window of ``config.sliding_window`` (the layers
-    read their window from the config: ring_attention/hf/config.py); padding
-    arrives separately as the 2-D mask. The mask functions are
-    transformers' closures, so this walks their structure and fails closed
-    on anything it does not recognise.
-    """
+    """transformers' packed-sequence decision inside its mask function (the
+    ``(batch, n)`` sequence index, or ``None``); fails closed on any mask
+    function the kernels do not express exactly."""
     from transformers import masking_utils as mu
 
     if fn is None or fn is mu.causal_mask_function or fn is mu.bidirectional_mask_function:
@@ -97,9 +39,7 @@ def _packed_sequences(fn: Callable | None, config: Any = None) -> torch.Tensor |
     if name == "packed_sequence_mask_function.<locals>.inner_mask":
         return _closure(fn)["packed_sequence_mask"]
     if name == "remap_positions_for_packed_sequence.<locals>.inner_mask":
-        # causality and the window on the positions inside each packed
-        # sequence: within a sequence they step by one (transformers cuts
-        # sequences where they do not), so it is on the columns
+        # positions step by one inside a packed sequence: causality is on the columns
         return _packed_sequences(_closure(fn).get("mask_function"), config)
     if name == "and_masks.<locals>.and_mask":  # a custom part fails below
         parts = _closure(fn).get("mask_functions", ())
@@ -111,8 +51,8 @@ def _packed_sequences(fn: Callable | None, config: Any = None) -> torch.Tensor |
         expected = getattr(config, "sliding_window", None)
         if width != expected:
             raise ValueError(
-                f"attn_implementation={ATTN_IMPLEMENTATION!r} takes the sliding window of "
-                f"config.sliding_window ({expected!r}); this model's mask slides over {width!r}"
+                f"{_NAME} takes the sliding window of config.sliding_window ({expected!r}); "
+                f"this model's mask slides over {width!r}"
             )
         return None
     if name == "chunked_overlay.<locals>.inner_mask":  # Llama 4's chunked layers
@@ -121,53 +61,39 @@ def _packed_sequences(fn: Callable | None, config: Any = None) -> torch.Tensor |
         expected = getattr(config, "attention_chunk_size", None)
         if chunk != expected:
             raise ValueError(
-                f"attn_implementation={ATTN_IMPLEMENTATION!r} takes the chunks of "
-                f"config.attention_chunk_size ({expected!r}); this model's mask has {chunk!r}"
+                f"{_NAME} takes the chunks of config.attention_chunk_size ({expected!r}); this "
+                f"model's mask has {chunk!r}"
             )
         if isinstance(left, torch.Tensor) and bool((left != 0).any()):
             raise ValueError(
-                f"attn_implementation={ATTN_IMPLEMENTATION!r} starts chunks at position 0: "
+                f"{_NAME} starts chunks at position 0: "
                 "chunked attention with left padding is not supported (pad on the right)"
             )
         return None
     if name.startswith("sliding_window_bidirectional_overlay."):
         raise ValueError(
-            f"attn_implementation={ATTN_IMPLEMENTATION!r} applies a sliding window to causal "
-            "attention only (this model's mask is a bidirectional sliding window)"
+            f"{_NAME} applies a sliding window to causal attention only (this model's mask is a "
+            "bidirectional sliding window)"
         )
     raise ValueError(
-        f"attn_implementation={ATTN_IMPLEMENTATION!r} expresses causal or bidirectional masks "
+        f"{_NAME} expresses causal or bidirectional masks "
         f"with padding or packed documents, and causal sliding windows, only; this model builds "
         f"its mask with {name or fn!r} (chunked attention, block masks and custom and/or mask "
         "functions are not supported)"
     )
 
 
-def dilated_attention_mask(
-    batch_size: int,
-    q_length: int,
-    kv_length: int,
-    q_offset: int | torch.Tensor = 0,
-    kv_offset: int = 0,
-    mask_function: Callable | None = None,
-    attention_mask: torch.Tensor | None = None,
-    **kwargs: Any,
-) -> torch.Tensor | None:
-    """transformers' mask-interface entry of ``"ring_dilated"``: ``None`` or
-    the ``(batch, q_offset + q_length)`` key map of the module docstring.
-    Raises ``ValueError`` for mask structures the kernels cannot express.
-
-    Two exceptions build no key map, so that queries continuing a static
-    cache read no position and have one shape for every step: without a
-    pattern transformers' own 4-D ``"sdpa"`` mask (:func:`_sdpa_masks_it`);
-    with one, the position map of :mod:`ring_attention.hf.decode` (``generate``
-    builds the mask of a static cache's step eagerly and hands it to the
-    compiled step, so its shape must not follow the position). Under ``torch.compile`` queries
-    continuing a cache whose position is an int (a sliding-window layer)
-    get the key map built by traced tensor operations; elsewhere it is
-    built eagerly (one graph break per forward)."""
+def layer_mask(
+    batch_size: int, q_length: int, kv_length: int, q_offset: int | torch.Tensor, kv_offset: int,
+    mask_function: Callable | None, attention_mask: torch.Tensor | None, dense: bool,
+    sharded: bool, **kwargs: Any,
+) -> torch.Tensor | None:  # fmt: skip
+    """What the layers get (module docstring) for transformers' mask
+    arguments; ``dense``: the model has no pattern, ``sharded``: sequence
+    parallelism is registered. The key map is built eagerly (one graph break
+    a forward) except, compiled, for queries continuing a cache."""
     config = kwargs.get("config")
-    if _sdpa_masks_it(q_length, kv_length, q_offset, kv_offset, config):
+    if _sdpa_masks_it(q_length, kv_length, q_offset, kv_offset, dense):
         from transformers.masking_utils import sdpa_mask
 
         kwargs["allow_is_causal_skip"] = False  # None would mean every key of the cache
@@ -181,35 +107,42 @@ def dilated_attention_mask(
         return position_map(batch_size, q_length, kv_length, q_offset, attention_mask, **kwargs)
     continues = q_offset != 0 or kv_offset != 0 or kv_length != q_length
     if compiling and continues and not tensor:
-        # with a cache transformers detects no packed documents; the mask
-        # function's closures cannot be traced (the eager prefill checked them)
+        # with a cache no packed documents; the eager prefill checked the mask function
         filled = _filled(q_offset, q_length, kv_offset, kv_length)
         return _padding(batch_size, filled, attention_mask, kwargs.get("device", "cpu"))
     return _key_map(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
-                    attention_mask, **kwargs)  # fmt: skip
+                    attention_mask, sharded, **kwargs)  # fmt: skip
 
 
 def _sdpa_masks_it(
-    q_length: int, kv_length: int, q_offset: int | torch.Tensor, kv_offset: int, config: Any
+    q_length: int, kv_length: int, q_offset: int | torch.Tensor, kv_offset: int, dense: bool
 ) -> bool:
-    """Whether a layer without a pattern (``config``) gets transformers' own
-    ``"sdpa"`` mask ``(batch, 1, q_length, kv_length)``: where the queries
-    stand among their keys would have to be read otherwise.
-
-    - A static cache gives the position as a tensor: its decode step (one
-      query) gets one mask shape for every step, so a compiled decode step
-      does not recompile per position (the layers apply its one row as key
-      padding with the kernels: ring_attention/hf/attention.py).
-    - Under ``torch.compile`` queries continuing a cache get it too, so the
-      forward compiles without a graph break (several queries: the layers
-      hand that mask to ``"sdpa"``; one: the kernels, as above).
-    """
-    if not is_dense(config):
+    """Whether a model without a pattern gets transformers' own ``"sdpa"``
+    mask, so that where the queries stand need not be read: a static cache's
+    decode step, and compiled, any queries continuing a cache."""
+    if not dense:
         return False
     tensor = isinstance(q_offset, torch.Tensor)
     if torch.compiler.is_compiling():
         return tensor or q_offset != 0 or kv_offset != 0 or kv_length != q_length
     return tensor and q_length == 1
+
+
+def position_map(
+    batch_size: int, q_length: int, kv_length: int, q_offset: torch.Tensor,
+    attention_mask: torch.Tensor | None, **kwargs: Any,
+) -> torch.Tensor:  # fmt: skip
+    """The int64 ``(batch, slots)`` position map of ``q_length`` queries from
+    ``q_offset`` (a 0-d tensor): ``P + 1`` (``P`` the last query's position)
+    where transformers' causal ``"sdpa"`` row of that query attends, else ``0``."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    kwargs["allow_is_causal_skip"] = False  # None would mean every slot of the cache
+    last = q_offset + (q_length - 1)
+    row = sdpa_mask(batch_size, 1, kv_length, last, 0, causal_mask_function, attention_mask,
+                    **kwargs)  # fmt: skip
+    row = row[:, 0, 0, :].expand(batch_size, kv_length)
+    return torch.where(row, last.to(device=row.device, dtype=torch.int64) + 1, 0)
 
 
 def _filled(q_offset: int, q_length: int, kv_offset: int, kv_length: int) -> int:
@@ -226,8 +159,7 @@ def _filled(q_offset: int, q_length: int, kv_offset: int, kv_length: int) -> int
 def _padding(
     batch_size: int, filled: int, attention_mask: torch.Tensor | None, device: Any
 ) -> torch.Tensor:
-    """The bool ``(batch, filled)`` map of the keys not padded (``True``); keys
-    past the 2-D mask are padding, as transformers pads it."""
+    """The bool ``(batch, filled)`` map of the keys not padded (``True``)."""
     if attention_mask is None:
         return torch.ones(batch_size, filled, dtype=torch.bool, device=device)
     keep = attention_mask[:, :filled].to(torch.bool)
@@ -238,15 +170,10 @@ def _padding(
 
 @torch.compiler.disable  # reads mask functions' closures and values: eager, one graph break
 def _key_map(
-    batch_size: int,
-    q_length: int,
-    kv_length: int,
-    q_offset: int | torch.Tensor,
-    kv_offset: int,
-    mask_function: Callable | None,
-    attention_mask: torch.Tensor | None,
+    batch_size: int, q_length: int, kv_length: int, q_offset: int | torch.Tensor, kv_offset: int,
+    mask_function: Callable | None, attention_mask: torch.Tensor | None, sharded: bool,
     **kwargs: Any,
-) -> torch.Tensor | None:
+) -> torch.Tensor | None:  # fmt: skip
     """The key map of the module docstring (eager)."""
     documents = _packed_sequences(mask_function, kwargs.get("config"))
     # q_offset is a 0-d tensor for static caches
@@ -255,12 +182,10 @@ def _key_map(
     keep = None if attention_mask is None else _padding(batch_size, filled, attention_mask, device)
     if keep is not None and bool(keep.all()):
         keep = None
-    if sequence_parallel() is not None:
+    if sharded:
         documents = None  # a shard's positions cannot show them: cu_seq_lens_q holds them
     elif documents is not None and bool((documents == documents[:, :1]).all()):
-        # one document per row: what transformers decides unless it is being
-        # compiled (it cannot look then; this function runs eagerly, once per
-        # forward, and the layers, given no mask, compile without a break)
+        # one document per row (what transformers decides unless compiled)
         documents = None
     if keep is None and documents is None and filled == kv_length and not kv_offset:
         return None
@@ -270,20 +195,12 @@ def _key_map(
     return ids if keep is None else ids * keep
 
 
-# ---------------------------------------------------------------------------
-# The attention side: the key map read once per batch.
-
-
 @dataclass(frozen=True)
 class Keys:
-    """The keys of one batch as the kernels take them.
-
-    ``length``: the keys in use (the first ``length`` of a layer's keys; the
-    queries are the last of them). ``padding``: ``key_padding_mask`` ``(batch,
-    length)``, ``True`` = ignore, or ``None``. ``rows``: per group of batch
-    rows with the same documents, ``(row indices or None for all rows,
-    document boundaries or None for one document)``.
-    """
+    """The keys of one batch as the kernels take them: ``length`` in use
+    (the queries the last of them), ``padding`` (``True`` = ignore, or
+    ``None``) and ``rows``: per group of rows with the same documents, ``(row
+    indices or None for all, boundaries or None for one document)``."""
 
     length: int
     padding: torch.Tensor | None = None
@@ -304,8 +221,7 @@ def batch_keys(mask: torch.Tensor) -> Keys:
 @torch.compiler.disable  # reads the position (and a per-batch cache): eager
 def filled_keys(positions: torch.Tensor) -> torch.Tensor | None:
     """The bool key map ``(batch, p + 1)`` of the position map of queries
-    ending at ``p`` (ring_attention/hf/decode.py), computed once per batch;
-    ``None`` when it allows no key (then ``p`` is unknown)."""
+    ending at ``p``, once per batch; ``None`` when it allows no key."""
 
     def read() -> torch.Tensor | None:
         filled = int(positions.amax())
@@ -317,21 +233,18 @@ def filled_keys(positions: torch.Tensor) -> torch.Tensor | None:
 def _read(mask: torch.Tensor) -> Keys:
     if mask.is_floating_point() or mask.is_complex():
         raise ValueError(
-            f"attn_implementation={ATTN_IMPLEMENTATION!r} takes a 2-D bool or integer mask "
+            f"{_NAME} takes a 2-D bool or integer mask "
             f"(batch, keys), nonzero = attend; got a {mask.dtype} mask of shape "
             f"{tuple(mask.shape)}"
         )
     batch, length = mask.shape
     ids = mask.to(torch.int64)
     if bool((ids < 0).any()):
-        raise ValueError(f"the key map of attn_implementation={ATTN_IMPLEMENTATION!r} is >= 0")
+        raise ValueError(f"the key map of {_NAME} is >= 0")
     pad = ids == 0
     if bool(pad.any()):
         if bool((ids > 1).any()):
-            raise ValueError(
-                f"attn_implementation={ATTN_IMPLEMENTATION!r} takes padding or packed documents "
-                "in one mask, not both"
-            )
+            raise ValueError(f"{_NAME} takes padding or packed documents in one mask, not both")
         return Keys(length, pad)
     starts = torch.nonzero(ids[:, 1:] != ids[:, :-1])
     if starts.numel() == 0:
@@ -354,12 +267,9 @@ def sdpa_mask_of(
     key_map: torch.Tensor, q_len: int, k_len: int, causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The 4-D bool mask ``(batch, 1, q_len, k_len)`` sdpa takes for a key
-    map of :func:`dilated_attention_mask` (bool or int32 documents) and a
-    layer of ``q_len`` queries and ``k_len`` keys placed as the module
-    docstring says, with ``(batch, q_len)``: whether each query row reaches
-    a key. A row that reaches none attends every key in the mask (sdpa
-    gives NaN for a row with none) and its output must be zeroed, as the
-    kernels' is."""
+    map and a layer of ``q_len`` queries and ``k_len`` keys (module
+    docstring), and ``(batch, q_len)``: whether each query reaches a key (a
+    row reaching none attends every key, and its output must be zeroed)."""
     batch, filled = key_map.shape
     dev = key_map.device
     q_pos = torch.arange(filled - q_len, filled, device=dev)

@@ -1,44 +1,43 @@
-"""The sequence-parallel setting that the ``"ring_dilated"`` entries read
-(set by :func:`ring_attention.hf.register.register_transformers`)."""
+"""Sequence parallelism over transformers models (docs/transformers.md): the
+setting of :func:`~ring_attention.hf.attention.register_transformers` that
+the ``"ring_dilated"`` entries read (:class:`SequenceParallel`), a rank's
+batch from the full one (:func:`shard_causal_lm_batch`) and the DataLoader
+adapter of training (:class:`SequenceParallelDataLoader`)."""
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..core.layout import check_layout
+from ..parallel.handshake import control_device
 from ..parallel.mesh import resolve_topology, world_info
 from ..parallel.sharding import shard_sequence
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "SequenceParallel",
-    "import_transformers",
+    "SequenceParallelDataLoader",
+    "documents_from_position_ids",
     "sequence_parallel",
+    "shard_causal_lm_batch",
     "spread_of",
 ]
 
 #: The name to pass as ``attn_implementation``.
 ATTN_IMPLEMENTATION = "ring_dilated"
+_IGNORE_INDEX = -100
 
 
 class SequenceParallel:
-    """The sequence-parallel ranks of ``register_transformers(group=...,
-    ulysses_group=..., mesh=...)``: how the attention spreads a sequence
-    (the ring over ``group``, Ulysses inside ``ulysses_group``, or their
-    hybrid; docs/design.md §2) and what the batch sharding needs
-    (:attr:`size`, :attr:`rank`, :meth:`shard`, :meth:`gather_object`).
-
-    The groups are held by weak references: a strong one would keep a group
-    that destroy_process_group released alive, with its gloo worker threads,
-    into the interpreter's shutdown, where a thread still releasing a
-    finished collective's tensors needs the GIL and aborts the process. A
-    1-D mesh listing its ranks in group order is its ring group; other meshes
-    are kept (a mesh holds no group; the ring then runs in its coordinates'
-    order)."""
+    """The sequence-parallel ranks of ``register_transformers``: how the
+    attention spreads a sequence and what the batch sharding needs. The
+    groups are held by weak references: a strong one would keep a released
+    group's gloo threads alive into the interpreter's shutdown (an abort)."""
 
     def __init__(
         self, group: dist.ProcessGroup | None, layout: str,
@@ -47,16 +46,14 @@ class SequenceParallel:
         self._refs = tuple(None if g is None else weakref.ref(g) for g in (group, ulysses_group))
         self.mesh = mesh
         self.layout = layout
-        #: ``mesh="auto"``: each layer's grid over ``group``'s ranks is the
-        #: planner's (:meth:`layer_spread`); the batch shards as for the ring
-        #: (shard ``i * U + j`` is group rank ``i * U + j`` in every grid)
+        #: ``mesh="auto"``: each layer's grid is the planner's (:meth:`layer_spread`);
+        #: the batch shards as for the ring (shard ``i * U + j`` in every grid)
         self.auto = auto
         self._meshes: dict[tuple, dict[str, Any]] = {}
 
     def layer_spread(self, key: tuple, plan: Any) -> dict[str, Any]:
         """``mesh="auto"``: the groups of a layer, chosen once per ``key`` by
-        ``plan()`` (a :class:`~ring_attention.parallel.auto.MeshPlan`; every
-        rank decides the same, so the meshes are built in step)."""
+        ``plan()`` (every rank decides the same, so meshes are built in step)."""
         if key not in self._meshes:
             mesh, prediction = plan()
             if prediction.ulysses == 1:
@@ -78,15 +75,8 @@ class SequenceParallel:
             )
         return group
 
-    @property
-    def group(self) -> dist.ProcessGroup | None:
-        """The ring (``None`` with Ulysses alone or a mesh)."""
-        return self._live(0)
-
-    @property
-    def ulysses_group(self) -> dist.ProcessGroup | None:
-        """The Ulysses group, or ``None``."""
-        return self._live(1)
+    group = property(lambda self: self._live(0), doc="The ring, or ``None``.")
+    ulysses_group = property(lambda self: self._live(1), doc="The Ulysses group, or ``None``.")
 
     @property
     def ring_only(self) -> bool:
@@ -112,24 +102,16 @@ class SequenceParallel:
             (topo.ring_group, topo.ring_size, topo.ring_order),
         )  # fmt: skip
 
-    @property
-    def size(self) -> int:
-        """How many ranks share a sequence."""
-        return self._grid()[0]
-
-    @property
-    def rank(self) -> int:
-        """This rank's shard of the sequence (``i * U + j`` in the hybrid)."""
-        return self._grid()[1]
+    size = property(lambda self: self._grid()[0], doc="How many ranks share a sequence.")
+    rank = property(lambda self: self._grid()[1], doc="This rank's shard of the sequence.")
 
     def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's piece of ``x`` along ``dim`` (contiguous)."""
         return shard_sequence(x, dim, layout=self.layout, **self.spread()).contiguous()
 
     def gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj``, in shard order, from all the ranks that
-        share a sequence (``all_gather_object`` inside the Ulysses group,
-        then along the ring: no group of its own is needed)."""
+        """Every rank's ``obj``, in shard order, from the ranks that share a
+        sequence (inside the Ulysses group, then along the ring)."""
         items = [obj]
         for group, size, order in self._grid()[2]:
             if size > 1:
@@ -143,11 +125,7 @@ class SequenceParallel:
 
 def spread_of(group: Any, ulysses_group: Any, mesh: Any, layout: str) -> SequenceParallel | None:
     """The checked :class:`SequenceParallel` of these arguments (``None``:
-    no sequence parallelism).
-
-    Raises:
-        ValueError: as :func:`register_transformers`.
-    """
+    none); ``ValueError`` as :func:`register_transformers`."""
     if check_layout(layout) == "balanced":
         raise ValueError(
             "layout='balanced' is not available to transformers models: the sequence is sharded "
@@ -186,19 +164,237 @@ def set_sequence_parallel(sp: SequenceParallel | None) -> None:
 
 
 def sequence_parallel() -> SequenceParallel | None:
-    """The sequence-parallel setting of the last
-    :func:`~ring_attention.hf.register.register_transformers`
-    (``None``: every process attends over the whole sequence it is given)."""
+    """The setting of the last ``register_transformers`` (``None``: every
+    process attends over the whole sequence it is given)."""
     return _state["sp"]
 
 
-def import_transformers() -> Any:
-    """``transformers``, or an ``ImportError`` saying how to install it."""
-    try:
-        import transformers
-    except ImportError as exc:
-        raise ImportError(
-            "ring_attention.register_transformers needs the Hugging Face transformers package: "
-            "install the 'hf' extra (pip install 'ring_attention[hf]') or pip install transformers"
-        ) from exc
-    return transformers
+def _check_ids(t: Any, name: str) -> None:
+    """Token ids, labels or positions: an integer tensor holding values."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be an integer tensor, got {type(t).__name__}")
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise ValueError(f"{name} must have an integer dtype, got {t.dtype}")
+    if t.is_meta:
+        raise ValueError(f"{name} must hold values: got a tensor on the meta device")
+
+
+def documents_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """Document boundaries ``[0, e_1, ..., n]`` (int64) of a packed sequence
+    whose ``position_ids`` ``(batch, n)`` restart per document, split as
+    transformers' ``find_packed_sequence_indices`` splits them; ``None`` for
+    one document per row. ``ValueError``: rows with different boundaries."""
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    _check_ids(position_ids, "position_ids")
+    if position_ids.dim() not in (1, 2):
+        raise ValueError(
+            f"position_ids must be (batch, seq) or (seq,), got shape {tuple(position_ids.shape)}"
+        )
+    if position_ids.dim() == 1:
+        position_ids = position_ids[None]
+    n = position_ids.shape[-1]
+    if n == 0 or position_ids.shape[0] == 0:  # nothing to split
+        return None
+    sequences = find_packed_sequence_indices(position_ids)
+    if sequences is None:
+        return None
+    starts = sequences[:, 1:] != sequences[:, :-1]
+    if not bool((starts == starts[:1]).all()):
+        raise ValueError(
+            "packed sequences (position_ids restarting inside a row) must have the same document "
+            "boundaries in every batch row; flatten the batch into one row "
+            "(DataCollatorWithFlattening) or pass cu_seq_lens_q"
+        )
+    inner = torch.nonzero(starts[0]).flatten() + 1
+    zero = inner.new_zeros(1)
+    return torch.cat([zero, inner, zero + n]).to(torch.int64)
+
+
+def _right_padding(attention_mask: Any, shape: tuple[int, int]) -> torch.Tensor | None:
+    """The padded positions ``(batch, seq)`` (``True`` = padding) of a 2-D
+    right-padding ``attention_mask``, ``None`` without padding."""
+    if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != shape:
+        got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else None
+        raise ValueError(
+            f"attention_mask must be a 2-D padding mask of input_ids' shape {shape} (1 = token, "
+            f"0 = padding), got {got or attention_mask!r}"
+        )
+    keep = attention_mask != 0
+    if bool(keep.all()):
+        return None
+    if bool((keep[:, 1:] & ~keep[:, :-1]).any()):
+        raise ValueError(
+            "attention_mask: sharded causal-LM batches take right padding only (with causal "
+            "attention no token attends to the padding after it, so the mask is dropped); got a "
+            "token after a padded position (pad on the right: tokenizer.padding_side = 'right')"
+        )
+    return ~keep
+
+
+def _documents(
+    position_ids: torch.Tensor | None, cu_seq_lens: torch.Tensor | None, n: int, device: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(position_ids, cu_seq_lens int32)`` of the whole sequence."""
+    if position_ids is not None:
+        if position_ids.dim() != 2 or position_ids.shape[1] != n:
+            raise ValueError(
+                f"position_ids must have shape (batch, seq) or (1, seq) with seq = {n}, got "
+                f"{tuple(position_ids.shape)}"
+            )
+        cu = documents_from_position_ids(position_ids)
+        cu = torch.tensor([0, n]) if cu is None else cu
+        if cu_seq_lens is not None and cu_seq_lens.tolist() != cu.tolist():
+            raise ValueError(
+                f"cu_seq_lens_q {cu_seq_lens.tolist()} disagrees with the documents of "
+                f"position_ids {cu.tolist()}"
+            )
+    elif cu_seq_lens is not None:
+        cu = cu_seq_lens.to("cpu", torch.int64)
+        if cu.dim() != 1 or cu.numel() < 2 or cu[0] != 0 or cu[-1] != n or (cu.diff() < 0).any():
+            raise ValueError(
+                f"cu_seq_lens_q must be the document boundaries [0, ..., {n}] (1-D, "
+                f"non-decreasing), got {cu.tolist()}"
+            )
+        lengths = cu.diff()
+        position_ids = torch.arange(n) - torch.repeat_interleave(cu[:-1], lengths)
+        position_ids = position_ids[None].to(device)
+    else:
+        position_ids = torch.arange(n, device=device)[None]
+        cu = torch.tensor([0, n])
+    return position_ids, cu.to(device=device, dtype=torch.int32)
+
+
+def shard_causal_lm_batch(
+    input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None, *,
+    position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+    inputs_embeds: torch.Tensor | None = None, cu_seq_lens_q: torch.Tensor | None = None,
+    cu_seq_lens_k: torch.Tensor | None = None, ignore_index: int = _IGNORE_INDEX,
+    group: dist.ProcessGroup | None = None, ulysses_group: dist.ProcessGroup | None = None,
+    mesh: Any = None, layout: str | None = None, **other: Any,
+) -> dict[str, Any]:  # fmt: skip
+    """This rank's causal-LM batch (``model(**batch)``) from the same full
+    batch on every rank (docs/transformers.md): its ``input_ids`` (or
+    ``inputs_embeds``), global ``position_ids``, ``cu_seq_lens_q`` =
+    ``cu_seq_lens_k`` (int32, from ``position_ids`` or given), ``other``
+    ``(batch, seq, ...)`` tensors sharded and, with ``labels``: ``labels``,
+    ``shift_labels`` (shifted over the WHOLE sequence) and
+    ``num_items_in_batch`` (the scored tokens over the ranks sharing them). A
+    right-padding ``attention_mask`` is dropped (its positions not scored). The
+    ranks: as ``register_transformers`` takes them, default the registered.
+    ``ValueError``: bad shapes or padding, disagreeing documents.
+    """
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("pass exactly one of input_ids and inputs_embeds")
+    ids = input_ids is not None
+    tokens = input_ids if ids else inputs_embeds
+    if ids:
+        _check_ids(input_ids, "input_ids")
+    dims = 2 if ids else 3
+    if not isinstance(tokens, torch.Tensor) or tokens.dim() != dims or tokens.shape[0] < 1:
+        name, dims = ("input_ids", "seq") if ids else ("inputs_embeds", "seq, hidden")
+        got = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else tokens
+        raise ValueError(f"{name} must be a (batch >= 1, {dims}) tensor, got {got!r}")
+    for name, t in (("labels", labels), ("position_ids", position_ids)):
+        if t is not None:
+            _check_ids(t, name)
+    batch, n = tokens.shape[:2]
+    rows = None if position_ids is None or position_ids.dim() != 2 else position_ids.shape[0]
+    if rows not in (None, 1, batch):
+        raise ValueError(
+            f"position_ids must have shape (batch, seq) = {(batch, n)} or (1, seq), got "
+            f"{tuple(position_ids.shape)}"
+        )
+    padding = None if attention_mask is None else _right_padding(attention_mask, (batch, n))
+    position_ids, cu = _documents(position_ids, cu_seq_lens_q, n, tokens.device)
+    del cu_seq_lens_k  # the same boundaries as cu_seq_lens_q (self-attention)
+
+    if group is None and ulysses_group is None and mesh is None:
+        sp = sequence_parallel()
+        if layout is not None and sp is not None:
+            sp = spread_of(sp.group, sp.ulysses_group, sp.mesh, layout)
+    else:
+        sp = spread_of(group, ulysses_group, mesh, "contiguous" if layout is None else layout)
+    size = 1 if sp is None else sp.size
+
+    def shard(x: torch.Tensor) -> torch.Tensor:  # contiguous: the loss views it flat
+        return x if size == 1 else sp.shard(x, 1)
+
+    out: dict[str, Any] = {}
+    for key, value in other.items():
+        sharded = isinstance(value, torch.Tensor) and value.dim() >= 2
+        sharded = sharded and value.shape[:2] == (batch, n)
+        out[key] = shard(value) if sharded else value
+    out["input_ids" if ids else "inputs_embeds"] = shard(tokens)
+    out["position_ids"] = shard(position_ids)
+    out["cu_seq_lens_q"] = out["cu_seq_lens_k"] = cu
+    if labels is not None:
+        if tuple(labels.shape) != (batch, n):
+            raise ValueError(
+                f"labels must have input_ids' shape {(batch, n)}, got {tuple(labels.shape)}"
+            )
+        if padding is not None:
+            labels = labels.masked_fill(padding, ignore_index)
+        shifted = torch.cat([labels[:, 1:], labels.new_full((batch, 1), ignore_index)], dim=1)
+        out["labels"] = shard(labels)
+        out["shift_labels"] = shard(shifted)
+        out["num_items_in_batch"] = int((shifted != ignore_index).sum()) / size
+    return out
+
+
+def _to(batch: Mapping[str, Any], device: torch.device | None) -> dict[str, Any]:
+    """``batch`` with its tensors on ``device`` (the CPU when ``None``)."""
+    device = device or torch.device("cpu")
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def _device(batch: Mapping[str, Any]) -> torch.device | None:
+    return next((v.device for v in batch.values() if isinstance(v, torch.Tensor)), None)
+
+
+class SequenceParallelDataLoader:
+    """Turns a data-parallel loader of causal-LM batches into this rank's
+    sequence-parallel batches (docs/transformers.md): each micro-batch of the
+    ranks sharing a sequence becomes one step holding this rank's piece, its
+    ``num_items_in_batch`` counted over all ranks."""
+
+    def __init__(self, dataloader: Iterable[Mapping[str, Any]], *, ignore_index: int = -100):
+        self.dataloader = dataloader
+        self.ignore_index = ignore_index
+
+    def __getattr__(self, name: str) -> Any:
+        # only reached for attributes not found on the adapter itself
+        if name == "dataloader":
+            raise AttributeError(name)
+        return getattr(self.dataloader, name)
+
+    def __len__(self) -> int:
+        sp = sequence_parallel()
+        return len(self.dataloader) * (1 if sp is None else sp.size)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for batch in self.dataloader:
+            if not isinstance(batch, Mapping):
+                raise ValueError(
+                    "SequenceParallelDataLoader takes batches that are dicts (input_ids, labels, "
+                    f"...), got {type(batch).__name__}"
+                )
+            yield from self._steps(batch)
+
+    def _steps(self, batch: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """The batches of the sequence group's micro-batches, this rank's pieces."""
+        sp = sequence_parallel()
+        device = _device(batch)
+        if sp is None or sp.size == 1:
+            batches = [dict(batch)]
+        else:
+            batches = [_to(b, device) for b in sp.gather_object(_to(batch, None))]
+        steps = [shard_causal_lm_batch(**b, ignore_index=self.ignore_index) for b in batches]
+        if all("shift_labels" in s for s in steps) and dist.is_initialized():
+            world = dist.get_world_size()
+            counts = [int((s["shift_labels"] != self.ignore_index).sum()) for s in steps]
+            counts = torch.tensor(counts, dtype=torch.float64, device=control_device(None))
+            dist.all_reduce(counts)
+            for s, count in zip(steps, counts.tolist(), strict=True):
+                s["num_items_in_batch"] = count / world
+        return steps

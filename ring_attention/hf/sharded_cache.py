@@ -1,20 +1,7 @@
-"""A KV cache sharded by sequence over the sequence-parallel group (docs/design.md §2).
-
-``model.generate(..., cache=ShardedCache(model.config))`` (transformers'
-``past_key_values=`` before 5.25) on every rank of the group: each
-full-attention layer keeps only this rank's positions, so a rank holds about
-``n / p`` of them:
-
-- the prefill's ``torch.tensor_split`` piece ``r`` of ``p``;
-- of the generated positions, blocks of ``block`` positions in turn (block
-  ``b`` after the prefill on rank ``b % p``).
-
-A layer hands the attention its own keys; their global positions
-(:class:`Pieces`) ride along with them, and
-:func:`ring_attention.hf.generation.generation_step` attends each run at its
-positions and merges the ranks' results. Sliding-window layers keep
-transformers' own cache (the last ``window`` keys: their memory is bounded
-already). Imports transformers.
+"""A KV cache sharded by sequence over the sequence-parallel group
+(docs/transformers.md): each full-attention layer keeps only this rank's
+positions (its prefill piece, then blocks of generated positions in turn),
+handed to the attention with their global positions. Imports transformers.
 """
 
 from __future__ import annotations
@@ -63,7 +50,7 @@ class ShardedLayer(DynamicLayer):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keep this rank's share of the new positions; return every key and
-        value this rank holds (their positions recorded with them)."""
+        value it holds (their positions recorded)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         start, length = self.filled, key_states.shape[-2]
@@ -89,8 +76,7 @@ class ShardedLayer(DynamicLayer):
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
-        """The positions cached over the group (what the model's positions
-        and masks count)."""
+        """The positions cached over the group."""
         return self.filled
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -106,18 +92,8 @@ class ShardedLayer(DynamicLayer):
 
 class ShardedCache(DynamicCache):
     """transformers' ``DynamicCache`` whose full-attention layers keep only
-    this rank's positions (module docstring); pass it as ``cache=`` to
-    ``model.generate()`` on every rank of the group
-    registered with :func:`ring_attention.register_transformers`.
-
-    Args:
-        config: the model's config (its layer types).
-        block: how many generated positions go to one rank in turn.
-
-    Raises:
-        ValueError: without sequence parallelism registered, or a ``block``
-            that is not a positive int.
-    """
+    this rank's positions; ``block``: generated positions a rank takes in turn.
+    ``ValueError`` without sequence parallelism or for a bad ``block``."""
 
     def __init__(self, config: Any, block: int = 64) -> None:
         sp = sequence_parallel()

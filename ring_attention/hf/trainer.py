@@ -7,23 +7,14 @@ from typing import Any
 
 from transformers import Trainer
 
-from .loader import SequenceParallelDataLoader
+from .setting import SequenceParallelDataLoader
 
 __all__ = ["SequenceParallelMixin", "SequenceParallelTrainer"]
 
 
 class SequenceParallelMixin:
-    """Puts the training and evaluation loaders of a ``Trainer`` (or of a
-    subclass such as TRL's ``SFTTrainer``: ``class MyTrainer(
-    SequenceParallelMixin, SFTTrainer)``) behind
-    :class:`~ring_attention.hf.SequenceParallelDataLoader`.
-
-    Everything else is the Trainer's own: it wraps the model in DDP, or in
-    FSDP2 with ``fsdp`` set, over all ranks (the whole data x sequence mesh),
-    counts the scored tokens of every step from the batches'
-    ``shift_labels``, and checkpoints activations with
-    ``gradient_checkpointing=True``.
-    """
+    """Puts a ``Trainer``'s loaders (or a subclass's, e.g. TRL's
+    ``SFTTrainer``) behind :class:`~ring_attention.hf.SequenceParallelDataLoader`."""
 
     def get_train_dataloader(self) -> Any:
         return SequenceParallelDataLoader(super().get_train_dataloader())  # type: ignore[misc]
@@ -36,6 +27,4 @@ class SequenceParallelMixin:
 
 
 class SequenceParallelTrainer(SequenceParallelMixin, Trainer):
-    """``transformers.Trainer`` whose batches are sharded across the
-    sequence-parallel ranks of :func:`~ring_attention.register_transformers`
-    (see :class:`SequenceParallelMixin`)."""
+    """``transformers.Trainer`` with sequence-parallel batches."""

@@ -1,6 +1,9 @@
-"""Exact dense attention with materialised scores: the path of
-:class:`ring_attention.MultiheadDilatedAttention` for what the kernels do not
-cover (attention weights, arbitrary masks, extra bias/zero keys, dropout)."""
+"""Exact attention with materialised ``(batch, heads, L, S)`` scores: the
+path of :class:`ring_attention.MultiheadDilatedAttention` for what needs the
+weights (``need_weights=True``, dropout on the probabilities) and what the
+kernels do not take (an ``attn_mask``, a float
+``key_padding_mask``, ``add_bias_kv``/``add_zero_attn`` keys, query and key
+of different lengths)."""
 
 from __future__ import annotations
 
@@ -16,29 +19,17 @@ __all__ = ["dense_attention"]
 
 
 def dense_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    num_heads: int,
-    compute_dtype: torch.dtype,
-    key_padding_mask: torch.Tensor | None,
-    attn_mask: torch.Tensor | None,
-    causal: bool,
-    dropout_p: float,
-    need_weights: bool,
-    bias_k: torch.Tensor | None = None,
-    bias_v: torch.Tensor | None = None,
-    add_zero_attn: bool = False,
-    pattern: Pattern | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Exact attention of projected ``(batch, seq, embed)`` q/k/v with
-    materialised ``(batch, heads, L, S)`` scores, as ``nn.MultiheadAttention``
-    computes it: additive float masks (``-inf`` = masked; the caller converts
-    bool masks), ``bias_k``/``bias_v`` and ``add_zero_attn`` keys (reached
-    once by every query), dropout on the probabilities, and a dilated ``pattern`` entering
-    as the ``log(multiplicity)`` bias (its ``causal`` replaces ``causal``).
-    Rows that reach nothing give zeros.
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, num_heads: int,
+    compute_dtype: torch.dtype, key_padding_mask: torch.Tensor | None,
+    attn_mask: torch.Tensor | None, causal: bool, dropout_p: float, need_weights: bool,
+    bias_k: torch.Tensor | None = None, bias_v: torch.Tensor | None = None,
+    add_zero_attn: bool = False, pattern: Pattern | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """Attention of projected ``(batch, seq, embed)`` q/k/v as
+    ``nn.MultiheadAttention`` computes it: additive float masks (``-inf`` =
+    masked), extra keys reached once by every query, dropout on the
+    probabilities, a ``pattern`` as the ``log(multiplicity)`` bias (its
+    ``causal`` replaces ``causal``); rows that reach nothing give zeros.
     Returns ``(out (batch, L, embed), weights (batch, heads, L, S) or None)``.
     """
     cdt = compute_dtype

@@ -1,11 +1,8 @@
 """``nn.Module`` front ends of the attention: :class:`DilatedAttention` (one
-process), :class:`RingDilatedAttention` (sequence sharded across a process
-group) and :class:`~ring_attention.nn.multihead.MultiheadDilatedAttention` (a
-drop-in for ``torch.nn.MultiheadAttention``, in its own module).
-
-Each holds one :class:`~ring_attention.core.pattern.Pattern`, checked at
-construction (a bad pattern raises ``ValueError`` there, not at the first
-forward) and passed down unchanged.
+process) and :class:`RingDilatedAttention` (the sequence sharded across a
+process group); ``MultiheadDilatedAttention`` is ``multihead.py``'s. Each
+holds one :class:`~ring_attention.core.pattern.Pattern`, checked at
+construction (``ValueError`` there, not at the first forward).
 """
 
 from __future__ import annotations
@@ -22,50 +19,28 @@ from ..core.pattern import Pattern
 from ..local.functional import attend
 from ..parallel.api import sharded_attention
 from ..parallel.ring import given_pattern
-from .multihead import MultiheadDilatedAttention
 
-__all__ = ["DilatedAttention", "MultiheadDilatedAttention", "RingDilatedAttention"]
+__all__ = ["DilatedAttention", "RingDilatedAttention"]
 
 
 class _PatternModule(nn.Module):
     """Holds the pattern and the score scale of an attention module."""
 
     def __init__(
-        self,
-        segment_lengths: Sequence[int],
-        dilation_rates: Sequence[int],
-        causal: bool,
-        scale: float | None,
-        head_groups: bool,
-        head_offsets: str,
-        window: tuple[int, int] | None,
-    ) -> None:
+        self, segment_lengths: Sequence[int], dilation_rates: Sequence[int], causal: bool,
+        scale: float | None, head_groups: bool, head_offsets: str, window,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.pattern = Pattern(
-            segment_lengths,
-            dilation_rates,
-            causal=causal,
-            head_groups=head_groups,
-            head_offsets=head_offsets,
-            window=window,
-        )
+            segment_lengths, dilation_rates, causal=causal, head_groups=head_groups,
+            head_offsets=head_offsets, window=window,
+        )  # fmt: skip
         self.scale = None if scale is None else resolve_scale(scale, 1)
 
-    @property
-    def segment_lengths(self) -> tuple[int, ...]:
-        return self.pattern.segment_lengths
-
-    @property
-    def dilation_rates(self) -> tuple[int, ...]:
-        return self.pattern.dilation_rates
-
-    @property
-    def causal(self) -> bool:
-        return self.pattern.causal
-
-    @property
-    def head_groups(self) -> bool:
-        return self.pattern.head_groups
+    segment_lengths = property(lambda self: self.pattern.segment_lengths)
+    dilation_rates = property(lambda self: self.pattern.dilation_rates)
+    causal = property(lambda self: self.pattern.causal)
+    head_groups = property(lambda self: self.pattern.head_groups)
 
     def extra_repr(self) -> str:
         p = self.pattern
@@ -79,100 +54,66 @@ class _PatternModule(nn.Module):
 
 
 class DilatedAttention(_PatternModule):
-    """Exact dilated attention (docs/design.md §1) over ``(batch, seq, heads,
-    head_dim)`` tensors: an ``nn.Module`` around
-    :func:`ring_attention.dilated_attention`.
+    """Exact dilated attention over ``(batch, seq, heads, head_dim)``
+    tensors: :func:`ring_attention.dilated_attention` as an ``nn.Module``.
 
     Args:
         segment_lengths, dilation_rates: the pattern, one ``(w, r)`` per branch.
         causal: keys only at or before the query.
         scale: score scale, default ``head_dim ** -0.5``.
-        head_groups: split heads into ``len(pattern)`` groups, branch ``i``
-            applying only to group ``i``.
+        head_groups: branch ``i`` applies only to head group ``i``.
         head_offsets: ``"modulo"`` (default) or ``"grouped"`` (torchscale).
-        window: ``(left, right)``, a sliding window (``-1``: unbounded;
-            ``None``: none), see :func:`ring_attention.dilated_attention`.
+        window: ``(left, right)``, a sliding window (``-1``: unbounded).
     """
 
     def __init__(
-        self,
-        segment_lengths: Sequence[int],
-        dilation_rates: Sequence[int],
-        causal: bool = False,
-        scale: float | None = None,
-        head_groups: bool = False,
-        head_offsets: str = "modulo",
-        *,
-        window: tuple[int, int] | None = None,
-    ) -> None:
+        self, segment_lengths: Sequence[int], dilation_rates: Sequence[int],
+        causal: bool = False, scale: float | None = None, head_groups: bool = False,
+        head_offsets: str = "modulo", *, window: tuple[int, int] | None = None,
+    ) -> None:  # fmt: skip
         super().__init__(
             segment_lengths, dilation_rates, causal, scale, head_groups, head_offsets, window
         )
 
     def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        key_padding_mask: torch.Tensor | None = None,
-        cu_seqlens: torch.Tensor | None = None,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        key_padding_mask: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
         sinks: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """``out`` of ``q``'s shape and dtype. ``k``, ``v`` may have fewer
-        (K/V) heads than ``q``; ``key_padding_mask``: bool ``(batch, seq)``,
-        ``True`` = ignore that key; ``cu_seqlens``: document boundaries of a
-        packed sequence; ``sinks``: attention sinks ``(heads,)`` (a
-        parameter of the caller's layer, as gpt-oss's)."""
+    ) -> torch.Tensor:  # fmt: skip
+        """``out`` of ``q``'s shape and dtype (``k``, ``v`` may have fewer
+        heads); ``key_padding_mask``: bool ``(batch, seq)``, ``True`` = ignore;
+        ``cu_seqlens``: document boundaries; ``sinks``: ``(heads,)``."""
         return attend(
-            q,
-            k,
-            v,
-            self.pattern,
-            scale=self.scale,
-            key_padding_mask=key_padding_mask,
-            cu_seqlens=cu_seqlens,
-            sinks=sinks,
-        )
+            q, k, v, self.pattern, scale=self.scale, key_padding_mask=key_padding_mask,
+            cu_seqlens=cu_seqlens, sinks=sinks,
+        )  # fmt: skip
 
 
 class RingDilatedAttention(_PatternModule):
-    """``nn.Module`` wrapper of :func:`ring_attention.ring_dilated_attention`.
-
+    """:func:`ring_attention.ring_dilated_attention` as an ``nn.Module``:
     ``forward(q, k, v)`` takes and returns this rank's ``(batch, seq_local,
-    heads, head_dim)`` shards (``k``, ``v`` may have fewer K/V heads).
+    heads, head_dim)`` shards.
 
     Args:
-        segment_lengths, dilation_rates: the pattern.
-        causal: causal masking on global positions.
-        scale: score scale, default ``head_dim ** -0.5``.
-        head_groups: branch ``i`` applies only to head group ``i``.
-        head_offsets: ``"modulo"`` (default) or ``"grouped"`` (torchscale).
-        group: process group, default the default group (with
+        segment_lengths, dilation_rates, causal, scale, head_groups,
+        head_offsets, window: as for :class:`DilatedAttention` (causal on
+            global positions).
+        group: the process group (default: the default group; with
             ``ulysses_group``: the ring, ``None`` = none).
         layout: ``"contiguous"`` (default), ``"zigzag"`` or ``"balanced"``
-            (cuts balancing this pattern's work: shard inputs with
-            ``shard_sequence(..., layout="balanced")`` and the same pattern).
-        ulysses_group, mesh: head-parallel (Ulysses) or ring x Ulysses
-            sharding, as for :func:`ring_attention.ring_dilated_attention`.
-        window: ``(left, right)``, a sliding window (``-1``: unbounded;
-            ``None``: none), see :func:`ring_attention.ring_dilated_attention`.
+            (shard with ``shard_sequence(..., layout="balanced")`` and the
+            same pattern).
+        ulysses_group, mesh: Ulysses or ring x Ulysses sharding, as for
+            :func:`ring_attention.ring_dilated_attention`.
     """
 
     def __init__(
-        self,
-        segment_lengths: Sequence[int],
-        dilation_rates: Sequence[int],
-        causal: bool = False,
-        scale: float | None = None,
-        head_groups: bool = False,
-        group: dist.ProcessGroup | None = None,
-        layout: str = "contiguous",
-        head_offsets: str = "modulo",
-        *,
-        ulysses_group: dist.ProcessGroup | None = None,
-        mesh=None,
-        window: tuple[int, int] | None = None,
-    ) -> None:
+        self, segment_lengths: Sequence[int], dilation_rates: Sequence[int],
+        causal: bool = False, scale: float | None = None, head_groups: bool = False,
+        group: dist.ProcessGroup | None = None, layout: str = "contiguous",
+        head_offsets: str = "modulo", *, ulysses_group: dist.ProcessGroup | None = None,
+        mesh=None, window: tuple[int, int] | None = None,
+    ) -> None:  # fmt: skip
         super().__init__(
             segment_lengths, dilation_rates, causal, scale, head_groups, head_offsets, window
         )
@@ -182,17 +123,12 @@ class RingDilatedAttention(_PatternModule):
         self.layout = check_layout(layout)
 
     def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu_seqlens: torch.Tensor | None = None,
-        sinks: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Attend this rank's query shard to the whole (sharded) sequence;
-        ``cu_seqlens`` holds GLOBAL document boundaries (the same on every
-        rank); ``sinks``: attention sinks ``(heads,)``, the same on every
-        rank."""
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """Attend this rank's query shard to the whole sequence;
+        ``cu_seqlens`` and ``sinks`` the same on every rank (GLOBAL document
+        boundaries)."""
         # (the pattern an argument of its own: a constant of a compiled graph)
         return sharded_attention(
             q, k, v, given_pattern, (self.pattern,), cu_seqlens=cu_seqlens, scale=self.scale,

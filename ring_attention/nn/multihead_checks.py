@@ -1,14 +1,9 @@
-"""Argument checks of :class:`ring_attention.MultiheadDilatedAttention` in
-``nn.MultiheadAttention``'s order and words.
-
-With no pattern, group or ``compute_dtype`` the module runs
-``nn.MultiheadAttention.forward`` itself, so every check there is PyTorch's
-own. Its other paths (``multihead_call.py``) check their inputs here, in the order
-``nn.MultiheadAttention.forward`` and ``F.multi_head_attention_forward`` do and
-with the same messages, so that code written against ``nn.MultiheadAttention``
-(including code that matches on messages) sees no difference. Where PyTorch
-raises ``AssertionError`` these raise :class:`MultiheadAttentionError`, which is
-also a ``ValueError``; where it raises ``RuntimeError``, ``RuntimeError``.
+"""Argument checks of :class:`ring_attention.MultiheadDilatedAttention`'s
+own path, in the order of ``nn.MultiheadAttention.forward`` and
+``F.multi_head_attention_forward`` and with their messages, so that code
+written against ``nn.MultiheadAttention`` sees no difference. Where PyTorch
+raises ``AssertionError`` these raise :class:`MultiheadAttentionError` (also
+a ``ValueError``); where it raises ``RuntimeError``, ``RuntimeError``.
 """
 
 from __future__ import annotations
@@ -34,18 +29,14 @@ __all__ = [
 
 class MultiheadAttentionError(AssertionError, ValueError):
     """A bad argument that ``nn.MultiheadAttention`` reports with an
-    ``AssertionError``, with its message: catchable as ``AssertionError`` (code
-    written for ``nn.MultiheadAttention``) and as ``ValueError`` (this
-    project's error for bad arguments)."""
+    ``AssertionError``, with its message: catchable as ``AssertionError`` and
+    as ``ValueError`` (this project's error for bad arguments)."""
 
 
 def canonical_mask(
-    mask: torch.Tensor | None,
-    name: str,
-    other: torch.Tensor | None,
-    other_name: str,
+    mask: torch.Tensor | None, name: str, other: torch.Tensor | None, other_name: str,
     dtype: torch.dtype,
-) -> torch.Tensor | None:
+) -> torch.Tensor | None:  # fmt: skip
     """A bool (``True`` = masked) or float mask as an additive float mask of
     ``dtype`` (``F._canonical_mask``): other dtypes raise, and a mask whose
     dtype differs from ``other``'s warns as PyTorch does."""
@@ -67,20 +58,13 @@ def canonical_mask(
 
 
 def fast_path_reason(
-    m: nn.MultiheadAttention,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_padding_mask: torch.Tensor | None,
-    attn_mask: torch.Tensor | None,
-    float_masks: bool,
-) -> str:
-    """Why ``nn.MultiheadAttention.forward`` would not run its fused inference
-    kernel (``torch._native_multi_head_attention``) for this call; ``""`` when
-    it would. The module's other paths follow it for the output layout (the
-    fused kernel returns a contiguous ``(N, L, E)`` tensor, the other path a
-    transposed view) and for which nested-tensor inputs are accepted.
-    ``float_masks``: a mask was given as a float tensor."""
+    m: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    key_padding_mask: torch.Tensor | None, attn_mask: torch.Tensor | None, float_masks: bool,
+) -> str:  # fmt: skip
+    """Why ``nn.MultiheadAttention.forward`` would not run its fused
+    inference kernel for this call (``""``: it would): the output layout and
+    the nested-tensor inputs accepted follow it. ``float_masks``: a mask was
+    given as a float tensor."""
     if not torch.backends.mha.get_fastpath_enabled():
         return "torch.backends.mha.get_fastpath_enabled() was not True"
     if query.dim() != 3:
@@ -94,20 +78,17 @@ def fast_path_reason(
         return "in_proj_weight was None"
     if query.dtype != w.dtype:
         return f"dtypes of query ({query.dtype}) and self.in_proj_weight ({w.dtype}) don't match"
-    if m.training:
-        return "training is enabled"
-    if m.num_heads % 2 != 0:
-        return "self.num_heads is not even"
-    if not m.batch_first:
-        return "batch_first was not True"
-    if m.bias_k is not None:
-        return "self.bias_k was not None"
-    if m.bias_v is not None:
-        return "self.bias_v was not None"
-    if m.add_zero_attn:
-        return "add_zero_attn was enabled"
-    if not m._qkv_same_embed_dim:
-        return "_qkv_same_embed_dim was not True"
+    for bad, why in (
+        (m.training, "training is enabled"),
+        (m.num_heads % 2 != 0, "self.num_heads is not even"),
+        (not m.batch_first, "batch_first was not True"),
+        (m.bias_k is not None, "self.bias_k was not None"),
+        (m.bias_v is not None, "self.bias_v was not None"),
+        (m.add_zero_attn, "add_zero_attn was enabled"),
+        (not m._qkv_same_embed_dim, "_qkv_same_embed_dim was not True"),
+    ):
+        if bad:
+            return why
     if query.is_nested and (key_padding_mask is not None or attn_mask is not None):
         # PyTorch's message, line-continuation spaces included.
         return (
@@ -142,60 +123,38 @@ def nested_error(reason: str) -> MultiheadAttentionError:
 
 
 def check_dims(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_padding_mask: torch.Tensor | None,
-    attn_mask: torch.Tensor | None,
-    num_heads: int,
-) -> bool:
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    key_padding_mask: torch.Tensor | None, attn_mask: torch.Tensor | None, num_heads: int,
+) -> bool:  # fmt: skip
     """Numbers of dimensions (``F._mha_shape_check``); whether batched."""
-    if query.dim() == 3:
-        what = "batched (3-D) `query`"
-        if key.dim() != 3 or value.dim() != 3:
-            raise MultiheadAttentionError(
-                f"For {what}, expected `key` and `value` to be 3-D but found {key.dim()}-D and "
-                f"{value.dim()}-D tensors respectively"
-            )
-        if key_padding_mask is not None and key_padding_mask.dim() != 2:
-            raise MultiheadAttentionError(
-                f"For {what}, expected `key_padding_mask` to be `None` or 2-D but found "
-                f"{key_padding_mask.dim()}-D tensor instead"
-            )
-        if attn_mask is not None and attn_mask.dim() not in (2, 3):
+    n = query.dim()
+    if n not in (2, 3):
+        raise MultiheadAttentionError(
+            f"query should be unbatched 2D or batched 3D tensor but received {n}-D query tensor"
+        )
+    what = "batched (3-D) `query`" if n == 3 else "unbatched (2-D) `query`"
+    if key.dim() != n or value.dim() != n:
+        raise MultiheadAttentionError(
+            f"For {what}, expected `key` and `value` to be {n}-D but found {key.dim()}-D and "
+            f"{value.dim()}-D tensors respectively"
+        )
+    if key_padding_mask is not None and key_padding_mask.dim() != n - 1:
+        raise MultiheadAttentionError(
+            f"For {what}, expected `key_padding_mask` to be `None` or {n - 1}-D but found "
+            f"{key_padding_mask.dim()}-D tensor instead"
+        )
+    if attn_mask is not None:
+        if attn_mask.dim() not in (2, 3):
             raise MultiheadAttentionError(
                 f"For {what}, expected `attn_mask` to be `None`, 2-D or 3-D but found "
                 f"{attn_mask.dim()}-D tensor instead"
             )
-        return True
-    if query.dim() == 2:
-        what = "unbatched (2-D) `query`"
-        if key.dim() != 2 or value.dim() != 2:
+        expected = (num_heads, query.shape[0], key.shape[0])
+        if n == 2 and attn_mask.dim() == 3 and attn_mask.shape != expected:
             raise MultiheadAttentionError(
-                f"For {what}, expected `key` and `value` to be 2-D but found {key.dim()}-D and "
-                f"{value.dim()}-D tensors respectively"
+                f"Expected `attn_mask` shape to be {expected} but got {attn_mask.shape}"
             )
-        if key_padding_mask is not None and key_padding_mask.dim() != 1:
-            raise MultiheadAttentionError(
-                f"For {what}, expected `key_padding_mask` to be `None` or 1-D but found "
-                f"{key_padding_mask.dim()}-D tensor instead"
-            )
-        if attn_mask is not None:
-            if attn_mask.dim() not in (2, 3):
-                raise MultiheadAttentionError(
-                    f"For {what}, expected `attn_mask` to be `None`, 2-D or 3-D but found "
-                    f"{attn_mask.dim()}-D tensor instead"
-                )
-            expected = (num_heads, query.shape[0], key.shape[0])
-            if attn_mask.dim() == 3 and attn_mask.shape != expected:
-                raise MultiheadAttentionError(
-                    f"Expected `attn_mask` shape to be {expected} but got {attn_mask.shape}"
-                )
-        return False
-    raise MultiheadAttentionError(
-        "query should be unbatched 2D or batched 3D tensor but received "
-        f"{query.dim()}-D query tensor"
-    )
+    return n == 3
 
 
 def check_key_value(
@@ -221,31 +180,25 @@ def check_key_value(
 
 def check_attn_mask_shape(attn_mask: torch.Tensor, batch: int, heads: int, L: int, S: int) -> None:
     """``(L, S)`` or ``(batch * heads, L, S)``."""
-    if attn_mask.dim() == 2:
-        if attn_mask.shape != (L, S):
-            raise RuntimeError(
-                f"The shape of the 2D attn_mask is {attn_mask.shape}, but should be {(L, S)}."
-            )
-    elif attn_mask.shape != (batch * heads, L, S):
+    want = (L, S) if attn_mask.dim() == 2 else (batch * heads, L, S)
+    if attn_mask.shape != want:
         raise RuntimeError(
-            f"The shape of the 3D attn_mask is {attn_mask.shape}, but should be "
-            f"{(batch * heads, L, S)}."
+            f"The shape of the {attn_mask.dim()}D attn_mask is {attn_mask.shape}, but should be "
+            f"{want}."
         )
 
 
-def check_key_padding_mask_shape(
-    key_padding_mask: torch.Tensor, batch: int, S: int, extra_keys: int
-) -> None:
+def check_key_padding_mask_shape(kpm: torch.Tensor, batch: int, S: int, extra_keys: int) -> None:
     """``(batch, S)``. PyTorch checks it after appending the ``extra_keys``
     (``add_bias_kv``, ``add_zero_attn``) to both, and its message counts them."""
-    if key_padding_mask.shape[0] != batch:
+    if kpm.shape[0] != batch:
         raise MultiheadAttentionError(
-            f"Expected key_padded_mask.shape[0] to be {batch}, but got {key_padding_mask.shape[0]}"
+            f"Expected key_padded_mask.shape[0] to be {batch}, but got {kpm.shape[0]}"
         )
-    if key_padding_mask.shape[1] != S:
+    if kpm.shape[1] != S:
         raise MultiheadAttentionError(
             f"Expected key_padded_mask.shape[1] to be {S + extra_keys}, but got "
-            f"{key_padding_mask.shape[1] + extra_keys}"
+            f"{kpm.shape[1] + extra_keys}"
         )
 
 
@@ -272,16 +225,12 @@ _ATEN_NAMES = {
 
 
 def check_mask_dtype(
-    key_padding_mask: torch.Tensor | None,
-    attn_mask: torch.Tensor | None,
-    dtype: torch.dtype,
+    key_padding_mask: torch.Tensor | None, attn_mask: torch.Tensor | None, dtype: torch.dtype,
     need_weights: bool,
-) -> None:
-    """Float masks of another dtype than the query: PyTorch adds the two
-    masks and hands the sum to ``torch.baddbmm`` (``need_weights=True``),
-    which wants ``dtype``, or to ``F.scaled_dot_product_attention``, which
-    also takes float32; anything else fails there. ``attn_mask``: ``None``
-    when the ``is_causal`` hint replaces it."""
+) -> None:  # fmt: skip
+    """Float masks of another dtype than the query: PyTorch hands their sum
+    to ``torch.baddbmm`` (``need_weights=True``), which wants ``dtype``, or
+    to ``F.scaled_dot_product_attention``, which also takes float32."""
     if key_padding_mask is None and attn_mask is None:
         return
     if key_padding_mask is None or attn_mask is None:
