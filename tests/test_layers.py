@@ -43,7 +43,7 @@ LAZY = {
     (f"{PKG}.planner.validate", f"{PKG}.parallel.exchange"): "runs in the measured ranks",
 }
 #: the longest chain of imports (modules, the package's __init__ included)
-MAX_LEVELS = 15
+MAX_LEVELS = 8
 
 
 @cache

@@ -15,8 +15,6 @@ from typing import NamedTuple
 
 import torch
 
-from .dtypes import supported_dtypes
-
 __all__ = [
     "Shape",
     "check_int",
@@ -26,7 +24,15 @@ __all__ = [
     "check_sinks_meta",
     "resolve_scale",
     "sinks_meta",
+    "supported_dtypes",
 ]
+
+_KERNEL_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def supported_dtypes(device: torch.device) -> tuple[torch.dtype, ...]:
+    """Input dtypes the kernels accept on ``device``'s type."""
+    return _KERNEL_DTYPES
 
 
 class Shape(NamedTuple):

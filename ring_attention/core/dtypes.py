@@ -1,14 +1,12 @@
-"""Dtype policy (docs/design.md §5): the compute dtype per device, the dtypes
-the kernels accept, the accumulation dtype, and the small integer codes that
+"""Dtype policy (docs/design.md §5): the compute dtype per device, the
+accumulation dtype, and the small integer codes that
 name a dtype in the ranks' control messages."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["acc_dtype", "dtype_code", "dtype_name", "select_dtype", "supported_dtypes"]
-
-_KERNEL_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+__all__ = ["acc_dtype", "dtype_code", "dtype_name", "select_dtype"]
 
 
 def select_dtype(device: torch.device | str | int | None = None) -> torch.dtype:
@@ -46,11 +44,6 @@ def select_dtype(device: torch.device | str | int | None = None) -> torch.dtype:
     if major == 7:
         return torch.float16
     return torch.float32
-
-
-def supported_dtypes(device: torch.device) -> tuple[torch.dtype, ...]:
-    """Input dtypes the kernels accept on ``device``'s type."""
-    return _KERNEL_DTYPES
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:

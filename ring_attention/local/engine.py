@@ -11,8 +11,6 @@
 * :func:`ring`: the ring's operators under their autograd.
 * :func:`differentiable`: :class:`~ring_attention.local.ops.Attention`
   around another implementation.
-* :func:`reached_rows`: the key rows a set of query ranges reaches (the
-  ring's exchange planner).
 
 Nothing is checked here: the public entries checked the call
 (:func:`ring_attention.core.call.prepare`).
@@ -20,12 +18,9 @@ Nothing is checked here: the public entries checked the call
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from ..core.call import Call
-from ..core.pattern import Pattern
 from . import ops
 from .branches import PerBranch
 from .dispatch import route
@@ -34,7 +29,6 @@ __all__ = [
     "attend",
     "differentiable",
     "fold_sinks",
-    "reached_rows",
     "ring",
 ]
 
@@ -91,17 +85,3 @@ def ring(
     (ring_attention/parallel/ring_spec.py): its two operators under their
     autograd (:class:`~ring_attention.local.ops.RingFunction`)."""
     return ops.RingFunction.apply(q, k, v, documents, spec, needs_grad)
-
-
-def reached_rows(
-    q_starts: Sequence[int], q_lens: Sequence[int], k_start: int, k_len: int, heads: int,
-    kv_heads: int, pattern: Pattern, head_range: tuple[int, int, int] = (0, 0, 0),
-) -> Tensor:  # fmt: skip
-    """Sorted flat indices ``row * kv_heads + g`` (``row`` relative to
-    ``k_start``) of the key rows of ``[k_start, k_start + k_len)`` that some
-    query of the ranges reaches under ``pattern`` (``head_range``: the
-    call's ``(head_start, total_heads, total_kv_heads)``; ``heads``,
-    ``kv_heads`` its own)."""
-    call = Call(pattern, 1.0).with_heads(*head_range)
-    args = ops.op_args(call, "cpu")
-    return ops.exchange_rows(q_starts, q_lens, k_start, k_len, heads, kv_heads, args)

@@ -27,12 +27,11 @@ Nothing outside ring_attention/local/ imports this module.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from .. import _C  # noqa: F401  (loads the extension: registers torch.ops.ring_attention)
-from ..core.call import Call
 
 __all__ = [
     "DOUBLE_BACKWARD_ERROR",
@@ -80,10 +79,12 @@ class OpArgs(NamedTuple):
     total_kv_heads: int = 0
 
 
-def op_args(call: Call, device: torch.device | str) -> OpArgs:
-    """The operators' pattern arguments of ``call`` (its documents as an
-    int64 tensor on ``device``, built once per device; a traced call's
-    ``cu_seqlens`` as it is)."""
+def op_args(call: Any, device: torch.device | str) -> OpArgs:
+    """The operators' pattern arguments of ``call``, a checked
+    :class:`~ring_attention.core.call.Call` (its documents as an int64
+    tensor on ``device``, built once per device; a traced call's
+    ``cu_seqlens`` as it is). Typed loosely: ops.py imports nothing of the
+    package, so that every layer sits on it."""
     pattern = call.pattern
     return OpArgs(
         list(pattern.segment_lengths),

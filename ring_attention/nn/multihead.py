@@ -19,7 +19,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..core.dtypes import select_dtype, supported_dtypes
+from ..core.checks import supported_dtypes
+from ..core.dtypes import select_dtype
 from ..core.pattern import Pattern, as_flag
 from ..local.functional import attend
 from ..parallel.api import sharded_attention

@@ -17,7 +17,7 @@ from ..core.checks import check_int
 from ..core.geometry import MAX_SEQ_LEN
 from ..core.layout import Piece, layout_pieces, resolve_layout
 from ..core.pattern import Pattern
-from ..local import engine
+from ..local.rows import reached_rows
 
 __all__ = ["PLAN_CACHE", "ExchangePlan", "Step", "build_plan", "exchange_rows", "get_plan",
            "reaches"]  # fmt: skip
@@ -60,7 +60,7 @@ def exchange_rows(q_pieces: Sequence[Piece | tuple[int, int]], k_start: int, k_l
     ranges = [(int(p[0]), int(p[1])) for p in q_pieces if int(p[1]) > 0]
     if k_len <= 0 or not ranges:
         return _EMPTY
-    return engine.reached_rows(
+    return reached_rows(
         [r[0] for r in ranges], [r[1] for r in ranges], k_start, k_len, heads, kv_heads, pattern,
         head_range,
     )  # fmt: skip

@@ -17,10 +17,11 @@ import torch.distributed as dist
 from ..core.dtypes import dtype_code, dtype_name
 from ..core.layout import LAYOUTS, Layout, layout_code, layout_digest, layout_shard_lengths
 from ..core.pattern import Pattern
+from .mesh import Topology, report_grid_error, resolve_topology
 
 __all__ = ["GENERATION", "RING_FIELDS", "WORDS", "all_gather_ints", "control_device",
            "exchange_message", "failure", "gather_handshake", "grid_handshake", "peer_error",
-           "reject", "reject_through", "ring_handshake", "ring_message"]  # fmt: skip
+           "reject", "reject_through", "ring_handshake", "ring_message", "topology_of"]  # fmt: skip
 
 #: The call name of a generation step over the sequence-parallel group.
 GENERATION = "generation over the group (use_cache, no cu_seq_lens_q)"
@@ -403,3 +404,16 @@ def reject_through(topo, call: str, error: BaseException) -> None:
         grid_handshake(topo, call, (), None, "contiguous", error=error)
     elif topo.ring_size > 1:
         reject(topo.ring_group, call, error, topo.ring_order)
+
+
+def topology_of(group, ulysses_group, mesh, call: str) -> Topology:
+    """:func:`~ring_attention.parallel.mesh.resolve_topology`; a rank whose grid
+    arguments fail tells its peers (which then raise) before it raises."""
+    try:
+        return resolve_topology(group, ulysses_group, mesh)
+    except ValueError as exc:
+        mode = None if mesh is not None else "grid"
+        topo = report_grid_error(group, ulysses_group, mesh, exc, mode)
+        if topo is not None:
+            reject_through(topo, call, exc)
+        raise

@@ -25,9 +25,9 @@ from ..core.layout import (
 )
 from ..core.pattern import Pattern, as_flag
 from .comm import comm_device
-from .handshake import gather_handshake, grid_handshake
+from .handshake import gather_handshake, grid_handshake, topology_of
 from .mesh import Topology, check_grid, check_ring, resolve_topology, world_info
-from .ulysses import Row, to_stretch, topology_of
+from .stretch import Row, to_stretch
 
 __all__ = ["LAYOUTS", "Piece", "gather_sequence", "layout_pieces", "layout_shard_lengths",
            "shard_bounds", "shard_sequence"]  # fmt: skip

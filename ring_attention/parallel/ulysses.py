@@ -14,12 +14,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..core.call import Call
+from ..core.call import Call, prepare
 from ..core.checks import check_qkv, check_sinks, resolve_scale
 from ..core.dtypes import dtype_name
 from ..core.layout import (
     Layout,
-    Piece,
     check_layout,
     layout_pieces,
     resolve_layout,
@@ -27,21 +26,25 @@ from ..core.layout import (
 )
 from ..core.pattern import Pattern, as_flag
 from ..local import engine
-from ..local.functional import attend
 from .comm import comm_device
-from .handshake import RING_FIELDS, grid_handshake, reject, reject_through, ring_message
+from .handshake import (
+    RING_FIELDS,
+    grid_handshake,
+    reject,
+    reject_through,
+    ring_message,
+    topology_of,
+)
 from .mesh import (
     Topology,
     check_grid,
     check_ring,
-    report_grid_error,
-    resolve_topology,
     world_info,
 )
 from .ring_spec import pattern_of_call
+from .stretch import Row, from_stretch, to_stretch
 
-__all__ = ["AllToAllStats", "last_all_to_all_stats", "reject_sharded", "topology_of",
-           "ulysses_attention"]  # fmt: skip
+__all__ = ["AllToAllStats", "last_all_to_all_stats", "reject_sharded", "ulysses_attention"]
 
 Tensor = torch.Tensor
 
@@ -73,47 +76,6 @@ class AllToAllStats:
 
 #: All-to-all counters of the last Ulysses call on this rank (mutated in place).
 last_all_to_all_stats = AllToAllStats()
-
-
-@dataclass(frozen=True)
-class Row:
-    """The sequence and the heads of one Ulysses group."""
-
-    pieces: tuple[tuple[Piece, ...], ...]  # every member's pieces, local order
-    heads: tuple[tuple[int, int], ...]  # every member's query heads (start, count)
-    kv: tuple[tuple[int, int], ...]  # every member's K/V heads [begin, end)
-
-    def lengths(self) -> list[int]:
-        return [sum(p.length for p in ps) for ps in self.pieces]
-
-    def order(self) -> list[tuple[int, int, int]]:
-        """``(member, offset in its local tensor, length)`` of every non-empty
-        piece, in global order: the stretch, concatenated."""
-        runs = [(p.start, m, p.offset, p.length)
-                for m, ps in enumerate(self.pieces) for p in ps if p.length]  # fmt: skip
-        return [(m, off, ln) for _, m, off, ln in sorted(runs)]
-
-
-def to_stretch(blocks: list[Tensor], row: Row, dim: int) -> Tensor:
-    """Received per-member blocks (each a member's local rows) -> the stretch."""
-    parts = [blocks[m].narrow(dim, off, ln) for m, off, ln in row.order()]
-    if not parts:
-        return blocks[0].narrow(dim, 0, 0)
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
-
-
-def from_stretch(x: Tensor, row: Row, dim: int) -> list[Tensor]:
-    """The stretch -> each member's local rows (inverse of :func:`to_stretch`)."""
-    where: dict[tuple[int, int], int] = {}
-    at = 0
-    for m, off, ln in row.order():
-        where[(m, off)] = at
-        at += ln
-    out = []
-    for m, ps in enumerate(row.pieces):
-        parts = [x.narrow(dim, where[(m, p.offset)], p.length) for p in ps if p.length]
-        out.append(torch.cat(parts, dim=dim) if parts else x.narrow(dim, 0, 0))
-    return out
 
 
 @dataclass(frozen=True, eq=False)
@@ -277,8 +239,10 @@ def ulysses_attention(
         if callable(pattern) and not isinstance(pattern, Pattern):
             pattern = pattern()
         check_layout(layout)
-        return attend(q_local, k_local, v_local, pattern, scale=scale, return_lse=return_lse,
-                      sinks=sinks)  # fmt: skip
+        one, _ = prepare(q_local, k_local, v_local, pattern, scale=scale, return_lse=return_lse,
+                         sinks=sinks)  # fmt: skip
+        out, lse = engine.attend(one, q_local, k_local, v_local)
+        return (out, lse) if one.return_lse else out
 
     message = None
     error: Exception | None = None
@@ -405,16 +369,3 @@ def reject_sharded(group, ulysses_group, mesh, error: BaseException | None = Non
     topo = topology_of(group, ulysses_group, mesh, _CALL)
     check_grid(topo)
     reject_through(topo, _CALL, error)
-
-
-def topology_of(group, ulysses_group, mesh, call: str) -> Topology:
-    """:func:`~ring_attention.parallel.mesh.resolve_topology`; a rank whose grid
-    arguments fail tells its peers (which then raise) before it raises."""
-    try:
-        return resolve_topology(group, ulysses_group, mesh)
-    except ValueError as exc:
-        mode = None if mesh is not None else "grid"
-        topo = report_grid_error(group, ulysses_group, mesh, exc, mode)
-        if topo is not None:
-            reject_through(topo, call, exc)
-        raise
