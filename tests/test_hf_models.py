@@ -6,8 +6,8 @@ the pattern ``[(chunk, 1)]``). Each equals the attention the model itself
 uses (``"eager"`` for gpt-oss, whose sinks ``"sdpa"`` does not take;
 ``"sdpa"`` for the others), logits and every gradient in float64, with right
 padding, and greedy generation with a cache; sequence-parallel training on
-4 gloo ranks (ring, Ulysses, the 2 x 2 hybrid) equals one process, sinks
-included."""
+4 gloo ranks (ring, Ulysses, the 2 x 2 hybrid; 3 AdamW steps on packed
+documents that cross the ranks) equals one process, sinks included."""
 
 from __future__ import annotations
 
@@ -113,6 +113,29 @@ def test_greedy_generation_equals_the_models_own(family: str) -> None:
     assert torch.equal(ring.generate(ids, **kw), ref.generate(ids, **kw))
 
 
+#: optimizer steps of the sequence-parallel training tests
+STEPS = 3
+
+
+def _train(model, batches: list) -> list:
+    """(loss, gradients) of each of ``len(batches)`` AdamW steps on this
+    rank's shards; each step's loss and gradients are summed over the ranks
+    (each rank's share of the whole batch's) before the step."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sharded = dist.is_initialized()
+    out = []
+    for ids, labels, positions in batches:
+        loss, grads = causal_lm_step(model, ids, labels, positions)
+        if sharded:
+            for t in (loss, *grads.values()):
+                dist.all_reduce(t)
+        for name, p in model.named_parameters():
+            p.grad = grads[name].clone()
+        opt.step()
+        out.append((loss, grads))
+    return out
+
+
 def _sp_worker(rank: int, world: int, spread: str, cases: list) -> list:
     if spread == "hybrid":
         from torch.distributed.device_mesh import init_device_mesh
@@ -121,13 +144,9 @@ def _sp_worker(rank: int, world: int, spread: str, cases: list) -> list:
     else:
         group = {spread: dist.group.WORLD}
     results = []
-    for family, state, ids, labels, positions in cases:
+    for family, state, batches in cases:
         ra.register_transformers(**group)
-        model = build(family, "ring_dilated", state).train()
-        loss, grads = causal_lm_step(model, ids, labels, positions)
-        for t in (loss, *grads.values()):
-            dist.all_reduce(t)
-        results.append((loss, grads))
+        results.append(_train(build(family, "ring_dilated", state).train(), batches))
     ra.register_transformers()
     return results
 
@@ -136,35 +155,52 @@ def _sp_cases(families: list[str]) -> tuple[list, list]:
     gen = torch.Generator().manual_seed(7)
     cases, wants = [], []
     for family in families:
-        lengths = [10, 1, 7, 9, 12]  # packed documents crossing the shard boundaries
-        ids = torch.randint(1, VOCAB, (1, sum(lengths)), generator=gen)
-        positions = torch.cat([torch.arange(n) for n in lengths])[None]
-        labels = ids.clone()
-        labels[positions == 0] = -100
-        if family == "llama4":  # chunks start at 0: no packed documents, one sequence
-            positions = None
+        batches = []
+        for _ in range(STEPS):
+            lengths = [10, 1, 7, 9, 12]  # packed documents crossing the shard boundaries
+            ids = torch.randint(1, VOCAB, (1, sum(lengths)), generator=gen)
+            positions = torch.cat([torch.arange(n) for n in lengths])[None]
+            labels = ids.clone()
+            labels[positions == 0] = -100
+            if family == "llama4":  # chunks start at 0: no packed documents, one sequence
+                positions = None
+            batches.append((ids, labels, positions))
         model = build(family, "ring_dilated").train()
-        wants.append(causal_lm_step(model, ids, labels, positions))
-        cases.append((family, model.state_dict(), ids, labels, positions))
+        state = copy.deepcopy(model.state_dict())
+        wants.append(_train(model, batches))
+        cases.append((family, state, batches))
     return cases, wants
+
+
+SP_FAMILIES = ["gpt-oss", "gemma3", "llama4"]
 
 
 @pytest.mark.parametrize(
     ("spread", "families"),
-    [("group", ["gpt-oss"]), ("ulysses_group", ["gpt-oss"]),
-     ("hybrid", ["gpt-oss", "gemma3", "olmo3", "llama4"])],
+    [("group", SP_FAMILIES), ("ulysses_group", SP_FAMILIES),
+     ("hybrid", [*SP_FAMILIES, "olmo3"])],
+    ids=lambda v: "+".join(v) if isinstance(v, list) else v,  # -k gpt-oss picks them
 )  # fmt: skip
 def test_sequence_parallel_training_equals_one_process(spread: str, families: list) -> None:
+    """STEPS AdamW steps on 4 ranks: every step's loss and every parameter's
+    gradient (the sinks' included) equal one process's."""
     cases, wants = _sp_cases(families)
     out = run_distributed(_sp_worker, 4, spread, cases, timeout=400)
     for rank_results in out:
-        for (loss, grads), (want_loss, want_grads), family in zip(rank_results, wants, families,
-                                                                   strict=True):  # fmt: skip
-            # transformers computes the loss in float32 whatever the model's dtype,
-            # so its value and the gradients are float32's (the issue's tolerance)
-            gtol = TOL[torch.float32][1]
-            torch.testing.assert_close(loss, want_loss, rtol=2e-6, atol=2e-6, msg=family)
-            for name, g in want_grads.items():
-                scale = float(g.abs().max())
-                torch.testing.assert_close(grads[name], g, rtol=gtol, atol=gtol * scale,
-                                           msg=f"{family} {name}")  # fmt: skip
+        for steps, want_steps, family in zip(rank_results, wants, families, strict=True):
+            assert len(steps) == STEPS
+            for step, ((loss, grads), (want_loss, want_grads)) in enumerate(
+                zip(steps, want_steps, strict=True)
+            ):
+                # transformers computes the loss in float32 whatever the model's dtype,
+                # so its value and the gradients are float32's (the issue's tolerance)
+                gtol = TOL[torch.float32][1]
+                where = f"{family} step {step}"
+                torch.testing.assert_close(loss, want_loss, rtol=2e-6, atol=2e-6, msg=where)
+                for name, g in want_grads.items():
+                    scale = float(g.abs().max())
+                    torch.testing.assert_close(grads[name], g, rtol=gtol, atol=gtol * scale,
+                                               msg=f"{where} {name}")  # fmt: skip
+            if family == "gpt-oss":
+                sinks = [g for n, g in steps[0][1].items() if n.endswith("sinks")]
+                assert sinks and all(bool(g.abs().sum() > 0) for g in sinks), "sinks' gradient"

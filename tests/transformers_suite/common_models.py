@@ -1,4 +1,5 @@
-"""Llama, Mistral and Qwen2 under transformers' common model tests.
+"""Llama, Mistral, Qwen2, gpt-oss, Gemma 3, Llama 4 and Cohere 2 under
+transformers' common model tests.
 
 scripts/transformers_tests.py (``--sdist``) places this file in the tests/
 tree of the installed release's sdist, as ``tests/ring_dilated/test_common_models.py``,
@@ -13,14 +14,36 @@ Llama runs with every model class (the base model, causal LM and the three
 task heads); Mistral and Qwen2, whose attention differs from Llama's
 (sliding windows, projection biases) and whose task heads do not, with the
 base model and the causal LM only: the task heads thrice took 40 % of the
-run and reached no attention path that Llama's do not.
+run and reached no attention path that Llama's do not. The families with
+sinks, sliding and chunked layers run the same way (the base model and the
+causal LM), each with the layer kinds of its own: gpt-oss (sinks, sliding and
+full layers alternating), Gemma 3's text model (sliding and global layers,
+``query_pre_attn_scalar``), Llama 4's text model (chunked and full layers,
+``attention_chunk_size``) and Cohere 2 (sliding and full layers), windows and
+chunks shorter than the sequence. gpt-oss has no ``"sdpa"`` (its sinks): the
+model's own attention there is ``"eager"``, which its tester asks for by name,
+and ``"ring_dilated"`` where the plugin is on (``ring_dilated_default.attention``).
 """
 
 from __future__ import annotations
 
 import unittest
+from typing import ClassVar
 
+from ring_dilated_default import attention
 from transformers import (
+    Cohere2Config,
+    Cohere2ForCausalLM,
+    Cohere2Model,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    Gemma3TextModel,
+    GptOssConfig,
+    GptOssForCausalLM,
+    GptOssModel,
+    Llama4ForCausalLM,
+    Llama4TextConfig,
+    Llama4TextModel,
     LlamaConfig,
     LlamaForCausalLM,
     LlamaForQuestionAnswering,
@@ -54,26 +77,35 @@ class TinyCausalLMTester:
     intermediate_size = 37
     num_labels = 3
 
-    def __init__(self, parent: unittest.TestCase, config_class: type) -> None:
+    def __init__(self, parent: unittest.TestCase, config_class: type, extra: dict) -> None:
         self.parent = parent
         self.config_class = config_class
+        self.extra = extra
 
     def get_config(self):
-        return self.config_class(
-            vocab_size=self.vocab_size,
-            hidden_size=self.hidden_size,
-            num_hidden_layers=self.num_hidden_layers,
-            num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads,
-            intermediate_size=self.intermediate_size,
-            hidden_act="gelu",
-            max_position_embeddings=512,
-            initializer_range=0.02,
-            num_labels=self.num_labels,
-            pad_token_id=0,
-            bos_token_id=1,
-            eos_token_id=2,
+        extra = dict(self.extra)
+        reference = extra.pop("attn_reference", None)
+        config = self.config_class(
+            **{
+                "vocab_size": self.vocab_size,
+                "hidden_size": self.hidden_size,
+                "num_hidden_layers": self.num_hidden_layers,
+                "num_attention_heads": self.num_attention_heads,
+                "num_key_value_heads": self.num_key_value_heads,
+                "intermediate_size": self.intermediate_size,
+                "hidden_act": "gelu",
+                "max_position_embeddings": 512,
+                "initializer_range": 0.02,
+                "num_labels": self.num_labels,
+                "pad_token_id": 0,
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+                **extra,
+            }
         )
+        if reference is not None:  # a model without "sdpa": its own attention, by name
+            config._attn_implementation = attention(reference)
+        return config
 
     def prepare_config_and_inputs_for_common(self):
         input_ids = ids_tensor([self.batch_size, self.seq_length], self.vocab_size)
@@ -83,9 +115,12 @@ class TinyCausalLMTester:
 
 class _CommonTests(ModelTesterMixin, GenerationTesterMixin):
     config_class: type = LlamaConfig
+    #: the family's own config arguments (``attn_reference``: the attention
+    #: the model is judged against where it has no ``"sdpa"``)
+    config_extra: ClassVar[dict] = {}
 
     def setUp(self) -> None:
-        self.model_tester = TinyCausalLMTester(self, self.config_class)
+        self.model_tester = TinyCausalLMTester(self, self.config_class, self.config_extra)
 
 
 class LlamaCommonTest(_CommonTests, unittest.TestCase):
@@ -107,3 +142,38 @@ class MistralCommonTest(_CommonTests, unittest.TestCase):
 class Qwen2CommonTest(_CommonTests, unittest.TestCase):
     config_class = Qwen2Config
     all_model_classes = (Qwen2Model, Qwen2ForCausalLM)  # the task heads: Llama's
+
+
+#: sliding / chunked layers first, windows shorter than the sequence (7)
+ALTERNATING = ["sliding_attention", "full_attention"]
+
+
+class GptOssCommonTest(_CommonTests, unittest.TestCase):
+    config_class = GptOssConfig
+    # the experts' grouped matmul takes strides of 16 bytes: 32 wide
+    config_extra: ClassVar[dict] = dict(head_dim=8, sliding_window=3, layer_types=ALTERNATING,
+                        intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                        attn_reference="eager")  # fmt: skip
+    all_model_classes = (GptOssModel, GptOssForCausalLM)
+
+
+class Gemma3CommonTest(_CommonTests, unittest.TestCase):
+    config_class = Gemma3TextConfig
+    config_extra: ClassVar[dict] = dict(head_dim=8, sliding_window=3, layer_types=ALTERNATING,
+                        query_pre_attn_scalar=12)  # fmt: skip
+    all_model_classes = (Gemma3TextModel, Gemma3ForCausalLM)
+
+
+class Llama4CommonTest(_CommonTests, unittest.TestCase):
+    config_class = Llama4TextConfig
+    config_extra: ClassVar[dict] = dict(head_dim=8, attention_chunk_size=3, no_rope_layers=[1, 0],
+                        layer_types=["chunked_attention", "full_attention"],
+                        intermediate_size_mlp=37, num_local_experts=2,
+                        moe_layers=[1])  # fmt: skip
+    all_model_classes = (Llama4TextModel, Llama4ForCausalLM)
+
+
+class Cohere2CommonTest(_CommonTests, unittest.TestCase):
+    config_class = Cohere2Config
+    config_extra: ClassVar[dict] = dict(sliding_window=3, layer_types=ALTERNATING)
+    all_model_classes = (Cohere2Model, Cohere2ForCausalLM)

@@ -9,7 +9,10 @@ patched), so every model the tests build with the default implementation
 attends with ``"ring_dilated"`` (no pattern: dense, to be equal to sdpa).
 Where the kernels cannot express an input, the backend itself calls
 transformers' ``sdpa_attention_forward`` (the function, not the registry
-entry), as it does for any user.
+entry), as it does for any user. A model without ``"sdpa"`` (gpt-oss: its sinks)
+defaults to its own ``"eager"``, which is no registry entry: its tester names
+its attention with ``attention("eager")``, ``"ring_dilated"`` while the
+plugin is on.
 
 Use: ``python -m pytest -p ring_dilated_default ...`` with this folder on
 ``PYTHONPATH`` (scripts/transformers_tests.py does this). With
@@ -47,8 +50,16 @@ def install() -> None:
     _saved.setdefault("attention", ALL_ATTENTION_FUNCTIONS["sdpa"])
     _saved.setdefault("mask", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
     counted = bool(os.environ.get("RING_DILATED_CALLS"))
-    AttentionInterface.register("sdpa", _counted if counted else hf.dilated_attention_forward)
+    forward = _counted if counted else hf.dilated_attention_forward
+    AttentionInterface.register("sdpa", forward)
+    AttentionInterface.register("ring_dilated", forward)
     AttentionMaskInterface.register("sdpa", hf.dilated_attention_mask)
+
+
+def attention(reference: str) -> str:
+    """The attention a tester names for a model whose own is ``reference``
+    (not ``"sdpa"``): ``"ring_dilated"`` while the plugin is on."""
+    return "ring_dilated" if _saved else reference
 
 
 def uninstall() -> None:
@@ -56,9 +67,12 @@ def uninstall() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
+    from ring_attention import hf
+
     if _saved:
         AttentionInterface.register("sdpa", _saved.pop("attention"))
         AttentionMaskInterface.register("sdpa", _saved.pop("mask"))
+        AttentionInterface.register("ring_dilated", hf.dilated_attention_forward)
 
 
 def pytest_configure(config: Any) -> None:
