@@ -38,16 +38,9 @@ __all__ = ["describe", "main"]
 
 
 def describe(
-    pattern: Pattern,
-    n: int,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    capability: tuple[int, int],
-    missing: Unavailable | None = None,
-) -> str:
+    pattern: Pattern, n: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+    device: torch.device, capability: tuple[int, int], missing: Unavailable | None = None,
+) -> str:  # fmt: skip
     """The report :func:`main` prints (``missing``: the backends that cannot
     run, :func:`~.local.dispatch.unavailable`; ``None``: this process's)."""
     missing = unavailable() if missing is None else missing
@@ -69,7 +62,8 @@ def describe(
         f"local op, n = {n}, {heads} query / {kv_heads} K/V heads, head_dim {head_dim}, "
         f"{str(dtype).removeprefix('torch.')} on {device.type}{cc}",
         f"pattern: {pattern.describe()}",
-        "environment: " + " ".join(f"{k.name}={_env(k.name, k.default)}" for k in config.KNOBS[:4]),
+        "environment: "
+        + " ".join(f"{k.name}={os.environ.get(k.name, k.default)}" for k in config.KNOBS[:4]),
     ]
     for pass_, r in routes.items():
         path = "dense per branch" if r.dense else "our kernel"
@@ -111,10 +105,6 @@ def describe(
             for (name, why), c in sorted(took[p].items()):
                 lines.append(f"  {p}: {name} x {c} ({why + '; ' if why else ''}{name}: chosen)")
     return "\n".join(lines)
-
-
-def _env(name: str, default: str) -> str:
-    return os.environ.get(name, default)
 
 
 def _device(text: str) -> torch.device:

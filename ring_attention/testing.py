@@ -1,36 +1,16 @@
 """Run code in real processes joined by a gloo process group (tests, benchmarks).
 
-``run_distributed(fn, world_size, *args)`` starts ``world_size`` fresh
-processes, joins them with ``init_process_group("gloo")`` through a
-``FileStore`` in a temporary directory (no ports to race for), calls
-``fn(rank, world_size, *args)`` in each and returns the ``world_size`` return
-values, rank order. Nothing is mocked: the ring's P2P traffic really goes
-through gloo.
-
-The processes are forked from a ``forkserver`` that has imported torch once
-(per calling process): each then starts in milliseconds instead of the
-seconds a fresh interpreter takes to import torch. Nothing else is shared:
-the server itself never runs torch code, and each process gets the caller's
-``sys.path``, working directory and environment as they are at the call
-(as a ``spawn``-ed process would), then imports ``fn``'s module afresh.
-
-``fn`` must be a module-level function (it is pickled by reference), its
-arguments and return value picklable; tensors are returned by value. A
-worker that raises makes ``run_distributed`` raise :class:`WorkerError`
-with the worker's traceback; a run that takes longer than ``timeout``
-seconds is killed (its processes terminated by pid) and raises
-``TimeoutError``.
-
-Each launch still costs the import of ``fn``'s module and a process group
-per rank, so run many cases per launch.
+``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes (forked from a
+``forkserver`` that imported torch once; each gets the caller's ``sys.path``, working directory
+and environment), joins them through a ``FileStore`` (no ports), calls ``fn(rank, world_size,
+*args)`` in each and returns the values in rank order. Nothing is mocked. ``fn`` must be a
+module-level function, its arguments and value picklable; a worker that raises gives
+:class:`WorkerError` with its traceback, a run past ``timeout`` ``TimeoutError``.
 
 Example::
 
-    from ring_attention.testing import run_distributed
-
     def worker(rank: int, world_size: int, n: int) -> int:
-        import torch.distributed as dist
-        return dist.get_world_size() * n
+        return world_size * n
 
     assert run_distributed(worker, 2, 10) == [20, 20]
 """
@@ -56,15 +36,9 @@ class WorkerError(RuntimeError):
 
 
 def _entry(
-    call: bytes,
-    rank: int,
-    world_size: int,
-    init_file: str,
-    results: mp.Queue,
-    pg_timeout_s: float,
-    threads: int,
-    environ: dict[str, str],
-) -> None:
+    call: bytes, rank: int, world_size: int, init_file: str, results: mp.Queue, pg_timeout_s: float,
+    threads: int, environ: dict[str, str],
+) -> None:  # fmt: skip
     try:
         os.environ.clear()  # the caller's, not the fork server's from its start
         os.environ.update(environ)
@@ -73,13 +47,9 @@ def _entry(
         import torch.distributed as dist
 
         torch.set_num_threads(threads)
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{init_file}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=pg_timeout_s),
-        )
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                                world_size=world_size,
+                                timeout=datetime.timedelta(seconds=pg_timeout_s))  # fmt: skip
         try:
             value = fn(rank, world_size, *args)
         finally:
@@ -93,22 +63,16 @@ def _entry(
 
 
 def _context() -> Any:
-    """The ``forkserver`` context, its server importing torch when it starts
-    (the first launch of this process)."""
+    """The ``forkserver`` context, its server importing torch when it starts."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed"])
     return ctx
 
 
 def run_distributed(
-    fn: Callable[..., Any],
-    world_size: int,
-    *args: Any,
-    timeout: float = 150.0,
-    pg_timeout: float = 60.0,
-    expect_dead: tuple[int, ...] = (),
-    threads: int = 1,
-) -> list[Any]:
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 150.0,
+    pg_timeout: float = 60.0, expect_dead: tuple[int, ...] = (), threads: int = 1,
+) -> list[Any]:  # fmt: skip
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks.
 
     Args:

@@ -1,18 +1,5 @@
-"""Every cache of the package, in one registry (:func:`cache_info`,
-:func:`clear_caches`, both public as ``ring_attention.cache_info`` and
-``ring_attention.clear_caches``), and the two kinds they are:
-
-* :class:`LRUCache`: bounded in entries and bytes, thread-safe, with hit and
-  miss counters (exchange plans, dense-path routes and programs, span
-  plans and their index maps, pattern matrices);
-* :class:`PerBatch`: values derived from one batch's tensor (a mask,
-  ``cu_seq_lens_q``, a traced call's documents), computed at the first
-  layer and reused by the others while the tensor is the same object at the
-  same version.
-
-Small parse caches of the environment knobs and the transformers configs
-(``functools`` caches) are registered too (:func:`register`).
-"""
+"""Every cache of the package in one registry (:func:`cache_info`, :func:`clear_caches`), and its
+two kinds: :class:`LRUCache` and :class:`PerBatch`."""
 
 from __future__ import annotations
 
@@ -35,9 +22,8 @@ _REGISTRY_LOCK = threading.Lock()
 
 
 def register(name: str, cache: C) -> C:
-    """Add ``cache`` to the registry under ``name`` (an :class:`LRUCache`, a
-    :class:`PerBatch`, a ``functools`` cache, or any object with
-    ``info() -> dict`` and ``clear()``); returns it."""
+    """Add ``cache`` to the registry under ``name`` (anything with ``info()`` and ``clear()``, or
+    a ``functools`` cache); returns it."""
     with _REGISTRY_LOCK:
         if name in _REGISTRY and _REGISTRY[name] is not cache:
             raise ValueError(f"a cache is already registered as {name!r}")
@@ -67,9 +53,7 @@ def _info_of(cache: Any) -> dict[str, Any]:
 
 
 def cache_info() -> dict[str, dict[str, Any]]:
-    """Every cache of the package: ``{name: {"entries", "bytes", "cap",
-    "hits", "misses"}}`` (``cap``: the most entries kept, ``None`` for
-    unbounded; ``bytes``: the tensors' bytes kept, 0 where not counted)."""
+    """Every cache of the package: ``{name: {"entries", "bytes", "cap", "hits", "misses"}}``."""
     with _REGISTRY_LOCK:
         caches = dict(_REGISTRY)
     return {name: _info_of(cache) for name, cache in sorted(caches.items())}
@@ -84,34 +68,14 @@ def clear_caches() -> None:
 
 
 class LRUCache(Generic[V]):
-    """A thread-safe LRU cache bounded in entries and in bytes (exchange plans,
-    pattern matrices).
-
-    Args:
-        maxsize: the most entries kept.
-        name: its name in the registry (:func:`cache_info`).
-        max_bytes: the most bytes kept (``None``: no byte bound); the least
-            recently used entries are evicted until both bounds hold, and a
-            value larger than ``max_bytes`` is returned without being kept.
-        size_of: the size in bytes of a value (required with ``max_bytes``).
-
-    Attributes:
-        hits: lookups answered from the cache.
-        misses: lookups that built a value.
-        nbytes: bytes of the values kept (0 without ``size_of``).
-
-    Both bounds can be changed at run time (``cache.maxsize = ...``,
-    ``cache.max_bytes = ...``); they take effect at the next insertion.
-    """
+    """A thread-safe LRU cache bounded in entries (``maxsize``) and in bytes (``max_bytes``, with
+    ``size_of``; a larger value is returned, not kept), registered as ``name``; counts
+    ``hits``, ``misses`` and ``nbytes``."""
 
     def __init__(
-        self,
-        maxsize: int = 64,
-        *,
-        name: str | None = None,
-        max_bytes: int | None = None,
+        self, maxsize: int = 64, *, name: str | None = None, max_bytes: int | None = None,
         size_of: Callable[[V], int] | None = None,
-    ) -> None:
+    ) -> None:  # fmt: skip
         if maxsize < 1:
             raise ValueError(f"maxsize must be >= 1, got {maxsize}")
         if max_bytes is not None and size_of is None:
@@ -166,15 +130,10 @@ class LRUCache(Generic[V]):
             self.nbytes = 0
 
     def info(self) -> dict[str, int]:
-        """``{"hits", "misses", "size", "maxsize"}`` (``nbytes`` and
-        ``max_bytes`` are attributes)."""
+        """``{"hits", "misses", "size", "maxsize"}``."""
         with self._lock:
-            return {
-                "hits": self.hits,
-                "misses": self.misses,
-                "size": len(self._data),
-                "maxsize": self.maxsize,
-            }
+            return {"hits": self.hits, "misses": self.misses, "size": len(self._data),
+                    "maxsize": self.maxsize}  # fmt: skip
 
     def __repr__(self) -> str:
         i = self.info()
@@ -185,11 +144,8 @@ class LRUCache(Generic[V]):
 
 
 class PerBatch:
-    """Values derived from one batch's tensor (the mask or ``cu_seq_lens_q``
-    that transformers passes unchanged to every layer, the documents of a
-    ring call), computed at the first layer and reused by the others: keyed
-    by the tensor's identity and version (an in-place change rebuilds), one
-    batch at a time."""
+    """Values derived from one batch's tensor (a mask, ``cu_seq_lens_q``), reused by every layer
+    while the tensor is the same object at the same version."""
 
     def __init__(self, name: str) -> None:
         self._source: tuple[weakref.ref, int] | None = None
@@ -199,8 +155,7 @@ class PerBatch:
         register(name, self)
 
     def get(self, source: torch.Tensor, key: Hashable, build: Callable[[], Any]) -> Any:
-        """The value under ``key`` for the batch of ``source``, built with
-        ``build()`` on a miss (a new batch drops the previous one's values)."""
+        """The value under ``key`` for the batch of ``source``, built on a miss."""
         version = source._version if not source.is_inference() else -1
         with self._lock:
             if (

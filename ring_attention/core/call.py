@@ -1,13 +1,6 @@
-"""One checked attention call: the value every layer below a public entry
-reads (flash-attention's params struct is the model).
-
-A public entry (``dilated_attention``, the ring, Ulysses, the modules, the
-transformers backend) checks its arguments once with :func:`prepare` and
-passes the :class:`Call` down; a ring step's block, a Ulysses rank's head
-slice, a decode step or a chunk of prefill is the same call with its
-:meth:`Call.with_heads` / :meth:`Call.with_rows`, never checked again. The
-operators keep their own checks for direct callers (``csrc/checks.cpp``).
-"""
+"""One checked attention call (:class:`Call`): a public entry checks its arguments once with
+:func:`prepare` and passes the call down; head slices and row offsets are copies
+(:meth:`Call.with_heads`, :meth:`Call.with_rows`), never checked again."""
 
 from __future__ import annotations
 
@@ -27,27 +20,9 @@ Tensor = torch.Tensor
 
 @dataclass(frozen=True, eq=False)
 class Call:
-    """What one attention call attends with, besides ``q``, ``k``, ``v``.
-
-    Attributes:
-        pattern: the checked pattern (branches, causality, head groups and
-            offsets, window, documents).
-        scale: the score scale.
-        key_padding_mask: bool ``(batch, keys)``, ``True`` = ignore that key.
-        documents: a ``cu_seqlens`` tensor traced by ``torch.compile`` (its
-            values are not known while tracing: the operator checks them),
-            replacing the pattern's documents.
-        head_start, total_heads, total_kv_heads: the call holds query heads
-            ``[head_start, head_start + heads)`` of ``total_heads`` and the
-            K/V heads they read (of ``total_kv_heads``); ``total_heads`` 0:
-            every head.
-        q_start, k_start, q_starts: its queries sit at global positions
-            ``[q_start, q_start + Lq)`` (or batch row ``b``'s from
-            ``q_starts[b]`` on), its keys at ``[k_start, k_start + Lk)``.
-        return_lse: the caller wants ``(out, lse)``.
-        sinks: ``(heads,)`` attention sinks of the call's query heads (one
-            virtual key of value 0 per query, added once), or ``None``.
-    """
+    """What one attention call attends with, besides ``q``, ``k``, ``v``: the pattern, scale, key
+    padding mask, a traced ``cu_seqlens`` (``documents``), its head range (``total_heads`` 0:
+    every head), its rows' global positions, ``return_lse`` and sinks."""
 
     pattern: Pattern
     scale: float
@@ -79,7 +54,7 @@ class Call:
         )
 
     def with_rows(self, q_start: int = 0, k_start: int = 0, q_starts: Tensor | None = None) -> Call:
-        """The same call on queries at ``q_start`` (or ``q_starts``) and keys at ``k_start``."""
+        """The same call on queries at ``q_start`` (or ``q_starts``), keys at ``k_start``."""
         return dataclasses.replace(self, q_start=q_start, k_start=k_start, q_starts=q_starts)
 
     def with_pattern(self, pattern: Pattern) -> Call:
@@ -90,41 +65,13 @@ class Call:
 
 
 def prepare(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    pattern: Pattern,
-    *,
-    scale: float | None = None,
-    key_padding_mask: Tensor | None = None,
-    cu_seqlens: Tensor | Sequence[int] | None = None,
-    return_lse: bool = False,
-    q_start: int = 0,
-    k_start: int = 0,
-    q_starts: Tensor | None = None,
-    head_range: tuple[int, int, int] | None = None,
-    sinks: Tensor | None = None,
-) -> tuple[Call, Shape]:
-    """Check one call's arguments (docs/design.md §6) into a :class:`Call`.
-
-    ``cu_seqlens``, when given, replaces the pattern's documents; traced by
-    ``torch.compile`` it is passed to the operator as it is. ``q_start``,
-    ``k_start``: the rows' global positions (a cached decode step or a chunk
-    of prefill; ``k`` may then be longer or shorter than ``q``);
-    ``q_starts`` (an int64 tensor on the host), one query start per batch
-    row instead of ``q_start``.
-    ``head_range``: ``(head_start, total_heads, total_kv_heads)`` of a call
-    holding part of the heads (a Ulysses rank's). ``sinks``: ``(heads,)``
-    attention sinks of the call's query heads.
-
-    Returns:
-        The call and the checked sizes.
-
-    Raises:
-        ValueError: naming the argument (shapes, dtypes, devices, the
-            pattern against the heads and the length, the mask, the scale,
-            flags).
-    """
+    q: Tensor, k: Tensor, v: Tensor, pattern: Pattern, *, scale: float | None = None,
+    key_padding_mask: Tensor | None = None, cu_seqlens: Tensor | Sequence[int] | None = None,
+    return_lse: bool = False, q_start: int = 0, k_start: int = 0, q_starts: Tensor | None = None,
+    head_range: tuple[int, int, int] | None = None, sinks: Tensor | None = None,
+) -> tuple[Call, Shape]:  # fmt: skip
+    """Check one call's arguments (docs/design.md §6) into a :class:`Call` and the checked
+    :class:`Shape`; ``ValueError`` naming the argument."""
     one_sequence = q_start == 0 and k_start == 0 and q_starts is None
     if q_starts is not None:
         q_start = 0
@@ -148,18 +95,7 @@ def prepare(
     check_key_padding_mask(key_padding_mask, shape.batch, shape.seq_k, q.device)
     check_sinks(sinks, shape.heads, q.device)
     start, total, total_kv = head_range or (0, 0, 0)
-    call = Call(
-        pattern,
-        resolve_scale(scale, shape.head_dim),
-        key_padding_mask,
-        documents,
-        head_start=start,
-        total_heads=total,
-        total_kv_heads=total_kv,
-        q_start=q_start,
-        k_start=k_start,
-        q_starts=q_starts,
-        return_lse=as_flag(return_lse, "return_lse"),
-        sinks=sinks,
-    )
+    call = Call(pattern, resolve_scale(scale, shape.head_dim), key_padding_mask, documents, start,
+                total, total_kv, q_start, k_start, q_starts, as_flag(return_lse, "return_lse"),
+                sinks)  # fmt: skip
     return call, shape

@@ -1,11 +1,5 @@
-"""Argument checks of the public functions (docs/design.md §6), in one place.
-
-The Python counterpart of ``csrc/checks.cpp``: every public entry point runs
-these once, before any kernel runs and before any rank communicates, and
-raises ``ValueError`` naming the argument and what was expected. The C++
-checks stay as the safety net of direct operator calls. Pattern values are
-checked by :class:`ring_attention.core.pattern.Pattern` itself.
-"""
+"""Argument checks of the public functions (docs/design.md §6): ``ValueError`` naming the
+argument, before any kernel runs or rank communicates."""
 
 from __future__ import annotations
 
@@ -50,13 +44,9 @@ def check_qkv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, same_length: bool = True,
     head_range: tuple[int, int, int] | None = None,
 ) -> Shape:  # fmt: skip
-    """Check ``q`` ``(batch, seq, heads, head_dim)`` and ``k``, ``v``
-    ``(batch, seq_k, kv_heads, head_dim)`` (``kv_heads`` dividing ``heads``;
-    ``seq_k == seq`` when ``same_length``): one dtype the kernels support,
-    one device. With ``head_range`` ``(head_start, total_heads,
-    total_kv_heads)`` the tensors hold query heads ``[head_start, head_start
-    + heads)`` of ``total_heads`` and the K/V heads those read. Returns the
-    sizes."""
+    """Check ``q`` ``(batch, seq, heads, head_dim)`` and ``k``, ``v`` ``(batch, seq_k, kv_heads,
+    head_dim)``: one supported dtype, one device (``head_range``: a slice of the heads).
+    Returns the sizes."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -159,8 +149,7 @@ def check_key_padding_mask(
 
 
 def sinks_meta(sinks: object) -> tuple | None:
-    """What the checks of :func:`check_sinks` read of ``sinks`` (a hashable
-    value a ring call's spec carries to every rank's check), or ``None``."""
+    """What :func:`check_sinks` reads of ``sinks`` (hashable), or ``None``."""
     if sinks is None:
         return None
     if not isinstance(sinks, torch.Tensor):
@@ -169,8 +158,7 @@ def sinks_meta(sinks: object) -> tuple | None:
 
 
 def check_sinks(sinks: object, heads: int, device: torch.device) -> None:
-    """Attention sinks: a floating tensor of shape ``(heads,)`` on the inputs'
-    device (one learned logit per query head), or ``None``."""
+    """Sinks: a floating ``(heads,)`` tensor on the inputs' device, or ``None``."""
     check_sinks_meta(sinks_meta(sinks), heads, device)
 
 
@@ -190,8 +178,8 @@ def check_sinks_meta(meta: tuple | None, heads: int, device: torch.device) -> No
 
 
 def check_int(value: object, name: str, low: int, high: int) -> int:
-    """``value`` as an int in ``[low, high]``: Python/NumPy integers or 0-d
-    integer tensors (not ``bool``), else ``ValueError`` naming ``name``."""
+    """``value`` as an int in ``[low, high]`` (not ``bool``), else ``ValueError`` naming
+    ``name``."""
     try:
         if isinstance(value, bool) or (
             isinstance(value, torch.Tensor) and value.dtype == torch.bool

@@ -1,12 +1,6 @@
-"""Every ``RING_ATTENTION_*`` environment variable the Python side reads, in
-one place (the C++ extension reads its own: docs/design.md §5).
-
-Each is parsed once per value it takes (a cache keyed by the raw string, so a
-test or a script may change it between calls) and checked: a value outside
-the accepted ones raises ``ValueError`` naming the variable and the values it
-accepts, before any kernel runs. :data:`KNOBS` is the table docs/design.md
-lists (a test keeps them equal).
-"""
+"""Every ``RING_ATTENTION_*`` environment variable the Python side reads, parsed once per value
+and checked (``ValueError`` naming the variable); :data:`KNOBS` is the table docs/design.md
+lists."""
 
 from __future__ import annotations
 
@@ -64,45 +58,22 @@ class Knob:
 
 
 KNOBS = (
-    Knob(
-        FORWARD,
-        ", ".join(MODES),
-        "auto",
-        "the local op's forward (and the ring's dense blocks): the dispatch table, our kernels, "
-        "or the dense backends",
-    ),
-    Knob(
-        BACKWARD,
-        ", ".join(MODES),
-        "auto",
-        "the backward, likewise (a gradient reaching lse always takes our kernel)",
-    ),
-    Knob(
-        DENSE_BACKEND,
-        ", ".join(DENSE_BACKENDS),
-        "auto",
-        "the dense backend of the per-branch calls: the table's, or the one named where it can run",
-    ),
-    Knob(
-        SPAN_ROWS,
-        "an integer >= 1",
-        "131072",
-        "the fewest rows of a span of the per-branch path (its buffers: about n / 16 rows)",
-    ),
-    Knob(
-        FAR_BYTES,
-        "off, auto, or an integer >= 0",
-        "off",
-        "the ring's transfers of at most this many K/V bytes travel in one batch per pass, "
-        "posted first (auto: latency x bandwidth of the planner's link, 500 kB on cuda)",
-    ),
-    Knob(
-        EMULATOR_SANITIZE,
-        "compiler flags",
-        "(none)",
-        "tests only: build the CUDA emulator with these flags (scripts/sanitize.sh)",
-    ),
-)
+    Knob(FORWARD, ", ".join(MODES), "auto",
+         "the local op's forward (and the ring's dense blocks): the dispatch table, our kernels, "
+         "or the dense backends"),
+    Knob(BACKWARD, ", ".join(MODES), "auto",
+         "the backward, likewise (a gradient reaching lse always takes our kernel)"),
+    Knob(DENSE_BACKEND, ", ".join(DENSE_BACKENDS), "auto",
+         "the dense backend of the per-branch calls: the table's, or the one named where it can "
+         "run"),
+    Knob(SPAN_ROWS, "an integer >= 1", "131072",
+         "the fewest rows of a span of the per-branch path (its buffers: about n / 16 rows)"),
+    Knob(FAR_BYTES, "off, auto, or an integer >= 0", "off",
+         "the ring's transfers of at most this many K/V bytes travel in one batch per pass, "
+         "posted first (auto: latency x bandwidth of the planner's link, 500 kB on cuda)"),
+    Knob(EMULATOR_SANITIZE, "compiler flags", "(none)",
+         "tests only: build the CUDA emulator with these flags (scripts/sanitize.sh)"),
+)  # fmt: skip
 
 
 @cached("config choices")
@@ -143,8 +114,7 @@ def _rows(raw: str) -> int:
 
 
 def span_rows() -> int:
-    """``RING_ATTENTION_DENSE_SPAN_ROWS``: the fewest rows a span of the
-    per-branch path holds (default 131072; spans are about n / 16 rows)."""
+    """``RING_ATTENTION_DENSE_SPAN_ROWS``: the fewest rows of a span (default 131072)."""
     return _rows(_get(SPAN_ROWS, "131072"))
 
 
@@ -164,14 +134,10 @@ def _far(raw: str, device_type: str) -> int:
 
 
 def far_bytes(device_type: str) -> int:
-    """``RING_ATTENTION_FAR_BYTES`` for tensors on ``device_type``: the
-    ring's transfers of at most this many K/V bytes travel in one far group
-    per pass (0: ``off``, the default; ``auto``: the planner's latency x
-    bandwidth, ring_attention/core/links.py)."""
+    """``RING_ATTENTION_FAR_BYTES`` for ``device_type`` (0: ``off``, the default)."""
     return _far(_get(FAR_BYTES, "off"), device_type)
 
 
 def emulator_sanitize() -> list[str]:
-    """``RING_ATTENTION_EMULATOR_SANITIZE``: compiler (and linker) flags of a
-    sanitized CUDA emulator build (tests only; empty: the plain build)."""
+    """``RING_ATTENTION_EMULATOR_SANITIZE``: flags of a sanitized CUDA emulator build."""
     return _get(EMULATOR_SANITIZE, "").split()

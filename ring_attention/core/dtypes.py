@@ -10,16 +10,8 @@ __all__ = ["acc_dtype", "dtype_code", "dtype_name", "select_dtype"]
 
 
 def select_dtype(device: torch.device | str | int | None = None) -> torch.dtype:
-    """The compute dtype to use on ``device``.
-
-    bfloat16 on CUDA compute capability >= 8.0 (Ampere and newer), float16 on
-    7.x (Volta, Turing), float32 below 7.0 (Pascal and older) and on the CPU.
-    ``None`` means the current CUDA device when CUDA is available, else the CPU.
-
-    Raises:
-        ValueError: ``device`` is not a device (naming it); ``RuntimeError``:
-            a CUDA device where CUDA is not available.
-    """
+    """The compute dtype on ``device``: bfloat16 on CUDA sm_80+, float16 on 7.x, else float32
+    (``None``: the current CUDA device, else the CPU); ``ValueError`` for a non-device."""
     if device is None:
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     else:
@@ -51,20 +43,10 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-_DTYPE_CODES: dict[torch.dtype, int] = {
-    torch.float32: 1,
-    torch.float64: 2,
-    torch.float16: 3,
-    torch.bfloat16: 4,
-    torch.int64: 5,
-    torch.int32: 6,
-    torch.int16: 7,
-    torch.int8: 8,
-    torch.uint8: 9,
-    torch.bool: 10,
-    torch.complex64: 11,
-    torch.complex128: 12,
-}
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
+           torch.complex128)  # fmt: skip
+_DTYPE_CODES: dict[torch.dtype, int] = {t: i + 1 for i, t in enumerate(_DTYPES)}
 _CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
 
 

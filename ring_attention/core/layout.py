@@ -1,30 +1,7 @@
-"""Which global positions each rank holds (docs/design.md §3).
-
-``layout="contiguous"`` (the normative convention): rank ``j`` of ``p`` holds
-piece ``j`` of ``torch.tensor_split(x, p, dim)``: any global length, pieces
-differing by at most one, the first ``n % p`` pieces one longer.
-
-``layout="zigzag"`` balances causal attention: the sequence is split by
-``torch.tensor_split`` into ``2p`` chunks and rank ``j`` holds chunks ``j`` and
-``2p - 1 - j``, concatenated in that order, so every rank owns one early and
-one late chunk.
-
-``fold=U`` describes the ring of a ring x Ulysses hybrid (docs/design.md §2):
-the sequence is sharded over ``world_size * U`` ranks by ``layout``, and ring
-rank ``i`` holds the pieces of the ``U`` ranks ``i * U .. i * U + U - 1`` (its
-Ulysses group's stretch), adjacent runs merged, in global order. With
-``"zigzag"`` that is chunks ``i * U ..`` and ``(2 * world_size - 1 - i) * U ..``
-of ``2 * world_size * U``: zigzag balancing at the ring level.
-
-``layout="balanced"`` balances the work of any pattern: rank ``j`` holds one
-contiguous run, the runs cut where the running sum of per-query-row work
-(the keys each row reaches under the pattern, window, causality and
-documents: :func:`ring_attention.core.pairs.balanced_work_below`) crosses
-``j / p`` of the total. The cuts depend on the pattern, so the string is
-resolved where the pattern is known (:func:`resolve_layout`) into a
-:class:`Balanced` value, which every function here takes like a string
-layout; with ``fold=U`` the cuts are over ``world_size * U`` shards.
-"""
+"""Which global positions each rank holds (docs/design.md §3): ``"contiguous"``
+(``torch.tensor_split``), ``"zigzag"`` (chunks ``j`` and ``2p - 1 - j`` of ``2p``) and
+``"balanced"`` (cuts by the pattern's work, resolved into a :class:`Balanced`); ``fold=U``: a
+ring rank holds its Ulysses group's pieces."""
 
 from __future__ import annotations
 
@@ -56,9 +33,7 @@ LAYOUTS: tuple[str, ...] = ("contiguous", "zigzag", "balanced")
 
 @dataclass(frozen=True)
 class Balanced:
-    """``layout="balanced"`` for one pattern (:func:`resolve_layout` builds
-    it): hashable, equal for patterns with the same branches, causality,
-    window and documents (what decides the work of a query row)."""
+    """``layout="balanced"`` for one pattern (:func:`resolve_layout`)."""
 
     pattern: Pattern
 
@@ -72,8 +47,7 @@ Layout = str | Balanced
 
 
 def resolve_layout(layout: Layout, pattern: Pattern) -> Layout:
-    """``layout`` checked, ``"balanced"`` resolved for ``pattern`` (with its
-    documents); a name of another layout is returned as it is."""
+    """``layout`` checked, ``"balanced"`` resolved for ``pattern``."""
     if isinstance(layout, Balanced) or check_layout(layout) != "balanced":
         return layout
     return Balanced(pattern._replace(head_groups=False, head_offsets="modulo"))
@@ -85,20 +59,13 @@ def layout_code(layout: Layout) -> int:
 
 
 def layout_digest(layout: Layout) -> int:
-    """What the handshakes compare beside :func:`layout_code`: the digest of
-    a balanced layout's pattern, 0 for the others."""
+    """The digest of a balanced layout's pattern, 0 for the others."""
     return layout.pattern.digest() if isinstance(layout, Balanced) else 0
 
 
 class Piece(NamedTuple):
-    """A contiguous run of global positions held by one rank.
-
-    Attributes:
-        start: first global position.
-        length: number of positions (may be 0 when the sequence is shorter
-            than the number of pieces).
-        offset: where the run starts inside the rank's local tensor.
-    """
+    """A run of global positions ``[start, start + length)`` held by one rank, at ``offset`` in
+    its local tensor."""
 
     start: int
     length: int
@@ -106,45 +73,28 @@ class Piece(NamedTuple):
 
 
 def check_layout(layout: Layout) -> Layout:
-    """Return ``layout`` if it is one of :data:`LAYOUTS` (or a
-    :class:`Balanced`), else raise ``ValueError``."""
+    """``layout`` if it is one of :data:`LAYOUTS` or a :class:`Balanced`, else ``ValueError``."""
     if not isinstance(layout, Balanced) and (not isinstance(layout, str) or layout not in LAYOUTS):
         raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {layout!r}")
     return layout
 
 
 def shard_bounds(n: int, world_size: int) -> list[tuple[int, int]]:
-    """``(start, length)`` of each of the ``world_size`` pieces of a length-``n``
-    sequence, exactly as ``torch.tensor_split(x, world_size)`` splits it.
-
-    The first ``n % world_size`` pieces have ``n // world_size + 1`` elements,
-    the others ``n // world_size``.
-    """
+    """``(start, length)`` of each of the ``world_size`` pieces, as ``torch.tensor_split`` splits
+    a length-``n`` sequence."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"n must be a non-negative int, got {n!r}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     base, extra = divmod(n, world_size)
-    bounds = []
-    start = 0
-    for i in range(world_size):
-        length = base + (1 if i < extra else 0)
-        bounds.append((start, length))
-        start += length
-    return bounds
+    return [(i * base + min(i, extra), base + (1 if i < extra else 0)) for i in range(world_size)]
 
 
 def layout_pieces(
     n: int, world_size: int, rank: int, layout: Layout = "contiguous", fold: int = 1
 ) -> list[Piece]:
-    """The runs of global positions rank ``rank`` holds, in local order.
-
-    One piece for ``"contiguous"`` and a :class:`Balanced`; two (chunks
-    ``rank`` and ``2 * world_size - 1 - rank`` of ``2 * world_size``) for
-    ``"zigzag"``. With ``fold > 1``: the merged pieces of ranks ``rank *
-    fold .. rank * fold + fold - 1`` of ``world_size * fold`` (see the module
-    docstring).
-    """
+    """The runs of global positions rank ``rank`` holds, in local order (with ``fold > 1``: the
+    merged pieces of ranks ``rank * fold ..`` of ``world_size * fold``)."""
     check_layout(layout)
     if layout == "balanced":
         raise ValueError(
@@ -170,11 +120,8 @@ def layout_pieces(
 
 @cached("balanced layout cuts", 64)
 def balanced_cuts(layout: Balanced, n: int, shards: int) -> tuple[int, ...]:
-    """``shards + 1`` boundaries ``0 = c_0 <= ... <= c_shards = n``: shard
-    ``j`` is ``[c_j, c_{j+1})``, each ``c_j`` the position whose work below it
-    (:func:`ring_attention.core.pairs.balanced_work_below`) is nearest
-    ``j / shards`` of the total. A vectorised bisection: about ``log2(n)``
-    evaluations of the closed-form count, never one per position."""
+    """``shards + 1`` boundaries, each where the work below it is nearest ``j / shards`` of the
+    total (a vectorised bisection)."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"n must be a non-negative int, got {n!r}")
     layout.pattern.check_length(n)

@@ -11,9 +11,8 @@ __all__ = ["INTRA_DEFAULTS", "LINKS", "Link"]
 
 @dataclass(frozen=True)
 class Link:
-    """A rank's link: ``gbps`` gigabits per second each way, ``latency_us``
-    per transfer (a posted batch), ``message_us`` per further message inside
-    one batch of point-to-point operations (the far group)."""
+    """A rank's link: ``gbps`` each way, ``latency_us`` per transfer, ``message_us`` per further
+    message of a batch."""
 
     gbps: float
     latency_us: float
@@ -25,9 +24,7 @@ class Link:
 
     @property
     def far_bytes(self) -> int:
-        """The transfer size whose wire time equals the latency (latency x
-        bandwidth): smaller transfers are latency-bound, and the ring's
-        ``RING_ATTENTION_FAR_BYTES=auto`` sends them in the far group."""
+        """Latency x bandwidth: the transfer size whose wire time equals the latency."""
         return int(self.latency_us * 1e-6 * self.gbps * 1e9 / 8)
 
 

@@ -1,12 +1,5 @@
-"""Dense matrices of a pattern: the multiplicity ``M[h, t, u]`` of
-docs/design.md §1 (how many branches let query ``t`` reach key ``u`` for head
-``h``) and its log, an additive score bias under which an ordinary softmax is
-the pattern's multiset softmax.
-
-Used by the exact dense path of :class:`ring_attention.MultiheadDilatedAttention`
-(attention weights, arbitrary masks, dropout); O(heads * seq**2) memory, so
-never on the kernels' path.
-"""
+"""Dense matrices of a pattern (docs/design.md §1): the multiplicity ``M[h, t, u]`` and its log,
+the score bias of the exact dense path of the MHA module (O(heads * seq**2))."""
 
 from __future__ import annotations
 
@@ -31,16 +24,11 @@ PATTERN_CACHE: LRUCache[torch.Tensor] = LRUCache(
 
 
 def multiplicity(
-    pattern: Pattern,
-    seq_len: int,
-    heads: int,
-    *,
-    device: torch.device | str | None = None,
+    pattern: Pattern, seq_len: int, heads: int, *, device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """``M[h, t, u]``, ``(heads, seq_len, seq_len)``: the number of branches in
-    which query ``t`` reaches key ``u`` for head ``h`` (documents, head groups,
-    head offsets and ``causal`` included). Built fresh (not cached)."""
+) -> torch.Tensor:  # fmt: skip
+    """``M[h, t, u]``, ``(heads, seq_len, seq_len)``: the number of branches in which query ``t``
+    reaches key ``u`` for head ``h`` (not cached)."""
     pattern.check_length(seq_len)
     rel, doc = document_positions(pattern.documents_tensor("cpu"), seq_len, device)
     same_doc = doc[:, None] == doc[None, :]
@@ -59,19 +47,11 @@ def multiplicity(
 
 
 def log_multiplicity(
-    pattern: Pattern,
-    seq_len: int,
-    heads: int,
-    *,
-    device: torch.device | str | None = None,
+    pattern: Pattern, seq_len: int, heads: int, *, device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """``log(M)`` of :func:`multiplicity` (``-inf`` where a key is not reached),
-    from :data:`PATTERN_CACHE` (built in the graph instead under
-    ``torch.compile``).
-
-    The returned tensor is shared by every caller: do not modify it in place.
-    """
+) -> torch.Tensor:  # fmt: skip
+    """``log(M)`` (``-inf`` where not reached), from :data:`PATTERN_CACHE`; shared by every
+    caller: do not modify it in place."""
     device = torch.device("cpu") if device is None else torch.device(device)
 
     def build() -> torch.Tensor:

@@ -1,21 +1,6 @@
-"""Reached (query, key) pairs of a pattern, counted in closed form.
-
-A pattern's work is its reached pairs (docs/design.md §7): for every
-``(head, branch, segment)`` with ``a`` active rows, ``a**2`` pairs, or
-``a (a + 1) / 2`` when causal; per document with ``cu_seqlens``; with a
-sliding window, the pairs inside its band (still closed form). Nothing here
-visits a position: a segment's active rows for offset ``o`` are
-``start + o + r*j``, so counts are arithmetic, full segments are counted by
-multiplication and only the (at most two) segments cut by a range's ends and
-the short last segment of a document are counted one by one. One billion
-tokens take microseconds.
-
-Heads enter only through their offset in each branch (and ``head_groups``):
-heads with the same offset have the same pairs, so every count is a sum over
-the distinct offsets of a branch weighted by how many heads have them.
-Grouped K/V heads do not change the pairs (every query head has its own
-scores); they change what travels (:mod:`.traffic`).
-"""
+"""Reached (query, key) pairs of a pattern, counted in closed form (docs/design.md §7): full
+segments by multiplication, only the segments cut by a range's ends one by one; heads enter
+through their offsets only. No position is visited."""
 
 from __future__ import annotations
 
@@ -57,11 +42,9 @@ def _nonneg(x: IntOrTensor) -> IntOrTensor:
 
 
 def _band_below(j: IntOrTensor, a: IntOrTensor, left: int | None, right: int | None) -> IntOrTensor:
-    """Pairs of the active queries ``0 <= i < j`` of a segment with ``a``
-    active rows, query ``i`` reaching keys ``max(0, i - left) .. min(a - 1, i
-    + right)`` (rows of the offset; ``None``: unbounded), elementwise for
-    tensors. Sides are first cut to ``a`` (the same pairs): no product
-    exceeds ``3 a**2``."""
+    """Pairs of the active queries ``0 <= i < j`` of a segment with ``a`` active rows, query
+    ``i`` reaching keys ``i - left .. i + right`` clipped to the segment (``None``:
+    unbounded); elementwise for tensors."""
     total = j  # every query reaches itself
     if right is None:
         total = total + (a - 1) * j
@@ -79,10 +62,8 @@ def _pairs_below(
     length: IntOrTensor, x: IntOrTensor, w: int, r: int, o: int, causal: bool,
     window: tuple[int, int],
 ) -> IntOrTensor:  # fmt: skip
-    """Pairs of offset ``o`` in branch ``(w, r)`` whose query lies below
-    ``x``, in a document of ``length`` positions (relative; elementwise for
-    tensors): the full segments before ``x`` by multiplication, then the one
-    ``x`` cuts, or the short last one."""
+    """Pairs of offset ``o`` in branch ``(w, r)`` whose query lies below ``x``, in a document of
+    ``length`` positions (elementwise for tensors)."""
     x = _nonneg(_min(x, length))
     # A side of the window in active rows (two active rows of one offset lie
     # a multiple of r apart); causal: the i-th query reaches i + 1 keys.
@@ -98,14 +79,10 @@ def _pairs_below(
 
 
 def range_pairs(
-    pattern: Pattern,
-    seq_len: int,
-    offsets: Sequence[dict[int, int]],
-    lo: int,
-    hi: int,
-) -> int:
-    """Reached pairs, summed over heads and branches, whose query lies in
-    ``[lo, hi)`` (keys anywhere). ``offsets`` is :meth:`Pattern.branch_offsets`."""
+    pattern: Pattern, seq_len: int, offsets: Sequence[dict[int, int]], lo: int, hi: int,
+) -> int:  # fmt: skip
+    """Reached pairs, summed over heads and branches, whose query lies in ``[lo, hi)``;
+    ``offsets``: :meth:`Pattern.branch_offsets`."""
     if lo >= hi:
         return 0
     causal = pattern.causal
@@ -143,21 +120,11 @@ def range_pairs(
 
 
 def reached_pairs(
-    pattern: Pattern,
-    seq_len: int,
-    heads: int,
-    q_ranges: Sequence[tuple[int, int]] | None = None,
-) -> int:
-    """Reached (query, key) pairs of one batch row, summed over heads and
-    branches (a key reached by two branches counts twice, as in the softmax).
-
-    Args:
-        pattern: the pattern (documents included).
-        seq_len: global sequence length.
-        heads: query heads.
-        q_ranges: ``(start, length)`` runs of query positions (a rank's
-            pieces); ``None`` for the whole sequence. Keys are not restricted.
-    """
+    pattern: Pattern, seq_len: int, heads: int, q_ranges: Sequence[tuple[int, int]] | None = None,
+) -> int:  # fmt: skip
+    """Reached (query, key) pairs of one batch row, summed over heads and branches (a key reached
+    by two branches counts twice); ``q_ranges``: ``(start, length)`` runs of query positions,
+    ``None`` for the whole sequence."""
     seq_len, heads = check_planner_args(pattern, seq_len, heads)
     if q_ranges is None:
         q_ranges = [(0, seq_len)]
@@ -178,8 +145,7 @@ def reached_pairs(
 def _prefix_pairs(
     pattern: Pattern, seq_len: int, offsets: Sequence[dict[int, int]], x: torch.Tensor
 ) -> torch.Tensor:
-    """Reached pairs, summed over heads and branches, whose query lies below
-    ``x`` (an int64 tensor of positions in ``[0, seq_len]``), elementwise."""
+    """Reached pairs whose query lies below each ``x`` (an int64 tensor), elementwise."""
 
     def below(length: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         total = torch.zeros_like(y)
@@ -209,16 +175,8 @@ _INT64_SAFE = 1 << 62  # ranks_pairs counts in int64 below this bound
 def ranks_pairs(
     pattern: Pattern, seq_len: int, heads: int, ranges: Sequence[Sequence[tuple[int, int]]]
 ) -> list[int]:
-    """:func:`reached_pairs` of every rank at once: ``ranges[j]`` holds rank
-    ``j``'s ``(start, length)`` runs (checked by the caller, inside
-    ``[0, seq_len]``).
-
-    Vectorised over the runs' ends: pairs with a query in ``[s, s + n)``
-    are those below ``s + n`` less those below ``s``. In int64 when no
-    count (nor a step towards it) can reach ``2**62``: every query reaches
-    at most ``ceil(w / r)`` keys per branch and head, so the counts stay
-    below ``seq_len`` times their sum (times 8 for the intermediate
-    products); otherwise rank by rank in Python integers."""
+    """:func:`reached_pairs` of every rank's ``(start, length)`` runs at once: vectorised in
+    int64 where no count can reach ``2**62``, else rank by rank."""
     seq_len, heads = check_planner_args(pattern, seq_len, heads)
     offsets = pattern.branch_offsets(heads)
     reach = sum(
@@ -241,17 +199,9 @@ BALANCE_OFFSETS = 64
 
 
 def balanced_work_below(pattern: Pattern, seq_len: int, xs: Sequence[int]) -> list[int]:
-    """The work of the queries below each ``x`` of ``xs`` (in ``[0,
-    seq_len]``), independent of the number of heads: what
-    ``layout="balanced"`` (:mod:`ring_attention.core.layout`) cuts evenly.
-
-    It is the reached pairs with every dilation offset of a branch equally
-    represented (heads spread evenly over the offsets, as ``h mod r`` does
-    for a number of heads that ``r`` divides): per branch ``(w, r)``, the
-    pairs of each offset ``o < r`` weighted ``1 / r`` (scaled to integers by
-    a common multiple; exact Python ints). A branch with ``r`` beyond
-    :data:`BALANCE_OFFSETS` is represented by that many evenly spread
-    offsets. Closed form (:func:`_prefix_pairs`), no position visited."""
+    """The work of the queries below each ``x`` of ``xs``, independent of the heads (what
+    ``layout="balanced"`` cuts evenly): per branch the pairs of every offset weighted ``1 /
+    r`` (at most :data:`BALANCE_OFFSETS` offsets), in exact integers."""
     xs = [int(x) for x in xs]
     if not xs:
         return []
@@ -280,8 +230,7 @@ MAX_HEADS = 2**16
 
 
 def check_planner_args(pattern: Pattern, seq_len: object, heads: object) -> tuple[int, int]:
-    """``seq_len`` and ``heads`` checked (``ValueError`` naming them), with
-    the pattern and its documents' end."""
+    """``seq_len`` and ``heads`` checked against the pattern."""
     if not isinstance(pattern, Pattern):
         raise ValueError(f"pattern must be a Pattern, got {type(pattern).__name__}")
     n = check_int(seq_len, "seq_len", 0, MAX_SEQ_LEN)

@@ -1,15 +1,6 @@
-"""The attention pattern: one frozen, hashable value, validated once.
-
-A :class:`Pattern` holds everything that defines which keys a query reaches
-(docs/design.md §1): the branches ``(w_i, r_i)``, ``causal``, ``head_groups``,
-how heads pick their dilation offsets, and the document boundaries of a packed
-sequence. It is built (and checked) once at the top — by
-:func:`ring_attention.dilated_attention`, the modules' constructors, the ring —
-and then passed down unchanged: it keys the exchange-plan and dense-matrix
-caches, the ring handshake serialises it, and :func:`ring_attention.local.ops.op_args`
-turns it into the arguments of the C++ operators, where ``csrc/pattern.h`` is
-the same definition in C++.
-"""
+"""The attention pattern (docs/design.md §1): one frozen, hashable value, checked once at the top
+and passed down unchanged (it keys the caches, the ring handshake serialises it;
+``csrc/pattern.h`` is the same definition in C++)."""
 
 from __future__ import annotations
 
@@ -42,34 +33,25 @@ INT64_MAX = 2**63 - 1  # the operators' integers are int64
 
 
 def head_offset(h: int, r: int, heads: int, head_offsets: str = "modulo") -> int:
-    """The offset of query head ``h`` (of ``heads``) in a branch of dilation
-    ``r``: ``h mod r``, or ``h // ceil(heads / r)`` for ``"grouped"``
-    (``head_offset`` in ``csrc/pattern.h``)."""
+    """The offset of query head ``h`` (of ``heads``) in a branch of dilation ``r``: ``h mod r``,
+    or ``h // ceil(heads / r)`` for ``"grouped"``."""
     if head_offsets == "grouped":
         return h // -(-heads // r)
     return h % r
 
 
 def head_group_bounds(heads: int, n_branches: int) -> list[tuple[int, int]]:
-    """``[begin, end)`` of the ``n_branches`` contiguous head groups of
-    ``head_groups=True``: sizes differ by at most one, the first groups take
-    the extra heads (``head_group_begin`` in ``csrc/pattern.h``)."""
+    """``[begin, end)`` of the ``n_branches`` contiguous head groups of ``head_groups=True`` (the
+    first groups take the extra heads)."""
     base, extra = divmod(heads, n_branches)
-    bounds, begin = [], 0
-    for i in range(n_branches):
-        size = base + (1 if i < extra else 0)
-        bounds.append((begin, begin + size))
-        begin += size
-    return bounds
+    return [
+        (i * base + min(i, extra), (i + 1) * base + min(i + 1, extra)) for i in range(n_branches)
+    ]
 
 
 def as_flag(value: Any, name: str) -> bool:
-    """``value`` as a ``bool``; only ``bool`` (and NumPy's ``bool_``) is accepted.
-
-    A string such as ``"no"`` is truthy in Python; taking it as ``True`` would
-    be a silent wrong answer, so anything but a real boolean raises
-    ``ValueError`` naming the argument.
-    """
+    """``value`` as a ``bool``: only ``bool`` (and NumPy's ``bool_``), else ``ValueError`` naming
+    the argument (``"no"`` is truthy)."""
     if isinstance(value, bool):
         return value
     if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
@@ -96,8 +78,7 @@ def _as_index(value: Any, name: str) -> int:
 
 
 def _as_ints(values: Any, name: str) -> tuple[int, ...]:
-    """A tuple of ints from one integer (a one-branch pattern) or a sequence /
-    1-D tensor of integers."""
+    """A tuple of ints from one integer or a sequence / 1-D tensor of integers."""
     if getattr(values, "ndim", None) == 1:  # a 1-D tensor or NumPy array
         return tuple(_as_index(v, f"{name}[{i}]") for i, v in enumerate(values))
     if isinstance(values, torch.Tensor) or hasattr(values, "__index__"):
@@ -118,31 +99,17 @@ class Pattern:
     """A dilated-attention pattern (docs/design.md §1), validated at construction.
 
     Args:
-        segment_lengths, dilation_rates: one ``(w, r)`` per branch, ``1 <= r <=
-            w``; Python/NumPy integers or 0-d integer tensors, or one integer
-            for a one-branch pattern.
+        segment_lengths, dilation_rates: one ``(w, r)`` per branch, ``1 <= r <= w``; integers,
+            0-d integer tensors, or one integer for a one-branch pattern.
         causal: keys only at or before the query.
-        head_groups: split heads into ``len(segment_lengths)`` contiguous
-            groups, branch ``i`` applying only to group ``i``.
-        head_offsets: ``"modulo"`` (head ``h`` starts at ``h mod r``, the
-            default) or ``"grouped"`` (``h // ceil(heads / r)``, as torchscale's
-            LongNet assigns offsets to contiguous head groups).
-        documents: ``cu_seqlens`` of a packed sequence, ``(0, e_1, ..., e_m)``
-            non-decreasing; ``None`` for one document. Build it with
-            :meth:`with_documents`.
-        window: ``(left, right)``, the sliding window: query ``t`` reaches key
-            ``u`` only if also ``t - left <= u <= t + right``; ``-1`` is
-            unbounded on that side; ``None`` (the default) is ``(-1, -1)``.
+        head_groups: branch ``i`` applies only to the ``i``-th contiguous group of heads.
+        head_offsets: ``"modulo"`` (``h mod r``, default) or ``"grouped"`` (``h // ceil(heads /
+            r)``, torchscale's LongNet).
+        documents: ``cu_seqlens`` of a packed sequence (:meth:`with_documents`), or ``None``.
+        window: ``(left, right)`` sliding window (``-1``: unbounded; ``None``: ``(-1, -1)``).
 
     Raises:
-        ValueError: naming the argument, for an empty pattern, mismatched
-            lengths, ``w < 1``, ``r < 1``, ``r > w``, ``w`` beyond int64, a
-            non-integer value, a flag that is not a ``bool``, an unknown
-            ``head_offsets`` or a window that is not two integers ``>= -1``.
-
-    The value is immutable and hashable: equal patterns are interchangeable as
-    cache keys.
-    """
+        ValueError: naming the argument, for any value outside the above."""
 
     segment_lengths: tuple[int, ...]
     dilation_rates: tuple[int, ...]
@@ -215,10 +182,8 @@ class Pattern:
         return tuple(zip(self.segment_lengths, self.dilation_rates, strict=True))
 
     def with_documents(self, cu_seqlens: Any) -> Pattern:
-        """This pattern on a packed sequence with boundaries ``cu_seqlens`` (a
-        1-D integer tensor or sequence ``[0, e_1, ..., e_m]``, non-decreasing;
-        ``None`` for one document). The last boundary is checked against the
-        sequence length where the pattern is used."""
+        """This pattern on a packed sequence with boundaries ``cu_seqlens`` (``None``: one
+        document)."""
         if cu_seqlens is None:
             return self if self.documents is None else self._replace(documents=None)
         return self._replace(documents=_check_documents(cu_seqlens))
@@ -255,9 +220,7 @@ class Pattern:
         return head_offset(h, self.dilation_rates[branch], heads, self.head_offsets)
 
     def offset_classes(self, heads: int) -> list[dict[int, list[int]]]:
-        """Per branch, ``{offset: query heads}`` over the heads the branch
-        applies to (all, or its group with ``head_groups``): heads of one
-        offset read the same rows of their K/V head."""
+        """Per branch, ``{offset: query heads}`` over the heads the branch applies to."""
         self.check_heads(heads)
         classes = []
         for i in range(self.n_branches):
@@ -285,19 +248,10 @@ class Pattern:
         return t
 
     def digest(self) -> int:
-        """A stable 63-bit digest of the value (the same in every process; the
-        ring handshake compares it across ranks)."""
-        text = repr(
-            (
-                self.segment_lengths,
-                self.dilation_rates,
-                self.causal,
-                self.head_groups,
-                self.head_offsets,
-                self.documents,
-                *(() if self.window == (-1, -1) else (self.window,)),
-            )
-        ).encode()
+        """A stable 63-bit digest of the value (the same in every process)."""
+        text = repr((self.segment_lengths, self.dilation_rates, self.causal, self.head_groups,
+                     self.head_offsets, self.documents,
+                     *(() if self.window == (-1, -1) else (self.window,)))).encode()  # fmt: skip
         return (zlib.crc32(text) << 31) ^ zlib.adler32(text)
 
     def describe(self) -> str:
@@ -318,10 +272,8 @@ class Pattern:
 
 
 def _check_window(window: Any) -> tuple[int, int]:
-    """``window`` as ``(left, right)``, each an integer ``>= -1`` (``-1``:
-    unbounded); ``None`` is ``(-1, -1)`` (docs/design.md §6). Only a tuple or
-    a list holds the two sides in their order: a set (``{255, 0}`` iterates
-    as ``0, 255``), a dict, a string or a tensor is refused."""
+    """``window`` as ``(left, right)``, each an integer ``>= -1``; only a tuple or list (a set's
+    order is not the sides')."""
     if window is None:
         return (-1, -1)
     if not isinstance(window, (tuple, list)) or len(window) != 2:
@@ -341,8 +293,7 @@ def _check_window(window: Any) -> tuple[int, int]:
 
 
 def check_documents_tensor(cu_seqlens: torch.Tensor) -> None:
-    """A ``cu_seqlens`` tensor is 1-D and integer (its metadata only: what a
-    traced call can check before its values exist)."""
+    """A ``cu_seqlens`` tensor is 1-D and integer (what a traced call can check)."""
     if cu_seqlens.dim() != 1:
         raise ValueError(
             f"cu_seqlens must be a 1-D integer tensor, got shape {tuple(cu_seqlens.shape)}"
@@ -352,10 +303,8 @@ def check_documents_tensor(cu_seqlens: torch.Tensor) -> None:
 
 
 def _check_documents(cu_seqlens: Any) -> tuple[int, ...]:
-    """``cu_seqlens`` as a tuple of ints: 1-D integer, starting at 0,
-    non-decreasing (docs/design.md §6). A tensor is checked with vectorised
-    tensor ops (thousands of documents are normal), a sequence in plain
-    Python (so that a constant list traces under ``torch.compile``)."""
+    """``cu_seqlens`` as a tuple of ints: 1-D integer, starting at 0, non-decreasing (tensors
+    checked vectorised, sequences in Python so they trace)."""
     if not isinstance(cu_seqlens, torch.Tensor) and type(cu_seqlens).__module__ == "numpy":
         cu_seqlens = torch.as_tensor(cu_seqlens)
     if isinstance(cu_seqlens, torch.Tensor):
@@ -388,8 +337,7 @@ def _check_documents(cu_seqlens: Any) -> tuple[int, ...]:
 
 
 def _bad_documents(values: list[int], at: int = 0) -> None:
-    """Raise for boundaries ``values`` (from ``cu_seqlens[at]`` on): empty, not
-    starting at 0, or decreasing from the first to the second."""
+    """Raise for boundaries ``values`` (from ``cu_seqlens[at]`` on)."""
     if not values:
         raise ValueError("cu_seqlens must not be empty: it starts with 0 and ends at seq")
     if at == 0 and values[0] != 0:

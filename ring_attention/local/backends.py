@@ -1,31 +1,12 @@
-"""Dense attention backends behind one interface, for the per-branch path
-(ring_attention/local/branches.py): each call is an ordinary dense attention
-(causal or not) on strided views, grouped K/V heads as FlashAttention takes
-them (query head ``i`` reads K/V head ``i // (hq // hk)``).
+"""Dense attention backends behind one interface, for the per-branch path (docs/design.md §5):
+``cpu`` (PyTorch's CPU flash attention), ``flash`` (FlashAttention-2), ``cudnn`` (cuDNN
+through ATen) and ``fa4`` (flash-attn-4).
 
-Interface (every tensor a view; stride 1 along the head dim):
-
-* ``forward(q, k, v, causal, scale, out, lse)``: ``q`` ``(N, L, hq, d)``,
-  ``k``, ``v`` ``(N, Lk, hk, d)`` (``Lk == L`` where ``causal``); writes
-  ``out`` ``(N, hq, L, d)`` (q's dtype) and ``lse`` ``(N, hq, L)`` (float32,
-  float64 for float64), the caller's part buffers: in place where the
-  backend takes output buffers, else copied.
-* ``backward(do, q, k, v, out, lse, causal, scale, dq, dk, dv)``: the
-  gradients of the call given the *merged* ``out`` and ``lse`` of its rows
-  (``do``, ``out`` like ``q``; ``lse`` ``(N, hq, L)``): with them the
-  call's ``P = exp(S - lse)`` is the multiset softmax's probability and its
-  ``D = rowsum(dO * out)`` the merged one, so the branches' gradients add up
-  exactly. Writes ``dq`` ``(N, hq, L, d)`` and ``dk``, ``dv`` ``(N, hk, Lk,
-  d)``.
-
-Backends: ``cpu`` (PyTorch's CPU flash attention: the stand-in that runs the
-whole path on the CPU, against the float64 oracle in the tests), ``flash``
-(PyTorch's FlashAttention-2 on CUDA), ``cudnn`` (cuDNN through ATen, forward
-and backward, no new dependency) and ``fa4`` (flash-attn-4,
-``flash_attn.cute``, where it imports). Which one a call takes is
-ring_attention/local/dispatch.py's table; :func:`fa4_missing` and
-:func:`cudnn_missing` say why the optional ones cannot run here.
-"""
+* ``forward(q, k, v, causal, scale, out, lse)``: ``q`` ``(N, L, hq, d)``, ``k``, ``v``
+  ``(N, Lk, hk, d)``; writes ``out`` ``(N, hq, L, d)`` and ``lse`` ``(N, hq, L)``.
+* ``backward(do, q, k, v, out, lse, causal, scale, dq, dk, dv)``: the call's gradients
+  given the *merged* ``out`` and ``lse``; writes ``dq`` like ``out``, ``dk``, ``dv``
+  ``(N, hk, Lk, d)``."""
 
 from __future__ import annotations
 
@@ -46,8 +27,7 @@ def _t(x: torch.Tensor) -> torch.Tensor:
 
 
 class CpuFlash:
-    """PyTorch's CPU flash attention (``_scaled_dot_product_flash_attention_for_cpu``
-    and its backward): strided inputs, grouped K/V heads, an explicit LSE."""
+    """PyTorch's CPU flash attention: strided inputs, grouped K/V heads, an explicit LSE."""
 
     name = "cpu"
 
@@ -71,17 +51,15 @@ class CpuFlash:
 
 @cached("flash backward arguments")
 def _flash_side(device: str, dtype: torch.dtype, d: int) -> tuple[Any, ...]:
-    """What the flash backward takes from its forward besides out and lse
-    (sequence offsets, RNG state): with no dropout and no nesting they do not
-    depend on the shapes, so one tiny forward per (device, dtype, head_dim)."""
+    """The flash backward's shape-independent arguments from a tiny forward (sequence offsets,
+    RNG state)."""
     x = torch.zeros(1, 1, 8, d, dtype=dtype, device=device)
     res = aten._scaled_dot_product_flash_attention(x, x, x, 0.0, False, False)
     return res[2], res[3], res[6], res[7]
 
 
 class AtenFlash:
-    """PyTorch's FlashAttention-2 (``_scaled_dot_product_flash_attention``
-    and its backward); its outputs are copied into the part buffers."""
+    """PyTorch's FlashAttention-2; its outputs are copied into the part buffers."""
 
     name = "flash"
 
@@ -112,10 +90,7 @@ CUDNN_MIN_VERSION = 90000
 
 
 def cudnn_missing() -> str | None:
-    """Why cuDNN attention through ATen cannot run here (None when it can):
-    PyTorch built without cuDNN, cuDNN turned off (``torch.backends.cudnn
-    .enabled``, read on every call: it can change), or older than
-    :data:`CUDNN_MIN_VERSION`."""
+    """Why cuDNN attention through ATen cannot run here (None when it can)."""
     if not torch.backends.cudnn.is_available():
         return "torch.backends.cudnn is not available (PyTorch built without cuDNN)"
     if not torch.backends.cudnn.enabled:
@@ -128,28 +103,17 @@ def cudnn_missing() -> str | None:
 
 @cached("cudnn backward arguments")
 def _cudnn_side(device: str, dtype: torch.dtype, d: int) -> tuple[int, Any, Any]:
-    """What the cuDNN backward takes from its forward besides out and lse:
-    the rank of the forward's logsumexp (the backward takes it in the same
-    form, as autograd hands it over) and the philox seed and offset tensors
-    (unread with no dropout, but ``.to``-converted on some GPUs, so they
-    must be the forward's). Shape-independent: one tiny forward per
-    (device, dtype, head_dim)."""
+    """The cuDNN backward's shape-independent arguments from a tiny forward: the logsumexp's rank
+    and the philox seed and offset tensors."""
     x = torch.zeros(1, 1, 128, d, dtype=dtype, device=device)
     res = aten._scaled_dot_product_cudnn_attention(x, x, x, None, True, 0.0, False, False)
     return res[1].dim(), res[6], res[7]
 
 
 class AtenCudnn:
-    """cuDNN attention through ATen (``_scaled_dot_product_cudnn_attention``
-    and its backward, equal query and K/V heads); its outputs are copied
-    into the part buffers. The backward's arguments follow ATen's schema
-    (torch 2.13): no bias, no cumulative lengths (``None``: the dense path),
-    ``max_q``/``max_k`` the call's rows, the forward's philox tensors, and
-    the logsumexp as the forward returns it, ``(N, h, L, 1)`` float32, laid
-    out ``(N, L, h)`` in memory: cuDNN reads it through its strides, and in
-    its ragged mode (q, k, v in this ``(N, L, h, d)`` memory order) offsets
-    each batch entry by ``L * stride(-2)``, which only this layout satisfies
-    for every mode."""
+    """cuDNN attention through ATen (equal query and K/V heads). The backward takes the logsumexp
+    as the forward returns it, ``(N, h, L, 1)`` float32 laid out ``(N, L, h)`` in memory: the
+    only layout its ragged mode offsets right for every mode."""
 
     name = "cudnn"
 
@@ -179,8 +143,7 @@ class AtenCudnn:
 
 
 def fa4_interface() -> Any:
-    """flash-attn-4's ``flash_attn.cute.interface`` (ImportError where it is
-    not installed)."""
+    """flash-attn-4's ``flash_attn.cute.interface`` (ImportError where missing)."""
     from flash_attn.cute import interface
 
     return interface
@@ -197,18 +160,10 @@ def fa4_missing() -> str | None:
 
 
 class KvFinite:
-    """Whether K and V hold no NaN and no infinity, asked without waiting for
-    the device: the constructor queues the check (their sums, accumulated in
-    fp32, fp64 for fp64, without a temporary, are NaN or infinite when an
-    element is) and, on CUDA, a non-blocking copy of its answer to pinned host
-    memory and an event after it; ``bool()`` reads it, waiting at most for
-    that event, which the device passes before any work queued after the
-    check. The dense paths queue their calls first and read it after, so the
-    read never drains the queue: the host has stayed ahead of the device by
-    then. A sum of finite values beyond fp32's range (about 3e38) reads as
-    non-finite too, which only sends the call to our kernels; the dense
-    backends cannot exclude non-finite keys (they multiply the zero weights
-    of masked keys by their values)."""
+    """Whether K and V hold no NaN and no infinity, asked without waiting for the device: the
+    constructor queues the check (and on CUDA a copy to pinned memory and an event),
+    ``bool()`` reads it, waiting at most for that event. A finite sum beyond fp32's range
+    reads as non-finite (the call then takes our kernels)."""
 
     __slots__ = ("_event", "_flag", "_value")
 
@@ -239,9 +194,7 @@ class KvFinite:
 
 
 class FlashAttn4:
-    """flash-attn-4 (``flash_attn.cute``, CuTe DSL; Hopper and Blackwell): it
-    takes strided ``(N, L, h, d)`` views and writes into the caller's ``out``,
-    ``lse``, ``dq``, ``dk`` and ``dv``."""
+    """flash-attn-4 (``flash_attn.cute``): strided views, writes into the caller's buffers."""
 
     name = "fa4"
 
@@ -269,13 +222,8 @@ def backend(name: str):
 
 
 def aligned(t: torch.Tensor) -> bool:
-    """Whether the dense CUDA backends take ``t`` without a copy (flash-attn-4
-    silently copies anything else): its start 16-byte aligned (its storage
-    offset: storages start aligned), and it contiguous or its strides, but
-    the last and those of dimensions of one, multiples of 8 elements. The
-    views of the per-branch calls of aligned q, k, v are too (their offsets
-    and strides are sums of multiples of the tensor's), and so are the
-    calls' part buffers (ring_attention/local/spans.py)."""
+    """Whether the dense CUDA backends take ``t`` without a copy: start 16-byte aligned, and
+    contiguous or strides (but the last) multiples of 8 elements."""
     if t.storage_offset() * t.element_size() % 16:
         return False
     if t.is_contiguous():

@@ -1,41 +1,8 @@
-"""A ring pass's blocks (docs/design.md §4.3, §4.4): each block of queries
-(global rows ``[q_start, q_start + Lq)``) against a run of keys (``[k_start,
-k_start + Lk)``, or packed K/V rows with their row map) merged into the
-pass's fp32 accumulators, or its gradients added, by our block kernel or by
-a dense backend where the pass's route is dense
-(ring_attention/local/dispatch.py's ``route_blocks``): for plain dense
-attention (one segment covering the sequence, dilation 1, no documents, no
-window) and for patterns whose every segment lies inside one rank's piece.
-
-Pieces holding whole segments: a query then reaches keys of its own piece
-only, so the ring's only blocks are the diagonal ones, each the local op on
-the piece as a sequence of its own (its start a multiple of every segment
-length): the per-branch path where the local op's route takes it for the
-piece, its ``out`` and ``lse`` merged as below, its gradients added.
-
-Plain dense attention: the block's geometry alone decides the call:
-
-* non-causal, or causal with every key at or before every query: one full
-  (non-causal) dense call;
-* causal with no key at or before any query: nothing (no call);
-* causal on the diagonal (the same rows): one causal dense call;
-* anything else (a causal block cut across the diagonal, which the ring's
-  pieces do not produce for dense patterns): our block kernel.
-
-Forward: the call's ``out`` and ``lse`` are merged into the accumulators by
-log-sum-exp, the rule of the block kernels (:func:`merge_into`). Backward:
-the call gets the final ``out`` and ``lse`` (its ``P = exp(S - lse)`` is
-then the whole row's probability and ``D = rowsum(dO * out)`` the whole
-row's), so the blocks' ``dq``, ``dk``, ``dv`` add up exactly. K/V holding a
-NaN or an infinity take our kernel (it excludes them; a dense kernel would
-multiply their zero weights): each block's K/V check is queued before its
-dense call and read after it (:class:`~.backends.KvFinite`: the host waits
-for the check at most, never for the dense call), the dense result dropped
-where it says non-finite. A gradient reaching ``lse`` takes our kernel (the dense
-backwards have no input for it), and so does a CUDA block whose pieces a
-dense backend would copy (not 16-byte aligned, strides not multiples of 8
-elements: a piece unpacked from a transfer buffer may start anywhere).
-"""
+"""A ring pass's blocks (docs/design.md §4.3, §4.4, and §5 on the ring's dense blocks): each
+block of queries against a run of keys (or packed K/V rows with their row map) merged into the
+pass's fp32 accumulators, or its gradients added, by our block kernel or by a dense backend
+where the pass's route is dense (``route_blocks``). Non-finite K/V, a gradient reaching
+``lse`` and CUDA pieces a backend would copy take our kernel."""
 
 from __future__ import annotations
 
@@ -56,8 +23,8 @@ Tensor = torch.Tensor
 
 
 def block_kind(causal: bool, q_start: int, lq: int, k_start: int, lk: int) -> str | None:
-    """``"full"``, ``"causal"`` or ``"skip"`` for a dense block (see the
-    module docstring), ``None`` where one dense call cannot run it."""
+    """``"full"``, ``"causal"`` or ``"skip"`` for a dense block of plain dense attention,
+    ``None`` where one dense call cannot run it (a causal block cut across the diagonal)."""
     if lq == 0 or lk == 0:
         return "skip"
     if not causal or k_start + lk <= q_start + 1:
@@ -70,11 +37,8 @@ def block_kind(causal: bool, q_start: int, lq: int, k_start: int, lk: int) -> st
 
 
 class Blocks:
-    """The blocks of one ring pass of ``call``: by the dense route ``dense``
-    (:func:`~ring_attention.local.dispatch.route_blocks`: one backend call
-    per block, or, no backend named, the local op's per-branch path per
-    piece) where a block allows it, else by the block kernel with the
-    operators' arguments ``args``."""
+    """The blocks of one ring pass of ``call``: by the dense route ``dense`` where a block allows
+    it, else by the block kernel with the operators' ``args``."""
 
     def __init__(self, call: Call, args: ops.OpArgs, dense: Route | None) -> None:
         self.args = args
@@ -100,9 +64,8 @@ class Blocks:
         lse: Tensor, dq: Tensor, dk: Tensor, dv: Tensor, q_start: int, k_start: int,
         k_rows: Tensor | None = None,
     ) -> None:  # fmt: skip
-        """Add the block's gradients into ``dq``, ``dk``, ``dv`` (``(B, L, h,
-        D)``, the accumulation dtype), given the final ``out`` (q's dtype)
-        and ``lse`` of the query rows."""
+        """Add the block's gradients into ``dq``, ``dk``, ``dv`` (the accumulation dtype), given
+        the final ``out`` and ``lse``."""
         if k_rows is None and glse is None and self.dense is not None and self._dense_backward(
             go, q, k, v, out, lse, dq, dk, dv, q_start, k_start
         ):  # fmt: skip
@@ -122,8 +85,7 @@ class Blocks:
         self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_start: int,
         k_start: int,
     ) -> bool:  # fmt: skip
-        """:meth:`forward` by the dense route; ``False``: the block kernel's
-        (nothing merged: K/V non-finite, or no dense call runs the block)."""
+        """:meth:`forward` by the dense route; ``False``: the block kernel's (nothing merged)."""
         if self.backend is None:
             r = self._local("forward", q, k, v, q_start, k_start)
             if r is None:
@@ -151,8 +113,7 @@ class Blocks:
         self, go: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
         dq: Tensor, dk: Tensor, dv: Tensor, q_start: int, k_start: int,
     ) -> bool:  # fmt: skip
-        """:meth:`backward` by the dense route; ``False``: the block kernel's
-        (nothing added: K/V non-finite, or no dense call runs the block)."""
+        """:meth:`backward` by the dense route; ``False``: the block kernel's (nothing added)."""
         if self.backend is None:
             r = self._local("backward", q, k, v, q_start, k_start)
             if r is None:
@@ -181,15 +142,13 @@ class Blocks:
 
 
 def _aligned(*tensors: Tensor) -> bool:
-    """Whether a block's tensors go to a CUDA backend without a copy
-    (:func:`~.backends.aligned`; a piece unpacked from a transfer buffer may
-    start anywhere): else the block kernel runs it."""
+    """Whether a block's tensors go to a CUDA backend without a copy."""
     return tensors[0].device.type != "cuda" or all(aligned(t) for t in tensors)
 
 
 def merge_into(out: Tensor, lse: Tensor, o: Tensor, bl: Tensor) -> None:
-    """Merge one part ``(o, bl)`` into the accumulators ``out``, ``lse`` in
-    place (no autograd; the accumulators start at ``0`` and ``-inf``)."""
+    """Merge one part ``(o, bl)`` into the accumulators ``out``, ``lse`` in place (they start at
+    ``0`` and ``-inf``)."""
     new = torch.logaddexp(lse, bl)
     ref = torch.where(new == -math.inf, 0.0, new)  # rows reached by nothing yet
     keep = torch.exp(lse - ref).transpose(1, 2).unsqueeze(-1)
@@ -201,9 +160,8 @@ def merge_into(out: Tensor, lse: Tensor, o: Tensor, bl: Tensor) -> None:
 def ring_blocks(
     call: Call, pass_: str, q: Tensor, k: Tensor, n: int, bounds: tuple[int, ...], rows: int
 ) -> Blocks:
-    """The blocks of one ring pass (``pass_``: ``"forward"`` or
-    ``"backward"``) of ``call`` on this rank's shard ``q`` and K/V like
-    ``k``: ``n`` the global length, ``bounds`` where every rank's pieces
-    start and end, ``rows`` a length every piece is a multiple of."""
+    """The blocks of one ring pass of ``call`` on this rank's shard: ``n`` the global length,
+    ``bounds`` where every rank's pieces start and end, ``rows`` a length every piece is a
+    multiple of."""
     r = route_blocks(pass_, q, k, call.pattern, n, bounds, rows) if call.every_head else None
     return Blocks(call, ops.op_args(call, q.device), r if r is not None and r.dense else None)

@@ -1,30 +1,7 @@
-"""The local op, through our kernels or through dense attention per branch on
-strided views (docs/design.md §5): :func:`local_attention` is the one call
-``functional.attend`` makes.
-
-The per-branch path: the span planner (ring_attention/local/spans.py) cuts the
-sequence into spans of whole segments and each span into dense calls,
-one per (branch, head-offset class, head run, full segments | short last
-segment), each a strided view of q, k, v (no gather, no copy). The forward
-runs every call of a span on its dense backend (ring_attention/local/backends.py,
-chosen by ring_attention/local/dispatch.py), each writing its output and LSE into
-the span's part buffers, then one merge operator
-(``torch.ops.ring_attention.merge_branches``) combines the parts of each
-(position, head) by their log-sum-exp in fp32 and writes ``out`` and ``lse``
-once. The backward hands every call the merged ``out`` and ``lse`` (its ``P
-= exp(S - lse)`` is then the multiset softmax's probability and its ``D =
-rowsum(dO * out)`` the merged one, so the branches' gradients add up
-exactly), and ``sum_branches`` adds the per-call ``dq``, ``dk``, ``dv``
-parts into the gradients. Rows no branch reaches get ``out = 0``,
-``lse = -inf`` and zero gradients.
-
-Our kernels run the pass instead where the table says, or where the dense
-backends cannot give the same answer (dispatch.py); K/V finiteness is
-checked once a call, its answer read after the dense calls are queued (no
-stall of the device: :class:`PerBranch`), and a gradient reaching ``lse``
-takes our backward kernel. A double backward raises, as the
-kernel's does.
-"""
+"""The local op, through our kernels or through dense attention per branch on strided views
+(docs/design.md §5): the forward runs every dense call of a span into its part buffers and
+``merge_branches`` combines them by log-sum-exp; the backward hands every call the merged
+``out`` and ``lse`` and ``sum_branches`` adds the calls' gradients."""
 
 from __future__ import annotations
 
@@ -46,11 +23,8 @@ __all__ = ["PerBranch", "PhaseTimes", "dense_backward", "dense_forward", "phase_
 
 
 class PhaseTimes:
-    """Seconds the dense path spends per phase while :func:`phase_times` is
-    active: ``calls`` (the dense backends), ``merge`` (the merge operators),
-    ``finite`` (the check of K and V for NaN and infinity); CUDA events on
-    GPUs (device time: what the host adds between them is the caller's wall
-    time less these), a synchronised clock elsewhere."""
+    """Seconds the dense path spends per phase (``calls``, ``merge``, ``finite``) while
+    :func:`phase_times` is active: CUDA events on GPUs, a clock elsewhere."""
 
     def __init__(self) -> None:
         self._spans: list[tuple[str, object, object]] = []
@@ -99,14 +73,9 @@ def _span(phase: str, device: torch.device):
 
 
 class Program(NamedTuple):
-    """The dense calls of one pass as plain geometry: per span, its part
-    rows (of the outputs, of their LSE and of the K/V side), whether branch
-    0's outputs go straight into ``out`` (the forward: its LSE rows then
-    follow the other branches' part rows) and its launches ``(backend name, geometry of each
-    argument)`` (:class:`~ring_attention.local.views.Geometry`, offsets
-    absolute in each tensor's storage; in the forward ``(name, into_out)``:
-    whether the call's outputs go to ``out`` or to the parts); ``q_rows``, ``lse_rows``,
-    ``kv_rows``: the most rows a span's part buffers need."""
+    """The dense calls of one pass as plain geometry: per span its part rows (of the outputs,
+    their LSE and the K/V side), whether branch 0 writes into ``out`` and its launches
+    ``(backend, geometry of each argument)``; the most rows a span's buffers need."""
 
     q_rows: int
     lse_rows: int
@@ -115,10 +84,8 @@ class Program(NamedTuple):
 
 
 def _program(pass_: str, r: Route, *tensors: torch.Tensor) -> Program:
-    """The :class:`Program` of ``pass_`` of the route ``r`` on these tensors
-    (forward: q, k, v, out; backward: grad_out, q, k, v, out), cached per
-    route, pass, and every tensor's shape, strides, storage offset, dtype
-    and device: a pass on the same layout builds no view geometry again."""
+    """The :class:`Program` of ``pass_`` of route ``r`` on these tensors, cached per route, pass
+    and tensor layout."""
     key = (pass_, r.spans, r.backends, layout_key(tensors))
     return _PROGRAMS.get(key, lambda: _build(pass_, r, tensors))
 
@@ -129,8 +96,8 @@ def layout_key(tensors: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
 
 
 def _out_geometry(call: Call, out: torch.Tensor) -> Geometry:
-    """The call's rows of ``out`` ``(B, n, H, d)`` as its part views are
-    laid out, ``(B, segments, heads, rows, d)``."""
+    """The call's rows of ``out`` as its part views are laid out, ``(B, segments, heads, rows,
+    d)``."""
     (b, s, rows, h, d), (sb, ss, sr, sh, sd), offset = call.geometry(out.shape, out.stride())
     return (b, s, h, rows, d), (sb, ss, sh, sr, sd), offset + out.storage_offset()
 
@@ -189,10 +156,7 @@ _PROGRAMS: LRUCache[Program] = LRUCache(64, name="dense programs")
 def dense_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Pattern, scale: float, r: Route
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``out`` and ``lse`` of the local op by the dense calls of ``r``:
-    branch 0's calls write into ``out`` (:class:`Program`),
-    the others into the part buffers, and the merge reads each part once
-    and writes ``out`` and ``lse`` once."""
+    """``out`` and ``lse`` of the local op by the dense calls of ``r``."""
     batch, n, heads, d = q.shape
     device, causal = q.device, pattern.causal
     acc = acc_dtype(q.dtype)
@@ -224,18 +188,11 @@ def dense_forward(
 
 
 def dense_backward(
-    grad_out: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    pattern: Pattern,
-    scale: float,
-    r: Route,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``dq``, ``dk``, ``dv`` of the local op by the dense calls of ``r``,
-    given the merged ``out`` and ``lse``."""
+    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, pattern: Pattern, scale: float, r: Route,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``dq``, ``dk``, ``dv`` of the local op by the dense calls of ``r``, given the merged
+    ``out`` and ``lse``."""
     batch, _, _, d = q.shape
     device, causal = q.device, pattern.causal
     if grad_out.stride(-1) != 1 or (device.type == "cuda" and not aligned(grad_out)):
@@ -270,18 +227,9 @@ def dense_backward(
 
 
 class PerBranch:
-    """The local op by the dense per-branch path (:class:`~.ops.Attention`'s
-    implementation) where its route is dense: :func:`dense_forward` and
-    :func:`dense_backward` where K/V are finite (a dense kernel would
-    multiply the zero weights of masked keys by their values), our kernels
-    otherwise, and our backward kernel too when a gradient reaching ``lse``
-    (the dense backwards have no input for it).
-
-    K/V finiteness is checked once a call (forward and backward share it)
-    without stalling the device: the check is queued, the dense calls after
-    it, and its answer read once they are queued (:class:`~.backends.KvFinite`);
-    where it says non-finite, the dense result is dropped and our kernel
-    runs, so every input gets the answer of the route the check picks."""
+    """The local op by the dense per-branch path where its route is dense, our kernels where K/V
+    are not finite (checked once a call without stalling the device,
+    :class:`~.backends.KvFinite`) or a gradient reaches ``lse``."""
 
     def __init__(self, pattern: Pattern, scale: float, args: ops.OpArgs, fwd: Route,
                  bwd: Route | None) -> None:  # fmt: skip

@@ -1,37 +1,7 @@
-"""Which path the local op takes, and which dense backend each of its
-per-branch calls takes: two tables, one function (:func:`route`).
-
-* :data:`PATHS`: where ``auto`` takes the per-branch dense path at all
-  (forward and backward decide apart); elsewhere our kernels. Each row cites
-  the measurement behind it (benchmarks/RESULTS.md).
-* :data:`BACKENDS`: per call, the first row that can run it, in table order;
-  a backend named by ``RING_ATTENTION_DENSE_BACKEND`` goes first. On CUDA:
-  flash-attn-4 where it imports; else cuDNN (through ATen) for calls whose
-  rows are a multiple of 128 where cuDNN is available; else FlashAttention-2.
-  :func:`choose_backend` says why each row before the chosen one cannot run
-  a call.
-
-Our kernels run instead, whatever the tables say, wherever the dense
-backends cannot give the same answer: a key padding mask, a sliding window
-(the per-branch calls take none), non-finite K/V
-(checked when the call runs: a dense kernel multiplies the zero weights of
-masked keys by their values), a gradient reaching ``lse`` (their backwards
-have no input for it), calls traced by ``torch.compile`` (the graph keeps
-the operator: no host sync), empty inputs, a head dim that is not
-contiguous, views the CUDA backends would copy (:func:`aligned`), more
-than :data:`MAX_CALLS` calls a pass (many documents), and
-any call no backend can run (fp32 / fp64 on CUDA, head dims or devices the
-backends do not take). ``python -m ring_attention.info`` prints the route
-of a shape and why.
-
-The ring's per-step blocks (:func:`route_blocks`) take the same modes, path
-table and backend table where the pattern is plain dense attention (one
-segment covering the sequence, dilation 1, no documents, no window: each
-block is then one dense call, ring_attention/local/blocks.py), or where
-every segment lies inside one rank's piece (each piece is then a local op
-of its own, through the per-branch path where :func:`route` takes it);
-other patterns keep our block kernels.
-"""
+"""Which path the local op takes, and which dense backend each per-branch call takes: the path
+table :data:`PATHS` and the backend table :data:`BACKENDS`, each row citing its measurement
+(docs/design.md §5 lists when our kernels run instead). ``python -m ring_attention.info``
+prints the route of a shape and why."""
 
 from __future__ import annotations
 
@@ -69,9 +39,8 @@ MAX_CALLS = 4096
 
 @dataclass(frozen=True)
 class PathRow:
-    """``auto`` takes the dense path for this pass on this device and dtype
-    when the head dim is one of ``head_dims`` (``None``: any) and the
-    sequence has at least ``min_rows`` rows."""
+    """``auto`` takes the dense path for this pass, device and dtype at these head dims
+    (``None``: any) from ``min_rows`` rows."""
 
     pass_: str
     device: str
@@ -107,11 +76,8 @@ PATHS = (
 
 @dataclass(frozen=True)
 class BackendRow:
-    """A dense backend and the calls it takes: device, dtypes, head dims (a
-    multiple of ``head_dim_multiple`` up to ``head_dim_max``, or one of
-    ``head_dims``), compute capability, passes, call rows a multiple of
-    ``rows_multiple``, grouped K/V heads or not. ``default``: taken by
-    ``RING_ATTENTION_DENSE_BACKEND=auto``; else only when named."""
+    """A dense backend and the calls it takes (device, dtypes, head dims, capability, passes,
+    rows multiple, GQA); ``default``: taken by ``auto``."""
 
     backend: str
     device: str
@@ -163,8 +129,7 @@ def _capability(device: torch.device) -> tuple[int, int]:
 
 
 def _fits(row: BackendRow, pass_, device, dtype, d, cc, rows, gqa, missing) -> str | None:
-    """Why ``row`` cannot run the call (None when it can; ``missing``: the
-    backends that cannot run here, :func:`unavailable`)."""
+    """Why ``row`` cannot run the call (None when it can)."""
     if row.device != device.type:
         return f"runs on {row.device}"
     if pass_ not in row.passes:
@@ -189,10 +154,8 @@ Unavailable = tuple[tuple[str, str], ...]
 
 
 def unavailable() -> Unavailable:
-    """The backends of the table this process cannot run and why: flash-attn-4
-    where it does not import, cuDNN where PyTorch has none or it is turned off
-    (read on every call: ``torch.backends.cudnn.enabled`` can change; part of
-    the route caches' keys)."""
+    """The backends of the table this process cannot run and why (read on every call; part of the
+    route caches' keys)."""
     out = []
     if why := fa4_missing():
         out.append(("fa4", "not installed" if why.startswith("ModuleNotFoundError")
@@ -206,10 +169,8 @@ def choose_backend(
     pass_: str, named: str, device, dtype, d: int, cc, rows: int, gqa: bool,
     missing: Unavailable | None = None,
 ) -> tuple[str | None, str]:  # fmt: skip
-    """The first backend of :data:`BACKENDS` (``named`` first) that runs a
-    call of ``rows`` query and K/V rows (grouped K/V heads or not), and why
-    each one before it cannot (``"fa4: not installed; cudnn: ..."``).
-    ``missing``: :func:`unavailable` (``None``: this process's)."""
+    """The first backend of :data:`BACKENDS` (``named`` first) that runs a call of ``rows`` rows,
+    and why each one before it cannot."""
     missing = unavailable() if missing is None else missing
     order = [r for r in BACKENDS if r.backend == named] + [
         r for r in BACKENDS if r.default and r.backend != named
@@ -223,40 +184,24 @@ def choose_backend(
     return None, "; ".join(reasons)
 
 
-def _mode_why(pass_: str, mode: str, device, dtype, d: int, n: int) -> str | None:
-    """Why ``mode`` takes the dense path (None: ``auto`` finds no row)."""
+def _mode_why(pass_: str, mode: str, device, dtype, d: int, n: int) -> str | Route:
+    """Why ``mode`` takes the dense path, or the kernel's route where ``auto`` finds no row."""
     if mode != "auto":
         return f"{config.FORWARD if pass_ == 'forward' else config.BACKWARD}={mode}"
-    row = _path_row(pass_, device, dtype, d, n)
-    return None if row is None else f"auto: {row.source}"
-
-
-def _path_row(pass_: str, device: torch.device, dtype, d: int, n: int) -> PathRow | None:
-    for row in PATHS:
-        if (
-            row.pass_ == pass_
-            and row.device == device.type
-            and dtype in row.dtypes
-            and (row.head_dims is None or d in row.head_dims)
-            and n >= row.min_rows
-        ):
-            return row
-    return None
+    rows = (r for r in PATHS if r.pass_ == pass_ and r.device == device.type and dtype in r.dtypes)
+    for row in rows:
+        if (row.head_dims is None or d in row.head_dims) and n >= row.min_rows:
+            return f"auto: {row.source}"
+    what = f"{device.type} {dtype} head_dim {d} n {n}"
+    return Route(False, f"auto: no row of the path table for {what}")
 
 
 def route(
-    pass_: str,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    pattern: Pattern,
-    key_padding_mask: torch.Tensor | None,
-    head_range: tuple[int, int, int] = (0, 0, 0),
-) -> Route:
-    """The route of ``pass_`` (``"forward"`` or ``"backward"``) of the local op
-    on these inputs (K/V finiteness and an ``lse`` gradient are checked when
-    the pass runs; ``head_range``: the call's ``(head_start, total_heads,
-    total_kv_heads)``). Reads the environment (ring_attention/core/config.py)."""
+    pass_: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Pattern,
+    key_padding_mask: torch.Tensor | None, head_range: tuple[int, int, int] = (0, 0, 0),
+) -> Route:  # fmt: skip
+    """The route of ``pass_`` of the local op on these inputs (``head_range``: ``(head_start,
+    total_heads, total_kv_heads)``); reads the environment."""
     if torch.compiler.is_compiling():
         return Route(False, "traced by torch.compile: the graph keeps the operator")
     mode = config.forward_mode() if pass_ == "forward" else config.backward_mode()
@@ -284,30 +229,16 @@ def route(
 
 
 def decide(
-    pass_: str,
-    mode: str,
-    named: str,
-    rows: int,
-    device: torch.device,
-    cc: tuple[int, int],
-    dtype: torch.dtype,
-    n: int,
-    heads: int,
-    kv_heads: int,
-    d: int,
-    pattern: Pattern,
-    head_range: tuple[int, int, int] = (0, 0, 0),
-    missing: Unavailable | None = None,
-) -> Route:
-    """:func:`route` from the values it reads: the pass, the modes and span
-    rows of ring_attention/core/config.py, the device and its compute capability,
-    dtype, sizes, pattern and the backends that cannot run (:func:`unavailable`;
-    ``None``: this process's) (no tensors: the tables alone)."""
+    pass_: str, mode: str, named: str, rows: int, device: torch.device, cc: tuple[int, int],
+    dtype: torch.dtype, n: int, heads: int, kv_heads: int, d: int, pattern: Pattern,
+    head_range: tuple[int, int, int] = (0, 0, 0), missing: Unavailable | None = None,
+) -> Route:  # fmt: skip
+    """:func:`route` from the values it reads (no tensors: the tables alone; ``missing``:
+    :func:`unavailable`, ``None``: this process's)."""
     missing = unavailable() if missing is None else missing
     why = _mode_why(pass_, mode, device, dtype, d, n)
-    if why is None:
-        what = f"{device.type} {dtype} head_dim {d} n {n}"
-        return Route(False, f"auto: no row of the path table for {what}")
+    if isinstance(why, Route):
+        return why
     spans = plan_spans(pattern, n, heads, kv_heads, rows, head_range)
     if spans.calls > MAX_CALLS:
         return Route(False, f"{spans.calls} dense calls a pass (more than {MAX_CALLS})")
@@ -341,11 +272,8 @@ MISALIGNED = (
 
 
 def block_shape(pattern: Pattern, n: int, boundaries: tuple[int, ...]) -> tuple[str | None, str]:
-    """What the ring's blocks of ``pattern`` on ``n`` rows are, the pieces
-    starting and ending at ``boundaries``: ``"dense"`` (plain dense
-    attention: one branch whose segment covers the sequence, dilation 1),
-    ``"local"`` (every segment of every branch inside one piece: each piece
-    is a local op of its own), or ``None`` (our block kernels), and why."""
+    """What the ring's blocks are: ``"dense"`` (plain dense attention), ``"local"`` (every
+    segment inside one piece) or ``None`` (our block kernels), and why."""
     if pattern.documents is not None:
         return None, "documents"
     if pattern.windowed:
@@ -362,15 +290,8 @@ def route_blocks(
     pass_: str, q: torch.Tensor, k: torch.Tensor, pattern: Pattern, n: int,
     boundaries: tuple[int, ...], rows: int,
 ) -> Route:  # fmt: skip
-    """The route of the ring's per-step blocks in ``pass_`` for this rank's
-    shard ``q`` and K/V like ``k``: our block kernels, or ``dense`` and
-    either one backend per block (``backends == ((name,),)``, plain dense
-    attention) or, every segment inside a piece, no backend named
-    (``backends == ()``: each piece's own block takes :func:`route`'s), and
-    why. ``n``: the global length (the path table's rows); ``boundaries``:
-    where the pieces of every rank start and end; ``rows``: a length every
-    block's pieces are a multiple of (a backend's ``rows_multiple``). K/V
-    finiteness and an ``lse`` gradient are checked when the pass runs."""
+    """The route of the ring's per-step blocks in ``pass_`` (``backends == ((name,),)`` for plain
+    dense attention, ``()`` where each piece takes :func:`route`'s), and why."""
     mode = config.forward_mode() if pass_ == "forward" else config.backward_mode()
     if mode == "kernel":
         return Route(False, f"{config.FORWARD if pass_ == 'forward' else config.BACKWARD}=kernel")
@@ -387,25 +308,14 @@ def route_blocks(
 
 
 def decide_blocks(
-    pass_: str,
-    mode: str,
-    named: str,
-    device: torch.device,
-    cc: tuple[int, int],
-    dtype: torch.dtype,
-    n: int,
-    heads: int,
-    kv_heads: int,
-    d: int,
-    rows: int,
+    pass_: str, mode: str, named: str, device: torch.device, cc: tuple[int, int],
+    dtype: torch.dtype, n: int, heads: int, kv_heads: int, d: int, rows: int,
     missing: Unavailable | None = None,
-) -> Route:
-    """:func:`route_blocks` from the values it reads (the tables alone;
-    ``missing`` as :func:`decide`'s)."""
+) -> Route:  # fmt: skip
+    """:func:`route_blocks` from the values it reads (the tables alone)."""
     why = _mode_why(pass_, mode, device, dtype, d, n)
-    if why is None:
-        what = f"{device.type} {dtype} head_dim {d} n {n}"
-        return Route(False, f"auto: no row of the path table for {what}")
+    if isinstance(why, Route):
+        return why
     gqa = heads != kv_heads
     name, reasons = choose_backend(pass_, named, device, dtype, d, cc, rows, gqa, missing)
     if name is None:

@@ -1,20 +1,6 @@
 """The one engine: every attention the package computes is a checked
-:class:`~ring_attention.core.call.Call` run here.
-
-* :func:`attend`: ``(out, lse)`` of a call, differentiable: the whole
-  sequence of one process, a Ulysses rank's head slice (the call's head
-  range), a cached decode step or a chunk of prefill (its rows at offsets),
-  the MHA module's path without weights. The C++ operator runs it (its
-  autograd registered on it), or the per-branch dense path where the
-  dispatch table takes it (ring_attention/local/dispatch.py) under
-  :class:`~ring_attention.local.ops.Attention`.
-* :func:`ring`: the ring's operators under their autograd.
-* :func:`differentiable`: :class:`~ring_attention.local.ops.Attention`
-  around another implementation.
-
-Nothing is checked here: the public entries checked the call
-(:func:`ring_attention.core.call.prepare`).
-"""
+:class:`~ring_attention.core.call.Call` run here (the C++ operator, or the per-branch dense
+path where the dispatch table takes it). Nothing is checked here."""
 
 from __future__ import annotations
 
@@ -25,33 +11,22 @@ from . import ops
 from .branches import PerBranch
 from .dispatch import route
 
-__all__ = [
-    "attend",
-    "differentiable",
-    "fold_sinks",
-    "ring",
-]
+__all__ = ["attend", "differentiable", "fold_sinks", "ring"]
 
 Tensor = torch.Tensor
 
 
 def attend(call: Call, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    """``(out, lse)`` of ``call`` on ``q`` ``(B, Lq, H, D)``, ``k``, ``v``
-    ``(B, Lk, KVH, D)`` (the call's heads and rows), both differentiable,
-    the call's sinks added (:func:`fold_sinks`). ``lse`` is ``(B, H, Lq)``
-    in the accumulation dtype."""
+    """``(out, lse)`` of ``call`` on ``q`` ``(B, Lq, H, D)``, ``k``, ``v`` ``(B, Lk, KVH, D)``,
+    both differentiable, the call's sinks added."""
     out, lse = _attend(call, q, k, v)
     return (out, lse) if call.sinks is None else fold_sinks(out, lse, call.sinks)
 
 
 def fold_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
-    """``(out, lse)`` of every key of a query (``out`` ``(B, L, H, D)``,
-    ``lse`` ``(B, H, L)``) with one more virtual key of value 0 and score
-    ``sinks[h]`` (docs/design.md §1): ``lse' = logaddexp(lse, sinks[h])``,
-    ``out' = out * exp(lse - lse')``. Exact: the sink is one more term of
-    the log-sum-exp. Differentiable in all three (the gradient of ``lse``
-    reaches the keys through the kernels' ``lse`` gradient). A query that
-    reaches no key gets ``out' = 0`` and ``lse' = sinks[h]``."""
+    """``(out, lse)`` with one more virtual key of value 0 and score ``sinks[h]`` (docs/design.md
+    §1): ``lse' = logaddexp(lse, sinks[h])``, ``out' = out * exp(lse - lse')``; differentiable
+    in all three."""
     z = sinks.to(lse.dtype)[None, :, None]
     folded = torch.logaddexp(lse, z)
     keep = torch.exp(torch.where(torch.isneginf(lse), -torch.inf, lse - folded))
@@ -81,7 +56,6 @@ def differentiable(impl: ops.Implementation, q: Tensor, k: Tensor, v: Tensor):
 def ring(
     q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None, spec: str, needs_grad: bool
 ) -> tuple[Tensor, Tensor]:
-    """``(out, lse)`` of the ring call registered as ``spec``
-    (ring_attention/parallel/ring_spec.py): its two operators under their
-    autograd (:class:`~ring_attention.local.ops.RingFunction`)."""
+    """``(out, lse)`` of the ring call registered as ``spec``, under
+    :class:`~ring_attention.local.ops.RingFunction`."""
     return ops.RingFunction.apply(q, k, v, documents, spec, needs_grad)

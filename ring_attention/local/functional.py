@@ -16,17 +16,11 @@ __all__ = ["attend", "dilated_attention"]
 
 
 def attend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    pattern: Pattern,
-    *,
-    scale: float | None = None,
-    key_padding_mask: torch.Tensor | None = None,
-    cu_seqlens: torch.Tensor | Sequence[int] | None = None,
-    return_lse: bool = False,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Pattern, *,
+    scale: float | None = None, key_padding_mask: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | Sequence[int] | None = None, return_lse: bool = False,
     sinks: torch.Tensor | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """:func:`dilated_attention` with an already-built :class:`Pattern`
     (the modules hold one); ``cu_seqlens``, when given, replaces its documents."""
     call, _ = prepare(q, k, v, pattern, scale=scale, key_padding_mask=key_padding_mask,
@@ -96,22 +90,7 @@ def dilated_attention(
         ValueError: naming the argument, for bad shapes, dtypes, devices,
             patterns, masks, ``cu_seqlens`` or flags (docs/design.md §6).
     """
-    pattern = Pattern(
-        segment_lengths,
-        dilation_rates,
-        causal=causal,
-        head_groups=head_groups,
-        head_offsets=head_offsets,
-        window=window,
-    )
-    return attend(
-        q,
-        k,
-        v,
-        pattern,
-        scale=scale,
-        key_padding_mask=key_padding_mask,
-        cu_seqlens=cu_seqlens,
-        return_lse=return_lse,
-        sinks=sinks,
-    )
+    pattern = Pattern(segment_lengths, dilation_rates, causal=causal, head_groups=head_groups,
+                      head_offsets=head_offsets, window=window)  # fmt: skip
+    return attend(q, k, v, pattern, scale=scale, key_padding_mask=key_padding_mask,
+                  cu_seqlens=cu_seqlens, return_lse=return_lse, sinks=sinks)  # fmt: skip

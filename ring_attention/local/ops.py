@@ -1,28 +1,7 @@
-"""The boundary between Python and the C++ operators (docs/design.md §2.5, §8),
-and the package's one autograd boundary of attention.
-
-* the operator calls: :func:`local_attention` (the one engine's operator:
-  a head range, rows at offsets), :func:`local_attention_backward`,
-  :func:`block_forward`, :func:`block_backward` (a ring step's block),
-  :func:`exchange_rows` (the exchange planner), :func:`merge_branches`,
-  :func:`sum_branches` (the per-branch path's merge); :class:`OpArgs`, their
-  pattern arguments in schema order (built by
-  :func:`op_args`);
-* the autograd of the local operator, registered on it
-  (``torch.library.register_autograd``, as PyTorch's extension-cpp does:
-  both outputs differentiable, double backward raises), so that the
-  operator called directly, under ``torch.compile`` or ``torch.export`` has
-  one autograd;
-* :class:`Attention`: the autograd of the per-branch dense path, around an
-  implementation's forward and backward;
-* :func:`ring_forward`, :func:`ring_backward` and :class:`RingFunction`: the
-  ring's two operators (defined in ring_attention/parallel/ring.py) and
-  their autograd.
-
-The C++ side checks the flat arguments once at each operator's entry
-(``csrc/checks.h``) and passes one checked value down to the kernels.
-Nothing outside ring_attention/local/ imports this module.
-"""
+"""The boundary between Python and the C++ operators (docs/design.md §2.5, §8): the operator
+calls, their pattern arguments (:class:`OpArgs`), the local operator's registered autograd,
+:class:`Attention` (the per-branch path's autograd) and the ring's operators with
+:class:`RingFunction`. Nothing outside ring_attention/local/ imports it."""
 
 from __future__ import annotations
 
@@ -80,11 +59,8 @@ class OpArgs(NamedTuple):
 
 
 def op_args(call: Any, device: torch.device | str) -> OpArgs:
-    """The operators' pattern arguments of ``call``, a checked
-    :class:`~ring_attention.core.call.Call` (its documents as an int64
-    tensor on ``device``, built once per device; a traced call's
-    ``cu_seqlens`` as it is). Typed loosely: ops.py imports nothing of the
-    package, so that every layer sits on it."""
+    """The operators' pattern arguments of a checked ``call`` (documents as an int64 tensor on
+    ``device``). Typed loosely: ops.py imports nothing of the package."""
     pattern = call.pattern
     return OpArgs(
         list(pattern.segment_lengths),
@@ -103,9 +79,8 @@ def op_args(call: Any, device: torch.device | str) -> OpArgs:
 
 
 class Rows(NamedTuple):
-    """The local operator's rows (``RA_ROWS_ARGS`` in ``csrc/schemas.h``):
-    queries at ``q_start`` (or batch row ``b``'s at ``q_starts[b]``), keys at
-    ``k_start``."""
+    """The local operator's rows (``RA_ROWS_ARGS``): queries at ``q_start`` (or ``q_starts[b]``),
+    keys at ``k_start``."""
 
     q_start: int = 0
     k_start: int = 0
@@ -115,7 +90,6 @@ class Rows(NamedTuple):
 #: One sequence from position 0.
 WHOLE = Rows()
 
-# ---------------------------------------------------------------------------
 # The operator calls.
 
 
@@ -138,11 +112,8 @@ def block_forward(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_start: int, k_start: int,
     args: OpArgs, k_rows: Tensor | None = None,
 ) -> None:  # fmt: skip
-    """Merge the block (queries at ``q_start``, keys at ``k_start``) into the
-    running accumulators ``out``/``lse``. ``k_rows``: the ``(k_len,
-    kv_heads)`` int32 row map of packed ``(batch, rows, head_dim)`` K/V
-    rows (``csrc/params.h``), or ``None`` for ``(batch, k_len, kv_heads,
-    head_dim)`` K/V."""
+    """Merge the block (queries at ``q_start``, keys at ``k_start``) into ``out``/``lse``;
+    ``k_rows``: the int32 row map of packed K/V rows, or ``None``."""
     _OPS.block_forward(q, k, v, out, lse, int(q_start), int(k_start), *args, k_rows=k_rows)
 
 
@@ -151,9 +122,8 @@ def block_backward(
     lse: Tensor, dq: Tensor | None, dk: Tensor | None, dv: Tensor | None, q_start: int,
     k_start: int, args: OpArgs, k_rows: Tensor | None = None,
 ) -> None:  # fmt: skip
-    """Accumulate the block's share of the gradients into ``dq``/``dk``/``dv``
-    (``k_rows``: as for :func:`block_forward`; ``dk``/``dv`` then have
-    ``k``'s packed shape)."""
+    """Accumulate the block's gradients into ``dq``/``dk``/``dv`` (``k_rows`` as for
+    :func:`block_forward`)."""
     _OPS.block_backward(
         grad_out, grad_lse, q, k, v, out, lse, dq, dk, dv, int(q_start), int(k_start), *args,
         k_rows=k_rows,
@@ -164,10 +134,8 @@ def merge_branches(
     parts: Tensor, part_lse: Tensor, index: Tensor, out: Tensor, lse: Tensor,
     first_in_out: bool = False,
 ) -> None:  # fmt: skip
-    """Write ``out`` and ``lse`` of a window from the per-call ``parts`` and
-    their ``part_lse``, merged by log-sum-exp (``index``: the span planner's
-    slots, ring_attention/local/spans.py); ``first_in_out``: slot 0's parts
-    are in ``out`` already (their LSE in ``part_lse`` after ``parts``' rows)."""
+    """Write ``out`` and ``lse`` of a span from the per-call ``parts`` merged by log-sum-exp;
+    ``first_in_out``: slot 0's parts are in ``out`` already."""
     _OPS.merge_branches(parts, part_lse, index, out, lse, first_in_out)
 
 
@@ -181,10 +149,8 @@ def exchange_rows(
     q_starts: Sequence[int], q_lens: Sequence[int], k_start: int, k_len: int, heads: int,
     kv_heads: int, args: OpArgs,
 ) -> Tensor:  # fmt: skip
-    """Sorted flat indices ``row * kv_heads + g`` (``row`` relative to
-    ``k_start``) of the key rows of ``[k_start, k_start + k_len)`` that some
-    query of the ranges reaches (``csrc/plan.cpp``; ``kv_heads`` local to
-    the call's head range)."""
+    """Sorted flat indices ``row * kv_heads + g`` of the key rows of ``[k_start, k_start +
+    k_len)`` some query of the ranges reaches (``csrc/plan.cpp``)."""
     idx = _OPS.exchange_rows(
         [int(s) for s in q_starts], [int(n) for n in q_lens], int(k_start), int(k_len),
         int(heads), int(kv_heads), args.segment_lengths, args.dilation_rates, args.causal,
@@ -194,7 +160,6 @@ def exchange_rows(
     return idx.to(torch.int64)
 
 
-# ---------------------------------------------------------------------------
 # Autograd of the local operator.
 
 _N_ARGS = len(OpArgs._fields)
@@ -230,13 +195,12 @@ torch.library.register_autograd(
 torch.library.register_autograd("ring_attention::dilated_attention_backward", _no_double_backward)
 
 
-# ---------------------------------------------------------------------------
 # Every other attention's autograd.
 
 
 class Implementation(Protocol):
-    """An attention whose autograd is :class:`Attention`: its forward, and its
-    backward from the final ``out`` and ``lse`` (``grad_lse`` may be None)."""
+    """An attention whose autograd is :class:`Attention`: its forward, and its backward from the
+    final ``out`` and ``lse``."""
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]: ...
 
@@ -247,9 +211,8 @@ class Implementation(Protocol):
 
 
 class Attention(torch.autograd.Function):
-    """The autograd of an :class:`Implementation` (the per-branch dense
-    path): forward and backward each run it once, both outputs
-    (``out`` and ``lse``) are differentiable, double backward raises."""
+    """The autograd of an :class:`Implementation`: both outputs differentiable, double backward
+    raises."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, impl: Implementation):  # type: ignore[override]
@@ -274,16 +237,13 @@ class Attention(torch.autograd.Function):
         return (*grads, None)
 
 
-# ---------------------------------------------------------------------------
 # The ring's operators (ring_attention/parallel/ring.py) and their autograd.
 
 
 def ring_forward(
     q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None, spec: str, needs_grad: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(out, lse, global length)`` of the ring call registered as ``spec``
-    (``torch.ops.ring_attention.ring_forward``, defined by
-    :mod:`ring_attention.parallel.ring`: an operator ``torch.compile`` keeps opaque)."""
+    """``(out, lse, global length)`` of the ring call registered as ``spec``."""
     return _OPS.ring_forward(q, k, v, documents, spec, needs_grad)
 
 
@@ -296,9 +256,8 @@ def ring_backward(
 
 
 class RingFunction(torch.autograd.Function):
-    """The ring's autograd: forward and backward each run one operator
-    (:func:`ring_forward`, :func:`ring_backward`); both outputs (``out`` and
-    ``lse``) are differentiable; double backward raises."""
+    """The ring's autograd over :func:`ring_forward` and :func:`ring_backward`; double backward
+    raises."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None, spec: str,
@@ -323,13 +282,11 @@ class RingFunction(torch.autograd.Function):
 
 
 class _DoubleBackwardError(torch.autograd.Function):
-    """Passes gradients through; differentiating them raises (a gradient of a
-    gradient would otherwise be silently zero)."""
+    """Passes gradients through; differentiating them raises."""
 
     @staticmethod
     def forward(ctx, n: int, *tensors: Tensor | None) -> tuple[Tensor, ...]:  # type: ignore[override]
-        """The first ``n`` tensors (gradients), passed through; the others are
-        what they depend on."""
+        """The first ``n`` tensors, passed through."""
         return tuple(g.view_as(g) for g in tensors[:n])
 
     @staticmethod

@@ -1,42 +1,7 @@
-"""The local op's branches as strided views of q, k, v: no gather, no copy.
-
-For branch ``(w, r)`` and the query heads whose offset is ``o`` (docs/design.md
-§1.1), the rows the branch reads in its full segments are a strided view of q
-starting at position ``o`` (of the first segment) and at the class's first
-head: ``(segments, ceil((w - o) / r), heads of the class, d)`` with strides
-``(w * H * d, r * H * d, r * d, 1)`` for contiguous ``(B, n, H, d)`` inputs
-(head stride ``d`` with grouped offsets, whose classes are contiguous heads).
-A short last segment is one more call. K/V take the same positions at
-K/V-head width: the class's query heads ``h`` read K/V heads ``h // g``, and
-where those do not form ``kv0 + (i // gg) * s`` (``gg`` query heads per K/V
-head, one stride ``s``; e.g. ``r = 6`` with 4 query heads per K/V head) the
-class is split into runs that do. Every call is then an ordinary dense
-attention (causal or not) whose query head ``i`` reads K/V head ``i // gg``,
-what FlashAttention-style kernels take (GQA), and K/V are never repeated.
-Classes of one query and one K/V head each whose starts and heads step
-evenly (same part, rows and K/V slot; e.g. ``r = 12`` over 16 heads) run side
-by side as the heads of one call: its head index also moves the rows
-(``Call.head_shift``; head stride ``(H + 1) * d`` for modulo offsets).
-
-The planner cuts the sequence into **spans** of whole segments of every
-branch (cuts at multiples of the lcm of the segment lengths, relative to each
-document's start, or at document boundaries), at least ``span_rows`` and
-about ``n / 16`` rows each, so that the per-call output buffers stay bounded;
-with documents every document span of a span has its own calls.
-
-A span's calls write their outputs (and LSE) into one buffer of *parts*,
-call after call in :meth:`Span.part_order` (branch 0's calls last), each
-call's rows in ``(batch, segment, head, row)`` order, a head's rows padded to
-a multiple of :data:`PART_ALIGN` (every part view 16-byte aligned, its
-strides multiples of 8 elements); in the forward branch
-0's outputs go straight into the op's ``out`` instead, its LSE into the
-parts' LSE after the other branches' (ring_attention/local/branches.py);
-:meth:`SpanPlan.index` maps every ``(batch, position, head)`` of the span to
-its part row in each *slot* (``-1``: none): a query row has one part per
-branch (slot = branch), a K/V row one per branch and head run (slots of the
-K/V side). The merge operators (``torch.ops.ring_attention.merge_branches``,
-``sum_branches``) read those maps.
-"""
+"""The local op's branches as strided views of q, k, v (no gather, no copy), planned into spans
+of whole segments and their dense calls (docs/design.md §5, "The local op through dense
+attention per branch": the views, the spans, the part buffers and the merge operators' slot
+maps)."""
 
 from __future__ import annotations
 
@@ -84,14 +49,11 @@ def _padded(rows: int) -> int:
 
 @dataclass(frozen=True)
 class Call:
-    """One dense attention call: rows ``start + s * seg_stride + j * row_stride``
-    (``s < segments``, ``j < rows``) of query heads ``q_head + c * q_head_stride``
-    (``c < q_heads``) against the same rows of K/V heads ``kv_head + i *
-    kv_head_stride`` (``i < kv_heads``); query head ``c`` reads K/V head
-    ``c // (q_heads // kv_heads)``. Positions are absolute. With a
-    ``head_shift``, head index ``c`` (of the queries and of the K/V alike,
-    one K/V head a query head) also moves its rows by ``c * head_shift``
-    positions: offset classes of one head each, side by side in one call."""
+    """One dense attention call: rows ``start + s * seg_stride + j * row_stride`` (``s <
+    segments``, ``j < rows``) of query heads ``q_head + c * q_head_stride`` against the same
+    rows of K/V heads ``kv_head + i * kv_head_stride``; query head ``c`` reads K/V head ``c //
+    group``. With a ``head_shift``, head index ``c`` also moves its rows by ``c * head_shift``
+    positions (offset classes of one head each, side by side in one call)."""
 
     branch: int
     offset: int
@@ -115,8 +77,8 @@ class Call:
         return self.q_heads // self.kv_heads
 
     def positions(self) -> torch.Tensor:
-        """``(segments, 1, rows)`` int64 absolute positions (``(segments,
-        q_heads, rows)`` with a ``head_shift``)."""
+        """``(segments, 1, rows)`` int64 absolute positions (``(segments, q_heads, rows)`` with a
+        ``head_shift``)."""
         s = torch.arange(self.segments, dtype=torch.int64)[:, None, None] * self.seg_stride
         j = torch.arange(self.rows, dtype=torch.int64)[None, None, :] * self.row_stride
         pos = self.start + s + j
@@ -139,9 +101,8 @@ class Call:
         )
 
     def view(self, t: torch.Tensor, kv: bool = False) -> torch.Tensor:
-        """The call's rows of ``t`` ``(B, n, heads, d)`` (q-shaped, or K/V-shaped
-        with ``kv``) as a ``(B, segments, rows, heads_of_call, d)`` view: same
-        storage, no copy."""
+        """The call's rows of ``t`` ``(B, n, heads, d)`` (K/V-shaped with ``kv``) as a ``(B,
+        segments, rows, heads_of_call, d)`` view."""
         return _apply(t, self.geometry(t.shape, t.stride(), kv))
 
     def lse_geometry(self, shape: Sequence[int], stride: Sequence[int]) -> Geometry:
@@ -163,17 +124,15 @@ class Call:
         return _apply(lse, self.lse_geometry(lse.shape, lse.stride()))
 
     def part_rows(self, batch: int, kv: bool = False) -> int:
-        """Rows the call's outputs take in its span's part buffer: ``(B,
-        segments, heads, rows)``, ``rows`` padded to a multiple of
-        :data:`PART_ALIGN` (the padding never written, never read)."""
+        """Rows the call's outputs take in its span's part buffer: ``(B, segments, heads,
+        rows)``, ``rows`` padded to :data:`PART_ALIGN`."""
         heads = self.kv_heads if kv else self.q_heads
         return batch * self.segments * heads * _padded(self.rows)
 
     def part_geometry(self, base: int, batch: int, kv: bool, width: int | None) -> Geometry:
-        """The call's rows ``[base, base + part_rows)`` of a contiguous part
-        buffer (``(rows, width)``, or ``(rows,)`` with ``width`` None) as
-        ``(B, segments, heads, rows[, width])``, the rows of a head
-        :data:`PART_ALIGN`-padded apart."""
+        """The call's rows ``[base, base + part_rows)`` of a contiguous part buffer (``(rows,
+        width)``, or ``(rows,)`` with ``width`` None) as ``(B, segments, heads, rows[,
+        width])``."""
         size = (batch, self.segments, self.kv_heads if kv else self.q_heads, self.rows)
         padded = (*size[:3], _padded(self.rows))
         if width is not None:
@@ -195,9 +154,7 @@ def _apply(t: torch.Tensor, g: Geometry) -> torch.Tensor:
 
 
 def merge_batch(g: Geometry) -> Geometry | None:
-    """A ``(B, S, ...)`` geometry as ``(B * S, ...)`` where the batch and
-    segment dimensions merge (B or S is 1, or the batch stride is S segment
-    strides), else None."""
+    """A ``(B, S, ...)`` geometry as ``(B * S, ...)`` where batch and segments merge, else None."""
     (b, s, *size), (sb, ss, *stride), offset = g
     if s == 1:
         first = sb
@@ -215,8 +172,8 @@ def split_batch(g: Geometry) -> list[Geometry]:
 
 
 def batch_groups(gs: Sequence[Geometry]) -> list[tuple[Geometry, ...]]:
-    """``(B, S, ...)`` geometries as groups of ``(B * S, ...)`` ones: one group
-    where every one merges batch and segments, else one a batch row."""
+    """``(B, S, ...)`` geometries as groups of ``(B * S, ...)`` ones: one group where all merge,
+    else one a batch row."""
     merged = [merge_batch(g) for g in gs]
     if all(m is not None for m in merged):
         return [tuple(merged)]  # type: ignore[arg-type]
@@ -224,8 +181,7 @@ def batch_groups(gs: Sequence[Geometry]) -> list[tuple[Geometry, ...]]:
 
 
 def batched(view: torch.Tensor) -> list[torch.Tensor]:
-    """A ``(B, S, ...)`` view as ``(B * S, ...)`` views without copying: one
-    when the batch and segment dimensions merge (:func:`merge_batch`), else
+    """A ``(B, S, ...)`` view as ``(B * S, ...)`` views: one where batch and segments merge, else
     one per batch row."""
     g = (tuple(view.shape), view.stride(), 0)
     merged = merge_batch(g)
@@ -243,9 +199,8 @@ class Span:
     kv_slots: int
 
     def part_order(self) -> list[int]:
-        """Indices of :attr:`calls` in the order their rows take in the part
-        buffers: the other branches' calls, then branch 0's (whose forward
-        outputs can then go to ``out``, its part rows at the end)."""
+        """Indices of :attr:`calls` in their part-buffer order: the other branches' calls, then
+        branch 0's."""
         order = range(len(self.calls))
         return [i for i in order if self.calls[i].branch] + [
             i for i in order if not self.calls[i].branch
@@ -253,9 +208,8 @@ class Span:
 
 
 def head_runs(kv: list[int]) -> list[tuple[int, int, int, int]]:
-    """Split the K/V heads ``kv`` (non-decreasing) read by a class's query
-    heads, in order, into runs ``(c0, c1, gg, step)``: ``kv[c0 + i] == kv[c0] + (i // gg) * step``,
-    ``gg`` dividing ``c1 - c0``. Greedy, each run as long as it can be."""
+    """Split the K/V heads ``kv`` (non-decreasing) of a class's query heads into runs ``(c0, c1,
+    gg, step)`` with ``kv[c0 + i] == kv[c0] + (i // gg) * step`` (greedy)."""
     runs, c, n = [], 0, len(kv)
     while c < n:
         gg = 1
@@ -276,9 +230,8 @@ def head_runs(kv: list[int]) -> list[tuple[int, int, int, int]]:
 
 
 def _classes(pattern: Pattern, branch: int, heads: HeadRange):
-    """``(offset, [(q_head, q_heads, q_stride, kv_head, kv_heads, kv_stride)])``
-    per offset class of the branch: its query heads (local indices of the
-    range, offsets and K/V heads of the global heads) and their runs."""
+    """``(offset, [(q_head, q_heads, q_stride, kv_head, kv_heads, kv_stride)])`` per offset class
+    of the branch."""
     start, total, group = heads.start, heads.total, heads.group
     by_offset: dict[int, list[int]] = {}
     for h in pattern.applies(branch, total):
@@ -296,9 +249,8 @@ def _classes(pattern: Pattern, branch: int, heads: HeadRange):
 def _piece_calls(
     pattern: Pattern, start: int, length: int, heads: HeadRange, slots: list[int]
 ) -> list[Call]:
-    """Calls of positions ``[start, start + length)``, which begin a segment of
-    every branch (a document's start or a span cut) and end a document or
-    a whole segment of every branch."""
+    """Calls of positions ``[start, start + length)``, which begin a segment of every branch and
+    end a document or a whole segment of every branch."""
     calls = []
     for b, (w, r) in enumerate(pattern.branches):
         branch: list[tuple[int, Call]] = []
@@ -319,12 +271,8 @@ def _piece_calls(
 
 
 def _side_by_side(calls: list[tuple[int, Call]]) -> list[Call]:
-    """A branch's calls (``(part, call)``: full segments 0, short last 1),
-    those of one query and one K/V head whose starts and heads step evenly
-    from class to class (same part, segments, rows and K/V slot) merged
-    into one call each, the classes as its heads (``head_shift``): e.g.
-    ``r = 12`` over 16 heads, classes 4 ... 11 of one head each, 2731 or
-    2730 rows: two calls instead of eight."""
+    """A branch's calls (``(part, call)``), those of one query and one K/V head whose starts and
+    heads step evenly merged into one call each (``head_shift``)."""
     out: list[Call] = []
     runs: dict[tuple[int, ...], list[Call]] = {}
 
@@ -347,14 +295,8 @@ def _side_by_side(calls: list[tuple[int, Call]]) -> list[Call]:
         if run:
             a, b = run[0], run[-1]
             steps = (call.start - b.start, call.q_head - b.q_head, call.kv_head - b.kv_head)
-            if len(run) > 1:
-                first = (
-                    run[1].start - a.start,
-                    run[1].q_head - a.q_head,
-                    run[1].kv_head - a.kv_head,
-                )
-            else:
-                first = steps
+            c = run[1] if len(run) > 1 else call  # the run's first step (this one's if none)
+            first = (c.start - a.start, c.q_head - a.q_head, c.kv_head - a.kv_head)
             if steps != first or steps[0] <= 0:
                 emit(run)
                 run.clear()
@@ -366,9 +308,8 @@ def _side_by_side(calls: list[tuple[int, Call]]) -> list[Call]:
 
 
 def _cuts(n: int, documents: tuple[int, ...] | None, period: int, target: int) -> list[int]:
-    """Span boundaries ``0 = c_0 < ... < c_k = n``: document boundaries or
-    multiples of ``period`` from a document's start, each span as close to
-    ``target`` rows as such points allow (the next point when none is close)."""
+    """Span boundaries ``0 = c_0 < ... < c_k = n``: document boundaries or multiples of
+    ``period`` from a document's start, each span near ``target`` rows."""
     docs = list(documents) if documents is not None else [0, n]
     docs = [d for i, d in enumerate(docs) if i == 0 or d != docs[i - 1]]  # empty ones
 
@@ -398,8 +339,7 @@ def _cuts(n: int, documents: tuple[int, ...] | None, period: int, target: int) -
 
 @dataclass(frozen=True)
 class SpanPlan:
-    """The spans of one ``(pattern, n, heads, kv_heads)`` problem and their
-    calls; :meth:`index` gives a span's part-row maps on a device."""
+    """The spans of one ``(pattern, n, heads, kv_heads)`` problem and their calls."""
 
     pattern: Pattern
     n: int
@@ -417,10 +357,8 @@ class SpanPlan:
     def index(
         self, i: int, batch: int, device: torch.device
     ) -> tuple[torch.Tensor, int, torch.Tensor, int]:
-        """``(q_index, q_rows, kv_index, kv_rows)`` of span ``i``: int32
-        ``(slots, B, length, heads)`` part rows (``-1``: none) on the query
-        side and at K/V-head width, and the part rows each side's buffer
-        needs (cached)."""
+        """``(q_index, q_rows, kv_index, kv_rows)`` of span ``i``: int32 ``(slots, B, length,
+        heads)`` part rows (``-1``: none) and each side's buffer rows (cached)."""
         span = self.spans[i]
 
         def build():
@@ -431,10 +369,8 @@ class SpanPlan:
         return _INDEX.get((self, i, batch, str(device)), build)
 
     def lse_index(self, i: int, batch: int, device: torch.device) -> torch.Tensor:
-        """Int64, one a query-side part row of span ``i``: the flat index of
-        its ``(batch, head, position)`` in a ``(B, heads, n)`` tensor, so that
-        ``torch.take(lse, index)`` lays ``lse`` out as the span's parts
-        (cached)."""
+        """Int64 flat index into ``(B, heads, n)`` of every query-side part row of span ``i``, so
+        ``torch.take(lse, index)`` lays ``lse`` out as the parts (cached)."""
         span = self.spans[i]
 
         def build():
@@ -456,8 +392,7 @@ class SpanPlan:
 
 
 class HeadRange(NamedTuple):
-    """Query heads ``[start, start + count)`` of ``total`` (``group`` query
-    heads per K/V head): a Ulysses rank's heads, or every head."""
+    """Query heads ``[start, start + count)`` of ``total`` (``group`` per K/V head)."""
 
     start: int
     count: int
@@ -469,9 +404,8 @@ def plan_spans(
     pattern: Pattern, n: int, heads: int, kv_heads: int, span_rows: int,
     head_range: tuple[int, int, int] = (0, 0, 0),
 ) -> SpanPlan:  # fmt: skip
-    """The :class:`SpanPlan` of a ``(n, heads, kv_heads)`` problem (cached);
-    ``head_range``: ``(head_start, total_heads, total_kv_heads)`` of a call
-    holding part of the heads (``total_heads`` 0: every head)."""
+    """The :class:`SpanPlan` of a problem (cached); ``head_range``: ``(head_start, total_heads,
+    total_kv_heads)``, ``total_heads`` 0: every head."""
     key = (pattern, n, heads, kv_heads, span_rows, head_range)
     return _PLANS.get(
         key, lambda: SpanPlan(*key, spans=_plan(pattern, n, heads, kv_heads, span_rows, head_range))
@@ -550,9 +484,8 @@ _LSE_INDEX: LRUCache[torch.Tensor] = LRUCache(
 
 @dataclass(frozen=True)
 class Route:
-    """The path of one pass: ``dense`` (the per-branch calls of ``spans``, call
-    ``j`` of span ``i`` on backend ``backends[i][j]``; for the ring's blocks
-    no spans and one backend, ``((name,),)``) or our kernel, and why."""
+    """The path of one pass: ``dense`` (call ``j`` of span ``i`` on ``backends[i][j]``; the
+    ring's blocks: no spans, ``((name,),)``) or our kernel, and why."""
 
     dense: bool
     why: str
