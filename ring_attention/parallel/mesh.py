@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 __all__ = ["Topology", "check_grid", "check_ring", "report_grid_error", "resolve_topology",
-           "ring_topology", "world_info"]  # fmt: skip
+           "world_info"]  # fmt: skip
 
 _DIM_NAMES = ("ring", "ulysses")
 
@@ -195,22 +195,6 @@ def resolve_topology(group: dist.ProcessGroup | None = None,
                     mode="grid" if U > 1 else "ring")  # fmt: skip
 
 
-def ring_topology(group: dist.ProcessGroup | None,
-                  ranks: tuple[int, ...] | None = None) -> Topology:  # fmt: skip
-    """The topology of a ring call over ``group`` (``None``: the default
-    group) of two or more ranks; ``ranks``: its global ranks by ring index
-    (default: group-rank order)."""
-    g = group if group is not None else dist.distributed_c10d._get_default_group()
-    R, _ = world_info(group)
-    ranks = tuple(ranks) if ranks is not None else _group_ranks(g, R)
-    me = dist.get_rank()
-    return Topology(
-        ring_group=g, ulysses_group=None, ring_size=R, ulysses_size=1,
-        ring_index=ranks.index(me), ulysses_index=0, ring_ranks=ranks, ulysses_ranks=(me,),
-        ring_order=_order(g, ranks), mode="ring",
-    )  # fmt: skip
-
-
 # The one-time agreement check through the store (docs/design.md §6). Rank r
 # writes its view under ``ring_attention/grid/<r>/<round>/view``, then what it
 # found (``.../found``), then the outcome (``.../done``); a reader keeps, per
@@ -294,35 +278,24 @@ def _problems(topo: Topology, me: int, views: dict[int, dict]) -> list[str]:
             continue
         if v["mesh"] != mine["mesh"]:
             out.append(f"rank {rank} passed mesh {v['mesh']}, rank {me} {mine['mesh']}")
-        if rank in topo.ulysses_ranks:
-            if v["ulysses"] != mine["ulysses"] or v["i"] != topo.ring_index:
-                out.append(
-                    f"rank {rank} is in the Ulysses group {mine['ulysses'][1]} of rank {me} "
-                    f"(ring index {topo.ring_index}) but passed Ulysses group {v['ulysses'][1]} "
-                    f"and has ring index {v['i']}"
-                )
-            if len(v["ring"][1]) != topo.ring_size:
-                out.append(f"rank {rank} passed a ring of {len(v['ring'][1])} ranks, rank {me} one "
-                           f"of {topo.ring_size}")  # fmt: skip
-        if rank in topo.ring_ranks:
-            if v["ring"] != mine["ring"] or v["j"] != topo.ulysses_index:
-                out.append(
-                    f"rank {rank} is in the ring {mine['ring'][1]} of rank {me} (Ulysses "
-                    f"index {topo.ulysses_index}) but passed ring {v['ring'][1]} and has Ulysses "
-                    f"index {v['j']}"
-                )
-            if len(v["ulysses"][1]) != topo.ulysses_size:
-                out.append(f"rank {rank} passed a Ulysses group of {len(v['ulysses'][1])} ranks, "
-                           f"rank {me} one of {topo.ulysses_size}")  # fmt: skip
+        for group, index, other, name, at, of in (
+            ("ulysses", "i", "ring", "Ulysses group", "ring index", "a ring"),
+            ("ring", "j", "ulysses", "ring", "Ulysses index", "a Ulysses group"),
+        ):
+            if rank not in (topo.ulysses_ranks if group == "ulysses" else topo.ring_ranks):
+                continue
+            if v[group] != mine[group] or v[index] != mine[index]:
+                out.append(f"rank {rank} is in the {name} {mine[group][1]} of rank {me} ({at} "
+                           f"{mine[index]}) but passed {name} {v[group][1]} and has {at} "
+                           f"{v[index]}")  # fmt: skip
+            if len(v[other][1]) != len(mine[other][1]):
+                out.append(f"rank {rank} passed {of} of {len(v[other][1])} ranks, rank {me} one "
+                           f"of {len(mine[other][1])}")  # fmt: skip
     return out
 
 
-def _timeout(store) -> datetime.timedelta:
-    return getattr(store, "timeout", datetime.timedelta(seconds=300))
-
-
 def _read(store, keys: list[str], ranks: list[int]) -> list[str]:
-    timeout = _timeout(store)
+    timeout = getattr(store, "timeout", datetime.timedelta(seconds=300))
     try:
         store.wait(keys, timeout)
     except Exception as exc:  # a peer never came: name it
@@ -357,13 +330,19 @@ def _next_view(store, st: _State, peer: int, me: int, call: int) -> tuple[int, d
     return j, view
 
 
-def _round(st: _State, topo: Topology, me: int, peers: list[int], call: int) -> str:
-    """One check; the error every rank raises ("" when the grid agrees)."""
+def _open_round(st: _State, me: int, view: dict) -> tuple:
+    """A new round of this rank: its view written; the store and the round's key."""
     store = dist.distributed_c10d._get_default_store()
     with _lock:
         mine = f"{_PREFIX}/{me}/{st.rounds}"
         st.rounds += 1
-    store.set(f"{mine}/view", json.dumps({**topo.view(), "peers": peers, "call": call}))
+    store.set(f"{mine}/view", json.dumps(view))
+    return store, mine
+
+
+def _round(st: _State, topo: Topology, me: int, peers: list[int], call: int) -> str:
+    """One check; the error every rank raises ("" when the grid agrees)."""
+    store, mine = _open_round(st, me, {**topo.view(), "peers": peers, "call": call})
     views, at, text = {}, {}, ""
     for p in peers:
         at[p], views[p] = _next_view(store, st, p, me, call)
@@ -419,7 +398,11 @@ def check_ring(group: dist.ProcessGroup | None) -> None:
             st.calls += 1
             st.checked.move_to_end(key)
             return
-    topo = ring_topology(group)
+    R, _ = world_info(group)
+    ranks, me = _group_ranks(g, R), dist.get_rank()
+    topo = Topology(ring_group=g, ulysses_group=None, ring_size=R, ulysses_size=1,
+                    ring_index=ranks.index(me), ulysses_index=0, ring_ranks=ranks,
+                    ulysses_ranks=(me,), ring_order=_order(g, ranks), mode="ring")  # fmt: skip
     check_grid(topo)
     with _lock:
         st.rings[g] = _key(topo)
@@ -467,12 +450,7 @@ def report_grid_error(group, ulysses_group, mesh, error: BaseException,
 
 def _fail_round(st: _State, me: int, reason: str) -> None:
     """A round of a rank that cannot know its peers: a failure record."""
-    store = dist.distributed_c10d._get_default_store()
-    with _lock:
-        mine = f"{_PREFIX}/{me}/{st.rounds}"
-        st.rounds += 1
-        call = st.calls
-    store.set(f"{mine}/view", json.dumps({"error": reason, "peers": None, "call": call}))
+    store, mine = _open_round(st, me, {"error": reason, "peers": None, "call": st.calls})
     text = f"ring_attention: rank {me} failed: {reason}"
     store.set(f"{mine}/found", text)
     store.set(f"{mine}/done", text)

@@ -35,7 +35,7 @@ from .exchange import (
 from .exchange_plan import ExchangePlan, get_plan
 from .handshake import reject, ring_handshake, ring_message
 from .mesh import check_ring, report_grid_error, world_info
-from .ring_spec import GroupError, get_spec, pattern_of_call, ring_call_spec
+from .ring_spec import GroupError, get_spec, given_pattern, pattern_of_call, ring_call_spec
 
 __all__ = ["ExchangeEvent", "ExchangeStats", "exchange_plan", "last_exchange_stats",
            "register_exchange_hook", "ring_call", "ring_call_spec"]  # fmt: skip
@@ -81,29 +81,15 @@ def exchange_plan(seq_len: int, heads: int, segment_lengths: Sequence[int],
                     layout)  # fmt: skip
 
 
-def ring_on_pieces(q_local: Tensor, k_local: Tensor, v_local: Tensor,
-                   pattern: Pattern | Callable[[], Pattern], *, scale: float | None,
-                   group: dist.ProcessGroup | None, layout: str, return_lse: bool, fold: int = 1,
-                   ranks: tuple[int, ...] | None = None,
-                   head_range: tuple[int, int, int] = (0, 0, 0),
-                   sinks: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
-    """The ring over ``group``, each rank holding its pieces of ``layout``
-    (``fold > 1``: its Ulysses group's stretch). ``ranks``: the group's global
-    ranks by ring index from a grid call, which has checked its grid; ``None``:
-    a ring call of its own."""
-    build, args = _builder(pattern)
-    return _ring(q_local, k_local, v_local, build, args, cu_seqlens=None, scale=scale, group=group,
-                 layout=layout, return_lse=return_lse, fold=fold, ranks=ranks,
-                 head_range=head_range, sinks=sinks)  # fmt: skip
-
-
 def _ring(q_local: Tensor, k_local: Tensor, v_local: Tensor, build: Callable[..., Pattern],
           args: tuple, *, cu_seqlens: Sequence[int] | Tensor | None, scale: float | None,
           group: dist.ProcessGroup | None, layout: str, return_lse: bool, fold: int = 1,
           ranks: tuple[int, ...] | None = None, head_range: tuple[int, int, int] = (0, 0, 0),
           sinks: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
     """The ring call of ``sharded_attention``: the documents a tensor argument
-    (read once per batch), the rest the spec; ``sinks`` added after the ring."""
+    (read once per batch), the rest the spec; ``sinks`` added after the ring.
+    ``fold``, ``ranks``, ``head_range``: the ring of a grid (ulysses.py), which
+    has checked its grid (``ranks``: its global ranks by ring index)."""
     documents = cu_seqlens if isinstance(cu_seqlens, Tensor) else None
     spec = ring_call_spec(_ring_pattern, return_lse, None if documents is not None else cu_seqlens,
                           build, *args, scale=scale, group=group, layout=layout, fold=fold,
@@ -114,11 +100,6 @@ def _ring(q_local: Tensor, k_local: Tensor, v_local: Tensor, build: Callable[...
     out, lse = ring_call(q_local, k_local, v_local, spec, documents, return_lse=True)
     out, lse = engine.fold_sinks(out, lse, sinks)
     return (out, lse) if bool(return_lse) else out
-
-
-def given_pattern(pattern: Pattern) -> Pattern:
-    """The builder of a pattern given built (:func:`sharded_attention`)."""
-    return pattern
 
 
 def _builder(pattern: Pattern | Callable[[], Pattern]) -> tuple[Callable[..., Pattern], tuple]:

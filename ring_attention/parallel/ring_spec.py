@@ -20,7 +20,8 @@ import torch.distributed as dist
 from ..core.cache import register
 from ..core.pattern import Pattern
 
-__all__ = ["GroupError", "RingSpec", "get_spec", "pattern_of_call", "ring_call_spec"]
+__all__ = ["GroupError", "RingSpec", "get_spec", "given_pattern", "pattern_of_call",
+           "ring_call_spec"]  # fmt: skip
 
 
 class GroupError(ValueError):
@@ -184,6 +185,11 @@ def _registered_spec(build: Callable[..., Pattern], *args: Any, scale: float | N
                     _group=ref, ranks=ranks, head_range=head_range, sinks=sinks)  # fmt: skip
     _REGISTRY.add(key, spec, pin=torch.compiler.is_compiling())
     return key
+
+
+def given_pattern(pattern: Pattern) -> Pattern:
+    """The builder of a pattern given built (:func:`ring_call_spec`'s ``build``)."""
+    return pattern
 
 
 def pattern_of_call(documents: Sequence[int] | torch.Tensor | None, build: Callable[..., Pattern],

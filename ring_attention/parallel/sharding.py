@@ -126,13 +126,8 @@ def _gather_varlen(x_local: torch.Tensor, dim: int, group: dist.ProcessGroup | N
     lengths = gather_handshake(group, world, x_local, dim, layout, order)
     n = sum(lengths)
     recv = _all_gather_padded(x_local, dim, lengths, group, order)
-    parts = sorted(
-        (p.start, r, p.offset, p.length)
-        for r in range(world) for p in layout_pieces(n, world, r, layout) if p.length
-    )  # fmt: skip
-    pieces = [recv[r].narrow(dim, off, ln) for _, r, off, ln in parts]
-    full = torch.cat(pieces, dim=dim) if pieces else x_local.narrow(dim, 0, 0)
-    return full, layout_pieces(n, world, rank, layout)
+    pieces = Row(tuple(tuple(layout_pieces(n, world, r, layout)) for r in range(world)))
+    return to_stretch(recv, pieces, dim), pieces.pieces[rank]
 
 
 class _Gather(torch.autograd.Function):
@@ -144,7 +139,7 @@ class _Gather(torch.autograd.Function):
     def forward(ctx, x: Tensor, dim: int, gather: Callable) -> Tensor:  # type: ignore[override]
         full, ctx.pieces = gather(x)
         ctx.dim = dim
-        return full
+        return full.clone() if full._is_view() else full  # (a view could not be modified)
 
     @staticmethod
     def backward(ctx, grad: Tensor):  # type: ignore[override]
@@ -218,17 +213,14 @@ def _gather_grid(x: Tensor, dim: int, topo: Topology, layout: Layout) -> tuple[T
                *([-1] * (_GATHER_DIMS - x.dim())), layout_digest(layout)]  # fmt: skip
     n, row_lengths = grid_handshake(topo, "gather_sequence", _GATHER_FIELDS, message, layout)
     U, R, W = topo.ulysses_size, topo.ring_size, topo.world_size
-    row = Row(pieces=tuple(tuple(layout_pieces(n, W, topo.ring_index * U + m, layout))
-                           for m in range(U)), heads=(), kv=())  # fmt: skip
+    row = Row(tuple(tuple(layout_pieces(n, W, topo.ring_index * U + m, layout)) for m in range(U)))
     rows = _all_gather_padded(x, dim, row_lengths, topo.ulysses_group, topo.ulysses_order)
     stretch = to_stretch(rows, row, dim)
     if R > 1:
         stretches = _all_gather_padded(stretch, dim, layout_shard_lengths(n, R, layout, U),
                                        topo.ring_group, topo.ring_order)  # fmt: skip
-        runs = sorted((p.start, i, p.offset, p.length) for i in range(R)
-                      for p in layout_pieces(n, R, i, layout, U) if p.length)  # fmt: skip
-        parts = [stretches[i].narrow(dim, off, ln) for _, i, off, ln in runs]
-        stretch = torch.cat(parts, dim=dim) if parts else stretch
+        ring = Row(tuple(tuple(layout_pieces(n, R, i, layout, U)) for i in range(R)))
+        stretch = to_stretch(stretches, ring, dim)
     return stretch, layout_pieces(n, W, topo.shard_index, layout)
 
 

@@ -21,8 +21,8 @@ class Row:
     """The sequence and the heads of one Ulysses group."""
 
     pieces: tuple[tuple[Piece, ...], ...]  # every member's pieces, local order
-    heads: tuple[tuple[int, int], ...]  # every member's query heads (start, count)
-    kv: tuple[tuple[int, int], ...]  # every member's K/V heads [begin, end)
+    heads: tuple[tuple[int, int], ...] = ()  # every member's query heads (start, count)
+    kv: tuple[tuple[int, int], ...] = ()  # every member's K/V heads [begin, end)
 
     def lengths(self) -> list[int]:
         return [sum(p.length for p in ps) for ps in self.pieces]

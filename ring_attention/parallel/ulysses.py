@@ -6,7 +6,6 @@ them), and a second all-to-all trades back; both are autograd functions."""
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -41,10 +40,10 @@ from .mesh import (
     check_ring,
     world_info,
 )
-from .ring_spec import pattern_of_call
+from .ring_spec import given_pattern, pattern_of_call
 from .stretch import Row, from_stretch, to_stretch
 
-__all__ = ["AllToAllStats", "last_all_to_all_stats", "reject_sharded", "ulysses_attention"]
+__all__ = ["AllToAllStats", "last_all_to_all_stats", "reject_sharded", "ulysses_call"]
 
 Tensor = torch.Tensor
 
@@ -211,45 +210,34 @@ def kv_head_range(head_start: int, count: int, heads: int, kv_heads: int) -> tup
     return head_start // group, (head_start + count - 1) // group + 1
 
 
-def ulysses_attention(
-    q_local: Tensor,
-    k_local: Tensor,
-    v_local: Tensor,
-    pattern: Pattern | Callable[[], Pattern],
-    *,
-    scale: float | None = None,
-    group: dist.ProcessGroup | None = None,
-    ulysses_group: dist.ProcessGroup | None = None,
-    mesh=None,
-    layout: str = "contiguous",
-    return_lse: bool = False,
-    sinks: Tensor | None = None,
-    ring: Callable[..., Tensor | tuple[Tensor, Tensor]],
-) -> Tensor | tuple[Tensor, Tensor]:
-    """``ring_dilated_attention`` with ``ulysses_group`` or ``mesh``: this rank's
-    shard ``i * U + j`` in and out; ``ring``: the ring over a group of the grid
-    (``ring.ring_on_pieces``, passed down by the one caller that composes them)."""
+def ulysses_call(q_local: Tensor, k_local: Tensor, v_local: Tensor, build: Callable[..., Pattern],
+                 args: tuple, *, cu_seqlens: Sequence[int] | Tensor | None, scale: float | None,
+                 group: dist.ProcessGroup | None, ulysses_group: dist.ProcessGroup | None, mesh,
+                 layout: str, return_lse: bool, sinks: Tensor | None,
+                 ring: Callable) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
+    """``ring_dilated_attention`` with ``ulysses_group`` or ``mesh`` and the
+    pattern ``build(*args)``, built inside the agreement rounds so that every
+    rank hears of its errors: this rank's shard ``i * U + j`` in and out;
+    ``ring``: the ring over a group of the grid (``ring._ring``, passed down by
+    the one caller that composes them)."""
     topo = topology_of(group, ulysses_group, mesh, _CALL)
     check_grid(topo)
     if topo.ulysses_size == 1:  # a ring (a 1-D mesh), or one process
         if topo.ring_size > 1:
-            return ring(q_local, k_local, v_local, pattern, scale=scale, group=topo.ring_group,
-                        layout=layout, return_lse=return_lse, ranks=topo.ring_ranks,
-                        sinks=sinks)  # fmt: skip
-        if callable(pattern) and not isinstance(pattern, Pattern):
-            pattern = pattern()
+            return ring(q_local, k_local, v_local, build, args, cu_seqlens=cu_seqlens, scale=scale,
+                        group=topo.ring_group, layout=layout, return_lse=return_lse,
+                        ranks=topo.ring_ranks, sinks=sinks)  # fmt: skip
+        pattern = pattern_of_call(cu_seqlens, build, *args)
         check_layout(layout)
         one, _ = prepare(q_local, k_local, v_local, pattern, scale=scale, return_lse=return_lse,
                          sinks=sinks)  # fmt: skip
         out, lse = engine.attend(one, q_local, k_local, v_local)
         return (out, lse) if one.return_lse else out
 
-    message = None
-    error: Exception | None = None
+    message = pattern = error = None
     try:
         return_lse = as_flag(return_lse, "return_lse")
-        if callable(pattern) and not isinstance(pattern, Pattern):
-            pattern = pattern()
+        pattern = pattern_of_call(cu_seqlens, build, *args)
         layout = resolve_layout(layout, pattern)
         shape = check_qkv(q_local, k_local, v_local)
         pattern.check_heads(shape.heads)
@@ -270,18 +258,15 @@ def ulysses_attention(
 
     def describe() -> str:  # (only where every rank's checks passed)
         B, _, H, D = q_local.shape
-        words = pattern.describe() if isinstance(pattern, Pattern) else "?"
         return (
             f"batch {B}, heads {H}, kv_heads {k_local.shape[2]}, head_dim {D}, {q_local.dtype}, "
-            f"{words}, scale {scale}, layout {layout}, "
+            f"{pattern.describe() if message else '?'}, scale {scale}, layout {layout}, "
             f"requires_grad {message[RING_FIELDS.index('requires_grad')] if message else '?'}"
         )
 
-    n, row_lengths = grid_handshake(
-        topo, _CALL, RING_FIELDS, message, layout, error=error,
-        explain=_explain(lambda: pattern if isinstance(pattern, Pattern) else None, topo),
-        describe=describe,
-    )  # fmt: skip
+    n, row_lengths = grid_handshake(topo, _CALL, RING_FIELDS, message, layout, error=error,
+                                    explain=_explain(lambda: pattern, topo),
+                                    describe=describe)  # fmt: skip
     if error is not None:
         raise error
     pattern.check_length(n)
@@ -300,15 +285,6 @@ def ulysses_attention(
     if sinks is not None:  # once per query: this rank's shard, every head
         out, lse = engine.fold_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out
-
-
-def ulysses_call(q_local: Tensor, k_local: Tensor, v_local: Tensor, build: Callable[..., Pattern],
-                 args: tuple, *, cu_seqlens: Sequence[int] | Tensor | None,
-                 **kwargs) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
-    """Ulysses or the hybrid with the pattern ``build(*args)``, built inside
-    the agreement rounds so that every rank hears of its errors."""
-    pattern = functools.partial(pattern_of_call, cu_seqlens, build, *args)
-    return ulysses_attention(q_local, k_local, v_local, pattern, **kwargs)
 
 
 def _ulysses(link: _Link, topo: Topology, row: Row, q: Tensor, k: Tensor, v: Tensor,
@@ -341,9 +317,10 @@ def _ulysses(link: _Link, topo: Topology, row: Row, q: Tensor, k: Tensor, v: Ten
         if topo.ring_size == 1:
             out_s, lse_s = engine.attend(Call(pattern, scale).with_heads(*heads), qs, ks, vs)
         else:
-            out_s, lse_s = ring(qs, ks, vs, pattern, scale=scale, group=topo.ring_group,
-                                layout=layout, return_lse=True, fold=topo.ulysses_size,
-                                ranks=topo.ring_ranks, head_range=heads)  # fmt: skip
+            out_s, lse_s = ring(qs, ks, vs, given_pattern, (pattern,), cu_seqlens=None,
+                                scale=scale, group=topo.ring_group, layout=layout,
+                                return_lse=True, fold=topo.ulysses_size, ranks=topo.ring_ranks,
+                                head_range=heads)  # fmt: skip
     del qs, ks, vs  # (kept by autograd where the backward needs them)
 
     # heads -> sequence
