@@ -1,8 +1,6 @@
 """The sharded attention's public entry: the ring, Ulysses and their hybrid
-composed in one place (docs/design.md §2), as yunchang's LongContextAttention
-composes Ulysses around a ring. The entries check nothing themselves: the
-ring's operators and Ulysses' agreement rounds check each call on every
-rank, so that every rank raises for one rank's bad input."""
+composed in one place (docs/design.md §2). The entries check nothing
+themselves: the ring's operators and Ulysses' rounds check every call."""
 
 from __future__ import annotations
 
@@ -12,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 from ..core.pattern import Pattern
-from .ring import _builder, _ring
+from .ring import _ring
+from .ring_spec import given_pattern
 from .ulysses import ulysses_call
 
 __all__ = ["ring_attention", "ring_dilated_attention"]
@@ -30,7 +29,8 @@ def ring_attention(q_local: Tensor, k_local: Tensor, v_local: Tensor,
     building one, whose errors every rank hears of). Under ``torch.compile`` a
     function must be a module-level one (or a ``functools.partial`` of one),
     not a closure: the ring's pattern is a constant of the graph."""
-    build, args = _builder(pattern)
+    built = isinstance(pattern, Pattern) or not callable(pattern)
+    build, args = (given_pattern, (pattern,)) if built else (pattern, ())
     return sharded_attention(q_local, k_local, v_local, build, args, cu_seqlens=None, scale=scale,
                              group=group, ulysses_group=ulysses_group, mesh=mesh, layout=layout,
                              return_lse=return_lse, sinks=sinks)  # fmt: skip

@@ -1,7 +1,6 @@
 """Process-group helpers: a group's global ranks and the device a tensor
-travels on for its backend (NCCL moves CUDA tensors; gloo CPU tensors,
-CUDA ones staged through host memory). Importing it releases the default
-group ``torch.distributed.nn.functional`` would keep alive."""
+travels on for its backend. Importing it releases the default group
+``torch.distributed.nn.functional`` would keep alive."""
 
 from __future__ import annotations
 

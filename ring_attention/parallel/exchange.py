@@ -1,12 +1,10 @@
-"""The ring's point-to-point exchange (docs/design.md §4.3, §4.4):
-:class:`Exchanger` packs, posts and hands the kernels in-place views of the
-K/V rows an exchange plan names, and returns their dK/dV to their owner.
-Every posted batch is an :class:`ExchangeEvent`, counted in
-:data:`last_exchange_stats` and passed to the hooks of
-:func:`register_exchange_hook` (§2.4)."""
+"""The ring's point-to-point exchange (docs/design.md §4.3, §4.4, §2.4):
+:class:`Exchanger` packs and posts the K/V rows a plan names and returns their
+dK/dV; every posted batch is an :class:`ExchangeEvent` (stats and hooks)."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
@@ -80,7 +78,7 @@ class ExchangeStats:
 last_exchange_stats = ExchangeStats()
 
 ExchangeHook = Callable[[ExchangeEvent], None]
-_hooks: dict[int, ExchangeHook] = {}
+_hooks: OrderedDict[int, ExchangeHook] = OrderedDict()  # (a handle refers to it weakly)
 
 
 def register_exchange_hook(hook: ExchangeHook) -> RemovableHandle:
@@ -141,22 +139,14 @@ class Exchanger:
     def __init__(self, plan, group: dist.ProcessGroup | None, peers: Sequence[int],
                  device: torch.device, comm_dev: torch.device, dtype: torch.dtype, batch: int,
                  head_dim: int, role: str = "forward", far_bytes: int = 0) -> None:  # fmt: skip
-        self.plan = plan
-        self.role = role
-        self.group = group
-        self.peers = tuple(peers)
-        self.device = device
-        self.dtype = dtype
-        self.acc = acc_dtype(dtype)
+        self.plan, self.role, self.group, self.peers = plan, role, group, tuple(peers)
+        self.device, self.comm_dev, self.dtype, self.acc = device, comm_dev, dtype, acc_dtype(dtype)
         self.B, self.H, self.D = batch, plan.kv_heads, head_dim  # K/V width
-        self.comm_dev = comm_dev
         self.idx = plan.indices_on(device)
         self.spans = {s.distance: self._spans(s) for s in plan.steps}
         # positions of the row maps: the spans of a step not needed whole
-        self._span_rows = max(
-            (sum(sp.rows for sp in spans if not sp.whole) for spans in self.spans.values()),
-            default=0,
-        )
+        self._span_rows = max((sum(sp.rows for sp in spans if not sp.whole)
+                               for spans in self.spans.values()), default=0)  # fmt: skip
         self.steps, self.far_steps = self._split(plan.steps, far_bytes)
         self._near = {s.distance: s for s in self.steps}
         sends = [s.send_rows for s in self.steps if s.send_rows]
@@ -227,9 +217,7 @@ class Exchanger:
             buf = self._keep(key, buf)
         return buf[: 2 * self.B * rows * self.D]
 
-    def _piece_views(
-        self, packed: torch.Tensor, step
-    ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None], list[int]]:
+    def _piece_views(self, packed: torch.Tensor, step) -> tuple[list, list, list[int]]:
         """Per sender piece of ``step``: the K and V (or dK and dV) views of
         ``packed`` (``(B, rows, H, D)`` where the span is whole, else ``(B, count,
         D)`` read through the row map; ``None`` without rows) and the global
@@ -241,9 +229,7 @@ class Exchanger:
             k, v = chunks.get(j, (None, None))
             if span.whole:
                 k, v = (rows.view(self.B, span.rows, self.H, self.D) for rows in (k, v))
-            ks.append(k)
-            vs.append(v)
-            starts.append(p.start + span.first)
+            ks, vs, starts = ks + [k], vs + [v], starts + [p.start + span.first]
         return ks, vs, starts
 
     def _row_maps(self, step) -> list[torch.Tensor | None]:
@@ -272,9 +258,7 @@ class Exchanger:
         """``(B, L, Hkv, D)`` as ``(B, L * Hkv, D)``: one row per (position, K/V head)."""
         return t.view(self.B, t.shape[1] * self.H, self.D)
 
-    def _chunks(
-        self, packed: torch.Tensor, idx: Sequence[torch.Tensor]
-    ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def _chunks(self, packed: torch.Tensor, idx: Sequence[torch.Tensor]) -> Iterator[tuple]:
         """``(piece, indices, K rows, V rows)`` of every piece with rows, as
         ``(B, count, D)`` views of ``packed``."""
         off = 0

@@ -1,9 +1,6 @@
 """Agreement between ranks before anything large moves (docs/design.md §6):
-fixed-size control messages (``WORDS`` int64 words: magic, call tag, error
-flag, payload), all-gathered in one small collective, so that ranks in
-different calls, ranks that disagree and a rank whose inputs failed make
-every rank raise instead of waiting. A grid has no group spanning it:
-:func:`grid_handshake` takes a round in the Ulysses group, then the ring."""
+fixed-size int64 control messages, all-gathered in one small collective, so
+that every rank raises instead of waiting; a grid agrees row, then ring."""
 
 from __future__ import annotations
 
@@ -113,12 +110,10 @@ def exchange_message(group: dist.ProcessGroup | None, call: str, payload: Sequen
         rows = [rows[g] for g in order]
     calls = [r[1] if r[0] == _MAGIC else 0 for r in rows]
     if any(c != _CALLS[call] for c in calls):
-        where = ", ".join(
-            f"rank {i}: {_NAMES.get(c, 'not a ring_attention call')}" for i, c in enumerate(calls)
-        )
-        raise ValueError(
-            f"{call}: ranks are out of step (every rank must make the same call): {where}"
-        )
+        where = ", ".join(f"rank {i}: {_NAMES.get(c, 'not a ring_attention call')}"
+                          for i, c in enumerate(calls))  # fmt: skip
+        raise ValueError(f"{call}: ranks are out of step (every rank must make the same call): "
+                         f"{where}")  # fmt: skip
     reasons: list = []
     if any(r[2] for r in rows):  # every rank sees the flags: every rank takes part
         reasons = [None] * len(rows)
@@ -182,11 +177,8 @@ def ring_handshake(group: dist.ProcessGroup | None, world: int, message: list[in
             gathered = [gathered[g] for g in order]
         detail = "; ".join(f"rank {r}: {d}" for r, (d, _) in enumerate(gathered))
         raise ValueError(prefix + f"the pattern: {detail}" + _documents_detail(gathered))
-    if len(set(table["dtype"])) > 1:
-        raise ValueError(
-            prefix + f"the dtype: {[dtype_name(c) for c in table['dtype']]} (rank order)"
-        )
     for name, what in (
+        ("dtype", "the dtype"),
         ("heads", "the number of heads (q.shape[2])"),
         ("kv_heads", "the number of K/V heads (k.shape[2])"),
         ("head_dim", "head_dim (q.shape[3])"),
@@ -194,26 +186,26 @@ def ring_handshake(group: dist.ProcessGroup | None, world: int, message: list[in
         ("layout", "layout"),
         ("requires_grad", "whether a gradient is needed (every rank must run the backward)"),
         ("far_bytes", "RING_ATTENTION_FAR_BYTES (the far group's threshold in bytes)"),
+        ("scale", "scale"),
     ):
-        vals = table[name]
-        if len(set(vals)) > 1:
-            if name == "requires_grad":
-                vals = [bool(x) for x in vals]
-            if name == "layout":
-                vals = [LAYOUTS[x] if 0 <= x < len(LAYOUTS) else x for x in vals]
-            raise ValueError(prefix + f"{what}: {vals} (rank order)")
-    if len(set(table["scale"])) > 1:
-        raise ValueError(prefix + f"scale: {[_bits_scale(b) for b in table['scale']]} (rank order)")
+        if len(set(table[name])) > 1:
+            raise ValueError(prefix + f"{what}: {_named(name, table[name])} (rank order)")
     lengths = table["seq_len_local"]
     n = sum(lengths)
     expected = layout_shard_lengths(n, world, layout, fold)
     if lengths != expected:
-        raise ValueError(
-            f"ring_dilated_attention: the local sequence lengths {lengths} (rank order, global "
-            f"length {n}) do not follow the layout={layout!r} sharding convention, which expects "
-            f"{expected} ({_convention(layout)}); shard inputs with ring_attention.shard_sequence"
-        )
+        raise ValueError(f"ring_dilated_attention: the local sequence lengths {lengths} (rank "
+                         f"order, global length {n}) do not follow the layout={layout!r} sharding "
+                         f"convention, which expects {expected} ({_convention(layout)}); shard "
+                         "inputs with ring_attention.shard_sequence")  # fmt: skip
     return n
+
+
+def _named(name: str, vals: list[int]) -> list:
+    """The values ``vals`` of field ``name`` as an error message shows them."""
+    to = {"layout": lambda x: LAYOUTS[x] if 0 <= x < len(LAYOUTS) else x, "dtype": dtype_name,
+          "scale": _bits_scale, "requires_grad": bool}.get(name)  # fmt: skip
+    return vals if to is None else [to(x) for x in vals]
 
 
 def _convention(layout: Layout) -> str:
@@ -236,10 +228,9 @@ def _documents_detail(gathered: list[tuple[str, tuple[int, ...] | None]]) -> str
     parts = []
     for r, d in enumerate(docs):
         more = "" if hi >= len(d) else ", ..."
-        parts.append(
-            f"rank {r}: cu_seqlens[{lo}:] = [{'..., ' if lo else ''}"
-            f"{', '.join(map(str, d[lo:hi]))}{more}] ({len(d) - 1} documents)"
-        )
+        parts.append(f"rank {r}: cu_seqlens[{lo}:] = [{'..., ' if lo else ''}"
+                     f"{', '.join(map(str, d[lo:hi]))}{more}] ({len(d) - 1} "
+                     "documents)")  # fmt: skip
     return f". The document boundaries differ first at cu_seqlens[{at}]: " + "; ".join(parts)
 
 
@@ -248,10 +239,8 @@ def gather_handshake(group: dist.ProcessGroup | None, world: int, x_local: torch
     """Check that every rank gathers pieces of one tensor along ``dim``; the
     local lengths along ``dim`` (by index: ``order`` as for :func:`reject`)."""
     if x_local.dim() > _GATHER_DIMS:
-        error = ValueError(
-            f"gather_sequence supports tensors of at most {_GATHER_DIMS} dimensions, got "
-            f"{x_local.dim()}"
-        )
+        error = ValueError(f"gather_sequence supports tensors of at most {_GATHER_DIMS} "
+                           f"dimensions, got {x_local.dim()}")  # fmt: skip
         reject(group, "gather_sequence", error, order)
         raise error
     shape = list(x_local.shape) + [-1] * (_GATHER_DIMS - x_local.dim())
@@ -263,17 +252,13 @@ def gather_handshake(group: dist.ProcessGroup | None, world: int, x_local: torch
     prefix = "gather_sequence: ranks disagree on "
     for name in ("ndim", "dim", "layout"):
         if len(set(table[name])) > 1:
-            vals = table[name]
-            if name == "layout":
-                vals = [LAYOUTS[x] if 0 <= x < len(LAYOUTS) else x for x in vals]
-            raise ValueError(prefix + f"{name}: {vals} (rank order)")
+            raise ValueError(prefix + f"{name}: {_named(name, table[name])} (rank order)")
     if len(set(table["layout_digest"])) > 1:
-        raise ValueError(
-            prefix + "the pattern of layout='balanced' (segment_lengths, dilation_rates, "
-            "causal, window, cu_seqlens): each rank's cuts would differ"
-        )
+        raise ValueError(prefix + "the pattern of layout='balanced' (segment_lengths, "
+                         "dilation_rates, causal, window, cu_seqlens): each rank's cuts would "
+                         "differ")  # fmt: skip
     if len(set(table["dtype"])) > 1:
-        raise ValueError(prefix + f"the dtype: {[dtype_name(c) for c in table['dtype']]}")
+        raise ValueError(prefix + f"the dtype: {_named('dtype', table['dtype'])}")
     shapes = [r[4 : 4 + x_local.dim()] for r in rows]
     if len({tuple(s[:dim] + s[dim + 1 :]) for s in shapes}) > 1:
         raise ValueError(prefix + f"the shape outside dim {dim}: {shapes}")
@@ -281,10 +266,9 @@ def gather_handshake(group: dist.ProcessGroup | None, world: int, x_local: torch
     n = sum(lengths)
     expected = layout_shard_lengths(n, world, layout)
     if lengths != expected:
-        raise ValueError(
-            f"gather_sequence: local lengths along dim {dim} are {lengths} (global length "
-            f"{n}), but layout={layout!r} expects {expected} ({_convention(layout)})"
-        )
+        raise ValueError(f"gather_sequence: local lengths along dim {dim} are {lengths} (global "
+                         f"length {n}), but layout={layout!r} expects {expected} "
+                         f"({_convention(layout)})")  # fmt: skip
     return lengths
 
 
@@ -321,12 +305,9 @@ def grid_handshake(topo, call: str, fields: Sequence[str], message: Sequence[int
             for f in names[1:]:
                 vals = table[f]
                 if len(set(vals)) > 1:
-                    text = explain(f, vals) if explain is not None else None
-                    raise ValueError(
-                        text
-                        or f"{call}: the ranks of a Ulysses group disagree on {f}: {vals} "
-                        "(Ulysses-index order)"
-                    )
+                    raise ValueError((explain(f, vals) if explain is not None else None)
+                                     or f"{call}: the ranks of a Ulysses group disagree on {f}: "
+                                     f"{vals} (Ulysses-index order)")  # fmt: skip
             row_lengths = table[fields[0]]
             args_digest = _digest(payload[1 : len(fields)])
     except ValueError as exc:
@@ -357,12 +338,11 @@ def grid_handshake(topo, call: str, fields: Sequence[str], message: Sequence[int
 
 
 def _lengths_error(call: str, i: int, got: list[int], want: list[int], n: int, layout: str) -> str:
-    return (
-        f"{call}: the local sequence lengths of the ranks with ring index {i} are {got} "
-        f"(Ulysses-index order, global length {n}), but layout={layout!r} over the grid expects "
-        f"{want}: shard i * U + j of the layout over R * U ranks; shard inputs with "
-        "ring_attention.shard_sequence(..., group=..., ulysses_group=...) or mesh="
-    )
+    return (f"{call}: the local sequence lengths of the ranks with ring index {i} are {got} "
+            f"(Ulysses-index order, global length {n}), but layout={layout!r} over the grid "
+            f"expects {want}: shard i * U + j of the layout over R * U ranks; shard inputs with "
+            "ring_attention.shard_sequence(..., group=..., ulysses_group=...) or "
+            "mesh=")  # fmt: skip
 
 
 def _check_columns(call: str, topo, cols: list[list[int]], row_lengths: list[int], layout: str,
@@ -388,13 +368,11 @@ def _check_columns(call: str, topo, cols: list[list[int]], row_lengths: list[int
     for i, c in enumerate(cols):
         want = expected[i * U : (i + 1) * U]
         if c[1] != _digest(want):
-            got = row_lengths if i == topo.ring_index else "(see that rank's error)"
-            raise ValueError(
-                _lengths_error(call, i, got, want, n, layout)
-                if isinstance(got, list)
-                else f"{call}: the local sequence lengths of the ranks with ring index {i} do "
-                f"not follow layout={layout!r} over the grid (global length {n}: expected {want})"
-            )
+            if i == topo.ring_index:
+                raise ValueError(_lengths_error(call, i, row_lengths, want, n, layout))
+            raise ValueError(f"{call}: the local sequence lengths of the ranks with ring index {i} "
+                             f"do not follow layout={layout!r} over the grid (global length {n}: "
+                             f"expected {want})")  # fmt: skip
 
 
 def reject_through(topo, call: str, error: BaseException) -> None:

@@ -1,9 +1,6 @@
-"""Which ranks attend together (docs/design.md §2, §6): this process's place
-in a group (:func:`world_info`), the grid of a call from its groups or a
-``DeviceMesh`` (:class:`Topology`, rank ``(i, j)`` holding shard ``i * U +
-j``), and :func:`check_grid`, once per configuration, through the default
-group's store (a collective on groups that differ between ranks would wait
-forever)."""
+"""Which ranks attend together (docs/design.md §2, §6): :func:`world_info`,
+the grid of a call (:class:`Topology`, rank ``(i, j)`` holding shard ``i * U +
+j``) and :func:`check_grid`, once per configuration, through the store."""
 
 from __future__ import annotations
 
@@ -31,22 +28,19 @@ def world_info(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
     processes: ``RuntimeError``)."""
     if not dist.is_available() or not dist.is_initialized():
         if group is not None:
-            raise ValueError(
-                "group was given but torch.distributed is not initialised; "
-                "call torch.distributed.init_process_group first (or pass group=None)"
-            )
+            raise ValueError("group was given but torch.distributed is not initialised; call "
+                             "torch.distributed.init_process_group first (or pass "
+                             "group=None)")  # fmt: skip
         try:
             launched = int(os.environ.get("WORLD_SIZE", "1"))
         except ValueError:
             launched = 1
         if launched > 1:
-            raise RuntimeError(
-                f"WORLD_SIZE={launched} is set (a launcher such as torchrun started "
-                f"{launched} processes) but torch.distributed is not initialised, so each "
-                "process would compute the whole sequence alone: call "
-                "torch.distributed.init_process_group first (or unset WORLD_SIZE to run "
-                "one process)"
-            )
+            raise RuntimeError(f"WORLD_SIZE={launched} is set (a launcher such as torchrun started "
+                               f"{launched} processes) but torch.distributed is not initialised, "
+                               "so each process would compute the whole sequence alone: call "
+                               "torch.distributed.init_process_group first (or unset WORLD_SIZE "
+                               "to run one process)")  # fmt: skip
         return 1, 0
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
@@ -119,9 +113,8 @@ def _order(group: dist.ProcessGroup | None, ranks: tuple[int, ...]) -> tuple[int
 
 def _check_group(group, name: str) -> None:
     if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise ValueError(
-            f"{name} must be a torch.distributed ProcessGroup or None, got {type(group).__name__}"
-        )
+        raise ValueError(f"{name} must be a torch.distributed ProcessGroup or None, got "
+                         f"{type(group).__name__}")  # fmt: skip
 
 
 def _from_mesh(mesh) -> tuple:
@@ -131,9 +124,8 @@ def _from_mesh(mesh) -> tuple:
     from torch.distributed.device_mesh import DeviceMesh
 
     if not isinstance(mesh, DeviceMesh):
-        raise ValueError(
-            f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}"
-        )
+        raise ValueError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got "
+                         f"{type(mesh).__name__}")  # fmt: skip
     coord = mesh.get_coordinate()
     if coord is None:
         raise ValueError("mesh: this process is not a member of the mesh")
@@ -149,15 +141,12 @@ def _from_mesh(mesh) -> tuple:
                 tuple(ranks.select(u, j).tolist()), tuple(ranks.select(r, i).tolist()),
                 key)  # fmt: skip
     if mesh.ndim == 2:
-        raise ValueError(
-            f"a 2-D mesh needs mesh_dim_names=('ring', 'ulysses') (the ring between the ranks "
-            f"that hold the same heads, the Ulysses groups along the other dimension), got "
-            f"{names or None}"
-        )
-    raise ValueError(
-        f"mesh must be 1-D (a ring) or 2-D with mesh_dim_names=('ring', 'ulysses'), got "
-        f"{mesh.ndim} dimensions {names or ''}; slice it, e.g. mesh['ring', 'ulysses']"
-    )
+        raise ValueError(f"a 2-D mesh needs mesh_dim_names=('ring', 'ulysses') (the ring between "
+                         "the ranks that hold the same heads, the Ulysses groups along the other "
+                         f"dimension), got {names or None}")  # fmt: skip
+    raise ValueError(f"mesh must be 1-D (a ring) or 2-D with mesh_dim_names=('ring', 'ulysses'), "
+                     f"got {mesh.ndim} dimensions {names or ''}; slice it, e.g. "
+                     "mesh['ring', 'ulysses']")  # fmt: skip
 
 
 def resolve_topology(group: dist.ProcessGroup | None = None,
@@ -168,9 +157,8 @@ def resolve_topology(group: dist.ProcessGroup | None = None,
     nor 2-D ``("ring", "ulysses")``, a non-group, or a group without this rank."""
     if mesh is not None:
         if group is not None or ulysses_group is not None:
-            raise ValueError(
-                "mesh replaces group and ulysses_group: pass either mesh= or the groups, not both"
-            )
+            raise ValueError("mesh replaces group and ulysses_group: pass either mesh= or the "
+                             "groups, not both")  # fmt: skip
         group, ulysses_group, i, j, ring_ranks, ulysses_ranks, key = _from_mesh(mesh)
         R, U = len(ring_ranks), len(ulysses_ranks or (0,))
     else:
@@ -206,31 +194,6 @@ _PREFIX = "ring_attention/grid"
 _lock = threading.Lock()
 
 
-@dataclass(frozen=True)
-class _Checked:
-    """A configuration that passed the check (its groups held weakly: the
-    cache must not keep a group alive after ``destroy_process_group``, as a
-    live gloo group can abort the process at exit)."""
-
-    ring: weakref.ref | None
-    ulysses: weakref.ref | None
-    fields: dict
-
-    @classmethod
-    def of(cls, topo: Topology) -> _Checked:
-        rest = {f.name: getattr(topo, f.name) for f in dataclasses.fields(topo)
-                if f.name not in ("ring_group", "ulysses_group")}  # fmt: skip
-        return cls(_ref(topo.ring_group), _ref(topo.ulysses_group), rest)
-
-    def topology(self) -> Topology | None:
-        """The configuration again, or ``None`` if a group no longer exists."""
-        groups = [None if r is None else r() for r in (self.ring, self.ulysses)]
-        if any(r is not None and g is None for r, g in zip((self.ring, self.ulysses), groups,
-                                                            strict=True)):  # fmt: skip
-            return None
-        return Topology(ring_group=groups[0], ulysses_group=groups[1], **self.fields)
-
-
 @dataclass
 class _State:
     """The check's state in this process, for one default process group."""
@@ -238,7 +201,9 @@ class _State:
     rounds: int = 0  # rounds this process has run
     calls: int = 0  # calls with peers this process has made (checked before or not)
     next_round: dict[int, int] = field(default_factory=dict)  # peer -> its next unread round
-    checked: OrderedDict = field(default_factory=OrderedDict)  # key -> _Checked, last used last
+    # _key -> the other fields of a topology that passed, last used last (its groups are
+    # the key's weak references: a live gloo group can abort the process at exit)
+    checked: OrderedDict = field(default_factory=OrderedDict)
     rings: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
 
 
@@ -271,17 +236,15 @@ def _problems(topo: Topology, me: int, views: dict[int, dict]) -> list[str]:
     out = []
     for rank, v in views.items():
         if v["mode"] != mine["mode"]:
-            out.append(
-                f"rank {rank} is in {_MODES[v['mode']]}, rank {me} in {_MODES[mine['mode']]} "
-                "(a rank in another call: every rank must make the same call)"
-            )
+            out.append(f"rank {rank} is in {_MODES[v['mode']]}, rank {me} in "
+                       f"{_MODES[mine['mode']]} (a rank in another call: every rank must make the "
+                       "same call)")  # fmt: skip
             continue
         if v["mesh"] != mine["mesh"]:
             out.append(f"rank {rank} passed mesh {v['mesh']}, rank {me} {mine['mesh']}")
         for group, index, other, name, at, of in (
-            ("ulysses", "i", "ring", "Ulysses group", "ring index", "a ring"),
-            ("ring", "j", "ulysses", "ring", "Ulysses index", "a Ulysses group"),
-        ):
+                ("ulysses", "i", "ring", "Ulysses group", "ring index", "a ring"),
+                ("ring", "j", "ulysses", "ring", "Ulysses index", "a Ulysses group")):  # fmt: skip
             if rank not in (topo.ulysses_ranks if group == "ulysses" else topo.ring_ranks):
                 continue
             if v[group] != mine[group] or v[index] != mine[index]:
@@ -383,7 +346,8 @@ def check_grid(topo: Topology) -> None:
     if text:
         raise ValueError(text)
     with _lock:
-        st.checked[key] = _Checked.of(topo)
+        st.checked[key] = {f.name: getattr(topo, f.name) for f in dataclasses.fields(topo)
+                           if f.name not in ("ring_group", "ulysses_group")}  # fmt: skip
 
 
 def check_ring(group: dist.ProcessGroup | None) -> None:
@@ -429,10 +393,14 @@ def report_grid_error(group, ulysses_group, mesh, error: BaseException,
     st = _state()
     with _lock:
         st.calls += 1
-        entries = list(reversed(st.checked.values()))
-    for e in entries:
-        t = e.topology()
-        if t is None or (mode is not None and want is None and t.mode != mode):
+        entries = list(reversed(st.checked.items()))
+    for key, fields in entries:
+        refs = key[:2]  # (_key: the groups' weak references first)
+        groups = [None if r is None else r() for r in refs]
+        if any(r is not None and g is None for r, g in zip(refs, groups, strict=True)):
+            continue  # a group no longer exists
+        t = Topology(ring_group=groups[0], ulysses_group=groups[1], **fields)
+        if mode is not None and want is None and t.mode != mode:
             continue
         if mesh is not None:
             fits = want is None or _key(t) == want

@@ -1,10 +1,7 @@
-"""The ring (docs/design.md §4): two custom operators,
-``torch.ops.ring_attention.ring_forward`` / ``ring_backward`` (opaque to
-``torch.compile``; autograd :class:`ring_attention.local.ops.RingFunction`),
-taking the tensors and a :mod:`~ring_attention.parallel.ring_spec` key. The
-forward checks the call through the handshake (every rank raises for one
-rank's error), then runs the schedule along the cached exchange plan; the
-backward reuses the plan. Double backward raises ``RuntimeError``."""
+"""The ring (docs/design.md §4): the custom operators ``ring_forward`` /
+``ring_backward``, taking the tensors and a :mod:`ring_spec` key; the forward
+agrees through the handshake and runs the schedule along the cached exchange
+plan, which the backward reuses. Double backward raises ``RuntimeError``."""
 
 from __future__ import annotations
 
@@ -35,7 +32,7 @@ from .exchange import (
 from .exchange_plan import ExchangePlan, get_plan
 from .handshake import reject, ring_handshake, ring_message
 from .mesh import check_ring, report_grid_error, world_info
-from .ring_spec import GroupError, get_spec, given_pattern, pattern_of_call, ring_call_spec
+from .ring_spec import GroupError, get_spec, pattern_of_call, ring_call_spec
 
 __all__ = ["ExchangeEvent", "ExchangeStats", "exchange_plan", "last_exchange_stats",
            "register_exchange_hook", "ring_call", "ring_call_spec"]  # fmt: skip
@@ -50,9 +47,8 @@ def ring_call(q_local: Tensor, k_local: Tensor, v_local: Tensor, spec: str,
     global document boundaries ``documents`` (a 1-D integer tensor, the same
     on every rank, or ``None``). Compiles with ``fullgraph=True``: the ring is
     one operator forward and one backward."""
-    needs_grad = torch.is_grad_enabled() and any(
-        getattr(t, "requires_grad", False) for t in (q_local, k_local, v_local)
-    )
+    needs_grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False)
+                                                 for t in (q_local, k_local, v_local))  # fmt: skip
     if isinstance(documents, Tensor) and documents.is_meta and not q_local.is_meta:
         # (a meta input would send the operator to its fake kernel: nothing checked)
         raise ValueError("cu_seqlens must hold values: got a tensor on the meta device")
@@ -102,18 +98,10 @@ def _ring(q_local: Tensor, k_local: Tensor, v_local: Tensor, build: Callable[...
     return (out, lse) if bool(return_lse) else out
 
 
-def _builder(pattern: Pattern | Callable[[], Pattern]) -> tuple[Callable[..., Pattern], tuple]:
-    """``pattern`` as a builder and its arguments."""
-    if callable(pattern) and not isinstance(pattern, Pattern):
-        return pattern, ()
-    return given_pattern, (pattern,)
-
-
 def _ring_pattern(return_lse: bool, documents: Sequence[int] | None, build: Callable[..., Pattern],
                   *args) -> Pattern:  # fmt: skip
     """The pattern of a ring call (:func:`pattern_of_call`); a bad
-    ``return_lse`` raises here, so that the operator reports it on every
-    rank."""
+    ``return_lse`` raises here, so that the operator reports it on every rank."""
     as_flag(return_lse, "return_lse")
     return pattern_of_call(documents, build, *args)
 
@@ -242,9 +230,7 @@ def schedule_backward(call: RingCall, grad_out: Tensor, grad_lse: Tensor | None,
         step = ex.step_for(d)
         packed = kv_pending.wait() if step is not None else None
         nxt = ex.step_for(d + 1)
-        kv_pending = (
-            ex.post_kv("backward_kv", nxt, (d + 1) % 2, ks, vs) if nxt is not None else None
-        )
+        kv_pending = ex.post_kv("backward_kv", nxt, (d + 1) % 2, ks, vs) if nxt else None
         g_now = None
         if step is not None:
             dkp = dvp = None

@@ -74,10 +74,8 @@ def _sharding_layout(layout: str, segment_lengths: Sequence[int] | None,
             ("causal", causal, False), ("window", window, None), ("cu_seqlens", cu_seqlens, None),
         ) if value is not default]  # fmt: skip
         if given:
-            raise ValueError(
-                f"{', '.join(given)}: the pattern places the cuts of layout='balanced' only, "
-                f"got it with layout={layout!r}"
-            )
+            raise ValueError(f"{', '.join(given)}: the pattern places the cuts of "
+                             f"layout='balanced' only, got it with layout={layout!r}")  # fmt: skip
         return layout
     if segment_lengths is None:
         if dilation_rates is not None:
@@ -93,15 +91,11 @@ def shard_sequence(x: torch.Tensor, dim: int = 1, group: dist.ProcessGroup | Non
                    dilation_rates: Sequence[int] | None = None, causal: bool = False,
                    window: tuple[int, int] | None = None,
                    cu_seqlens: Sequence[int] | Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """This rank's piece of the full tensor ``x`` along ``dim`` (docs/design.md
-    §3): ``torch.tensor_split(x, world_size, dim)[rank]`` for ``"contiguous"``
-    (a view), chunks ``rank`` and ``2 * world_size - 1 - rank`` of ``2 *
-    world_size`` for ``"zigzag"`` (a copy), the rank's run of the cuts that
-    balance the work of the keywords' pattern for ``"balanced"`` (a view; the
-    keywords serve it only, ``segment_lengths=None``: dense). ``group``,
-    ``ulysses_group``, ``mesh``: as for ``ring_dilated_attention``. Every rank
-    passes the same ``x``; nothing is communicated; differentiable. Raises
-    ``ValueError`` for a bad ``dim``, ``layout`` or pattern."""
+    """This rank's piece of the full tensor ``x`` along ``dim`` for ``layout``
+    (docs/parallel.md; a copy for ``"zigzag"``, else a view); the pattern
+    keywords serve ``"balanced"`` only (``segment_lengths=None``: dense).
+    ``group``, ``ulysses_group``, ``mesh``: as for ``ring_dilated_attention``.
+    Nothing is communicated; differentiable."""
     dim = _check_dim(x, dim, "x")
     layout = _sharding_layout(layout, segment_lengths, dilation_rates, causal, window, cu_seqlens)
     if not isinstance(layout, str):
@@ -154,13 +148,9 @@ def gather_sequence(x_local: torch.Tensor, dim: int = 1, group: dist.ProcessGrou
                     window: tuple[int, int] | None = None,
                     cu_seqlens: Sequence[int] | Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """The full tensor from every rank's piece along ``dim`` (the inverse of
-    :func:`shard_sequence`, the same arguments).
-
-    Pieces of any lengths that follow ``layout`` are padded to the longest,
-    all-gathered and trimmed; ranks whose shapes, dtypes, lengths or balanced
-    patterns disagree raise ``ValueError`` on every rank. Differentiable: the
-    gradient of ``x_local`` is this rank's slice of the full gradient. CUDA
-    tensors on a gloo group travel through host memory."""
+    :func:`shard_sequence`, the same arguments); ranks that disagree raise
+    ``ValueError`` on every rank. Differentiable: the gradient of ``x_local`` is
+    this rank's slice of the full gradient."""
     dim = _check_dim(x_local, dim, "x_local")
     layout = _sharding_layout(layout, segment_lengths, dilation_rates, causal, window, cu_seqlens)
     if ulysses_group is not None or mesh is not None:
@@ -228,10 +218,8 @@ def gather_grid(x_local: Tensor, dim: int, topo: Topology, layout: Layout) -> Te
     """``gather_sequence`` over a grid with ``U > 1``; tensors of more than 5
     dimensions are refused on every rank."""
     if x_local.dim() > _GATHER_DIMS:
-        error = ValueError(
-            f"gather_sequence with ulysses_group or mesh supports tensors of at most "
-            f"{_GATHER_DIMS} dimensions, got {x_local.dim()}"
-        )
+        error = ValueError(f"gather_sequence with ulysses_group or mesh supports tensors of at "
+                           f"most {_GATHER_DIMS} dimensions, got {x_local.dim()}")  # fmt: skip
         grid_handshake(topo, "gather_sequence", _GATHER_FIELDS, None, layout, error=error)
         raise error
     return _Gather.apply(x_local, dim, partial(_gather_grid, dim=dim, topo=topo, layout=layout))

@@ -1,7 +1,6 @@
 """A Ulysses group's stretch of the sequence: its members' pieces in global
 order (:class:`Row`), and the moves between the members' local rows and the
-stretch that the all-to-alls need (ring_attention/parallel/ulysses.py) and
-``shard_sequence`` / ``gather_sequence`` (ring_attention/parallel/sharding.py)."""
+stretch (for ulysses.py's all-to-alls and sharding.py's gathers)."""
 
 from __future__ import annotations
 

@@ -16,13 +16,7 @@ import torch.distributed as dist
 from ..core.call import Call, prepare
 from ..core.checks import check_qkv, check_sinks, resolve_scale
 from ..core.dtypes import dtype_name
-from ..core.layout import (
-    Layout,
-    check_layout,
-    layout_pieces,
-    resolve_layout,
-    shard_bounds,
-)
+from ..core.layout import Layout, check_layout, layout_pieces, resolve_layout, shard_bounds
 from ..core.pattern import Pattern, as_flag
 from ..local import engine
 from .comm import comm_device
@@ -34,12 +28,7 @@ from .handshake import (
     ring_message,
     topology_of,
 )
-from .mesh import (
-    Topology,
-    check_grid,
-    check_ring,
-    world_info,
-)
+from .mesh import Topology, check_grid, check_ring, world_info
 from .ring_spec import given_pattern, pattern_of_call
 from .stretch import Row, from_stretch, to_stretch
 
@@ -95,39 +84,30 @@ class _Link:
         out: list[list[Tensor | None]] = [[None] * len(spec) for spec in recv]
         for k, t in enumerate(sends[self.me]):  # a copy: an output is never an input
             out[self.me][k] = t.clone(memory_format=torch.contiguous_format)
-        dtypes = list(dict.fromkeys(dt for spec in recv for _, dt in spec))
-        dtypes += [t.dtype for ts in sends for t in ts if t.dtype not in dtypes]
         sent = received = 0
-        for dt in dtypes:
-            ops, inbox = [], []
+        for dt in dict.fromkeys([d for spec in recv for _, d in spec]
+                                + [t.dtype for ts in sends for t in ts]):  # fmt: skip
+            ops, keep, inbox = [], [], []
             for p, peer in enumerate(self.peers):
                 if p == self.me:
                     continue
-                parts = [t for t in sends[p] if t.dtype == dt]
-                if parts and sum(t.numel() for t in parts):
-                    buf = torch.cat([t.flatten() for t in parts]).to(self.comm)
-                    ops.append(dist.P2POp(dist.isend, buf, peer, self.group))
-                    inbox.append(buf)  # kept alive until the wait
-                    sent += buf.numel() * buf.element_size()
+                parts = [t.flatten() for t in sends[p] if t.dtype == dt]
+                if sum(t.numel() for t in parts):
+                    keep.append(torch.cat(parts).to(self.comm))  # kept alive until the wait
+                    ops.append(dist.P2POp(dist.isend, keep[-1], peer, self.group))
+                    sent += keep[-1].numel() * keep[-1].element_size()
                 numel = sum(math.prod(s) for s, d in recv[p] if d == dt)
                 if numel:
-                    buf = torch.empty(numel, dtype=dt, device=self.comm)
-                    ops.append(dist.P2POp(dist.irecv, buf, peer, self.group))
-                    inbox.append((p, buf))
-                    received += buf.numel() * buf.element_size()
+                    inbox.append((p, torch.empty(numel, dtype=dt, device=self.comm)))
+                    ops.append(dist.P2POp(dist.irecv, inbox[-1][1], peer, self.group))
+                    received += numel * inbox[-1][1].element_size()
             for w in dist.batch_isend_irecv(ops) if ops else []:
                 w.wait()
-            for item in inbox:
-                if not isinstance(item, tuple):
-                    continue
-                p, buf = item
-                buf = buf.to(self.device)
-                at = 0
-                for k, (shape, d) in enumerate(recv[p]):
-                    if d == dt:
-                        size = math.prod(shape)
-                        out[p][k] = buf[at : at + size].view(shape)
-                        at += size
+            for p, buf in inbox:
+                ks = [k for k, (_, d) in enumerate(recv[p]) if d == dt]
+                parts = buf.to(self.device).split([math.prod(recv[p][k][0]) for k in ks])
+                for k, part in zip(ks, parts, strict=True):
+                    out[p][k] = part.view(recv[p][k][0])
         for p, spec in enumerate(recv):  # empty parts
             for k, (shape, d) in enumerate(spec):
                 if out[p][k] is None:
@@ -186,11 +166,8 @@ def _explain(pattern_of: Callable[[], Pattern | None], topo: Topology) -> Callab
             dist.all_gather_object(words, p.describe() if p else "?", group=topo.ulysses_group)
             if topo.ulysses_order is not None:
                 words = [words[g] for g in topo.ulysses_order]
-            return (
-                prefix
-                + "the pattern: "
-                + "; ".join(f"Ulysses index {j}: {w}" for j, w in enumerate(words))
-            )
+            return prefix + "the pattern: " + "; ".join(f"Ulysses index {j}: {w}"
+                                                         for j, w in enumerate(words))  # fmt: skip
         if name == "dtype":
             return prefix + f"the dtype: {[dtype_name(c) for c in vals]} (Ulysses-index order)"
         if name == "requires_grad":
@@ -246,23 +223,19 @@ def ulysses_call(q_local: Tensor, k_local: Tensor, v_local: Tensor, build: Calla
         for g in (topo.ulysses_group, topo.ring_group):
             if g is not None:
                 comm_device(g, q_local.device)  # raises for unsupported transports
-        needs_grad = torch.is_grad_enabled() and any(
-            t.requires_grad for t in (q_local, k_local, v_local)
-        )
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_local, k_local, v_local))
         # the window is part of the pattern, so of its digest in this message
-        message = ring_message(
-            q_local, shape.kv_heads, pattern, scale=scale, layout=layout, needs_grad=needs_grad
-        )
+        message = ring_message(q_local, shape.kv_heads, pattern, scale=scale, layout=layout,
+                               needs_grad=grad)  # fmt: skip
     except Exception as exc:  # every rank must hear of it: reported in the rounds
         error = exc
 
     def describe() -> str:  # (only where every rank's checks passed)
         B, _, H, D = q_local.shape
-        return (
-            f"batch {B}, heads {H}, kv_heads {k_local.shape[2]}, head_dim {D}, {q_local.dtype}, "
-            f"{pattern.describe() if message else '?'}, scale {scale}, layout {layout}, "
-            f"requires_grad {message[RING_FIELDS.index('requires_grad')] if message else '?'}"
-        )
+        grad = message[RING_FIELDS.index("requires_grad")] if message else "?"
+        return (f"batch {B}, heads {H}, kv_heads {k_local.shape[2]}, head_dim {D}, "
+                f"{q_local.dtype}, {pattern.describe() if message else '?'}, scale {scale}, "
+                f"layout {layout}, requires_grad {grad}")  # fmt: skip
 
     n, row_lengths = grid_handshake(topo, _CALL, RING_FIELDS, message, layout, error=error,
                                     explain=_explain(lambda: pattern, topo),
