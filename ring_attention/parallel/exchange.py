@@ -100,23 +100,24 @@ def emit(event: ExchangeEvent) -> None:
 _PHASE_TAG = {"forward_kv": 0, "backward_kv": 1, "backward_grad": 2}
 
 
+@dataclass
 class Transfer:
     """The posted operations of one step (or of the far group); ``wait()``
     returns the received buffer on the compute device (``None``: nothing)."""
 
-    def __init__(self, works: list, keep: list, recv, device: torch.device) -> None:
-        self._works = works
-        self._keep = keep  # the buffers must outlive the operations
-        self._recv = recv
-        self._device = device
+    works: list
+    keep: list  # the buffers must outlive the operations
+    recv: torch.Tensor | None
+    device: torch.device
 
     def wait(self) -> torch.Tensor | None:
-        for w in self._works:
+        """Wait for the operations; the received buffer."""
+        for w in self.works:
             w.wait()
-        self._works, self._keep = [], []
-        if self._recv is None or self._recv.device == self._device:
-            return self._recv
-        return self._recv.to(self._device)  # staged through host memory
+        self.works, self.keep = [], []
+        if self.recv is None or self.recv.device == self.device:
+            return self.recv
+        return self.recv.to(self.device)  # staged through host memory
 
 
 class _Span(NamedTuple):

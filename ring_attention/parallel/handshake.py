@@ -5,7 +5,6 @@ that every rank raises instead of waiting; a grid agrees row, then ring."""
 from __future__ import annotations
 
 import struct
-import zlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -14,10 +13,10 @@ import torch.distributed as dist
 from ..core.dtypes import dtype_code, dtype_name
 from ..core.layout import LAYOUTS, Layout, layout_code, layout_digest, layout_shard_lengths
 from ..core.pattern import Pattern
-from .mesh import Topology, report_grid_error, resolve_topology
+from .mesh import Topology, digest_of, report_grid_error, resolve_topology
 
 __all__ = ["GENERATION", "RING_FIELDS", "WORDS", "all_gather_ints", "control_device",
-           "exchange_message", "failure", "gather_handshake", "grid_handshake", "peer_error",
+           "exchange_message", "failure", "gather_handshake", "grid_handshake",
            "reject", "reject_through", "ring_handshake", "ring_message", "topology_of"]  # fmt: skip
 
 #: The call name of a generation step over the sequence-parallel group.
@@ -68,22 +67,12 @@ def all_gather_ints(values: list[int], group: dist.ProcessGroup | None) -> list[
     return [t.cpu().tolist() for t in out]
 
 
-def peer_error(call: str, origin: int, reason: str, others: Sequence[int] = ()) -> ValueError:
-    """The ``ValueError`` of a rank whose peer's own checks failed, naming
-    the peer (global rank ``origin``) and its error; ``(origin, reason)``
-    rides along (``failed_rank``) to be passed on."""
-    more = f" (and rank(s) {list(others)})" if others else ""
-    error = ValueError(f"{call}: rank {origin} failed{more}: {reason}")
-    error.failed_rank = (origin, reason)  # type: ignore[attr-defined]
-    return error
-
-
 Reason = tuple[int, str]
 
 
 def failure(error: BaseException | Reason | None) -> Reason:
     """``(global rank, text)`` of a failure to report: this rank's own
-    error, or a :func:`peer_error` passed on (its origin kept)."""
+    error, or a peer's passed on (its ``failed_rank``: the origin kept)."""
     if isinstance(error, tuple):
         return error
     if getattr(error, "failed_rank", None) is not None:
@@ -100,7 +89,7 @@ def exchange_message(group: dist.ProcessGroup | None, call: str, payload: Sequen
     """One control round of ``call`` over ``group``: every rank's payload by
     index (``order``: the group rank of each). ``payload=None``: this rank
     failed (``error``) and gets ``None``. Raises ``ValueError`` on every rank for
-    ranks in different calls or, via :func:`peer_error`, a rank that failed."""
+    ranks in different calls or a rank that failed (naming it and its error)."""
     body = [-1] * (WORDS - 3) if payload is None else list(payload)
     if len(body) > WORDS - 3:  # would break the equal sizes the transport relies on
         raise RuntimeError(f"{call}: a control payload of {len(body)} words (at most {WORDS - 3})")
@@ -125,7 +114,10 @@ def exchange_message(group: dist.ProcessGroup | None, call: str, payload: Sequen
         seen = sorted({tuple(r) for r in reasons if r is not None})
         origin, reason = seen[0]
         others = sorted({o for o, _ in seen[1:]} - {origin})
-        raise peer_error(call.split(" (")[0], origin, reason, others)
+        more = f" (and rank(s) {others})" if others else ""
+        error = ValueError(f"{call.split(' (')[0]}: rank {origin} failed{more}: {reason}")
+        error.failed_rank = (origin, reason)  # type: ignore[attr-defined]  # (see failure)
+        raise error
     return [r[3:] for r in rows]
 
 
@@ -133,17 +125,9 @@ def reject(group: dist.ProcessGroup | None, call: str = "ring_dilated_attention"
            error: BaseException | Reason | None = None,
            order: Sequence[int] | None = None) -> None:  # fmt: skip
     """Take part in ``call``'s handshake as a rank whose inputs failed
-    validation (``error``): the other ranks raise :func:`peer_error`
-    naming this rank and the error; the caller raises its own error."""
+    validation (``error``): the other ranks raise naming this rank and the
+    error; the caller raises its own error."""
     exchange_message(group, call, None, error, order)
-
-
-def _scale_bits(scale: float) -> int:
-    return struct.unpack("<q", struct.pack("<d", float(scale)))[0]
-
-
-def _bits_scale(bits: int) -> float:
-    return struct.unpack("<d", struct.pack("<q", int(bits)))[0]
 
 
 def ring_message(q: torch.Tensor, kv_heads: int, pattern: Pattern, *, scale: float, layout: Layout,
@@ -151,7 +135,8 @@ def ring_message(q: torch.Tensor, kv_heads: int, pattern: Pattern, *, scale: flo
     """This rank's ring handshake payload in ``RING_FIELDS``' order (``q``:
     the validated local query; ``far_bytes``: its ``RING_ATTENTION_FAR_BYTES``)."""
     B, L, H, D = q.shape
-    return [L, B, H, kv_heads, D, dtype_code(q.dtype), pattern.digest(), _scale_bits(scale),
+    return [L, B, H, kv_heads, D, dtype_code(q.dtype), pattern.digest(),
+            struct.unpack("<q", struct.pack("<d", float(scale)))[0],
             layout_code(layout), int(needs_grad), int(far_bytes)]  # fmt: skip
 
 
@@ -204,7 +189,8 @@ def ring_handshake(group: dist.ProcessGroup | None, world: int, message: list[in
 def _named(name: str, vals: list[int]) -> list:
     """The values ``vals`` of field ``name`` as an error message shows them."""
     to = {"layout": lambda x: LAYOUTS[x] if 0 <= x < len(LAYOUTS) else x, "dtype": dtype_name,
-          "scale": _bits_scale, "requires_grad": bool}.get(name)  # fmt: skip
+          "scale": lambda x: struct.unpack("<d", struct.pack("<q", int(x)))[0],
+          "requires_grad": bool}.get(name)  # fmt: skip
     return vals if to is None else [to(x) for x in vals]
 
 
@@ -272,12 +258,8 @@ def gather_handshake(group: dist.ProcessGroup | None, world: int, x_local: torch
     return lengths
 
 
-_GRID_FIELDS = ("ring_index", "ring_size", "grid")
-
-
 def _digest(values: Sequence[int]) -> int:
-    text = repr([int(v) for v in values]).encode()
-    return (zlib.crc32(text) << 30) ^ zlib.adler32(text)
+    return digest_of(repr([int(v) for v in values]))
 
 
 def grid_handshake(topo, call: str, fields: Sequence[str], message: Sequence[int] | None,
@@ -300,7 +282,7 @@ def grid_handshake(topo, call: str, fields: Sequence[str], message: Sequence[int
     try:
         rows = exchange_message(topo.ulysses_group, row_call, payload, error, topo.ulysses_order)
         if rows is not None:
-            names = (*fields, *_GRID_FIELDS)
+            names = (*fields, "ring_index", "ring_size", "grid")
             table = {f: [r[k] for r in rows] for k, f in enumerate(names)}
             for f in names[1:]:
                 vals = table[f]

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-__all__ = ["Topology", "check_grid", "check_ring", "report_grid_error", "resolve_topology",
-           "world_info"]  # fmt: skip
+__all__ = ["Topology", "check_grid", "check_ring", "digest_of", "report_grid_error",
+           "resolve_topology", "world_info"]  # fmt: skip
 
 _DIM_NAMES = ("ring", "ulysses")
 
@@ -90,8 +90,12 @@ class Topology:
         """A 62-bit digest of the group ``along`` (``"ring"`` or ``"ulysses"``)
         and the mesh: equal on every rank of that group in a consistent grid."""
         v = self.view()
-        text = json.dumps([v[along], v["mesh"]]).encode()
-        return (zlib.crc32(text) << 30) ^ zlib.adler32(text)
+        return digest_of(json.dumps([v[along], v["mesh"]]))
+
+
+def digest_of(text: str) -> int:
+    """A 62-bit digest of ``text`` (equal texts, equal digests on every rank)."""
+    return (zlib.crc32(text.encode()) << 30) ^ zlib.adler32(text.encode())
 
 
 def _group_name(group: dist.ProcessGroup | None) -> str | None:

@@ -117,11 +117,18 @@ def _gather_varlen(x_local: torch.Tensor, dim: int, group: dist.ProcessGroup | N
     world, rank = world_info(group)
     if order is not None:
         rank = order.index(rank)
-    lengths = gather_handshake(group, world, x_local, dim, layout, order)
-    n = sum(lengths)
-    recv = _all_gather_padded(x_local, dim, lengths, group, order)
-    pieces = Row(tuple(tuple(layout_pieces(n, world, r, layout)) for r in range(world)))
-    return to_stretch(recv, pieces, dim), pieces.pieces[rank]
+    n = sum(gather_handshake(group, world, x_local, dim, layout, order))
+    full = _gather_ring(x_local, dim, n, world, layout, 1, group, order)
+    return full, layout_pieces(n, world, rank, layout)
+
+
+def _gather_ring(x: Tensor, dim: int, n: int, world: int, layout: Layout, fold: int, group,
+                 order: tuple[int, ...] | None) -> Tensor:  # fmt: skip
+    """Every ring member's piece (``fold > 1``: stretch) of the ``n`` positions,
+    all-gathered along ``dim`` and placed: the full tensor."""
+    recv = _all_gather_padded(x, dim, layout_shard_lengths(n, world, layout, fold), group, order)
+    pieces = Row(tuple(tuple(layout_pieces(n, world, r, layout, fold)) for r in range(world)))
+    return to_stretch(recv, pieces, dim)
 
 
 class _Gather(torch.autograd.Function):
@@ -207,10 +214,7 @@ def _gather_grid(x: Tensor, dim: int, topo: Topology, layout: Layout) -> tuple[T
     rows = _all_gather_padded(x, dim, row_lengths, topo.ulysses_group, topo.ulysses_order)
     stretch = to_stretch(rows, row, dim)
     if R > 1:
-        stretches = _all_gather_padded(stretch, dim, layout_shard_lengths(n, R, layout, U),
-                                       topo.ring_group, topo.ring_order)  # fmt: skip
-        ring = Row(tuple(tuple(layout_pieces(n, R, i, layout, U)) for i in range(R)))
-        stretch = to_stretch(stretches, ring, dim)
+        stretch = _gather_ring(stretch, dim, n, R, layout, U, topo.ring_group, topo.ring_order)
     return stretch, layout_pieces(n, W, topo.shard_index, layout)
 
 

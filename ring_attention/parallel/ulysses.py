@@ -156,28 +156,6 @@ def _nest(flat, sizes) -> list[list]:
     return out
 
 
-def _explain(pattern_of: Callable[[], Pattern | None], topo: Topology) -> Callable:
-    prefix = f"{_CALL}: the ranks of a Ulysses group disagree on "
-
-    def explain(name: str, vals: list[int]) -> str | None:
-        if name == "pattern":
-            words: list = [None] * len(vals)
-            p = pattern_of()
-            dist.all_gather_object(words, p.describe() if p else "?", group=topo.ulysses_group)
-            if topo.ulysses_order is not None:
-                words = [words[g] for g in topo.ulysses_order]
-            return prefix + "the pattern: " + "; ".join(f"Ulysses index {j}: {w}"
-                                                         for j, w in enumerate(words))  # fmt: skip
-        if name == "dtype":
-            return prefix + f"the dtype: {[dtype_name(c) for c in vals]} (Ulysses-index order)"
-        if name == "requires_grad":
-            return prefix + (f"whether a gradient is needed (every rank must run the backward): "
-                             f"{[bool(v) for v in vals]} (Ulysses-index order)")  # fmt: skip
-        return None
-
-    return explain
-
-
 def kv_head_range(head_start: int, count: int, heads: int, kv_heads: int) -> tuple[int, int]:
     """``[begin, end)`` of the K/V heads that query heads ``[head_start,
     head_start + count)`` read (empty for no query head)."""
@@ -237,9 +215,25 @@ def ulysses_call(q_local: Tensor, k_local: Tensor, v_local: Tensor, build: Calla
                 f"{q_local.dtype}, {pattern.describe() if message else '?'}, scale {scale}, "
                 f"layout {layout}, requires_grad {grad}")  # fmt: skip
 
+    def explain(name: str, vals: list[int]) -> str | None:  # a disagreement in the row round
+        prefix = f"{_CALL}: the ranks of a Ulysses group disagree on "
+        if name == "pattern":
+            words: list = [None] * len(vals)
+            mine = pattern.describe() if message else "?"
+            dist.all_gather_object(words, mine, group=topo.ulysses_group)
+            if topo.ulysses_order is not None:
+                words = [words[g] for g in topo.ulysses_order]
+            return prefix + "the pattern: " + "; ".join(f"Ulysses index {j}: {w}"
+                                                         for j, w in enumerate(words))  # fmt: skip
+        if name == "dtype":
+            return prefix + f"the dtype: {[dtype_name(c) for c in vals]} (Ulysses-index order)"
+        if name == "requires_grad":
+            return prefix + (f"whether a gradient is needed (every rank must run the backward): "
+                             f"{[bool(v) for v in vals]} (Ulysses-index order)")  # fmt: skip
+        return None
+
     n, row_lengths = grid_handshake(topo, _CALL, RING_FIELDS, message, layout, error=error,
-                                    explain=_explain(lambda: pattern, topo),
-                                    describe=describe)  # fmt: skip
+                                    explain=explain, describe=describe)  # fmt: skip
     if error is not None:
         raise error
     pattern.check_length(n)
