@@ -290,9 +290,8 @@ def _call_of(key: str, q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None
             if n is None:
                 if world > 1:
                     comm_device(group, q.device)  # raises for unsupported transports
-                message = ring_message(q, shape.kv_heads, pattern, scale=scale,
-                                       layout=layout, needs_grad=needs_grad,
-                                       far_bytes=far)  # fmt: skip
+                message = ring_message(q, shape.kv_heads, pattern, scale=scale, layout=layout,
+                                       needs_grad=needs_grad, far_bytes=far)  # fmt: skip
         except Exception as exc:  # every rank must hear of it: reported in the handshake
             error = exc
     if n is None:
@@ -348,9 +347,8 @@ def _ring_backward_op(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: T
     B, L, H, _ = q.shape
     for name, t, shape in (("grad_out", grad_out, q.shape), ("out", out, q.shape),
                            ("lse", lse, (B, H, L)), ("grad_lse", grad_lse, (B, H, L))):  # fmt: skip
-        if (t is not None or name != "grad_lse") and (
-            not isinstance(t, Tensor) or tuple(t.shape) != tuple(shape)
-        ):
+        wrong = not isinstance(t, Tensor) or tuple(t.shape) != tuple(shape)
+        if wrong and (t is not None or name != "grad_lse"):
             got = tuple(t.shape) if isinstance(t, Tensor) else t
             raise ValueError(f"{name} must have shape {tuple(shape)}, got {got!r}")
     return schedule_backward(call, grad_out, grad_lse, q, k, v, out, lse)

@@ -48,14 +48,6 @@ def _check_dim(x: torch.Tensor, dim: int, name: str) -> int:
     return dim % x.dim()
 
 
-def _grid(group, ulysses_group, mesh) -> tuple[int, int]:
-    """``(shards, this rank's shard)``."""
-    if ulysses_group is None and mesh is None:
-        return world_info(group)
-    topo = resolve_topology(group, ulysses_group, mesh)
-    return topo.world_size, topo.shard_index
-
-
 #: The pattern of ``segment_lengths=None``: dense attention.
 _DENSE = ((2**62,), (1,))
 
@@ -100,7 +92,11 @@ def shard_sequence(x: torch.Tensor, dim: int = 1, group: dist.ProcessGroup | Non
     layout = _sharding_layout(layout, segment_lengths, dilation_rates, causal, window, cu_seqlens)
     if not isinstance(layout, str):
         layout.pattern.check_length(x.shape[dim])
-    world, rank = _grid(group, ulysses_group, mesh)
+    if ulysses_group is None and mesh is None:
+        world, rank = world_info(group)
+    else:
+        topo = resolve_topology(group, ulysses_group, mesh)
+        world, rank = topo.world_size, topo.shard_index
     if world == 1:
         return x
     pieces = layout_pieces(x.shape[dim], world, rank, layout)
