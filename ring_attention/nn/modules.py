@@ -18,7 +18,7 @@ from ..core.layout import check_layout
 from ..core.pattern import Pattern
 from ..local.functional import attend
 from ..parallel.api import sharded_attention
-from ..parallel.ring import given_pattern
+from ..parallel.ring_spec import given_pattern
 
 __all__ = ["DilatedAttention", "RingDilatedAttention"]
 

@@ -1,8 +1,6 @@
 """The sharded attention's public entry: the ring, Ulysses and their hybrid
-composed in one place (docs/design.md §2), as yunchang's LongContextAttention
-composes Ulysses around a ring. The entries check nothing themselves: the
-ring's operators and Ulysses' agreement rounds check each call on every
-rank, so that every rank raises for one rank's bad input."""
+composed in one place (docs/design.md §2). The entries check nothing
+themselves: the ring's operators and Ulysses' rounds check every call."""
 
 from __future__ import annotations
 
@@ -12,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 from ..core.pattern import Pattern
-from .ring import _builder, _ring, ring_on_pieces
+from .ring import _ring
+from .ring_spec import given_pattern
 from .ulysses import ulysses_call
 
 __all__ = ["ring_attention", "ring_dilated_attention"]
@@ -30,7 +29,8 @@ def ring_attention(q_local: Tensor, k_local: Tensor, v_local: Tensor,
     building one, whose errors every rank hears of). Under ``torch.compile`` a
     function must be a module-level one (or a ``functools.partial`` of one),
     not a closure: the ring's pattern is a constant of the graph."""
-    build, args = _builder(pattern)
+    built = isinstance(pattern, Pattern) or not callable(pattern)
+    build, args = (given_pattern, (pattern,)) if built else (pattern, ())
     return sharded_attention(q_local, k_local, v_local, build, args, cu_seqlens=None, scale=scale,
                              group=group, ulysses_group=ulysses_group, mesh=mesh, layout=layout,
                              return_lse=return_lse, sinks=sinks)  # fmt: skip
@@ -50,7 +50,7 @@ def sharded_attention(q_local: Tensor, k_local: Tensor, v_local: Tensor,
         call = (q_local, k_local, v_local, build, args)
         kwargs = dict(cu_seqlens=cu_seqlens, scale=scale, group=group, ulysses_group=ulysses_group,
                       mesh=mesh, layout=layout, return_lse=return_lse, sinks=sinks,
-                      ring=ring_on_pieces)  # fmt: skip
+                      ring=_ring)  # fmt: skip
         if torch.compiler.is_compiling():
             from .ulysses_eager import ulysses_eagerly
 
@@ -60,69 +60,36 @@ def sharded_attention(q_local: Tensor, k_local: Tensor, v_local: Tensor,
                  group=group, layout=layout, return_lse=return_lse, sinks=sinks)  # fmt: skip
 
 
-def ring_dilated_attention(
-    q_local: Tensor,
-    k_local: Tensor,
-    v_local: Tensor,
-    segment_lengths: Sequence[int],
-    dilation_rates: Sequence[int],
-    *,
-    causal: bool = False,
-    scale: float | None = None,
-    head_groups: bool = False,
-    cu_seqlens: Sequence[int] | Tensor | None = None,
-    head_offsets: str = "modulo",
-    window: tuple[int, int] | None = None,
-    group: dist.ProcessGroup | None = None,
-    ulysses_group: dist.ProcessGroup | None = None,
-    mesh=None,
-    layout: str = "contiguous",
-    return_lse: bool = False,
-    sinks: Tensor | None = None,
-) -> Tensor | tuple[Tensor, Tensor]:
+def ring_dilated_attention(q_local: Tensor, k_local: Tensor, v_local: Tensor,
+                           segment_lengths: Sequence[int], dilation_rates: Sequence[int], *,
+                           causal: bool = False, scale: float | None = None,
+                           head_groups: bool = False,
+                           cu_seqlens: Sequence[int] | Tensor | None = None,
+                           head_offsets: str = "modulo", window: tuple[int, int] | None = None,
+                           group: dist.ProcessGroup | None = None,
+                           ulysses_group: dist.ProcessGroup | None = None, mesh=None,
+                           layout: str = "contiguous", return_lse: bool = False,
+                           sinks: Tensor | None = None,
+                           ) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
     """Dilated attention over a sequence sharded across the ranks of ``group``:
     equal, forward and backward, to ``dilated_attention`` on the whole sequence
-    for every world size and length (docs/design.md §2.3, §3.1).
+    for every world size and length (docs/parallel.md; docs/design.md §2.3, §3.1).
 
-    Args:
-        q_local: ``(batch, seq_local, heads, head_dim)``, this rank's shard
-            (``shard_sequence`` with the same grid and layout).
-        k_local, v_local: ``(batch, seq_local, kv_heads, head_dim)``, ``kv_heads``
-            dividing ``heads``.
-        segment_lengths, dilation_rates, causal, scale, head_groups, head_offsets,
-            window: the pattern, as for ``dilated_attention`` (global positions).
-        cu_seqlens: document boundaries, GLOBAL positions ``[0, ..., seq]``.
-        group: the ring's process group (default: the default group; none
-            initialised or of one: one process). With ``ulysses_group``: the ring
-            between the ranks holding the same heads (``None``: no ring).
-        ulysses_group: head parallelism inside this group of ``U`` ranks; with
-            ``group``, the hybrid, rank ``(i, j)`` holding shard ``i * U + j``.
-        mesh: instead of the groups, a 1-D ``DeviceMesh`` (a ring) or a 2-D one
-            with ``mesh_dim_names=("ring", "ulysses")``.
-        layout: ``"contiguous"``, ``"zigzag"`` or ``"balanced"``.
-        return_lse: also return this rank's ``lse`` ``(batch, heads, seq_local)``.
-        sinks: attention sinks ``(heads,)``, the same on every rank.
-
-    Returns:
-        This rank's output shard, shape and dtype of ``q_local`` (and ``lse``).
-
-    Raises:
-        ValueError: on every rank, before anything is communicated: a bad
-            argument on any rank, ranks that disagree, groups or meshes that do
-            not form one grid. Every rank calls it with matching arguments and
-            runs the backward."""
-
-    return sharded_attention(
-        q_local, k_local, v_local, _pattern_of,
-        (segment_lengths, dilation_rates, causal, head_groups, head_offsets, window),
-        cu_seqlens=cu_seqlens, scale=scale, group=group, ulysses_group=ulysses_group, mesh=mesh,
-        layout=layout, return_lse=return_lse, sinks=sinks,
-    )  # fmt: skip
-
-
-def _pattern_of(segment_lengths: Sequence[int], dilation_rates: Sequence[int], causal: bool,
-                head_groups: bool, head_offsets: str,
-                window: tuple[int, int] | None) -> Pattern:  # fmt: skip
-    """The pattern of :func:`ring_dilated_attention`'s arguments."""
-    return Pattern(segment_lengths, dilation_rates, causal=causal, head_groups=head_groups,
-                   head_offsets=head_offsets, window=window)  # fmt: skip
+    ``q_local`` ``(batch, seq_local, heads, head_dim)`` and ``k_local``,
+    ``v_local`` ``(batch, seq_local, kv_heads, head_dim)``: this rank's shards
+    (``shard_sequence`` with the same grid and layout). The pattern's keywords
+    are ``dilated_attention``'s, ``cu_seqlens`` in global positions. ``group``:
+    the ring (default: the default group); ``ulysses_group``: head parallelism
+    (with ``group``, the hybrid, rank ``(i, j)`` holding shard ``i * U + j``);
+    ``mesh``: a 1-D ``DeviceMesh`` or a 2-D one with ``mesh_dim_names=("ring",
+    "ulysses")``; ``layout``: ``"contiguous"``, ``"zigzag"`` or ``"balanced"``;
+    ``sinks``: ``(heads,)``, the same on every rank. Returns this rank's output
+    shard (and ``lse`` ``(batch, heads, seq_local)``). Raises ``ValueError`` on
+    every rank, before anything is communicated, for a bad argument on any rank,
+    ranks that disagree, or groups that do not form one grid."""
+    return sharded_attention(q_local, k_local, v_local, Pattern,
+                             (segment_lengths, dilation_rates, causal, head_groups, head_offsets,
+                              None, window),
+                             cu_seqlens=cu_seqlens, scale=scale, group=group,
+                             ulysses_group=ulysses_group, mesh=mesh, layout=layout,
+                             return_lse=return_lse, sinks=sinks)  # fmt: skip

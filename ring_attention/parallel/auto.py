@@ -48,14 +48,8 @@ class MeshPlan(NamedTuple):
 def _grids(world: int, gpus_per_node: int) -> list[tuple[int, int]]:
     """Every ``(R, U)`` with ``R * U == world`` whose Ulysses groups do not
     straddle nodes."""
-    out = []
-    for U in range(1, world + 1):
-        if world % U:
-            continue
-        if world > gpus_per_node and gpus_per_node % U and U % gpus_per_node:
-            continue
-        out.append((world // U, U))
-    return out
+    return [(world // U, U) for U in range(1, world + 1) if world % U == 0 and not (
+        world > gpus_per_node and gpus_per_node % U and U % gpus_per_node)]  # fmt: skip
 
 
 def choose_grid(seq_len: int, heads: int, kv_heads: int, head_dim: int, pattern: Pattern, *,
@@ -77,9 +71,8 @@ def choose_grid(seq_len: int, heads: int, kv_heads: int, head_dim: int, pattern:
                   head_offsets=pattern.head_offsets, layout=layout, link=inter,
                   window=pattern.window if pattern.windowed else None)  # fmt: skip
     one_node = world <= gpus_per_node
-    grids = _grids(world, gpus_per_node)
-    if pattern.windowed:  # the ring's bytes are bounded by the window; Ulysses' are not
-        grids = [(world, 1)]
+    # a window bounds the ring's bytes, not Ulysses'
+    grids = [(world, 1)] if pattern.windowed else _grids(world, gpus_per_node)
     evals = []
     for R, U in grids:
         try:
@@ -92,8 +85,7 @@ def choose_grid(seq_len: int, heads: int, kv_heads: int, head_dim: int, pattern:
             why = "a sliding window: the ring, whose bytes the window bounds (not predicted)"
             return Prediction(world, 1, None, None, None, None, why)
         evals.append(ev)
-    usable = setup.memory
-    fits = [e for e in evals if e.worst["training_peak"] <= usable]
+    fits = [e for e in evals if e.worst["training_peak"] <= setup.memory]
     if fits:
         best = min(fits, key=lambda e: (e.worst["forward_backward_s"], e.ulysses))
         why = "fastest that fits"
@@ -103,12 +95,10 @@ def choose_grid(seq_len: int, heads: int, kv_heads: int, head_dim: int, pattern:
     others = ", ".join(f"{e.ring}x{e.ulysses} {e.worst['forward_backward_s'] * 1e3:.3g} ms"
                        for e in evals if e is not best)  # fmt: skip
     w = best.worst
-    return Prediction(
-        ring=best.ring, ulysses=best.ulysses, seconds=w["forward_backward_s"],
-        forward_seconds=w["forward_s"], bytes_sent=int(w["sent_forward_backward"]),
-        peak_bytes=int(w["training_peak"]),
-        why=f"{why}: {best.ring} x {best.ulysses}" + (f" (others: {others})" if others else ""),
-    )  # fmt: skip
+    return Prediction(best.ring, best.ulysses, w["forward_backward_s"], w["forward_s"],
+                      int(w["sent_forward_backward"]), int(w["training_peak"]),
+                      f"{why}: {best.ring} x {best.ulysses}"
+                      + (f" (others: {others})" if others else ""))  # fmt: skip
 
 
 def plan_mesh(seq_len: int, heads: int, kv_heads: int, head_dim: int, pattern: Pattern | tuple, *,
@@ -125,9 +115,8 @@ def plan_mesh(seq_len: int, heads: int, kv_heads: int, head_dim: int, pattern: P
     rank (``None``: no bound). Every rank of the default group calls it."""
     if not isinstance(pattern, Pattern):
         if not isinstance(pattern, (tuple, list)) or len(pattern) != 2:
-            raise ValueError(
-                f"pattern must be a Pattern or (segment_lengths, dilation_rates), got {pattern!r}"
-            )
+            raise ValueError(f"pattern must be a Pattern or (segment_lengths, dilation_rates), "
+                             f"got {pattern!r}")  # fmt: skip
         pattern = Pattern(*pattern)
     seq_len = check_int(seq_len, "seq_len", 1, _MAX_PLANNED)
     heads = check_int(heads, "heads", 1, 1 << 31)

@@ -1,7 +1,6 @@
 """Process-group helpers: a group's global ranks and the device a tensor
-travels on for its backend (NCCL moves CUDA tensors; gloo CPU tensors,
-CUDA ones staged through host memory). Importing it releases the default
-group ``torch.distributed.nn.functional`` would keep alive."""
+travels on for its backend. Importing it releases the default group
+``torch.distributed.nn.functional`` would keep alive."""
 
 from __future__ import annotations
 
@@ -24,12 +23,9 @@ def _unpin_default_group() -> None:
     import torch.distributed.nn.functional as functional
 
     for fn in vars(functional).values():
-        if not isinstance(fn, types.FunctionType) or not fn.__defaults__:
-            continue
-        if any(isinstance(d, dist.ProcessGroup) for d in fn.__defaults__):
-            fn.__defaults__ = tuple(
-                None if isinstance(d, dist.ProcessGroup) else d for d in fn.__defaults__
-            )
+        if isinstance(fn, types.FunctionType) and fn.__defaults__:
+            fn.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d
+                                    for d in fn.__defaults__)  # fmt: skip
 
 
 _unpin_default_group()

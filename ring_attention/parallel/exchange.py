@@ -1,18 +1,17 @@
-"""The ring's point-to-point exchange (docs/design.md §4.3, §4.4):
-:class:`Exchanger` packs, posts and hands the kernels in-place views of the
-K/V rows an exchange plan names, and returns their dK/dV to their owner.
-Every posted batch is an :class:`ExchangeEvent`, counted in
-:data:`last_exchange_stats` and passed to the hooks of
-:func:`register_exchange_hook` (§2.4)."""
+"""The ring's point-to-point exchange (docs/design.md §4.3, §4.4, §2.4):
+:class:`Exchanger` packs and posts the K/V rows a plan names and returns their
+dK/dV; every posted batch is an :class:`ExchangeEvent` (stats and hooks)."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.utils.hooks import RemovableHandle
 
 from ..core.dtypes import acc_dtype
 
@@ -79,34 +78,16 @@ class ExchangeStats:
 last_exchange_stats = ExchangeStats()
 
 ExchangeHook = Callable[[ExchangeEvent], None]
-_hooks: dict[int, ExchangeHook] = {}
-_next_hook_id = 0
+_hooks: OrderedDict[int, ExchangeHook] = OrderedDict()  # (a handle refers to it weakly)
 
 
-class _HookHandle:
-    """Returned by :func:`register_exchange_hook`; ``remove()`` unregisters."""
-
-    def __init__(self, hook_id: int) -> None:
-        self.id = hook_id
-
-    def remove(self) -> None:
-        _hooks.pop(self.id, None)
-
-    def __enter__(self) -> _HookHandle:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.remove()
-
-
-def register_exchange_hook(hook: ExchangeHook) -> _HookHandle:
+def register_exchange_hook(hook: ExchangeHook) -> RemovableHandle:
     """Call ``hook(event)`` for every batch of P2P operations this process
     posts (hooks observe; they must not communicate). Returns a handle whose
     ``remove()`` unregisters it (also a context manager)."""
-    global _next_hook_id
-    _next_hook_id += 1
-    _hooks[_next_hook_id] = hook
-    return _HookHandle(_next_hook_id)
+    handle = RemovableHandle(_hooks)
+    _hooks[handle.id] = hook
+    return handle
 
 
 def emit(event: ExchangeEvent) -> None:
@@ -119,23 +100,24 @@ def emit(event: ExchangeEvent) -> None:
 _PHASE_TAG = {"forward_kv": 0, "backward_kv": 1, "backward_grad": 2}
 
 
+@dataclass
 class Transfer:
     """The posted operations of one step (or of the far group); ``wait()``
     returns the received buffer on the compute device (``None``: nothing)."""
 
-    def __init__(self, works: list, keep: list, recv, device: torch.device) -> None:
-        self._works = works
-        self._keep = keep  # the buffers must outlive the operations
-        self._recv = recv
-        self._device = device
+    works: list
+    keep: list  # the buffers must outlive the operations
+    recv: torch.Tensor | None
+    device: torch.device
 
     def wait(self) -> torch.Tensor | None:
-        for w in self._works:
+        """Wait for the operations; the received buffer."""
+        for w in self.works:
             w.wait()
-        self._works, self._keep = [], []
-        if self._recv is None or self._recv.device == self._device:
-            return self._recv
-        return self._recv.to(self._device)  # staged through host memory
+        self.works, self.keep = [], []
+        if self.recv is None or self.recv.device == self.device:
+            return self.recv
+        return self.recv.to(self.device)  # staged through host memory
 
 
 class _Span(NamedTuple):
@@ -158,22 +140,14 @@ class Exchanger:
     def __init__(self, plan, group: dist.ProcessGroup | None, peers: Sequence[int],
                  device: torch.device, comm_dev: torch.device, dtype: torch.dtype, batch: int,
                  head_dim: int, role: str = "forward", far_bytes: int = 0) -> None:  # fmt: skip
-        self.plan = plan
-        self.role = role
-        self.group = group
-        self.peers = tuple(peers)
-        self.device = device
-        self.dtype = dtype
-        self.acc = acc_dtype(dtype)
+        self.plan, self.role, self.group, self.peers = plan, role, group, tuple(peers)
+        self.device, self.comm_dev, self.dtype, self.acc = device, comm_dev, dtype, acc_dtype(dtype)
         self.B, self.H, self.D = batch, plan.kv_heads, head_dim  # K/V width
-        self.comm_dev = comm_dev
         self.idx = plan.indices_on(device)
         self.spans = {s.distance: self._spans(s) for s in plan.steps}
         # positions of the row maps: the spans of a step not needed whole
-        self._span_rows = max(
-            (sum(sp.rows for sp in spans if not sp.whole) for spans in self.spans.values()),
-            default=0,
-        )
+        self._span_rows = max((sum(sp.rows for sp in spans if not sp.whole)
+                               for spans in self.spans.values()), default=0)  # fmt: skip
         self.steps, self.far_steps = self._split(plan.steps, far_bytes)
         self._near = {s.distance: s for s in self.steps}
         sends = [s.send_rows for s in self.steps if s.send_rows]
@@ -244,9 +218,7 @@ class Exchanger:
             buf = self._keep(key, buf)
         return buf[: 2 * self.B * rows * self.D]
 
-    def _piece_views(
-        self, packed: torch.Tensor, step
-    ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None], list[int]]:
+    def _piece_views(self, packed: torch.Tensor, step) -> tuple[list, list, list[int]]:
         """Per sender piece of ``step``: the K and V (or dK and dV) views of
         ``packed`` (``(B, rows, H, D)`` where the span is whole, else ``(B, count,
         D)`` read through the row map; ``None`` without rows) and the global
@@ -258,9 +230,7 @@ class Exchanger:
             k, v = chunks.get(j, (None, None))
             if span.whole:
                 k, v = (rows.view(self.B, span.rows, self.H, self.D) for rows in (k, v))
-            ks.append(k)
-            vs.append(v)
-            starts.append(p.start + span.first)
+            ks, vs, starts = ks + [k], vs + [v], starts + [p.start + span.first]
         return ks, vs, starts
 
     def _row_maps(self, step) -> list[torch.Tensor | None]:
@@ -289,9 +259,7 @@ class Exchanger:
         """``(B, L, Hkv, D)`` as ``(B, L * Hkv, D)``: one row per (position, K/V head)."""
         return t.view(self.B, t.shape[1] * self.H, self.D)
 
-    def _chunks(
-        self, packed: torch.Tensor, idx: Sequence[torch.Tensor]
-    ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def _chunks(self, packed: torch.Tensor, idx: Sequence[torch.Tensor]) -> Iterator[tuple]:
         """``(piece, indices, K rows, V rows)`` of every piece with rows, as
         ``(B, count, D)`` views of ``packed``."""
         off = 0
@@ -304,31 +272,32 @@ class Exchanger:
                    packed[off + n : off + 2 * n].view(self.B, c, self.D))  # fmt: skip
             off += 2 * n
 
-    def _pack(self, out, ks, vs, idx) -> None:
-        """Gather the ``idx`` rows of ``ks``/``vs`` into ``out``."""
-        for j, ix, krows, vrows in self._chunks(out, idx):
+    def _move(self, packed: torch.Tensor, idx, ks, vs, add: bool) -> None:
+        """Gather the ``idx`` rows of ``ks``/``vs`` into ``packed``, or (``add``)
+        add ``packed``'s rows into them."""
+        for j, ix, krows, vrows in self._chunks(packed, idx):
             for rows, t in ((krows, ks[j]), (vrows, vs[j])):
-                if ix.numel() == t.shape[1] * self.H:
-                    rows.copy_(self._rows(t))
+                flat, whole = self._rows(t), ix.numel() == t.shape[1] * self.H
+                if add and whole:
+                    flat.add_(rows)
+                elif add:
+                    flat.index_add_(1, ix, rows)
+                elif whole:
+                    rows.copy_(flat)
                 else:
-                    torch.index_select(self._rows(t), 1, ix, out=rows)
+                    torch.index_select(flat, 1, ix, out=rows)
 
     def _post(self, phase: str, distance: int, send, recv) -> Transfer:
         """Post ``send`` and ``recv`` (``(peer, buffer, rows)`` or ``None``) as one batch."""
         if send is not None and send[1].numel():
             send = (send[0], send[1].to(self.comm_dev), send[2])
-        recv_buf = recv[1] if recv is not None and recv[1].numel() else None
-        works, keep = self._batch(phase, [(distance, send, recv)])
-        return Transfer(works, keep, recv_buf, self.device)
+        home = recv[1] if recv is not None and recv[1].numel() else None
+        return self._batch(phase, [(distance, send, recv)], home)
 
-    def _batch(self, phase: str, transfers) -> tuple[list, list]:
+    def _batch(self, phase: str, transfers, home: torch.Tensor | None) -> Transfer:
         """Post the ``(distance, send, recv)`` transfers as one batch, an event
-        each; the works and the buffers to keep alive."""
+        each; ``home``: the buffer the transfer's ``wait()`` returns."""
         ops, keep = [], []
-
-        def nbytes(t: torch.Tensor | None) -> int:
-            return 0 if t is None else t.numel() * t.element_size()
-
         for distance, send, recv in transfers:
             tag = 3 * distance + _PHASE_TAG[phase]
             to = frm = send_buf = recv_buf = None
@@ -340,23 +309,20 @@ class Exchanger:
                 frm, recv_buf, rows_in = recv
                 ops.append(dist.P2POp(dist.irecv, recv_buf, self.peers[frm], self.group, tag))
             keep += [send_buf, recv_buf]
-            emit(ExchangeEvent(phase, distance, to, frm, rows_out, rows_in, nbytes(send_buf),
-                               nbytes(recv_buf)))  # fmt: skip
+            sizes = [0 if t is None else t.numel() * t.element_size() for t in (send_buf, recv_buf)]
+            emit(ExchangeEvent(phase, distance, to, frm, rows_out, rows_in, *sizes))
         works = dist.batch_isend_irecv(ops) if ops else []
-        return works or [], keep
+        return Transfer(works or [], keep, home, self.device)
 
     def post_kv(self, phase: str, step, slot: int, ks, vs) -> Transfer:
         """Send this rank's K/V rows ``step.send_to`` needs; receive the
         sender's rows this rank needs."""
-        send_idx, _ = self.idx[step.distance]
         send = recv = None
         if step.send_to is not None:
-            buf = self._packed("send_kv", slot, step.send_rows)
-            self._pack(buf, ks, vs, send_idx)
-            send = (step.send_to, buf, step.send_rows)
+            send = (step.send_to, self._packed("send_kv", slot, step.send_rows), step.send_rows)
+            self._move(send[1], self.idx[step.distance][0], ks, vs, add=False)
         if step.recv_from is not None:
-            buf = self._packed("recv_kv", slot, step.recv_rows)
-            recv = (step.recv_from, buf, step.recv_rows)
+            recv = (step.recv_from, self._packed("recv_kv", slot, step.recv_rows), step.recv_rows)
         return self._post(phase, step.distance, send, recv)
 
     def unpack_kv(self, packed: torch.Tensor,
@@ -378,43 +344,16 @@ class Exchanger:
         ``None``: none received) and receive this rank's own from ``step.send_to``."""
         send = recv = None
         if step.recv_from is not None and dkp is not None:
-            buf = self._packed("send_grad", slot, step.recv_rows)
-            send = (step.recv_from, buf, step.recv_rows)
+            send = (step.recv_from, self._packed("send_grad", slot, step.recv_rows), step.recv_rows)
         if step.send_to is not None:
-            buf = self._packed("recv_grad", slot, step.send_rows)
-            recv = (step.send_to, buf, step.send_rows)
+            recv = (step.send_to, self._packed("recv_grad", slot, step.send_rows), step.send_rows)
         return self._post("backward_grad", step.distance, send, recv)
 
     def finish_grad(self, transfer: Transfer, step, dks, dvs) -> None:
         """Wait for this rank's returned dK/dV rows; add them into ``dks``/``dvs``."""
         packed = transfer.wait()
         if packed is not None:
-            self._add_home(packed, step, dks, dvs)
-
-    def _add_home(self, packed: torch.Tensor, step, dks, dvs) -> None:
-        """Add the returned dK/dV rows of ``step`` into ``dks``/``dvs``."""
-        send_idx, _ = self.idx[step.distance]
-        for j, ix, krows, vrows in self._chunks(packed, send_idx):
-            for rows, t in ((krows, dks[j]), (vrows, dvs[j])):
-                if ix.numel() == t.shape[1] * self.H:
-                    self._rows(t).add_(rows)
-                else:
-                    self._rows(t).index_add_(1, ix, rows)
-
-    def _far_transfers(self, out_buf, in_buf, back: bool) -> list:
-        """The far group's transfers for :meth:`_batch`: K/V out to ``send_to``
-        and in from ``recv_from``, or (``back``) dK/dV the other way."""
-        out_peer, out_rows, in_peer, in_rows = (
-            ("recv_from", "recv_rows", "send_to", "send_rows")
-            if back
-            else ("send_to", "send_rows", "recv_from", "recv_rows")
-        )
-        slices = zip(self.far_steps, self._far_slices(out_buf, out_rows),
-                     self._far_slices(in_buf, in_rows), strict=True)  # fmt: skip
-        return [(step.distance,
-                 None if o is None else (getattr(step, out_peer), o, getattr(step, out_rows)),
-                 None if i is None else (getattr(step, in_peer), i, getattr(step, in_rows)))
-                for step, o, i in slices]  # fmt: skip
+            self._move(packed, self.idx[step.distance][0], dks, dvs, add=True)
 
     def _far_slices(self, packed: torch.Tensor | None, attr: str) -> list[torch.Tensor | None]:
         """Per far step, its slice of the far group's ``packed`` buffer (``attr``:
@@ -426,22 +365,33 @@ class Exchanger:
             off += n
         return out
 
-    def post_far_kv(self, phase: str, ks, vs) -> Transfer | None:
-        """Post every far K/V transfer as one batch (``None``: no far step)."""
+    def _post_far(self, phase: str, kind: str, back: bool, ks=None, vs=None) -> Transfer | None:
+        """Post every far transfer as one batch (``None``: no far step): K/V
+        (``kind="kv"``, packed from ``ks``/``vs``) out to ``send_to`` and in from
+        ``recv_from``, or (``back``) dK/dV (``kind="grad"``) the other way."""
         if not self.far_steps:
             return None
-        sent = sum(s.send_rows for s in self.far_steps)
-        received = sum(s.recv_rows for s in self.far_steps)
-        send_buf = self._packed("far_send_kv", 0, sent) if sent else None
-        for step, out in zip(self.far_steps, self._far_slices(send_buf, "send_rows"), strict=True):
-            if out is not None:
-                self._pack(out, ks, vs, self.idx[step.distance][0])
-        if send_buf is not None:
-            send_buf = send_buf.to(self.comm_dev)
-        recv_buf = self._packed("far_recv_kv", 0, received) if received else None
-        transfers = self._far_transfers(send_buf, recv_buf, back=False)
-        works, keep = self._batch(phase, transfers)
-        return Transfer(works, keep, recv_buf, self.device)
+        (op, orows), (ip, irows) = ("send_to", "send_rows"), ("recv_from", "recv_rows")
+        if back:
+            (op, orows), (ip, irows) = (ip, irows), (op, orows)
+        n_out, n_in = (sum(getattr(s, a) for s in self.far_steps) for a in (orows, irows))
+        send = self._packed(f"far_send_{kind}", 0, n_out) if n_out else None
+        if ks is not None:
+            for step, o in zip(self.far_steps, self._far_slices(send, orows), strict=True):
+                if o is not None:
+                    self._move(o, self.idx[step.distance][0], ks, vs, add=False)
+        send = send.to(self.comm_dev) if send is not None else None
+        home = self._packed(f"far_recv_{kind}", 0, n_in) if n_in else None
+        slices = zip(self.far_steps, self._far_slices(send, orows), self._far_slices(home, irows),
+                     strict=True)  # fmt: skip
+        transfers = [(s.distance, None if o is None else (getattr(s, op), o, getattr(s, orows)),
+                      None if i is None else (getattr(s, ip), i, getattr(s, irows)))
+                     for s, o, i in slices]  # fmt: skip
+        return self._batch(phase, transfers, home)
+
+    def post_far_kv(self, phase: str, ks, vs) -> Transfer | None:
+        """Post every far K/V transfer as one batch (``None``: no far step)."""
+        return self._post_far(phase, "kv", False, ks, vs)
 
     def far_received(self, packed: torch.Tensor | None) -> list[tuple]:
         """``(step, packed rows)`` of every far step that received rows."""
@@ -454,33 +404,18 @@ class Exchanger:
         if not received:
             return []
         packed = self._packed("far_send_grad", 0, received).zero_()
-        out = []
-        for step, p in zip(self.far_steps, self._far_slices(packed, "recv_rows"), strict=True):
-            if p is not None:
-                dkp, dvp, _ = self._piece_views(p, step)
-                out.append((step, dkp, dvp))
-        return out
+        return [(step, *self._piece_views(p, step)[:2]) for step, p in self.far_received(packed)]
 
     def post_far_grad(self) -> Transfer | None:
         """Return the far steps' dK/dV and receive this rank's, as one batch."""
-        if not self.far_steps:
-            return None
-        sent = sum(s.send_rows for s in self.far_steps)
-        received = sum(s.recv_rows for s in self.far_steps)
-        back = self._packed("far_send_grad", 0, received) if received else None
-        if back is not None:
-            back = back.to(self.comm_dev)
-        home = self._packed("far_recv_grad", 0, sent) if sent else None
-        transfers = self._far_transfers(back, home, back=True)
-        works, keep = self._batch("backward_grad", transfers)
-        return Transfer(works, keep, home, self.device)
+        return self._post_far("backward_grad", "grad", True)
 
     def finish_far_grad(self, transfer: Transfer | None, dks, dvs) -> None:
         """Wait for the far group's returned dK/dV; add them into ``dks``/``dvs``."""
         packed = None if transfer is None else transfer.wait()
         for step, p in zip(self.far_steps, self._far_slices(packed, "send_rows"), strict=True):
             if p is not None:
-                self._add_home(p, step, dks, dvs)
+                self._move(p, self.idx[step.distance][0], dks, dvs, add=True)
 
 
 def _only(step, send: bool, recv: bool):

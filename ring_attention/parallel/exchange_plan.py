@@ -1,8 +1,6 @@
 """The ring's exchange plan (docs/design.md §4.1, §4.2): per ring distance,
-the K/V rows (flat indices ``row * kv_heads + g``) a rank sends and
-receives, from the ``exchange_rows`` operator, which both ends compute alike
-(no size exchange). Plans hold group-relative ranks and are cached in
-:data:`PLAN_CACHE`."""
+the K/V rows (flat indices ``row * kv_heads + g``) a rank sends and receives,
+which both ends compute alike; cached in :data:`PLAN_CACHE`."""
 
 from __future__ import annotations
 
@@ -23,11 +21,8 @@ __all__ = ["PLAN_CACHE", "ExchangePlan", "Step", "build_plan", "exchange_rows", 
            "reaches"]  # fmt: skip
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
-
-
 # reaches(): key chunks of _PROBE_ROWS rows, doubling up to _MAX_PROBE_ROWS.
-_PROBE_ROWS = 1 << 12
-_MAX_PROBE_ROWS = 1 << 20
+_PROBE_ROWS, _MAX_PROBE_ROWS = 1 << 12, 1 << 20
 
 
 def _check_plan_args(pattern: Pattern, seq_len: object, heads: object, kv_heads: object,
@@ -60,10 +55,8 @@ def exchange_rows(q_pieces: Sequence[Piece | tuple[int, int]], k_start: int, k_l
     ranges = [(int(p[0]), int(p[1])) for p in q_pieces if int(p[1]) > 0]
     if k_len <= 0 or not ranges:
         return _EMPTY
-    return reached_rows(
-        [r[0] for r in ranges], [r[1] for r in ranges], k_start, k_len, heads, kv_heads, pattern,
-        head_range,
-    )  # fmt: skip
+    return reached_rows([r[0] for r in ranges], [r[1] for r in ranges], k_start, k_len, heads,
+                        kv_heads, pattern, head_range)  # fmt: skip
 
 
 def reaches(q_piece: Piece | tuple[int, int], k_start: int, k_len: int, heads: int,
@@ -188,9 +181,7 @@ class ExchangePlan:
             return fwd
         return 2 * fwd + 2 * self.rows_sent * batch * head_dim * grad_itemsize
 
-    def indices_on(
-        self, device: torch.device
-    ) -> dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    def indices_on(self, device: torch.device) -> dict[int, tuple[list, list]]:
         """``distance -> (send_idx, recv_idx)`` on ``device`` (copied once, kept)."""
         key = str(device)
         with self._lock:
@@ -211,8 +202,7 @@ def build_plan(pattern: Pattern, seq_len: int, heads: int, kv_heads: int, world_
     a hybrid's ring over stretches of ``fold`` shards, holding query heads
     ``head_range``). Raises ``ValueError`` naming a bad argument."""
     pattern, seq_len, heads, kv_heads, p, rank, layout, fold, head_range = _check_plan_args(
-        pattern, seq_len, heads, kv_heads, world_size, rank, layout, fold, head_range
-    )
+        pattern, seq_len, heads, kv_heads, world_size, rank, layout, fold, head_range)  # fmt: skip
     # every head: one K/V head answers whether a block is reached at all
     probe_kv = 1 if head_range[1] == 0 else kv_heads
     all_pieces = tuple(tuple(layout_pieces(seq_len, p, r, layout, fold)) for r in range(p))
@@ -226,14 +216,12 @@ def build_plan(pattern: Pattern, seq_len: int, heads: int, kv_heads: int, world_
         return reaches(q_piece, k_piece.start, k_piece.length, heads, pattern, probe_kv,
                        head_range)  # fmt: skip
 
-    local_pairs = tuple(
-        (qi, ki) for qi, qp in enumerate(mine) for ki, kp in enumerate(mine) if reached(qp, kp)
-    )
+    local_pairs = tuple((qi, ki) for qi, qp in enumerate(mine) for ki, kp in enumerate(mine)
+                        if reached(qp, kp))  # fmt: skip
 
     steps = []
     for d in range(1, p):
-        to = (rank + d) % p
-        frm = (rank - d) % p
+        to, frm = (rank + d) % p, (rank - d) % p
         send_idx = tuple(rows(all_pieces[to], kp) for kp in mine)
         sender = all_pieces[frm]
         recv_idx = tuple(rows(mine, kp) for kp in sender)
@@ -259,9 +247,9 @@ def build_plan(pattern: Pattern, seq_len: int, heads: int, kv_heads: int, world_
 #: The module-level plan cache used by ``ring_dilated_attention``: at most 64
 #: plans and 512 MiB of row indices (``PLAN_CACHE.max_bytes``; a larger plan
 #: is used for its call and not kept).
-PLAN_CACHE: LRUCache[ExchangePlan] = LRUCache(
-    maxsize=64, name="exchange plans", max_bytes=512 * 2**20, size_of=lambda plan: plan.nbytes
-)
+PLAN_CACHE: LRUCache[ExchangePlan] = LRUCache(maxsize=64, name="exchange plans",
+                                              max_bytes=512 * 2**20,
+                                              size_of=lambda plan: plan.nbytes)  # fmt: skip
 
 
 def get_plan(pattern: Pattern, seq_len: int, heads: int, kv_heads: int, world_size: int, rank: int,
@@ -270,7 +258,6 @@ def get_plan(pattern: Pattern, seq_len: int, heads: int, kv_heads: int, world_si
              cache: LRUCache[ExchangePlan] | None = None) -> ExchangePlan:  # fmt: skip
     """The cached plan for this configuration (built on first use); raises
     as :func:`build_plan` does."""
-    key = _check_plan_args(
-        pattern, seq_len, heads, kv_heads, world_size, rank, layout, fold, head_range
-    )
+    key = _check_plan_args(pattern, seq_len, heads, kv_heads, world_size, rank, layout, fold,
+                           head_range)  # fmt: skip
     return (PLAN_CACHE if cache is None else cache).get(key, lambda: build_plan(*key))

@@ -1,14 +1,10 @@
 """Agreement between ranks before anything large moves (docs/design.md §6):
-fixed-size control messages (``WORDS`` int64 words: magic, call tag, error
-flag, payload), all-gathered in one small collective, so that ranks in
-different calls, ranks that disagree and a rank whose inputs failed make
-every rank raise instead of waiting. A grid has no group spanning it:
-:func:`grid_handshake` takes a round in the Ulysses group, then the ring."""
+fixed-size int64 control messages, all-gathered in one small collective, so
+that every rank raises instead of waiting; a grid agrees row, then ring."""
 
 from __future__ import annotations
 
 import struct
-import zlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -17,10 +13,10 @@ import torch.distributed as dist
 from ..core.dtypes import dtype_code, dtype_name
 from ..core.layout import LAYOUTS, Layout, layout_code, layout_digest, layout_shard_lengths
 from ..core.pattern import Pattern
-from .mesh import Topology, report_grid_error, resolve_topology
+from .mesh import Topology, digest_of, report_grid_error, resolve_topology
 
 __all__ = ["GENERATION", "RING_FIELDS", "WORDS", "all_gather_ints", "control_device",
-           "exchange_message", "failure", "gather_handshake", "grid_handshake", "peer_error",
+           "exchange_message", "failure", "gather_handshake", "grid_handshake",
            "reject", "reject_through", "ring_handshake", "ring_message", "topology_of"]  # fmt: skip
 
 #: The call name of a generation step over the sequence-parallel group.
@@ -71,22 +67,12 @@ def all_gather_ints(values: list[int], group: dist.ProcessGroup | None) -> list[
     return [t.cpu().tolist() for t in out]
 
 
-def peer_error(call: str, origin: int, reason: str, others: Sequence[int] = ()) -> ValueError:
-    """The ``ValueError`` of a rank whose peer's own checks failed, naming
-    the peer (global rank ``origin``) and its error; ``(origin, reason)``
-    rides along (``failed_rank``) to be passed on."""
-    more = f" (and rank(s) {list(others)})" if others else ""
-    error = ValueError(f"{call}: rank {origin} failed{more}: {reason}")
-    error.failed_rank = (origin, reason)  # type: ignore[attr-defined]
-    return error
-
-
 Reason = tuple[int, str]
 
 
 def failure(error: BaseException | Reason | None) -> Reason:
     """``(global rank, text)`` of a failure to report: this rank's own
-    error, or a :func:`peer_error` passed on (its origin kept)."""
+    error, or a peer's passed on (its ``failed_rank``: the origin kept)."""
     if isinstance(error, tuple):
         return error
     if getattr(error, "failed_rank", None) is not None:
@@ -103,7 +89,7 @@ def exchange_message(group: dist.ProcessGroup | None, call: str, payload: Sequen
     """One control round of ``call`` over ``group``: every rank's payload by
     index (``order``: the group rank of each). ``payload=None``: this rank
     failed (``error``) and gets ``None``. Raises ``ValueError`` on every rank for
-    ranks in different calls or, via :func:`peer_error`, a rank that failed."""
+    ranks in different calls or a rank that failed (naming it and its error)."""
     body = [-1] * (WORDS - 3) if payload is None else list(payload)
     if len(body) > WORDS - 3:  # would break the equal sizes the transport relies on
         raise RuntimeError(f"{call}: a control payload of {len(body)} words (at most {WORDS - 3})")
@@ -113,12 +99,10 @@ def exchange_message(group: dist.ProcessGroup | None, call: str, payload: Sequen
         rows = [rows[g] for g in order]
     calls = [r[1] if r[0] == _MAGIC else 0 for r in rows]
     if any(c != _CALLS[call] for c in calls):
-        where = ", ".join(
-            f"rank {i}: {_NAMES.get(c, 'not a ring_attention call')}" for i, c in enumerate(calls)
-        )
-        raise ValueError(
-            f"{call}: ranks are out of step (every rank must make the same call): {where}"
-        )
+        where = ", ".join(f"rank {i}: {_NAMES.get(c, 'not a ring_attention call')}"
+                          for i, c in enumerate(calls))  # fmt: skip
+        raise ValueError(f"{call}: ranks are out of step (every rank must make the same call): "
+                         f"{where}")  # fmt: skip
     reasons: list = []
     if any(r[2] for r in rows):  # every rank sees the flags: every rank takes part
         reasons = [None] * len(rows)
@@ -130,7 +114,10 @@ def exchange_message(group: dist.ProcessGroup | None, call: str, payload: Sequen
         seen = sorted({tuple(r) for r in reasons if r is not None})
         origin, reason = seen[0]
         others = sorted({o for o, _ in seen[1:]} - {origin})
-        raise peer_error(call.split(" (")[0], origin, reason, others)
+        more = f" (and rank(s) {others})" if others else ""
+        error = ValueError(f"{call.split(' (')[0]}: rank {origin} failed{more}: {reason}")
+        error.failed_rank = (origin, reason)  # type: ignore[attr-defined]  # (see failure)
+        raise error
     return [r[3:] for r in rows]
 
 
@@ -138,17 +125,9 @@ def reject(group: dist.ProcessGroup | None, call: str = "ring_dilated_attention"
            error: BaseException | Reason | None = None,
            order: Sequence[int] | None = None) -> None:  # fmt: skip
     """Take part in ``call``'s handshake as a rank whose inputs failed
-    validation (``error``): the other ranks raise :func:`peer_error`
-    naming this rank and the error; the caller raises its own error."""
+    validation (``error``): the other ranks raise naming this rank and the
+    error; the caller raises its own error."""
     exchange_message(group, call, None, error, order)
-
-
-def _scale_bits(scale: float) -> int:
-    return struct.unpack("<q", struct.pack("<d", float(scale)))[0]
-
-
-def _bits_scale(bits: int) -> float:
-    return struct.unpack("<d", struct.pack("<q", int(bits)))[0]
 
 
 def ring_message(q: torch.Tensor, kv_heads: int, pattern: Pattern, *, scale: float, layout: Layout,
@@ -156,7 +135,8 @@ def ring_message(q: torch.Tensor, kv_heads: int, pattern: Pattern, *, scale: flo
     """This rank's ring handshake payload in ``RING_FIELDS``' order (``q``:
     the validated local query; ``far_bytes``: its ``RING_ATTENTION_FAR_BYTES``)."""
     B, L, H, D = q.shape
-    return [L, B, H, kv_heads, D, dtype_code(q.dtype), pattern.digest(), _scale_bits(scale),
+    return [L, B, H, kv_heads, D, dtype_code(q.dtype), pattern.digest(),
+            struct.unpack("<q", struct.pack("<d", float(scale)))[0],
             layout_code(layout), int(needs_grad), int(far_bytes)]  # fmt: skip
 
 
@@ -182,11 +162,8 @@ def ring_handshake(group: dist.ProcessGroup | None, world: int, message: list[in
             gathered = [gathered[g] for g in order]
         detail = "; ".join(f"rank {r}: {d}" for r, (d, _) in enumerate(gathered))
         raise ValueError(prefix + f"the pattern: {detail}" + _documents_detail(gathered))
-    if len(set(table["dtype"])) > 1:
-        raise ValueError(
-            prefix + f"the dtype: {[dtype_name(c) for c in table['dtype']]} (rank order)"
-        )
     for name, what in (
+        ("dtype", "the dtype"),
         ("heads", "the number of heads (q.shape[2])"),
         ("kv_heads", "the number of K/V heads (k.shape[2])"),
         ("head_dim", "head_dim (q.shape[3])"),
@@ -194,26 +171,27 @@ def ring_handshake(group: dist.ProcessGroup | None, world: int, message: list[in
         ("layout", "layout"),
         ("requires_grad", "whether a gradient is needed (every rank must run the backward)"),
         ("far_bytes", "RING_ATTENTION_FAR_BYTES (the far group's threshold in bytes)"),
+        ("scale", "scale"),
     ):
-        vals = table[name]
-        if len(set(vals)) > 1:
-            if name == "requires_grad":
-                vals = [bool(x) for x in vals]
-            if name == "layout":
-                vals = [LAYOUTS[x] if 0 <= x < len(LAYOUTS) else x for x in vals]
-            raise ValueError(prefix + f"{what}: {vals} (rank order)")
-    if len(set(table["scale"])) > 1:
-        raise ValueError(prefix + f"scale: {[_bits_scale(b) for b in table['scale']]} (rank order)")
+        if len(set(table[name])) > 1:
+            raise ValueError(prefix + f"{what}: {_named(name, table[name])} (rank order)")
     lengths = table["seq_len_local"]
     n = sum(lengths)
     expected = layout_shard_lengths(n, world, layout, fold)
     if lengths != expected:
-        raise ValueError(
-            f"ring_dilated_attention: the local sequence lengths {lengths} (rank order, global "
-            f"length {n}) do not follow the layout={layout!r} sharding convention, which expects "
-            f"{expected} ({_convention(layout)}); shard inputs with ring_attention.shard_sequence"
-        )
+        raise ValueError(f"ring_dilated_attention: the local sequence lengths {lengths} (rank "
+                         f"order, global length {n}) do not follow the layout={layout!r} sharding "
+                         f"convention, which expects {expected} ({_convention(layout)}); shard "
+                         "inputs with ring_attention.shard_sequence")  # fmt: skip
     return n
+
+
+def _named(name: str, vals: list[int]) -> list:
+    """The values ``vals`` of field ``name`` as an error message shows them."""
+    to = {"layout": lambda x: LAYOUTS[x] if 0 <= x < len(LAYOUTS) else x, "dtype": dtype_name,
+          "scale": lambda x: struct.unpack("<d", struct.pack("<q", int(x)))[0],
+          "requires_grad": bool}.get(name)  # fmt: skip
+    return vals if to is None else [to(x) for x in vals]
 
 
 def _convention(layout: Layout) -> str:
@@ -236,10 +214,9 @@ def _documents_detail(gathered: list[tuple[str, tuple[int, ...] | None]]) -> str
     parts = []
     for r, d in enumerate(docs):
         more = "" if hi >= len(d) else ", ..."
-        parts.append(
-            f"rank {r}: cu_seqlens[{lo}:] = [{'..., ' if lo else ''}"
-            f"{', '.join(map(str, d[lo:hi]))}{more}] ({len(d) - 1} documents)"
-        )
+        parts.append(f"rank {r}: cu_seqlens[{lo}:] = [{'..., ' if lo else ''}"
+                     f"{', '.join(map(str, d[lo:hi]))}{more}] ({len(d) - 1} "
+                     "documents)")  # fmt: skip
     return f". The document boundaries differ first at cu_seqlens[{at}]: " + "; ".join(parts)
 
 
@@ -248,10 +225,8 @@ def gather_handshake(group: dist.ProcessGroup | None, world: int, x_local: torch
     """Check that every rank gathers pieces of one tensor along ``dim``; the
     local lengths along ``dim`` (by index: ``order`` as for :func:`reject`)."""
     if x_local.dim() > _GATHER_DIMS:
-        error = ValueError(
-            f"gather_sequence supports tensors of at most {_GATHER_DIMS} dimensions, got "
-            f"{x_local.dim()}"
-        )
+        error = ValueError(f"gather_sequence supports tensors of at most {_GATHER_DIMS} "
+                           f"dimensions, got {x_local.dim()}")  # fmt: skip
         reject(group, "gather_sequence", error, order)
         raise error
     shape = list(x_local.shape) + [-1] * (_GATHER_DIMS - x_local.dim())
@@ -263,17 +238,13 @@ def gather_handshake(group: dist.ProcessGroup | None, world: int, x_local: torch
     prefix = "gather_sequence: ranks disagree on "
     for name in ("ndim", "dim", "layout"):
         if len(set(table[name])) > 1:
-            vals = table[name]
-            if name == "layout":
-                vals = [LAYOUTS[x] if 0 <= x < len(LAYOUTS) else x for x in vals]
-            raise ValueError(prefix + f"{name}: {vals} (rank order)")
+            raise ValueError(prefix + f"{name}: {_named(name, table[name])} (rank order)")
     if len(set(table["layout_digest"])) > 1:
-        raise ValueError(
-            prefix + "the pattern of layout='balanced' (segment_lengths, dilation_rates, "
-            "causal, window, cu_seqlens): each rank's cuts would differ"
-        )
+        raise ValueError(prefix + "the pattern of layout='balanced' (segment_lengths, "
+                         "dilation_rates, causal, window, cu_seqlens): each rank's cuts would "
+                         "differ")  # fmt: skip
     if len(set(table["dtype"])) > 1:
-        raise ValueError(prefix + f"the dtype: {[dtype_name(c) for c in table['dtype']]}")
+        raise ValueError(prefix + f"the dtype: {_named('dtype', table['dtype'])}")
     shapes = [r[4 : 4 + x_local.dim()] for r in rows]
     if len({tuple(s[:dim] + s[dim + 1 :]) for s in shapes}) > 1:
         raise ValueError(prefix + f"the shape outside dim {dim}: {shapes}")
@@ -281,19 +252,14 @@ def gather_handshake(group: dist.ProcessGroup | None, world: int, x_local: torch
     n = sum(lengths)
     expected = layout_shard_lengths(n, world, layout)
     if lengths != expected:
-        raise ValueError(
-            f"gather_sequence: local lengths along dim {dim} are {lengths} (global length "
-            f"{n}), but layout={layout!r} expects {expected} ({_convention(layout)})"
-        )
+        raise ValueError(f"gather_sequence: local lengths along dim {dim} are {lengths} (global "
+                         f"length {n}), but layout={layout!r} expects {expected} "
+                         f"({_convention(layout)})")  # fmt: skip
     return lengths
 
 
-_GRID_FIELDS = ("ring_index", "ring_size", "grid")
-
-
 def _digest(values: Sequence[int]) -> int:
-    text = repr([int(v) for v in values]).encode()
-    return (zlib.crc32(text) << 30) ^ zlib.adler32(text)
+    return digest_of(repr([int(v) for v in values]))
 
 
 def grid_handshake(topo, call: str, fields: Sequence[str], message: Sequence[int] | None,
@@ -316,17 +282,14 @@ def grid_handshake(topo, call: str, fields: Sequence[str], message: Sequence[int
     try:
         rows = exchange_message(topo.ulysses_group, row_call, payload, error, topo.ulysses_order)
         if rows is not None:
-            names = (*fields, *_GRID_FIELDS)
+            names = (*fields, "ring_index", "ring_size", "grid")
             table = {f: [r[k] for r in rows] for k, f in enumerate(names)}
             for f in names[1:]:
                 vals = table[f]
                 if len(set(vals)) > 1:
-                    text = explain(f, vals) if explain is not None else None
-                    raise ValueError(
-                        text
-                        or f"{call}: the ranks of a Ulysses group disagree on {f}: {vals} "
-                        "(Ulysses-index order)"
-                    )
+                    raise ValueError((explain(f, vals) if explain is not None else None)
+                                     or f"{call}: the ranks of a Ulysses group disagree on {f}: "
+                                     f"{vals} (Ulysses-index order)")  # fmt: skip
             row_lengths = table[fields[0]]
             args_digest = _digest(payload[1 : len(fields)])
     except ValueError as exc:
@@ -357,12 +320,11 @@ def grid_handshake(topo, call: str, fields: Sequence[str], message: Sequence[int
 
 
 def _lengths_error(call: str, i: int, got: list[int], want: list[int], n: int, layout: str) -> str:
-    return (
-        f"{call}: the local sequence lengths of the ranks with ring index {i} are {got} "
-        f"(Ulysses-index order, global length {n}), but layout={layout!r} over the grid expects "
-        f"{want}: shard i * U + j of the layout over R * U ranks; shard inputs with "
-        "ring_attention.shard_sequence(..., group=..., ulysses_group=...) or mesh="
-    )
+    return (f"{call}: the local sequence lengths of the ranks with ring index {i} are {got} "
+            f"(Ulysses-index order, global length {n}), but layout={layout!r} over the grid "
+            f"expects {want}: shard i * U + j of the layout over R * U ranks; shard inputs with "
+            "ring_attention.shard_sequence(..., group=..., ulysses_group=...) or "
+            "mesh=")  # fmt: skip
 
 
 def _check_columns(call: str, topo, cols: list[list[int]], row_lengths: list[int], layout: str,
@@ -388,13 +350,11 @@ def _check_columns(call: str, topo, cols: list[list[int]], row_lengths: list[int
     for i, c in enumerate(cols):
         want = expected[i * U : (i + 1) * U]
         if c[1] != _digest(want):
-            got = row_lengths if i == topo.ring_index else "(see that rank's error)"
-            raise ValueError(
-                _lengths_error(call, i, got, want, n, layout)
-                if isinstance(got, list)
-                else f"{call}: the local sequence lengths of the ranks with ring index {i} do "
-                f"not follow layout={layout!r} over the grid (global length {n}: expected {want})"
-            )
+            if i == topo.ring_index:
+                raise ValueError(_lengths_error(call, i, row_lengths, want, n, layout))
+            raise ValueError(f"{call}: the local sequence lengths of the ranks with ring index {i} "
+                             f"do not follow layout={layout!r} over the grid (global length {n}: "
+                             f"expected {want})")  # fmt: skip
 
 
 def reject_through(topo, call: str, error: BaseException) -> None:

@@ -1,9 +1,6 @@
-"""Which ranks attend together (docs/design.md §2, §6): this process's place
-in a group (:func:`world_info`), the grid of a call from its groups or a
-``DeviceMesh`` (:class:`Topology`, rank ``(i, j)`` holding shard ``i * U +
-j``), and :func:`check_grid`, once per configuration, through the default
-group's store (a collective on groups that differ between ranks would wait
-forever)."""
+"""Which ranks attend together (docs/design.md §2, §6): :func:`world_info`,
+the grid of a call (:class:`Topology`, rank ``(i, j)`` holding shard ``i * U +
+j``) and :func:`check_grid`, once per configuration, through the store."""
 
 from __future__ import annotations
 
@@ -19,8 +16,8 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-__all__ = ["Topology", "check_grid", "check_ring", "report_grid_error", "resolve_topology",
-           "ring_topology", "world_info"]  # fmt: skip
+__all__ = ["Topology", "check_grid", "check_ring", "digest_of", "report_grid_error",
+           "resolve_topology", "world_info"]  # fmt: skip
 
 _DIM_NAMES = ("ring", "ulysses")
 
@@ -31,22 +28,19 @@ def world_info(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
     processes: ``RuntimeError``)."""
     if not dist.is_available() or not dist.is_initialized():
         if group is not None:
-            raise ValueError(
-                "group was given but torch.distributed is not initialised; "
-                "call torch.distributed.init_process_group first (or pass group=None)"
-            )
+            raise ValueError("group was given but torch.distributed is not initialised; call "
+                             "torch.distributed.init_process_group first (or pass "
+                             "group=None)")  # fmt: skip
         try:
             launched = int(os.environ.get("WORLD_SIZE", "1"))
         except ValueError:
             launched = 1
         if launched > 1:
-            raise RuntimeError(
-                f"WORLD_SIZE={launched} is set (a launcher such as torchrun started "
-                f"{launched} processes) but torch.distributed is not initialised, so each "
-                "process would compute the whole sequence alone: call "
-                "torch.distributed.init_process_group first (or unset WORLD_SIZE to run "
-                "one process)"
-            )
+            raise RuntimeError(f"WORLD_SIZE={launched} is set (a launcher such as torchrun started "
+                               f"{launched} processes) but torch.distributed is not initialised, "
+                               "so each process would compute the whole sequence alone: call "
+                               "torch.distributed.init_process_group first (or unset WORLD_SIZE "
+                               "to run one process)")  # fmt: skip
         return 1, 0
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
@@ -96,8 +90,12 @@ class Topology:
         """A 62-bit digest of the group ``along`` (``"ring"`` or ``"ulysses"``)
         and the mesh: equal on every rank of that group in a consistent grid."""
         v = self.view()
-        text = json.dumps([v[along], v["mesh"]]).encode()
-        return (zlib.crc32(text) << 30) ^ zlib.adler32(text)
+        return digest_of(json.dumps([v[along], v["mesh"]]))
+
+
+def digest_of(text: str) -> int:
+    """A 62-bit digest of ``text`` (equal texts, equal digests on every rank)."""
+    return (zlib.crc32(text.encode()) << 30) ^ zlib.adler32(text.encode())
 
 
 def _group_name(group: dist.ProcessGroup | None) -> str | None:
@@ -119,9 +117,8 @@ def _order(group: dist.ProcessGroup | None, ranks: tuple[int, ...]) -> tuple[int
 
 def _check_group(group, name: str) -> None:
     if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise ValueError(
-            f"{name} must be a torch.distributed ProcessGroup or None, got {type(group).__name__}"
-        )
+        raise ValueError(f"{name} must be a torch.distributed ProcessGroup or None, got "
+                         f"{type(group).__name__}")  # fmt: skip
 
 
 def _from_mesh(mesh) -> tuple:
@@ -131,9 +128,8 @@ def _from_mesh(mesh) -> tuple:
     from torch.distributed.device_mesh import DeviceMesh
 
     if not isinstance(mesh, DeviceMesh):
-        raise ValueError(
-            f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}"
-        )
+        raise ValueError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got "
+                         f"{type(mesh).__name__}")  # fmt: skip
     coord = mesh.get_coordinate()
     if coord is None:
         raise ValueError("mesh: this process is not a member of the mesh")
@@ -149,15 +145,12 @@ def _from_mesh(mesh) -> tuple:
                 tuple(ranks.select(u, j).tolist()), tuple(ranks.select(r, i).tolist()),
                 key)  # fmt: skip
     if mesh.ndim == 2:
-        raise ValueError(
-            f"a 2-D mesh needs mesh_dim_names=('ring', 'ulysses') (the ring between the ranks "
-            f"that hold the same heads, the Ulysses groups along the other dimension), got "
-            f"{names or None}"
-        )
-    raise ValueError(
-        f"mesh must be 1-D (a ring) or 2-D with mesh_dim_names=('ring', 'ulysses'), got "
-        f"{mesh.ndim} dimensions {names or ''}; slice it, e.g. mesh['ring', 'ulysses']"
-    )
+        raise ValueError(f"a 2-D mesh needs mesh_dim_names=('ring', 'ulysses') (the ring between "
+                         "the ranks that hold the same heads, the Ulysses groups along the other "
+                         f"dimension), got {names or None}")  # fmt: skip
+    raise ValueError(f"mesh must be 1-D (a ring) or 2-D with mesh_dim_names=('ring', 'ulysses'), "
+                     f"got {mesh.ndim} dimensions {names or ''}; slice it, e.g. "
+                     "mesh['ring', 'ulysses']")  # fmt: skip
 
 
 def resolve_topology(group: dist.ProcessGroup | None = None,
@@ -168,9 +161,8 @@ def resolve_topology(group: dist.ProcessGroup | None = None,
     nor 2-D ``("ring", "ulysses")``, a non-group, or a group without this rank."""
     if mesh is not None:
         if group is not None or ulysses_group is not None:
-            raise ValueError(
-                "mesh replaces group and ulysses_group: pass either mesh= or the groups, not both"
-            )
+            raise ValueError("mesh replaces group and ulysses_group: pass either mesh= or the "
+                             "groups, not both")  # fmt: skip
         group, ulysses_group, i, j, ring_ranks, ulysses_ranks, key = _from_mesh(mesh)
         R, U = len(ring_ranks), len(ulysses_ranks or (0,))
     else:
@@ -195,22 +187,6 @@ def resolve_topology(group: dist.ProcessGroup | None = None,
                     mode="grid" if U > 1 else "ring")  # fmt: skip
 
 
-def ring_topology(group: dist.ProcessGroup | None,
-                  ranks: tuple[int, ...] | None = None) -> Topology:  # fmt: skip
-    """The topology of a ring call over ``group`` (``None``: the default
-    group) of two or more ranks; ``ranks``: its global ranks by ring index
-    (default: group-rank order)."""
-    g = group if group is not None else dist.distributed_c10d._get_default_group()
-    R, _ = world_info(group)
-    ranks = tuple(ranks) if ranks is not None else _group_ranks(g, R)
-    me = dist.get_rank()
-    return Topology(
-        ring_group=g, ulysses_group=None, ring_size=R, ulysses_size=1,
-        ring_index=ranks.index(me), ulysses_index=0, ring_ranks=ranks, ulysses_ranks=(me,),
-        ring_order=_order(g, ranks), mode="ring",
-    )  # fmt: skip
-
-
 # The one-time agreement check through the store (docs/design.md §6). Rank r
 # writes its view under ``ring_attention/grid/<r>/<round>/view``, then what it
 # found (``.../found``), then the outcome (``.../done``); a reader keeps, per
@@ -222,31 +198,6 @@ _PREFIX = "ring_attention/grid"
 _lock = threading.Lock()
 
 
-@dataclass(frozen=True)
-class _Checked:
-    """A configuration that passed the check (its groups held weakly: the
-    cache must not keep a group alive after ``destroy_process_group``, as a
-    live gloo group can abort the process at exit)."""
-
-    ring: weakref.ref | None
-    ulysses: weakref.ref | None
-    fields: dict
-
-    @classmethod
-    def of(cls, topo: Topology) -> _Checked:
-        rest = {f.name: getattr(topo, f.name) for f in dataclasses.fields(topo)
-                if f.name not in ("ring_group", "ulysses_group")}  # fmt: skip
-        return cls(_ref(topo.ring_group), _ref(topo.ulysses_group), rest)
-
-    def topology(self) -> Topology | None:
-        """The configuration again, or ``None`` if a group no longer exists."""
-        groups = [None if r is None else r() for r in (self.ring, self.ulysses)]
-        if any(r is not None and g is None for r, g in zip((self.ring, self.ulysses), groups,
-                                                            strict=True)):  # fmt: skip
-            return None
-        return Topology(ring_group=groups[0], ulysses_group=groups[1], **self.fields)
-
-
 @dataclass
 class _State:
     """The check's state in this process, for one default process group."""
@@ -254,7 +205,9 @@ class _State:
     rounds: int = 0  # rounds this process has run
     calls: int = 0  # calls with peers this process has made (checked before or not)
     next_round: dict[int, int] = field(default_factory=dict)  # peer -> its next unread round
-    checked: OrderedDict = field(default_factory=OrderedDict)  # key -> _Checked, last used last
+    # _key -> the other fields of a topology that passed, last used last (its groups are
+    # the key's weak references: a live gloo group can abort the process at exit)
+    checked: OrderedDict = field(default_factory=OrderedDict)
     rings: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
 
 
@@ -287,42 +240,29 @@ def _problems(topo: Topology, me: int, views: dict[int, dict]) -> list[str]:
     out = []
     for rank, v in views.items():
         if v["mode"] != mine["mode"]:
-            out.append(
-                f"rank {rank} is in {_MODES[v['mode']]}, rank {me} in {_MODES[mine['mode']]} "
-                "(a rank in another call: every rank must make the same call)"
-            )
+            out.append(f"rank {rank} is in {_MODES[v['mode']]}, rank {me} in "
+                       f"{_MODES[mine['mode']]} (a rank in another call: every rank must make the "
+                       "same call)")  # fmt: skip
             continue
         if v["mesh"] != mine["mesh"]:
             out.append(f"rank {rank} passed mesh {v['mesh']}, rank {me} {mine['mesh']}")
-        if rank in topo.ulysses_ranks:
-            if v["ulysses"] != mine["ulysses"] or v["i"] != topo.ring_index:
-                out.append(
-                    f"rank {rank} is in the Ulysses group {mine['ulysses'][1]} of rank {me} "
-                    f"(ring index {topo.ring_index}) but passed Ulysses group {v['ulysses'][1]} "
-                    f"and has ring index {v['i']}"
-                )
-            if len(v["ring"][1]) != topo.ring_size:
-                out.append(f"rank {rank} passed a ring of {len(v['ring'][1])} ranks, rank {me} one "
-                           f"of {topo.ring_size}")  # fmt: skip
-        if rank in topo.ring_ranks:
-            if v["ring"] != mine["ring"] or v["j"] != topo.ulysses_index:
-                out.append(
-                    f"rank {rank} is in the ring {mine['ring'][1]} of rank {me} (Ulysses "
-                    f"index {topo.ulysses_index}) but passed ring {v['ring'][1]} and has Ulysses "
-                    f"index {v['j']}"
-                )
-            if len(v["ulysses"][1]) != topo.ulysses_size:
-                out.append(f"rank {rank} passed a Ulysses group of {len(v['ulysses'][1])} ranks, "
-                           f"rank {me} one of {topo.ulysses_size}")  # fmt: skip
+        for group, index, other, name, at, of in (
+                ("ulysses", "i", "ring", "Ulysses group", "ring index", "a ring"),
+                ("ring", "j", "ulysses", "ring", "Ulysses index", "a Ulysses group")):  # fmt: skip
+            if rank not in (topo.ulysses_ranks if group == "ulysses" else topo.ring_ranks):
+                continue
+            if v[group] != mine[group] or v[index] != mine[index]:
+                out.append(f"rank {rank} is in the {name} {mine[group][1]} of rank {me} ({at} "
+                           f"{mine[index]}) but passed {name} {v[group][1]} and has {at} "
+                           f"{v[index]}")  # fmt: skip
+            if len(v[other][1]) != len(mine[other][1]):
+                out.append(f"rank {rank} passed {of} of {len(v[other][1])} ranks, rank {me} one "
+                           f"of {len(mine[other][1])}")  # fmt: skip
     return out
 
 
-def _timeout(store) -> datetime.timedelta:
-    return getattr(store, "timeout", datetime.timedelta(seconds=300))
-
-
 def _read(store, keys: list[str], ranks: list[int]) -> list[str]:
-    timeout = _timeout(store)
+    timeout = getattr(store, "timeout", datetime.timedelta(seconds=300))
     try:
         store.wait(keys, timeout)
     except Exception as exc:  # a peer never came: name it
@@ -357,13 +297,19 @@ def _next_view(store, st: _State, peer: int, me: int, call: int) -> tuple[int, d
     return j, view
 
 
-def _round(st: _State, topo: Topology, me: int, peers: list[int], call: int) -> str:
-    """One check; the error every rank raises ("" when the grid agrees)."""
+def _open_round(st: _State, me: int, view: dict) -> tuple:
+    """A new round of this rank: its view written; the store and the round's key."""
     store = dist.distributed_c10d._get_default_store()
     with _lock:
         mine = f"{_PREFIX}/{me}/{st.rounds}"
         st.rounds += 1
-    store.set(f"{mine}/view", json.dumps({**topo.view(), "peers": peers, "call": call}))
+    store.set(f"{mine}/view", json.dumps(view))
+    return store, mine
+
+
+def _round(st: _State, topo: Topology, me: int, peers: list[int], call: int) -> str:
+    """One check; the error every rank raises ("" when the grid agrees)."""
+    store, mine = _open_round(st, me, {**topo.view(), "peers": peers, "call": call})
     views, at, text = {}, {}, ""
     for p in peers:
         at[p], views[p] = _next_view(store, st, p, me, call)
@@ -404,7 +350,8 @@ def check_grid(topo: Topology) -> None:
     if text:
         raise ValueError(text)
     with _lock:
-        st.checked[key] = _Checked.of(topo)
+        st.checked[key] = {f.name: getattr(topo, f.name) for f in dataclasses.fields(topo)
+                           if f.name not in ("ring_group", "ulysses_group")}  # fmt: skip
 
 
 def check_ring(group: dist.ProcessGroup | None) -> None:
@@ -419,7 +366,11 @@ def check_ring(group: dist.ProcessGroup | None) -> None:
             st.calls += 1
             st.checked.move_to_end(key)
             return
-    topo = ring_topology(group)
+    R, _ = world_info(group)
+    ranks, me = _group_ranks(g, R), dist.get_rank()
+    topo = Topology(ring_group=g, ulysses_group=None, ring_size=R, ulysses_size=1,
+                    ring_index=ranks.index(me), ulysses_index=0, ring_ranks=ranks,
+                    ulysses_ranks=(me,), ring_order=_order(g, ranks), mode="ring")  # fmt: skip
     check_grid(topo)
     with _lock:
         st.rings[g] = _key(topo)
@@ -446,10 +397,14 @@ def report_grid_error(group, ulysses_group, mesh, error: BaseException,
     st = _state()
     with _lock:
         st.calls += 1
-        entries = list(reversed(st.checked.values()))
-    for e in entries:
-        t = e.topology()
-        if t is None or (mode is not None and want is None and t.mode != mode):
+        entries = list(reversed(st.checked.items()))
+    for key, fields in entries:
+        refs = key[:2]  # (_key: the groups' weak references first)
+        groups = [None if r is None else r() for r in refs]
+        if any(r is not None and g is None for r, g in zip(refs, groups, strict=True)):
+            continue  # a group no longer exists
+        t = Topology(ring_group=groups[0], ulysses_group=groups[1], **fields)
+        if mode is not None and want is None and t.mode != mode:
             continue
         if mesh is not None:
             fits = want is None or _key(t) == want
@@ -467,12 +422,7 @@ def report_grid_error(group, ulysses_group, mesh, error: BaseException,
 
 def _fail_round(st: _State, me: int, reason: str) -> None:
     """A round of a rank that cannot know its peers: a failure record."""
-    store = dist.distributed_c10d._get_default_store()
-    with _lock:
-        mine = f"{_PREFIX}/{me}/{st.rounds}"
-        st.rounds += 1
-        call = st.calls
-    store.set(f"{mine}/view", json.dumps({"error": reason, "peers": None, "call": call}))
+    store, mine = _open_round(st, me, {"error": reason, "peers": None, "call": st.calls})
     text = f"ring_attention: rank {me} failed: {reason}"
     store.set(f"{mine}/found", text)
     store.set(f"{mine}/done", text)

@@ -1,10 +1,7 @@
-"""The ring (docs/design.md §4): two custom operators,
-``torch.ops.ring_attention.ring_forward`` / ``ring_backward`` (opaque to
-``torch.compile``; autograd :class:`ring_attention.local.ops.RingFunction`),
-taking the tensors and a :mod:`~ring_attention.parallel.ring_spec` key. The
-forward checks the call through the handshake (every rank raises for one
-rank's error), then runs the schedule along the cached exchange plan; the
-backward reuses the plan. Double backward raises ``RuntimeError``."""
+"""The ring (docs/design.md §4): the custom operators ``ring_forward`` /
+``ring_backward``, taking the tensors and a :mod:`ring_spec` key; the forward
+agrees through the handshake and runs the schedule along the cached exchange
+plan, which the backward reuses. Double backward raises ``RuntimeError``."""
 
 from __future__ import annotations
 
@@ -50,9 +47,8 @@ def ring_call(q_local: Tensor, k_local: Tensor, v_local: Tensor, spec: str,
     global document boundaries ``documents`` (a 1-D integer tensor, the same
     on every rank, or ``None``). Compiles with ``fullgraph=True``: the ring is
     one operator forward and one backward."""
-    needs_grad = torch.is_grad_enabled() and any(
-        getattr(t, "requires_grad", False) for t in (q_local, k_local, v_local)
-    )
+    needs_grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False)
+                                                 for t in (q_local, k_local, v_local))  # fmt: skip
     if isinstance(documents, Tensor) and documents.is_meta and not q_local.is_meta:
         # (a meta input would send the operator to its fake kernel: nothing checked)
         raise ValueError("cu_seqlens must hold values: got a tensor on the meta device")
@@ -81,29 +77,15 @@ def exchange_plan(seq_len: int, heads: int, segment_lengths: Sequence[int],
                     layout)  # fmt: skip
 
 
-def ring_on_pieces(q_local: Tensor, k_local: Tensor, v_local: Tensor,
-                   pattern: Pattern | Callable[[], Pattern], *, scale: float | None,
-                   group: dist.ProcessGroup | None, layout: str, return_lse: bool, fold: int = 1,
-                   ranks: tuple[int, ...] | None = None,
-                   head_range: tuple[int, int, int] = (0, 0, 0),
-                   sinks: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
-    """The ring over ``group``, each rank holding its pieces of ``layout``
-    (``fold > 1``: its Ulysses group's stretch). ``ranks``: the group's global
-    ranks by ring index from a grid call, which has checked its grid; ``None``:
-    a ring call of its own."""
-    build, args = _builder(pattern)
-    return _ring(q_local, k_local, v_local, build, args, cu_seqlens=None, scale=scale, group=group,
-                 layout=layout, return_lse=return_lse, fold=fold, ranks=ranks,
-                 head_range=head_range, sinks=sinks)  # fmt: skip
-
-
 def _ring(q_local: Tensor, k_local: Tensor, v_local: Tensor, build: Callable[..., Pattern],
           args: tuple, *, cu_seqlens: Sequence[int] | Tensor | None, scale: float | None,
           group: dist.ProcessGroup | None, layout: str, return_lse: bool, fold: int = 1,
           ranks: tuple[int, ...] | None = None, head_range: tuple[int, int, int] = (0, 0, 0),
           sinks: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
     """The ring call of ``sharded_attention``: the documents a tensor argument
-    (read once per batch), the rest the spec; ``sinks`` added after the ring."""
+    (read once per batch), the rest the spec; ``sinks`` added after the ring.
+    ``fold``, ``ranks``, ``head_range``: the ring of a grid (ulysses.py), which
+    has checked its grid (``ranks``: its global ranks by ring index)."""
     documents = cu_seqlens if isinstance(cu_seqlens, Tensor) else None
     spec = ring_call_spec(_ring_pattern, return_lse, None if documents is not None else cu_seqlens,
                           build, *args, scale=scale, group=group, layout=layout, fold=fold,
@@ -116,23 +98,10 @@ def _ring(q_local: Tensor, k_local: Tensor, v_local: Tensor, build: Callable[...
     return (out, lse) if bool(return_lse) else out
 
 
-def given_pattern(pattern: Pattern) -> Pattern:
-    """The builder of a pattern given built (:func:`sharded_attention`)."""
-    return pattern
-
-
-def _builder(pattern: Pattern | Callable[[], Pattern]) -> tuple[Callable[..., Pattern], tuple]:
-    """``pattern`` as a builder and its arguments."""
-    if callable(pattern) and not isinstance(pattern, Pattern):
-        return pattern, ()
-    return given_pattern, (pattern,)
-
-
 def _ring_pattern(return_lse: bool, documents: Sequence[int] | None, build: Callable[..., Pattern],
                   *args) -> Pattern:  # fmt: skip
     """The pattern of a ring call (:func:`pattern_of_call`); a bad
-    ``return_lse`` raises here, so that the operator reports it on every
-    rank."""
+    ``return_lse`` raises here, so that the operator reports it on every rank."""
     as_flag(return_lse, "return_lse")
     return pattern_of_call(documents, build, *args)
 
@@ -261,9 +230,7 @@ def schedule_backward(call: RingCall, grad_out: Tensor, grad_lse: Tensor | None,
         step = ex.step_for(d)
         packed = kv_pending.wait() if step is not None else None
         nxt = ex.step_for(d + 1)
-        kv_pending = (
-            ex.post_kv("backward_kv", nxt, (d + 1) % 2, ks, vs) if nxt is not None else None
-        )
+        kv_pending = ex.post_kv("backward_kv", nxt, (d + 1) % 2, ks, vs) if nxt else None
         g_now = None
         if step is not None:
             dkp = dvp = None
@@ -323,9 +290,8 @@ def _call_of(key: str, q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None
             if n is None:
                 if world > 1:
                     comm_device(group, q.device)  # raises for unsupported transports
-                message = ring_message(q, shape.kv_heads, pattern, scale=scale,
-                                       layout=layout, needs_grad=needs_grad,
-                                       far_bytes=far)  # fmt: skip
+                message = ring_message(q, shape.kv_heads, pattern, scale=scale, layout=layout,
+                                       needs_grad=needs_grad, far_bytes=far)  # fmt: skip
         except Exception as exc:  # every rank must hear of it: reported in the handshake
             error = exc
     if n is None:
@@ -381,9 +347,8 @@ def _ring_backward_op(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: T
     B, L, H, _ = q.shape
     for name, t, shape in (("grad_out", grad_out, q.shape), ("out", out, q.shape),
                            ("lse", lse, (B, H, L)), ("grad_lse", grad_lse, (B, H, L))):  # fmt: skip
-        if (t is not None or name != "grad_lse") and (
-            not isinstance(t, Tensor) or tuple(t.shape) != tuple(shape)
-        ):
+        wrong = not isinstance(t, Tensor) or tuple(t.shape) != tuple(shape)
+        if wrong and (t is not None or name != "grad_lse"):
             got = tuple(t.shape) if isinstance(t, Tensor) else t
             raise ValueError(f"{name} must have shape {tuple(shape)}, got {got!r}")
     return schedule_backward(call, grad_out, grad_lse, q, k, v, out, lse)

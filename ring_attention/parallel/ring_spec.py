@@ -1,8 +1,6 @@
 """A ring call's configuration, named by a string (docs/design.md §8): a
-custom operator takes only tensors, numbers and strings, so the rest of a
-call (pattern, scale, group, layout, or the error building them raised) is a
-:class:`RingSpec` registered under a key of its contents, which the
-operators take. Under ``torch.compile`` the key is a constant of the graph."""
+custom operator takes no Python object, so the rest of a call is a
+:class:`RingSpec` registered under a key of its contents."""
 
 from __future__ import annotations
 
@@ -20,7 +18,8 @@ import torch.distributed as dist
 from ..core.cache import register
 from ..core.pattern import Pattern
 
-__all__ = ["GroupError", "RingSpec", "get_spec", "pattern_of_call", "ring_call_spec"]
+__all__ = ["GroupError", "RingSpec", "get_spec", "given_pattern", "pattern_of_call",
+           "ring_call_spec"]  # fmt: skip
 
 
 class GroupError(ValueError):
@@ -39,7 +38,7 @@ class RingSpec:
     scale: float | None
     layout: str
     fold: int
-    _group: Callable[[], dist.ProcessGroup | None]
+    _group: weakref.ref | None  # None: the default group
     ranks: tuple[int, ...] | None = None  # global ranks by ring index (None: group order)
     # a hybrid ring's query heads: (head_start, total_heads, total_kv_heads); (0, 0, 0): all
     head_range: tuple[int, int, int] = (0, 0, 0)
@@ -49,20 +48,11 @@ class RingSpec:
     @property
     def group(self) -> dist.ProcessGroup | None:
         """The process group (``None``: the default group)."""
-        group = self._group()
-        if group is None and self._group is not _DEFAULT_GROUP:
-            raise RuntimeError(
-                "the process group of this ring_dilated_attention call no longer exists "
-                "(destroy_process_group released it)"
-            )
+        group = None if self._group is None else self._group()
+        if group is None and self._group is not None:
+            raise RuntimeError("the process group of this ring_dilated_attention call no longer "
+                               "exists (destroy_process_group released it)")  # fmt: skip
         return group
-
-
-def _default_group() -> None:
-    return None
-
-
-_DEFAULT_GROUP = _default_group
 
 
 class _Registry:
@@ -88,10 +78,9 @@ class _Registry:
         with self._lock:
             spec = self._pinned.get(key) or self._recent.get(key)
         if spec is None:
-            raise RuntimeError(
-                f"ring_attention: no ring call is registered under spec={key!r} (more than "
-                f"{self.maxsize} distinct calls since it was made?)"
-            )
+            raise RuntimeError(f"ring_attention: no ring call is registered under spec={key!r} "
+                               f"(more than {self.maxsize} distinct calls since it was "
+                               "made?)")  # fmt: skip
         return spec
 
     def info(self) -> dict[str, object]:
@@ -164,11 +153,11 @@ def _registered_spec(build: Callable[..., Pattern], *args: Any, scale: float | N
     # fake script object wrapping the real group
     group = getattr(group, "real_obj", group)
     if group is None:
-        ref, group_key = _DEFAULT_GROUP, "default"
+        ref, group_key = None, "default"
     elif isinstance(group, dist.ProcessGroup):
         ref, group_key = weakref.ref(group), group.group_name
     else:
-        ref, group_key = _DEFAULT_GROUP, "invalid"
+        ref, group_key = None, "invalid"
         pattern, error = None, GroupError(f"group must be a ProcessGroup or None, got {group!r}")
     what = repr(pattern) if error is None else f"{type(error).__name__}: {error}"
     key = f"{what} | scale={scale!r} | group={group_key} | layout={layout!r} | fold={fold}"
@@ -184,6 +173,11 @@ def _registered_spec(build: Callable[..., Pattern], *args: Any, scale: float | N
                     _group=ref, ranks=ranks, head_range=head_range, sinks=sinks)  # fmt: skip
     _REGISTRY.add(key, spec, pin=torch.compiler.is_compiling())
     return key
+
+
+def given_pattern(pattern: Pattern) -> Pattern:
+    """The builder of a pattern given built (:func:`ring_call_spec`'s ``build``)."""
+    return pattern
 
 
 def pattern_of_call(documents: Sequence[int] | torch.Tensor | None, build: Callable[..., Pattern],

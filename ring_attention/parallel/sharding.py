@@ -48,14 +48,6 @@ def _check_dim(x: torch.Tensor, dim: int, name: str) -> int:
     return dim % x.dim()
 
 
-def _grid(group, ulysses_group, mesh) -> tuple[int, int]:
-    """``(shards, this rank's shard)``."""
-    if ulysses_group is None and mesh is None:
-        return world_info(group)
-    topo = resolve_topology(group, ulysses_group, mesh)
-    return topo.world_size, topo.shard_index
-
-
 #: The pattern of ``segment_lengths=None``: dense attention.
 _DENSE = ((2**62,), (1,))
 
@@ -74,10 +66,8 @@ def _sharding_layout(layout: str, segment_lengths: Sequence[int] | None,
             ("causal", causal, False), ("window", window, None), ("cu_seqlens", cu_seqlens, None),
         ) if value is not default]  # fmt: skip
         if given:
-            raise ValueError(
-                f"{', '.join(given)}: the pattern places the cuts of layout='balanced' only, "
-                f"got it with layout={layout!r}"
-            )
+            raise ValueError(f"{', '.join(given)}: the pattern places the cuts of "
+                             f"layout='balanced' only, got it with layout={layout!r}")  # fmt: skip
         return layout
     if segment_lengths is None:
         if dilation_rates is not None:
@@ -93,20 +83,20 @@ def shard_sequence(x: torch.Tensor, dim: int = 1, group: dist.ProcessGroup | Non
                    dilation_rates: Sequence[int] | None = None, causal: bool = False,
                    window: tuple[int, int] | None = None,
                    cu_seqlens: Sequence[int] | Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """This rank's piece of the full tensor ``x`` along ``dim`` (docs/design.md
-    §3): ``torch.tensor_split(x, world_size, dim)[rank]`` for ``"contiguous"``
-    (a view), chunks ``rank`` and ``2 * world_size - 1 - rank`` of ``2 *
-    world_size`` for ``"zigzag"`` (a copy), the rank's run of the cuts that
-    balance the work of the keywords' pattern for ``"balanced"`` (a view; the
-    keywords serve it only, ``segment_lengths=None``: dense). ``group``,
-    ``ulysses_group``, ``mesh``: as for ``ring_dilated_attention``. Every rank
-    passes the same ``x``; nothing is communicated; differentiable. Raises
-    ``ValueError`` for a bad ``dim``, ``layout`` or pattern."""
+    """This rank's piece of the full tensor ``x`` along ``dim`` for ``layout``
+    (docs/parallel.md; a copy for ``"zigzag"``, else a view); the pattern
+    keywords serve ``"balanced"`` only (``segment_lengths=None``: dense).
+    ``group``, ``ulysses_group``, ``mesh``: as for ``ring_dilated_attention``.
+    Nothing is communicated; differentiable."""
     dim = _check_dim(x, dim, "x")
     layout = _sharding_layout(layout, segment_lengths, dilation_rates, causal, window, cu_seqlens)
     if not isinstance(layout, str):
         layout.pattern.check_length(x.shape[dim])
-    world, rank = _grid(group, ulysses_group, mesh)
+    if ulysses_group is None and mesh is None:
+        world, rank = world_info(group)
+    else:
+        topo = resolve_topology(group, ulysses_group, mesh)
+        world, rank = topo.world_size, topo.shard_index
     if world == 1:
         return x
     pieces = layout_pieces(x.shape[dim], world, rank, layout)
@@ -123,16 +113,18 @@ def _gather_varlen(x_local: torch.Tensor, dim: int, group: dist.ProcessGroup | N
     world, rank = world_info(group)
     if order is not None:
         rank = order.index(rank)
-    lengths = gather_handshake(group, world, x_local, dim, layout, order)
-    n = sum(lengths)
-    recv = _all_gather_padded(x_local, dim, lengths, group, order)
-    parts = sorted(
-        (p.start, r, p.offset, p.length)
-        for r in range(world) for p in layout_pieces(n, world, r, layout) if p.length
-    )  # fmt: skip
-    pieces = [recv[r].narrow(dim, off, ln) for _, r, off, ln in parts]
-    full = torch.cat(pieces, dim=dim) if pieces else x_local.narrow(dim, 0, 0)
+    n = sum(gather_handshake(group, world, x_local, dim, layout, order))
+    full = _gather_ring(x_local, dim, n, world, layout, 1, group, order)
     return full, layout_pieces(n, world, rank, layout)
+
+
+def _gather_ring(x: Tensor, dim: int, n: int, world: int, layout: Layout, fold: int, group,
+                 order: tuple[int, ...] | None) -> Tensor:  # fmt: skip
+    """Every ring member's piece (``fold > 1``: stretch) of the ``n`` positions,
+    all-gathered along ``dim`` and placed: the full tensor."""
+    recv = _all_gather_padded(x, dim, layout_shard_lengths(n, world, layout, fold), group, order)
+    pieces = Row(tuple(tuple(layout_pieces(n, world, r, layout, fold)) for r in range(world)))
+    return to_stretch(recv, pieces, dim)
 
 
 class _Gather(torch.autograd.Function):
@@ -144,7 +136,7 @@ class _Gather(torch.autograd.Function):
     def forward(ctx, x: Tensor, dim: int, gather: Callable) -> Tensor:  # type: ignore[override]
         full, ctx.pieces = gather(x)
         ctx.dim = dim
-        return full
+        return full.clone() if full._is_view() else full  # (a view could not be modified)
 
     @staticmethod
     def backward(ctx, grad: Tensor):  # type: ignore[override]
@@ -159,13 +151,9 @@ def gather_sequence(x_local: torch.Tensor, dim: int = 1, group: dist.ProcessGrou
                     window: tuple[int, int] | None = None,
                     cu_seqlens: Sequence[int] | Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """The full tensor from every rank's piece along ``dim`` (the inverse of
-    :func:`shard_sequence`, the same arguments).
-
-    Pieces of any lengths that follow ``layout`` are padded to the longest,
-    all-gathered and trimmed; ranks whose shapes, dtypes, lengths or balanced
-    patterns disagree raise ``ValueError`` on every rank. Differentiable: the
-    gradient of ``x_local`` is this rank's slice of the full gradient. CUDA
-    tensors on a gloo group travel through host memory."""
+    :func:`shard_sequence`, the same arguments); ranks that disagree raise
+    ``ValueError`` on every rank. Differentiable: the gradient of ``x_local`` is
+    this rank's slice of the full gradient."""
     dim = _check_dim(x_local, dim, "x_local")
     layout = _sharding_layout(layout, segment_lengths, dilation_rates, causal, window, cu_seqlens)
     if ulysses_group is not None or mesh is not None:
@@ -218,17 +206,11 @@ def _gather_grid(x: Tensor, dim: int, topo: Topology, layout: Layout) -> tuple[T
                *([-1] * (_GATHER_DIMS - x.dim())), layout_digest(layout)]  # fmt: skip
     n, row_lengths = grid_handshake(topo, "gather_sequence", _GATHER_FIELDS, message, layout)
     U, R, W = topo.ulysses_size, topo.ring_size, topo.world_size
-    row = Row(pieces=tuple(tuple(layout_pieces(n, W, topo.ring_index * U + m, layout))
-                           for m in range(U)), heads=(), kv=())  # fmt: skip
+    row = Row(tuple(tuple(layout_pieces(n, W, topo.ring_index * U + m, layout)) for m in range(U)))
     rows = _all_gather_padded(x, dim, row_lengths, topo.ulysses_group, topo.ulysses_order)
     stretch = to_stretch(rows, row, dim)
     if R > 1:
-        stretches = _all_gather_padded(stretch, dim, layout_shard_lengths(n, R, layout, U),
-                                       topo.ring_group, topo.ring_order)  # fmt: skip
-        runs = sorted((p.start, i, p.offset, p.length) for i in range(R)
-                      for p in layout_pieces(n, R, i, layout, U) if p.length)  # fmt: skip
-        parts = [stretches[i].narrow(dim, off, ln) for _, i, off, ln in runs]
-        stretch = torch.cat(parts, dim=dim) if parts else stretch
+        stretch = _gather_ring(stretch, dim, n, R, layout, U, topo.ring_group, topo.ring_order)
     return stretch, layout_pieces(n, W, topo.shard_index, layout)
 
 
@@ -236,10 +218,8 @@ def gather_grid(x_local: Tensor, dim: int, topo: Topology, layout: Layout) -> Te
     """``gather_sequence`` over a grid with ``U > 1``; tensors of more than 5
     dimensions are refused on every rank."""
     if x_local.dim() > _GATHER_DIMS:
-        error = ValueError(
-            f"gather_sequence with ulysses_group or mesh supports tensors of at most "
-            f"{_GATHER_DIMS} dimensions, got {x_local.dim()}"
-        )
+        error = ValueError(f"gather_sequence with ulysses_group or mesh supports tensors of at "
+                           f"most {_GATHER_DIMS} dimensions, got {x_local.dim()}")  # fmt: skip
         grid_handshake(topo, "gather_sequence", _GATHER_FIELDS, None, layout, error=error)
         raise error
     return _Gather.apply(x_local, dim, partial(_gather_grid, dim=dim, topo=topo, layout=layout))

@@ -1,7 +1,6 @@
 """A Ulysses group's stretch of the sequence: its members' pieces in global
 order (:class:`Row`), and the moves between the members' local rows and the
-stretch that the all-to-alls need (ring_attention/parallel/ulysses.py) and
-``shard_sequence`` / ``gather_sequence`` (ring_attention/parallel/sharding.py)."""
+stretch (for ulysses.py's all-to-alls and sharding.py's gathers)."""
 
 from __future__ import annotations
 
@@ -21,8 +20,8 @@ class Row:
     """The sequence and the heads of one Ulysses group."""
 
     pieces: tuple[tuple[Piece, ...], ...]  # every member's pieces, local order
-    heads: tuple[tuple[int, int], ...]  # every member's query heads (start, count)
-    kv: tuple[tuple[int, int], ...]  # every member's K/V heads [begin, end)
+    heads: tuple[tuple[int, int], ...] = ()  # every member's query heads (start, count)
+    kv: tuple[tuple[int, int], ...] = ()  # every member's K/V heads [begin, end)
 
     def lengths(self) -> list[int]:
         return [sum(p.length for p in ps) for ps in self.pieces]

@@ -6,7 +6,6 @@ them), and a second all-to-all trades back; both are autograd functions."""
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -17,13 +16,7 @@ import torch.distributed as dist
 from ..core.call import Call, prepare
 from ..core.checks import check_qkv, check_sinks, resolve_scale
 from ..core.dtypes import dtype_name
-from ..core.layout import (
-    Layout,
-    check_layout,
-    layout_pieces,
-    resolve_layout,
-    shard_bounds,
-)
+from ..core.layout import Layout, check_layout, layout_pieces, resolve_layout, shard_bounds
 from ..core.pattern import Pattern, as_flag
 from ..local import engine
 from .comm import comm_device
@@ -35,16 +28,11 @@ from .handshake import (
     ring_message,
     topology_of,
 )
-from .mesh import (
-    Topology,
-    check_grid,
-    check_ring,
-    world_info,
-)
-from .ring_spec import pattern_of_call
+from .mesh import Topology, check_grid, check_ring, world_info
+from .ring_spec import given_pattern, pattern_of_call
 from .stretch import Row, from_stretch, to_stretch
 
-__all__ = ["AllToAllStats", "last_all_to_all_stats", "reject_sharded", "ulysses_attention"]
+__all__ = ["AllToAllStats", "last_all_to_all_stats", "reject_sharded", "ulysses_call"]
 
 Tensor = torch.Tensor
 
@@ -96,39 +84,30 @@ class _Link:
         out: list[list[Tensor | None]] = [[None] * len(spec) for spec in recv]
         for k, t in enumerate(sends[self.me]):  # a copy: an output is never an input
             out[self.me][k] = t.clone(memory_format=torch.contiguous_format)
-        dtypes = list(dict.fromkeys(dt for spec in recv for _, dt in spec))
-        dtypes += [t.dtype for ts in sends for t in ts if t.dtype not in dtypes]
         sent = received = 0
-        for dt in dtypes:
-            ops, inbox = [], []
+        for dt in dict.fromkeys([d for spec in recv for _, d in spec]
+                                + [t.dtype for ts in sends for t in ts]):  # fmt: skip
+            ops, keep, inbox = [], [], []
             for p, peer in enumerate(self.peers):
                 if p == self.me:
                     continue
-                parts = [t for t in sends[p] if t.dtype == dt]
-                if parts and sum(t.numel() for t in parts):
-                    buf = torch.cat([t.flatten() for t in parts]).to(self.comm)
-                    ops.append(dist.P2POp(dist.isend, buf, peer, self.group))
-                    inbox.append(buf)  # kept alive until the wait
-                    sent += buf.numel() * buf.element_size()
+                parts = [t.flatten() for t in sends[p] if t.dtype == dt]
+                if sum(t.numel() for t in parts):
+                    keep.append(torch.cat(parts).to(self.comm))  # kept alive until the wait
+                    ops.append(dist.P2POp(dist.isend, keep[-1], peer, self.group))
+                    sent += keep[-1].numel() * keep[-1].element_size()
                 numel = sum(math.prod(s) for s, d in recv[p] if d == dt)
                 if numel:
-                    buf = torch.empty(numel, dtype=dt, device=self.comm)
-                    ops.append(dist.P2POp(dist.irecv, buf, peer, self.group))
-                    inbox.append((p, buf))
-                    received += buf.numel() * buf.element_size()
+                    inbox.append((p, torch.empty(numel, dtype=dt, device=self.comm)))
+                    ops.append(dist.P2POp(dist.irecv, inbox[-1][1], peer, self.group))
+                    received += numel * inbox[-1][1].element_size()
             for w in dist.batch_isend_irecv(ops) if ops else []:
                 w.wait()
-            for item in inbox:
-                if not isinstance(item, tuple):
-                    continue
-                p, buf = item
-                buf = buf.to(self.device)
-                at = 0
-                for k, (shape, d) in enumerate(recv[p]):
-                    if d == dt:
-                        size = math.prod(shape)
-                        out[p][k] = buf[at : at + size].view(shape)
-                        at += size
+            for p, buf in inbox:
+                ks = [k for k, (_, d) in enumerate(recv[p]) if d == dt]
+                parts = buf.to(self.device).split([math.prod(recv[p][k][0]) for k in ks])
+                for k, part in zip(ks, parts, strict=True):
+                    out[p][k] = part.view(recv[p][k][0])
         for p, spec in enumerate(recv):  # empty parts
             for k, (shape, d) in enumerate(spec):
                 if out[p][k] is None:
@@ -177,31 +156,6 @@ def _nest(flat, sizes) -> list[list]:
     return out
 
 
-def _explain(pattern_of: Callable[[], Pattern | None], topo: Topology) -> Callable:
-    prefix = f"{_CALL}: the ranks of a Ulysses group disagree on "
-
-    def explain(name: str, vals: list[int]) -> str | None:
-        if name == "pattern":
-            words: list = [None] * len(vals)
-            p = pattern_of()
-            dist.all_gather_object(words, p.describe() if p else "?", group=topo.ulysses_group)
-            if topo.ulysses_order is not None:
-                words = [words[g] for g in topo.ulysses_order]
-            return (
-                prefix
-                + "the pattern: "
-                + "; ".join(f"Ulysses index {j}: {w}" for j, w in enumerate(words))
-            )
-        if name == "dtype":
-            return prefix + f"the dtype: {[dtype_name(c) for c in vals]} (Ulysses-index order)"
-        if name == "requires_grad":
-            return prefix + (f"whether a gradient is needed (every rank must run the backward): "
-                             f"{[bool(v) for v in vals]} (Ulysses-index order)")  # fmt: skip
-        return None
-
-    return explain
-
-
 def kv_head_range(head_start: int, count: int, heads: int, kv_heads: int) -> tuple[int, int]:
     """``[begin, end)`` of the K/V heads that query heads ``[head_start,
     head_start + count)`` read (empty for no query head)."""
@@ -211,45 +165,34 @@ def kv_head_range(head_start: int, count: int, heads: int, kv_heads: int) -> tup
     return head_start // group, (head_start + count - 1) // group + 1
 
 
-def ulysses_attention(
-    q_local: Tensor,
-    k_local: Tensor,
-    v_local: Tensor,
-    pattern: Pattern | Callable[[], Pattern],
-    *,
-    scale: float | None = None,
-    group: dist.ProcessGroup | None = None,
-    ulysses_group: dist.ProcessGroup | None = None,
-    mesh=None,
-    layout: str = "contiguous",
-    return_lse: bool = False,
-    sinks: Tensor | None = None,
-    ring: Callable[..., Tensor | tuple[Tensor, Tensor]],
-) -> Tensor | tuple[Tensor, Tensor]:
-    """``ring_dilated_attention`` with ``ulysses_group`` or ``mesh``: this rank's
-    shard ``i * U + j`` in and out; ``ring``: the ring over a group of the grid
-    (``ring.ring_on_pieces``, passed down by the one caller that composes them)."""
+def ulysses_call(q_local: Tensor, k_local: Tensor, v_local: Tensor, build: Callable[..., Pattern],
+                 args: tuple, *, cu_seqlens: Sequence[int] | Tensor | None, scale: float | None,
+                 group: dist.ProcessGroup | None, ulysses_group: dist.ProcessGroup | None, mesh,
+                 layout: str, return_lse: bool, sinks: Tensor | None,
+                 ring: Callable) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
+    """``ring_dilated_attention`` with ``ulysses_group`` or ``mesh`` and the
+    pattern ``build(*args)``, built inside the agreement rounds so that every
+    rank hears of its errors: this rank's shard ``i * U + j`` in and out;
+    ``ring``: the ring over a group of the grid (``ring._ring``, passed down by
+    the one caller that composes them)."""
     topo = topology_of(group, ulysses_group, mesh, _CALL)
     check_grid(topo)
     if topo.ulysses_size == 1:  # a ring (a 1-D mesh), or one process
         if topo.ring_size > 1:
-            return ring(q_local, k_local, v_local, pattern, scale=scale, group=topo.ring_group,
-                        layout=layout, return_lse=return_lse, ranks=topo.ring_ranks,
-                        sinks=sinks)  # fmt: skip
-        if callable(pattern) and not isinstance(pattern, Pattern):
-            pattern = pattern()
+            return ring(q_local, k_local, v_local, build, args, cu_seqlens=cu_seqlens, scale=scale,
+                        group=topo.ring_group, layout=layout, return_lse=return_lse,
+                        ranks=topo.ring_ranks, sinks=sinks)  # fmt: skip
+        pattern = pattern_of_call(cu_seqlens, build, *args)
         check_layout(layout)
         one, _ = prepare(q_local, k_local, v_local, pattern, scale=scale, return_lse=return_lse,
                          sinks=sinks)  # fmt: skip
         out, lse = engine.attend(one, q_local, k_local, v_local)
         return (out, lse) if one.return_lse else out
 
-    message = None
-    error: Exception | None = None
+    message = pattern = error = None
     try:
         return_lse = as_flag(return_lse, "return_lse")
-        if callable(pattern) and not isinstance(pattern, Pattern):
-            pattern = pattern()
+        pattern = pattern_of_call(cu_seqlens, build, *args)
         layout = resolve_layout(layout, pattern)
         shape = check_qkv(q_local, k_local, v_local)
         pattern.check_heads(shape.heads)
@@ -258,30 +201,39 @@ def ulysses_attention(
         for g in (topo.ulysses_group, topo.ring_group):
             if g is not None:
                 comm_device(g, q_local.device)  # raises for unsupported transports
-        needs_grad = torch.is_grad_enabled() and any(
-            t.requires_grad for t in (q_local, k_local, v_local)
-        )
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_local, k_local, v_local))
         # the window is part of the pattern, so of its digest in this message
-        message = ring_message(
-            q_local, shape.kv_heads, pattern, scale=scale, layout=layout, needs_grad=needs_grad
-        )
+        message = ring_message(q_local, shape.kv_heads, pattern, scale=scale, layout=layout,
+                               needs_grad=grad)  # fmt: skip
     except Exception as exc:  # every rank must hear of it: reported in the rounds
         error = exc
 
     def describe() -> str:  # (only where every rank's checks passed)
         B, _, H, D = q_local.shape
-        words = pattern.describe() if isinstance(pattern, Pattern) else "?"
-        return (
-            f"batch {B}, heads {H}, kv_heads {k_local.shape[2]}, head_dim {D}, {q_local.dtype}, "
-            f"{words}, scale {scale}, layout {layout}, "
-            f"requires_grad {message[RING_FIELDS.index('requires_grad')] if message else '?'}"
-        )
+        grad = message[RING_FIELDS.index("requires_grad")] if message else "?"
+        return (f"batch {B}, heads {H}, kv_heads {k_local.shape[2]}, head_dim {D}, "
+                f"{q_local.dtype}, {pattern.describe() if message else '?'}, scale {scale}, "
+                f"layout {layout}, requires_grad {grad}")  # fmt: skip
 
-    n, row_lengths = grid_handshake(
-        topo, _CALL, RING_FIELDS, message, layout, error=error,
-        explain=_explain(lambda: pattern if isinstance(pattern, Pattern) else None, topo),
-        describe=describe,
-    )  # fmt: skip
+    def explain(name: str, vals: list[int]) -> str | None:  # a disagreement in the row round
+        prefix = f"{_CALL}: the ranks of a Ulysses group disagree on "
+        if name == "pattern":
+            words: list = [None] * len(vals)
+            mine = pattern.describe() if message else "?"
+            dist.all_gather_object(words, mine, group=topo.ulysses_group)
+            if topo.ulysses_order is not None:
+                words = [words[g] for g in topo.ulysses_order]
+            return prefix + "the pattern: " + "; ".join(f"Ulysses index {j}: {w}"
+                                                         for j, w in enumerate(words))  # fmt: skip
+        if name == "dtype":
+            return prefix + f"the dtype: {[dtype_name(c) for c in vals]} (Ulysses-index order)"
+        if name == "requires_grad":
+            return prefix + (f"whether a gradient is needed (every rank must run the backward): "
+                             f"{[bool(v) for v in vals]} (Ulysses-index order)")  # fmt: skip
+        return None
+
+    n, row_lengths = grid_handshake(topo, _CALL, RING_FIELDS, message, layout, error=error,
+                                    explain=explain, describe=describe)  # fmt: skip
     if error is not None:
         raise error
     pattern.check_length(n)
@@ -300,15 +252,6 @@ def ulysses_attention(
     if sinks is not None:  # once per query: this rank's shard, every head
         out, lse = engine.fold_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out
-
-
-def ulysses_call(q_local: Tensor, k_local: Tensor, v_local: Tensor, build: Callable[..., Pattern],
-                 args: tuple, *, cu_seqlens: Sequence[int] | Tensor | None,
-                 **kwargs) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
-    """Ulysses or the hybrid with the pattern ``build(*args)``, built inside
-    the agreement rounds so that every rank hears of its errors."""
-    pattern = functools.partial(pattern_of_call, cu_seqlens, build, *args)
-    return ulysses_attention(q_local, k_local, v_local, pattern, **kwargs)
 
 
 def _ulysses(link: _Link, topo: Topology, row: Row, q: Tensor, k: Tensor, v: Tensor,
@@ -341,9 +284,10 @@ def _ulysses(link: _Link, topo: Topology, row: Row, q: Tensor, k: Tensor, v: Ten
         if topo.ring_size == 1:
             out_s, lse_s = engine.attend(Call(pattern, scale).with_heads(*heads), qs, ks, vs)
         else:
-            out_s, lse_s = ring(qs, ks, vs, pattern, scale=scale, group=topo.ring_group,
-                                layout=layout, return_lse=True, fold=topo.ulysses_size,
-                                ranks=topo.ring_ranks, head_range=heads)  # fmt: skip
+            out_s, lse_s = ring(qs, ks, vs, given_pattern, (pattern,), cu_seqlens=None,
+                                scale=scale, group=topo.ring_group, layout=layout,
+                                return_lse=True, fold=topo.ulysses_size, ranks=topo.ring_ranks,
+                                head_range=heads)  # fmt: skip
     del qs, ks, vs  # (kept by autograd where the backward needs them)
 
     # heads -> sequence
