@@ -1,11 +1,5 @@
 """``MultiheadDilatedAttention``: ``torch.nn.MultiheadAttention`` with exact
-dilated attention and sequence sharding (docs/modules.md). Without a
-pattern, ``group`` or ``compute_dtype`` its ``forward`` *is* PyTorch's;
-otherwise a call is checked in PyTorch's order and words
-(``multihead_checks.py``), projected as PyTorch projects it, attended by the
-C++ operators (O(n) memory) or ``dense.py``, and laid out as PyTorch lays
-out its output.
-"""
+dilated attention and sequence sharding (docs/modules.md)."""
 
 from __future__ import annotations
 
@@ -51,43 +45,17 @@ _CAUSAL_HINT_ERROR = (
 
 
 def _keep_forward(module: nn.Module, args: tuple) -> None:
-    """A no-op forward pre-hook: ``nn.TransformerEncoderLayer`` skips its fused
-    (dense) inference kernel when a submodule has hooks."""
+    """A no-op hook: ``nn.TransformerEncoderLayer`` then skips its fused kernel."""
     return None
 
 
 class MultiheadDilatedAttention(nn.MultiheadAttention):
-    """Drop-in replacement for ``torch.nn.MultiheadAttention`` with optional
-    exact dilated attention and sequence sharding (docs/modules.md: what
-    stays PyTorch's, what differs).
-
-    Same constructor, parameters, state-dict keys, ``forward`` signature and
-    return value; :class:`MultiheadAttentionError` where PyTorch raises
-    ``AssertionError``; flags must be ``bool`` (``ValueError`` naming it).
-
-    Args:
-        embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim,
-        vdim, batch_first, device, dtype: as for ``nn.MultiheadAttention``.
-        segment_lengths, dilation_rates: a dilated pattern (both or neither;
-            ``None``: dense attention). A pattern needs query and key of
-            equal length.
-        head_groups: branch ``i`` applies only to head group ``i``.
-        head_offsets: ``"modulo"`` or ``"grouped"`` (torchscale).
-        group: a process group: ``query``/``key``/``value`` and the output
-            are this rank's sequence shard (``ra.shard_sequence``) and the
-            attention is ring attention over it; masks, weights, dropout in
-            training, extra keys, cross-attention and nested tensors raise
-            ``ValueError`` on every rank. Every rank calls ``forward`` (and
-            the backward) together.
-        ulysses_group, mesh: Ulysses or ring x Ulysses sharding, as for
-            ``ra.ring_dilated_attention``; the restrictions of ``group``.
-        compute_dtype: the attention core's dtype: ``None`` (the projections'),
-            ``"auto"`` (``ra.select_dtype``) or one of the kernels' dtypes.
-        window: ``(left, right)``, a sliding window (``-1``: unbounded).
-
-    ``need_weights`` defaults to ``True`` as in PyTorch, which materialises
-    the dense weights; pass ``need_weights=False`` to run the C++ operators.
-    """
+    """Drop-in ``torch.nn.MultiheadAttention`` (same constructor, state-dict
+    keys, ``forward``) with optional exact dilated attention
+    (``segment_lengths``/``dilation_rates``, ``head_groups``, ``head_offsets``,
+    ``window``), sequence sharding (``group``, ``ulysses_group``, ``mesh``) and
+    ``compute_dtype`` (docs/modules.md). :class:`MultiheadAttentionError` where
+    PyTorch raises ``AssertionError``; ``need_weights=False`` runs the kernels."""
 
     def __init__(
         self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
@@ -99,10 +67,8 @@ class MultiheadDilatedAttention(nn.MultiheadAttention):
         ulysses_group: dist.ProcessGroup | None = None, mesh=None,
         compute_dtype: torch.dtype | str | None = None, window: tuple[int, int] | None = None,
     ) -> None:  # fmt: skip
-        for name, flag in (("bias", bias), ("add_bias_kv", add_bias_kv),
-                           ("add_zero_attn", add_zero_attn), ("batch_first", batch_first),
-                           ("head_groups", head_groups)):  # fmt: skip
-            as_flag(flag, name)
+        for name in ("bias", "add_bias_kv", "add_zero_attn", "batch_first", "head_groups"):
+            as_flag(locals()[name], name)
         try:
             super().__init__(
                 embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim,
@@ -123,8 +89,7 @@ class MultiheadDilatedAttention(nn.MultiheadAttention):
             self.register_forward_pre_hook(_keep_forward)
 
     def __deepcopy__(self, memo):
-        # A process group is shared, not copied (it cannot be), so that e.g.
-        # nn.TransformerEncoder can clone a layer holding a sharded module.
+        # Process groups are shared, not copied (nn.TransformerEncoder clones layers).
         for shared in (self.group, self.ulysses_group, self.mesh):
             if shared is not None:
                 memo[id(shared)] = shared
@@ -136,9 +101,7 @@ class MultiheadDilatedAttention(nn.MultiheadAttention):
 
     def __prepare_scriptable__(self) -> nn.Module:
         """``torch.jit.script``: a plain module scripts as the
-        ``nn.MultiheadAttention`` it is (one sharing its parameters, buffers
-        and submodules); one with a pattern, ``group`` or ``compute_dtype``
-        raises ``RuntimeError`` (``torch.compile``/``torch.export`` work)."""
+        ``nn.MultiheadAttention`` it is; any other raises ``RuntimeError``."""
         if not self._is_plain():
             raise RuntimeError(
                 "torch.jit.script: a MultiheadDilatedAttention with a pattern, group= or "
@@ -187,18 +150,9 @@ class MultiheadDilatedAttention(nn.MultiheadAttention):
         attn_mask: torch.Tensor | None = None, average_attn_weights: bool = True,
         is_causal: bool = False, *, cu_seqlens: torch.Tensor | Sequence[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-        """Attention as ``nn.MultiheadAttention.forward``: ``(attn_output,
-        attn_weights or None)``. ``is_causal`` (with an ``attn_mask``) makes
-        the pattern causal where PyTorch uses the hint (no
-        ``key_padding_mask``, ``need_weights=False``). ``cu_seqlens``
-        (keyword only): document boundaries ``[0, e_1, ..., L]`` of a packed
-        self-attention (with ``group=``: GLOBAL, the same on every rank).
-
-        Raises ``MultiheadAttentionError`` or ``RuntimeError`` where PyTorch
-        raises ``AssertionError`` or ``RuntimeError``; ``ValueError`` for a
-        flag that is not a ``bool``, the ``group=`` restrictions and query
-        and key of different lengths with a pattern.
-        """
+        """``nn.MultiheadAttention.forward``: ``(attn_output, attn_weights or
+        None)``; ``cu_seqlens``: document boundaries of a packed self-attention
+        (with ``group=``: GLOBAL, the same on every rank)."""
         for name, flag in (("need_weights", need_weights),
                            ("average_attn_weights", average_attn_weights),
                            ("is_causal", is_causal)):  # fmt: skip
@@ -259,11 +213,8 @@ def _check_options(
         if not pattern.windowed:
             pattern = None
     kernels = supported_dtypes(torch.device("cpu"))  # the same on every device
-    if not (
-        compute_dtype is None
-        or (isinstance(compute_dtype, str) and compute_dtype == "auto")
-        or (isinstance(compute_dtype, torch.dtype) and compute_dtype in kernels)
-    ):
+    ok = compute_dtype is None or (isinstance(compute_dtype, str) and compute_dtype == "auto")
+    if not (ok or (isinstance(compute_dtype, torch.dtype) and compute_dtype in kernels)):
         allowed = ", ".join(str(d) for d in kernels)
         raise ValueError(
             f'compute_dtype must be None, "auto" or one of {allowed}, got {compute_dtype!r}'
@@ -275,8 +226,7 @@ def _check_options(
 
 
 def _module_pattern(m: MultiheadDilatedAttention, causal: bool) -> Pattern:
-    """The module's pattern (dense without one), causal per the call's hint
-    (the sharded path builds it from these two constants of a compiled graph)."""
+    """The module's pattern (dense without one), causal per the call's hint."""
     pattern = m.pattern if m.pattern is not None else DENSE
     return pattern if causal == pattern.causal else replace(pattern, causal=causal)
 
@@ -321,9 +271,8 @@ def _check_call(
     m: MultiheadDilatedAttention, query, key, value, key_padding_mask, need_weights, attn_mask,
     is_causal,
 ) -> Call:  # fmt: skip
-    """The steps of ``nn.MultiheadAttention.forward`` and
-    ``F.multi_head_attention_forward`` up to the attention, in their order,
-    then this module's own checks and the choice of path."""
+    """PyTorch's checks up to the attention, in its order, then this module's
+    own checks and the choice of path."""
     float_masks = (attn_mask is not None and torch.is_floating_point(attn_mask)) or (
         key_padding_mask is not None and torch.is_floating_point(key_padding_mask)
     )
@@ -462,9 +411,7 @@ def _kernel_attention(m: MultiheadDilatedAttention, call: Call, cu_seqlens) -> t
     process, or the ring when sharded."""
     B, L, E = call.q.shape
     cdt = _compute_dtype(m, call.q)
-    # Contiguous: the projections are (L, N, E)-major views, and the
-    # operators' Meta kernels (torch.compile) give their outputs the
-    # inputs' strides while the CPU/CUDA kernels return contiguous ones.
+    # Contiguous: the Meta kernels (torch.compile) keep the inputs' strides.
     q, k, v = (
         t.reshape(B, L, m.num_heads, m.head_dim).to(cdt).contiguous()
         for t in (call.q, call.k, call.v)
@@ -482,9 +429,7 @@ def _kernel_attention(m: MultiheadDilatedAttention, call: Call, cu_seqlens) -> t
 
 def outputs(m: MultiheadDilatedAttention, out, weights, call: Call, average_attn_weights: bool):
     """The output projection and the return values, in the memory layout
-    ``nn.MultiheadAttention`` gives them: a contiguous ``(N, L, E)`` where it
-    runs its fused kernel, else projected as ``(L, N, E)`` (a transposed view
-    of that with ``batch_first``)."""
+    ``nn.MultiheadAttention`` gives them."""
     B, L, E = out.shape
     out = out.to(call.q.dtype)
     if call.batch_major:

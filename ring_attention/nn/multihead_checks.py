@@ -1,10 +1,5 @@
-"""Argument checks of :class:`ring_attention.MultiheadDilatedAttention`'s
-own path, in the order of ``nn.MultiheadAttention.forward`` and
-``F.multi_head_attention_forward`` and with their messages, so that code
-written against ``nn.MultiheadAttention`` sees no difference. Where PyTorch
-raises ``AssertionError`` these raise :class:`MultiheadAttentionError` (also
-a ``ValueError``); where it raises ``RuntimeError``, ``RuntimeError``.
-"""
+"""Argument checks of ``MultiheadDilatedAttention``'s own path in PyTorch's
+order and words (:class:`MultiheadAttentionError` where it asserts)."""
 
 from __future__ import annotations
 
@@ -13,18 +8,9 @@ import warnings
 import torch
 from torch import nn
 
-__all__ = [
-    "MultiheadAttentionError",
-    "canonical_mask",
-    "check_attn_mask_shape",
-    "check_dims",
-    "check_key_padding_mask_shape",
-    "check_key_value",
-    "check_mask_dtype",
-    "check_separate_weights",
-    "fast_path_reason",
-    "nested_error",
-]
+__all__ = ["MultiheadAttentionError", "canonical_mask", "check_attn_mask_shape", "check_dims",
+           "check_key_padding_mask_shape", "check_key_value", "check_mask_dtype",
+           "check_separate_weights", "fast_path_reason", "nested_error"]  # fmt: skip
 
 
 class MultiheadAttentionError(AssertionError, ValueError):
@@ -37,9 +23,8 @@ def canonical_mask(
     mask: torch.Tensor | None, name: str, other: torch.Tensor | None, other_name: str,
     dtype: torch.dtype,
 ) -> torch.Tensor | None:  # fmt: skip
-    """A bool (``True`` = masked) or float mask as an additive float mask of
-    ``dtype`` (``F._canonical_mask``): other dtypes raise, and a mask whose
-    dtype differs from ``other``'s warns as PyTorch does."""
+    """``F._canonical_mask``: a bool (``True`` = masked) or float mask as an
+    additive float mask of ``dtype``."""
     if other is not None and not isinstance(other, torch.Tensor):
         raise RuntimeError("input to _none_or_dtype() must be None or torch.Tensor")
     if mask is None:
@@ -61,10 +46,8 @@ def fast_path_reason(
     m: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     key_padding_mask: torch.Tensor | None, attn_mask: torch.Tensor | None, float_masks: bool,
 ) -> str:  # fmt: skip
-    """Why ``nn.MultiheadAttention.forward`` would not run its fused
-    inference kernel for this call (``""``: it would): the output layout and
-    the nested-tensor inputs accepted follow it. ``float_masks``: a mask was
-    given as a float tensor."""
+    """Why ``nn.MultiheadAttention.forward`` would not run its fused kernel
+    (``""``: it would); ``float_masks``: a mask was a float tensor."""
     if not torch.backends.mha.get_fastpath_enabled():
         return "torch.backends.mha.get_fastpath_enabled() was not True"
     if query.dim() != 3:
@@ -160,8 +143,7 @@ def check_dims(
 def check_key_value(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m: nn.MultiheadAttention
 ) -> None:
-    """Embedding size of ``query``; ``key`` against ``value`` (``(L, N, E)``
-    layout, as ``F.multi_head_attention_forward`` sees them)."""
+    """Embedding size of ``query``; ``key`` against ``value`` (``(L, N, E)``)."""
     if query.shape[-1] != m.embed_dim:
         raise MultiheadAttentionError(
             f"was expecting embedding dimension of {m.embed_dim}, but got {query.shape[-1]}"
@@ -189,8 +171,7 @@ def check_attn_mask_shape(attn_mask: torch.Tensor, batch: int, heads: int, L: in
 
 
 def check_key_padding_mask_shape(kpm: torch.Tensor, batch: int, S: int, extra_keys: int) -> None:
-    """``(batch, S)``. PyTorch checks it after appending the ``extra_keys``
-    (``add_bias_kv``, ``add_zero_attn``) to both, and its message counts them."""
+    """``(batch, S)``; PyTorch's message counts the ``extra_keys``."""
     if kpm.shape[0] != batch:
         raise MultiheadAttentionError(
             f"Expected key_padded_mask.shape[0] to be {batch}, but got {kpm.shape[0]}"
@@ -202,11 +183,8 @@ def check_key_padding_mask_shape(kpm: torch.Tensor, batch: int, S: int, extra_ke
         )
 
 
-def check_separate_weights(
-    m: nn.MultiheadAttention, key: torch.Tensor, value: torch.Tensor
-) -> None:
-    """``kdim``/``vdim`` projections against the key and value features
-    (``F._in_projection``)."""
+def check_separate_weights(m: nn.MultiheadAttention, key: torch.Tensor, value: torch.Tensor):
+    """``kdim``/``vdim`` projections against the key and value features."""
     E = m.embed_dim
     for name, w, t in (("key", m.k_proj_weight, key), ("value", m.v_proj_weight, value)):
         if w.shape != (E, t.shape[-1]):
@@ -216,21 +194,16 @@ def check_separate_weights(
 
 
 #: How ATen names dtypes in its messages.
-_ATEN_NAMES = {
-    torch.float32: "float",
-    torch.float64: "double",
-    torch.float16: "c10::Half",
-    torch.bfloat16: "c10::BFloat16",
-}
+_ATEN_NAMES = {torch.float32: "float", torch.float64: "double", torch.float16: "c10::Half",
+               torch.bfloat16: "c10::BFloat16"}  # fmt: skip
 
 
 def check_mask_dtype(
     key_padding_mask: torch.Tensor | None, attn_mask: torch.Tensor | None, dtype: torch.dtype,
     need_weights: bool,
 ) -> None:  # fmt: skip
-    """Float masks of another dtype than the query: PyTorch hands their sum
-    to ``torch.baddbmm`` (``need_weights=True``), which wants ``dtype``, or
-    to ``F.scaled_dot_product_attention``, which also takes float32."""
+    """Float masks of another dtype than the query, as ``torch.baddbmm`` or
+    ``F.scaled_dot_product_attention`` (which also takes float32) refuse them."""
     if key_padding_mask is None and attn_mask is None:
         return
     if key_padding_mask is None or attn_mask is None:
