@@ -27,8 +27,7 @@ def dense_attention(
     Returns ``(out, weights (batch, heads, L, S) or None)``."""
     cdt = compute_dtype
     B, L, E = q.shape
-    H = num_heads
-    D = E // H
+    H, D = num_heads, E // num_heads
     kpm, am = key_padding_mask, attn_mask
     extra = int(bias_k is not None) + int(add_zero_attn)  # keys every query reaches
     if extra:
@@ -37,9 +36,7 @@ def dense_attention(
     if bias_k is not None:
         k = torch.cat([k, bias_k.expand(B, 1, E).to(k.dtype)], dim=1)
         v = torch.cat([v, bias_v.expand(B, 1, E).to(v.dtype)], dim=1)
-    q = q.reshape(B, L, H, D).transpose(1, 2).to(cdt)
-    k = k.reshape(B, k.shape[1], H, D).transpose(1, 2).to(cdt)
-    v = v.reshape(B, v.shape[1], H, D).transpose(1, 2).to(cdt)
+    q, k, v = (t.reshape(B, t.shape[1], H, D).transpose(1, 2).to(cdt) for t in (q, k, v))
     if add_zero_attn:
         zeros = q.new_zeros(B, H, 1, D)
         k = torch.cat([k, zeros], dim=2)
@@ -66,12 +63,11 @@ def dense_attention(
         scores = torch.matmul(q * math.sqrt(1.0 / D), k.transpose(-2, -1))
         if bias is not None:
             scores = scores + bias
-        if empty is not None:
-            # Rows reaching nothing: zero weights, finite gradients.
+        if empty is not None:  # rows reaching nothing: zero weights, finite gradients
             scores = scores.masked_fill(empty, 0.0)
-            weights = torch.softmax(scores, dim=-1).masked_fill(empty, 0.0)
-        else:
-            weights = torch.softmax(scores, dim=-1)
+        weights = torch.softmax(scores, dim=-1)
+        if empty is not None:
+            weights = weights.masked_fill(empty, 0.0)
         if dropout_p > 0.0:
             weights = F.dropout(weights, p=dropout_p)
         out = torch.matmul(weights, v)

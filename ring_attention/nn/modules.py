@@ -30,8 +30,7 @@ class _PatternModule(nn.Module):
         super().__init__()
         self.pattern = Pattern(
             segment_lengths, dilation_rates, causal=causal, head_groups=head_groups,
-            head_offsets=head_offsets, window=window,
-        )  # fmt: skip
+            head_offsets=head_offsets, window=window)  # fmt: skip
         self.scale = None if scale is None else resolve_scale(scale, 1)
 
     segment_lengths = property(lambda self: self.pattern.segment_lengths)
@@ -62,8 +61,7 @@ class DilatedAttention(_PatternModule):
         """``out`` of ``q``'s shape and dtype (``k``, ``v`` may have fewer heads)."""
         return attend(
             q, k, v, self.pattern, scale=self.scale, key_padding_mask=key_padding_mask,
-            cu_seqlens=cu_seqlens, sinks=sinks,
-        )  # fmt: skip
+            cu_seqlens=cu_seqlens, sinks=sinks)  # fmt: skip
 
 
 class RingDilatedAttention(_PatternModule):
@@ -95,8 +93,7 @@ class RingDilatedAttention(_PatternModule):
         return sharded_attention(
             q, k, v, given_pattern, (self.pattern,), cu_seqlens=cu_seqlens, scale=self.scale,
             group=self.group, ulysses_group=self.ulysses_group, mesh=self.mesh,
-            layout=self.layout, return_lse=False, sinks=sinks,
-        )  # fmt: skip
+            layout=self.layout, return_lse=False, sinks=sinks)  # fmt: skip
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", layout={self.layout!r}"
