@@ -15,21 +15,11 @@ from .setting import (
     shard_causal_lm_batch,
 )
 
-__all__ = [
-    "ATTN_IMPLEMENTATION",
-    "CONFIG_KEY",
-    "SequenceParallelDataLoader",
-    "SequenceParallelMixin",
-    "SequenceParallelTrainer",
-    "ShardedCache",
-    "dilated_attention_forward",
-    "dilated_attention_mask",
-    "documents_from_position_ids",
-    "pattern_from_config",
-    "register_transformers",
-    "sequence_parallel",
-    "shard_causal_lm_batch",
-]
+__all__ = ["ATTN_IMPLEMENTATION", "CONFIG_KEY", "SequenceParallelDataLoader",
+           "SequenceParallelMixin", "SequenceParallelTrainer", "ShardedCache",
+           "dilated_attention_forward", "dilated_attention_mask", "documents_from_position_ids",
+           "pattern_from_config", "register_transformers", "sequence_parallel",
+           "shard_causal_lm_batch"]  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:

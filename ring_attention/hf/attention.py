@@ -1,7 +1,5 @@
 """The ``"ring_dilated"`` entries of transformers' attention and mask
-interfaces and :func:`register_transformers`, which registers them
-(docs/transformers.md): one process, sequence parallelism over the
-registered ranks, generation over them (``generation.py``)."""
+interfaces and :func:`register_transformers` (docs/transformers.md)."""
 
 from __future__ import annotations
 
@@ -22,7 +20,7 @@ from ..parallel.auto import plan_mesh
 from ..parallel.ring import ring_call, ring_call_spec
 from .config import is_dense, layer_pattern, layer_window, pattern_from_config
 from .decode import decode_attention
-from .generation import generation_step, is_generation
+from .generation import generation_step
 from .masks import Keys, batch_keys, filled_keys, layer_mask, sdpa_mask_of
 from .setting import ATTN_IMPLEMENTATION, sequence_parallel, set_sequence_parallel, spread_of
 
@@ -37,16 +35,7 @@ def register_transformers(
     mesh: Any = None, layout: str = "contiguous",
 ) -> None:  # fmt: skip
     """Register ``"ring_dilated"`` with transformers' attention and mask
-    interfaces (docs/transformers.md), replacing the sequence-parallel setting:
-    ``group`` (the ring; with ``ulysses_group`` the hybrid's), ``ulysses_group``,
-    ``mesh`` (a ``DeviceMesh``, or ``"auto"``: :func:`ring_attention.plan_mesh`'s
-    grid per layer type) and ``layout`` as for ``ring_dilated_attention``
-    (``"balanced"`` refused). Groups are held by weak references.
-
-    Raises:
-        ImportError: transformers is not installed (the ``hf`` extra).
-        ValueError: a bad ``layout``, group or ``mesh``.
-    """
+    interfaces, replacing the sequence-parallel setting (docs/transformers.md)."""
     try:
         import transformers
     except ImportError as exc:
@@ -56,9 +45,8 @@ def register_transformers(
         ) from exc
     sp = spread_of(group, ulysses_group, mesh, layout)
     transformers.AttentionInterface.register(ATTN_IMPLEMENTATION, dilated_attention_forward)
-    transformers.masking_utils.AttentionMaskInterface.register(
-        ATTN_IMPLEMENTATION, dilated_attention_mask
-    )
+    masks = transformers.masking_utils.AttentionMaskInterface
+    masks.register(ATTN_IMPLEMENTATION, dilated_attention_mask)
     set_sequence_parallel(sp)
 
 
@@ -67,9 +55,7 @@ def dilated_attention_mask(
     kv_offset: int = 0, mask_function: Callable | None = None,
     attention_mask: torch.Tensor | None = None, **kwargs: Any,
 ) -> torch.Tensor | None:  # fmt: skip
-    """transformers' mask-interface entry of ``"ring_dilated"``: ``None``,
-    the key map or position map of ``masks.py``, or transformers' own
-    ``"sdpa"`` mask; ``ValueError`` for masks the kernels cannot express."""
+    """transformers' mask-interface entry of ``"ring_dilated"`` (``masks.py``)."""
     dense, sharded = is_dense(kwargs.get("config")), sequence_parallel() is not None
     return layer_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
                       attention_mask, dense, sharded, **kwargs)  # fmt: skip
@@ -80,17 +66,8 @@ def dilated_attention_forward(
     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
     is_causal: bool | None = None, **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:  # fmt: skip
-    """transformers' attention-interface entry of ``"ring_dilated"``:
-    ``query`` ``(batch, heads, q_len, head_dim)`` (with a KV cache the last
-    ``q_len`` of the keys in use), ``key``, ``value`` ``(batch, kv_heads,
-    kv_len, head_dim)``, ``attention_mask`` what :func:`dilated_attention_mask`
-    returned (or a 4-D mask the caller prepared); ``is_causal`` overrides
-    ``module.is_causal``; ``cu_seq_lens_q``/``_k``, ``sliding_window``,
-    ``s_aux`` and ``output_attentions`` are read from ``kwargs``. Returns
-    ``(out (batch, q_len, heads, head_dim), None)``. What the kernels cannot
-    express goes to transformers' ``"sdpa"`` without a pattern and raises
-    ``ValueError`` with one (docs/transformers.md).
-    """
+    """transformers' attention-interface entry of ``"ring_dilated"``
+    (docs/transformers.md): ``(out (batch, q_len, heads, head_dim), None)``."""
     if kwargs.get("output_attentions"):
         from transformers.utils import logging
 
@@ -158,30 +135,26 @@ def _is_position_map(attention_mask: Any, query: torch.Tensor, key: torch.Tensor
     return (
         isinstance(attention_mask, torch.Tensor)
         and attention_mask.dtype == torch.int64
-        and attention_mask.shape == (query.shape[0], key.shape[2])
-    )
+        and attention_mask.shape == (query.shape[0], key.shape[2]))  # fmt: skip
 
 
 def _one_query_row(attention_mask: Any, query: torch.Tensor, key: torch.Tensor) -> bool:
-    """Whether ``attention_mask`` is a 4-D bool mask ``(batch or 1, 1, 1,
-    keys)`` of one query a row: a decode step's keys (key padding)."""
+    """Whether ``attention_mask`` is a 4-D bool mask of one query a row."""
     return (
         isinstance(attention_mask, torch.Tensor)
         and attention_mask.dim() == 4
         and attention_mask.dtype == torch.bool
         and attention_mask.shape[0] in (1, query.shape[0])
         and attention_mask.shape[1:] == (1, 1, key.shape[2])
-        and query.shape[2] == 1
-    )
+        and query.shape[2] == 1)  # fmt: skip
 
 
 def _one_query(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor,
     scaling: float | None, config: Any, sinks: torch.Tensor | None,
 ) -> torch.Tensor:  # fmt: skip
-    """One query per row attending the keys its 4-D mask keeps (causality
-    and any window are in the mask): dense attention with that key padding.
-    The keys' order does not matter (a sliding cache's rolled keys)."""
+    """One query per row attending the keys its 4-D mask keeps (dense, with
+    that key padding; the keys' order does not matter)."""
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     pattern = pattern_from_config(config, False)  # dense: the mask decides the keys
     padding = ~attention_mask[:, 0, 0, :].expand(q.shape[0], -1)
@@ -218,8 +191,7 @@ def _cu_documents(kwargs: Mapping[str, Any]) -> tuple[torch.Tensor, tuple[int, .
         if cu_q is not None and cu_k is not None and not torch.equal(cu_q.cpu(), cu_k.cpu()):
             raise ValueError(
                 "cu_seq_lens_q and cu_seq_lens_k must be equal (self-attention over packed "
-                "documents)"
-            )
+                "documents)")  # fmt: skip
         return Pattern((1,), (1,)).with_documents(cu).documents  # checked once
 
     return cu, _cu_batches.get(cu, "documents", read)
@@ -250,8 +222,7 @@ def _local(
     if not q_len <= min(keys.length, k.shape[1]):
         raise ValueError(
             f"{_NAME}: the mask covers {keys.length} keys, but the layer has {q_len} queries "
-            f"and {k.shape[1]} keys"
-        )
+            f"and {k.shape[1]} keys")  # fmt: skip
     if keys.length < k.shape[1]:  # a static cache: the keys past the filled ones
         k, v = k[:, : keys.length], v[:, : keys.length]
     q_start = keys.length - q_len
@@ -267,8 +238,7 @@ def _local(
         if q_start:
             raise ValueError(
                 f"{_NAME} takes packed documents (cu_seq_lens_q) only when the queries are the "
-                f"whole sequence, got {q_len} queries after {q_start} cached keys"
-            )
+                f"whole sequence, got {q_len} queries after {q_start} cached keys")  # fmt: skip
         rows, memo = ((None, cu[1]),), _cu_batches.get(cu[0], "patterns", dict)
     call, _ = prepare(q, k, v, pattern, scale=scaling, key_padding_mask=padding, q_start=q_start,
                       k_start=k_start, sinks=kwargs.get("s_aux"))  # fmt: skip
@@ -290,8 +260,7 @@ def _local(
 
 
 def _check_reach(pattern: Pattern, q_start: int, k_start: int) -> None:
-    """A layer whose keys start at ``k_start > 0`` (a cache dropped the
-    earlier ones) must not reach before them (segments and window)."""
+    """A layer whose keys start at ``k_start > 0`` must not reach before them."""
     earliest = min(q_start // w * w for w in pattern.segment_lengths)
     left = pattern.window[0]
     if left != -1:
@@ -301,8 +270,7 @@ def _check_reach(pattern: Pattern, q_start: int, k_start: int) -> None:
         raise ValueError(
             f"{_NAME}: the layer's cache holds the keys from position {k_start} on, but its "
             f"queries from position {q_start} reach {reach} (a cache that drops keys needs a "
-            "sliding window or chunks no wider than it keeps)"
-        )
+            "sliding window or chunks no wider than it keeps)")  # fmt: skip
 
 
 def _sharded(
@@ -310,14 +278,12 @@ def _sharded(
     attention_mask: Any, dropout: float, scaling: float | None, causal: bool,
     kwargs: Mapping[str, Any], sp: Any,
 ) -> torch.Tensor:  # fmt: skip
-    """Ring attention over the sequence-parallel ranks, one operator forward
-    and one backward (one node of a compiled graph), Ulysses or the hybrid,
-    or a generation step. What this rank refuses (and a bad config entry) is
-    reported through the ring's handshake, so that every rank raises."""
+    """Ring attention over the sequence-parallel ranks, Ulysses, the hybrid or
+    a generation step; a refusal is reported on every rank (handshake)."""
     documents = kwargs.get("cu_seq_lens_q")
     if documents is None:
         documents = kwargs.get("cu_seq_lens_k")
-    if is_generation(kwargs, documents):  # the same sequence on every rank
+    if documents is None and kwargs.get("use_cache"):  # generation: the same sequence everywhere
         pattern_of = functools.partial(layer_pattern, module, causal, kwargs.get("sliding_window"))
         return generation_step(query, key, value, attention_mask, scaling, kwargs, sp, pattern_of)
     refusal = _sharded_refusal(query, key, attention_mask, dropout, kwargs, documents is None)
@@ -344,8 +310,7 @@ def _auto_spread(
     sp: Any, module: torch.nn.Module, causal: bool, kwargs: Mapping[str, Any],
     q: torch.Tensor, k: torch.Tensor, documents: torch.Tensor,
 ) -> dict[str, Any]:  # fmt: skip
-    """``mesh="auto"``: this layer's grid, the planner's choice for its
-    pattern at the batch's global length (the documents' end)."""
+    """``mesh="auto"``: the planner's grid for this layer."""
     try:
         pattern = layer_pattern(module, causal, kwargs.get("sliding_window"))
     except ValueError:  # reported by the ring's handshake, as without "auto"
@@ -379,14 +344,12 @@ def _sharded_refusal(
         return (
             f"{_NAME} with sequence parallelism takes no padding mask: with causal attention "
             "right padding needs none (drop attention_mask and set the padded labels to "
-            "-100), or pack the documents (cu_seq_lens_q)"
-        )
+            "-100), or pack the documents (cu_seq_lens_q)")  # fmt: skip
     if no_documents:
         return (
             f"{_NAME} with sequence parallelism needs the global document boundaries "
             "cu_seq_lens_q (a rank cannot see them in its shard of position_ids): build "
-            "each rank's batch with ring_attention.hf.shard_causal_lm_batch"
-        )
+            "each rank's batch with ring_attention.hf.shard_causal_lm_batch")  # fmt: skip
     return None
 
 
@@ -402,8 +365,7 @@ def _sharded_pattern(
 def _grid_pattern(
     module: torch.nn.Module, causal: bool, refusal: str | None, kwargs: Mapping[str, Any]
 ) -> Pattern:
-    """Ulysses and the hybrid: the layer's pattern with the batch's documents,
-    or the refusal."""
+    """Ulysses and the hybrid: the pattern with the batch's documents."""
     pattern = _sharded_pattern(module, causal, refusal, kwargs.get("sliding_window"))
     tensor, documents = _cu_documents(kwargs)  # given: else refused
     return _with_documents(_cu_batches.get(tensor, "patterns", dict), pattern, documents)

@@ -10,24 +10,13 @@ import torch
 from ..core.cache import cached
 from ..core.pattern import Pattern, as_flag
 
-__all__ = [
-    "CONFIG_KEY",
-    "is_dense",
-    "layer_chunk",
-    "layer_pattern",
-    "layer_window",
-    "pattern_from_config",
-]
+__all__ = ["CONFIG_KEY", "is_dense", "layer_chunk", "layer_pattern", "layer_window",
+           "pattern_from_config"]  # fmt: skip
 
 #: The config attribute holding the pattern.
 CONFIG_KEY = "dilated_attention"
 _FIELDS = ("segment_lengths", "dilation_rates", "head_groups", "head_offsets")
-# One segment longer than any sequence: dense attention, equal to "sdpa".
-_DENSE_SEGMENT = 2**62
-# The layer types transformers gives a sliding-window mask (create_sliding_window_causal_mask).
-_SLIDING_TYPES = ("sliding_attention",)
-# ... and a chunked one (create_chunked_causal_mask).
-_CHUNKED_TYPES = ("chunked_attention",)
+_DENSE_SEGMENT = 2**62  # one segment longer than any sequence: dense attention
 
 
 def is_dense(config: Any) -> bool:
@@ -39,16 +28,12 @@ def layer_pattern(
     module: torch.nn.Module, causal: bool, sliding_window: int | None = None
 ) -> Pattern:
     """The pattern of one attention layer, the one place it is decided:
-    ``config.dilated_attention``, the layer's chunk (:func:`layer_chunk`) or
-    sliding window (:func:`layer_window`; ``sliding_window``: what
-    transformers passes the attention function). ``ValueError``: no config,
-    a bad config entry, or a window the layer cannot take."""
+    ``config.dilated_attention``, the layer's chunk or sliding window."""
     config = getattr(module, "config", None)
     if config is None:
         raise ValueError(
             f"attn_implementation='ring_dilated' reads the pattern from the attention "
-            f"module's config.{CONFIG_KEY}, but {type(module).__name__} has no config"
-        )
+            f"module's config.{CONFIG_KEY}, but {type(module).__name__} has no config")  # fmt: skip
     chunk = layer_chunk(module)
     if chunk is not None:
         return _pattern((("segment_lengths", (chunk,)), ("dilation_rates", (1,))), causal, None)
@@ -56,15 +41,13 @@ def layer_pattern(
 
 
 def layer_chunk(module: torch.nn.Module) -> int | None:
-    """The chunk of a chunked-attention layer (Llama 4's; as a pattern one
-    branch of segments of the chunk's length), or ``None``. ``ValueError``:
-    with ``config.dilated_attention``, or a chunk that is not an int ``>= 1``."""
+    """The chunk of a chunked-attention layer (Llama 4's), or ``None``."""
     config = module.config
     types = getattr(config, "layer_types", None)
     index = getattr(module, "layer_idx", None)
     if types is None or not isinstance(index, int) or not 0 <= index < len(types):
         return None
-    if types[index] not in _CHUNKED_TYPES:
+    if types[index] != "chunked_attention":
         return None
     chunk = getattr(config, "attention_chunk_size", None)
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
@@ -73,19 +56,15 @@ def layer_chunk(module: torch.nn.Module) -> int | None:
         raise ValueError(
             f"attn_implementation='ring_dilated': layer {index} is chunked attention "
             f"(config.attention_chunk_size = {chunk}), which does not combine with "
-            f"config.{CONFIG_KEY}"
-        )
+            f"config.{CONFIG_KEY}")  # fmt: skip
     return chunk
 
 
 def layer_window(
     module: torch.nn.Module, causal: bool, sliding_window: int | None = None
 ) -> tuple[int, int] | None:
-    """The sliding window of one attention layer as the kernels take it, or
-    ``None``: ``config.sliding_window = W`` is ``window=(W - 1, 0)`` on the
-    layers transformers slides (of type ``"sliding_attention"``, or all
-    without ``config.layer_types``). ``ValueError``: a bad width, no
-    ``layer_idx``, a disagreeing ``sliding_window``, a non-causal call."""
+    """The sliding window of one layer as the kernels take it (``W`` is
+    ``(W - 1, 0)`` on the layers transformers slides), or ``None``."""
     config = module.config
     width = getattr(config, "sliding_window", None)
     types = getattr(config, "layer_types", None)
@@ -94,15 +73,13 @@ def layer_window(
         if not isinstance(index, int) or not 0 <= index < len(types):
             raise ValueError(
                 f"config.layer_types decides which layers slide, but {type(module).__name__} "
-                f"has no layer_idx in [0, {len(types)}), got {index!r}"
-            )
-        width = width if types[index] in _SLIDING_TYPES else None
+                f"has no layer_idx in [0, {len(types)}), got {index!r}")  # fmt: skip
+        width = width if types[index] == "sliding_attention" else None
     if sliding_window is not None and sliding_window != width:
         raise ValueError(
             f"attn_implementation='ring_dilated': the layer passes sliding_window="
             f"{sliding_window!r}, but its mask is {'full' if width is None else width} "
-            "(config.sliding_window and config.layer_types decide it, as for 'sdpa')"
-        )
+            "(config.sliding_window and config.layer_types decide it, as for 'sdpa')")  # fmt: skip
     if width is None:
         return None
     if isinstance(width, bool) or not isinstance(width, int) or width < 1:
@@ -110,18 +87,15 @@ def layer_window(
     if not causal:
         raise ValueError(
             f"attn_implementation='ring_dilated' applies a sliding window (config."
-            f"sliding_window = {width}) to causal attention only"
-        )
+            f"sliding_window = {width}) to causal attention only")  # fmt: skip
     return (width - 1, 0)
 
 
 def pattern_from_config(
     config: Any, causal: bool, window: tuple[int, int] | None = None
 ) -> Pattern:
-    """The :class:`Pattern` of ``config.dilated_attention`` (dense without
-    it: a dict of ``segment_lengths``, ``dilation_rates`` and optionally
-    ``head_groups``, ``head_offsets``) with the sliding ``window``; cached by
-    the entry's contents. ``ValueError`` naming the entry when it is bad."""
+    """The :class:`Pattern` of ``config.dilated_attention`` (dense without it)
+    with the sliding ``window``, cached by the entry's contents."""
     causal = as_flag(causal, "causal")  # before the cache, whose keys take 1 for True
     entry = getattr(config, CONFIG_KEY, None)
     if entry is None:
@@ -129,15 +103,13 @@ def pattern_from_config(
     if not isinstance(entry, Mapping):
         raise ValueError(
             f"config.{CONFIG_KEY} must be a dict with keys {list(_FIELDS)}, "
-            f"got {type(entry).__name__}"
-        )
+            f"got {type(entry).__name__}")  # fmt: skip
     unknown = sorted(str(key) for key in set(entry) - set(_FIELDS))
     missing = [key for key in _FIELDS[:2] if key not in entry]
     if unknown or missing:
         raise ValueError(
             f"config.{CONFIG_KEY} takes the keys {list(_FIELDS)} (the first two required), "
-            f"got unknown {unknown} and missing {missing}"
-        )
+            f"got unknown {unknown} and missing {missing}")  # fmt: skip
     if "head_groups" in entry:
         as_flag(entry["head_groups"], f"config.{CONFIG_KEY}['head_groups']")
     frozen = tuple((key, _freeze(entry[key], key)) for key in _FIELDS if key in entry)
@@ -145,8 +117,7 @@ def pattern_from_config(
 
 
 def _freeze(value: Any, key: str) -> Any:
-    """``value`` as a hashable cache key: arrays, NumPy scalars and tensors as
-    Python values, lists as tuples (nested ones too: the pattern rejects them)."""
+    """``value`` as a hashable cache key (arrays and tensors as Python values)."""
     if hasattr(value, "tolist") and not isinstance(value, (str, bytes)):
         value = value.tolist()  # NumPy arrays and scalars, tensors
     if isinstance(value, (list, tuple)):

@@ -1,6 +1,4 @@
-"""Queries continuing a static cache with a pattern, in fixed shapes
-(docs/transformers.md): one compiled graph for every position.
-"""
+"""Queries continuing a static cache with a pattern, in fixed shapes."""
 
 from __future__ import annotations
 
@@ -15,9 +13,8 @@ __all__ = ["decode_attention"]
 def decode_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, call: Call
 ) -> torch.Tensor:
-    """``L`` consecutive queries a row, ``q`` ``(B, L, H, d)``, the last at the
-    position the map ``positions`` gives, attending the cache ``k``, ``v`` as
-    ``call``'s pattern reaches (the map's zeros as padding): ``(B, L, H, d)``."""
+    """``L`` consecutive queries a row, the last at the position the map
+    ``positions`` gives, attending the cache ``k``, ``v``: ``(B, L, H, d)``."""
     last = positions.amax(dim=1) - 1  # (B,); -1: a map allowing nothing
     starts = (last - (q.shape[1] - 1)).clamp(min=0)
     call = call.with_mask(positions == 0).with_rows(q_starts=starts)

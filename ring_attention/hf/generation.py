@@ -1,8 +1,5 @@
 """Generation over the sequence-parallel group (docs/transformers.md): each
-rank attends its piece of the cached keys at their global positions, the
-partial ``(out, lse)`` merged by log-sum-exp after a control round checks
-that the ranks hold the same sequence. Not yet: static caches.
-"""
+rank attends its piece of the cached keys, merged by log-sum-exp."""
 
 from __future__ import annotations
 
@@ -20,25 +17,17 @@ from ..local.blocks import merge_into
 from ..parallel.handshake import GENERATION, exchange_message
 from ..parallel.mesh import check_grid, check_ring, resolve_topology
 
-__all__ = ["Pieces", "generation_step", "is_generation", "record_pieces"]
+__all__ = ["Pieces", "generation_step", "record_pieces"]
 
 _NAME = "attn_implementation='ring_dilated'"
-
-
-def is_generation(kwargs: Mapping[str, Any], documents: Any) -> bool:
-    """Whether a sequence-parallel call is a generation step, not a training shard."""
-    return documents is None and bool(kwargs.get("use_cache"))
 
 
 def generation_step(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
     scaling: float | None, kwargs: Mapping[str, Any], sp: Any, pattern_of: Callable[[], Any],
 ) -> torch.Tensor:  # fmt: skip
-    """The attention of one generation step over the group: ``query`` ``(B,
-    H, L, D)`` the last ``L`` of the cached positions, ``key``, ``value``
-    ``(B, KVH, S, D)`` all of them; returns ``(B, L, H, D)``. ``sp``: the
-    :class:`~ring_attention.hf.setting.SequenceParallel`; ``pattern_of()``:
-    the layer's pattern, read after the ranks agree."""
+    """One generation step over the group: ``query`` ``(B, H, L, D)`` the
+    last ``L`` cached positions; returns ``(B, L, H, D)``."""
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     B, L = q.shape[:2]
     size, rank, groups = sp._grid()
@@ -67,8 +56,7 @@ def generation_step(
 
 
 class Pieces(NamedTuple):
-    """Where a ``ShardedCache`` layer's keys sit: ``runs`` of ``(global start,
-    length)`` in local order, and the positions cached over the group."""
+    """Where a ``ShardedCache`` layer's keys sit and how many are cached."""
 
     runs: tuple[tuple[int, int], ...]
     filled: int
@@ -94,14 +82,11 @@ def _attend_runs(
     pattern: Any, scaling: float | None, q_start: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(out, lse)`` of the queries at ``q_start`` against this rank's keys,
-    run by run (``k`` holds the runs in order; ``padding`` by global
-    position); ``lse`` is ``-inf`` where nothing is reached."""
+    run by run (``lse`` ``-inf`` where nothing is reached)."""
     B, L, H, D = q.shape
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = torch.zeros(B, L, H, D, dtype=acc, device=q.device)
     lse = torch.full((B, H, L), float("-inf"), dtype=acc, device=q.device)
-    # queries at q_start, keys at their run's start: rows given per batch
-    # row (the operator takes rows at offsets; one start each)
     starts = torch.full((B,), q_start, dtype=torch.int64)
     offset, call = 0, None
     for start, length in runs:
@@ -130,16 +115,13 @@ def _padding_of(attention_mask: Any, batch: int, filled: int) -> torch.Tensor | 
             f"{_NAME}: generation with a ShardedCache takes a 2-D padding mask of the "
             f"{filled} cached positions; got an attention_mask of "
             f"{getattr(attention_mask, 'dtype', type(attention_mask).__name__)} "
-            f"{tuple(getattr(attention_mask, 'shape', ()))}"
-        )
+            f"{tuple(getattr(attention_mask, 'shape', ()))}")  # fmt: skip
     return None if bool(attention_mask.all()) else ~attention_mask
 
 
 def _keys_in_use(attention_mask: Any, batch: int, keys: int) -> tuple[int, int, int, Any]:
     """``(keys in use, position of the first, end of the queries, padding)``
-    from the layer's key map (``masks.py``: ``None`` or bool ``(batch,
-    filled)``); ``padding``: ``True`` for a key to ignore, by global
-    position, or ``None``."""
+    from the layer's key map."""
     if attention_mask is None:
         return keys, 0, keys, None
     if not (isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool
@@ -148,8 +130,7 @@ def _keys_in_use(attention_mask: Any, batch: int, keys: int) -> tuple[int, int, 
             f"{_NAME}: generation over the sequence-parallel group takes a dynamic cache and "
             "a 2-D padding mask (not yet a static cache or a 4-D mask); got an attention_mask "
             f"of {getattr(attention_mask, 'dtype', type(attention_mask).__name__)} "
-            f"{tuple(getattr(attention_mask, 'shape', ()))}"
-        )
+            f"{tuple(getattr(attention_mask, 'shape', ()))}")  # fmt: skip
     filled = attention_mask.shape[1]
     first = max(filled - keys, 0)
     used = min(keys, filled)
@@ -158,15 +139,12 @@ def _keys_in_use(attention_mask: Any, batch: int, keys: int) -> tuple[int, int, 
 
 
 def _agree(sp: Any, payload: list[int]) -> None:
-    """The control rounds of a generation step over the groups the outputs
-    merge over: every rank holds the same sequence (``payload``: its sizes
-    and positions), and a rank in another call makes every rank raise, not
-    wait. An error of the first round is passed on along the ring."""
-    if sp.ring_only or sp.auto:  # as the ring's and the grid's calls do first
-        if sp.size > 1:
-            check_ring(sp.group)
-    else:
+    """The control rounds of a generation step: every rank holds the same
+    sequence (``payload``), else every rank raises."""
+    if not sp.ring_only:  # as the grid's and the ring's calls do first
         check_grid(resolve_topology(**sp.spread()))
+    elif sp.size > 1:
+        check_ring(sp.group)
     error: ValueError | None = None
     for i, (group, size, order) in enumerate(sp._grid()[2]):
         if size <= 1:
@@ -181,8 +159,7 @@ def _agree(sp: Any, payload: list[int]) -> None:
                     "with use_cache is generation over the group, which passes the same "
                     "sequence on every rank; the ranks hold (batch, queries, keys, first and "
                     f"last position) {every}. For training, build each rank's batch with "
-                    "ring_attention.hf.shard_causal_lm_batch"
-                )
+                    "ring_attention.hf.shard_causal_lm_batch")  # fmt: skip
         except ValueError as exc:
             error = error or exc
     if error is not None:

@@ -1,11 +1,6 @@
-"""What transformers' mask preparation decided (docs/transformers.md),
-carried to the layers as ``attention_mask``: ``None``; a 2-D **key map**
-``(batch, filled)`` of positions ``[0, q_offset + q_length)``, bool
-(``True``: a key) or int32 with packed documents (``0``: padding, ``d``:
-document ``d``); transformers' 4-D ``"sdpa"`` mask (no pattern, a static
-cache's decode step, or compiled); or the **position map** of queries
-continuing a static cache (:func:`position_map`). Read once per batch.
-"""
+"""What transformers' mask preparation decided, carried to the layers as
+``attention_mask`` (docs/transformers.md): ``None``, a 2-D key map, the
+``"sdpa"`` 4-D mask or a position map; read once per batch."""
 
 from __future__ import annotations
 
@@ -28,9 +23,8 @@ def _closure(fn: Callable) -> dict[str, Any]:
 
 
 def _packed_sequences(fn: Callable | None, config: Any = None) -> torch.Tensor | None:
-    """transformers' packed-sequence decision inside its mask function (the
-    ``(batch, n)`` sequence index, or ``None``); fails closed on any mask
-    function the kernels do not express exactly."""
+    """The packed-sequence index inside transformers' mask function, or
+    ``None``; fails closed on any mask function the kernels do not express."""
     from transformers import masking_utils as mu
 
     if fn is None or fn is mu.causal_mask_function or fn is mu.bidirectional_mask_function:
@@ -52,8 +46,7 @@ def _packed_sequences(fn: Callable | None, config: Any = None) -> torch.Tensor |
         if width != expected:
             raise ValueError(
                 f"{_NAME} takes the sliding window of config.sliding_window ({expected!r}); "
-                f"this model's mask slides over {width!r}"
-            )
+                f"this model's mask slides over {width!r}")  # fmt: skip
         return None
     if name == "chunked_overlay.<locals>.inner_mask":  # Llama 4's chunked layers
         cells = _closure(fn)
@@ -62,8 +55,7 @@ def _packed_sequences(fn: Callable | None, config: Any = None) -> torch.Tensor |
         if chunk != expected:
             raise ValueError(
                 f"{_NAME} takes the chunks of config.attention_chunk_size ({expected!r}); this "
-                f"model's mask has {chunk!r}"
-            )
+                f"model's mask has {chunk!r}")  # fmt: skip
         if isinstance(left, torch.Tensor) and bool((left != 0).any()):
             raise ValueError(
                 f"{_NAME} starts chunks at position 0: "
@@ -73,14 +65,12 @@ def _packed_sequences(fn: Callable | None, config: Any = None) -> torch.Tensor |
     if name.startswith("sliding_window_bidirectional_overlay."):
         raise ValueError(
             f"{_NAME} applies a sliding window to causal attention only (this model's mask is a "
-            "bidirectional sliding window)"
-        )
+            "bidirectional sliding window)")  # fmt: skip
     raise ValueError(
         f"{_NAME} expresses causal or bidirectional masks "
         f"with padding or packed documents, and causal sliding windows, only; this model builds "
         f"its mask with {name or fn!r} (chunked attention, block masks and custom and/or mask "
-        "functions are not supported)"
-    )
+        "functions are not supported)")  # fmt: skip
 
 
 def layer_mask(
@@ -88,12 +78,10 @@ def layer_mask(
     mask_function: Callable | None, attention_mask: torch.Tensor | None, dense: bool,
     sharded: bool, **kwargs: Any,
 ) -> torch.Tensor | None:  # fmt: skip
-    """What the layers get (module docstring) for transformers' mask
-    arguments; ``dense``: the model has no pattern, ``sharded``: sequence
-    parallelism is registered. The key map is built eagerly (one graph break
-    a forward) except, compiled, for queries continuing a cache."""
+    """What the layers get for transformers' mask arguments (``dense``: no
+    pattern, ``sharded``: sequence parallelism)."""
     config = kwargs.get("config")
-    if _sdpa_masks_it(q_length, kv_length, q_offset, kv_offset, dense):
+    if dense and _sdpa_masks_it(q_length, kv_length, q_offset, kv_offset):
         from transformers.masking_utils import sdpa_mask
 
         kwargs["allow_is_causal_skip"] = False  # None would mean every key of the cache
@@ -114,14 +102,8 @@ def layer_mask(
                     attention_mask, sharded, **kwargs)  # fmt: skip
 
 
-def _sdpa_masks_it(
-    q_length: int, kv_length: int, q_offset: int | torch.Tensor, kv_offset: int, dense: bool
-) -> bool:
-    """Whether a model without a pattern gets transformers' own ``"sdpa"``
-    mask, so that where the queries stand need not be read: a static cache's
-    decode step, and compiled, any queries continuing a cache."""
-    if not dense:
-        return False
+def _sdpa_masks_it(q_length: int, kv_length: int, q_offset: Any, kv_offset: int) -> bool:
+    """Whether a model without a pattern gets transformers' ``"sdpa"`` mask."""
     tensor = isinstance(q_offset, torch.Tensor)
     if torch.compiler.is_compiling():
         return tensor or q_offset != 0 or kv_offset != 0 or kv_length != q_length
@@ -132,9 +114,8 @@ def position_map(
     batch_size: int, q_length: int, kv_length: int, q_offset: torch.Tensor,
     attention_mask: torch.Tensor | None, **kwargs: Any,
 ) -> torch.Tensor:  # fmt: skip
-    """The int64 ``(batch, slots)`` position map of ``q_length`` queries from
-    ``q_offset`` (a 0-d tensor): ``P + 1`` (``P`` the last query's position)
-    where transformers' causal ``"sdpa"`` row of that query attends, else ``0``."""
+    """The int64 ``(batch, slots)`` position map: ``P + 1`` (``P`` the last
+    query's position) where its causal ``"sdpa"`` row attends, else ``0``."""
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
     kwargs["allow_is_causal_skip"] = False  # None would mean every slot of the cache
@@ -151,8 +132,7 @@ def _filled(q_offset: int, q_length: int, kv_offset: int, kv_length: int) -> int
     if filled > kv_offset + kv_length:
         raise ValueError(
             f"the queries end at {filled}, past the {kv_length} keys of the cache from "
-            f"{kv_offset} (q_offset={q_offset}, q_length={q_length})"
-        )
+            f"{kv_offset} (q_offset={q_offset}, q_length={q_length})")  # fmt: skip
     return filled
 
 
@@ -197,10 +177,8 @@ def _key_map(
 
 @dataclass(frozen=True)
 class Keys:
-    """The keys of one batch as the kernels take them: ``length`` in use
-    (the queries the last of them), ``padding`` (``True`` = ignore, or
-    ``None``) and ``rows``: per group of rows with the same documents, ``(row
-    indices or None for all, boundaries or None for one document)``."""
+    """The keys of one batch as the kernels take them: ``length``,
+    ``padding`` and ``rows`` (row indices, boundaries) per documents group."""
 
     length: int
     padding: torch.Tensor | None = None
@@ -220,8 +198,7 @@ def batch_keys(mask: torch.Tensor) -> Keys:
 
 @torch.compiler.disable  # reads the position (and a per-batch cache): eager
 def filled_keys(positions: torch.Tensor) -> torch.Tensor | None:
-    """The bool key map ``(batch, p + 1)`` of the position map of queries
-    ending at ``p``, once per batch; ``None`` when it allows no key."""
+    """The bool key map of a position map (``None``: no key), once per batch."""
 
     def read() -> torch.Tensor | None:
         filled = int(positions.amax())
@@ -235,8 +212,7 @@ def _read(mask: torch.Tensor) -> Keys:
         raise ValueError(
             f"{_NAME} takes a 2-D bool or integer mask "
             f"(batch, keys), nonzero = attend; got a {mask.dtype} mask of shape "
-            f"{tuple(mask.shape)}"
-        )
+            f"{tuple(mask.shape)}")  # fmt: skip
     batch, length = mask.shape
     ids = mask.to(torch.int64)
     if bool((ids < 0).any()):
@@ -266,10 +242,8 @@ def _read(mask: torch.Tensor) -> Keys:
 def sdpa_mask_of(
     key_map: torch.Tensor, q_len: int, k_len: int, causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The 4-D bool mask ``(batch, 1, q_len, k_len)`` sdpa takes for a key
-    map and a layer of ``q_len`` queries and ``k_len`` keys (module
-    docstring), and ``(batch, q_len)``: whether each query reaches a key (a
-    row reaching none attends every key, and its output must be zeroed)."""
+    """The 4-D bool mask sdpa takes for a key map, and ``(batch, q_len)``:
+    whether each query reaches a key (else its output must be zeroed)."""
     batch, filled = key_map.shape
     dev = key_map.device
     q_pos = torch.arange(filled - q_len, filled, device=dev)

@@ -1,8 +1,5 @@
 """Sequence parallelism over transformers models (docs/transformers.md): the
-setting of :func:`~ring_attention.hf.attention.register_transformers` that
-the ``"ring_dilated"`` entries read (:class:`SequenceParallel`), a rank's
-batch from the full one (:func:`shard_causal_lm_batch`) and the DataLoader
-adapter of training (:class:`SequenceParallelDataLoader`)."""
+registered setting, a rank's batch and the DataLoader adapter of training."""
 
 from __future__ import annotations
 
@@ -18,15 +15,9 @@ from ..parallel.handshake import control_device
 from ..parallel.mesh import resolve_topology, world_info
 from ..parallel.sharding import shard_sequence
 
-__all__ = [
-    "ATTN_IMPLEMENTATION",
-    "SequenceParallel",
-    "SequenceParallelDataLoader",
-    "documents_from_position_ids",
-    "sequence_parallel",
-    "shard_causal_lm_batch",
-    "spread_of",
-]
+__all__ = ["ATTN_IMPLEMENTATION", "SequenceParallel", "SequenceParallelDataLoader",
+           "documents_from_position_ids", "sequence_parallel", "shard_causal_lm_batch",
+           "spread_of"]  # fmt: skip
 
 #: The name to pass as ``attn_implementation``.
 ATTN_IMPLEMENTATION = "ring_dilated"
@@ -34,10 +25,8 @@ _IGNORE_INDEX = -100
 
 
 class SequenceParallel:
-    """The sequence-parallel ranks of ``register_transformers``: how the
-    attention spreads a sequence and what the batch sharding needs. The
-    groups are held by weak references: a strong one would keep a released
-    group's gloo threads alive into the interpreter's shutdown (an abort)."""
+    """The sequence-parallel ranks of ``register_transformers``, groups held
+    by weak references (a strong one keeps gloo threads alive into shutdown)."""
 
     def __init__(
         self, group: dist.ProcessGroup | None, layout: str,
@@ -46,20 +35,16 @@ class SequenceParallel:
         self._refs = tuple(None if g is None else weakref.ref(g) for g in (group, ulysses_group))
         self.mesh = mesh
         self.layout = layout
-        #: ``mesh="auto"``: each layer's grid is the planner's (:meth:`layer_spread`);
-        #: the batch shards as for the ring (shard ``i * U + j`` in every grid)
-        self.auto = auto
+        self.auto = auto  # mesh="auto": each layer's grid is the planner's
         self._meshes: dict[tuple, dict[str, Any]] = {}
 
     def layer_spread(self, key: tuple, plan: Any) -> dict[str, Any]:
-        """``mesh="auto"``: the groups of a layer, chosen once per ``key`` by
-        ``plan()`` (every rank decides the same, so meshes are built in step)."""
+        """``mesh="auto"``: the groups of a layer, chosen once per ``key``."""
         if key not in self._meshes:
             mesh, prediction = plan()
-            if prediction.ulysses == 1:
-                self._meshes[key] = {"group": self.group, "ulysses_group": None, "mesh": None}
-            else:
-                self._meshes[key] = {"group": None, "ulysses_group": None, "mesh": mesh}
+            ring = prediction.ulysses == 1
+            self._meshes[key] = {"group": self.group if ring else None, "ulysses_group": None,
+                                 "mesh": None if ring else mesh}  # fmt: skip
         return self._meshes[key]
 
     def _live(self, index: int) -> dist.ProcessGroup | None:
@@ -71,8 +56,7 @@ class SequenceParallel:
             raise RuntimeError(
                 "a process group given to register_transformers no longer exists "
                 "(destroy_process_group released it): register again with live groups, or "
-                "with none"
-            )
+                "with none")  # fmt: skip
         return group
 
     group = property(lambda self: self._live(0), doc="The ring, or ``None``.")
@@ -80,27 +64,24 @@ class SequenceParallel:
 
     @property
     def ring_only(self) -> bool:
-        """Whether the attention is the ring alone (one operator, compiles)."""
-        return self._refs[1] is None and self.mesh is None and not self.auto
+        """Whether the batch shards and gathers over the ring alone."""
+        return self.auto or (self._refs[1] is None and self.mesh is None)
 
     def spread(self) -> dict[str, Any]:
-        """``group``/``ulysses_group``/``mesh`` as the functional API takes them
-        (``mesh="auto"``: the ring's, which shards the batch the same)."""
+        """``group``/``ulysses_group``/``mesh`` as the functional API takes them."""
         if self.auto:
             return {"group": self.group, "ulysses_group": None, "mesh": None}
         return {"group": self.group, "ulysses_group": self.ulysses_group, "mesh": self.mesh}
 
     def _grid(self) -> tuple[int, int, tuple]:
-        """``(size, rank, groups)``: the ranks sharing a sequence, this rank's
-        shard and the groups to gather over (Ulysses first, then the ring)."""
-        if self.ring_only or self.auto:
+        """``(size, rank, groups to gather over, Ulysses first)``."""
+        if self.ring_only:
             size, rank = world_info(self.group)
             return size, rank, ((self.group, size, None),)
         topo = resolve_topology(**self.spread())  # (indices: a mesh's coordinates)
         return topo.world_size, topo.shard_index, (
             (topo.ulysses_group, topo.ulysses_size, topo.ulysses_order),
-            (topo.ring_group, topo.ring_size, topo.ring_order),
-        )  # fmt: skip
+            (topo.ring_group, topo.ring_size, topo.ring_order))  # fmt: skip
 
     size = property(lambda self: self._grid()[0], doc="How many ranks share a sequence.")
     rank = property(lambda self: self._grid()[1], doc="This rank's shard of the sequence.")
@@ -110,8 +91,7 @@ class SequenceParallel:
         return shard_sequence(x, dim, layout=self.layout, **self.spread()).contiguous()
 
     def gather_object(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj``, in shard order, from the ranks that share a
-        sequence (inside the Ulysses group, then along the ring)."""
+        """Every rank's ``obj`` in shard order, from the ranks sharing a sequence."""
         items = [obj]
         for group, size, order in self._grid()[2]:
             if size > 1:
@@ -124,29 +104,23 @@ class SequenceParallel:
 
 
 def spread_of(group: Any, ulysses_group: Any, mesh: Any, layout: str) -> SequenceParallel | None:
-    """The checked :class:`SequenceParallel` of these arguments (``None``:
-    none); ``ValueError`` as :func:`register_transformers`."""
+    """The checked :class:`SequenceParallel` of these arguments, or ``None``."""
     if check_layout(layout) == "balanced":
         raise ValueError(
             "layout='balanced' is not available to transformers models: the sequence is sharded "
             "once for every layer, and balanced cuts follow one attention pattern (the layers' "
-            "patterns may differ); use layout='contiguous' or 'zigzag'"
-        )
-    if isinstance(mesh, str) and mesh == "auto":
-        if ulysses_group is not None or layout != "contiguous":
-            raise ValueError(
-                "mesh=\"auto\" chooses each layer's grid over group's ranks: it takes no "
-                f"ulysses_group and the contiguous layout, got ulysses_group={ulysses_group!r}, "
-                f"layout={layout!r}"
-            )
-        if group is not None and not isinstance(group, dist.ProcessGroup):
-            raise ValueError(
-                f"group must be a torch.distributed ProcessGroup or None, got {group!r}"
-            )
-        return SequenceParallel(group or dist.group.WORLD, layout, auto=True)
+            "patterns may differ); use layout='contiguous' or 'zigzag'")  # fmt: skip
+    auto = isinstance(mesh, str) and mesh == "auto"
+    if auto and (ulysses_group is not None or layout != "contiguous"):
+        raise ValueError(
+            "mesh=\"auto\" chooses each layer's grid over group's ranks: it takes no "
+            f"ulysses_group and the contiguous layout, got ulysses_group={ulysses_group!r}, "
+            f"layout={layout!r}")  # fmt: skip
     for name, g in (("group", group), ("ulysses_group", ulysses_group)):
         if g is not None and not isinstance(g, dist.ProcessGroup):
             raise ValueError(f"{name} must be a torch.distributed ProcessGroup or None, got {g!r}")
+    if auto:
+        return SequenceParallel(group or dist.group.WORLD, layout, auto=True)
     if mesh is None and ulysses_group is None:
         return None if group is None else SequenceParallel(group, layout)
     topo = resolve_topology(group, ulysses_group, mesh)  # checks this rank's arguments
@@ -164,8 +138,7 @@ def set_sequence_parallel(sp: SequenceParallel | None) -> None:
 
 
 def sequence_parallel() -> SequenceParallel | None:
-    """The setting of the last ``register_transformers`` (``None``: every
-    process attends over the whole sequence it is given)."""
+    """The setting of the last ``register_transformers`` (or ``None``)."""
     return _state["sp"]
 
 
@@ -180,10 +153,8 @@ def _check_ids(t: Any, name: str) -> None:
 
 
 def documents_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor | None:
-    """Document boundaries ``[0, e_1, ..., n]`` (int64) of a packed sequence
-    whose ``position_ids`` ``(batch, n)`` restart per document, split as
-    transformers' ``find_packed_sequence_indices`` splits them; ``None`` for
-    one document per row. ``ValueError``: rows with different boundaries."""
+    """Document boundaries ``[0, e_1, ..., n]`` (int64) of packed
+    ``position_ids`` ``(batch, n)``; ``None`` for one document per row."""
     from transformers.masking_utils import find_packed_sequence_indices
 
     _check_ids(position_ids, "position_ids")
@@ -204,22 +175,19 @@ def documents_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor | No
         raise ValueError(
             "packed sequences (position_ids restarting inside a row) must have the same document "
             "boundaries in every batch row; flatten the batch into one row "
-            "(DataCollatorWithFlattening) or pass cu_seq_lens_q"
-        )
+            "(DataCollatorWithFlattening) or pass cu_seq_lens_q")  # fmt: skip
     inner = torch.nonzero(starts[0]).flatten() + 1
     zero = inner.new_zeros(1)
     return torch.cat([zero, inner, zero + n]).to(torch.int64)
 
 
 def _right_padding(attention_mask: Any, shape: tuple[int, int]) -> torch.Tensor | None:
-    """The padded positions ``(batch, seq)`` (``True`` = padding) of a 2-D
-    right-padding ``attention_mask``, ``None`` without padding."""
+    """The padded positions (``True``) of a right-padding mask, or ``None``."""
     if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != shape:
         got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else None
         raise ValueError(
             f"attention_mask must be a 2-D padding mask of input_ids' shape {shape} (1 = token, "
-            f"0 = padding), got {got or attention_mask!r}"
-        )
+            f"0 = padding), got {got or attention_mask!r}")  # fmt: skip
     keep = attention_mask != 0
     if bool(keep.all()):
         return None
@@ -240,22 +208,19 @@ def _documents(
         if position_ids.dim() != 2 or position_ids.shape[1] != n:
             raise ValueError(
                 f"position_ids must have shape (batch, seq) or (1, seq) with seq = {n}, got "
-                f"{tuple(position_ids.shape)}"
-            )
+                f"{tuple(position_ids.shape)}")  # fmt: skip
         cu = documents_from_position_ids(position_ids)
         cu = torch.tensor([0, n]) if cu is None else cu
         if cu_seq_lens is not None and cu_seq_lens.tolist() != cu.tolist():
             raise ValueError(
                 f"cu_seq_lens_q {cu_seq_lens.tolist()} disagrees with the documents of "
-                f"position_ids {cu.tolist()}"
-            )
+                f"position_ids {cu.tolist()}")  # fmt: skip
     elif cu_seq_lens is not None:
         cu = cu_seq_lens.to("cpu", torch.int64)
         if cu.dim() != 1 or cu.numel() < 2 or cu[0] != 0 or cu[-1] != n or (cu.diff() < 0).any():
             raise ValueError(
                 f"cu_seq_lens_q must be the document boundaries [0, ..., {n}] (1-D, "
-                f"non-decreasing), got {cu.tolist()}"
-            )
+                f"non-decreasing), got {cu.tolist()}")  # fmt: skip
         lengths = cu.diff()
         position_ids = torch.arange(n) - torch.repeat_interleave(cu[:-1], lengths)
         position_ids = position_ids[None].to(device)
@@ -274,37 +239,26 @@ def shard_causal_lm_batch(
     mesh: Any = None, layout: str | None = None, **other: Any,
 ) -> dict[str, Any]:  # fmt: skip
     """This rank's causal-LM batch (``model(**batch)``) from the same full
-    batch on every rank (docs/transformers.md): its ``input_ids`` (or
-    ``inputs_embeds``), global ``position_ids``, ``cu_seq_lens_q`` =
-    ``cu_seq_lens_k`` (int32, from ``position_ids`` or given), ``other``
-    ``(batch, seq, ...)`` tensors sharded and, with ``labels``: ``labels``,
-    ``shift_labels`` (shifted over the WHOLE sequence) and
-    ``num_items_in_batch`` (the scored tokens over the ranks sharing them). A
-    right-padding ``attention_mask`` is dropped (its positions not scored). The
-    ranks: as ``register_transformers`` takes them, default the registered.
-    ``ValueError``: bad shapes or padding, disagreeing documents.
-    """
+    batch on every rank (docs/transformers.md); ``ValueError`` for bad shapes
+    or padding and disagreeing documents."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("pass exactly one of input_ids and inputs_embeds")
     ids = input_ids is not None
     tokens = input_ids if ids else inputs_embeds
-    if ids:
-        _check_ids(input_ids, "input_ids")
+    for name, t in (("input_ids", input_ids), ("labels", labels), ("position_ids", position_ids)):
+        if t is not None:
+            _check_ids(t, name)
     dims = 2 if ids else 3
     if not isinstance(tokens, torch.Tensor) or tokens.dim() != dims or tokens.shape[0] < 1:
         name, dims = ("input_ids", "seq") if ids else ("inputs_embeds", "seq, hidden")
         got = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else tokens
         raise ValueError(f"{name} must be a (batch >= 1, {dims}) tensor, got {got!r}")
-    for name, t in (("labels", labels), ("position_ids", position_ids)):
-        if t is not None:
-            _check_ids(t, name)
     batch, n = tokens.shape[:2]
     rows = None if position_ids is None or position_ids.dim() != 2 else position_ids.shape[0]
     if rows not in (None, 1, batch):
         raise ValueError(
             f"position_ids must have shape (batch, seq) = {(batch, n)} or (1, seq), got "
-            f"{tuple(position_ids.shape)}"
-        )
+            f"{tuple(position_ids.shape)}")  # fmt: skip
     padding = None if attention_mask is None else _right_padding(attention_mask, (batch, n))
     position_ids, cu = _documents(position_ids, cu_seq_lens_q, n, tokens.device)
     del cu_seq_lens_k  # the same boundaries as cu_seq_lens_q (self-attention)
@@ -348,15 +302,9 @@ def _to(batch: Mapping[str, Any], device: torch.device | None) -> dict[str, Any]
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
-def _device(batch: Mapping[str, Any]) -> torch.device | None:
-    return next((v.device for v in batch.values() if isinstance(v, torch.Tensor)), None)
-
-
 class SequenceParallelDataLoader:
-    """Turns a data-parallel loader of causal-LM batches into this rank's
-    sequence-parallel batches (docs/transformers.md): each micro-batch of the
-    ranks sharing a sequence becomes one step holding this rank's piece, its
-    ``num_items_in_batch`` counted over all ranks."""
+    """A data-parallel loader of causal-LM batches as this rank's
+    sequence-parallel batches (docs/transformers.md)."""
 
     def __init__(self, dataloader: Iterable[Mapping[str, Any]], *, ignore_index: int = -100):
         self.dataloader = dataloader
@@ -377,14 +325,13 @@ class SequenceParallelDataLoader:
             if not isinstance(batch, Mapping):
                 raise ValueError(
                     "SequenceParallelDataLoader takes batches that are dicts (input_ids, labels, "
-                    f"...), got {type(batch).__name__}"
-                )
+                    f"...), got {type(batch).__name__}")  # fmt: skip
             yield from self._steps(batch)
 
     def _steps(self, batch: Mapping[str, Any]) -> list[dict[str, Any]]:
-        """The batches of the sequence group's micro-batches, this rank's pieces."""
+        """This rank's pieces of the sequence group's micro-batches."""
         sp = sequence_parallel()
-        device = _device(batch)
+        device = next((v.device for v in batch.values() if isinstance(v, torch.Tensor)), None)
         if sp is None or sp.size == 1:
             batches = [dict(batch)]
         else:

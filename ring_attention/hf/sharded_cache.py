@@ -1,8 +1,5 @@
 """A KV cache sharded by sequence over the sequence-parallel group
-(docs/transformers.md): each full-attention layer keeps only this rank's
-positions (its prefill piece, then blocks of generated positions in turn),
-handed to the attention with their global positions. Imports transformers.
-"""
+(docs/transformers.md). Imports transformers."""
 
 from __future__ import annotations
 
@@ -49,8 +46,7 @@ class ShardedLayer(DynamicLayer):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keep this rank's share of the new positions; return every key and
-        value it holds (their positions recorded)."""
+        """Keep this rank's share of the new positions; return all it holds."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         start, length = self.filled, key_states.shape[-2]
@@ -92,8 +88,7 @@ class ShardedLayer(DynamicLayer):
 
 class ShardedCache(DynamicCache):
     """transformers' ``DynamicCache`` whose full-attention layers keep only
-    this rank's positions; ``block``: generated positions a rank takes in turn.
-    ``ValueError`` without sequence parallelism or for a bad ``block``."""
+    this rank's positions; ``block``: generated positions a rank takes in turn."""
 
     def __init__(self, config: Any, block: int = 64) -> None:
         sp = sequence_parallel()

@@ -1,5 +1,4 @@
-"""``transformers.Trainer`` with sequence parallelism:
-:class:`SequenceParallelTrainer` (imports transformers)."""
+"""``transformers.Trainer`` with sequence parallelism (imports transformers)."""
 
 from __future__ import annotations
 
@@ -13,8 +12,7 @@ __all__ = ["SequenceParallelMixin", "SequenceParallelTrainer"]
 
 
 class SequenceParallelMixin:
-    """Puts a ``Trainer``'s loaders (or a subclass's, e.g. TRL's
-    ``SFTTrainer``) behind :class:`~ring_attention.hf.SequenceParallelDataLoader`."""
+    """Puts a ``Trainer``'s (or a subclass's) loaders behind ``SequenceParallelDataLoader``."""
 
     def get_train_dataloader(self) -> Any:
         return SequenceParallelDataLoader(super().get_train_dataloader())  # type: ignore[misc]

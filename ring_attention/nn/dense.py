@@ -1,9 +1,5 @@
-"""Exact attention with materialised ``(batch, heads, L, S)`` scores: the
-path of :class:`ring_attention.MultiheadDilatedAttention` for what needs the
-weights (``need_weights=True``, dropout on the probabilities) and what the
-kernels do not take (an ``attn_mask``, a float
-``key_padding_mask``, ``add_bias_kv``/``add_zero_attn`` keys, query and key
-of different lengths)."""
+"""Exact attention with materialised scores: ``MultiheadDilatedAttention``'s
+path for what needs the weights or what the kernels do not take."""
 
 from __future__ import annotations
 
@@ -26,31 +22,25 @@ def dense_attention(
     add_zero_attn: bool = False, pattern: Pattern | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """Attention of projected ``(batch, seq, embed)`` q/k/v as
-    ``nn.MultiheadAttention`` computes it: additive float masks (``-inf`` =
-    masked), extra keys reached once by every query, dropout on the
-    probabilities, a ``pattern`` as the ``log(multiplicity)`` bias (its
-    ``causal`` replaces ``causal``); rows that reach nothing give zeros.
-    Returns ``(out (batch, L, embed), weights (batch, heads, L, S) or None)``.
-    """
+    ``nn.MultiheadAttention`` computes it, a ``pattern`` as the
+    ``log(multiplicity)`` bias; rows that reach nothing give zeros.
+    Returns ``(out, weights (batch, heads, L, S) or None)``."""
     cdt = compute_dtype
     B, L, E = q.shape
-    H = num_heads
-    D = E // H
+    H, D = num_heads, E // num_heads
     kpm, am = key_padding_mask, attn_mask
+    extra = int(bias_k is not None) + int(add_zero_attn)  # keys every query reaches
+    if extra:
+        am = None if am is None else F.pad(am, (0, extra))
+        kpm = None if kpm is None else F.pad(kpm, (0, extra))
     if bias_k is not None:
         k = torch.cat([k, bias_k.expand(B, 1, E).to(k.dtype)], dim=1)
         v = torch.cat([v, bias_v.expand(B, 1, E).to(v.dtype)], dim=1)
-        am = None if am is None else F.pad(am, (0, 1))
-        kpm = None if kpm is None else F.pad(kpm, (0, 1))
-    q = q.reshape(B, L, H, D).transpose(1, 2).to(cdt)
-    k = k.reshape(B, k.shape[1], H, D).transpose(1, 2).to(cdt)
-    v = v.reshape(B, v.shape[1], H, D).transpose(1, 2).to(cdt)
+    q, k, v = (t.reshape(B, t.shape[1], H, D).transpose(1, 2).to(cdt) for t in (q, k, v))
     if add_zero_attn:
         zeros = q.new_zeros(B, H, 1, D)
         k = torch.cat([k, zeros], dim=2)
         v = torch.cat([v, zeros], dim=2)
-        am = None if am is None else F.pad(am, (0, 1))
-        kpm = None if kpm is None else F.pad(kpm, (0, 1))
     S = k.shape[2]
 
     bias = None
@@ -66,22 +56,18 @@ def dense_attention(
         logm = logm.unsqueeze(0)
         bias = logm if bias is None else bias + logm
         causal = False  # inside the multiplicity
-    if bias is not None:
-        bias = bias.to(cdt)
-        empty = torch.isneginf(bias).all(dim=-1, keepdim=True)
-    else:
-        empty = None
+    bias = None if bias is None else bias.to(cdt)
+    empty = None if bias is None else torch.isneginf(bias).all(dim=-1, keepdim=True)
 
     if need_weights:
         scores = torch.matmul(q * math.sqrt(1.0 / D), k.transpose(-2, -1))
         if bias is not None:
             scores = scores + bias
-        if empty is not None:
-            # Rows reaching nothing: zero weights, finite gradients.
+        if empty is not None:  # rows reaching nothing: zero weights, finite gradients
             scores = scores.masked_fill(empty, 0.0)
-            weights = torch.softmax(scores, dim=-1).masked_fill(empty, 0.0)
-        else:
-            weights = torch.softmax(scores, dim=-1)
+        weights = torch.softmax(scores, dim=-1)
+        if empty is not None:
+            weights = weights.masked_fill(empty, 0.0)
         if dropout_p > 0.0:
             weights = F.dropout(weights, p=dropout_p)
         out = torch.matmul(weights, v)

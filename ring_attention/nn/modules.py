@@ -1,9 +1,5 @@
-"""``nn.Module`` front ends of the attention: :class:`DilatedAttention` (one
-process) and :class:`RingDilatedAttention` (the sequence sharded across a
-process group); ``MultiheadDilatedAttention`` is ``multihead.py``'s. Each
-holds one :class:`~ring_attention.core.pattern.Pattern`, checked at
-construction (``ValueError`` there, not at the first forward).
-"""
+"""``nn.Module`` front ends: :class:`DilatedAttention` (one process) and
+:class:`RingDilatedAttention` (sharded), each holding a checked ``Pattern``."""
 
 from __future__ import annotations
 
@@ -27,14 +23,14 @@ class _PatternModule(nn.Module):
     """Holds the pattern and the score scale of an attention module."""
 
     def __init__(
-        self, segment_lengths: Sequence[int], dilation_rates: Sequence[int], causal: bool,
-        scale: float | None, head_groups: bool, head_offsets: str, window,
+        self, segment_lengths: Sequence[int], dilation_rates: Sequence[int],
+        causal: bool = False, scale: float | None = None, head_groups: bool = False,
+        head_offsets: str = "modulo", *, window: tuple[int, int] | None = None,
     ) -> None:  # fmt: skip
         super().__init__()
         self.pattern = Pattern(
             segment_lengths, dilation_rates, causal=causal, head_groups=head_groups,
-            head_offsets=head_offsets, window=window,
-        )  # fmt: skip
+            head_offsets=head_offsets, window=window)  # fmt: skip
         self.scale = None if scale is None else resolve_scale(scale, 1)
 
     segment_lengths = property(lambda self: self.pattern.segment_lengths)
@@ -54,58 +50,24 @@ class _PatternModule(nn.Module):
 
 
 class DilatedAttention(_PatternModule):
-    """Exact dilated attention over ``(batch, seq, heads, head_dim)``
-    tensors: :func:`ring_attention.dilated_attention` as an ``nn.Module``.
-
-    Args:
-        segment_lengths, dilation_rates: the pattern, one ``(w, r)`` per branch.
-        causal: keys only at or before the query.
-        scale: score scale, default ``head_dim ** -0.5``.
-        head_groups: branch ``i`` applies only to head group ``i``.
-        head_offsets: ``"modulo"`` (default) or ``"grouped"`` (torchscale).
-        window: ``(left, right)``, a sliding window (``-1``: unbounded).
-    """
-
-    def __init__(
-        self, segment_lengths: Sequence[int], dilation_rates: Sequence[int],
-        causal: bool = False, scale: float | None = None, head_groups: bool = False,
-        head_offsets: str = "modulo", *, window: tuple[int, int] | None = None,
-    ) -> None:  # fmt: skip
-        super().__init__(
-            segment_lengths, dilation_rates, causal, scale, head_groups, head_offsets, window
-        )
+    """:func:`ring_attention.dilated_attention` as an ``nn.Module`` over
+    ``(batch, seq, heads, head_dim)`` tensors (docs/modules.md)."""
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         key_padding_mask: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        """``out`` of ``q``'s shape and dtype (``k``, ``v`` may have fewer
-        heads); ``key_padding_mask``: bool ``(batch, seq)``, ``True`` = ignore;
-        ``cu_seqlens``: document boundaries; ``sinks``: ``(heads,)``."""
+        """``out`` of ``q``'s shape and dtype (``k``, ``v`` may have fewer heads)."""
         return attend(
             q, k, v, self.pattern, scale=self.scale, key_padding_mask=key_padding_mask,
-            cu_seqlens=cu_seqlens, sinks=sinks,
-        )  # fmt: skip
+            cu_seqlens=cu_seqlens, sinks=sinks)  # fmt: skip
 
 
 class RingDilatedAttention(_PatternModule):
     """:func:`ring_attention.ring_dilated_attention` as an ``nn.Module``:
-    ``forward(q, k, v)`` takes and returns this rank's ``(batch, seq_local,
-    heads, head_dim)`` shards.
-
-    Args:
-        segment_lengths, dilation_rates, causal, scale, head_groups,
-        head_offsets, window: as for :class:`DilatedAttention` (causal on
-            global positions).
-        group: the process group (default: the default group; with
-            ``ulysses_group``: the ring, ``None`` = none).
-        layout: ``"contiguous"`` (default), ``"zigzag"`` or ``"balanced"``
-            (shard with ``shard_sequence(..., layout="balanced")`` and the
-            same pattern).
-        ulysses_group, mesh: Ulysses or ring x Ulysses sharding, as for
-            :func:`ring_attention.ring_dilated_attention`.
-    """
+    ``forward`` takes and returns this rank's ``(batch, seq_local, heads,
+    head_dim)`` shards (docs/modules.md)."""
 
     def __init__(
         self, segment_lengths: Sequence[int], dilation_rates: Sequence[int],
@@ -115,7 +77,7 @@ class RingDilatedAttention(_PatternModule):
         mesh=None, window: tuple[int, int] | None = None,
     ) -> None:  # fmt: skip
         super().__init__(
-            segment_lengths, dilation_rates, causal, scale, head_groups, head_offsets, window
+            segment_lengths, dilation_rates, causal, scale, head_groups, head_offsets, window=window
         )
         self.group = group
         self.ulysses_group = ulysses_group
@@ -126,15 +88,12 @@ class RingDilatedAttention(_PatternModule):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         cu_seqlens: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        """Attend this rank's query shard to the whole sequence;
-        ``cu_seqlens`` and ``sinks`` the same on every rank (GLOBAL document
-        boundaries)."""
-        # (the pattern an argument of its own: a constant of a compiled graph)
+        """This rank's query shard against the whole sequence (``cu_seqlens``
+        GLOBAL, the same on every rank)."""
         return sharded_attention(
             q, k, v, given_pattern, (self.pattern,), cu_seqlens=cu_seqlens, scale=self.scale,
             group=self.group, ulysses_group=self.ulysses_group, mesh=self.mesh,
-            layout=self.layout, return_lse=False, sinks=sinks,
-        )  # fmt: skip
+            layout=self.layout, return_lse=False, sinks=sinks)  # fmt: skip
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", layout={self.layout!r}"

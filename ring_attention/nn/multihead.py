@@ -1,11 +1,5 @@
 """``MultiheadDilatedAttention``: ``torch.nn.MultiheadAttention`` with exact
-dilated attention and sequence sharding (docs/modules.md). Without a
-pattern, ``group`` or ``compute_dtype`` its ``forward`` *is* PyTorch's;
-otherwise a call is checked in PyTorch's order and words
-(``multihead_checks.py``), projected as PyTorch projects it, attended by the
-C++ operators (O(n) memory) or ``dense.py``, and laid out as PyTorch lays
-out its output.
-"""
+dilated attention and sequence sharding (docs/modules.md)."""
 
 from __future__ import annotations
 
@@ -34,9 +28,7 @@ from .multihead_checks import (
     check_key_padding_mask_shape,
     check_key_value,
     check_mask_dtype,
-    check_separate_weights,
     fast_path_reason,
-    nested_error,
 )
 
 __all__ = ["MultiheadAttentionError", "MultiheadDilatedAttention"]
@@ -44,50 +36,16 @@ __all__ = ["MultiheadAttentionError", "MultiheadDilatedAttention"]
 #: A pattern whose one segment is longer than any sequence: dense attention.
 DENSE = Pattern((2**62,), (1,))
 
-_CAUSAL_HINT_ERROR = (
-    "Need attn_mask if specifying the is_causal hint. You may use the Transformer module "
-    "method `generate_square_subsequent_mask` to create this mask."
-)
-
 
 def _keep_forward(module: nn.Module, args: tuple) -> None:
-    """A no-op forward pre-hook: ``nn.TransformerEncoderLayer`` skips its fused
-    (dense) inference kernel when a submodule has hooks."""
+    """A no-op hook: ``nn.TransformerEncoderLayer`` then skips its fused kernel."""
     return None
 
 
 class MultiheadDilatedAttention(nn.MultiheadAttention):
-    """Drop-in replacement for ``torch.nn.MultiheadAttention`` with optional
-    exact dilated attention and sequence sharding (docs/modules.md: what
-    stays PyTorch's, what differs).
-
-    Same constructor, parameters, state-dict keys, ``forward`` signature and
-    return value; :class:`MultiheadAttentionError` where PyTorch raises
-    ``AssertionError``; flags must be ``bool`` (``ValueError`` naming it).
-
-    Args:
-        embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim,
-        vdim, batch_first, device, dtype: as for ``nn.MultiheadAttention``.
-        segment_lengths, dilation_rates: a dilated pattern (both or neither;
-            ``None``: dense attention). A pattern needs query and key of
-            equal length.
-        head_groups: branch ``i`` applies only to head group ``i``.
-        head_offsets: ``"modulo"`` or ``"grouped"`` (torchscale).
-        group: a process group: ``query``/``key``/``value`` and the output
-            are this rank's sequence shard (``ra.shard_sequence``) and the
-            attention is ring attention over it; masks, weights, dropout in
-            training, extra keys, cross-attention and nested tensors raise
-            ``ValueError`` on every rank. Every rank calls ``forward`` (and
-            the backward) together.
-        ulysses_group, mesh: Ulysses or ring x Ulysses sharding, as for
-            ``ra.ring_dilated_attention``; the restrictions of ``group``.
-        compute_dtype: the attention core's dtype: ``None`` (the projections'),
-            ``"auto"`` (``ra.select_dtype``) or one of the kernels' dtypes.
-        window: ``(left, right)``, a sliding window (``-1``: unbounded).
-
-    ``need_weights`` defaults to ``True`` as in PyTorch, which materialises
-    the dense weights; pass ``need_weights=False`` to run the C++ operators.
-    """
+    """Drop-in ``torch.nn.MultiheadAttention`` with optional exact dilated
+    attention, sequence sharding (``group``, ``ulysses_group``, ``mesh``) and
+    ``compute_dtype`` (docs/modules.md); ``need_weights=False`` runs the kernels."""
 
     def __init__(
         self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
@@ -99,22 +57,18 @@ class MultiheadDilatedAttention(nn.MultiheadAttention):
         ulysses_group: dist.ProcessGroup | None = None, mesh=None,
         compute_dtype: torch.dtype | str | None = None, window: tuple[int, int] | None = None,
     ) -> None:  # fmt: skip
-        for name, flag in (("bias", bias), ("add_bias_kv", add_bias_kv),
-                           ("add_zero_attn", add_zero_attn), ("batch_first", batch_first),
-                           ("head_groups", head_groups)):  # fmt: skip
-            as_flag(flag, name)
+        for name in ("bias", "add_bias_kv", "add_zero_attn", "batch_first", "head_groups"):
+            as_flag(locals()[name], name)
         try:
             super().__init__(
                 embed_dim, num_heads, dropout, bias, add_bias_kv, add_zero_attn, kdim, vdim,
-                batch_first, device, dtype,
-            )  # fmt: skip
+                batch_first, device, dtype)  # fmt: skip
         except AssertionError as e:
             raise MultiheadAttentionError(*e.args).with_traceback(e.__traceback__) from None
         self.pattern = _check_options(
             num_heads, segment_lengths, dilation_rates, head_groups, head_offsets,
             group is not None or ulysses_group is not None or mesh is not None,
-            add_bias_kv, add_zero_attn, compute_dtype, window,
-        )  # fmt: skip
+            add_bias_kv, add_zero_attn, compute_dtype, window)  # fmt: skip
         self.group = group
         self.ulysses_group = ulysses_group
         self.mesh = mesh
@@ -123,11 +77,9 @@ class MultiheadDilatedAttention(nn.MultiheadAttention):
             self.register_forward_pre_hook(_keep_forward)
 
     def __deepcopy__(self, memo):
-        # A process group is shared, not copied (it cannot be), so that e.g.
-        # nn.TransformerEncoder can clone a layer holding a sharded module.
-        for shared in (self.group, self.ulysses_group, self.mesh):
-            if shared is not None:
-                memo[id(shared)] = shared
+        # Process groups are shared, not copied (nn.TransformerEncoder clones layers).
+        shared = (self.group, self.ulysses_group, self.mesh)
+        memo.update({id(g): g for g in shared if g is not None})
         new = self.__class__.__new__(self.__class__)
         memo[id(self)] = new
         for name, value in self.__dict__.items():
@@ -136,9 +88,7 @@ class MultiheadDilatedAttention(nn.MultiheadAttention):
 
     def __prepare_scriptable__(self) -> nn.Module:
         """``torch.jit.script``: a plain module scripts as the
-        ``nn.MultiheadAttention`` it is (one sharing its parameters, buffers
-        and submodules); one with a pattern, ``group`` or ``compute_dtype``
-        raises ``RuntimeError`` (``torch.compile``/``torch.export`` work)."""
+        ``nn.MultiheadAttention`` it is; any other raises ``RuntimeError``."""
         if not self._is_plain():
             raise RuntimeError(
                 "torch.jit.script: a MultiheadDilatedAttention with a pattern, group= or "
@@ -158,28 +108,21 @@ class MultiheadDilatedAttention(nn.MultiheadAttention):
         """Inputs and outputs are this rank's sequence shard."""
         return self.group is not None or self.ulysses_group is not None or self.mesh is not None
 
-    @property
-    def has_pattern(self) -> bool:
-        """Whether a dilated pattern was given (``False``: dense attention)."""
-        return self.pattern is not None
+    has_pattern = property(lambda s: s.pattern is not None, doc="Whether a pattern was given.")
 
     segment_lengths = property(lambda s: None if s.pattern is None else s.pattern.segment_lengths)
     dilation_rates = property(lambda s: None if s.pattern is None else s.pattern.dilation_rates)
     head_groups = property(lambda s: s.pattern is not None and s.pattern.head_groups)
 
     def extra_repr(self) -> str:
-        s = f"embed_dim={self.embed_dim}, num_heads={self.num_heads}"
-        if self.dropout:
-            s += f", dropout={self.dropout}"
-        if self.batch_first:
-            s += ", batch_first=True"
-        if self.pattern is not None:
-            s += ", " + self.pattern.describe().replace(" ", ", ")
-        if self._sharded:
-            s += ", group=<sharded>"
-        if self.compute_dtype is not None:
-            s += f", compute_dtype={self.compute_dtype}"
-        return s
+        p, cdt = self.pattern, self.compute_dtype
+        return (
+            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}"
+            + (f", dropout={self.dropout}" if self.dropout else "")
+            + (", batch_first=True" if self.batch_first else "")
+            + ("" if p is None else ", " + p.describe().replace(" ", ", "))
+            + (", group=<sharded>" if self._sharded else "")
+            + ("" if cdt is None else f", compute_dtype={cdt}"))  # fmt: skip
 
     def forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -187,18 +130,9 @@ class MultiheadDilatedAttention(nn.MultiheadAttention):
         attn_mask: torch.Tensor | None = None, average_attn_weights: bool = True,
         is_causal: bool = False, *, cu_seqlens: torch.Tensor | Sequence[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-        """Attention as ``nn.MultiheadAttention.forward``: ``(attn_output,
-        attn_weights or None)``. ``is_causal`` (with an ``attn_mask``) makes
-        the pattern causal where PyTorch uses the hint (no
-        ``key_padding_mask``, ``need_weights=False``). ``cu_seqlens``
-        (keyword only): document boundaries ``[0, e_1, ..., L]`` of a packed
-        self-attention (with ``group=``: GLOBAL, the same on every rank).
-
-        Raises ``MultiheadAttentionError`` or ``RuntimeError`` where PyTorch
-        raises ``AssertionError`` or ``RuntimeError``; ``ValueError`` for a
-        flag that is not a ``bool``, the ``group=`` restrictions and query
-        and key of different lengths with a pattern.
-        """
+        """``nn.MultiheadAttention.forward``: ``(attn_output, attn_weights or
+        None)``; ``cu_seqlens``: document boundaries of a packed self-attention
+        (with ``group=``: GLOBAL, the same on every rank)."""
         for name, flag in (("need_weights", need_weights),
                            ("average_attn_weights", average_attn_weights),
                            ("is_causal", is_causal)):  # fmt: skip
@@ -207,8 +141,7 @@ class MultiheadDilatedAttention(nn.MultiheadAttention):
             try:
                 return super().forward(
                     query, key, value, key_padding_mask, need_weights, attn_mask,
-                    average_attn_weights, is_causal,
-                )  # fmt: skip
+                    average_attn_weights, is_causal)  # fmt: skip
             except AssertionError as e:
                 raise MultiheadAttentionError(*e.args).with_traceback(e.__traceback__) from None
         try:  # sharded: a failure is reported through the ring's handshake, on every rank
@@ -231,8 +164,7 @@ class MultiheadDilatedAttention(nn.MultiheadAttention):
                 attn_mask=call.attn_mask, causal=call.causal,
                 dropout_p=self.dropout if self.training else 0.0, need_weights=need_weights,
                 bias_k=self.bias_k, bias_v=self.bias_v, add_zero_attn=self.add_zero_attn,
-                pattern=pattern,
-            )  # fmt: skip
+                pattern=pattern)  # fmt: skip
         return outputs(self, out, weights, call, average_attn_weights)
 
 
@@ -245,25 +177,19 @@ def _check_options(
         raise ValueError(
             "segment_lengths and dilation_rates must be given together (or both None for "
             f"dense attention), got segment_lengths={segment_lengths!r} and "
-            f"dilation_rates={dilation_rates!r}"
-        )
+            f"dilation_rates={dilation_rates!r}")  # fmt: skip
     pattern = None
     if segment_lengths is not None:
-        pattern = Pattern(
-            segment_lengths, dilation_rates, head_groups=head_groups, head_offsets=head_offsets,
-            window=window,
-        )  # fmt: skip
+        pattern = Pattern(segment_lengths, dilation_rates, head_groups=head_groups,
+                          head_offsets=head_offsets, window=window)  # fmt: skip
         pattern.check_heads(num_heads)
     elif window is not None:  # a sliding window on dense attention
         pattern = replace(DENSE, window=window)
         if not pattern.windowed:
             pattern = None
     kernels = supported_dtypes(torch.device("cpu"))  # the same on every device
-    if not (
-        compute_dtype is None
-        or (isinstance(compute_dtype, str) and compute_dtype == "auto")
-        or (isinstance(compute_dtype, torch.dtype) and compute_dtype in kernels)
-    ):
+    ok = compute_dtype is None or (isinstance(compute_dtype, str) and compute_dtype == "auto")
+    if not (ok or (isinstance(compute_dtype, torch.dtype) and compute_dtype in kernels)):
         allowed = ", ".join(str(d) for d in kernels)
         raise ValueError(
             f'compute_dtype must be None, "auto" or one of {allowed}, got {compute_dtype!r}'
@@ -275,8 +201,7 @@ def _check_options(
 
 
 def _module_pattern(m: MultiheadDilatedAttention, causal: bool) -> Pattern:
-    """The module's pattern (dense without one), causal per the call's hint
-    (the sharded path builds it from these two constants of a compiled graph)."""
+    """The module's pattern (dense without one), causal per the call's hint."""
     pattern = m.pattern if m.pattern is not None else DENSE
     return pattern if causal == pattern.causal else replace(pattern, causal=causal)
 
@@ -287,18 +212,14 @@ def _call_pattern(m: MultiheadDilatedAttention, call: Call, cu_seqlens) -> Patte
     if cu_seqlens is not None and call.q.shape[1] != call.k.shape[1]:
         raise ValueError(
             "cu_seqlens needs query and key of the same sequence length (self-attention), "
-            f"got {call.q.shape[1]} and {call.k.shape[1]}"
-        )
+            f"got {call.q.shape[1]} and {call.k.shape[1]}")  # fmt: skip
     return pattern.with_documents(cu_seqlens)
 
 
 def _compute_dtype(m: MultiheadDilatedAttention, x: torch.Tensor) -> torch.dtype:
     """The attention core's dtype for projections ``x``."""
-    if m.compute_dtype is None:
-        return x.dtype
-    if m.compute_dtype == "auto":
-        return select_dtype(x.device)
-    return m.compute_dtype
+    cdt = m.compute_dtype
+    return x.dtype if cdt is None else (select_dtype(x.device) if cdt == "auto" else cdt)
 
 
 class Call(NamedTuple):
@@ -321,9 +242,8 @@ def _check_call(
     m: MultiheadDilatedAttention, query, key, value, key_padding_mask, need_weights, attn_mask,
     is_causal,
 ) -> Call:  # fmt: skip
-    """The steps of ``nn.MultiheadAttention.forward`` and
-    ``F.multi_head_attention_forward`` up to the attention, in their order,
-    then this module's own checks and the choice of path."""
+    """PyTorch's checks up to the attention, in its order, then this module's
+    own checks and the choice of path."""
     float_masks = (attn_mask is not None and torch.is_floating_point(attn_mask)) or (
         key_padding_mask is not None and torch.is_floating_point(key_padding_mask)
     )
@@ -335,25 +255,23 @@ def _check_call(
     am = canonical_mask(attn_mask, "attn_mask", None, "", query.dtype)
     bool_kpm = None if kpm is None or key_padding_mask.is_floating_point() else key_padding_mask
     reason = fast_path_reason(m, query, key, value, kpm, am, float_masks)
-    # Where nn.MultiheadAttention runs its fused kernel (or would, but for
-    # make_fx tracing) its output is a contiguous (N, L, E) tensor.
+    # Where nn.MultiheadAttention runs its fused kernel its output is a contiguous (N, L, E).
     batch_major = not reason and m.in_proj_bias is not None
     lengths = None
     if query.is_nested or key.is_nested or value.is_nested:
         if not batch_major:
-            raise nested_error(reason)
+            raise MultiheadAttentionError(
+                "MultiheadAttention does not support NestedTensor outside of its fast path. "
+                f"The fast path was not hit because {reason}")  # fmt: skip
         if m._sharded:
             raise ValueError(
                 "nested tensors are not supported with group= (sequence-sharded "
-                "MultiheadDilatedAttention)"
-            )
-        # Self-attention without masks (the fused path's conditions):
-        # attend the padded batch with the padding masked.
+                "MultiheadDilatedAttention)")  # fmt: skip
+        # Self-attention without masks: the padded batch with the padding masked.
         lengths = [int(t.shape[0]) for t in query.unbind()]
         query = key = value = torch.nested.to_padded_tensor(query, 0.0)
-        bool_kpm = torch.arange(query.shape[1], device=query.device) >= torch.tensor(
-            lengths, device=query.device
-        ).unsqueeze(1)
+        ends = torch.tensor(lengths, device=query.device).unsqueeze(1)
+        bool_kpm = torch.arange(query.shape[1], device=query.device) >= ends
         kpm = canonical_mask(bool_kpm, "key_padding_mask", None, "", query.dtype)
 
     batched = check_dims(query, key, value, kpm, am, m.num_heads)
@@ -372,14 +290,14 @@ def _check_call(
     # F.multi_head_attention_forward canonicalises it again (and may warn again).
     kpm = canonical_mask(kpm, "key_padding_mask", am, "attn_mask", query.dtype)
     if is_causal and attn_mask is None:
-        raise RuntimeError(_CAUSAL_HINT_ERROR)
+        raise RuntimeError(
+            "Need attn_mask if specifying the is_causal hint. You may use the Transformer module "
+            "method `generate_square_subsequent_mask` to create this mask.")  # fmt: skip
     # The hint replaces attn_mask only when nothing else needs the explicit mask.
     causal = bool(is_causal and kpm is None and not need_weights)
     if causal:
         am = None
     check_key_value(query, key, value, m)
-    if not m._qkv_same_embed_dim:
-        check_separate_weights(m, key, value)
     # Projected as PyTorch projects (the same errors), then (N, L, E) views.
     q, k, v = (t.transpose(0, 1) for t in _project(m, query, key, value))
     if am is not None:
@@ -387,8 +305,7 @@ def _check_call(
     if key.shape[1] != B:  # (PyTorch fails in a reshape here)
         raise RuntimeError(
             f"key and value must have the batch size of query ({B}), got key of shape "
-            f"{tuple(key.shape)} in (seq, batch, features) order"
-        )
+            f"{tuple(key.shape)} in (seq, batch, features) order")  # fmt: skip
     extra_keys = int(m.bias_k is not None) + int(m.add_zero_attn)
     if kpm is not None:
         check_key_padding_mask_shape(kpm, B, S, extra_keys)
@@ -398,8 +315,7 @@ def _check_call(
     if m.has_pattern and L != S:
         raise ValueError(
             "with a dilated pattern (segment_lengths/dilation_rates), query and key must have "
-            f"the same sequence length, got L={L} and S={S}"
-        )
+            f"the same sequence length, got L={L} and S={S}")  # fmt: skip
     if m._sharded:
         _check_group_call(m, need_weights, am, kpm, L, S)
     kernels = m._sharded or (
@@ -420,8 +336,7 @@ def _check_group_call(m, need_weights, attn_mask, key_padding_mask, L, S) -> Non
     if attn_mask is not None:
         raise ValueError(
             f"attn_mask is not supported {where} (for causal attention pass is_causal=True "
-            "with any attn_mask as the hint)"
-        )
+            "with any attn_mask as the hint)")  # fmt: skip
     if key_padding_mask is not None:
         raise ValueError(f"key_padding_mask is not supported {where}")
     if m.training and m.dropout > 0:
@@ -431,8 +346,7 @@ def _check_group_call(m, need_weights, attn_mask, key_padding_mask, L, S) -> Non
     if L != S:
         raise ValueError(
             f"key must have the same local sequence length as query {where} (no "
-            f"cross-attention), got {L} and {S}"
-        )
+            f"cross-attention), got {L} and {S}")  # fmt: skip
 
 
 def _project(m: MultiheadDilatedAttention, query, key, value):
@@ -445,8 +359,7 @@ def _project(m: MultiheadDilatedAttention, query, key, value):
         return (
             F.linear(query, m.q_proj_weight, bq),
             F.linear(key, m.k_proj_weight, bk),
-            F.linear(value, m.v_proj_weight, bv),
-        )
+            F.linear(value, m.v_proj_weight, bv),)  # fmt: skip
     w = m.in_proj_weight
     if key is value:
         if query is key:
@@ -462,9 +375,7 @@ def _kernel_attention(m: MultiheadDilatedAttention, call: Call, cu_seqlens) -> t
     process, or the ring when sharded."""
     B, L, E = call.q.shape
     cdt = _compute_dtype(m, call.q)
-    # Contiguous: the projections are (L, N, E)-major views, and the
-    # operators' Meta kernels (torch.compile) give their outputs the
-    # inputs' strides while the CPU/CUDA kernels return contiguous ones.
+    # Contiguous: the Meta kernels (torch.compile) keep the inputs' strides.
     q, k, v = (
         t.reshape(B, L, m.num_heads, m.head_dim).to(cdt).contiguous()
         for t in (call.q, call.k, call.v)
@@ -473,8 +384,7 @@ def _kernel_attention(m: MultiheadDilatedAttention, call: Call, cu_seqlens) -> t
         out = sharded_attention(
             q, k, v, _module_pattern, (m, call.causal), cu_seqlens=cu_seqlens, scale=None,
             group=m.group, ulysses_group=m.ulysses_group, mesh=m.mesh, layout="contiguous",
-            return_lse=False,
-        )  # fmt: skip
+            return_lse=False)  # fmt: skip
     else:
         out = attend(q, k, v, _call_pattern(m, call, cu_seqlens), key_padding_mask=call.bool_kpm)
     return out.reshape(B, L, E)
@@ -482,9 +392,7 @@ def _kernel_attention(m: MultiheadDilatedAttention, call: Call, cu_seqlens) -> t
 
 def outputs(m: MultiheadDilatedAttention, out, weights, call: Call, average_attn_weights: bool):
     """The output projection and the return values, in the memory layout
-    ``nn.MultiheadAttention`` gives them: a contiguous ``(N, L, E)`` where it
-    runs its fused kernel, else projected as ``(L, N, E)`` (a transposed view
-    of that with ``batch_first``)."""
+    ``nn.MultiheadAttention`` gives them."""
     B, L, E = out.shape
     out = out.to(call.q.dtype)
     if call.batch_major:

@@ -1,10 +1,5 @@
-"""Argument checks of :class:`ring_attention.MultiheadDilatedAttention`'s
-own path, in the order of ``nn.MultiheadAttention.forward`` and
-``F.multi_head_attention_forward`` and with their messages, so that code
-written against ``nn.MultiheadAttention`` sees no difference. Where PyTorch
-raises ``AssertionError`` these raise :class:`MultiheadAttentionError` (also
-a ``ValueError``); where it raises ``RuntimeError``, ``RuntimeError``.
-"""
+"""Argument checks of ``MultiheadDilatedAttention``'s own path in PyTorch's
+order and words (:class:`MultiheadAttentionError` where it asserts)."""
 
 from __future__ import annotations
 
@@ -13,18 +8,9 @@ import warnings
 import torch
 from torch import nn
 
-__all__ = [
-    "MultiheadAttentionError",
-    "canonical_mask",
-    "check_attn_mask_shape",
-    "check_dims",
-    "check_key_padding_mask_shape",
-    "check_key_value",
-    "check_mask_dtype",
-    "check_separate_weights",
-    "fast_path_reason",
-    "nested_error",
-]
+__all__ = ["MultiheadAttentionError", "canonical_mask", "check_attn_mask_shape", "check_dims",
+           "check_key_padding_mask_shape", "check_key_value", "check_mask_dtype",
+           "fast_path_reason"]  # fmt: skip
 
 
 class MultiheadAttentionError(AssertionError, ValueError):
@@ -37,9 +23,8 @@ def canonical_mask(
     mask: torch.Tensor | None, name: str, other: torch.Tensor | None, other_name: str,
     dtype: torch.dtype,
 ) -> torch.Tensor | None:  # fmt: skip
-    """A bool (``True`` = masked) or float mask as an additive float mask of
-    ``dtype`` (``F._canonical_mask``): other dtypes raise, and a mask whose
-    dtype differs from ``other``'s warns as PyTorch does."""
+    """``F._canonical_mask``: a bool (``True`` = masked) or float mask as an
+    additive float mask of ``dtype``."""
     if other is not None and not isinstance(other, torch.Tensor):
         raise RuntimeError("input to _none_or_dtype() must be None or torch.Tensor")
     if mask is None:
@@ -47,11 +32,8 @@ def canonical_mask(
     if mask.dtype != torch.bool and not torch.is_floating_point(mask):
         raise MultiheadAttentionError(f"only bool and floating types of {name} are supported")
     if other is not None and mask.dtype != other.dtype:
-        warnings.warn(
-            f"Support for mismatched {name} and {other_name} is deprecated. "
-            "Use same type for both instead.",
-            stacklevel=4,
-        )
+        warnings.warn(f"Support for mismatched {name} and {other_name} is deprecated. "
+                      "Use same type for both instead.", stacklevel=4)  # fmt: skip
     if torch.is_floating_point(mask):
         return mask
     return torch.zeros_like(mask, dtype=dtype).masked_fill_(mask, float("-inf"))
@@ -61,10 +43,8 @@ def fast_path_reason(
     m: nn.MultiheadAttention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     key_padding_mask: torch.Tensor | None, attn_mask: torch.Tensor | None, float_masks: bool,
 ) -> str:  # fmt: skip
-    """Why ``nn.MultiheadAttention.forward`` would not run its fused
-    inference kernel for this call (``""``: it would): the output layout and
-    the nested-tensor inputs accepted follow it. ``float_masks``: a mask was
-    given as a float tensor."""
+    """Why ``nn.MultiheadAttention.forward`` would not run its fused kernel
+    (``""``: it would); ``float_masks``: a mask was a float tensor."""
     if not torch.backends.mha.get_fastpath_enabled():
         return "torch.backends.mha.get_fastpath_enabled() was not True"
     if query.dim() != 3:
@@ -91,11 +71,8 @@ def fast_path_reason(
             return why
     if query.is_nested and (key_padding_mask is not None or attn_mask is not None):
         # PyTorch's message, line-continuation spaces included.
-        return (
-            "supplying both src_key_padding_mask and src_mask at the same time "
-            + " " * 33
-            + "is not supported with NestedTensor input"
-        )
+        return ("supplying both src_key_padding_mask and src_mask at the same time "
+                + " " * 33 + "is not supported with NestedTensor input")  # fmt: skip
     if torch.is_autocast_enabled():
         return "autocast is enabled"
     if float_masks:
@@ -109,17 +86,8 @@ def fast_path_reason(
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         return (
             "grad is enabled and at least one of query or the input/output projection "
-            "weights or biases requires_grad"
-        )
+            "weights or biases requires_grad")  # fmt: skip
     return ""
-
-
-def nested_error(reason: str) -> MultiheadAttentionError:
-    """A nested-tensor input where the fused path does not run."""
-    return MultiheadAttentionError(
-        "MultiheadAttention does not support NestedTensor outside of its fast path. "
-        f"The fast path was not hit because {reason}"
-    )
 
 
 def check_dims(
@@ -136,19 +104,16 @@ def check_dims(
     if key.dim() != n or value.dim() != n:
         raise MultiheadAttentionError(
             f"For {what}, expected `key` and `value` to be {n}-D but found {key.dim()}-D and "
-            f"{value.dim()}-D tensors respectively"
-        )
+            f"{value.dim()}-D tensors respectively")  # fmt: skip
     if key_padding_mask is not None and key_padding_mask.dim() != n - 1:
         raise MultiheadAttentionError(
             f"For {what}, expected `key_padding_mask` to be `None` or {n - 1}-D but found "
-            f"{key_padding_mask.dim()}-D tensor instead"
-        )
+            f"{key_padding_mask.dim()}-D tensor instead")  # fmt: skip
     if attn_mask is not None:
         if attn_mask.dim() not in (2, 3):
             raise MultiheadAttentionError(
                 f"For {what}, expected `attn_mask` to be `None`, 2-D or 3-D but found "
-                f"{attn_mask.dim()}-D tensor instead"
-            )
+                f"{attn_mask.dim()}-D tensor instead")  # fmt: skip
         expected = (num_heads, query.shape[0], key.shape[0])
         if n == 2 and attn_mask.dim() == 3 and attn_mask.shape != expected:
             raise MultiheadAttentionError(
@@ -160,8 +125,8 @@ def check_dims(
 def check_key_value(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m: nn.MultiheadAttention
 ) -> None:
-    """Embedding size of ``query``; ``key`` against ``value`` (``(L, N, E)``
-    layout, as ``F.multi_head_attention_forward`` sees them)."""
+    """Embedding size of ``query``; ``key`` against ``value`` (``(L, N, E)``) and
+    the ``kdim``/``vdim`` projections."""
     if query.shape[-1] != m.embed_dim:
         raise MultiheadAttentionError(
             f"was expecting embedding dimension of {m.embed_dim}, but got {query.shape[-1]}"
@@ -170,12 +135,15 @@ def check_key_value(
         if key.shape[:2] != value.shape[:2]:
             raise MultiheadAttentionError(
                 f"key's sequence and batch dims {key.shape[:2]} do not match value's "
-                f"{value.shape[:2]}"
-            )
+                f"{value.shape[:2]}")  # fmt: skip
+        for name, w, t in (("key", m.k_proj_weight, key), ("value", m.v_proj_weight, value)):
+            if w.shape != (m.embed_dim, t.shape[-1]):
+                raise MultiheadAttentionError(
+                    f"expecting {name} weights shape of {(m.embed_dim, t.shape[-1])}, but got "
+                    f"{w.shape}")  # fmt: skip
     elif key.shape != value.shape:
         raise MultiheadAttentionError(
-            f"key shape {key.shape} does not match value shape {value.shape}"
-        )
+            f"key shape {key.shape} does not match value shape {value.shape}")  # fmt: skip
 
 
 def check_attn_mask_shape(attn_mask: torch.Tensor, batch: int, heads: int, L: int, S: int) -> None:
@@ -184,53 +152,31 @@ def check_attn_mask_shape(attn_mask: torch.Tensor, batch: int, heads: int, L: in
     if attn_mask.shape != want:
         raise RuntimeError(
             f"The shape of the {attn_mask.dim()}D attn_mask is {attn_mask.shape}, but should be "
-            f"{want}."
-        )
+            f"{want}.")  # fmt: skip
 
 
 def check_key_padding_mask_shape(kpm: torch.Tensor, batch: int, S: int, extra_keys: int) -> None:
-    """``(batch, S)``. PyTorch checks it after appending the ``extra_keys``
-    (``add_bias_kv``, ``add_zero_attn``) to both, and its message counts them."""
+    """``(batch, S)``; PyTorch's message counts the ``extra_keys``."""
     if kpm.shape[0] != batch:
         raise MultiheadAttentionError(
-            f"Expected key_padded_mask.shape[0] to be {batch}, but got {kpm.shape[0]}"
-        )
+            f"Expected key_padded_mask.shape[0] to be {batch}, but got {kpm.shape[0]}")  # fmt: skip
     if kpm.shape[1] != S:
         raise MultiheadAttentionError(
             f"Expected key_padded_mask.shape[1] to be {S + extra_keys}, but got "
-            f"{kpm.shape[1] + extra_keys}"
-        )
-
-
-def check_separate_weights(
-    m: nn.MultiheadAttention, key: torch.Tensor, value: torch.Tensor
-) -> None:
-    """``kdim``/``vdim`` projections against the key and value features
-    (``F._in_projection``)."""
-    E = m.embed_dim
-    for name, w, t in (("key", m.k_proj_weight, key), ("value", m.v_proj_weight, value)):
-        if w.shape != (E, t.shape[-1]):
-            raise MultiheadAttentionError(
-                f"expecting {name} weights shape of {(E, t.shape[-1])}, but got {w.shape}"
-            )
+            f"{kpm.shape[1] + extra_keys}")  # fmt: skip
 
 
 #: How ATen names dtypes in its messages.
-_ATEN_NAMES = {
-    torch.float32: "float",
-    torch.float64: "double",
-    torch.float16: "c10::Half",
-    torch.bfloat16: "c10::BFloat16",
-}
+_ATEN_NAMES = {torch.float32: "float", torch.float64: "double", torch.float16: "c10::Half",
+               torch.bfloat16: "c10::BFloat16"}  # fmt: skip
 
 
 def check_mask_dtype(
     key_padding_mask: torch.Tensor | None, attn_mask: torch.Tensor | None, dtype: torch.dtype,
     need_weights: bool,
 ) -> None:  # fmt: skip
-    """Float masks of another dtype than the query: PyTorch hands their sum
-    to ``torch.baddbmm`` (``need_weights=True``), which wants ``dtype``, or
-    to ``F.scaled_dot_product_attention``, which also takes float32."""
+    """Float masks of another dtype than the query, as ``torch.baddbmm`` or
+    ``F.scaled_dot_product_attention`` (which also takes float32) refuse them."""
     if key_padding_mask is None and attn_mask is None:
         return
     if key_padding_mask is None or attn_mask is None:
@@ -240,10 +186,8 @@ def check_mask_dtype(
     m, q = (_ATEN_NAMES.get(d, str(d)) for d in (merged, dtype))
     if need_weights and merged != dtype:
         raise RuntimeError(
-            f"Input dtypes must be the same, got: input {m}, batch1: {q}, batch2: {q}"
-        )
+            f"Input dtypes must be the same, got: input {m}, batch1: {q}, batch2: {q}")  # fmt: skip
     if not need_weights and merged not in (torch.float32, dtype):
         raise RuntimeError(
             "Expected attn_mask dtype to be bool or float or to match query dtype, but got "
-            f"attn_mask.dtype: {m} and  query.dtype: {q} instead."
-        )
+            f"attn_mask.dtype: {m} and  query.dtype: {q} instead.")  # fmt: skip
