@@ -83,77 +83,60 @@ def check_args(args: argparse.Namespace) -> None:
     range is its parser type's, :mod:`.cli_types`); raises
     :class:`OptionError` naming the option. Fills in the attention shape a
     ``--model`` gives (``--heads``, ``--kv-heads``, ``--head-dim`` left out)."""
-    ranks = _ranks(args)
-    if args.gpus is not None and args.processes is not None:
-        raise OptionError("--processes", "give either --gpus or --processes, not both")
-    device = _device(args)
-    if device == "cpu" and args.gpu_memory is not None:
-        raise OptionError("--gpu-memory", "is for GPUs; with --device cpu give --memory")
+    ranks, device = _ranks(args), _device(args)
     for name, default in (("heads", 16), ("kv_heads", None), ("head_dim", 128)):
         if getattr(args, name) is None:  # a --model's, else the default (kv_heads: heads)
             model = MODELS[args.model] if args.model else None
             fallback = args.heads if default is None else default
             setattr(args, name, getattr(model, name) if model else fallback)
-    if args.heads % args.kv_heads:
-        raise OptionError(
-            "--kv-heads", f"kv_heads must divide heads: got --heads {args.heads}, --kv-heads "
-            f"{args.kv_heads}"
-        )  # fmt: skip
-    if (args.layers is None) != (args.hidden is None):  # name the one given
-        raise OptionError(
-            "--hidden" if args.layers is None else "--layers",
-            "a whole model needs both --layers and --hidden",
-        )
-    if args.layers is None:  # the shape of a model of one's own, else unused
-        for option, given in (("--ffn", args.ffn is not None), ("--gated", args.gated),
-                              ("--vocab", args.vocab != 0)):  # fmt: skip
-            if given:
-                raise OptionError(
-                    option, "shapes a whole model of --layers and --hidden (a --model preset has "
-                    "its own): give them, or leave it out"
-                )  # fmt: skip
-    if (args.segments is None) != (args.dilations is None):
-        raise OptionError(
-            "--dilations" if args.segments is None else "--segments",
-            "--segments and --dilations go together",
-        )
-    if args.segments is not None:
-        try:
-            Pattern(args.segments, args.dilations)
-        except ValueError as exc:
-            raise OptionError("--segments/--dilations", str(exc)) from None
-    if ranks is None and args.seq_len is None:
-        raise OptionError(
-            "--seq-len", "give --gpus/--processes (the longest sequence) or --seq-len (the "
-            "fewest ranks)"
-        )  # fmt: skip
-    if ranks is None and device == "cpu":
-        raise OptionError(
-            "--seq-len", "the fewest-ranks search is for GPUs (CPU processes on one machine "
-            "share its memory): give --gpus or --gpu-memory, or --processes"
-        )  # fmt: skip
     memory, reserve = _memory(args, device, ranks or 1)
-    if reserve >= memory:
-        raise OptionError(
-            "--reserve", f"{reserve:,} bytes leave nothing of the {memory:,} bytes per rank"
-        )
-    if args.bench_json:
-        try:
-            load_records(args.bench_json)
-        except (OSError, ValueError) as exc:
-            raise OptionError("--bench-json", f"cannot read its records: {exc}") from None
-    if args.mode != "ring":
-        if ranks is None or args.seq_len is None:
-            raise OptionError(
-                "--mode", f"--mode {args.mode} needs --gpus/--processes and --seq-len"
-            )
-        if args.mode in ("hybrid", "compare"):
-            try:
-                grid_for("hybrid", ranks, args.gpus_per_node, args.ulysses)
-            except ValueError as exc:
-                raise OptionError(
-                    "--ulysses" if args.ulysses else "--gpus-per-node", str(exc)
-                ) from None
+    own_model = [(o, g) for o, g in (("--ffn", args.ffn is not None), ("--gated", args.gated),
+                                     ("--vocab", args.vocab != 0)) if g]  # fmt: skip
+    grid = ranks is not None and args.seq_len is not None and args.mode in ("hybrid", "compare")
+    records = _error(load_records, args.bench_json) if args.bench_json else None
+    rules = [  # (broken, option, message), in the order they are checked
+        (args.gpus is not None and args.processes is not None, "--processes",
+         "give either --gpus or --processes, not both"),
+        (device == "cpu" and args.gpu_memory is not None, "--gpu-memory",
+         "is for GPUs; with --device cpu give --memory"),
+        (args.heads % args.kv_heads, "--kv-heads",
+         f"kv_heads must divide heads: got --heads {args.heads}, --kv-heads {args.kv_heads}"),
+        ((args.layers is None) != (args.hidden is None),  # name the one given
+         "--hidden" if args.layers is None else "--layers",
+         "a whole model needs both --layers and --hidden"),
+        (args.layers is None and own_model, own_model[0][0] if own_model else "",
+         "shapes a whole model of --layers and --hidden (a --model preset has its own): give "
+         "them, or leave it out"),
+        ((args.segments is None) != (args.dilations is None),
+         "--dilations" if args.segments is None else "--segments",
+         "--segments and --dilations go together"),
+        (args.segments is not None, "--segments/--dilations",
+         args.segments is not None and _error(Pattern, args.segments, args.dilations)),
+        (ranks is None and args.seq_len is None, "--seq-len",
+         "give --gpus/--processes (the longest sequence) or --seq-len (the fewest ranks)"),
+        (ranks is None and device == "cpu", "--seq-len",
+         "the fewest-ranks search is for GPUs (CPU processes on one machine share its memory): "
+         "give --gpus or --gpu-memory, or --processes"),
+        (reserve >= memory, "--reserve",
+         f"{reserve:,} bytes leave nothing of the {memory:,} bytes per rank"),
+        (records, "--bench-json", f"cannot read its records: {records}"),
+        (args.mode != "ring" and (ranks is None or args.seq_len is None), "--mode",
+         f"--mode {args.mode} needs --gpus/--processes and --seq-len"),
+        (grid, "--ulysses" if args.ulysses else "--gpus-per-node",
+         grid and _error(grid_for, "hybrid", ranks, args.gpus_per_node, args.ulysses)),
+    ]  # fmt: skip
+    for broken, option, message in rules:
+        if broken and message:
+            raise OptionError(option, message)
+
+
+def _error(fn, *args) -> str | None:
+    """What ``fn(*args)`` raises (``OSError``, ``ValueError``), else ``None``."""
+    try:
+        fn(*args)
+    except (OSError, ValueError) as exc:
+        return str(exc)
+    return None
 
 
 def build_setup(args: argparse.Namespace, ranks: int) -> Setup:
