@@ -195,17 +195,14 @@ class _Progress:
         self.start = time.monotonic() if start is None else start
 
     def state(self) -> str:
-        """What the search has found: the best value that fits, the nearest that does not."""
-        tried = f"{self.tries} tried ({self.last:,} last)"
-        if self.unit == "ranks":  # the fewest that fit, the most that do not
-            best, worst = min(self.fits, default=None), max(self.fails, default=0)
-            found = "no fit yet" if best is None else f"fits on {best:,}"
-            return f"{tried}, {found}, not on {worst:,}"
-        best, worst = max(self.fits, default=None), min(self.fails, default=None)
-        found = "no fit yet" if best is None else f"fits at {best:,}"
-        return f"{tried}, {found}, " + (
-            "none too long yet" if worst is None else f"not at {worst:,}"
-        )
+        """What the search has found: the best value that fits, the nearest that does not
+        (ranks: the fewest that fit, the most that do not; tokens: the reverse)."""
+        ranks, at = self.unit == "ranks", "on" if self.unit == "ranks" else "at"
+        best = (min if ranks else max)(self.fits, default=None)
+        worst = (max if ranks else min)(self.fails, default=0 if ranks else None)
+        found = "no fit yet" if best is None else f"fits {at} {best:,}"
+        missed = "none too long yet" if worst is None else f"not {at} {worst:,}"
+        return f"{self.tries} tried ({self.last:,} last), {found}, {missed}"
 
     def __call__(self, value: int, fits: bool) -> None:
         self.tries, self.last = self.tries + 1, value
@@ -225,8 +222,11 @@ class _Progress:
                 + ("--gpus/--processes" if self.unit == "ranks" else "--seq-len")
             )
 
-    def done(self) -> None:
-        if self.tty and self.tries:
+    def __enter__(self) -> _Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.tty and self.tries:  # clear the line
             sys.stderr.write("\r\033[K")
             sys.stderr.flush()
 
@@ -299,14 +299,9 @@ def run(args: argparse.Namespace) -> int:
             why = _too_large(setup, args.seq_len, goal, MAX_WORLD_SIZE)
             if why is not None:
                 raise Impossible(why)
-            progress = _Progress(
-                f"fewest ranks for {fmt_tokens(args.seq_len)} tokens", "ranks", args.time_limit,
-                args.quiet,
-            )  # fmt: skip
-            try:
+            what = f"fewest ranks for {fmt_tokens(args.seq_len)} tokens"
+            with _Progress(what, "ranks", args.time_limit, args.quiet) as progress:
                 ev = fewest_ranks(setup, args.seq_len, peaks[goal], progress=progress)
-            finally:
-                progress.done()
             if ev is None:
                 raise Impossible(
                     f"{args.seq_len:,} tokens do not fit on any number of ranks up to "
@@ -340,14 +335,9 @@ def run(args: argparse.Namespace) -> int:
             cache: dict = {}
             longest, start = {}, time.monotonic()
             for name, fn in peaks.items():  # the searches share evaluations and the time limit
-                progress = _Progress(
-                    f"longest sequence on {setup.ranks} ranks ({name})", "tokens",
-                    args.time_limit, args.quiet, start,
-                )  # fmt: skip
-                try:
+                what = f"longest sequence on {setup.ranks} ranks ({name})"
+                with _Progress(what, "tokens", args.time_limit, args.quiet, start) as progress:
                     longest[name] = largest_length(setup, fn, cache=cache, progress=progress)
-                finally:
-                    progress.done()
             if longest[goal] is None:
                 ev1 = evaluate(setup, setup.ranks)
                 need = peaks[goal](ev1)

@@ -107,17 +107,25 @@ class LayerMemory:
 
 def _items(
     L, heads: int, kv_heads: int, batch: int, head_dim: int, itemsize: int, *, plan_idx=0,
-    copies: tuple = (0, 0), buffers: tuple = (0, 0),
+    zigzag: bool = False, buffers: tuple = (0, 0),
 ) -> tuple[dict, dict, dict]:  # fmt: skip
     """``(inputs, forward, backward)`` items at the local length ``L`` (an
     int or a ``(p,)`` tensor), given what the exchange adds: the plan's
-    indices, the zigzag piece copies and the transport buffers (forward,
-    backward)."""
+    indices, the piece copies of two pieces per rank (``zigzag``) and the
+    transport buffers (forward, backward)."""
     acc = acc_bytes(itemsize)
     q = batch * L * heads * head_dim
     kv = batch * L * kv_heads * head_dim
     lse = batch * heads * L * acc
     cast = int(itemsize != acc)
+    copies = (0, 0)
+    if zigzag:  # narrowing a (B, L, H, D) tensor to a piece copies unless B == 1, narrowing
+        # lse (B, H, L) unless B * H == 1; the pieces' results are concatenated (new
+        # tensors) at the end, the cast pieces of one gradient live until their concatenation
+        split, split_lse = int(batch > 1), lse * int(batch * heads > 1)
+        last_cat = torch.maximum(q - 2 * kv, kv) if cast else q + 2 * kv
+        fwd_copies = (q + 2 * kv) * itemsize * split + q * itemsize + lse
+        copies = (fwd_copies, (3 * q + 2 * kv) * itemsize * split + split_lse + last_cat * itemsize)
     inputs = {
         "q": q * itemsize,
         "k, v": 2 * kv * itemsize,
@@ -160,30 +168,12 @@ def layer_memories(
     """The :class:`LayerMemory` of every rank (see the module docstring);
     ``device="cuda"`` adds the device copy of the plan's indices;
     ``far_bytes``: the far group's threshold (:func:`transport_buffers`)."""
-    acc = acc_bytes(itemsize)
-    L = tr.local_len
-    H, Hkv = tr.heads, tr.kv_heads
-    q = batch * L * H * head_dim
-    kv = batch * L * Hkv * head_dim
-    lse = batch * H * L * acc
-    # Two pieces per rank (zigzag): narrowing a (B, L, H, D) tensor to a piece
-    # copies unless B == 1, narrowing lse (B, H, L) unless B * H == 1; the
-    # pieces' results are concatenated (new tensors) at the end.
-    two_pieces = int(tr.layout == "zigzag" and tr.world_size > 1)
-    split = int(batch > 1)
-    split_lse = lse * int(batch * H > 1)
-    cast = int(itemsize != acc)
     plan_idx = 8 * (tr.rows_sent + tr.rows_received)
     bufs = transport_buffers(tr, batch, head_dim, itemsize, far_bytes)
-    # the cast pieces of one gradient live until their concatenation
-    last_cat = torch.maximum(q - 2 * kv, kv) if cast else q + 2 * kv
     inputs, forward, backward = _items(
-        L, H, Hkv, batch, head_dim, itemsize,
+        tr.local_len, tr.heads, tr.kv_heads, batch, head_dim, itemsize,
         plan_idx=plan_idx * (2 if device == "cuda" else 1),
-        copies=(
-            two_pieces * ((q + 2 * kv) * itemsize * split + q * itemsize + lse),
-            two_pieces * ((3 * q + 2 * kv) * itemsize * split + split_lse + last_cat * itemsize),
-        ),
+        zigzag=tr.layout == "zigzag" and tr.world_size > 1,
         buffers=(sum(bufs["forward"].values()), sum(bufs["backward"].values())),
     )  # fmt: skip
 
