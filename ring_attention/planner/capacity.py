@@ -194,13 +194,10 @@ Peak = Callable[[Evaluation], int]
 
 
 def largest_length(
-    setup: Setup,
-    peak: Peak,
-    *,
-    rel_tol: float = 0.005,
+    setup: Setup, peak: Peak, *, rel_tol: float = 0.005,
     cache: dict[int, Evaluation] | None = None,
     progress: Callable[[int, bool], None] | None = None,
-) -> Evaluation | None:
+) -> Evaluation | None:  # fmt: skip
     """The longest sequence (within ``rel_tol``, or one token per rank)
     whose ``peak`` fits in ``setup.usable``; ``None`` when one token per rank
     does not fit. ``cache`` (length -> evaluation) shares evaluations
@@ -258,14 +255,9 @@ def largest_length(
 
 
 def fewest_ranks(
-    setup: Setup,
-    seq_len: int,
-    peak: Peak,
-    *,
-    rel_tol: float = 0.02,
-    limit: int = MAX_WORLD_SIZE,
+    setup: Setup, seq_len: int, peak: Peak, *, rel_tol: float = 0.02, limit: int = MAX_WORLD_SIZE,
     progress: Callable[[int, bool], None] | None = None,
-) -> Evaluation | None:
+) -> Evaluation | None:  # fmt: skip
     """The fewest ranks at which ``seq_len`` tokens fit (exact up to 50
     ranks, within ``rel_tol`` above), or ``None`` when more than ``limit``
     (at most ``MAX_WORLD_SIZE``) would be needed; ``progress(ranks, fits)``

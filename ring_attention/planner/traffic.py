@@ -166,12 +166,9 @@ def _unique_keys(
 
 
 def _class_stats(
-    key: tuple[int, ...],
-    branches: list[tuple[int, int]],
-    offsets: list[tuple],
-    n_q: int,
+    key: tuple[int, ...], branches: list[tuple[int, int]], offsets: list[tuple], n_q: int,
     seen: dict[tuple, tuple[int, int, int]],
-) -> tuple[int, ...]:
+) -> tuple[int, ...]:  # fmt: skip
     """``(rows, first, last)`` of one sender piece (relative to its start)
     for every K/V class (``offsets``: per class, the offsets of each branch),
     flattened, from a key of :func:`_analytic`: per query piece and branch,
@@ -212,13 +209,9 @@ def _totals(
 
 
 def _with_listed_rows(
-    stats: torch.Tensor,
-    columns: list[tuple[int, torch.Tensor, torch.Tensor]],
-    listed: list[bool],
-    branches: list[tuple[int, int]],
-    offsets: list[tuple],
-    longest: int,
-) -> torch.Tensor:
+    stats: torch.Tensor, columns: list[tuple[int, torch.Tensor, torch.Tensor]], listed: list[bool],
+    branches: list[tuple[int, int]], offsets: list[tuple], longest: int,
+) -> torch.Tensor:  # fmt: skip
     """``stats`` (``(N, classes, 3)``: rows, first, last of the other
     branches' union) with the rows of the *listed* branches added.
 
@@ -296,12 +289,8 @@ def all_pieces(seq_len: int, p: int, layout: Layout) -> list[list[Piece]]:
 
 
 def _analytic(
-    pattern: Pattern,
-    seq_len: int,
-    heads: int,
-    kv_heads: int,
-    pieces: list[list[Piece]],
-) -> dict[str, torch.Tensor]:
+    pattern: Pattern, seq_len: int, heads: int, kv_heads: int, pieces: list[list[Piece]],
+) -> dict[str, torch.Tensor]:  # fmt: skip
     p = len(pieces)
     branches = list(pattern.branches)
     offsets = pattern.branch_offsets(heads)
@@ -425,15 +414,9 @@ def plan_rows(
 
 
 def predict_traffic(
-    pattern: Pattern,
-    seq_len: int,
-    heads: int,
-    kv_heads: int | None = None,
-    world_size: int = 1,
-    layout: str = "contiguous",
-    *,
-    source: str = "auto",
-) -> Traffic:
+    pattern: Pattern, seq_len: int, heads: int, kv_heads: int | None = None, world_size: int = 1,
+    layout: str = "contiguous", *, source: str = "auto",
+) -> Traffic:  # fmt: skip
     """The :class:`Traffic` of every rank of a ring of ``world_size``.
 
     ``kv_heads`` divides ``heads`` (default ``heads``); ``layout``:
