@@ -30,7 +30,7 @@ from .cli_report import (
     model_lines,
 )
 from .cli_types import MAX_BYTES
-from .modes import advice, compare_modes, evaluate_mode, grid_for
+from .modes import MODES, advice, compare_modes, grid_for
 from .presets import MODELS, ModelShape
 from .throughput import load_records
 from .traffic import MAX_WORLD_SIZE
@@ -389,16 +389,9 @@ def _mode_report(args: argparse.Namespace, setup: Setup, seq_len: int) -> list[s
         f"between nodes {inter.gbps:g} Gbit/s, {inter.latency_us:g} us; {G} ranks per node",
         "",
     ]
-    if args.mode == "compare":
-        evals = compare_modes(setup, seq_len, G, intra, inter, args.ulysses)
-        lines += mode_lines(evals, setup.usable, advice(evals, setup.usable))
-    else:
-        R, U = grid_for(args.mode, setup.ranks, G, args.ulysses)
-        ev = evaluate_mode(
-            setup, seq_len, R, U, a2a_link=intra if U <= G else inter,
-            ring_link=intra if setup.ranks <= G else inter, mode=args.mode,
-        )  # fmt: skip
-        lines += mode_lines([ev], setup.usable, [])
+    modes = MODES if args.mode == "compare" else (args.mode,)
+    evals = compare_modes(setup, seq_len, G, intra, inter, args.ulysses, modes)
+    lines += mode_lines(evals, setup.usable, advice(evals, setup.usable))
     return lines + MODE_ASSUMPTIONS
 
 

@@ -255,14 +255,14 @@ def grid_for(mode: str, ranks: int, gpus_per_node: int, ulysses: int | None = No
 
 def compare_modes(
     setup: Any, seq_len: int, gpus_per_node: int, intra: Link, inter: Link,
-    ulysses: int | None = None,
+    ulysses: int | None = None, modes: tuple[str, ...] = MODES,
 ) -> list[ModeEvaluation]:  # fmt: skip
-    """The three modes on ``setup.ranks`` ranks, ``gpus_per_node`` per node:
+    """The ``modes`` (all three) on ``setup.ranks`` ranks, ``gpus_per_node`` per node:
     a communication that stays inside a node takes ``intra``, one that
     crosses nodes ``inter`` (the ring over every rank crosses nodes once
     there is more than one)."""
     ring = intra if setup.ranks <= gpus_per_node else inter
-    grids = {mode: grid_for(mode, setup.ranks, gpus_per_node, ulysses) for mode in MODES}
+    grids = {mode: grid_for(mode, setup.ranks, gpus_per_node, ulysses) for mode in modes}
     return [evaluate_mode(setup, seq_len, R, U, a2a_link=intra if U <= gpus_per_node else inter,
                           ring_link=ring, mode=mode) for mode, (R, U) in grids.items()]  # fmt: skip
 

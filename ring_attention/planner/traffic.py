@@ -111,9 +111,8 @@ def kv_classes(pattern: Pattern, heads: int, kv_heads: int) -> Counter:
         group = applies[i].intersection(range(kv * g, kv * g + g))
         return tuple(sorted({pattern.offset(h, i, heads) for h in group}))
 
-    return Counter(
-        tuple(offsets(kv, i) for i in range(pattern.n_branches)) for kv in range(kv_heads)
-    )
+    branches = range(pattern.n_branches)
+    return Counter(tuple(offsets(kv, i) for i in branches) for kv in range(kv_heads))
 
 
 def _odd_constant(i: int) -> int:
@@ -201,11 +200,8 @@ def _totals(
     stats of one K/V head per class (``class_counts`` heads each)."""
     n_rows, first, last = per_class.unbind(2)
     have = n_rows > 0
-    return (
-        (n_rows * class_counts).sum(1),
-        torch.where(have, first, _BIG).amin(1),
-        torch.where(have, last, -1).amax(1),
-    )
+    total = (n_rows * class_counts).sum(1)
+    return total, torch.where(have, first, _BIG).amin(1), torch.where(have, last, -1).amax(1)
 
 
 def _with_listed_rows(
@@ -314,9 +310,7 @@ def _analytic(
         j = torch.arange(p, dtype=torch.int64).repeat(ds.numel())
         d = ds.repeat_interleave(p)
         sender = (j - d) % p
-        recv = torch.zeros_like(j)
-        span = torch.zeros_like(j)
-        pairs = torch.zeros_like(j)
+        recv, span, pairs = (torch.zeros_like(j) for _ in range(3))
         for kp in range(n_pc):
             c = starts[sender, kp]
             e = c + lens[sender, kp]
@@ -399,8 +393,7 @@ def plan_rows(
     (:data:`exact_plans`; ``span``: K/V rows between the first and last
     received row of a step whose rows are not contiguous)."""
     assert exact_plans is not None
-    recv = torch.zeros(p, p, dtype=torch.int64)
-    span = torch.zeros(p, p, dtype=torch.int64)
+    recv, span = (torch.zeros(p, p, dtype=torch.int64) for _ in range(2))
     for j in range(p):
         plan = exact_plans(pattern, seq_len, heads, kv_heads, p, j, layout, fold=fold)
         for step in plan.steps:
