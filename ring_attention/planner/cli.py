@@ -339,9 +339,8 @@ def run(args: argparse.Namespace) -> int:
                 with _Progress(what, "tokens", args.time_limit, args.quiet, start) as progress:
                     longest[name] = largest_length(setup, fn, cache=cache, progress=progress)
             if longest[goal] is None:
-                ev1 = evaluate(setup, setup.ranks)
+                ev1, why = evaluate(setup, setup.ranks), ""
                 need = peaks[goal](ev1)
-                why = ""
                 if setup.model is not None:
                     items = ev1.model_items(ev1.worst(lambda j: sum(ev1.model_items(j).values())))
                     top = max(items, key=items.get)
@@ -352,12 +351,9 @@ def run(args: argparse.Namespace) -> int:
                 )
             out.append("Longest sequence that fits (within 0.5 %):")
             for name, ev in longest.items():
-                text = (
-                    f"{fmt_tokens(ev.seq_len)} tokens "
-                    f"({fmt_tokens(int(ev.traffic.local_len.max()))} per rank)"
-                    if ev is not None
-                    else "nothing fits (not even one token per rank)"
-                )
+                text = ("nothing fits (not even one token per rank)" if ev is None else
+                        f"{fmt_tokens(ev.seq_len)} tokens "
+                        f"({fmt_tokens(int(ev.traffic.local_len.max()))} per rank)")  # fmt: skip
                 out.append(f"  {_LABELS[name]:<52} {text}")
             details = longest[goal] or longest["training"] or longest["inference"]
         out += ["", f"One attention layer at n = {fmt_tokens(details.seq_len)}:"]
@@ -367,12 +363,11 @@ def run(args: argparse.Namespace) -> int:
         out += ["", *ASSUMPTIONS, *(MODEL_ASSUMPTIONS if setup.model is not None else [])]
         print("\n".join(out))
         return 0
-    except Impossible as exc:
-        print("\n".join([*exc.report, "", f"Not possible: {exc}"] if exc.report else
-                        [f"Not possible: {exc}"]))  # fmt: skip
-        return 2
-    except ValueError as exc:  # a bad pattern or configuration, named by the check
-        print(f"Not possible: {exc}")
+    except (Impossible, ValueError) as exc:  # ValueError: a bad pattern or configuration
+        report = getattr(exc, "report", [])
+        print(
+            "\n".join([*report, "", f"Not possible: {exc}"] if report else [f"Not possible: {exc}"])
+        )
         return 2
 
 

@@ -127,15 +127,11 @@ def _odd_constant(i: int) -> int:
 def _unique_keys(
     n_rows: int, parts: list[tuple[torch.Tensor, torch.Tensor]]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The distinct keys of ``n_rows`` rows and each row's key index.
-
-    A row's key is the concatenation of its parts: part ``b`` is ``vals[k]``
-    (5 non-negative ints) for the rows ``rows[k]`` of ``parts[b] = (rows,
-    vals)``, and ``-1`` five times for the others (not shared). Rows are
-    hashed to one int64 each (linear mixing, wrapping modulo 2**64) and the
-    hashes made unique; every row is then checked to equal its
-    representative, else the exact row sort decides.
-    """
+    """The distinct keys of ``n_rows`` rows and each row's key index. A row's
+    key: per part ``b`` = ``(rows, vals)``, ``vals[k]`` (5 ints) for ``rows[k]``,
+    else ``-1`` five times. Rows are hashed to one int64 (linear mixing modulo
+    2**64); where a row differs from its hash's representative, the exact row
+    sort decides."""
     h = torch.zeros(n_rows, dtype=torch.int64)
     for b, (rows, vals) in enumerate(parts):
         if rows.numel():
@@ -209,15 +205,10 @@ def _with_listed_rows(
     branches: list[tuple[int, int]], offsets: list[tuple], longest: int,
 ) -> torch.Tensor:  # fmt: skip
     """``stats`` (``(N, classes, 3)``: rows, first, last of the other
-    branches' union) with the rows of the *listed* branches added.
-
-    A listed branch has at most ``ceil(longest / r)`` rows of one offset in a
-    piece (``longest``: the longest piece), so its rows are listed per pair
-    (vectorised): a row counts when no other branch's progression holds it
-    (arithmetic: interval and residue) and no listed row before it equals it.
-    ``columns``: ``(branch, rows, vals)`` per query piece and branch, the
-    pairs sharing a segment and the 5 values of a key part.
-    """
+    branches' union) with the rows of the *listed* branches added: at most
+    ``ceil(longest / r)`` per offset and pair, listed (vectorised), each
+    counted unless another branch's progression or an earlier listed row holds
+    it. ``columns``: ``(branch, rows, vals)`` per query piece and branch."""
     n = stats.shape[0]
     out = stats.clone()
     listed_cols = [c for c in columns if listed[c[0]]]
@@ -410,15 +401,11 @@ def predict_traffic(
     pattern: Pattern, seq_len: int, heads: int, kv_heads: int | None = None, world_size: int = 1,
     layout: str = "contiguous", *, source: str = "auto",
 ) -> Traffic:  # fmt: skip
-    """The :class:`Traffic` of every rank of a ring of ``world_size``.
-
-    ``kv_heads`` divides ``heads`` (default ``heads``); ``layout``:
-    ``"contiguous"``, ``"zigzag"`` or ``"balanced"``; ``source``: ``"plan"``
-    (the ring's own plans), ``"analytic"`` (closed forms), or ``"auto"``: the
-    plans when ``p * n * heads <= 2**24`` and the compiled extension is there
-    (the planner imports and runs without it). A bad configuration raises
-    ``ValueError`` naming it.
-    """
+    """The :class:`Traffic` of every rank of a ring of ``world_size``:
+    ``kv_heads`` divides ``heads`` (default ``heads``); ``layout``: contiguous,
+    zigzag or balanced; ``source``: ``"plan"`` (the ring's own plans),
+    ``"analytic"`` (closed forms) or ``"auto"`` (the plans when ``p * n * heads
+    <= 2**24`` and the extension is built). A bad argument raises ``ValueError``."""
     seq_len, heads = check_planner_args(pattern, seq_len, heads)
     kv_heads = heads if kv_heads is None else check_int(kv_heads, "kv_heads", 1, heads)
     if heads % kv_heads:

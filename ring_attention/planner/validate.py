@@ -3,12 +3,10 @@
     python -m ring_attention.planner.validate                 # ~2 min on 2 cores
     python -m ring_attention.planner.validate --seq-len 8192 --worlds 1 2
 
-Run from a checkout: it times the local operator (unless ``--bench-json``),
-runs ``ring_dilated_attention`` in ``p`` fresh gloo processes for every
-``p`` in ``--worlds`` (tensor and resident peaks, CPU and wall time per
-rank), predicts the same with the planner, and prints one markdown table
-per quantity (worst rank per ``p``, and every rank); ``--json`` keeps it
-all. What is measured and how: docs/planner.md.
+Times the local operator (unless ``--bench-json``), runs the ring in ``p``
+fresh gloo processes per ``p`` in ``--worlds`` (tensor and resident peaks,
+CPU and wall time per rank), predicts the same and prints markdown tables
+(worst rank per ``p``, every rank); ``--json`` keeps it all (docs/planner.md).
 """
 
 from __future__ import annotations
@@ -54,13 +52,10 @@ def resident_growth(call) -> int:
 
 
 def tensor_peak(call) -> int:
-    """Peak CPU tensor bytes allocated by ``call()`` and not yet freed.
-
-    From the PyTorch profiler's allocation events, in time order: a running
-    sum of the blocks allocated during the call, less those of them freed
-    (matched by address). Frees of blocks allocated before the call (another
-    thread may release an earlier call's buffers at any moment) are ignored.
-    """
+    """Peak CPU tensor bytes allocated by ``call()`` and not yet freed: from
+    the PyTorch profiler's allocation events in time order, the blocks
+    allocated during the call less those of them freed (matched by address;
+    frees of earlier blocks, which another thread may release, ignored)."""
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
