@@ -75,12 +75,8 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if (
-            "default" in text
-            or action.default in (None, argparse.SUPPRESS)
-            or not (action.option_strings)
-        ):
-            return text
+        if "default" in text or action.default in (None, argparse.SUPPRESS):
+            return text  # (every option of this parser has option strings)
         if action.nargs == 0:  # store_true
             return f"{text} (default: off)".strip() if action.default is False else text
         return f"{text} (default: %(default)s)".strip()

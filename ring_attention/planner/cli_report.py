@@ -89,15 +89,13 @@ def layer_details(ev: Any) -> list[str]:
     t_rank = ev.worst(lambda k: times[k].forward_backward)
     f_rank = ev.worst(lambda k: times[k].forward)
     t, tf = times[t_rank], times[f_rank]
-    lines.append(
+    lines += [
         f"  time/layer   forward {fmt_time(tf.forward)} (compute {fmt_time(tf.compute_forward)},"
-        f" exposed communication {fmt_time(tf.exposed_forward)}; rank {f_rank})"
-    )
-    lines.append(
+        f" exposed communication {fmt_time(tf.exposed_forward)}; rank {f_rank})",
         f"               forward+backward {fmt_time(t.forward_backward)} (compute "
         f"{fmt_time(t.compute_forward_backward)}, exposed communication "
-        f"{fmt_time(t.exposed_forward_backward)}; rank {t_rank})"
-    )
+        f"{fmt_time(t.exposed_forward_backward)}; rank {t_rank})",
+    ]
     lines += _far_lines(ev)
     row, acc = 2 * s.batch * s.head_dim, 8 if s.itemsize == 8 else 4
     sent, recv = tr.rows_sent, tr.rows_received

@@ -90,9 +90,8 @@ class LayerMemory:
     @property
     def forward_peak(self) -> int:
         """Peak of an inference forward: q, k, v plus the forward's items."""
-        return sum(v for k, v in self.inputs.items() if k != "grad_out") + sum(
-            self.forward.values()
-        )
+        inputs = sum(v for k, v in self.inputs.items() if k != "grad_out")
+        return inputs + sum(self.forward.values())
 
     @property
     def backward_peak(self) -> int:
@@ -180,12 +179,9 @@ def layer_memories(
     def at(items: dict[str, torch.Tensor], j: int) -> dict[str, int]:
         return {k: int(v[j]) if isinstance(v, torch.Tensor) else int(v) for k, v in items.items()}
 
-    return [
-        LayerMemory(
-            at(inputs, j), at(forward, j), at(backward, j), {k: at(v, j) for k, v in bufs.items()}
-        )
-        for j in range(tr.world_size)
-    ]
+    ranks = range(tr.world_size)
+    return [LayerMemory(at(inputs, j), at(forward, j), at(backward, j),
+                        {k: at(v, j) for k, v in bufs.items()}) for j in ranks]  # fmt: skip
 
 
 def layer_memory(
