@@ -315,11 +315,10 @@ def _meets(a: tuple[int, int], b: tuple[int, int], budget: int) -> float | None:
 
 
 def floor_peak(setup: Setup, seq_len: int, ranks: int, goal: str) -> int:
-    """A lower bound of the worst rank's peak for ``goal`` (``"inference"``,
-    ``"training"`` or ``"model"``) at ``ranks`` ranks, in closed form: the
-    items that do not depend on the exchange (:func:`.memory.own_memory`)
-    of the rank holding the longest shard (at least ``ceil(seq_len /
-    ranks)`` rows), and for ``"model"`` the whole model's items on top."""
+    """A closed-form lower bound of the worst rank's peak for ``goal``
+    (``"inference"``, ``"training"``, ``"model"``) at ``ranks`` ranks: the
+    items of the longest shard that do not depend on the exchange
+    (:func:`.memory.own_memory`), the whole model's on top for ``"model"``."""
     local = -(-seq_len // ranks)
     s = setup
     m = own_memory(local, s.heads, s.kv_heads, s.batch, s.head_dim, s.itemsize)
@@ -337,11 +336,9 @@ def floor_peak(setup: Setup, seq_len: int, ranks: int, goal: str) -> int:
 
 
 def floor_ranks(setup: Setup, seq_len: int, goal: str, high: int = MAX_SEQ_LEN) -> int | None:
-    """The fewest ranks (up to ``high``) at which :func:`floor_peak` fits
-    in ``setup.usable``: no fewer ranks can hold ``seq_len`` tokens (a lower
-    bound of :func:`fewest_ranks`, in microseconds). ``None`` when not even
-    ``high`` ranks do. The floor falls with more ranks beyond two (one rank
-    gathers no weights), so a bisection finds it."""
+    """The fewest ranks (up to ``high``, else ``None``) at which
+    :func:`floor_peak` fits: a lower bound of :func:`fewest_ranks`, found by
+    bisection (the floor falls with more ranks beyond two)."""
     budget = setup.usable
     if floor_peak(setup, seq_len, 1, goal) <= budget:
         return 1

@@ -39,12 +39,11 @@ def _slots_used(index: torch.Tensor, posting: torch.Tensor) -> torch.Tensor:
 def transport_buffers(
     tr: Any, batch: int, head_dim: int, itemsize: int, far_bytes: int = 0
 ) -> dict[str, dict[str, torch.Tensor]]:
-    """Bytes of every transport buffer each rank allocates per pass:
-    ``{"forward": {kind: (p,) bytes}, "backward": {kind: (p,) bytes}}``; per
-    rank, the sums are what ``last_exchange_stats.buffer_bytes`` reports.
-    ``far_bytes``: the transfers of at most that many K/V bytes travel in the
-    far group (:meth:`.traffic.Traffic.far`), whose buffers hold all of
-    their rows at once; the ring's buffers are sized by the others."""
+    """Bytes of every transport buffer each rank allocates per pass,
+    ``{"forward" | "backward": {kind: (p,) bytes}}`` (per rank, the sums of
+    ``last_exchange_stats.buffer_bytes``); the transfers of at most
+    ``far_bytes`` K/V bytes travel in the far group, whose buffers hold all
+    their rows at once (:meth:`.traffic.Traffic.far`)."""
     acc = acc_bytes(itemsize)
     row = 2 * batch * head_dim  # a K and a V vector of one (row, K/V head)
     far_s, far_r = tr.far(row * itemsize, far_bytes)
@@ -152,11 +151,9 @@ def _items(
 def own_memory(
     local_len: int, heads: int, kv_heads: int, batch: int, head_dim: int, itemsize: int
 ) -> LayerMemory:
-    """The items of a rank holding ``local_len`` rows that do not depend on
-    the exchange (its inputs, accumulators, casts, the kernel's ``delta``;
-    no transport buffer, plan index or piece copy): a lower bound of the
-    :class:`LayerMemory` of the rank with the longest shard, in closed form
-    (the planner refuses from it what needs more ranks than it models)."""
+    """The items of a rank of ``local_len`` rows that do not depend on the
+    exchange (inputs, accumulators, casts, the kernel's ``delta``): a
+    closed-form lower bound of the longest shard's :class:`LayerMemory`."""
     return LayerMemory(*_items(local_len, heads, kv_heads, batch, head_dim, itemsize))
 
 
