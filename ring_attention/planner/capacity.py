@@ -87,13 +87,10 @@ class Setup:
         if self.tflops is not None:
             f, b = self.tflops
             return Rates(f * 1e12, b * 1e12, f"given: {f:g} / {b:g} TFLOP/s (--tflops)")
-        if self.records:
-            found = rates_from_records(list(self.records), n=max(local_len, 1), heads=self.heads,
-                                       head_dim=self.head_dim, dtype=self.dtype,
-                                       device=self.device)  # fmt: skip
-            if found is not None:
-                return found
-        return assumed_rates(self.device, self.dtype, self.threads)
+        found = self.records and rates_from_records(
+            list(self.records), n=max(local_len, 1), heads=self.heads, head_dim=self.head_dim,
+            dtype=self.dtype, device=self.device)  # fmt: skip
+        return found or assumed_rates(self.device, self.dtype, self.threads)
 
     def matmul_rate(self, rates: Rates) -> tuple[float, str]:
         """Dense matmul FLOP/s for the whole model, and where it comes from."""

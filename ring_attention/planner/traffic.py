@@ -320,14 +320,10 @@ def _analytic(
                     rows = torch.nonzero(valid & (x - y < w)).flatten()
                     if rows.numel() == 0:
                         continue
-                    rl, rx, ry = left[rows], x[rows], y[rows]
-                    rc, re, rqa, rqb = c[rows], e[rows], qa[rows], qb[rows]
-                    s, se = segment_around(rx, w, bounds)
-                    shared = s <= ry
-                    if pattern.causal:
-                        shared &= rl
+                    s, se = segment_around(x[rows], w, bounds)
+                    shared = (s <= y[rows]) & (left[rows] if pattern.causal else True)
                     rows, s, se = rows[shared], s[shared], se[shared]
-                    rl, rc, re, rqa, rqb = (t[shared] for t in (rl, rc, re, rqa, rqb))
+                    rl, rc, re, rqa, rqb = (t[rows] for t in (left, c, e, qa, qb))
                     if rows.numel() == 0:
                         continue
                     klo = torch.where(rl, torch.maximum(rc, s), rc)
