@@ -254,25 +254,18 @@ def _too_large(setup: Setup, seq_len: int, goal: str, limit: int) -> str | None:
     ``limit`` ranks may hold them."""
     if floor_ranks(setup, seq_len, goal, limit) is not None:
         return None
-    floor = floor_peak(setup, seq_len, limit, goal)
-    need = floor_ranks(setup, seq_len, goal)
-    what = (
-        f"{fmt_tokens(seq_len)} tokens need more than {limit:,} ranks with "
-        f"{fmt_bytes(setup.usable)} usable each ({goal}): at {limit:,} ranks the items that do "
-        "not depend on the exchange (inputs, accumulators, casts"
-        f"{', the model' * (goal == 'model')}"
-        f") alone take {fmt_bytes(floor)} per rank"
-    )
+    floor, need = floor_peak(setup, seq_len, limit, goal), floor_ranks(setup, seq_len, goal)
+    model = ", the model" * (goal == "model")
+    what = (f"{fmt_tokens(seq_len)} tokens need more than {limit:,} ranks with "
+            f"{fmt_bytes(setup.usable)} usable each ({goal}): at {limit:,} ranks the items that "
+            f"do not depend on the exchange (inputs, accumulators, casts{model}) alone take "
+            f"{fmt_bytes(floor)} per rank")  # fmt: skip
     if need is None:
-        top = floor_peak(setup, seq_len, MAX_SEQ_LEN, goal)
-        return (
-            f"{what}, and {fmt_bytes(top)} with one token per rank: no number of ranks holds "
-            "them (what does not shrink with more ranks exceeds the memory)"
-        )
-    return (
-        f"{what}; at least {need:,} ranks would be needed, and the planner models at most "
-        f"{limit:,} (its tables of rank pairs grow as the square of the ranks)"
-    )
+        top = fmt_bytes(floor_peak(setup, seq_len, MAX_SEQ_LEN, goal))
+        return (f"{what}, and {top} with one token per rank: no number of ranks holds them (what "
+                "does not shrink with more ranks exceeds the memory)")  # fmt: skip
+    return (f"{what}; at least {need:,} ranks would be needed, and the planner models at most "
+            f"{limit:,} (its tables of rank pairs grow as the square of the ranks)")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
