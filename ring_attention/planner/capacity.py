@@ -114,9 +114,8 @@ class Evaluation:
     def memories(self) -> list[LayerMemory]:
         """Every rank's attention layer memory."""
         s = self.setup
-        return layer_memories(
-            self.traffic, s.batch, s.head_dim, s.itemsize, device=s.device, far_bytes=s.far_bytes
-        )
+        return layer_memories(self.traffic, s.batch, s.head_dim, s.itemsize, device=s.device,
+                              far_bytes=s.far_bytes)  # fmt: skip
 
     @cached_property
     def rates(self) -> Rates:
@@ -132,9 +131,8 @@ class Evaluation:
         """Every rank's predicted layer time with the far group's threshold
         ``far_bytes`` (0: the ring alone)."""
         s = self.setup
-        return layer_times(
-            self.traffic, s.batch, s.head_dim, s.itemsize, self.rates, s.link, far_bytes
-        )
+        return layer_times(self.traffic, s.batch, s.head_dim, s.itemsize, self.rates, s.link,
+                           far_bytes)  # fmt: skip
 
     def worst(self, key: Callable[[int], float]) -> int:
         """The rank maximising ``key(rank)``."""
@@ -171,9 +169,8 @@ class Evaluation:
         t = self.times[rank]
         rate, _ = s.matmul_rate(self.rates)
         tokens = s.batch * int(self.traffic.local_len.max())
-        return model_step_seconds(
-            s.model, tokens, t.forward, t.forward_backward, rate, checkpointing=s.checkpointing
-        )
+        return model_step_seconds(s.model, tokens, t.forward, t.forward_backward, rate,
+                                  checkpointing=s.checkpointing)  # fmt: skip
 
 
 def evaluate(setup: Setup, seq_len: int) -> Evaluation:

@@ -147,10 +147,8 @@ def build_setup(args: argparse.Namespace, ranks: int) -> Setup:
     model = MODELS[args.model] if args.model else None
     if args.layers is not None:
         if heads * head_dim != args.hidden:
-            print(
-                f"note: heads x head_dim = {heads * head_dim} differs from --hidden {args.hidden} "
-                "(the projections map between them)"
-            )
+            print(f"note: heads x head_dim = {heads * head_dim} differs from --hidden "
+                  f"{args.hidden} (the projections map between them)")  # fmt: skip
         model = ModelShape(
             args.layers, args.hidden, heads, kv_heads, head_dim,
             4 * args.hidden if args.ffn is None else args.ffn, args.gated, args.vocab,

@@ -84,15 +84,11 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     """The planner's command line."""
-    ap = argparse.ArgumentParser(
-        prog="python -m ring_attention.planner",
-        description=(
-            "Capacity planner for ring dilated attention: the longest sequence that fits per "
-            "rank, the predicted time per layer and the bytes per link, per attention layer "
-            "and for a whole model. With --seq-len and no rank count: the fewest ranks."
-        ),
-        formatter_class=_HelpFormatter,
-    )
+    ap = argparse.ArgumentParser(prog="python -m ring_attention.planner", description=(
+        "Capacity planner for ring dilated attention: the longest sequence that fits per rank, "
+        "the predicted time per layer and the bytes per link, per attention layer and for a "
+        "whole model. With --seq-len and no rank count: the fewest ranks."
+    ), formatter_class=_HelpFormatter)  # fmt: skip
     ap.add_argument("--quiet", action="store_true", help="no progress on stderr (a line "
                     "rewritten on a terminal; elsewhere a line per evaluation once a search has "
                     "run 10 s)")  # fmt: skip
