@@ -87,13 +87,10 @@ class Setup:
         if self.tflops is not None:
             f, b = self.tflops
             return Rates(f * 1e12, b * 1e12, f"given: {f:g} / {b:g} TFLOP/s (--tflops)")
-        if self.records:
-            found = rates_from_records(list(self.records), n=max(local_len, 1), heads=self.heads,
-                                       head_dim=self.head_dim, dtype=self.dtype,
-                                       device=self.device)  # fmt: skip
-            if found is not None:
-                return found
-        return assumed_rates(self.device, self.dtype, self.threads)
+        found = self.records and rates_from_records(
+            list(self.records), n=max(local_len, 1), heads=self.heads, head_dim=self.head_dim,
+            dtype=self.dtype, device=self.device)  # fmt: skip
+        return found or assumed_rates(self.device, self.dtype, self.threads)
 
     def matmul_rate(self, rates: Rates) -> tuple[float, str]:
         """Dense matmul FLOP/s for the whole model, and where it comes from."""
@@ -117,9 +114,8 @@ class Evaluation:
     def memories(self) -> list[LayerMemory]:
         """Every rank's attention layer memory."""
         s = self.setup
-        return layer_memories(
-            self.traffic, s.batch, s.head_dim, s.itemsize, device=s.device, far_bytes=s.far_bytes
-        )
+        return layer_memories(self.traffic, s.batch, s.head_dim, s.itemsize, device=s.device,
+                              far_bytes=s.far_bytes)  # fmt: skip
 
     @cached_property
     def rates(self) -> Rates:
@@ -135,9 +131,8 @@ class Evaluation:
         """Every rank's predicted layer time with the far group's threshold
         ``far_bytes`` (0: the ring alone)."""
         s = self.setup
-        return layer_times(
-            self.traffic, s.batch, s.head_dim, s.itemsize, self.rates, s.link, far_bytes
-        )
+        return layer_times(self.traffic, s.batch, s.head_dim, s.itemsize, self.rates, s.link,
+                           far_bytes)  # fmt: skip
 
     def worst(self, key: Callable[[int], float]) -> int:
         """The rank maximising ``key(rank)``."""
@@ -174,9 +169,8 @@ class Evaluation:
         t = self.times[rank]
         rate, _ = s.matmul_rate(self.rates)
         tokens = s.batch * int(self.traffic.local_len.max())
-        return model_step_seconds(
-            s.model, tokens, t.forward, t.forward_backward, rate, checkpointing=s.checkpointing
-        )
+        return model_step_seconds(s.model, tokens, t.forward, t.forward_backward, rate,
+                                  checkpointing=s.checkpointing)  # fmt: skip
 
 
 def evaluate(setup: Setup, seq_len: int) -> Evaluation:
@@ -194,13 +188,10 @@ Peak = Callable[[Evaluation], int]
 
 
 def largest_length(
-    setup: Setup,
-    peak: Peak,
-    *,
-    rel_tol: float = 0.005,
+    setup: Setup, peak: Peak, *, rel_tol: float = 0.005,
     cache: dict[int, Evaluation] | None = None,
     progress: Callable[[int, bool], None] | None = None,
-) -> Evaluation | None:
+) -> Evaluation | None:  # fmt: skip
     """The longest sequence (within ``rel_tol``, or one token per rank)
     whose ``peak`` fits in ``setup.usable``; ``None`` when one token per rank
     does not fit. ``cache`` (length -> evaluation) shares evaluations
@@ -258,14 +249,9 @@ def largest_length(
 
 
 def fewest_ranks(
-    setup: Setup,
-    seq_len: int,
-    peak: Peak,
-    *,
-    rel_tol: float = 0.02,
-    limit: int = MAX_WORLD_SIZE,
+    setup: Setup, seq_len: int, peak: Peak, *, rel_tol: float = 0.02, limit: int = MAX_WORLD_SIZE,
     progress: Callable[[int, bool], None] | None = None,
-) -> Evaluation | None:
+) -> Evaluation | None:  # fmt: skip
     """The fewest ranks at which ``seq_len`` tokens fit (exact up to 50
     ranks, within ``rel_tol`` above), or ``None`` when more than ``limit``
     (at most ``MAX_WORLD_SIZE``) would be needed; ``progress(ranks, fits)``
@@ -323,11 +309,10 @@ def _meets(a: tuple[int, int], b: tuple[int, int], budget: int) -> float | None:
 
 
 def floor_peak(setup: Setup, seq_len: int, ranks: int, goal: str) -> int:
-    """A lower bound of the worst rank's peak for ``goal`` (``"inference"``,
-    ``"training"`` or ``"model"``) at ``ranks`` ranks, in closed form: the
-    items that do not depend on the exchange (:func:`.memory.own_memory`)
-    of the rank holding the longest shard (at least ``ceil(seq_len /
-    ranks)`` rows), and for ``"model"`` the whole model's items on top."""
+    """A closed-form lower bound of the worst rank's peak for ``goal``
+    (``"inference"``, ``"training"``, ``"model"``) at ``ranks`` ranks: the
+    items of the longest shard that do not depend on the exchange
+    (:func:`.memory.own_memory`), the whole model's on top for ``"model"``."""
     local = -(-seq_len // ranks)
     s = setup
     m = own_memory(local, s.heads, s.kv_heads, s.batch, s.head_dim, s.itemsize)
@@ -345,11 +330,9 @@ def floor_peak(setup: Setup, seq_len: int, ranks: int, goal: str) -> int:
 
 
 def floor_ranks(setup: Setup, seq_len: int, goal: str, high: int = MAX_SEQ_LEN) -> int | None:
-    """The fewest ranks (up to ``high``) at which :func:`floor_peak` fits
-    in ``setup.usable``: no fewer ranks can hold ``seq_len`` tokens (a lower
-    bound of :func:`fewest_ranks`, in microseconds). ``None`` when not even
-    ``high`` ranks do. The floor falls with more ranks beyond two (one rank
-    gathers no weights), so a bisection finds it."""
+    """The fewest ranks (up to ``high``, else ``None``) at which
+    :func:`floor_peak` fits: a lower bound of :func:`fewest_ranks`, found by
+    bisection (the floor falls with more ranks beyond two)."""
     budget = setup.usable
     if floor_peak(setup, seq_len, 1, goal) <= budget:
         return 1

@@ -30,7 +30,7 @@ from .cli_report import (
     model_lines,
 )
 from .cli_types import MAX_BYTES
-from .modes import advice, compare_modes, evaluate_mode, grid_for
+from .modes import MODES, advice, compare_modes, grid_for
 from .presets import MODELS, ModelShape
 from .throughput import load_records
 from .traffic import MAX_WORLD_SIZE
@@ -83,77 +83,60 @@ def check_args(args: argparse.Namespace) -> None:
     range is its parser type's, :mod:`.cli_types`); raises
     :class:`OptionError` naming the option. Fills in the attention shape a
     ``--model`` gives (``--heads``, ``--kv-heads``, ``--head-dim`` left out)."""
-    ranks = _ranks(args)
-    if args.gpus is not None and args.processes is not None:
-        raise OptionError("--processes", "give either --gpus or --processes, not both")
-    device = _device(args)
-    if device == "cpu" and args.gpu_memory is not None:
-        raise OptionError("--gpu-memory", "is for GPUs; with --device cpu give --memory")
+    ranks, device = _ranks(args), _device(args)
     for name, default in (("heads", 16), ("kv_heads", None), ("head_dim", 128)):
         if getattr(args, name) is None:  # a --model's, else the default (kv_heads: heads)
             model = MODELS[args.model] if args.model else None
             fallback = args.heads if default is None else default
             setattr(args, name, getattr(model, name) if model else fallback)
-    if args.heads % args.kv_heads:
-        raise OptionError(
-            "--kv-heads", f"kv_heads must divide heads: got --heads {args.heads}, --kv-heads "
-            f"{args.kv_heads}"
-        )  # fmt: skip
-    if (args.layers is None) != (args.hidden is None):  # name the one given
-        raise OptionError(
-            "--hidden" if args.layers is None else "--layers",
-            "a whole model needs both --layers and --hidden",
-        )
-    if args.layers is None:  # the shape of a model of one's own, else unused
-        for option, given in (("--ffn", args.ffn is not None), ("--gated", args.gated),
-                              ("--vocab", args.vocab != 0)):  # fmt: skip
-            if given:
-                raise OptionError(
-                    option, "shapes a whole model of --layers and --hidden (a --model preset has "
-                    "its own): give them, or leave it out"
-                )  # fmt: skip
-    if (args.segments is None) != (args.dilations is None):
-        raise OptionError(
-            "--dilations" if args.segments is None else "--segments",
-            "--segments and --dilations go together",
-        )
-    if args.segments is not None:
-        try:
-            Pattern(args.segments, args.dilations)
-        except ValueError as exc:
-            raise OptionError("--segments/--dilations", str(exc)) from None
-    if ranks is None and args.seq_len is None:
-        raise OptionError(
-            "--seq-len", "give --gpus/--processes (the longest sequence) or --seq-len (the "
-            "fewest ranks)"
-        )  # fmt: skip
-    if ranks is None and device == "cpu":
-        raise OptionError(
-            "--seq-len", "the fewest-ranks search is for GPUs (CPU processes on one machine "
-            "share its memory): give --gpus or --gpu-memory, or --processes"
-        )  # fmt: skip
     memory, reserve = _memory(args, device, ranks or 1)
-    if reserve >= memory:
-        raise OptionError(
-            "--reserve", f"{reserve:,} bytes leave nothing of the {memory:,} bytes per rank"
-        )
-    if args.bench_json:
-        try:
-            load_records(args.bench_json)
-        except (OSError, ValueError) as exc:
-            raise OptionError("--bench-json", f"cannot read its records: {exc}") from None
-    if args.mode != "ring":
-        if ranks is None or args.seq_len is None:
-            raise OptionError(
-                "--mode", f"--mode {args.mode} needs --gpus/--processes and --seq-len"
-            )
-        if args.mode in ("hybrid", "compare"):
-            try:
-                grid_for("hybrid", ranks, args.gpus_per_node, args.ulysses)
-            except ValueError as exc:
-                raise OptionError(
-                    "--ulysses" if args.ulysses else "--gpus-per-node", str(exc)
-                ) from None
+    own_model = [(o, g) for o, g in (("--ffn", args.ffn is not None), ("--gated", args.gated),
+                                     ("--vocab", args.vocab != 0)) if g]  # fmt: skip
+    grid = ranks is not None and args.seq_len is not None and args.mode in ("hybrid", "compare")
+    records = _error(load_records, args.bench_json) if args.bench_json else None
+    rules = [  # (broken, option, message), in the order they are checked
+        (args.gpus is not None and args.processes is not None, "--processes",
+         "give either --gpus or --processes, not both"),
+        (device == "cpu" and args.gpu_memory is not None, "--gpu-memory",
+         "is for GPUs; with --device cpu give --memory"),
+        (args.heads % args.kv_heads, "--kv-heads",
+         f"kv_heads must divide heads: got --heads {args.heads}, --kv-heads {args.kv_heads}"),
+        ((args.layers is None) != (args.hidden is None),  # name the one given
+         "--hidden" if args.layers is None else "--layers",
+         "a whole model needs both --layers and --hidden"),
+        (args.layers is None and own_model, own_model[0][0] if own_model else "",
+         "shapes a whole model of --layers and --hidden (a --model preset has its own): give "
+         "them, or leave it out"),
+        ((args.segments is None) != (args.dilations is None),
+         "--dilations" if args.segments is None else "--segments",
+         "--segments and --dilations go together"),
+        (args.segments is not None, "--segments/--dilations",
+         args.segments is not None and _error(Pattern, args.segments, args.dilations)),
+        (ranks is None and args.seq_len is None, "--seq-len",
+         "give --gpus/--processes (the longest sequence) or --seq-len (the fewest ranks)"),
+        (ranks is None and device == "cpu", "--seq-len",
+         "the fewest-ranks search is for GPUs (CPU processes on one machine share its memory): "
+         "give --gpus or --gpu-memory, or --processes"),
+        (reserve >= memory, "--reserve",
+         f"{reserve:,} bytes leave nothing of the {memory:,} bytes per rank"),
+        (records, "--bench-json", f"cannot read its records: {records}"),
+        (args.mode != "ring" and (ranks is None or args.seq_len is None), "--mode",
+         f"--mode {args.mode} needs --gpus/--processes and --seq-len"),
+        (grid, "--ulysses" if args.ulysses else "--gpus-per-node",
+         grid and _error(grid_for, "hybrid", ranks, args.gpus_per_node, args.ulysses)),
+    ]  # fmt: skip
+    for broken, option, message in rules:
+        if broken and message:
+            raise OptionError(option, message)
+
+
+def _error(fn, *args) -> str | None:
+    """What ``fn(*args)`` raises (``OSError``, ``ValueError``), else ``None``."""
+    try:
+        fn(*args)
+    except (OSError, ValueError) as exc:
+        return str(exc)
+    return None
 
 
 def build_setup(args: argparse.Namespace, ranks: int) -> Setup:
@@ -164,10 +147,8 @@ def build_setup(args: argparse.Namespace, ranks: int) -> Setup:
     model = MODELS[args.model] if args.model else None
     if args.layers is not None:
         if heads * head_dim != args.hidden:
-            print(
-                f"note: heads x head_dim = {heads * head_dim} differs from --hidden {args.hidden} "
-                "(the projections map between them)"
-            )
+            print(f"note: heads x head_dim = {heads * head_dim} differs from --hidden "
+                  f"{args.hidden} (the projections map between them)")  # fmt: skip
         model = ModelShape(
             args.layers, args.hidden, heads, kv_heads, head_dim,
             4 * args.hidden if args.ffn is None else args.ffn, args.gated, args.vocab,
@@ -212,17 +193,14 @@ class _Progress:
         self.start = time.monotonic() if start is None else start
 
     def state(self) -> str:
-        """What the search has found: the best value that fits, the nearest that does not."""
-        tried = f"{self.tries} tried ({self.last:,} last)"
-        if self.unit == "ranks":  # the fewest that fit, the most that do not
-            best, worst = min(self.fits, default=None), max(self.fails, default=0)
-            found = "no fit yet" if best is None else f"fits on {best:,}"
-            return f"{tried}, {found}, not on {worst:,}"
-        best, worst = max(self.fits, default=None), min(self.fails, default=None)
-        found = "no fit yet" if best is None else f"fits at {best:,}"
-        return f"{tried}, {found}, " + (
-            "none too long yet" if worst is None else f"not at {worst:,}"
-        )
+        """What the search has found: the best value that fits, the nearest that does not
+        (ranks: the fewest that fit, the most that do not; tokens: the reverse)."""
+        ranks, at = self.unit == "ranks", "on" if self.unit == "ranks" else "at"
+        best = (min if ranks else max)(self.fits, default=None)
+        worst = (max if ranks else min)(self.fails, default=0 if ranks else None)
+        found = "no fit yet" if best is None else f"fits {at} {best:,}"
+        missed = "none too long yet" if worst is None else f"not {at} {worst:,}"
+        return f"{self.tries} tried ({self.last:,} last), {found}, {missed}"
 
     def __call__(self, value: int, fits: bool) -> None:
         self.tries, self.last = self.tries + 1, value
@@ -242,8 +220,11 @@ class _Progress:
                 + ("--gpus/--processes" if self.unit == "ranks" else "--seq-len")
             )
 
-    def done(self) -> None:
-        if self.tty and self.tries:
+    def __enter__(self) -> _Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.tty and self.tries:  # clear the line
             sys.stderr.write("\r\033[K")
             sys.stderr.flush()
 
@@ -271,25 +252,18 @@ def _too_large(setup: Setup, seq_len: int, goal: str, limit: int) -> str | None:
     ``limit`` ranks may hold them."""
     if floor_ranks(setup, seq_len, goal, limit) is not None:
         return None
-    floor = floor_peak(setup, seq_len, limit, goal)
-    need = floor_ranks(setup, seq_len, goal)
-    what = (
-        f"{fmt_tokens(seq_len)} tokens need more than {limit:,} ranks with "
-        f"{fmt_bytes(setup.usable)} usable each ({goal}): at {limit:,} ranks the items that do "
-        "not depend on the exchange (inputs, accumulators, casts"
-        f"{', the model' * (goal == 'model')}"
-        f") alone take {fmt_bytes(floor)} per rank"
-    )
+    floor, need = floor_peak(setup, seq_len, limit, goal), floor_ranks(setup, seq_len, goal)
+    model = ", the model" * (goal == "model")
+    what = (f"{fmt_tokens(seq_len)} tokens need more than {limit:,} ranks with "
+            f"{fmt_bytes(setup.usable)} usable each ({goal}): at {limit:,} ranks the items that "
+            f"do not depend on the exchange (inputs, accumulators, casts{model}) alone take "
+            f"{fmt_bytes(floor)} per rank")  # fmt: skip
     if need is None:
-        top = floor_peak(setup, seq_len, MAX_SEQ_LEN, goal)
-        return (
-            f"{what}, and {fmt_bytes(top)} with one token per rank: no number of ranks holds "
-            "them (what does not shrink with more ranks exceeds the memory)"
-        )
-    return (
-        f"{what}; at least {need:,} ranks would be needed, and the planner models at most "
-        f"{limit:,} (its tables of rank pairs grow as the square of the ranks)"
-    )
+        top = fmt_bytes(floor_peak(setup, seq_len, MAX_SEQ_LEN, goal))
+        return (f"{what}, and {top} with one token per rank: no number of ranks holds them (what "
+                "does not shrink with more ranks exceeds the memory)")  # fmt: skip
+    return (f"{what}; at least {need:,} ranks would be needed, and the planner models at most "
+            f"{limit:,} (its tables of rank pairs grow as the square of the ranks)")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -316,14 +290,9 @@ def run(args: argparse.Namespace) -> int:
             why = _too_large(setup, args.seq_len, goal, MAX_WORLD_SIZE)
             if why is not None:
                 raise Impossible(why)
-            progress = _Progress(
-                f"fewest ranks for {fmt_tokens(args.seq_len)} tokens", "ranks", args.time_limit,
-                args.quiet,
-            )  # fmt: skip
-            try:
+            what = f"fewest ranks for {fmt_tokens(args.seq_len)} tokens"
+            with _Progress(what, "ranks", args.time_limit, args.quiet) as progress:
                 ev = fewest_ranks(setup, args.seq_len, peaks[goal], progress=progress)
-            finally:
-                progress.done()
             if ev is None:
                 raise Impossible(
                     f"{args.seq_len:,} tokens do not fit on any number of ranks up to "
@@ -357,18 +326,12 @@ def run(args: argparse.Namespace) -> int:
             cache: dict = {}
             longest, start = {}, time.monotonic()
             for name, fn in peaks.items():  # the searches share evaluations and the time limit
-                progress = _Progress(
-                    f"longest sequence on {setup.ranks} ranks ({name})", "tokens",
-                    args.time_limit, args.quiet, start,
-                )  # fmt: skip
-                try:
+                what = f"longest sequence on {setup.ranks} ranks ({name})"
+                with _Progress(what, "tokens", args.time_limit, args.quiet, start) as progress:
                     longest[name] = largest_length(setup, fn, cache=cache, progress=progress)
-                finally:
-                    progress.done()
             if longest[goal] is None:
-                ev1 = evaluate(setup, setup.ranks)
+                ev1, why = evaluate(setup, setup.ranks), ""
                 need = peaks[goal](ev1)
-                why = ""
                 if setup.model is not None:
                     items = ev1.model_items(ev1.worst(lambda j: sum(ev1.model_items(j).values())))
                     top = max(items, key=items.get)
@@ -379,12 +342,9 @@ def run(args: argparse.Namespace) -> int:
                 )
             out.append("Longest sequence that fits (within 0.5 %):")
             for name, ev in longest.items():
-                text = (
-                    f"{fmt_tokens(ev.seq_len)} tokens "
-                    f"({fmt_tokens(int(ev.traffic.local_len.max()))} per rank)"
-                    if ev is not None
-                    else "nothing fits (not even one token per rank)"
-                )
+                text = ("nothing fits (not even one token per rank)" if ev is None else
+                        f"{fmt_tokens(ev.seq_len)} tokens "
+                        f"({fmt_tokens(int(ev.traffic.local_len.max()))} per rank)")  # fmt: skip
                 out.append(f"  {_LABELS[name]:<52} {text}")
             details = longest[goal] or longest["training"] or longest["inference"]
         out += ["", f"One attention layer at n = {fmt_tokens(details.seq_len)}:"]
@@ -394,12 +354,11 @@ def run(args: argparse.Namespace) -> int:
         out += ["", *ASSUMPTIONS, *(MODEL_ASSUMPTIONS if setup.model is not None else [])]
         print("\n".join(out))
         return 0
-    except Impossible as exc:
-        print("\n".join([*exc.report, "", f"Not possible: {exc}"] if exc.report else
-                        [f"Not possible: {exc}"]))  # fmt: skip
-        return 2
-    except ValueError as exc:  # a bad pattern or configuration, named by the check
-        print(f"Not possible: {exc}")
+    except (Impossible, ValueError) as exc:  # ValueError: a bad pattern or configuration
+        report = getattr(exc, "report", [])
+        print(
+            "\n".join([*report, "", f"Not possible: {exc}"] if report else [f"Not possible: {exc}"])
+        )
         return 2
 
 
@@ -416,16 +375,9 @@ def _mode_report(args: argparse.Namespace, setup: Setup, seq_len: int) -> list[s
         f"between nodes {inter.gbps:g} Gbit/s, {inter.latency_us:g} us; {G} ranks per node",
         "",
     ]
-    if args.mode == "compare":
-        evals = compare_modes(setup, seq_len, G, intra, inter, args.ulysses)
-        lines += mode_lines(evals, setup.usable, advice(evals, setup.usable))
-    else:
-        R, U = grid_for(args.mode, setup.ranks, G, args.ulysses)
-        ev = evaluate_mode(
-            setup, seq_len, R, U, a2a_link=intra if U <= G else inter,
-            ring_link=intra if setup.ranks <= G else inter, mode=args.mode,
-        )  # fmt: skip
-        lines += mode_lines([ev], setup.usable, [])
+    modes = MODES if args.mode == "compare" else (args.mode,)
+    evals = compare_modes(setup, seq_len, G, intra, inter, args.ulysses, modes)
+    lines += mode_lines(evals, setup.usable, advice(evals, setup.usable))
     return lines + MODE_ASSUMPTIONS
 
 

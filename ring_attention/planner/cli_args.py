@@ -15,6 +15,7 @@ from .cli_types import (
     MAX_BYTES,
     MICROSECONDS,
     RATE,
+    _checked,
     int_in,
     number_in,
     parse_size,
@@ -44,27 +45,19 @@ def _tflops(text: str) -> tuple[float, float]:
     return (parts[0], parts[-1])
 
 
-def _dtype(text: str) -> str:
-    name = dtype_name(text)
-    if name not in DTYPE_BYTES:
-        raise argparse.ArgumentTypeError(
-            f"expected one of {sorted(DTYPE_BYTES)} (or bf16, fp16, fp32, fp64), got {text!r}"
-        )
-    return name
-
-
-def _far_bytes(text: str) -> str | int:
-    """``--far-bytes``: ``off``, ``auto`` or a size."""
-    if text in ("off", "auto"):
-        return text
-    try:
-        return size_in(0, MAX_BYTES)(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(
-            f"--far-bytes must be off, auto or a size in [0, {MAX_BYTES:.4g}], got {text!r}"
-        ) from None
-
-
+_DTYPE = _checked(
+    "dtype",
+    f"expected one of {sorted(DTYPE_BYTES)} (or bf16, fp16, fp32, fp64)",
+    dtype_name,
+    lambda name: name in DTYPE_BYTES,
+    lambda text, _: repr(text),
+)
+#: ``--far-bytes``: ``off``, ``auto`` or a size.
+_FAR_BYTES = _checked(
+    "far bytes", f"--far-bytes must be off, auto or a size in [0, {MAX_BYTES:.4g}]",
+    lambda text: text if text in ("off", "auto") else size_in(0, MAX_BYTES)(text),
+    lambda _: True, lambda text, _: repr(text),
+)  # fmt: skip
 _MEMORY = size_in(1, MAX_BYTES)
 _HEADS = int_in(1, MAX_HEADS)
 _LENGTH = size_in(1, MAX_SEQ_LEN)
@@ -82,12 +75,8 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if (
-            "default" in text
-            or action.default in (None, argparse.SUPPRESS)
-            or not (action.option_strings)
-        ):
-            return text
+        if "default" in text or action.default in (None, argparse.SUPPRESS):
+            return text  # (every option of this parser has option strings)
         if action.nargs == 0:  # store_true
             return f"{text} (default: off)".strip() if action.default is False else text
         return f"{text} (default: %(default)s)".strip()
@@ -95,15 +84,11 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     """The planner's command line."""
-    ap = argparse.ArgumentParser(
-        prog="python -m ring_attention.planner",
-        description=(
-            "Capacity planner for ring dilated attention: the longest sequence that fits per "
-            "rank, the predicted time per layer and the bytes per link, per attention layer "
-            "and for a whole model. With --seq-len and no rank count: the fewest ranks."
-        ),
-        formatter_class=_HelpFormatter,
-    )
+    ap = argparse.ArgumentParser(prog="python -m ring_attention.planner", description=(
+        "Capacity planner for ring dilated attention: the longest sequence that fits per rank, "
+        "the predicted time per layer and the bytes per link, per attention layer and for a "
+        "whole model. With --seq-len and no rank count: the fewest ranks."
+    ), formatter_class=_HelpFormatter)  # fmt: skip
     ap.add_argument("--quiet", action="store_true", help="no progress on stderr (a line "
                     "rewritten on a terminal; elsewhere a line per evaluation once a search has "
                     "run 10 s)")  # fmt: skip
@@ -129,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--heads", type=_HEADS, default=None, help="query heads (default 16)")
     g.add_argument("--kv-heads", type=_HEADS, default=None, help="K/V heads (default: --heads)")
     g.add_argument("--head-dim", type=int_in(1, 2**16), default=None, help="default 128")
-    g.add_argument("--dtype", type=_dtype, default=None, help="bf16, fp16, float32, float64 "
+    g.add_argument("--dtype", type=_DTYPE, default=None, help="bf16, fp16, float32, float64 "
                    "(default bf16 on cuda, float32 on cpu)")  # fmt: skip
     g.add_argument("--batch", type=int_in(1, 2**20), default=1, help="sequences per step")
     g.add_argument("--pattern", default="longnet", choices=sorted(PATTERNS), help="preset branches")
@@ -170,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--message-us", type=MICROSECONDS, help="cost of each further message in one "
                    "batch (the far group), microseconds (default "
                    f"{_per_device(link, 'message_us')})")  # fmt: skip
-    g.add_argument("--far-bytes", type=_far_bytes, default="off", help="the ring's "
+    g.add_argument("--far-bytes", type=_FAR_BYTES, default="off", help="the ring's "
                    "RING_ATTENTION_FAR_BYTES: transfers of at most this many K/V bytes travel in "
                    "one far group per pass ('auto': latency x bandwidth; 'off': the ring alone, "
                    "the default); both schedules are printed")  # fmt: skip

@@ -89,15 +89,13 @@ def layer_details(ev: Any) -> list[str]:
     t_rank = ev.worst(lambda k: times[k].forward_backward)
     f_rank = ev.worst(lambda k: times[k].forward)
     t, tf = times[t_rank], times[f_rank]
-    lines.append(
+    lines += [
         f"  time/layer   forward {fmt_time(tf.forward)} (compute {fmt_time(tf.compute_forward)},"
-        f" exposed communication {fmt_time(tf.exposed_forward)}; rank {f_rank})"
-    )
-    lines.append(
+        f" exposed communication {fmt_time(tf.exposed_forward)}; rank {f_rank})",
         f"               forward+backward {fmt_time(t.forward_backward)} (compute "
         f"{fmt_time(t.compute_forward_backward)}, exposed communication "
-        f"{fmt_time(t.exposed_forward_backward)}; rank {t_rank})"
-    )
+        f"{fmt_time(t.exposed_forward_backward)}; rank {t_rank})",
+    ]
     lines += _far_lines(ev)
     row, acc = 2 * s.batch * s.head_dim, 8 if s.itemsize == 8 else 4
     sent, recv = tr.rows_sent, tr.rows_received
@@ -198,20 +196,17 @@ def mode_lines(evals: list[Any], usable: int, advice: list[str]) -> list[str]:
     if len(evals) == 1:
         return [f"One attention layer at n = {evals[0].seq_len:,}:", *_details(evals[0], usable)]
     ev = evals[0]
+    columns = (("sent fwd+bwd", 13, "sent_forward_backward"), ("a2a", 11, "a2a_forward_backward"),
+               ("ring", 11, "ring_forward_backward"), ("training peak", 14, "training_peak"),
+               ("fwd+bwd time", 13, "forward_backward_s"))  # fmt: skip
     lines = [
         f"Three modes at n = {ev.seq_len:,} on {len(ev.ranks)} ranks, one attention layer:",
-        f"  {'mode':<8} {'R x U':>9} {'sent fwd+bwd':>13} {'a2a':>11} {'ring':>11} "
-        f"{'training peak':>14} {'fwd+bwd time':>13}",
+        f"  {'mode':<8} {'R x U':>9} " + " ".join(f"{name:>{w}}" for name, w, _ in columns),
     ]
     for ev in evals:
-        w = ev.worst
-        lines.append(
-            f"  {ev.mode:<8} {f'{ev.ring} x {ev.ulysses}':>9} "
-            f"{fmt_bytes(w['sent_forward_backward']):>13} "
-            f"{fmt_bytes(w['a2a_forward_backward']):>11} "
-            f"{fmt_bytes(w['ring_forward_backward']):>11} {fmt_bytes(w['training_peak']):>14} "
-            f"{fmt_time(w['forward_backward_s']):>13}"
-        )
+        cells = (f"{(fmt_time if k.endswith('_s') else fmt_bytes)(ev.worst[k]):>{w}}"
+                 for _, w, k in columns)  # fmt: skip
+        lines.append(f"  {ev.mode:<8} {f'{ev.ring} x {ev.ulysses}':>9} " + " ".join(cells))
     lines.append("")
     lines += ["Advice: " + a if i == 0 else "        " + a for i, a in enumerate(advice)]
     lines.append("")

@@ -39,12 +39,11 @@ def _slots_used(index: torch.Tensor, posting: torch.Tensor) -> torch.Tensor:
 def transport_buffers(
     tr: Any, batch: int, head_dim: int, itemsize: int, far_bytes: int = 0
 ) -> dict[str, dict[str, torch.Tensor]]:
-    """Bytes of every transport buffer each rank allocates per pass:
-    ``{"forward": {kind: (p,) bytes}, "backward": {kind: (p,) bytes}}``; per
-    rank, the sums are what ``last_exchange_stats.buffer_bytes`` reports.
-    ``far_bytes``: the transfers of at most that many K/V bytes travel in the
-    far group (:meth:`.traffic.Traffic.far`), whose buffers hold all of
-    their rows at once; the ring's buffers are sized by the others."""
+    """Bytes of every transport buffer each rank allocates per pass,
+    ``{"forward" | "backward": {kind: (p,) bytes}}`` (per rank, the sums of
+    ``last_exchange_stats.buffer_bytes``); the transfers of at most
+    ``far_bytes`` K/V bytes travel in the far group, whose buffers hold all
+    their rows at once (:meth:`.traffic.Traffic.far`)."""
     acc = acc_bytes(itemsize)
     row = 2 * batch * head_dim  # a K and a V vector of one (row, K/V head)
     far_s, far_r = tr.far(row * itemsize, far_bytes)
@@ -90,9 +89,8 @@ class LayerMemory:
     @property
     def forward_peak(self) -> int:
         """Peak of an inference forward: q, k, v plus the forward's items."""
-        return sum(v for k, v in self.inputs.items() if k != "grad_out") + sum(
-            self.forward.values()
-        )
+        inputs = sum(v for k, v in self.inputs.items() if k != "grad_out")
+        return inputs + sum(self.forward.values())
 
     @property
     def backward_peak(self) -> int:
@@ -107,17 +105,25 @@ class LayerMemory:
 
 def _items(
     L, heads: int, kv_heads: int, batch: int, head_dim: int, itemsize: int, *, plan_idx=0,
-    copies: tuple = (0, 0), buffers: tuple = (0, 0),
+    zigzag: bool = False, buffers: tuple = (0, 0),
 ) -> tuple[dict, dict, dict]:  # fmt: skip
     """``(inputs, forward, backward)`` items at the local length ``L`` (an
     int or a ``(p,)`` tensor), given what the exchange adds: the plan's
-    indices, the zigzag piece copies and the transport buffers (forward,
-    backward)."""
+    indices, the piece copies of two pieces per rank (``zigzag``) and the
+    transport buffers (forward, backward)."""
     acc = acc_bytes(itemsize)
     q = batch * L * heads * head_dim
     kv = batch * L * kv_heads * head_dim
     lse = batch * heads * L * acc
     cast = int(itemsize != acc)
+    copies = (0, 0)
+    if zigzag:  # narrowing a (B, L, H, D) tensor to a piece copies unless B == 1, narrowing
+        # lse (B, H, L) unless B * H == 1; the pieces' results are concatenated (new
+        # tensors) at the end, the cast pieces of one gradient live until their concatenation
+        split, split_lse = int(batch > 1), lse * int(batch * heads > 1)
+        last_cat = torch.maximum(q - 2 * kv, kv) if cast else q + 2 * kv
+        fwd_copies = (q + 2 * kv) * itemsize * split + q * itemsize + lse
+        copies = (fwd_copies, (3 * q + 2 * kv) * itemsize * split + split_lse + last_cat * itemsize)
     inputs = {
         "q": q * itemsize,
         "k, v": 2 * kv * itemsize,
@@ -145,11 +151,9 @@ def _items(
 def own_memory(
     local_len: int, heads: int, kv_heads: int, batch: int, head_dim: int, itemsize: int
 ) -> LayerMemory:
-    """The items of a rank holding ``local_len`` rows that do not depend on
-    the exchange (its inputs, accumulators, casts, the kernel's ``delta``;
-    no transport buffer, plan index or piece copy): a lower bound of the
-    :class:`LayerMemory` of the rank with the longest shard, in closed form
-    (the planner refuses from it what needs more ranks than it models)."""
+    """The items of a rank of ``local_len`` rows that do not depend on the
+    exchange (inputs, accumulators, casts, the kernel's ``delta``): a
+    closed-form lower bound of the longest shard's :class:`LayerMemory`."""
     return LayerMemory(*_items(local_len, heads, kv_heads, batch, head_dim, itemsize))
 
 
@@ -160,42 +164,21 @@ def layer_memories(
     """The :class:`LayerMemory` of every rank (see the module docstring);
     ``device="cuda"`` adds the device copy of the plan's indices;
     ``far_bytes``: the far group's threshold (:func:`transport_buffers`)."""
-    acc = acc_bytes(itemsize)
-    L = tr.local_len
-    H, Hkv = tr.heads, tr.kv_heads
-    q = batch * L * H * head_dim
-    kv = batch * L * Hkv * head_dim
-    lse = batch * H * L * acc
-    # Two pieces per rank (zigzag): narrowing a (B, L, H, D) tensor to a piece
-    # copies unless B == 1, narrowing lse (B, H, L) unless B * H == 1; the
-    # pieces' results are concatenated (new tensors) at the end.
-    two_pieces = int(tr.layout == "zigzag" and tr.world_size > 1)
-    split = int(batch > 1)
-    split_lse = lse * int(batch * H > 1)
-    cast = int(itemsize != acc)
     plan_idx = 8 * (tr.rows_sent + tr.rows_received)
     bufs = transport_buffers(tr, batch, head_dim, itemsize, far_bytes)
-    # the cast pieces of one gradient live until their concatenation
-    last_cat = torch.maximum(q - 2 * kv, kv) if cast else q + 2 * kv
     inputs, forward, backward = _items(
-        L, H, Hkv, batch, head_dim, itemsize,
+        tr.local_len, tr.heads, tr.kv_heads, batch, head_dim, itemsize,
         plan_idx=plan_idx * (2 if device == "cuda" else 1),
-        copies=(
-            two_pieces * ((q + 2 * kv) * itemsize * split + q * itemsize + lse),
-            two_pieces * ((3 * q + 2 * kv) * itemsize * split + split_lse + last_cat * itemsize),
-        ),
+        zigzag=tr.layout == "zigzag" and tr.world_size > 1,
         buffers=(sum(bufs["forward"].values()), sum(bufs["backward"].values())),
     )  # fmt: skip
 
     def at(items: dict[str, torch.Tensor], j: int) -> dict[str, int]:
         return {k: int(v[j]) if isinstance(v, torch.Tensor) else int(v) for k, v in items.items()}
 
-    return [
-        LayerMemory(
-            at(inputs, j), at(forward, j), at(backward, j), {k: at(v, j) for k, v in bufs.items()}
-        )
-        for j in range(tr.world_size)
-    ]
+    ranks = range(tr.world_size)
+    return [LayerMemory(at(inputs, j), at(forward, j), at(backward, j),
+                        {k: at(v, j) for k, v in bufs.items()}) for j in ranks]  # fmt: skip
 
 
 def layer_memory(

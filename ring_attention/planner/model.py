@@ -19,29 +19,20 @@ def activation_bytes_per_token(shape: ModelShape, itemsize: int) -> int:
 
 
 def model_memory(
-    shape: ModelShape,
-    layer: LayerMemory,
-    tokens: int,
-    itemsize: int,
-    world_size: int,
-    *,
-    checkpointing: bool,
-    shard_params: bool,
-) -> dict[str, int]:
+    shape: ModelShape, layer: LayerMemory, tokens: int, itemsize: int, world_size: int, *,
+    checkpointing: bool, shard_params: bool,
+) -> dict[str, int]:  # fmt: skip
     """Peak bytes of one rank training the whole model, per item (``tokens``:
     the rank's tokens, ``batch * n / p``; ``layer``: the rank's attention
     layer memory)."""
-    params = shape.params()
-    per_param = 16
+    states = 16 * shape.params() // (world_size if shard_params else 1)  # AdamW, mixed
     per_token = activation_bytes_per_token(shape, itemsize)
     attention_backward = sum(v for k, v in layer.backward.items() if k != "out, lse (saved)")
     gathered = 2 * shape.layer_params() * itemsize if shard_params and world_size > 1 else 0
     stored = shape.hidden * itemsize if checkpointing else per_token
     backward = attention_backward + layer.inputs["grad_out"] + layer.inputs["plan indices (cached)"]
     return {
-        "parameters, gradients, AdamW state": per_param
-        * params
-        // (world_size if shard_params else 1),
+        "parameters, gradients, AdamW state": states,
         "gathered block weights + gradients (FSDP)": gathered,
         "stored activations (all blocks)": shape.layers * tokens * stored,
         "recomputed block (checkpointing)": tokens * per_token if checkpointing else 0,
@@ -51,21 +42,16 @@ def model_memory(
 
 
 def model_step_seconds(
-    shape: ModelShape,
-    tokens: int,
-    attention_forward: float,
-    attention_forward_backward: float,
-    matmul_flops: float,
-    *,
-    checkpointing: bool,
-) -> dict[str, float]:
+    shape: ModelShape, tokens: int, attention_forward: float, attention_forward_backward: float,
+    matmul_flops: float, *, checkpointing: bool,
+) -> dict[str, float]:  # fmt: skip
     """Seconds of one training step of one rank, per item (``tokens``: the
     rank's tokens; attention times of one layer from :mod:`.timing`)."""
     matmul_params = shape.layer_params() - 2 * shape.hidden
     per_token = (8 if checkpointing else 6) * matmul_params * shape.layers
     head = 6 * shape.vocab * shape.hidden
+    attention = attention_forward_backward + (attention_forward if checkpointing else 0.0)
     return {
-        "attention (all blocks)": shape.layers
-        * (attention_forward_backward + (attention_forward if checkpointing else 0.0)),
+        "attention (all blocks)": shape.layers * attention,
         "matmuls (projections, MLP, output head)": tokens * (per_token + head) / matmul_flops,
     }

@@ -24,13 +24,6 @@ MODES = ("ring", "ulysses", "hybrid")
 _ZIGZAG = "piece copies (zigzag)"  # a memory item of .memory
 
 
-def _kv_range(start: int, count: int, heads: int, kv_heads: int) -> tuple[int, int]:
-    if count <= 0:
-        return (0, 0)
-    g = heads // kv_heads
-    return start // g, (start + count - 1) // g + 1
-
-
 def stretch_traffic(
     pattern: Pattern, seq_len: int, heads: int, kv_heads: int, R: int, U: int, layout: str,
     source: str = "auto",
@@ -132,8 +125,8 @@ def evaluate_mode(
     lengths = layout_shard_lengths(seq_len, W, layout)
     heads = shard_bounds(H, U)
     c = [n for _, n in heads]
-    kv = [_kv_range(st, n, H, Hkv) for st, n in heads]
-    k = [b - a for a, b in kv]
+    g = H // Hkv  # the K/V heads of each rank's query heads
+    k = [(st + n - 1) // g + 1 - st // g if n > 0 else 0 for st, n in heads]
     rates = setup.rates(max(layout_shard_lengths(seq_len, R, layout, U)))
     keys = [(c[j], k[j] if c[j] % max(k[j], 1) == 0 else c[j]) for j in range(U)]
     slices: dict[tuple[int, int], tuple[Traffic, list[LayerMemory], list[RankTime]]] = {}
@@ -262,45 +255,34 @@ def grid_for(mode: str, ranks: int, gpus_per_node: int, ulysses: int | None = No
 
 def compare_modes(
     setup: Any, seq_len: int, gpus_per_node: int, intra: Link, inter: Link,
-    ulysses: int | None = None,
+    ulysses: int | None = None, modes: tuple[str, ...] = MODES,
 ) -> list[ModeEvaluation]:  # fmt: skip
-    """The three modes on ``setup.ranks`` ranks, ``gpus_per_node`` per node:
+    """The ``modes`` (all three) on ``setup.ranks`` ranks, ``gpus_per_node`` per node:
     a communication that stays inside a node takes ``intra``, one that
     crosses nodes ``inter`` (the ring over every rank crosses nodes once
     there is more than one)."""
-    p = setup.ranks
-    one_node = p <= gpus_per_node
-    out = []
-    for mode in MODES:
-        R, U = grid_for(mode, p, gpus_per_node, ulysses)
-        a2a = intra if U <= gpus_per_node else inter
-        ring = intra if one_node else inter
-        out.append(evaluate_mode(setup, seq_len, R, U, a2a_link=a2a, ring_link=ring, mode=mode))
-    return out
+    ring = intra if setup.ranks <= gpus_per_node else inter
+    grids = {mode: grid_for(mode, setup.ranks, gpus_per_node, ulysses) for mode in modes}
+    return [evaluate_mode(setup, seq_len, R, U, a2a_link=intra if U <= gpus_per_node else inter,
+                          ring_link=ring, mode=mode) for mode, (R, U) in grids.items()]  # fmt: skip
 
 
 def advice(evals: list[ModeEvaluation], usable: int) -> list[str]:
     """Which mode wins: the fastest forward + backward among those that fit."""
     fits = [e for e in evals if e.worst["training_peak"] <= usable]
-    lines = []
     if not fits:
         best_mem = min(evals, key=lambda e: e.worst["training_peak"])
         return [f"none fits; {best_mem.mode} needs the least memory per rank"]
     best = min(fits, key=lambda e: e.worst["forward_backward_s"])
     t = best.worst["forward_backward_s"]
-    lines.append(
+    lines = [
         f"fastest that fits: {best.mode} ({best.ring} x {best.ulysses}), "
         + (f"{t:.3g} s" if t >= 1 else f"{t * 1e3:.3g} ms")
         + " per layer forward + backward"
-    )
-    for e in evals:
-        if e is best:
-            continue
-        if e not in fits:
-            lines.append(f"{e.mode} does not fit")
-        else:
-            ratio = e.worst["forward_backward_s"] / max(best.worst["forward_backward_s"], 1e-30)
-            lines.append(f"{e.mode}: {ratio:.2f}x the time")
+    ]
+    for e in (e for e in evals if e is not best):
+        ratio = e.worst["forward_backward_s"] / max(t, 1e-30)
+        lines.append(f"{e.mode}: {ratio:.2f}x the time" if e in fits else f"{e.mode} does not fit")
         if e.idle:
             lines.append(f"{e.mode}: {e.idle} of {e.ulysses} Ulysses ranks have no head")
     return lines

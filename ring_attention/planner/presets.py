@@ -38,17 +38,11 @@ PATTERNS = {
 
 
 def make_pattern(
-    name: str | None,
-    seq_len: int,
-    *,
-    segments: list[int] | None = None,
-    dilations: list[int] | None = None,
-    causal: bool = False,
-    head_groups: bool = False,
-    head_offsets: str = "modulo",
-    document_length: int | None = None,
+    name: str | None, seq_len: int, *, segments: list[int] | None = None,
+    dilations: list[int] | None = None, causal: bool = False, head_groups: bool = False,
+    head_offsets: str = "modulo", document_length: int | None = None,
     window: tuple[int, int] | None = None,
-) -> Pattern:
+) -> Pattern:  # fmt: skip
     """The :class:`Pattern` of a preset (or of explicit segments and
     dilations) at ``seq_len``; ``document_length`` packs documents of that
     length (the last one shorter)."""

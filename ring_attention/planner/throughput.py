@@ -59,13 +59,11 @@ def load_records(path: str | Path) -> list[dict]:
 
 def _rate(rec: dict) -> float | None:
     try:
-        if "flops" in rec and rec["flops"] is not None:
+        if rec.get("flops") is not None:
             return float(rec["flops"]) / float(rec["seconds"])
-        if "gflops" in rec and rec["gflops"] is not None:
-            return float(rec["gflops"]) * 1e9
+        return None if rec.get("gflops") is None else float(rec["gflops"]) * 1e9
     except (TypeError, ValueError, ZeroDivisionError):
         return None
-    return None
 
 
 def _nearest(records: list[dict], n: int, heads: int, head_dim: int) -> tuple[float, dict] | None:
@@ -116,27 +114,19 @@ def assumed_rates(device: str, dtype: str, threads: int = 1) -> Rates:
     """Labelled defaults when nothing was measured: CPU 50 GFLOP/s per
     thread (float32; float64 half), CUDA bf16/fp16 121 / 143 TFLOP/s (our
     local op on one H100: ``benchmarks/results/gpu_h100_2026-11-26/fa4``,
-    ``benchmarks/report.py``'s ``PLANNER_RECORD``), float32 and float64 on
-    GPUs placeholders (the sources: docs/planner.md).
-    Replace them with ``--bench-json`` or ``--tflops``."""
+    ``benchmarks/report.py``'s ``PLANNER_RECORD``), float32/float64 on GPUs
+    placeholders (sources: docs/planner.md)."""
     dtype, device = dtype_name(dtype), _device_type(device)
     if device == "cpu":
         per = 50e9 * (0.5 if dtype == "float64" else 1.0) * max(1, threads)
-        return Rates(
-            per,
-            per,
-            f"ASSUMED {per / 1e9:.0f} GFLOP/s ({threads} thread(s) x 50, the one-thread "
-            "float32 rate in benchmarks/RESULTS.md); pass --bench-json or --tflops",
-        )
+        return Rates(per, per, f"ASSUMED {per / 1e9:.0f} GFLOP/s ({threads} thread(s) x 50, the "
+                     "one-thread float32 rate in benchmarks/RESULTS.md); pass --bench-json or "
+                     "--tflops")  # fmt: skip
     if dtype in ("float32", "float64"):
         fwd, fb = (20e12, 15e12) if dtype == "float32" else (10e12, 7.5e12)
         why = f"{dtype} kernels not timed on a GPU"
     else:
         fwd, fb = 121e12, 143e12
         why = "our local op on one H100, 16x128, n 524288 (benchmarks/RESULTS.md, H100 table)"
-    return Rates(
-        fwd,
-        fb,
-        f"ASSUMED {fwd / 1e12:.0f} / {fb / 1e12:.0f} TFLOP/s (forward / forward+backward): "
-        f"{why}; pass --bench-json or --tflops",
-    )
+    return Rates(fwd, fb, f"ASSUMED {fwd / 1e12:.0f} / {fb / 1e12:.0f} TFLOP/s (forward / "
+                 f"forward+backward): {why}; pass --bench-json or --tflops")  # fmt: skip

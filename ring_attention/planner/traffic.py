@@ -111,9 +111,8 @@ def kv_classes(pattern: Pattern, heads: int, kv_heads: int) -> Counter:
         group = applies[i].intersection(range(kv * g, kv * g + g))
         return tuple(sorted({pattern.offset(h, i, heads) for h in group}))
 
-    return Counter(
-        tuple(offsets(kv, i) for i in range(pattern.n_branches)) for kv in range(kv_heads)
-    )
+    branches = range(pattern.n_branches)
+    return Counter(tuple(offsets(kv, i) for i in branches) for kv in range(kv_heads))
 
 
 def _odd_constant(i: int) -> int:
@@ -128,15 +127,11 @@ def _odd_constant(i: int) -> int:
 def _unique_keys(
     n_rows: int, parts: list[tuple[torch.Tensor, torch.Tensor]]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The distinct keys of ``n_rows`` rows and each row's key index.
-
-    A row's key is the concatenation of its parts: part ``b`` is ``vals[k]``
-    (5 non-negative ints) for the rows ``rows[k]`` of ``parts[b] = (rows,
-    vals)``, and ``-1`` five times for the others (not shared). Rows are
-    hashed to one int64 each (linear mixing, wrapping modulo 2**64) and the
-    hashes made unique; every row is then checked to equal its
-    representative, else the exact row sort decides.
-    """
+    """The distinct keys of ``n_rows`` rows and each row's key index. A row's
+    key: per part ``b`` = ``(rows, vals)``, ``vals[k]`` (5 ints) for ``rows[k]``,
+    else ``-1`` five times. Rows are hashed to one int64 (linear mixing modulo
+    2**64); where a row differs from its hash's representative, the exact row
+    sort decides."""
     h = torch.zeros(n_rows, dtype=torch.int64)
     for b, (rows, vals) in enumerate(parts):
         if rows.numel():
@@ -166,12 +161,9 @@ def _unique_keys(
 
 
 def _class_stats(
-    key: tuple[int, ...],
-    branches: list[tuple[int, int]],
-    offsets: list[tuple],
-    n_q: int,
+    key: tuple[int, ...], branches: list[tuple[int, int]], offsets: list[tuple], n_q: int,
     seen: dict[tuple, tuple[int, int, int]],
-) -> tuple[int, ...]:
+) -> tuple[int, ...]:  # fmt: skip
     """``(rows, first, last)`` of one sender piece (relative to its start)
     for every K/V class (``offsets``: per class, the offsets of each branch),
     flattened, from a key of :func:`_analytic`: per query piece and branch,
@@ -204,31 +196,19 @@ def _totals(
     stats of one K/V head per class (``class_counts`` heads each)."""
     n_rows, first, last = per_class.unbind(2)
     have = n_rows > 0
-    return (
-        (n_rows * class_counts).sum(1),
-        torch.where(have, first, _BIG).amin(1),
-        torch.where(have, last, -1).amax(1),
-    )
+    total = (n_rows * class_counts).sum(1)
+    return total, torch.where(have, first, _BIG).amin(1), torch.where(have, last, -1).amax(1)
 
 
 def _with_listed_rows(
-    stats: torch.Tensor,
-    columns: list[tuple[int, torch.Tensor, torch.Tensor]],
-    listed: list[bool],
-    branches: list[tuple[int, int]],
-    offsets: list[tuple],
-    longest: int,
-) -> torch.Tensor:
+    stats: torch.Tensor, columns: list[tuple[int, torch.Tensor, torch.Tensor]], listed: list[bool],
+    branches: list[tuple[int, int]], offsets: list[tuple], longest: int,
+) -> torch.Tensor:  # fmt: skip
     """``stats`` (``(N, classes, 3)``: rows, first, last of the other
-    branches' union) with the rows of the *listed* branches added.
-
-    A listed branch has at most ``ceil(longest / r)`` rows of one offset in a
-    piece (``longest``: the longest piece), so its rows are listed per pair
-    (vectorised): a row counts when no other branch's progression holds it
-    (arithmetic: interval and residue) and no listed row before it equals it.
-    ``columns``: ``(branch, rows, vals)`` per query piece and branch, the
-    pairs sharing a segment and the 5 values of a key part.
-    """
+    branches' union) with the rows of the *listed* branches added: at most
+    ``ceil(longest / r)`` per offset and pair, listed (vectorised), each
+    counted unless another branch's progression or an earlier listed row holds
+    it. ``columns``: ``(branch, rows, vals)`` per query piece and branch."""
     n = stats.shape[0]
     out = stats.clone()
     listed_cols = [c for c in columns if listed[c[0]]]
@@ -296,12 +276,8 @@ def all_pieces(seq_len: int, p: int, layout: Layout) -> list[list[Piece]]:
 
 
 def _analytic(
-    pattern: Pattern,
-    seq_len: int,
-    heads: int,
-    kv_heads: int,
-    pieces: list[list[Piece]],
-) -> dict[str, torch.Tensor]:
+    pattern: Pattern, seq_len: int, heads: int, kv_heads: int, pieces: list[list[Piece]],
+) -> dict[str, torch.Tensor]:  # fmt: skip
     p = len(pieces)
     branches = list(pattern.branches)
     offsets = pattern.branch_offsets(heads)
@@ -325,9 +301,7 @@ def _analytic(
         j = torch.arange(p, dtype=torch.int64).repeat(ds.numel())
         d = ds.repeat_interleave(p)
         sender = (j - d) % p
-        recv = torch.zeros_like(j)
-        span = torch.zeros_like(j)
-        pairs = torch.zeros_like(j)
+        recv, span, pairs = (torch.zeros_like(j) for _ in range(3))
         for kp in range(n_pc):
             c = starts[sender, kp]
             e = c + lens[sender, kp]
@@ -346,14 +320,10 @@ def _analytic(
                     rows = torch.nonzero(valid & (x - y < w)).flatten()
                     if rows.numel() == 0:
                         continue
-                    rl, rx, ry = left[rows], x[rows], y[rows]
-                    rc, re, rqa, rqb = c[rows], e[rows], qa[rows], qb[rows]
-                    s, se = segment_around(rx, w, bounds)
-                    shared = s <= ry
-                    if pattern.causal:
-                        shared &= rl
+                    s, se = segment_around(x[rows], w, bounds)
+                    shared = (s <= y[rows]) & (left[rows] if pattern.causal else True)
                     rows, s, se = rows[shared], s[shared], se[shared]
-                    rl, rc, re, rqa, rqb = (t[shared] for t in (rl, rc, re, rqa, rqb))
+                    rl, rc, re, rqa, rqb = (t[rows] for t in (left, c, e, qa, qb))
                     if rows.numel() == 0:
                         continue
                     klo = torch.where(rl, torch.maximum(rc, s), rc)
@@ -410,8 +380,7 @@ def plan_rows(
     (:data:`exact_plans`; ``span``: K/V rows between the first and last
     received row of a step whose rows are not contiguous)."""
     assert exact_plans is not None
-    recv = torch.zeros(p, p, dtype=torch.int64)
-    span = torch.zeros(p, p, dtype=torch.int64)
+    recv, span = (torch.zeros(p, p, dtype=torch.int64) for _ in range(2))
     for j in range(p):
         plan = exact_plans(pattern, seq_len, heads, kv_heads, p, j, layout, fold=fold)
         for step in plan.steps:
@@ -425,24 +394,14 @@ def plan_rows(
 
 
 def predict_traffic(
-    pattern: Pattern,
-    seq_len: int,
-    heads: int,
-    kv_heads: int | None = None,
-    world_size: int = 1,
-    layout: str = "contiguous",
-    *,
-    source: str = "auto",
-) -> Traffic:
-    """The :class:`Traffic` of every rank of a ring of ``world_size``.
-
-    ``kv_heads`` divides ``heads`` (default ``heads``); ``layout``:
-    ``"contiguous"``, ``"zigzag"`` or ``"balanced"``; ``source``: ``"plan"``
-    (the ring's own plans), ``"analytic"`` (closed forms), or ``"auto"``: the
-    plans when ``p * n * heads <= 2**24`` and the compiled extension is there
-    (the planner imports and runs without it). A bad configuration raises
-    ``ValueError`` naming it.
-    """
+    pattern: Pattern, seq_len: int, heads: int, kv_heads: int | None = None, world_size: int = 1,
+    layout: str = "contiguous", *, source: str = "auto",
+) -> Traffic:  # fmt: skip
+    """The :class:`Traffic` of every rank of a ring of ``world_size``:
+    ``kv_heads`` divides ``heads`` (default ``heads``); ``layout``: contiguous,
+    zigzag or balanced; ``source``: ``"plan"`` (the ring's own plans),
+    ``"analytic"`` (closed forms) or ``"auto"`` (the plans when ``p * n * heads
+    <= 2**24`` and the extension is built). A bad argument raises ``ValueError``."""
     seq_len, heads = check_planner_args(pattern, seq_len, heads)
     kv_heads = heads if kv_heads is None else check_int(kv_heads, "kv_heads", 1, heads)
     if heads % kv_heads:

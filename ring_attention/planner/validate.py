@@ -3,12 +3,10 @@
     python -m ring_attention.planner.validate                 # ~2 min on 2 cores
     python -m ring_attention.planner.validate --seq-len 8192 --worlds 1 2
 
-Run from a checkout: it times the local operator (unless ``--bench-json``),
-runs ``ring_dilated_attention`` in ``p`` fresh gloo processes for every
-``p`` in ``--worlds`` (tensor and resident peaks, CPU and wall time per
-rank), predicts the same with the planner, and prints one markdown table
-per quantity (worst rank per ``p``, and every rank); ``--json`` keeps it
-all. What is measured and how: docs/planner.md.
+Times the local operator (unless ``--bench-json``), runs the ring in ``p``
+fresh gloo processes per ``p`` in ``--worlds`` (tensor and resident peaks,
+CPU and wall time per rank), predicts the same and prints markdown tables
+(worst rank per ``p``, every rank); ``--json`` keeps it all (docs/planner.md).
 """
 
 from __future__ import annotations
@@ -54,13 +52,10 @@ def resident_growth(call) -> int:
 
 
 def tensor_peak(call) -> int:
-    """Peak CPU tensor bytes allocated by ``call()`` and not yet freed.
-
-    From the PyTorch profiler's allocation events, in time order: a running
-    sum of the blocks allocated during the call, less those of them freed
-    (matched by address). Frees of blocks allocated before the call (another
-    thread may release an earlier call's buffers at any moment) are ignored.
-    """
+    """Peak CPU tensor bytes allocated by ``call()`` and not yet freed: from
+    the PyTorch profiler's allocation events in time order, the blocks
+    allocated during the call less those of them freed (matched by address;
+    frees of earlier blocks, which another thread may release, ignored)."""
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
@@ -88,14 +83,33 @@ def tensor_peak(call) -> int:
     return peak
 
 
-def _inputs(spec: dict, world: int, rank: int) -> list[torch.Tensor]:
-    import ring_attention as ra
+def _attention(fn, q, k, v, go, spec: dict, backward: bool):
+    """A call of ``fn`` (the ring or the local operator) on leaves of ``q, k,
+    v`` (``call.leaves``): a forward under ``no_grad``, or forward + backward of ``go``."""
+    qq, kk, vv = (t.detach().requires_grad_(backward) for t in (q, k, v))
 
-    g = torch.Generator().manual_seed(spec["seed"])
-    shape = (spec["batch"], spec["n"], spec["heads"], spec["head_dim"])
-    full = [torch.randn(shape, generator=g) for _ in range(4)]  # q, k, v, grad_out
-    del world, rank  # the default group decides the shard
-    return [ra.shard_sequence(t, dim=1).contiguous() for t in full]
+    def call() -> None:
+        for t in (qq, kk, vv):
+            t.grad = None
+        with torch.set_grad_enabled(backward):
+            out = fn(qq, kk, vv, spec["segments"], spec["dilations"], causal=spec["causal"])
+        if backward:
+            out.backward(go)
+
+    call.leaves = (qq, kk, vv)  # type: ignore[attr-defined]
+    return call
+
+
+def _median_time(call, iters: int, before=lambda: None) -> tuple[float, float]:
+    """Median thread CPU and wall seconds of ``iters`` calls (``before()`` untimed)."""
+    cpu, wall = [], []
+    for _ in range(iters):
+        before()
+        t0, c0 = time.perf_counter(), time.thread_time()
+        call()
+        cpu.append(time.thread_time() - c0)
+        wall.append(time.perf_counter() - t0)
+    return statistics.median(cpu), statistics.median(wall)
 
 
 def _ring_worker(rank: int, world: int, spec: dict) -> dict:
@@ -106,26 +120,17 @@ def _ring_worker(rank: int, world: int, spec: dict) -> dict:
     import ring_attention as ra
     from ring_attention.parallel.exchange import last_exchange_stats
 
-    q, k, v, go = _inputs(spec, world, rank)
-    segs, dils = spec["segments"], spec["dilations"]
+    g = torch.Generator().manual_seed(spec["seed"])
+    shape = (spec["batch"], spec["n"], spec["heads"], spec["head_dim"])
+    full = [torch.randn(shape, generator=g) for _ in range(4)]  # q, k, v, grad_out
+    q, k, v, go = (ra.shard_sequence(t, dim=1).contiguous() for t in full)  # the default group's
     out: dict = {"rank": rank, "local_len": q.shape[1]}
     for mode in ("fwd", "fwdbwd"):
         backward = mode == "fwdbwd"
-        qq, kk, vv = (t.detach().requires_grad_(backward) for t in (q, k, v))
+        call = _attention(ra.ring_dilated_attention, q, k, v, go, spec, backward)
 
-        def call(qq=qq, kk=kk, vv=vv, backward=backward) -> None:
-            for t in (qq, kk, vv):
-                t.grad = None
-            if backward:
-                ra.ring_dilated_attention(qq, kk, vv, segs, dils, causal=spec["causal"]).backward(
-                    go
-                )
-            else:
-                with torch.no_grad():
-                    ra.ring_dilated_attention(qq, kk, vv, segs, dils, causal=spec["causal"])
-
-        def settle(qq=qq, kk=kk, vv=vv) -> None:
-            for t in (qq, kk, vv):
+        def settle(call=call) -> None:
+            for t in call.leaves:
                 t.grad = None
             gc.collect()
             dist.barrier()
@@ -136,24 +141,10 @@ def _ring_worker(rank: int, world: int, spec: dict) -> dict:
         settle()
         resident = resident_growth(call)
         buffers = dict(last_exchange_stats.buffer_bytes)
-        cpu, wall = [], []
-        for _ in range(spec["iters"]):
-            settle()
-            t0, c0 = time.perf_counter(), time.thread_time()
-            call()
-            cpu.append(time.thread_time() - c0)
-            wall.append(time.perf_counter() - t0)
-        inputs = sum(t.numel() * t.element_size() for t in (q, k, v)) + (
-            go.numel() * go.element_size() if backward else 0
-        )
-        out[mode] = {
-            "inputs": inputs,
-            "tensor_call": tensor,
-            "resident_call": resident,
-            "buffers": buffers,
-            "cpu_s": statistics.median(cpu),
-            "wall_s": statistics.median(wall),
-        }
+        cpu, wall = _median_time(call, spec["iters"], settle)
+        inputs = sum(t.numel() * t.element_size() for t in (q, k, v, go)[: 3 + backward])
+        out[mode] = {"inputs": inputs, "tensor_call": tensor, "resident_call": resident,
+                     "buffers": buffers, "cpu_s": cpu, "wall_s": wall}  # fmt: skip
     return out
 
 
@@ -161,7 +152,6 @@ def _calibrate_worker(rank: int, world: int, spec: dict) -> list[dict]:
     """Benchmark records of the local operator at every length in ``spec["lengths"]``."""
     import ring_attention as ra
 
-    del rank, world
     records = []
     pattern = Pattern(spec["segments"], spec["dilations"], causal=spec["causal"])
     for n in spec["lengths"]:
@@ -171,26 +161,9 @@ def _calibrate_worker(rank: int, world: int, spec: dict) -> list[dict]:
         pairs = reached_pairs(pattern, n, spec["heads"])
         for pass_ in ("forward", "forward+backward"):
             backward = pass_ == "forward+backward"
-            qq, kk, vv = (t.requires_grad_(backward) for t in (q, k, v))
-
-            def call(qq=qq, kk=kk, vv=vv, go=go, backward=backward) -> None:
-                kw = dict(causal=spec["causal"])
-                if backward:
-                    for t in (qq, kk, vv):
-                        t.grad = None
-                    ra.dilated_attention(qq, kk, vv, spec["segments"], spec["dilations"], **kw
-                                         ).backward(go)  # fmt: skip
-                else:
-                    with torch.no_grad():
-                        ra.dilated_attention(qq, kk, vv, spec["segments"], spec["dilations"], **kw)
-
+            call = _attention(ra.dilated_attention, q, k, v, go, spec, backward)
             call()
-            times = []
-            for _ in range(spec["iters"]):
-                c0 = time.thread_time()
-                call()
-                times.append(time.thread_time() - c0)
-            seconds = statistics.median(times)
+            seconds = _median_time(call, spec["iters"])[0]
             flops = pattern_flops(pairs, spec["head_dim"], spec["batch"], backward=backward)
             records.append({
                 "impl": "ours", "pass": pass_, "n": n, "heads": spec["heads"],
@@ -243,56 +216,60 @@ def _ratio(pred: float, meas: float) -> str:
     return f"{pred / meas:.3f}" if meas > 0 else "-"
 
 
+def _mib(x: float) -> str:
+    return f"{x / MiB:.2f}"
+
+
+def _ms(x: float) -> str:
+    return f"{1e3 * x:.1f}"
+
+
+#: The tables of worst ranks: per quantity, the predicted and measured
+#: column names, the values of a predicted and of a measured row, the
+#: format, and whether a pred/meas column follows.
+_WORST = {
+    "memory": [
+        ("tensor peak MiB (pred.)", "tensor peak MiB (meas.)", lambda r: r["tensor_peak"],
+         lambda r: r["inputs"] + r["tensor_call"], _mib, True),
+        ("resident peak MiB (pred.)", "resident peak MiB (meas.)", lambda r: r["resident_peak"],
+         lambda r: r["inputs"] + r["resident_call"], _mib, True),
+        ("buffers MiB (pred.)", "buffers MiB (meas.)", lambda r: r["buffers"],
+         lambda r: max(r["buffers"].values(), default=0), _mib, False),
+    ],
+    "time": [
+        ("compute ms (pred.)", "CPU ms (meas.)", lambda r: r["compute_s"], lambda r: r["cpu_s"],
+         _ms, True),
+        ("layer ms (pred.)", "wall ms (meas.)", lambda r: r["layer_s"], lambda r: r["wall_s"],
+         _ms, True),
+    ],
+}  # fmt: skip
+
+
 def report(results: dict) -> str:
     """Markdown tables of predicted vs measured (worst rank per p, then every rank)."""
-    mem_rows, time_rows, rank_rows = [], [], []
+    rows: dict[str, list] = {"memory": [], "time": [], "ranks": []}
     for world, (measured, predicted) in sorted(results["runs"].items(), key=lambda x: int(x[0])):
         for mode in ("fwd", "fwdbwd"):
-            ms = [r[mode] for r in measured]
-            ps = [r[mode] for r in predicted]
-            m_tensor = max(r["inputs"] + r["tensor_call"] for r in ms)
-            p_tensor = max(r["tensor_peak"] for r in ps)
-            m_res = max(r["inputs"] + r["resident_call"] for r in ms)
-            p_res = max(r["resident_peak"] for r in ps)
-            m_buf = max(max(r["buffers"].values(), default=0) for r in ms)
-            p_buf = max(r["buffers"] for r in ps)
-            mem_rows.append(
-                [world, mode, f"{p_tensor / MiB:.2f}", f"{m_tensor / MiB:.2f}",
-                 _ratio(p_tensor, m_tensor), f"{p_res / MiB:.2f}", f"{m_res / MiB:.2f}",
-                 _ratio(p_res, m_res), f"{p_buf / MiB:.2f}", f"{m_buf / MiB:.2f}"]
-            )  # fmt: skip
-            m_cpu = max(r["cpu_s"] for r in ms)
-            p_cpu = max(r["compute_s"] for r in ps)
-            m_wall = max(r["wall_s"] for r in ms)
-            p_wall = max(r["layer_s"] for r in ps)
-            time_rows.append(
-                [world, mode, f"{1e3 * p_cpu:.1f}", f"{1e3 * m_cpu:.1f}", _ratio(p_cpu, m_cpu),
-                 f"{1e3 * p_wall:.1f}", f"{1e3 * m_wall:.1f}", _ratio(p_wall, m_wall)]
-            )  # fmt: skip
-            for mr, pr in zip(ms, ps, strict=True):
-                rank = ms.index(mr)
-                rank_rows.append(
-                    [world, mode, rank, f"{(mr['inputs'] + mr['tensor_call']) / MiB:.2f}",
-                     f"{pr['tensor_peak'] / MiB:.2f}", f"{1e3 * mr['cpu_s']:.1f}",
-                     f"{1e3 * pr['compute_s']:.1f}", _ratio(pr["compute_s"], mr["cpu_s"])]
+            ms, ps = [r[mode] for r in measured], [r[mode] for r in predicted]
+            for table, columns in _WORST.items():
+                row = [world, mode]
+                for _, _, pred, meas, fmt, ratio in columns:
+                    p, m = max(map(pred, ps)), max(map(meas, ms))
+                    row += [fmt(p), fmt(m)] + [_ratio(p, m)] * ratio
+                rows[table].append(row)
+            for rank, (mr, pr) in enumerate(zip(ms, ps, strict=True)):
+                rows["ranks"].append(
+                    [world, mode, rank, _mib(mr["inputs"] + mr["tensor_call"]),
+                     _mib(pr["tensor_peak"]), _ms(mr["cpu_s"]), _ms(pr["compute_s"]),
+                     _ratio(pr["compute_s"], mr["cpu_s"])]
                 )  # fmt: skip
-    mem = _table(
-        ["p", "mode", "tensor peak MiB (pred.)", "tensor peak MiB (meas.)", "pred/meas",
-         "resident peak MiB (pred.)", "resident peak MiB (meas.)", "pred/meas",
-         "buffers MiB (pred.)", "buffers MiB (meas.)"],
-        mem_rows,
-    )  # fmt: skip
-    tim = _table(
-        ["p", "mode", "compute ms (pred.)", "CPU ms (meas.)", "pred/meas", "layer ms (pred.)",
-         "wall ms (meas.)", "pred/meas"],
-        time_rows,
-    )  # fmt: skip
-    ranks = _table(
-        ["p", "mode", "rank", "tensor peak MiB (meas.)", "(pred.)", "CPU ms (meas.)",
-         "compute ms (pred.)", "pred/meas"],
-        rank_rows,
-    )  # fmt: skip
-    return f"{mem}\n\n{tim}\n\n{ranks}"
+    headers = {
+        table: [name for p, m, *_, ratio in columns for name in (p, m, "pred/meas")[: 2 + ratio]]
+        for table, columns in _WORST.items()
+    }
+    headers["ranks"] = ["rank", "tensor peak MiB (meas.)", "(pred.)", "CPU ms (meas.)",
+                        "compute ms (pred.)", "pred/meas"]  # fmt: skip
+    return "\n\n".join(_table(["p", "mode", *headers[t]], rows[t]) for t in rows)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -302,20 +279,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("--seq-len", type=int, default=16384)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--segments", type=int, nargs="+", default=[512, 2048, 8192])
-    ap.add_argument("--dilations", type=int, nargs="+", default=[1, 4, 16])
+    for name, default in (("seq-len", 16384), ("heads", 8), ("head-dim", 64), ("batch", 1),
+                          ("segments", [512, 2048, 8192]), ("dilations", [1, 4, 16]),
+                          ("worlds", [1, 2, 4]), ("seed", 0)):  # fmt: skip
+        ap.add_argument(f"--{name}", type=int, default=default,
+                        nargs="+" if isinstance(default, list) else None)  # fmt: skip
     ap.add_argument("--causal", action="store_true")
-    ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--iters", type=int, default=3, help="timed calls per mode (median)")
     ap.add_argument("--bench-json", help="use these records instead of calibrating")
     ap.add_argument("--records-out", default=None, help="write the calibration records here")
     ap.add_argument("--link-gbps", type=float, default=10.0)
     ap.add_argument("--link-latency-us", type=float, default=100.0)
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write measurements and predictions here")
     return ap.parse_args(argv)
 
@@ -334,9 +308,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         records = load_records(args.bench_json)
     else:
         lengths = sorted({-(-args.seq_len // p) for p in args.worlds})
-        records = run_distributed(_calibrate_worker, 1, dict(spec, lengths=lengths), timeout=3600)[
-            0
-        ]
+        spec_n = dict(spec, lengths=lengths)
+        records = run_distributed(_calibrate_worker, 1, spec_n, timeout=3600)[0]
         if args.records_out:
             Path(args.records_out).write_text(json.dumps(records, indent=1))
     results: dict = {"spec": spec, "records": records, "runs": {}, "load": []}
