@@ -268,3 +268,29 @@ def test_attention_sinks_cost_no_bytes() -> None:
     assert max(f for f, _ in measured) > 0
     for rank, (f, fb) in enumerate(measured):
         assert (f, fb) == (ev.ranks[rank].sent_forward, ev.ranks[rank].sent_forward_backward)
+
+
+def test_window_layer_ring_bytes_are_flat_in_n() -> None:
+    """A sliding-window layer's ring bytes per rank do not grow with n, in
+    ring mode and inside the hybrid (benchmarks/window_bytes.py's rows);
+    dense causal's grow linearly; the hybrid's all-to-all moves the shard."""
+    W, heads, d = 256, 2, 16
+    cells: dict[tuple[str, str], list[tuple[int, int]]] = {}
+    for window in ((W - 1, 0), None):
+        setup = Setup(4, "cuda", 80 << 30, 0, heads, heads, d, 1, "bfloat16", pattern="dense",
+                      causal=True, window=window, source="plan")  # fmt: skip
+        for mode, (R, U) in (("ring", (4, 1)), ("hybrid", (2, 2))):
+            for n in (2048, 4096, 8192):
+                ranks = evaluate_mode(setup, n, R, U, mode=mode).ranks
+                key = ("window" if window else "dense", mode)
+                ring = max(r.ring_forward for r in ranks)
+                cells.setdefault(key, []).append((ring, max(r.a2a_forward for r in ranks)))
+    row = 2 * d * 2  # a K and a V row of one head, bf16
+    # the W - 1 keys before a rank's first query, from the rank before it
+    assert [c[0] for c in cells["window", "ring"]] == [(W - 1) * heads * row] * 3
+    assert len({c[0] for c in cells["window", "hybrid"]}) == 1
+    for mode in ("ring", "hybrid"):
+        dense = [c[0] for c in cells["dense", mode]]
+        assert dense[1] == 2 * dense[0] and dense[2] == 2 * dense[1]
+    a2a = [c[1] for c in cells["window", "hybrid"]]
+    assert a2a[1] > a2a[0] and a2a[2] > a2a[1]
