@@ -62,35 +62,17 @@ def _entry(
         results.put((rank, False, traceback.format_exc()))
 
 
-def _context() -> Any:
-    """The ``forkserver`` context, its server importing torch when it starts."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])
-    return ctx
-
-
 def run_distributed(
     fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 150.0,
     pg_timeout: float = 60.0, expect_dead: tuple[int, ...] = (), threads: int = 1,
 ) -> list[Any]:  # fmt: skip
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; the values in rank order.
 
-    Args:
-        fn: module-level worker function.
-        world_size: number of processes.
-        *args: extra picklable arguments.
-        timeout: seconds before the whole run is killed (``TimeoutError``).
-        pg_timeout: the process group's own timeout (a hung collective raises
-            inside the workers after this long).
-        expect_dead: ranks that are meant to die without reporting (their
-            value is ``None``).
-        threads: intra-op threads per process (default 1: a run may have more
-            processes than the machine has cores).
-
-    Returns:
-        The workers' return values, rank order.
-    """
-    ctx = _context()
+    ``timeout``: seconds before the run is killed (``TimeoutError``); ``pg_timeout``: the process
+    group's (a hung collective raises in the workers); ``expect_dead``: ranks meant to die without
+    reporting (value ``None``); ``threads``: intra-op threads per process."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])  # its server imports torch once
     results: mp.Queue = ctx.Queue()
     environ = dict(os.environ)
     call = pickle.dumps((fn, args))
@@ -139,8 +121,7 @@ def run_distributed(
                     out[rank] = pickle.loads(payload)
                 else:
                     errors.append(f"--- rank {rank} ---\n{payload}")
-                    # The other ranks may now wait in a collective: give them a
-                    # moment to report, then stop them.
+                    # the other ranks may wait in a collective: a moment to report, then stop
                     deadline = min(deadline, time.monotonic() + 5.0)
         finally:
             for p in procs:
