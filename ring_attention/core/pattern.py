@@ -96,20 +96,10 @@ def _as_ints(values: Any, name: str) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class Pattern:
-    """A dilated-attention pattern (docs/design.md §1), validated at construction.
-
-    Args:
-        segment_lengths, dilation_rates: one ``(w, r)`` per branch, ``1 <= r <= w``; integers,
-            0-d integer tensors, or one integer for a one-branch pattern.
-        causal: keys only at or before the query.
-        head_groups: branch ``i`` applies only to the ``i``-th contiguous group of heads.
-        head_offsets: ``"modulo"`` (``h mod r``, default) or ``"grouped"`` (``h // ceil(heads /
-            r)``, torchscale's LongNet).
-        documents: ``cu_seqlens`` of a packed sequence (:meth:`with_documents`), or ``None``.
-        window: ``(left, right)`` sliding window (``-1``: unbounded; ``None``: ``(-1, -1)``).
-
-    Raises:
-        ValueError: naming the argument, for any value outside the above."""
+    """A dilated-attention pattern (docs/design.md §1), validated at construction (``ValueError``
+    naming the argument). ``segment_lengths``/``dilation_rates`` may be integers, 0-d integer
+    tensors or one integer; ``documents`` is ``cu_seqlens`` (:meth:`with_documents`) or ``None``;
+    ``window=None`` is ``(-1, -1)``."""
 
     segment_lengths: tuple[int, ...]
     dilation_rates: tuple[int, ...]
@@ -118,10 +108,8 @@ class Pattern:
     head_offsets: HeadOffsets = "modulo"
     documents: tuple[int, ...] | None = None
     window: tuple[int, int] | None = None
-    # Tensors derived from the value (documents on a device), built once.
+    # documents on a device, built once; _checked: the values are a checked pattern's
     _tensors: dict = field(default_factory=dict, init=False, repr=False, compare=False)
-    # Private: the values are those of a checked pattern (with_documents
-    # builds copies without checking them again).
     _checked: InitVar[bool] = False
 
     def __post_init__(self, _checked: bool) -> None:
@@ -165,7 +153,6 @@ class Pattern:
             set_(self, "documents", _check_documents(self.documents))
         set_(self, "window", _check_window(self.window))
 
-    # -- derived values ------------------------------------------------------
     @property
     def n_branches(self) -> int:
         """Number of branches."""
@@ -241,11 +228,9 @@ class Pattern:
         if torch.compiler.is_compiling():  # a constant of the graph, not a cached tensor
             return torch.tensor(self.documents, dtype=torch.int64, device=device)
         key = str(device)
-        t = self._tensors.get(key)
-        if t is None:
-            t = torch.tensor(self.documents, dtype=torch.int64, device=device)
-            self._tensors[key] = t
-        return t
+        if key not in self._tensors:
+            self._tensors[key] = torch.tensor(self.documents, dtype=torch.int64, device=device)
+        return self._tensors[key]
 
     def digest(self) -> int:
         """A stable 63-bit digest of the value (the same in every process)."""
