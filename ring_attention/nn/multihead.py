@@ -284,8 +284,7 @@ def _check_call(
         k2 = q2 if key is query else key.transpose(0, 1)
         value = k2 if value is key else (q2 if value is query else value.transpose(0, 1))
         query, key = q2, k2
-    # Now (L, N, E) as F.multi_head_attention_forward sees them.
-    L, B, _ = query.shape
+    L, B, _ = query.shape  # now (L, N, E) as F.multi_head_attention_forward sees them
     S = key.shape[0]
     # F.multi_head_attention_forward canonicalises it again (and may warn again).
     kpm = canonical_mask(kpm, "key_padding_mask", am, "attn_mask", query.dtype)
@@ -310,8 +309,7 @@ def _check_call(
     if kpm is not None:
         check_key_padding_mask_shape(kpm, B, S, extra_keys)
     check_mask_dtype(kpm, am, q.dtype, need_weights)
-
-    # This module's own checks.
+    # this module's own checks
     if m.has_pattern and L != S:
         raise ValueError(
             "with a dilated pattern (segment_lengths/dilation_rates), query and key must have "
@@ -352,22 +350,15 @@ def _check_group_call(m, need_weights, attn_mask, key_padding_mask, L, S) -> Non
 def _project(m: MultiheadDilatedAttention, query, key, value):
     """Input projections, split as ``F.multi_head_attention_forward`` splits
     them (one, two or three matrix products)."""
-    E = m.embed_dim
-    b = m.in_proj_bias
+    E, b, w = m.embed_dim, m.in_proj_bias, m.in_proj_weight
     bq, bk, bv = (None, None, None) if b is None else b.chunk(3)
-    if not m._qkv_same_embed_dim:
-        return (
-            F.linear(query, m.q_proj_weight, bq),
-            F.linear(key, m.k_proj_weight, bk),
-            F.linear(value, m.v_proj_weight, bv),)  # fmt: skip
-    w = m.in_proj_weight
-    if key is value:
+    if m._qkv_same_embed_dim and key is value:
         if query is key:
             return F.linear(query, w, b).chunk(3, dim=-1)
         k, v = F.linear(key, w[E:], None if b is None else b[E:]).chunk(2, dim=-1)
         return F.linear(query, w[:E], bq), k, v
-    wq, wk, wv = w.chunk(3)
-    return F.linear(query, wq, bq), F.linear(key, wk, bk), F.linear(value, wv, bv)
+    ws = w.chunk(3) if w is not None else (m.q_proj_weight, m.k_proj_weight, m.v_proj_weight)
+    return tuple(map(F.linear, (query, key, value), ws, (bq, bk, bv)))
 
 
 def _kernel_attention(m: MultiheadDilatedAttention, call: Call, cu_seqlens) -> torch.Tensor:
