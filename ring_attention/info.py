@@ -160,8 +160,7 @@ def _checked(ap: argparse.ArgumentParser, option: str, check):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Print the route; the exit status (2: a bad option, said as argparse
-    does, naming it)."""
+    """Print the route; the exit status (2: a bad option, said as argparse does, naming it)."""
     ap = _parser()
     try:
         args = ap.parse_args(argv)

@@ -1,6 +1,5 @@
-"""Every ``RING_ATTENTION_*`` environment variable the Python side reads, parsed once per value
-and checked (``ValueError`` naming the variable); :data:`KNOBS` is the table docs/design.md
-lists."""
+"""Every ``RING_ATTENTION_*`` environment variable the Python side reads, parsed once per value and
+checked (``ValueError`` naming the variable); :data:`KNOBS` is the table docs/design.md lists."""
 
 from __future__ import annotations
 

@@ -280,9 +280,8 @@ def _sharded(
 ) -> torch.Tensor:  # fmt: skip
     """Ring attention over the sequence-parallel ranks, Ulysses, the hybrid or
     a generation step; a refusal is reported on every rank (handshake)."""
-    documents = kwargs.get("cu_seq_lens_q")
-    if documents is None:
-        documents = kwargs.get("cu_seq_lens_k")
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    documents = cu_q if cu_q is not None else cu_k
     if documents is None and kwargs.get("use_cache"):  # generation: the same sequence everywhere
         pattern_of = functools.partial(layer_pattern, module, causal, kwargs.get("sliding_window"))
         return generation_step(query, key, value, attention_mask, scaling, kwargs, sp, pattern_of)

@@ -238,9 +238,8 @@ def shard_causal_lm_batch(
     group: dist.ProcessGroup | None = None, ulysses_group: dist.ProcessGroup | None = None,
     mesh: Any = None, layout: str | None = None, **other: Any,
 ) -> dict[str, Any]:  # fmt: skip
-    """This rank's causal-LM batch (``model(**batch)``) from the same full
-    batch on every rank (docs/transformers.md); ``ValueError`` for bad shapes
-    or padding and disagreeing documents."""
+    """This rank's causal-LM batch (``model(**batch)``) from the same full batch on every rank
+    (docs/transformers.md); ``ValueError`` for bad shapes or padding and disagreeing documents."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("pass exactly one of input_ids and inputs_embeds")
     ids = input_ids is not None

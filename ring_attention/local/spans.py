@@ -1,7 +1,6 @@
-"""The local op's branches as strided views of q, k, v (no gather, no copy), planned into spans
-of whole segments and their dense calls (docs/design.md §5, "The local op through dense
-attention per branch": the views, the spans, the part buffers and the merge operators' slot
-maps)."""
+"""The local op's branches as strided views of q, k, v (no gather, no copy), planned into spans of
+whole segments and their dense calls (docs/design.md §5, "The local op through dense attention per
+branch": the views, the spans, the part buffers and the merge operators' slot maps)."""
 
 from __future__ import annotations
 
@@ -131,8 +130,7 @@ class Call:
 
     def part_geometry(self, base: int, batch: int, kv: bool, width: int | None) -> Geometry:
         """The call's rows ``[base, base + part_rows)`` of a contiguous part buffer (``(rows,
-        width)``, or ``(rows,)`` with ``width`` None) as ``(B, segments, heads, rows[,
-        width])``."""
+        width)``, or ``(rows,)`` with ``width`` None) as ``(B, segments, heads, rows[, width])``."""
         size = (batch, self.segments, self.kv_heads if kv else self.q_heads, self.rows)
         padded = (*size[:3], _padded(self.rows))
         if width is not None:
@@ -201,10 +199,7 @@ class Span:
     def part_order(self) -> list[int]:
         """Indices of :attr:`calls` in their part-buffer order: the other branches' calls, then
         branch 0's."""
-        order = range(len(self.calls))
-        return [i for i in order if self.calls[i].branch] + [
-            i for i in order if not self.calls[i].branch
-        ]
+        return sorted(range(len(self.calls)), key=lambda i: not self.calls[i].branch)  # stable
 
 
 def head_runs(kv: list[int]) -> list[tuple[int, int, int, int]]:

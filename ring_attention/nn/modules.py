@@ -65,9 +65,8 @@ class DilatedAttention(_PatternModule):
 
 
 class RingDilatedAttention(_PatternModule):
-    """:func:`ring_attention.ring_dilated_attention` as an ``nn.Module``:
-    ``forward`` takes and returns this rank's ``(batch, seq_local, heads,
-    head_dim)`` shards (docs/modules.md)."""
+    """:func:`ring_attention.ring_dilated_attention` as an ``nn.Module``: ``forward`` takes and
+    returns this rank's ``(batch, seq_local, heads, head_dim)`` shards (docs/modules.md)."""
 
     def __init__(
         self, segment_lengths: Sequence[int], dilation_rates: Sequence[int],
