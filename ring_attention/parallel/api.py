@@ -71,22 +71,9 @@ def ring_dilated_attention(q_local: Tensor, k_local: Tensor, v_local: Tensor,
                            layout: str = "contiguous", return_lse: bool = False,
                            sinks: Tensor | None = None,
                            ) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
-    """Dilated attention over a sequence sharded across the ranks of ``group``:
-    equal, forward and backward, to ``dilated_attention`` on the whole sequence
-    for every world size and length (docs/parallel.md; docs/design.md §2.3, §3.1).
-
-    ``q_local`` ``(batch, seq_local, heads, head_dim)`` and ``k_local``,
-    ``v_local`` ``(batch, seq_local, kv_heads, head_dim)``: this rank's shards
-    (``shard_sequence`` with the same grid and layout). The pattern's keywords
-    are ``dilated_attention``'s, ``cu_seqlens`` in global positions. ``group``:
-    the ring (default: the default group); ``ulysses_group``: head parallelism
-    (with ``group``, the hybrid, rank ``(i, j)`` holding shard ``i * U + j``);
-    ``mesh``: a 1-D ``DeviceMesh`` or a 2-D one with ``mesh_dim_names=("ring",
-    "ulysses")``; ``layout``: ``"contiguous"``, ``"zigzag"`` or ``"balanced"``;
-    ``sinks``: ``(heads,)``, the same on every rank. Returns this rank's output
-    shard (and ``lse`` ``(batch, heads, seq_local)``). Raises ``ValueError`` on
-    every rank, before anything is communicated, for a bad argument on any rank,
-    ranks that disagree, or groups that do not form one grid."""
+    """Dilated attention over a sequence sharded across the ranks of ``group``
+    (and ``ulysses_group`` or ``mesh``): this rank's output shard, equal to
+    ``dilated_attention`` on the whole sequence (docs/parallel.md)."""
     return sharded_attention(q_local, k_local, v_local, Pattern,
                              (segment_lengths, dilation_rates, causal, head_groups, head_offsets,
                               None, window),

@@ -105,14 +105,9 @@ def plan_mesh(seq_len: int, heads: int, kv_heads: int, head_dim: int, pattern: P
               group: dist.ProcessGroup | None = None, gpus_per_node: int | None = None,
               device_type: str | None = None, dtype: torch.dtype | None = None, batch: int = 1,
               memory: int | None = None, layout: str = "contiguous") -> MeshPlan:  # fmt: skip
-    """The grid of ring x Ulysses ranks the planner predicts fastest for this
-    layer: ``MeshPlan(mesh, prediction)``, the mesh a 2-D ``DeviceMesh`` over
-    ``group``'s ranks in group order, row-major (``None`` without an
-    initialised process group). ``pattern``: a :class:`~ring_attention.Pattern`
-    or ``(segment_lengths, dilation_rates)``; ``gpus_per_node``: default the
-    visible GPUs, else the group; ``device_type``: default cuda where available;
-    ``dtype``: default bfloat16 on cuda, float32 on cpu; ``memory``: bytes per
-    rank (``None``: no bound). Every rank of the default group calls it."""
+    """The ring x Ulysses grid the planner predicts fastest for this layer:
+    ``MeshPlan(mesh, prediction)``, ``mesh`` a 2-D ``DeviceMesh`` over
+    ``group``'s ranks (``None`` without a process group; docs/parallel.md)."""
     if not isinstance(pattern, Pattern):
         if not isinstance(pattern, (tuple, list)) or len(pattern) != 2:
             raise ValueError(f"pattern must be a Pattern or (segment_lengths, dilation_rates), "

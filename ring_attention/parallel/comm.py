@@ -14,10 +14,7 @@ __all__ = ["comm_device", "global_ranks"]
 
 def _unpin_default_group() -> None:
     """Make the default ``group`` of ``torch.distributed.nn.functional``'s
-    functions ``None``: imported after ``init_process_group`` (as the first call
-    of any custom operator does, through ``torch._dynamo``), they hold the
-    default group, whose gloo threads then outlive ``destroy_process_group``
-    and abort the process at exit (tests/test_clean_exit.py)."""
+    functions ``None``, so gloo threads do not outlive the group."""
     if not dist.is_available():
         return
     import torch.distributed.nn.functional as functional

@@ -144,11 +144,8 @@ def ring_handshake(group: dist.ProcessGroup | None, world: int, message: list[in
                    pattern: Pattern | None, layout: Layout, fold: int = 1,
                    error: BaseException | Reason | None = None,
                    order: Sequence[int] | None = None) -> int:  # fmt: skip
-    """Check that every rank makes the same ring call; the global length
-    (-1 where ``message`` is ``None``: this rank's inputs failed, ``error``
-    says why). ``order``: the group rank of each ring index; ``fold``: a
-    hybrid's ring holds stretches. Raises ``ValueError`` on every rank when
-    ranks disagree."""
+    """Check that every rank makes the same ring call; the global length (-1
+    where ``message`` is ``None``). ``ValueError`` on every rank otherwise."""
     rows = exchange_message(group, "ring_dilated_attention", message, error, order)
     if rows is None:
         return -1
@@ -266,11 +263,8 @@ def grid_handshake(topo, call: str, fields: Sequence[str], message: Sequence[int
                    layout: str, *, error: BaseException | Reason | None = None,
                    explain: Callable[[str, list[int]], str | None] | None = None,
                    describe: Callable[[], str] | None = None) -> tuple[int, list[int]]:  # fmt: skip
-    """Check that every rank of the grid ``topo`` (``U > 1``) makes the same
-    ``call``; the global length and the local lengths of this rank's row.
-    ``fields`` names ``message``'s values (``fields[0]``: the local length);
-    ``message=None``: this rank failed (``error``), it takes part and gets
-    ``(-1, [])``; ``explain``, ``describe``: the words of a disagreement."""
+    """Check that every rank of the grid ``topo`` makes the same ``call``; the
+    global length and the local lengths of this rank's row."""
     row_call, col_call = f"{call} (Ulysses group)", f"{call} (ring of the grid)"
     U, R = topo.ulysses_size, topo.ring_size
     err: Exception | None = None

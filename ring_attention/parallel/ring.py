@@ -1,7 +1,5 @@
 """The ring (docs/design.md §4): the custom operators ``ring_forward`` /
-``ring_backward``, taking the tensors and a :mod:`ring_spec` key; the forward
-agrees through the handshake and runs the schedule along the cached exchange
-plan, which the backward reuses. Double backward raises ``RuntimeError``."""
+``ring_backward``, taking the tensors and a :mod:`ring_spec` key."""
 
 from __future__ import annotations
 

@@ -116,11 +116,8 @@ def ring_call_spec(build: Callable[..., Pattern], *args: Any, scale: float | Non
                    fold: int = 1, ranks: tuple[int, ...] | None = None,
                    head_range: tuple[int, int, int] = (0, 0, 0),
                    sinks: tuple | None = None) -> str:  # fmt: skip
-    """Register the ring call whose pattern is ``build(*args)``; its key.
-    ``build``: a module-level function (or a ``functools.partial`` of one);
-    ``args``: constants (while tracing their integers are specialized). What
-    ``build`` raises is kept and reported by the operator. ``fold``, ``ranks``,
-    ``head_range``: a hybrid's ring; ``sinks``: the sinks' description."""
+    """Register the ring call whose pattern is ``build(*args)`` (a module-level
+    function and constants); its key."""
     if torch.compiler.is_compiling():
         args = tuple(_specialized(a) for a in args)
     return _registered_spec(build, *args, scale=scale, group=group, layout=layout, fold=fold,

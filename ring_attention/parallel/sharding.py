@@ -84,10 +84,7 @@ def shard_sequence(x: torch.Tensor, dim: int = 1, group: dist.ProcessGroup | Non
                    window: tuple[int, int] | None = None,
                    cu_seqlens: Sequence[int] | Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """This rank's piece of the full tensor ``x`` along ``dim`` for ``layout``
-    (docs/parallel.md; a copy for ``"zigzag"``, else a view); the pattern
-    keywords serve ``"balanced"`` only (``segment_lengths=None``: dense).
-    ``group``, ``ulysses_group``, ``mesh``: as for ``ring_dilated_attention``.
-    Nothing is communicated; differentiable."""
+    (docs/parallel.md); nothing is communicated; differentiable."""
     dim = _check_dim(x, dim, "x")
     layout = _sharding_layout(layout, segment_lengths, dilation_rates, causal, window, cu_seqlens)
     if not isinstance(layout, str):

@@ -24,11 +24,8 @@ __all__ = ["Evaluation", "Setup", "evaluate", "fewest_ranks", "floor_peak", "flo
 
 @dataclass(frozen=True)
 class Setup:
-    """Everything but the sequence length: the ranks and their memory, the
-    attention inputs, the pattern (a preset name, or ``None`` with
-    ``segments`` and ``dilations``; the flags as in
-    :func:`ring_attention.ring_dilated_attention`), the rates, the link and
-    the whole model."""
+    """Everything but the sequence length: ranks, memory, inputs, pattern,
+    rates, link and model."""
 
     ranks: int  # processes (one per GPU)
     device: str  # "cuda" or "cpu"
@@ -192,11 +189,8 @@ def largest_length(
     cache: dict[int, Evaluation] | None = None,
     progress: Callable[[int, bool], None] | None = None,
 ) -> Evaluation | None:  # fmt: skip
-    """The longest sequence (within ``rel_tol``, or one token per rank)
-    whose ``peak`` fits in ``setup.usable``; ``None`` when one token per rank
-    does not fit. ``cache`` (length -> evaluation) shares evaluations
-    between searches of one setup; ``progress(length, fits)`` is called
-    after each new evaluation (the method: docs/planner.md)."""
+    """The longest sequence whose ``peak`` fits in ``setup.usable`` (``None``
+    when one token per rank does not fit; docs/planner.md)."""
     p, budget = setup.ranks, setup.usable
     cache = {} if cache is None else cache
 

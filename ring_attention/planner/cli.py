@@ -1,9 +1,5 @@
-"""``python -m ring_attention.planner``: the capacity planner's command line:
-the longest sequence on given ranks, the fewest ranks for a length, one
-length on given ranks, or the sharding modes compared (``--mode``). The
-options are :mod:`.cli_args`'s; here the rules between them, the
-:class:`~.capacity.Setup` they describe, the searches and the report
-(:mod:`.cli_report`). Examples: docs/performance.md."""
+"""``python -m ring_attention.planner``: the capacity planner's command line, the
+rules between its options and the searches (examples: docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -176,12 +172,8 @@ def build_setup(args: argparse.Namespace, ranks: int) -> Setup:
 
 
 class _Progress:
-    """A search's progress on stderr, and its time limit.
-
-    On a terminal one line, rewritten in place; elsewhere (a pipe, a log) a
-    line per evaluation once the search has run ``_QUIET_SECONDS``; nothing
-    with ``--quiet``. Past ``limit`` seconds the search stops after the
-    evaluation under way (:class:`Impossible`, with what it found)."""
+    """A search's progress on stderr (nothing with ``--quiet``), and its time
+    limit: past ``limit`` seconds it stops (:class:`Impossible`)."""
 
     def __init__(
         self, what: str, unit: str, limit: float, quiet: bool, start: float | None = None

@@ -1,8 +1,4 @@
-"""The capacity planner's report as text: sizes, times and token counts,
-the header of a setup, one attention layer's details (memory items, time,
-the far group's schedules, bytes per link), the whole model's lines, the
-modes side by side, and the assumptions printed under every report. Its
-functions read a :class:`~.capacity.Setup` and an
+"""The capacity planner's report as text, from a :class:`~.capacity.Setup` and an
 :class:`~.capacity.Evaluation` or :class:`~.modes.ModeEvaluation`."""
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Checked option types of the command lines (``python -m
-ring_attention.planner``, ``python -m ring_attention.info``): a bad value is
-refused while parsing, the argparse way (exit 2), naming what was expected;
-sizes take units (``80GB``, ``24GiB``, ``1e9``, ``64K``)."""
+"""Checked option types of the command lines: a bad value is refused while
+parsing (exit 2); sizes take units (``80GB``, ``24GiB``, ``1e9``, ``64K``)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Peak memory per rank of one ring attention layer, item by item, as
-``parallel/ring.py`` and ``parallel/exchange.py`` allocate it: the transport buffers
-agree byte for byte with ``last_exchange_stats.buffer_bytes`` (the items:
-docs/planner.md). The functions take a :class:`~.traffic.Traffic`."""
+"""Peak memory per rank of one ring attention layer, item by item, from a
+:class:`~.traffic.Traffic` (the items: docs/planner.md)."""
 
 from __future__ import annotations
 
@@ -40,10 +38,7 @@ def transport_buffers(
     tr: Any, batch: int, head_dim: int, itemsize: int, far_bytes: int = 0
 ) -> dict[str, dict[str, torch.Tensor]]:
     """Bytes of every transport buffer each rank allocates per pass,
-    ``{"forward" | "backward": {kind: (p,) bytes}}`` (per rank, the sums of
-    ``last_exchange_stats.buffer_bytes``); the transfers of at most
-    ``far_bytes`` K/V bytes travel in the far group, whose buffers hold all
-    their rows at once (:meth:`.traffic.Traffic.far`)."""
+    ``{"forward" | "backward": {kind: (p,) bytes}}``."""
     acc = acc_bytes(itemsize)
     row = 2 * batch * head_dim  # a K and a V vector of one (row, K/V head)
     far_s, far_r = tr.far(row * itemsize, far_bytes)

@@ -1,7 +1,5 @@
-"""Whole-model memory and time per rank, for sequence-parallel training:
-every rank holds ``batch * n / p`` tokens of every block, AdamW in mixed
-precision, optional checkpointing and parameter sharding; the assumptions
-are printed with every figure (and listed in docs/planner.md)."""
+"""Whole-model memory and time per rank for sequence-parallel training (the
+assumptions: docs/planner.md)."""
 
 from __future__ import annotations
 

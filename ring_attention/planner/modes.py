@@ -1,8 +1,5 @@
-"""The planner for the three ways of sharding the sequence (docs/design.md
-§2): the ring over every rank, Ulysses (all-to-all over every rank) and the
-ring x Ulysses hybrid (``U`` ranks per Ulysses group, ``R`` rings), per rank
-and attention layer: bytes sent, peak memory and time, and which mode wins
-(the model: docs/planner.md)."""
+"""The planner for the ring, Ulysses and the hybrid: bytes sent, peak memory and
+time per rank and layer, and which mode wins (docs/planner.md)."""
 
 from __future__ import annotations
 
@@ -223,11 +220,8 @@ def _grid_items(L, S, H, Hkv, c, k, j, row, D, B, s, acc, mem):
 
 
 def grid_for(mode: str, ranks: int, gpus_per_node: int, ulysses: int | None = None):
-    """``(R, U)`` of a mode on ``ranks``: the ring ``(ranks, 1)``, Ulysses
-    ``(1, ranks)``, the hybrid ``(ranks / U, U)``: one Ulysses group per
-    node (``U = gpus_per_node``; all the ranks when they fit in one node),
-    or ``U = ulysses``. A group must not straddle two nodes: ``ValueError``
-    (naming the options) where it would; nothing is chosen in its place."""
+    """``(R, U)`` of a mode on ``ranks``; ``ValueError`` (naming the options)
+    where a Ulysses group would straddle two nodes."""
     if mode == "ring":
         return ranks, 1
     if mode == "ulysses":

@@ -1,7 +1,5 @@
-"""Unions of arithmetic progressions cut to intervals, counted without
-visiting their elements (:func:`union_stats`): the K/V rows one rank needs
-from another's piece, per branch and head offset, travel once however many
-branches need them (the method: docs/planner.md)."""
+"""Unions of arithmetic progressions cut to intervals, counted without visiting
+their elements (:func:`union_stats`; docs/planner.md)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Predicted time per attention layer of every rank, from the ring's
-schedule: each step's K/V transfer overlaps the previous step's compute,
-gradient returns overlap the next, and the transfers of at most
-``far_bytes`` bytes may travel in one far group per pass; the slowest rank
-sets the pace (the formulas: docs/planner.md)."""
+"""Predicted time per attention layer of every rank, from the ring's schedule
+(the formulas: docs/planner.md)."""
 
 from __future__ import annotations
 
@@ -48,10 +45,7 @@ def _ring(
     c0: torch.Tensor, b0: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(T_fwd, T_bwd)`` per rank of the ring over the active steps ``act``
-    (``(p, p)`` by distance: K/V transfer ``x``, gradient return ``g``,
-    compute ``c``/``b``; ``c0``/``b0``: before the first step). All ranks
-    at once: inactive steps are skipped by looking up each active step's
-    next and previous active step."""
+    (``(p, p)`` by distance), all ranks at once."""
     p = act.shape[0]
     cols = torch.arange(p)
     none = torch.zeros(p, 1, dtype=torch.float64)

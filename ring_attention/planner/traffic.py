@@ -1,8 +1,5 @@
 """What every rank of a ring sends, receives and computes per layer
-(:func:`predict_traffic`): per rank ``j`` and ring distance ``d``, the (row,
-K/V head) pairs received from ``j - d`` and sent to ``j + d``, the row-map
-spans and the reached pairs, from the ring's own plans or from closed forms
-whose cost does not grow with ``n`` (the model: docs/planner.md)."""
+(:func:`predict_traffic`), from the ring's plans or closed forms (docs/planner.md)."""
 
 from __future__ import annotations
 
@@ -45,13 +42,8 @@ _BIG = 1 << 62  # a listed row that is not there
 
 @dataclass(frozen=True, eq=False)
 class Traffic:
-    """Per rank and ring distance: rows exchanged, span rows, pairs computed.
-
-    Matrices are ``(p, p)`` int64 tensors indexed ``[rank, distance]``
-    (column 0, distance 0, is zero). Rows are (row, K/V head) pairs: each
-    is one ``head_dim`` vector of K and one of V per batch row. Pairs are per
-    batch row, summed over query heads and branches.
-    """
+    """Per rank and ring distance: rows exchanged, span rows, pairs computed,
+    ``(p, p)`` int64 tensors indexed ``[rank, distance]`` (docs/planner.md)."""
 
     pattern: Pattern
     seq_len: int
@@ -127,11 +119,8 @@ def _odd_constant(i: int) -> int:
 def _unique_keys(
     n_rows: int, parts: list[tuple[torch.Tensor, torch.Tensor]]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The distinct keys of ``n_rows`` rows and each row's key index. A row's
-    key: per part ``b`` = ``(rows, vals)``, ``vals[k]`` (5 ints) for ``rows[k]``,
-    else ``-1`` five times. Rows are hashed to one int64 (linear mixing modulo
-    2**64); where a row differs from its hash's representative, the exact row
-    sort decides."""
+    """The distinct keys of ``n_rows`` rows and each row's key index (hashed,
+    the exact row sort deciding collisions)."""
     h = torch.zeros(n_rows, dtype=torch.int64)
     for b, (rows, vals) in enumerate(parts):
         if rows.numel():
@@ -164,13 +153,8 @@ def _class_stats(
     key: tuple[int, ...], branches: list[tuple[int, int]], offsets: list[tuple], n_q: int,
     seen: dict[tuple, tuple[int, int, int]],
 ) -> tuple[int, ...]:  # fmt: skip
-    """``(rows, first, last)`` of one sender piece (relative to its start)
-    for every K/V class (``offsets``: per class, the offsets of each branch),
-    flattened, from a key of :func:`_analytic`: per query piece and branch,
-    the shared segment's part of the sender piece ``[klo, khi)``, the residue
-    of the segment start, and the extent of the query piece's part (length
-    capped at ``r``, phase) that decides which offsets have an active query
-    there. ``seen``: the unions counted so far (keys share many)."""
+    """``(rows, first, last)`` of one sender piece for every K/V class,
+    flattened, from a key of :func:`_analytic`; ``seen``: the unions so far."""
     shared = []
     for q in range(n_q):
         for i, (_, r) in enumerate(branches):
@@ -204,11 +188,8 @@ def _with_listed_rows(
     stats: torch.Tensor, columns: list[tuple[int, torch.Tensor, torch.Tensor]], listed: list[bool],
     branches: list[tuple[int, int]], offsets: list[tuple], longest: int,
 ) -> torch.Tensor:  # fmt: skip
-    """``stats`` (``(N, classes, 3)``: rows, first, last of the other
-    branches' union) with the rows of the *listed* branches added: at most
-    ``ceil(longest / r)`` per offset and pair, listed (vectorised), each
-    counted unless another branch's progression or an earlier listed row holds
-    it. ``columns``: ``(branch, rows, vals)`` per query piece and branch."""
+    """``stats`` (``(N, classes, 3)``) with the rows of the listed branches
+    added; ``columns``: ``(branch, rows, vals)`` per query piece and branch."""
     n = stats.shape[0]
     out = stats.clone()
     listed_cols = [c for c in columns if listed[c[0]]]
@@ -251,11 +232,8 @@ def _with_listed_rows(
 def _listed_branches(
     branches: list[tuple[int, int]], starts: torch.Tensor, bounds: torch.Tensor, longest: int
 ) -> list[bool]:
-    """Which branches :func:`_analytic` lists per pair instead of keying:
-    those with at most ``_LISTED_ROWS`` rows of an offset in the longest
-    piece whose residues differ from pair to pair (the segment length not a
-    multiple of the dilation, or more than ``_FEW_RESIDUES`` distinct piece
-    and document starts modulo it). The others share few keys."""
+    """Which branches :func:`_analytic` lists per pair instead of keying: few
+    rows of an offset, residues that differ from pair to pair."""
     out = []
     for w, r in branches:
         residues = torch.cat([starts.flatten(), bounds[:-1]]) % r
@@ -397,11 +375,8 @@ def predict_traffic(
     pattern: Pattern, seq_len: int, heads: int, kv_heads: int | None = None, world_size: int = 1,
     layout: str = "contiguous", *, source: str = "auto",
 ) -> Traffic:  # fmt: skip
-    """The :class:`Traffic` of every rank of a ring of ``world_size``:
-    ``kv_heads`` divides ``heads`` (default ``heads``); ``layout``: contiguous,
-    zigzag or balanced; ``source``: ``"plan"`` (the ring's own plans),
-    ``"analytic"`` (closed forms) or ``"auto"`` (the plans when ``p * n * heads
-    <= 2**24`` and the extension is built). A bad argument raises ``ValueError``."""
+    """The :class:`Traffic` of every rank of a ring of ``world_size``; ``source``:
+    ``"plan"``, ``"analytic"`` or ``"auto"`` (docs/planner.md)."""
     seq_len, heads = check_planner_args(pattern, seq_len, heads)
     kv_heads = heads if kv_heads is None else check_int(kv_heads, "kv_heads", 1, heads)
     if heads % kv_heads:
