@@ -25,10 +25,8 @@ def ring_attention(q_local: Tensor, k_local: Tensor, v_local: Tensor,
                    ulysses_group: dist.ProcessGroup | None = None, mesh=None,
                    layout: str = "contiguous", return_lse: bool = False,
                    sinks: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
-    """:func:`ring_dilated_attention` with a :class:`Pattern` (or a function
-    building one, whose errors every rank hears of). Under ``torch.compile`` a
-    function must be a module-level one (or a ``functools.partial`` of one),
-    not a closure: the ring's pattern is a constant of the graph."""
+    """:func:`ring_dilated_attention` with a :class:`Pattern` (or a module-level
+    function building one, whose errors every rank hears of)."""
     built = isinstance(pattern, Pattern) or not callable(pattern)
     build, args = (given_pattern, (pattern,)) if built else (pattern, ())
     return sharded_attention(q_local, k_local, v_local, build, args, cu_seqlens=None, scale=scale,
@@ -43,9 +41,7 @@ def sharded_attention(q_local: Tensor, k_local: Tensor, v_local: Tensor,
                       mesh, layout: str, return_lse: bool,
                       sinks: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
     """The ring, Ulysses or the hybrid (by the groups) with the pattern
-    ``build(*args)`` (as for :func:`~ring_attention.parallel.ring_spec.ring_call_spec`)
-    and the documents ``cu_seqlens`` (``None``: the pattern's own); every
-    entry of the package calls this."""
+    ``build(*args)``: every entry of the package calls this."""
     if ulysses_group is not None or mesh is not None:
         call = (q_local, k_local, v_local, build, args)
         kwargs = dict(cu_seqlens=cu_seqlens, scale=scale, group=group, ulysses_group=ulysses_group,

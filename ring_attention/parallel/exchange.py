@@ -21,10 +21,8 @@ __all__ = ["ExchangeEvent", "ExchangeStats", "Exchanger", "Transfer", "last_exch
 
 @dataclass(frozen=True)
 class ExchangeEvent:
-    """One posted batch of point-to-point operations on this rank: its phase
-    (``"forward_kv"``, ``"backward_kv"``, ``"backward_grad"``), ring distance,
-    peers (group ranks, ``None``: none), (row, head) pairs per batch element
-    and the bytes handed to ``torch.distributed``."""
+    """One posted batch of point-to-point operations on this rank: phase,
+    distance, peers, (row, head) pairs per batch element and bytes."""
 
     phase: str
     distance: int
@@ -133,9 +131,7 @@ class _Span(NamedTuple):
 
 class Exchanger:
     """Packs and posts the rows of one ring call and hands the kernels views of
-    the received ones: K/V in ``dtype``, gradients in :func:`acc_dtype`, through
-    ``comm_dev``; transfers of at most ``far_bytes`` K/V bytes travel in the far
-    group (:attr:`far_steps`), the others in their ring steps (:attr:`steps`)."""
+    the received ones (far group: :attr:`far_steps`, ring steps: :attr:`steps`)."""
 
     def __init__(self, plan, group: dist.ProcessGroup | None, peers: Sequence[int],
                  device: torch.device, comm_dev: torch.device, dtype: torch.dtype, batch: int,
@@ -220,9 +216,7 @@ class Exchanger:
 
     def _piece_views(self, packed: torch.Tensor, step) -> tuple[list, list, list[int]]:
         """Per sender piece of ``step``: the K and V (or dK and dV) views of
-        ``packed`` (``(B, rows, H, D)`` where the span is whole, else ``(B, count,
-        D)`` read through the row map; ``None`` without rows) and the global
-        position of the span's first row."""
+        ``packed`` (``None`` without rows) and the global position of its first row."""
         spans, recv_idx = self.spans[step.distance], self.idx[step.distance][1]
         chunks = {j: (krows, vrows) for j, _, krows, vrows in self._chunks(packed, recv_idx)}
         ks, vs, starts = [], [], []

@@ -49,9 +49,7 @@ def exchange_rows(q_pieces: Sequence[Piece | tuple[int, int]], k_start: int, k_l
                   kv_heads: int, pattern: Pattern,
                   head_range: tuple[int, int, int] = (0, 0, 0)) -> torch.Tensor:  # fmt: skip
     """Sorted flat indices ``row * kv_heads + g`` (``row`` relative to
-    ``k_start``) of the key rows some query of ``q_pieces`` (pieces or ``(start,
-    length)`` pairs) reaches; ``head_range``: a hybrid ring's ``(head_start,
-    total_heads, total_kv_heads)``. An empty range calls no operator."""
+    ``k_start``) of the key rows some query of ``q_pieces`` reaches."""
     ranges = [(int(p[0]), int(p[1])) for p in q_pieces if int(p[1]) > 0]
     if k_len <= 0 or not ranges:
         return _EMPTY
@@ -63,9 +61,7 @@ def reaches(q_piece: Piece | tuple[int, int], k_start: int, k_len: int, heads: i
             pattern: Pattern, kv_heads: int = 1,
             head_range: tuple[int, int, int] = (0, 0, 0)) -> bool:  # fmt: skip
     """Whether some query of ``q_piece`` reaches some key of ``[k_start,
-    k_start + k_len)``: ``exchange_rows`` over the keys within the longest
-    segment, in chunks doubling from ``_PROBE_ROWS`` to ``_MAX_PROBE_ROWS``
-    rows, stopping at the first reached row."""
+    k_start + k_len)``, probing in doubling chunks."""
     q_start, q_len = int(q_piece[0]), int(q_piece[1])
     if q_len <= 0:
         return False
@@ -119,10 +115,8 @@ class Step:
 
 @dataclass(frozen=True, eq=False)
 class ExchangePlan:
-    """Everything one rank needs to run the ring for one configuration (the
-    cache key: ``pattern`` .. ``layout``, ``fold``, ``head_range``): this rank's
-    ``pieces``, every rank's, the ``local_pairs`` of its own pieces that reach
-    each other, and its active ``steps`` by distance."""
+    """Everything one rank needs to run the ring for one configuration: the
+    pieces, the local pairs that reach each other and the active steps."""
 
     pattern: Pattern
     seq_len: int
@@ -198,9 +192,7 @@ def build_plan(pattern: Pattern, seq_len: int, heads: int, kv_heads: int, world_
                rank: int, layout: str = "contiguous", fold: int = 1,
                head_range: tuple[int, int, int] = (0, 0, 0)) -> ExchangePlan:  # fmt: skip
     """Build (without caching) the exchange plan of ``rank`` in a ring of
-    ``world_size`` for ``seq_len`` positions sharded per ``layout`` (``fold``:
-    a hybrid's ring over stretches of ``fold`` shards, holding query heads
-    ``head_range``). Raises ``ValueError`` naming a bad argument."""
+    ``world_size``. Raises ``ValueError`` naming a bad argument."""
     pattern, seq_len, heads, kv_heads, p, rank, layout, fold, head_range = _check_plan_args(
         pattern, seq_len, heads, kv_heads, world_size, rank, layout, fold, head_range)  # fmt: skip
     # every head: one K/V head answers whether a block is reached at all

@@ -87,9 +87,7 @@ def exchange_message(group: dist.ProcessGroup | None, call: str, payload: Sequen
                      error: BaseException | Reason | None = None,
                      order: Sequence[int] | None = None) -> list[list[int]] | None:  # fmt: skip
     """One control round of ``call`` over ``group``: every rank's payload by
-    index (``order``: the group rank of each). ``payload=None``: this rank
-    failed (``error``) and gets ``None``. Raises ``ValueError`` on every rank for
-    ranks in different calls or a rank that failed (naming it and its error)."""
+    index. ``ValueError`` on every rank for a failed rank or a different call."""
     body = [-1] * (WORDS - 3) if payload is None else list(payload)
     if len(body) > WORDS - 3:  # would break the equal sizes the transport relies on
         raise RuntimeError(f"{call}: a control payload of {len(body)} words (at most {WORDS - 3})")

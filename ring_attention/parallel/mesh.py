@@ -51,10 +51,8 @@ def world_info(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
 
 @dataclass(frozen=True, eq=False)
 class Topology:
-    """The grid of one call, seen from this rank: the ring and the Ulysses group
-    (``None``: of one), their sizes, this rank's indices, their global ranks by
-    index, the mesh, ``*_order`` (the group rank of each index, ``None`` where
-    it is the index) and ``mode`` (``"ring"`` or ``"grid"``)."""
+    """The grid of one call, seen from this rank: the ring and the Ulysses
+    group, their sizes, this rank's indices, ranks, orders and ``mode``."""
 
     ring_group: dist.ProcessGroup | None
     ulysses_group: dist.ProcessGroup | None
@@ -330,10 +328,8 @@ def _round(st: _State, topo: Topology, me: int, peers: list[int], call: int) -> 
 
 
 def check_grid(topo: Topology) -> None:
-    """Check, once per configuration, that every rank of this rank's row and
-    column passed groups (or a mesh) forming the same grid and makes the same
-    kind of call: ``ValueError`` on every rank where they disagree,
-    ``RuntimeError`` when a peer never writes. Only a passed one is remembered."""
+    """Check, once per configuration, that this rank's row and column form
+    the same grid: ``ValueError`` on every rank, ``RuntimeError`` for a silent peer."""
     me = dist.get_rank()
     peers = sorted((set(topo.ring_ranks) | set(topo.ulysses_ranks)) - {me})
     if not peers:
@@ -382,10 +378,8 @@ def _reason(error: BaseException) -> str:
 
 def report_grid_error(group, ulysses_group, mesh, error: BaseException,
                       mode: str | None = None) -> Topology | None:  # fmt: skip
-    """Tell the peers of a rank whose grid arguments failed (``error``; ``mode``:
-    ``"ring"``, ``"grid"`` or ``None``): the last checked configuration that
-    fits the valid arguments (the caller rejects through its rounds), else
-    ``None`` after a failure record in the store."""
+    """Tell the peers of a rank whose grid arguments failed (``error``): the
+    last checked configuration that fits, else ``None`` after a failure record."""
     if not dist.is_available() or not dist.is_initialized():
         return None
     want = None

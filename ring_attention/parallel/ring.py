@@ -42,9 +42,7 @@ def ring_call(q_local: Tensor, k_local: Tensor, v_local: Tensor, spec: str,
               documents: Tensor | None = None, *,
               return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
     """The ring call registered as ``spec`` (:func:`ring_call_spec`), with the
-    global document boundaries ``documents`` (a 1-D integer tensor, the same
-    on every rank, or ``None``). Compiles with ``fullgraph=True``: the ring is
-    one operator forward and one backward."""
+    global document boundaries ``documents``; one operator each way."""
     needs_grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False)
                                                  for t in (q_local, k_local, v_local))  # fmt: skip
     if isinstance(documents, Tensor) and documents.is_meta and not q_local.is_meta:
@@ -63,9 +61,7 @@ def exchange_plan(seq_len: int, heads: int, segment_lengths: Sequence[int],
                   group: dist.ProcessGroup | None = None,
                   layout: str = "contiguous") -> ExchangePlan:  # fmt: skip
     """This rank's (cached) exchange plan for a global sequence of
-    ``seq_len`` (``kv_heads`` defaults to ``heads``): the rows and bytes it
-    exchanges per layer (:meth:`ExchangePlan.bytes_sent`), without running
-    anything."""
+    ``seq_len``, without running anything."""
     pattern = Pattern(segment_lengths, dilation_rates, causal=causal, head_groups=head_groups,
                       head_offsets=head_offsets,
                       window=window).with_documents(cu_seqlens)  # fmt: skip
@@ -80,10 +76,8 @@ def _ring(q_local: Tensor, k_local: Tensor, v_local: Tensor, build: Callable[...
           group: dist.ProcessGroup | None, layout: str, return_lse: bool, fold: int = 1,
           ranks: tuple[int, ...] | None = None, head_range: tuple[int, int, int] = (0, 0, 0),
           sinks: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
-    """The ring call of ``sharded_attention``: the documents a tensor argument
-    (read once per batch), the rest the spec; ``sinks`` added after the ring.
-    ``fold``, ``ranks``, ``head_range``: the ring of a grid (ulysses.py), which
-    has checked its grid (``ranks``: its global ranks by ring index)."""
+    """The ring call of ``sharded_attention``; ``fold``, ``ranks``,
+    ``head_range``: the ring of a checked grid (ulysses.py)."""
     documents = cu_seqlens if isinstance(cu_seqlens, Tensor) else None
     spec = ring_call_spec(_ring_pattern, return_lse, None if documents is not None else cu_seqlens,
                           build, *args, scale=scale, group=group, layout=layout, fold=fold,

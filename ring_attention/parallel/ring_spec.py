@@ -28,10 +28,8 @@ class GroupError(ValueError):
 
 @dataclass(frozen=True, eq=False)
 class RingSpec:
-    """One ring call's configuration (all but its tensors). ``pattern`` is
-    ``None`` exactly when ``error`` is set (reported by the operator through
-    the handshake, so every rank raises); the group is held weakly
-    (``destroy_process_group`` must be able to release it)."""
+    """One ring call's configuration (all but its tensors); ``pattern`` is
+    ``None`` exactly when ``error`` is set; the group is held weakly."""
 
     pattern: Pattern | None
     error: BaseException | None

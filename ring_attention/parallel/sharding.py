@@ -148,9 +148,7 @@ def gather_sequence(x_local: torch.Tensor, dim: int = 1, group: dist.ProcessGrou
                     window: tuple[int, int] | None = None,
                     cu_seqlens: Sequence[int] | Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """The full tensor from every rank's piece along ``dim`` (the inverse of
-    :func:`shard_sequence`, the same arguments); ranks that disagree raise
-    ``ValueError`` on every rank. Differentiable: the gradient of ``x_local`` is
-    this rank's slice of the full gradient."""
+    :func:`shard_sequence`); differentiable."""
     dim = _check_dim(x_local, dim, "x_local")
     layout = _sharding_layout(layout, segment_lengths, dilation_rates, causal, window, cu_seqlens)
     if ulysses_group is not None or mesh is not None:

@@ -246,10 +246,8 @@ def fewest_ranks(
     setup: Setup, seq_len: int, peak: Peak, *, rel_tol: float = 0.02, limit: int = MAX_WORLD_SIZE,
     progress: Callable[[int, bool], None] | None = None,
 ) -> Evaluation | None:  # fmt: skip
-    """The fewest ranks at which ``seq_len`` tokens fit (exact up to 50
-    ranks, within ``rel_tol`` above), or ``None`` when more than ``limit``
-    (at most ``MAX_WORLD_SIZE``) would be needed; ``progress(ranks, fits)``
-    is called after each evaluation (the method: docs/planner.md)."""
+    """The fewest ranks at which ``seq_len`` tokens fit, or ``None`` when more
+    than ``limit`` would be needed (docs/planner.md)."""
     budget = setup.usable
     limit = check_int(limit, "limit", 1, MAX_WORLD_SIZE)
 
@@ -303,10 +301,8 @@ def _meets(a: tuple[int, int], b: tuple[int, int], budget: int) -> float | None:
 
 
 def floor_peak(setup: Setup, seq_len: int, ranks: int, goal: str) -> int:
-    """A closed-form lower bound of the worst rank's peak for ``goal``
-    (``"inference"``, ``"training"``, ``"model"``) at ``ranks`` ranks: the
-    items of the longest shard that do not depend on the exchange
-    (:func:`.memory.own_memory`), the whole model's on top for ``"model"``."""
+    """A closed-form lower bound of the worst rank's peak for ``goal`` at
+    ``ranks`` ranks (:func:`.memory.own_memory`)."""
     local = -(-seq_len // ranks)
     s = setup
     m = own_memory(local, s.heads, s.kv_heads, s.batch, s.head_dim, s.itemsize)

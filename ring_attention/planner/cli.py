@@ -75,10 +75,8 @@ def _memory(args: argparse.Namespace, device: str, ranks: int) -> tuple[int, int
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """The rules between options, before any planning (each option's own
-    range is its parser type's, :mod:`.cli_types`); raises
-    :class:`OptionError` naming the option. Fills in the attention shape a
-    ``--model`` gives (``--heads``, ``--kv-heads``, ``--head-dim`` left out)."""
+    """The rules between options, before any planning; raises
+    :class:`OptionError` naming the option. Fills in a ``--model``'s shape."""
     ranks, device = _ranks(args), _device(args)
     for name, default in (("heads", 16), ("kv_heads", None), ("head_dim", 128)):
         if getattr(args, name) is None:  # a --model's, else the default (kv_heads: heads)

@@ -103,9 +103,7 @@ def _items(
     zigzag: bool = False, buffers: tuple = (0, 0),
 ) -> tuple[dict, dict, dict]:  # fmt: skip
     """``(inputs, forward, backward)`` items at the local length ``L`` (an
-    int or a ``(p,)`` tensor), given what the exchange adds: the plan's
-    indices, the piece copies of two pieces per rank (``zigzag``) and the
-    transport buffers (forward, backward)."""
+    int or a ``(p,)`` tensor), given what the exchange adds."""
     acc = acc_bytes(itemsize)
     q = batch * L * heads * head_dim
     kv = batch * L * kv_heads * head_dim

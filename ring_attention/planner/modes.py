@@ -251,10 +251,8 @@ def compare_modes(
     setup: Any, seq_len: int, gpus_per_node: int, intra: Link, inter: Link,
     ulysses: int | None = None, modes: tuple[str, ...] = MODES,
 ) -> list[ModeEvaluation]:  # fmt: skip
-    """The ``modes`` (all three) on ``setup.ranks`` ranks, ``gpus_per_node`` per node:
-    a communication that stays inside a node takes ``intra``, one that
-    crosses nodes ``inter`` (the ring over every rank crosses nodes once
-    there is more than one)."""
+    """The ``modes`` on ``setup.ranks`` ranks, ``gpus_per_node`` per node
+    (``intra`` inside a node, ``inter`` across nodes)."""
     ring = intra if setup.ranks <= gpus_per_node else inter
     grids = {mode: grid_for(mode, setup.ranks, gpus_per_node, ulysses) for mode in modes}
     return [evaluate_mode(setup, seq_len, R, U, a2a_link=intra if U <= gpus_per_node else inter,

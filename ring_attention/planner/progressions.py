@@ -63,10 +63,8 @@ def _crt(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
 
 
 def _inclusion_exclusion(x: int, y: int, classes: tuple[tuple[int, int], ...]) -> int | None:
-    """Members of ``[x, y)`` in the union by inclusion-exclusion over the
-    intersections (residue classes again, by the Chinese remainder theorem),
-    depth first: an empty intersection ends its branch. ``None`` when more
-    than ``_MAX_TERMS`` non-empty intersections would be needed."""
+    """Members of ``[x, y)`` in the union by inclusion-exclusion, depth first;
+    ``None`` past ``_MAX_TERMS`` non-empty intersections."""
     total, terms = 0, 0
     stack = [(i + 1, cls, 1) for i, cls in enumerate(classes)]
     while stack:

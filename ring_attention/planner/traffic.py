@@ -71,10 +71,8 @@ class Traffic:
         return torch.nonzero(self.active[rank]).flatten().tolist()
 
     def far(self, row_bytes: int, far_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(send, recv)`` ``(p, p)`` bool masks of the transfers that travel
-        in the far group: those of at most ``far_bytes`` bytes, a row being
-        ``row_bytes`` (its K and V vectors). Both ends of a transfer see the
-        same count, so they agree (``far_bytes = 0``: none, the ring alone)."""
+        """``(send, recv)`` ``(p, p)`` bool masks of the transfers of at most
+        ``far_bytes`` bytes, which travel in the far group."""
         s, r = self.send_rows, self.recv_rows
         return (s > 0) & (s * row_bytes <= far_bytes), (r > 0) & (r * row_bytes <= far_bytes)
 
@@ -393,10 +391,8 @@ def traffic_of(
     pattern: Pattern, seq_len: int, heads: int, kv_heads: int, pieces: list[list[Piece]],
     layout: str, source: str = "auto", fold: int = 1,
 ) -> Traffic:  # fmt: skip
-    """The :class:`Traffic` of the ranks holding ``pieces`` (checked
-    arguments; ``fold``: ranks per shard group, the hybrid's Ulysses size).
-    The vectorised work runs with one intra-op thread (small tensors; the
-    previous setting is restored)."""
+    """The :class:`Traffic` of the ranks holding ``pieces`` (checked arguments;
+    ``fold``: the hybrid's Ulysses size), on one intra-op thread."""
     p = len(pieces)
     total = ranks_pairs(
         pattern, seq_len, heads, [[(pc.start, pc.length) for pc in ps] for ps in pieces]

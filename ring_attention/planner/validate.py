@@ -52,10 +52,8 @@ def resident_growth(call) -> int:
 
 
 def tensor_peak(call) -> int:
-    """Peak CPU tensor bytes allocated by ``call()`` and not yet freed: from
-    the PyTorch profiler's allocation events in time order, the blocks
-    allocated during the call less those of them freed (matched by address;
-    frees of earlier blocks, which another thread may release, ignored)."""
+    """Peak CPU tensor bytes allocated by ``call()`` and not yet freed, from
+    the PyTorch profiler's allocation events."""
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
