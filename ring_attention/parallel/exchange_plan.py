@@ -236,9 +236,7 @@ def build_plan(pattern: Pattern, seq_len: int, heads: int, kv_heads: int, world_
                         head_range=head_range)  # fmt: skip
 
 
-#: The module-level plan cache used by ``ring_dilated_attention``: at most 64
-#: plans and 512 MiB of row indices (``PLAN_CACHE.max_bytes``; a larger plan
-#: is used for its call and not kept).
+#: The plan cache of ``ring_dilated_attention`` (64 plans, 512 MiB of indices).
 PLAN_CACHE: LRUCache[ExchangePlan] = LRUCache(maxsize=64, name="exchange plans",
                                               max_bytes=512 * 2**20,
                                               size_of=lambda plan: plan.nbytes)  # fmt: skip

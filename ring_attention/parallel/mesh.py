@@ -185,12 +185,8 @@ def resolve_topology(group: dist.ProcessGroup | None = None,
                     mode="grid" if U > 1 else "ring")  # fmt: skip
 
 
-# The one-time agreement check through the store (docs/design.md §6). Rank r
-# writes its view under ``ring_attention/grid/<r>/<round>/view``, then what it
-# found (``.../found``), then the outcome (``.../done``); a reader keeps, per
-# peer, the next unread round and passes over rounds held with other ranks
-# (but for a failed one of the same call: the mismatch). A failure record (a
-# rank that cannot know its peers) names no peers and carries its call count.
+# The one-time agreement check through the store (docs/design.md §6): per rank
+# and round a view, what it found and the outcome, under ``ring_attention/grid``.
 
 _PREFIX = "ring_attention/grid"
 _lock = threading.Lock()

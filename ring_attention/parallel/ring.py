@@ -214,9 +214,8 @@ def schedule_backward(call: RingCall, grad_out: Tensor, grad_lse: Tensor | None,
                 attend(qi, kp[kj], vp[kj], dkp[kj], dvp[kj], starts[kj], maps[kj])
         far_grad = ex.post_far_grad()
 
-    # Global order of posts: F, KV(1), FG, KV(2), G(1), KV(3), G(2), ... (F, FG:
-    # the far group's K/V and gradients); each rank posts the subsequence it
-    # takes part in. Buffers alternate by distance.
+    # Global order of posts: F, KV(1), FG, KV(2), G(1), KV(3), G(2), ... (F, FG: the
+    # far group's); each rank posts its subsequence. Buffers alternate by distance.
     g_prev = None  # (transfer, step) of the previous gradient return
     for d in range(1, plan.world_size if steps else 1):
         step = ex.step_for(d)

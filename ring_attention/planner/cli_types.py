@@ -11,8 +11,7 @@ from collections.abc import Callable
 __all__ = ["MAX_BYTES", "MICROSECONDS", "RATE", "int_in", "number_in", "parse_size", "reserve",
            "size_in"]  # fmt: skip
 
-#: The most memory per rank the planner takes (256 TiB): its byte counts stay
-#: far inside int64.
+#: The most memory per rank the planner takes (256 TiB; inside int64).
 MAX_BYTES = 2**48
 
 #: Unit -> multiplier (``b``: a billion tokens).
@@ -95,8 +94,7 @@ def reserve(high: int) -> Callable[[str], tuple[str, float]]:
     return parse
 
 
-#: A bandwidth (Gbit/s) or a rate (TFLOP/s): finite, from 10^-6 (a kbit/s, a
-#: MFLOP/s: times stay finite) to far beyond any machine.
+#: A bandwidth (Gbit/s) or a rate (TFLOP/s): finite, from 10^-6.
 RATE = number_in(1e-6, 1e9)
 #: A latency in microseconds: finite, >= 0 (at most about 16 minutes).
 MICROSECONDS = number_in(0, 1e9)

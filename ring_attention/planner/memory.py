@@ -11,8 +11,7 @@ import torch
 __all__ = ["DTYPE_BYTES", "KERNEL_WORKSPACE", "LayerMemory", "acc_bytes", "layer_memories",
            "layer_memory", "own_memory", "transport_buffers"]  # fmt: skip
 
-#: The one item that is not a tensor: the backward kernel's ``delta`` (a
-#: host vector on the CPU), invisible to a tensor-allocation profiler.
+#: The backward kernel's ``delta``: a host vector on the CPU, not a tensor.
 KERNEL_WORKSPACE = "kernel delta"
 
 #: Bytes per element of the dtypes the kernels take.

@@ -193,9 +193,7 @@ def _grid_items(L, S, H, Hkv, c, k, j, row, D, B, s, acc, mem):
     attn_f = sum(mem.forward.values()) if mem else 0
     attn_b = sum(v for k_, v in mem.backward.items() if k_ != KERNEL_WORKSPACE) if mem else 0
     plan = mem.inputs.get("plan indices (cached)", 0) if mem else 0
-    # forward: the packed sends and the received blocks, then the stretch
-    # copy (the blocks freed); the attention; out/lse copied per member and
-    # exchanged (the stretch out/lse freed), then concatenated
+    # forward: the all-to-all of q/k/v, the attention, the all-to-all of out/lse
     fwd = {
         "all-to-all q, k, v": stretch + max(send1, stretch),
         "attention": stretch + attn_f,
@@ -203,10 +201,7 @@ def _grid_items(L, S, H, Hkv, c, k, j, row, D, B, s, acc, mem):
     }
     top = max(fwd, key=fwd.get)
     f_items = {**local, "plan indices (cached)": plan, top: fwd[top]}
-    # backward: the saved stretch q/k/v and out/lse with the output; out/lse's
-    # gradient exchange; the attention's backward; q/k/v's gradient exchange
-    # (the saved tensors freed by then: the blocks' gradients, the packed
-    # sends and what comes back)
+    # backward: the saved stretch and output, then the same three in reverse
     saved = stretch + o_s
     bwd = {
         "all-to-all grad out, lse": saved + full + back2 + send2 + o_s,

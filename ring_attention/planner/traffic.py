@@ -20,21 +20,16 @@ from .progressions import union_stats
 
 __all__ = ["SOURCES", "Traffic", "kv_classes", "predict_traffic"]
 
-#: Where the rows come from: the real plan, the closed forms, or the plan
-#: when it is cheap to build and the installed planner takes every feature used.
+#: Where the rows come from (``auto``: the plan when cheap and installed).
 SOURCES = ("auto", "plan", "analytic")
 
 _PLAN_WORK_LIMIT = 1 << 24  # p * n * heads: build real plans up to this
-#: Ranks the traffic model takes: its work and its ``(p, p)`` tables grow
-#: with the pairs of ranks (4096 ranks: about 3.5 GB resident and minutes of
-#: CPU; 131072 would need 137 GB for one table).
+#: Ranks the traffic model takes (its ``(p, p)`` tables grow with p * p).
 MAX_WORLD_SIZE = 1 << 12
 _CHUNK = 1 << 18  # (rank, distance) pairs evaluated at once
 _NONE = torch.empty(0, dtype=torch.int64)
-#: A branch with at most this many rows of one offset in the longest piece,
-#: not aligned with the pieces, has its rows listed per pair (vectorised)
-#: instead of entering the memo's keys: its residues differ from pair to
-#: pair, which would make every pair's key distinct.
+#: A branch with at most this many rows of one offset in the longest piece has
+#: its rows listed per pair instead of entering the memo's keys.
 _LISTED_ROWS = 2
 _FEW_RESIDUES = 16  # piece starts modulo a dilation: few keep few keys
 _BIG = 1 << 62  # a listed row that is not there
@@ -341,11 +336,8 @@ def _analytic(
     return out
 
 
-#: The ring's own exchange plans, ``build_plan(pattern, seq_len, heads,
-#: kv_heads, world_size, rank, layout, fold=1)``
-#: (:func:`ring_attention.parallel.exchange_plan.build_plan`): set by
-#: ``ring_attention/__init__.py`` when the compiled extension loads. The
-#: planner imports the core alone and runs on its closed forms without it.
+#: The ring's own ``build_plan``, set by ``ring_attention/__init__.py`` when the
+#: compiled extension loads; without it the planner runs on closed forms.
 exact_plans: Callable[..., Any] | None = None
 
 

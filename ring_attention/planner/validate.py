@@ -222,9 +222,7 @@ def _ms(x: float) -> str:
     return f"{1e3 * x:.1f}"
 
 
-#: The tables of worst ranks: per quantity, the predicted and measured
-#: column names, the values of a predicted and of a measured row, the
-#: format, and whether a pred/meas column follows.
+#: The tables of worst ranks: per quantity, columns, row values and format.
 _WORST = {
     "memory": [
         ("tensor peak MiB (pred.)", "tensor peak MiB (meas.)", lambda r: r["tensor_peak"],
