@@ -1,6 +1,5 @@
 """The sharded attention's public entry: the ring, Ulysses and their hybrid
-composed in one place (docs/design.md §2). The entries check nothing
-themselves: the ring's operators and Ulysses' rounds check every call."""
+composed in one place (docs/design.md §2); the operators and rounds check calls."""
 
 from __future__ import annotations
 
@@ -68,8 +67,7 @@ def ring_dilated_attention(q_local: Tensor, k_local: Tensor, v_local: Tensor,
                            sinks: Tensor | None = None,
                            ) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
     """Dilated attention over a sequence sharded across the ranks of ``group``
-    (and ``ulysses_group`` or ``mesh``): this rank's output shard, equal to
-    ``dilated_attention`` on the whole sequence (docs/parallel.md)."""
+    (or ``ulysses_group``, ``mesh``): this rank's output shard (docs/parallel.md)."""
     return sharded_attention(q_local, k_local, v_local, Pattern,
                              (segment_lengths, dilation_rates, causal, head_groups, head_offsets,
                               None, window),

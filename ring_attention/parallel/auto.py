@@ -1,6 +1,5 @@
-"""The parallel mode chosen for you (docs/design.md §2): :func:`plan_mesh`
-asks the planner's cost model for the fastest grid of ``R`` rings x ``U``
-Ulysses ranks within the memory, as a 2-D ``DeviceMesh`` and a prediction."""
+"""The parallel mode chosen for you (docs/design.md §2): :func:`plan_mesh`, the
+planner's fastest grid of ``R`` rings x ``U`` Ulysses ranks within the memory."""
 
 from __future__ import annotations
 
@@ -57,9 +56,8 @@ def choose_grid(seq_len: int, heads: int, kv_heads: int, head_dim: int, pattern:
                 dtype: torch.dtype = torch.bfloat16, batch: int = 1, memory: int | None = None,
                 intra: Link | None = None, inter: Link | None = None,
                 layout: str = "contiguous") -> Prediction:  # fmt: skip
-    """The fastest grid of ``world`` ranks for one layer of this shape that fits
-    ``memory`` bytes per rank (ties: the smaller ``U``; none fitting: the least
-    memory). A sliding window takes the ring (its bytes are bounded)."""
+    """The fastest grid of ``world`` ranks for one layer that fits ``memory``
+    bytes per rank (ties: the smaller ``U``; none fitting: the least memory)."""
     gbps, lat, _ = INTRA_DEFAULTS[device]
     intra = intra or Link(gbps, lat)
     inter = inter or LINKS[device][0]
@@ -106,8 +104,7 @@ def plan_mesh(seq_len: int, heads: int, kv_heads: int, head_dim: int, pattern: P
               device_type: str | None = None, dtype: torch.dtype | None = None, batch: int = 1,
               memory: int | None = None, layout: str = "contiguous") -> MeshPlan:  # fmt: skip
     """The ring x Ulysses grid the planner predicts fastest for this layer:
-    ``MeshPlan(mesh, prediction)``, ``mesh`` a 2-D ``DeviceMesh`` over
-    ``group``'s ranks (``None`` without a process group; docs/parallel.md)."""
+    ``MeshPlan(mesh, prediction)`` (docs/parallel.md)."""
     if not isinstance(pattern, Pattern):
         if not isinstance(pattern, (tuple, list)) or len(pattern) != 2:
             raise ValueError(f"pattern must be a Pattern or (segment_lengths, dilation_rates), "

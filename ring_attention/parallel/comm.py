@@ -1,6 +1,5 @@
 """Process-group helpers: a group's global ranks and the device a tensor
-travels on for its backend. Importing it releases the default group
-``torch.distributed.nn.functional`` would keep alive."""
+travels on for its backend."""
 
 from __future__ import annotations
 
@@ -38,9 +37,8 @@ def global_ranks(group: dist.ProcessGroup | None, world: int) -> tuple[int, ...]
 
 
 def comm_device(group: dist.ProcessGroup | None, device: torch.device) -> torch.device:
-    """The device a tensor living on ``device`` is sent from/received into:
-    a CUDA tensor travels as it is on NCCL, through host memory otherwise; a
-    CPU tensor needs gloo or mpi (``ValueError`` on an NCCL-only group)."""
+    """The device a tensor living on ``device`` is sent from/received into
+    (``ValueError`` for a CPU tensor on an NCCL-only group)."""
     backend = str(dist.get_backend(group)).lower()  # e.g. "cpu:gloo,cuda:nccl"
     if device.type == "cuda":
         return device if "nccl" in backend else torch.device("cpu")

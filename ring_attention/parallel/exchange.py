@@ -1,6 +1,5 @@
 """The ring's point-to-point exchange (docs/design.md §4.3, §4.4, §2.4):
-:class:`Exchanger` packs and posts the K/V rows a plan names and returns their
-dK/dV; every posted batch is an :class:`ExchangeEvent` (stats and hooks)."""
+:class:`Exchanger` and the :class:`ExchangeEvent` of every posted batch."""
 
 from __future__ import annotations
 
@@ -36,9 +35,8 @@ class ExchangeEvent:
 
 @dataclass
 class ExchangeStats:
-    """Events of the last ring call on this rank (reset at every forward, the
-    backward's appended) and the transport's buffer bytes per pass
-    (``buffer_bytes``: ``{"forward": ..., "backward": ...}``)."""
+    """Events of the last ring call on this rank and the transport's buffer
+    bytes per pass (``buffer_bytes``)."""
 
     events: list[ExchangeEvent] = field(default_factory=list)
     buffer_bytes: dict[str, int] = field(default_factory=dict)
@@ -80,9 +78,8 @@ _hooks: OrderedDict[int, ExchangeHook] = OrderedDict()  # (a handle refers to it
 
 
 def register_exchange_hook(hook: ExchangeHook) -> RemovableHandle:
-    """Call ``hook(event)`` for every batch of P2P operations this process
-    posts (hooks observe; they must not communicate). Returns a handle whose
-    ``remove()`` unregisters it (also a context manager)."""
+    """Call ``hook(event)`` for every batch of P2P operations this process posts;
+    a handle whose ``remove()`` unregisters it (also a context manager)."""
     handle = RemovableHandle(_hooks)
     _hooks[handle.id] = hook
     return handle
@@ -119,9 +116,8 @@ class Transfer:
 
 
 class _Span(NamedTuple):
-    """The needed rows of one sender piece at one step: positions ``first``
-    to ``first + rows - 1``, ``idx`` their flat indices relative to ``first``;
-    ``whole``: every (row, head) pair of the range is needed (used in place)."""
+    """The needed rows of one sender piece at one step: ``first``, ``rows``,
+    ``idx`` (flat, relative to ``first``) and ``whole`` (used in place)."""
 
     first: int
     rows: int
@@ -229,8 +225,7 @@ class Exchanger:
 
     def _row_maps(self, step) -> list[torch.Tensor | None]:
         """Per sender piece of ``step``, the int32 ``(rows, H)`` row map of a
-        partly needed span (``None`` otherwise): entry ``idx[i]`` is ``i``, entries
-        not needed a neighbouring row (never read). One buffer, the widest step."""
+        partly needed span (``None`` otherwise), in one buffer."""
         spans = self.spans[step.distance]
         if all(sp.whole or not sp.rows for sp in spans):
             return [None] * len(spans)
@@ -360,9 +355,8 @@ class Exchanger:
         return out
 
     def _post_far(self, phase: str, kind: str, back: bool, ks=None, vs=None) -> Transfer | None:
-        """Post every far transfer as one batch (``None``: no far step): K/V
-        (``kind="kv"``, packed from ``ks``/``vs``) out to ``send_to`` and in from
-        ``recv_from``, or (``back``) dK/dV (``kind="grad"``) the other way."""
+        """Post every far transfer as one batch (``None``: no far step): K/V out,
+        or (``back``) dK/dV the other way."""
         if not self.far_steps:
             return None
         (op, orows), (ip, irows) = ("send_to", "send_rows"), ("recv_from", "recv_rows")

@@ -1,6 +1,5 @@
 """The ring's exchange plan (docs/design.md §4.1, §4.2): per ring distance,
-the K/V rows (flat indices ``row * kv_heads + g``) a rank sends and receives,
-which both ends compute alike; cached in :data:`PLAN_CACHE`."""
+the K/V rows a rank sends and receives; cached in :data:`PLAN_CACHE`."""
 
 from __future__ import annotations
 
@@ -80,9 +79,8 @@ def reaches(q_piece: Piece | tuple[int, int], k_start: int, k_len: int, heads: i
 
 @dataclass(frozen=True, eq=False)
 class Step:
-    """One ring ``distance`` of one rank's plan: the group ranks sent to and
-    received from (``None``: nothing), the flat indices sent per local piece and
-    received per sender piece, the sender's pieces and the pairs to compute."""
+    """One ring ``distance`` of one rank's plan: peers, flat indices sent and
+    received per piece, the sender's pieces and the pairs to compute."""
 
     distance: int
     send_to: int | None
@@ -160,8 +158,7 @@ class ExchangePlan:
     def bytes_sent(self, batch: int, head_dim: int, itemsize: int, *, backward: bool = False,
                    grad_itemsize: int = 4) -> int:  # fmt: skip
         """Bytes this rank sends per layer: K and V rows forward; with
-        ``backward=True`` K and V again and the dK/dV (``grad_itemsize``) of the
-        rows it received."""
+        ``backward=True`` also the backward's."""
         fwd = 2 * self.rows_sent * batch * head_dim * itemsize
         if not backward:
             return fwd

@@ -1,6 +1,5 @@
 """Agreement between ranks before anything large moves (docs/design.md §6):
-fixed-size int64 control messages, all-gathered in one small collective, so
-that every rank raises instead of waiting; a grid agrees row, then ring."""
+fixed-size int64 control messages, all-gathered, so every rank raises."""
 
 from __future__ import annotations
 
@@ -123,8 +122,7 @@ def reject(group: dist.ProcessGroup | None, call: str = "ring_dilated_attention"
            error: BaseException | Reason | None = None,
            order: Sequence[int] | None = None) -> None:  # fmt: skip
     """Take part in ``call``'s handshake as a rank whose inputs failed
-    validation (``error``): the other ranks raise naming this rank and the
-    error; the caller raises its own error."""
+    (``error``); the caller raises its own error."""
     exchange_message(group, call, None, error, order)
 
 
@@ -198,8 +196,7 @@ def _convention(layout: Layout) -> str:
 
 def _documents_detail(gathered: list[tuple[str, tuple[int, ...] | None]]) -> str:
     """Where the ranks' document boundaries first differ, with every rank's
-    boundaries around that index (``""`` when they agree): a description
-    only counts documents."""
+    boundaries around that index (``""`` when they agree)."""
     docs = [d for _, d in gathered]
     if len(set(docs)) <= 1 or any(d is None for d in docs):
         return ""

@@ -1,6 +1,5 @@
 """Which ranks attend together (docs/design.md §2, §6): :func:`world_info`,
-the grid of a call (:class:`Topology`, rank ``(i, j)`` holding shard ``i * U +
-j``) and :func:`check_grid`, once per configuration, through the store."""
+:class:`Topology` and :func:`check_grid`, once per configuration."""
 
 from __future__ import annotations
 
@@ -23,9 +22,8 @@ _DIM_NAMES = ("ring", "ulysses")
 
 
 def world_info(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
-    """``(world_size, rank)`` of ``group``; ``(1, 0)`` without an initialised
-    default group and ``group=None``, unless ``WORLD_SIZE`` > 1 (a launcher's
-    processes: ``RuntimeError``)."""
+    """``(world_size, rank)`` of ``group``; ``(1, 0)`` without a process group
+    (``RuntimeError`` where ``WORLD_SIZE`` > 1)."""
     if not dist.is_available() or not dist.is_initialized():
         if group is not None:
             raise ValueError("group was given but torch.distributed is not initialised; call "
@@ -121,8 +119,7 @@ def _check_group(group, name: str) -> None:
 
 def _from_mesh(mesh) -> tuple:
     """``(ring group, ulysses group, i, j, ring ranks, ulysses ranks, mesh
-    key)`` of a 1-D or 2-D mesh: the indices are this rank's coordinates,
-    the ranks those along each dimension through this rank, by coordinate."""
+    key)`` of a 1-D or 2-D mesh, seen from this rank."""
     from torch.distributed.device_mesh import DeviceMesh
 
     if not isinstance(mesh, DeviceMesh):
@@ -155,8 +152,7 @@ def resolve_topology(group: dist.ProcessGroup | None = None,
                      ulysses_group: dist.ProcessGroup | None = None,
                      mesh=None) -> Topology:  # fmt: skip
     """The grid of a call with ``ulysses_group`` or ``mesh``, from this rank's
-    arguments only; ``ValueError`` for ``mesh`` with a group, a mesh neither 1-D
-    nor 2-D ``("ring", "ulysses")``, a non-group, or a group without this rank."""
+    arguments only; ``ValueError`` for a bad mesh or group."""
     if mesh is not None:
         if group is not None or ulysses_group is not None:
             raise ValueError("mesh replaces group and ulysses_group: pass either mesh= or the "
@@ -347,9 +343,8 @@ def check_grid(topo: Topology) -> None:
 
 
 def check_ring(group: dist.ProcessGroup | None) -> None:
-    """:func:`check_grid` of a plain ring call over ``group`` (two or more
-    ranks), without building its topology once the group has passed (a
-    ring call's cost must not grow with the number of ranks)."""
+    """:func:`check_grid` of a plain ring call over ``group``, without building its
+    topology once the group has passed."""
     g = group if group is not None else dist.distributed_c10d._get_default_group()
     st = _state()
     with _lock:

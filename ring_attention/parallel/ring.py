@@ -255,9 +255,8 @@ def _with_documents(key: str, base: Pattern, documents: Tensor | None) -> Patter
 
 def _call_of(key: str, q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None, needs_grad: bool,
              n: int | None = None) -> RingCall:  # fmt: skip
-    """The checked call. Forward (``n`` is None): the ranks agree through the
-    handshake on everything, the global length included, and a rank whose
-    call fails makes every rank raise. Backward: the forward's ``n``."""
+    """The checked call: the forward (``n`` None) agrees through the handshake
+    (a failed rank makes every rank raise); the backward takes the forward's ``n``."""
     spec = get_spec(key)
     group = spec.group
     world, rank = world_info(group)

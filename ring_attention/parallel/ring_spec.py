@@ -1,5 +1,4 @@
 """A ring call's configuration, named by a string (docs/design.md §8): a
-custom operator takes no Python object, so the rest of a call is a
 :class:`RingSpec` registered under a key of its contents."""
 
 from __future__ import annotations
@@ -103,8 +102,7 @@ def get_spec(key: str) -> RingSpec:
 
 def _assume_constant_result(fn: Callable[..., str]) -> Callable[..., str]:
     """``torch.compiler.assume_constant_result``'s mark on ``fn`` without its
-    import of ``torch._dynamo`` (seconds per process; tests/test_imports.py
-    checks the mark)."""
+    import of ``torch._dynamo``."""
     fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
     return fn
 

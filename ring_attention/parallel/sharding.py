@@ -1,6 +1,5 @@
-"""Sequence sharding across the ranks of a process group (docs/design.md
-§2.3, §3): :func:`shard_sequence` and its inverse :func:`gather_sequence`,
-over a group or a grid (rank ``(i, j)`` holding piece ``i * U + j``)."""
+"""Sequence sharding across the ranks of a group or grid (docs/design.md
+§2.3, §3): :func:`shard_sequence` and its inverse :func:`gather_sequence`."""
 
 from __future__ import annotations
 
@@ -105,8 +104,7 @@ def shard_sequence(x: torch.Tensor, dim: int = 1, group: dist.ProcessGroup | Non
 def _gather_varlen(x_local: torch.Tensor, dim: int, group: dist.ProcessGroup | None, layout: Layout,
                    order: tuple[int, ...] | None) -> tuple[torch.Tensor, list[Piece]]:  # fmt: skip
     """All-gather variable-length pieces (``order``: the group rank holding
-    each piece, ``None``: piece r on group rank r); the full tensor and this
-    rank's pieces (for the backward)."""
+    each); the full tensor and this rank's pieces."""
     world, rank = world_info(group)
     if order is not None:
         rank = order.index(rank)
@@ -126,8 +124,7 @@ def _gather_ring(x: Tensor, dim: int, n: int, world: int, layout: Layout, fold: 
 
 class _Gather(torch.autograd.Function):
     """``gather(x)``: the full tensor and this rank's pieces along ``dim``;
-    the backward returns this rank's slice of the gradient (every rank
-    computes the same loss, as in sequence-parallel training)."""
+    the backward returns this rank's slice of the gradient."""
 
     @staticmethod
     def forward(ctx, x: Tensor, dim: int, gather: Callable) -> Tensor:  # type: ignore[override]

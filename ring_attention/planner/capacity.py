@@ -321,8 +321,7 @@ def floor_peak(setup: Setup, seq_len: int, ranks: int, goal: str) -> int:
 
 def floor_ranks(setup: Setup, seq_len: int, goal: str, high: int = MAX_SEQ_LEN) -> int | None:
     """The fewest ranks (up to ``high``, else ``None``) at which
-    :func:`floor_peak` fits: a lower bound of :func:`fewest_ranks`, found by
-    bisection (the floor falls with more ranks beyond two)."""
+    :func:`floor_peak` fits, by bisection: a lower bound of :func:`fewest_ranks`."""
     budget = setup.usable
     if floor_peak(setup, seq_len, 1, goal) <= budget:
         return 1

@@ -237,9 +237,8 @@ def _peak_fns(s: Setup):
 
 
 def _too_large(setup: Setup, seq_len: int, goal: str, limit: int) -> str | None:
-    """Why ``seq_len`` tokens need more ranks than the planner models
-    (``limit``), from the closed-form floor of the peak; ``None`` when
-    ``limit`` ranks may hold them."""
+    """Why ``seq_len`` tokens need more ranks than ``limit``, from the
+    closed-form floor of the peak; ``None`` when ``limit`` ranks may hold them."""
     if floor_ranks(setup, seq_len, goal, limit) is not None:
         return None
     floor, need = floor_peak(setup, seq_len, limit, goal), floor_ranks(setup, seq_len, goal)
@@ -385,8 +384,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m ring_attention.planner``: the exit status
-    (0; 2 for a bad option, said on stderr as argparse does, or for a
-    request that cannot be met, said on stdout after ``Not possible:``)."""
+    (0; 2 for a bad option or a request that cannot be met)."""
     try:
         args = parse_args(argv)
     except SystemExit as exc:  # argparse: --help (0) or a bad option (2)

@@ -1,6 +1,5 @@
-"""The capacity planner's options (``python -m ring_attention.planner
---help``): the parser, with the range of every option checked while parsing
-(:mod:`.cli_types`; the rules between options: :func:`.cli.check_args`)."""
+"""The capacity planner's options: the parser, with the range of every
+option checked while parsing (:mod:`.cli_types`)."""
 
 from __future__ import annotations
 

@@ -109,9 +109,8 @@ def layer_details(ev: Any) -> list[str]:
 
 
 def _far_lines(ev: Any) -> list[str]:
-    """The two schedules side by side: the ring alone and the far group
-    (``--far-bytes``, else ``auto``), exposed communication of the slowest
-    rank of each pass, and which is cheaper."""
+    """The two schedules side by side, the ring alone and the far group: the
+    slowest rank's exposed communication per pass, and which is cheaper."""
     s = ev.setup
     far = s.far_bytes or s.link.far_bytes
     out = []

@@ -30,9 +30,8 @@ def parse_size(text: str) -> int:
 
 
 def _checked(name: str, expected: str, convert: Callable, ok: Callable, got: Callable):
-    """A parser type named ``name`` (argparse names a type by it):
-    ``convert(text)``, refused with ``expected`` when it fails or is not
-    ``ok`` (``got(text, value)`` says what was given)."""
+    """A parser type named ``name``: ``convert(text)``, refused with
+    ``expected`` when it fails or is not ``ok``."""
 
     def parse(text: str):
         try:

@@ -24,9 +24,8 @@ def acc_bytes(itemsize: int) -> int:
 
 
 def _slots_used(index: torch.Tensor, posting: torch.Tensor) -> torch.Tensor:
-    """``(p,)``: distinct buffers of one packed kind each rank touches. The
-    kind has ``min(2, steps posting it)`` slots and a step takes slot
-    ``index % slots`` (``index``, ``posting``: ``(p, p)`` by distance)."""
+    """``(p,)``: distinct buffers of one packed kind each rank touches
+    (``min(2, steps posting it)`` slots, taken by ``index % slots``)."""
     n = posting.sum(1)
     even = (posting & (index % 2 == 0)).any(1).long()
     odd = (posting & (index % 2 == 1)).any(1).long()
@@ -144,8 +143,7 @@ def own_memory(
     local_len: int, heads: int, kv_heads: int, batch: int, head_dim: int, itemsize: int
 ) -> LayerMemory:
     """The items of a rank of ``local_len`` rows that do not depend on the
-    exchange (inputs, accumulators, casts, the kernel's ``delta``): a
-    closed-form lower bound of the longest shard's :class:`LayerMemory`."""
+    exchange: a lower bound of the longest shard's :class:`LayerMemory`."""
     return LayerMemory(*_items(local_len, heads, kv_heads, batch, head_dim, itemsize))
 
 
@@ -153,9 +151,8 @@ def layer_memories(
     tr: Any, batch: int, head_dim: int, itemsize: int, *, device: str = "cpu",
     far_bytes: int = 0,
 ) -> list[LayerMemory]:  # fmt: skip
-    """The :class:`LayerMemory` of every rank (see the module docstring);
-    ``device="cuda"`` adds the device copy of the plan's indices;
-    ``far_bytes``: the far group's threshold (:func:`transport_buffers`)."""
+    """The :class:`LayerMemory` of every rank; ``device="cuda"`` adds the
+    device copy of the plan's indices."""
     plan_idx = 8 * (tr.rows_sent + tr.rows_received)
     bufs = transport_buffers(tr, batch, head_dim, itemsize, far_bytes)
     inputs, forward, backward = _items(

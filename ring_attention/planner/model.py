@@ -21,8 +21,7 @@ def model_memory(
     checkpointing: bool, shard_params: bool,
 ) -> dict[str, int]:  # fmt: skip
     """Peak bytes of one rank training the whole model, per item (``tokens``:
-    the rank's tokens, ``batch * n / p``; ``layer``: the rank's attention
-    layer memory)."""
+    the rank's tokens; ``layer``: its attention layer memory)."""
     states = 16 * shape.params() // (world_size if shard_params else 1)  # AdamW, mixed
     per_token = activation_bytes_per_token(shape, itemsize)
     attention_backward = sum(v for k, v in layer.backward.items() if k != "out, lse (saved)")

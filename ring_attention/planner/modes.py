@@ -25,9 +25,8 @@ def stretch_traffic(
     pattern: Pattern, seq_len: int, heads: int, kv_heads: int, R: int, U: int, layout: str,
     source: str = "auto",
 ) -> Traffic:  # fmt: skip
-    """:class:`~.traffic.Traffic` of a ring of ``R`` ranks each holding its
-    Ulysses group's stretch (``fold=U``), for ``heads`` query and
-    ``kv_heads`` K/V heads."""
+    """The :class:`~.traffic.Traffic` of a ring of ``R`` ranks each holding its
+    Ulysses group's stretch (``fold=U``)."""
     pieces = [layout_pieces(seq_len, R, i, layout, U) for i in range(R)]
     most = max(len(ps) for ps in pieces)  # (zigzag: the middle rank's runs are adjacent, merged)
     for ps in pieces:

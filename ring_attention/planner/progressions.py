@@ -29,9 +29,8 @@ def _count(lo: int, hi: int, rate: int, residue: int) -> int:
 
 
 def _minimal(classes: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
-    """Residue classes ``(rate, residue)`` without those contained in another
-    (``b`` in ``a`` when ``rate_a`` divides ``rate_b`` and the residues agree
-    modulo ``rate_a``), sorted."""
+    """Residue classes ``(rate, residue)`` without those contained in
+    another, sorted."""
     keep: list[tuple[int, int]] = []
     for rb, pb in sorted(set(classes)):  # a container's rate is never larger
         if not any(rb % ra == 0 and pb % ra == pa for ra, pa in keep):

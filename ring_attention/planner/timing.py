@@ -74,9 +74,8 @@ def layer_times(
     tr: Any, batch: int, head_dim: int, itemsize: int, rates: Rates, link: Link,
     far_bytes: int = 0,
 ) -> list[RankTime]:  # fmt: skip
-    """The :class:`RankTime` of every rank: the ring's schedule, with the
-    transfers of at most ``far_bytes`` K/V bytes in one far group per pass
-    (``0``: none); ``tr``: a :class:`~.traffic.Traffic`."""
+    """The :class:`RankTime` of every rank from the ring's schedule and the
+    far group; ``tr``: a :class:`~.traffic.Traffic`."""
     f_pair = FWD_FLOPS_PER_PAIR * head_dim * batch / rates.forward
     b_pair = BWD_FLOPS_PER_PAIR * head_dim * batch / rates.backward
     kv_row = 2 * batch * head_dim * itemsize  # bytes of a (row, K/V head): K and V

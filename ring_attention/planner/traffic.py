@@ -83,9 +83,8 @@ class Traffic:
 
 
 def kv_classes(pattern: Pattern, heads: int, kv_heads: int) -> Counter:
-    """K/V heads grouped by what their query heads read: ``{(offsets of
-    branch 0, offsets of branch 1, ...): number of K/V heads}``, the offsets
-    of the query heads of the group to which the branch applies."""
+    """K/V heads grouped by what their query heads read: ``{(offsets per
+    branch): number of K/V heads}``."""
     if kv_heads < 1 or heads % kv_heads:
         raise ValueError(f"kv_heads must divide heads: got heads={heads}, kv_heads={kv_heads}")
     pattern.check_heads(heads)
@@ -345,8 +344,7 @@ def plan_rows(
     pattern: Pattern, seq_len: int, heads: int, kv_heads: int, p: int, layout: str, fold: int = 1
 ) -> dict[str, torch.Tensor]:
     """``recv[j, d]`` and ``span[j, d]`` of every rank's own plan
-    (:data:`exact_plans`; ``span``: K/V rows between the first and last
-    received row of a step whose rows are not contiguous)."""
+    (:data:`exact_plans`)."""
     assert exact_plans is not None
     recv, span = (torch.zeros(p, p, dtype=torch.int64) for _ in range(2))
     for j in range(p):
