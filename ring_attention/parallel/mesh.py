@@ -363,10 +363,6 @@ def check_ring(group: dist.ProcessGroup | None) -> None:
         st.rings[g] = _key(topo)
 
 
-def _reason(error: BaseException) -> str:
-    return str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
-
-
 def report_grid_error(group, ulysses_group, mesh, error: BaseException,
                       mode: str | None = None) -> Topology | None:  # fmt: skip
     """Tell the peers of a rank whose grid arguments failed (``error``): the
@@ -401,7 +397,8 @@ def report_grid_error(group, ulysses_group, mesh, error: BaseException,
             )  # fmt: skip
         if fits:
             return t
-    _fail_round(st, dist.get_rank(), _reason(error))
+    why = str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
+    _fail_round(st, dist.get_rank(), why)
     return None
 
 

@@ -51,10 +51,6 @@ class OptionError(ValueError):
         super().__init__(f"argument {option}: {message}")
 
 
-def _host_memory() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def _ranks(args: argparse.Namespace) -> int | None:
     return args.gpus if args.gpus is not None else args.processes
 
@@ -69,7 +65,7 @@ def _memory(args: argparse.Namespace, device: str, ranks: int) -> tuple[int, int
     if device == "cuda":
         memory = args.gpu_memory or args.memory or 80 * 10**9
     else:
-        memory = (args.memory or _host_memory()) // ranks
+        memory = (args.memory or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) // ranks
     kind, value = args.reserve or (("%", 10.0) if device == "cuda" else ("bytes", 400 * 10**6))
     return memory, int(memory * value / 100) if kind == "%" else int(value)
 
@@ -229,13 +225,6 @@ _LABELS = {
 }
 
 
-def _peak_fns(s: Setup):
-    fns = {"inference": lambda ev: ev.forward_peak, "training": lambda ev: ev.training_peak}
-    if s.model is not None:
-        fns["model"] = lambda ev: ev.model_peak
-    return fns
-
-
 def _too_large(setup: Setup, seq_len: int, goal: str, limit: int) -> str | None:
     """Why ``seq_len`` tokens need more ranks than ``limit``, from the
     closed-form floor of the peak; ``None`` when ``limit`` ranks may hold them."""
@@ -262,7 +251,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         setup = build_setup(args, ranks or 1)
         setup.pattern_at(max(args.seq_len or 1, 1)).check_heads(setup.heads)
-        peaks = _peak_fns(setup)
+        peaks = {"inference": lambda ev: ev.forward_peak, "training": lambda ev: ev.training_peak}
+        if setup.model is not None:
+            peaks["model"] = lambda ev: ev.model_peak
         goal = "model" if setup.model is not None else "training"
         if ranks is not None and args.seq_len is not None:
             floor = floor_peak(setup, args.seq_len, ranks, "inference")
