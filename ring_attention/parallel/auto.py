@@ -45,8 +45,7 @@ class MeshPlan(NamedTuple):
 
 
 def _grids(world: int, gpus_per_node: int) -> list[tuple[int, int]]:
-    """Every ``(R, U)`` with ``R * U == world`` whose Ulysses groups do not
-    straddle nodes."""
+    """Every ``(R, U)`` with ``R * U == world``, Ulysses groups inside nodes."""
     return [(world // U, U) for U in range(1, world + 1) if world % U == 0 and not (
         world > gpus_per_node and gpus_per_node % U and U % gpus_per_node)]  # fmt: skip
 

@@ -12,8 +12,7 @@ __all__ = ["comm_device", "global_ranks"]
 
 
 def _unpin_default_group() -> None:
-    """Make the default ``group`` of ``torch.distributed.nn.functional``'s
-    functions ``None``, so gloo threads do not outlive the group."""
+    """Drop the default group that ``torch.distributed.nn.functional`` holds."""
     if not dist.is_available():
         return
     import torch.distributed.nn.functional as functional

@@ -195,8 +195,7 @@ def _convention(layout: Layout) -> str:
 
 
 def _documents_detail(gathered: list[tuple[str, tuple[int, ...] | None]]) -> str:
-    """Where the ranks' document boundaries first differ, with every rank's
-    boundaries around that index (``""`` when they agree)."""
+    """Where the ranks' document boundaries first differ (``""``: they agree)."""
     docs = [d for _, d in gathered]
     if len(set(docs)) <= 1 or any(d is None for d in docs):
         return ""

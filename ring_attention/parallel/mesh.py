@@ -103,8 +103,7 @@ def _group_ranks(group: dist.ProcessGroup, size: int) -> tuple[int, ...]:
 
 
 def _order(group: dist.ProcessGroup | None, ranks: tuple[int, ...]) -> tuple[int, ...] | None:
-    """The group rank of each of ``ranks`` (by index), ``None`` where it is
-    the index itself."""
+    """The group rank of each of ``ranks``, ``None`` where it is the index."""
     if group is None or len(ranks) < 2:
         return None
     order = tuple(dist.get_group_rank(group, r) for r in ranks)
@@ -118,8 +117,7 @@ def _check_group(group, name: str) -> None:
 
 
 def _from_mesh(mesh) -> tuple:
-    """``(ring group, ulysses group, i, j, ring ranks, ulysses ranks, mesh
-    key)`` of a 1-D or 2-D mesh, seen from this rank."""
+    """``(ring group, ulysses group, i, j, ring ranks, ulysses ranks, key)``."""
     from torch.distributed.device_mesh import DeviceMesh
 
     if not isinstance(mesh, DeviceMesh):
@@ -267,8 +265,7 @@ def _read(store, keys: list[str], ranks: list[int]) -> list[str]:
 
 
 def _next_view(store, st: _State, peer: int, me: int, call: int) -> tuple[int, dict]:
-    """The peer's round this rank meets in its ``call``-th call (see above),
-    and the peer's view."""
+    """The peer's round this rank meets in its ``call``-th call, and its view."""
     j = st.next_round.get(peer, 0)
     while True:
         (text,) = _read(store, [f"{_PREFIX}/{peer}/{j}/view"], [peer])

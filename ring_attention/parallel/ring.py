@@ -76,8 +76,7 @@ def _ring(q_local: Tensor, k_local: Tensor, v_local: Tensor, build: Callable[...
           group: dist.ProcessGroup | None, layout: str, return_lse: bool, fold: int = 1,
           ranks: tuple[int, ...] | None = None, head_range: tuple[int, int, int] = (0, 0, 0),
           sinks: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
-    """The ring call of ``sharded_attention``; ``fold``, ``ranks``,
-    ``head_range``: the ring of a checked grid (ulysses.py)."""
+    """The ring call of ``sharded_attention`` (or of a checked grid's ring)."""
     documents = cu_seqlens if isinstance(cu_seqlens, Tensor) else None
     spec = ring_call_spec(_ring_pattern, return_lse, None if documents is not None else cu_seqlens,
                           build, *args, scale=scale, group=group, layout=layout, fold=fold,
@@ -92,8 +91,7 @@ def _ring(q_local: Tensor, k_local: Tensor, v_local: Tensor, build: Callable[...
 
 def _ring_pattern(return_lse: bool, documents: Sequence[int] | None, build: Callable[..., Pattern],
                   *args) -> Pattern:  # fmt: skip
-    """The pattern of a ring call (:func:`pattern_of_call`); a bad
-    ``return_lse`` raises here, so that the operator reports it on every rank."""
+    """The pattern of a ring call; a bad ``return_lse`` raises here."""
     as_flag(return_lse, "return_lse")
     return pattern_of_call(documents, build, *args)
 
@@ -125,8 +123,7 @@ class RingCall:
 
 
 def _split(t: Tensor, pieces: Sequence[Piece], dim: int = 1) -> list[Tensor]:
-    """Contiguous per-piece tensors along ``dim`` (no copy for one piece of a
-    contiguous tensor)."""
+    """Contiguous per-piece tensors along ``dim``."""
     if len(pieces) == 1 and pieces[0].length == t.shape[dim]:
         return [t.contiguous()]
     return [t.narrow(dim, p.offset, p.length).contiguous() for p in pieces]
@@ -246,8 +243,7 @@ _documents = PerBatch("ring documents")
 
 
 def _with_documents(key: str, base: Pattern, documents: Tensor | None) -> Pattern:
-    """The spec's pattern with ``documents``: a model's layers pass one
-    tensor, read (device -> host) once per batch."""
+    """The spec's pattern with ``documents``, read once per batch."""
     if documents is None:
         return base
     return _documents.get(documents, key, lambda: base.with_documents(documents))
@@ -255,8 +251,7 @@ def _with_documents(key: str, base: Pattern, documents: Tensor | None) -> Patter
 
 def _call_of(key: str, q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None, needs_grad: bool,
              n: int | None = None) -> RingCall:  # fmt: skip
-    """The checked call: the forward (``n`` None) agrees through the handshake
-    (a failed rank makes every rank raise); the backward takes the forward's ``n``."""
+    """The checked call (``n`` None: the forward, agreeing through the handshake)."""
     spec = get_spec(key)
     group = spec.group
     world, rank = world_info(group)
@@ -329,8 +324,7 @@ def _(q, k, v, documents, spec, needs_grad):
 def _ring_backward_op(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
                       out: Tensor, lse: Tensor, documents: Tensor | None, seq_len: Tensor,
                       spec: str) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """This rank's ``(dq, dk, dv)`` of the ring call ``spec`` (its plan is
-    the forward's, from the plan cache)."""
+    """This rank's ``(dq, dk, dv)`` of the ring call ``spec``."""
     if not isinstance(seq_len, Tensor) or seq_len.dim() != 0 or seq_len.is_floating_point():
         raise ValueError(f"seq_len must be a 0-d integer tensor (the forward's), got {seq_len!r}")
     call = _call_of(spec, q, k, v, documents, True, int(seq_len))

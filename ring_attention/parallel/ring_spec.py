@@ -101,8 +101,7 @@ def get_spec(key: str) -> RingSpec:
 
 
 def _assume_constant_result(fn: Callable[..., str]) -> Callable[..., str]:
-    """``torch.compiler.assume_constant_result``'s mark on ``fn`` without its
-    import of ``torch._dynamo``."""
+    """``assume_constant_result``'s mark on ``fn`` without importing Dynamo."""
     fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
     return fn
 
@@ -121,8 +120,7 @@ def ring_call_spec(build: Callable[..., Pattern], *args: Any, scale: float | Non
 
 
 def _specialized(value: Any) -> Any:
-    """``value`` with its integers (in lists and tuples too) plain ints:
-    while tracing, ``operator.index`` makes a symbolic one a guarded constant."""
+    """``value`` with its integers (in lists and tuples too) plain ints."""
     if isinstance(value, (list, tuple)):
         return type(value)(_specialized(v) for v in value)
     if isinstance(value, int) and not isinstance(value, bool):

@@ -114,8 +114,7 @@ class _Link:
 
 
 class _AllToAll(torch.autograd.Function):
-    """``link.exchange`` as an autograd function: the backward sends the
-    gradients of what was received back to its senders."""
+    """``link.exchange`` as an autograd function (gradients go back)."""
 
     @staticmethod
     def forward(ctx, link: _Link, counts: tuple[int, ...], recv, phase: str, *sends: Tensor):  # type: ignore[override]

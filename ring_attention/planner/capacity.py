@@ -290,8 +290,7 @@ def fewest_ranks(
 
 
 def _meets(a: tuple[int, int], b: tuple[int, int], budget: int) -> float | None:
-    """Where ``y = u + v / p`` through the points ``a`` and ``b`` (ranks,
-    peak) meets ``budget``; ``None`` when it does not (flat or rising)."""
+    """Where ``y = u + v / p`` through ``a`` and ``b`` meets ``budget`` (or ``None``)."""
     (p1, y1), (p2, y2) = a, b
     if p1 == p2:
         return None

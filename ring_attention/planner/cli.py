@@ -166,8 +166,7 @@ def build_setup(args: argparse.Namespace, ranks: int) -> Setup:
 
 
 class _Progress:
-    """A search's progress on stderr (nothing with ``--quiet``), and its time
-    limit: past ``limit`` seconds it stops (:class:`Impossible`)."""
+    """A search's progress on stderr, and its time limit (:class:`Impossible`)."""
 
     def __init__(
         self, what: str, unit: str, limit: float, quiet: bool, start: float | None = None
@@ -226,8 +225,7 @@ _LABELS = {
 
 
 def _too_large(setup: Setup, seq_len: int, goal: str, limit: int) -> str | None:
-    """Why ``seq_len`` tokens need more ranks than ``limit``, from the
-    closed-form floor of the peak; ``None`` when ``limit`` ranks may hold them."""
+    """Why ``seq_len`` tokens need more ranks than ``limit`` (or ``None``)."""
     if floor_ranks(setup, seq_len, goal, limit) is not None:
         return None
     floor, need = floor_peak(setup, seq_len, limit, goal), floor_ranks(setup, seq_len, goal)

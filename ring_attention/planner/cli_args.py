@@ -69,8 +69,7 @@ def _per_device(table: dict, key: str) -> str:
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """One default per option in ``--help``: the help's own words where they
-    name it, else ``(default: X)``; flags read ``(default: off)``."""
+    """One default per option in ``--help``."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""

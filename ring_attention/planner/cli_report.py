@@ -109,8 +109,7 @@ def layer_details(ev: Any) -> list[str]:
 
 
 def _far_lines(ev: Any) -> list[str]:
-    """The two schedules side by side, the ring alone and the far group: the
-    slowest rank's exposed communication per pass, and which is cheaper."""
+    """The ring alone and the far group side by side, and which is cheaper."""
     s = ev.setup
     far = s.far_bytes or s.link.far_bytes
     out = []

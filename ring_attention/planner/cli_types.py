@@ -30,8 +30,7 @@ def parse_size(text: str) -> int:
 
 
 def _checked(name: str, expected: str, convert: Callable, ok: Callable, got: Callable):
-    """A parser type named ``name``: ``convert(text)``, refused with
-    ``expected`` when it fails or is not ``ok``."""
+    """A parser type named ``name``: ``convert(text)``, checked by ``ok``."""
 
     def parse(text: str):
         try:

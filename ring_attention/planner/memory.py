@@ -24,8 +24,7 @@ def acc_bytes(itemsize: int) -> int:
 
 
 def _slots_used(index: torch.Tensor, posting: torch.Tensor) -> torch.Tensor:
-    """``(p,)``: distinct buffers of one packed kind each rank touches
-    (``min(2, steps posting it)`` slots, taken by ``index % slots``)."""
+    """``(p,)``: distinct buffers of one packed kind each rank touches."""
     n = posting.sum(1)
     even = (posting & (index % 2 == 0)).any(1).long()
     odd = (posting & (index % 2 == 1)).any(1).long()
@@ -100,8 +99,7 @@ def _items(
     L, heads: int, kv_heads: int, batch: int, head_dim: int, itemsize: int, *, plan_idx=0,
     zigzag: bool = False, buffers: tuple = (0, 0),
 ) -> tuple[dict, dict, dict]:  # fmt: skip
-    """``(inputs, forward, backward)`` items at the local length ``L`` (an
-    int or a ``(p,)`` tensor), given what the exchange adds."""
+    """``(inputs, forward, backward)`` items at the local length ``L``."""
     acc = acc_bytes(itemsize)
     q = batch * L * heads * head_dim
     kv = batch * L * kv_heads * head_dim

@@ -94,8 +94,7 @@ class ModeEvaluation:
 
 def _a2a_bytes(L: list[int], c: list[int], k: list[int], j: int, D: int, B: int, s: int,
                a: int) -> tuple[int, int, int, int]:  # fmt: skip
-    """Bytes rank ``j`` of a Ulysses group sends: q/k/v out, out/lse back,
-    and their two backward exchanges (``L``: the group's local lengths)."""
+    """Bytes rank ``j`` of a Ulysses group sends, forward and backward."""
     U = len(L)
     peers = [p for p in range(U) if p != j]
     qkv = sum(L[j] * (c[p] + 2 * k[p]) for p in peers) * D * B * s
@@ -177,8 +176,7 @@ def _training(mem: LayerMemory) -> dict[str, int]:
 
 
 def _grid_items(L, S, H, Hkv, c, k, j, row, D, B, s, acc, mem):
-    """Peak memory items of one Ulysses rank: forward (inference) and
-    forward + backward, at the largest phase of each."""
+    """Peak memory items of one Ulysses rank: inference and training."""
     U = len(row)
     peers = [p for p in range(U) if p != j]
     vec = D * B * s

@@ -44,8 +44,7 @@ def _ring(
     act: torch.Tensor, x: torch.Tensor, g: torch.Tensor, c: torch.Tensor, b: torch.Tensor,
     c0: torch.Tensor, b0: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``(T_fwd, T_bwd)`` per rank of the ring over the active steps ``act``
-    (``(p, p)`` by distance), all ranks at once."""
+    """``(T_fwd, T_bwd)`` per rank of the ring over the active steps ``act``."""
     p = act.shape[0]
     cols = torch.arange(p)
     none = torch.zeros(p, 1, dtype=torch.float64)

@@ -111,8 +111,7 @@ def _odd_constant(i: int) -> int:
 def _unique_keys(
     n_rows: int, parts: list[tuple[torch.Tensor, torch.Tensor]]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The distinct keys of ``n_rows`` rows and each row's key index (hashed,
-    the exact row sort deciding collisions)."""
+    """The distinct keys of ``n_rows`` rows and each row's key index."""
     h = torch.zeros(n_rows, dtype=torch.int64)
     for b, (rows, vals) in enumerate(parts):
         if rows.numel():
@@ -145,8 +144,7 @@ def _class_stats(
     key: tuple[int, ...], branches: list[tuple[int, int]], offsets: list[tuple], n_q: int,
     seen: dict[tuple, tuple[int, int, int]],
 ) -> tuple[int, ...]:  # fmt: skip
-    """``(rows, first, last)`` of one sender piece for every K/V class,
-    flattened, from a key of :func:`_analytic`; ``seen``: the unions so far."""
+    """``(rows, first, last)`` of one sender piece for every K/V class."""
     shared = []
     for q in range(n_q):
         for i, (_, r) in enumerate(branches):
@@ -168,8 +166,7 @@ def _class_stats(
 def _totals(
     per_class: torch.Tensor, class_counts: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(rows, first, last)`` over the K/V heads from ``(N, classes, 3)``
-    stats of one K/V head per class (``class_counts`` heads each)."""
+    """``(rows, first, last)`` over the K/V heads from one head per class."""
     n_rows, first, last = per_class.unbind(2)
     have = n_rows > 0
     total = (n_rows * class_counts).sum(1)
@@ -180,8 +177,7 @@ def _with_listed_rows(
     stats: torch.Tensor, columns: list[tuple[int, torch.Tensor, torch.Tensor]], listed: list[bool],
     branches: list[tuple[int, int]], offsets: list[tuple], longest: int,
 ) -> torch.Tensor:  # fmt: skip
-    """``stats`` (``(N, classes, 3)``) with the rows of the listed branches
-    added; ``columns``: ``(branch, rows, vals)`` per query piece and branch."""
+    """``stats`` with the rows of the listed branches added."""
     n = stats.shape[0]
     out = stats.clone()
     listed_cols = [c for c in columns if listed[c[0]]]
@@ -224,8 +220,7 @@ def _with_listed_rows(
 def _listed_branches(
     branches: list[tuple[int, int]], starts: torch.Tensor, bounds: torch.Tensor, longest: int
 ) -> list[bool]:
-    """Which branches :func:`_analytic` lists per pair instead of keying: few
-    rows of an offset, residues that differ from pair to pair."""
+    """Which branches :func:`_analytic` lists per pair instead of keying."""
     out = []
     for w, r in branches:
         residues = torch.cat([starts.flatten(), bounds[:-1]]) % r

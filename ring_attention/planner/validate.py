@@ -82,8 +82,7 @@ def tensor_peak(call) -> int:
 
 
 def _attention(fn, q, k, v, go, spec: dict, backward: bool):
-    """A call of ``fn`` (the ring or the local operator) on leaves of ``q, k,
-    v`` (``call.leaves``): a forward under ``no_grad``, or forward + backward of ``go``."""
+    """A call of ``fn``: a forward under ``no_grad``, or forward + backward."""
     qq, kk, vv = (t.detach().requires_grad_(backward) for t in (q, k, v))
 
     def call() -> None:
