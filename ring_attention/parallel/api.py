@@ -1,6 +1,5 @@
 """The sharded attention's public entry: the ring, Ulysses and their hybrid
-composed in one place (docs/design.md §2). The entries check nothing
-themselves: the ring's operators and Ulysses' rounds check every call."""
+composed in one place (docs/design.md §2); the operators and rounds check calls."""
 
 from __future__ import annotations
 
@@ -25,10 +24,8 @@ def ring_attention(q_local: Tensor, k_local: Tensor, v_local: Tensor,
                    ulysses_group: dist.ProcessGroup | None = None, mesh=None,
                    layout: str = "contiguous", return_lse: bool = False,
                    sinks: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
-    """:func:`ring_dilated_attention` with a :class:`Pattern` (or a function
-    building one, whose errors every rank hears of). Under ``torch.compile`` a
-    function must be a module-level one (or a ``functools.partial`` of one),
-    not a closure: the ring's pattern is a constant of the graph."""
+    """:func:`ring_dilated_attention` with a :class:`Pattern` (or a module-level
+    function building one, whose errors every rank hears of)."""
     built = isinstance(pattern, Pattern) or not callable(pattern)
     build, args = (given_pattern, (pattern,)) if built else (pattern, ())
     return sharded_attention(q_local, k_local, v_local, build, args, cu_seqlens=None, scale=scale,
@@ -43,9 +40,7 @@ def sharded_attention(q_local: Tensor, k_local: Tensor, v_local: Tensor,
                       mesh, layout: str, return_lse: bool,
                       sinks: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
     """The ring, Ulysses or the hybrid (by the groups) with the pattern
-    ``build(*args)`` (as for :func:`~ring_attention.parallel.ring_spec.ring_call_spec`)
-    and the documents ``cu_seqlens`` (``None``: the pattern's own); every
-    entry of the package calls this."""
+    ``build(*args)``: every entry of the package calls this."""
     if ulysses_group is not None or mesh is not None:
         call = (q_local, k_local, v_local, build, args)
         kwargs = dict(cu_seqlens=cu_seqlens, scale=scale, group=group, ulysses_group=ulysses_group,
@@ -71,22 +66,8 @@ def ring_dilated_attention(q_local: Tensor, k_local: Tensor, v_local: Tensor,
                            layout: str = "contiguous", return_lse: bool = False,
                            sinks: Tensor | None = None,
                            ) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
-    """Dilated attention over a sequence sharded across the ranks of ``group``:
-    equal, forward and backward, to ``dilated_attention`` on the whole sequence
-    for every world size and length (docs/parallel.md; docs/design.md §2.3, §3.1).
-
-    ``q_local`` ``(batch, seq_local, heads, head_dim)`` and ``k_local``,
-    ``v_local`` ``(batch, seq_local, kv_heads, head_dim)``: this rank's shards
-    (``shard_sequence`` with the same grid and layout). The pattern's keywords
-    are ``dilated_attention``'s, ``cu_seqlens`` in global positions. ``group``:
-    the ring (default: the default group); ``ulysses_group``: head parallelism
-    (with ``group``, the hybrid, rank ``(i, j)`` holding shard ``i * U + j``);
-    ``mesh``: a 1-D ``DeviceMesh`` or a 2-D one with ``mesh_dim_names=("ring",
-    "ulysses")``; ``layout``: ``"contiguous"``, ``"zigzag"`` or ``"balanced"``;
-    ``sinks``: ``(heads,)``, the same on every rank. Returns this rank's output
-    shard (and ``lse`` ``(batch, heads, seq_local)``). Raises ``ValueError`` on
-    every rank, before anything is communicated, for a bad argument on any rank,
-    ranks that disagree, or groups that do not form one grid."""
+    """Dilated attention over a sequence sharded across the ranks of ``group``
+    (or ``ulysses_group``, ``mesh``): this rank's output shard (docs/parallel.md)."""
     return sharded_attention(q_local, k_local, v_local, Pattern,
                              (segment_lengths, dilation_rates, causal, head_groups, head_offsets,
                               None, window),

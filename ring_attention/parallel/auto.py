@@ -1,6 +1,5 @@
-"""The parallel mode chosen for you (docs/design.md §2): :func:`plan_mesh`
-asks the planner's cost model for the fastest grid of ``R`` rings x ``U``
-Ulysses ranks within the memory, as a 2-D ``DeviceMesh`` and a prediction."""
+"""The parallel mode chosen for you (docs/design.md §2): :func:`plan_mesh`, the
+planner's fastest grid of ``R`` rings x ``U`` Ulysses ranks within the memory."""
 
 from __future__ import annotations
 
@@ -46,8 +45,7 @@ class MeshPlan(NamedTuple):
 
 
 def _grids(world: int, gpus_per_node: int) -> list[tuple[int, int]]:
-    """Every ``(R, U)`` with ``R * U == world`` whose Ulysses groups do not
-    straddle nodes."""
+    """Every ``(R, U)`` with ``R * U == world``, Ulysses groups inside nodes."""
     return [(world // U, U) for U in range(1, world + 1) if world % U == 0 and not (
         world > gpus_per_node and gpus_per_node % U and U % gpus_per_node)]  # fmt: skip
 
@@ -57,9 +55,8 @@ def choose_grid(seq_len: int, heads: int, kv_heads: int, head_dim: int, pattern:
                 dtype: torch.dtype = torch.bfloat16, batch: int = 1, memory: int | None = None,
                 intra: Link | None = None, inter: Link | None = None,
                 layout: str = "contiguous") -> Prediction:  # fmt: skip
-    """The fastest grid of ``world`` ranks for one layer of this shape that fits
-    ``memory`` bytes per rank (ties: the smaller ``U``; none fitting: the least
-    memory). A sliding window takes the ring (its bytes are bounded)."""
+    """The fastest grid of ``world`` ranks for one layer that fits ``memory``
+    bytes per rank (ties: the smaller ``U``; none fitting: the least memory)."""
     gbps, lat, _ = INTRA_DEFAULTS[device]
     intra = intra or Link(gbps, lat)
     inter = inter or LINKS[device][0]
@@ -105,14 +102,8 @@ def plan_mesh(seq_len: int, heads: int, kv_heads: int, head_dim: int, pattern: P
               group: dist.ProcessGroup | None = None, gpus_per_node: int | None = None,
               device_type: str | None = None, dtype: torch.dtype | None = None, batch: int = 1,
               memory: int | None = None, layout: str = "contiguous") -> MeshPlan:  # fmt: skip
-    """The grid of ring x Ulysses ranks the planner predicts fastest for this
-    layer: ``MeshPlan(mesh, prediction)``, the mesh a 2-D ``DeviceMesh`` over
-    ``group``'s ranks in group order, row-major (``None`` without an
-    initialised process group). ``pattern``: a :class:`~ring_attention.Pattern`
-    or ``(segment_lengths, dilation_rates)``; ``gpus_per_node``: default the
-    visible GPUs, else the group; ``device_type``: default cuda where available;
-    ``dtype``: default bfloat16 on cuda, float32 on cpu; ``memory``: bytes per
-    rank (``None``: no bound). Every rank of the default group calls it."""
+    """The ring x Ulysses grid the planner predicts fastest for this layer:
+    ``MeshPlan(mesh, prediction)`` (docs/parallel.md)."""
     if not isinstance(pattern, Pattern):
         if not isinstance(pattern, (tuple, list)) or len(pattern) != 2:
             raise ValueError(f"pattern must be a Pattern or (segment_lengths, dilation_rates), "

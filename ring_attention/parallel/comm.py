@@ -1,6 +1,5 @@
 """Process-group helpers: a group's global ranks and the device a tensor
-travels on for its backend. Importing it releases the default group
-``torch.distributed.nn.functional`` would keep alive."""
+travels on for its backend."""
 
 from __future__ import annotations
 
@@ -13,11 +12,7 @@ __all__ = ["comm_device", "global_ranks"]
 
 
 def _unpin_default_group() -> None:
-    """Make the default ``group`` of ``torch.distributed.nn.functional``'s
-    functions ``None``: imported after ``init_process_group`` (as the first call
-    of any custom operator does, through ``torch._dynamo``), they hold the
-    default group, whose gloo threads then outlive ``destroy_process_group``
-    and abort the process at exit (tests/test_clean_exit.py)."""
+    """Drop the default group that ``torch.distributed.nn.functional`` holds."""
     if not dist.is_available():
         return
     import torch.distributed.nn.functional as functional
@@ -41,9 +36,8 @@ def global_ranks(group: dist.ProcessGroup | None, world: int) -> tuple[int, ...]
 
 
 def comm_device(group: dist.ProcessGroup | None, device: torch.device) -> torch.device:
-    """The device a tensor living on ``device`` is sent from/received into:
-    a CUDA tensor travels as it is on NCCL, through host memory otherwise; a
-    CPU tensor needs gloo or mpi (``ValueError`` on an NCCL-only group)."""
+    """The device a tensor living on ``device`` is sent from/received into
+    (``ValueError`` for a CPU tensor on an NCCL-only group)."""
     backend = str(dist.get_backend(group)).lower()  # e.g. "cpu:gloo,cuda:nccl"
     if device.type == "cuda":
         return device if "nccl" in backend else torch.device("cpu")

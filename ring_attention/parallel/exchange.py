@@ -1,6 +1,5 @@
 """The ring's point-to-point exchange (docs/design.md §4.3, §4.4, §2.4):
-:class:`Exchanger` packs and posts the K/V rows a plan names and returns their
-dK/dV; every posted batch is an :class:`ExchangeEvent` (stats and hooks)."""
+:class:`Exchanger` and the :class:`ExchangeEvent` of every posted batch."""
 
 from __future__ import annotations
 
@@ -21,10 +20,8 @@ __all__ = ["ExchangeEvent", "ExchangeStats", "Exchanger", "Transfer", "last_exch
 
 @dataclass(frozen=True)
 class ExchangeEvent:
-    """One posted batch of point-to-point operations on this rank: its phase
-    (``"forward_kv"``, ``"backward_kv"``, ``"backward_grad"``), ring distance,
-    peers (group ranks, ``None``: none), (row, head) pairs per batch element
-    and the bytes handed to ``torch.distributed``."""
+    """One posted batch of point-to-point operations on this rank: phase,
+    distance, peers, (row, head) pairs per batch element and bytes."""
 
     phase: str
     distance: int
@@ -38,9 +35,8 @@ class ExchangeEvent:
 
 @dataclass
 class ExchangeStats:
-    """Events of the last ring call on this rank (reset at every forward, the
-    backward's appended) and the transport's buffer bytes per pass
-    (``buffer_bytes``: ``{"forward": ..., "backward": ...}``)."""
+    """Events of the last ring call on this rank and the transport's buffer
+    bytes per pass (``buffer_bytes``)."""
 
     events: list[ExchangeEvent] = field(default_factory=list)
     buffer_bytes: dict[str, int] = field(default_factory=dict)
@@ -82,9 +78,8 @@ _hooks: OrderedDict[int, ExchangeHook] = OrderedDict()  # (a handle refers to it
 
 
 def register_exchange_hook(hook: ExchangeHook) -> RemovableHandle:
-    """Call ``hook(event)`` for every batch of P2P operations this process
-    posts (hooks observe; they must not communicate). Returns a handle whose
-    ``remove()`` unregisters it (also a context manager)."""
+    """Call ``hook(event)`` for every batch of P2P operations this process posts;
+    a handle whose ``remove()`` unregisters it (also a context manager)."""
     handle = RemovableHandle(_hooks)
     _hooks[handle.id] = hook
     return handle
@@ -121,9 +116,7 @@ class Transfer:
 
 
 class _Span(NamedTuple):
-    """The needed rows of one sender piece at one step: positions ``first``
-    to ``first + rows - 1``, ``idx`` their flat indices relative to ``first``;
-    ``whole``: every (row, head) pair of the range is needed (used in place)."""
+    """The needed rows of one sender piece at one step."""
 
     first: int
     rows: int
@@ -133,9 +126,7 @@ class _Span(NamedTuple):
 
 class Exchanger:
     """Packs and posts the rows of one ring call and hands the kernels views of
-    the received ones: K/V in ``dtype``, gradients in :func:`acc_dtype`, through
-    ``comm_dev``; transfers of at most ``far_bytes`` K/V bytes travel in the far
-    group (:attr:`far_steps`), the others in their ring steps (:attr:`steps`)."""
+    the received ones (far group: :attr:`far_steps`, ring steps: :attr:`steps`)."""
 
     def __init__(self, plan, group: dist.ProcessGroup | None, peers: Sequence[int],
                  device: torch.device, comm_dev: torch.device, dtype: torch.dtype, batch: int,
@@ -170,8 +161,7 @@ class Exchanger:
         self._bufs: dict[tuple[str, int], torch.Tensor] = {}
 
     def _split(self, steps: Sequence, far_bytes: int) -> tuple[tuple, tuple]:
-        """``(ring steps, far steps)``: a transfer of at most ``far_bytes`` K/V
-        bytes goes to the far group, a step keeping the direction that does not."""
+        """``(ring steps, far steps)``: transfers of at most ``far_bytes`` go far."""
         row = 2 * self.B * self.D * self.dtype.itemsize
         near, far = [], []
         for s in steps:
@@ -208,8 +198,7 @@ class Exchanger:
         return buf
 
     def _packed(self, kind: str, slot: int, rows: int) -> torch.Tensor:
-        """A view for ``rows`` K and V rows of the ``(kind, slot)`` buffer
-        (allocated once, for the largest step)."""
+        """A view for ``rows`` K and V rows of the ``(kind, slot)`` buffer."""
         capacity, slots, dtype, device = self._kinds[kind]
         key = (kind, slot % slots)
         buf = self._bufs.get(key)
@@ -219,10 +208,7 @@ class Exchanger:
         return buf[: 2 * self.B * rows * self.D]
 
     def _piece_views(self, packed: torch.Tensor, step) -> tuple[list, list, list[int]]:
-        """Per sender piece of ``step``: the K and V (or dK and dV) views of
-        ``packed`` (``(B, rows, H, D)`` where the span is whole, else ``(B, count,
-        D)`` read through the row map; ``None`` without rows) and the global
-        position of the span's first row."""
+        """Per sender piece of ``step``: its K and V views and first position."""
         spans, recv_idx = self.spans[step.distance], self.idx[step.distance][1]
         chunks = {j: (krows, vrows) for j, _, krows, vrows in self._chunks(packed, recv_idx)}
         ks, vs, starts = [], [], []
@@ -234,9 +220,7 @@ class Exchanger:
         return ks, vs, starts
 
     def _row_maps(self, step) -> list[torch.Tensor | None]:
-        """Per sender piece of ``step``, the int32 ``(rows, H)`` row map of a
-        partly needed span (``None`` otherwise): entry ``idx[i]`` is ``i``, entries
-        not needed a neighbouring row (never read). One buffer, the widest step."""
+        """Per sender piece of ``step``, the int32 row map of a partly needed span."""
         spans = self.spans[step.distance]
         if all(sp.whole or not sp.rows for sp in spans):
             return [None] * len(spans)
@@ -260,8 +244,7 @@ class Exchanger:
         return t.view(self.B, t.shape[1] * self.H, self.D)
 
     def _chunks(self, packed: torch.Tensor, idx: Sequence[torch.Tensor]) -> Iterator[tuple]:
-        """``(piece, indices, K rows, V rows)`` of every piece with rows, as
-        ``(B, count, D)`` views of ``packed``."""
+        """``(piece, indices, K rows, V rows)`` of every piece with rows."""
         off = 0
         for j, ix in enumerate(idx):
             c = ix.numel()
@@ -273,8 +256,7 @@ class Exchanger:
             off += 2 * n
 
     def _move(self, packed: torch.Tensor, idx, ks, vs, add: bool) -> None:
-        """Gather the ``idx`` rows of ``ks``/``vs`` into ``packed``, or (``add``)
-        add ``packed``'s rows into them."""
+        """Gather the ``idx`` rows of ``ks``/``vs`` into ``packed`` (or ``add`` back)."""
         for j, ix, krows, vrows in self._chunks(packed, idx):
             for rows, t in ((krows, ks[j]), (vrows, vs[j])):
                 flat, whole = self._rows(t), ix.numel() == t.shape[1] * self.H
@@ -295,8 +277,7 @@ class Exchanger:
         return self._batch(phase, [(distance, send, recv)], home)
 
     def _batch(self, phase: str, transfers, home: torch.Tensor | None) -> Transfer:
-        """Post the ``(distance, send, recv)`` transfers as one batch, an event
-        each; ``home``: the buffer the transfer's ``wait()`` returns."""
+        """Post the ``(distance, send, recv)`` transfers as one batch, an event each."""
         ops, keep = [], []
         for distance, send, recv in transfers:
             tag = 3 * distance + _PHASE_TAG[phase]
@@ -356,8 +337,7 @@ class Exchanger:
             self._move(packed, self.idx[step.distance][0], dks, dvs, add=True)
 
     def _far_slices(self, packed: torch.Tensor | None, attr: str) -> list[torch.Tensor | None]:
-        """Per far step, its slice of the far group's ``packed`` buffer (``attr``:
-        ``"send_rows"``/``"recv_rows"``; ``None`` without rows)."""
+        """Per far step, its slice of the far group's ``packed`` buffer."""
         out, off = [], 0
         for step in self.far_steps:
             n = 2 * self.B * getattr(step, attr) * self.D
@@ -366,9 +346,7 @@ class Exchanger:
         return out
 
     def _post_far(self, phase: str, kind: str, back: bool, ks=None, vs=None) -> Transfer | None:
-        """Post every far transfer as one batch (``None``: no far step): K/V
-        (``kind="kv"``, packed from ``ks``/``vs``) out to ``send_to`` and in from
-        ``recv_from``, or (``back``) dK/dV (``kind="grad"``) the other way."""
+        """Post every far transfer as one batch (``None``: no far step)."""
         if not self.far_steps:
             return None
         (op, orows), (ip, irows) = ("send_to", "send_rows"), ("recv_from", "recv_rows")

@@ -1,6 +1,5 @@
 """The ring's exchange plan (docs/design.md §4.1, §4.2): per ring distance,
-the K/V rows (flat indices ``row * kv_heads + g``) a rank sends and receives,
-which both ends compute alike; cached in :data:`PLAN_CACHE`."""
+the K/V rows a rank sends and receives; cached in :data:`PLAN_CACHE`."""
 
 from __future__ import annotations
 
@@ -49,9 +48,7 @@ def exchange_rows(q_pieces: Sequence[Piece | tuple[int, int]], k_start: int, k_l
                   kv_heads: int, pattern: Pattern,
                   head_range: tuple[int, int, int] = (0, 0, 0)) -> torch.Tensor:  # fmt: skip
     """Sorted flat indices ``row * kv_heads + g`` (``row`` relative to
-    ``k_start``) of the key rows some query of ``q_pieces`` (pieces or ``(start,
-    length)`` pairs) reaches; ``head_range``: a hybrid ring's ``(head_start,
-    total_heads, total_kv_heads)``. An empty range calls no operator."""
+    ``k_start``) of the key rows some query of ``q_pieces`` reaches."""
     ranges = [(int(p[0]), int(p[1])) for p in q_pieces if int(p[1]) > 0]
     if k_len <= 0 or not ranges:
         return _EMPTY
@@ -63,9 +60,7 @@ def reaches(q_piece: Piece | tuple[int, int], k_start: int, k_len: int, heads: i
             pattern: Pattern, kv_heads: int = 1,
             head_range: tuple[int, int, int] = (0, 0, 0)) -> bool:  # fmt: skip
     """Whether some query of ``q_piece`` reaches some key of ``[k_start,
-    k_start + k_len)``: ``exchange_rows`` over the keys within the longest
-    segment, in chunks doubling from ``_PROBE_ROWS`` to ``_MAX_PROBE_ROWS``
-    rows, stopping at the first reached row."""
+    k_start + k_len)``, probing in doubling chunks."""
     q_start, q_len = int(q_piece[0]), int(q_piece[1])
     if q_len <= 0:
         return False
@@ -84,9 +79,8 @@ def reaches(q_piece: Piece | tuple[int, int], k_start: int, k_len: int, heads: i
 
 @dataclass(frozen=True, eq=False)
 class Step:
-    """One ring ``distance`` of one rank's plan: the group ranks sent to and
-    received from (``None``: nothing), the flat indices sent per local piece and
-    received per sender piece, the sender's pieces and the pairs to compute."""
+    """One ring ``distance`` of one rank's plan: peers, flat indices sent and
+    received per piece, the sender's pieces and the pairs to compute."""
 
     distance: int
     send_to: int | None
@@ -119,10 +113,8 @@ class Step:
 
 @dataclass(frozen=True, eq=False)
 class ExchangePlan:
-    """Everything one rank needs to run the ring for one configuration (the
-    cache key: ``pattern`` .. ``layout``, ``fold``, ``head_range``): this rank's
-    ``pieces``, every rank's, the ``local_pairs`` of its own pieces that reach
-    each other, and its active ``steps`` by distance."""
+    """Everything one rank needs to run the ring for one configuration: the
+    pieces, the local pairs that reach each other and the active steps."""
 
     pattern: Pattern
     seq_len: int
@@ -166,8 +158,7 @@ class ExchangePlan:
     def bytes_sent(self, batch: int, head_dim: int, itemsize: int, *, backward: bool = False,
                    grad_itemsize: int = 4) -> int:  # fmt: skip
         """Bytes this rank sends per layer: K and V rows forward; with
-        ``backward=True`` K and V again and the dK/dV (``grad_itemsize``) of the
-        rows it received."""
+        ``backward=True`` also the backward's."""
         fwd = 2 * self.rows_sent * batch * head_dim * itemsize
         if not backward:
             return fwd
@@ -198,9 +189,7 @@ def build_plan(pattern: Pattern, seq_len: int, heads: int, kv_heads: int, world_
                rank: int, layout: str = "contiguous", fold: int = 1,
                head_range: tuple[int, int, int] = (0, 0, 0)) -> ExchangePlan:  # fmt: skip
     """Build (without caching) the exchange plan of ``rank`` in a ring of
-    ``world_size`` for ``seq_len`` positions sharded per ``layout`` (``fold``:
-    a hybrid's ring over stretches of ``fold`` shards, holding query heads
-    ``head_range``). Raises ``ValueError`` naming a bad argument."""
+    ``world_size``. Raises ``ValueError`` naming a bad argument."""
     pattern, seq_len, heads, kv_heads, p, rank, layout, fold, head_range = _check_plan_args(
         pattern, seq_len, heads, kv_heads, world_size, rank, layout, fold, head_range)  # fmt: skip
     # every head: one K/V head answers whether a block is reached at all
@@ -244,9 +233,7 @@ def build_plan(pattern: Pattern, seq_len: int, heads: int, kv_heads: int, world_
                         head_range=head_range)  # fmt: skip
 
 
-#: The module-level plan cache used by ``ring_dilated_attention``: at most 64
-#: plans and 512 MiB of row indices (``PLAN_CACHE.max_bytes``; a larger plan
-#: is used for its call and not kept).
+#: The plan cache of ``ring_dilated_attention`` (64 plans, 512 MiB of indices).
 PLAN_CACHE: LRUCache[ExchangePlan] = LRUCache(maxsize=64, name="exchange plans",
                                               max_bytes=512 * 2**20,
                                               size_of=lambda plan: plan.nbytes)  # fmt: skip

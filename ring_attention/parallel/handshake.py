@@ -1,6 +1,5 @@
 """Agreement between ranks before anything large moves (docs/design.md §6):
-fixed-size int64 control messages, all-gathered in one small collective, so
-that every rank raises instead of waiting; a grid agrees row, then ring."""
+fixed-size int64 control messages, all-gathered, so every rank raises."""
 
 from __future__ import annotations
 
@@ -87,9 +86,7 @@ def exchange_message(group: dist.ProcessGroup | None, call: str, payload: Sequen
                      error: BaseException | Reason | None = None,
                      order: Sequence[int] | None = None) -> list[list[int]] | None:  # fmt: skip
     """One control round of ``call`` over ``group``: every rank's payload by
-    index (``order``: the group rank of each). ``payload=None``: this rank
-    failed (``error``) and gets ``None``. Raises ``ValueError`` on every rank for
-    ranks in different calls or a rank that failed (naming it and its error)."""
+    index. ``ValueError`` on every rank for a failed rank or a different call."""
     body = [-1] * (WORDS - 3) if payload is None else list(payload)
     if len(body) > WORDS - 3:  # would break the equal sizes the transport relies on
         raise RuntimeError(f"{call}: a control payload of {len(body)} words (at most {WORDS - 3})")
@@ -125,8 +122,7 @@ def reject(group: dist.ProcessGroup | None, call: str = "ring_dilated_attention"
            error: BaseException | Reason | None = None,
            order: Sequence[int] | None = None) -> None:  # fmt: skip
     """Take part in ``call``'s handshake as a rank whose inputs failed
-    validation (``error``): the other ranks raise naming this rank and the
-    error; the caller raises its own error."""
+    (``error``); the caller raises its own error."""
     exchange_message(group, call, None, error, order)
 
 
@@ -144,11 +140,8 @@ def ring_handshake(group: dist.ProcessGroup | None, world: int, message: list[in
                    pattern: Pattern | None, layout: Layout, fold: int = 1,
                    error: BaseException | Reason | None = None,
                    order: Sequence[int] | None = None) -> int:  # fmt: skip
-    """Check that every rank makes the same ring call; the global length
-    (-1 where ``message`` is ``None``: this rank's inputs failed, ``error``
-    says why). ``order``: the group rank of each ring index; ``fold``: a
-    hybrid's ring holds stretches. Raises ``ValueError`` on every rank when
-    ranks disagree."""
+    """Check that every rank makes the same ring call; the global length (-1
+    where ``message`` is ``None``). ``ValueError`` on every rank otherwise."""
     rows = exchange_message(group, "ring_dilated_attention", message, error, order)
     if rows is None:
         return -1
@@ -202,9 +195,7 @@ def _convention(layout: Layout) -> str:
 
 
 def _documents_detail(gathered: list[tuple[str, tuple[int, ...] | None]]) -> str:
-    """Where the ranks' document boundaries first differ, with every rank's
-    boundaries around that index (``""`` when they agree): a description
-    only counts documents."""
+    """Where the ranks' document boundaries first differ (``""``: they agree)."""
     docs = [d for _, d in gathered]
     if len(set(docs)) <= 1 or any(d is None for d in docs):
         return ""
@@ -266,11 +257,8 @@ def grid_handshake(topo, call: str, fields: Sequence[str], message: Sequence[int
                    layout: str, *, error: BaseException | Reason | None = None,
                    explain: Callable[[str, list[int]], str | None] | None = None,
                    describe: Callable[[], str] | None = None) -> tuple[int, list[int]]:  # fmt: skip
-    """Check that every rank of the grid ``topo`` (``U > 1``) makes the same
-    ``call``; the global length and the local lengths of this rank's row.
-    ``fields`` names ``message``'s values (``fields[0]``: the local length);
-    ``message=None``: this rank failed (``error``), it takes part and gets
-    ``(-1, [])``; ``explain``, ``describe``: the words of a disagreement."""
+    """Check that every rank of the grid ``topo`` makes the same ``call``; the
+    global length and the local lengths of this rank's row."""
     row_call, col_call = f"{call} (Ulysses group)", f"{call} (ring of the grid)"
     U, R = topo.ulysses_size, topo.ring_size
     err: Exception | None = None

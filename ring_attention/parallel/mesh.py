@@ -1,6 +1,5 @@
 """Which ranks attend together (docs/design.md §2, §6): :func:`world_info`,
-the grid of a call (:class:`Topology`, rank ``(i, j)`` holding shard ``i * U +
-j``) and :func:`check_grid`, once per configuration, through the store."""
+:class:`Topology` and :func:`check_grid`, once per configuration."""
 
 from __future__ import annotations
 
@@ -23,9 +22,8 @@ _DIM_NAMES = ("ring", "ulysses")
 
 
 def world_info(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
-    """``(world_size, rank)`` of ``group``; ``(1, 0)`` without an initialised
-    default group and ``group=None``, unless ``WORLD_SIZE`` > 1 (a launcher's
-    processes: ``RuntimeError``)."""
+    """``(world_size, rank)`` of ``group``; ``(1, 0)`` without a process group
+    (``RuntimeError`` where ``WORLD_SIZE`` > 1)."""
     if not dist.is_available() or not dist.is_initialized():
         if group is not None:
             raise ValueError("group was given but torch.distributed is not initialised; call "
@@ -51,10 +49,8 @@ def world_info(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
 
 @dataclass(frozen=True, eq=False)
 class Topology:
-    """The grid of one call, seen from this rank: the ring and the Ulysses group
-    (``None``: of one), their sizes, this rank's indices, their global ranks by
-    index, the mesh, ``*_order`` (the group rank of each index, ``None`` where
-    it is the index) and ``mode`` (``"ring"`` or ``"grid"``)."""
+    """The grid of one call, seen from this rank: the ring and the Ulysses
+    group, their sizes, this rank's indices, ranks, orders and ``mode``."""
 
     ring_group: dist.ProcessGroup | None
     ulysses_group: dist.ProcessGroup | None
@@ -107,8 +103,7 @@ def _group_ranks(group: dist.ProcessGroup, size: int) -> tuple[int, ...]:
 
 
 def _order(group: dist.ProcessGroup | None, ranks: tuple[int, ...]) -> tuple[int, ...] | None:
-    """The group rank of each of ``ranks`` (by index), ``None`` where it is
-    the index itself."""
+    """The group rank of each of ``ranks``, ``None`` where it is the index."""
     if group is None or len(ranks) < 2:
         return None
     order = tuple(dist.get_group_rank(group, r) for r in ranks)
@@ -122,9 +117,7 @@ def _check_group(group, name: str) -> None:
 
 
 def _from_mesh(mesh) -> tuple:
-    """``(ring group, ulysses group, i, j, ring ranks, ulysses ranks, mesh
-    key)`` of a 1-D or 2-D mesh: the indices are this rank's coordinates,
-    the ranks those along each dimension through this rank, by coordinate."""
+    """``(ring group, ulysses group, i, j, ring ranks, ulysses ranks, key)``."""
     from torch.distributed.device_mesh import DeviceMesh
 
     if not isinstance(mesh, DeviceMesh):
@@ -157,8 +150,7 @@ def resolve_topology(group: dist.ProcessGroup | None = None,
                      ulysses_group: dist.ProcessGroup | None = None,
                      mesh=None) -> Topology:  # fmt: skip
     """The grid of a call with ``ulysses_group`` or ``mesh``, from this rank's
-    arguments only; ``ValueError`` for ``mesh`` with a group, a mesh neither 1-D
-    nor 2-D ``("ring", "ulysses")``, a non-group, or a group without this rank."""
+    arguments only; ``ValueError`` for a bad mesh or group."""
     if mesh is not None:
         if group is not None or ulysses_group is not None:
             raise ValueError("mesh replaces group and ulysses_group: pass either mesh= or the "
@@ -187,12 +179,8 @@ def resolve_topology(group: dist.ProcessGroup | None = None,
                     mode="grid" if U > 1 else "ring")  # fmt: skip
 
 
-# The one-time agreement check through the store (docs/design.md §6). Rank r
-# writes its view under ``ring_attention/grid/<r>/<round>/view``, then what it
-# found (``.../found``), then the outcome (``.../done``); a reader keeps, per
-# peer, the next unread round and passes over rounds held with other ranks
-# (but for a failed one of the same call: the mismatch). A failure record (a
-# rank that cannot know its peers) names no peers and carries its call count.
+# The one-time agreement check through the store (docs/design.md §6): per rank
+# and round a view, what it found and the outcome, under ``ring_attention/grid``.
 
 _PREFIX = "ring_attention/grid"
 _lock = threading.Lock()
@@ -277,8 +265,7 @@ def _read(store, keys: list[str], ranks: list[int]) -> list[str]:
 
 
 def _next_view(store, st: _State, peer: int, me: int, call: int) -> tuple[int, dict]:
-    """The peer's round this rank meets in its ``call``-th call (see above),
-    and the peer's view."""
+    """The peer's round this rank meets in its ``call``-th call, and its view."""
     j = st.next_round.get(peer, 0)
     while True:
         (text,) = _read(store, [f"{_PREFIX}/{peer}/{j}/view"], [peer])
@@ -330,10 +317,8 @@ def _round(st: _State, topo: Topology, me: int, peers: list[int], call: int) -> 
 
 
 def check_grid(topo: Topology) -> None:
-    """Check, once per configuration, that every rank of this rank's row and
-    column passed groups (or a mesh) forming the same grid and makes the same
-    kind of call: ``ValueError`` on every rank where they disagree,
-    ``RuntimeError`` when a peer never writes. Only a passed one is remembered."""
+    """Check, once per configuration, that this rank's row and column form
+    the same grid: ``ValueError`` on every rank, ``RuntimeError`` for a silent peer."""
     me = dist.get_rank()
     peers = sorted((set(topo.ring_ranks) | set(topo.ulysses_ranks)) - {me})
     if not peers:
@@ -355,9 +340,8 @@ def check_grid(topo: Topology) -> None:
 
 
 def check_ring(group: dist.ProcessGroup | None) -> None:
-    """:func:`check_grid` of a plain ring call over ``group`` (two or more
-    ranks), without building its topology once the group has passed (a
-    ring call's cost must not grow with the number of ranks)."""
+    """:func:`check_grid` of a plain ring call over ``group``, without building its
+    topology once the group has passed."""
     g = group if group is not None else dist.distributed_c10d._get_default_group()
     st = _state()
     with _lock:
@@ -376,16 +360,10 @@ def check_ring(group: dist.ProcessGroup | None) -> None:
         st.rings[g] = _key(topo)
 
 
-def _reason(error: BaseException) -> str:
-    return str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
-
-
 def report_grid_error(group, ulysses_group, mesh, error: BaseException,
                       mode: str | None = None) -> Topology | None:  # fmt: skip
-    """Tell the peers of a rank whose grid arguments failed (``error``; ``mode``:
-    ``"ring"``, ``"grid"`` or ``None``): the last checked configuration that
-    fits the valid arguments (the caller rejects through its rounds), else
-    ``None`` after a failure record in the store."""
+    """Tell the peers of a rank whose grid arguments failed (``error``): the
+    last checked configuration that fits, else ``None`` after a failure record."""
     if not dist.is_available() or not dist.is_initialized():
         return None
     want = None
@@ -416,7 +394,8 @@ def report_grid_error(group, ulysses_group, mesh, error: BaseException,
             )  # fmt: skip
         if fits:
             return t
-    _fail_round(st, dist.get_rank(), _reason(error))
+    why = str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
+    _fail_round(st, dist.get_rank(), why)
     return None
 
 

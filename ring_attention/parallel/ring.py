@@ -1,7 +1,5 @@
 """The ring (docs/design.md §4): the custom operators ``ring_forward`` /
-``ring_backward``, taking the tensors and a :mod:`ring_spec` key; the forward
-agrees through the handshake and runs the schedule along the cached exchange
-plan, which the backward reuses. Double backward raises ``RuntimeError``."""
+``ring_backward``, taking the tensors and a :mod:`ring_spec` key."""
 
 from __future__ import annotations
 
@@ -44,9 +42,7 @@ def ring_call(q_local: Tensor, k_local: Tensor, v_local: Tensor, spec: str,
               documents: Tensor | None = None, *,
               return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
     """The ring call registered as ``spec`` (:func:`ring_call_spec`), with the
-    global document boundaries ``documents`` (a 1-D integer tensor, the same
-    on every rank, or ``None``). Compiles with ``fullgraph=True``: the ring is
-    one operator forward and one backward."""
+    global document boundaries ``documents``; one operator each way."""
     needs_grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False)
                                                  for t in (q_local, k_local, v_local))  # fmt: skip
     if isinstance(documents, Tensor) and documents.is_meta and not q_local.is_meta:
@@ -65,9 +61,7 @@ def exchange_plan(seq_len: int, heads: int, segment_lengths: Sequence[int],
                   group: dist.ProcessGroup | None = None,
                   layout: str = "contiguous") -> ExchangePlan:  # fmt: skip
     """This rank's (cached) exchange plan for a global sequence of
-    ``seq_len`` (``kv_heads`` defaults to ``heads``): the rows and bytes it
-    exchanges per layer (:meth:`ExchangePlan.bytes_sent`), without running
-    anything."""
+    ``seq_len``, without running anything."""
     pattern = Pattern(segment_lengths, dilation_rates, causal=causal, head_groups=head_groups,
                       head_offsets=head_offsets,
                       window=window).with_documents(cu_seqlens)  # fmt: skip
@@ -82,10 +76,7 @@ def _ring(q_local: Tensor, k_local: Tensor, v_local: Tensor, build: Callable[...
           group: dist.ProcessGroup | None, layout: str, return_lse: bool, fold: int = 1,
           ranks: tuple[int, ...] | None = None, head_range: tuple[int, int, int] = (0, 0, 0),
           sinks: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
-    """The ring call of ``sharded_attention``: the documents a tensor argument
-    (read once per batch), the rest the spec; ``sinks`` added after the ring.
-    ``fold``, ``ranks``, ``head_range``: the ring of a grid (ulysses.py), which
-    has checked its grid (``ranks``: its global ranks by ring index)."""
+    """The ring call of ``sharded_attention`` (or of a checked grid's ring)."""
     documents = cu_seqlens if isinstance(cu_seqlens, Tensor) else None
     spec = ring_call_spec(_ring_pattern, return_lse, None if documents is not None else cu_seqlens,
                           build, *args, scale=scale, group=group, layout=layout, fold=fold,
@@ -100,8 +91,7 @@ def _ring(q_local: Tensor, k_local: Tensor, v_local: Tensor, build: Callable[...
 
 def _ring_pattern(return_lse: bool, documents: Sequence[int] | None, build: Callable[..., Pattern],
                   *args) -> Pattern:  # fmt: skip
-    """The pattern of a ring call (:func:`pattern_of_call`); a bad
-    ``return_lse`` raises here, so that the operator reports it on every rank."""
+    """The pattern of a ring call; a bad ``return_lse`` raises here."""
     as_flag(return_lse, "return_lse")
     return pattern_of_call(documents, build, *args)
 
@@ -133,8 +123,7 @@ class RingCall:
 
 
 def _split(t: Tensor, pieces: Sequence[Piece], dim: int = 1) -> list[Tensor]:
-    """Contiguous per-piece tensors along ``dim`` (no copy for one piece of a
-    contiguous tensor)."""
+    """Contiguous per-piece tensors along ``dim``."""
     if len(pieces) == 1 and pieces[0].length == t.shape[dim]:
         return [t.contiguous()]
     return [t.narrow(dim, p.offset, p.length).contiguous() for p in pieces]
@@ -222,9 +211,8 @@ def schedule_backward(call: RingCall, grad_out: Tensor, grad_lse: Tensor | None,
                 attend(qi, kp[kj], vp[kj], dkp[kj], dvp[kj], starts[kj], maps[kj])
         far_grad = ex.post_far_grad()
 
-    # Global order of posts: F, KV(1), FG, KV(2), G(1), KV(3), G(2), ... (F, FG:
-    # the far group's K/V and gradients); each rank posts the subsequence it
-    # takes part in. Buffers alternate by distance.
+    # Global order of posts: F, KV(1), FG, KV(2), G(1), KV(3), G(2), ... (F, FG: the
+    # far group's); each rank posts its subsequence. Buffers alternate by distance.
     g_prev = None  # (transfer, step) of the previous gradient return
     for d in range(1, plan.world_size if steps else 1):
         step = ex.step_for(d)
@@ -255,8 +243,7 @@ _documents = PerBatch("ring documents")
 
 
 def _with_documents(key: str, base: Pattern, documents: Tensor | None) -> Pattern:
-    """The spec's pattern with ``documents``: a model's layers pass one
-    tensor, read (device -> host) once per batch."""
+    """The spec's pattern with ``documents``, read once per batch."""
     if documents is None:
         return base
     return _documents.get(documents, key, lambda: base.with_documents(documents))
@@ -264,9 +251,7 @@ def _with_documents(key: str, base: Pattern, documents: Tensor | None) -> Patter
 
 def _call_of(key: str, q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None, needs_grad: bool,
              n: int | None = None) -> RingCall:  # fmt: skip
-    """The checked call. Forward (``n`` is None): the ranks agree through the
-    handshake on everything, the global length included, and a rank whose
-    call fails makes every rank raise. Backward: the forward's ``n``."""
+    """The checked call (``n`` None: the forward, agreeing through the handshake)."""
     spec = get_spec(key)
     group = spec.group
     world, rank = world_info(group)
@@ -339,8 +324,7 @@ def _(q, k, v, documents, spec, needs_grad):
 def _ring_backward_op(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
                       out: Tensor, lse: Tensor, documents: Tensor | None, seq_len: Tensor,
                       spec: str) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """This rank's ``(dq, dk, dv)`` of the ring call ``spec`` (its plan is
-    the forward's, from the plan cache)."""
+    """This rank's ``(dq, dk, dv)`` of the ring call ``spec``."""
     if not isinstance(seq_len, Tensor) or seq_len.dim() != 0 or seq_len.is_floating_point():
         raise ValueError(f"seq_len must be a 0-d integer tensor (the forward's), got {seq_len!r}")
     call = _call_of(spec, q, k, v, documents, True, int(seq_len))

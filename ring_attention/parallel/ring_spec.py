@@ -1,5 +1,4 @@
 """A ring call's configuration, named by a string (docs/design.md §8): a
-custom operator takes no Python object, so the rest of a call is a
 :class:`RingSpec` registered under a key of its contents."""
 
 from __future__ import annotations
@@ -28,10 +27,8 @@ class GroupError(ValueError):
 
 @dataclass(frozen=True, eq=False)
 class RingSpec:
-    """One ring call's configuration (all but its tensors). ``pattern`` is
-    ``None`` exactly when ``error`` is set (reported by the operator through
-    the handshake, so every rank raises); the group is held weakly
-    (``destroy_process_group`` must be able to release it)."""
+    """One ring call's configuration (all but its tensors); ``pattern`` is
+    ``None`` exactly when ``error`` is set; the group is held weakly."""
 
     pattern: Pattern | None
     error: BaseException | None
@@ -104,9 +101,7 @@ def get_spec(key: str) -> RingSpec:
 
 
 def _assume_constant_result(fn: Callable[..., str]) -> Callable[..., str]:
-    """``torch.compiler.assume_constant_result``'s mark on ``fn`` without its
-    import of ``torch._dynamo`` (seconds per process; tests/test_imports.py
-    checks the mark)."""
+    """``assume_constant_result``'s mark on ``fn`` without importing Dynamo."""
     fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
     return fn
 
@@ -116,11 +111,8 @@ def ring_call_spec(build: Callable[..., Pattern], *args: Any, scale: float | Non
                    fold: int = 1, ranks: tuple[int, ...] | None = None,
                    head_range: tuple[int, int, int] = (0, 0, 0),
                    sinks: tuple | None = None) -> str:  # fmt: skip
-    """Register the ring call whose pattern is ``build(*args)``; its key.
-    ``build``: a module-level function (or a ``functools.partial`` of one);
-    ``args``: constants (while tracing their integers are specialized). What
-    ``build`` raises is kept and reported by the operator. ``fold``, ``ranks``,
-    ``head_range``: a hybrid's ring; ``sinks``: the sinks' description."""
+    """Register the ring call whose pattern is ``build(*args)`` (a module-level
+    function and constants); its key."""
     if torch.compiler.is_compiling():
         args = tuple(_specialized(a) for a in args)
     return _registered_spec(build, *args, scale=scale, group=group, layout=layout, fold=fold,
@@ -128,8 +120,7 @@ def ring_call_spec(build: Callable[..., Pattern], *args: Any, scale: float | Non
 
 
 def _specialized(value: Any) -> Any:
-    """``value`` with its integers (in lists and tuples too) plain ints:
-    while tracing, ``operator.index`` makes a symbolic one a guarded constant."""
+    """``value`` with its integers (in lists and tuples too) plain ints."""
     if isinstance(value, (list, tuple)):
         return type(value)(_specialized(v) for v in value)
     if isinstance(value, int) and not isinstance(value, bool):

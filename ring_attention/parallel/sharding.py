@@ -1,6 +1,5 @@
-"""Sequence sharding across the ranks of a process group (docs/design.md
-§2.3, §3): :func:`shard_sequence` and its inverse :func:`gather_sequence`,
-over a group or a grid (rank ``(i, j)`` holding piece ``i * U + j``)."""
+"""Sequence sharding across the ranks of a group or grid (docs/design.md
+§2.3, §3): :func:`shard_sequence` and its inverse :func:`gather_sequence`."""
 
 from __future__ import annotations
 
@@ -56,8 +55,7 @@ def _sharding_layout(layout: str, segment_lengths: Sequence[int] | None,
                      dilation_rates: Sequence[int] | None, causal: bool,
                      window: tuple[int, int] | None,
                      cu_seqlens: Sequence[int] | Tensor | None) -> Layout:  # fmt: skip
-    """``layout`` checked; ``"balanced"`` resolved for the pattern of the
-    keywords (``segment_lengths=None``: dense), which serve it only."""
+    """``layout`` checked; ``"balanced"`` resolved for the keywords' pattern."""
     check_layout(layout)
     causal = as_flag(causal, "causal")
     if layout != "balanced":
@@ -84,10 +82,7 @@ def shard_sequence(x: torch.Tensor, dim: int = 1, group: dist.ProcessGroup | Non
                    window: tuple[int, int] | None = None,
                    cu_seqlens: Sequence[int] | Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """This rank's piece of the full tensor ``x`` along ``dim`` for ``layout``
-    (docs/parallel.md; a copy for ``"zigzag"``, else a view); the pattern
-    keywords serve ``"balanced"`` only (``segment_lengths=None``: dense).
-    ``group``, ``ulysses_group``, ``mesh``: as for ``ring_dilated_attention``.
-    Nothing is communicated; differentiable."""
+    (docs/parallel.md); nothing is communicated; differentiable."""
     dim = _check_dim(x, dim, "x")
     layout = _sharding_layout(layout, segment_lengths, dilation_rates, causal, window, cu_seqlens)
     if not isinstance(layout, str):
@@ -107,9 +102,7 @@ def shard_sequence(x: torch.Tensor, dim: int = 1, group: dist.ProcessGroup | Non
 
 def _gather_varlen(x_local: torch.Tensor, dim: int, group: dist.ProcessGroup | None, layout: Layout,
                    order: tuple[int, ...] | None) -> tuple[torch.Tensor, list[Piece]]:  # fmt: skip
-    """All-gather variable-length pieces (``order``: the group rank holding
-    each piece, ``None``: piece r on group rank r); the full tensor and this
-    rank's pieces (for the backward)."""
+    """All-gather variable-length pieces: the full tensor, this rank's pieces."""
     world, rank = world_info(group)
     if order is not None:
         rank = order.index(rank)
@@ -120,17 +113,14 @@ def _gather_varlen(x_local: torch.Tensor, dim: int, group: dist.ProcessGroup | N
 
 def _gather_ring(x: Tensor, dim: int, n: int, world: int, layout: Layout, fold: int, group,
                  order: tuple[int, ...] | None) -> Tensor:  # fmt: skip
-    """Every ring member's piece (``fold > 1``: stretch) of the ``n`` positions,
-    all-gathered along ``dim`` and placed: the full tensor."""
+    """Every ring member's piece of the ``n`` positions, gathered: the full tensor."""
     recv = _all_gather_padded(x, dim, layout_shard_lengths(n, world, layout, fold), group, order)
     pieces = Row(tuple(tuple(layout_pieces(n, world, r, layout, fold)) for r in range(world)))
     return to_stretch(recv, pieces, dim)
 
 
 class _Gather(torch.autograd.Function):
-    """``gather(x)``: the full tensor and this rank's pieces along ``dim``;
-    the backward returns this rank's slice of the gradient (every rank
-    computes the same loss, as in sequence-parallel training)."""
+    """``gather(x)`` whose backward returns this rank's slice of the gradient."""
 
     @staticmethod
     def forward(ctx, x: Tensor, dim: int, gather: Callable) -> Tensor:  # type: ignore[override]
@@ -151,9 +141,7 @@ def gather_sequence(x_local: torch.Tensor, dim: int = 1, group: dist.ProcessGrou
                     window: tuple[int, int] | None = None,
                     cu_seqlens: Sequence[int] | Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """The full tensor from every rank's piece along ``dim`` (the inverse of
-    :func:`shard_sequence`, the same arguments); ranks that disagree raise
-    ``ValueError`` on every rank. Differentiable: the gradient of ``x_local`` is
-    this rank's slice of the full gradient."""
+    :func:`shard_sequence`); differentiable."""
     dim = _check_dim(x_local, dim, "x_local")
     layout = _sharding_layout(layout, segment_lengths, dilation_rates, causal, window, cu_seqlens)
     if ulysses_group is not None or mesh is not None:
@@ -181,8 +169,7 @@ _GATHER_FIELDS = ("seq_len_local", "ndim", "dim", "dtype", "layout",
 
 def _all_gather_padded(x: Tensor, dim: int, lengths: list[int], group,
                        order: tuple[int, ...] | None) -> list[Tensor]:  # fmt: skip
-    """Every rank's ``x`` (their lengths along ``dim`` given, by index) through
-    one all-gather; ``order``: the group rank of each index."""
+    """Every rank's ``x`` (their lengths along ``dim`` given) in one all-gather."""
     device = comm_device(group, x.device)
     longest = max(lengths)
     send = x.to(device)
@@ -199,8 +186,7 @@ def _all_gather_padded(x: Tensor, dim: int, lengths: list[int], group,
 
 
 def _gather_grid(x: Tensor, dim: int, topo: Topology, layout: Layout) -> tuple[Tensor, list]:
-    """The grid's all-gather along ``dim`` (rows, then the ring): the full
-    tensor and this rank's pieces."""
+    """The grid's all-gather along ``dim`` (rows, then the ring)."""
     sizes = [s if k != dim else -1 for k, s in enumerate(x.shape)]
     message = [x.shape[dim], x.dim(), dim, dtype_code(x.dtype), layout_code(layout), *sizes,
                *([-1] * (_GATHER_DIMS - x.dim())), layout_digest(layout)]  # fmt: skip

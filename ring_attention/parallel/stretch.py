@@ -1,6 +1,5 @@
 """A Ulysses group's stretch of the sequence: its members' pieces in global
-order (:class:`Row`), and the moves between the members' local rows and the
-stretch (for ulysses.py's all-to-alls and sharding.py's gathers)."""
+order (:class:`Row`) and the moves between local rows and the stretch."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Head-parallel (Ulysses) and ring x Ulysses hybrid attention
-(docs/design.md §3.1): after the agreement rounds, an all-to-all in the
-Ulysses group trades sequence for heads, the group's stretch is attended for
-this rank's heads (locally, or along the ring between the ranks holding
-them), and a second all-to-all trades back; both are autograd functions."""
+"""Head-parallel (Ulysses) and ring x Ulysses hybrid attention: all-to-alls
+trading sequence for heads around the attention (docs/design.md §3.1)."""
 
 from __future__ import annotations
 
@@ -117,8 +114,7 @@ class _Link:
 
 
 class _AllToAll(torch.autograd.Function):
-    """``link.exchange`` as an autograd function: the backward sends the
-    gradients of what was received back to its senders."""
+    """``link.exchange`` as an autograd function (gradients go back)."""
 
     @staticmethod
     def forward(ctx, link: _Link, counts: tuple[int, ...], recv, phase: str, *sends: Tensor):  # type: ignore[override]
@@ -170,11 +166,8 @@ def ulysses_call(q_local: Tensor, k_local: Tensor, v_local: Tensor, build: Calla
                  group: dist.ProcessGroup | None, ulysses_group: dist.ProcessGroup | None, mesh,
                  layout: str, return_lse: bool, sinks: Tensor | None,
                  ring: Callable) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
-    """``ring_dilated_attention`` with ``ulysses_group`` or ``mesh`` and the
-    pattern ``build(*args)``, built inside the agreement rounds so that every
-    rank hears of its errors: this rank's shard ``i * U + j`` in and out;
-    ``ring``: the ring over a group of the grid (``ring._ring``, passed down by
-    the one caller that composes them)."""
+    """``ring_dilated_attention`` with ``ulysses_group`` or ``mesh``, the pattern
+    ``build(*args)`` built inside the agreement rounds; ``ring``: the ring."""
     topo = topology_of(group, ulysses_group, mesh, _CALL)
     check_grid(topo)
     if topo.ulysses_size == 1:  # a ring (a 1-D mesh), or one process

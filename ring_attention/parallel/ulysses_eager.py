@@ -1,7 +1,5 @@
-"""Ulysses and the hybrid under ``torch.compile``: their all-to-alls cannot
-be traced, so the call runs eagerly (one graph break; ``fullgraph=True``
-raises :data:`REASON`). Imported only while compiling: ``torch._dynamo`` is
-not paid for by a plain ``import ring_attention``."""
+"""Ulysses and the hybrid under ``torch.compile``: run eagerly (one graph break;
+``fullgraph=True`` raises :data:`REASON`). Imported only while compiling."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Capacity planner for ring dilated attention (``python -m
-ring_attention.planner``): given ranks, memory, the attention shape and a
-pattern, the longest sequence that fits per rank, the time per layer and the
-bytes per link, for one attention layer and for a whole model, from the
-exchanged rows (:mod:`.traffic`), the memory items (:mod:`.memory`), the
-ring's schedule (:mod:`.timing`) and the searches (:mod:`.capacity`); the
-model: docs/planner.md."""
+"""Capacity planner for ring dilated attention (``python -m ring_attention.planner``):
+the longest sequence per rank, time per layer and bytes per link (docs/planner.md)."""
 
 from ..core.pairs import pattern_flops, reached_pairs
 from .capacity import Evaluation, Setup, evaluate, fewest_ranks, largest_length

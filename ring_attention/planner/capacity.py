@@ -24,11 +24,8 @@ __all__ = ["Evaluation", "Setup", "evaluate", "fewest_ranks", "floor_peak", "flo
 
 @dataclass(frozen=True)
 class Setup:
-    """Everything but the sequence length: the ranks and their memory, the
-    attention inputs, the pattern (a preset name, or ``None`` with
-    ``segments`` and ``dilations``; the flags as in
-    :func:`ring_attention.ring_dilated_attention`), the rates, the link and
-    the whole model."""
+    """Everything but the sequence length: ranks, memory, inputs, pattern,
+    rates, link and model."""
 
     ranks: int  # processes (one per GPU)
     device: str  # "cuda" or "cpu"
@@ -192,11 +189,8 @@ def largest_length(
     cache: dict[int, Evaluation] | None = None,
     progress: Callable[[int, bool], None] | None = None,
 ) -> Evaluation | None:  # fmt: skip
-    """The longest sequence (within ``rel_tol``, or one token per rank)
-    whose ``peak`` fits in ``setup.usable``; ``None`` when one token per rank
-    does not fit. ``cache`` (length -> evaluation) shares evaluations
-    between searches of one setup; ``progress(length, fits)`` is called
-    after each new evaluation (the method: docs/planner.md)."""
+    """The longest sequence whose ``peak`` fits in ``setup.usable`` (``None``
+    when one token per rank does not fit; docs/planner.md)."""
     p, budget = setup.ranks, setup.usable
     cache = {} if cache is None else cache
 
@@ -252,10 +246,8 @@ def fewest_ranks(
     setup: Setup, seq_len: int, peak: Peak, *, rel_tol: float = 0.02, limit: int = MAX_WORLD_SIZE,
     progress: Callable[[int, bool], None] | None = None,
 ) -> Evaluation | None:  # fmt: skip
-    """The fewest ranks at which ``seq_len`` tokens fit (exact up to 50
-    ranks, within ``rel_tol`` above), or ``None`` when more than ``limit``
-    (at most ``MAX_WORLD_SIZE``) would be needed; ``progress(ranks, fits)``
-    is called after each evaluation (the method: docs/planner.md)."""
+    """The fewest ranks at which ``seq_len`` tokens fit, or ``None`` when more
+    than ``limit`` would be needed (docs/planner.md)."""
     budget = setup.usable
     limit = check_int(limit, "limit", 1, MAX_WORLD_SIZE)
 
@@ -298,8 +290,7 @@ def fewest_ranks(
 
 
 def _meets(a: tuple[int, int], b: tuple[int, int], budget: int) -> float | None:
-    """Where ``y = u + v / p`` through the points ``a`` and ``b`` (ranks,
-    peak) meets ``budget``; ``None`` when it does not (flat or rising)."""
+    """Where ``y = u + v / p`` through ``a`` and ``b`` meets ``budget`` (or ``None``)."""
     (p1, y1), (p2, y2) = a, b
     if p1 == p2:
         return None
@@ -309,10 +300,8 @@ def _meets(a: tuple[int, int], b: tuple[int, int], budget: int) -> float | None:
 
 
 def floor_peak(setup: Setup, seq_len: int, ranks: int, goal: str) -> int:
-    """A closed-form lower bound of the worst rank's peak for ``goal``
-    (``"inference"``, ``"training"``, ``"model"``) at ``ranks`` ranks: the
-    items of the longest shard that do not depend on the exchange
-    (:func:`.memory.own_memory`), the whole model's on top for ``"model"``."""
+    """A closed-form lower bound of the worst rank's peak for ``goal`` at
+    ``ranks`` ranks (:func:`.memory.own_memory`)."""
     local = -(-seq_len // ranks)
     s = setup
     m = own_memory(local, s.heads, s.kv_heads, s.batch, s.head_dim, s.itemsize)
@@ -331,8 +320,7 @@ def floor_peak(setup: Setup, seq_len: int, ranks: int, goal: str) -> int:
 
 def floor_ranks(setup: Setup, seq_len: int, goal: str, high: int = MAX_SEQ_LEN) -> int | None:
     """The fewest ranks (up to ``high``, else ``None``) at which
-    :func:`floor_peak` fits: a lower bound of :func:`fewest_ranks`, found by
-    bisection (the floor falls with more ranks beyond two)."""
+    :func:`floor_peak` fits, by bisection: a lower bound of :func:`fewest_ranks`."""
     budget = setup.usable
     if floor_peak(setup, seq_len, 1, goal) <= budget:
         return 1

@@ -1,9 +1,5 @@
-"""``python -m ring_attention.planner``: the capacity planner's command line:
-the longest sequence on given ranks, the fewest ranks for a length, one
-length on given ranks, or the sharding modes compared (``--mode``). The
-options are :mod:`.cli_args`'s; here the rules between them, the
-:class:`~.capacity.Setup` they describe, the searches and the report
-(:mod:`.cli_report`). Examples: docs/performance.md."""
+"""``python -m ring_attention.planner``: the capacity planner's command line, the
+rules between its options and the searches (examples: docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -55,10 +51,6 @@ class OptionError(ValueError):
         super().__init__(f"argument {option}: {message}")
 
 
-def _host_memory() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def _ranks(args: argparse.Namespace) -> int | None:
     return args.gpus if args.gpus is not None else args.processes
 
@@ -73,16 +65,14 @@ def _memory(args: argparse.Namespace, device: str, ranks: int) -> tuple[int, int
     if device == "cuda":
         memory = args.gpu_memory or args.memory or 80 * 10**9
     else:
-        memory = (args.memory or _host_memory()) // ranks
+        memory = (args.memory or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) // ranks
     kind, value = args.reserve or (("%", 10.0) if device == "cuda" else ("bytes", 400 * 10**6))
     return memory, int(memory * value / 100) if kind == "%" else int(value)
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """The rules between options, before any planning (each option's own
-    range is its parser type's, :mod:`.cli_types`); raises
-    :class:`OptionError` naming the option. Fills in the attention shape a
-    ``--model`` gives (``--heads``, ``--kv-heads``, ``--head-dim`` left out)."""
+    """The rules between options, before any planning; raises
+    :class:`OptionError` naming the option. Fills in a ``--model``'s shape."""
     ranks, device = _ranks(args), _device(args)
     for name, default in (("heads", 16), ("kv_heads", None), ("head_dim", 128)):
         if getattr(args, name) is None:  # a --model's, else the default (kv_heads: heads)
@@ -176,12 +166,7 @@ def build_setup(args: argparse.Namespace, ranks: int) -> Setup:
 
 
 class _Progress:
-    """A search's progress on stderr, and its time limit.
-
-    On a terminal one line, rewritten in place; elsewhere (a pipe, a log) a
-    line per evaluation once the search has run ``_QUIET_SECONDS``; nothing
-    with ``--quiet``. Past ``limit`` seconds the search stops after the
-    evaluation under way (:class:`Impossible`, with what it found)."""
+    """A search's progress on stderr, and its time limit (:class:`Impossible`)."""
 
     def __init__(
         self, what: str, unit: str, limit: float, quiet: bool, start: float | None = None
@@ -239,17 +224,8 @@ _LABELS = {
 }
 
 
-def _peak_fns(s: Setup):
-    fns = {"inference": lambda ev: ev.forward_peak, "training": lambda ev: ev.training_peak}
-    if s.model is not None:
-        fns["model"] = lambda ev: ev.model_peak
-    return fns
-
-
 def _too_large(setup: Setup, seq_len: int, goal: str, limit: int) -> str | None:
-    """Why ``seq_len`` tokens need more ranks than the planner models
-    (``limit``), from the closed-form floor of the peak; ``None`` when
-    ``limit`` ranks may hold them."""
+    """Why ``seq_len`` tokens need more ranks than ``limit`` (or ``None``)."""
     if floor_ranks(setup, seq_len, goal, limit) is not None:
         return None
     floor, need = floor_peak(setup, seq_len, limit, goal), floor_ranks(setup, seq_len, goal)
@@ -273,7 +249,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         setup = build_setup(args, ranks or 1)
         setup.pattern_at(max(args.seq_len or 1, 1)).check_heads(setup.heads)
-        peaks = _peak_fns(setup)
+        peaks = {"inference": lambda ev: ev.forward_peak, "training": lambda ev: ev.training_peak}
+        if setup.model is not None:
+            peaks["model"] = lambda ev: ev.model_peak
         goal = "model" if setup.model is not None else "training"
         if ranks is not None and args.seq_len is not None:
             floor = floor_peak(setup, args.seq_len, ranks, "inference")
@@ -395,8 +373,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m ring_attention.planner``: the exit status
-    (0; 2 for a bad option, said on stderr as argparse does, or for a
-    request that cannot be met, said on stdout after ``Not possible:``)."""
+    (0; 2 for a bad option or a request that cannot be met)."""
     try:
         args = parse_args(argv)
     except SystemExit as exc:  # argparse: --help (0) or a bad option (2)

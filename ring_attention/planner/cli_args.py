@@ -1,6 +1,5 @@
-"""The capacity planner's options (``python -m ring_attention.planner
---help``): the parser, with the range of every option checked while parsing
-(:mod:`.cli_types`; the rules between options: :func:`.cli.check_args`)."""
+"""The capacity planner's options: the parser, with the range of every
+option checked while parsing (:mod:`.cli_types`)."""
 
 from __future__ import annotations
 
@@ -70,8 +69,7 @@ def _per_device(table: dict, key: str) -> str:
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """One default per option in ``--help``: the help's own words where they
-    name it, else ``(default: X)``; flags read ``(default: off)``."""
+    """One default per option in ``--help``."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""

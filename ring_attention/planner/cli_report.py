@@ -1,8 +1,4 @@
-"""The capacity planner's report as text: sizes, times and token counts,
-the header of a setup, one attention layer's details (memory items, time,
-the far group's schedules, bytes per link), the whole model's lines, the
-modes side by side, and the assumptions printed under every report. Its
-functions read a :class:`~.capacity.Setup` and an
+"""The capacity planner's report as text, from a :class:`~.capacity.Setup` and an
 :class:`~.capacity.Evaluation` or :class:`~.modes.ModeEvaluation`."""
 
 from __future__ import annotations
@@ -113,9 +109,7 @@ def layer_details(ev: Any) -> list[str]:
 
 
 def _far_lines(ev: Any) -> list[str]:
-    """The two schedules side by side: the ring alone and the far group
-    (``--far-bytes``, else ``auto``), exposed communication of the slowest
-    rank of each pass, and which is cheaper."""
+    """The ring alone and the far group side by side, and which is cheaper."""
     s = ev.setup
     far = s.far_bytes or s.link.far_bytes
     out = []

@@ -1,7 +1,5 @@
-"""Checked option types of the command lines (``python -m
-ring_attention.planner``, ``python -m ring_attention.info``): a bad value is
-refused while parsing, the argparse way (exit 2), naming what was expected;
-sizes take units (``80GB``, ``24GiB``, ``1e9``, ``64K``)."""
+"""Checked option types of the command lines: a bad value is refused while
+parsing (exit 2); sizes take units (``80GB``, ``24GiB``, ``1e9``, ``64K``)."""
 
 from __future__ import annotations
 
@@ -13,8 +11,7 @@ from collections.abc import Callable
 __all__ = ["MAX_BYTES", "MICROSECONDS", "RATE", "int_in", "number_in", "parse_size", "reserve",
            "size_in"]  # fmt: skip
 
-#: The most memory per rank the planner takes (256 TiB): its byte counts stay
-#: far inside int64.
+#: The most memory per rank the planner takes (256 TiB; inside int64).
 MAX_BYTES = 2**48
 
 #: Unit -> multiplier (``b``: a billion tokens).
@@ -33,9 +30,7 @@ def parse_size(text: str) -> int:
 
 
 def _checked(name: str, expected: str, convert: Callable, ok: Callable, got: Callable):
-    """A parser type named ``name`` (argparse names a type by it):
-    ``convert(text)``, refused with ``expected`` when it fails or is not
-    ``ok`` (``got(text, value)`` says what was given)."""
+    """A parser type named ``name``: ``convert(text)``, checked by ``ok``."""
 
     def parse(text: str):
         try:
@@ -97,8 +92,7 @@ def reserve(high: int) -> Callable[[str], tuple[str, float]]:
     return parse
 
 
-#: A bandwidth (Gbit/s) or a rate (TFLOP/s): finite, from 10^-6 (a kbit/s, a
-#: MFLOP/s: times stay finite) to far beyond any machine.
+#: A bandwidth (Gbit/s) or a rate (TFLOP/s): finite, from 10^-6.
 RATE = number_in(1e-6, 1e9)
 #: A latency in microseconds: finite, >= 0 (at most about 16 minutes).
 MICROSECONDS = number_in(0, 1e9)

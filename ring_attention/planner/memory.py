@@ -1,7 +1,5 @@
-"""Peak memory per rank of one ring attention layer, item by item, as
-``parallel/ring.py`` and ``parallel/exchange.py`` allocate it: the transport buffers
-agree byte for byte with ``last_exchange_stats.buffer_bytes`` (the items:
-docs/planner.md). The functions take a :class:`~.traffic.Traffic`."""
+"""Peak memory per rank of one ring attention layer, item by item, from a
+:class:`~.traffic.Traffic` (the items: docs/planner.md)."""
 
 from __future__ import annotations
 
@@ -13,8 +11,7 @@ import torch
 __all__ = ["DTYPE_BYTES", "KERNEL_WORKSPACE", "LayerMemory", "acc_bytes", "layer_memories",
            "layer_memory", "own_memory", "transport_buffers"]  # fmt: skip
 
-#: The one item that is not a tensor: the backward kernel's ``delta`` (a
-#: host vector on the CPU), invisible to a tensor-allocation profiler.
+#: The backward kernel's ``delta``: a host vector on the CPU, not a tensor.
 KERNEL_WORKSPACE = "kernel delta"
 
 #: Bytes per element of the dtypes the kernels take.
@@ -27,9 +24,7 @@ def acc_bytes(itemsize: int) -> int:
 
 
 def _slots_used(index: torch.Tensor, posting: torch.Tensor) -> torch.Tensor:
-    """``(p,)``: distinct buffers of one packed kind each rank touches. The
-    kind has ``min(2, steps posting it)`` slots and a step takes slot
-    ``index % slots`` (``index``, ``posting``: ``(p, p)`` by distance)."""
+    """``(p,)``: distinct buffers of one packed kind each rank touches."""
     n = posting.sum(1)
     even = (posting & (index % 2 == 0)).any(1).long()
     odd = (posting & (index % 2 == 1)).any(1).long()
@@ -40,10 +35,7 @@ def transport_buffers(
     tr: Any, batch: int, head_dim: int, itemsize: int, far_bytes: int = 0
 ) -> dict[str, dict[str, torch.Tensor]]:
     """Bytes of every transport buffer each rank allocates per pass,
-    ``{"forward" | "backward": {kind: (p,) bytes}}`` (per rank, the sums of
-    ``last_exchange_stats.buffer_bytes``); the transfers of at most
-    ``far_bytes`` K/V bytes travel in the far group, whose buffers hold all
-    their rows at once (:meth:`.traffic.Traffic.far`)."""
+    ``{"forward" | "backward": {kind: (p,) bytes}}``."""
     acc = acc_bytes(itemsize)
     row = 2 * batch * head_dim  # a K and a V vector of one (row, K/V head)
     far_s, far_r = tr.far(row * itemsize, far_bytes)
@@ -107,10 +99,7 @@ def _items(
     L, heads: int, kv_heads: int, batch: int, head_dim: int, itemsize: int, *, plan_idx=0,
     zigzag: bool = False, buffers: tuple = (0, 0),
 ) -> tuple[dict, dict, dict]:  # fmt: skip
-    """``(inputs, forward, backward)`` items at the local length ``L`` (an
-    int or a ``(p,)`` tensor), given what the exchange adds: the plan's
-    indices, the piece copies of two pieces per rank (``zigzag``) and the
-    transport buffers (forward, backward)."""
+    """``(inputs, forward, backward)`` items at the local length ``L``."""
     acc = acc_bytes(itemsize)
     q = batch * L * heads * head_dim
     kv = batch * L * kv_heads * head_dim
@@ -152,8 +141,7 @@ def own_memory(
     local_len: int, heads: int, kv_heads: int, batch: int, head_dim: int, itemsize: int
 ) -> LayerMemory:
     """The items of a rank of ``local_len`` rows that do not depend on the
-    exchange (inputs, accumulators, casts, the kernel's ``delta``): a
-    closed-form lower bound of the longest shard's :class:`LayerMemory`."""
+    exchange: a lower bound of the longest shard's :class:`LayerMemory`."""
     return LayerMemory(*_items(local_len, heads, kv_heads, batch, head_dim, itemsize))
 
 
@@ -161,9 +149,8 @@ def layer_memories(
     tr: Any, batch: int, head_dim: int, itemsize: int, *, device: str = "cpu",
     far_bytes: int = 0,
 ) -> list[LayerMemory]:  # fmt: skip
-    """The :class:`LayerMemory` of every rank (see the module docstring);
-    ``device="cuda"`` adds the device copy of the plan's indices;
-    ``far_bytes``: the far group's threshold (:func:`transport_buffers`)."""
+    """The :class:`LayerMemory` of every rank; ``device="cuda"`` adds the
+    device copy of the plan's indices."""
     plan_idx = 8 * (tr.rows_sent + tr.rows_received)
     bufs = transport_buffers(tr, batch, head_dim, itemsize, far_bytes)
     inputs, forward, backward = _items(

@@ -1,7 +1,5 @@
-"""Whole-model memory and time per rank, for sequence-parallel training:
-every rank holds ``batch * n / p`` tokens of every block, AdamW in mixed
-precision, optional checkpointing and parameter sharding; the assumptions
-are printed with every figure (and listed in docs/planner.md)."""
+"""Whole-model memory and time per rank for sequence-parallel training (the
+assumptions: docs/planner.md)."""
 
 from __future__ import annotations
 
@@ -23,8 +21,7 @@ def model_memory(
     checkpointing: bool, shard_params: bool,
 ) -> dict[str, int]:  # fmt: skip
     """Peak bytes of one rank training the whole model, per item (``tokens``:
-    the rank's tokens, ``batch * n / p``; ``layer``: the rank's attention
-    layer memory)."""
+    the rank's tokens; ``layer``: its attention layer memory)."""
     states = 16 * shape.params() // (world_size if shard_params else 1)  # AdamW, mixed
     per_token = activation_bytes_per_token(shape, itemsize)
     attention_backward = sum(v for k, v in layer.backward.items() if k != "out, lse (saved)")

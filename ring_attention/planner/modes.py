@@ -1,8 +1,5 @@
-"""The planner for the three ways of sharding the sequence (docs/design.md
-§2): the ring over every rank, Ulysses (all-to-all over every rank) and the
-ring x Ulysses hybrid (``U`` ranks per Ulysses group, ``R`` rings), per rank
-and attention layer: bytes sent, peak memory and time, and which mode wins
-(the model: docs/planner.md)."""
+"""The planner for the ring, Ulysses and the hybrid: bytes sent, peak memory and
+time per rank and layer, and which mode wins (docs/planner.md)."""
 
 from __future__ import annotations
 
@@ -28,9 +25,8 @@ def stretch_traffic(
     pattern: Pattern, seq_len: int, heads: int, kv_heads: int, R: int, U: int, layout: str,
     source: str = "auto",
 ) -> Traffic:  # fmt: skip
-    """:class:`~.traffic.Traffic` of a ring of ``R`` ranks each holding its
-    Ulysses group's stretch (``fold=U``), for ``heads`` query and
-    ``kv_heads`` K/V heads."""
+    """The :class:`~.traffic.Traffic` of a ring of ``R`` ranks each holding its
+    Ulysses group's stretch (``fold=U``)."""
     pieces = [layout_pieces(seq_len, R, i, layout, U) for i in range(R)]
     most = max(len(ps) for ps in pieces)  # (zigzag: the middle rank's runs are adjacent, merged)
     for ps in pieces:
@@ -98,8 +94,7 @@ class ModeEvaluation:
 
 def _a2a_bytes(L: list[int], c: list[int], k: list[int], j: int, D: int, B: int, s: int,
                a: int) -> tuple[int, int, int, int]:  # fmt: skip
-    """Bytes rank ``j`` of a Ulysses group sends: q/k/v out, out/lse back,
-    and their two backward exchanges (``L``: the group's local lengths)."""
+    """Bytes rank ``j`` of a Ulysses group sends, forward and backward."""
     U = len(L)
     peers = [p for p in range(U) if p != j]
     qkv = sum(L[j] * (c[p] + 2 * k[p]) for p in peers) * D * B * s
@@ -181,8 +176,7 @@ def _training(mem: LayerMemory) -> dict[str, int]:
 
 
 def _grid_items(L, S, H, Hkv, c, k, j, row, D, B, s, acc, mem):
-    """Peak memory items of one Ulysses rank: forward (inference) and
-    forward + backward, at the largest phase of each."""
+    """Peak memory items of one Ulysses rank: inference and training."""
     U = len(row)
     peers = [p for p in range(U) if p != j]
     vec = D * B * s
@@ -196,9 +190,7 @@ def _grid_items(L, S, H, Hkv, c, k, j, row, D, B, s, acc, mem):
     attn_f = sum(mem.forward.values()) if mem else 0
     attn_b = sum(v for k_, v in mem.backward.items() if k_ != KERNEL_WORKSPACE) if mem else 0
     plan = mem.inputs.get("plan indices (cached)", 0) if mem else 0
-    # forward: the packed sends and the received blocks, then the stretch
-    # copy (the blocks freed); the attention; out/lse copied per member and
-    # exchanged (the stretch out/lse freed), then concatenated
+    # forward: the all-to-all of q/k/v, the attention, the all-to-all of out/lse
     fwd = {
         "all-to-all q, k, v": stretch + max(send1, stretch),
         "attention": stretch + attn_f,
@@ -206,10 +198,7 @@ def _grid_items(L, S, H, Hkv, c, k, j, row, D, B, s, acc, mem):
     }
     top = max(fwd, key=fwd.get)
     f_items = {**local, "plan indices (cached)": plan, top: fwd[top]}
-    # backward: the saved stretch q/k/v and out/lse with the output; out/lse's
-    # gradient exchange; the attention's backward; q/k/v's gradient exchange
-    # (the saved tensors freed by then: the blocks' gradients, the packed
-    # sends and what comes back)
+    # backward: the saved stretch and output, then the same three in reverse
     saved = stretch + o_s
     bwd = {
         "all-to-all grad out, lse": saved + full + back2 + send2 + o_s,
@@ -223,11 +212,8 @@ def _grid_items(L, S, H, Hkv, c, k, j, row, D, B, s, acc, mem):
 
 
 def grid_for(mode: str, ranks: int, gpus_per_node: int, ulysses: int | None = None):
-    """``(R, U)`` of a mode on ``ranks``: the ring ``(ranks, 1)``, Ulysses
-    ``(1, ranks)``, the hybrid ``(ranks / U, U)``: one Ulysses group per
-    node (``U = gpus_per_node``; all the ranks when they fit in one node),
-    or ``U = ulysses``. A group must not straddle two nodes: ``ValueError``
-    (naming the options) where it would; nothing is chosen in its place."""
+    """``(R, U)`` of a mode on ``ranks``; ``ValueError`` (naming the options)
+    where a Ulysses group would straddle two nodes."""
     if mode == "ring":
         return ranks, 1
     if mode == "ulysses":
@@ -257,10 +243,8 @@ def compare_modes(
     setup: Any, seq_len: int, gpus_per_node: int, intra: Link, inter: Link,
     ulysses: int | None = None, modes: tuple[str, ...] = MODES,
 ) -> list[ModeEvaluation]:  # fmt: skip
-    """The ``modes`` (all three) on ``setup.ranks`` ranks, ``gpus_per_node`` per node:
-    a communication that stays inside a node takes ``intra``, one that
-    crosses nodes ``inter`` (the ring over every rank crosses nodes once
-    there is more than one)."""
+    """The ``modes`` on ``setup.ranks`` ranks, ``gpus_per_node`` per node
+    (``intra`` inside a node, ``inter`` across nodes)."""
     ring = intra if setup.ranks <= gpus_per_node else inter
     grids = {mode: grid_for(mode, setup.ranks, gpus_per_node, ulysses) for mode in modes}
     return [evaluate_mode(setup, seq_len, R, U, a2a_link=intra if U <= gpus_per_node else inter,

@@ -12,9 +12,8 @@ __all__ = ["MODELS", "PATTERNS", "ModelShape", "longnet_pattern", "make_pattern"
 
 
 def longnet_pattern(seq_len: int, base: int = 2048, factor: int = 4) -> tuple[list[int], list[int]]:
-    """LongNet grown to ``seq_len``: segments ``base * factor**i`` below
-    ``seq_len`` and one of ``seq_len``, dilation ``segment // base`` (every
-    branch reaches about ``base`` keys per query and head)."""
+    """LongNet grown to ``seq_len``: segments ``base * factor**i`` and
+    ``seq_len``, dilation ``segment // base``."""
     seq_len = check_int(seq_len, "seq_len", 0, MAX_SEQ_LEN)
     base = check_int(base, "base", 1, MAX_SEQ_LEN)
     factor = check_int(factor, "factor", 2, MAX_SEQ_LEN)
@@ -44,8 +43,7 @@ def make_pattern(
     window: tuple[int, int] | None = None,
 ) -> Pattern:  # fmt: skip
     """The :class:`Pattern` of a preset (or of explicit segments and
-    dilations) at ``seq_len``; ``document_length`` packs documents of that
-    length (the last one shorter)."""
+    dilations) at ``seq_len``, with documents of ``document_length``."""
     if segments is not None or dilations is not None:
         if segments is None or dilations is None:
             raise ValueError("--segments and --dilations go together")
@@ -66,9 +64,7 @@ def make_pattern(
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A decoder/encoder stack: ``layers`` blocks of attention and MLP
-    (projections ``hidden -> heads * head_dim`` for q, ``kv_heads *
-    head_dim`` for k and v)."""
+    """A decoder/encoder stack: ``layers`` blocks of attention and MLP."""
 
     layers: int
     hidden: int

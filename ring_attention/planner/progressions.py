@@ -1,7 +1,5 @@
-"""Unions of arithmetic progressions cut to intervals, counted without
-visiting their elements (:func:`union_stats`): the K/V rows one rank needs
-from another's piece, per branch and head offset, travel once however many
-branches need them (the method: docs/planner.md)."""
+"""Unions of arithmetic progressions cut to intervals, counted without visiting
+their elements (:func:`union_stats`; docs/planner.md)."""
 
 from __future__ import annotations
 
@@ -31,9 +29,7 @@ def _count(lo: int, hi: int, rate: int, residue: int) -> int:
 
 
 def _minimal(classes: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
-    """Residue classes ``(rate, residue)`` without those contained in another
-    (``b`` in ``a`` when ``rate_a`` divides ``rate_b`` and the residues agree
-    modulo ``rate_a``), sorted."""
+    """Residue classes without those contained in another, sorted."""
     keep: list[tuple[int, int]] = []
     for rb, pb in sorted(set(classes)):  # a container's rate is never larger
         if not any(rb % ra == 0 and pb % ra == pa for ra, pa in keep):
@@ -43,8 +39,7 @@ def _minimal(classes: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
 
 @cached("planner period tables", 256)
 def _period_table(classes: tuple[tuple[int, int], ...], period: int) -> tuple[int, torch.Tensor]:
-    """Members of one period of the union of ``classes``: their number and
-    the prefix counts ``pre[k]`` = members in ``[0, k]``."""
+    """Members of one period of the union and their prefix counts."""
     member = torch.zeros(period, dtype=torch.bool)
     for rate, residue in classes:
         member[residue::rate] = True
@@ -65,10 +60,7 @@ def _crt(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
 
 
 def _inclusion_exclusion(x: int, y: int, classes: tuple[tuple[int, int], ...]) -> int | None:
-    """Members of ``[x, y)`` in the union by inclusion-exclusion over the
-    intersections (residue classes again, by the Chinese remainder theorem),
-    depth first: an empty intersection ends its branch. ``None`` when more
-    than ``_MAX_TERMS`` non-empty intersections would be needed."""
+    """Members of ``[x, y)`` in the union by inclusion-exclusion (or ``None``)."""
     total, terms = 0, 0
     stack = [(i + 1, cls, 1) for i, cls in enumerate(classes)]
     while stack:

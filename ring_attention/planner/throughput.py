@@ -41,8 +41,7 @@ class Rates:
     @property
     def backward(self) -> float:
         """Rate of the backward alone, so that ``4 d/forward + 10 d/backward
-        = 14 d/forward_backward`` (the rate of fwd+bwd where that is not
-        consistent with a slower forward)."""
+        = 14 d/forward_backward``."""
         inv = 14 / self.forward_backward - 4 / self.forward
         return 10 / inv if inv > 0 else self.forward_backward
 

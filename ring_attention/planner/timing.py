@@ -1,8 +1,5 @@
-"""Predicted time per attention layer of every rank, from the ring's
-schedule: each step's K/V transfer overlaps the previous step's compute,
-gradient returns overlap the next, and the transfers of at most
-``far_bytes`` bytes may travel in one far group per pass; the slowest rank
-sets the pace (the formulas: docs/planner.md)."""
+"""Predicted time per attention layer of every rank, from the ring's schedule
+(the formulas: docs/planner.md)."""
 
 from __future__ import annotations
 
@@ -47,11 +44,7 @@ def _ring(
     act: torch.Tensor, x: torch.Tensor, g: torch.Tensor, c: torch.Tensor, b: torch.Tensor,
     c0: torch.Tensor, b0: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``(T_fwd, T_bwd)`` per rank of the ring over the active steps ``act``
-    (``(p, p)`` by distance: K/V transfer ``x``, gradient return ``g``,
-    compute ``c``/``b``; ``c0``/``b0``: before the first step). All ranks
-    at once: inactive steps are skipped by looking up each active step's
-    next and previous active step."""
+    """``(T_fwd, T_bwd)`` per rank of the ring over the active steps ``act``."""
     p = act.shape[0]
     cols = torch.arange(p)
     none = torch.zeros(p, 1, dtype=torch.float64)
@@ -80,9 +73,8 @@ def layer_times(
     tr: Any, batch: int, head_dim: int, itemsize: int, rates: Rates, link: Link,
     far_bytes: int = 0,
 ) -> list[RankTime]:  # fmt: skip
-    """The :class:`RankTime` of every rank: the ring's schedule, with the
-    transfers of at most ``far_bytes`` K/V bytes in one far group per pass
-    (``0``: none); ``tr``: a :class:`~.traffic.Traffic`."""
+    """The :class:`RankTime` of every rank from the ring's schedule and the
+    far group; ``tr``: a :class:`~.traffic.Traffic`."""
     f_pair = FWD_FLOPS_PER_PAIR * head_dim * batch / rates.forward
     b_pair = BWD_FLOPS_PER_PAIR * head_dim * batch / rates.backward
     kv_row = 2 * batch * head_dim * itemsize  # bytes of a (row, K/V head): K and V

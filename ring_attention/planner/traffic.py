@@ -1,8 +1,5 @@
 """What every rank of a ring sends, receives and computes per layer
-(:func:`predict_traffic`): per rank ``j`` and ring distance ``d``, the (row,
-K/V head) pairs received from ``j - d`` and sent to ``j + d``, the row-map
-spans and the reached pairs, from the ring's own plans or from closed forms
-whose cost does not grow with ``n`` (the model: docs/planner.md)."""
+(:func:`predict_traffic`), from the ring's plans or closed forms (docs/planner.md)."""
 
 from __future__ import annotations
 
@@ -23,21 +20,16 @@ from .progressions import union_stats
 
 __all__ = ["SOURCES", "Traffic", "kv_classes", "predict_traffic"]
 
-#: Where the rows come from: the real plan, the closed forms, or the plan
-#: when it is cheap to build and the installed planner takes every feature used.
+#: Where the rows come from (``auto``: the plan when cheap and installed).
 SOURCES = ("auto", "plan", "analytic")
 
 _PLAN_WORK_LIMIT = 1 << 24  # p * n * heads: build real plans up to this
-#: Ranks the traffic model takes: its work and its ``(p, p)`` tables grow
-#: with the pairs of ranks (4096 ranks: about 3.5 GB resident and minutes of
-#: CPU; 131072 would need 137 GB for one table).
+#: Ranks the traffic model takes (its ``(p, p)`` tables grow with p * p).
 MAX_WORLD_SIZE = 1 << 12
 _CHUNK = 1 << 18  # (rank, distance) pairs evaluated at once
 _NONE = torch.empty(0, dtype=torch.int64)
-#: A branch with at most this many rows of one offset in the longest piece,
-#: not aligned with the pieces, has its rows listed per pair (vectorised)
-#: instead of entering the memo's keys: its residues differ from pair to
-#: pair, which would make every pair's key distinct.
+#: A branch with at most this many rows of one offset in the longest piece has
+#: its rows listed per pair instead of entering the memo's keys.
 _LISTED_ROWS = 2
 _FEW_RESIDUES = 16  # piece starts modulo a dilation: few keep few keys
 _BIG = 1 << 62  # a listed row that is not there
@@ -45,13 +37,8 @@ _BIG = 1 << 62  # a listed row that is not there
 
 @dataclass(frozen=True, eq=False)
 class Traffic:
-    """Per rank and ring distance: rows exchanged, span rows, pairs computed.
-
-    Matrices are ``(p, p)`` int64 tensors indexed ``[rank, distance]``
-    (column 0, distance 0, is zero). Rows are (row, K/V head) pairs: each
-    is one ``head_dim`` vector of K and one of V per batch row. Pairs are per
-    batch row, summed over query heads and branches.
-    """
+    """Per rank and ring distance: rows exchanged, span rows, pairs computed,
+    ``(p, p)`` int64 tensors indexed ``[rank, distance]`` (docs/planner.md)."""
 
     pattern: Pattern
     seq_len: int
@@ -79,10 +66,8 @@ class Traffic:
         return torch.nonzero(self.active[rank]).flatten().tolist()
 
     def far(self, row_bytes: int, far_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(send, recv)`` ``(p, p)`` bool masks of the transfers that travel
-        in the far group: those of at most ``far_bytes`` bytes, a row being
-        ``row_bytes`` (its K and V vectors). Both ends of a transfer see the
-        same count, so they agree (``far_bytes = 0``: none, the ring alone)."""
+        """``(send, recv)`` ``(p, p)`` bool masks of the transfers of at most
+        ``far_bytes`` bytes, which travel in the far group."""
         s, r = self.send_rows, self.recv_rows
         return (s > 0) & (s * row_bytes <= far_bytes), (r > 0) & (r * row_bytes <= far_bytes)
 
@@ -98,9 +83,8 @@ class Traffic:
 
 
 def kv_classes(pattern: Pattern, heads: int, kv_heads: int) -> Counter:
-    """K/V heads grouped by what their query heads read: ``{(offsets of
-    branch 0, offsets of branch 1, ...): number of K/V heads}``, the offsets
-    of the query heads of the group to which the branch applies."""
+    """K/V heads grouped by what their query heads read: ``{(offsets per
+    branch): number of K/V heads}``."""
     if kv_heads < 1 or heads % kv_heads:
         raise ValueError(f"kv_heads must divide heads: got heads={heads}, kv_heads={kv_heads}")
     pattern.check_heads(heads)
@@ -127,11 +111,7 @@ def _odd_constant(i: int) -> int:
 def _unique_keys(
     n_rows: int, parts: list[tuple[torch.Tensor, torch.Tensor]]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The distinct keys of ``n_rows`` rows and each row's key index. A row's
-    key: per part ``b`` = ``(rows, vals)``, ``vals[k]`` (5 ints) for ``rows[k]``,
-    else ``-1`` five times. Rows are hashed to one int64 (linear mixing modulo
-    2**64); where a row differs from its hash's representative, the exact row
-    sort decides."""
+    """The distinct keys of ``n_rows`` rows and each row's key index."""
     h = torch.zeros(n_rows, dtype=torch.int64)
     for b, (rows, vals) in enumerate(parts):
         if rows.numel():
@@ -164,13 +144,7 @@ def _class_stats(
     key: tuple[int, ...], branches: list[tuple[int, int]], offsets: list[tuple], n_q: int,
     seen: dict[tuple, tuple[int, int, int]],
 ) -> tuple[int, ...]:  # fmt: skip
-    """``(rows, first, last)`` of one sender piece (relative to its start)
-    for every K/V class (``offsets``: per class, the offsets of each branch),
-    flattened, from a key of :func:`_analytic`: per query piece and branch,
-    the shared segment's part of the sender piece ``[klo, khi)``, the residue
-    of the segment start, and the extent of the query piece's part (length
-    capped at ``r``, phase) that decides which offsets have an active query
-    there. ``seen``: the unions counted so far (keys share many)."""
+    """``(rows, first, last)`` of one sender piece for every K/V class."""
     shared = []
     for q in range(n_q):
         for i, (_, r) in enumerate(branches):
@@ -192,8 +166,7 @@ def _class_stats(
 def _totals(
     per_class: torch.Tensor, class_counts: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(rows, first, last)`` over the K/V heads from ``(N, classes, 3)``
-    stats of one K/V head per class (``class_counts`` heads each)."""
+    """``(rows, first, last)`` over the K/V heads from one head per class."""
     n_rows, first, last = per_class.unbind(2)
     have = n_rows > 0
     total = (n_rows * class_counts).sum(1)
@@ -204,11 +177,7 @@ def _with_listed_rows(
     stats: torch.Tensor, columns: list[tuple[int, torch.Tensor, torch.Tensor]], listed: list[bool],
     branches: list[tuple[int, int]], offsets: list[tuple], longest: int,
 ) -> torch.Tensor:  # fmt: skip
-    """``stats`` (``(N, classes, 3)``: rows, first, last of the other
-    branches' union) with the rows of the *listed* branches added: at most
-    ``ceil(longest / r)`` per offset and pair, listed (vectorised), each
-    counted unless another branch's progression or an earlier listed row holds
-    it. ``columns``: ``(branch, rows, vals)`` per query piece and branch."""
+    """``stats`` with the rows of the listed branches added."""
     n = stats.shape[0]
     out = stats.clone()
     listed_cols = [c for c in columns if listed[c[0]]]
@@ -251,11 +220,7 @@ def _with_listed_rows(
 def _listed_branches(
     branches: list[tuple[int, int]], starts: torch.Tensor, bounds: torch.Tensor, longest: int
 ) -> list[bool]:
-    """Which branches :func:`_analytic` lists per pair instead of keying:
-    those with at most ``_LISTED_ROWS`` rows of an offset in the longest
-    piece whose residues differ from pair to pair (the segment length not a
-    multiple of the dilation, or more than ``_FEW_RESIDUES`` distinct piece
-    and document starts modulo it). The others share few keys."""
+    """Which branches :func:`_analytic` lists per pair instead of keying."""
     out = []
     for w, r in branches:
         residues = torch.cat([starts.flatten(), bounds[:-1]]) % r
@@ -365,11 +330,8 @@ def _analytic(
     return out
 
 
-#: The ring's own exchange plans, ``build_plan(pattern, seq_len, heads,
-#: kv_heads, world_size, rank, layout, fold=1)``
-#: (:func:`ring_attention.parallel.exchange_plan.build_plan`): set by
-#: ``ring_attention/__init__.py`` when the compiled extension loads. The
-#: planner imports the core alone and runs on its closed forms without it.
+#: The ring's own ``build_plan``, set by ``ring_attention/__init__.py`` when the
+#: compiled extension loads; without it the planner runs on closed forms.
 exact_plans: Callable[..., Any] | None = None
 
 
@@ -377,8 +339,7 @@ def plan_rows(
     pattern: Pattern, seq_len: int, heads: int, kv_heads: int, p: int, layout: str, fold: int = 1
 ) -> dict[str, torch.Tensor]:
     """``recv[j, d]`` and ``span[j, d]`` of every rank's own plan
-    (:data:`exact_plans`; ``span``: K/V rows between the first and last
-    received row of a step whose rows are not contiguous)."""
+    (:data:`exact_plans`)."""
     assert exact_plans is not None
     recv, span = (torch.zeros(p, p, dtype=torch.int64) for _ in range(2))
     for j in range(p):
@@ -397,11 +358,8 @@ def predict_traffic(
     pattern: Pattern, seq_len: int, heads: int, kv_heads: int | None = None, world_size: int = 1,
     layout: str = "contiguous", *, source: str = "auto",
 ) -> Traffic:  # fmt: skip
-    """The :class:`Traffic` of every rank of a ring of ``world_size``:
-    ``kv_heads`` divides ``heads`` (default ``heads``); ``layout``: contiguous,
-    zigzag or balanced; ``source``: ``"plan"`` (the ring's own plans),
-    ``"analytic"`` (closed forms) or ``"auto"`` (the plans when ``p * n * heads
-    <= 2**24`` and the extension is built). A bad argument raises ``ValueError``."""
+    """The :class:`Traffic` of every rank of a ring of ``world_size``; ``source``:
+    ``"plan"``, ``"analytic"`` or ``"auto"`` (docs/planner.md)."""
     seq_len, heads = check_planner_args(pattern, seq_len, heads)
     kv_heads = heads if kv_heads is None else check_int(kv_heads, "kv_heads", 1, heads)
     if heads % kv_heads:
@@ -418,10 +376,8 @@ def traffic_of(
     pattern: Pattern, seq_len: int, heads: int, kv_heads: int, pieces: list[list[Piece]],
     layout: str, source: str = "auto", fold: int = 1,
 ) -> Traffic:  # fmt: skip
-    """The :class:`Traffic` of the ranks holding ``pieces`` (checked
-    arguments; ``fold``: ranks per shard group, the hybrid's Ulysses size).
-    The vectorised work runs with one intra-op thread (small tensors; the
-    previous setting is restored)."""
+    """The :class:`Traffic` of the ranks holding ``pieces`` (checked arguments;
+    ``fold``: the hybrid's Ulysses size), on one intra-op thread."""
     p = len(pieces)
     total = ranks_pairs(
         pattern, seq_len, heads, [[(pc.start, pc.length) for pc in ps] for ps in pieces]

@@ -52,10 +52,8 @@ def resident_growth(call) -> int:
 
 
 def tensor_peak(call) -> int:
-    """Peak CPU tensor bytes allocated by ``call()`` and not yet freed: from
-    the PyTorch profiler's allocation events in time order, the blocks
-    allocated during the call less those of them freed (matched by address;
-    frees of earlier blocks, which another thread may release, ignored)."""
+    """Peak CPU tensor bytes allocated by ``call()`` and not yet freed, from
+    the PyTorch profiler's allocation events."""
     from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
@@ -84,8 +82,7 @@ def tensor_peak(call) -> int:
 
 
 def _attention(fn, q, k, v, go, spec: dict, backward: bool):
-    """A call of ``fn`` (the ring or the local operator) on leaves of ``q, k,
-    v`` (``call.leaves``): a forward under ``no_grad``, or forward + backward of ``go``."""
+    """A call of ``fn``: a forward under ``no_grad``, or forward + backward."""
     qq, kk, vv = (t.detach().requires_grad_(backward) for t in (q, k, v))
 
     def call() -> None:
@@ -224,9 +221,7 @@ def _ms(x: float) -> str:
     return f"{1e3 * x:.1f}"
 
 
-#: The tables of worst ranks: per quantity, the predicted and measured
-#: column names, the values of a predicted and of a measured row, the
-#: format, and whether a pred/meas column follows.
+#: The tables of worst ranks: per quantity, columns, row values and format.
 _WORST = {
     "memory": [
         ("tensor peak MiB (pred.)", "tensor peak MiB (meas.)", lambda r: r["tensor_peak"],
