@@ -62,8 +62,10 @@ def _over_split_cases(test):
     return pytest.mark.parametrize("dtype", BLOCK_DTYPES)(test)
 
 
-def _split_setup(device: str, case: str, causal: bool, mask: bool, dtype: torch.dtype, seed: int):
-    """``_block_setup`` plus the split's random source and the failure context."""
+def _split_setup(device: str, case: str, causal: bool, mask: bool, dtype: torch.dtype, base: int):
+    """``_block_setup`` (seeded from ``base`` and the case) plus the split's
+    random source and the failure context."""
+    seed = base + len(case) + 2 * causal + mask
     cfg, q, k, v, go, kpm = _block_setup(device, case, causal, dtype, mask, seed)
     ctx = f"{case} causal={causal} mask={mask} {dtype}"
     return cfg, q, k, v, go, kpm, random.Random(seed), ctx
@@ -71,8 +73,7 @@ def _split_setup(device: str, case: str, causal: bool, mask: bool, dtype: torch.
 
 @_over_split_cases
 def test_block_forward_split_equals_whole(device, case, causal, mask, dtype) -> None:
-    seed = 100 + len(case) + 2 * causal + mask
-    cfg, q, k, v, go, kpm, rng, ctx = _split_setup(device, case, causal, mask, dtype, seed)
+    cfg, q, k, v, go, kpm, rng, ctx = _split_setup(device, case, causal, mask, dtype, 100)
     n = cfg.n
     tol = OUT_TOL[dtype]
 
@@ -133,8 +134,7 @@ def test_block_forward_split_equals_whole(device, case, causal, mask, dtype) -> 
 
 @_over_split_cases
 def test_block_backward_split_equals_whole(device, case, causal, mask, dtype) -> None:
-    seed = 200 + len(case) + 2 * causal + mask
-    cfg, q, k, v, go, kpm, rng, ctx = _split_setup(device, case, causal, mask, dtype, seed)
+    cfg, q, k, v, go, kpm, rng, ctx = _split_setup(device, case, causal, mask, dtype, 200)
     n = cfg.n
     tol = GRAD_TOL[dtype]
     acc = acc_dtype(dtype)
