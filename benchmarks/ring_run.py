@@ -135,21 +135,26 @@ def ring_rank_run(a: argparse.Namespace, device, rank: int, world: int) -> tuple
             wall.append((time.perf_counter() - t0) * 1e3)
         return wall, cpu
 
+    def measured(name: str, call: Callable[[], Any], *inputs: torch.Tensor) -> dict:
+        """``call``'s median wall and CPU ms, its wall times and its peak bytes
+        (``inputs`` held plus what the call grows), keyed ``{name}_...``."""
+        wall, cpu = timed(call)
+        barrier()
+        growth = measure.peak_growth_bytes(call, device)
+        held = measure.tensor_bytes(*inputs)
+        return {
+            f"{name}_ms": measure.median(wall),
+            f"{name}_cpu_ms": measure.median(cpu),
+            f"{name}_times_ms": wall,
+            f"{name}_peak_bytes": None if growth is None else held + growth,
+        }
+
     def fwd() -> None:
         with torch.no_grad():
             methods.ring_call(q, k, v, a.segments, a.dilations, **kw)
 
     row: dict[str, Any] = {"rank": rank, "shard": q.shape[1], "pieces": pieces}
-    wall, cpu = timed(fwd)
-    barrier()
-    growth = measure.peak_growth_bytes(fwd, device)
-    held = measure.tensor_bytes(q, k, v)
-    row.update(
-        fwd_ms=measure.median(wall),
-        fwd_cpu_ms=measure.median(cpu),
-        fwd_times_ms=wall,
-        fwd_peak_bytes=None if growth is None else held + growth,
-    )
+    row.update(measured("fwd", fwd, q, k, v))
     c = methods.exchange_counters()
     row.update(sent_fwd=c["sent_fwd"], buffers_fwd=c["buffers"])
     out, grads = None, []
@@ -160,16 +165,7 @@ def ring_rank_run(a: argparse.Namespace, device, rank: int, world: int) -> tuple
             o = methods.ring_call(*leaves, a.segments, a.dilations, **kw)
             torch.autograd.grad(o, leaves, go)
 
-        wall, cpu = timed(fwdbwd)
-        barrier()
-        growth = measure.peak_growth_bytes(fwdbwd, device)
-        held = measure.tensor_bytes(q, k, v, go)
-        row.update(
-            fwdbwd_ms=measure.median(wall),
-            fwdbwd_cpu_ms=measure.median(cpu),
-            fwdbwd_times_ms=wall,
-            fwdbwd_peak_bytes=None if growth is None else held + growth,
-        )
+        row.update(measured("fwdbwd", fwdbwd, q, k, v, go))
         c = methods.exchange_counters()
         row.update(sent_all=c["sent_all"], buffers_all=c["buffers"])
         if a.check_on:

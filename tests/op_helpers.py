@@ -210,6 +210,24 @@ def close(
     )
 
 
+def assert_max_abs(a, b, tol: float = 1e-5, what: str = "") -> None:
+    """``a`` and ``b`` (tensors, or both None) have one shape and differ by at
+    most ``tol`` anywhere."""
+    if a is None or b is None:
+        assert a is None and b is None, what
+        return
+    assert a.shape == b.shape, (what, a.shape, b.shape)
+    err = (a - b).abs().max().item() if a.numel() else 0.0
+    assert err <= tol, f"{what}: max abs error {err}"
+
+
+def close_grads(got, want, dtype: torch.dtype, ctx: object, prefix: str = "") -> None:
+    """(dq, dk, dv) against the oracle's with the dtype's gradient tolerance;
+    ``prefix`` goes before each name in a failure."""
+    for name, g, r in zip(("dq", "dk", "dv"), got, want, strict=True):
+        close(g, r, GRAD_TOL[dtype], prefix + name, ctx)
+
+
 def check_results(cfg: Cfg, dtype: torch.dtype, got, want, ctx: object) -> None:
     """(out, lse, dq, dk, dv) of an operator against the oracle's, with the
     dtype's tolerances; shapes and dtypes too."""
@@ -222,9 +240,7 @@ def check_results(cfg: Cfg, dtype: torch.dtype, got, want, ctx: object) -> None:
         assert g.dtype == dtype and g.shape == r.shape, ctx
     close(out, r_out, OUT_TOL[dtype], "out", ctx)
     close(lse, r_lse, LSE_TOL[dtype], "lse", ctx)
-    close(dq, r_dq, GRAD_TOL[dtype], "dq", ctx)
-    close(dk, r_dk, GRAD_TOL[dtype], "dk", ctx)
-    close(dv, r_dv, GRAD_TOL[dtype], "dv", ctx)
+    close_grads((dq, dk, dv), (r_dq, r_dk, r_dv), dtype, ctx)
 
 
 def check_against_oracle(cfg: Cfg, dtype: torch.dtype, device: str, seed: int) -> None:

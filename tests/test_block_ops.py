@@ -23,6 +23,7 @@ from op_helpers import (
     block_backward,
     block_forward,
     close,
+    close_grads,
     fresh_acc,
     kslice,
     lse_grad,
@@ -52,17 +53,29 @@ def _block_setup(device: str, case: str, causal: bool, dtype: torch.dtype, mask:
 BLOCK_DTYPES = [pytest.param(F64, id="f64"), pytest.param(torch.float32, id="f32")]
 
 
-@pytest.mark.parametrize("dtype", BLOCK_DTYPES)
-@pytest.mark.parametrize("mask", [False, True], ids=["nomask", "mask"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("case", list(BLOCK_CASES))
-def test_block_forward_split_equals_whole(device, case, causal, mask, dtype) -> None:
-    seed = 100 + len(case) + 2 * causal + mask
+def _over_split_cases(test):
+    """Parametrizes a split-equals-whole test over every block case, full and
+    causal, without and with a key padding mask, in float64 and float32."""
+    test = pytest.mark.parametrize("case", list(BLOCK_CASES))(test)
+    test = pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])(test)
+    test = pytest.mark.parametrize("mask", [False, True], ids=["nomask", "mask"])(test)
+    return pytest.mark.parametrize("dtype", BLOCK_DTYPES)(test)
+
+
+def _split_setup(device: str, case: str, causal: bool, mask: bool, dtype: torch.dtype, base: int):
+    """``_block_setup`` (seeded from ``base`` and the case) plus the split's
+    random source and the failure context."""
+    seed = base + len(case) + 2 * causal + mask
     cfg, q, k, v, go, kpm = _block_setup(device, case, causal, dtype, mask, seed)
-    rng = random.Random(seed)
+    ctx = f"{case} causal={causal} mask={mask} {dtype}"
+    return cfg, q, k, v, go, kpm, random.Random(seed), ctx
+
+
+@_over_split_cases
+def test_block_forward_split_equals_whole(device, case, causal, mask, dtype) -> None:
+    cfg, q, k, v, go, kpm, rng, ctx = _split_setup(device, case, causal, mask, dtype, 100)
     n = cfg.n
     tol = OUT_TOL[dtype]
-    ctx = f"{case} causal={causal} mask={mask} {dtype}"
 
     whole_out, whole_lse = fresh_acc(q)
     block_forward(cfg, q, k, v, whole_out, whole_lse, 0, 0, kpm)
@@ -119,17 +132,11 @@ def test_block_forward_split_equals_whole(device, case, causal, mask, dtype) -> 
             )
 
 
-@pytest.mark.parametrize("dtype", BLOCK_DTYPES)
-@pytest.mark.parametrize("mask", [False, True], ids=["nomask", "mask"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("case", list(BLOCK_CASES))
+@_over_split_cases
 def test_block_backward_split_equals_whole(device, case, causal, mask, dtype) -> None:
-    seed = 200 + len(case) + 2 * causal + mask
-    cfg, q, k, v, go, kpm = _block_setup(device, case, causal, dtype, mask, seed)
-    rng = random.Random(seed)
+    cfg, q, k, v, go, kpm, rng, ctx = _split_setup(device, case, causal, mask, dtype, 200)
     n = cfg.n
     tol = GRAD_TOL[dtype]
-    ctx = f"{case} causal={causal} mask={mask} {dtype}"
     acc = acc_dtype(dtype)
 
     out_acc, lse = fresh_acc(q)
@@ -142,9 +149,7 @@ def test_block_backward_split_equals_whole(device, case, causal, mask, dtype) ->
     dq, dk, dv = zeros(n), zeros(n), zeros(n)
     block_backward(cfg, go, q, k, v, out, lse, dq, dk, dv, 0, 0, kpm)
     _, _, r_dq, r_dk, r_dv = run_oracle(cfg, q, k, v, go, kpm)
-    close(dq, r_dq, tol, "whole dq", ctx)
-    close(dk, r_dk, tol, "whole dk", ctx)
-    close(dv, r_dv, tol, "whole dv", ctx)
+    close_grads((dq, dk, dv), (r_dq, r_dk, r_dv), dtype, ctx, "whole ")
 
     for parts in (2, 3, 4):
         blocks = splits(n, parts, rng)
@@ -164,21 +169,9 @@ def test_block_backward_split_equals_whole(device, case, causal, mask, dtype) ->
         for a, b in qblocks:
             bdq = zeros(b - a)
             sl = slice(a, b)
-            block_backward(
-                cfg,
-                go[:, sl].contiguous(),
-                q[:, sl].contiguous(),
-                k,
-                v,
-                out[:, sl].contiguous(),
-                lse[:, :, sl].contiguous(),
-                bdq,
-                sdk,
-                sdv,
-                a,
-                0,
-                kpm,
-            )
+            go_b, q_b, out_b = (t[:, sl].contiguous() for t in (go, q, out))
+            lse_b = lse[:, :, sl].contiguous()
+            block_backward(cfg, go_b, q_b, k, v, out_b, lse_b, bdq, sdk, sdv, a, 0, kpm)
             close(bdq, dq[:, sl], tol, "query-split dq", f"{ctx} q=[{a},{b})")
         close(sdk, dk, tol, "query-split dk", f"{ctx} q={qblocks}")
         close(sdv, dv, tol, "query-split dv", f"{ctx} q={qblocks}")
@@ -330,24 +323,12 @@ def test_blocks_with_features_match_oracle(device, seed, causal, dtype) -> None:
         for ka, kb in k_blocks:
             sq, sk = slice(qa, qb), slice(ka, kb)
             parts = [g[:, s].clone() for g, s in ((dq, sq), (dk, sk), (dv, sk))]
-            block_backward(
-                cfg,
-                go[:, sq].contiguous(),
-                q[:, sq].contiguous(),
-                k[:, sk].contiguous(),
-                v[:, sk].contiguous(),
-                final[:, sq].contiguous(),
-                lse[:, :, sq].contiguous(),
-                *parts,
-                qa,
-                ka,
-                kslice(kpm, ka, kb),
-                glse=glse[:, :, sq].contiguous().to(acc),
-            )
+            args = (go[:, sq], q[:, sq], k[:, sk], v[:, sk], final[:, sq], lse[:, :, sq])
+            args = tuple(t.contiguous() for t in args)
+            glse_b = glse[:, :, sq].contiguous().to(acc)
+            block_backward(cfg, *args, *parts, qa, ka, kslice(kpm, ka, kb), glse=glse_b)
             dq[:, sq], dk[:, sk], dv[:, sk] = parts
-    close(dq, r_dq, GRAD_TOL[dtype], "dq", ctx)
-    close(dk, r_dk, GRAD_TOL[dtype], "dk", ctx)
-    close(dv, r_dv, GRAD_TOL[dtype], "dv", ctx)
+    close_grads((dq, dk, dv), (r_dq, r_dk, r_dv), dtype, ctx)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

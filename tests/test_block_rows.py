@@ -14,20 +14,9 @@ from __future__ import annotations
 
 import re
 
+import op_helpers as oh
 import pytest
 import torch
-from op_helpers import (
-    F64,
-    UNREACHED_CASES,
-    Cfg,
-    acc_dtype,
-    block_backward,
-    block_forward,
-    close,
-    fresh_acc,
-    make_inputs,
-    reached_rows,
-)
 
 OPS = torch.ops.ring_attention
 
@@ -54,13 +43,13 @@ LONG_CASES = [
 
 
 def _cases():
-    for i, (ws, rs, causal, hg, qr, kr) in enumerate(UNREACHED_CASES):
-        yield pytest.param(Cfg(2, 48, 5, 8, ws, rs, causal, hg, 0.3), qr, kr, id=f"unreached{i}")
-        cfg = Cfg(2, 48, 6, 8, ws, rs, causal, hg, 0.3, False, 2, i % 2 == 1)
+    for i, (ws, rs, causal, hg, qr, kr) in enumerate(oh.UNREACHED_CASES):
+        yield pytest.param(oh.Cfg(2, 48, 5, 8, ws, rs, causal, hg, 0.3), qr, kr, id=f"unreached{i}")
+        cfg = oh.Cfg(2, 48, 6, 8, ws, rs, causal, hg, 0.3, False, 2, i % 2 == 1)
         cfg.cu_seqlens = [0, 5, 5, 19, 20, 33, 48]
         yield pytest.param(cfg, qr, kr, id=f"documents{i}")
     for i, (kw, qr, kr) in enumerate(LONG_CASES):
-        yield pytest.param(Cfg(1, 1200, 4, 16, **kw), qr, kr, id=f"long{i}")
+        yield pytest.param(oh.Cfg(1, 1200, 4, 16, **kw), qr, kr, id=f"long{i}")
 
 
 def _packed(k: torch.Tensor, reached: torch.Tensor, order: str, seed: int):
@@ -80,7 +69,7 @@ def _packed(k: torch.Tensor, reached: torch.Tensor, order: str, seed: int):
 
 ORDERS = ["flat", "shuffled"]
 DTYPES = [
-    pytest.param(F64, id="f64"),
+    pytest.param(oh.F64, id="f64"),
     pytest.param(torch.float32, id="f32"),
     pytest.param(torch.bfloat16, id="bf16"),
 ]
@@ -104,49 +93,49 @@ def test_packed_rows_on_the_cuda_kernels(emu, cfg, qr, kr, dtype, order) -> None
 
 def _check_packed(ops, cfg, qr, kr, dtype, order) -> None:
     (qa, qb), (ka, kb) = qr, kr
-    q, k, v, go, _ = make_inputs(cfg, dtype, "cpu", seed=qa + 7 * kb)
-    reached = reached_rows(cfg, qr, kr)
+    q, k, v, go, _ = oh.make_inputs(cfg, dtype, "cpu", seed=qa + 7 * kb)
+    reached = oh.reached_rows(cfg, qr, kr)
     assert reached.any() and not reached.all(), "the key block should be reached in part"
     qb_, go_b = q[:, qa:qb].contiguous(), go[:, qa:qb].contiguous()
     kc, vc = k[:, ka:kb].contiguous(), v[:, ka:kb].contiguous()
     kp, rmap, flat = _packed(kc, reached, order, seed=kb)
     vp = vc.reshape(vc.shape[0], -1, vc.shape[3])[:, flat].contiguous()
     ctx = f"{cfg} q={qr} k={kr} {dtype} {order}"
-    tol = 1e-12 if dtype == F64 else 2e-5  # the order of the dK/dV sums may differ
+    tol = 1e-12 if dtype == oh.F64 else 2e-5  # the order of the dK/dV sums may differ
 
-    whole_out, whole_lse = fresh_acc(q)
-    block_forward(cfg, q, k, v, whole_out, whole_lse, 0, 0, None, ops)
+    whole_out, whole_lse = oh.fresh_acc(q)
+    oh.block_forward(cfg, q, k, v, whole_out, whole_lse, 0, 0, None, ops)
     out_f = whole_out[:, qa:qb].to(dtype).contiguous()
     lse_f = whole_lse[:, :, qa:qb].contiguous()
-    acc = acc_dtype(dtype)
+    acc = oh.acc_dtype(dtype)
     args = cfg.pattern(None, "cpu")
 
-    out_w, lse_w = fresh_acc(q, qb - qa)
-    block_forward(cfg, qb_, kc, vc, out_w, lse_w, qa, ka, None, ops)
-    out_p, lse_p = fresh_acc(q, qb - qa)
+    out_w, lse_w = oh.fresh_acc(q, qb - qa)
+    oh.block_forward(cfg, qb_, kc, vc, out_w, lse_w, qa, ka, None, ops)
+    out_p, lse_p = oh.fresh_acc(q, qb - qa)
     ops.block_forward(qb_, kp, vp, out_p, lse_p, qa, ka, *args, k_rows=rmap)
     assert lse_w.isfinite().any(), ctx
-    close(out_p, out_w, tol, "out", ctx)
-    close(lse_p, lse_w, tol, "lse", ctx)
+    oh.close(out_p, out_w, tol, "out", ctx)
+    oh.close(lse_p, lse_w, tol, "lse", ctx)
 
     dq_w = torch.zeros(qb_.shape, dtype=acc)
     dk_w, dv_w = (torch.zeros(kc.shape, dtype=acc) for _ in range(2))
-    block_backward(cfg, go_b, qb_, kc, vc, out_f, lse_f, dq_w, dk_w, dv_w, qa, ka, None, ops)
+    oh.block_backward(cfg, go_b, qb_, kc, vc, out_f, lse_f, dq_w, dk_w, dv_w, qa, ka, None, ops)
     dq_p = torch.zeros(qb_.shape, dtype=acc)
     dk_p, dv_p = (torch.zeros(kp.shape, dtype=acc) for _ in range(2))
     ops.block_backward(go_b, None, qb_, kp, vp, out_f, lse_f, dq_p, dk_p, dv_p, qa, ka, *args,
                        k_rows=rmap)  # fmt: skip
     B, D = kc.shape[0], kc.shape[3]
-    close(dq_p, dq_w, tol, "dq", ctx)
-    close(dk_p, dk_w.reshape(B, -1, D)[:, flat], tol, "dk", ctx)
-    close(dv_p, dv_w.reshape(B, -1, D)[:, flat], tol, "dv", ctx)
+    oh.close(dq_p, dq_w, tol, "dq", ctx)
+    oh.close(dk_p, dk_w.reshape(B, -1, D)[:, flat], tol, "dk", ctx)
+    oh.close(dv_p, dv_w.reshape(B, -1, D)[:, flat], tol, "dv", ctx)
     assert dk_w.reshape(B, -1, D)[:, flat].abs().sum() > 0, ctx
 
 
 def _small():
-    cfg = Cfg(1, 20, 2, 8, [8], [2])
-    q, k, _, _, _ = make_inputs(cfg, torch.float32, "cpu", seed=1)
-    out, lse = fresh_acc(q, 10)
+    cfg = oh.Cfg(1, 20, 2, 8, [8], [2])
+    q, k, _, _, _ = oh.make_inputs(cfg, torch.float32, "cpu", seed=1)
+    out, lse = oh.fresh_acc(q, 10)
     rows = k[:, :10].reshape(1, -1, 8).contiguous()
     rmap = torch.arange(20, dtype=torch.int32).view(10, 2)
     return cfg, q[:, 10:].contiguous(), rows, out, lse, rmap

@@ -56,6 +56,25 @@ def _eager(fn, inputs, params):
     return out.detach(), list(torch.autograd.grad(out.sum(), params))
 
 
+def check_layer_compiles_whole(layer, x, mask, positions, rope, grad_tol: float) -> None:
+    """A decoder ``layer`` compiled fullgraph (aot_eager) over three steps, each
+    with a new mask tensor as every batch brings one: one frame, the output
+    bitwise the eager one and the gradients (of x and the weights) within
+    ``grad_tol``."""
+
+    def decoder(x, mask):
+        return layer(x, attention_mask=mask, position_ids=positions, position_embeddings=rope)
+
+    params = [x, *layer.parameters()]
+    want = _eager(decoder, (x, mask), params)
+    masks = (None,) * 3 if mask is None else (mask.clone(), mask.clone(), mask.clone())
+    out, grads, frames = _steps(decoder, (x, masks), params, "aot_eager")
+    assert frames == 1
+    torch.testing.assert_close(out, want[0], atol=0, rtol=0)
+    for a, b in zip(grads, want[1], strict=True):
+        torch.testing.assert_close(a, b, atol=grad_tol, rtol=grad_tol)
+
+
 def _max_error(got, want) -> float:
     (out, grads), (want_out, want_grads) = got, want
     pairs = zip([out, *grads], [want_out, *want_grads], strict=True)
@@ -261,19 +280,7 @@ def test_decoder_layer_compiles_fullgraph_in_one_process(padding: bool) -> None:
     mask = create_causal_mask(model.config, x, pad if padding else None, None,
                               position_ids=positions)  # fmt: skip
     assert (mask is None) != padding
-
-    def decoder(x, mask):
-        return layer(x, attention_mask=mask, position_ids=positions, position_embeddings=rope)
-
-    params = [x, *layer.parameters()]
-    want = _eager(decoder, (x, mask), params)
-    # every step a new mask tensor, as every batch brings one
-    masks = (None,) * 3 if mask is None else (mask.clone(), mask.clone(), mask.clone())
-    out, grads, frames = _steps(decoder, (x, masks), params, "aot_eager")
-    assert frames == 1
-    torch.testing.assert_close(out, want[0], atol=0, rtol=0)
-    for a, b in zip(grads, want[1], strict=True):
-        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+    check_layer_compiles_whole(layer, x, mask, positions, rope, grad_tol=1e-12)
 
 
 @pytest.mark.parametrize("documents", [False, True])

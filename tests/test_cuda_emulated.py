@@ -33,6 +33,7 @@ from op_helpers import (
     block_backward,
     block_forward,
     close,
+    close_grads,
     fresh_acc,
     lse_grad,
     make_inputs,
@@ -136,27 +137,22 @@ def test_kernels_match_oracle(emu, path, pattern, causal) -> None:
     assert launches > 0 and blocks > 0, ctx
     close(out, r_out, OUT_TOL[dtype], "out", ctx)
     close(lse, r_lse, LSE_TOL[dtype], "lse", ctx)
-    close(dq, r_dq, GRAD_TOL[dtype], "dq", ctx)
-    close(dk, r_dk, GRAD_TOL[dtype], "dk", ctx)
-    close(dv, r_dv, GRAD_TOL[dtype], "dv", ctx)
+    close_grads((dq, dk, dv), (r_dq, r_dk, r_dv), dtype, ctx)
 
 
 SPLIT_PATHS = ["mma64-bf16", "mma128-bf16", "simt-f32-d32", "simt-f64"]
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("path", SPLIT_PATHS)
-def test_blocks_at_offsets_match_oracle(emu, path, causal) -> None:
-    """Query blocks x key blocks at offsets (a ring's calls), merged in random order."""
-    dtype, _, cc = PATHS[path]
-    emu.configure(0, cc)
-    cfg = _cfg(path, "longnet-groups-mask", causal, n=170, batch=1)
-    seed = 40 + SPLIT_PATHS.index(path) * 2 + causal
+def _check_blocks_at_offsets(emu, cfg: Cfg, dtype, seed: int, path: str, with_glse=False) -> None:
+    """Query blocks x key blocks at offsets (a ring's calls; forward merged in
+    random order, backward accumulated in place), with an lse gradient when
+    ``with_glse``, against the float64 oracle."""
     rng = random.Random(seed)
     q, k, v, go, kpm = make_inputs(cfg, dtype, "cpu", seed)
-    r_out, r_lse, r_dq, r_dk, r_dv = run_oracle(cfg, q, k, v, go, kpm)
+    glse = lse_grad(cfg, "cpu", seed + 1) if with_glse else None
+    r_out, r_lse, r_dq, r_dk, r_dv = run_oracle(cfg, q, k, v, go, kpm, glse)
     q_blocks, k_blocks = splits(cfg.n, 2, rng), splits(cfg.n, 3, rng)
-    ctx = f"{path} causal={causal} q={q_blocks} k={k_blocks}"
+    ctx = f"{path} causal={cfg.causal} q={q_blocks} k={k_blocks}"
 
     out, lse = fresh_acc(q)
     for qa, qb in q_blocks:
@@ -170,18 +166,28 @@ def test_blocks_at_offsets_match_oracle(emu, path, causal) -> None:
     final = out.to(dtype)
     dq, dk, dv = (torch.zeros(x.shape, dtype=acc_dtype(dtype)) for x in (q, k, v))
     for qa, qb in q_blocks:
+        glse_b = None if glse is None else glse[:, :, qa:qb].contiguous()
         for ka, kb in k_blocks:
             grads = (dq[:, qa:qb], dk[:, ka:kb], dv[:, ka:kb])
             args = (go[:, qa:qb], q[:, qa:qb], k[:, ka:kb], v[:, ka:kb], final[:, qa:qb])
             args = tuple(a.contiguous() for a in args)
             parts = tuple(g.clone() for g in grads)
-            lse_b = lse[:, :, qa:qb].contiguous()
-            _backward(emu, cfg, *args, lse_b, kpm[:, ka:kb].contiguous(), qa, ka, parts)
+            lse_b, mask_b = lse[:, :, qa:qb].contiguous(), kpm[:, ka:kb].contiguous()
+            _backward(emu, cfg, *args, lse_b, mask_b, qa, ka, parts, glse_b)
             for g, p in zip(grads, parts, strict=True):
                 g.copy_(p)
-    close(dq, r_dq, GRAD_TOL[dtype], "dq", ctx)
-    close(dk, r_dk, GRAD_TOL[dtype], "dk", ctx)
-    close(dv, r_dv, GRAD_TOL[dtype], "dv", ctx)
+    close_grads((dq, dk, dv), (r_dq, r_dk, r_dv), dtype, ctx)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("path", SPLIT_PATHS)
+def test_blocks_at_offsets_match_oracle(emu, path, causal) -> None:
+    """Query blocks x key blocks at offsets (a ring's calls), merged in random order."""
+    dtype, _, cc = PATHS[path]
+    emu.configure(0, cc)
+    cfg = _cfg(path, "longnet-groups-mask", causal, n=170, batch=1)
+    seed = 40 + SPLIT_PATHS.index(path) * 2 + causal
+    _check_blocks_at_offsets(emu, cfg, dtype, seed, path)
 
 
 @pytest.mark.parametrize("path", ["mma64-bf16", "mma96-fp16", "simt-f32-d32", "simt-fp16-sm75"])
@@ -380,9 +386,7 @@ def test_features_match_oracle(emu, path, feature, causal) -> None:
     assert dk.shape == k.shape and dv.shape == v.shape, ctx
     close(out, r_out, OUT_TOL[dtype], "out", ctx)
     close(lse, r_lse, LSE_TOL[dtype], "lse", ctx)
-    close(dq, r_dq, GRAD_TOL[dtype], "dq", ctx)
-    close(dk, r_dk, GRAD_TOL[dtype], "dk", ctx)
-    close(dv, r_dv, GRAD_TOL[dtype], "dv", ctx)
+    close_grads((dq, dk, dv), (r_dq, r_dk, r_dv), dtype, ctx)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -394,38 +398,7 @@ def test_blocks_with_features_at_offsets(emu, path, causal) -> None:
     emu.configure(0, cc)
     cfg = _feature_cfg(path, "gqa-documents", causal)
     seed = 960 + SPLIT_PATHS.index(path) * 2 + causal
-    rng = random.Random(seed)
-    q, k, v, go, kpm = make_inputs(cfg, dtype, "cpu", seed)
-    glse = lse_grad(cfg, "cpu", seed + 1)
-    r_out, r_lse, r_dq, r_dk, r_dv = run_oracle(cfg, q, k, v, go, kpm, glse)
-    q_blocks, k_blocks = splits(cfg.n, 2, rng), splits(cfg.n, 3, rng)
-    ctx = f"{path} causal={causal} q={q_blocks} k={k_blocks}"
-
-    out, lse = fresh_acc(q)
-    for qa, qb in q_blocks:
-        acc = fresh_acc(q[:, qa:qb])
-        for ka, kb in rng.sample(k_blocks, len(k_blocks)):
-            _forward(emu, cfg, q[:, qa:qb], k[:, ka:kb], v[:, ka:kb], kpm[:, ka:kb], qa, ka, acc)
-        out[:, qa:qb], lse[:, :, qa:qb] = acc
-    close(out, r_out, OUT_TOL[dtype], "out", ctx)
-    close(lse, r_lse, LSE_TOL[dtype], "lse", ctx)
-
-    final = out.to(dtype)
-    dq, dk, dv = (torch.zeros(x.shape, dtype=acc_dtype(dtype)) for x in (q, k, v))
-    for qa, qb in q_blocks:
-        for ka, kb in k_blocks:
-            grads = (dq[:, qa:qb], dk[:, ka:kb], dv[:, ka:kb])
-            args = (go[:, qa:qb], q[:, qa:qb], k[:, ka:kb], v[:, ka:kb], final[:, qa:qb])
-            args = tuple(a.contiguous() for a in args)
-            parts = tuple(g.clone() for g in grads)
-            lse_b, glse_b = lse[:, :, qa:qb].contiguous(), glse[:, :, qa:qb].contiguous()
-            mask_b = kpm[:, ka:kb].contiguous()
-            _backward(emu, cfg, *args, lse_b, mask_b, qa, ka, parts, glse_b)
-            for g, p in zip(grads, parts, strict=True):
-                g.copy_(p)
-    close(dq, r_dq, GRAD_TOL[dtype], "dq", ctx)
-    close(dk, r_dk, GRAD_TOL[dtype], "dk", ctx)
-    close(dv, r_dv, GRAD_TOL[dtype], "dv", ctx)
+    _check_blocks_at_offsets(emu, cfg, dtype, seed, path, with_glse=True)
 
 
 @pytest.mark.parametrize("path", ["mma64-bf16", "simt-f32-d32"])
@@ -629,9 +602,7 @@ def test_windows_in_blocks_at_offsets(emu, path) -> None:
             _backward(emu, cfg, *args, lse[:, :, qa:qb].contiguous(),
                       kpm[:, ka:kb].contiguous(), qa, ka, parts)  # fmt: skip
             dq[:, qa:qb], dk[:, ka:kb], dv[:, ka:kb] = parts
-    close(dq, r_dq, GRAD_TOL[dtype], "dq", ctx)
-    close(dk, r_dk, GRAD_TOL[dtype], "dk", ctx)
-    close(dv, r_dv, GRAD_TOL[dtype], "dv", ctx)
+    close_grads((dq, dk, dv), (r_dq, r_dk, r_dv), dtype, ctx)
 
 
 # Head ranges (a Ulysses rank's heads): (heads, kv_heads, pattern, head_groups,

@@ -17,6 +17,8 @@ one 4-rank gloo launch.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from oracle import multiplicity
@@ -385,13 +387,10 @@ def _exchange_suite(rank: int, world: int) -> dict:
     return res
 
 
-_RESULTS: list[dict] = []
-
-
+@functools.cache
 def _results() -> list[dict]:
-    if not _RESULTS:
-        _RESULTS.extend(run_distributed(_exchange_suite, WORLD, timeout=150, pg_timeout=30))
-    return _RESULTS
+    """Each rank's results of the suite (run once per test process)."""
+    return run_distributed(_exchange_suite, WORLD, timeout=150, pg_timeout=30)
 
 
 @pytest.mark.parametrize("case", list(STAT_CASES))

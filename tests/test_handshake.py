@@ -6,6 +6,8 @@ abort and never a hang (docs/design.md §6)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -72,35 +74,36 @@ def _suite(rank: int, world: int) -> dict:
     return res
 
 
-_RESULTS: list[dict] = []
-
-
+@functools.cache
 def _results() -> list[dict]:
-    if not _RESULTS:
-        _RESULTS.extend(run_distributed(_suite, WORLD, timeout=300, pg_timeout=30))
-    return _RESULTS
+    """Each rank's results of the suite (run once per test process)."""
+    return run_distributed(_suite, WORLD, timeout=300, pg_timeout=30)
+
+
+def _value_errors(case: str) -> list[tuple[int, str]]:
+    """(rank, message) for every rank, each having raised a ValueError in ``case``."""
+    errors = []
+    for rank, res in enumerate(_results()):
+        kind, msg = res[case]
+        assert kind == "ValueError", (rank, kind, msg)
+        errors.append((rank, msg))
+    return errors
 
 
 def test_ranks_in_different_calls_are_out_of_step() -> None:
-    for rank, res in enumerate(_results()):
-        kind, msg = res["out_of_step"]
-        assert kind == "ValueError", (rank, kind, msg)
+    for rank, msg in _value_errors("out_of_step"):
         assert "out of step" in msg and "gather_sequence" in msg, (rank, msg)
 
 
 def test_modules_with_different_patterns_disagree_on_every_rank() -> None:
-    for rank, res in enumerate(_results()):
-        kind, msg = res["mha_pattern"]
-        assert kind == "ValueError", (rank, kind, msg)
+    for rank, msg in _value_errors("mha_pattern"):
         assert "pattern" in msg, (rank, msg)
 
 
 @pytest.mark.parametrize("case,culprit,word", [("mha_need_weights", 1, "need_weights"),
                                                 ("head_dim", 2, "head_dim")])  # fmt: skip
 def test_a_rank_failing_its_own_checks_fails_every_rank(case, culprit, word) -> None:
-    for rank, res in enumerate(_results()):
-        kind, msg = res[case]
-        assert kind == "ValueError", (rank, kind, msg)
+    for rank, msg in _value_errors(case):
         if rank == culprit:
             assert word in msg, (rank, msg)
         else:
@@ -109,9 +112,7 @@ def test_a_rank_failing_its_own_checks_fails_every_rank(case, culprit, word) -> 
 
 
 def test_documents_that_differ_between_ranks_raise_on_every_rank() -> None:
-    for rank, res in enumerate(_results()):
-        kind, msg = res["documents"]
-        assert kind == "ValueError", (rank, kind, msg)
+    for rank, msg in _value_errors("documents"):
         assert "pattern" in msg and "documents" in msg, (rank, msg)
         # the same number of documents: the boundaries that differ are shown
         assert "differ first at cu_seqlens[1]" in msg, (rank, msg)
@@ -120,9 +121,7 @@ def test_documents_that_differ_between_ranks_raise_on_every_rank() -> None:
 
 
 def test_windows_that_differ_between_ranks_raise_on_every_rank() -> None:
-    for rank, res in enumerate(_results()):
-        kind, msg = res["window"]
-        assert kind == "ValueError", (rank, kind, msg)
+    for rank, msg in _value_errors("window"):
         assert "window=(4,0)" in msg and "window=(5,0)" in msg, (rank, msg)
 
 

@@ -103,6 +103,21 @@ def logits_and_grads(model, ids, mask, keep):
     return logits.detach(), grads
 
 
+def assert_same_logits(ref, ring, ids, mask, tol, grad_tol):
+    """``ring``'s logits and parameter gradients equal ``ref``'s at the
+    positions ``mask`` keeps (all without one), to ``tol`` and ``grad_tol``
+    (rtol, atol); returns ``ring``'s logits and those positions."""
+    keep = torch.ones(ids.shape, dtype=torch.bool) if mask is None else mask.bool()
+    want, want_grads = logits_and_grads(ref, ids, mask, keep)
+    got, got_grads = logits_and_grads(ring, ids, mask, keep)
+    rtol, atol = tol
+    torch.testing.assert_close(got[keep], want[keep], rtol=rtol, atol=atol)
+    rtol, atol = grad_tol
+    for name, g in want_grads.items():
+        torch.testing.assert_close(got_grads[name], g, rtol=rtol, atol=atol, msg=name)
+    return got, keep
+
+
 @pytest.fixture(autouse=True)
 def registered():
     """Every test starts registered, without sequence parallelism."""
@@ -162,13 +177,8 @@ def test_dense_equals_sdpa(arch: str, padding: str) -> None:
     batch, n = 3, 37
     ids = torch.randint(1, VOCAB, (batch, n), generator=gen)
     mask = padding_mask(padding, batch, n)
-    keep = torch.ones(batch, n, dtype=torch.bool) if mask is None else mask.bool()
-    want, want_grads = logits_and_grads(sdpa, ids, mask, keep)
-    got, got_grads = logits_and_grads(ring, ids, mask, keep)
+    got = assert_same_logits(sdpa, ring, ids, mask, (0, 1e-5), (1e-4, 1e-5))[0]
     assert torch.isfinite(got).all()
-    torch.testing.assert_close(got[keep], want[keep], rtol=0, atol=1e-5)
-    for name, g in want_grads.items():
-        torch.testing.assert_close(got_grads[name], g, rtol=1e-4, atol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize("kv_heads", [2, 1])
@@ -186,13 +196,8 @@ def test_grouped_kv_heads_equal_sdpa_without_repeating(kv_heads: int, monkeypatc
     monkeypatch.setattr(hf.attention.engine, "attend", spy)
     ids = torch.randint(1, VOCAB, (2, 29), generator=torch.Generator().manual_seed(2))
     mask = padding_mask("right", 2, 29)
-    keep = mask.bool()
-    want, want_grads = logits_and_grads(sdpa, ids, mask, keep)
-    got, got_grads = logits_and_grads(ring, ids, mask, keep)
+    assert_same_logits(sdpa, ring, ids, mask, (0, 1e-5), (1e-4, 1e-5))
     assert seen == [(4, kv_heads)] * cfg.num_hidden_layers
-    torch.testing.assert_close(got[keep], want[keep], rtol=0, atol=1e-5)
-    for name, g in want_grads.items():
-        torch.testing.assert_close(got_grads[name], g, rtol=1e-4, atol=1e-5, msg=name)
 
 
 # ---------------------------------------------------------------------------
@@ -234,12 +239,7 @@ def test_dilated_pattern_matches_oracle(arch, kv_heads, pattern, padding) -> Non
     ring = build(cfg, "ring_dilated", torch.float64, state=oracle.state_dict())
     ids = torch.randint(1, VOCAB, (2, 43), generator=torch.Generator().manual_seed(3))
     mask = padding_mask(padding, 2, 43)
-    keep = torch.ones(2, 43, dtype=torch.bool) if mask is None else mask.bool()
-    want, want_grads = logits_and_grads(oracle, ids, mask, keep)
-    got, got_grads = logits_and_grads(ring, ids, mask, keep)
-    torch.testing.assert_close(got[keep], want[keep], rtol=1e-9, atol=1e-9)
-    for name, g in want_grads.items():
-        torch.testing.assert_close(got_grads[name], g, rtol=1e-8, atol=1e-9, msg=name)
+    got, keep = assert_same_logits(oracle, ring, ids, mask, (1e-9, 1e-9), (1e-8, 1e-9))
     # The pattern matters: a dense model with the same weights differs.
     dense = build(tiny_config(arch, kv_heads=kv_heads), "ring_dilated", torch.float64,
                   state=oracle.state_dict())  # fmt: skip

@@ -14,7 +14,14 @@ import pytest
 import torch
 import torch.distributed as dist
 from oracle import reference_attention
-from test_hf import VOCAB, build, causal_lm_step, logits_and_grads, padding_mask, tiny_config
+from test_hf import (
+    VOCAB,
+    assert_same_logits,
+    build,
+    causal_lm_step,
+    padding_mask,
+    tiny_config,
+)
 from transformers import (
     AttentionInterface,
     DynamicCache,
@@ -114,12 +121,7 @@ def test_equals_sdpa(arch, kv_heads, padding) -> None:
     ring = build(cfg, "ring_dilated", torch.float64, state=sdpa.state_dict())
     ids = torch.randint(1, VOCAB, (2, 23), generator=torch.Generator().manual_seed(1))
     mask = padding_mask(padding, 2, 23)
-    keep = torch.ones(2, 23, dtype=torch.bool) if mask is None else mask.bool()
-    want, want_grads = logits_and_grads(sdpa, ids, mask, keep)
-    got, got_grads = logits_and_grads(ring, ids, mask, keep)
-    torch.testing.assert_close(got[keep], want[keep], rtol=1e-10, atol=1e-10)
-    for name, g in want_grads.items():
-        torch.testing.assert_close(got_grads[name], g, rtol=1e-9, atol=1e-10, msg=name)
+    got, keep = assert_same_logits(sdpa, ring, ids, mask, (1e-10, 1e-10), (1e-9, 1e-10))
     # The window matters: without it the same weights give other logits.
     wide = build(window_config(arch, kv_heads, window=64), "ring_dilated", torch.float64,
                  state=sdpa.state_dict())  # fmt: skip
@@ -136,12 +138,7 @@ def test_gemma2_equals_sdpa() -> None:
     ring = build(cfg, "ring_dilated", torch.float64, state=sdpa.state_dict())
     ids = torch.randint(1, VOCAB, (2, 19), generator=torch.Generator().manual_seed(2))
     mask = padding_mask("right", 2, 19)
-    keep = mask.bool()
-    want, want_grads = logits_and_grads(sdpa, ids, mask, keep)
-    got, got_grads = logits_and_grads(ring, ids, mask, keep)
-    torch.testing.assert_close(got[keep], want[keep], rtol=1e-10, atol=1e-10)
-    for name, g in want_grads.items():
-        torch.testing.assert_close(got_grads[name], g, rtol=1e-9, atol=1e-10, msg=name)
+    assert_same_logits(sdpa, ring, ids, mask, (1e-10, 1e-10), (1e-9, 1e-10))
 
 
 @pytest.mark.parametrize(("arch", "kv_heads"), [("mistral", 2), ("qwen2", 1), ("gemma3", 4)])
@@ -189,12 +186,7 @@ def test_dilated_pattern_with_window_matches_oracle(arch, padding) -> None:
     ring = build(cfg, "ring_dilated", torch.float64, state=oracle.state_dict())
     ids = torch.randint(1, VOCAB, (2, 27), generator=torch.Generator().manual_seed(4))
     mask = padding_mask(padding, 2, 27)
-    keep = mask.bool()
-    want, want_grads = logits_and_grads(oracle, ids, mask, keep)
-    got, got_grads = logits_and_grads(ring, ids, mask, keep)
-    torch.testing.assert_close(got[keep], want[keep], rtol=1e-9, atol=1e-9)
-    for name, g in want_grads.items():
-        torch.testing.assert_close(got_grads[name], g, rtol=1e-8, atol=1e-9, msg=name)
+    assert_same_logits(oracle, ring, ids, mask, (1e-9, 1e-9), (1e-8, 1e-9))
 
 
 # ---------------------------------------------------------------------------
@@ -384,7 +376,7 @@ def test_sequence_parallel_equals_one_process(world, spread) -> None:
 
 @pytest.mark.parametrize("padding", [False, True])
 def test_sliding_decoder_layer_compiles_fullgraph(padding) -> None:
-    from test_compile_ring import _eager, _steps
+    from test_compile_ring import check_layer_compiles_whole
     from transformers.masking_utils import create_sliding_window_causal_mask
 
     model = build(window_config("mistral"), "ring_dilated", torch.float64)
@@ -395,15 +387,4 @@ def test_sliding_decoder_layer_compiles_fullgraph(padding) -> None:
     rope = model.model.rotary_emb(x, positions)
     pad = padding_mask("right", 2, n) if padding else None
     mask = create_sliding_window_causal_mask(model.config, x, pad, None, position_ids=positions)
-
-    def decoder(x, mask):
-        return layer(x, attention_mask=mask, position_ids=positions, position_embeddings=rope)
-
-    params = [x, *layer.parameters()]
-    want = _eager(decoder, (x, mask), params)
-    masks = (None,) * 3 if mask is None else (mask.clone(), mask.clone(), mask.clone())
-    out, grads, frames = _steps(decoder, (x, masks), params, "aot_eager")
-    assert frames == 1
-    torch.testing.assert_close(out, want[0], atol=0, rtol=0)
-    for a, b in zip(grads, want[1], strict=True):
-        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    check_layer_compiles_whole(layer, x, mask, positions, rope, grad_tol=0)

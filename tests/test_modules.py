@@ -6,22 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from op_helpers import assert_max_abs
 from oracle import reference_attention
 
 import ring_attention as ra
 from ring_attention.nn.modules import DilatedAttention
 
 E, H = 16, 4
-TOL = 1e-5
-
-
-def assert_close(a, b, tol=TOL, what=""):
-    if a is None or b is None:
-        assert a is None and b is None, what
-        return
-    assert a.shape == b.shape, (what, a.shape, b.shape)
-    err = (a - b).abs().max().item() if a.numel() else 0.0
-    assert err <= tol, f"{what}: max abs error {err}"
 
 
 # ---------------------------------------------------------------------------
@@ -36,12 +27,12 @@ def test_dilated_attention_module() -> None:
     out = mod(q, k, v, key_padding_mask=kpm)
     ref, _ = reference_attention(q, k, v, [4, 8], [1, 2], causal=True, scale=0.3,
                                  head_groups=True, key_padding_mask=kpm)  # fmt: skip
-    assert_close(out, ref, 1e-10)
+    assert_max_abs(out, ref, 1e-10)
     g = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), g)
     want = torch.autograd.grad(ref, (q, k, v), g)
     for a, b in zip(got, want, strict=True):
-        assert_close(a, b, 1e-10)
+        assert_max_abs(a, b, 1e-10)
     assert "segment_lengths=[4, 8]" in repr(mod)
 
 

@@ -16,6 +16,7 @@ import threading
 import pytest
 import torch
 import torch.nn as nn
+from op_helpers import assert_max_abs
 from oracle import multiplicity, reference_attention
 
 import ring_attention as ra
@@ -28,7 +29,6 @@ from ring_attention.nn.multihead import MultiheadAttentionError, MultiheadDilate
 from ring_attention.testing import run_distributed
 
 E, H = 16, 4
-TOL = 1e-5
 
 
 def pair(seed: int = 0, **kw) -> tuple[nn.MultiheadAttention, MultiheadDilatedAttention]:
@@ -42,15 +42,6 @@ def pair(seed: int = 0, **kw) -> tuple[nn.MultiheadAttention, MultiheadDilatedAt
 
 def seq(batch_first: bool, b: int, n: int, e: int, **kw) -> torch.Tensor:
     return torch.randn(b, n, e, **kw) if batch_first else torch.randn(n, b, e, **kw)
-
-
-def assert_close(a, b, tol=TOL, what=""):
-    if a is None or b is None:
-        assert a is None and b is None, what
-        return
-    assert a.shape == b.shape, (what, a.shape, b.shape)
-    err = (a - b).abs().max().item() if a.numel() else 0.0
-    assert err <= tol, f"{what}: max abs error {err}"
 
 
 # ---------------------------------------------------------------------------
@@ -138,15 +129,15 @@ def test_pattern_matches_oracle(segs, dils, head_groups) -> None:
         ref, heads, lse = reference_mha(m, x, kpm=kp)
         fast, none = m(x, x, x, key_padding_mask=kp, need_weights=False)
         assert none is None
-        assert_close(fast, ref, 1e-10, "fast path")
+        assert_max_abs(fast, ref, 1e-10, "fast path")
         dense, w = m(x, x, x, key_padding_mask=kp, average_attn_weights=False)
-        assert_close(dense, ref, 1e-10, "dense path")
-        assert_close(w, oracle_weights(m, heads, lse, kpm=kp), 1e-10, "weights")
+        assert_max_abs(dense, ref, 1e-10, "dense path")
+        assert_max_abs(w, oracle_weights(m, heads, lse, kpm=kp), 1e-10, "weights")
         _, wavg = m(x, x, x, key_padding_mask=kp)
-        assert_close(wavg, w.mean(dim=1), 1e-12)
+        assert_max_abs(wavg, w.mean(dim=1), 1e-12)
         if kp is not None:  # float key_padding_mask: dense path, same result
             fl = kp.double().masked_fill(kp, float("-inf"))
-            assert_close(m(x, x, x, key_padding_mask=fl, need_weights=False)[0], ref, 1e-10)
+            assert_max_abs(m(x, x, x, key_padding_mask=fl, need_weights=False)[0], ref, 1e-10)
 
 
 def test_pattern_seq_first_and_unbatched() -> None:
@@ -155,10 +146,10 @@ def test_pattern_seq_first_and_unbatched() -> None:
                                   dilation_rates=[1, 2])  # fmt: skip
     x = torch.randn(13, 2, E, dtype=torch.float64)  # (L, B, E)
     ref, _, _ = reference_mha(m, x.transpose(0, 1))
-    assert_close(m(x, x, x, need_weights=False)[0], ref.transpose(0, 1), 1e-10)
+    assert_max_abs(m(x, x, x, need_weights=False)[0], ref.transpose(0, 1), 1e-10)
     o, w = m(x[:, 0], x[:, 0], x[:, 0])
     assert o.shape == (13, E) and w.shape == (13, 13)
-    assert_close(o, ref[0], 1e-10)
+    assert_max_abs(o, ref[0], 1e-10)
 
 
 def test_pattern_causal_hint_and_masks() -> None:
@@ -171,20 +162,20 @@ def test_pattern_causal_hint_and_masks() -> None:
     ref, heads, lse = reference_mha(m, x, causal=True)
     # Hint used: causal pattern via the op, the mask is not read.
     hint, _ = m(x, x, x, attn_mask=torch.zeros(L, L), is_causal=True, need_weights=False)
-    assert_close(hint, ref, 1e-10)
+    assert_max_abs(hint, ref, 1e-10)
     # Weights needed: the mask is applied on top of the (non-causal) pattern.
     dense, w = m(x, x, x, attn_mask=causal_mask, is_causal=True, average_attn_weights=False)
-    assert_close(dense, ref, 1e-10)
-    assert_close(w, oracle_weights(m, heads, lse, causal=True), 1e-10)
+    assert_max_abs(dense, ref, 1e-10)
+    assert_max_abs(w, oracle_weights(m, heads, lse, causal=True), 1e-10)
     bool_mask = torch.ones(L, L, dtype=torch.bool).triu(1)
-    assert_close(m(x, x, x, attn_mask=bool_mask, need_weights=False)[0], ref, 1e-10)
+    assert_max_abs(m(x, x, x, attn_mask=bool_mask, need_weights=False)[0], ref, 1e-10)
     # A float attn_mask is added to the scores of the pattern.
     am = torch.randn(L, L, dtype=torch.float64)
     _, w2 = m(x, x, x, attn_mask=am, average_attn_weights=False)
     logm = torch.log(multiplicity(L, H, [4, 8], [1, 2]))
     q, k, _ = heads
     s = torch.einsum("bthd,buhd->bhtu", q, k) * m.head_dim**-0.5 + am + logm
-    assert_close(w2, torch.softmax(s, dim=-1), 1e-10)
+    assert_max_abs(w2, torch.softmax(s, dim=-1), 1e-10)
 
 
 def test_pattern_rows_reaching_nothing_are_zero_not_nan() -> None:
@@ -197,7 +188,7 @@ def test_pattern_rows_reaching_nothing_are_zero_not_nan() -> None:
         out, w = m(x, x, x, key_padding_mask=kpm, need_weights=nw)
         expect = m.out_proj.bias.expand(4, E)
         assert torch.isfinite(out).all()
-        assert_close(out[0, :4], expect)
+        assert_max_abs(out[0, :4], expect)
         if nw:
             assert (w[0, :4] == 0).all()
         x.grad = None
@@ -220,7 +211,7 @@ def test_pattern_gradients_fast_equals_dense() -> None:
         ).sum().backward()
         grads.append([x.grad.clone()] + [p.grad.clone() for p in m.parameters()])
     for g1, g2 in zip(*grads, strict=True):
-        assert_close(g1, g2, 1e-10)
+        assert_max_abs(g1, g2, 1e-10)
 
 
 def test_pattern_with_bias_kv_and_zero_attn() -> None:
@@ -233,7 +224,7 @@ def test_pattern_with_bias_kv_and_zero_attn() -> None:
     x = torch.randn(B, L, E, dtype=torch.float64)
     out, w = m(x, x, x, average_attn_weights=False)
     assert w.shape == (B, H, L, L + 2)
-    assert_close(w.sum(-1), torch.ones(B, H, L, dtype=torch.float64), 1e-12)
+    assert_max_abs(w.sum(-1), torch.ones(B, H, L, dtype=torch.float64), 1e-12)
     q, k, v = nn.functional.linear(x, m.in_proj_weight, m.in_proj_bias).chunk(3, dim=-1)
     k = torch.cat([k, m.bias_k.expand(B, 1, E), torch.zeros(B, 1, E, dtype=x.dtype)], 1)
     v = torch.cat([v, m.bias_v.expand(B, 1, E), torch.zeros(B, 1, E, dtype=x.dtype)], 1)
@@ -241,10 +232,10 @@ def test_pattern_with_bias_kv_and_zero_attn() -> None:
     logm = torch.nn.functional.pad(torch.log(multiplicity(L, H, [4], [2])), (0, 2))
     s = sh(q) @ sh(k).transpose(-1, -2) * m.head_dim**-0.5 + logm
     p = torch.softmax(s, -1)
-    assert_close(w, p, 1e-12)
+    assert_max_abs(w, p, 1e-12)
     expect = m.out_proj((p @ sh(v)).transpose(1, 2).reshape(B, L, E))
-    assert_close(out, expect, 1e-12)
-    assert_close(m(x, x, x, need_weights=False)[0], expect, 1e-12)
+    assert_max_abs(out, expect, 1e-12)
+    assert_max_abs(m(x, x, x, need_weights=False)[0], expect, 1e-12)
 
 
 def test_pattern_dropout_is_reproducible_and_drops_probabilities() -> None:
@@ -262,7 +253,7 @@ def test_pattern_dropout_is_reproducible_and_drops_probabilities() -> None:
     kept = w_train != 0
     reached = w_eval != 0
     assert not (kept & ~reached).any()  # nothing outside the pattern appears
-    assert_close(w_train[kept], w_eval[kept] * 2)  # survivors scaled by 1 / (1 - p)
+    assert_max_abs(w_train[kept], w_eval[kept] * 2)  # survivors scaled by 1 / (1 - p)
     frac = kept.sum() / reached.sum()
     assert 0.35 < frac < 0.65
     torch.manual_seed(11)
@@ -278,8 +269,8 @@ def test_pattern_equals_dense_when_it_covers_everything() -> None:
     for nw in (False, True):
         o1, w1 = ref(x, x, x, need_weights=nw)
         o2, w2 = m(x, x, x, need_weights=nw)
-        assert_close(o2, o1)
-        assert_close(w2, w1)
+        assert_max_abs(o2, o1)
+        assert_max_abs(w2, w1)
 
 
 def test_transformer_encoder_layer_runs_the_pattern() -> None:
@@ -302,7 +293,7 @@ def test_transformer_encoder_layer_runs_the_pattern() -> None:
             torch.backends.mha.set_fastpath_enabled(True)
         layer.self_attn = dense
         dense_out = layer(x)
-    assert_close(fast, slow)
+    assert_max_abs(fast, slow)
     assert (fast - dense_out).abs().max() > 1e-3
 
 
@@ -324,13 +315,13 @@ def test_plain_module_is_nn_mha_and_compute_dtype_uses_the_op(monkeypatch) -> No
     kpm = torch.rand(2, 11) < 0.3
     kpm[:, 0] = False
     o1, _ = ref(x, x, x, key_padding_mask=kpm, need_weights=False)
-    assert_close(plain(x, x, x, key_padding_mask=kpm, need_weights=False)[0], o1)
+    assert_max_abs(plain(x, x, x, key_padding_mask=kpm, need_weights=False)[0], o1)
     assert calls == []
     mine = MultiheadDilatedAttention(E, H, batch_first=True, compute_dtype=torch.float32)
     mine.load_state_dict(ref.state_dict())
     o2, w = mine(x, x, x, key_padding_mask=kpm, need_weights=False)
     assert w is None and calls == [(True, (1,))]
-    assert_close(o2, o1)
+    assert_max_abs(o2, o1)
     mine(x, x, x, need_weights=True)  # weights: dense path, no op call
     assert len(calls) == 1
 
@@ -356,13 +347,13 @@ def test_compute_dtype() -> None:
         out, w = m(x, x, x, need_weights=nw)
         assert out.dtype == torch.float32
         assert w is None or w.dtype == torch.float32
-        assert_close(out, ref, 3e-2)
+        assert_max_abs(out, ref, 3e-2)
     # A float64 module computing attention in float32.
     m64 = MultiheadDilatedAttention(E, H, dtype=torch.float64, compute_dtype=torch.float32, **kw)
     m64.load_state_dict(base.state_dict())
     out = m64(x.double(), x.double(), x.double(), need_weights=False)[0]
     assert out.dtype == torch.float64
-    assert_close(out.float(), ref, 1e-5)
+    assert_max_abs(out.float(), ref, 1e-5)
 
 
 # ---------------------------------------------------------------------------

@@ -15,26 +15,9 @@ from __future__ import annotations
 
 import random
 
+import op_helpers as oh
 import pytest
 import torch
-from op_helpers import (
-    F64,
-    GRAD_TOL,
-    LSE_TOL,
-    OUT_TOL,
-    Cfg,
-    block_backward,
-    block_forward,
-    check_results,
-    close,
-    fresh_acc,
-    lse_grad,
-    make_inputs,
-    reached_rows,
-    run_local,
-    run_oracle,
-    splits,
-)
 from oracle import multiplicity
 
 import ring_attention as ra
@@ -56,9 +39,11 @@ CASES = {
 }
 
 
-def _cfg(name: str, causal: bool, mask: bool = False, batch: int = 2, head_dim: int = 8) -> Cfg:
+def _cfg(name: str, causal: bool, mask: bool = False, batch: int = 2, head_dim: int = 8) -> oh.Cfg:
     n, heads, kv_heads, segs, dils, window, hg, docs = CASES[name]
-    cfg = Cfg(batch, n, heads, head_dim, segs, dils, causal, hg, None, mask, kv_heads, False, docs)
+    cfg = oh.Cfg(
+        batch, n, heads, head_dim, segs, dils, causal, hg, None, mask, kv_heads, False, docs
+    )
     cfg.window = window
     return cfg
 
@@ -69,17 +54,17 @@ def test_local_op_matches_oracle(name, causal) -> None:
     """ra.dilated_attention with a window, forward and backward (lse too)."""
     cfg = _cfg(name, causal, mask=name.startswith("longnet"))
     seed = 4000 + 2 * list(CASES).index(name) + causal
-    q, k, v, go, kpm = make_inputs(cfg, F64, "cpu", seed)
-    glse = lse_grad(cfg, "cpu", seed + 1)
-    got = run_local(cfg, q, k, v, go, kpm, glse)
-    want = run_oracle(cfg, q, k, v, go, kpm, glse)
-    check_results(cfg, F64, got, want, f"{name} causal={causal}")
-    plain = Cfg(**{**cfg.__dict__, "window": None})
+    q, k, v, go, kpm = oh.make_inputs(cfg, oh.F64, "cpu", seed)
+    glse = oh.lse_grad(cfg, "cpu", seed + 1)
+    got = oh.run_local(cfg, q, k, v, go, kpm, glse)
+    want = oh.run_oracle(cfg, q, k, v, go, kpm, glse)
+    oh.check_results(cfg, oh.F64, got, want, f"{name} causal={causal}")
+    plain = oh.Cfg(**{**cfg.__dict__, "window": None})
     if _window_matters(cfg):  # then the result differs from the one without it
-        assert not torch.allclose(got[0], run_oracle(plain, q, k, v, go, kpm)[0])
+        assert not torch.allclose(got[0], oh.run_oracle(plain, q, k, v, go, kpm)[0])
 
 
-def _window_matters(cfg: Cfg) -> bool:
+def _window_matters(cfg: oh.Cfg) -> bool:
     def m(window):
         return multiplicity(
             cfg.n, cfg.heads, cfg.segment_lengths, cfg.dilation_rates, cfg.causal,
@@ -98,39 +83,38 @@ def test_cases_cover_windows_that_matter_and_that_do_not() -> None:
 @pytest.mark.parametrize("name", ["longnet-equal-segment", "documents", "dense-left-only"])
 def test_public_function_matches_oracle(name, dtype) -> None:
     cfg = _cfg(name, True)
-    q, k, v, go, kpm = make_inputs(cfg, dtype, "cpu", 4100)
+    q, k, v, go, kpm = oh.make_inputs(cfg, dtype, "cpu", 4100)
     qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
     out, lse = ra.dilated_attention(
         qq, kk, vv, cfg.segment_lengths, cfg.dilation_rates, causal=True,
         cu_seqlens=cfg.cu_seqlens, window=cfg.window, return_lse=True,
     )  # fmt: skip
     dq, dk, dv = torch.autograd.grad(out, (qq, kk, vv), go)
-    check_results(cfg, dtype, (out, lse, dq, dk, dv), run_oracle(cfg, q, k, v, go, kpm), name)
+    oh.check_results(cfg, dtype, (out, lse, dq, dk, dv), oh.run_oracle(cfg, q, k, v, go, kpm), name)
 
 
 def test_low_precision_chunks_with_a_window(monkeypatch) -> None:
     """bf16 by chunks of rows (the local op's fp32 accumulators), a window
     that crosses the chunks."""
     monkeypatch.setenv("RING_ATTENTION_CHUNK_MIB", "0")
-    cfg = Cfg(1, 2300, 2, 16, [2300, 512], [1, 2], True, False, None, True, 1)
+    cfg = oh.Cfg(1, 2300, 2, 16, [2300, 512], [1, 2], True, False, None, True, 1)
     cfg.window = (300, 0)
-    q, k, v, go, kpm = make_inputs(cfg, torch.bfloat16, "cpu", 4200)
-    check_results(
-        cfg, torch.bfloat16, run_local(cfg, q, k, v, go, kpm), run_oracle(cfg, q, k, v, go, kpm),
-        "chunks",
-    )  # fmt: skip
+    q, k, v, go, kpm = oh.make_inputs(cfg, torch.bfloat16, "cpu", 4200)
+    got, want = oh.run_local(cfg, q, k, v, go, kpm), oh.run_oracle(cfg, q, k, v, go, kpm)
+    oh.check_results(cfg, torch.bfloat16, got, want, "chunks")
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_windows_across_many_tiles(causal) -> None:
     """Sequences of several key tiles (512 forward, 256 backward) and query
     tiles: the tiles outside each band are skipped, the others masked."""
-    cfg = Cfg(1, 1300, 3, 16, [1300, 600], [1, 3], causal, False, None, True, 1)
+    cfg = oh.Cfg(1, 1300, 3, 16, [1300, 600], [1, 3], causal, False, None, True, 1)
     cfg.window = (200, 90)
-    q, k, v, go, kpm = make_inputs(cfg, F64, "cpu", 4250 + causal)
-    glse = lse_grad(cfg, "cpu", 4260)
-    check_results(cfg, F64, run_local(cfg, q, k, v, go, kpm, glse),
-                  run_oracle(cfg, q, k, v, go, kpm, glse), f"causal={causal}")  # fmt: skip
+    q, k, v, go, kpm = oh.make_inputs(cfg, oh.F64, "cpu", 4250 + causal)
+    glse = oh.lse_grad(cfg, "cpu", 4260)
+    got = oh.run_local(cfg, q, k, v, go, kpm, glse)
+    want = oh.run_oracle(cfg, q, k, v, go, kpm, glse)
+    oh.check_results(cfg, oh.F64, got, want, f"causal={causal}")
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -141,38 +125,36 @@ def test_blocks_at_offsets_match_oracle(name, causal) -> None:
     cfg = _cfg(name, causal)
     seed = 4300 + list(CASES).index(name) * 2 + causal
     rng = random.Random(seed)
-    q, k, v, go, kpm = make_inputs(cfg, F64, "cpu", seed)
-    glse = lse_grad(cfg, "cpu", seed + 1)
-    r_out, r_lse, r_dq, r_dk, r_dv = run_oracle(cfg, q, k, v, go, kpm, glse)
-    q_blocks, k_blocks = splits(cfg.n, 3, rng), splits(cfg.n, 4, rng)
-    out, lse = fresh_acc(q)
+    q, k, v, go, kpm = oh.make_inputs(cfg, oh.F64, "cpu", seed)
+    glse = oh.lse_grad(cfg, "cpu", seed + 1)
+    r_out, r_lse, r_dq, r_dk, r_dv = oh.run_oracle(cfg, q, k, v, go, kpm, glse)
+    q_blocks, k_blocks = oh.splits(cfg.n, 3, rng), oh.splits(cfg.n, 4, rng)
+    out, lse = oh.fresh_acc(q)
     for qa, qb in q_blocks:
-        acc = fresh_acc(q[:, qa:qb])
+        acc = oh.fresh_acc(q[:, qa:qb])
         for ka, kb in rng.sample(k_blocks, len(k_blocks)):
-            block_forward(cfg, q[:, qa:qb], k[:, ka:kb], v[:, ka:kb], *acc, qa, ka, None)
+            oh.block_forward(cfg, q[:, qa:qb], k[:, ka:kb], v[:, ka:kb], *acc, qa, ka, None)
         out[:, qa:qb], lse[:, :, qa:qb] = acc
     ctx = f"{name} causal={causal} q={q_blocks} k={k_blocks}"
-    close(out, r_out, OUT_TOL[F64], "out", ctx)
-    close(lse, r_lse, LSE_TOL[F64], "lse", ctx)
+    oh.close(out, r_out, oh.OUT_TOL[oh.F64], "out", ctx)
+    oh.close(lse, r_lse, oh.LSE_TOL[oh.F64], "lse", ctx)
     dq, dk, dv = (torch.zeros_like(x) for x in (q, k, v))
     for qa, qb in q_blocks:
         for ka, kb in k_blocks:
             parts = [g.clone() for g in (dq[:, qa:qb], dk[:, ka:kb], dv[:, ka:kb])]
-            block_backward(
+            oh.block_backward(
                 cfg, go[:, qa:qb].contiguous(), q[:, qa:qb].contiguous(), k[:, ka:kb].contiguous(),
                 v[:, ka:kb].contiguous(), out[:, qa:qb].contiguous(),
                 lse[:, :, qa:qb].contiguous(), *parts, qa, ka, None,
                 glse=glse[:, :, qa:qb].contiguous(),
             )  # fmt: skip
             dq[:, qa:qb], dk[:, ka:kb], dv[:, ka:kb] = parts
-    close(dq, r_dq, GRAD_TOL[F64], "dq", ctx)
-    close(dk, r_dk, GRAD_TOL[F64], "dk", ctx)
-    close(dv, r_dv, GRAD_TOL[F64], "dv", ctx)
+    oh.close_grads((dq, dk, dv), (r_dq, r_dk, r_dv), oh.F64, ctx)
 
 
 def test_gradcheck_out_and_lse() -> None:
-    cfg = Cfg(1, 20, 3, 4, [4, 8], [1, 2], True, kv_heads=1)
-    q, k, v, _, _ = make_inputs(cfg, F64, "cpu", 4400)
+    cfg = oh.Cfg(1, 20, 3, 4, [4, 8], [1, 2], True, kv_heads=1)
+    q, k, v, _, _ = oh.make_inputs(cfg, oh.F64, "cpu", 4400)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
 
     def fn(q, k, v):
@@ -202,7 +184,7 @@ def test_exchange_rows_are_the_rows_reached(name, causal) -> None:
         kr = sorted(rng.sample(range(cfg.n + 1), 2))
         idx = exchange_rows([(qr[0], qr[1] - qr[0])], kr[0], kr[1] - kr[0], cfg.heads,
                             cfg.resolved_kv_heads(), pattern)  # fmt: skip
-        want = torch.nonzero(reached_rows(cfg, tuple(qr), tuple(kr)).flatten()).flatten()
+        want = torch.nonzero(oh.reached_rows(cfg, tuple(qr), tuple(kr)).flatten()).flatten()
         assert torch.equal(idx, want), (qr, kr)
 
 
