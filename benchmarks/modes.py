@@ -188,18 +188,43 @@ def cmd_modes(a: argparse.Namespace) -> int:
                            "peak_f": x.forward_peak, "peak_fb": x.training_peak}
                           for x in pred.ranks],
         }  # fmt: skip
+    lines += ["", _choice(a, grids, record)]
     lines += [
         "",
         "fwd, fwd+bwd ms: the slowest rank's median wall time; sent: bytes a rank hands to "
         "torch.distributed per layer (worst rank); peak: CPU tensor bytes of one forward "
         "(no grad) / forward + backward with the inputs (worst rank); planner: "
-        "ring_attention.planner.modes; (stand-in): a head slice runs through "
-        "ring_attention.parallel.heads' per-branch stand-in",
+        "ring_attention.planner.modes; the choice: ra.plan_mesh's grid for these ranks",
     ]
     print("\n".join(lines))
     if a.json:
         write_text(a.json, [json.dumps(record)])
     return 0
+
+
+def _choice(a: argparse.Namespace, grids: dict, record: dict) -> str:
+    """``ra.plan_mesh``'s grid for this shape on ``p`` CPU ranks (one node)
+    against the measured modes: its fwd+bwd time over the fastest's, and
+    each mode's spread over the iterations (the noise)."""
+    from ring_attention.core.pattern import Pattern
+    from ring_attention.parallel.auto import choose_grid
+
+    pattern = Pattern(list(a.segments), list(a.dilations), causal=a.causal)
+    best = choose_grid(a.seq_len, a.heads, a.kv_heads, a.head_dim, pattern, world=a.p,
+                       gpus_per_node=a.p, device="cpu", dtype=torch.float32,
+                       batch=a.batch)  # fmt: skip
+    slowest = {m: [max(it) for it in zip(*(r["fb_ms"] for r in v["ranks"]), strict=True)]
+               for m, v in record["modes"].items()}  # fmt: skip
+    fb = {m: statistics.median(t) for m, t in slowest.items()}
+    chosen = next((m for m, g in grids.items() if g == (best.ring, best.ulysses)), None)
+    record["choice"] = {"grid": [best.ring, best.ulysses], "mode": chosen,
+                        "predicted_fb_s": best.seconds, "why": best.why}  # fmt: skip
+    spread = ", ".join(f"{m} {min(t):.0f}-{max(t):.0f}" for m, t in slowest.items())
+    fastest = min(fb, key=fb.get)
+    ratio = f"{fb[chosen] / fb[fastest]:.2f}x the fastest ({fastest})" if chosen else "not run"
+    return (f"the choice (plan_mesh, {a.p} CPU ranks in one node): {best.ring} x {best.ulysses}"
+            f" ({chosen}), predicted {best.seconds * 1e3:.0f} ms fwd+bwd; measured: {ratio}; "
+            f"the slowest rank's fwd+bwd ms over the iterations: {spread}")  # fmt: skip
 
 
 def add_parser(sub) -> None:
