@@ -48,5 +48,6 @@ xdist=()
 if [[ "$workers" != 0 ]]; then
   xdist=(-n "$workers" --dist worksteal)
 fi
-echo "test: the suite (about 12 min on 2 cores with 2 workers; workers: $workers)"
-exec "$py" -m pytest -q "${xdist[@]}" "$@"
+echo "test: the suite (about 14 min on 2 cores with 2 workers; workers: $workers)"
+# the 25 slowest tests at the end: where the CI time goes
+exec "$py" -m pytest -q --durations=25 "${xdist[@]}" "$@"
