@@ -1,12 +1,8 @@
 """``python -m ring_attention.doctor --model qwen2 --world 3``: one training step of a
-transformers model sharded over gloo ranks against the same step in one process.
-
-In order it checks each rank's document boundaries, shifted labels and position ids (shown at
-the shard edges), each layer's attention output against a float64 oracle of its inputs, the
-loss (each rank's share), the gradients and one AdamW update; it prints each rank's peak tensor
-bytes and the bytes it sends, and exits 1 naming the first failing check, the first failing
-layer and the likely cause (docs/transformers.md). ``--inject`` breaks one thing (tests).
-"""
+transformers model sharded over gloo ranks against one process (docs/transformers.md). It checks
+each rank's documents, labels and positions, each layer's attention against a float64 oracle,
+the loss, gradients and an AdamW update, prints each rank's peak tensor bytes and bytes sent, and
+exits 1 naming the first failure and its likely cause. ``--inject`` plants faults (tests)."""
 
 from __future__ import annotations
 
@@ -55,6 +51,7 @@ def build_model(model: str, seed: int) -> torch.nn.Module:
     """A model type's tiny config or a checkpoint (config) directory; float32, no dropout."""
     import transformers as tr
 
+    tr.utils.logging.disable_progress_bar()
     torch.manual_seed(seed)  # the same weights in every process
     kw, found = {"attn_implementation": ATTN_IMPLEMENTATION}, os.path.isdir(model)
     if found and any(f.endswith((".safetensors", ".bin")) for f in os.listdir(model)):
