@@ -208,10 +208,11 @@ def _report(one: dict, ranks: list[dict], batch: dict, head: str) -> tuple[int, 
     shares = [world * float(one["tokens"][r["index"]].sum()) / total for r in ranks]
     loss = max(abs(r["own"] - x) for r, x in zip(ranks, shares, strict=True))
     loss = max(loss, abs(s["loss"] - one["loss"])) / abs(one["loss"])
+    rel = {k: float(torch.dist(s[k], one[k]) / one[k].norm()) for k in ("grads", "update")}
     checks += [
         (f"loss: one process {one['loss']:.6f}, ranks' mean {s['loss']:.6f}", "loss", loss),
-        (f"gradients: norm {one['grads'].norm():.4e}", "gradients", _rel(s["grads"], one["grads"])),
-        (f"update: one AdamW step, lr {LR:.0e}", "update", _rel(s["update"], one["update"])),
+        (f"gradients: norm {one['grads'].norm():.4e}", "gradients", rel["grads"]),
+        (f"update: one AdamW step, lr {LR:.0e}", "update", rel["update"]),
     ]
     for what, name, err in checks:
         verdict = "ok" if err <= TOL[name] else "MISMATCH"
@@ -228,10 +229,6 @@ def _report(one: dict, ranks: list[dict], batch: dict, head: str) -> tuple[int, 
         where += "" if first is None else f"; first failing layer {first}"
         out += [f"doctor: MISMATCH in {check} ({where})", f"likely cause: {CAUSE[check]}"]
     return int(bool(failed)), [line[:100] for line in out]
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def diagnose(
