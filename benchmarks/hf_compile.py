@@ -108,7 +108,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     if args.world > 1:
-        from ring_attention.testing import run_distributed
+        from ring_attention.parallel.testing import run_distributed
 
         results = run_distributed(_run, args.world, args, timeout=3600, pg_timeout=600,
                                   threads=args.threads)  # fmt: skip

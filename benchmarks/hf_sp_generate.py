@@ -82,7 +82,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import ring_attention as ra
-    from ring_attention.testing import run_distributed
+    from ring_attention.parallel.testing import run_distributed
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     print(f"Llama {args.layers} layers, hidden {args.hidden}, {args.heads} heads "

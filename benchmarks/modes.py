@@ -4,7 +4,7 @@ side on ``p`` gloo processes (CPU), and the planner's predictions for them.
     python benchmarks/bench.py modes                      # p = 4: ring 4x1, Ulysses 1x4, hybrid 2x2
     python benchmarks/bench.py modes --seq-len 4096 --kv-heads 4 --iters 5
 
-One launch of ``p`` processes (``ring_attention.testing.run_distributed``,
+One launch of ``p`` processes (``ring_attention.parallel.testing.run_distributed``,
 one intra-op thread each) runs every mode on the same seeded q, k, v,
 round-robin (ring, Ulysses, hybrid, ring, ...), so the modes see the same
 machine load. Per mode and rank: the median wall time of a forward (no
@@ -139,7 +139,7 @@ def _predict(a: argparse.Namespace, R: int, U: int):
 
 
 def cmd_modes(a: argparse.Namespace) -> int:
-    from ring_attention.testing import run_distributed
+    from ring_attention.parallel.testing import run_distributed
 
     if a.p % a.ulysses:
         raise SystemExit(f"--ulysses {a.ulysses} must divide --p {a.p}")

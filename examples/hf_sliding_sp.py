@@ -22,7 +22,7 @@ stride (1 to 3); the model reads the stride off the tokens before, which the
 sliding window reaches.
 
 Run: ``python examples/hf_sliding_sp.py [--steps 12]`` (spawns 4 gloo
-processes with ``ring_attention.testing.run_distributed``; ~15 s on 2 cores).
+processes with ``ring_attention.parallel.testing.run_distributed``; ~15 s on 2 cores).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from transformers.trainer_callback import PrinterCallback
 
 import ring_attention as ra
 from ring_attention.hf import SequenceParallelTrainer
-from ring_attention.testing import run_distributed
+from ring_attention.parallel.testing import run_distributed
 
 VOCAB, WINDOW, WORLD = 32, 8, 4
 

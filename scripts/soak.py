@@ -20,7 +20,7 @@ import sys
 import torch
 
 import ring_attention as ra
-from ring_attention.testing import run_distributed
+from ring_attention.parallel.testing import run_distributed
 
 SEGS, DILS = [64, 128, 256], [1, 2, 4]
 

@@ -227,7 +227,7 @@ def _oracle_error(q, k, v, go, segs, dils, kw, got) -> float:
 
 
 def dist_cases() -> dict[str, dict]:
-    from ring_attention.testing import run_distributed
+    from ring_attention.parallel.testing import run_distributed
 
     got = {}
     for name, (world, ring, uly, seed, n, h, kv, dtype, kw) in DIST_CASES.items():

@@ -16,7 +16,7 @@ import torch
 import ring_attention as ra
 from ring_attention.core.layout import LAYOUTS, layout_pieces, resolve_layout
 from ring_attention.core.pattern import Pattern
-from ring_attention.testing import run_distributed
+from ring_attention.parallel.testing import run_distributed
 
 LONGNET = ([256, 512, 1024], [1, 2, 4])
 

@@ -13,7 +13,7 @@ import torch
 import ring_attention as ra
 import ring_attention.hf  # its caches register on import
 from ring_attention.core.cache import LRUCache, PerBatch, cache_info
-from ring_attention.testing import run_distributed
+from ring_attention.parallel.testing import run_distributed
 
 KEYS = {"entries", "bytes", "cap", "hits", "misses"}
 

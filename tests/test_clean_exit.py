@@ -35,7 +35,7 @@ from child_env import with_path
 from torch.distributed.device_mesh import init_device_mesh
 
 import ring_attention as ra
-from ring_attention.testing import run_distributed
+from ring_attention.parallel.testing import run_distributed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 import ring_attention as ra
 from ring_attention.core.pattern import Pattern
 from ring_attention.parallel.ring import ring_call_spec
-from ring_attention.testing import run_distributed
+from ring_attention.parallel.testing import run_distributed
 
 SEGS, DILS = [4, 8], [1, 2]
 PATTERN = {"segment_lengths": [6, 16], "dilation_rates": [1, 3]}

@@ -31,7 +31,7 @@ from ring_attention.parallel.api import ring_dilated_attention
 from ring_attention.parallel.exchange import last_exchange_stats, register_exchange_hook
 from ring_attention.parallel.exchange_plan import PLAN_CACHE, build_plan, get_plan
 from ring_attention.parallel.sharding import layout_pieces, shard_sequence
-from ring_attention.testing import run_distributed
+from ring_attention.parallel.testing import run_distributed
 
 
 def _plan(world, rank, n, heads, segs, dils, causal, head_groups, layout="contiguous", cache=None):

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import ring_attention as ra
 from ring_attention.parallel.exchange import register_exchange_hook
-from ring_attention.testing import run_distributed
+from ring_attention.parallel.testing import run_distributed
 
 PG_TIMEOUT = 10.0
 BOUND = PG_TIMEOUT + 20.0  # raise within the group timeout, plus scheduling slack

@@ -44,7 +44,7 @@ from typing import Any
 
 from child_env import with_path
 
-from ring_attention.testing import run_distributed
+from ring_attention.parallel.testing import run_distributed
 
 CASE_TIMEOUT = 30.0  # seconds one case may take (the machine is shared)
 TOTAL_TIMEOUT = 900.0

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 import ring_attention as ra
-from ring_attention.testing import run_distributed
+from ring_attention.parallel.testing import run_distributed
 
 F64 = torch.float64
 N, HEADS, KV, D = 37, 4, 2, 4

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ring_attention as ra
-from ring_attention.testing import run_distributed
+from ring_attention.parallel.testing import run_distributed
 
 WORLD = 3
 E, HEADS = 16, 4

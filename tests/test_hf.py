@@ -35,7 +35,7 @@ from transformers.masking_utils import AttentionMaskInterface, create_causal_mas
 
 import ring_attention as ra
 from ring_attention import hf
-from ring_attention.testing import run_distributed
+from ring_attention.parallel.testing import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 61

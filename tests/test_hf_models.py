@@ -20,7 +20,7 @@ import transformers as tr
 from test_hf import VOCAB, causal_lm_step
 
 import ring_attention as ra
-from ring_attention.testing import run_distributed
+from ring_attention.parallel.testing import run_distributed
 
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=3,
               num_attention_heads=4, num_key_value_heads=2, head_dim=16,

@@ -13,7 +13,7 @@ from test_hf import VOCAB, build, tiny_config
 
 import ring_attention as ra
 from ring_attention import hf
-from ring_attention.testing import run_distributed
+from ring_attention.parallel.testing import run_distributed
 
 FAULTS = ["padding mask", "dropout", "config entry", "no cu_seq_lens", "4-D mask", "generating"]
 PATTERN = {"segment_lengths": [4, 8], "dilation_rates": [1, 2]}

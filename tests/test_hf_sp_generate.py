@@ -18,7 +18,7 @@ from test_hf import VOCAB, build, tiny_config
 
 import ring_attention as ra
 from ring_attention.hf.sharded_cache import ShardedCache, ShardedLayer
-from ring_attention.testing import run_distributed
+from ring_attention.parallel.testing import run_distributed
 
 PATTERN = {"segment_lengths": [4, 8, 16], "dilation_rates": [1, 2, 4]}
 

@@ -39,7 +39,7 @@ import ring_attention as ra
 from ring_attention import hf
 from ring_attention.parallel.exchange_plan import PLAN_CACHE
 from ring_attention.parallel.ring import register_exchange_hook
-from ring_attention.testing import run_distributed
+from ring_attention.parallel.testing import run_distributed
 
 VOCAB = 61
 DP, SP, BATCH, STEPS = 2, 2, 2, 3

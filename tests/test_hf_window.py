@@ -40,7 +40,7 @@ import ring_attention as ra
 from ring_attention import hf
 from ring_attention.hf.attention import dilated_attention_forward
 from ring_attention.hf.config import layer_window
-from ring_attention.testing import run_distributed
+from ring_attention.parallel.testing import run_distributed
 
 W = 5  # shorter than every sequence below
 PATTERN = {"segment_lengths": [3, 8], "dilation_rates": [1, 2]}

@@ -26,7 +26,7 @@ from ring_attention.core.multiplicity import multiplicity as pattern_multiplicit
 from ring_attention.core.pattern import Pattern
 from ring_attention.nn import multihead as ra_multihead
 from ring_attention.nn.multihead import MultiheadAttentionError, MultiheadDilatedAttention
-from ring_attention.testing import run_distributed
+from ring_attention.parallel.testing import run_distributed
 
 E, H = 16, 4
 

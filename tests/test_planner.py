@@ -33,6 +33,7 @@ from ring_attention.core.layout import layout_pieces
 from ring_attention.core.multiplicity import multiplicity
 from ring_attention.core.pairs import pattern_flops, reached_pairs
 from ring_attention.core.pattern import Pattern
+from ring_attention.parallel.testing import run_distributed
 from ring_attention.planner import progressions, traffic
 from ring_attention.planner.capacity import (
     Evaluation,
@@ -51,7 +52,6 @@ from ring_attention.planner.progressions import union_stats
 from ring_attention.planner.throughput import Rates, assumed_rates, rates_from_records
 from ring_attention.planner.timing import Link, layer_times
 from ring_attention.planner.traffic import all_pieces, predict_traffic
-from ring_attention.testing import run_distributed
 
 
 def _random_pattern(rng: random.Random, n: int, heads: int, *, docs: bool, offsets: bool):

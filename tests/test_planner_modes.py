@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from ring_attention.core.pattern import Pattern
+from ring_attention.parallel.testing import run_distributed
 from ring_attention.planner.capacity import Setup
 from ring_attention.planner.cli import main
 from ring_attention.planner.modes import _a2a_bytes, evaluate_mode, grid_for
 from ring_attention.planner.traffic import predict_traffic
-from ring_attention.testing import run_distributed
 
 # name -> (R, U, heads, kv_heads, n, segments, dilations, causal, layout)
 RUNS = {

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from oracle import reference_attention
 
 import ring_attention as ra
-from ring_attention.testing import run_distributed
+from ring_attention.parallel.testing import run_distributed
 
 EXAMPLES = int(os.environ.get("RA_HYPOTHESIS_EXAMPLES", "60"))
 SEED = os.environ.get("RA_HYPOTHESIS_SEED")

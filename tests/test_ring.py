@@ -1,6 +1,6 @@
 """Ring dilated attention across real processes (gloo on CPU).
 
-Each world size 1..5 is launched once (``ring_attention.testing.run_distributed``) and
+Each world size 1..5 is launched once (``ring_attention.parallel.testing.run_distributed``) and
 runs every case of ``CASES`` plus the sharding checks; the parametrised tests
 below read the cached results. On every rank the full-sequence reference is
 recomputed from the same seed, so each rank checks its own shard of:
@@ -31,7 +31,7 @@ from ring_attention.parallel.sharding import (
     shard_bounds,
     shard_sequence,
 )
-from ring_attention.testing import run_distributed
+from ring_attention.parallel.testing import run_distributed
 
 LONGNET = ([8, 16, 32], [1, 2, 4])
 

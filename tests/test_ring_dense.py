@@ -27,7 +27,7 @@ from ring_attention.local import backends
 from ring_attention.local.blocks import block_kind
 from ring_attention.local.dispatch import block_shape, decide_blocks, route_blocks
 from ring_attention.parallel.sharding import layout_pieces, shard_sequence
-from ring_attention.testing import run_distributed
+from ring_attention.parallel.testing import run_distributed
 
 # name -> configuration; lengths divide nothing (37, 53), GQA and MQA included.
 CASES: dict[str, dict] = {

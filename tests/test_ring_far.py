@@ -25,9 +25,9 @@ from ring_attention.core import config
 from ring_attention.core.pattern import Pattern
 from ring_attention.parallel.exchange import last_exchange_stats
 from ring_attention.parallel.exchange_plan import build_plan
+from ring_attention.parallel.testing import run_distributed
 from ring_attention.planner.memory import transport_buffers
 from ring_attention.planner.traffic import predict_traffic
-from ring_attention.testing import run_distributed
 
 #: world size -> the cases of tests/test_ring_rows.py run there
 RINGS = {6: ["longnet", "zigzag_gqa", "documents_grouped_lse", "window_dilated"],

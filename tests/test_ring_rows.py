@@ -16,9 +16,9 @@ from test_ring import LONGNET, LSE_TOL, TOLERANCES, _config, _run_case
 
 from ring_attention.core.pattern import Pattern
 from ring_attention.parallel.exchange import last_exchange_stats
+from ring_attention.parallel.testing import run_distributed
 from ring_attention.planner.memory import transport_buffers
 from ring_attention.planner.traffic import predict_traffic
-from ring_attention.testing import run_distributed
 
 WORLD = 6
 CASES: dict[str, dict] = {

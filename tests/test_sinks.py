@@ -11,7 +11,7 @@ import torch
 from oracle import reference_attention
 
 import ring_attention as ra
-from ring_attention.testing import run_distributed
+from ring_attention.parallel.testing import run_distributed
 
 F64 = torch.float64
 TOL = {F64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 3e-2}

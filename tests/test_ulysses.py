@@ -2,7 +2,7 @@
 processes (gloo), docs/design.md §2.
 
 Each world size (4, 5, 6, 8) is launched once
-(``ring_attention.testing.run_distributed``) and runs its cases: grids of
+(``ring_attention.parallel.testing.run_distributed``) and runs its cases: grids of
 ``R`` rings x ``U`` Ulysses ranks (2 to 8 ranks) built from groups or from a
 ``DeviceMesh``, several disjoint grids side by side where ``copies > 1``
 (like data-parallel replicas; this is how grids of 2 and 3 ranks run in the
@@ -31,8 +31,8 @@ from ring_attention.core.call import Call
 from ring_attention.core.layout import layout_pieces, layout_shard_lengths, shard_bounds
 from ring_attention.core.pattern import Pattern
 from ring_attention.local import engine
+from ring_attention.parallel.testing import run_distributed
 from ring_attention.parallel.ulysses import kv_head_range
-from ring_attention.testing import run_distributed
 
 LONGNET = ([8, 16, 32], [1, 2, 4])
 F64 = torch.float64

@@ -23,7 +23,7 @@ import torch
 
 from ..core.pairs import pattern_flops, reached_pairs
 from ..core.pattern import Pattern
-from ..testing import run_distributed
+from ..parallel.testing import run_distributed
 from .capacity import Setup, evaluate
 from .memory import KERNEL_WORKSPACE
 from .throughput import load_records
