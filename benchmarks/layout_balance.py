@@ -83,7 +83,7 @@ def _worker(rank: int, world: int, a: argparse.Namespace) -> dict:
 
 def measure(a: argparse.Namespace) -> None:
     """The ring's time per layout on ``a.p`` gloo processes."""
-    from ring_attention.testing import run_distributed
+    from ring_attention.parallel.testing import run_distributed
 
     docs = _documents(a.seq_len, a.documents, 0)
     pattern = Pattern(*DENSE, causal=True).with_documents(docs)

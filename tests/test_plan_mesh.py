@@ -22,8 +22,8 @@ import ring_attention as ra
 from ring_attention.core.pattern import Pattern
 from ring_attention.hf.setting import sequence_parallel
 from ring_attention.parallel.auto import choose_grid
+from ring_attention.parallel.testing import run_distributed
 from ring_attention.planner.cli import main as planner
-from ring_attention.testing import run_distributed
 
 K = 1024
 #: (world, gpus per node, n, heads, kv heads, head dim, causal)
