@@ -144,21 +144,20 @@ def gather_sequence(x_local: torch.Tensor, dim: int = 1, group: dist.ProcessGrou
     :func:`shard_sequence`); differentiable."""
     dim = _check_dim(x_local, dim, "x_local")
     layout = _sharding_layout(layout, segment_lengths, dilation_rates, causal, window, cu_seqlens)
+    order = None
     if ulysses_group is not None or mesh is not None:
         topo = topology_of(group, ulysses_group, mesh, "gather_sequence")
         check_grid(topo)
         if topo.ulysses_size > 1:
             return gather_grid(x_local, dim, topo, layout)
+        group, order = topo.ring_group, topo.ring_order
         if topo.ring_size == 1:
             return x_local
-        gather = partial(_gather_varlen, dim=dim, group=topo.ring_group, layout=layout,
-                         order=topo.ring_order)  # fmt: skip
-        return _Gather.apply(x_local, dim, gather)
-    world, _ = world_info(group)
-    if world == 1:
+    elif world_info(group)[0] == 1:
         return x_local
-    check_ring(group)  # (once per group: a rank in another call)
-    gather = partial(_gather_varlen, dim=dim, group=group, layout=layout, order=None)
+    else:
+        check_ring(group)  # (once per group: a rank in another call)
+    gather = partial(_gather_varlen, dim=dim, group=group, layout=layout, order=order)
     return _Gather.apply(x_local, dim, gather)
 
 
