@@ -15,7 +15,7 @@ from torch import nn
 
 from ..core.checks import supported_dtypes
 from ..core.dtypes import select_dtype
-from ..core.pattern import Pattern, as_flag
+from ..core.pattern import DENSE, Pattern, as_flag
 from ..local.functional import attend
 from ..parallel.ring import _ring
 from ..parallel.ulysses import reject_sharded, sharded_attention
@@ -32,9 +32,6 @@ from .multihead_checks import (
 )
 
 __all__ = ["MultiheadAttentionError", "MultiheadDilatedAttention"]
-
-#: A pattern whose one segment is longer than any sequence: dense attention.
-DENSE = Pattern((2**62,), (1,))
 
 
 def _keep_forward(module: nn.Module, args: tuple) -> None:
