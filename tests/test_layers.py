@@ -38,12 +38,12 @@ LAZY = {
     (PKG, f"{PKG}.hf.attention"): "register_transformers on first use: hf imports torch._dynamo",
     (f"{PKG}.hf", f"{PKG}.hf.trainer"): "SequenceParallelTrainer imports transformers",
     (f"{PKG}.hf", f"{PKG}.hf.sharded_cache"): "ShardedCache imports transformers",
-    (f"{PKG}.parallel.api", f"{PKG}.parallel.ulysses_eager"): "torch.compiler.disable imports "
+    (f"{PKG}.parallel.ulysses", f"{PKG}.parallel.ulysses_eager"): "torch.compiler.disable imports "
     "torch._dynamo: only while compiling",
     (f"{PKG}.planner.validate", f"{PKG}.parallel.exchange"): "runs in the measured ranks",
 }
 #: the longest chain of imports (modules, the package's __init__ included)
-MAX_LEVELS = 8
+MAX_LEVELS = 7
 
 
 @cache

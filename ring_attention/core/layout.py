@@ -5,19 +5,25 @@ ring rank holds its Ulysses group's pieces."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import torch
+
 from .cache import cached
-from .pairs import balanced_work_below
+from .geometry import INT64_SAFE, prefix_pairs, range_pairs
 from .pattern import Pattern
 
 __all__ = [
+    "BALANCE_OFFSETS",
     "LAYOUTS",
     "Balanced",
     "Layout",
     "Piece",
     "balanced_cuts",
+    "balanced_work_below",
     "check_layout",
     "layout_code",
     "layout_digest",
@@ -116,6 +122,37 @@ def layout_pieces(
     first = chunks[rank]
     second = chunks[2 * world_size - 1 - rank]
     return [Piece(first[0], first[1], 0), Piece(second[0], second[1], first[1])]
+
+
+#: :func:`balanced_work_below` counts at most this many offsets of a branch.
+BALANCE_OFFSETS = 64
+
+
+def balanced_work_below(pattern: Pattern, seq_len: int, xs: Sequence[int]) -> list[int]:
+    """The work of the queries below each ``x`` of ``xs``, independent of the heads (what
+    ``layout="balanced"`` cuts evenly): per branch the pairs of every offset weighted ``1 /
+    r`` (at most :data:`BALANCE_OFFSETS` offsets), in exact integers."""
+    xs = [int(x) for x in xs]
+    if not xs:
+        return []
+    most = BALANCE_OFFSETS
+    chosen = [
+        range(r) if r <= most else [k * r // most for k in range(most)] for _, r in pattern.branches
+    ]
+    scale = math.lcm(*(len(c) for c in chosen))
+    total = [0] * len(xs)
+    for (w, r), offs in zip(pattern.branches, chosen, strict=True):
+        branch = pattern._replace(segment_lengths=(w,), dilation_rates=(r,))
+        weights = [dict.fromkeys(offs, 1)]
+        reach = len(offs) * (-(-min(w, seq_len) // r) + 1)
+        if 8 * seq_len * reach < INT64_SAFE:
+            ends = torch.tensor(xs, dtype=torch.int64)
+            counts = prefix_pairs(branch, seq_len, weights, ends).tolist()
+        else:  # Python integers
+            counts = [range_pairs(branch, seq_len, weights, 0, x) for x in xs]
+        weight = scale // len(offs)
+        total = [t + weight * c for t, c in zip(total, counts, strict=True)]
+    return total
 
 
 @cached("balanced layout cuts", 64)

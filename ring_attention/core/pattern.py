@@ -13,6 +13,7 @@ from typing import Any, Literal
 import torch
 
 __all__ = [
+    "DENSE",
     "HEAD_OFFSETS",
     "Pattern",
     "as_flag",
@@ -331,3 +332,7 @@ def _bad_documents(values: list[int], at: int = 0) -> None:
         f"cu_seqlens must be non-decreasing, got cu_seqlens[{at}] = {values[0]} > "
         f"cu_seqlens[{at + 1}] = {values[1]}"
     )
+
+
+#: One segment longer than any sequence, every row active: dense attention.
+DENSE = Pattern((2**62,), (1,))

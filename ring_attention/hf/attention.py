@@ -15,9 +15,9 @@ from ..core.call import prepare
 from ..core.checks import sinks_meta
 from ..core.pattern import Pattern
 from ..local import engine
-from ..parallel.api import ring_attention
 from ..parallel.auto import plan_mesh
-from ..parallel.ring import ring_call, ring_call_spec
+from ..parallel.ring import _ring, ring_call, ring_call_spec
+from ..parallel.ulysses import sharded_attention
 from .config import is_dense, layer_pattern, layer_window, pattern_from_config
 from .decode import decode_attention
 from .generation import generation_step
@@ -294,8 +294,9 @@ def _sharded(
     if spread["ulysses_group"] is not None or spread["mesh"] is not None:
         # Ulysses or the hybrid: the refusal is reported in its rounds
         pattern = functools.partial(_grid_pattern, module, causal, refusal, kwargs)
-        return ring_attention(q, k, v, pattern, scale=scaling, layout=sp.layout, sinks=sinks,
-                              **spread)  # fmt: skip
+        return sharded_attention(q, k, v, pattern, (), cu_seqlens=None, scale=scaling,
+                                 layout=sp.layout, return_lse=False, sinks=sinks, ring=_ring,
+                                 **spread)  # fmt: skip
     spec = ring_call_spec(_sharded_pattern, module, causal, refusal, kwargs.get("sliding_window"),
                           scale=scaling, group=spread["group"], layout=sp.layout,
                           sinks=sinks_meta(sinks))  # fmt: skip

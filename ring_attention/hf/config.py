@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ..core.cache import cached
-from ..core.pattern import Pattern, as_flag
+from ..core.pattern import DENSE, Pattern, as_flag
 
 __all__ = ["CONFIG_KEY", "is_dense", "layer_chunk", "layer_pattern", "layer_window",
            "pattern_from_config"]  # fmt: skip
@@ -16,7 +16,6 @@ __all__ = ["CONFIG_KEY", "is_dense", "layer_chunk", "layer_pattern", "layer_wind
 #: The config attribute holding the pattern.
 CONFIG_KEY = "dilated_attention"
 _FIELDS = ("segment_lengths", "dilation_rates", "head_groups", "head_offsets")
-_DENSE_SEGMENT = 2**62  # one segment longer than any sequence: dense attention
 
 
 def is_dense(config: Any) -> bool:
@@ -141,7 +140,7 @@ def _pattern(entry: tuple | None, causal: bool, window: tuple[int, int] | None) 
 @cached("transformers layer patterns", 64)
 def _cached_pattern(entry: tuple | None, causal: bool, window: tuple[int, int] | None) -> Pattern:
     if entry is None:
-        return Pattern((_DENSE_SEGMENT,), (1,), causal=causal, window=window)
+        return Pattern(DENSE.segment_lengths, DENSE.dilation_rates, causal=causal, window=window)
     try:
         return Pattern(causal=causal, window=window, **dict(entry))
     except ValueError as exc:

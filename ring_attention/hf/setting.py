@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from ..core.layout import check_layout
 from ..parallel.handshake import control_device
-from ..parallel.mesh import resolve_topology, world_info
+from ..parallel.mesh import check_group, resolve_topology, world_info
 from ..parallel.sharding import shard_sequence
 
 __all__ = ["ATTN_IMPLEMENTATION", "SequenceParallel", "SequenceParallelDataLoader",
@@ -116,9 +116,8 @@ def spread_of(group: Any, ulysses_group: Any, mesh: Any, layout: str) -> Sequenc
             "mesh=\"auto\" chooses each layer's grid over group's ranks: it takes no "
             f"ulysses_group and the contiguous layout, got ulysses_group={ulysses_group!r}, "
             f"layout={layout!r}")  # fmt: skip
-    for name, g in (("group", group), ("ulysses_group", ulysses_group)):
-        if g is not None and not isinstance(g, dist.ProcessGroup):
-            raise ValueError(f"{name} must be a torch.distributed ProcessGroup or None, got {g!r}")
+    check_group(group, "group")
+    check_group(ulysses_group, "ulysses_group")
     if auto:
         return SequenceParallel(group or dist.group.WORLD, layout, auto=True)
     if mesh is None and ulysses_group is None:

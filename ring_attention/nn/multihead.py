@@ -15,10 +15,10 @@ from torch import nn
 
 from ..core.checks import supported_dtypes
 from ..core.dtypes import select_dtype
-from ..core.pattern import Pattern, as_flag
+from ..core.pattern import DENSE, Pattern, as_flag
 from ..local.functional import attend
-from ..parallel.api import sharded_attention
-from ..parallel.ulysses import reject_sharded
+from ..parallel.ring import _ring
+from ..parallel.ulysses import reject_sharded, sharded_attention
 from .dense import dense_attention
 from .multihead_checks import (
     MultiheadAttentionError,
@@ -32,9 +32,6 @@ from .multihead_checks import (
 )
 
 __all__ = ["MultiheadAttentionError", "MultiheadDilatedAttention"]
-
-#: A pattern whose one segment is longer than any sequence: dense attention.
-DENSE = Pattern((2**62,), (1,))
 
 
 def _keep_forward(module: nn.Module, args: tuple) -> None:
@@ -375,7 +372,7 @@ def _kernel_attention(m: MultiheadDilatedAttention, call: Call, cu_seqlens) -> t
         out = sharded_attention(
             q, k, v, _module_pattern, (m, call.causal), cu_seqlens=cu_seqlens, scale=None,
             group=m.group, ulysses_group=m.ulysses_group, mesh=m.mesh, layout="contiguous",
-            return_lse=False)  # fmt: skip
+            return_lse=False, ring=_ring)  # fmt: skip
     else:
         out = attend(q, k, v, _call_pattern(m, call, cu_seqlens), key_padding_mask=call.bool_kpm)
     return out.reshape(B, L, E)

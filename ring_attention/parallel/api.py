@@ -1,5 +1,6 @@
-"""The sharded attention's public entry: the ring, Ulysses and their hybrid
-composed in one place (docs/design.md §2); the operators and rounds check calls."""
+"""The sharded attention's public entries: the ring, Ulysses and their hybrid, composed
+in one place (:func:`~ring_attention.parallel.ulysses.sharded_attention`, docs/design.md §2);
+the operators and rounds check calls."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch.distributed as dist
 from ..core.pattern import Pattern
 from .ring import _ring
 from .ring_spec import given_pattern
-from .ulysses import ulysses_call
+from .ulysses import sharded_attention
 
 __all__ = ["ring_attention", "ring_dilated_attention"]
 
@@ -30,29 +31,7 @@ def ring_attention(q_local: Tensor, k_local: Tensor, v_local: Tensor,
     build, args = (given_pattern, (pattern,)) if built else (pattern, ())
     return sharded_attention(q_local, k_local, v_local, build, args, cu_seqlens=None, scale=scale,
                              group=group, ulysses_group=ulysses_group, mesh=mesh, layout=layout,
-                             return_lse=return_lse, sinks=sinks)  # fmt: skip
-
-
-def sharded_attention(q_local: Tensor, k_local: Tensor, v_local: Tensor,
-                      build: Callable[..., Pattern], args: tuple, *,
-                      cu_seqlens: Sequence[int] | Tensor | None, scale: float | None,
-                      group: dist.ProcessGroup | None, ulysses_group: dist.ProcessGroup | None,
-                      mesh, layout: str, return_lse: bool,
-                      sinks: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
-    """The ring, Ulysses or the hybrid (by the groups) with the pattern
-    ``build(*args)``: every entry of the package calls this."""
-    if ulysses_group is not None or mesh is not None:
-        call = (q_local, k_local, v_local, build, args)
-        kwargs = dict(cu_seqlens=cu_seqlens, scale=scale, group=group, ulysses_group=ulysses_group,
-                      mesh=mesh, layout=layout, return_lse=return_lse, sinks=sinks,
-                      ring=_ring)  # fmt: skip
-        if torch.compiler.is_compiling():
-            from .ulysses_eager import ulysses_eagerly
-
-            return ulysses_eagerly(ulysses_call, *call, **kwargs)
-        return ulysses_call(*call, **kwargs)
-    return _ring(q_local, k_local, v_local, build, args, cu_seqlens=cu_seqlens, scale=scale,
-                 group=group, layout=layout, return_lse=return_lse, sinks=sinks)  # fmt: skip
+                             return_lse=return_lse, sinks=sinks, ring=_ring)  # fmt: skip
 
 
 def ring_dilated_attention(q_local: Tensor, k_local: Tensor, v_local: Tensor,
@@ -73,4 +52,4 @@ def ring_dilated_attention(q_local: Tensor, k_local: Tensor, v_local: Tensor,
                               None, window),
                              cu_seqlens=cu_seqlens, scale=scale, group=group,
                              ulysses_group=ulysses_group, mesh=mesh, layout=layout,
-                             return_lse=return_lse, sinks=sinks)  # fmt: skip
+                             return_lse=return_lse, sinks=sinks, ring=_ring)  # fmt: skip

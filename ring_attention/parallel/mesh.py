@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-__all__ = ["Topology", "check_grid", "check_ring", "digest_of", "report_grid_error",
+__all__ = ["Topology", "check_grid", "check_group", "check_ring", "digest_of", "report_grid_error",
            "resolve_topology", "world_info"]  # fmt: skip
 
 _DIM_NAMES = ("ring", "ulysses")
@@ -110,7 +110,8 @@ def _order(group: dist.ProcessGroup | None, ranks: tuple[int, ...]) -> tuple[int
     return None if order == tuple(range(len(ranks))) else order
 
 
-def _check_group(group, name: str) -> None:
+def check_group(group, name: str) -> None:
+    """``ValueError`` unless ``group`` is a ``ProcessGroup`` or ``None``."""
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise ValueError(f"{name} must be a torch.distributed ProcessGroup or None, got "
                          f"{type(group).__name__}")  # fmt: skip
@@ -159,8 +160,8 @@ def resolve_topology(group: dist.ProcessGroup | None = None,
         R, U = len(ring_ranks), len(ulysses_ranks or (0,))
     else:
         key = None
-        _check_group(group, "group")
-        _check_group(ulysses_group, "ulysses_group")
+        check_group(group, "group")
+        check_group(ulysses_group, "ulysses_group")
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("ulysses_group and mesh need torch.distributed: call "
                          "torch.distributed.init_process_group first")  # fmt: skip

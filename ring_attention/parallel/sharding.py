@@ -22,7 +22,7 @@ from ..core.layout import (
     resolve_layout,
     shard_bounds,
 )
-from ..core.pattern import Pattern, as_flag
+from ..core.pattern import DENSE, Pattern, as_flag
 from .comm import comm_device
 from .handshake import gather_handshake, grid_handshake, topology_of
 from .mesh import Topology, check_grid, check_ring, resolve_topology, world_info
@@ -47,10 +47,6 @@ def _check_dim(x: torch.Tensor, dim: int, name: str) -> int:
     return dim % x.dim()
 
 
-#: The pattern of ``segment_lengths=None``: dense attention.
-_DENSE = ((2**62,), (1,))
-
-
 def _sharding_layout(layout: str, segment_lengths: Sequence[int] | None,
                      dilation_rates: Sequence[int] | None, causal: bool,
                      window: tuple[int, int] | None,
@@ -70,7 +66,7 @@ def _sharding_layout(layout: str, segment_lengths: Sequence[int] | None,
     if segment_lengths is None:
         if dilation_rates is not None:
             raise ValueError("dilation_rates needs segment_lengths (None: dense attention)")
-        segment_lengths, dilation_rates = _DENSE
+        segment_lengths, dilation_rates = DENSE.segment_lengths, DENSE.dilation_rates
     pattern = Pattern(segment_lengths, dilation_rates, causal=causal, window=window)
     return resolve_layout(layout, pattern.with_documents(cu_seqlens))
 
@@ -144,21 +140,20 @@ def gather_sequence(x_local: torch.Tensor, dim: int = 1, group: dist.ProcessGrou
     :func:`shard_sequence`); differentiable."""
     dim = _check_dim(x_local, dim, "x_local")
     layout = _sharding_layout(layout, segment_lengths, dilation_rates, causal, window, cu_seqlens)
+    order = None
     if ulysses_group is not None or mesh is not None:
         topo = topology_of(group, ulysses_group, mesh, "gather_sequence")
         check_grid(topo)
         if topo.ulysses_size > 1:
             return gather_grid(x_local, dim, topo, layout)
+        group, order = topo.ring_group, topo.ring_order
         if topo.ring_size == 1:
             return x_local
-        gather = partial(_gather_varlen, dim=dim, group=topo.ring_group, layout=layout,
-                         order=topo.ring_order)  # fmt: skip
-        return _Gather.apply(x_local, dim, gather)
-    world, _ = world_info(group)
-    if world == 1:
+    elif world_info(group)[0] == 1:
         return x_local
-    check_ring(group)  # (once per group: a rank in another call)
-    gather = partial(_gather_varlen, dim=dim, group=group, layout=layout, order=None)
+    else:
+        check_ring(group)  # (once per group: a rank in another call)
+    gather = partial(_gather_varlen, dim=dim, group=group, layout=layout, order=order)
     return _Gather.apply(x_local, dim, gather)
 
 

@@ -29,7 +29,8 @@ from .mesh import Topology, check_grid, check_ring, world_info
 from .ring_spec import given_pattern, pattern_of_call
 from .stretch import Row, from_stretch, to_stretch
 
-__all__ = ["AllToAllStats", "last_all_to_all_stats", "reject_sharded", "ulysses_call"]
+__all__ = ["AllToAllStats", "last_all_to_all_stats", "reject_sharded", "sharded_attention",
+           "ulysses_call"]  # fmt: skip
 
 Tensor = torch.Tensor
 
@@ -306,3 +307,26 @@ def reject_sharded(group, ulysses_group, mesh, error: BaseException | None = Non
     topo = topology_of(group, ulysses_group, mesh, _CALL)
     check_grid(topo)
     reject_through(topo, _CALL, error)
+
+
+def sharded_attention(q_local: Tensor, k_local: Tensor, v_local: Tensor,
+                      build: Callable[..., Pattern], args: tuple, *,
+                      cu_seqlens: Sequence[int] | Tensor | None, scale: float | None,
+                      group: dist.ProcessGroup | None, ulysses_group: dist.ProcessGroup | None,
+                      mesh, layout: str, return_lse: bool, sinks: Tensor | None = None,
+                      ring: Callable) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
+    """The ring, Ulysses or the hybrid (by the groups) with the pattern
+    ``build(*args)``: every entry of the package calls this; ``ring``: the ring's
+    entry (ring_attention/parallel/ring.py), passed in as to :func:`ulysses_call`."""
+    if ulysses_group is not None or mesh is not None:
+        call = (q_local, k_local, v_local, build, args)
+        kwargs = dict(cu_seqlens=cu_seqlens, scale=scale, group=group, ulysses_group=ulysses_group,
+                      mesh=mesh, layout=layout, return_lse=return_lse, sinks=sinks,
+                      ring=ring)  # fmt: skip
+        if torch.compiler.is_compiling():
+            from .ulysses_eager import ulysses_eagerly
+
+            return ulysses_eagerly(ulysses_call, *call, **kwargs)
+        return ulysses_call(*call, **kwargs)
+    return ring(q_local, k_local, v_local, build, args, cu_seqlens=cu_seqlens, scale=scale,
+                group=group, layout=layout, return_lse=return_lse, sinks=sinks)  # fmt: skip

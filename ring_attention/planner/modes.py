@@ -154,7 +154,7 @@ def evaluate_mode(
             t_items = {**local, "grad_out": L * H * D * B * s,
                        **(_training(mem) if mem else {})}  # fmt: skip
         else:
-            f_items, t_items = _grid_items(L, S, H, Hkv, c, k, j, row, D, B, s, acc, mem)
+            f_items, t_items = _grid_items(L, S, H, Hkv, c, k, j, D, B, s, acc, mem, (qkv, o, og))
         a2a_f = a2a_link.seconds(qkv) + a2a_link.seconds(o) if U > 1 else 0.0
         a2a_b = a2a_link.seconds(og) + a2a_link.seconds(qg) if U > 1 else 0.0
         out.append(ModeRank(
@@ -175,17 +175,14 @@ def _training(mem: LayerMemory) -> dict[str, int]:
     return {**extra, **(mem.backward if bwd >= fwd else mem.forward)}
 
 
-def _grid_items(L, S, H, Hkv, c, k, j, row, D, B, s, acc, mem):
-    """Peak memory items of one Ulysses rank: inference and training."""
-    U = len(row)
-    peers = [p for p in range(U) if p != j]
+def _grid_items(L, S, H, Hkv, c, k, j, D, B, s, acc, mem, a2a):
+    """Peak memory items of one Ulysses rank: inference and training (``a2a``: the packed q, k,
+    v going out, out and lse going out, their gradients coming back, :func:`_a2a_bytes`)."""
+    send1, send2, back2 = a2a
     vec = D * B * s
     stretch = S * (c[j] + 2 * k[j]) * vec  # q, k, v of this rank's heads over the stretch
-    send1 = sum(L * (c[p] + 2 * k[p]) for p in peers) * vec  # packed q, k, v going out
     o_s = S * c[j] * (vec + B * acc)  # out and lse over the stretch
     full = L * H * (vec + B * acc)  # out and lse of every head, own shard
-    send2 = sum(row[p] * c[j] for p in peers) * (vec + B * acc)  # packed out, lse going out
-    back2 = sum(L * c[p] for p in peers) * (vec + B * acc)  # their gradients going back
     local = {"q, k, v": L * (H + 2 * Hkv) * vec}
     attn_f = sum(mem.forward.values()) if mem else 0
     attn_b = sum(v for k_, v in mem.backward.items() if k_ != KERNEL_WORKSPACE) if mem else 0
