@@ -59,8 +59,8 @@ def _worker(rank: int, world: int, spec: dict) -> dict:
 
     import ring_attention as ra
     from ring_attention.parallel.exchange import register_exchange_hook
+    from ring_attention.parallel.testing import tensor_peak
     from ring_attention.parallel.ulysses import last_all_to_all_stats
-    from ring_attention.planner.validate import tensor_peak
 
     g = torch.Generator().manual_seed(spec["seed"])
     B, n, H, Hkv, D = spec["batch"], spec["n"], spec["heads"], spec["kv_heads"], spec["head_dim"]

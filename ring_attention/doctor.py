@@ -20,8 +20,7 @@ from .core.multiplicity import log_multiplicity
 from .hf.attention import dilated_attention_forward, register_transformers
 from .hf.config import layer_pattern
 from .hf.setting import ATTN_IMPLEMENTATION, sequence_parallel, shard_causal_lm_batch
-from .parallel.testing import run_distributed
-from .planner.validate import tensor_peak
+from .parallel.testing import run_distributed, tensor_peak
 
 __all__ = ["diagnose", "main"]
 

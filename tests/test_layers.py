@@ -26,13 +26,10 @@ ALLOWED = {
 ROOT_MODULES = {
     PKG: set(ALLOWED),  # the package's __init__: the public names
     f"{PKG}.info": {"core", "local", "planner"},
-    f"{PKG}.testing": set(),
+    f"{PKG}.doctor": {"core", "parallel", "hf"},  # python -m ring_attention.doctor
 }
 #: imports across the rules above: (importing module, imported module) -> why
-ACROSS = {
-    (f"{PKG}.planner.validate", f"{PKG}.testing"): "the planner's check against measured gloo "
-    "runs starts them (python -m ring_attention.planner.validate)",
-}
+ACROSS: dict[tuple[str, str], str] = {}  # none
 #: imports inside functions: (importing module, imported module) -> why
 LAZY = {
     (PKG, f"{PKG}.hf.attention"): "register_transformers on first use: hf imports torch._dynamo",
@@ -40,7 +37,6 @@ LAZY = {
     (f"{PKG}.hf", f"{PKG}.hf.sharded_cache"): "ShardedCache imports transformers",
     (f"{PKG}.parallel.ulysses", f"{PKG}.parallel.ulysses_eager"): "torch.compiler.disable imports "
     "torch._dynamo: only while compiling",
-    (f"{PKG}.planner.validate", f"{PKG}.parallel.exchange"): "runs in the measured ranks",
 }
 #: the longest chain of imports (modules, the package's __init__ included)
 MAX_LEVELS = 7

@@ -289,7 +289,7 @@ def _memory_worker(rank: int, world: int) -> list[dict]:
 
     import ring_attention as ra
     from ring_attention.parallel.exchange import last_exchange_stats
-    from ring_attention.planner.validate import tensor_peak
+    from ring_attention.parallel.testing import tensor_peak
 
     out = []
     for n, heads, head_dim, batch, segs, dils, causal, layout, dtype in MEMORY_CASES:

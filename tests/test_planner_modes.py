@@ -41,8 +41,8 @@ def _measure(rank: int, world: int) -> dict:
 
     import ring_attention as ra
     from ring_attention.parallel.exchange import register_exchange_hook
+    from ring_attention.parallel.testing import tensor_peak
     from ring_attention.parallel.ulysses import last_all_to_all_stats
-    from ring_attention.planner.validate import tensor_peak
 
     rows = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     cols = [dist.new_group([0, 2]), dist.new_group([1, 3])]

@@ -136,3 +136,33 @@ def run_distributed(
                 + "\n".join(errors)
             )
         return [out.get(r) for r in range(world_size)]
+
+
+def tensor_peak(call) -> int:
+    """Peak CPU tensor bytes allocated by ``call()`` and not yet freed, from
+    the PyTorch profiler's allocation events."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        call()
+    events = []
+
+    def walk(evs) -> None:
+        for e in evs:
+            if e.typed[0] == _EventType.Allocation:
+                a = e.typed[1]
+                events.append((e.start_time_ns, a.alloc_size, a.ptr))
+            walk(e.children)
+
+    walk(prof.profiler.kineto_results.experimental_event_tree())
+    live: dict[int, int] = {}
+    total = peak = 0
+    for _, size, ptr in sorted(events, key=lambda e: e[0]):
+        if size > 0:
+            live[ptr] = size
+            total += size
+            peak = max(peak, total)
+        elif ptr in live:
+            total -= live.pop(ptr)
+    return peak

@@ -1,7 +1,7 @@
 """Predictions of the planner against measured ring runs on this machine.
 
-    python -m ring_attention.planner.validate                 # ~2 min on 2 cores
-    python -m ring_attention.planner.validate --seq-len 8192 --worlds 1 2
+    python benchmarks/planner_validate.py                     # ~2 min on 2 cores
+    python benchmarks/planner_validate.py --seq-len 8192 --worlds 1 2
 
 Times the local operator (unless ``--bench-json``), runs the ring in ``p``
 fresh gloo processes per ``p`` in ``--worlds`` (tensor and resident peaks,
@@ -21,13 +21,13 @@ from pathlib import Path
 
 import torch
 
-from ..core.pairs import pattern_flops, reached_pairs
-from ..core.pattern import Pattern
-from ..parallel.testing import run_distributed
-from .capacity import Setup, evaluate
-from .memory import KERNEL_WORKSPACE
-from .throughput import load_records
-from .timing import Link
+from ring_attention.core.pairs import pattern_flops, reached_pairs
+from ring_attention.core.pattern import Pattern
+from ring_attention.parallel.testing import run_distributed, tensor_peak
+from ring_attention.planner.capacity import Setup, evaluate
+from ring_attention.planner.memory import KERNEL_WORKSPACE
+from ring_attention.planner.throughput import load_records
+from ring_attention.planner.timing import Link
 
 __all__ = ["main"]
 
@@ -49,36 +49,6 @@ def resident_growth(call) -> int:
         f.write("5")  # reset the high-water mark to the current RSS
     call()
     return _status_bytes("VmHWM") - base
-
-
-def tensor_peak(call) -> int:
-    """Peak CPU tensor bytes allocated by ``call()`` and not yet freed, from
-    the PyTorch profiler's allocation events."""
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        call()
-    events = []
-
-    def walk(evs) -> None:
-        for e in evs:
-            if e.typed[0] == _EventType.Allocation:
-                a = e.typed[1]
-                events.append((e.start_time_ns, a.alloc_size, a.ptr))
-            walk(e.children)
-
-    walk(prof.profiler.kineto_results.experimental_event_tree())
-    live: dict[int, int] = {}
-    total = peak = 0
-    for _, size, ptr in sorted(events, key=lambda e: e[0]):
-        if size > 0:
-            live[ptr] = size
-            total += size
-            peak = max(peak, total)
-        elif ptr in live:
-            total -= live.pop(ptr)
-    return peak
 
 
 def _attention(fn, q, k, v, go, spec: dict, backward: bool):
@@ -270,7 +240,7 @@ def report(results: dict) -> str:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Arguments (see the module docstring)."""
     ap = argparse.ArgumentParser(
-        prog="python -m ring_attention.planner.validate",
+        prog="python benchmarks/planner_validate.py",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
