@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
+from ..core import config
 from ..core.checks import check_int
 from ..core.geometry import MAX_SEQ_LEN
 from ..core.links import Link
@@ -55,6 +56,7 @@ class Setup:
     source: str = "auto"  # where the exchanged rows come from (.traffic.predict_traffic)
     far_bytes: int = 0  # transfers of at most this many K/V bytes in the far group (0: none)
     window: tuple[int, int] | None = None  # the ring's exact plans count it, not closed forms
+    backward_heads: str = "all"  # heads per group of the backward (RING_ATTENTION_BACKWARD_HEADS)
 
     def __post_init__(self) -> None:
         for name in ("causal", "head_groups", "checkpointing", "shard_params"):
@@ -64,6 +66,12 @@ class Setup:
     def itemsize(self) -> int:
         """Bytes per element of the inputs."""
         return DTYPE_BYTES[dtype_name(self.dtype)]
+
+    @property
+    def group_heads(self) -> int:
+        """Query heads per group of the ring's backward (0: every head at once)."""
+        s = self
+        return config.backward_heads(s.heads, s.heads // s.kv_heads, s.itemsize, s.backward_heads)
 
     @property
     def usable(self) -> int:
@@ -112,7 +120,7 @@ class Evaluation:
         """Every rank's attention layer memory."""
         s = self.setup
         return layer_memories(self.traffic, s.batch, s.head_dim, s.itemsize, device=s.device,
-                              far_bytes=s.far_bytes)  # fmt: skip
+                              far_bytes=s.far_bytes, group_heads=s.group_heads)  # fmt: skip
 
     @cached_property
     def rates(self) -> Rates:
@@ -128,8 +136,9 @@ class Evaluation:
         """Every rank's predicted layer time with the far group's threshold
         ``far_bytes`` (0: the ring alone)."""
         s = self.setup
+        groups = len(config.head_groups(s.heads, s.heads // s.kv_heads, s.group_heads))
         return layer_times(self.traffic, s.batch, s.head_dim, s.itemsize, self.rates, s.link,
-                           far_bytes)  # fmt: skip
+                           far_bytes, groups)  # fmt: skip
 
     def worst(self, key: Callable[[int], float]) -> int:
         """The rank maximising ``key(rank)``."""

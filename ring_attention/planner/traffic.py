@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
@@ -18,7 +18,7 @@ from ..core.pairs import check_planner_args, ranks_pairs
 from ..core.pattern import Pattern
 from .progressions import union_stats
 
-__all__ = ["SOURCES", "Traffic", "kv_classes", "predict_traffic"]
+__all__ = ["SOURCES", "Traffic", "group_traffic", "kv_classes", "predict_traffic"]
 
 #: Where the rows come from (``auto``: the plan when cheap and installed).
 SOURCES = ("auto", "plan", "analytic")
@@ -336,14 +336,14 @@ exact_plans: Callable[..., Any] | None = None
 
 
 def plan_rows(
-    pattern: Pattern, seq_len: int, heads: int, kv_heads: int, p: int, layout: str, fold: int = 1
+    pattern: Pattern, seq_len: int, heads: int, kv_heads: int, p: int, layout: str, *ring: Any
 ) -> dict[str, torch.Tensor]:
     """``recv[j, d]`` and ``span[j, d]`` of every rank's own plan
-    (:data:`exact_plans`)."""
+    (:data:`exact_plans`; ``ring``: its fold and head range)."""
     assert exact_plans is not None
     recv, span = (torch.zeros(p, p, dtype=torch.int64) for _ in range(2))
     for j in range(p):
-        plan = exact_plans(pattern, seq_len, heads, kv_heads, p, j, layout, fold=fold)
+        plan = exact_plans(pattern, seq_len, heads, kv_heads, p, j, layout, *ring)
         for step in plan.steps:
             recv[j, step.distance] = step.recv_rows
             for ix in step.recv_idx:
@@ -352,6 +352,30 @@ def plan_rows(
                     if ix.numel() != (hi - lo) * kv_heads:
                         span[j, step.distance] += hi - lo
     return {"recv": recv, "span": span}
+
+
+def _sends(recv: torch.Tensor) -> torch.Tensor:
+    """``send[j, d]``: what ``j + d`` receives from ``j``."""
+    ranks = torch.arange(recv.shape[0])
+    send = recv.gather(0, (ranks[:, None] + ranks) % recv.shape[0])
+    send[:, 0] = 0
+    return send
+
+
+def group_traffic(tr: Traffic, h0: int, h1: int, kv_heads: int) -> Traffic:
+    """The rows of query heads ``[h0, h1)`` of ``tr`` (``kv_heads`` K/V heads), a group of the
+    ring's backward by heads: its own plans' (source ``plan``), else ``tr``'s share."""
+    if tr.source == "plan" and tr.world_size > 1:
+        heads = (h0, tr.heads, tr.kv_heads)
+        args = (tr.seq_len, h1 - h0, kv_heads, tr.world_size, tr.layout, 1, heads)
+        counts = plan_rows(tr.pattern, *args)
+        recv, span = counts["recv"], counts["span"]
+    else:
+        recv, span = -(-tr.recv_rows * kv_heads // tr.kv_heads), tr.span_rows
+    send = _sends(recv)
+    return replace(
+        tr, heads=h1 - h0, kv_heads=kv_heads, recv_rows=recv, send_rows=send, span_rows=span
+    )
 
 
 def predict_traffic(
@@ -410,9 +434,7 @@ def traffic_of(
     if use_plan and p > 1:  # one rank exchanges nothing
         counts.update(plan_rows(pattern, seq_len, heads, kv_heads, p, layout, fold))
     recv = counts["recv"]
-    ranks = torch.arange(p)  # send[j, d]: what j + d receives from j
-    send = recv.gather(0, (ranks[:, None] + ranks) % p)
-    send[:, 0] = 0
+    send = _sends(recv)
     total_t = torch.tensor(total, dtype=torch.int64)
     return Traffic(
         pattern=pattern, seq_len=int(seq_len), heads=int(heads), kv_heads=int(kv_heads),
