@@ -67,7 +67,7 @@ def test_grouped_backward_is_bit_equal(world: int, hybrid: bool, far: str) -> No
 def test_group_sizes_hold_whole_kv_heads() -> None:
     assert backward_heads(16, 1, 2, "all") == 0
     assert backward_heads(16, 1, 2, "auto") == 2  # 3 * 2 * 4 bytes <= 16 * 2
-    assert backward_heads(16, 1, 4, "auto") == 5
+    assert backward_heads(16, 1, 4, "auto") == 0  # fp32: its gradients are its accumulators
     assert backward_heads(8, 4, 2, "3") == 4 and backward_heads(8, 4, 2, "5") == 4
     assert backward_heads(8, 4, 2, "8") == 0  # one group
     assert head_groups(5, 1, 2) == [(0, 2, 0, 2), (2, 4, 2, 4), (4, 5, 4, 5)]

@@ -69,7 +69,7 @@ KNOBS = (
          "the backward, likewise (a gradient reaching lse always takes our kernel)"),
     Knob(BACKWARD_HEADS, "all, auto, or an integer >= 1", "all",
          "the ring's backward by groups of this many query heads (whole K/V heads' groups); auto: "
-         "the most whose fp32 dq, dk, dv take no more bytes than q"),
+         "the most whose fp32 dq, dk, dv take no more bytes than q (all for fp32 and fp64)"),
     Knob(DENSE_BACKEND, ", ".join(DENSE_BACKENDS), "auto",
          "the dense backend of the per-branch calls: the table's, or the one named where it can "
          "run"),
@@ -140,12 +140,13 @@ def backward_heads(heads: int, kv_group: int, itemsize: int, setting: str | None
     bytes, ``kv_group`` per K/V head (0: all at once, one group): ``setting`` or
     ``RING_ATTENTION_BACKWARD_HEADS`` (default ``all``), rounded down to whole K/V heads' query
     heads, at least one K/V head's; ``auto``: the most whose fp32 dq, dk, dv take no more bytes
-    than q."""
+    than q, all at once for fp32 and fp64 (their gradients are their accumulators: groups only
+    add the slices' copies)."""
     value = _group(_get(BACKWARD_HEADS, "all") if setting is None else str(setting))
-    if value == "all":
+    if value == "all" or (value == "auto" and itemsize >= 4):
         return 0
     if value == "auto":
-        value = heads * itemsize * kv_group // (max(4, itemsize) * (kv_group + 2))
+        value = heads * itemsize * kv_group // (4 * (kv_group + 2))
     value = max(kv_group, value // kv_group * kv_group)
     return 0 if value >= heads else value
 

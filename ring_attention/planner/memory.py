@@ -72,6 +72,13 @@ def transport_buffers(
     return {"forward": fwd, "backward": bwd}
 
 
+def _with_indices(tr: Any, bufs: dict) -> dict:
+    """``bufs`` and the int64 indices each pass makes of the received rows of a span after a
+    piece's start (the ring's own plans tell; closed forms: none)."""
+    idx = 0 if tr.shifted_rows is None else 8 * tr.shifted_rows.sum(1)
+    return {k: {**v, "span indices": idx} for k, v in bufs.items()}
+
+
 @dataclass(frozen=True)
 class LayerMemory:
     """Bytes per rank of one attention layer, per item."""
@@ -159,7 +166,8 @@ def _by_groups(tr: Any, backward: dict, bufs: dict, per: int, *shape: int) -> tu
     totals, items, buffers = [], [], []
     for h0, h1, g0, g1 in head_groups(tr.heads, tr.heads // tr.kv_heads, per):
         share = far_bytes * (g1 - g0) // tr.kv_heads  # as the ring's: the same steps go far
-        b = transport_buffers(group_traffic(tr, h0, h1, g1 - g0), *shape[:3], share)["backward"]
+        gtr = group_traffic(tr, h0, h1, g1 - g0)
+        b = _with_indices(gtr, transport_buffers(gtr, *shape[:3], share))["backward"]
         args = (tr.local_len, h1 - h0, g1 - g0, *shape[:3])
         _, _, group = _items(*args, zigzag=zigzag, buffers=(0, sum(b.values())), group=True)
         group["head group copies"] = group.pop("piece copies (zigzag)")
@@ -188,7 +196,7 @@ def layer_memories(
     device copy of the plan's indices; ``group_heads``: the backward's heads per group
     (``RING_ATTENTION_BACKWARD_HEADS``; 0: every head at once; its groups' plans are cached too)."""
     plan_idx = 8 * (tr.rows_sent + tr.rows_received)
-    bufs = transport_buffers(tr, batch, head_dim, itemsize, far_bytes)
+    bufs = _with_indices(tr, transport_buffers(tr, batch, head_dim, itemsize, far_bytes))
     inputs, forward, backward = _items(
         tr.local_len, tr.heads, tr.kv_heads, batch, head_dim, itemsize,
         plan_idx=plan_idx * (2 if device == "cuda" else 1) * (2 if group_heads else 1),

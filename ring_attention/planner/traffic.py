@@ -54,6 +54,7 @@ class Traffic:
     send_rows: torch.Tensor  # rows rank j sends to j + d (mod p)
     span_rows: torch.Tensor  # positions of the row maps of the pieces received at d
     step_pairs: torch.Tensor  # pairs computed on the rows received at d
+    shifted_rows: torch.Tensor | None = None  # rows received at d in spans after a piece's start
 
     @cached_property
     def active(self) -> torch.Tensor:
@@ -341,7 +342,7 @@ def plan_rows(
     """``recv[j, d]`` and ``span[j, d]`` of every rank's own plan
     (:data:`exact_plans`; ``ring``: its fold and head range)."""
     assert exact_plans is not None
-    recv, span = (torch.zeros(p, p, dtype=torch.int64) for _ in range(2))
+    recv, span, shift = (torch.zeros(p, p, dtype=torch.int64) for _ in range(3))
     for j in range(p):
         plan = exact_plans(pattern, seq_len, heads, kv_heads, p, j, layout, *ring)
         for step in plan.steps:
@@ -351,7 +352,8 @@ def plan_rows(
                     lo, hi = int(ix[0]) // kv_heads, int(ix[-1]) // kv_heads + 1
                     if ix.numel() != (hi - lo) * kv_heads:
                         span[j, step.distance] += hi - lo
-    return {"recv": recv, "span": span}
+                    shift[j, step.distance] += ix.numel() if lo else 0
+    return {"recv": recv, "span": span, "shift": shift}
 
 
 def _sends(recv: torch.Tensor) -> torch.Tensor:
@@ -369,13 +371,12 @@ def group_traffic(tr: Traffic, h0: int, h1: int, kv_heads: int) -> Traffic:
         heads = (h0, tr.heads, tr.kv_heads)
         args = (tr.seq_len, h1 - h0, kv_heads, tr.world_size, tr.layout, 1, heads)
         counts = plan_rows(tr.pattern, *args)
-        recv, span = counts["recv"], counts["span"]
+        recv, span, shift = counts["recv"], counts["span"], counts["shift"]
     else:
-        recv, span = -(-tr.recv_rows * kv_heads // tr.kv_heads), tr.span_rows
+        recv, span, shift = -(-tr.recv_rows * kv_heads // tr.kv_heads), tr.span_rows, None
     send = _sends(recv)
-    return replace(
-        tr, heads=h1 - h0, kv_heads=kv_heads, recv_rows=recv, send_rows=send, span_rows=span
-    )
+    rows = dict(recv_rows=recv, send_rows=send, span_rows=span, shifted_rows=shift)
+    return replace(tr, heads=h1 - h0, kv_heads=kv_heads, **rows)
 
 
 def predict_traffic(
@@ -442,4 +443,5 @@ def traffic_of(
         local_len=torch.tensor([sum(pc.length for pc in ps) for ps in pieces], dtype=torch.int64),
         total_pairs=total_t, local_pairs=total_t - counts["pairs"].sum(1), recv_rows=recv,
         send_rows=send, span_rows=counts["span"], step_pairs=counts["pairs"],
+        shifted_rows=counts.get("shift"),
     )  # fmt: skip
