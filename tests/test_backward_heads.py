@@ -92,3 +92,30 @@ def _disagreeing_worker(rank: int, world: int) -> str:
 def test_ranks_that_disagree_on_the_groups_raise_on_every_rank() -> None:
     for message in run_distributed(_disagreeing_worker, 3):
         assert BACKWARD_HEADS in message and "[1, 0, 0]" in message, message
+
+
+def test_the_planner_advises_the_most_heads_per_group_that_fit() -> None:
+    from ring_attention.planner.capacity import Setup, evaluate
+
+    base = dict(
+        ranks=4,
+        device="cuda",
+        reserve=0,
+        heads=8,
+        kv_heads=8,
+        head_dim=64,
+        batch=1,
+        dtype="bfloat16",
+        backward_heads="auto",
+        source="analytic",
+    )
+    roomy = evaluate(Setup(memory=10**12, **base), 2**16)
+    assert roomy.group_heads == 0  # everything fits: one group, no extra transfers
+    peaks = {g: max(m.training_peak for m in roomy.memories_with(g)) for g in (0, 4, 2, 1)}
+    # (half the heads a group: the slices' copies cost more than the accumulators save)
+    assert peaks[4] > peaks[0] > peaks[2] > peaks[1]
+    tight = evaluate(Setup(memory=peaks[2], **base), 2**16)
+    assert tight.group_heads == 2 and tight.training_peak == peaks[2]
+    # one ring pass per group: each step's latency paid 4 times in the backward
+    assert tight.times[0].forward_backward > roomy.times[0].forward_backward
+    assert tight.times[0].forward == roomy.times[0].forward
