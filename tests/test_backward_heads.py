@@ -32,9 +32,10 @@ def _grads(case, kw: dict, setting: str, rank: int, world: int) -> list[torch.Te
     q, k, v, go = (ra.shard_sequence(t, layout=layout, **kw).contiguous() for t in (q, k, v, go))
     for t in (q, k, v):
         t.requires_grad_()
-    out = ra.ring_dilated_attention(q, k, v, segs, dils, causal=causal, layout=layout,
-                                    cu_seqlens=docs, window=window, **kw)  # fmt: skip
-    out.backward(go)
+    kw = dict(kw, causal=causal, layout=layout, cu_seqlens=docs, window=window, return_lse=True)
+    out, lse = ra.ring_dilated_attention(q, k, v, segs, dils, **kw)
+    glse = torch.randn(lse.shape, generator=g).to(lse.dtype)  # a gradient reaching lse too
+    torch.autograd.backward([out, lse], [go, glse])
     return [t.grad for t in (q, k, v)]
 
 
