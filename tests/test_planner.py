@@ -29,6 +29,7 @@ import torch
 from oracle import multiplicity as oracle_multiplicity
 
 from ring_attention.core import pairs
+from ring_attention.core.config import backward_heads
 from ring_attention.core.layout import layout_pieces
 from ring_attention.core.multiplicity import multiplicity
 from ring_attention.core.pairs import pattern_flops, reached_pairs
@@ -284,14 +285,16 @@ MEMORY_CASES = [
 ]
 
 
-def _memory_worker(rank: int, world: int) -> list[dict]:
+def _memory_worker(rank: int, world: int, heads_per_group: str = "all") -> list[dict]:
     import gc
+    import os
 
     import ring_attention as ra
     from ring_attention.parallel.exchange import last_exchange_stats
     from ring_attention.parallel.testing import tensor_peak
 
     out = []
+    os.environ["RING_ATTENTION_BACKWARD_HEADS"] = heads_per_group
     for n, heads, head_dim, batch, segs, dils, causal, layout, dtype in MEMORY_CASES:
         g = torch.Generator().manual_seed(7)
         full = [torch.randn(batch, n, heads, head_dim, generator=g).to(dtype) for _ in range(4)]
@@ -313,9 +316,10 @@ def _memory_worker(rank: int, world: int) -> list[dict]:
     return out
 
 
-def test_memory_model_matches_the_ring_accounting() -> None:
+@pytest.mark.parametrize("heads_per_group", ["all", "1", "2"])
+def test_memory_model_matches_the_ring_accounting(heads_per_group: str) -> None:
     world = 3
-    measured = run_distributed(_memory_worker, world)
+    measured = run_distributed(_memory_worker, world, heads_per_group)
     for i, (n, heads, head_dim, batch, segs, dils, causal, layout, dtype) in enumerate(
         MEMORY_CASES
     ):
@@ -323,11 +327,13 @@ def test_memory_model_matches_the_ring_accounting() -> None:
         tr = predict_traffic(pattern, n, heads, heads, world, layout)
         itemsize = torch.empty(0, dtype=dtype).element_size()
         bufs = transport_buffers(tr, batch, head_dim, itemsize)
-        memories = layer_memories(tr, batch, head_dim, itemsize)
+        per = backward_heads(heads, 1, itemsize, heads_per_group)
+        memories = layer_memories(tr, batch, head_dim, itemsize, group_heads=per)
         for rank in range(world):
             got = measured[rank][i]
             want = {k: int(sum(v.values())[rank]) for k, v in bufs.items()}
-            assert {k: got["buffers"].get(k, 0) for k in want} == want, (i, rank)
+            if not per:  # (by groups: the groups' buffers, one group at a time)
+                assert {k: got["buffers"].get(k, 0) for k in want} == want, (i, rank)
             m = memories[rank]
             call = max(
                 sum(m.forward.values()),

@@ -3,6 +3,7 @@ checked (``ValueError`` naming the variable); :data:`KNOBS` is the table docs/de
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
 
@@ -11,6 +12,7 @@ from .links import LINKS
 
 __all__ = [
     "BACKWARD",
+    "BACKWARD_HEADS",
     "DENSE_BACKEND",
     "DENSE_BACKENDS",
     "EMULATOR_SANITIZE",
@@ -20,16 +22,19 @@ __all__ = [
     "MODES",
     "SPAN_ROWS",
     "Knob",
+    "backward_heads",
     "backward_mode",
     "dense_backend",
     "emulator_sanitize",
     "far_bytes",
     "forward_mode",
+    "head_groups",
     "span_rows",
 ]
 
 FORWARD = "RING_ATTENTION_FORWARD"
 BACKWARD = "RING_ATTENTION_BACKWARD"
+BACKWARD_HEADS = "RING_ATTENTION_BACKWARD_HEADS"
 DENSE_BACKEND = "RING_ATTENTION_DENSE_BACKEND"
 SPAN_ROWS = "RING_ATTENTION_DENSE_SPAN_ROWS"
 EMULATOR_SANITIZE = "RING_ATTENTION_EMULATOR_SANITIZE"
@@ -62,6 +67,9 @@ KNOBS = (
          "or the dense backends"),
     Knob(BACKWARD, ", ".join(MODES), "auto",
          "the backward, likewise (a gradient reaching lse always takes our kernel)"),
+    Knob(BACKWARD_HEADS, "all, auto, or an integer >= 1", "all",
+         "the ring's backward by groups of this many query heads (whole K/V heads' groups); auto: "
+         "the most whose fp32 dq, dk, dv take no more bytes than q (all for fp32 and fp64)"),
     Knob(DENSE_BACKEND, ", ".join(DENSE_BACKENDS), "auto",
          "the dense backend of the per-branch calls: the table's, or the one named where it can "
          "run"),
@@ -115,6 +123,45 @@ def _rows(raw: str) -> int:
 def span_rows() -> int:
     """``RING_ATTENTION_DENSE_SPAN_ROWS``: the fewest rows of a span (default 131072)."""
     return _rows(_get(SPAN_ROWS, "131072"))
+
+
+@cached("config backward heads")
+def _group(raw: str) -> str | int:
+    if raw in ("all", "auto"):
+        return raw
+    value = int(raw) if raw.strip().isdigit() and str(int(raw)) == raw.strip() else 0
+    if value < 1:
+        raise ValueError(f"{BACKWARD_HEADS} must be all, auto or an integer >= 1, got {raw!r}")
+    return value
+
+
+def backward_heads(heads: int, kv_group: int, itemsize: int, setting: str | None = None) -> int:
+    """Query heads per group of the ring's backward for ``heads`` query heads of ``itemsize``
+    bytes, ``kv_group`` per K/V head (0: all at once, one group): ``setting`` or
+    ``RING_ATTENTION_BACKWARD_HEADS`` (default ``all``), rounded down to whole K/V heads' query
+    heads, at least one K/V head's; ``auto``: the most whose fp32 dq, dk, dv take no more bytes
+    than q, all at once for fp32 and fp64 (their gradients are their accumulators: groups only
+    add the slices' copies)."""
+    value = _group(_get(BACKWARD_HEADS, "all") if setting is None else str(setting))
+    if value == "all" or (value == "auto" and itemsize >= 4):
+        return 0
+    if value == "auto":
+        value = heads * itemsize * kv_group // (4 * (kv_group + 2))
+    value = max(kv_group, value // kv_group * kv_group)
+    return 0 if value >= heads else value
+
+
+def head_groups(heads: int, kv_group: int, per: int, head_start: int = 0) -> list[tuple]:
+    """``(h0, h1, g0, g1)``: the local query heads ``[h0, h1)`` and K/V heads ``[g0, g1)`` of
+    each group of ``per`` heads (``per`` a multiple of ``kv_group``; 0: one group) of ``heads``
+    local heads from global head ``head_start``, cut at global multiples of ``per``."""
+    s, per = head_start, per or heads + head_start
+    cuts = [max(a, s) - s for a in range(s // per * per, s + heads, per)] + [heads]
+    first = s // kv_group
+    return [
+        (a, b, (s + a) // kv_group - first, (s + b - 1) // kv_group - first + 1)
+        for a, b in itertools.pairwise(cuts)
+    ]
 
 
 @cached("config far bytes")

@@ -41,7 +41,7 @@ _NAMES = {v: k for k, v in _CALLS.items()}
 #: The ring handshake's fields, in :func:`ring_message`'s order (the hybrid's
 #: row round sends the same message: ring_attention/parallel/ulysses.py).
 RING_FIELDS = ("seq_len_local", "batch", "heads", "kv_heads", "head_dim", "dtype", "pattern",
-               "scale", "layout", "requires_grad", "far_bytes")  # fmt: skip
+               "scale", "layout", "requires_grad", "far_bytes", "backward_heads")  # fmt: skip
 _GATHER_DIMS = WORDS - 3 - 5  # shapes of up to 12 dimensions
 _GATHER_FIELDS = ("ndim", "dim", "dtype", "layout", *(f"size{i}" for i in range(_GATHER_DIMS)),
                   "layout_digest")  # fmt: skip
@@ -127,13 +127,15 @@ def reject(group: dist.ProcessGroup | None, call: str = "ring_dilated_attention"
 
 
 def ring_message(q: torch.Tensor, kv_heads: int, pattern: Pattern, *, scale: float, layout: Layout,
-                 needs_grad: bool, far_bytes: int = 0) -> list[int]:  # fmt: skip
-    """This rank's ring handshake payload in ``RING_FIELDS``' order (``q``:
-    the validated local query; ``far_bytes``: its ``RING_ATTENTION_FAR_BYTES``)."""
+                 needs_grad: bool, far_bytes: int = 0,
+                 backward_heads: int = 0) -> list[int]:  # fmt: skip
+    """This rank's ring handshake payload in ``RING_FIELDS``' order (``q``: the validated local
+    query; ``far_bytes``, ``backward_heads``: its ``RING_ATTENTION_FAR_BYTES``, its backward's
+    heads per group)."""
     B, L, H, D = q.shape
     return [L, B, H, kv_heads, D, dtype_code(q.dtype), pattern.digest(),
             struct.unpack("<q", struct.pack("<d", float(scale)))[0],
-            layout_code(layout), int(needs_grad), int(far_bytes)]  # fmt: skip
+            layout_code(layout), int(needs_grad), int(far_bytes), int(backward_heads)]  # fmt: skip
 
 
 def ring_handshake(group: dist.ProcessGroup | None, world: int, message: list[int] | None,
@@ -164,6 +166,7 @@ def ring_handshake(group: dist.ProcessGroup | None, world: int, message: list[in
         ("layout", "layout"),
         ("requires_grad", "whether a gradient is needed (every rank must run the backward)"),
         ("far_bytes", "RING_ATTENTION_FAR_BYTES (the far group's threshold in bytes)"),
+        ("backward_heads", "RING_ATTENTION_BACKWARD_HEADS (the backward's heads per group)"),
         ("scale", "scale"),
     ):
         if len(set(table[name])) > 1:

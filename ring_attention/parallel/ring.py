@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ import torch.distributed as dist
 from ..core.cache import PerBatch
 from ..core.call import Call
 from ..core.checks import check_qkv, check_sinks_meta, resolve_scale, sinks_meta
-from ..core.config import far_bytes
+from ..core.config import backward_heads, far_bytes, head_groups
 from ..core.dtypes import acc_dtype
 from ..core.layout import Piece, resolve_layout
 from ..core.pattern import Pattern, as_flag
@@ -105,6 +106,7 @@ class RingCall:
     peers: tuple[int, ...]  # global rank of every group rank
     call: Call  # what every block attends with (the one engine's call)
     far_bytes: int = 0  # transfers of at most this many K/V bytes: the far group
+    group_heads: int = 0  # query heads per group of the backward (0: every head at once)
 
     def blocks(self, pass_: str, q: Tensor, k: Tensor) -> Blocks:
         """The blocks of ``pass_``: the block kernel, or a dense backend where the
@@ -239,6 +241,36 @@ def schedule_backward(call: RingCall, grad_out: Tensor, grad_lse: Tensor | None,
     return tuple(_cat([t.to(q.dtype) for t in g], dim=1) for g in (dqs, dks, dvs))
 
 
+def backward_by_groups(call: RingCall, *tensors: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`schedule_backward` (``tensors``: its) one group of :attr:`RingCall.group_heads`
+    heads at a time, one ring pass each: a group's fp32 accumulators and returned dK/dV live
+    until its gradients are written into the input-dtype ones. Bit-equal to one group: heads
+    are independent, and a group's far transfers are the whole call's."""
+    plan, per = call.plan, call.group_heads
+    if not per:
+        return schedule_backward(call, *tensors)
+    grad_out, grad_lse, q, k, v, out, lse = tensors
+    s, total, total_kv = plan.head_range if plan.head_range[1] else (0, plan.heads, plan.kv_heads)
+    grads = [torch.empty(t.shape, dtype=q.dtype, device=q.device) for t in (q, k, v)]
+    for h0, h1, g0, g1 in head_groups(plan.heads, total // total_kv, per, s):
+        hs, gs, heads = slice(h0, h1), slice(g0, g1), (s + h0, total, total_kv)
+        args = (h1 - h0, g1 - g0, plan.world_size, plan.rank, plan.layout, plan.fold, heads)
+        far = call.far_bytes * (g1 - g0) // plan.kv_heads  # its share: the same steps go far
+        sub = dataclasses.replace(
+            call,
+            plan=get_plan(plan.pattern, plan.seq_len, *args),
+            call=call.call.with_heads(*heads),
+            far_bytes=far,
+        )
+        go, gl = grad_out[:, :, hs], None if grad_lse is None else grad_lse[:, hs]
+        qkv = q[:, :, hs], k[:, :, gs], v[:, :, gs]
+        parts = schedule_backward(sub, go, gl, *qkv, out[:, :, hs], lse[:, hs])
+        for grad, part, sl in zip(grads, parts, (hs, gs, gs), strict=True):
+            grad[:, :, sl] = part
+        del parts, part  # nothing of a group outlives it
+    return tuple(grads)
+
+
 _documents = PerBatch("ring documents")
 
 
@@ -261,7 +293,7 @@ def _call_of(key: str, q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None
         rank = spec.ranks.index(dist.get_rank())
         if order == tuple(range(world)):
             order = None
-    message, pattern, error, far, layout = None, None, spec.error, 0, spec.layout
+    message, pattern, error, far, layout, per = None, None, spec.error, 0, spec.layout, 0
     if error is None:
         try:
             pattern = _with_documents(key, spec.pattern, documents)
@@ -269,6 +301,8 @@ def _call_of(key: str, q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None
             heads = spec.head_range if spec.head_range[1] else None
             shape = check_qkv(q, k, v, head_range=heads)
             far = far_bytes(q.device.type)
+            kv_group = heads[1] // heads[2] if heads else shape.heads // shape.kv_heads
+            per = backward_heads(shape.heads, kv_group, q.element_size())
             pattern.check_heads(shape.heads if heads is None else heads[1])
             check_sinks_meta(spec.sinks, shape.heads, q.device)
             scale = resolve_scale(spec.scale, shape.head_dim)
@@ -276,7 +310,8 @@ def _call_of(key: str, q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None
                 if world > 1:
                     comm_device(group, q.device)  # raises for unsupported transports
                 message = ring_message(q, shape.kv_heads, pattern, scale=scale, layout=layout,
-                                       needs_grad=needs_grad, far_bytes=far)  # fmt: skip
+                                       needs_grad=needs_grad, far_bytes=far,
+                                       backward_heads=per)  # fmt: skip
         except Exception as exc:  # every rank must hear of it: reported in the handshake
             error = exc
     if n is None:
@@ -299,7 +334,7 @@ def _call_of(key: str, q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None
     return RingCall(plan=plan, group=group,
                     peers=spec.ranks if order is not None else global_ranks(group, world),
                     call=Call(pattern, scale).with_heads(*spec.head_range),
-                    far_bytes=far)  # fmt: skip
+                    far_bytes=far, group_heads=per)  # fmt: skip
 
 
 @torch.library.custom_op("ring_attention::ring_forward", mutates_args=())
@@ -335,7 +370,7 @@ def _ring_backward_op(grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: T
         if wrong and (t is not None or name != "grad_lse"):
             got = tuple(t.shape) if isinstance(t, Tensor) else t
             raise ValueError(f"{name} must have shape {tuple(shape)}, got {got!r}")
-    return schedule_backward(call, grad_out, grad_lse, q, k, v, out, lse)
+    return backward_by_groups(call, grad_out, grad_lse, q, k, v, out, lse)
 
 
 @_ring_backward_op.register_fake

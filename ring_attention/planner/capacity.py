@@ -3,10 +3,12 @@ lengths and rank counts."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
+from ..core import config
 from ..core.checks import check_int
 from ..core.geometry import MAX_SEQ_LEN
 from ..core.links import Link
@@ -55,6 +57,7 @@ class Setup:
     source: str = "auto"  # where the exchanged rows come from (.traffic.predict_traffic)
     far_bytes: int = 0  # transfers of at most this many K/V bytes in the far group (0: none)
     window: tuple[int, int] | None = None  # the ring's exact plans count it, not closed forms
+    backward_heads: str = "all"  # the backward's heads per group, or auto: the most that fit
 
     def __post_init__(self) -> None:
         for name in ("causal", "head_groups", "checkpointing", "shard_params"):
@@ -110,9 +113,30 @@ class Evaluation:
     @cached_property
     def memories(self) -> list[LayerMemory]:
         """Every rank's attention layer memory."""
+        return self.memories_with(self.group_heads)
+
+    def memories_with(self, group_heads: int) -> list[LayerMemory]:
+        """Every rank's attention layer memory, the backward by groups of ``group_heads``."""
         s = self.setup
         return layer_memories(self.traffic, s.batch, s.head_dim, s.itemsize, device=s.device,
-                              far_bytes=s.far_bytes)  # fmt: skip
+                              far_bytes=s.far_bytes, group_heads=group_heads)  # fmt: skip
+
+    @cached_property
+    def group_heads(self) -> int:
+        """Query heads per group of the ring's backward (0: every head at once): the setup's
+        ``RING_ATTENTION_BACKWARD_HEADS``; ``auto``: the planner's advice, the most (the fewest
+        groups and transfers) whose training peak fits the usable memory, else the fewest."""
+        s = self.setup
+        r = s.heads // s.kv_heads
+        if s.backward_heads != "auto":
+            return config.backward_heads(s.heads, r, s.itemsize, s.backward_heads)
+        groups = range(1, s.heads // r + 1)  # whole K/V heads' groups: at least r heads
+        sizes = sorted({math.ceil(math.ceil(s.heads / k) / r) * r for k in groups}, reverse=True)
+        for size in sizes:
+            per = size % s.heads  # (every head: 0)
+            if max(m.training_peak for m in self.memories_with(per)) <= s.usable:
+                return per
+        return sizes[-1] % s.heads
 
     @cached_property
     def rates(self) -> Rates:
@@ -128,8 +152,9 @@ class Evaluation:
         """Every rank's predicted layer time with the far group's threshold
         ``far_bytes`` (0: the ring alone)."""
         s = self.setup
+        groups = len(config.head_groups(s.heads, s.heads // s.kv_heads, self.group_heads))
         return layer_times(self.traffic, s.batch, s.head_dim, s.itemsize, self.rates, s.link,
-                           far_bytes)  # fmt: skip
+                           far_bytes, groups)  # fmt: skip
 
     def worst(self, key: Callable[[int], float]) -> int:
         """The rank maximising ``key(rank)``."""

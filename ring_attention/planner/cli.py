@@ -162,6 +162,7 @@ def build_setup(args: argparse.Namespace, ranks: int) -> Setup:
         tflops=args.tflops, threads=args.threads, link=link, far_bytes=far,
         matmul_tflops=args.matmul_tflops, model=model, checkpointing=not args.no_checkpointing,
         shard_params=not args.replicate_params, source=args.source,
+        backward_heads=args.backward_heads,
     )  # fmt: skip
 
 

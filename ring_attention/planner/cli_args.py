@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..core.config import backward_heads
 from ..core.geometry import MAX_SEQ_LEN
 from ..core.layout import LAYOUTS
 from ..core.links import INTRA_DEFAULTS, LINKS
@@ -30,6 +31,16 @@ __all__ = ["RANKS", "build_parser", "parse_size"]
 
 #: A rank count the planner models (:data:`.traffic.MAX_WORLD_SIZE`).
 RANKS = int_in(1, MAX_WORLD_SIZE)
+
+
+def _backward_heads(text: str) -> str:
+    try:
+        backward_heads(1, 1, 4, text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected all, auto or an integer >= 1, got {text!r}"
+        ) from None
+    return text
 
 
 def _tflops(text: str) -> tuple[float, float]:
@@ -157,6 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "RING_ATTENTION_FAR_BYTES: transfers of at most this many K/V bytes travel in "
                    "one far group per pass ('auto': latency x bandwidth; 'off': the ring alone, "
                    "the default); both schedules are printed")  # fmt: skip
+    heads_help = (
+        "the ring's RING_ATTENTION_BACKWARD_HEADS: its backward by groups of this many heads, "
+        "one ring pass each ('auto': the most whose fp32 dq, dk, dv fit in q's bytes)"
+    )
+    g.add_argument("--backward-heads", type=_backward_heads, default="all", help=heads_help)
     g.add_argument("--source", default="auto", choices=["auto", "plan", "analytic"],
                    help="exchanged rows: the ring's plan (small sizes) or closed "
                    "forms")  # fmt: skip

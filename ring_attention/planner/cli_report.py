@@ -68,6 +68,7 @@ def layer_details(ev: Any) -> list[str]:
     ]
     j = ev.worst(lambda j: ev.memories[j].training_peak)
     m = ev.memories[j]
+    grouped = f"; RING_ATTENTION_BACKWARD_HEADS={ev.group_heads}" if ev.group_heads else ""
     lines = [
         f"  pattern      segments {list(ev.pattern.segment_lengths)} dilations "
         f"{list(ev.pattern.dilation_rates)}",
@@ -76,7 +77,8 @@ def layer_details(ev: Any) -> list[str]:
         f"({int(tr.total_pairs.sum()):.4g} in all): {flops[0]:.4g} TFLOP forward, "
         f"{flops[1]:.4g} TFLOP fwd+bwd",
         f"  kernel rate  {ev.rates.source}",
-        f"  peak memory  {fmt_bytes(m.training_peak)} on rank {j}, training (forward + backward):",
+        f"  peak memory  {fmt_bytes(m.training_peak)} on rank {j}, training (forward + backward)"
+        f"{grouped}:",
     ]
     items = {**m.inputs, **(m.backward if m.backward_peak >= m.forward_peak else m.forward)}
     lines += [f"      {name:<28} {fmt_bytes(v):>12}" for name, v in items.items() if v]

@@ -8,6 +8,9 @@ from typing import Any
 
 import torch
 
+from ..core.config import head_groups
+from .traffic import group_traffic
+
 __all__ = ["DTYPE_BYTES", "KERNEL_WORKSPACE", "LayerMemory", "acc_bytes", "layer_memories",
            "layer_memory", "own_memory", "transport_buffers"]  # fmt: skip
 
@@ -69,6 +72,13 @@ def transport_buffers(
     return {"forward": fwd, "backward": bwd}
 
 
+def _with_indices(tr: Any, bufs: dict) -> dict:
+    """``bufs`` and the int64 indices each pass makes of the received rows of a span after a
+    piece's start (the ring's own plans tell; closed forms: none)."""
+    idx = 0 if tr.shifted_rows is None else 8 * tr.shifted_rows.sum(1)
+    return {k: {**v, "span indices": idx} for k, v in bufs.items()}
+
+
 @dataclass(frozen=True)
 class LayerMemory:
     """Bytes per rank of one attention layer, per item."""
@@ -97,19 +107,20 @@ class LayerMemory:
 
 def _items(
     L, heads: int, kv_heads: int, batch: int, head_dim: int, itemsize: int, *, plan_idx=0,
-    zigzag: bool = False, buffers: tuple = (0, 0),
+    zigzag: bool = False, buffers: tuple = (0, 0), group: bool = False,
 ) -> tuple[dict, dict, dict]:  # fmt: skip
-    """``(inputs, forward, backward)`` items at the local length ``L``."""
+    """``(inputs, forward, backward)`` items at the local length ``L`` (``group``: the
+    backward's of a group of ``heads`` heads, sliced from more)."""
     acc = acc_bytes(itemsize)
     q = batch * L * heads * head_dim
     kv = batch * L * kv_heads * head_dim
     lse = batch * heads * L * acc
     cast = int(itemsize != acc)
-    copies = (0, 0)
-    if zigzag:  # narrowing a (B, L, H, D) tensor to a piece copies unless B == 1, narrowing
-        # lse (B, H, L) unless B * H == 1; the pieces' results are concatenated (new
-        # tensors) at the end, the cast pieces of one gradient live until their concatenation
-        split, split_lse = int(batch > 1), lse * int(batch * heads > 1)
+    copies = (0, (3 * q + 2 * kv) * itemsize + lse * int(batch > 1) if group else 0)
+    if zigzag:  # narrowing a (B, L, H, D) tensor to a piece copies unless B == 1 (and every
+        # head is there), narrowing lse (B, H, L) unless B * H == 1; the pieces' results are
+        # concatenated (new tensors), the cast pieces of one gradient live until then
+        split, split_lse = int(batch > 1 or group), lse * int(batch * heads > 1)
         last_cat = torch.maximum(q - 2 * kv, kv) if cast else q + 2 * kv
         fwd_copies = (q + 2 * kv) * itemsize * split + q * itemsize + lse
         copies = (fwd_copies, (3 * q + 2 * kv) * itemsize * split + split_lse + last_cat * itemsize)
@@ -145,20 +156,56 @@ def own_memory(
     return LayerMemory(*_items(local_len, heads, kv_heads, batch, head_dim, itemsize))
 
 
+def _by_groups(tr: Any, backward: dict, bufs: dict, per: int, *shape: int) -> tuple[dict, dict]:
+    """``(backward items, transport buffers)`` of the ring's backward by groups of ``per`` heads
+    (``shape``: batch, head_dim, itemsize, far_bytes): every rank's busiest group, beside the
+    whole call's saved ``out``, ``lse`` and input-dtype ``dq``, ``dk``, ``dv``."""
+    batch, head_dim, itemsize, far_bytes = shape
+    zigzag = tr.layout == "zigzag" and tr.world_size > 1
+    q, kv = (batch * tr.local_len * h * head_dim * itemsize for h in (tr.heads, tr.kv_heads))
+    totals, items, buffers = [], [], []
+    for h0, h1, g0, g1 in head_groups(tr.heads, tr.heads // tr.kv_heads, per):
+        share = far_bytes * (g1 - g0) // tr.kv_heads  # as the ring's: the same steps go far
+        gtr = group_traffic(tr, h0, h1, g1 - g0)
+        b = _with_indices(gtr, transport_buffers(gtr, *shape[:3], share))["backward"]
+        args = (tr.local_len, h1 - h0, g1 - g0, *shape[:3])
+        _, _, group = _items(*args, zigzag=zigzag, buffers=(0, sum(b.values())), group=True)
+        group["head group copies"] = group.pop("piece copies (zigzag)")
+        group["out, lse (saved)"] = backward["out, lse (saved)"]
+        group["dq, dk, dv (every head)"] = q + 2 * kv
+        totals.append(sum(group.values()) + torch.zeros(tr.world_size, dtype=torch.int64))
+        items, buffers = items + [group], buffers + [b]
+    pick, ranks = torch.stack(totals).argmax(0), torch.arange(tr.world_size)
+
+    def busiest(dicts: list[dict]) -> dict:
+        """Every rank's item of its busiest group."""
+        p = tr.world_size
+        return {
+            k: torch.stack([torch.as_tensor(d[k]).expand(p) for d in dicts])[pick, ranks]
+            for k in dicts[0]
+        }
+
+    return busiest(items), {"forward": bufs["forward"], "backward": busiest(buffers)}
+
+
 def layer_memories(
     tr: Any, batch: int, head_dim: int, itemsize: int, *, device: str = "cpu",
-    far_bytes: int = 0,
+    far_bytes: int = 0, group_heads: int = 0,
 ) -> list[LayerMemory]:  # fmt: skip
     """The :class:`LayerMemory` of every rank; ``device="cuda"`` adds the
-    device copy of the plan's indices."""
+    device copy of the plan's indices; ``group_heads``: the backward's heads per group
+    (``RING_ATTENTION_BACKWARD_HEADS``; 0: every head at once; its groups' plans are cached too)."""
     plan_idx = 8 * (tr.rows_sent + tr.rows_received)
-    bufs = transport_buffers(tr, batch, head_dim, itemsize, far_bytes)
+    bufs = _with_indices(tr, transport_buffers(tr, batch, head_dim, itemsize, far_bytes))
     inputs, forward, backward = _items(
         tr.local_len, tr.heads, tr.kv_heads, batch, head_dim, itemsize,
-        plan_idx=plan_idx * (2 if device == "cuda" else 1),
+        plan_idx=plan_idx * (2 if device == "cuda" else 1) * (2 if group_heads else 1),
         zigzag=tr.layout == "zigzag" and tr.world_size > 1,
         buffers=(sum(bufs["forward"].values()), sum(bufs["backward"].values())),
     )  # fmt: skip
+    if group_heads:
+        shape = (batch, head_dim, itemsize, far_bytes)
+        backward, bufs = _by_groups(tr, backward, bufs, group_heads, *shape)
 
     def at(items: dict[str, torch.Tensor], j: int) -> dict[str, int]:
         return {k: int(v[j]) if isinstance(v, torch.Tensor) else int(v) for k, v in items.items()}
@@ -168,9 +215,6 @@ def layer_memories(
                         {k: at(v, j) for k, v in bufs.items()}) for j in ranks]  # fmt: skip
 
 
-def layer_memory(
-    tr: Any, rank: int, batch: int, head_dim: int, itemsize: int, *, device: str = "cpu",
-    far_bytes: int = 0,
-) -> LayerMemory:  # fmt: skip
-    """The :class:`LayerMemory` of one rank (:func:`layer_memories`)."""
-    return layer_memories(tr, batch, head_dim, itemsize, device=device, far_bytes=far_bytes)[rank]
+def layer_memory(tr: Any, rank: int, *args: Any, **kwargs: Any) -> LayerMemory:
+    """The :class:`LayerMemory` of one rank (:func:`layer_memories`' arguments)."""
+    return layer_memories(tr, *args, **kwargs)[rank]

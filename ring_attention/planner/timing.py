@@ -71,10 +71,11 @@ def _ring(
 
 def layer_times(
     tr: Any, batch: int, head_dim: int, itemsize: int, rates: Rates, link: Link,
-    far_bytes: int = 0,
+    far_bytes: int = 0, groups: int = 1,
 ) -> list[RankTime]:  # fmt: skip
     """The :class:`RankTime` of every rank from the ring's schedule and the
-    far group; ``tr``: a :class:`~.traffic.Traffic`."""
+    far group; ``tr``: a :class:`~.traffic.Traffic`; ``groups``: the backward's head groups,
+    one ring pass each on its share of the rows and pairs."""
     f_pair = FWD_FLOPS_PER_PAIR * head_dim * batch / rates.forward
     b_pair = BWD_FLOPS_PER_PAIR * head_dim * batch / rates.backward
     kv_row = 2 * batch * head_dim * itemsize  # bytes of a (row, K/V head): K and V
@@ -83,39 +84,46 @@ def layer_times(
     send = torch.where(far_s, 0, tr.send_rows)
     recv = torch.where(far_r, 0, tr.recv_rows)
     act = (send > 0) | (recv > 0)
-    rows = torch.maximum(send, recv).double()
     wire = 8 / (link.gbps * 1e9)
-
-    def transfer(nbytes: torch.Tensor) -> torch.Tensor:
-        return torch.where(act & (nbytes > 0), link.latency_us * 1e-6 + nbytes * wire, 0.0)
-
-    x = transfer(rows * kv_row)  # K/V of a near step
-    g = transfer(rows * grad_row)  # its dK/dV
-    pairs = tr.step_pairs.double()
-    c = torch.where(far_r, 0.0, pairs) * f_pair
-    b = torch.where(far_r, 0.0, pairs) * b_pair
-    c0 = tr.local_pairs.double() * f_pair
-    b0 = tr.local_pairs.double() * b_pair
     # the far group: one batch each way per pass
-    far_pairs = torch.where(far_r, pairs, 0.0).sum(1)
     m = torch.maximum(far_s.sum(1), far_r.sum(1))
     far_rows = torch.maximum(
         torch.where(far_s, tr.send_rows, 0).sum(1), torch.where(far_r, tr.recv_rows, 0).sum(1)
     ).double()
+    far_latency = (link.latency_us + link.message_us * m.double()) * 1e-6
 
-    def batch_time(row_bytes: int) -> torch.Tensor:
-        t = (link.latency_us + link.message_us * m.double()) * 1e-6 + far_rows * row_bytes * wire
-        return torch.where(m > 0, t, 0.0)
+    def schedule(share: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(T_fwd, T_bwd)`` of a pass over ``share`` of the heads."""
+        rows = torch.maximum(send, recv).double() * share
 
-    x_far, g_far = batch_time(kv_row), batch_time(grad_row)
-    c0_far = torch.maximum(c0, x_far) + far_pairs * f_pair
-    b0_far = torch.maximum(b0, x_far) + far_pairs * b_pair
-    fwd, bwd = _ring(act, x, g, c, b, c0_far, b0_far)
-    w_fwd = (rows * kv_row * wire).sum(1)
-    w_bwd = w_fwd + (rows * grad_row * wire).sum(1)
-    fwd = torch.maximum(fwd, torch.where(m > 0, x_far + w_fwd, 0.0))
-    bwd = torch.maximum(bwd, torch.where(m > 0, b0_far + g_far, 0.0))
-    bwd = torch.maximum(bwd, torch.where(m > 0, x_far + g_far + w_bwd, 0.0))
+        def transfer(nbytes: torch.Tensor) -> torch.Tensor:
+            return torch.where(act & (nbytes > 0), link.latency_us * 1e-6 + nbytes * wire, 0.0)
+
+        x = transfer(rows * kv_row)  # K/V of a near step
+        g = transfer(rows * grad_row)  # its dK/dV
+        pairs = tr.step_pairs.double() * share
+        c = torch.where(far_r, 0.0, pairs) * f_pair
+        b = torch.where(far_r, 0.0, pairs) * b_pair
+        c0 = tr.local_pairs.double() * share * f_pair
+        b0 = tr.local_pairs.double() * share * b_pair
+        far_pairs = torch.where(far_r, pairs, 0.0).sum(1)
+
+        def batch_time(row_bytes: int) -> torch.Tensor:
+            return torch.where(m > 0, far_latency + far_rows * share * row_bytes * wire, 0.0)
+
+        x_far, g_far = batch_time(kv_row), batch_time(grad_row)
+        c0_far = torch.maximum(c0, x_far) + far_pairs * f_pair
+        b0_far = torch.maximum(b0, x_far) + far_pairs * b_pair
+        fwd, bwd = _ring(act, x, g, c, b, c0_far, b0_far)
+        w_fwd = (rows * kv_row * wire).sum(1)
+        w_bwd = w_fwd + (rows * grad_row * wire).sum(1)
+        fwd = torch.maximum(fwd, torch.where(m > 0, x_far + w_fwd, 0.0))
+        bwd = torch.maximum(bwd, torch.where(m > 0, b0_far + g_far, 0.0))
+        return fwd, torch.maximum(bwd, torch.where(m > 0, x_far + g_far + w_bwd, 0.0))
+
+    fwd, bwd = schedule(1.0)
+    if groups > 1:
+        bwd = schedule(1 / groups)[1] * groups
     total = (tr.local_pairs + tr.step_pairs.sum(1)).double()
     cf, cb = total * f_pair, total * b_pair
     steps = act.sum(1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
@@ -18,7 +18,7 @@ from ..core.pairs import check_planner_args, ranks_pairs
 from ..core.pattern import Pattern
 from .progressions import union_stats
 
-__all__ = ["SOURCES", "Traffic", "kv_classes", "predict_traffic"]
+__all__ = ["SOURCES", "Traffic", "group_traffic", "kv_classes", "predict_traffic"]
 
 #: Where the rows come from (``auto``: the plan when cheap and installed).
 SOURCES = ("auto", "plan", "analytic")
@@ -54,6 +54,7 @@ class Traffic:
     send_rows: torch.Tensor  # rows rank j sends to j + d (mod p)
     span_rows: torch.Tensor  # positions of the row maps of the pieces received at d
     step_pairs: torch.Tensor  # pairs computed on the rows received at d
+    shifted_rows: torch.Tensor | None = None  # rows received at d in spans after a piece's start
 
     @cached_property
     def active(self) -> torch.Tensor:
@@ -336,14 +337,14 @@ exact_plans: Callable[..., Any] | None = None
 
 
 def plan_rows(
-    pattern: Pattern, seq_len: int, heads: int, kv_heads: int, p: int, layout: str, fold: int = 1
+    pattern: Pattern, seq_len: int, heads: int, kv_heads: int, p: int, layout: str, *ring: Any
 ) -> dict[str, torch.Tensor]:
     """``recv[j, d]`` and ``span[j, d]`` of every rank's own plan
-    (:data:`exact_plans`)."""
+    (:data:`exact_plans`; ``ring``: its fold and head range)."""
     assert exact_plans is not None
-    recv, span = (torch.zeros(p, p, dtype=torch.int64) for _ in range(2))
+    recv, span, shift = (torch.zeros(p, p, dtype=torch.int64) for _ in range(3))
     for j in range(p):
-        plan = exact_plans(pattern, seq_len, heads, kv_heads, p, j, layout, fold=fold)
+        plan = exact_plans(pattern, seq_len, heads, kv_heads, p, j, layout, *ring)
         for step in plan.steps:
             recv[j, step.distance] = step.recv_rows
             for ix in step.recv_idx:
@@ -351,7 +352,31 @@ def plan_rows(
                     lo, hi = int(ix[0]) // kv_heads, int(ix[-1]) // kv_heads + 1
                     if ix.numel() != (hi - lo) * kv_heads:
                         span[j, step.distance] += hi - lo
-    return {"recv": recv, "span": span}
+                    shift[j, step.distance] += ix.numel() if lo else 0
+    return {"recv": recv, "span": span, "shift": shift}
+
+
+def _sends(recv: torch.Tensor) -> torch.Tensor:
+    """``send[j, d]``: what ``j + d`` receives from ``j``."""
+    ranks = torch.arange(recv.shape[0])
+    send = recv.gather(0, (ranks[:, None] + ranks) % recv.shape[0])
+    send[:, 0] = 0
+    return send
+
+
+def group_traffic(tr: Traffic, h0: int, h1: int, kv_heads: int) -> Traffic:
+    """The rows of query heads ``[h0, h1)`` of ``tr`` (``kv_heads`` K/V heads), a group of the
+    ring's backward by heads: its own plans' (source ``plan``), else ``tr``'s share."""
+    if tr.source == "plan" and tr.world_size > 1:
+        heads = (h0, tr.heads, tr.kv_heads)
+        args = (tr.seq_len, h1 - h0, kv_heads, tr.world_size, tr.layout, 1, heads)
+        counts = plan_rows(tr.pattern, *args)
+        recv, span, shift = counts["recv"], counts["span"], counts["shift"]
+    else:
+        recv, span, shift = -(-tr.recv_rows * kv_heads // tr.kv_heads), tr.span_rows, None
+    send = _sends(recv)
+    rows = dict(recv_rows=recv, send_rows=send, span_rows=span, shifted_rows=shift)
+    return replace(tr, heads=h1 - h0, kv_heads=kv_heads, **rows)
 
 
 def predict_traffic(
@@ -410,9 +435,7 @@ def traffic_of(
     if use_plan and p > 1:  # one rank exchanges nothing
         counts.update(plan_rows(pattern, seq_len, heads, kv_heads, p, layout, fold))
     recv = counts["recv"]
-    ranks = torch.arange(p)  # send[j, d]: what j + d receives from j
-    send = recv.gather(0, (ranks[:, None] + ranks) % p)
-    send[:, 0] = 0
+    send = _sends(recv)
     total_t = torch.tensor(total, dtype=torch.int64)
     return Traffic(
         pattern=pattern, seq_len=int(seq_len), heads=int(heads), kv_heads=int(kv_heads),
@@ -420,4 +443,5 @@ def traffic_of(
         local_len=torch.tensor([sum(pc.length for pc in ps) for ps in pieces], dtype=torch.int64),
         total_pairs=total_t, local_pairs=total_t - counts["pairs"].sum(1), recv_rows=recv,
         send_rows=send, span_rows=counts["span"], step_pairs=counts["pairs"],
+        shifted_rows=counts.get("shift"),
     )  # fmt: skip
