@@ -8,8 +8,9 @@ import os
 import pytest
 import torch
 
-from ring_attention.core.config import BACKWARD_HEADS, backward_heads, head_groups
-from ring_attention.testing import run_distributed
+from ring_attention.core.config import BACKWARD_HEADS, backward_heads
+from ring_attention.core.geometry import head_groups
+from ring_attention.parallel.testing import run_distributed
 
 # n, heads, kv_heads, segments, dilations, causal, layout, dtype, documents, window
 CASES = [

@@ -3,7 +3,6 @@ checked (``ValueError`` naming the variable); :data:`KNOBS` is the table docs/de
 
 from __future__ import annotations
 
-import itertools
 import os
 from dataclasses import dataclass
 
@@ -28,7 +27,6 @@ __all__ = [
     "emulator_sanitize",
     "far_bytes",
     "forward_mode",
-    "head_groups",
     "span_rows",
 ]
 
@@ -149,19 +147,6 @@ def backward_heads(heads: int, kv_group: int, itemsize: int, setting: str | None
         value = heads * itemsize * kv_group // (4 * (kv_group + 2))
     value = max(kv_group, value // kv_group * kv_group)
     return 0 if value >= heads else value
-
-
-def head_groups(heads: int, kv_group: int, per: int, head_start: int = 0) -> list[tuple]:
-    """``(h0, h1, g0, g1)``: the local query heads ``[h0, h1)`` and K/V heads ``[g0, g1)`` of
-    each group of ``per`` heads (``per`` a multiple of ``kv_group``; 0: one group) of ``heads``
-    local heads from global head ``head_start``, cut at global multiples of ``per``."""
-    s, per = head_start, per or heads + head_start
-    cuts = [max(a, s) - s for a in range(s // per * per, s + heads, per)] + [heads]
-    first = s // kv_group
-    return [
-        (a, b, (s + a) // kv_group - first, (s + b - 1) // kv_group - first + 1)
-        for a, b in itertools.pairwise(cuts)
-    ]
 
 
 @cached("config far bytes")

@@ -5,6 +5,7 @@ pairs in closed form (§7) under ring_attention/core/pairs.py and the balanced l
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -16,6 +17,7 @@ __all__ = [
     "active_before",
     "active_run",
     "document_positions",
+    "head_groups",
     "prefix_pairs",
     "range_pairs",
     "segment_active_positions",
@@ -218,3 +220,16 @@ def prefix_pairs(
     )
     k = (torch.searchsorted(cu, x, right=True) - 1).clamp(0, lengths.numel() - 1)
     return before[k] + below(lengths[k], x - cu[k])
+
+
+def head_groups(heads: int, kv_group: int, per: int, head_start: int = 0) -> list[tuple]:
+    """``(h0, h1, g0, g1)``: the local query heads ``[h0, h1)`` and K/V heads ``[g0, g1)`` of
+    each group of ``per`` heads (``per`` a multiple of ``kv_group``; 0: one group) of ``heads``
+    local heads from global head ``head_start``, cut at global multiples of ``per``."""
+    s, per = head_start, per or heads + head_start
+    cuts = [max(a, s) - s for a in range(s // per * per, s + heads, per)] + [heads]
+    first = s // kv_group
+    return [
+        (a, b, (s + a) // kv_group - first, (s + b - 1) // kv_group - first + 1)
+        for a, b in itertools.pairwise(cuts)
+    ]

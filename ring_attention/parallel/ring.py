@@ -14,8 +14,9 @@ import torch.distributed as dist
 from ..core.cache import PerBatch
 from ..core.call import Call
 from ..core.checks import check_qkv, check_sinks_meta, resolve_scale, sinks_meta
-from ..core.config import backward_heads, far_bytes, head_groups
+from ..core.config import backward_heads, far_bytes
 from ..core.dtypes import acc_dtype
+from ..core.geometry import head_groups
 from ..core.layout import Piece, resolve_layout
 from ..core.pattern import Pattern, as_flag
 from ..local import engine

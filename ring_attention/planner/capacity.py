@@ -10,7 +10,7 @@ from functools import cached_property
 
 from ..core import config
 from ..core.checks import check_int
-from ..core.geometry import MAX_SEQ_LEN
+from ..core.geometry import MAX_SEQ_LEN, head_groups
 from ..core.links import Link
 from ..core.pattern import Pattern, as_flag
 from .memory import DTYPE_BYTES, LayerMemory, layer_memories, own_memory
@@ -152,7 +152,7 @@ class Evaluation:
         """Every rank's predicted layer time with the far group's threshold
         ``far_bytes`` (0: the ring alone)."""
         s = self.setup
-        groups = len(config.head_groups(s.heads, s.heads // s.kv_heads, self.group_heads))
+        groups = len(head_groups(s.heads, s.heads // s.kv_heads, self.group_heads))
         return layer_times(self.traffic, s.batch, s.head_dim, s.itemsize, self.rates, s.link,
                            far_bytes, groups)  # fmt: skip
 

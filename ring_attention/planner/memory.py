@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from ..core.config import head_groups
-from .traffic import group_traffic
+from ..core.geometry import head_groups
+from .throughput import acc_bytes
 
 __all__ = ["DTYPE_BYTES", "KERNEL_WORKSPACE", "LayerMemory", "acc_bytes", "layer_memories",
            "layer_memory", "own_memory", "transport_buffers"]  # fmt: skip
@@ -19,11 +19,6 @@ KERNEL_WORKSPACE = "kernel delta"
 
 #: Bytes per element of the dtypes the kernels take.
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def acc_bytes(itemsize: int) -> int:
-    """Accumulation bytes: float64 stays float64, everything else float32."""
-    return 8 if itemsize == 8 else 4
 
 
 def _slots_used(index: torch.Tensor, posting: torch.Tensor) -> torch.Tensor:
@@ -166,7 +161,7 @@ def _by_groups(tr: Any, backward: dict, bufs: dict, per: int, *shape: int) -> tu
     totals, items, buffers = [], [], []
     for h0, h1, g0, g1 in head_groups(tr.heads, tr.heads // tr.kv_heads, per):
         share = far_bytes * (g1 - g0) // tr.kv_heads  # as the ring's: the same steps go far
-        gtr = group_traffic(tr, h0, h1, g1 - g0)
+        gtr = tr.group(h0, h1, g1 - g0)
         b = _with_indices(gtr, transport_buffers(gtr, *shape[:3], share))["backward"]
         args = (tr.local_len, h1 - h0, g1 - g0, *shape[:3])
         _, _, group = _items(*args, zigzag=zigzag, buffers=(0, sum(b.values())), group=True)

@@ -129,3 +129,8 @@ def assumed_rates(device: str, dtype: str, threads: int = 1) -> Rates:
         why = "our local op on one H100, 16x128, n 524288 (benchmarks/RESULTS.md, H100 table)"
     return Rates(fwd, fb, f"ASSUMED {fwd / 1e12:.0f} / {fb / 1e12:.0f} TFLOP/s (forward / "
                  f"forward+backward): {why}; pass --bench-json or --tflops")  # fmt: skip
+
+
+def acc_bytes(itemsize: int) -> int:
+    """Accumulation bytes: float64 stays float64, everything else float32."""
+    return 8 if itemsize == 8 else 4

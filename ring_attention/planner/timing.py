@@ -10,8 +10,7 @@ import torch
 
 from ..core.links import LINKS, Link
 from ..core.pairs import BWD_FLOPS_PER_PAIR, FWD_FLOPS_PER_PAIR
-from .memory import acc_bytes
-from .throughput import Rates
+from .throughput import Rates, acc_bytes
 
 __all__ = ["LINKS", "Link", "RankTime", "layer_times"]
 

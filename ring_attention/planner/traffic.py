@@ -18,7 +18,7 @@ from ..core.pairs import check_planner_args, ranks_pairs
 from ..core.pattern import Pattern
 from .progressions import union_stats
 
-__all__ = ["SOURCES", "Traffic", "group_traffic", "kv_classes", "predict_traffic"]
+__all__ = ["SOURCES", "Traffic", "kv_classes", "predict_traffic"]
 
 #: Where the rows come from (``auto``: the plan when cheap and installed).
 SOURCES = ("auto", "plan", "analytic")
@@ -71,6 +71,20 @@ class Traffic:
         ``far_bytes`` bytes, which travel in the far group."""
         s, r = self.send_rows, self.recv_rows
         return (s > 0) & (s * row_bytes <= far_bytes), (r > 0) & (r * row_bytes <= far_bytes)
+
+    def group(self, h0: int, h1: int, kv_heads: int) -> Traffic:
+        """The rows of query heads ``[h0, h1)`` (``kv_heads`` K/V heads), a group of the
+        ring's backward by heads: its own plans' (source ``plan``), else its share of these."""
+        if self.source == "plan" and self.world_size > 1:
+            heads = (h0, self.heads, self.kv_heads)
+            args = (self.seq_len, h1 - h0, kv_heads, self.world_size, self.layout, 1, heads)
+            counts = plan_rows(self.pattern, *args)
+            recv, span, shift = counts["recv"], counts["span"], counts["shift"]
+        else:
+            recv, span, shift = -(-self.recv_rows * kv_heads // self.kv_heads), self.span_rows, None
+        send = _sends(recv)
+        rows = dict(recv_rows=recv, send_rows=send, span_rows=span, shifted_rows=shift)
+        return replace(self, heads=h1 - h0, kv_heads=kv_heads, **rows)
 
     @property
     def rows_sent(self) -> torch.Tensor:
@@ -362,21 +376,6 @@ def _sends(recv: torch.Tensor) -> torch.Tensor:
     send = recv.gather(0, (ranks[:, None] + ranks) % recv.shape[0])
     send[:, 0] = 0
     return send
-
-
-def group_traffic(tr: Traffic, h0: int, h1: int, kv_heads: int) -> Traffic:
-    """The rows of query heads ``[h0, h1)`` of ``tr`` (``kv_heads`` K/V heads), a group of the
-    ring's backward by heads: its own plans' (source ``plan``), else ``tr``'s share."""
-    if tr.source == "plan" and tr.world_size > 1:
-        heads = (h0, tr.heads, tr.kv_heads)
-        args = (tr.seq_len, h1 - h0, kv_heads, tr.world_size, tr.layout, 1, heads)
-        counts = plan_rows(tr.pattern, *args)
-        recv, span, shift = counts["recv"], counts["span"], counts["shift"]
-    else:
-        recv, span, shift = -(-tr.recv_rows * kv_heads // tr.kv_heads), tr.span_rows, None
-    send = _sends(recv)
-    rows = dict(recv_rows=recv, send_rows=send, span_rows=span, shifted_rows=shift)
-    return replace(tr, heads=h1 - h0, kv_heads=kv_heads, **rows)
 
 
 def predict_traffic(
