@@ -20,7 +20,7 @@ from ..parallel.auto import plan_mesh
 from ..parallel.ring import ring_call, ring_call_spec
 from .config import is_dense, layer_pattern, layer_window, pattern_from_config
 from .decode import decode_attention
-from .generation import generation_step
+from .generation import generation_step, key_reach
 from .masks import Keys, batch_keys, filled_keys, layer_mask, sdpa_mask_of
 from .setting import ATTN_IMPLEMENTATION, sequence_parallel, set_sequence_parallel, spread_of
 
@@ -261,10 +261,7 @@ def _local(
 
 def _check_reach(pattern: Pattern, q_start: int, k_start: int) -> None:
     """A layer whose keys start at ``k_start > 0`` must not reach before them."""
-    earliest = min(q_start // w * w for w in pattern.segment_lengths)
-    left = pattern.window[0]
-    if left != -1:
-        earliest = max(earliest, q_start - left)
+    earliest = key_reach(pattern, q_start, q_start)[0]
     if earliest < k_start:
         reach = "every earlier key" if earliest == 0 else f"keys from position {earliest}"
         raise ValueError(
