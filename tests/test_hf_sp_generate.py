@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from test_hf import VOCAB, build, tiny_config
+from transformers import DynamicCache
 
 import ring_attention as ra
 from ring_attention.hf.sharded_cache import ShardedCache, ShardedLayer
@@ -172,8 +173,6 @@ def test_sharded_cache_checks_its_arguments() -> None:
 
 def _counted(rank: int, world: int, cases: list) -> list:
     """Each case's tokens and this rank's attention calls per layer and step."""
-    from transformers import DynamicCache
-
     from ring_attention.hf import attention
     from ring_attention.local import engine
 
@@ -230,3 +229,59 @@ def test_a_rank_out_of_reach_attends_nothing_and_still_merges() -> None:
     # the queries at 19-21 reach [16, 22) only
     assert segment[1][2:8] == [0] * 6 and all(segment[1][8:12]), segment[1]
     assert all(segment[0][2:8]) and all(segment[2][2:8]), segment
+
+
+def _static_and_cropped(rank: int, world: int, cases: list) -> list:
+    """Each case's tokens with a static cache, then 8 tokens over a
+    ShardedCache cropped by 5 and 8 more; a positive crop's error."""
+    ra.register_transformers(group=dist.group.WORLD)
+    ids, mask, out, caches = *_prompt(), [], []
+    try:
+        for cfg, state in cases:
+            model = build(cfg, "ring_dilated", state=state)
+            static = _generate_with(model, ids, mask, 8, cache_implementation="static")
+            caches.append(ShardedCache(model.config, block=2))
+            out.append((static, _cropped(model, ids, mask, caches[-1])))
+        try:
+            caches[0].crop(1)  # Llama's: its layers are sharded
+        except ValueError as exc:
+            out.append(str(exc))
+    finally:
+        ra.register_transformers()
+    return out
+
+
+def _cropped(model, ids, mask, cache):
+    """8 tokens, the cache cropped by the last 5, 8 more."""
+    cache.activate_past_recording()  # transformers' window layers need it to crop
+    first = _generate_with(model, ids, mask, 8, cache=cache)[:, :-5]
+    cache.crop(-5)  # the cache holds the positions before the last token
+    grown = torch.cat([mask, torch.ones_like(first[:, ids.shape[1] :])], dim=1)
+    return _generate_with(model, first, grown, 8, cache=cache)
+
+
+def _generate_with(model, ids, mask, new, **kwargs):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                              pad_token_id=0, **kwargs)  # fmt: skip
+
+
+def test_static_cache_and_cropping_over_the_group() -> None:
+    """3 ranks: ``cache_implementation="static"`` (every rank holds every
+    slot and attends its third of the filled ones) and a ShardedCache cropped
+    (``crop`` drops the last positions on every rank) give one process's
+    tokens (a DynamicCache cropped alike), dense, dilated and sliding."""
+    ra.register_transformers()
+    ids, mask = _prompt()
+    configs = [tiny_config("llama", 2, None), tiny_config("llama", 2, PATTERN),
+               tiny_config("mistral", 2, None, sliding_window=6)]  # fmt: skip
+    cases, wants = [], []
+    for cfg in configs:
+        model = build(copy.deepcopy(cfg), "ring_dilated")
+        cases.append((cfg, model.state_dict()))
+        static = _generate_with(model, ids, mask, 8)
+        wants.append((static, _cropped(model, ids, mask, DynamicCache())))
+    for rank, out in enumerate(run_distributed(_static_and_cropped, 3, cases, timeout=300)):
+        for (static, cropped), (want, want_cropped) in zip(out[:-1], wants, strict=True):
+            assert torch.equal(static, want) and torch.equal(cropped, want_cropped), rank
+        assert "tokens_to_remove <= 0" in out[-1], out[-1]

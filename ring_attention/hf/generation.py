@@ -33,7 +33,8 @@ def generation_step(
     size, rank, groups = sp._grid()
     pieces = _pieces_of(key)
     if pieces is None:  # every rank holds every position: its tensor_split piece
-        keys, first, filled, padding = _keys_in_use(attention_mask, B, k.shape[1])
+        keep = _static_keep(attention_mask, B, k.shape[1])
+        keys, first, filled, padding = _keys_in_use(keep, B, k.shape[1])
         lo, length = shard_bounds(keys, size)[rank]
         runs = ((first + lo, length),)
         k, v = k[:, lo : lo + length], v[:, lo : lo + length]
@@ -134,6 +135,20 @@ def _padding_of(attention_mask: Any, batch: int, filled: int) -> torch.Tensor | 
     return None if bool(attention_mask.all()) else ~attention_mask
 
 
+def _static_keep(attention_mask: Any, batch: int, slots: int) -> Any:
+    """A static cache's mask as the bool ``(batch, filled)`` map of the keys
+    kept: its int64 position map, or (no pattern) sdpa's one-row 4-D mask."""
+    m = attention_mask
+    if not isinstance(m, torch.Tensor) or m.shape[-1] != slots:
+        return m
+    if m.dtype == torch.int64 and m.shape == (batch, slots):
+        return m[:, : int(m.amax())] > 0
+    if m.dtype == torch.bool and m.dim() == 4 and m.shape[1:3] == (1, 1):
+        keep = m[:, 0, 0].expand(batch, slots)  # the query's own slot is the last kept
+        return keep[:, : int(keep.any(0).nonzero().max()) + 1]
+    return m
+
+
 def _keys_in_use(attention_mask: Any, batch: int, keys: int) -> tuple[int, int, int, Any]:
     """``(keys in use, position of the first, end of the queries, padding)``
     from the layer's key map."""
@@ -142,8 +157,8 @@ def _keys_in_use(attention_mask: Any, batch: int, keys: int) -> tuple[int, int, 
     if not (isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool
             and attention_mask.dim() == 2 and attention_mask.shape[0] == batch):  # fmt: skip
         raise ValueError(
-            f"{_NAME}: generation over the sequence-parallel group takes a dynamic cache and "
-            "a 2-D padding mask (not yet a static cache or a 4-D mask); got an attention_mask "
+            f"{_NAME}: generation over the sequence-parallel group takes a 2-D padding mask "
+            "(a dynamic or static cache's; not a 4-D mask of the caller's); got an attention_mask "
             f"of {getattr(attention_mask, 'dtype', type(attention_mask).__name__)} "
             f"{tuple(getattr(attention_mask, 'shape', ()))}")  # fmt: skip
     filled = attention_mask.shape[1]
