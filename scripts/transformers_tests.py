@@ -105,10 +105,6 @@ MODEL_CLASSES = {
 #: tests that fail with ``"ring_dilated"`` by design (``--allow`` adds
 #: more): fnmatch patterns of test ids, each with its reason
 EXPECTED = {
-    "*Llama4CommonTest::test_eager_matches_sdpa_inference_*_pad_left*": (
-        "chunked attention with left padding is refused with a ValueError: the kernels' "
-        "chunks start at position 0, the left-padded mask shifts them per row"
-    ),
     "*GptOssCommonTest::test_retain_grad_hidden_states_attentions": (
         "the harness names ring_dilated in gpt-oss's config (no sdpa to reroute); transformers' "
         "config refuses output_attentions=True under any attention but eager before the test "

@@ -80,13 +80,17 @@ def registered():
     ra.register_transformers()
 
 
+@pytest.mark.parametrize("side", ["right", "left"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_equals_the_models_own_attention(family: str) -> None:
+def test_equals_the_models_own_attention(family: str, side: str) -> None:
     ref = build(family, reference(family))
     ring = build(family, "ring_dilated", ref.state_dict())
-    ids = torch.randint(1, VOCAB, (2, 23), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(1, VOCAB, (3, 23), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
-    mask[1, 17:] = 0  # right padding
+    mask[1, 17:] = 0  # 6 padded (Llama 4's chunks of 8 move on by 2 and 5 on the left)
+    mask[2, 20:] = 0
+    if side == "left":
+        mask = mask.flip(1)
     keep = mask.bool()
     got, want = [], []
     for model, out in ((ref, want), (ring, got)):
@@ -110,7 +114,9 @@ def test_greedy_generation_equals_the_models_own(family: str) -> None:
     ref = build(family, reference(family))
     ring = build(family, "ring_dilated", ref.state_dict())
     ids = torch.randint(1, VOCAB, (2, 13), generator=torch.Generator().manual_seed(2))
-    kw = dict(max_new_tokens=10, do_sample=False, pad_token_id=0)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding
+    kw = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
     assert torch.equal(ring.generate(ids, **kw), ref.generate(ids, **kw))
 
 
