@@ -20,7 +20,7 @@ PyPI (downloaded with pip into build/transformers_tests/ unless TARBALL is
 given): its ``tests/`` common files, with ``GenerationTesterMixin`` and
 ``ExportTesterMixin`` stood in by empty classes (the sdist lacks both), judge
 the project's own tiny testers of Llama, Mistral, Qwen2, gpt-oss, Gemma 3
-(text), Llama 4 (text) and Cohere 2 (tests/transformers_suite/common_models.py,
+(text), Llama 4 (text), Cohere 2 and OLMo 3 (tests/transformers_suite/common_models.py,
 every family by default): every test of the release's ``ModelTesterMixin``.
 The generation tests are not among them (the project's
 tests/test_hf_generate.py covers generation against ``"sdpa"``).
@@ -100,6 +100,7 @@ MODEL_CLASSES = {
     "gemma3": "Gemma3CommonTest",
     "llama4": "Llama4CommonTest",
     "cohere2": "Cohere2CommonTest",
+    "olmo3": "Olmo3CommonTest",
 }
 
 #: tests that fail with ``"ring_dilated"`` by design (``--allow`` adds

@@ -182,9 +182,11 @@ def _sp_cases(modes: list[tuple[str, str]]) -> tuple[list, dict]:
 
 
 #: every family on the hybrid and on one of the ring (windows and chunks
-#: crossing the ranks) and Ulysses (the sinks split by heads), in one world
+#: crossing the ranks) and Ulysses (the sinks split by heads; Cohere 2 on
+#: Ulysses only), in one world
 HYBRID = ("gpt-oss", "gemma3", "llama4", "olmo3")
 SP_MODES = [("group", "gemma3"), ("group", "llama4"), ("ulysses_group", "gpt-oss")]
+SP_MODES += [("ulysses_group", "cohere2")]
 SP_MODES += [("hybrid", family) for family in HYBRID]
 
 

@@ -1,4 +1,4 @@
-"""Llama, Mistral, Qwen2, gpt-oss, Gemma 3, Llama 4 and Cohere 2 under
+"""Llama, Mistral, Qwen2, gpt-oss, Gemma 3, Llama 4, Cohere 2 and OLMo 3 under
 transformers' common model tests.
 
 scripts/transformers_tests.py (``--sdist``) places this file in the tests/
@@ -20,7 +20,7 @@ base model's attention; the base models made 23 % of the attention calls),
 each with the layer kinds of its own: gpt-oss (sinks, sliding and
 full layers alternating), Gemma 3's text model (sliding and global layers,
 ``query_pre_attn_scalar``), Llama 4's text model (chunked and full layers,
-``attention_chunk_size``) and Cohere 2 (sliding and full layers), windows and
+``attention_chunk_size``), Cohere 2 and OLMo 3 (sliding and full layers), windows and
 chunks shorter than the sequence. gpt-oss has no ``"sdpa"`` (its sinks): the
 model's own attention there is ``"eager"``, which its tester asks for by name,
 and ``"ring_dilated"`` where the plugin is on (``ring_dilated_default.attention``).
@@ -50,6 +50,8 @@ from transformers import (
     MistralConfig,
     MistralForCausalLM,
     MistralModel,
+    Olmo3Config,
+    Olmo3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen2Model,
@@ -174,3 +176,9 @@ class Cohere2CommonTest(_CommonTests, unittest.TestCase):
     config_class = Cohere2Config
     config_extra: ClassVar[dict] = dict(sliding_window=3, layer_types=ALTERNATING)
     all_model_classes = (Cohere2ForCausalLM,)
+
+
+class Olmo3CommonTest(_CommonTests, unittest.TestCase):
+    config_class = Olmo3Config
+    config_extra: ClassVar[dict] = dict(sliding_window=3, layer_types=ALTERNATING)
+    all_model_classes = (Olmo3ForCausalLM,)
