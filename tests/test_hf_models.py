@@ -109,14 +109,18 @@ def test_equals_the_models_own_attention(family: str, side: str) -> None:
         assert any(n.endswith("sinks") for n in got[1]), "no gradient reached the sinks"
 
 
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_generation_equals_the_models_own(family: str) -> None:
+def test_greedy_generation_equals_the_models_own(family: str, cache: str) -> None:
+    """Left padding (Llama 4: its chunked layers' window cache, each row's
+    chunks moved on), transformers' dynamic or static cache."""
     ref = build(family, reference(family))
     ring = build(family, "ring_dilated", ref.state_dict())
     ids = torch.randint(1, VOCAB, (2, 13), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(ids)
     mask[1, :3] = 0  # left padding
     kw = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    kw["cache_implementation"] = cache
     assert torch.equal(ring.generate(ids, **kw), ref.generate(ids, **kw))
 
 

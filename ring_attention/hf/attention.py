@@ -271,8 +271,10 @@ def _shift_chunks(
     row's positions move on by ``s = -lp mod chunk`` (its keys behind ``s``
     padded slots, its queries' start ``q_start + s``), as the kernels' chunks
     start at 0. ``(k, v, padding, per-row query starts or None)``."""
-    shift = (-(pads.cumsum(1) == torch.arange(1, pads.shape[1] + 1)).sum(1)) % chunk
-    most = int(shift.max())
+    lead = pads.cumsum(1) == torch.arange(1, pads.shape[1] + 1, device=pads.device)
+    shift = (-lead.sum(1)) % chunk
+    # compiled: as many slots as any row needs (no read)
+    most = chunk - 1 if torch.compiler.is_compiling() else int(shift.max())
     if most == 0:
         return k, v, padding, None
     B, n = padding.shape

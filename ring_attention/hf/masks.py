@@ -61,9 +61,9 @@ def _packed_sequences(
                 f"model's mask has {chunk!r}")  # fmt: skip
         if not shifts and isinstance(left, torch.Tensor) and bool((left != 0).any()):
             raise ValueError(
-                f"{_NAME} shifts the chunks of left-padded rows in one process, eagerly; "
-                "chunked attention with left padding is not supported with sequence "
-                "parallelism or a compiled static cache (pad on the right)"
+                f"{_NAME} shifts the chunks of left-padded rows in one process; chunked "
+                "attention with left padding is not supported with sequence parallelism "
+                "or over a static cache of full layers (pad on the right)"
             )
         return None
     if name.startswith("sliding_window_bidirectional_overlay."):
