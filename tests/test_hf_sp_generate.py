@@ -262,8 +262,8 @@ def _cropped(model, ids, mask, cache):
 
 def _generate_with(model, ids, mask, new, **kwargs):
     with torch.no_grad():
-        return model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
-                              pad_token_id=0, **kwargs)  # fmt: skip
+        greedy = dict(max_new_tokens=new, do_sample=False, pad_token_id=0)
+        return model.generate(ids, attention_mask=mask, **greedy, **kwargs)
 
 
 def test_static_cache_and_cropping_over_the_group() -> None:
@@ -273,8 +273,8 @@ def test_static_cache_and_cropping_over_the_group() -> None:
     tokens (a DynamicCache cropped alike), dense, dilated and sliding."""
     ra.register_transformers()
     ids, mask = _prompt()
-    configs = [tiny_config("llama", 2, None), tiny_config("llama", 2, PATTERN),
-               tiny_config("mistral", 2, None, sliding_window=6)]  # fmt: skip
+    configs = [tiny_config("llama", 2, None), tiny_config("llama", 2, PATTERN)]
+    configs.append(tiny_config("mistral", 2, None, sliding_window=6))
     cases, wants = [], []
     for cfg in configs:
         model = build(copy.deepcopy(cfg), "ring_dilated")
