@@ -20,7 +20,7 @@ PyPI (downloaded with pip into build/transformers_tests/ unless TARBALL is
 given): its ``tests/`` common files, with ``GenerationTesterMixin`` and
 ``ExportTesterMixin`` stood in by empty classes (the sdist lacks both), judge
 the project's own tiny testers of Llama, Mistral, Qwen2, gpt-oss, Gemma 3
-(text), Llama 4 (text) and Cohere 2 (tests/transformers_suite/common_models.py,
+(text), Llama 4 (text), Cohere 2 and OLMo 3 (tests/transformers_suite/common_models.py,
 every family by default): every test of the release's ``ModelTesterMixin``.
 The generation tests are not among them (the project's
 tests/test_hf_generate.py covers generation against ``"sdpa"``).
@@ -100,15 +100,12 @@ MODEL_CLASSES = {
     "gemma3": "Gemma3CommonTest",
     "llama4": "Llama4CommonTest",
     "cohere2": "Cohere2CommonTest",
+    "olmo3": "Olmo3CommonTest",
 }
 
 #: tests that fail with ``"ring_dilated"`` by design (``--allow`` adds
 #: more): fnmatch patterns of test ids, each with its reason
 EXPECTED = {
-    "*Llama4CommonTest::test_eager_matches_sdpa_inference_*_pad_left*": (
-        "chunked attention with left padding is refused with a ValueError: the kernels' "
-        "chunks start at position 0, the left-padded mask shifts them per row"
-    ),
     "*GptOssCommonTest::test_retain_grad_hidden_states_attentions": (
         "the harness names ring_dilated in gpt-oss's config (no sdpa to reroute); transformers' "
         "config refuses output_attentions=True under any attention but eager before the test "

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from test_hf import VOCAB, build, tiny_config
+from transformers import DynamicCache
 
 import ring_attention as ra
 from ring_attention.hf.sharded_cache import ShardedCache, ShardedLayer
@@ -168,3 +169,119 @@ def test_sharded_cache_checks_its_arguments() -> None:
         ShardedCache(tiny_config("llama", 2, PATTERN))
     for said in run_distributed(_bad_blocks, 2, timeout=120):
         assert all("block must be a positive int" in s for s in said), said
+
+
+def _counted(rank: int, world: int, cases: list) -> list:
+    """Each case's tokens and this rank's attention calls per layer and step."""
+    from ring_attention.hf import attention
+    from ring_attention.local import engine
+
+    ra.register_transformers(group=dist.group.WORLD)
+    attend, step, counts = engine.attend, attention.generation_step, []
+
+    def counted_attend(*args, **kwargs):
+        counts[-1] += 1
+        return attend(*args, **kwargs)
+
+    def counted_step(*args, **kwargs):
+        counts.append(0)
+        return step(*args, **kwargs)
+
+    engine.attend, attention.generation_step = counted_attend, counted_step
+    ids, mask, out = *_prompt(), []
+    try:
+        for cfg, state, sharded in cases:
+            model = build(cfg, "ring_dilated", state=state)
+            cache = ShardedCache(model.config, block=3) if sharded else DynamicCache()
+            out.append((_generate(model, ids, mask, cache)[0], counts[:]))
+            counts.clear()
+    finally:
+        engine.attend, attention.generation_step = attend, step
+        ra.register_transformers()
+    return out
+
+
+def test_a_rank_out_of_reach_attends_nothing_and_still_merges() -> None:
+    """3 ranks, 19 + 8 positions: a Mistral sliding window of 4 over a full
+    cache (every rank holds every position, each attends its third of them)
+    and a Llama segment of 8 over a ShardedCache. A rank whose keys the step's
+    queries cannot reach runs no attention, yet joins the merge: the tokens
+    are one process's."""
+    ra.register_transformers()
+    ids, mask = _prompt()
+    segment = {"segment_lengths": [8], "dilation_rates": [1]}
+    configs = [tiny_config("mistral", 2, None, sliding_window=4), tiny_config("llama", 2, segment)]
+    cases, wants = [], []
+    for cfg, sharded in zip(configs, (False, True), strict=True):
+        model = build(copy.deepcopy(cfg), "ring_dilated")
+        cases.append((cfg, model.state_dict(), sharded))
+        wants.append(_generate(model, ids, mask)[0])
+    got = run_distributed(_counted, 3, cases, timeout=300)
+    for rank, results in enumerate(got):
+        for (tokens, _), want in zip(results, wants, strict=True):
+            assert torch.equal(tokens, want), rank
+    # (prefill + 7 steps) x 2 layers; from 20 keys on ranks 0 and 1 hold
+    # positions < 16, out of the window of the queries at 19 and later
+    window, segment = [r[0][1] for r in got], [r[1][1] for r in got]
+    assert [c[:2] for c in window] == [[1, 1]] * 3
+    assert window[0][2:] == window[1][2:] == [0] * 14 and window[2][2:] == [1] * 14
+    # rank 1 holds [7, 13) and, from the query at 22, blocks of 3 positions:
+    # the queries at 19-21 reach [16, 22) only
+    assert segment[1][2:8] == [0] * 6 and all(segment[1][8:12]), segment[1]
+    assert all(segment[0][2:8]) and all(segment[2][2:8]), segment
+
+
+def _static_and_cropped(rank: int, world: int, cases: list) -> list:
+    """Each case's tokens with a static cache, then 8 tokens over a
+    ShardedCache cropped by 5 and 8 more; a positive crop's error."""
+    ra.register_transformers(group=dist.group.WORLD)
+    ids, mask, out, caches = *_prompt(), [], []
+    try:
+        for cfg, state in cases:
+            model = build(cfg, "ring_dilated", state=state)
+            static = _generate_with(model, ids, mask, 8, cache_implementation="static")
+            caches.append(ShardedCache(model.config, block=2))
+            out.append((static, _cropped(model, ids, mask, caches[-1])))
+        try:
+            caches[0].crop(1)  # Llama's: its layers are sharded
+        except ValueError as exc:
+            out.append(str(exc))
+    finally:
+        ra.register_transformers()
+    return out
+
+
+def _cropped(model, ids, mask, cache):
+    """8 tokens, the cache cropped by the last 5, 8 more."""
+    cache.activate_past_recording()  # transformers' window layers need it to crop
+    first = _generate_with(model, ids, mask, 8, cache=cache)[:, :-5]
+    cache.crop(-5)  # the cache holds the positions before the last token
+    grown = torch.cat([mask, torch.ones_like(first[:, ids.shape[1] :])], dim=1)
+    return _generate_with(model, first, grown, 8, cache=cache)
+
+
+def _generate_with(model, ids, mask, new, **kwargs):
+    with torch.no_grad():
+        greedy = dict(max_new_tokens=new, do_sample=False, pad_token_id=0)
+        return model.generate(ids, attention_mask=mask, **greedy, **kwargs)
+
+
+def test_static_cache_and_cropping_over_the_group() -> None:
+    """3 ranks: ``cache_implementation="static"`` (every rank holds every
+    slot and attends its third of the filled ones) and a ShardedCache cropped
+    (``crop`` drops the last positions on every rank) give one process's
+    tokens (a DynamicCache cropped alike), dense, dilated and sliding."""
+    ra.register_transformers()
+    ids, mask = _prompt()
+    configs = [tiny_config("llama", 2, None), tiny_config("llama", 2, PATTERN)]
+    configs.append(tiny_config("mistral", 2, None, sliding_window=6))
+    cases, wants = [], []
+    for cfg in configs:
+        model = build(copy.deepcopy(cfg), "ring_dilated")
+        cases.append((cfg, model.state_dict()))
+        static = _generate_with(model, ids, mask, 8)
+        wants.append((static, _cropped(model, ids, mask, DynamicCache())))
+    for rank, out in enumerate(run_distributed(_static_and_cropped, 3, cases, timeout=300)):
+        for (static, cropped), (want, want_cropped) in zip(out[:-1], wants, strict=True):
+            assert torch.equal(static, want) and torch.equal(cropped, want_cropped), rank
+        assert "tokens_to_remove <= 0" in out[-1], out[-1]

@@ -18,9 +18,9 @@ from ..local import engine
 from ..parallel.auto import plan_mesh
 from ..parallel.ring import _ring, ring_call, ring_call_spec
 from ..parallel.ulysses import sharded_attention
-from .config import is_dense, layer_pattern, layer_window, pattern_from_config
+from .config import is_dense, layer_chunk, layer_pattern, layer_window, pattern_from_config
 from .decode import decode_attention
-from .generation import generation_step
+from .generation import generation_step, key_reach
 from .masks import Keys, batch_keys, filled_keys, layer_mask, sdpa_mask_of
 from .setting import ATTN_IMPLEMENTATION, sequence_parallel, set_sequence_parallel, spread_of
 
@@ -127,7 +127,7 @@ def dilated_attention_forward(
                               sinks=sinks)  # fmt: skip
             return decode_attention(q, k, v, attention_mask, call), None
         attention_mask = filled
-    return _local(q, k, v, pattern, attention_mask, scaling, kwargs), None
+    return _local(q, k, v, pattern, attention_mask, scaling, kwargs, layer_chunk(module)), None
 
 
 def _is_position_map(attention_mask: Any, query: torch.Tensor, key: torch.Tensor) -> bool:
@@ -210,8 +210,10 @@ def _with_documents(memo: dict, pattern: Pattern, documents: tuple[int, ...] | N
 def _local(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Pattern,
     attention_mask: torch.Tensor | None, scaling: float | None, kwargs: Mapping[str, Any],
+    chunk: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """One process: the key map's rows (grouped by documents) through the engine."""
+    """One process: the key map's rows (grouped by documents) through the engine;
+    ``chunk``: a chunked layer's, whose chunks start after each row's left padding."""
     if attention_mask is None:
         keys = Keys(k.shape[1])
     elif attention_mask.dtype == torch.bool:  # padding only: nothing to read (compiles)
@@ -240,8 +242,11 @@ def _local(
                 f"{_NAME} takes packed documents (cu_seq_lens_q) only when the queries are the "
                 f"whole sequence, got {q_len} queries after {q_start} cached keys")  # fmt: skip
         rows, memo = ((None, cu[1]),), _cu_batches.get(cu[0], "patterns", dict)
+    starts = None
+    if chunk is not None and padding is not None:
+        k, v, padding, starts = _shift_chunks(keys.padding, chunk, q_start, k, v, padding)
     call, _ = prepare(q, k, v, pattern, scale=scaling, key_padding_mask=padding, q_start=q_start,
-                      k_start=k_start, sinks=kwargs.get("s_aux"))  # fmt: skip
+                      k_start=k_start, q_starts=starts, sinks=kwargs.get("s_aux"))  # fmt: skip
     outs, order = [], []
     for members, documents in rows:
         p = _with_documents(memo, pattern, documents)
@@ -259,12 +264,30 @@ def _local(
     return torch.cat(outs).index_select(0, inverse)
 
 
+def _shift_chunks(
+    pads: torch.Tensor, chunk: int, q_start: int, k: Any, v: Any, padding: Any
+) -> tuple:
+    """transformers' chunks start after a row's ``lp`` left-padded keys: each
+    row's positions move on by ``s = -lp mod chunk`` (its keys behind ``s``
+    padded slots, its queries' start ``q_start + s``), as the kernels' chunks
+    start at 0. ``(k, v, padding, per-row query starts or None)``."""
+    lead = pads.cumsum(1) == torch.arange(1, pads.shape[1] + 1, device=pads.device)
+    shift = (-lead.sum(1)) % chunk
+    # compiled: as many slots as any row needs (no read)
+    most = chunk - 1 if torch.compiler.is_compiling() else int(shift.max())
+    if most == 0:
+        return k, v, padding, None
+    B, n = padding.shape
+    at = torch.arange(n, device=k.device)[None] + shift[:, None].to(k.device)
+    rows = at[:, :, None, None].expand_as(k)
+    k, v = (t.new_zeros(B, n + most, *t.shape[2:]).scatter_(1, rows, t) for t in (k, v))
+    padding = padding.new_ones(B, n + most).scatter_(1, at, padding)
+    return k, v, padding, (q_start + shift).to(torch.int64)
+
+
 def _check_reach(pattern: Pattern, q_start: int, k_start: int) -> None:
     """A layer whose keys start at ``k_start > 0`` must not reach before them."""
-    earliest = min(q_start // w * w for w in pattern.segment_lengths)
-    left = pattern.window[0]
-    if left != -1:
-        earliest = max(earliest, q_start - left)
+    earliest = key_reach(pattern, q_start, q_start)[0]
     if earliest < k_start:
         reach = "every earlier key" if earliest == 0 else f"keys from position {earliest}"
         raise ValueError(

@@ -17,7 +17,7 @@ from ..local.blocks import merge_into
 from ..parallel.handshake import GENERATION, exchange_message
 from ..parallel.mesh import check_grid, check_ring, resolve_topology
 
-__all__ = ["Pieces", "generation_step", "record_pieces"]
+__all__ = ["Pieces", "generation_step", "key_reach", "record_pieces"]
 
 _NAME = "attn_implementation='ring_dilated'"
 
@@ -33,7 +33,8 @@ def generation_step(
     size, rank, groups = sp._grid()
     pieces = _pieces_of(key)
     if pieces is None:  # every rank holds every position: its tensor_split piece
-        keys, first, filled, padding = _keys_in_use(attention_mask, B, k.shape[1])
+        keep = _static_keep(attention_mask, B, k.shape[1])
+        keys, first, filled, padding = _keys_in_use(keep, B, k.shape[1])
         lo, length = shard_bounds(keys, size)[rank]
         runs = ((first + lo, length),)
         k, v = k[:, lo : lo + length], v[:, lo : lo + length]
@@ -48,7 +49,7 @@ def generation_step(
     pattern = pattern_of()
     with torch.no_grad():
         out, lse = _attend_runs(q, k, v, runs, padding, pattern, scaling, filled - L)
-        out, lse = _merge_over(out, lse, groups)
+        out, lse = _merge_over(out, lse, groups)  # a rank out of reach adds (0, -inf)
     sinks = kwargs.get("s_aux")
     if sinks is not None:
         out, lse = engine.fold_sinks(out, lse, sinks)
@@ -88,11 +89,13 @@ def _attend_runs(
     out = torch.zeros(B, L, H, D, dtype=acc, device=q.device)
     lse = torch.full((B, H, L), float("-inf"), dtype=acc, device=q.device)
     starts = torch.full((B,), q_start, dtype=torch.int64)
+    lo, hi = key_reach(pattern, q_start, q_start + L - 1)
     offset, call = 0, None
     for start, length in runs:
-        if length == 0:
+        offset += length
+        if length == 0 or start + length <= lo or start > hi:  # out of reach: no work
             continue
-        kr, vr = k[:, offset : offset + length], v[:, offset : offset + length]
+        kr, vr = k[:, offset - length : offset], v[:, offset - length : offset]
         pad = None if padding is None else padding[:, start : start + length].contiguous()
         if call is None:  # checked once; the other runs are the same call at other rows
             call, _ = prepare(q, kr, vr, pattern, scale=scaling, key_padding_mask=pad,
@@ -101,8 +104,21 @@ def _attend_runs(
             call = call.with_rows(k_start=start, q_starts=starts).with_mask(pad)
         o, s = engine.attend(call, q, kr, vr)
         merge_into(out, lse, o.to(out.dtype), s.to(lse.dtype))
-        offset += length
     return out, lse
+
+
+def key_reach(pattern: Any, q_first: int, q_last: int) -> tuple[int, int]:
+    """The first and last key position the queries ``[q_first, q_last]``
+    can reach under ``pattern`` (segments, window, causality; dilation aside)."""
+    segments = pattern.segment_lengths
+    lo = min(q_first // w * w for w in segments)
+    hi = max((q_last // w + 1) * w - 1 for w in segments)
+    left, right = pattern.window
+    if left != -1:
+        lo = max(lo, q_first - left)
+    if pattern.causal or right != -1:
+        hi = min(hi, q_last + (0 if pattern.causal else right))
+    return lo, hi
 
 
 def _padding_of(attention_mask: Any, batch: int, filled: int) -> torch.Tensor | None:
@@ -119,6 +135,20 @@ def _padding_of(attention_mask: Any, batch: int, filled: int) -> torch.Tensor | 
     return None if bool(attention_mask.all()) else ~attention_mask
 
 
+def _static_keep(attention_mask: Any, batch: int, slots: int) -> Any:
+    """A static cache's mask as the bool ``(batch, filled)`` map of the keys
+    kept: its int64 position map, or (no pattern) sdpa's one-row 4-D mask."""
+    m = attention_mask
+    if not isinstance(m, torch.Tensor) or m.shape[-1] != slots:
+        return m
+    if m.dtype == torch.int64 and m.shape == (batch, slots):
+        return m[:, : int(m.amax())] > 0
+    if m.dtype == torch.bool and m.dim() == 4 and m.shape[1:3] == (1, 1):
+        keep = m[:, 0, 0].expand(batch, slots)  # the query's own slot is the last kept
+        return keep[:, : int(keep.any(0).nonzero().max()) + 1]
+    return m
+
+
 def _keys_in_use(attention_mask: Any, batch: int, keys: int) -> tuple[int, int, int, Any]:
     """``(keys in use, position of the first, end of the queries, padding)``
     from the layer's key map."""
@@ -127,8 +157,8 @@ def _keys_in_use(attention_mask: Any, batch: int, keys: int) -> tuple[int, int, 
     if not (isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool
             and attention_mask.dim() == 2 and attention_mask.shape[0] == batch):  # fmt: skip
         raise ValueError(
-            f"{_NAME}: generation over the sequence-parallel group takes a dynamic cache and "
-            "a 2-D padding mask (not yet a static cache or a 4-D mask); got an attention_mask "
+            f"{_NAME}: generation over the sequence-parallel group takes a 2-D padding mask "
+            "(a dynamic or static cache's; not a 4-D mask of the caller's); got an attention_mask "
             f"of {getattr(attention_mask, 'dtype', type(attention_mask).__name__)} "
             f"{tuple(getattr(attention_mask, 'shape', ()))}")  # fmt: skip
     filled = attention_mask.shape[1]

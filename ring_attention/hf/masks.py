@@ -22,9 +22,12 @@ def _closure(fn: Callable) -> dict[str, Any]:
     return {name: cell.cell_contents for name, cell in cells}
 
 
-def _packed_sequences(fn: Callable | None, config: Any = None) -> torch.Tensor | None:
+def _packed_sequences(
+    fn: Callable | None, config: Any = None, shifts: bool = False
+) -> torch.Tensor | None:
     """The packed-sequence index inside transformers' mask function, or
-    ``None``; fails closed on any mask function the kernels do not express."""
+    ``None``; fails closed on any mask function the kernels do not express
+    (``shifts``: the layer shifts left-padded rows' chunks, ``_local``)."""
     from transformers import masking_utils as mu
 
     if fn is None or fn is mu.causal_mask_function or fn is mu.bidirectional_mask_function:
@@ -34,10 +37,10 @@ def _packed_sequences(fn: Callable | None, config: Any = None) -> torch.Tensor |
         return _closure(fn)["packed_sequence_mask"]
     if name == "remap_positions_for_packed_sequence.<locals>.inner_mask":
         # positions step by one inside a packed sequence: causality is on the columns
-        return _packed_sequences(_closure(fn).get("mask_function"), config)
+        return _packed_sequences(_closure(fn).get("mask_function"), config, shifts)
     if name == "and_masks.<locals>.and_mask":  # a custom part fails below
         parts = _closure(fn).get("mask_functions", ())
-        found = [_packed_sequences(part, config) for part in parts]
+        found = [_packed_sequences(part, config, shifts) for part in parts]
         found = [f for f in found if f is not None]
         return found[0] if found else None
     if name == "sliding_window_overlay.<locals>.inner_mask":
@@ -56,10 +59,11 @@ def _packed_sequences(fn: Callable | None, config: Any = None) -> torch.Tensor |
             raise ValueError(
                 f"{_NAME} takes the chunks of config.attention_chunk_size ({expected!r}); this "
                 f"model's mask has {chunk!r}")  # fmt: skip
-        if isinstance(left, torch.Tensor) and bool((left != 0).any()):
+        if not shifts and isinstance(left, torch.Tensor) and bool((left != 0).any()):
             raise ValueError(
-                f"{_NAME} starts chunks at position 0: "
-                "chunked attention with left padding is not supported (pad on the right)"
+                f"{_NAME} shifts the chunks of left-padded rows in one process; chunked "
+                "attention with left padding is not supported with sequence parallelism "
+                "or over a static cache of full layers (pad on the right)"
             )
         return None
     if name.startswith("sliding_window_bidirectional_overlay."):
@@ -155,7 +159,7 @@ def _key_map(
     **kwargs: Any,
 ) -> torch.Tensor | None:  # fmt: skip
     """The key map of the module docstring (eager)."""
-    documents = _packed_sequences(mask_function, kwargs.get("config"))
+    documents = _packed_sequences(mask_function, kwargs.get("config"), not sharded)
     # q_offset is a 0-d tensor for static caches
     filled = _filled(int(q_offset), q_length, kv_offset, kv_length)
     device = attention_mask.device if attention_mask is not None else kwargs.get("device", "cpu")

@@ -20,7 +20,7 @@ _NAME = f"attn_implementation={ATTN_IMPLEMENTATION!r}"
 class ShardedLayer(DynamicLayer):
     """One layer's keys and values at this rank's positions (module docstring)."""
 
-    is_croppable = False
+    is_croppable = True
 
     def __init__(self, size: int, rank: int, block: int) -> None:
         super().__init__()
@@ -83,7 +83,19 @@ class ShardedLayer(DynamicLayer):
         self.filled, self.prefill, self.runs = 0, 0, []
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise ValueError(f"{_NAME}: a ShardedCache cannot be cropped (assisted decoding)")
+        """Drop the last ``-tokens_to_remove`` positions cached over the group
+        (transformers' sign, as ``DynamicLayer.crop``)."""
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"{_NAME}: ShardedCache.crop takes the negative count of the last positions to "
+                f"drop (tokens_to_remove <= 0), got {tokens_to_remove}"
+            )
+        self.filled = end = max(self.filled + tokens_to_remove, 0)
+        runs = [(s, min(n, end - s)) for s, n in self.runs if s < end]  # in position order
+        kept = sum(n for _, n in runs)
+        self.runs, self.prefill = runs, self.prefill if end else 0
+        if self.is_initialized:
+            self.keys, self.values = self.keys[..., :kept, :], self.values[..., :kept, :]
 
 
 class ShardedCache(DynamicCache):
