@@ -110,12 +110,9 @@ def measure(a: argparse.Namespace) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--measure", action="store_true", help="run the ring on gloo processes")
-    ap.add_argument("--p", type=int, default=4)
-    ap.add_argument("--seq-len", type=int, default=16384)
-    ap.add_argument("--documents", type=int, default=10)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--iters", type=int, default=3)
+    for name, default in (("p", 4), ("seq-len", 16384), ("documents", 10), ("heads", 4),
+                          ("head-dim", 64), ("iters", 3)):  # fmt: skip
+        ap.add_argument(f"--{name}", type=int, default=default, help=f"({default})")
     a = ap.parse_args()
     if a.measure:
         return measure(a)

@@ -99,18 +99,8 @@ def test_ranks_that_disagree_on_the_groups_raise_on_every_rank() -> None:
 def test_the_planner_advises_the_most_heads_per_group_that_fit() -> None:
     from ring_attention.planner.capacity import Setup, evaluate
 
-    base = dict(
-        ranks=4,
-        device="cuda",
-        reserve=0,
-        heads=8,
-        kv_heads=8,
-        head_dim=64,
-        batch=1,
-        dtype="bfloat16",
-        backward_heads="auto",
-        source="analytic",
-    )
+    shape = dict(heads=8, kv_heads=8, head_dim=64, batch=1, dtype="bfloat16", reserve=0)
+    base = dict(ranks=4, device="cuda", backward_heads="auto", source="analytic", **shape)
     roomy = evaluate(Setup(memory=10**12, **base), 2**16)
     assert roomy.group_heads == 0  # everything fits: one group, no extra transfers
     peaks = {g: max(m.training_peak for m in roomy.memories_with(g)) for g in (0, 4, 2, 1)}
