@@ -185,13 +185,9 @@ def _sp_cases(modes: list[tuple[str, str]]) -> tuple[list, dict]:
     return [(s, f, states[f], data[f]) for s, f in modes], wants
 
 
-#: every family on the hybrid and on one of the ring (windows and chunks
-#: crossing the ranks) and Ulysses (the sinks split by heads; Cohere 2 on
-#: Ulysses only), in one world
-HYBRID = ("gpt-oss", "gemma3", "llama4", "olmo3")
-SP_MODES = [("group", "gemma3"), ("group", "llama4"), ("ulysses_group", "gpt-oss")]
-SP_MODES += [("ulysses_group", "cohere2")]
-SP_MODES += [("hybrid", family) for family in HYBRID]
+#: every family on the ring (windows and chunks crossing the ranks), Ulysses
+#: (the sinks split by heads) and the hybrid, in one world
+SP_MODES = [(spread, f) for f in FAMILIES for spread in ("group", "ulysses_group", "hybrid")]
 
 
 def test_sequence_parallel_training_equals_one_process() -> None:
