@@ -27,7 +27,9 @@ def _packed_sequences(
 ) -> torch.Tensor | None:
     """The packed-sequence index inside transformers' mask function, or
     ``None``; fails closed on any mask function the kernels do not express
-    (``shifts``: the layer shifts left-padded rows' chunks, ``_local``)."""
+    (``shifts``: left-padded rows' chunks are the layer's to take: one process
+    shifts them, ``_local``; sequence parallelism refuses the padding mask on
+    every rank, through the ring's handshake, which a raise here would skip)."""
     from transformers import masking_utils as mu
 
     if fn is None or fn is mu.causal_mask_function or fn is mu.bidirectional_mask_function:
@@ -62,8 +64,8 @@ def _packed_sequences(
         if not shifts and isinstance(left, torch.Tensor) and bool((left != 0).any()):
             raise ValueError(
                 f"{_NAME} shifts the chunks of left-padded rows in one process; chunked "
-                "attention with left padding is not supported with sequence parallelism "
-                "or over a static cache of full layers (pad on the right)"
+                "attention with left padding is not supported over a static cache of full "
+                "layers (pad on the right)"
             )
         return None
     if name.startswith("sliding_window_bidirectional_overlay."):
@@ -159,7 +161,7 @@ def _key_map(
     **kwargs: Any,
 ) -> torch.Tensor | None:  # fmt: skip
     """The key map of the module docstring (eager)."""
-    documents = _packed_sequences(mask_function, kwargs.get("config"), not sharded)
+    documents = _packed_sequences(mask_function, kwargs.get("config"), True)
     # q_offset is a 0-d tensor for static caches
     filled = _filled(int(q_offset), q_length, kv_offset, kv_length)
     device = attention_mask.device if attention_mask is not None else kwargs.get("device", "cpu")
