@@ -16,7 +16,7 @@ from ..core.checks import sinks_meta
 from ..core.pattern import Pattern
 from ..local import engine
 from ..parallel.auto import plan_mesh
-from ..parallel.ring import _ring, ring_call, ring_call_spec
+from ..parallel.ring import ring_call, ring_call_spec, sharded_ring
 from ..parallel.ulysses import sharded_attention
 from .config import is_dense, layer_chunk, layer_pattern, layer_window, pattern_from_config
 from .decode import decode_attention
@@ -318,7 +318,7 @@ def _sharded(
         # Ulysses or the hybrid: the refusal is reported in its rounds
         pattern = functools.partial(_grid_pattern, module, causal, refusal, kwargs)
         return sharded_attention(q, k, v, pattern, (), cu_seqlens=None, scale=scaling,
-                                 layout=sp.layout, return_lse=False, sinks=sinks, ring=_ring,
+                                 layout=sp.layout, return_lse=False, sinks=sinks, ring=sharded_ring,
                                  **spread)  # fmt: skip
     spec = ring_call_spec(_sharded_pattern, module, causal, refusal, kwargs.get("sliding_window"),
                           scale=scaling, group=spread["group"], layout=sp.layout,

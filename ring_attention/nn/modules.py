@@ -13,7 +13,7 @@ from ..core.checks import resolve_scale
 from ..core.layout import check_layout
 from ..core.pattern import Pattern
 from ..local.functional import attend
-from ..parallel.ring import _ring
+from ..parallel.ring import sharded_ring
 from ..parallel.ring_spec import given_pattern
 from ..parallel.ulysses import sharded_attention
 
@@ -93,7 +93,7 @@ class RingDilatedAttention(_PatternModule):
         return sharded_attention(
             q, k, v, given_pattern, (self.pattern,), cu_seqlens=cu_seqlens, scale=self.scale,
             group=self.group, ulysses_group=self.ulysses_group, mesh=self.mesh,
-            layout=self.layout, return_lse=False, sinks=sinks, ring=_ring)  # fmt: skip
+            layout=self.layout, return_lse=False, sinks=sinks, ring=sharded_ring)  # fmt: skip
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", layout={self.layout!r}"

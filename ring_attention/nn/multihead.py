@@ -17,7 +17,7 @@ from ..core.checks import supported_dtypes
 from ..core.dtypes import select_dtype
 from ..core.pattern import DENSE, Pattern, as_flag
 from ..local.functional import attend
-from ..parallel.ring import _ring
+from ..parallel.ring import sharded_ring
 from ..parallel.ulysses import reject_sharded, sharded_attention
 from .dense import dense_attention
 from .multihead_checks import (
@@ -372,7 +372,7 @@ def _kernel_attention(m: MultiheadDilatedAttention, call: Call, cu_seqlens) -> t
         out = sharded_attention(
             q, k, v, _module_pattern, (m, call.causal), cu_seqlens=cu_seqlens, scale=None,
             group=m.group, ulysses_group=m.ulysses_group, mesh=m.mesh, layout="contiguous",
-            return_lse=False, ring=_ring)  # fmt: skip
+            return_lse=False, ring=sharded_ring)  # fmt: skip
     else:
         out = attend(q, k, v, _call_pattern(m, call, cu_seqlens), key_padding_mask=call.bool_kpm)
     return out.reshape(B, L, E)

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.pattern import Pattern
-from .ring import _ring
+from .ring import sharded_ring
 from .ring_spec import given_pattern
 from .ulysses import sharded_attention
 
@@ -31,7 +31,7 @@ def ring_attention(q_local: Tensor, k_local: Tensor, v_local: Tensor,
     build, args = (given_pattern, (pattern,)) if built else (pattern, ())
     return sharded_attention(q_local, k_local, v_local, build, args, cu_seqlens=None, scale=scale,
                              group=group, ulysses_group=ulysses_group, mesh=mesh, layout=layout,
-                             return_lse=return_lse, sinks=sinks, ring=_ring)  # fmt: skip
+                             return_lse=return_lse, sinks=sinks, ring=sharded_ring)  # fmt: skip
 
 
 def ring_dilated_attention(q_local: Tensor, k_local: Tensor, v_local: Tensor,
@@ -52,4 +52,4 @@ def ring_dilated_attention(q_local: Tensor, k_local: Tensor, v_local: Tensor,
                               None, window),
                              cu_seqlens=cu_seqlens, scale=scale, group=group,
                              ulysses_group=ulysses_group, mesh=mesh, layout=layout,
-                             return_lse=return_lse, sinks=sinks, ring=_ring)  # fmt: skip
+                             return_lse=return_lse, sinks=sinks, ring=sharded_ring)  # fmt: skip

@@ -35,7 +35,7 @@ from .mesh import check_ring, report_grid_error, world_info
 from .ring_spec import GroupError, get_spec, pattern_of_call, ring_call_spec
 
 __all__ = ["ExchangeEvent", "ExchangeStats", "exchange_plan", "last_exchange_stats",
-           "register_exchange_hook", "ring_call", "ring_call_spec"]  # fmt: skip
+           "register_exchange_hook", "ring_call", "ring_call_spec", "sharded_ring"]  # fmt: skip
 
 Tensor = torch.Tensor
 
@@ -73,11 +73,13 @@ def exchange_plan(seq_len: int, heads: int, segment_lengths: Sequence[int],
                     layout)  # fmt: skip
 
 
-def _ring(q_local: Tensor, k_local: Tensor, v_local: Tensor, build: Callable[..., Pattern],
-          args: tuple, *, cu_seqlens: Sequence[int] | Tensor | None, scale: float | None,
-          group: dist.ProcessGroup | None, layout: str, return_lse: bool, fold: int = 1,
-          ranks: tuple[int, ...] | None = None, head_range: tuple[int, int, int] = (0, 0, 0),
-          sinks: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
+def sharded_ring(q_local: Tensor, k_local: Tensor, v_local: Tensor,
+                 build: Callable[..., Pattern], args: tuple, *,
+                 cu_seqlens: Sequence[int] | Tensor | None, scale: float | None,
+                 group: dist.ProcessGroup | None, layout: str, return_lse: bool, fold: int = 1,
+                 ranks: tuple[int, ...] | None = None,
+                 head_range: tuple[int, int, int] = (0, 0, 0),
+                 sinks: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:  # fmt: skip
     """The ring call of ``sharded_attention`` (or of a checked grid's ring)."""
     documents = cu_seqlens if isinstance(cu_seqlens, Tensor) else None
     spec = ring_call_spec(_ring_pattern, return_lse, None if documents is not None else cu_seqlens,
