@@ -35,7 +35,7 @@ from .mesh import check_ring, report_grid_error, world_info
 from .ring_spec import GroupError, get_spec, pattern_of_call, ring_call_spec
 
 __all__ = ["ExchangeEvent", "ExchangeStats", "exchange_plan", "last_exchange_stats",
-           "register_exchange_hook", "ring_call", "ring_call_spec", "sharded_ring"]  # fmt: skip
+           "register_exchange_hook", "ring_call", "ring_call_spec"]  # fmt: skip
 
 Tensor = torch.Tensor
 
