@@ -1,14 +1,18 @@
 """Llama 4's chunked attention with left padding under ``"ring_dilated"``
-beyond one eager process (tests/test_hf_models.py has that): sequence
-parallelism refuses the padding mask with ``ValueError`` on every rank,
-promptly (the key map does not raise on the padded rank alone, which left
-the others waiting at the ring's handshake); a static cache of full layers
-refuses a multi-token continuation of left-padded chunked layers, naming
-it; ``torch.compile`` of a left-padded forward (each row's chunks moved on,
+beyond one eager process (tests/test_hf_models.py has that): generation
+over the sequence-parallel group (2 and 3 ranks; a dynamic, sharded, static
+and full static cache) moves each left-padded row's chunks on as one
+process does and gives its tokens; sequence-parallel training refuses the
+padding mask with ``ValueError`` on every rank, promptly (the key map does
+not raise on the padded rank alone, which left the others waiting at the
+ring's handshake); a static cache of full layers refuses a multi-token
+continuation of left-padded chunked layers in one process, naming it;
+``torch.compile`` of a left-padded forward (each row's chunks moved on,
 compiled) equals eager and ``"sdpa"``."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from test_hf import VOCAB
@@ -17,6 +21,7 @@ from test_hf_models import TOL, build
 
 import ring_attention as ra
 from ring_attention import hf
+from ring_attention.hf.sharded_cache import ShardedCache
 from ring_attention.parallel.testing import run_distributed
 
 #: left padding of row 1 (chunks of 8 move on by 5)
@@ -29,6 +34,54 @@ def _left_padded(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     mask = torch.ones_like(ids)
     mask[1, :PAD] = 0
     return ids, mask
+
+
+def _generate(model, cache: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy tokens and logits of 8 new tokens after a 19-token prompt whose
+    rows are left-padded by 6 and PAD (chunks of 8 move on by 2 and 5)."""
+    ids, mask = _left_padded(19)
+    mask[0, :6] = 0
+    ids[mask == 0] = 0
+    given = {}
+    if cache == "sharded":
+        given = {"cache": ShardedCache(model.config, block=3)}
+    elif cache == "static":
+        given = {"cache_implementation": "static"}
+    elif cache == "full static":
+        given = {"cache": _full_static_cache(model.config, 27)}
+    with torch.no_grad():
+        res = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True,
+                             pad_token_id=0, **given)  # fmt: skip
+    return res.sequences, torch.stack(res.logits)
+
+
+CACHES = ("dynamic", "sharded", "static", "full static")
+
+
+def _generate_worker(rank: int, world: int, state: dict) -> list:
+    ra.register_transformers(group=dist.group.WORLD)
+    try:
+        return [_generate(build("llama4", "ring_dilated", state), c) for c in CACHES]
+    finally:
+        ra.register_transformers()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_generation_over_the_group_moves_left_padded_chunks(world: int) -> None:
+    """Every rank's greedy tokens equal one process's (its logits within
+    1e-4) with each cache: the chunked layers move each row's keys and
+    queries on by ``-padding mod chunk`` on every rank, run by run (before:
+    the kernels' chunks started at 0, other tokens)."""
+    ra.register_transformers()
+    one = build("llama4", "ring_dilated")
+    want_tokens, want_logits = _generate(one, "dynamic")
+    for rank, got in enumerate(run_distributed(_generate_worker, world, one.state_dict(),
+                                               timeout=300)):  # fmt: skip
+        for cache, (tokens, logits) in zip(CACHES, got, strict=True):
+            assert torch.equal(tokens, want_tokens), (rank, cache)
+            torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4,
+                                       msg=f"rank {rank}, {cache}")  # fmt: skip
 
 
 def _sp_worker(rank: int, world: int) -> str:

@@ -21,7 +21,7 @@ from ..parallel.ulysses import sharded_attention
 from .config import is_dense, layer_chunk, layer_pattern, layer_window, pattern_from_config
 from .decode import decode_attention
 from .generation import generation_step, key_reach
-from .masks import Keys, batch_keys, filled_keys, layer_mask, sdpa_mask_of
+from .masks import Keys, batch_keys, chunk_shifts, filled_keys, layer_mask, sdpa_mask_of, shift_keys
 from .setting import ATTN_IMPLEMENTATION, sequence_parallel, set_sequence_parallel, spread_of
 
 __all__ = ["dilated_attention_forward", "dilated_attention_mask", "register_transformers"]
@@ -244,7 +244,10 @@ def _local(
         rows, memo = ((None, cu[1]),), _cu_batches.get(cu[0], "patterns", dict)
     starts = None
     if chunk is not None and padding is not None:
-        k, v, padding, starts = _shift_chunks(keys.padding, chunk, q_start, k, v, padding)
+        shift, most = chunk_shifts(keys.padding, chunk)
+        if most:
+            k, v, padding = shift_keys(shift, most, k, v, padding)
+            starts = q_start + shift
     call, _ = prepare(q, k, v, pattern, scale=scaling, key_padding_mask=padding, q_start=q_start,
                       k_start=k_start, q_starts=starts, sinks=kwargs.get("s_aux"))  # fmt: skip
     outs, order = [], []
@@ -262,27 +265,6 @@ def _local(
         return outs[0]
     inverse = torch.argsort(torch.cat(order))
     return torch.cat(outs).index_select(0, inverse)
-
-
-def _shift_chunks(
-    pads: torch.Tensor, chunk: int, q_start: int, k: Any, v: Any, padding: Any
-) -> tuple:
-    """transformers' chunks start after a row's ``lp`` left-padded keys: each
-    row's positions move on by ``s = -lp mod chunk`` (its keys behind ``s``
-    padded slots, its queries' start ``q_start + s``), as the kernels' chunks
-    start at 0. ``(k, v, padding, per-row query starts or None)``."""
-    lead = pads.cumsum(1) == torch.arange(1, pads.shape[1] + 1, device=pads.device)
-    shift = (-lead.sum(1)) % chunk
-    # compiled: as many slots as any row needs (no read)
-    most = chunk - 1 if torch.compiler.is_compiling() else int(shift.max())
-    if most == 0:
-        return k, v, padding, None
-    B, n = padding.shape
-    at = torch.arange(n, device=k.device)[None] + shift[:, None].to(k.device)
-    rows = at[:, :, None, None].expand_as(k)
-    k, v = (t.new_zeros(B, n + most, *t.shape[2:]).scatter_(1, rows, t) for t in (k, v))
-    padding = padding.new_ones(B, n + most).scatter_(1, at, padding)
-    return k, v, padding, (q_start + shift).to(torch.int64)
 
 
 def _check_reach(pattern: Pattern, q_start: int, k_start: int) -> None:
@@ -307,7 +289,8 @@ def _sharded(
     documents = cu_q if cu_q is not None else cu_k
     if documents is None and kwargs.get("use_cache"):  # generation: the same sequence everywhere
         pattern_of = functools.partial(layer_pattern, module, causal, kwargs.get("sliding_window"))
-        return generation_step(query, key, value, attention_mask, scaling, kwargs, sp, pattern_of)
+        return generation_step(query, key, value, attention_mask, scaling, kwargs, sp, pattern_of,
+                               layer_chunk(module))  # fmt: skip
     refusal = _sharded_refusal(query, key, attention_mask, dropout, kwargs, documents is None)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     sinks = kwargs.get("s_aux")

@@ -16,6 +16,7 @@ from ..local import engine
 from ..local.blocks import merge_into
 from ..parallel.handshake import GENERATION, exchange_message
 from ..parallel.mesh import check_grid, check_ring, resolve_topology
+from .masks import chunk_shifts, shift_keys
 
 __all__ = ["Pieces", "generation_step", "key_reach", "record_pieces"]
 
@@ -25,9 +26,11 @@ _NAME = "attn_implementation='ring_dilated'"
 def generation_step(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
     scaling: float | None, kwargs: Mapping[str, Any], sp: Any, pattern_of: Callable[[], Any],
+    chunk: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """One generation step over the group: ``query`` ``(B, H, L, D)`` the
-    last ``L`` cached positions; returns ``(B, L, H, D)``."""
+    last ``L`` cached positions (``chunk``: a chunked layer's); returns
+    ``(B, L, H, D)``."""
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     B, L = q.shape[:2]
     size, rank, groups = sp._grid()
@@ -48,7 +51,7 @@ def generation_step(
     _agree(sp, [B, L, filled, *ends])
     pattern = pattern_of()
     with torch.no_grad():
-        out, lse = _attend_runs(q, k, v, runs, padding, pattern, scaling, filled - L)
+        out, lse = _attend_runs(q, k, v, runs, padding, pattern, scaling, filled - L, chunk)
         out, lse = _merge_over(out, lse, groups)  # a rank out of reach adds (0, -inf)
     sinks = kwargs.get("s_aux")
     if sinks is not None:
@@ -80,16 +83,23 @@ def _pieces_of(keys: torch.Tensor) -> Pieces | None:
 
 def _attend_runs(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: Any, padding: Any,
-    pattern: Any, scaling: float | None, q_start: int,
+    pattern: Any, scaling: float | None, q_start: int, chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(out, lse)`` of the queries at ``q_start`` against this rank's keys,
-    run by run (``lse`` ``-inf`` where nothing is reached)."""
+    run by run (``lse`` ``-inf`` where nothing is reached); ``chunk``: each
+    left-padded row's keys and queries move on as in one process."""
     B, L, H, D = q.shape
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = torch.zeros(B, L, H, D, dtype=acc, device=q.device)
     lse = torch.full((B, H, L), float("-inf"), dtype=acc, device=q.device)
-    starts = torch.full((B,), q_start, dtype=torch.int64)
-    lo, hi = key_reach(pattern, q_start, q_start + L - 1)
+    shift, most = torch.zeros(B, dtype=torch.int64), 0
+    if chunk is not None and padding is not None:  # padding: every position from 0
+        shift, most = chunk_shifts(padding, chunk)
+    starts = q_start + shift
+    # each row's reach at its own positions (moved back)
+    reach = [key_reach(pattern, q_start + s, q_start + s + L - 1) + (s,)
+             for s in (set(shift.tolist()) if most else (0,))]  # fmt: skip
+    lo, hi = min(a - s for a, _, s in reach), max(b - s for _, b, s in reach)
     offset, call = 0, None
     for start, length in runs:
         offset += length
@@ -97,6 +107,8 @@ def _attend_runs(
             continue
         kr, vr = k[:, offset - length : offset], v[:, offset - length : offset]
         pad = None if padding is None else padding[:, start : start + length].contiguous()
+        if most:
+            kr, vr, pad = shift_keys(shift, most, kr, vr, pad)
         if call is None:  # checked once; the other runs are the same call at other rows
             call, _ = prepare(q, kr, vr, pattern, scale=scaling, key_padding_mask=pad,
                               k_start=start, q_starts=starts)  # fmt: skip
@@ -164,8 +176,8 @@ def _keys_in_use(attention_mask: Any, batch: int, keys: int) -> tuple[int, int, 
     filled = attention_mask.shape[1]
     first = max(filled - keys, 0)
     used = min(keys, filled)
-    keep = attention_mask[:, first : first + used]
-    return used, first, filled, None if bool(keep.all()) else ~attention_mask
+    # padded anywhere: a chunked layer moves left-padded rows on (_attend_runs)
+    return used, first, filled, None if bool(attention_mask.all()) else ~attention_mask
 
 
 def _agree(sp: Any, payload: list[int]) -> None:

@@ -12,7 +12,10 @@ import torch
 
 from ..core.cache import PerBatch
 
-__all__ = ["Keys", "batch_keys", "filled_keys", "layer_mask", "position_map", "sdpa_mask_of"]
+__all__ = [
+    "Keys", "batch_keys", "chunk_shifts", "filled_keys", "layer_mask", "position_map",
+    "sdpa_mask_of", "shift_keys",
+]  # fmt: skip
 
 _NAME = "attn_implementation='ring_dilated'"
 
@@ -28,8 +31,9 @@ def _packed_sequences(
     """The packed-sequence index inside transformers' mask function, or
     ``None``; fails closed on any mask function the kernels do not express
     (``shifts``: left-padded rows' chunks are the layer's to take: one process
-    shifts them, ``_local``; sequence parallelism refuses the padding mask on
-    every rank, through the ring's handshake, which a raise here would skip)."""
+    and generation over the group shift them, ``chunk_shifts``; sequence-parallel
+    training refuses the padding mask on every rank, through the ring's
+    handshake, which a raise here would skip)."""
     from transformers import masking_utils as mu
 
     if fn is None or fn is mu.causal_mask_function or fn is mu.bidirectional_mask_function:
@@ -268,3 +272,24 @@ def sdpa_mask_of(
     reached = allowed.any(dim=-1)
     allowed = allowed | ~reached[..., None]
     return allowed[:, None], reached
+
+
+def chunk_shifts(pads: torch.Tensor, chunk: int) -> tuple[torch.Tensor, int]:
+    """transformers' chunks start after a row's ``lp`` left-padded keys
+    (``pads`` ``(batch, keys from position 0)``, ``True``: padded): each row's
+    positions move on by ``s = -lp mod chunk``, as the kernels' chunks start
+    at 0. ``(s per row (int64), the slots the rows need: 0 when none moves)``."""
+    lead = pads.cumsum(1) == torch.arange(1, pads.shape[1] + 1, device=pads.device)
+    shift = ((-lead.sum(1)) % chunk).to(torch.int64)
+    # compiled: as many slots as any row needs (no read)
+    return shift, chunk - 1 if torch.compiler.is_compiling() else int(shift.max())
+
+
+def shift_keys(shift: torch.Tensor, most: int, k: Any, v: Any, padding: Any) -> tuple:
+    """Each row's ``(batch, n, ...)`` keys behind its ``shift`` padded slots,
+    in ``n + most`` slots (their queries start ``shift`` later): ``(k, v, padding)``."""
+    B, n = padding.shape
+    at = torch.arange(n, device=k.device)[None] + shift[:, None].to(k.device)
+    rows = at[:, :, None, None].expand_as(k)
+    k, v = (t.new_zeros(B, n + most, *t.shape[2:]).scatter_(1, rows, t) for t in (k, v))
+    return k, v, padding.new_ones(B, n + most).scatter_(1, at, padding)
