@@ -98,6 +98,7 @@ MODEL_CLASSES = {
     "qwen2": "Qwen2CommonTest",
     "gpt_oss": "GptOssCommonTest",
     "gemma3": "Gemma3CommonTest",
+    "gemma4": "Gemma4CommonTest",
     "llama4": "Llama4CommonTest",
     "cohere2": "Cohere2CommonTest",
     "olmo3": "Olmo3CommonTest",

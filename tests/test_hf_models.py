@@ -1,6 +1,8 @@
 """The model families with sinks, sliding and chunked layers under
 ``"ring_dilated"``: gpt-oss (attention sinks ``s_aux``, sliding and full
 layers), Gemma 3 (sliding and global layers, ``query_pre_attn_scalar``),
+Gemma 4 (global layers with their own head size and keys as values, layers
+sharing earlier layers' keys),
 OLMo 3 and Cohere 2 (mixed sliding layers), Llama 4 text (chunked attention:
 the pattern ``[(chunk, 1)]``). Each equals the attention the model itself
 uses (``"eager"`` for gpt-oss, whose sinks ``"sdpa"`` does not take;
@@ -38,6 +40,15 @@ def config(family: str):
     if family == "gemma3":
         return tr.Gemma3TextConfig(sliding_window=6, sliding_window_pattern=2,
                                    query_pre_attn_scalar=24, **COMMON)  # fmt: skip
+    if family == "gemma4":  # global layers of their own head size, keys as values; the
+        # last two layers reuse earlier layers' keys (a prefill computes their last query only)
+        return tr.Gemma4TextConfig(
+            sliding_window=6, layer_types=["sliding_attention", "full_attention"] * 2,
+            global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+            num_kv_shared_layers=2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
+            initializer_range=0.1,  # at 0.02 AdamW takes float32's rounding past the tolerance
+            **{**COMMON, "num_hidden_layers": 4},
+        )  # fmt: skip
     if family == "olmo3":
         return tr.Olmo3Config(sliding_window=6, layer_types=MIXED, **COMMON)
     if family == "cohere2":
@@ -49,7 +60,7 @@ def config(family: str):
     )  # fmt: skip
 
 
-FAMILIES = ["gpt-oss", "gemma3", "llama4", "olmo3", "cohere2"]
+FAMILIES = ["gpt-oss", "gemma3", "llama4", "olmo3", "cohere2", "gemma4"]
 #: float64 where the model runs in it (its experts' grouped matmul does not)
 DTYPE = {"gpt-oss": torch.float32, "llama4": torch.float32}
 #: (logits, gradients) tolerance, relative and absolute
@@ -165,8 +176,9 @@ def _sp_cases(modes: list[tuple[str, str]]) -> tuple[list, dict]:
     family's one-process results."""
     gen = torch.Generator().manual_seed(7)
     data, wants, states = {}, {}, {}
-    # each family's batches whatever the others (AdamW's first step amplifies
-    # float32's rounding: the tolerance is met on these batches)
+    # one generator, family after family: a new family goes last, leaving the
+    # others' batches as they were (AdamW's first step amplifies float32's
+    # rounding: the tolerance is met on these batches)
     for family in FAMILIES:
         batches = data.setdefault(family, [])
         for _ in range(STEPS):
@@ -214,3 +226,24 @@ def test_sequence_parallel_training_equals_one_process() -> None:
             if family == "gpt-oss":
                 sinks = [g for n, g in steps[0][1].items() if n.endswith("sinks")]
                 assert sinks and all(bool(g.abs().sum() > 0) for g in sinks), "sinks' gradient"
+
+
+def _gemma4_generates(rank: int, world: int, state: dict) -> str:
+    ra.register_transformers(group=dist.group.WORLD)
+    model = build("gemma4", "ring_dilated", state)
+    ids = torch.randint(1, VOCAB, (1, 12), generator=torch.Generator().manual_seed(5))
+    try:
+        model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        ra.register_transformers()
+    return "no error"
+
+
+def test_gemma4_generation_over_the_group_raises_on_every_rank() -> None:
+    """Gemma 4's layers receive no ``use_cache``: generation over the group is
+    refused on every rank (docs/transformers.md), not computed as a shard."""
+    state = build("gemma4", "ring_dilated").state_dict()
+    for message in run_distributed(_gemma4_generates, 2, state, timeout=120):
+        assert "cu_seq_lens_q" in message, message

@@ -56,9 +56,20 @@ def dilated_attention_mask(
     attention_mask: torch.Tensor | None = None, **kwargs: Any,
 ) -> torch.Tensor | None:  # fmt: skip
     """transformers' mask-interface entry of ``"ring_dilated"`` (``masks.py``)."""
-    dense, sharded = is_dense(kwargs.get("config")), sequence_parallel() is not None
-    return layer_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
+    config = kwargs.get("config")
+    dense, sharded = is_dense(config), sequence_parallel() is not None
+    mask = layer_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
                       attention_mask, dense, sharded, **kwargs)  # fmt: skip
+    if _slices_queries(config) and isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        mask = mask[:, None, None]  # the key map as a mask of one query row (below)
+    return mask
+
+
+def _slices_queries(config: Any) -> bool:
+    """Whether the model slices its layers' masks along the queries (dim 2 of a
+    4-D mask): Gemma 4's layers that share earlier layers' keys compute the last
+    queries only in a prefill; a key map holds no query dimension to slice."""
+    return bool(getattr(config, "num_kv_shared_layers", 0))
 
 
 def dilated_attention_forward(
@@ -76,13 +87,17 @@ def dilated_attention_forward(
             "does not: set attn_implementation='eager' to get them"
         )
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    config = getattr(module, "config", None)
+    m = attention_mask
+    if _slices_queries(config) and isinstance(m, torch.Tensor) and m.dim() == 4 \
+            and m.shape[1:3] == (1, 1) and not m.is_floating_point():  # fmt: skip
+        attention_mask = m[:, 0, 0]  # a key map (dilated_attention_mask)
     sp = sequence_parallel()
     if sp is not None:
         return _sharded(module, query, key, value, attention_mask, dropout, scaling, causal,
                         kwargs, sp), None  # fmt: skip
     if kwargs.get("softcap") is not None:
         raise ValueError(_SOFTCAP)
-    config = getattr(module, "config", None)
     sinks = kwargs.get("s_aux")
     if _one_query_row(attention_mask, query, key) and is_dense(config) and not dropout:
         return _one_query(query, key, value, attention_mask, scaling, config, sinks), None

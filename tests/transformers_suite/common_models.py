@@ -1,4 +1,4 @@
-"""Llama, Mistral, Qwen2, gpt-oss, Gemma 3, Llama 4, Cohere 2 and OLMo 3 under
+"""Llama, Mistral, Qwen2, gpt-oss, Gemma 3 and 4, Llama 4, Cohere 2 and OLMo 3 under
 transformers' common model tests.
 
 scripts/transformers_tests.py (``--sdist``) places this file in the tests/
@@ -17,13 +17,15 @@ base model and the causal LM only: the task heads thrice took 40 % of the
 run and reached no attention path that Llama's do not. The families with
 sinks, sliding and chunked layers run with the causal LM only (it runs its
 base model's attention; the base models made 23 % of the attention calls),
-each with the layer kinds of its own: gpt-oss (sinks, sliding and
-full layers alternating), Gemma 3's text model (sliding and global layers,
-``query_pre_attn_scalar``), Llama 4's text model (chunked and full layers,
-``attention_chunk_size``), Cohere 2 and OLMo 3 (sliding and full layers), windows and
-chunks shorter than the sequence. gpt-oss has no ``"sdpa"`` (its sinks): the
-model's own attention there is ``"eager"``, which its tester asks for by name,
-and ``"ring_dilated"`` where the plugin is on (``ring_dilated_default.attention``).
+each with the layer kinds of its own: gpt-oss (sinks, sliding and full
+layers alternating), Gemma 3's text model (sliding and global layers,
+``query_pre_attn_scalar``), Gemma 4's (global layers with their own head
+size, keys as values, layers sharing earlier layers' keys), Llama 4's text
+model (chunked and full layers, ``attention_chunk_size``), Cohere 2 and
+OLMo 3 (sliding and full layers), windows and chunks shorter than the
+sequence. gpt-oss has no ``"sdpa"`` (its sinks): the model's own attention
+there is ``"eager"``, which its tester asks for by name, and
+``"ring_dilated"`` where the plugin is on (``ring_dilated_default.attention``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from transformers import (
     Cohere2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    Gemma4ForCausalLM,
+    Gemma4TextConfig,
     GptOssConfig,
     GptOssForCausalLM,
     Llama4ForCausalLM,
@@ -182,3 +186,14 @@ class Olmo3CommonTest(_CommonTests, unittest.TestCase):
     config_class = Olmo3Config
     config_extra: ClassVar[dict] = dict(sliding_window=3, layer_types=ALTERNATING)
     all_model_classes = (Olmo3ForCausalLM,)
+
+
+class Gemma4CommonTest(_CommonTests, unittest.TestCase):
+    config_class = Gemma4TextConfig
+    # global layers of their own head size with keys as values; the last two
+    # layers reuse the first two's keys (a prefill computes their last queries only)
+    config_extra: ClassVar[dict] = dict(head_dim=8, sliding_window=3, num_hidden_layers=4,
+                        layer_types=ALTERNATING * 2, global_head_dim=16,
+                        num_global_key_value_heads=1, attention_k_eq_v=True, num_kv_shared_layers=2,
+                        hidden_size_per_layer_input=4, vocab_size_per_layer_input=99)  # fmt: skip
+    all_model_classes = (Gemma4ForCausalLM,)
