@@ -424,5 +424,5 @@ def test_ring_ranks_disagreeing_on_the_dense_mode_raise() -> None:
     """Whether a pass checks K/V over the ranks follows the mode: ranks must agree on it (a
     rank posting the check alone would hang), else every rank raises naming the variable."""
     for message in run_distributed(_modes_worker, 3):
-        assert "ranks disagree on RING_ATTENTION_FORWARD" in message, message
-        assert "['auto', 'dense', 'auto']" in message, message
+        assert "ranks disagree on RING_ATTENTION_FORWARD/BACKWARD" in message, message
+        assert "['auto/auto', 'dense/auto', 'auto/auto']" in message, message
