@@ -20,6 +20,7 @@ import os
 import pytest
 import torch
 from oracle import reference_attention
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ring_attention.core import config
 from ring_attention.core.pattern import Pattern
@@ -231,13 +232,111 @@ def _nan_worker(rank: int, world: int) -> dict:
 
 def test_ring_dense_non_finite_keys_take_our_kernels() -> None:
     results = run_distributed(_nan_worker, 3)
-    # rank 0 holds the NaN row: every block reading its K takes our kernel
-    # (one a rank and pass), its dense call queued and dropped; rank r reads
-    # r + 1 pieces (its own diagonal and those before), all queued densely.
+    # rank 0 holds the NaN row: each pass runs densely, reads the ranks'
+    # check (not finite) and runs again checking each block; there every
+    # block reading rank 0's K takes our kernel (one a rank and pass), its
+    # dense call queued and dropped. Rank r reads r + 1 pieces (its own
+    # diagonal and those before): twice r + 1 dense calls a pass.
     for rank, r in enumerate(results):
         assert r["same"], f"rank {rank}"
-        assert r["calls"] == {"forward": rank + 1, "backward": rank + 1}, f"rank {rank}"
+        assert r["calls"] == {"forward": 2 * rank + 2, "backward": 2 * rank + 2}, f"rank {rank}"
         assert r["kernel"] == {"forward": 1, "backward": 1}, f"rank {rank}"
+
+
+class _OpLog(TorchDispatchMode):
+    """The ATen operators run while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _reads_of(fn, log: list[int]):
+    """``fn`` (a ring pass), appending the host reads of each outermost call to ``log``."""
+    depth = [0]
+
+    def run(*args, **kwargs):
+        if depth[0]:  # the pass run again (non-finite K/V): the same pass's reads
+            return fn(*args, **kwargs)
+        depth[0] += 1
+        try:
+            with _OpLog() as ops_:
+                res = fn(*args, **kwargs)
+        finally:
+            depth[0] -= 1
+        # bool() of a tensor (the plan's index reads, .item() of host tensors, are not counted)
+        log.append(sum(op in ("is_nonzero", "_local_scalar_dense") for op in ops_.ops))
+        return res
+
+    return run
+
+
+def _reads_worker(rank: int, world: int) -> dict:
+    """Plain dense attention with the dense route forced on the CPU stand-in, causal and not,
+    K/V finite and with a NaN key on the last rank: each pass's host reads and results, with
+    the ring's one check a pass and with each block checking its own (the tree before)."""
+    from ring_attention.parallel import ring
+    from ring_attention.parallel.api import ring_dilated_attention
+
+    n = 37
+    g = torch.Generator().manual_seed(11)
+    q, k, v, go = (torch.randn(2, n, 2, 8, generator=g) for _ in range(4))
+    bad_k = k.clone()
+    bad_k[1, n - 2, 0, 3] = float("nan")  # the last rank's piece
+    os.environ[config.FORWARD] = os.environ[config.BACKWARD] = "dense"
+    saved = ring.schedule_forward, ring.schedule_backward, ring.pass_check
+    out = {}
+    try:
+        for causal in (False, True):
+            for bad in (False, True):
+                runs = []
+                for per_block in (False, True):
+                    reads: dict[str, list[int]] = {"forward": [], "backward": []}
+                    ring.schedule_forward = _reads_of(saved[0], reads["forward"])
+                    ring.schedule_backward = _reads_of(saved[1], reads["backward"])
+                    ring.pass_check = (lambda *_a: None) if per_block else saved[2]
+                    ql, kl, vl = (
+                        shard_sequence(t).clone().requires_grad_()
+                        for t in (q, bad_k if bad else k, v)
+                    )
+                    o, lse = ring_dilated_attention(
+                        ql, kl, vl, [n], [1], causal=causal, return_lse=True
+                    )
+                    (o * shard_sequence(go)).sum().backward()
+                    runs.append(([o, lse, ql.grad, kl.grad, vl.grad], reads))
+                (mine, reads), (before, reads_before) = runs
+                same = all(
+                    torch.equal(a, b) or torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
+                    for a, b in zip(mine, before, strict=True)
+                )
+                out[f"{causal}-{bad}"] = {"reads": reads, "before": reads_before, "same": same}
+    finally:
+        ring.schedule_forward, ring.schedule_backward, ring.pass_check = saved
+        del os.environ[config.FORWARD], os.environ[config.BACKWARD]
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ring_dense_one_finiteness_read_a_pass(world: int) -> None:
+    """The ring's K/V check is read on the host once a pass (forward, backward), not once a
+    dense block as before (each block's read, asserted here on the tree before: the blocks);
+    results bit for bit those of the check per block, finite or with a NaN key on one rank
+    (then every rank runs the pass again, checking each block: our kernel's answer)."""
+    for rank, r in enumerate(run_distributed(_reads_worker, world, timeout=300)):
+        for case, c in r.items():
+            causal = case.startswith("True")
+            blocks = expected_blocks(37, world, rank, "contiguous", causal)
+            where = f"rank {rank}, causal-bad {case}"
+            assert c["same"], where
+            assert c["before"] == {"forward": [blocks], "backward": [blocks]}, where
+            if case.endswith("False"):  # finite
+                assert c["reads"] == {"forward": [1], "backward": [1]}, where
+            else:  # the pass's read, then the blocks' (each a read, as before)
+                assert c["reads"] == {"forward": [1 + blocks], "backward": [1 + blocks]}, where
 
 
 def test_block_kind() -> None:
@@ -305,3 +404,25 @@ def test_the_gpu_script_runs_on_the_cpu(tmp_path, monkeypatch, kernel_max_n) -> 
     timed = {(r["method"], r["pass"]) for r in recs if r["stage"] == "time"}
     methods = {"ring_dense", "direct"} | ({"ring_kernel"} if kernel_max_n >= 96 else set())
     assert timed == {(m, p) for m in methods for p in ("fwd", "fwdbwd")}
+
+
+def _modes_worker(rank: int, world: int) -> str:
+    """Rank 1 forces the dense forward, the others not: every rank raises."""
+    from ring_attention.parallel.api import ring_dilated_attention
+
+    if rank == 1:
+        os.environ[config.FORWARD] = "dense"
+    x = torch.zeros(1, 8, 2, 8)
+    try:
+        ring_dilated_attention(x, x, x, [8 * world], [1])
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_ring_ranks_disagreeing_on_the_dense_mode_raise() -> None:
+    """Whether a pass checks K/V over the ranks follows the mode: ranks must agree on it (a
+    rank posting the check alone would hang), else every rank raises naming the variable."""
+    for message in run_distributed(_modes_worker, 3):
+        assert "ranks disagree on RING_ATTENTION_FORWARD/BACKWARD" in message, message
+        assert "['auto/auto', 'dense/auto', 'auto/auto']" in message, message

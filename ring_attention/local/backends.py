@@ -16,7 +16,8 @@ import torch
 
 from ..core.cache import cached
 
-__all__ = ["BACKENDS", "KvFinite", "aligned", "backend", "cudnn_missing", "fa4_missing"]
+__all__ = ["BACKENDS", "HostFlag", "KvFinite", "aligned", "backend", "cudnn_missing", "fa4_missing",
+           "kv_flag"]  # fmt: skip
 
 aten = torch.ops.aten
 
@@ -159,21 +160,26 @@ def fa4_missing() -> str | None:
     return None
 
 
-class KvFinite:
-    """Whether K and V hold no NaN and no infinity, asked without waiting for the device: the
-    constructor queues the check (and on CUDA a copy to pinned memory and an event),
-    ``bool()`` reads it, waiting at most for that event. A finite sum beyond fp32's range
-    reads as non-finite (the call then takes our kernels)."""
+def kv_flag(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool tensor on K's device: whether K and V hold no NaN and no infinity (queued, not
+    read). A finite sum beyond fp32's range reads as non-finite (the call then takes our
+    kernels)."""
+    acc = torch.float64 if k.dtype == torch.float64 else torch.float32
+    return torch.isfinite(torch.stack([k.sum(dtype=acc), v.sum(dtype=acc)])).all()
+
+
+class HostFlag:
+    """A device flag read on the host without waiting for the device's later work: the
+    constructor queues (on CUDA: on the current stream) a copy to pinned memory and an event,
+    ``bool()`` reads it, waiting at most for that event."""
 
     __slots__ = ("_event", "_flag", "_value")
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        acc = torch.float64 if k.dtype == torch.float64 else torch.float32
-        flag = torch.isfinite(torch.stack([k.sum(dtype=acc), v.sum(dtype=acc)])).all()
+    def __init__(self, flag: torch.Tensor) -> None:
         self._event = None
         self._value: bool | None = None
         if flag.device.type == "cuda":
-            host = torch.empty((), dtype=torch.bool, pin_memory=True)
+            host = torch.empty(flag.shape, dtype=flag.dtype, pin_memory=True)
             host.copy_(flag, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
@@ -191,6 +197,16 @@ class KvFinite:
                 self._event.synchronize()
             self._value = bool(self._flag)
         return self._value
+
+
+class KvFinite(HostFlag):
+    """Whether K and V hold no NaN and no infinity (:func:`kv_flag`), asked without waiting for
+    the device's later work (:class:`HostFlag`)."""
+
+    __slots__ = ()
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        super().__init__(kv_flag(k, v))
 
 
 class FlashAttn4:

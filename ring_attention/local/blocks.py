@@ -1,8 +1,9 @@
 """A ring pass's blocks (docs/design.md §4.3, §4.4, and §5 on the ring's dense blocks): each
 block of queries against a run of keys (or packed K/V rows with their row map) merged into the
 pass's fp32 accumulators, or its gradients added, by our block kernel or by a dense backend
-where the pass's route is dense (``route_blocks``). Non-finite K/V, a gradient reaching
-``lse`` and CUDA pieces a backend would copy take our kernel."""
+where the pass's route is dense (``route_blocks``). Non-finite K/V (checked per block, or once
+a pass by the ring), a gradient reaching ``lse`` and CUDA pieces a backend would copy take our
+kernel."""
 
 from __future__ import annotations
 
@@ -38,10 +39,13 @@ def block_kind(causal: bool, q_start: int, lq: int, k_start: int, lk: int) -> st
 
 class Blocks:
     """The blocks of one ring pass of ``call``: by the dense route ``dense`` where a block allows
-    it, else by the block kernel with the operators' ``args``."""
+    it, else by the block kernel with the operators' ``args``; ``each_block``: each dense block
+    checks its K/V (else the pass's K/V are known to be finite)."""
 
-    def __init__(self, call: Call, args: ops.OpArgs, dense: Route | None) -> None:
+    def __init__(self, call: Call, args: ops.OpArgs, dense: Route | None,
+                 each_block: bool = True) -> None:  # fmt: skip
         self.args = args
+        self.each_block = each_block
         self.dense = dense
         self.backend = backend(dense.backends[0][0]) if dense and dense.backends else None
         self.pattern = call.pattern
@@ -90,7 +94,7 @@ class Blocks:
             r = self._local("forward", q, k, v, q_start, k_start)
             if r is None:
                 return False
-            finite = KvFinite(k, v)
+            finite = KvFinite(k, v) if self.each_block else True
             res = dense_forward(q, k, v, self.pattern, self.scale, r)
         else:
             kind = block_kind(self.causal, q_start, q.shape[1], k_start, k.shape[1])
@@ -98,7 +102,7 @@ class Blocks:
                 return kind == "skip"
             if not _aligned(q, k, v):
                 return False
-            finite = KvFinite(k, v)
+            finite = KvFinite(k, v) if self.each_block else True
             B, lq, H, D = q.shape
             o = torch.empty(B, H, lq, D, dtype=q.dtype, device=q.device)
             bl = torch.empty(B, H, lq, dtype=lse.dtype, device=q.device)
@@ -118,7 +122,7 @@ class Blocks:
             r = self._local("backward", q, k, v, q_start, k_start)
             if r is None:
                 return False
-            finite = KvFinite(k, v)
+            finite = KvFinite(k, v) if self.each_block else True
             grads = dense_backward(go, q, k, v, out, lse, self.pattern, self.scale, r)
         else:
             kind = block_kind(self.causal, q_start, q.shape[1], k_start, k.shape[1])
@@ -126,7 +130,7 @@ class Blocks:
                 return kind == "skip"
             if not _aligned(go, q, k, v, out):
                 return False
-            finite = KvFinite(k, v)
+            finite = KvFinite(k, v) if self.each_block else True
             B, lq, H, D = q.shape
             lk, hk = k.shape[1], k.shape[2]
             gq = torch.empty(B, H, lq, D, dtype=q.dtype, device=q.device)
@@ -158,10 +162,12 @@ def merge_into(out: Tensor, lse: Tensor, o: Tensor, bl: Tensor) -> None:
 
 
 def ring_blocks(
-    call: Call, pass_: str, q: Tensor, k: Tensor, n: int, bounds: tuple[int, ...], rows: int
-) -> Blocks:
+    call: Call, pass_: str, q: Tensor, k: Tensor, n: int, bounds: tuple[int, ...], rows: int,
+    each_block: bool = True,
+) -> Blocks:  # fmt: skip
     """The blocks of one ring pass of ``call`` on this rank's shard: ``n`` the global length,
     ``bounds`` where every rank's pieces start and end, ``rows`` a length every piece is a
-    multiple of."""
+    multiple of (``each_block``: :class:`Blocks`')."""
     r = route_blocks(pass_, q, k, call.pattern, n, bounds, rows) if call.every_head else None
-    return Blocks(call, ops.op_args(call, q.device), r if r is not None and r.dense else None)
+    dense = r if r is not None and r.dense else None
+    return Blocks(call, ops.op_args(call, q.device), dense, each_block)

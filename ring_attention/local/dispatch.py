@@ -25,6 +25,7 @@ __all__ = [
     "choose_backend",
     "decide",
     "decide_blocks",
+    "may_be_dense",
     "route",
     "route_blocks",
     "unavailable",
@@ -284,6 +285,17 @@ def block_shape(pattern: Pattern, n: int, boundaries: tuple[int, ...]) -> tuple[
     if all(b % w == 0 for b in boundaries if 0 < b < n for w in pattern.segment_lengths):
         return "local", "every segment inside one piece"
     return None, "segments crossing the pieces (dilated blocks as views: not built)"
+
+
+def may_be_dense(pass_: str, dtype: torch.dtype, d: int, n: int) -> bool:
+    """Whether the ring's plain dense blocks of ``pass_`` may take the dense path on some rank:
+    from its mode (agreed in the handshake), the dtype, ``d`` and ``n`` alone, whatever a rank's
+    device or backends (what every rank of a ring answers alike)."""
+    mode = config.forward_mode() if pass_ == "forward" else config.backward_mode()
+    if mode != "auto":
+        return mode == "dense"
+    return any(r.pass_ == pass_ and dtype in r.dtypes and n >= r.min_rows
+               and (r.head_dims is None or d in r.head_dims) for r in PATHS)  # fmt: skip
 
 
 def route_blocks(

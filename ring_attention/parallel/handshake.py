@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from ..core.config import MODES, backward_mode, forward_mode
 from ..core.dtypes import dtype_code, dtype_name
 from ..core.layout import LAYOUTS, Layout, layout_code, layout_digest, layout_shard_lengths
 from ..core.pattern import Pattern
@@ -41,7 +42,8 @@ _NAMES = {v: k for k, v in _CALLS.items()}
 #: The ring handshake's fields, in :func:`ring_message`'s order (the hybrid's
 #: row round sends the same message: ring_attention/parallel/ulysses.py).
 RING_FIELDS = ("seq_len_local", "batch", "heads", "kv_heads", "head_dim", "dtype", "pattern",
-               "scale", "layout", "requires_grad", "far_bytes", "backward_heads")  # fmt: skip
+               "scale", "layout", "requires_grad", "far_bytes", "backward_heads",
+               "dense_modes")  # fmt: skip
 _GATHER_DIMS = WORDS - 3 - 5  # shapes of up to 12 dimensions
 _GATHER_FIELDS = ("ndim", "dim", "dtype", "layout", *(f"size{i}" for i in range(_GATHER_DIMS)),
                   "layout_digest")  # fmt: skip
@@ -131,11 +133,12 @@ def ring_message(q: torch.Tensor, kv_heads: int, pattern: Pattern, *, scale: flo
                  backward_heads: int = 0) -> list[int]:  # fmt: skip
     """This rank's ring handshake payload in ``RING_FIELDS``' order (``q``: the validated local
     query; ``far_bytes``, ``backward_heads``: its ``RING_ATTENTION_FAR_BYTES``, its backward's
-    heads per group)."""
+    heads per group; the dense modes read here)."""
     B, L, H, D = q.shape
     return [L, B, H, kv_heads, D, dtype_code(q.dtype), pattern.digest(),
             struct.unpack("<q", struct.pack("<d", float(scale)))[0],
-            layout_code(layout), int(needs_grad), int(far_bytes), int(backward_heads)]  # fmt: skip
+            layout_code(layout), int(needs_grad), int(far_bytes), int(backward_heads),
+            MODES.index(forward_mode()) * len(MODES) + MODES.index(backward_mode())]  # fmt: skip
 
 
 def ring_handshake(group: dist.ProcessGroup | None, world: int, message: list[int] | None,
@@ -167,6 +170,7 @@ def ring_handshake(group: dist.ProcessGroup | None, world: int, message: list[in
         ("requires_grad", "whether a gradient is needed (every rank must run the backward)"),
         ("far_bytes", "RING_ATTENTION_FAR_BYTES (the far group's threshold in bytes)"),
         ("backward_heads", "RING_ATTENTION_BACKWARD_HEADS (the backward's heads per group)"),
+        ("dense_modes", "RING_ATTENTION_FORWARD/BACKWARD (a K/V check over the ranks)"),
         ("scale", "scale"),
     ):
         if len(set(table[name])) > 1:
@@ -186,7 +190,9 @@ def _named(name: str, vals: list[int]) -> list:
     """The values ``vals`` of field ``name`` as an error message shows them."""
     to = {"layout": lambda x: LAYOUTS[x] if 0 <= x < len(LAYOUTS) else x, "dtype": dtype_name,
           "scale": lambda x: struct.unpack("<d", struct.pack("<q", int(x)))[0],
-          "requires_grad": bool}.get(name)  # fmt: skip
+          "requires_grad": bool,
+          "dense_modes": lambda x: "/".join(MODES[i] for i in divmod(x, len(MODES))),
+          }.get(name)  # fmt: skip
     return vals if to is None else [to(x) for x in vals]
 
 

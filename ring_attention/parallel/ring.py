@@ -31,6 +31,7 @@ from .exchange import (
 )
 from .exchange_plan import ExchangePlan, get_plan
 from .handshake import reject, ring_handshake, ring_message
+from .kv_check import PassCheck, pass_check
 from .mesh import check_ring, report_grid_error, world_info
 from .ring_spec import GroupError, get_spec, pattern_of_call, ring_call_spec
 
@@ -111,14 +112,19 @@ class RingCall:
     far_bytes: int = 0  # transfers of at most this many K/V bytes: the far group
     group_heads: int = 0  # query heads per group of the backward (0: every head at once)
 
-    def blocks(self, pass_: str, q: Tensor, k: Tensor) -> Blocks:
-        """The blocks of ``pass_``: the block kernel, or a dense backend where the
-        dispatch's route is dense."""
-        plan = self.plan
+    def blocks(self, pass_: str, q: Tensor, ks: list[Tensor], vs: list[Tensor],
+               each_block: bool = False) -> tuple[Blocks, PassCheck | None]:  # fmt: skip
+        """The blocks of ``pass_`` (the block kernel, or a dense backend where the dispatch's
+        route is dense) and the pass's one K/V check (``None``: each dense block checks its own,
+        as where ``each_block``); ``ks``, ``vs``: this rank's pieces."""
+        plan, n = self.plan, self.plan.seq_len
         every = [p for pieces in plan.all_pieces for p in pieces]
         rows = math.gcd(*(p.length for p in every))
         bounds = tuple(sorted({b for p in every for b in (p.start, p.start + p.length)}))
-        return ring_blocks(self.call, pass_, q, k, plan.seq_len, bounds, rows or 1)
+        blocks = ring_blocks(self.call, pass_, q, ks[0], n, bounds, rows or 1, each_block)
+        check = None if each_block else pass_check(self, pass_, blocks, q, ks, vs, bounds)
+        blocks.each_block = check is None
+        return blocks, check
 
     def exchanger(self, q: Tensor, role: str) -> Exchanger:
         """The transport of one pass (``role``: ``"forward"``/``"backward"``)."""
@@ -143,7 +149,8 @@ def _zeros(like: Tensor, pieces: Sequence[Piece], dtype: torch.dtype) -> list[Te
     return [torch.zeros(B, p.length, H, D, dtype=dtype, device=like.device) for p in pieces]
 
 
-def schedule_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+def schedule_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor,
+                     each_block: bool = False) -> tuple[Tensor, Tensor]:  # fmt: skip
     plan, pieces = call.plan, call.plan.pieces
     qs, ks, vs = _split(q, pieces), _split(k, pieces), _split(v, pieces)
     B, _, H, _ = q.shape
@@ -151,7 +158,7 @@ def schedule_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor) -> tuple[T
     outs = _zeros(q, pieces, acc)
     lses = [torch.full((B, H, p.length), -math.inf, dtype=acc, device=q.device) for p in pieces]
 
-    blocks = call.blocks("forward", q, k)
+    blocks, check = call.blocks("forward", q, ks, vs, each_block)
 
     def attend(qi: int, k_j: Tensor, v_j: Tensor, k_start: int, rows: Tensor | None = None) -> None:
         blocks.forward(qs[qi], k_j, v_j, outs[qi], lses[qi], pieces[qi].start, k_start, rows)
@@ -178,12 +185,14 @@ def schedule_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor) -> tuple[T
         for qi, kj in step.pairs:
             attend(qi, kp[kj], vp[kj], starts[kj], maps[kj])
 
+    if check is not None and not check.finite():  # a non-finite K/V: each block checks its own
+        return schedule_forward(call, q, k, v, each_block=True)
     return _cat([o.to(q.dtype) for o in outs], dim=1), _cat(lses, dim=2)
 
 
 def schedule_backward(call: RingCall, grad_out: Tensor, grad_lse: Tensor | None, q: Tensor,
-                      k: Tensor, v: Tensor, out: Tensor,
-                      lse: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+                      k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                      each_block: bool = False) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     plan, pieces = call.plan, call.plan.pieces
     qs, ks, vs, outs, gos = (_split(t, pieces) for t in (q, k, v, out, grad_out.to(q.dtype)))
     lses = _split(lse, pieces, dim=2)
@@ -191,7 +200,7 @@ def schedule_backward(call: RingCall, grad_out: Tensor, grad_lse: Tensor | None,
     acc = acc_dtype(q.dtype)
     dqs, dks, dvs = _zeros(q, pieces, acc), _zeros(k, pieces, acc), _zeros(k, pieces, acc)
 
-    blocks = call.blocks("backward", q, k)
+    blocks, check = call.blocks("backward", q, ks, vs, each_block)
 
     def attend(qi: int, k_j: Tensor, v_j: Tensor, dk_j: Tensor, dv_j: Tensor, k_start: int,
                rows: Tensor | None = None) -> None:  # fmt: skip
@@ -240,6 +249,8 @@ def schedule_backward(call: RingCall, grad_out: Tensor, grad_lse: Tensor | None,
         ex.finish_grad(*g_prev, dks, dvs)
     if far_grad is not None:
         ex.finish_far_grad(far_grad, dks, dvs)
+    if check is not None and not check.finite():  # a non-finite K/V: each block checks its own
+        return schedule_backward(call, grad_out, grad_lse, q, k, v, out, lse, each_block=True)
 
     return tuple(_cat([t.to(q.dtype) for t in g], dim=1) for g in (dqs, dks, dvs))
 
