@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 
 from ..local.backends import HostFlag, kv_flag
-from ..local.blocks import Blocks
 from ..local.dispatch import block_shape, may_be_dense
 from .comm import comm_device
 
@@ -57,11 +56,12 @@ class PassCheck:
         return bool(self._host)
 
 
-def pass_check(ring, pass_: str, blocks: Blocks, q: torch.Tensor, ks: Sequence[torch.Tensor],
+def pass_check(ring, pass_: str, own_dense: bool, q: torch.Tensor, ks: Sequence[torch.Tensor],
                vs: Sequence[torch.Tensor],
                bounds: tuple[int, ...]) -> PassCheck | None:  # fmt: skip
-    """The one check of a pass of the ring call ``ring`` (a ``RingCall``; ``bounds``: where every
-    rank's pieces start and end), ``None`` where each dense block checks its own (dilated blocks
+    """The one check of a pass of the ring call ``ring`` (a ``RingCall``; ``own_dense``: whether
+    the rank's own pieces take a dense block; ``bounds``: where every rank's pieces start and
+    end), ``None`` where each dense block checks its own (dilated blocks
     with transfers) or none is dense. Where received blocks may be dense every rank checks, by
     values the ranks agree on (the handshake's), whatever its own route."""
     plan, call = ring.plan, ring.call
@@ -71,6 +71,6 @@ def pass_check(ring, pass_: str, blocks: Blocks, q: torch.Tensor, ks: Sequence[t
         if may_be_dense(pass_, q.dtype, q.shape[3], plan.seq_len):
             return PassCheck(ks, vs, ring.group, plan.world_size)
         return None
-    if not plan.steps and blocks.dense is not None:  # this rank's own pieces alone
+    if not plan.steps and own_dense:  # this rank's own pieces alone
         return PassCheck(ks, vs, None, 1)
     return None
