@@ -2,14 +2,16 @@
 Llama (float32, CPU, dense causal attention) generates ``--new`` tokens
 greedily after a prompt of each ``--lengths``, in one process and on
 ``--world`` gloo ranks with the cache sharded by sequence
-(``ring_attention.hf.ShardedCache``). Printed per prompt length: the time
-per generated token (the time of ``--new + 1`` tokens minus that of 1, the
-prefill, over ``--new``; median of ``--repeats``), the K/V cache bytes a
-rank holds at the end, and the bytes one decode step all-gathers per rank
-(every layer's partial ``(out, lse)``). Tokens are checked equal to the
-one-process tokens.
+(``ring_attention.hf.ShardedCache``; with ``--static`` preallocated for the
+prompt and the new tokens, against transformers' static cache in one
+process). Printed per prompt length: the time per generated token (the time
+of ``--new + 1`` tokens minus that of 1, the prefill, over ``--new``; median
+of ``--repeats``), the K/V cache bytes a rank holds at the end (the storage
+of the layers' keys and values), and the bytes one decode step all-gathers
+per rank (every layer's partial ``(out, lse)``). Tokens are checked equal to
+the one-process tokens.
 
-    python benchmarks/hf_sp_generate.py [--lengths 8192 16384] [--world 4] [--new 16]
+    python benchmarks/hf_sp_generate.py [--lengths 8192 16384] [--world 4] [--new 16] [--static]
 """
 
 from __future__ import annotations
@@ -33,19 +35,23 @@ def _model(args: argparse.Namespace, length: int):
     return AutoModelForCausalLM.from_config(config, attn_implementation="ring_dilated").eval()
 
 
-def _run(model, ids: torch.Tensor, new: int, sharded: bool) -> tuple[torch.Tensor, float, int]:
+def _run(
+    model, ids: torch.Tensor, new: int, sharded: bool, static: bool
+) -> tuple[torch.Tensor, float, int]:
     """Tokens, seconds and the cache bytes held here after generating ``new``."""
     from ring_attention.hf import ShardedCache
 
-    cache = ShardedCache(model.config) if sharded else None
-    given = {} if cache is None else {"cache": cache}
+    given: dict = {"cache_implementation": "static"} if static else {}
+    if sharded:  # room for the positions cached, as transformers' static cache
+        room = ids.shape[1] + new - 1 if static else None
+        given = {"cache": ShardedCache(model.config, max_cache_len=room)}
     start = time.perf_counter()
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
                              pad_token_id=0, return_dict_in_generate=True, **given)  # fmt: skip
     seconds = time.perf_counter() - start
     cache = out.cache if hasattr(type(out), "cache") or "cache" in out else out.past_key_values
-    held = sum(t.numel() * t.element_size() for layer in cache.layers
+    held = sum(t.untyped_storage().nbytes() for layer in cache.layers
                for t in (layer.keys, layer.values))  # fmt: skip
     return out.sequences, seconds, held
 
@@ -53,8 +59,8 @@ def _run(model, ids: torch.Tensor, new: int, sharded: bool) -> tuple[torch.Tenso
 def _per_token(model, ids: torch.Tensor, args: argparse.Namespace, sharded: bool) -> tuple:
     times = []
     for _ in range(args.repeats):
-        _, one, _ = _run(model, ids, 1, sharded)
-        tokens, many, held = _run(model, ids, args.new + 1, sharded)
+        _, one, _ = _run(model, ids, 1, sharded, args.static)
+        tokens, many, held = _run(model, ids, args.new + 1, sharded, args.static)
         times.append((many - one) / args.new)
     return tokens, statistics.median(times), held
 
@@ -79,6 +85,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--static", action="store_true", help="preallocated caches")
     args = parser.parse_args()
 
     import ring_attention as ra
@@ -87,7 +94,8 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     print(f"Llama {args.layers} layers, hidden {args.hidden}, {args.heads} heads "
           f"({args.heads // 2} K/V), float32, batch 1, {args.new} new tokens, "
-          f"{args.world} gloo ranks, 1 thread each\n")  # fmt: skip
+          f"{args.world} gloo ranks, 1 thread each, {'static' if args.static else 'dynamic'} "
+          "caches\n")  # fmt: skip
     print(
         "| prompt | one process ms/token | group ms/token | cache MB one | cache MB per rank "
         "(max) | all-gathered KB per step per rank | tokens equal |"

@@ -817,7 +817,8 @@ NOT_FUZZED = {
     "with its own arguments, exercised through models in tests/test_hf.py",
     "hf.dilated_attention_mask": "transformers' mask interface, as above",
     "hf.ShardedCache": "a transformers cache, built on every rank of a registered group: "
-    "its block and the missing group raise in tests/test_hf_sp_generate.py",
+    "its block and the missing group raise in tests/test_hf_sp_generate.py, its max_cache_len "
+    "in tests/test_hf_sp_static_cache.py",
     "hf.sequence_parallel": "takes no argument",
     "ring.ring_call": "the ring's operators, fuzzed as torch.ops.ring_attention.ring_forward / "
     "ring_backward",
