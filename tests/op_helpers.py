@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from oracle import multiplicity, reference_attention
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import ring_attention as ra
 
@@ -334,3 +335,15 @@ def reached_rows(cfg: Cfg, qr: tuple[int, int], kr: tuple[int, int]) -> torch.Te
     per_head = (m[:, qr[0] : qr[1], kr[0] : kr[1]] > 0).any(dim=1)  # (H, Lk)
     group = cfg.heads // cfg.resolved_kv_heads()
     return per_head.view(cfg.resolved_kv_heads(), group, -1).any(dim=1).T
+
+
+class OpLog(TorchDispatchMode):
+    """The ATen operators run while active, in order (short names)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))

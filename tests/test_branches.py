@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from op_helpers import OpLog
 from oracle import reference_attention
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import ring_attention as ra
 from ring_attention import info
@@ -512,18 +512,6 @@ def test_head_ranges_take_the_dense_path_and_match_the_oracle(
         torch.testing.assert_close(got.detach(), ref.detach(), atol=1e-10, rtol=1e-10)
 
 
-class _OpLog(TorchDispatchMode):
-    """The ATen operators run inside the block, in order (short names)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
-
-
 DENSE_CALL = "_scaled_dot_product_flash_attention_for_cpu"
 READ = "_local_scalar_dense"  # a host read of a tensor's value (.item(), bool())
 
@@ -536,7 +524,7 @@ def test_finiteness_read_once_a_call_after_the_dense_work(dense) -> None:
     every dense call."""
     q, k, v, go, _ = _inputs(2, 64, 4, 2, 8, F32, "cpu", seed=9)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    with _OpLog() as log:
+    with OpLog() as log:
         out = ra.dilated_attention(q, k, v, [8, 16, 32], [1, 2, 4])
         forward = len(log.ops)
         out.backward(go)
@@ -564,7 +552,7 @@ def test_ring_block_reads_its_check_after_its_dense_call(pattern, bad, dense) ->
     assert blk.dense is not None
     out = torch.zeros(1, 32, 2, 8)
     lse = torch.full((1, 2, 32), -math.inf)
-    with _OpLog() as log:
+    with OpLog() as log:
         blk.forward(q, k, v, out, lse, 32, 32)
     reads = [i for i, op in enumerate(log.ops) if op == READ]
     calls = [i for i, op in enumerate(log.ops) if op == DENSE_CALL]
@@ -580,7 +568,7 @@ def test_ring_block_reads_its_check_after_its_dense_call(pattern, bad, dense) ->
     blk = ring_blocks(call, "backward", q, k, 64, (0, 32, 64), 32)
     o = out.to(q.dtype)
     grads = [torch.zeros(1, 32, 2, 8) for _ in range(3)]
-    with _OpLog() as log:
+    with OpLog() as log:
         blk.backward(go, None, q, k, v, o, lse, *grads, 32, 32)
     reads = [i for i, op in enumerate(log.ops) if op == READ]
     calls = [i for i, op in enumerate(log.ops) if op == DENSE_CALL + "_backward"]

@@ -8,13 +8,11 @@ caller's 4-D mask raise ``ValueError`` on every rank."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.distributed as dist
 from test_hf import VOCAB, build, tiny_config
-from test_hf_sp_generate import PATTERN, _configs, _generate, _held, _prompt
+from test_hf_sp_generate import PATTERN, _configs, _generate, _held, _prompt, one_process
 
 import ring_attention as ra
 from ring_attention.hf.sharded_cache import ShardedCache, ShardedLayer
@@ -52,11 +50,7 @@ def test_static_sharded_cache_generates_one_process_tokens_in_its_share(world: i
     ids, mask = _prompt()
     cases, wants = [], []
     for name, cfg in _configs().items():
-        model = build(copy.deepcopy(cfg), "ring_dilated")
-        if name == "gpt-oss":
-            for m in model.modules():
-                if hasattr(m, "sinks"):
-                    torch.nn.init.normal_(m.sinks, std=2.0)
+        model = one_process(name, cfg)
         cases.append((cfg, model.state_dict()))
         with torch.no_grad():  # one process's static cache: the same tokens
             static = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,

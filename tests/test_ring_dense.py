@@ -19,8 +19,8 @@ import os
 
 import pytest
 import torch
+from op_helpers import OpLog
 from oracle import reference_attention
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ring_attention.core import config
 from ring_attention.core.pattern import Pattern
@@ -243,18 +243,6 @@ def test_ring_dense_non_finite_keys_take_our_kernels() -> None:
         assert r["kernel"] == {"forward": 1, "backward": 1}, f"rank {rank}"
 
 
-class _OpLog(TorchDispatchMode):
-    """The ATen operators run while active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
-
-
 def _reads_of(fn, log: list[int]):
     """``fn`` (a ring pass), appending the host reads of each outermost call to ``log``."""
     depth = [0]
@@ -264,7 +252,7 @@ def _reads_of(fn, log: list[int]):
             return fn(*args, **kwargs)
         depth[0] += 1
         try:
-            with _OpLog() as ops_:
+            with OpLog() as ops_:
                 res = fn(*args, **kwargs)
         finally:
             depth[0] -= 1
