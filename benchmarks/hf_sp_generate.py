@@ -4,9 +4,9 @@ greedily after a prompt of each ``--lengths``, in one process and on
 ``--world`` gloo ranks with the cache sharded by sequence
 (``ring_attention.hf.ShardedCache``; with ``--static`` preallocated for the
 prompt and the new tokens, against transformers' static cache in one
-process). Printed per prompt length: the time per generated token (the time
-of ``--new + 1`` tokens minus that of 1, the prefill, over ``--new``; median
-of ``--repeats``), the K/V cache bytes a rank holds at the end (the storage
+process). Printed per prompt length: the time per generated token (from the
+first token's logits to the last's, over ``--new`` decode steps, the prefill
+left out; median of ``--repeats``), the K/V cache bytes a rank holds at the end (the storage
 of the layers' keys and values), and the bytes one decode step all-gathers
 per rank (every layer's partial ``(out, lse)``). Tokens are checked equal to
 the one-process tokens.
@@ -38,31 +38,34 @@ def _model(args: argparse.Namespace, length: int):
 def _run(
     model, ids: torch.Tensor, new: int, sharded: bool, static: bool
 ) -> tuple[torch.Tensor, float, int]:
-    """Tokens, seconds and the cache bytes held here after generating ``new``."""
+    """Tokens, seconds a decode step and the cache bytes held here after generating ``new``."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
     from ring_attention.hf import ShardedCache
+
+    class Clock(LogitsProcessor):  # the time each step's logits come out
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            times.append(time.perf_counter())
+            return scores
 
     given: dict = {"cache_implementation": "static"} if static else {}
     if sharded:  # room for the positions cached, as transformers' static cache
         room = ids.shape[1] + new - 1 if static else None
         given = {"cache": ShardedCache(model.config, max_cache_len=room)}
-    start = time.perf_counter()
+    times: list[float] = []
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                             pad_token_id=0, return_dict_in_generate=True, **given)  # fmt: skip
-    seconds = time.perf_counter() - start
+                             pad_token_id=0, return_dict_in_generate=True,
+                             logits_processor=LogitsProcessorList([Clock()]), **given)  # fmt: skip
     cache = out.cache if hasattr(type(out), "cache") or "cache" in out else out.past_key_values
     held = sum(t.untyped_storage().nbytes() for layer in cache.layers
                for t in (layer.keys, layer.values))  # fmt: skip
-    return out.sequences, seconds, held
+    return out.sequences, (times[-1] - times[0]) / (len(times) - 1), held
 
 
 def _per_token(model, ids: torch.Tensor, args: argparse.Namespace, sharded: bool) -> tuple:
-    times = []
-    for _ in range(args.repeats):
-        _, one, _ = _run(model, ids, 1, sharded, args.static)
-        tokens, many, held = _run(model, ids, args.new + 1, sharded, args.static)
-        times.append((many - one) / args.new)
-    return tokens, statistics.median(times), held
+    runs = [_run(model, ids, args.new + 1, sharded, args.static) for _ in range(args.repeats)]
+    return runs[-1][0], statistics.median(r[1] for r in runs), runs[-1][2]
 
 
 def _ranks(rank: int, world: int, args: argparse.Namespace, length: int) -> tuple:
