@@ -72,6 +72,26 @@ def test_times_by_hand(far_bytes, forward, backward, messages) -> None:
         assert t.steps == (2 if far_bytes < 2 else 1 if far_bytes < 6 else 0)
 
 
+def test_far_and_near_returns_share_the_link() -> None:
+    """Local blocks that hide the far K/V: after the far blocks, the far dK/dV, the near K/V
+    after the first step and every near dK/dV cross the link one after another (4 ranks:
+    1 row at distance 1, far; 3 rows at distances 2 and 3; 20 local pairs, 2, 1, 1 per step)."""
+    p = 4
+    recv, pairs = torch.tensor([[0, 1, 3, 3]] * p), torch.tensor([[0, 2, 1, 1]] * p)
+    tr = replace(_hand_traffic(), world_size=p, local_len=torch.ones(p, dtype=torch.int64),
+                 total_pairs=torch.full((p,), 24), local_pairs=torch.full((p,), 20),
+                 recv_rows=recv, send_rows=recv.clone(), step_pairs=pairs,
+                 span_rows=torch.zeros(p, p, dtype=torch.int64))  # fmt: skip
+    # X_F = 1.1 + 2 = 3.1, G_F = 1.1 + 8 = 9.1, x = 1 + 6 = 7, g = 1 + 24 = 25 (both steps)
+    #   c0' = b0' = max(20, 3.1) + 2 = 22; fwd = 22 + max(1, 7) + 1 = 30
+    #   the ring's chain: 22 + max(1, 7) + max(1, 25) + 25 = 79; after the far blocks each way:
+    #   far dK/dV 8 + step 3's K/V 6 + near dK/dV 2 x 24 = 62 bytes: 22 + 1 + 62 = 85
+    for t in layer_times(tr, 1, 1, 1, _RATES, _LINK, 2):
+        assert math.isclose(t.forward, 30.0, rel_tol=1e-12)
+        assert math.isclose(t.forward_backward, 30.0 + 85.0, rel_tol=1e-12)
+        assert (t.compute_forward_backward, t.steps, t.far_messages) == (48.0, 2, 1)
+
+
 def _longnet_traffic(p: int) -> Traffic:
     pattern = Pattern([64, 256, 1024, 4096], [1, 4, 16, 64])
     return predict_traffic(pattern, 4096, 4, 2, p, source="analytic")

@@ -90,6 +90,12 @@ def layer_times(
         torch.where(far_s, tr.send_rows, 0).sum(1), torch.where(far_r, tr.recv_rows, 0).sum(1)
     ).double()
     far_latency = (link.latency_us + link.message_us * m.double()) * 1e-6
+    # bytes each way after the far blocks: the far dK/dV, the near K/V after the first near
+    # step (posted at the start), the near dK/dV
+    later = act & (torch.arange(act.shape[1]) > act.long().argmax(1)[:, None])
+    far_in, far_out = torch.where(far_r, tr.recv_rows, 0), torch.where(far_s, tr.send_rows, 0)
+    out_bytes = (torch.where(later, send, 0) * kv_row + (recv + far_in) * grad_row).sum(1)
+    in_bytes = (torch.where(later, recv, 0) * kv_row + (send + far_out) * grad_row).sum(1)
 
     def schedule(share: float) -> tuple[torch.Tensor, torch.Tensor]:
         """``(T_fwd, T_bwd)`` of a pass over ``share`` of the heads."""
@@ -117,7 +123,11 @@ def layer_times(
         w_fwd = (rows * kv_row * wire).sum(1)
         w_bwd = w_fwd + (rows * grad_row * wire).sum(1)
         fwd = torch.maximum(fwd, torch.where(m > 0, x_far + w_fwd, 0.0))
-        bwd = torch.maximum(bwd, torch.where(m > 0, b0_far + g_far, 0.0))
+        # after the far blocks, the far dK/dV and every near transfer but the first K/V
+        # (posted at the start) share the link, each way
+        late = torch.maximum(out_bytes, in_bytes).double() * share * wire
+        after = torch.maximum(g_far, link.latency_us * 1e-6 + late)
+        bwd = torch.maximum(bwd, torch.where(m > 0, b0_far + after, 0.0))
         return fwd, torch.maximum(bwd, torch.where(m > 0, x_far + g_far + w_bwd, 0.0))
 
     fwd, bwd = schedule(1.0)
