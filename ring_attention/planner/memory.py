@@ -170,7 +170,7 @@ def _by_groups(tr: Any, backward: dict, bufs: dict, per: int, *shape: int) -> tu
         group["dq, dk, dv (every head)"] = q + 2 * kv
         # (at most) the previous group's, while its far dK/dV return travels behind these
         # local blocks: accumulators, their casts, the far return's buffers
-        group["previous group (far dK/dV in flight)"] = prev
+        group["previous group, far return"] = prev
         far = b["far dK/dV returned"] + b["far dK/dV coming home"]
         grads = group["dq, dk, dv accumulators"] + group["dq, dk, dv (input dtype)"]
         prev = torch.where(far > 0, far + grads, 0)
