@@ -117,6 +117,24 @@ def test_a_groups_far_return_travels_behind_the_next_local_blocks(groups, backwa
         assert math.isclose(t.forward_backward, 30.0 + backward, rel_tol=1e-12)
 
 
+def test_the_advice_takes_more_groups_where_far_returns_hide() -> None:
+    """Slow kernels, every transfer far: a group's far dK/dV hide behind the next group's
+    local blocks, so one head a group exposes the least; the ring alone: one group."""
+    from ring_attention.planner.capacity import Setup, evaluate
+
+    base = dict(ranks=8, device="cuda", memory=10**12, reserve=0, heads=4, kv_heads=4,
+                head_dim=16, batch=1, dtype="bfloat16", source="analytic", tflops=(0.01, 0.01),
+                link=Link(1.0, 20.0, 2.0))  # fmt: skip
+    for far, advice in ((1 << 40, 1), (0, 0)):
+        times = {}
+        for per in ("all", "2", "1", "auto"):
+            ev = evaluate(Setup(far_bytes=far, backward_heads=per, **base), 2**14)
+            times[per] = max(t.forward_backward for t in ev.times)
+        assert ev.group_heads == advice
+        assert times["auto"] == min(times.values())
+    assert times["all"] < times["2"] < times["1"]  # the ring alone: latencies multiply
+
+
 def _longnet_traffic(p: int) -> Traffic:
     pattern = Pattern([64, 256, 1024, 4096], [1, 4, 16, 64])
     return predict_traffic(pattern, 4096, 4, 2, p, source="analytic")
