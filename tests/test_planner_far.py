@@ -72,6 +72,69 @@ def test_times_by_hand(far_bytes, forward, backward, messages) -> None:
         assert t.steps == (2 if far_bytes < 2 else 1 if far_bytes < 6 else 0)
 
 
+def _local_bound_traffic() -> Traffic:
+    """4 ranks, the same on each: 1 row at distance 1 (far at 2 bytes), 3 rows at distances
+    2 and 3; 20 local pairs, 2, 1, 1 per step."""
+    p = 4
+    recv, pairs = torch.tensor([[0, 1, 3, 3]] * p), torch.tensor([[0, 2, 1, 1]] * p)
+    return replace(_hand_traffic(), world_size=p, local_len=torch.ones(p, dtype=torch.int64),
+                   total_pairs=torch.full((p,), 24), local_pairs=torch.full((p,), 20),
+                   recv_rows=recv, send_rows=recv.clone(), step_pairs=pairs,
+                   span_rows=torch.zeros(p, p, dtype=torch.int64))  # fmt: skip
+
+
+def test_far_and_near_returns_share_the_link() -> None:
+    """Local blocks that hide the far K/V: after the far blocks, the far dK/dV, the near K/V
+    after the first step and every near dK/dV cross the link one after another."""
+    tr = _local_bound_traffic()
+    # X_F = 1.1 + 2 = 3.1, G_F = 1.1 + 8 = 9.1, x = 1 + 6 = 7, g = 1 + 24 = 25 (both steps)
+    #   c0' = b0' = max(20, 3.1) + 2 = 22; fwd = 22 + max(1, 7) + 1 = 30
+    #   the ring's chain: 22 + max(1, 7) + max(1, 25) + 25 = 79; after the far blocks each way:
+    #   far dK/dV 8 + step 3's K/V 6 + near dK/dV 2 x 24 = 62 bytes: 22 + 1 + 62 = 85
+    for t in layer_times(tr, 1, 1, 1, _RATES, _LINK, 2):
+        assert math.isclose(t.forward, 30.0, rel_tol=1e-12)
+        assert math.isclose(t.forward_backward, 30.0 + 85.0, rel_tol=1e-12)
+        assert (t.compute_forward_backward, t.steps, t.far_messages) == (48.0, 2, 1)
+
+
+@pytest.mark.parametrize(
+    "groups, backward",
+    [
+        # half the rows and pairs a group: X_F = 1.1 + 1 = 2.1, G_F = 1.1 + 4 = 5.1, x = 4,
+        # g = 13, b_0' = max(10, 2.1 (+ 5.1: the first group's return)) + 1 = 11, the chain
+        # 11 + 4 + 13 + 13 = 41. The first group's far return travels behind the second's
+        # local blocks: after its far blocks 1 + (6 + 48) / 2 = 28 (its chain: 41); the last
+        # group's: 1 + (6 + 48 + 8) / 2 = 32 after them: 43
+        (2, 41.0 + 43.0),
+        # a third: X_F = 1.1 + 2/3, G_F = 1.1 + 8/3, b_0' = 20/3 + 2/3, chains 22/3 + 3 + 9 + 9;
+        # the last group: X_F + G_F (the previous return) + G_F + W (4 + 16) = 29.3
+        (3, 2 * (22 / 3 + 21) + 29.3),
+    ],
+)
+def test_a_groups_far_return_travels_behind_the_next_local_blocks(groups, backward) -> None:
+    for t in layer_times(_local_bound_traffic(), 1, 1, 1, _RATES, _LINK, 2, groups):
+        assert math.isclose(t.forward, 30.0, rel_tol=1e-12)
+        assert math.isclose(t.forward_backward, 30.0 + backward, rel_tol=1e-12)
+
+
+def test_the_advice_takes_more_groups_where_far_returns_hide() -> None:
+    """Slow kernels, every transfer far: a group's far dK/dV hide behind the next group's
+    local blocks, so one head a group exposes the least; the ring alone: one group."""
+    from ring_attention.planner.capacity import Setup, evaluate
+
+    base = dict(ranks=8, device="cuda", memory=10**12, reserve=0, heads=4, kv_heads=4,
+                head_dim=16, batch=1, dtype="bfloat16", source="analytic", tflops=(0.01, 0.01),
+                link=Link(1.0, 20.0, 2.0))  # fmt: skip
+    for far, advice in ((1 << 40, 1), (0, 0)):
+        times = {}
+        for per in ("all", "2", "1", "auto"):
+            ev = evaluate(Setup(far_bytes=far, backward_heads=per, **base), 2**14)
+            times[per] = max(t.forward_backward for t in ev.times)
+        assert ev.group_heads == advice
+        assert times["auto"] == min(times.values())
+    assert times["all"] < times["2"] < times["1"]  # the ring alone: latencies multiply
+
+
 def _longnet_traffic(p: int) -> Traffic:
     pattern = Pattern([64, 256, 1024, 4096], [1, 4, 16, 64])
     return predict_traffic(pattern, 4096, 4, 2, p, source="analytic")

@@ -175,6 +175,10 @@ class Exchanger:
                 near.append(_only(s, not fs, not fr))
         return tuple(near), tuple(far)
 
+    def release(self) -> None:
+        """Drop this pass's buffers (posted transfers keep theirs)."""
+        self._bufs.clear()
+
     def step_for(self, distance: int):
         """The ring step at ``distance`` (``None``: none, or all of it far)."""
         return self._near.get(distance)

@@ -193,7 +193,12 @@ def schedule_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor,
 
 def schedule_backward(call: RingCall, grad_out: Tensor, grad_lse: Tensor | None, q: Tensor,
                       k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                      each_block: bool = False) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+                      after_local: Callable[[], None] | None = None, defer: bool = False,
+                      each_block: bool = False):  # fmt: skip
+    """``(dq, dk, dv)``; ``after_local`` runs once the local blocks are computed; ``defer``:
+    while the far dK/dV return travels, a function that finishes it and gives them instead (a
+    head group's: it travels behind the next group's local blocks); ``each_block``: each dense
+    block checks its own K/V (the pass's rerun where its one check found them non-finite)."""
     plan, pieces = call.plan, call.plan.pieces
     qs, ks, vs, outs, gos = (_split(t, pieces) for t in (q, k, v, out, grad_out.to(q.dtype)))
     lses = _split(lse, pieces, dim=2)
@@ -215,6 +220,8 @@ def schedule_backward(call: RingCall, grad_out: Tensor, grad_lse: Tensor | None,
     kv_pending = ex.post_kv("backward_kv", first, 1, ks, vs) if first is not None else None
     for qi, ki in plan.local_pairs:  # overlaps the first exchange
         attend(qi, ks[ki], vs[ki], dks[ki], dvs[ki], pieces[ki].start)
+    if after_local is not None:
+        after_local()
     far_grad = None
     if far is not None:  # the far group's blocks; their dK/dV go back as one batch
         packed = far.wait()
@@ -248,25 +255,44 @@ def schedule_backward(call: RingCall, grad_out: Tensor, grad_lse: Tensor | None,
         g_prev = g_now
     if g_prev is not None:
         ex.finish_grad(*g_prev, dks, dvs)
-    if far_grad is not None:
-        ex.finish_far_grad(far_grad, dks, dvs)
     if check is not None and not check.finite():  # a non-finite K/V: each block checks its own
-        return schedule_backward(call, grad_out, grad_lse, q, k, v, out, lse, each_block=True)
+        if far_grad is not None:  # (the far return completes first, on every rank)
+            ex.finish_far_grad(far_grad, dks, dvs)
+        return schedule_backward(call, grad_out, grad_lse, q, k, v, out, lse, None, defer, True)
 
-    return tuple(_cat([t.to(q.dtype) for t in g], dim=1) for g in (dqs, dks, dvs))
+    def finish() -> tuple[Tensor, Tensor, Tensor]:
+        if far_grad is not None:
+            ex.finish_far_grad(far_grad, dks, dvs)
+        return tuple(_cat([t.to(q.dtype) for t in g], dim=1) for g in (dqs, dks, dvs))
+
+    if defer and far_grad is not None:
+        ex.release()  # (the far return's transfer holds its own buffers)
+        return finish
+    return finish()
 
 
 def backward_by_groups(call: RingCall, *tensors: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`schedule_backward` (``tensors``: its) one group of :attr:`RingCall.group_heads`
     heads at a time, one ring pass each: a group's fp32 accumulators and returned dK/dV live
-    until its gradients are written into the input-dtype ones. Bit-equal to one group: heads
-    are independent, and a group's far transfers are the whole call's."""
+    until its gradients are written into the input-dtype ones, after the next group's local
+    blocks (behind which its far dK/dV return travels). Bit-equal to one group: heads are
+    independent, and a group's far transfers are the whole call's."""
     plan, per = call.plan, call.group_heads
     if not per:
         return schedule_backward(call, *tensors)
     grad_out, grad_lse, q, k, v, out, lse = tensors
     s, total, total_kv = plan.head_range if plan.head_range[1] else (0, plan.heads, plan.kv_heads)
     grads = [torch.empty(t.shape, dtype=q.dtype, device=q.device) for t in (q, k, v)]
+    pending = []  # the previous group's (gradients or their finish, head slices)
+
+    def write() -> None:
+        """Finish the previous group and write its gradients."""
+        if pending:
+            parts, slices = pending.pop()
+            for grad, part, sl in zip(grads, parts() if callable(parts) else parts, slices,
+                                      strict=True):  # fmt: skip
+                grad[:, :, sl] = part
+
     for h0, h1, g0, g1 in head_groups(plan.heads, total // total_kv, per, s):
         hs, gs, heads = slice(h0, h1), slice(g0, g1), (s + h0, total, total_kv)
         args = (h1 - h0, g1 - g0, plan.world_size, plan.rank, plan.layout, plan.fold, heads)
@@ -279,10 +305,12 @@ def backward_by_groups(call: RingCall, *tensors: Tensor | None) -> tuple[Tensor,
         )
         go, gl = grad_out[:, :, hs], None if grad_lse is None else grad_lse[:, hs]
         qkv = q[:, :, hs], k[:, :, gs], v[:, :, gs]
-        parts = schedule_backward(sub, go, gl, *qkv, out[:, :, hs], lse[:, hs])
-        for grad, part, sl in zip(grads, parts, (hs, gs, gs), strict=True):
-            grad[:, :, sl] = part
-        del parts, part  # nothing of a group outlives it
+        parts = schedule_backward(sub, go, gl, *qkv, out[:, :, hs], lse[:, hs], write, True)
+        pending.append((parts, (hs, gs, gs)))
+        if not callable(parts):  # no far return in flight: written now
+            write()
+        del parts  # nothing of a group outlives the next one's local blocks
+    write()
     return tuple(grads)
 
 

@@ -124,15 +124,24 @@ class Evaluation:
     @cached_property
     def group_heads(self) -> int:
         """Query heads per group of the ring's backward (0: every head at once): the setup's
-        ``RING_ATTENTION_BACKWARD_HEADS``; ``auto``: the planner's advice, the most (the fewest
-        groups and transfers) whose training peak fits the usable memory, else the fewest."""
+        ``RING_ATTENTION_BACKWARD_HEADS``; ``auto``: the planner's advice, the fastest (then the
+        most heads: the fewest groups and transfers) whose training peak fits the usable
+        memory, else the fewest. More groups are faster only where a group's far dK/dV hide
+        behind the next group's local blocks."""
         s = self.setup
         r = s.heads // s.kv_heads
         if s.backward_heads != "auto":
             return config.backward_heads(s.heads, r, s.itemsize, s.backward_heads)
         groups = range(1, s.heads // r + 1)  # whole K/V heads' groups: at least r heads
         sizes = sorted({math.ceil(math.ceil(s.heads / k) / r) * r for k in groups}, reverse=True)
-        for size in sizes:
+
+        def slowest(size: int) -> float:
+            n = len(head_groups(s.heads, r, size % s.heads))
+            times = layer_times(self.traffic, s.batch, s.head_dim, s.itemsize, self.rates,
+                                s.link, s.far_bytes, n)  # fmt: skip
+            return max(t.forward_backward for t in times)
+
+        for size in sorted(sizes, key=lambda size: (slowest(size), -size)):
             per = size % s.heads  # (every head: 0)
             if max(m.training_peak for m in self.memories_with(per)) <= s.usable:
                 return per

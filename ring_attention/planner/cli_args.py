@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "the default); both schedules are printed")  # fmt: skip
     heads_help = (
         "the ring's RING_ATTENTION_BACKWARD_HEADS: its backward by groups of this many heads, "
-        "one ring pass each ('auto': the most whose fp32 dq, dk, dv fit in q's bytes)"
+        "one ring pass each ('auto': the planner's advice, the fastest whose peak fits)"
     )
     g.add_argument("--backward-heads", type=_backward_heads, default="all", help=heads_help)
     g.add_argument("--source", default="auto", choices=["auto", "plan", "analytic"],

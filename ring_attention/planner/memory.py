@@ -158,7 +158,7 @@ def _by_groups(tr: Any, backward: dict, bufs: dict, per: int, *shape: int) -> tu
     batch, head_dim, itemsize, far_bytes = shape
     zigzag = tr.layout == "zigzag" and tr.world_size > 1
     q, kv = (batch * tr.local_len * h * head_dim * itemsize for h in (tr.heads, tr.kv_heads))
-    totals, items, buffers = [], [], []
+    totals, items, buffers, prev = [], [], [], 0
     for h0, h1, g0, g1 in head_groups(tr.heads, tr.heads // tr.kv_heads, per):
         share = far_bytes * (g1 - g0) // tr.kv_heads  # as the ring's: the same steps go far
         gtr = tr.group(h0, h1, g1 - g0)
@@ -168,6 +168,12 @@ def _by_groups(tr: Any, backward: dict, bufs: dict, per: int, *shape: int) -> tu
         group["head group copies"] = group.pop("piece copies (zigzag)")
         group["out, lse (saved)"] = backward["out, lse (saved)"]
         group["dq, dk, dv (every head)"] = q + 2 * kv
+        # (at most) the previous group's, while its far dK/dV return travels behind these
+        # local blocks: accumulators, their casts, the far return's buffers
+        group["previous group, far return"] = prev
+        far = b["far dK/dV returned"] + b["far dK/dV coming home"]
+        grads = group["dq, dk, dv accumulators"] + group["dq, dk, dv (input dtype)"]
+        prev = torch.where(far > 0, far + grads, 0)
         totals.append(sum(group.values()) + torch.zeros(tr.world_size, dtype=torch.int64))
         items, buffers = items + [group], buffers + [b]
     pick, ranks = torch.stack(totals).argmax(0), torch.arange(tr.world_size)

@@ -90,9 +90,19 @@ def layer_times(
         torch.where(far_s, tr.send_rows, 0).sum(1), torch.where(far_r, tr.recv_rows, 0).sum(1)
     ).double()
     far_latency = (link.latency_us + link.message_us * m.double()) * 1e-6
+    # bytes each way after the far blocks: the near K/V after the first near step (posted at
+    # the start), the near dK/dV; then the far dK/dV
+    later = act & (torch.arange(act.shape[1]) > act.long().argmax(1)[:, None])
+    near_out = (torch.where(later, send, 0) * kv_row + recv * grad_row).sum(1)
+    near_in = (torch.where(later, recv, 0) * kv_row + send * grad_row).sum(1)
+    far_out = torch.where(far_r, tr.recv_rows, 0).sum(1) * grad_row
+    far_in = torch.where(far_s, tr.send_rows, 0).sum(1) * grad_row
 
-    def schedule(share: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(T_fwd, T_bwd)`` of a pass over ``share`` of the heads."""
+    Times = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+    def schedule(share: float, prev: torch.Tensor | float = 0.0, defer: bool = False) -> Times:
+        """``(T_fwd, T_bwd, X_G)`` of a pass over ``share`` of the heads; ``prev``: the previous
+        group's far dK/dV, travelling behind these local blocks; ``defer``: this one's too."""
         rows = torch.maximum(send, recv).double() * share
 
         def transfer(nbytes: torch.Tensor) -> torch.Tensor:
@@ -111,18 +121,27 @@ def layer_times(
             return torch.where(m > 0, far_latency + far_rows * share * row_bytes * wire, 0.0)
 
         x_far, g_far = batch_time(kv_row), batch_time(grad_row)
+        x_in = x_far + prev  # the previous group's far dK/dV share the link with this K/V
         c0_far = torch.maximum(c0, x_far) + far_pairs * f_pair
-        b0_far = torch.maximum(b0, x_far) + far_pairs * b_pair
+        b0_far = torch.maximum(b0, x_in) + far_pairs * b_pair
         fwd, bwd = _ring(act, x, g, c, b, c0_far, b0_far)
         w_fwd = (rows * kv_row * wire).sum(1)
         w_bwd = w_fwd + (rows * grad_row * wire).sum(1)
         fwd = torch.maximum(fwd, torch.where(m > 0, x_far + w_fwd, 0.0))
-        bwd = torch.maximum(bwd, torch.where(m > 0, b0_far + g_far, 0.0))
-        return fwd, torch.maximum(bwd, torch.where(m > 0, x_far + g_far + w_bwd, 0.0))
+        # after the far blocks the far dK/dV (unless deferred) and every near transfer still
+        # to go share the link, each way
+        far = 0 if defer else 1
+        late = torch.maximum(near_out + far * far_out, near_in + far * far_in).double()
+        after = torch.maximum(g_far * far, link.latency_us * 1e-6 + late * share * wire)
+        bwd = torch.maximum(bwd, torch.where(m > 0, b0_far + after, 0.0))
+        bwd = torch.maximum(bwd, torch.where(m > 0, x_in + g_far * far + w_bwd, 0.0))
+        return fwd, bwd, g_far
 
-    fwd, bwd = schedule(1.0)
-    if groups > 1:
-        bwd = schedule(1 / groups)[1] * groups
+    fwd, bwd, _ = schedule(1.0)
+    if groups > 1:  # a group's far dK/dV travel behind the next group's local blocks
+        first, g_far = schedule(1 / groups, defer=True)[1:]
+        mid, last = schedule(1 / groups, g_far, True)[1], schedule(1 / groups, g_far)[1]
+        bwd = first + (groups - 2) * mid + last
     total = (tr.local_pairs + tr.step_pairs.sum(1)).double()
     cf, cb = total * f_pair, total * b_pair
     steps = act.sum(1)
