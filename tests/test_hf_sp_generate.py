@@ -52,14 +52,19 @@ def _prompt():
     return ids, mask
 
 
-def one_process(name: str, cfg):
-    """``cfg``'s model in one process (gpt-oss's sinks far from zero: they must matter)."""
-    model = build(copy.deepcopy(cfg), "ring_dilated")
-    if name == "gpt-oss":
-        for m in model.modules():
-            if hasattr(m, "sinks"):
-                torch.nn.init.normal_(m.sinks, std=2.0)
-    return model
+def one_process_models() -> tuple:
+    """The prompt ``(ids, mask)`` and each config's ``(config, model)`` in one
+    process (gpt-oss's sinks far from zero: they must matter)."""
+    ra.register_transformers()
+    models = []
+    for name, cfg in _configs().items():
+        model = build(copy.deepcopy(cfg), "ring_dilated")
+        if name == "gpt-oss":
+            for m in model.modules():
+                if hasattr(m, "sinks"):
+                    torch.nn.init.normal_(m.sinks, std=2.0)
+        models.append((cfg, model))
+    return _prompt(), models
 
 
 def _generate(model, ids, mask, cache=None):
@@ -102,13 +107,9 @@ def _held(cache) -> list[int] | None:
      (3, "group", True), (4, "hybrid", True)],
 )  # fmt: skip
 def test_every_rank_generates_one_process_tokens(world: int, spread: str, sharded: bool) -> None:
-    ra.register_transformers()
-    ids, mask = _prompt()
-    cases, wants = [], []
-    for name, cfg in _configs().items():
-        model = one_process(name, cfg)
-        cases.append((cfg, model.state_dict()))
-        wants.append(_generate(model, ids, mask))
+    (ids, mask), models = one_process_models()
+    cases = [(cfg, model.state_dict()) for cfg, model in models]
+    wants = [_generate(model, ids, mask) for _, model in models]
     got_all = run_distributed(_worker, world, spread, cases, sharded, timeout=400)
     for rank, got in enumerate(got_all):
         for (tokens, logits, _), (want_tokens, want_logits), name in zip(got, wants, _configs(),

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from test_hf import VOCAB, build, tiny_config
-from test_hf_sp_generate import PATTERN, _configs, _generate, _held, _prompt, one_process
+from test_hf_sp_generate import PATTERN, _configs, _generate, _held, _prompt, one_process_models
 
 import ring_attention as ra
 from ring_attention.hf.sharded_cache import ShardedCache, ShardedLayer
@@ -46,11 +46,9 @@ def _static(rank: int, world: int, cases: list, max_cache_len: int) -> list:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_static_sharded_cache_generates_one_process_tokens_in_its_share(world: int) -> None:
-    ra.register_transformers()
-    ids, mask = _prompt()
+    (ids, mask), models = one_process_models()
     cases, wants = [], []
-    for name, cfg in _configs().items():
-        model = one_process(name, cfg)
+    for cfg, model in models:
         cases.append((cfg, model.state_dict()))
         with torch.no_grad():  # one process's static cache: the same tokens
             static = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
