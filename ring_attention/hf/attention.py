@@ -61,7 +61,7 @@ def dilated_attention_mask(
     mask = layer_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
                       attention_mask, dense, sharded, **kwargs)  # fmt: skip
     if _slices_queries(config) and isinstance(mask, torch.Tensor) and mask.dim() == 2:
-        mask = mask[:, None, None]  # the key map as a mask of one query row (below)
+        mask = mask[:, None, None]  # the key map as a mask of one query row (_key_map_of)
     return mask
 
 
@@ -70,6 +70,15 @@ def _slices_queries(config: Any) -> bool:
     4-D mask): Gemma 4's layers that share earlier layers' keys compute the last
     queries only in a prefill; a key map holds no query dimension to slice."""
     return bool(getattr(config, "num_kv_shared_layers", 0))
+
+
+def _key_map_of(config: Any, mask: Any) -> Any:
+    """The 2-D key map :func:`dilated_attention_mask` gave such a model as a
+    ``(batch, 1, 1, keys)`` mask; any other mask as it is."""
+    if _slices_queries(config) and isinstance(mask, torch.Tensor) and mask.dim() == 4 \
+            and mask.shape[1:3] == (1, 1) and not mask.is_floating_point():  # fmt: skip
+        return mask[:, 0, 0]
+    return mask
 
 
 def dilated_attention_forward(
@@ -88,10 +97,7 @@ def dilated_attention_forward(
         )
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     config = getattr(module, "config", None)
-    m = attention_mask
-    if _slices_queries(config) and isinstance(m, torch.Tensor) and m.dim() == 4 \
-            and m.shape[1:3] == (1, 1) and not m.is_floating_point():  # fmt: skip
-        attention_mask = m[:, 0, 0]  # a key map (dilated_attention_mask)
+    attention_mask = _key_map_of(config, attention_mask)
     sp = sequence_parallel()
     if sp is not None:
         return _sharded(module, query, key, value, attention_mask, dropout, scaling, causal,

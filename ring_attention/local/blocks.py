@@ -42,10 +42,9 @@ class Blocks:
     it, else by the block kernel with the operators' ``args``; ``each_block``: each dense block
     checks its K/V (else the pass's K/V are known to be finite)."""
 
-    def __init__(self, call: Call, args: ops.OpArgs, dense: Route | None,
-                 each_block: bool = True) -> None:  # fmt: skip
+    def __init__(self, call: Call, args: ops.OpArgs, dense: Route | None) -> None:
         self.args = args
-        self.each_block = each_block
+        self.each_block = True
         self.dense = dense
         self.backend = backend(dense.backends[0][0]) if dense and dense.backends else None
         self.pattern = call.pattern
@@ -94,7 +93,7 @@ class Blocks:
             r = self._local("forward", q, k, v, q_start, k_start)
             if r is None:
                 return False
-            finite = KvFinite(k, v) if self.each_block else True
+            finite = self._finite(k, v)
             res = dense_forward(q, k, v, self.pattern, self.scale, r)
         else:
             kind = block_kind(self.causal, q_start, q.shape[1], k_start, k.shape[1])
@@ -102,7 +101,7 @@ class Blocks:
                 return kind == "skip"
             if not _aligned(q, k, v):
                 return False
-            finite = KvFinite(k, v) if self.each_block else True
+            finite = self._finite(k, v)
             B, lq, H, D = q.shape
             o = torch.empty(B, H, lq, D, dtype=q.dtype, device=q.device)
             bl = torch.empty(B, H, lq, dtype=lse.dtype, device=q.device)
@@ -122,7 +121,7 @@ class Blocks:
             r = self._local("backward", q, k, v, q_start, k_start)
             if r is None:
                 return False
-            finite = KvFinite(k, v) if self.each_block else True
+            finite = self._finite(k, v)
             grads = dense_backward(go, q, k, v, out, lse, self.pattern, self.scale, r)
         else:
             kind = block_kind(self.causal, q_start, q.shape[1], k_start, k.shape[1])
@@ -130,7 +129,7 @@ class Blocks:
                 return kind == "skip"
             if not _aligned(go, q, k, v, out):
                 return False
-            finite = KvFinite(k, v) if self.each_block else True
+            finite = self._finite(k, v)
             B, lq, H, D = q.shape
             lk, hk = k.shape[1], k.shape[2]
             gq = torch.empty(B, H, lq, D, dtype=q.dtype, device=q.device)
@@ -143,6 +142,10 @@ class Blocks:
         for acc, g in zip((dq, dk, dv), grads, strict=True):
             acc.add_(g)
         return True
+
+    def _finite(self, k: Tensor, v: Tensor) -> KvFinite | bool:
+        """This block's K/V check (``True``: the pass's one check covers it)."""
+        return KvFinite(k, v) if self.each_block else True
 
 
 def _aligned(*tensors: Tensor) -> bool:
@@ -162,12 +165,11 @@ def merge_into(out: Tensor, lse: Tensor, o: Tensor, bl: Tensor) -> None:
 
 
 def ring_blocks(
-    call: Call, pass_: str, q: Tensor, k: Tensor, n: int, bounds: tuple[int, ...], rows: int,
-    each_block: bool = True,
-) -> Blocks:  # fmt: skip
+    call: Call, pass_: str, q: Tensor, k: Tensor, n: int, bounds: tuple[int, ...], rows: int
+) -> Blocks:
     """The blocks of one ring pass of ``call`` on this rank's shard: ``n`` the global length,
     ``bounds`` where every rank's pieces start and end, ``rows`` a length every piece is a
-    multiple of (``each_block``: :class:`Blocks`')."""
+    multiple of."""
     r = route_blocks(pass_, q, k, call.pattern, n, bounds, rows) if call.every_head else None
     dense = r if r is not None and r.dense else None
-    return Blocks(call, ops.op_args(call, q.device), dense, each_block)
+    return Blocks(call, ops.op_args(call, q.device), dense)

@@ -121,7 +121,7 @@ class RingCall:
         every = [p for pieces in plan.all_pieces for p in pieces]
         rows = math.gcd(*(p.length for p in every))
         bounds = tuple(sorted({b for p in every for b in (p.start, p.start + p.length)}))
-        blocks = ring_blocks(self.call, pass_, q, ks[0], n, bounds, rows or 1, each_block)
+        blocks = ring_blocks(self.call, pass_, q, ks[0], n, bounds, rows or 1)
         own = blocks.dense is not None
         check = None if each_block else pass_check(self, pass_, own, q, ks, vs, bounds)
         blocks.each_block = check is None
