@@ -53,13 +53,10 @@ def _grids(world: int, gpus_per_node: int) -> list[tuple[int, int]]:
 def choose_grid(seq_len: int, heads: int, kv_heads: int, head_dim: int, pattern: Pattern, *,
                 world: int, gpus_per_node: int, device: str = "cuda",
                 dtype: torch.dtype = torch.bfloat16, batch: int = 1, memory: int | None = None,
-                intra: Link | None = None, inter: Link | None = None,
                 layout: str = "contiguous") -> Prediction:  # fmt: skip
     """The fastest grid of ``world`` ranks for one layer that fits ``memory``
     bytes per rank (ties: the smaller ``U``; none fitting: the least memory)."""
-    gbps, lat, _ = INTRA_DEFAULTS[device]
-    intra = intra or Link(gbps, lat)
-    inter = inter or LINKS[device][0]
+    intra, inter = Link(*INTRA_DEFAULTS[device][:2]), LINKS[device][0]
     setup = Setup(ranks=world, device=device, memory=memory or 1 << 62, reserve=0, heads=heads,
                   kv_heads=kv_heads, head_dim=head_dim, batch=batch,
                   dtype=str(dtype).removeprefix("torch."), pattern=None,

@@ -46,10 +46,6 @@ class ExchangeStats:
         self.events.clear()
         self.buffer_bytes.clear()
 
-    def record(self, event: ExchangeEvent) -> None:
-        """Append ``event``."""
-        self.events.append(event)
-
     def _total(self, attr: str, phase: str | None) -> int:
         return sum(getattr(e, attr) for e in self.events if phase is None or e.phase == phase)
 
@@ -60,14 +56,6 @@ class ExchangeStats:
     def bytes_received(self, phase: str | None = None) -> int:
         """Bytes received, all phases or one."""
         return self._total("bytes_received", phase)
-
-    def rows_sent(self, phase: str | None = None) -> int:
-        """(row, head) pairs sent, all phases or one."""
-        return self._total("rows_sent", phase)
-
-    def rows_received(self, phase: str | None = None) -> int:
-        """(row, head) pairs received, all phases or one."""
-        return self._total("rows_received", phase)
 
 
 #: Exchange counters of the last call on this rank (mutated in place).
@@ -87,7 +75,7 @@ def register_exchange_hook(hook: ExchangeHook) -> RemovableHandle:
 
 def emit(event: ExchangeEvent) -> None:
     """Record ``event`` in :data:`last_exchange_stats`, then call every hook."""
-    last_exchange_stats.record(event)
+    last_exchange_stats.events.append(event)
     for hook in list(_hooks.values()):
         hook(event)
 
@@ -169,10 +157,8 @@ class Exchanger:
             fr = s.recv_from is not None and s.recv_rows * row <= far_bytes
             if fs or fr:
                 far.append(_only(s, fs, fr))
-            if not (fs or fr):
-                near.append(s)
-            elif (s.send_to is not None and not fs) or (s.recv_from is not None and not fr):
-                near.append(_only(s, not fs, not fr))
+            if (s.send_to is not None and not fs) or (s.recv_from is not None and not fr):
+                near.append(_only(s, not fs, not fr) if fs or fr else s)
         return tuple(near), tuple(far)
 
     def release(self) -> None:
@@ -243,10 +229,6 @@ class Exchanger:
             maps.append(m.view(span.rows, self.H))
         return maps
 
-    def _rows(self, t: torch.Tensor) -> torch.Tensor:
-        """``(B, L, Hkv, D)`` as ``(B, L * Hkv, D)``: one row per (position, K/V head)."""
-        return t.view(self.B, t.shape[1] * self.H, self.D)
-
     def _chunks(self, packed: torch.Tensor, idx: Sequence[torch.Tensor]) -> Iterator[tuple]:
         """``(piece, indices, K rows, V rows)`` of every piece with rows."""
         off = 0
@@ -263,7 +245,9 @@ class Exchanger:
         """Gather the ``idx`` rows of ``ks``/``vs`` into ``packed`` (or ``add`` back)."""
         for j, ix, krows, vrows in self._chunks(packed, idx):
             for rows, t in ((krows, ks[j]), (vrows, vs[j])):
-                flat, whole = self._rows(t), ix.numel() == t.shape[1] * self.H
+                # (B, L, Hkv, D) as (B, L * Hkv, D): one row per (position, K/V head)
+                flat = t.view(self.B, t.shape[1] * self.H, self.D)
+                whole = ix.numel() == flat.shape[1]
                 if add and whole:
                     flat.add_(rows)
                 elif add:
@@ -273,15 +257,10 @@ class Exchanger:
                 else:
                     torch.index_select(flat, 1, ix, out=rows)
 
-    def _post(self, phase: str, distance: int, send, recv) -> Transfer:
-        """Post ``send`` and ``recv`` (``(peer, buffer, rows)`` or ``None``) as one batch."""
-        if send is not None and send[1].numel():
-            send = (send[0], send[1].to(self.comm_dev), send[2])
-        home = recv[1] if recv is not None and recv[1].numel() else None
-        return self._batch(phase, [(distance, send, recv)], home)
-
-    def _batch(self, phase: str, transfers, home: torch.Tensor | None) -> Transfer:
-        """Post the ``(distance, send, recv)`` transfers as one batch, an event each."""
+    def _batch(self, phase: str, transfers, home: torch.Tensor | None = None) -> Transfer:
+        """Post the ``(distance, send, recv)`` transfers (``send``, ``recv``: ``(peer, buffer,
+        rows)`` or ``None``) as one batch, an event each; ``home``: the received buffer
+        (``None``: the one transfer's)."""
         ops, keep = [], []
         for distance, send, recv in transfers:
             tag = 3 * distance + _PHASE_TAG[phase]
@@ -289,6 +268,7 @@ class Exchanger:
             rows_out = rows_in = 0
             if send is not None and send[1].numel():
                 to, send_buf, rows_out = send
+                send_buf = send_buf.to(self.comm_dev)
                 ops.append(dist.P2POp(dist.isend, send_buf, self.peers[to], self.group, tag))
             if recv is not None and recv[1].numel():
                 frm, recv_buf, rows_in = recv
@@ -297,7 +277,7 @@ class Exchanger:
             sizes = [0 if t is None else t.numel() * t.element_size() for t in (send_buf, recv_buf)]
             emit(ExchangeEvent(phase, distance, to, frm, rows_out, rows_in, *sizes))
         works = dist.batch_isend_irecv(ops) if ops else []
-        return Transfer(works or [], keep, home, self.device)
+        return Transfer(works or [], keep, recv_buf if home is None else home, self.device)
 
     def post_kv(self, phase: str, step, slot: int, ks, vs) -> Transfer:
         """Send this rank's K/V rows ``step.send_to`` needs; receive the
@@ -308,14 +288,13 @@ class Exchanger:
             self._move(send[1], self.idx[step.distance][0], ks, vs, add=False)
         if step.recv_from is not None:
             recv = (step.recv_from, self._packed("recv_kv", slot, step.recv_rows), step.recv_rows)
-        return self._post(phase, step.distance, send, recv)
+        return self._batch(phase, [(step.distance, send, recv)])
 
     def unpack_kv(self, packed: torch.Tensor,
                   step) -> tuple[list, list, list[int], list[torch.Tensor | None]]:  # fmt: skip
         """``(K views, V views, first positions, row maps)`` per sender piece of
         the received ``packed`` rows; nothing is copied."""
-        kp, vp, starts = self._piece_views(packed, step)
-        return kp, vp, starts, self._row_maps(step)
+        return (*self._piece_views(packed, step), self._row_maps(step))
 
     def grad_views(self, step, slot: int) -> tuple[list, list]:
         """Zeroed fp32 dK/dV views (as :meth:`unpack_kv`'s) into the return
@@ -332,7 +311,7 @@ class Exchanger:
             send = (step.recv_from, self._packed("send_grad", slot, step.recv_rows), step.recv_rows)
         if step.send_to is not None:
             recv = (step.send_to, self._packed("recv_grad", slot, step.send_rows), step.send_rows)
-        return self._post("backward_grad", step.distance, send, recv)
+        return self._batch("backward_grad", [(step.distance, send, recv)])
 
     def finish_grad(self, transfer: Transfer, step, dks, dvs) -> None:
         """Wait for this rank's returned dK/dV rows; add them into ``dks``/``dvs``."""

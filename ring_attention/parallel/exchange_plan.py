@@ -150,27 +150,22 @@ class ExchangePlan:
 
     def step_for(self, distance: int) -> Step | None:
         """The step at ring distance ``distance``, or ``None`` if it is skipped."""
-        for s in self.steps:
-            if s.distance == distance:
-                return s
-        return None
+        return next((s for s in self.steps if s.distance == distance), None)
 
     def bytes_sent(self, batch: int, head_dim: int, itemsize: int, *, backward: bool = False,
                    grad_itemsize: int = 4) -> int:  # fmt: skip
         """Bytes this rank sends per layer: K and V rows forward; with
         ``backward=True`` also the backward's."""
         fwd = 2 * self.rows_sent * batch * head_dim * itemsize
-        if not backward:
-            return fwd
-        return 2 * fwd + 2 * self.rows_received * batch * head_dim * grad_itemsize
+        grads = 2 * self.rows_received * batch * head_dim * grad_itemsize
+        return 2 * fwd + grads if backward else fwd
 
     def bytes_received(self, batch: int, head_dim: int, itemsize: int, *, backward: bool = False,
                        grad_itemsize: int = 4) -> int:  # fmt: skip
         """Bytes this rank receives per layer (see :meth:`bytes_sent`)."""
         fwd = 2 * self.rows_received * batch * head_dim * itemsize
-        if not backward:
-            return fwd
-        return 2 * fwd + 2 * self.rows_sent * batch * head_dim * grad_itemsize
+        grads = 2 * self.rows_sent * batch * head_dim * grad_itemsize
+        return 2 * fwd + grads if backward else fwd
 
     def indices_on(self, device: torch.device) -> dict[int, tuple[list, list]]:
         """``distance -> (send_idx, recv_idx)`` on ``device`` (copied once, kept)."""

@@ -15,8 +15,8 @@ from ..core.layout import LAYOUTS, Layout, layout_code, layout_digest, layout_sh
 from ..core.pattern import Pattern
 from .mesh import Topology, digest_of, report_grid_error, resolve_topology
 
-__all__ = ["GENERATION", "RING_FIELDS", "WORDS", "all_gather_ints", "control_device",
-           "exchange_message", "failure", "gather_handshake", "grid_handshake",
+__all__ = ["GENERATION", "RING_FIELDS", "RING_WHAT", "WORDS", "control_device", "exchange_message",
+           "failure", "gather_handshake", "gather_objects", "grid_handshake", "named_values",
            "reject", "reject_through", "ring_handshake", "ring_message", "topology_of"]  # fmt: skip
 
 #: The call name of a generation step over the sequence-parallel group.
@@ -44,6 +44,20 @@ _NAMES = {v: k for k, v in _CALLS.items()}
 RING_FIELDS = ("seq_len_local", "batch", "heads", "kv_heads", "head_dim", "dtype", "pattern",
                "scale", "layout", "requires_grad", "far_bytes", "backward_heads",
                "dense_modes")  # fmt: skip
+#: What the fields compared after the pattern are, in error messages (in the order compared).
+RING_WHAT = {
+    "dtype": "the dtype",
+    "heads": "the number of heads (q.shape[2])",
+    "kv_heads": "the number of K/V heads (k.shape[2])",
+    "head_dim": "head_dim (q.shape[3])",
+    "batch": "the batch size (q.shape[0])",
+    "layout": "layout",
+    "requires_grad": "whether a gradient is needed (every rank must run the backward)",
+    "far_bytes": "RING_ATTENTION_FAR_BYTES (the far group's threshold in bytes)",
+    "backward_heads": "RING_ATTENTION_BACKWARD_HEADS (the backward's heads per group)",
+    "dense_modes": "RING_ATTENTION_FORWARD/BACKWARD (a K/V check over the ranks)",
+    "scale": "scale",
+}
 _GATHER_DIMS = WORDS - 3 - 5  # shapes of up to 12 dimensions
 _GATHER_FIELDS = ("ndim", "dim", "dtype", "layout", *(f"size{i}" for i in range(_GATHER_DIMS)),
                   "layout_digest")  # fmt: skip
@@ -57,15 +71,12 @@ def control_device(group: dist.ProcessGroup | None) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def all_gather_ints(values: list[int], group: dist.ProcessGroup | None) -> list[list[int]]:
-    """All-gather a list of int64 from every rank (one small collective);
-    every rank passes the same number of values."""
-    device = control_device(group)
-    world = dist.get_world_size(group)
-    mine = torch.tensor(values, dtype=torch.int64, device=device)
-    out = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(out, mine, group=group)
-    return [t.cpu().tolist() for t in out]
+def gather_objects(value: object, group: dist.ProcessGroup | None,
+                   order: Sequence[int] | None = None) -> list:  # fmt: skip
+    """Every rank's ``value`` (by index: ``order`` as for :func:`reject`)."""
+    out: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
+    return out if order is None else [out[g] for g in order]
 
 
 Reason = tuple[int, str]
@@ -93,7 +104,12 @@ def exchange_message(group: dist.ProcessGroup | None, call: str, payload: Sequen
     if len(body) > WORDS - 3:  # would break the equal sizes the transport relies on
         raise RuntimeError(f"{call}: a control payload of {len(body)} words (at most {WORDS - 3})")
     body += [0] * (WORDS - 3 - len(body))
-    rows = all_gather_ints([_MAGIC, _CALLS[call], int(payload is None), *body], group)
+    # one small all-gather of WORDS int64 per rank
+    mine = torch.tensor([_MAGIC, _CALLS[call], int(payload is None), *body], dtype=torch.int64,
+                        device=control_device(group))  # fmt: skip
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(rows, mine, group=group)
+    rows = [t.cpu().tolist() for t in rows]
     if order is not None:
         rows = [rows[g] for g in order]
     calls = [r[1] if r[0] == _MAGIC else 0 for r in rows]
@@ -104,9 +120,7 @@ def exchange_message(group: dist.ProcessGroup | None, call: str, payload: Sequen
                          f"{where}")  # fmt: skip
     reasons: list = []
     if any(r[2] for r in rows):  # every rank sees the flags: every rank takes part
-        reasons = [None] * len(rows)
-        mine = failure(error) if payload is None else None
-        dist.all_gather_object(reasons, mine, group=group)
+        reasons = gather_objects(failure(error) if payload is None else None, group)
     if payload is None:
         return None
     if reasons:
@@ -153,28 +167,13 @@ def ring_handshake(group: dist.ProcessGroup | None, world: int, message: list[in
     table = {f: [r[i] for r in rows] for i, f in enumerate(RING_FIELDS)}
     prefix = "ring_dilated_attention: ranks disagree on "
     if len(set(table["pattern"])) > 1:
-        gathered: list = [None] * world
         mine = (pattern.describe(), pattern.documents) if pattern else ("?", None)
-        dist.all_gather_object(gathered, mine, group=group)
-        if order is not None:
-            gathered = [gathered[g] for g in order]
+        gathered = gather_objects(mine, group, order)
         detail = "; ".join(f"rank {r}: {d}" for r, (d, _) in enumerate(gathered))
         raise ValueError(prefix + f"the pattern: {detail}" + _documents_detail(gathered))
-    for name, what in (
-        ("dtype", "the dtype"),
-        ("heads", "the number of heads (q.shape[2])"),
-        ("kv_heads", "the number of K/V heads (k.shape[2])"),
-        ("head_dim", "head_dim (q.shape[3])"),
-        ("batch", "the batch size (q.shape[0])"),
-        ("layout", "layout"),
-        ("requires_grad", "whether a gradient is needed (every rank must run the backward)"),
-        ("far_bytes", "RING_ATTENTION_FAR_BYTES (the far group's threshold in bytes)"),
-        ("backward_heads", "RING_ATTENTION_BACKWARD_HEADS (the backward's heads per group)"),
-        ("dense_modes", "RING_ATTENTION_FORWARD/BACKWARD (a K/V check over the ranks)"),
-        ("scale", "scale"),
-    ):
+    for name, what in RING_WHAT.items():
         if len(set(table[name])) > 1:
-            raise ValueError(prefix + f"{what}: {_named(name, table[name])} (rank order)")
+            raise ValueError(prefix + f"{what}: {named_values(name, table[name])} (rank order)")
     lengths = table["seq_len_local"]
     n = sum(lengths)
     expected = layout_shard_lengths(n, world, layout, fold)
@@ -186,7 +185,7 @@ def ring_handshake(group: dist.ProcessGroup | None, world: int, message: list[in
     return n
 
 
-def _named(name: str, vals: list[int]) -> list:
+def named_values(name: str, vals: list[int]) -> list:
     """The values ``vals`` of field ``name`` as an error message shows them."""
     to = {"layout": lambda x: LAYOUTS[x] if 0 <= x < len(LAYOUTS) else x, "dtype": dtype_name,
           "scale": lambda x: struct.unpack("<d", struct.pack("<q", int(x)))[0],
@@ -238,13 +237,13 @@ def gather_handshake(group: dist.ProcessGroup | None, world: int, x_local: torch
     prefix = "gather_sequence: ranks disagree on "
     for name in ("ndim", "dim", "layout"):
         if len(set(table[name])) > 1:
-            raise ValueError(prefix + f"{name}: {_named(name, table[name])} (rank order)")
+            raise ValueError(prefix + f"{name}: {named_values(name, table[name])} (rank order)")
     if len(set(table["layout_digest"])) > 1:
         raise ValueError(prefix + "the pattern of layout='balanced' (segment_lengths, "
                          "dilation_rates, causal, window, cu_seqlens): each rank's cuts would "
                          "differ")  # fmt: skip
     if len(set(table["dtype"])) > 1:
-        raise ValueError(prefix + f"the dtype: {_named('dtype', table['dtype'])}")
+        raise ValueError(prefix + f"the dtype: {named_values('dtype', table['dtype'])}")
     shapes = [r[4 : 4 + x_local.dim()] for r in rows]
     if len({tuple(s[:dim] + s[dim + 1 :]) for s in shapes}) > 1:
         raise ValueError(prefix + f"the shape outside dim {dim}: {shapes}")
@@ -335,10 +334,7 @@ def _check_columns(call: str, topo, cols: list[list[int]], row_lengths: list[int
                 vals = "ranks and groups differ"
             raise ValueError(prefix + f"{what}: {vals} (ring-index order)")
     if len({c[5] for c in cols}) > 1:
-        words: list = [None] * topo.ring_size
-        dist.all_gather_object(words, describe() if describe else "?", group=topo.ring_group)
-        if topo.ring_order is not None:
-            words = [words[g] for g in topo.ring_order]
+        words = gather_objects(describe() if describe else "?", topo.ring_group, topo.ring_order)
         detail = "; ".join(f"ring index {i}: {w}" for i, w in enumerate(words))
         raise ValueError(prefix + f"the arguments of the call: {detail}")
     n = sum(c[0] for c in cols)

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from .comm import global_ranks
+
 __all__ = ["Topology", "check_grid", "check_group", "check_ring", "digest_of", "report_grid_error",
            "resolve_topology", "world_info"]  # fmt: skip
 
@@ -98,10 +100,6 @@ def _group_name(group: dist.ProcessGroup | None) -> str | None:
     return None if group is None else str(getattr(group, "group_name", ""))
 
 
-def _group_ranks(group: dist.ProcessGroup, size: int) -> tuple[int, ...]:
-    return tuple(dist.get_global_rank(group, r) for r in range(size))
-
-
 def _order(group: dist.ProcessGroup | None, ranks: tuple[int, ...]) -> tuple[int, ...] | None:
     """The group rank of each of ``ranks``, ``None`` where it is the index."""
     if group is None or len(ranks) < 2:
@@ -169,8 +167,8 @@ def resolve_topology(group: dist.ProcessGroup | None = None,
     if mesh is None:
         R, i = world_info(group) if group is not None else (1, 0)
         U, j = world_info(ulysses_group) if ulysses_group is not None else (1, 0)
-        ring_ranks = _group_ranks(group, R) if group is not None else (me,)
-        ulysses_ranks = _group_ranks(ulysses_group, U) if ulysses_group is not None else None
+        ring_ranks = global_ranks(group, R) if group is not None else (me,)
+        ulysses_ranks = global_ranks(ulysses_group, U) if ulysses_group is not None else None
     ulysses_ranks = ulysses_ranks or (me,)
     ring = group if R > 1 else None
     uly = ulysses_group if U > 1 else None
@@ -211,13 +209,9 @@ def _state() -> _State:
         return _states[pg]
 
 
-def _ref(group: dist.ProcessGroup | None) -> weakref.ref | None:
-    return None if group is None else weakref.ref(group)
-
-
 def _key(topo: Topology) -> tuple:
-    return (_ref(topo.ring_group), _ref(topo.ulysses_group), repr(topo.mesh), topo.ring_ranks,
-            topo.ulysses_ranks, topo.mode)  # fmt: skip
+    refs = (None if g is None else weakref.ref(g) for g in (topo.ring_group, topo.ulysses_group))
+    return (*refs, repr(topo.mesh), topo.ring_ranks, topo.ulysses_ranks, topo.mode)
 
 
 _MODES = {"ring": "a ring call (group= only, or a 1-D mesh)",
@@ -304,7 +298,7 @@ def _round(st: _State, topo: Topology, me: int, peers: list[int], call: int) -> 
         if views[p].get("error") is not None and not text:
             text = f"ring_attention: rank {p} failed: {views[p]['error']}"
     if not text:
-        found = _problems(topo, me, {p: v for p, v in views.items()})
+        found = _problems(topo, me, views)
         if found:
             text = ("ring_attention: the ranks' groups do not form one ring x Ulysses grid "
                     "(group, ulysses_group or mesh must describe the same grid on every rank; "
@@ -352,7 +346,7 @@ def check_ring(group: dist.ProcessGroup | None) -> None:
             st.checked.move_to_end(key)
             return
     R, _ = world_info(group)
-    ranks, me = _group_ranks(g, R), dist.get_rank()
+    ranks, me = global_ranks(g, R), dist.get_rank()
     topo = Topology(ring_group=g, ulysses_group=None, ring_size=R, ulysses_size=1,
                     ring_index=ranks.index(me), ulysses_index=0, ring_ranks=ranks,
                     ulysses_ranks=(me,), ring_order=_order(g, ranks), mode="ring")  # fmt: skip
@@ -395,14 +389,11 @@ def report_grid_error(group, ulysses_group, mesh, error: BaseException,
             )  # fmt: skip
         if fits:
             return t
+    # a round of a rank that cannot know its peers: a failure record
     why = str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
-    _fail_round(st, dist.get_rank(), why)
-    return None
-
-
-def _fail_round(st: _State, me: int, reason: str) -> None:
-    """A round of a rank that cannot know its peers: a failure record."""
-    store, mine = _open_round(st, me, {"error": reason, "peers": None, "call": st.calls})
-    text = f"ring_attention: rank {me} failed: {reason}"
+    me = dist.get_rank()
+    store, mine = _open_round(st, me, {"error": why, "peers": None, "call": st.calls})
+    text = f"ring_attention: rank {me} failed: {why}"
     store.set(f"{mine}/found", text)
     store.set(f"{mine}/done", text)
+    return None

@@ -100,12 +100,6 @@ def get_spec(key: str) -> RingSpec:
     return _REGISTRY.get(key)
 
 
-def _assume_constant_result(fn: Callable[..., str]) -> Callable[..., str]:
-    """``assume_constant_result``'s mark on ``fn`` without importing Dynamo."""
-    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
-    return fn
-
-
 def ring_call_spec(build: Callable[..., Pattern], *args: Any, scale: float | None = None,
                    group: dist.ProcessGroup | None = None, layout: str = "contiguous",
                    fold: int = 1, ranks: tuple[int, ...] | None = None,
@@ -128,7 +122,6 @@ def _specialized(value: Any) -> Any:
     return value
 
 
-@_assume_constant_result
 def _registered_spec(build: Callable[..., Pattern], *args: Any, scale: float | None,
                      group: dist.ProcessGroup | None, layout: str, fold: int,
                      ranks: tuple[int, ...] | None, head_range: tuple[int, int, int],
@@ -164,6 +157,10 @@ def _registered_spec(build: Callable[..., Pattern], *args: Any, scale: float | N
                     _group=ref, ranks=ranks, head_range=head_range, sinks=sinks)  # fmt: skip
     _REGISTRY.add(key, spec, pin=torch.compiler.is_compiling())
     return key
+
+
+# torch.compiler.assume_constant_result's mark, set without importing Dynamo
+_registered_spec._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def given_pattern(pattern: Pattern) -> Pattern:

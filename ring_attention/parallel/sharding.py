@@ -144,8 +144,14 @@ def gather_sequence(x_local: torch.Tensor, dim: int = 1, group: dist.ProcessGrou
     if ulysses_group is not None or mesh is not None:
         topo = topology_of(group, ulysses_group, mesh, "gather_sequence")
         check_grid(topo)
+        if topo.ulysses_size > 1 and x_local.dim() > _GATHER_DIMS:  # refused on every rank
+            error = ValueError(f"gather_sequence with ulysses_group or mesh supports tensors of at "
+                               f"most {_GATHER_DIMS} dimensions, got {x_local.dim()}")  # fmt: skip
+            grid_handshake(topo, "gather_sequence", _GATHER_FIELDS, None, layout, error=error)
+            raise error
         if topo.ulysses_size > 1:
-            return gather_grid(x_local, dim, topo, layout)
+            gather = partial(_gather_grid, dim=dim, topo=topo, layout=layout)
+            return _Gather.apply(x_local, dim, gather)
         group, order = topo.ring_group, topo.ring_order
         if topo.ring_size == 1:
             return x_local
@@ -193,14 +199,3 @@ def _gather_grid(x: Tensor, dim: int, topo: Topology, layout: Layout) -> tuple[T
     if R > 1:
         stretch = _gather_ring(stretch, dim, n, R, layout, U, topo.ring_group, topo.ring_order)
     return stretch, layout_pieces(n, W, topo.shard_index, layout)
-
-
-def gather_grid(x_local: Tensor, dim: int, topo: Topology, layout: Layout) -> Tensor:
-    """``gather_sequence`` over a grid with ``U > 1``; tensors of more than 5
-    dimensions are refused on every rank."""
-    if x_local.dim() > _GATHER_DIMS:
-        error = ValueError(f"gather_sequence with ulysses_group or mesh supports tensors of at "
-                           f"most {_GATHER_DIMS} dimensions, got {x_local.dim()}")  # fmt: skip
-        grid_handshake(topo, "gather_sequence", _GATHER_FIELDS, None, layout, error=error)
-        raise error
-    return _Gather.apply(x_local, dim, partial(_gather_grid, dim=dim, topo=topo, layout=layout))

@@ -1,19 +1,5 @@
-"""Run code in real processes joined by a gloo process group (tests, benchmarks).
-
-``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes (forked from a
-``forkserver`` that imported torch once; each gets the caller's ``sys.path``, working directory
-and environment), joins them through a ``FileStore`` (no ports), calls ``fn(rank, world_size,
-*args)`` in each and returns the values in rank order. Nothing is mocked. ``fn`` must be a
-module-level function, its arguments and value picklable; a worker that raises gives
-:class:`WorkerError` with its traceback, a run past ``timeout`` ``TimeoutError``.
-
-Example::
-
-    def worker(rank: int, world_size: int, n: int) -> int:
-        return world_size * n
-
-    assert run_distributed(worker, 2, 10) == [20, 20]
-"""
+"""Run code in real processes joined by a gloo process group (tests, benchmarks):
+:func:`run_distributed`; :func:`tensor_peak`."""
 
 from __future__ import annotations
 
@@ -68,9 +54,13 @@ def run_distributed(
 ) -> list[Any]:  # fmt: skip
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; the values in rank order.
 
-    ``timeout``: seconds before the run is killed (``TimeoutError``); ``pg_timeout``: the process
-    group's (a hung collective raises in the workers); ``expect_dead``: ranks meant to die without
-    reporting (value ``None``); ``threads``: intra-op threads per process."""
+    The processes fork from a ``forkserver`` that imported torch once, each with the caller's
+    ``sys.path``, working directory and environment, and join through a ``FileStore`` (no ports).
+    ``fn`` must be a module-level function, its arguments and value picklable; a worker that
+    raises gives :class:`WorkerError` with its traceback. ``timeout``: seconds before the run is
+    killed (``TimeoutError``); ``pg_timeout``: the process group's (a hung collective raises in
+    the workers); ``expect_dead``: ranks meant to die without reporting (value ``None``);
+    ``threads``: intra-op threads per process."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed"])  # its server imports torch once
     results: mp.Queue = ctx.Queue()

@@ -12,14 +12,16 @@ import torch.distributed as dist
 
 from ..core.call import Call, prepare
 from ..core.checks import check_qkv, check_sinks, resolve_scale
-from ..core.dtypes import dtype_name
 from ..core.layout import Layout, check_layout, layout_pieces, resolve_layout, shard_bounds
 from ..core.pattern import Pattern, as_flag
 from ..local import engine
 from .comm import comm_device
 from .handshake import (
     RING_FIELDS,
+    RING_WHAT,
+    gather_objects,
     grid_handshake,
+    named_values,
     reject,
     reject_through,
     ring_message,
@@ -212,18 +214,12 @@ def ulysses_call(q_local: Tensor, k_local: Tensor, v_local: Tensor, build: Calla
     def explain(name: str, vals: list[int]) -> str | None:  # a disagreement in the row round
         prefix = f"{_CALL}: the ranks of a Ulysses group disagree on "
         if name == "pattern":
-            words: list = [None] * len(vals)
             mine = pattern.describe() if message else "?"
-            dist.all_gather_object(words, mine, group=topo.ulysses_group)
-            if topo.ulysses_order is not None:
-                words = [words[g] for g in topo.ulysses_order]
+            words = gather_objects(mine, topo.ulysses_group, topo.ulysses_order)
             return prefix + "the pattern: " + "; ".join(f"Ulysses index {j}: {w}"
                                                          for j, w in enumerate(words))  # fmt: skip
-        if name == "dtype":
-            return prefix + f"the dtype: {[dtype_name(c) for c in vals]} (Ulysses-index order)"
-        if name == "requires_grad":
-            return prefix + (f"whether a gradient is needed (every rank must run the backward): "
-                             f"{[bool(v) for v in vals]} (Ulysses-index order)")  # fmt: skip
+        if name in ("dtype", "requires_grad"):  # as the ring says them
+            return prefix + f"{RING_WHAT[name]}: {named_values(name, vals)} (Ulysses-index order)"
         return None
 
     n, row_lengths = grid_handshake(topo, _CALL, RING_FIELDS, message, layout, error=error,
