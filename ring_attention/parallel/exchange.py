@@ -257,38 +257,53 @@ class Exchanger:
                 else:
                     torch.index_select(flat, 1, ix, out=rows)
 
-    def _batch(self, phase: str, transfers, home: torch.Tensor | None = None) -> Transfer:
-        """Post the ``(distance, send, recv)`` transfers (``send``, ``recv``: ``(peer, buffer,
-        rows)`` or ``None``) as one batch, an event each; ``home``: the received buffer
-        (``None``: the one transfer's)."""
+    def _slices(self, steps: Sequence, packed: torch.Tensor | None,
+                attr: str) -> list[torch.Tensor | None]:  # fmt: skip
+        """Per step of ``steps``, its slice (``attr``: its rows) of the ``packed`` buffer."""
+        out, off = [], 0
+        for step in steps:
+            n = 2 * self.B * getattr(step, attr) * self.D
+            out.append(packed[off : off + n] if n and packed is not None else None)
+            off += n
+        return out
+
+    def _post(self, phase: str, steps: Sequence, slot: int, far: str, ks=None, vs=None) -> Transfer:
+        """Post the transfers of ``steps`` (one ring step, or the far group: ``far`` ``"far_"``)
+        as one batch, an event each: K/V rows (packed here from ``ks``/``vs``), or the dK/dV
+        of the received rows back (``phase`` ``"backward_grad"``)."""
+        kind = "grad" if phase == "backward_grad" else "kv"
+        (op, orows), (ip, irows) = ("send_to", "send_rows"), ("recv_from", "recv_rows")
+        if kind == "grad":
+            (op, orows), (ip, irows) = (ip, irows), (op, orows)
+        n_out, n_in = (sum(getattr(s, a) for s in steps) for a in (orows, irows))
+        send = self._packed(f"{far}send_{kind}", slot, n_out) if n_out else None
+        if ks is not None:
+            for step, o in zip(steps, self._slices(steps, send, orows), strict=True):
+                if o is not None:
+                    self._move(o, self.idx[step.distance][0], ks, vs, add=False)
+        send = send.to(self.comm_dev) if send is not None else None
+        home = self._packed(f"{far}recv_{kind}", slot, n_in) if n_in else None
         ops, keep = [], []
-        for distance, send, recv in transfers:
-            tag = 3 * distance + _PHASE_TAG[phase]
-            to = frm = send_buf = recv_buf = None
-            rows_out = rows_in = 0
-            if send is not None and send[1].numel():
-                to, send_buf, rows_out = send
-                send_buf = send_buf.to(self.comm_dev)
-                ops.append(dist.P2POp(dist.isend, send_buf, self.peers[to], self.group, tag))
-            if recv is not None and recv[1].numel():
-                frm, recv_buf, rows_in = recv
-                ops.append(dist.P2POp(dist.irecv, recv_buf, self.peers[frm], self.group, tag))
-            keep += [send_buf, recv_buf]
-            sizes = [0 if t is None else t.numel() * t.element_size() for t in (send_buf, recv_buf)]
-            emit(ExchangeEvent(phase, distance, to, frm, rows_out, rows_in, *sizes))
+        outs, ins = self._slices(steps, send, orows), self._slices(steps, home, irows)
+        for s, o, i in zip(steps, outs, ins, strict=True):
+            tag = 3 * s.distance + _PHASE_TAG[phase]
+            to = None if o is None else getattr(s, op)
+            frm = None if i is None else getattr(s, ip)
+            if to is not None:
+                ops.append(dist.P2POp(dist.isend, o, self.peers[to], self.group, tag))
+            if frm is not None:
+                ops.append(dist.P2POp(dist.irecv, i, self.peers[frm], self.group, tag))
+            keep += [o, i]
+            sizes = [0 if t is None else t.numel() * t.element_size() for t in (o, i)]
+            rows = [0 if p is None else getattr(s, a) for p, a in ((to, orows), (frm, irows))]
+            emit(ExchangeEvent(phase, s.distance, to, frm, *rows, *sizes))
         works = dist.batch_isend_irecv(ops) if ops else []
-        return Transfer(works or [], keep, recv_buf if home is None else home, self.device)
+        return Transfer(works or [], keep, home, self.device)
 
     def post_kv(self, phase: str, step, slot: int, ks, vs) -> Transfer:
         """Send this rank's K/V rows ``step.send_to`` needs; receive the
         sender's rows this rank needs."""
-        send = recv = None
-        if step.send_to is not None:
-            send = (step.send_to, self._packed("send_kv", slot, step.send_rows), step.send_rows)
-            self._move(send[1], self.idx[step.distance][0], ks, vs, add=False)
-        if step.recv_from is not None:
-            recv = (step.recv_from, self._packed("recv_kv", slot, step.recv_rows), step.recv_rows)
-        return self._batch(phase, [(step.distance, send, recv)])
+        return self._post(phase, (step,), slot, "", ks, vs)
 
     def unpack_kv(self, packed: torch.Tensor,
                   step) -> tuple[list, list, list[int], list[torch.Tensor | None]]:  # fmt: skip
@@ -296,87 +311,56 @@ class Exchanger:
         the received ``packed`` rows; nothing is copied."""
         return (*self._piece_views(packed, step), self._row_maps(step))
 
+    def _grad_views(self, steps: Sequence, slot: int, far: str) -> list[tuple]:
+        """``(step, dK views, dV views)`` of every step of ``steps`` that received rows: zeroed
+        fp32 views into the return buffer, where the kernels accumulate what goes back."""
+        received = sum(s.recv_rows for s in steps)
+        if not received:
+            return []
+        packed = self._packed(f"{far}send_grad", slot, received).zero_()
+        slices = zip(steps, self._slices(steps, packed, "recv_rows"), strict=True)
+        return [(s, *self._piece_views(p, s)[:2]) for s, p in slices if p is not None]
+
     def grad_views(self, step, slot: int) -> tuple[list, list]:
-        """Zeroed fp32 dK/dV views (as :meth:`unpack_kv`'s) into the return
-        buffer of ``slot``: the kernels accumulate straight into what goes back."""
-        packed = self._packed("send_grad", slot, step.recv_rows).zero_()
-        dkp, dvp, _ = self._piece_views(packed, step)
-        return dkp, dvp
+        """The dK/dV views (as :meth:`unpack_kv`'s) of ``step``'s return buffer of ``slot``."""
+        return self._grad_views((step,), slot, "")[0][1:]
 
     def post_grad(self, step, slot: int, dkp, dvp) -> Transfer:
-        """Return the dK/dV of the rows received at ``step`` (``dkp``/``dvp``
-        ``None``: none received) and receive this rank's own from ``step.send_to``."""
-        send = recv = None
-        if step.recv_from is not None and dkp is not None:
-            send = (step.recv_from, self._packed("send_grad", slot, step.recv_rows), step.recv_rows)
-        if step.send_to is not None:
-            recv = (step.send_to, self._packed("recv_grad", slot, step.send_rows), step.send_rows)
-        return self._batch("backward_grad", [(step.distance, send, recv)])
+        """Return the dK/dV of the rows received at ``step`` (``dkp``/``dvp``: the
+        :meth:`grad_views` filled, or ``None``: none received) and receive this rank's own."""
+        return self._post("backward_grad", (step,), slot, "")
+
+    def _finish(self, transfer: Transfer | None, steps: Sequence, dks, dvs) -> None:
+        """Wait for this rank's dK/dV rows returned for ``steps``; add them into ``dks``/``dvs``."""
+        packed = None if transfer is None else transfer.wait()
+        for step, p in zip(steps, self._slices(steps, packed, "send_rows"), strict=True):
+            if p is not None:
+                self._move(p, self.idx[step.distance][0], dks, dvs, add=True)
 
     def finish_grad(self, transfer: Transfer, step, dks, dvs) -> None:
-        """Wait for this rank's returned dK/dV rows; add them into ``dks``/``dvs``."""
-        packed = transfer.wait()
-        if packed is not None:
-            self._move(packed, self.idx[step.distance][0], dks, dvs, add=True)
-
-    def _far_slices(self, packed: torch.Tensor | None, attr: str) -> list[torch.Tensor | None]:
-        """Per far step, its slice of the far group's ``packed`` buffer."""
-        out, off = [], 0
-        for step in self.far_steps:
-            n = 2 * self.B * getattr(step, attr) * self.D
-            out.append(packed[off : off + n] if n and packed is not None else None)
-            off += n
-        return out
-
-    def _post_far(self, phase: str, kind: str, back: bool, ks=None, vs=None) -> Transfer | None:
-        """Post every far transfer as one batch (``None``: no far step)."""
-        if not self.far_steps:
-            return None
-        (op, orows), (ip, irows) = ("send_to", "send_rows"), ("recv_from", "recv_rows")
-        if back:
-            (op, orows), (ip, irows) = (ip, irows), (op, orows)
-        n_out, n_in = (sum(getattr(s, a) for s in self.far_steps) for a in (orows, irows))
-        send = self._packed(f"far_send_{kind}", 0, n_out) if n_out else None
-        if ks is not None:
-            for step, o in zip(self.far_steps, self._far_slices(send, orows), strict=True):
-                if o is not None:
-                    self._move(o, self.idx[step.distance][0], ks, vs, add=False)
-        send = send.to(self.comm_dev) if send is not None else None
-        home = self._packed(f"far_recv_{kind}", 0, n_in) if n_in else None
-        slices = zip(self.far_steps, self._far_slices(send, orows), self._far_slices(home, irows),
-                     strict=True)  # fmt: skip
-        transfers = [(s.distance, None if o is None else (getattr(s, op), o, getattr(s, orows)),
-                      None if i is None else (getattr(s, ip), i, getattr(s, irows)))
-                     for s, o, i in slices]  # fmt: skip
-        return self._batch(phase, transfers, home)
+        """:meth:`_finish` of the ring step ``step``."""
+        self._finish(transfer, (step,), dks, dvs)
 
     def post_far_kv(self, phase: str, ks, vs) -> Transfer | None:
         """Post every far K/V transfer as one batch (``None``: no far step)."""
-        return self._post_far(phase, "kv", False, ks, vs)
+        return self._post(phase, self.far_steps, 0, "far_", ks, vs) if self.far_steps else None
 
     def far_received(self, packed: torch.Tensor | None) -> list[tuple]:
         """``(step, packed rows)`` of every far step that received rows."""
-        slices = self._far_slices(packed, "recv_rows")
+        slices = self._slices(self.far_steps, packed, "recv_rows")
         return [(s, p) for s, p in zip(self.far_steps, slices, strict=True) if p is not None]
 
     def far_grad_views(self) -> list[tuple]:
         """``(step, dK views, dV views)`` of every far step that received rows."""
-        received = sum(s.recv_rows for s in self.far_steps)
-        if not received:
-            return []
-        packed = self._packed("far_send_grad", 0, received).zero_()
-        return [(step, *self._piece_views(p, step)[:2]) for step, p in self.far_received(packed)]
+        return self._grad_views(self.far_steps, 0, "far_")
 
     def post_far_grad(self) -> Transfer | None:
         """Return the far steps' dK/dV and receive this rank's, as one batch."""
-        return self._post_far("backward_grad", "grad", True)
+        return self._post("backward_grad", self.far_steps, 0, "far_") if self.far_steps else None
 
     def finish_far_grad(self, transfer: Transfer | None, dks, dvs) -> None:
-        """Wait for the far group's returned dK/dV; add them into ``dks``/``dvs``."""
-        packed = None if transfer is None else transfer.wait()
-        for step, p in zip(self.far_steps, self._far_slices(packed, "send_rows"), strict=True):
-            if p is not None:
-                self._move(p, self.idx[step.distance][0], dks, dvs, add=True)
+        """:meth:`_finish` of the far group."""
+        self._finish(transfer, self.far_steps, dks, dvs)
 
 
 def _only(step, send: bool, recv: bool):

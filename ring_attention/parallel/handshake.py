@@ -267,8 +267,7 @@ def grid_handshake(topo, call: str, fields: Sequence[str], message: Sequence[int
                    describe: Callable[[], str] | None = None) -> tuple[int, list[int]]:  # fmt: skip
     """Check that every rank of the grid ``topo`` makes the same ``call``; the
     global length and the local lengths of this rank's row."""
-    row_call, col_call = f"{call} (Ulysses group)", f"{call} (ring of the grid)"
-    U, R = topo.ulysses_size, topo.ring_size
+    U = topo.ulysses_size
     err: Exception | None = None
     row_lengths: list[int] = []
     args_digest = 0
@@ -276,29 +275,29 @@ def grid_handshake(topo, call: str, fields: Sequence[str], message: Sequence[int
     if message is not None:
         payload = [*message, topo.ring_index, topo.ring_size, topo.digest("ulysses")]
     try:
-        rows = exchange_message(topo.ulysses_group, row_call, payload, error, topo.ulysses_order)
+        rows = exchange_message(topo.ulysses_group, f"{call} (Ulysses group)", payload, error,
+                                topo.ulysses_order)  # fmt: skip
         if rows is not None:
-            names = (*fields, "ring_index", "ring_size", "grid")
-            table = {f: [r[k] for r in rows] for k, f in enumerate(names)}
-            for f in names[1:]:
-                vals = table[f]
-                if len(set(vals)) > 1:
+            for k, f in enumerate((*fields, "ring_index", "ring_size", "grid")):
+                vals = [r[k] for r in rows]
+                if k and len(set(vals)) > 1:
                     raise ValueError((explain(f, vals) if explain is not None else None)
                                      or f"{call}: the ranks of a Ulysses group disagree on {f}: "
                                      f"{vals} (Ulysses-index order)")  # fmt: skip
-            row_lengths = table[fields[0]]
+            row_lengths = [r[0] for r in rows]
             args_digest = _digest(payload[1 : len(fields)])
     except ValueError as exc:
         err = exc
 
     n = sum(row_lengths)
-    if R > 1:
+    if topo.ring_size > 1:
         col = None
         if message is not None and err is None:
             col = [n, _digest(row_lengths), topo.ulysses_index, U, topo.digest("ring"), args_digest]
         why = error if message is None else err  # passed on along the ring
         try:
-            cols = exchange_message(topo.ring_group, col_call, col, why, topo.ring_order)
+            cols = exchange_message(topo.ring_group, f"{call} (ring of the grid)", col, why,
+                                    topo.ring_order)  # fmt: skip
             if cols is not None:
                 _check_columns(call, topo, cols, row_lengths, layout, describe)
                 n = sum(c[0] for c in cols)
