@@ -218,30 +218,28 @@ _MODES = {"ring": "a ring call (group= only, or a 1-D mesh)",
           "grid": "a call with ulysses_group= or a 2-D mesh"}  # fmt: skip
 
 
-def _problems(topo: Topology, me: int, views: dict[int, dict]) -> list[str]:
+def _problem(topo: Topology, me: int, views: dict[int, dict]) -> str:
+    """The first disagreement of the peers' ``views`` with this rank's ("": none)."""
     mine = topo.view()
-    out = []
     for rank, v in views.items():
         if v["mode"] != mine["mode"]:
-            out.append(f"rank {rank} is in {_MODES[v['mode']]}, rank {me} in "
-                       f"{_MODES[mine['mode']]} (a rank in another call: every rank must make the "
-                       "same call)")  # fmt: skip
-            continue
+            return (f"rank {rank} is in {_MODES[v['mode']]}, rank {me} in {_MODES[mine['mode']]} "
+                    "(a rank in another call: every rank must make the same call)")  # fmt: skip
         if v["mesh"] != mine["mesh"]:
-            out.append(f"rank {rank} passed mesh {v['mesh']}, rank {me} {mine['mesh']}")
+            return f"rank {rank} passed mesh {v['mesh']}, rank {me} {mine['mesh']}"
         for group, index, other, name, at, of in (
                 ("ulysses", "i", "ring", "Ulysses group", "ring index", "a ring"),
                 ("ring", "j", "ulysses", "ring", "Ulysses index", "a Ulysses group")):  # fmt: skip
             if rank not in (topo.ulysses_ranks if group == "ulysses" else topo.ring_ranks):
                 continue
             if v[group] != mine[group] or v[index] != mine[index]:
-                out.append(f"rank {rank} is in the {name} {mine[group][1]} of rank {me} ({at} "
-                           f"{mine[index]}) but passed {name} {v[group][1]} and has {at} "
-                           f"{v[index]}")  # fmt: skip
+                return (f"rank {rank} is in the {name} {mine[group][1]} of rank {me} ({at} "
+                        f"{mine[index]}) but passed {name} {v[group][1]} and has {at} "
+                        f"{v[index]}")  # fmt: skip
             if len(v[other][1]) != len(mine[other][1]):
-                out.append(f"rank {rank} passed {of} of {len(v[other][1])} ranks, rank {me} one "
-                           f"of {len(mine[other][1])}")  # fmt: skip
-    return out
+                return (f"rank {rank} passed {of} of {len(v[other][1])} ranks, rank {me} one "
+                        f"of {len(mine[other][1])}")  # fmt: skip
+    return ""
 
 
 def _read(store, keys: list[str], ranks: list[int]) -> list[str]:
@@ -297,12 +295,11 @@ def _round(st: _State, topo: Topology, me: int, peers: list[int], call: int) -> 
         at[p], views[p] = _next_view(store, st, p, me, call)
         if views[p].get("error") is not None and not text:
             text = f"ring_attention: rank {p} failed: {views[p]['error']}"
-    if not text:
-        found = _problems(topo, me, views)
-        if found:
-            text = ("ring_attention: the ranks' groups do not form one ring x Ulysses grid "
-                    "(group, ulysses_group or mesh must describe the same grid on every rank; "
-                    f"found by rank {me}): {found[0]}")  # fmt: skip
+    found = "" if text else _problem(topo, me, views)
+    if found:
+        text = ("ring_attention: the ranks' groups do not form one ring x Ulysses grid "
+                "(group, ulysses_group or mesh must describe the same grid on every rank; "
+                f"found by rank {me}): {found}")  # fmt: skip
     store.set(f"{mine}/found", text)
     if not text:
         flags = _read(store, [f"{_PREFIX}/{p}/{at[p]}/found" for p in peers], peers)
