@@ -46,16 +46,13 @@ class ExchangeStats:
         self.events.clear()
         self.buffer_bytes.clear()
 
-    def _total(self, attr: str, phase: str | None) -> int:
-        return sum(getattr(e, attr) for e in self.events if phase is None or e.phase == phase)
-
     def bytes_sent(self, phase: str | None = None) -> int:
         """Bytes sent, all phases or one."""
-        return self._total("bytes_sent", phase)
+        return sum(e.bytes_sent for e in self.events if phase in (None, e.phase))
 
     def bytes_received(self, phase: str | None = None) -> int:
         """Bytes received, all phases or one."""
-        return self._total("bytes_received", phase)
+        return sum(e.bytes_received for e in self.events if phase in (None, e.phase))
 
 
 #: Exchange counters of the last call on this rank (mutated in place).
@@ -338,7 +335,7 @@ class Exchanger:
                 self._move(p, self.idx[step.distance][0], dks, dvs, add=True)
 
     def finish_grad(self, transfer: Transfer, step, dks, dvs) -> None:
-        """:meth:`_finish` of the ring step ``step``."""
+        """Wait for this rank's dK/dV returned at ``step``; add them into ``dks``/``dvs``."""
         self._finish(transfer, (step,), dks, dvs)
 
     def post_far_kv(self, phase: str, ks, vs) -> Transfer | None:
@@ -359,7 +356,7 @@ class Exchanger:
         return self._post("backward_grad", self.far_steps, 0, "far_") if self.far_steps else None
 
     def finish_far_grad(self, transfer: Transfer | None, dks, dvs) -> None:
-        """:meth:`_finish` of the far group."""
+        """Wait for the far group's returned dK/dV; add them into ``dks``/``dvs``."""
         self._finish(transfer, self.far_steps, dks, dvs)
 
 
