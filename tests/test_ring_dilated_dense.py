@@ -286,3 +286,30 @@ def test_block_calls() -> None:
     assert block_calls(p, 2, 2, 0, 12, 12, 12) == ()  # keys after every query
     assert block_calls(p, 2, 2, 4, 8, 0, 8) is None  # queries 4-11, keys 0-7: cut
     assert block_calls(Pattern([8], [2]), 2, 2, 4, 8, 0, 8) is not None
+
+
+def test_auto_keeps_our_kernels_for_dilated_blocks(monkeypatch) -> None:
+    """On CUDA (fake tensors, an sm_90 device) ``auto`` takes the ring's plain dense blocks by
+    the path table but keeps the dilated ones on our kernels (no measured row, and the ranks'
+    K/V check is not posted for them); ``dense`` runs both densely."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ring_attention.local import dispatch
+
+    monkeypatch.setattr(dispatch, "_capability", lambda d: (9, 0) if d.type == "cuda" else (0, 0))
+    plain, dilated = Pattern([1 << 20], [1]), Pattern(*LONGNET)
+    with FakeTensorMode():
+        q = torch.empty(1, 40, 8, 64, dtype=torch.bfloat16, device="cuda")
+        k = torch.empty(1, 40, 2, 64, dtype=torch.bfloat16, device="cuda")
+        for mode in ("auto", "dense"):
+            monkeypatch.setenv(config.BACKWARD, mode)
+            r = dispatch.route_blocks("backward", q, k, plain, 80, (0, 40, 80), 40)
+            assert r.dense, r.why
+            r = dispatch.route_blocks("backward", q, k, dilated, 80, (0, 40, 80), 40)
+            assert r.dense == (mode == "dense"), r.why
+            if mode == "auto":
+                assert r.why == dispatch.DILATED_AUTO
+            assert dispatch.may_be_dense("backward", torch.bfloat16, 64, 80, "dilated") == (
+                mode == "dense"
+            )
+            assert dispatch.may_be_dense("backward", torch.bfloat16, 64, 80, "dense")

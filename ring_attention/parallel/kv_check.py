@@ -69,7 +69,7 @@ def pass_check(ring, pass_: str, own_dense: bool, q: torch.Tensor, ks: Sequence[
         return None
     shape = block_shape(call.pattern, plan.seq_len, bounds)[0]
     if plan.world_size > 1 and shape in ("dense", "dilated"):
-        if may_be_dense(pass_, q.dtype, q.shape[3], plan.seq_len):
+        if may_be_dense(pass_, q.dtype, q.shape[3], plan.seq_len, shape):
             return PassCheck(ks, vs, ring.group, plan.world_size)
         return None
     if not plan.steps and own_dense:  # this rank's own pieces alone
