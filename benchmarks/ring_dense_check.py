@@ -36,7 +36,7 @@ import torch.distributed as dist
 from ring_attention.core import config
 from ring_attention.core.pattern import Pattern
 from ring_attention.local import backends
-from ring_attention.local.blocks import block_kind
+from ring_attention.local.block_calls import block_kind
 from ring_attention.local.dispatch import route_blocks
 from ring_attention.parallel.api import ring_dilated_attention
 from ring_attention.parallel.sharding import layout_pieces, shard_sequence

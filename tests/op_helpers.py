@@ -347,3 +347,21 @@ class OpLog(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops.append(func.overloadpacket.__name__)
         return func(*args, **(kwargs or {}))
+
+
+class CountingBackend:
+    """A dense backend (``inner``, the CPU stand-in), counting its calls per pass."""
+
+    name = "cpu"
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.calls = {"forward": 0, "backward": 0}
+
+    def forward(self, *args) -> None:
+        self.calls["forward"] += 1
+        self.inner.forward(*args)
+
+    def backward(self, *args) -> None:
+        self.calls["backward"] += 1
+        self.inner.backward(*args)

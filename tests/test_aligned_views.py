@@ -17,6 +17,7 @@ from ring_attention.core import config
 from ring_attention.core.call import Call
 from ring_attention.core.pattern import Pattern
 from ring_attention.local import backends, blocks, dispatch
+from ring_attention.local.block_calls import block_calls
 
 BF16 = torch.bfloat16
 SHAPE = (1, 4096, 4, 64)
@@ -91,15 +92,24 @@ class _Recorder:
         self.calls += 1
 
 
+@pytest.mark.parametrize("segments", [([2 * SHAPE[1]], [1]), ([1000, 3000], [1, 2])],
+                         ids=["dense", "dilated"])  # fmt: skip
 @pytest.mark.parametrize("which", ["q", "k", "v", "go", "out"])
-def test_misaligned_ring_blocks_take_the_block_kernel(which, sm90, monkeypatch) -> None:
-    """A plain dense block whose piece is misaligned (as one unpacked from
-    a transfer buffer may be): the dense route declines it (the block kernel
-    runs it) before any call; aligned, the backend runs it."""
+def test_misaligned_ring_blocks_take_the_block_kernel(which, segments, sm90, monkeypatch) -> None:
+    """A plain dense block, or a dilated one whose segments cross the pieces, whose piece is
+    misaligned (as one unpacked from a transfer buffer may be): the dense route declines it (the
+    block kernel runs it) before any call; aligned, the backend runs its calls (one, or one per
+    branch, offset class and segment cut by the pieces: their views and parts aligned)."""
     monkeypatch.setattr(blocks, "KvFinite", lambda k, v: True)  # no device to ask
     monkeypatch.setattr(blocks, "merge_into", lambda *_a: None)  # no device to merge on
+    monkeypatch.setattr(  # nor to copy on
+        blocks, "_final_lse", lambda c, lse, q: blocks._part(c.q, q, None, lse.dtype)
+    )
     n = SHAPE[1]
-    call = Call(Pattern([2 * n], [1]), 64**-0.5)
+    call = Call(Pattern(*segments), 64**-0.5)
+    calls = len(block_calls(call.pattern, 4, 4, n, n, 0, n))
+    # dilated: one segment of each branch meets both pieces; branch 1's two offsets
+    assert calls == (1 if len(segments[0]) == 1 else 3)
     t = {name: _at(SHAPE) for name in ("q", "k", "v", "go", "out")}
     out_acc = torch.zeros(SHAPE, dtype=torch.float32, device="cuda")
     lse = torch.zeros(1, 4, n, dtype=torch.float32, device="cuda")
@@ -115,11 +125,11 @@ def test_misaligned_ring_blocks_take_the_block_kernel(which, sm90, monkeypatch) 
             return blk._dense_backward(x["go"], x["q"], x["k"], x["v"], x["out"], lse, *grads,
                                        n, 0)  # fmt: skip
 
-        assert run(t) and rec.calls == 1
+        assert run(t) and rec.calls == calls
         if pass_ == "forward" and which in ("go", "out"):
             continue  # the forward reads neither
         bad = dict(t, **{which: _at(SHAPE, offset=1)})
-        assert not run(bad) and rec.calls == 1
+        assert not run(bad) and rec.calls == calls
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,12 @@
 """A ring pass's blocks (docs/design.md §4.3, §4.4, and §5 on the ring's dense blocks): each
 block of queries against a run of keys (or packed K/V rows with their row map) merged into the
 pass's fp32 accumulators, or its gradients added, by our block kernel or by a dense backend
-where the pass's route is dense (``route_blocks``). Non-finite K/V (checked per block, or once
-a pass by the ring), a gradient reaching ``lse`` and CUDA pieces a backend would copy take our
-kernel."""
+where the pass's route is dense (``route_blocks``): the local op on a piece holding whole
+segments, else the block's dense calls (:mod:`.block_calls`) on strided views, packed K/V rows
+gathered through the row map (the rows the calls read) and their dK/dV added back through it.
+Non-finite K/V (checked per block, or once a pass by the ring), a gradient reaching ``lse``,
+CUDA views a backend would copy and a causal diagonal cut across take our kernel, for the
+whole block."""
 
 from __future__ import annotations
 
@@ -14,27 +17,15 @@ import torch
 from ..core.call import Call
 from . import ops
 from .backends import KvFinite, aligned, backend
+from .block_calls import BlockCall, block_calls
 from .branches import dense_backward, dense_forward
 from .dispatch import route, route_blocks
-from .spans import Route
+from .spans import Call as SpanCall
+from .spans import Route, batch_groups
 
-__all__ = ["Blocks", "block_kind", "merge_into", "ring_blocks"]
+__all__ = ["Blocks", "merge_into", "ring_blocks"]
 
 Tensor = torch.Tensor
-
-
-def block_kind(causal: bool, q_start: int, lq: int, k_start: int, lk: int) -> str | None:
-    """``"full"``, ``"causal"`` or ``"skip"`` for a dense block of plain dense attention,
-    ``None`` where one dense call cannot run it (a causal block cut across the diagonal)."""
-    if lq == 0 or lk == 0:
-        return "skip"
-    if not causal or k_start + lk <= q_start + 1:
-        return "full"
-    if k_start >= q_start + lq:
-        return "skip"
-    if k_start == q_start and lk == lq:
-        return "causal"
-    return None
 
 
 class Blocks:
@@ -48,7 +39,6 @@ class Blocks:
         self.dense = dense
         self.backend = backend(dense.backends[0][0]) if dense and dense.backends else None
         self.pattern = call.pattern
-        self.causal = call.pattern.causal
         self.scale = call.scale
 
     def forward(
@@ -58,7 +48,7 @@ class Blocks:
         """Merge the block into the accumulators ``out`` ``(B, Lq, H, D)`` and
         ``lse`` ``(B, H, Lq)`` (the accumulation dtype)."""
         args = (q, k, v, out, lse, q_start, k_start)
-        if k_rows is None and self.dense is not None and self._dense_forward(*args):
+        if self.dense is not None and self._dense_forward(*args, k_rows):
             return
         ops.block_forward(*args, self.args, k_rows)
 
@@ -69,78 +59,106 @@ class Blocks:
     ) -> None:  # fmt: skip
         """Add the block's gradients into ``dq``, ``dk``, ``dv`` (the accumulation dtype), given
         the final ``out`` and ``lse``."""
-        if k_rows is None and glse is None and self.dense is not None and self._dense_backward(
-            go, q, k, v, out, lse, dq, dk, dv, q_start, k_start
+        if glse is None and self.dense is not None and self._dense_backward(
+            go, q, k, v, out, lse, dq, dk, dv, q_start, k_start, k_rows
         ):  # fmt: skip
             return
         ops.block_backward(go, glse, q, k, v, out, lse, dq, dk, dv, q_start, k_start, self.args,
                            k_rows)  # fmt: skip
 
-    def _local(self, pass_: str, q: Tensor, k: Tensor, v: Tensor, q_start: int,
-               k_start: int) -> Route | None:  # fmt: skip
+    def _local(self, pass_: str, q: Tensor, k: Tensor, v: Tensor, q_start: int, k_start: int,
+               k_rows: Tensor | None) -> Route | None:  # fmt: skip
         """The per-branch route of a piece's own block (None: our kernel)."""
-        if q_start != k_start or q.shape[1] != k.shape[1]:
+        if k_rows is not None or q_start != k_start or q.shape[1] != k.shape[1]:
             return None
         r = route(pass_, q, k, v, self.pattern, None)
         return r if r.dense else None
 
+    def _calls(self, q: Tensor, k: Tensor, q_start: int, k_start: int,
+               k_rows: Tensor | None) -> tuple[BlockCall, ...] | None:  # fmt: skip
+        """The block's dense calls (:func:`~.block_calls.block_calls`)."""
+        lk = k.shape[1] if k_rows is None else k_rows.shape[0]
+        kv_heads = k.shape[2] if k_rows is None else k_rows.shape[1]
+        return block_calls(self.pattern, q.shape[2], kv_heads, q_start, q.shape[1], k_start, lk)
+
     def _dense_forward(
         self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_start: int,
-        k_start: int,
+        k_start: int, k_rows: Tensor | None = None,
     ) -> bool:  # fmt: skip
         """:meth:`forward` by the dense route; ``False``: the block kernel's (nothing merged)."""
         if self.backend is None:
-            r = self._local("forward", q, k, v, q_start, k_start)
+            r = self._local("forward", q, k, v, q_start, k_start, k_rows)
             if r is None:
                 return False
             finite = self._finite(k, v)
             res = dense_forward(q, k, v, self.pattern, self.scale, r)
-        else:
-            kind = block_kind(self.causal, q_start, q.shape[1], k_start, k.shape[1])
-            if kind is None or kind == "skip":
-                return kind == "skip"
-            if not _aligned(q, k, v):
+            if not finite:  # read with the dense calls queued: dropped, the kernel's instead
                 return False
-            finite = self._finite(k, v)
-            B, lq, H, D = q.shape
-            o = torch.empty(B, H, lq, D, dtype=q.dtype, device=q.device)
-            bl = torch.empty(B, H, lq, dtype=lse.dtype, device=q.device)
-            self.backend.forward(q, k, v, kind == "causal", self.scale, o, bl)
-            res = o.transpose(1, 2), bl
-        if not finite:  # read with the dense call queued: dropped, the kernel's instead
+            merge_into(out, lse, *res)
+            return True
+        calls = self._calls(q, k, q_start, k_start, k_rows)
+        if calls is None:
             return False
-        merge_into(out, lse, *res)
+        rows = [None if k_rows is None else _rows_of(c, k_rows) for c in calls]
+        views = [_operands(c, r, q, k, v) for c, r in zip(calls, rows, strict=True)]
+        if not _aligned(*(t for vs in views for t in vs)):
+            return False
+        finite = self._finite(k, v) if calls else True
+        parts = []
+        for c, vs in zip(calls, views, strict=True):
+            o, bl = _part(c.q, q, q.shape[3], q.dtype), _part(c.q, q, None, lse.dtype)
+            for qg, kg, vg, og, lg in _groups(*vs, o, bl):
+                self.backend.forward(qg, kg, vg, c.causal, self.scale, og, lg)
+            parts.append((c, o, bl))
+            if finite is True:  # the pass's check covers the block: merged at once
+                _merge_part(out, lse, *parts.pop())
+        if not finite:  # read with the dense calls queued: dropped, the kernel's instead
+            return False
+        for part in parts:
+            _merge_part(out, lse, *part)
         return True
 
     def _dense_backward(
         self, go: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
         dq: Tensor, dk: Tensor, dv: Tensor, q_start: int, k_start: int,
+        k_rows: Tensor | None = None,
     ) -> bool:  # fmt: skip
         """:meth:`backward` by the dense route; ``False``: the block kernel's (nothing added)."""
         if self.backend is None:
-            r = self._local("backward", q, k, v, q_start, k_start)
+            r = self._local("backward", q, k, v, q_start, k_start, k_rows)
             if r is None:
                 return False
             finite = self._finite(k, v)
             grads = dense_backward(go, q, k, v, out, lse, self.pattern, self.scale, r)
-        else:
-            kind = block_kind(self.causal, q_start, q.shape[1], k_start, k.shape[1])
-            if kind is None or kind == "skip":
-                return kind == "skip"
-            if not _aligned(go, q, k, v, out):
+            if not finite:  # read with the dense calls queued: dropped, the kernel's instead
                 return False
-            finite = self._finite(k, v)
-            B, lq, H, D = q.shape
-            lk, hk = k.shape[1], k.shape[2]
-            gq = torch.empty(B, H, lq, D, dtype=q.dtype, device=q.device)
-            gk = torch.empty(B, hk, lk, D, dtype=q.dtype, device=q.device)
-            gv = torch.empty_like(gk)
-            self.backend.backward(go, q, k, v, out, lse, kind == "causal", self.scale, gq, gk, gv)
-            grads = gq.transpose(1, 2), gk.transpose(1, 2), gv.transpose(1, 2)
-        if not finite:  # read with the dense call queued: dropped, the kernel's instead
+            for acc, g in zip((dq, dk, dv), grads, strict=True):
+                acc.add_(g)
+            return True
+        calls = self._calls(q, k, q_start, k_start, k_rows)
+        if calls is None:
             return False
-        for acc, g in zip((dq, dk, dv), grads, strict=True):
-            acc.add_(g)
+        rows = [None if k_rows is None else _rows_of(c, k_rows) for c in calls]
+        views = [_operands(c, r, q, k, v, go, out) for c, r in zip(calls, rows, strict=True)]
+        if not _aligned(*(t for vs in views for t in vs)):
+            return False
+        finite = self._finite(k, v) if calls else True
+        D, parts = q.shape[3], []
+        for c, r, (qv, kv, vv, gov, ov) in zip(calls, rows, views, strict=True):
+            lv = _final_lse(c, lse, q)
+            gq = _part(c.q, q, D, q.dtype)
+            gk, gv = _part(c.k, q, D, q.dtype, True), _part(c.k, q, D, q.dtype, True)
+            for gog, qg, kg, vg, og, lg, gqg, gkg, gvg in _groups(gov, qv, kv, vv, ov, lv, gq,
+                                                                  gk, gv):  # fmt: skip
+                self.backend.backward(gog, qg, kg, vg, og, lg, c.causal, self.scale, gqg, gkg,
+                                      gvg)  # fmt: skip
+            parts.append((c, r, gq, gk, gv))
+            if finite is True:  # the pass's check covers the block: added at once
+                _add_part(dq, dk, dv, *parts.pop())
+        if not finite:  # read with the dense calls queued: dropped, the kernel's instead
+            return False
+        for part in parts:
+            _add_part(dq, dk, dv, *part)
         return True
 
     def _finite(self, k: Tensor, v: Tensor) -> KvFinite | bool:
@@ -148,9 +166,70 @@ class Blocks:
         return KvFinite(k, v) if self.each_block else True
 
 
+def _merge_part(out: Tensor, lse: Tensor, c: BlockCall, o: Tensor, bl: Tensor) -> None:
+    """Merge a call's part ``o``, ``bl`` (:func:`_part`) into the block's accumulators."""
+    for og, lg, po, pl in _groups(c.q.view(out), c.q.lse_view(lse), o, bl):
+        merge_into(og, lg, po.transpose(1, 2), pl)
+
+
+def _add_part(dq: Tensor, dk: Tensor, dv: Tensor, c: BlockCall, rows: Tensor | None, gq: Tensor,
+              gk: Tensor, gv: Tensor) -> None:  # fmt: skip
+    """Add a call's gradient parts into the block's accumulators (packed K/V: through the rows
+    it read, ``rows``)."""
+    c.q.view(dq).add_(gq.transpose(2, 3))
+    for acc, g in ((dk, gk), (dv, gv)):
+        g = g.transpose(2, 3)  # (B, segments, rows, K/V heads, D)
+        if rows is None:
+            c.k.view(acc, kv=True).add_(g)
+        else:
+            acc.index_add_(1, rows, g.reshape(g.shape[0], -1, g.shape[-1]).to(acc.dtype))
+
+
+def _rows_of(c: BlockCall, k_rows: Tensor) -> Tensor:
+    """The packed rows of the call's keys, ``(segments, rows, K/V heads)`` flat, through the row
+    map ``k_rows`` ``(span, H_kv)``."""
+    return c.k.view(k_rows[None, :, :, None], kv=True).reshape(-1).long()
+
+
+def _operands(c: BlockCall, rows: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
+              *q_side: Tensor) -> list[Tensor]:  # fmt: skip
+    """The call's ``(B, segments, rows, heads, D)`` views of ``q``, ``k``, ``v`` and ``q_side``
+    (K/V packed: its ``rows`` (:func:`_rows_of`), gathered)."""
+    if rows is None:
+        kv = [c.k.view(t, kv=True) for t in (k, v)]
+    else:
+        shape = (q.shape[0], c.k.segments, c.k.rows, c.k.kv_heads, q.shape[3])
+        kv = [t.index_select(1, rows).view(shape) for t in (k, v)]
+    return [c.q.view(q), *kv, *(c.q.view(t) for t in q_side)]
+
+
+def _part(c: SpanCall, q: Tensor, width: int | None, dtype: torch.dtype,
+          kv: bool = False) -> Tensor:  # fmt: skip
+    """A fresh ``(B, segments, heads, rows[, width])`` part of the call's rows on ``q``'s
+    device, rows padded so that every view a backend gets is aligned
+    (:meth:`~.spans.Call.part_geometry`)."""
+    rows = c.part_rows(q.shape[0], kv)
+    buf = torch.empty(rows if width is None else (rows, width), dtype=dtype, device=q.device)
+    return buf.as_strided(*c.part_geometry(0, q.shape[0], kv, width))
+
+
+def _final_lse(c: BlockCall, lse: Tensor, q: Tensor) -> Tensor:
+    """The final ``lse`` of the call's query rows, copied into a fresh part (:func:`_part`)."""
+    part = _part(c.q, q, None, lse.dtype)
+    return part.copy_(c.q.lse_view(lse))
+
+
+def _groups(*views: Tensor) -> list[tuple[Tensor, ...]]:
+    """``(B, segments, ...)`` views as ``(B * segments, ...)`` ones, one tuple where batch and
+    segments merge in all of them, else one a batch row (:func:`~.spans.batch_groups`)."""
+    gs = [(tuple(t.shape), t.stride(), t.storage_offset()) for t in views]
+    return [tuple(t.as_strided(*g) for t, g in zip(views, grp, strict=True))
+            for grp in batch_groups(gs)]  # fmt: skip
+
+
 def _aligned(*tensors: Tensor) -> bool:
     """Whether a block's tensors go to a CUDA backend without a copy."""
-    return tensors[0].device.type != "cuda" or all(aligned(t) for t in tensors)
+    return not tensors or tensors[0].device.type != "cuda" or all(aligned(t) for t in tensors)
 
 
 def merge_into(out: Tensor, lse: Tensor, o: Tensor, bl: Tensor) -> None:

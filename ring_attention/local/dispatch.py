@@ -272,9 +272,19 @@ MISALIGNED = (
 )
 
 
+#: Why ``auto`` keeps the ring's dilated blocks (segments crossing the pieces) on our kernels.
+DILATED_AUTO = (
+    "auto: no row of the path table for the ring's dilated blocks (segments crossing the "
+    "pieces: their GPU speed not yet measured; RING_ATTENTION_FORWARD/BACKWARD=dense runs them "
+    "densely)"
+)
+
+
 def block_shape(pattern: Pattern, n: int, boundaries: tuple[int, ...]) -> tuple[str | None, str]:
     """What the ring's blocks are: ``"dense"`` (plain dense attention), ``"local"`` (every
-    segment inside one piece) or ``None`` (our block kernels), and why."""
+    segment inside one piece), ``"dilated"`` (segments crossing the pieces: each block's
+    branches as strided views, ring_attention/local/block_calls.py) or ``None`` (our block
+    kernels), and why."""
     if pattern.documents is not None:
         return None, "documents"
     if pattern.windowed:
@@ -284,17 +294,18 @@ def block_shape(pattern: Pattern, n: int, boundaries: tuple[int, ...]) -> tuple[
         return "dense", "plain dense attention"
     if all(b % w == 0 for b in boundaries if 0 < b < n for w in pattern.segment_lengths):
         return "local", "every segment inside one piece"
-    return None, "segments crossing the pieces (dilated blocks as views: not built)"
+    return "dilated", "segments crossing the pieces"
 
 
-def may_be_dense(pass_: str, dtype: torch.dtype, d: int, n: int) -> bool:
-    """Whether the ring's plain dense blocks of ``pass_`` may take the dense path on some rank:
-    from its mode (agreed in the handshake), the dtype, ``d`` and ``n`` alone, whatever a rank's
-    device or backends (what every rank of a ring answers alike)."""
+def may_be_dense(pass_: str, dtype: torch.dtype, d: int, n: int, shape: str = "dense") -> bool:
+    """Whether the ring's blocks of ``pass_`` (of :func:`block_shape`'s ``shape``, ``"dense"`` or
+    ``"dilated"``) may take the dense path on some rank: from its mode (agreed in the
+    handshake), the dtype, ``d`` and ``n`` alone, whatever a rank's device or backends (what
+    every rank of a ring answers alike)."""
     mode = config.forward_mode() if pass_ == "forward" else config.backward_mode()
     if mode != "auto":
         return mode == "dense"
-    return any(r.pass_ == pass_ and dtype in r.dtypes and n >= r.min_rows
+    return shape == "dense" and any(r.pass_ == pass_ and dtype in r.dtypes and n >= r.min_rows
                and (r.head_dims is None or d in r.head_dims) for r in PATHS)  # fmt: skip
 
 
@@ -302,8 +313,9 @@ def route_blocks(
     pass_: str, q: torch.Tensor, k: torch.Tensor, pattern: Pattern, n: int,
     boundaries: tuple[int, ...], rows: int,
 ) -> Route:  # fmt: skip
-    """The route of the ring's per-step blocks in ``pass_`` (``backends == ((name,),)`` for plain
-    dense attention, ``()`` where each piece takes :func:`route`'s), and why."""
+    """The route of the ring's per-step blocks in ``pass_`` (``backends == ((name,),)`` where
+    each block's calls take that backend, ``()`` where each piece takes :func:`route`'s), and
+    why; ``rows``: a length every piece is a multiple of (the calls of dilated blocks: any)."""
     mode = config.forward_mode() if pass_ == "forward" else config.backward_mode()
     if mode == "kernel":
         return Route(False, f"{config.FORWARD if pass_ == 'forward' else config.BACKWARD}=kernel")
@@ -312,8 +324,11 @@ def route_blocks(
         return Route(False, why)
     if shape == "local":
         return Route(True, f"{why}: each piece's block by the local op's route")
+    if shape == "dilated" and mode == "auto":
+        return Route(False, DILATED_AUTO)
     _, _, heads, d = q.shape
     device = q.device
+    rows = rows if shape == "dense" else 1
     key = (pass_, mode, config.dense_backend(), device, _capability(device), q.dtype, n, heads,
            k.shape[2], d, rows, unavailable())  # fmt: skip
     return _BLOCK_ROUTES.get(key, lambda: decide_blocks(*key))

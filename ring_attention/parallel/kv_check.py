@@ -61,14 +61,15 @@ def pass_check(ring, pass_: str, own_dense: bool, q: torch.Tensor, ks: Sequence[
                bounds: tuple[int, ...]) -> PassCheck | None:  # fmt: skip
     """The one check of a pass of the ring call ``ring`` (a ``RingCall``; ``own_dense``: whether
     the rank's own pieces take a dense block; ``bounds``: where every rank's pieces start and
-    end), ``None`` where each dense block checks its own (dilated blocks
-    with transfers) or none is dense. Where received blocks may be dense every rank checks, by
-    values the ranks agree on (the handshake's), whatever its own route."""
+    end), ``None`` where no block is dense. Where received blocks may be dense (plain dense
+    attention, dilated segments crossing the pieces) every rank checks, by values the ranks
+    agree on (the handshake's), whatever its own route."""
     plan, call = ring.plan, ring.call
     if not call.every_head:  # (no dense block)
         return None
-    if plan.world_size > 1 and block_shape(call.pattern, plan.seq_len, bounds)[0] == "dense":
-        if may_be_dense(pass_, q.dtype, q.shape[3], plan.seq_len):
+    shape = block_shape(call.pattern, plan.seq_len, bounds)[0]
+    if plan.world_size > 1 and shape in ("dense", "dilated"):
+        if may_be_dense(pass_, q.dtype, q.shape[3], plan.seq_len, shape):
             return PassCheck(ks, vs, ring.group, plan.world_size)
         return None
     if not plan.steps and own_dense:  # this rank's own pieces alone
