@@ -88,23 +88,19 @@ def _choice(name: str, raw: str, accepted: tuple[str, ...]) -> str:
     return raw
 
 
-def _get(name: str, default: str) -> str:
-    return os.environ.get(name, default)
-
-
 def forward_mode() -> str:
     """``RING_ATTENTION_FORWARD``: one of :data:`MODES` (default ``auto``)."""
-    return _choice(FORWARD, _get(FORWARD, "auto"), MODES)
+    return _choice(FORWARD, os.environ.get(FORWARD, "auto"), MODES)
 
 
 def backward_mode() -> str:
     """``RING_ATTENTION_BACKWARD``: one of :data:`MODES` (default ``auto``)."""
-    return _choice(BACKWARD, _get(BACKWARD, "auto"), MODES)
+    return _choice(BACKWARD, os.environ.get(BACKWARD, "auto"), MODES)
 
 
 def dense_backend() -> str:
     """``RING_ATTENTION_DENSE_BACKEND``: one of :data:`DENSE_BACKENDS` (default ``auto``)."""
-    return _choice(DENSE_BACKEND, _get(DENSE_BACKEND, "auto"), DENSE_BACKENDS)
+    return _choice(DENSE_BACKEND, os.environ.get(DENSE_BACKEND, "auto"), DENSE_BACKENDS)
 
 
 @cached("config rows")
@@ -120,7 +116,7 @@ def _rows(raw: str) -> int:
 
 def span_rows() -> int:
     """``RING_ATTENTION_DENSE_SPAN_ROWS``: the fewest rows of a span (default 131072)."""
-    return _rows(_get(SPAN_ROWS, "131072"))
+    return _rows(os.environ.get(SPAN_ROWS, "131072"))
 
 
 @cached("config backward heads")
@@ -140,7 +136,7 @@ def backward_heads(heads: int, kv_group: int, itemsize: int, setting: str | None
     heads, at least one K/V head's; ``auto``: the most whose fp32 dq, dk, dv take no more bytes
     than q, all at once for fp32 and fp64 (their gradients are their accumulators: groups only
     add the slices' copies)."""
-    value = _group(_get(BACKWARD_HEADS, "all") if setting is None else str(setting))
+    value = _group(os.environ.get(BACKWARD_HEADS, "all") if setting is None else str(setting))
     if value == "all" or (value == "auto" and itemsize >= 4):
         return 0
     if value == "auto":
@@ -166,9 +162,9 @@ def _far(raw: str, device_type: str) -> int:
 
 def far_bytes(device_type: str) -> int:
     """``RING_ATTENTION_FAR_BYTES`` for ``device_type`` (0: ``off``, the default)."""
-    return _far(_get(FAR_BYTES, "off"), device_type)
+    return _far(os.environ.get(FAR_BYTES, "off"), device_type)
 
 
 def emulator_sanitize() -> list[str]:
     """``RING_ATTENTION_EMULATOR_SANITIZE``: flags of a sanitized CUDA emulator build."""
-    return _get(EMULATOR_SANITIZE, "").split()
+    return os.environ.get(EMULATOR_SANITIZE, "").split()

@@ -15,14 +15,11 @@ __all__ = [
     "INT64_SAFE",
     "MAX_SEQ_LEN",
     "active_before",
-    "active_run",
-    "document_positions",
     "head_groups",
     "prefix_pairs",
     "range_pairs",
     "segment_active_positions",
     "segment_around",
-    "window_mask",
 ]
 
 IntOrTensor = TypeVar("IntOrTensor", int, torch.Tensor)
@@ -38,45 +35,6 @@ def active_before(x: IntOrTensor, offset: int, r: int) -> IntOrTensor:
     if isinstance(x, torch.Tensor):
         return torch.clamp(torch.div(x - offset + r - 1, r, rounding_mode="floor"), min=0)
     return max(0, -(-(x - offset) // r))
-
-
-def active_run(
-    seg_start: int, seg_end: int, r: int, offset: int, lo: int, hi: int
-) -> tuple[int, int]:
-    """``(first, count)``: the active positions of the segment ``[seg_start, seg_end)`` that lie
-    in ``[lo, hi)``."""
-    a, b = max(lo, seg_start), min(hi, seg_end)
-    rel = a - seg_start
-    first = seg_start + offset + (0 if rel <= offset else -(-(rel - offset) // r) * r)
-    return first, (-(-(b - first) // r) if first < b else 0)
-
-
-def document_positions(
-    documents: torch.Tensor | None, seq_len: int, device: torch.device | str | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(relative, document)``: each position relative to its document's start, and the
-    document's index."""
-    t = torch.arange(seq_len, device=device)
-    if documents is None:
-        return t, torch.zeros_like(t)
-    cu = documents.to(t.device)
-    doc = torch.searchsorted(cu, t, right=True) - 1
-    return t - cu[doc], doc
-
-
-def window_mask(
-    window: tuple[int, int], seq_len: int, device: torch.device | str | None = None
-) -> torch.Tensor:
-    """Bool ``(seq_len, seq_len)``: ``[t, u]`` lies in the sliding window."""
-    t = torch.arange(seq_len, device=device)
-    diff = t[None, :] - t[:, None]  # u - t
-    left, right = window
-    inside = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device)
-    if left >= 0:
-        inside &= diff >= -left
-    if right >= 0:
-        inside &= diff <= right
-    return inside
 
 
 def segment_around(

@@ -139,8 +139,9 @@ def dilated_attention_forward(
         return out, weights
     pattern = layer_pattern(module, causal, kwargs.get("sliding_window"))
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    if _is_position_map(attention_mask, query, key):
-        # eagerly the filled keys with the pattern (what a dynamic cache
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.int64 \
+            and attention_mask.shape == (query.shape[0], key.shape[2]):  # fmt: skip
+        # the position map: eagerly the filled keys with the pattern (what a dynamic cache
         # takes: cheaper than gathering); compiled, fixed shapes
         filled = None if torch.compiler.is_compiling() else filled_keys(attention_mask)
         if filled is None:
@@ -149,14 +150,6 @@ def dilated_attention_forward(
             return decode_attention(q, k, v, attention_mask, call), None
         attention_mask = filled
     return _local(q, k, v, pattern, attention_mask, scaling, kwargs, layer_chunk(module)), None
-
-
-def _is_position_map(attention_mask: Any, query: torch.Tensor, key: torch.Tensor) -> bool:
-    """Whether ``attention_mask`` is the int64 ``(batch, keys)`` position map."""
-    return (
-        isinstance(attention_mask, torch.Tensor)
-        and attention_mask.dtype == torch.int64
-        and attention_mask.shape == (query.shape[0], key.shape[2]))  # fmt: skip
 
 
 def _one_query_row(attention_mask: Any, query: torch.Tensor, key: torch.Tensor) -> bool:
@@ -344,11 +337,9 @@ def _auto_spread(
         return sp.spread()
     n = int(documents[-1])
     key = (pattern, n, q.shape[2], k.shape[2], q.shape[3], q.dtype, q.device.type)
-
-    def plan():
-        return plan_mesh(n, q.shape[2], k.shape[2], q.shape[3], pattern, group=sp.group,
-                         device_type=q.device.type, dtype=q.dtype, batch=q.shape[0])  # fmt: skip
-
+    plan = functools.partial(plan_mesh, n, q.shape[2], k.shape[2], q.shape[3], pattern,
+                             group=sp.group, device_type=q.device.type, dtype=q.dtype,
+                             batch=q.shape[0])  # fmt: skip
     return sp.layer_spread(key, plan)
 
 
