@@ -1,19 +1,13 @@
-"""Which path the local op takes for a shape, and why:
+"""Which path the local op takes for a shape, and why (docs/performance.md, "Which path a shape
+takes"):
 
     python -m ring_attention.info [--seq-len 131072] [--heads 16] [--head-dim 128] \\
         [--dtype bfloat16] [--device cuda] [--capability 9.0] [--causal] ...
 
-prints the forward's and the backward's route (ring_attention/local/dispatch.py:
-our kernels or dense attention per branch, the table row or the reason),
-the environment it read (ring_attention/core/config.py), the spans and, per
-branch, its dense calls, the backend each takes and why each backend before
-it in the table cannot run it. Without options it answers for the LongNet
-pattern at 131072 tokens, 16 heads x 128, bf16 on CUDA, and says which
-values are defaults. It needs no GPU: ``--capability`` stands in for the
-device's compute capability (9.0 where there is no CUDA device, and cuDNN is
-then assumed present, as in PyTorch's CUDA builds). Every option is checked
-before anything is decided: a bad one exits 2 with argparse's message naming
-it.
+prints the forward's and the backward's route, the environment it read, the spans and each
+branch's dense calls with their backends. Without options: the LongNet pattern at 131072 tokens,
+16 heads x 128, bf16 on CUDA. No GPU needed: ``--capability`` stands in for the device's (9.0,
+cuDNN assumed, without one). A bad option exits 2 with argparse's message naming it.
 """
 
 from __future__ import annotations

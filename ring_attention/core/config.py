@@ -103,15 +103,20 @@ def dense_backend() -> str:
     return _choice(DENSE_BACKEND, os.environ.get(DENSE_BACKEND, "auto"), DENSE_BACKENDS)
 
 
-@cached("config rows")
-def _rows(raw: str) -> int:
+def _at_least(raw: str, low: int, message: str) -> int:
+    """``raw`` as an integer written plainly, at least ``low``; else ``ValueError(message)``."""
     try:
         value = int(raw)
     except ValueError:
-        value = 0
-    if value < 1 or str(value) != raw.strip():
-        raise ValueError(f"{SPAN_ROWS} must be an integer >= 1, got {raw!r}")
+        value = low - 1
+    if value < low or str(value) != raw.strip():
+        raise ValueError(message)
     return value
+
+
+@cached("config rows")
+def _rows(raw: str) -> int:
+    return _at_least(raw, 1, f"{SPAN_ROWS} must be an integer >= 1, got {raw!r}")
 
 
 def span_rows() -> int:
@@ -123,10 +128,7 @@ def span_rows() -> int:
 def _group(raw: str) -> str | int:
     if raw in ("all", "auto"):
         return raw
-    value = int(raw) if raw.strip().isdigit() and str(int(raw)) == raw.strip() else 0
-    if value < 1:
-        raise ValueError(f"{BACKWARD_HEADS} must be all, auto or an integer >= 1, got {raw!r}")
-    return value
+    return _at_least(raw, 1, f"{BACKWARD_HEADS} must be all, auto or an integer >= 1, got {raw!r}")
 
 
 def backward_heads(heads: int, kv_group: int, itemsize: int, setting: str | None = None) -> int:
@@ -151,13 +153,7 @@ def _far(raw: str, device_type: str) -> int:
         return 0
     if raw == "auto":
         return LINKS["cuda" if device_type == "cuda" else "cpu"][0].far_bytes
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0 or str(value) != raw.strip():
-        raise ValueError(f"{FAR_BYTES} must be off, auto or an integer >= 0, got {raw!r}")
-    return value
+    return _at_least(raw, 0, f"{FAR_BYTES} must be off, auto or an integer >= 0, got {raw!r}")
 
 
 def far_bytes(device_type: str) -> int:

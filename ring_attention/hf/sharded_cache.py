@@ -144,10 +144,9 @@ class ShardedLayer(DynamicLayer):
 
 
 class ShardedCache(DynamicCache):
-    """transformers' ``DynamicCache`` whose full-attention layers keep only
-    this rank's positions; ``block``: generated positions a rank takes in turn;
-    ``max_cache_len``: the positions cached over the group at most, each layer's
-    storage preallocated (``ShardedLayer``), else it grows."""
+    """transformers' ``DynamicCache`` whose full-attention layers keep only this rank's positions;
+    ``block``: generated positions a rank takes in turn; ``max_cache_len``: the positions cached
+    over the group at most, each layer's storage preallocated (``ShardedLayer``), else it grows."""
 
     def __init__(self, config: Any, block: int = 64, max_cache_len: int | None = None) -> None:
         sp = sequence_parallel()
