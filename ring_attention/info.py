@@ -41,16 +41,11 @@ def describe(
     rows = config.span_rows()
     named = config.dense_backend()
     routes: dict[str, Route] = {}
-    for pass_ in ("forward", "backward"):
-        mode = config.forward_mode() if pass_ == "forward" else config.backward_mode()
-        if mode == "kernel":
-            env = config.FORWARD if pass_ == "forward" else config.BACKWARD
-            routes[pass_] = Route(False, f"{env}=kernel")
-        else:
-            routes[pass_] = decide(
-                pass_, mode, named, rows, device, capability, dtype, n, heads, kv_heads,
-                head_dim, pattern, (0, 0, 0), missing,
-            )  # fmt: skip
+    for pass_, env, mode in (("forward", config.FORWARD, config.forward_mode()),
+                             ("backward", config.BACKWARD, config.backward_mode())):  # fmt: skip
+        routes[pass_] = Route(False, f"{env}=kernel") if mode == "kernel" else decide(
+            pass_, mode, named, rows, device, capability, dtype, n, heads, kv_heads, head_dim,
+            pattern, (0, 0, 0), missing)  # fmt: skip
     cc = f" (sm_{capability[0]}{capability[1]})" if device.type == "cuda" else ""
     lines = [
         f"local op, n = {n}, {heads} query / {kv_heads} K/V heads, head_dim {head_dim}, "

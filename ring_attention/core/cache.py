@@ -33,11 +33,7 @@ def register(name: str, cache: C) -> C:
 
 def cached(name: str, maxsize: int | None = None) -> Callable[[Callable[..., V]], Callable[..., V]]:
     """``functools.lru_cache(maxsize)`` (``None``: unbounded), registered as ``name``."""
-
-    def wrap(fn: Callable[..., V]) -> Callable[..., V]:
-        return register(name, functools.lru_cache(maxsize=maxsize)(fn))
-
-    return wrap
+    return lambda fn: register(name, functools.lru_cache(maxsize=maxsize)(fn))
 
 
 def _info_of(cache: Any) -> dict[str, Any]:

@@ -132,12 +132,9 @@ def _group(raw: str) -> str | int:
 
 
 def backward_heads(heads: int, kv_group: int, itemsize: int, setting: str | None = None) -> int:
-    """Query heads per group of the ring's backward for ``heads`` query heads of ``itemsize``
-    bytes, ``kv_group`` per K/V head (0: all at once, one group): ``setting`` or
-    ``RING_ATTENTION_BACKWARD_HEADS`` (default ``all``), rounded down to whole K/V heads' query
-    heads, at least one K/V head's; ``auto``: the most whose fp32 dq, dk, dv take no more bytes
-    than q, all at once for fp32 and fp64 (their gradients are their accumulators: groups only
-    add the slices' copies)."""
+    """Query heads per group of the ring's backward (0: all at once) for ``heads`` query heads
+    of ``itemsize`` bytes, ``kv_group`` per K/V head: ``setting`` or the variable (:data:`KNOBS`),
+    rounded down to whole K/V heads' query heads, at least one K/V head's."""
     value = _group(os.environ.get(BACKWARD_HEADS, "all") if setting is None else str(setting))
     if value == "all" or (value == "auto" and itemsize >= 4):
         return 0

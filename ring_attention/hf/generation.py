@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.call import prepare
+from ..core.dtypes import acc_dtype
 from ..core.layout import shard_bounds
 from ..local import engine
 from ..local.blocks import merge_into
@@ -82,7 +83,7 @@ def _attend_runs(
     run by run (``lse`` ``-inf`` where nothing is reached); ``chunk``: each
     left-padded row's keys and queries move on as in one process."""
     B, L, H, D = q.shape
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(q.dtype)
     out = torch.zeros(B, L, H, D, dtype=acc, device=q.device)
     lse = torch.full((B, H, L), float("-inf"), dtype=acc, device=q.device)
     shift, most = torch.zeros(B, dtype=torch.int64), 0

@@ -160,10 +160,8 @@ def _key_map(
     keep = None if attention_mask is None else _padding(batch_size, filled, attention_mask, device)
     if keep is not None and bool(keep.all()):
         keep = None
-    if sharded:
-        documents = None  # a shard's positions cannot show them: cu_seq_lens_q holds them
-    elif documents is not None and bool((documents == documents[:, :1]).all()):
-        # one document per row (what transformers decides unless compiled)
+    # none: a shard's positions cannot show them (cu_seq_lens_q holds them); one a row
+    if sharded or (documents is not None and bool((documents == documents[:, :1]).all())):
         documents = None
     if keep is None and documents is None and filled == kv_length and not kv_offset:
         return None

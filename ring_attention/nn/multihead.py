@@ -36,7 +36,6 @@ __all__ = ["MultiheadAttentionError", "MultiheadDilatedAttention"]
 
 def _keep_forward(module: nn.Module, args: tuple) -> None:
     """A no-op hook: ``nn.TransformerEncoderLayer`` then skips its fused kernel."""
-    return None
 
 
 class MultiheadDilatedAttention(nn.MultiheadAttention):
