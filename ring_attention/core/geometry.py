@@ -5,6 +5,7 @@ pairs in closed form (§7) under ring_attention/core/pairs.py and the balanced l
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 from collections.abc import Sequence
 from typing import Any, TypeVar
@@ -112,6 +113,18 @@ def _pairs_below(
     return s * _band_below(whole, whole, left, right) + cut  # x <= length: s full segments
 
 
+def _below(
+    pattern: Any, offsets: Sequence[dict[int, int]], cap: int, length: IntOrTensor, x: IntOrTensor
+) -> IntOrTensor:
+    """Reached pairs whose query lies below ``x`` in a document of ``length`` positions, summed
+    over heads and branches; segments cut to ``cap`` (the same pairs, smaller counts)."""
+    return sum(
+        heads * _pairs_below(length, x, min(w, cap), r, o, pattern.causal, pattern.window)
+        for i, (w, r) in enumerate(pattern.branches)
+        for o, heads in offsets[i].items()
+    )
+
+
 def range_pairs(
     pattern: Any, seq_len: int, offsets: Sequence[dict[int, int]], lo: int, hi: int,
 ) -> int:  # fmt: skip
@@ -119,18 +132,10 @@ def range_pairs(
     ``offsets``: :meth:`Pattern.branch_offsets`."""
     if lo >= hi:
         return 0
-    causal = pattern.causal
+    below = functools.partial(_below, pattern, offsets, max(seq_len, 1))
 
     def doc_pairs(length: int, a: int, b: int, times: int = 1) -> int:
-        return times * sum(
-            heads
-            * (
-                _pairs_below(length, b, w, r, o, causal, pattern.window)
-                - _pairs_below(length, a, w, r, o, causal, pattern.window)
-            )
-            for i, (w, r) in enumerate(pattern.branches)
-            for o, heads in offsets[i].items()
-        )
+        return times * (below(length, b) - below(length, a))
 
     if pattern.documents is None:
         return doc_pairs(seq_len, lo, hi)
@@ -157,15 +162,7 @@ def prefix_pairs(
     pattern: Any, seq_len: int, offsets: Sequence[dict[int, int]], x: torch.Tensor
 ) -> torch.Tensor:
     """Reached pairs whose query lies below each ``x`` (an int64 tensor), elementwise."""
-
-    def below(length: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        total = torch.zeros_like(y)
-        for i, (w, r) in enumerate(pattern.branches):
-            w = min(w, max(seq_len, 1))  # the same pairs; a whole segment's count stays small
-            for o, heads in offsets[i].items():
-                total += heads * _pairs_below(length, y, w, r, o, pattern.causal, pattern.window)
-        return total
-
+    below = functools.partial(_below, pattern, offsets, max(seq_len, 1))
     cu = pattern.documents_tensor("cpu")
     if cu is None:
         return below(torch.full_like(x, seq_len), x)

@@ -28,8 +28,7 @@ class ShardedLayer(DynamicLayer):
         super().__init__()
         self.size, self.rank, self.block, self.max_cache_len = size, rank, block, max_cache_len
         self.storage: tuple[torch.Tensor, ...] = ()
-        self.filled = 0  # positions cached over the group
-        self.prefill = 0
+        self.filled = self.prefill = 0  # positions cached over the group, of its prefill
         self.runs: list[tuple[int, int]] = []  # (global start, length), in local order
 
     def _mine(self, start: int, length: int) -> list[tuple[int, int]]:
