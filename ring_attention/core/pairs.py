@@ -9,7 +9,8 @@ from collections.abc import Sequence
 import torch
 
 from .checks import check_int
-from .geometry import INT64_SAFE, MAX_SEQ_LEN, prefix_pairs, range_pairs
+from .geometry import INT64_SAFE as _INT64_SAFE
+from .geometry import MAX_SEQ_LEN, prefix_pairs, range_pairs
 from .pattern import Pattern, as_flag
 
 __all__ = [
@@ -62,7 +63,7 @@ def ranks_pairs(
         sum(offsets[i].values()) * (-(-min(w, seq_len) // r) + 1)
         for i, (w, r) in enumerate(pattern.branches)
     )
-    if 8 * seq_len * reach >= INT64_SAFE:
+    if 8 * seq_len * reach >= _INT64_SAFE:
         return [reached_pairs(pattern, seq_len, heads, rs) for rs in ranges]
     most = max([1, *map(len, ranges)])
     pad = [(0, 0)] * most
