@@ -162,8 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             capability = torch.cuda.get_device_capability(args.device)
         else:
             capability = (0, 0)
-        heads = args.heads
-        kv_heads = heads if args.kv_heads is None else args.kv_heads
+        heads, kv_heads = args.heads, args.kv_heads or args.heads  # --kv-heads: >= 1 or None
         if heads % kv_heads:
             ap.error(f"argument --kv-heads: must divide --heads {heads}, got {kv_heads}")
         pattern = _checked(ap, "--segments/--dilations", lambda: Pattern(

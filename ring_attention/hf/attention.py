@@ -66,9 +66,8 @@ def dilated_attention_mask(
 
 
 def _slices_queries(config: Any) -> bool:
-    """Whether the model slices its layers' masks along the queries (dim 2 of a
-    4-D mask): Gemma 4's layers that share earlier layers' keys compute the last
-    queries only in a prefill; a key map holds no query dimension to slice."""
+    """Whether the model slices its layers' masks along the queries (Gemma 4's layers sharing
+    earlier layers' keys, in a prefill); a key map holds no query dimension to slice."""
     return bool(getattr(config, "num_kv_shared_layers", 0))
 
 

@@ -79,9 +79,8 @@ def _attend_runs(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: Any, padding: Any,
     pattern: Any, scaling: float | None, q_start: int, chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``(out, lse)`` of the queries at ``q_start`` against this rank's keys,
-    run by run (``lse`` ``-inf`` where nothing is reached); ``chunk``: each
-    left-padded row's keys and queries move on as in one process."""
+    """``(out, lse)`` of the queries at ``q_start`` against this rank's keys, run by run (``lse``
+    ``-inf`` where nothing is reached); ``chunk``: left-padded rows move on as in one process."""
     B, L, H, D = q.shape
     acc = acc_dtype(q.dtype)
     out = torch.zeros(B, L, H, D, dtype=acc, device=q.device)
