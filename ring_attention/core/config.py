@@ -38,10 +38,8 @@ SPAN_ROWS = "RING_ATTENTION_DENSE_SPAN_ROWS"
 EMULATOR_SANITIZE = "RING_ATTENTION_EMULATOR_SANITIZE"
 FAR_BYTES = "RING_ATTENTION_FAR_BYTES"
 
-#: ``auto``: the table of ring_attention/local/dispatch.py; ``kernel``: always our
-#: kernels; ``dense``: the per-branch dense backends wherever one can run the
-#: call (the CPU included, through PyTorch's CPU flash attention), and the
-#: ring's blocks of plain dense attention through them likewise.
+#: ``auto``: the table of ring_attention/local/dispatch.py; ``kernel``: always our kernels;
+#: ``dense``: the dense backends wherever one can run the call (docs/design.md §5).
 MODES = ("auto", "kernel", "dense")
 #: ``auto``: the table's choice per call; a name: that backend where it can
 #: run a call, the table's choice elsewhere.
