@@ -1,19 +1,13 @@
-"""Which path the local op takes for a shape, and why:
+"""Which path the local op takes for a shape, and why (docs/performance.md, "Which path a shape
+takes"):
 
     python -m ring_attention.info [--seq-len 131072] [--heads 16] [--head-dim 128] \\
         [--dtype bfloat16] [--device cuda] [--capability 9.0] [--causal] ...
 
-prints the forward's and the backward's route (ring_attention/local/dispatch.py:
-our kernels or dense attention per branch, the table row or the reason),
-the environment it read (ring_attention/core/config.py), the spans and, per
-branch, its dense calls, the backend each takes and why each backend before
-it in the table cannot run it. Without options it answers for the LongNet
-pattern at 131072 tokens, 16 heads x 128, bf16 on CUDA, and says which
-values are defaults. It needs no GPU: ``--capability`` stands in for the
-device's compute capability (9.0 where there is no CUDA device, and cuDNN is
-then assumed present, as in PyTorch's CUDA builds). Every option is checked
-before anything is decided: a bad one exits 2 with argparse's message naming
-it.
+prints the forward's and the backward's route, the environment it read, the spans and each
+branch's dense calls with their backends. Without options: the LongNet pattern at 131072 tokens,
+16 heads x 128, bf16 on CUDA. No GPU needed: ``--capability`` stands in for the device's (9.0,
+cuDNN assumed, without one). A bad option exits 2 with argparse's message naming it.
 """
 
 from __future__ import annotations
@@ -47,16 +41,11 @@ def describe(
     rows = config.span_rows()
     named = config.dense_backend()
     routes: dict[str, Route] = {}
-    for pass_ in ("forward", "backward"):
-        mode = config.forward_mode() if pass_ == "forward" else config.backward_mode()
-        if mode == "kernel":
-            env = config.FORWARD if pass_ == "forward" else config.BACKWARD
-            routes[pass_] = Route(False, f"{env}=kernel")
-        else:
-            routes[pass_] = decide(
-                pass_, mode, named, rows, device, capability, dtype, n, heads, kv_heads,
-                head_dim, pattern, (0, 0, 0), missing,
-            )  # fmt: skip
+    for pass_, env, mode in (("forward", config.FORWARD, config.forward_mode()),
+                             ("backward", config.BACKWARD, config.backward_mode())):  # fmt: skip
+        routes[pass_] = Route(False, f"{env}=kernel") if mode == "kernel" else decide(
+            pass_, mode, named, rows, device, capability, dtype, n, heads, kv_heads, head_dim,
+            pattern, (0, 0, 0), missing)  # fmt: skip
     cc = f" (sm_{capability[0]}{capability[1]})" if device.type == "cuda" else ""
     lines = [
         f"local op, n = {n}, {heads} query / {kv_heads} K/V heads, head_dim {head_dim}, "
@@ -173,8 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             capability = torch.cuda.get_device_capability(args.device)
         else:
             capability = (0, 0)
-        heads = args.heads
-        kv_heads = heads if args.kv_heads is None else args.kv_heads
+        heads, kv_heads = args.heads, args.kv_heads or args.heads  # --kv-heads: >= 1 or None
         if heads % kv_heads:
             ap.error(f"argument --kv-heads: must divide --heads {heads}, got {kv_heads}")
         pattern = _checked(ap, "--segments/--dilations", lambda: Pattern(

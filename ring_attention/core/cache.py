@@ -33,11 +33,7 @@ def register(name: str, cache: C) -> C:
 
 def cached(name: str, maxsize: int | None = None) -> Callable[[Callable[..., V]], Callable[..., V]]:
     """``functools.lru_cache(maxsize)`` (``None``: unbounded), registered as ``name``."""
-
-    def wrap(fn: Callable[..., V]) -> Callable[..., V]:
-        return register(name, functools.lru_cache(maxsize=maxsize)(fn))
-
-    return wrap
+    return lambda fn: register(name, functools.lru_cache(maxsize=maxsize)(fn))
 
 
 def _info_of(cache: Any) -> dict[str, Any]:
@@ -82,9 +78,7 @@ class LRUCache(Generic[V]):
             raise ValueError("max_bytes needs size_of (the size in bytes of a value)")
         self.maxsize = int(maxsize)
         self.max_bytes = max_bytes
-        self.hits = 0
-        self.misses = 0
-        self.nbytes = 0
+        self.hits = self.misses = self.nbytes = 0
         self._size_of = size_of
         self._data: OrderedDict[Hashable, tuple[V, int]] = OrderedDict()
         self._lock = threading.RLock()
@@ -125,9 +119,7 @@ class LRUCache(Generic[V]):
         """Drop every entry and reset the counters."""
         with self._lock:
             self._data.clear()
-            self.hits = 0
-            self.misses = 0
-            self.nbytes = 0
+            self.hits = self.misses = self.nbytes = 0
 
     def info(self) -> dict[str, int]:
         """``{"hits", "misses", "size", "maxsize"}``."""
@@ -158,11 +150,7 @@ class PerBatch:
         """The value under ``key`` for the batch of ``source``, built on a miss."""
         version = source._version if not source.is_inference() else -1
         with self._lock:
-            if (
-                self._source is None
-                or self._source[0]() is not source
-                or self._source[1] != version
-            ):
+            if not (self._source and self._source[0]() is source and self._source[1] == version):
                 self._source, self._values = (weakref.ref(source), version), {}
             if key in self._values:
                 self.hits += 1

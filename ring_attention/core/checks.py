@@ -181,9 +181,7 @@ def check_int(value: object, name: str, low: int, high: int) -> int:
     """``value`` as an int in ``[low, high]`` (not ``bool``), else ``ValueError`` naming
     ``name``."""
     try:
-        if isinstance(value, bool) or (
-            isinstance(value, torch.Tensor) and value.dtype == torch.bool
-        ):
+        if isinstance(value, bool) or getattr(value, "dtype", None) is torch.bool:
             raise TypeError
         n = operator.index(value)
     except TypeError:

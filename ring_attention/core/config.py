@@ -38,10 +38,8 @@ SPAN_ROWS = "RING_ATTENTION_DENSE_SPAN_ROWS"
 EMULATOR_SANITIZE = "RING_ATTENTION_EMULATOR_SANITIZE"
 FAR_BYTES = "RING_ATTENTION_FAR_BYTES"
 
-#: ``auto``: the table of ring_attention/local/dispatch.py; ``kernel``: always our
-#: kernels; ``dense``: the per-branch dense backends wherever one can run the
-#: call (the CPU included, through PyTorch's CPU flash attention), and the
-#: ring's blocks (no documents, no window) through them likewise.
+#: ``auto``: the table of ring_attention/local/dispatch.py; ``kernel``: always our kernels;
+#: ``dense``: the dense backends wherever one can run the call (docs/design.md §5).
 MODES = ("auto", "kernel", "dense")
 #: ``auto``: the table's choice per call; a name: that backend where it can
 #: run a call, the table's choice elsewhere.
@@ -88,59 +86,54 @@ def _choice(name: str, raw: str, accepted: tuple[str, ...]) -> str:
     return raw
 
 
-def _get(name: str, default: str) -> str:
-    return os.environ.get(name, default)
-
-
 def forward_mode() -> str:
     """``RING_ATTENTION_FORWARD``: one of :data:`MODES` (default ``auto``)."""
-    return _choice(FORWARD, _get(FORWARD, "auto"), MODES)
+    return _choice(FORWARD, os.environ.get(FORWARD, "auto"), MODES)
 
 
 def backward_mode() -> str:
     """``RING_ATTENTION_BACKWARD``: one of :data:`MODES` (default ``auto``)."""
-    return _choice(BACKWARD, _get(BACKWARD, "auto"), MODES)
+    return _choice(BACKWARD, os.environ.get(BACKWARD, "auto"), MODES)
 
 
 def dense_backend() -> str:
     """``RING_ATTENTION_DENSE_BACKEND``: one of :data:`DENSE_BACKENDS` (default ``auto``)."""
-    return _choice(DENSE_BACKEND, _get(DENSE_BACKEND, "auto"), DENSE_BACKENDS)
+    return _choice(DENSE_BACKEND, os.environ.get(DENSE_BACKEND, "auto"), DENSE_BACKENDS)
+
+
+def _at_least(raw: str, low: int, message: str) -> int:
+    """``raw`` as an integer written plainly, at least ``low``; else ``ValueError(message)``."""
+    try:
+        value = int(raw)
+    except ValueError:
+        value = low - 1
+    if value < low or str(value) != raw.strip():
+        raise ValueError(message)
+    return value
 
 
 @cached("config rows")
 def _rows(raw: str) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1 or str(value) != raw.strip():
-        raise ValueError(f"{SPAN_ROWS} must be an integer >= 1, got {raw!r}")
-    return value
+    return _at_least(raw, 1, f"{SPAN_ROWS} must be an integer >= 1, got {raw!r}")
 
 
 def span_rows() -> int:
     """``RING_ATTENTION_DENSE_SPAN_ROWS``: the fewest rows of a span (default 131072)."""
-    return _rows(_get(SPAN_ROWS, "131072"))
+    return _rows(os.environ.get(SPAN_ROWS, "131072"))
 
 
 @cached("config backward heads")
 def _group(raw: str) -> str | int:
     if raw in ("all", "auto"):
         return raw
-    value = int(raw) if raw.strip().isdigit() and str(int(raw)) == raw.strip() else 0
-    if value < 1:
-        raise ValueError(f"{BACKWARD_HEADS} must be all, auto or an integer >= 1, got {raw!r}")
-    return value
+    return _at_least(raw, 1, f"{BACKWARD_HEADS} must be all, auto or an integer >= 1, got {raw!r}")
 
 
 def backward_heads(heads: int, kv_group: int, itemsize: int, setting: str | None = None) -> int:
-    """Query heads per group of the ring's backward for ``heads`` query heads of ``itemsize``
-    bytes, ``kv_group`` per K/V head (0: all at once, one group): ``setting`` or
-    ``RING_ATTENTION_BACKWARD_HEADS`` (default ``all``), rounded down to whole K/V heads' query
-    heads, at least one K/V head's; ``auto``: the most whose fp32 dq, dk, dv take no more bytes
-    than q, all at once for fp32 and fp64 (their gradients are their accumulators: groups only
-    add the slices' copies)."""
-    value = _group(_get(BACKWARD_HEADS, "all") if setting is None else str(setting))
+    """Query heads per group of the ring's backward (0: all at once) for ``heads`` query heads
+    of ``itemsize`` bytes, ``kv_group`` per K/V head: ``setting`` or the variable (:data:`KNOBS`),
+    rounded down to whole K/V heads' query heads, at least one K/V head's."""
+    value = _group(os.environ.get(BACKWARD_HEADS, "all") if setting is None else str(setting))
     if value == "all" or (value == "auto" and itemsize >= 4):
         return 0
     if value == "auto":
@@ -155,20 +148,14 @@ def _far(raw: str, device_type: str) -> int:
         return 0
     if raw == "auto":
         return LINKS["cuda" if device_type == "cuda" else "cpu"][0].far_bytes
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0 or str(value) != raw.strip():
-        raise ValueError(f"{FAR_BYTES} must be off, auto or an integer >= 0, got {raw!r}")
-    return value
+    return _at_least(raw, 0, f"{FAR_BYTES} must be off, auto or an integer >= 0, got {raw!r}")
 
 
 def far_bytes(device_type: str) -> int:
     """``RING_ATTENTION_FAR_BYTES`` for ``device_type`` (0: ``off``, the default)."""
-    return _far(_get(FAR_BYTES, "off"), device_type)
+    return _far(os.environ.get(FAR_BYTES, "off"), device_type)
 
 
 def emulator_sanitize() -> list[str]:
     """``RING_ATTENTION_EMULATOR_SANITIZE``: flags of a sanitized CUDA emulator build."""
-    return _get(EMULATOR_SANITIZE, "").split()
+    return os.environ.get(EMULATOR_SANITIZE, "").split()

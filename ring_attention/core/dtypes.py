@@ -30,11 +30,7 @@ def select_dtype(device: torch.device | str | int | None = None) -> torch.dtype:
     if not torch.cuda.is_available():
         raise RuntimeError(f"device {device}: CUDA is not available")
     major, _ = torch.cuda.get_device_capability(device)
-    if major >= 8:
-        return torch.bfloat16
-    if major == 7:
-        return torch.float16
-    return torch.float32
+    return torch.bfloat16 if major >= 8 else torch.float16 if major == 7 else torch.float32
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:

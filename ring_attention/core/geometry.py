@@ -5,6 +5,7 @@ pairs in closed form (§7) under ring_attention/core/pairs.py and the balanced l
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 from collections.abc import Sequence
 from typing import Any, TypeVar
@@ -15,14 +16,11 @@ __all__ = [
     "INT64_SAFE",
     "MAX_SEQ_LEN",
     "active_before",
-    "active_run",
-    "document_positions",
     "head_groups",
     "prefix_pairs",
     "range_pairs",
     "segment_active_positions",
     "segment_around",
-    "window_mask",
 ]
 
 IntOrTensor = TypeVar("IntOrTensor", int, torch.Tensor)
@@ -38,45 +36,6 @@ def active_before(x: IntOrTensor, offset: int, r: int) -> IntOrTensor:
     if isinstance(x, torch.Tensor):
         return torch.clamp(torch.div(x - offset + r - 1, r, rounding_mode="floor"), min=0)
     return max(0, -(-(x - offset) // r))
-
-
-def active_run(
-    seg_start: int, seg_end: int, r: int, offset: int, lo: int, hi: int
-) -> tuple[int, int]:
-    """``(first, count)``: the active positions of the segment ``[seg_start, seg_end)`` that lie
-    in ``[lo, hi)``."""
-    a, b = max(lo, seg_start), min(hi, seg_end)
-    rel = a - seg_start
-    first = seg_start + offset + (0 if rel <= offset else -(-(rel - offset) // r) * r)
-    return first, (-(-(b - first) // r) if first < b else 0)
-
-
-def document_positions(
-    documents: torch.Tensor | None, seq_len: int, device: torch.device | str | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(relative, document)``: each position relative to its document's start, and the
-    document's index."""
-    t = torch.arange(seq_len, device=device)
-    if documents is None:
-        return t, torch.zeros_like(t)
-    cu = documents.to(t.device)
-    doc = torch.searchsorted(cu, t, right=True) - 1
-    return t - cu[doc], doc
-
-
-def window_mask(
-    window: tuple[int, int], seq_len: int, device: torch.device | str | None = None
-) -> torch.Tensor:
-    """Bool ``(seq_len, seq_len)``: ``[t, u]`` lies in the sliding window."""
-    t = torch.arange(seq_len, device=device)
-    diff = t[None, :] - t[:, None]  # u - t
-    left, right = window
-    inside = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device)
-    if left >= 0:
-        inside &= diff >= -left
-    if right >= 0:
-        inside &= diff <= right
-    return inside
 
 
 def segment_around(
@@ -154,6 +113,18 @@ def _pairs_below(
     return s * _band_below(whole, whole, left, right) + cut  # x <= length: s full segments
 
 
+def _below(
+    pattern: Any, offsets: Sequence[dict[int, int]], cap: int, length: IntOrTensor, x: IntOrTensor
+) -> IntOrTensor:
+    """Reached pairs whose query lies below ``x`` in a document of ``length`` positions, summed
+    over heads and branches; segments cut to ``cap`` (the same pairs, smaller counts)."""
+    return sum(
+        heads * _pairs_below(length, x, min(w, cap), r, o, pattern.causal, pattern.window)
+        for i, (w, r) in enumerate(pattern.branches)
+        for o, heads in offsets[i].items()
+    )
+
+
 def range_pairs(
     pattern: Any, seq_len: int, offsets: Sequence[dict[int, int]], lo: int, hi: int,
 ) -> int:  # fmt: skip
@@ -161,18 +132,10 @@ def range_pairs(
     ``offsets``: :meth:`Pattern.branch_offsets`."""
     if lo >= hi:
         return 0
-    causal = pattern.causal
+    below = functools.partial(_below, pattern, offsets, max(seq_len, 1))
 
     def doc_pairs(length: int, a: int, b: int, times: int = 1) -> int:
-        return times * sum(
-            heads
-            * (
-                _pairs_below(length, b, w, r, o, causal, pattern.window)
-                - _pairs_below(length, a, w, r, o, causal, pattern.window)
-            )
-            for i, (w, r) in enumerate(pattern.branches)
-            for o, heads in offsets[i].items()
-        )
+        return times * (below(length, b) - below(length, a))
 
     if pattern.documents is None:
         return doc_pairs(seq_len, lo, hi)
@@ -199,15 +162,7 @@ def prefix_pairs(
     pattern: Any, seq_len: int, offsets: Sequence[dict[int, int]], x: torch.Tensor
 ) -> torch.Tensor:
     """Reached pairs whose query lies below each ``x`` (an int64 tensor), elementwise."""
-
-    def below(length: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        total = torch.zeros_like(y)
-        for i, (w, r) in enumerate(pattern.branches):
-            w = min(w, max(seq_len, 1))  # the same pairs; a whole segment's count stays small
-            for o, heads in offsets[i].items():
-                total += heads * _pairs_below(length, y, w, r, o, pattern.causal, pattern.window)
-        return total
-
+    below = functools.partial(_below, pattern, offsets, max(seq_len, 1))
     cu = pattern.documents_tensor("cpu")
     if cu is None:
         return below(torch.full_like(x, seq_len), x)

@@ -192,18 +192,14 @@ def _folded_pieces(n: int, world_size: int, rank: int, layout: Layout, fold: int
         for p in layout_pieces(n, world_size * fold, rank * fold + j, layout)
         if p.length
     )
-    runs: list[list[int]] = []
+    pieces: list[Piece] = []  # adjacent parts merged
     for start, length, _ in parts:
-        if runs and runs[-1][0] + runs[-1][1] == start:
-            runs[-1][1] += length
+        if pieces and sum(pieces[-1][:2]) == start:
+            pieces[-1] = pieces[-1]._replace(length=pieces[-1].length + length)
         else:
-            runs.append([start, length])
-    if not runs:
+            pieces.append(Piece(start, length, sum(p.length for p in pieces)))
+    if not pieces:
         return [Piece(layout_pieces(n, world_size * fold, rank * fold, layout)[0].start, 0, 0)]
-    pieces, offset = [], 0
-    for start, length in runs:
-        pieces.append(Piece(start, length, offset))
-        offset += length
     return pieces
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 
 from .cache import LRUCache
-from .geometry import document_positions, window_mask
 from .pattern import Pattern
 
 __all__ = ["PATTERN_CACHE", "log_multiplicity", "multiplicity"]
@@ -30,7 +29,10 @@ def multiplicity(
     """``M[h, t, u]``, ``(heads, seq_len, seq_len)``: the number of branches in which query ``t``
     reaches key ``u`` for head ``h`` (not cached)."""
     pattern.check_length(seq_len)
-    rel, doc = document_positions(pattern.documents_tensor("cpu"), seq_len, device)
+    t = torch.arange(seq_len, device=device)
+    cu = pattern.documents_tensor(t.device)  # each position's document and place in it
+    doc = torch.zeros_like(t) if cu is None else torch.searchsorted(cu, t, right=True) - 1
+    rel = t if cu is None else t - cu[doc]
     same_doc = doc[:, None] == doc[None, :]
     m = torch.zeros(heads, seq_len, seq_len, dtype=dtype, device=device)
     for (w, r), classes in zip(pattern.branches, pattern.offset_classes(heads), strict=True):
@@ -42,7 +44,8 @@ def multiplicity(
     if pattern.causal:
         m = m.tril()
     if pattern.windowed:
-        m *= window_mask(pattern.window, seq_len, device)
+        diff, (left, right) = t[None, :] - t[:, None], pattern.window  # u - t
+        m *= ((diff >= -left) | (left < 0)) & ((diff <= right) | (right < 0))
     return m
 
 

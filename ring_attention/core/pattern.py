@@ -200,8 +200,7 @@ class Pattern:
         """The heads branch ``branch`` applies to."""
         if not self.head_groups:
             return list(range(heads))
-        lo, hi = head_group_bounds(heads, self.n_branches)[branch]
-        return list(range(lo, hi))
+        return list(range(*head_group_bounds(heads, self.n_branches)[branch]))
 
     def offset(self, h: int, branch: int, heads: int) -> int:
         """The dilation offset of head ``h`` in branch ``branch``."""

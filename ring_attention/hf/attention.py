@@ -66,9 +66,8 @@ def dilated_attention_mask(
 
 
 def _slices_queries(config: Any) -> bool:
-    """Whether the model slices its layers' masks along the queries (dim 2 of a
-    4-D mask): Gemma 4's layers that share earlier layers' keys compute the last
-    queries only in a prefill; a key map holds no query dimension to slice."""
+    """Whether the model slices its layers' masks along the queries (Gemma 4's layers sharing
+    earlier layers' keys, in a prefill); a key map holds no query dimension to slice."""
     return bool(getattr(config, "num_kv_shared_layers", 0))
 
 
@@ -139,8 +138,9 @@ def dilated_attention_forward(
         return out, weights
     pattern = layer_pattern(module, causal, kwargs.get("sliding_window"))
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    if _is_position_map(attention_mask, query, key):
-        # eagerly the filled keys with the pattern (what a dynamic cache
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.int64 \
+            and attention_mask.shape == (query.shape[0], key.shape[2]):  # fmt: skip
+        # the position map: eagerly the filled keys with the pattern (what a dynamic cache
         # takes: cheaper than gathering); compiled, fixed shapes
         filled = None if torch.compiler.is_compiling() else filled_keys(attention_mask)
         if filled is None:
@@ -149,14 +149,6 @@ def dilated_attention_forward(
             return decode_attention(q, k, v, attention_mask, call), None
         attention_mask = filled
     return _local(q, k, v, pattern, attention_mask, scaling, kwargs, layer_chunk(module)), None
-
-
-def _is_position_map(attention_mask: Any, query: torch.Tensor, key: torch.Tensor) -> bool:
-    """Whether ``attention_mask`` is the int64 ``(batch, keys)`` position map."""
-    return (
-        isinstance(attention_mask, torch.Tensor)
-        and attention_mask.dtype == torch.int64
-        and attention_mask.shape == (query.shape[0], key.shape[2]))  # fmt: skip
 
 
 def _one_query_row(attention_mask: Any, query: torch.Tensor, key: torch.Tensor) -> bool:
@@ -344,11 +336,9 @@ def _auto_spread(
         return sp.spread()
     n = int(documents[-1])
     key = (pattern, n, q.shape[2], k.shape[2], q.shape[3], q.dtype, q.device.type)
-
-    def plan():
-        return plan_mesh(n, q.shape[2], k.shape[2], q.shape[3], pattern, group=sp.group,
-                         device_type=q.device.type, dtype=q.dtype, batch=q.shape[0])  # fmt: skip
-
+    plan = functools.partial(plan_mesh, n, q.shape[2], k.shape[2], q.shape[3], pattern,
+                             group=sp.group, device_type=q.device.type, dtype=q.dtype,
+                             batch=q.shape[0])  # fmt: skip
     return sp.layer_spread(key, plan)
 
 

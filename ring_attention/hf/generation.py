@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.call import prepare
+from ..core.dtypes import acc_dtype
 from ..core.layout import shard_bounds
 from ..local import engine
 from ..local.blocks import merge_into
@@ -28,16 +29,14 @@ def generation_step(
     scaling: float | None, kwargs: Mapping[str, Any], sp: Any, pattern_of: Callable[[], Any],
     chunk: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """One generation step over the group: ``query`` ``(B, H, L, D)`` the
-    last ``L`` cached positions (``chunk``: a chunked layer's); returns
-    ``(B, L, H, D)``."""
+    """One generation step over the group: ``query`` ``(B, H, L, D)`` the last ``L`` cached
+    positions (``chunk``: a chunked layer's); returns ``(B, L, H, D)``."""
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     B, L = q.shape[:2]
     size, rank, groups = sp._grid()
-    pieces = _pieces_of(key)
-    if pieces is None:  # every rank holds every position: its tensor_split piece
-        keep = _static_keep(attention_mask, B, k.shape[1])
-        keys, first, filled, padding = _keys_in_use(keep, B, k.shape[1])
+    ref, pieces = _pieces.get(id(key), (None, None))
+    if ref is None or ref() is not key:  # every rank holds every position: its tensor_split piece
+        keys, first, filled, padding = _keys_in_use(attention_mask, B, k.shape[1])
         lo, length = shard_bounds(keys, size)[rank]
         runs = ((first + lo, length),)
         k, v = k[:, lo : lo + length], v[:, lo : lo + length]
@@ -76,20 +75,14 @@ def record_pieces(keys: torch.Tensor, pieces: Pieces) -> None:
     _pieces[id(keys)] = (weakref.ref(keys), pieces)
 
 
-def _pieces_of(keys: torch.Tensor) -> Pieces | None:
-    found = _pieces.get(id(keys))
-    return found[1] if found is not None and found[0]() is keys else None
-
-
 def _attend_runs(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: Any, padding: Any,
     pattern: Any, scaling: float | None, q_start: int, chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``(out, lse)`` of the queries at ``q_start`` against this rank's keys,
-    run by run (``lse`` ``-inf`` where nothing is reached); ``chunk``: each
-    left-padded row's keys and queries move on as in one process."""
+    """``(out, lse)`` of the queries at ``q_start`` against this rank's keys, run by run (``lse``
+    ``-inf`` where nothing is reached); ``chunk``: left-padded rows move on as in one process."""
     B, L, H, D = q.shape
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(q.dtype)
     out = torch.zeros(B, L, H, D, dtype=acc, device=q.device)
     lse = torch.full((B, H, L), float("-inf"), dtype=acc, device=q.device)
     shift, most = torch.zeros(B, dtype=torch.int64), 0
@@ -147,37 +140,26 @@ def _padding_of(attention_mask: Any, batch: int, filled: int) -> torch.Tensor | 
     return None if bool(attention_mask.all()) else ~attention_mask
 
 
-def _static_keep(attention_mask: Any, batch: int, slots: int) -> Any:
-    """A static cache's mask as the bool ``(batch, filled)`` map of the keys
-    kept: its int64 position map, or (no pattern) sdpa's one-row 4-D mask."""
-    m = attention_mask
-    if not isinstance(m, torch.Tensor) or m.shape[-1] != slots:
-        return m
-    if m.dtype == torch.int64 and m.shape == (batch, slots):
-        return m[:, : int(m.amax())] > 0
-    if m.dtype == torch.bool and m.dim() == 4 and m.shape[1:3] == (1, 1):
-        keep = m[:, 0, 0].expand(batch, slots)  # the query's own slot is the last kept
-        return keep[:, : int(keep.any(0).nonzero().max()) + 1]
-    return m
-
-
-def _keys_in_use(attention_mask: Any, batch: int, keys: int) -> tuple[int, int, int, Any]:
-    """``(keys in use, position of the first, end of the queries, padding)``
-    from the layer's key map."""
-    if attention_mask is None:
+def _keys_in_use(m: Any, batch: int, keys: int) -> tuple[int, int, int, Any]:
+    """``(keys in use, position of the first, end of the queries, padding)`` from the layer's
+    key map, or a static cache's int64 position map or (no pattern) sdpa's one-row 4-D mask."""
+    if isinstance(m, torch.Tensor) and m.shape[-1] == keys:  # a static cache: the kept keys
+        if m.dtype == torch.int64 and m.shape == (batch, keys):
+            m = m[:, : int(m.amax())] > 0
+        elif m.dtype == torch.bool and m.dim() == 4 and m.shape[1:3] == (1, 1):
+            m = m[:, 0, 0].expand(batch, keys)  # the query's own slot is the last kept
+            m = m[:, : int(m.any(0).nonzero().max()) + 1]
+    if m is None:
         return keys, 0, keys, None
-    if not (isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool
-            and attention_mask.dim() == 2 and attention_mask.shape[0] == batch):  # fmt: skip
+    if not (isinstance(m, torch.Tensor) and m.dtype == torch.bool and m.dim() == 2
+            and m.shape[0] == batch):  # fmt: skip
         raise ValueError(
             f"{_NAME}: generation over the sequence-parallel group takes a 2-D padding mask "
             "(a dynamic or static cache's; not a 4-D mask of the caller's); got an attention_mask "
-            f"of {getattr(attention_mask, 'dtype', type(attention_mask).__name__)} "
-            f"{tuple(getattr(attention_mask, 'shape', ()))}")  # fmt: skip
-    filled = attention_mask.shape[1]
-    first = max(filled - keys, 0)
-    used = min(keys, filled)
-    # padded anywhere: a chunked layer moves left-padded rows on (_attend_runs)
-    return used, first, filled, None if bool(attention_mask.all()) else ~attention_mask
+            f"of {getattr(m, 'dtype', type(m).__name__)} "
+            f"{tuple(getattr(m, 'shape', ()))}")  # fmt: skip
+    filled = m.shape[1]  # padded anywhere: a chunked layer moves left-padded rows on (_attend_runs)
+    return min(keys, filled), max(filled - keys, 0), filled, None if bool(m.all()) else ~m
 
 
 def _agree(sp: Any, payload: list[int]) -> None:
@@ -219,8 +201,7 @@ def _merge_over(out: torch.Tensor, lse: torch.Tensor, groups: tuple) -> tuple:
         dist.all_gather(lses, lse.contiguous(), group=group)
         if order is not None:
             outs, lses = [outs[g] for g in order], [lses[g] for g in order]
-        out = torch.zeros_like(out)
-        lse = torch.full_like(lse, float("-inf"))
+        out, lse = torch.zeros_like(out), torch.full_like(lse, float("-inf"))
         for o, s in zip(outs, lses, strict=True):
             merge_into(out, lse, o, s)
     return out, lse

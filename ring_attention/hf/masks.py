@@ -28,12 +28,9 @@ def _closure(fn: Callable) -> dict[str, Any]:
 def _packed_sequences(
     fn: Callable | None, config: Any = None, shifts: bool = False
 ) -> torch.Tensor | None:
-    """The packed-sequence index inside transformers' mask function, or
-    ``None``; fails closed on any mask function the kernels do not express
-    (``shifts``: left-padded rows' chunks are the layer's to take: one process
-    and generation over the group shift them, ``chunk_shifts``; sequence-parallel
-    training refuses the padding mask on every rank, through the ring's
-    handshake, which a raise here would skip)."""
+    """The packed-sequence index inside transformers' mask function, or ``None``; fails closed
+    on any mask function the kernels do not express (``shifts``: left-padded chunks are the
+    layer's to shift, ``chunk_shifts``, or to refuse on every rank through the handshake)."""
     from transformers import masking_utils as mu
 
     if fn is None or fn is mu.causal_mask_function or fn is mu.bidirectional_mask_function:
@@ -90,34 +87,25 @@ def layer_mask(
 ) -> torch.Tensor | None:  # fmt: skip
     """What the layers get for transformers' mask arguments (``dense``: no
     pattern, ``sharded``: sequence parallelism)."""
-    config = kwargs.get("config")
-    if dense and _sdpa_masks_it(q_length, kv_length, q_offset, kv_offset):
-        from transformers.masking_utils import sdpa_mask
+    compiling = torch.compiler.is_compiling()
+    tensor = isinstance(q_offset, torch.Tensor)  # a static cache's
+    continues = not tensor and (q_offset != 0 or kv_offset != 0 or kv_length != q_length)
+    if dense and ((tensor or continues) if compiling else (tensor and q_length == 1)):
+        from transformers.masking_utils import sdpa_mask  # a model without a pattern: "sdpa"'s
 
         kwargs["allow_is_causal_skip"] = False  # None would mean every key of the cache
         return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset,
                          mask_function, attention_mask, **kwargs)  # fmt: skip
-    compiling = torch.compiler.is_compiling()
-    tensor = isinstance(q_offset, torch.Tensor)
     if tensor and kv_offset == 0:
-        if not compiling:  # its closures cannot be traced
-            _packed_sequences(mask_function, config)  # raises for what the kernels cannot express
+        if not compiling:  # its closures cannot be traced; raises for what the kernels cannot do
+            _packed_sequences(mask_function, kwargs.get("config"))
         return position_map(batch_size, q_length, kv_length, q_offset, attention_mask, **kwargs)
-    continues = q_offset != 0 or kv_offset != 0 or kv_length != q_length
-    if compiling and continues and not tensor:
+    if compiling and continues:
         # with a cache no packed documents; the eager prefill checked the mask function
         filled = _filled(q_offset, q_length, kv_offset, kv_length)
         return _padding(batch_size, filled, attention_mask, kwargs.get("device", "cpu"))
     return _key_map(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
                     attention_mask, sharded, **kwargs)  # fmt: skip
-
-
-def _sdpa_masks_it(q_length: int, kv_length: int, q_offset: Any, kv_offset: int) -> bool:
-    """Whether a model without a pattern gets transformers' ``"sdpa"`` mask."""
-    tensor = isinstance(q_offset, torch.Tensor)
-    if torch.compiler.is_compiling():
-        return tensor or q_offset != 0 or kv_offset != 0 or kv_length != q_length
-    return tensor and q_length == 1
 
 
 def position_map(
@@ -172,10 +160,8 @@ def _key_map(
     keep = None if attention_mask is None else _padding(batch_size, filled, attention_mask, device)
     if keep is not None and bool(keep.all()):
         keep = None
-    if sharded:
-        documents = None  # a shard's positions cannot show them: cu_seq_lens_q holds them
-    elif documents is not None and bool((documents == documents[:, :1]).all()):
-        # one document per row (what transformers decides unless compiled)
+    # none: a shard's positions cannot show them (cu_seq_lens_q holds them); one a row
+    if sharded or (documents is not None and bool((documents == documents[:, :1]).all())):
         documents = None
     if keep is None and documents is None and filled == kv_length and not kv_offset:
         return None

@@ -65,12 +65,10 @@ class SequenceParallel:
     @property
     def ring_only(self) -> bool:
         """Whether the batch shards and gathers over the ring alone."""
-        return self.auto or (self._refs[1] is None and self.mesh is None)
+        return self._refs[1] is None and self.mesh is None  # mesh="auto": the ring's
 
     def spread(self) -> dict[str, Any]:
         """``group``/``ulysses_group``/``mesh`` as the functional API takes them."""
-        if self.auto:
-            return {"group": self.group, "ulysses_group": None, "mesh": None}
         return {"group": self.group, "ulysses_group": self.ulysses_group, "mesh": self.mesh}
 
     def _grid(self) -> tuple[int, int, tuple]:
@@ -272,11 +270,10 @@ def shard_causal_lm_batch(
     def shard(x: torch.Tensor) -> torch.Tensor:  # contiguous: the loss views it flat
         return x if size == 1 else sp.shard(x, 1)
 
-    out: dict[str, Any] = {}
-    for key, value in other.items():
-        sharded = isinstance(value, torch.Tensor) and value.dim() >= 2
-        sharded = sharded and value.shape[:2] == (batch, n)
-        out[key] = shard(value) if sharded else value
+    out: dict[str, Any] = {
+        k: shard(v) if isinstance(v, torch.Tensor) and v.shape[:2] == (batch, n) else v
+        for k, v in other.items()
+    }
     out["input_ids" if ids else "inputs_embeds"] = shard(tokens)
     out["position_ids"] = shard(position_ids)
     out["cu_seq_lens_q"] = out["cu_seq_lens_k"] = cu

@@ -28,8 +28,7 @@ class ShardedLayer(DynamicLayer):
         super().__init__()
         self.size, self.rank, self.block, self.max_cache_len = size, rank, block, max_cache_len
         self.storage: tuple[torch.Tensor, ...] = ()
-        self.filled = 0  # positions cached over the group
-        self.prefill = 0
+        self.filled = self.prefill = 0  # positions cached over the group, of its prefill
         self.runs: list[tuple[int, int]] = []  # (global start, length), in local order
 
     def _mine(self, start: int, length: int) -> list[tuple[int, int]]:
@@ -144,10 +143,9 @@ class ShardedLayer(DynamicLayer):
 
 
 class ShardedCache(DynamicCache):
-    """transformers' ``DynamicCache`` whose full-attention layers keep only
-    this rank's positions; ``block``: generated positions a rank takes in turn;
-    ``max_cache_len``: the positions cached over the group at most, each layer's
-    storage preallocated (``ShardedLayer``), else it grows."""
+    """transformers' ``DynamicCache`` whose full-attention layers keep only this rank's positions;
+    ``block``: generated positions a rank takes in turn; ``max_cache_len``: the positions cached
+    over the group at most, each layer's storage preallocated (``ShardedLayer``), else it grows."""
 
     def __init__(self, config: Any, block: int = 64, max_cache_len: int | None = None) -> None:
         sp = sequence_parallel()

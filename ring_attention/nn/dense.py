@@ -21,10 +21,9 @@ def dense_attention(
     bias_k: torch.Tensor | None = None, bias_v: torch.Tensor | None = None,
     add_zero_attn: bool = False, pattern: Pattern | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-    """Attention of projected ``(batch, seq, embed)`` q/k/v as
-    ``nn.MultiheadAttention`` computes it, a ``pattern`` as the
-    ``log(multiplicity)`` bias; rows that reach nothing give zeros.
-    Returns ``(out, weights (batch, heads, L, S) or None)``."""
+    """Attention of projected ``(batch, seq, embed)`` q/k/v as ``nn.MultiheadAttention`` computes
+    it, a ``pattern`` as the ``log(multiplicity)`` bias; rows that reach nothing give zeros. Returns
+    ``(out, weights (batch, heads, L, S) or None)``."""
     cdt = compute_dtype
     B, L, E = q.shape
     H, D = num_heads, E // num_heads
@@ -38,9 +37,7 @@ def dense_attention(
         v = torch.cat([v, bias_v.expand(B, 1, E).to(v.dtype)], dim=1)
     q, k, v = (t.reshape(B, t.shape[1], H, D).transpose(1, 2).to(cdt) for t in (q, k, v))
     if add_zero_attn:
-        zeros = q.new_zeros(B, H, 1, D)
-        k = torch.cat([k, zeros], dim=2)
-        v = torch.cat([v, zeros], dim=2)
+        k, v = (torch.cat([t, q.new_zeros(B, H, 1, D)], dim=2) for t in (k, v))
     S = k.shape[2]
 
     bias = None

@@ -79,9 +79,7 @@ class RingDilatedAttention(_PatternModule):
         super().__init__(
             segment_lengths, dilation_rates, causal, scale, head_groups, head_offsets, window=window
         )
-        self.group = group
-        self.ulysses_group = ulysses_group
-        self.mesh = mesh
+        self.group, self.ulysses_group, self.mesh = group, ulysses_group, mesh
         self.layout = check_layout(layout)
 
     def forward(

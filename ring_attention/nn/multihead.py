@@ -36,7 +36,6 @@ __all__ = ["MultiheadAttentionError", "MultiheadDilatedAttention"]
 
 def _keep_forward(module: nn.Module, args: tuple) -> None:
     """A no-op hook: ``nn.TransformerEncoderLayer`` then skips its fused kernel."""
-    return None
 
 
 class MultiheadDilatedAttention(nn.MultiheadAttention):
@@ -62,13 +61,10 @@ class MultiheadDilatedAttention(nn.MultiheadAttention):
                 batch_first, device, dtype)  # fmt: skip
         except AssertionError as e:
             raise MultiheadAttentionError(*e.args).with_traceback(e.__traceback__) from None
+        self.group, self.ulysses_group, self.mesh = group, ulysses_group, mesh
         self.pattern = _check_options(
-            num_heads, segment_lengths, dilation_rates, head_groups, head_offsets,
-            group is not None or ulysses_group is not None or mesh is not None,
+            num_heads, segment_lengths, dilation_rates, head_groups, head_offsets, self._sharded,
             add_bias_kv, add_zero_attn, compute_dtype, window)  # fmt: skip
-        self.group = group
-        self.ulysses_group = ulysses_group
-        self.mesh = mesh
         self.compute_dtype = compute_dtype
         if not self._is_plain():
             self.register_forward_pre_hook(_keep_forward)

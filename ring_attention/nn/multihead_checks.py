@@ -177,12 +177,10 @@ def check_mask_dtype(
 ) -> None:  # fmt: skip
     """Float masks of another dtype than the query, as ``torch.baddbmm`` or
     ``F.scaled_dot_product_attention`` (which also takes float32) refuse them."""
-    if key_padding_mask is None and attn_mask is None:
+    dtypes = [t.dtype for t in (attn_mask, key_padding_mask) if t is not None]
+    if not dtypes:
         return
-    if key_padding_mask is None or attn_mask is None:
-        merged = (attn_mask if key_padding_mask is None else key_padding_mask).dtype
-    else:
-        merged = torch.promote_types(attn_mask.dtype, key_padding_mask.dtype)
+    merged = torch.promote_types(*dtypes) if len(dtypes) == 2 else dtypes[0]
     m, q = (_ATEN_NAMES.get(d, str(d)) for d in (merged, dtype))
     if need_weights and merged != dtype:
         raise RuntimeError(
