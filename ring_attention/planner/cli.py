@@ -380,7 +380,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # argparse: --help (0) or a bad option (2)
         return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
     return run(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

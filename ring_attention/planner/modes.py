@@ -48,7 +48,6 @@ class ModeRank:
     ring_forward_backward: int
     forward_peak: int
     training_peak: int
-    forward_items: dict[str, int]
     training_items: dict[str, int]
     time: RankTime | None
     a2a_seconds: tuple[float, float]  # forward, forward + backward
@@ -161,7 +160,7 @@ def evaluate_mode(
             rank=v, local_len=L, a2a_forward=qkv + o, a2a_forward_backward=qkv + o + og + qg,
             ring_forward=ring_f, ring_forward_backward=ring_fb,
             forward_peak=sum(f_items.values()), training_peak=sum(t_items.values()),
-            forward_items=f_items, training_items=t_items, time=time,
+            training_items=t_items, time=time,
             a2a_seconds=(a2a_f, a2a_f + a2a_b),
         ))  # fmt: skip
     name = mode or ("ring" if U == 1 else "ulysses" if R == 1 else "hybrid")

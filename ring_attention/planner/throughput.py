@@ -11,8 +11,6 @@ from pathlib import Path
 
 __all__ = ["Rates", "assumed_rates", "load_records", "rates_from_records"]
 
-PASSES = ("forward", "forward+backward")
-
 _DTYPE_ALIASES = {
     alias: name
     for name, aliases in (("float32", "fp32 float"), ("float64", "fp64 double"),
@@ -92,7 +90,7 @@ def rates_from_records(
     forward and forward+backward rate of ``ours`` for this dtype and device."""
     dtype, device = dtype_name(dtype), _device_type(device)
     found = {}
-    for pass_ in PASSES:
+    for pass_ in ("forward", "forward+backward"):
         pool = [r for r in records if r.get("impl") == "ours" and r.get("pass") == pass_
                 and dtype_name(r.get("dtype", "")) == dtype
                 and _device_type(r.get("device", "")) == device]  # fmt: skip

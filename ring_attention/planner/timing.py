@@ -98,9 +98,7 @@ def layer_times(
     far_out = torch.where(far_r, tr.recv_rows, 0).sum(1) * grad_row
     far_in = torch.where(far_s, tr.send_rows, 0).sum(1) * grad_row
 
-    Times = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-
-    def schedule(share: float, prev: torch.Tensor | float = 0.0, defer: bool = False) -> Times:
+    def schedule(share: float, prev: torch.Tensor | float = 0.0, defer: bool = False) -> tuple:
         """``(T_fwd, T_bwd, X_G)`` of a pass over ``share`` of the heads; ``prev``: the previous
         group's far dK/dV, travelling behind these local blocks; ``defer``: this one's too."""
         rows = torch.maximum(send, recv).double() * share
