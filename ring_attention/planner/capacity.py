@@ -193,8 +193,7 @@ class Evaluation:
         s = self.setup
         assert s.model is not None
         tokens = s.batch * int(self.traffic.local_len[rank])
-        return model_memory(s.model, self.memories[rank], tokens, s.itemsize, s.ranks,
-                            checkpointing=s.checkpointing, shard_params=s.shard_params)  # fmt: skip
+        return model_memory(s, self.memories[rank], tokens, s.ranks)
 
     @property
     def model_peak(self) -> int:
@@ -209,8 +208,7 @@ class Evaluation:
         t = self.times[rank]
         rate, _ = s.matmul_rate(self.rates)
         tokens = s.batch * int(self.traffic.local_len.max())
-        return model_step_seconds(s.model, tokens, t.forward, t.forward_backward, rate,
-                                  checkpointing=s.checkpointing)  # fmt: skip
+        return model_step_seconds(s, tokens, t.forward, t.forward_backward, rate)
 
 
 def evaluate(setup: Setup, seq_len: int) -> Evaluation:
@@ -354,11 +352,7 @@ def floor_peak(setup: Setup, seq_len: int, ranks: int, goal: str) -> int:
         return m.training_peak
     if s.model is None:
         raise ValueError(f"goal must be inference or training without a model, got {goal!r}")
-    items = model_memory(
-        s.model, m, s.batch * local, s.itemsize, ranks,
-        checkpointing=s.checkpointing, shard_params=s.shard_params,
-    )  # fmt: skip
-    return sum(items.values())
+    return sum(model_memory(s, m, s.batch * local, ranks).values())
 
 
 def floor_ranks(setup: Setup, seq_len: int, goal: str, high: int = MAX_SEQ_LEN) -> int | None:

@@ -325,7 +325,7 @@ def run(args: argparse.Namespace) -> int:
                         f"{fmt_tokens(ev.seq_len)} tokens "
                         f"({fmt_tokens(int(ev.traffic.local_len.max()))} per rank)")  # fmt: skip
                 out.append(f"  {_LABELS[name]:<52} {text}")
-            details = longest[goal] or longest["training"] or longest["inference"]
+            details = longest[goal]
         out += ["", f"One attention layer at n = {fmt_tokens(details.seq_len)}:"]
         out += layer_details(details)
         if setup.model is not None:

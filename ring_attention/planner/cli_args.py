@@ -56,7 +56,6 @@ def _tflops(text: str) -> tuple[float, float]:
 
 
 _DTYPE = _checked(
-    "dtype",
     f"expected one of {sorted(DTYPE_BYTES)} (or bf16, fp16, fp32, fp64)",
     dtype_name,
     lambda name: name in DTYPE_BYTES,
@@ -64,7 +63,7 @@ _DTYPE = _checked(
 )
 #: ``--far-bytes``: ``off``, ``auto`` or a size.
 _FAR_BYTES = _checked(
-    "far bytes", f"--far-bytes must be off, auto or a size in [0, {MAX_BYTES:.4g}]",
+    f"--far-bytes must be off, auto or a size in [0, {MAX_BYTES:.4g}]",
     lambda text: text if text in ("off", "auto") else size_in(0, MAX_BYTES)(text),
     lambda _: True, lambda text, _: repr(text),
 )  # fmt: skip

@@ -99,10 +99,7 @@ class Traffic:
 
 def kv_classes(pattern: Pattern, heads: int, kv_heads: int) -> Counter:
     """K/V heads grouped by what their query heads read: ``{(offsets per
-    branch): number of K/V heads}``."""
-    if kv_heads < 1 or heads % kv_heads:
-        raise ValueError(f"kv_heads must divide heads: got heads={heads}, kv_heads={kv_heads}")
-    pattern.check_heads(heads)
+    branch): number of K/V heads}`` (checked arguments)."""
     g = heads // kv_heads
     applies = [set(pattern.applies(i, heads)) for i in range(pattern.n_branches)]
 
