@@ -3,6 +3,7 @@ lengths and rank counts."""
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -358,16 +359,11 @@ def floor_peak(setup: Setup, seq_len: int, ranks: int, goal: str) -> int:
 def floor_ranks(setup: Setup, seq_len: int, goal: str, high: int = MAX_SEQ_LEN) -> int | None:
     """The fewest ranks (up to ``high``, else ``None``) at which
     :func:`floor_peak` fits, by bisection: a lower bound of :func:`fewest_ranks`."""
-    budget = setup.usable
-    if floor_peak(setup, seq_len, 1, goal) <= budget:
+
+    def fits(ranks: int) -> bool:
+        return floor_peak(setup, seq_len, ranks, goal) <= setup.usable
+
+    if fits(1):  # (one rank gathers no weights: from two on, more ranks never need more)
         return 1
-    if high < 2 or floor_peak(setup, seq_len, high, goal) > budget:
-        return None
-    lo, hi = 1, high  # lo: too few (or one), hi: enough
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if floor_peak(setup, seq_len, mid, goal) <= budget:
-            hi = mid
-        else:
-            lo = mid
-    return hi
+    at = bisect.bisect_left(range(2, high + 1), True, key=fits)
+    return 2 + at if at < high - 1 else None

@@ -141,8 +141,7 @@ def _unique_keys(
         at = where[rep]
         have = at >= 0
         keys[have, 5 * b : 5 * b + 5] = vals[at[have]]
-        if rows.numel():
-            exact &= bool((vals == keys[inverse[rows], 5 * b : 5 * b + 5]).all())
+        exact &= bool((vals == keys[inverse[rows], 5 * b : 5 * b + 5]).all())
         exact &= int(have[inverse].sum()) == rows.numel()
     if exact:
         return keys, inverse
