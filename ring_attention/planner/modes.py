@@ -134,7 +134,7 @@ def evaluate_mode(
         i, j = divmod(v, U)
         row = lengths[i * U : (i + 1) * U]
         S = sum(row)
-        qkv, o, og, qg = _a2a_bytes(row, c, k, j, D, B, s, acc)  # (the ring: none)
+        qkv, o, og, qg = _a2a_bytes(row, c, k, j, D, B, s, acc)  # (U = 1: no peers, 0)
         tr_mem_time = slices.get(keys[j])
         ring_f = ring_fb = 0
         mem = time = None

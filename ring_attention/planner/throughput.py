@@ -109,7 +109,8 @@ def rates_from_records(
 
 def assumed_rates(device: str, dtype: str, threads: int = 1) -> Rates:
     """Labelled defaults when nothing was measured: CPU 50 GFLOP/s per thread, CUDA bf16/fp16
-    121 / 143 TFLOP/s, float32/float64 on GPUs placeholders (sources: docs/planner.md)."""
+    121 / 143 TFLOP/s (one H100: ``benchmarks/results/gpu_h100_2026-11-26/fa4``), float32 and
+    float64 on GPUs placeholders (sources: docs/planner.md)."""
     dtype, device = dtype_name(dtype), _device_type(device)
     if device == "cpu":
         per = 50e9 * (0.5 if dtype == "float64" else 1.0) * max(1, threads)

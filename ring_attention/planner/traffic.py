@@ -66,11 +66,13 @@ class Traffic:
         """The distances of ``rank``'s active steps, in order."""
         return torch.nonzero(self.active[rank]).flatten().tolist()
 
-    def far(self, row_bytes: int, far_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(send, recv)`` ``(p, p)`` bool masks of the transfers of at most
-        ``far_bytes`` bytes, which travel in the far group."""
+    def far(self, row_bytes: int, far_bytes: int) -> tuple[torch.Tensor, ...]:
+        """``(send, recv, far_send, far_recv)``: ``(p, p)`` the rows sent and received in the
+        ring, and bool masks of the transfers of at most ``far_bytes`` bytes, in the far group."""
         s, r = self.send_rows, self.recv_rows
-        return (s > 0) & (s * row_bytes <= far_bytes), (r > 0) & (r * row_bytes <= far_bytes)
+        far_s = (s > 0) & (s * row_bytes <= far_bytes)
+        far_r = (r > 0) & (r * row_bytes <= far_bytes)
+        return torch.where(far_s, 0, s), torch.where(far_r, 0, r), far_s, far_r
 
     def group(self, h0: int, h1: int, kv_heads: int) -> Traffic:
         """The rows of query heads ``[h0, h1)`` (``kv_heads`` K/V heads), a group of the
