@@ -334,10 +334,7 @@ def run(args: argparse.Namespace) -> int:
         print("\n".join(out))
         return 0
     except (Impossible, ValueError) as exc:  # ValueError: a bad pattern or configuration
-        report = getattr(exc, "report", [])
-        print(
-            "\n".join([*report, "", f"Not possible: {exc}"] if report else [f"Not possible: {exc}"])
-        )
+        print("\n".join([*getattr(exc, "report", []), "", f"Not possible: {exc}"]).lstrip("\n"))
         return 2
 
 
