@@ -3,6 +3,7 @@ lengths and rank counts."""
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -15,7 +16,7 @@ from ..core.links import Link
 from ..core.pattern import Pattern, as_flag
 from .memory import DTYPE_BYTES, LayerMemory, layer_memories, own_memory
 from .model import model_memory, model_step_seconds
-from .presets import ModelShape, make_pattern
+from .presets import PATTERNS, ModelShape
 from .throughput import Rates, assumed_rates, dtype_name, rates_from_records
 from .timing import RankTime, layer_times
 from .traffic import MAX_WORLD_SIZE, Traffic, predict_traffic
@@ -74,13 +75,24 @@ class Setup:
         return self.memory - self.reserve
 
     def pattern_at(self, seq_len: int) -> Pattern:
-        """The pattern at ``seq_len`` (presets grow with it)."""
-        return make_pattern(
-            self.pattern, seq_len, segments=list(self.segments) if self.segments else None,
-            dilations=list(self.dilations) if self.dilations else None, causal=self.causal,
-            head_groups=self.head_groups, head_offsets=self.head_offsets,
-            document_length=self.document_length, window=self.window,
-        )  # fmt: skip
+        """The pattern at ``seq_len`` (presets grow with it; explicit segments and
+        dilations do not), with documents of ``document_length``."""
+        if self.segments or self.dilations:
+            if not (self.segments and self.dilations):
+                raise ValueError("--segments and --dilations go together")
+            segs, dils = list(self.segments), list(self.dilations)
+        elif self.pattern not in PATTERNS:
+            raise ValueError(f"pattern must be one of {sorted(PATTERNS)}, got {self.pattern!r}")
+        else:
+            segs, dils = PATTERNS[self.pattern][1](seq_len)
+        pattern = Pattern(segs, dils, causal=self.causal, head_groups=self.head_groups,
+                          head_offsets=self.head_offsets, window=self.window)  # fmt: skip
+        if self.document_length:
+            if self.document_length < 1:
+                raise ValueError(f"document_length must be >= 1, got {self.document_length}")
+            cuts = list(range(0, seq_len, self.document_length)) + [seq_len]
+            pattern = pattern.with_documents(cuts if seq_len else [0])
+        return pattern
 
     def rates(self, local_len: int) -> Rates:
         """Kernel rates for calls on ``local_len`` rows."""
@@ -136,10 +148,7 @@ class Evaluation:
         sizes = sorted({math.ceil(math.ceil(s.heads / k) / r) * r for k in groups}, reverse=True)
 
         def slowest(size: int) -> float:
-            n = len(head_groups(s.heads, r, size % s.heads))
-            times = layer_times(self.traffic, s.batch, s.head_dim, s.itemsize, self.rates,
-                                s.link, s.far_bytes, n)  # fmt: skip
-            return max(t.forward_backward for t in times)
+            return max(t.forward_backward for t in self.times_with(s.far_bytes, size % s.heads))
 
         for size in sorted(sizes, key=lambda size: (slowest(size), -size)):
             per = size % s.heads  # (every head: 0)
@@ -157,11 +166,12 @@ class Evaluation:
         """Every rank's predicted layer time (the setup's schedule)."""
         return self.times_with(self.setup.far_bytes)
 
-    def times_with(self, far_bytes: int) -> list[RankTime]:
-        """Every rank's predicted layer time with the far group's threshold
-        ``far_bytes`` (0: the ring alone)."""
+    def times_with(self, far_bytes: int, group_heads: int | None = None) -> list[RankTime]:
+        """Every rank's predicted layer time with the far group's threshold ``far_bytes``
+        (0: the ring alone), the backward by groups of ``group_heads`` (default: the setup's)."""
         s = self.setup
-        groups = len(head_groups(s.heads, s.heads // s.kv_heads, self.group_heads))
+        per = self.group_heads if group_heads is None else group_heads
+        groups = len(head_groups(s.heads, s.heads // s.kv_heads, per))
         return layer_times(self.traffic, s.batch, s.head_dim, s.itemsize, self.rates, s.link,
                            far_bytes, groups)  # fmt: skip
 
@@ -184,8 +194,7 @@ class Evaluation:
         s = self.setup
         assert s.model is not None
         tokens = s.batch * int(self.traffic.local_len[rank])
-        return model_memory(s.model, self.memories[rank], tokens, s.itemsize, s.ranks,
-                            checkpointing=s.checkpointing, shard_params=s.shard_params)  # fmt: skip
+        return model_memory(s, self.memories[rank], tokens, s.ranks)
 
     @property
     def model_peak(self) -> int:
@@ -200,8 +209,7 @@ class Evaluation:
         t = self.times[rank]
         rate, _ = s.matmul_rate(self.rates)
         tokens = s.batch * int(self.traffic.local_len.max())
-        return model_step_seconds(s.model, tokens, t.forward, t.forward_backward, rate,
-                                  checkpointing=s.checkpointing)  # fmt: skip
+        return model_step_seconds(s, tokens, t.forward, t.forward_backward, rate)
 
 
 def evaluate(setup: Setup, seq_len: int) -> Evaluation:
@@ -345,26 +353,17 @@ def floor_peak(setup: Setup, seq_len: int, ranks: int, goal: str) -> int:
         return m.training_peak
     if s.model is None:
         raise ValueError(f"goal must be inference or training without a model, got {goal!r}")
-    items = model_memory(
-        s.model, m, s.batch * local, s.itemsize, ranks,
-        checkpointing=s.checkpointing, shard_params=s.shard_params,
-    )  # fmt: skip
-    return sum(items.values())
+    return sum(model_memory(s, m, s.batch * local, ranks).values())
 
 
 def floor_ranks(setup: Setup, seq_len: int, goal: str, high: int = MAX_SEQ_LEN) -> int | None:
     """The fewest ranks (up to ``high``, else ``None``) at which
     :func:`floor_peak` fits, by bisection: a lower bound of :func:`fewest_ranks`."""
-    budget = setup.usable
-    if floor_peak(setup, seq_len, 1, goal) <= budget:
+
+    def fits(ranks: int) -> bool:
+        return floor_peak(setup, seq_len, ranks, goal) <= setup.usable
+
+    if fits(1):  # (one rank gathers no weights: from two on, more ranks never need more)
         return 1
-    if high < 2 or floor_peak(setup, seq_len, high, goal) > budget:
-        return None
-    lo, hi = 1, high  # lo: too few (or one), hi: enough
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if floor_peak(setup, seq_len, mid, goal) <= budget:
-            hi = mid
-        else:
-            lo = mid
-    return hi
+    at = bisect.bisect_left(range(2, high + 1), True, key=fits)
+    return 2 + at if at < high - 1 else None

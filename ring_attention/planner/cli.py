@@ -325,7 +325,7 @@ def run(args: argparse.Namespace) -> int:
                         f"{fmt_tokens(ev.seq_len)} tokens "
                         f"({fmt_tokens(int(ev.traffic.local_len.max()))} per rank)")  # fmt: skip
                 out.append(f"  {_LABELS[name]:<52} {text}")
-            details = longest[goal] or longest["training"] or longest["inference"]
+            details = longest[goal]
         out += ["", f"One attention layer at n = {fmt_tokens(details.seq_len)}:"]
         out += layer_details(details)
         if setup.model is not None:
@@ -334,10 +334,7 @@ def run(args: argparse.Namespace) -> int:
         print("\n".join(out))
         return 0
     except (Impossible, ValueError) as exc:  # ValueError: a bad pattern or configuration
-        report = getattr(exc, "report", [])
-        print(
-            "\n".join([*report, "", f"Not possible: {exc}"] if report else [f"Not possible: {exc}"])
-        )
+        print("\n".join([*getattr(exc, "report", []), "", f"Not possible: {exc}"]).lstrip("\n"))
         return 2
 
 
@@ -380,7 +377,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # argparse: --help (0) or a bad option (2)
         return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
     return run(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -8,7 +8,7 @@ import argparse
 from ..core.config import backward_heads
 from ..core.geometry import MAX_SEQ_LEN
 from ..core.layout import LAYOUTS
-from ..core.links import INTRA_DEFAULTS, LINKS
+from ..core.links import INTRA_DEFAULTS, LINKS, Link
 from ..core.pairs import MAX_HEADS
 from ..core.pattern import HEAD_OFFSETS
 from .cli_types import (
@@ -56,7 +56,6 @@ def _tflops(text: str) -> tuple[float, float]:
 
 
 _DTYPE = _checked(
-    "dtype",
     f"expected one of {sorted(DTYPE_BYTES)} (or bf16, fp16, fp32, fp64)",
     dtype_name,
     lambda name: name in DTYPE_BYTES,
@@ -64,7 +63,7 @@ _DTYPE = _checked(
 )
 #: ``--far-bytes``: ``off``, ``auto`` or a size.
 _FAR_BYTES = _checked(
-    "far bytes", f"--far-bytes must be off, auto or a size in [0, {MAX_BYTES:.4g}]",
+    f"--far-bytes must be off, auto or a size in [0, {MAX_BYTES:.4g}]",
     lambda text: text if text in ("off", "auto") else size_in(0, MAX_BYTES)(text),
     lambda _: True, lambda text, _: repr(text),
 )  # fmt: skip
@@ -73,10 +72,9 @@ _HEADS = int_in(1, MAX_HEADS)
 _LENGTH = size_in(1, MAX_SEQ_LEN)
 
 
-def _per_device(table: dict, key: str) -> str:
-    """``"X on cuda, Y on cpu"``: a default per device of ``table``."""
-    get = (lambda v: v[key]) if isinstance(table["cpu"], dict) else (lambda v: getattr(v, key))
-    return f"{get(table['cuda']):g} on cuda, {get(table['cpu']):g} on cpu"
+def _per_device(links: dict[str, Link], key: str) -> str:
+    """``"X on cuda, Y on cpu"``: the default ``key`` of each device's link."""
+    return f"{getattr(links['cuda'], key):g} on cuda, {getattr(links['cpu'], key):g} on cpu"
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -183,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "the three side by side and which wins (needs --seq-len)")  # fmt: skip
     g.add_argument("--gpus-per-node", type=RANKS, default=8, help="ranks per node")
     g.add_argument("--ulysses", type=RANKS, help="U of the hybrid (default: --gpus-per-node)")
-    intra = {k: {"gbps": v[0], "latency_us": v[1]} for k, v in INTRA_DEFAULTS.items()}
+    intra = {k: Link(*v[:2]) for k, v in INTRA_DEFAULTS.items()}
     g.add_argument("--intra-gbps", type=RATE, help="link inside a node, Gbit/s each way "
                    f"(default {_per_device(intra, 'gbps')})")  # fmt: skip
     g.add_argument("--intra-latency-us", type=MICROSECONDS, help="latency inside a node, "

@@ -40,9 +40,7 @@ def header(s: Any, args: argparse.Namespace) -> list[str]:
     docs = f"documents of {s.document_length:,} tokens" if s.document_length else ""
     offsets = f"{s.head_offsets} head offsets" if s.head_offsets != "modulo" else ""
     groups = "head groups" if s.head_groups else ""
-    flags = ", ".join(
-        x for x in ("causal" if s.causal else "non-causal", groups, offsets, docs) if x
-    )
+    flags = ", ".join(filter(None, ("causal" if s.causal else "non-causal", groups, offsets, docs)))
     given = args.link_gbps or args.link_latency_us is not None or args.message_us is not None
     mem_note = "per GPU" if s.device == "cuda" else "per process (host memory / processes)"
     return [

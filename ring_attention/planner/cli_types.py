@@ -29,8 +29,8 @@ def parse_size(text: str) -> int:
     return int(value * _UNITS[m.group(2).lower()])
 
 
-def _checked(name: str, expected: str, convert: Callable, ok: Callable, got: Callable):
-    """A parser type named ``name``: ``convert(text)``, checked by ``ok``."""
+def _checked(expected: str, convert: Callable, ok: Callable, got: Callable):
+    """A parser type: ``convert(text)``, checked by ``ok``; else ``expected``, what it got."""
 
     def parse(text: str):
         try:
@@ -41,20 +41,19 @@ def _checked(name: str, expected: str, convert: Callable, ok: Callable, got: Cal
             raise argparse.ArgumentTypeError(f"{expected}, got {got(text, x)}")
         return x
 
-    parse.__name__ = name
     return parse
 
 
 def int_in(low: int, high: int) -> Callable[[str], int]:
     """An integer in ``[low, high]``."""
     expected = f"expected an integer in [{low}, {high}]"
-    return _checked("integer", expected, int, lambda n: low <= n <= high, lambda _, n: n)
+    return _checked(expected, int, lambda n: low <= n <= high, lambda _, n: n)
 
 
 def size_in(low: int, high: int) -> Callable[[str], int]:
     """A size (:func:`parse_size`) in ``[low, high]``."""
     expected = f"expected a size in [{low}, {high:.4g}] (e.g. 80GB, 24GiB, 1e9, 64K)"
-    return _checked("size", expected, parse_size, lambda n: low <= n <= high,
+    return _checked(expected, parse_size, lambda n: low <= n <= high,
                     lambda text, n: f"{text!r} = {n}")  # fmt: skip
 
 
@@ -65,7 +64,7 @@ def number_in(low: float, high: float, *, above: bool = False) -> Callable[[str]
     def ok(x: float) -> bool:
         return math.isfinite(x) and (x > low if above else x >= low) and x <= high
 
-    return _checked("number", expected, float, ok, lambda text, _: repr(text))
+    return _checked(expected, float, ok, lambda text, _: repr(text))
 
 
 def reserve(high: int) -> Callable[[str], tuple[str, float]]:
@@ -88,7 +87,6 @@ def reserve(high: int) -> Callable[[str], tuple[str, float]]:
             pass
         raise argparse.ArgumentTypeError(f"{expected}, got {text!r}")
 
-    parse.__name__ = "reserve"
     return parse
 
 

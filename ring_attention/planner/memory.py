@@ -36,9 +36,7 @@ def transport_buffers(
     ``{"forward" | "backward": {kind: (p,) bytes}}``."""
     acc = acc_bytes(itemsize)
     row = 2 * batch * head_dim  # a K and a V vector of one (row, K/V head)
-    far_s, far_r = tr.far(row * itemsize, far_bytes)
-    send_rows = torch.where(far_s, 0, tr.send_rows)
-    recv_rows = torch.where(far_r, 0, tr.recv_rows)
+    send_rows, recv_rows, *_ = tr.far(row * itemsize, far_bytes)
     sends, recvs = send_rows > 0, recv_rows > 0
     cap_s, cap_r = send_rows.max(1).values, recv_rows.max(1).values
     span = tr.span_rows.max(1).values
@@ -46,8 +44,8 @@ def transport_buffers(
     position = torch.cumsum((sends | recvs).long(), 1) - 1  # forward: slots by step position
     distance = torch.arange(tr.world_size).expand_as(position)  # backward: by distance
     row_map = any_r * 4 * tr.kv_heads * span  # int32 per (position, K/V head)
-    far_sent = torch.where(far_s, tr.send_rows, 0).sum(1) * row
-    far_received = torch.where(far_r, tr.recv_rows, 0).sum(1) * row
+    far_sent = (tr.send_rows - send_rows).sum(1) * row
+    far_received = (tr.recv_rows - recv_rows).sum(1) * row
     fwd = {
         "send K/V": any_s * row * cap_s * itemsize,
         "receive K/V": _slots_used(position, recvs) * row * cap_r * itemsize,

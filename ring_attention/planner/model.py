@@ -3,6 +3,8 @@ assumptions: docs/planner.md)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from .memory import LayerMemory, acc_bytes
 from .presets import ModelShape
 
@@ -16,16 +18,14 @@ def activation_bytes_per_token(shape: ModelShape, itemsize: int) -> int:
     return values * itemsize + H * acc_bytes(itemsize)
 
 
-def model_memory(
-    shape: ModelShape, layer: LayerMemory, tokens: int, itemsize: int, world_size: int, *,
-    checkpointing: bool, shard_params: bool,
-) -> dict[str, int]:  # fmt: skip
-    """Peak bytes of one rank training the whole model, per item (``tokens``:
-    the rank's tokens; ``layer``: its attention layer memory)."""
-    states = 16 * shape.params() // (world_size if shard_params else 1)  # AdamW, mixed
+def model_memory(setup: Any, layer: LayerMemory, tokens: int, world_size: int) -> dict[str, int]:
+    """Peak bytes of one rank training the whole model of a :class:`~.capacity.Setup`, per
+    item (``tokens``: the rank's tokens; ``layer``: its attention layer memory)."""
+    shape, itemsize, checkpointing = setup.model, setup.itemsize, setup.checkpointing
+    states = 16 * shape.params() // (world_size if setup.shard_params else 1)  # AdamW, mixed
     per_token = activation_bytes_per_token(shape, itemsize)
     attention_backward = sum(v for k, v in layer.backward.items() if k != "out, lse (saved)")
-    gathered = 2 * shape.layer_params() * itemsize if shard_params and world_size > 1 else 0
+    gathered = 2 * shape.layer_params() * itemsize if setup.shard_params and world_size > 1 else 0
     stored = shape.hidden * itemsize if checkpointing else per_token
     backward = attention_backward + layer.inputs["grad_out"] + layer.inputs["plan indices (cached)"]
     return {
@@ -39,11 +39,12 @@ def model_memory(
 
 
 def model_step_seconds(
-    shape: ModelShape, tokens: int, attention_forward: float, attention_forward_backward: float,
-    matmul_flops: float, *, checkpointing: bool,
+    setup: Any, tokens: int, attention_forward: float, attention_forward_backward: float,
+    matmul_flops: float,
 ) -> dict[str, float]:  # fmt: skip
-    """Seconds of one training step of one rank, per item (``tokens``: the
-    rank's tokens; attention times of one layer from :mod:`.timing`)."""
+    """Seconds of one training step of one rank of a :class:`~.capacity.Setup`, per item
+    (``tokens``: the rank's tokens; attention times of one layer from :mod:`.timing`)."""
+    shape, checkpointing = setup.model, setup.checkpointing
     matmul_params = shape.layer_params() - 2 * shape.hidden
     per_token = (8 if checkpointing else 6) * matmul_params * shape.layers
     head = 6 * shape.vocab * shape.hidden

@@ -48,7 +48,6 @@ class ModeRank:
     ring_forward_backward: int
     forward_peak: int
     training_peak: int
-    forward_items: dict[str, int]
     training_items: dict[str, int]
     time: RankTime | None
     a2a_seconds: tuple[float, float]  # forward, forward + backward
@@ -135,7 +134,7 @@ def evaluate_mode(
         i, j = divmod(v, U)
         row = lengths[i * U : (i + 1) * U]
         S = sum(row)
-        qkv, o, og, qg = _a2a_bytes(row, c, k, j, D, B, s, acc) if U > 1 else (0, 0, 0, 0)
+        qkv, o, og, qg = _a2a_bytes(row, c, k, j, D, B, s, acc)  # (U = 1: no peers, 0)
         tr_mem_time = slices.get(keys[j])
         ring_f = ring_fb = 0
         mem = time = None
@@ -155,13 +154,13 @@ def evaluate_mode(
                        **(_training(mem) if mem else {})}  # fmt: skip
         else:
             f_items, t_items = _grid_items(L, S, H, Hkv, c, k, j, D, B, s, acc, mem, (qkv, o, og))
-        a2a_f = a2a_link.seconds(qkv) + a2a_link.seconds(o) if U > 1 else 0.0
-        a2a_b = a2a_link.seconds(og) + a2a_link.seconds(qg) if U > 1 else 0.0
+        a2a_f = a2a_link.seconds(qkv) + a2a_link.seconds(o)
+        a2a_b = a2a_link.seconds(og) + a2a_link.seconds(qg)
         out.append(ModeRank(
             rank=v, local_len=L, a2a_forward=qkv + o, a2a_forward_backward=qkv + o + og + qg,
             ring_forward=ring_f, ring_forward_backward=ring_fb,
             forward_peak=sum(f_items.values()), training_peak=sum(t_items.values()),
-            forward_items=f_items, training_items=t_items, time=time,
+            training_items=t_items, time=time,
             a2a_seconds=(a2a_f, a2a_f + a2a_b),
         ))  # fmt: skip
     name = mode or ("ring" if U == 1 else "ulysses" if R == 1 else "hybrid")

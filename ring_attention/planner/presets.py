@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 from ..core.checks import check_int
 from ..core.geometry import MAX_SEQ_LEN
-from ..core.pattern import Pattern, as_flag
+from ..core.pattern import as_flag
 
-__all__ = ["MODELS", "PATTERNS", "ModelShape", "longnet_pattern", "make_pattern"]
+__all__ = ["MODELS", "PATTERNS", "ModelShape", "longnet_pattern"]
 
 
 def longnet_pattern(seq_len: int, base: int = 2048, factor: int = 4) -> tuple[list[int], list[int]]:
@@ -34,32 +34,6 @@ PATTERNS = {
                       lambda n: ([2048, 4096, 8192, 16384, 32768], [1, 2, 4, 6, 12])),
     "dense": ("one segment of n, dilation 1 (dense attention)", lambda n: ([max(n, 1)], [1])),
 }  # fmt: skip
-
-
-def make_pattern(
-    name: str | None, seq_len: int, *, segments: list[int] | None = None,
-    dilations: list[int] | None = None, causal: bool = False, head_groups: bool = False,
-    head_offsets: str = "modulo", document_length: int | None = None,
-    window: tuple[int, int] | None = None,
-) -> Pattern:  # fmt: skip
-    """The :class:`Pattern` of a preset (or of explicit segments and
-    dilations) at ``seq_len``, with documents of ``document_length``."""
-    if segments is not None or dilations is not None:
-        if segments is None or dilations is None:
-            raise ValueError("--segments and --dilations go together")
-        segs, dils = list(segments), list(dilations)
-    else:
-        if name not in PATTERNS:
-            raise ValueError(f"pattern must be one of {sorted(PATTERNS)}, got {name!r}")
-        segs, dils = PATTERNS[name][1](seq_len)
-    pattern = Pattern(segs, dils, causal=causal, head_groups=head_groups, head_offsets=head_offsets,
-                      window=window)  # fmt: skip
-    if document_length:
-        if document_length < 1:
-            raise ValueError(f"document_length must be >= 1, got {document_length}")
-        cuts = list(range(0, seq_len, document_length)) + [seq_len]
-        pattern = pattern.with_documents(cuts if seq_len else [0])
-    return pattern
 
 
 @dataclass(frozen=True)

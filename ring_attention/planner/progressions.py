@@ -82,8 +82,6 @@ def _inclusion_exclusion(x: int, y: int, classes: tuple[tuple[int, int], ...]) -
 @cached("planner periodic counts", 1 << 16)
 def _periodic_count(x: int, y: int, classes: tuple[tuple[int, int], ...]) -> int:
     """Members of ``[x, y)`` in the union of the residue classes."""
-    if len(classes) == 1:
-        return _count(x, y, *classes[0])
     if len(classes) <= _FEW_CLASSES:
         count = _inclusion_exclusion(x, y, classes)
         if count is not None:

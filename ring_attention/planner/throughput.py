@@ -11,8 +11,6 @@ from pathlib import Path
 
 __all__ = ["Rates", "assumed_rates", "load_records", "rates_from_records"]
 
-PASSES = ("forward", "forward+backward")
-
 _DTYPE_ALIASES = {
     alias: name
     for name, aliases in (("float32", "fp32 float"), ("float64", "fp64 double"),
@@ -65,7 +63,8 @@ def _rate(rec: dict) -> float | None:
         return None
 
 
-def _nearest(records: list[dict], n: int, heads: int, head_dim: int) -> tuple[float, dict] | None:
+def _nearest(records: list[dict], n: int, heads: int, head_dim: int) -> tuple[float, str] | None:
+    """The median rate of the nearest shape in ``records``, and that shape."""
     best: dict[tuple, list[float]] = {}
     for rec in records:
         rate = _rate(rec)
@@ -82,7 +81,7 @@ def _nearest(records: list[dict], n: int, heads: int, head_dim: int) -> tuple[fl
         return sum(abs(math.log(a / b)) for a, b in zip(shape, (n, heads, head_dim), strict=True))
 
     shape = min(best, key=lambda s: (dist(s), -s[0]))
-    return statistics.median(best[shape]), {"n": shape[0], "heads": shape[1], "head_dim": shape[2]}
+    return statistics.median(best[shape]), "n={} heads={} head_dim={}".format(*shape)
 
 
 def rates_from_records(
@@ -91,30 +90,27 @@ def rates_from_records(
     """Rates at the nearest shape, or ``None`` when the records hold no
     forward and forward+backward rate of ``ours`` for this dtype and device."""
     dtype, device = dtype_name(dtype), _device_type(device)
-    found = {}
-    for pass_ in PASSES:
+    found = []
+    for pass_ in ("forward", "forward+backward"):
         pool = [r for r in records if r.get("impl") == "ours" and r.get("pass") == pass_
                 and dtype_name(r.get("dtype", "")) == dtype
                 and _device_type(r.get("device", "")) == device]  # fmt: skip
         hit = _nearest(pool, n, heads, head_dim)
         if hit is None:
             return None
-        found[pass_] = hit
-    (fwd, fs), (fb, bs) = found["forward"], found["forward+backward"]
+        found.append(hit)
+    (fwd, fs), (fb, bs) = found
     source = (
-        f"measured: benchmark records of 'ours' {dtype} {device}, nearest shapes "
-        f"n={fs['n']} heads={fs['heads']} head_dim={fs['head_dim']} (forward), "
-        f"n={bs['n']} heads={bs['heads']} head_dim={bs['head_dim']} (forward+backward)"
+        f"measured: benchmark records of 'ours' {dtype} {device}, nearest shapes {fs} (forward), "
+        f"{bs} (forward+backward)"
     )
     return Rates(forward=fwd, forward_backward=fb, source=source)
 
 
 def assumed_rates(device: str, dtype: str, threads: int = 1) -> Rates:
-    """Labelled defaults when nothing was measured: CPU 50 GFLOP/s per
-    thread (float32; float64 half), CUDA bf16/fp16 121 / 143 TFLOP/s (our
-    local op on one H100: ``benchmarks/results/gpu_h100_2026-11-26/fa4``,
-    ``benchmarks/report.py``'s ``PLANNER_RECORD``), float32/float64 on GPUs
-    placeholders (sources: docs/planner.md)."""
+    """Labelled defaults when nothing was measured: CPU 50 GFLOP/s per thread, CUDA bf16/fp16
+    121 / 143 TFLOP/s (one H100: ``benchmarks/results/gpu_h100_2026-11-26/fa4``), float32 and
+    float64 on GPUs placeholders (sources: docs/planner.md)."""
     dtype, device = dtype_name(dtype), _device_type(device)
     if device == "cpu":
         per = 50e9 * (0.5 if dtype == "float64" else 1.0) * max(1, threads)

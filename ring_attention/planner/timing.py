@@ -79,28 +79,22 @@ def layer_times(
     b_pair = BWD_FLOPS_PER_PAIR * head_dim * batch / rates.backward
     kv_row = 2 * batch * head_dim * itemsize  # bytes of a (row, K/V head): K and V
     grad_row = 2 * batch * head_dim * acc_bytes(itemsize)
-    far_s, far_r = tr.far(kv_row, far_bytes)
-    send = torch.where(far_s, 0, tr.send_rows)
-    recv = torch.where(far_r, 0, tr.recv_rows)
+    send, recv, far_s, far_r = tr.far(kv_row, far_bytes)
     act = (send > 0) | (recv > 0)
     wire = 8 / (link.gbps * 1e9)
     # the far group: one batch each way per pass
     m = torch.maximum(far_s.sum(1), far_r.sum(1))
-    far_rows = torch.maximum(
-        torch.where(far_s, tr.send_rows, 0).sum(1), torch.where(far_r, tr.recv_rows, 0).sum(1)
-    ).double()
+    far_sent, far_received = (tr.send_rows - send).sum(1), (tr.recv_rows - recv).sum(1)
+    far_rows = torch.maximum(far_sent, far_received).double()
     far_latency = (link.latency_us + link.message_us * m.double()) * 1e-6
     # bytes each way after the far blocks: the near K/V after the first near step (posted at
     # the start), the near dK/dV; then the far dK/dV
     later = act & (torch.arange(act.shape[1]) > act.long().argmax(1)[:, None])
     near_out = (torch.where(later, send, 0) * kv_row + recv * grad_row).sum(1)
     near_in = (torch.where(later, recv, 0) * kv_row + send * grad_row).sum(1)
-    far_out = torch.where(far_r, tr.recv_rows, 0).sum(1) * grad_row
-    far_in = torch.where(far_s, tr.send_rows, 0).sum(1) * grad_row
+    far_out, far_in = far_received * grad_row, far_sent * grad_row
 
-    Times = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-
-    def schedule(share: float, prev: torch.Tensor | float = 0.0, defer: bool = False) -> Times:
+    def schedule(share: float, prev: torch.Tensor | float = 0.0, defer: bool = False) -> tuple:
         """``(T_fwd, T_bwd, X_G)`` of a pass over ``share`` of the heads; ``prev``: the previous
         group's far dK/dV, travelling behind these local blocks; ``defer``: this one's too."""
         rows = torch.maximum(send, recv).double() * share

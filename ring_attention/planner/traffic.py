@@ -66,11 +66,13 @@ class Traffic:
         """The distances of ``rank``'s active steps, in order."""
         return torch.nonzero(self.active[rank]).flatten().tolist()
 
-    def far(self, row_bytes: int, far_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(send, recv)`` ``(p, p)`` bool masks of the transfers of at most
-        ``far_bytes`` bytes, which travel in the far group."""
+    def far(self, row_bytes: int, far_bytes: int) -> tuple[torch.Tensor, ...]:
+        """``(send, recv, far_send, far_recv)``: ``(p, p)`` the rows sent and received in the
+        ring, and bool masks of the transfers of at most ``far_bytes`` bytes, in the far group."""
         s, r = self.send_rows, self.recv_rows
-        return (s > 0) & (s * row_bytes <= far_bytes), (r > 0) & (r * row_bytes <= far_bytes)
+        far_s = (s > 0) & (s * row_bytes <= far_bytes)
+        far_r = (r > 0) & (r * row_bytes <= far_bytes)
+        return torch.where(far_s, 0, s), torch.where(far_r, 0, r), far_s, far_r
 
     def group(self, h0: int, h1: int, kv_heads: int) -> Traffic:
         """The rows of query heads ``[h0, h1)`` (``kv_heads`` K/V heads), a group of the
@@ -99,10 +101,7 @@ class Traffic:
 
 def kv_classes(pattern: Pattern, heads: int, kv_heads: int) -> Counter:
     """K/V heads grouped by what their query heads read: ``{(offsets per
-    branch): number of K/V heads}``."""
-    if kv_heads < 1 or heads % kv_heads:
-        raise ValueError(f"kv_heads must divide heads: got heads={heads}, kv_heads={kv_heads}")
-    pattern.check_heads(heads)
+    branch): number of K/V heads}`` (checked arguments)."""
     g = heads // kv_heads
     applies = [set(pattern.applies(i, heads)) for i in range(pattern.n_branches)]
 
@@ -144,8 +143,7 @@ def _unique_keys(
         at = where[rep]
         have = at >= 0
         keys[have, 5 * b : 5 * b + 5] = vals[at[have]]
-        if rows.numel():
-            exact &= bool((vals == keys[inverse[rows], 5 * b : 5 * b + 5]).all())
+        exact &= bool((vals == keys[inverse[rows], 5 * b : 5 * b + 5]).all())
         exact &= int(have[inverse].sum()) == rows.numel()
     if exact:
         return keys, inverse
