@@ -238,8 +238,7 @@ def backend(name: str):
 def aligned(t: torch.Tensor) -> bool:
     """Whether the dense CUDA backends take ``t`` without a copy: start 16-byte aligned, and
     contiguous or strides (but the last) multiples of 8 elements."""
-    if t.storage_offset() * t.element_size() % 16:
-        return False
-    if t.is_contiguous():
-        return True
-    return all(s % 8 == 0 for s, n in zip(t.stride()[:-1], t.shape[:-1], strict=True) if n > 1)
+    strides = (s for s, n in zip(t.stride()[:-1], t.shape[:-1], strict=True) if n > 1)
+    return t.storage_offset() * t.element_size() % 16 == 0 and (
+        t.is_contiguous() or all(s % 8 == 0 for s in strides)
+    )

@@ -159,11 +159,10 @@ def dense_forward(
         zip(r.spans.spans, prog.spans, strict=True)
     ):
         with _span("calls", device):
-            for (name, into_out), qg, kg, vg, og, lg in launches:
-                fns[name](
-                    q.as_strided(*qg), k.as_strided(*kg), v.as_strided(*vg), causal, scale,
-                    (out if into_out else parts).as_strided(*og), part_lse.as_strided(*lg),
-                )  # fmt: skip
+            for (name, into_out), *geoms in launches:
+                bufs = (q, k, v, out if into_out else parts, part_lse)
+                views = [t.as_strided(*g) for t, g in zip(bufs, geoms, strict=True)]
+                fns[name](*views[:3], causal, scale, *views[3:])
         q_index = r.spans.index(i, batch, device)[0]
         a, length = span.start, span.length
         with _span("merge", device):
@@ -198,12 +197,10 @@ def dense_backward(
             # the merged lse of every part row, in the parts' order: one
             # gather a span (4 bytes a row), each call's rows contiguous
             part_lse = torch.take(lse, r.spans.lse_index(i, batch, device))
-            for name, dog, qg, kg, vg, og, lg, gqg, gkg, gvg in launches:
-                fns[name](
-                    grad_out.as_strided(*dog), q.as_strided(*qg), k.as_strided(*kg),
-                    v.as_strided(*vg), out.as_strided(*og), part_lse.as_strided(*lg),
-                    causal, scale, gq.as_strided(*gqg), gk.as_strided(*gkg), gv.as_strided(*gvg),
-                )  # fmt: skip
+            bufs = (grad_out, q, k, v, out, part_lse, gq, gk, gv)
+            for name, *geoms in launches:
+                views = [t.as_strided(*g) for t, g in zip(bufs, geoms, strict=True)]
+                fns[name](*views[:6], causal, scale, *views[6:])
         q_index, _, kv_index, _ = r.spans.index(i, batch, device)
         a, length = span.start, span.length
         with _span("merge", device):

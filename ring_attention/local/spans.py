@@ -33,10 +33,8 @@ __all__ = [
 #: 1/SPANS of the sequence (the part buffers stay small).
 SPANS = 16
 
-#: A call's rows take a multiple of this many rows in the part buffers, so
-#: that every part view starts 16-byte aligned and has strides that are
-#: multiples of 8 elements (its LSE too): what the dense CUDA backends take
-#: without a copy (ring_attention/local/backends.py's ``aligned``).
+#: A call's rows take a multiple of this many rows in the part buffers: every part view (its LSE
+#: too) starts 16-byte aligned with strides multiples of 8 elements (``backends.aligned``).
 PART_ALIGN = 8
 
 
@@ -185,22 +183,15 @@ class Span:
 def head_runs(kv: list[int]) -> list[tuple[int, int, int, int]]:
     """Split the K/V heads ``kv`` (non-decreasing) of a class's query heads into runs ``(c0, c1,
     gg, step)`` with ``kv[c0 + i] == kv[c0] + (i // gg) * step`` (greedy)."""
-    runs, c, n = [], 0, len(kv)
-    while c < n:
-        gg = 1
-        while c + gg < n and kv[c + gg] == kv[c]:
-            gg += 1
-        end, step = c + gg, 0
-        while end + gg <= n:
-            block = kv[end : end + gg]
-            if any(x != block[0] for x in block) or (end + gg < n and kv[end + gg] == block[0]):
-                break
-            d = block[0] - kv[end - 1]
-            if step and d != step:
-                break
-            step, end = d, end + gg
-        runs.append((c, end, gg, step or 1))
-        c = end
+    groups = [(x, len(list(g))) for x, g in itertools.groupby(kv)]  # (value, count)
+    runs, c, i = [], 0, 0
+    while i < len(groups):  # groups i..j-1: gg heads each, values stepping evenly
+        gg, j = groups[i][1], i + 1
+        step = groups[j][0] - groups[i][0] if j < len(groups) else 1
+        while j < len(groups) and groups[j][1] == gg and groups[j][0] - groups[j - 1][0] == step:
+            j += 1
+        runs.append((c, c + (j - i) * gg, gg, step if j > i + 1 else 1))
+        c, i = c + (j - i) * gg, j
     return runs
 
 
@@ -255,14 +246,13 @@ def _side_by_side(calls: list[tuple[int, Call]]) -> list[Call]:
         return b.start - a.start, b.q_head - a.q_head, b.kv_head - a.kv_head
 
     def emit(run: list[Call]) -> None:
-        if len(run) == 1:
-            out.append(run[0])
-            return
-        shift, q_stride, kv_stride = step(run[0], run[1])
-        out.append(dataclasses.replace(
-            run[0], q_heads=len(run), q_head_stride=q_stride, kv_heads=len(run),
-            kv_head_stride=kv_stride, head_shift=shift,
-        ))  # fmt: skip
+        if len(run) > 1:
+            shift, q_stride, kv_stride = step(run[0], run[1])
+            run = [dataclasses.replace(
+                run[0], q_heads=len(run), q_head_stride=q_stride, kv_heads=len(run),
+                kv_head_stride=kv_stride, head_shift=shift,
+            )]  # fmt: skip
+        out.extend(run)
 
     for part, call in calls:
         if call.q_heads != 1 or call.kv_heads != 1:
@@ -276,8 +266,7 @@ def _side_by_side(calls: list[tuple[int, Call]]) -> list[Call]:
                 run.clear()
         run.append(call)
     for run in runs.values():
-        if run:
-            emit(run)
+        emit(run)
     return out
 
 
@@ -333,10 +322,9 @@ class SpanPlan:
 
         def build():
             flat = []
+            lse = (batch, self.heads, self.n), (self.heads * self.n, self.n, 1)  # shape, stride
             for call in (span.calls[j] for j in span.part_order()):
-                size, stride, offset = call.lse_geometry(
-                    (batch, self.heads, self.n), (self.heads * self.n, self.n, 1)
-                )
+                size, stride, offset = call.lse_geometry(*lse)
                 axes = (torch.arange(e) * s for e, s in zip(size, stride, strict=True))
                 index = sum(torch.meshgrid(*axes, indexing="ij")) + offset
                 pad = _padded(call.rows) - call.rows  # the parts' padding: any valid index
