@@ -27,6 +27,12 @@ def _t(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2)
 
 
+def _copy(dst: tuple[torch.Tensor, ...], src: tuple[torch.Tensor, ...]) -> None:
+    """Copy each of ``src`` into the buffer of ``dst`` at its place."""
+    for d, s in zip(dst, src, strict=True):
+        d.copy_(s)
+
+
 class CpuFlash:
     """PyTorch's CPU flash attention: strided inputs, grouped K/V heads, an explicit LSE."""
 
@@ -37,17 +43,14 @@ class CpuFlash:
         o, lse_ = aten._scaled_dot_product_flash_attention_for_cpu(
             _t(q), _t(k), _t(v), 0.0, causal, scale=scale
         )
-        out.copy_(o)
-        lse.copy_(lse_)
+        _copy((out, lse), (o, lse_))
 
     @staticmethod
     def backward(do, q, k, v, out, lse, causal, scale, dq, dk, dv) -> None:
-        gq, gk, gv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grads = aten._scaled_dot_product_flash_attention_for_cpu_backward(
             _t(do), _t(q), _t(k), _t(v), _t(out), lse, 0.0, causal, scale=scale
         )
-        dq.copy_(gq)
-        dk.copy_(gk)
-        dv.copy_(gv)
+        _copy((dq, dk, dv), grads)
 
 
 @cached("flash backward arguments")
@@ -69,20 +72,17 @@ class AtenFlash:
         res = aten._scaled_dot_product_flash_attention(
             _t(q), _t(k), _t(v), 0.0, causal, False, scale=scale
         )
-        out.copy_(res[0])
-        lse.copy_(res[1])
+        _copy((out, lse), res[:2])
 
     @staticmethod
     def backward(do, q, k, v, out, lse, causal, scale, dq, dk, dv) -> None:
         cq, ck, rng, unused = _flash_side(str(q.device), q.dtype, q.shape[-1])
         lq, lk = q.shape[1], k.shape[1]
-        gq, gk, gv = aten._scaled_dot_product_flash_attention_backward(
+        grads = aten._scaled_dot_product_flash_attention_backward(
             _t(do), _t(q), _t(k), _t(v), _t(out), lse.float().contiguous(), cq, ck, lq, lk,
             0.0, causal, rng, unused, scale=scale,
         )  # fmt: skip
-        dq.copy_(gq)
-        dk.copy_(gk)
-        dv.copy_(gv)
+        _copy((dq, dk, dv), grads)
 
 
 #: The oldest cuDNN whose attention graphs ATen's cuDNN backend builds
@@ -134,13 +134,11 @@ class AtenCudnn:
         stats.copy_(lse)
         if rank == 4:
             stats = stats.unsqueeze(-1)
-        gq, gk, gv = aten._scaled_dot_product_cudnn_attention_backward(
+        grads = aten._scaled_dot_product_cudnn_attention_backward(
             _t(do), _t(q), _t(k), _t(v), _t(out), stats, seed, offset, None, None, None,
             lq, k.shape[1], 0.0, causal, scale=scale,
         )  # fmt: skip
-        dq.copy_(gq)
-        dk.copy_(gk)
-        dv.copy_(gv)
+        _copy((dq, dk, dv), grads)
 
 
 def fa4_interface() -> Any:
@@ -240,8 +238,7 @@ def backend(name: str):
 def aligned(t: torch.Tensor) -> bool:
     """Whether the dense CUDA backends take ``t`` without a copy: start 16-byte aligned, and
     contiguous or strides (but the last) multiples of 8 elements."""
-    if t.storage_offset() * t.element_size() % 16:
-        return False
-    if t.is_contiguous():
-        return True
-    return all(s % 8 == 0 for s, n in zip(t.stride()[:-1], t.shape[:-1], strict=True) if n > 1)
+    strides = (s for s, n in zip(t.stride()[:-1], t.shape[:-1], strict=True) if n > 1)
+    return t.storage_offset() * t.element_size() % 16 == 0 and (
+        t.is_contiguous() or all(s % 8 == 0 for s in strides)
+    )

@@ -36,11 +36,11 @@ class PhaseTimes:
             start.record()
             yield
             end.record()
-            self._spans.append((phase, start, end))
         else:
-            t0 = time.perf_counter()
+            start = time.perf_counter()
             yield
-            self._spans.append((phase, t0, time.perf_counter()))
+            end = time.perf_counter()
+        self._spans.append((phase, start, end))
 
     def totals(self) -> dict[str, float]:
         """Seconds per phase so far (synchronises CUDA)."""
@@ -95,17 +95,12 @@ def layout_key(tensors: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
     return tuple((t.shape, t.stride(), t.storage_offset(), t.dtype, t.device) for t in tensors)
 
 
-def _out_geometry(call: Call, out: torch.Tensor) -> Geometry:
-    """The call's rows of ``out`` as its part views are laid out, ``(B, segments, heads, rows,
-    d)``."""
-    (b, s, rows, h, d), (sb, ss, sr, sh, sd), offset = call.geometry(out.shape, out.stride())
-    return (b, s, h, rows, d), (sb, ss, sh, sr, sd), offset + out.storage_offset()
-
-
 def _build(pass_: str, r: Route, tensors: tuple[torch.Tensor, ...]) -> Program:
     assert r.spans is not None
     backward = pass_ == "backward"
     batch, d = tensors[0].shape[0], tensors[0].shape[3]
+    # the inputs read (K/V-shaped or not): (grad_out, q, k, v, out) or (q, k, v)
+    sides = (False, False, True, True, False) if backward else (False, True, True)
 
     def view(call: Call, t: torch.Tensor, kv: bool = False) -> Geometry:
         size, stride, offset = call.geometry(t.shape, t.stride(), kv)
@@ -113,32 +108,24 @@ def _build(pass_: str, r: Route, tensors: tuple[torch.Tensor, ...]) -> Program:
 
     spans, q_max, lse_max, kv_max = [], 0, 0, 0
     for span, names in zip(r.spans.spans, r.backends, strict=True):
-        order = span.part_order()
-        calls = [(span.calls[j], names[j]) for j in order]
+        calls = [(span.calls[j], names[j]) for j in span.part_order()]
         in_place = not backward and any(c.branch == 0 for c, _ in calls)
         launches, q_base, kv_base, parts_rows = [], 0, 0, 0
         for call, name in calls:
+            geoms = [view(call, t, kv) for t, kv in zip(tensors, sides, strict=False)]
+            lse_part = call.part_geometry(q_base, batch, False, None)
             if backward:
-                go, q, k, v, out = tensors
-                geoms = (
-                    view(call, go), view(call, q), view(call, k, True), view(call, v, True),
-                    view(call, out), call.part_geometry(q_base, batch, False, None),
-                    call.part_geometry(q_base, batch, False, d),
-                    call.part_geometry(kv_base, batch, True, d),
-                    call.part_geometry(kv_base, batch, True, d),
-                )  # fmt: skip
+                geoms += [lse_part, call.part_geometry(q_base, batch, False, d)]
+                geoms += [call.part_geometry(kv_base, batch, True, d)] * 2
             else:
-                q, k, v, out = tensors
                 into_out = in_place and call.branch == 0
-                if into_out:
-                    og = _out_geometry(call, out)
+                if into_out:  # out's rows of the call, laid out as its parts
+                    (b, s, rows, h, dd), (sb, ss, sr, sh, sd), offset = view(call, tensors[3])
+                    og = (b, s, h, rows, dd), (sb, ss, sh, sr, sd), offset
                 else:
                     og = call.part_geometry(q_base, batch, False, d)
                     parts_rows = q_base + call.part_rows(batch)
-                geoms = (
-                    view(call, q), view(call, k, True), view(call, v, True), og,
-                    call.part_geometry(q_base, batch, False, None),
-                )  # fmt: skip
+                geoms += [og, lse_part]
                 name = (name, into_out)
             launches += [(name, *g) for g in batch_groups(geoms)]
             q_base += call.part_rows(batch)
@@ -172,11 +159,10 @@ def dense_forward(
         zip(r.spans.spans, prog.spans, strict=True)
     ):
         with _span("calls", device):
-            for (name, into_out), qg, kg, vg, og, lg in launches:
-                fns[name](
-                    q.as_strided(*qg), k.as_strided(*kg), v.as_strided(*vg), causal, scale,
-                    (out if into_out else parts).as_strided(*og), part_lse.as_strided(*lg),
-                )  # fmt: skip
+            for (name, into_out), *geoms in launches:
+                bufs = (q, k, v, out if into_out else parts, part_lse)
+                views = [t.as_strided(*g) for t, g in zip(bufs, geoms, strict=True)]
+                fns[name](*views[:3], causal, scale, *views[3:])
         q_index = r.spans.index(i, batch, device)[0]
         a, length = span.start, span.length
         with _span("merge", device):
@@ -211,12 +197,10 @@ def dense_backward(
             # the merged lse of every part row, in the parts' order: one
             # gather a span (4 bytes a row), each call's rows contiguous
             part_lse = torch.take(lse, r.spans.lse_index(i, batch, device))
-            for name, dog, qg, kg, vg, og, lg, gqg, gkg, gvg in launches:
-                fns[name](
-                    grad_out.as_strided(*dog), q.as_strided(*qg), k.as_strided(*kg),
-                    v.as_strided(*vg), out.as_strided(*og), part_lse.as_strided(*lg),
-                    causal, scale, gq.as_strided(*gqg), gk.as_strided(*gkg), gv.as_strided(*gvg),
-                )  # fmt: skip
+            bufs = (grad_out, q, k, v, out, part_lse, gq, gk, gv)
+            for name, *geoms in launches:
+                views = [t.as_strided(*g) for t, g in zip(bufs, geoms, strict=True)]
+                fns[name](*views[:6], causal, scale, *views[6:])
         q_index, _, kv_index, _ = r.spans.index(i, batch, device)
         a, length = span.start, span.length
         with _span("merge", device):

@@ -48,8 +48,8 @@ def _attend(call: Call, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor
     return ops.local_attention(q, k, v, args)
 
 
-def differentiable(impl: ops.Implementation, q: Tensor, k: Tensor, v: Tensor):
-    """``impl``'s ``(out, lse)`` under the package's attention autograd."""
+def differentiable(impl: PerBranch, q: Tensor, k: Tensor, v: Tensor):
+    """``impl``'s ``(out, lse)`` under the package's attention autograd (:class:`ops.Attention`)."""
     return ops.Attention.apply(q, k, v, impl)
 
 

@@ -6,7 +6,7 @@ calls, their pattern arguments (:class:`OpArgs`), the local operator's registere
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import torch
 
@@ -15,7 +15,6 @@ from .. import _C  # noqa: F401  (loads the extension: registers torch.ops.ring_
 __all__ = [
     "DOUBLE_BACKWARD_ERROR",
     "Attention",
-    "Implementation",
     "OpArgs",
     "RingFunction",
     "block_backward",
@@ -198,24 +197,13 @@ torch.library.register_autograd("ring_attention::dilated_attention_backward", _n
 # Every other attention's autograd.
 
 
-class Implementation(Protocol):
-    """An attention whose autograd is :class:`Attention`: its forward, and its backward from the
-    final ``out`` and ``lse``."""
-
-    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]: ...
-
-    def backward(
-        self, grad_out: Tensor, grad_lse: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
-        out: Tensor, lse: Tensor,
-    ) -> tuple[Tensor, Tensor, Tensor]: ...  # fmt: skip
-
-
 class Attention(torch.autograd.Function):
-    """The autograd of an :class:`Implementation`: both outputs differentiable, double backward
-    raises."""
+    """The autograd of an attention ``impl`` with ``impl.forward(q, k, v) -> (out, lse)`` and
+    ``impl.backward(grad_out, grad_lse, q, k, v, out, lse) -> (dq, dk, dv)`` from the final
+    ``out`` and ``lse``: both outputs differentiable, double backward raises."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, impl: Implementation):  # type: ignore[override]
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, impl: Any):  # type: ignore[override]
         out, lse = impl.forward(q, k, v)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.impl = impl

@@ -12,15 +12,13 @@ from ..core.call import Call
 from ..core.pattern import Pattern
 from . import ops
 
-Tensor = torch.Tensor
-
 __all__ = ["reached_rows"]
 
 
 def reached_rows(
     q_starts: Sequence[int], q_lens: Sequence[int], k_start: int, k_len: int, heads: int,
     kv_heads: int, pattern: Pattern, head_range: tuple[int, int, int] = (0, 0, 0),
-) -> Tensor:  # fmt: skip
+) -> torch.Tensor:  # fmt: skip
     """Sorted flat indices ``row * kv_heads + g`` of the key rows of ``[k_start, k_start +
     k_len)`` that some query of the ranges reaches (``head_range``: the call's ``(head_start,
     total_heads, total_kv_heads)``)."""

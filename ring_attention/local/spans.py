@@ -26,19 +26,15 @@ __all__ = [
     "batch_groups",
     "batched",
     "head_runs",
-    "merge_batch",
     "plan_spans",
-    "split_batch",
 ]
 
 #: Spans hold at least this many rows (the calls stay large) and about
 #: 1/SPANS of the sequence (the part buffers stay small).
 SPANS = 16
 
-#: A call's rows take a multiple of this many rows in the part buffers, so
-#: that every part view starts 16-byte aligned and has strides that are
-#: multiples of 8 elements (its LSE too): what the dense CUDA backends take
-#: without a copy (ring_attention/local/backends.py's ``aligned``).
+#: A call's rows take a multiple of this many rows in the part buffers: every part view (its LSE
+#: too) starts 16-byte aligned with strides multiples of 8 elements (``backends.aligned``).
 PART_ALIGN = 8
 
 
@@ -85,13 +81,15 @@ class Call:
             pos = pos + torch.arange(self.q_heads)[None, :, None] * self.head_shift
         return pos
 
+    def side(self, kv: bool) -> tuple[int, int, int]:
+        """``(first head, heads, head stride)`` of the query side (the K/V side with ``kv``)."""
+        if kv:
+            return self.kv_head, self.kv_heads, self.kv_head_stride
+        return self.q_head, self.q_heads, self.q_head_stride
+
     def geometry(self, shape: Sequence[int], stride: Sequence[int], kv: bool = False) -> Geometry:
         """:meth:`view`'s geometry on a tensor of this ``shape`` and ``stride``."""
-        head, count, step = (
-            (self.kv_head, self.kv_heads, self.kv_head_stride)
-            if kv
-            else (self.q_head, self.q_heads, self.q_head_stride)
-        )
+        head, count, step = self.side(kv)
         sb, sn, sh, sd = stride
         return (
             (shape[0], self.segments, self.rows, count, shape[3]),
@@ -125,21 +123,17 @@ class Call:
     def part_rows(self, batch: int, kv: bool = False) -> int:
         """Rows the call's outputs take in its span's part buffer: ``(B, segments, heads,
         rows)``, ``rows`` padded to :data:`PART_ALIGN`."""
-        heads = self.kv_heads if kv else self.q_heads
-        return batch * self.segments * heads * _padded(self.rows)
+        return batch * self.segments * self.side(kv)[1] * _padded(self.rows)
 
     def part_geometry(self, base: int, batch: int, kv: bool, width: int | None) -> Geometry:
         """The call's rows ``[base, base + part_rows)`` of a contiguous part buffer (``(rows,
         width)``, or ``(rows,)`` with ``width`` None) as ``(B, segments, heads, rows[, width])``."""
-        size = (batch, self.segments, self.kv_heads if kv else self.q_heads, self.rows)
+        size = (batch, self.segments, self.side(kv)[1], self.rows)
         padded = (*size[:3], _padded(self.rows))
         if width is not None:
             size, padded = (*size, width), (*padded, width)
-        stride, step = [], 1
-        for x in reversed(padded):
-            stride.append(step)
-            step *= x
-        return size, tuple(reversed(stride)), base * (width or 1)
+        stride = tuple(math.prod(padded[i + 1 :]) for i in range(len(padded)))
+        return size, stride, base * (width or 1)
 
 
 #: A view as ``(size, stride, offset)``, the offset in elements from the
@@ -151,39 +145,23 @@ def _apply(t: torch.Tensor, g: Geometry) -> torch.Tensor:
     return t.as_strided(g[0], g[1], t.storage_offset() + g[2])
 
 
-def merge_batch(g: Geometry) -> Geometry | None:
-    """A ``(B, S, ...)`` geometry as ``(B * S, ...)`` where batch and segments merge, else None."""
-    (b, s, *size), (sb, ss, *stride), offset = g
-    if s == 1:
-        first = sb
-    elif b == 1 or sb == s * ss:
-        first = ss
-    else:
-        return None
-    return (b * s, *size), (first, *stride), offset
-
-
-def split_batch(g: Geometry) -> list[Geometry]:
-    """A ``(B, S, ...)`` geometry as B geometries ``(S, ...)``, one a batch row."""
-    (b, *size), (sb, *stride), offset = g
-    return [(tuple(size), tuple(stride), offset + i * sb) for i in range(b)]
-
-
 def batch_groups(gs: Sequence[Geometry]) -> list[tuple[Geometry, ...]]:
-    """``(B, S, ...)`` geometries as groups of ``(B * S, ...)`` ones: one group where all merge,
-    else one a batch row."""
-    merged = [merge_batch(g) for g in gs]
-    if all(m is not None for m in merged):
-        return [tuple(merged)]  # type: ignore[arg-type]
-    return list(zip(*(split_batch(g) for g in gs), strict=True))
+    """``(B, S, ...)`` geometries as groups of ``(B * S, ...)`` ones: one group where batch and
+    segments merge in all, else B groups of ``(S, ...)`` ones, one a batch row."""
+    merged = tuple(
+        ((b * s, *size), (sb if s == 1 else ss, *stride), offset)
+        for (b, s, *size), (sb, ss, *stride), offset in gs
+        if s == 1 or b == 1 or sb == s * ss
+    )
+    if len(merged) == len(gs):
+        return [merged]
+    return [tuple((g[0][1:], g[1][1:], g[2] + i * g[1][0]) for g in gs) for i in range(gs[0][0][0])]
 
 
 def batched(view: torch.Tensor) -> list[torch.Tensor]:
     """A ``(B, S, ...)`` view as ``(B * S, ...)`` views: one where batch and segments merge, else
     one per batch row."""
-    g = (tuple(view.shape), view.stride(), 0)
-    merged = merge_batch(g)
-    return [_apply(view, x) for x in ([merged] if merged is not None else split_batch(g))]
+    return [_apply(view, g) for (g,) in batch_groups([(tuple(view.shape), view.stride(), 0)])]
 
 
 @dataclass(frozen=True)
@@ -205,22 +183,15 @@ class Span:
 def head_runs(kv: list[int]) -> list[tuple[int, int, int, int]]:
     """Split the K/V heads ``kv`` (non-decreasing) of a class's query heads into runs ``(c0, c1,
     gg, step)`` with ``kv[c0 + i] == kv[c0] + (i // gg) * step`` (greedy)."""
-    runs, c, n = [], 0, len(kv)
-    while c < n:
-        gg = 1
-        while c + gg < n and kv[c + gg] == kv[c]:
-            gg += 1
-        end, step = c + gg, 0
-        while end + gg <= n:
-            block = kv[end : end + gg]
-            if any(x != block[0] for x in block) or (end + gg < n and kv[end + gg] == block[0]):
-                break
-            d = block[0] - kv[end - 1]
-            if step and d != step:
-                break
-            step, end = d, end + gg
-        runs.append((c, end, gg, step or 1))
-        c = end
+    groups = [(x, len(list(g))) for x, g in itertools.groupby(kv)]  # (value, count)
+    runs, c, i = [], 0, 0
+    while i < len(groups):  # groups i..j-1: gg heads each, values stepping evenly
+        gg, j = groups[i][1], i + 1
+        step = groups[j][0] - groups[i][0] if j < len(groups) else 1
+        while j < len(groups) and groups[j][1] == gg and groups[j][0] - groups[j - 1][0] == step:
+            j += 1
+        runs.append((c, c + (j - i) * gg, gg, step if j > i + 1 else 1))
+        c, i = c + (j - i) * gg, j
     return runs
 
 
@@ -271,62 +242,47 @@ def _side_by_side(calls: list[tuple[int, Call]]) -> list[Call]:
     out: list[Call] = []
     runs: dict[tuple[int, ...], list[Call]] = {}
 
+    def step(a: Call, b: Call) -> tuple[int, int, int]:
+        return b.start - a.start, b.q_head - a.q_head, b.kv_head - a.kv_head
+
     def emit(run: list[Call]) -> None:
-        if len(run) == 1:
-            out.append(run[0])
-            return
-        a, b = run[0], run[1]
-        out.append(dataclasses.replace(
-            a, q_heads=len(run), q_head_stride=b.q_head - a.q_head, kv_heads=len(run),
-            kv_head_stride=b.kv_head - a.kv_head, head_shift=b.start - a.start,
-        ))  # fmt: skip
+        if len(run) > 1:
+            shift, q_stride, kv_stride = step(run[0], run[1])
+            run = [dataclasses.replace(
+                run[0], q_heads=len(run), q_head_stride=q_stride, kv_heads=len(run),
+                kv_head_stride=kv_stride, head_shift=shift,
+            )]  # fmt: skip
+        out.extend(run)
 
     for part, call in calls:
         if call.q_heads != 1 or call.kv_heads != 1:
             out.append(call)
             continue
-        key = (part, call.segments, call.rows, call.kv_slot)
-        run = runs.setdefault(key, [])
-        if run:
-            a, b = run[0], run[-1]
-            steps = (call.start - b.start, call.q_head - b.q_head, call.kv_head - b.kv_head)
-            c = run[1] if len(run) > 1 else call  # the run's first step (this one's if none)
-            first = (c.start - a.start, c.q_head - a.q_head, c.kv_head - a.kv_head)
-            if steps != first or steps[0] <= 0:
+        run = runs.setdefault((part, call.segments, call.rows, call.kv_slot), [])
+        if run:  # a run steps evenly (as its first step, this one's if none) and forward
+            first = step(run[0], run[1] if len(run) > 1 else call)
+            if step(run[-1], call) != first or call.start <= run[-1].start:
                 emit(run)
                 run.clear()
         run.append(call)
     for run in runs.values():
-        if run:
-            emit(run)
+        emit(run)
     return out
 
 
 def _cuts(n: int, documents: tuple[int, ...] | None, period: int, target: int) -> list[int]:
     """Span boundaries ``0 = c_0 < ... < c_k = n``: document boundaries or multiples of
     ``period`` from a document's start, each span near ``target`` rows."""
-    docs = list(documents) if documents is not None else [0, n]
-    docs = [d for i, d in enumerate(docs) if i == 0 or d != docs[i - 1]]  # empty ones
-
-    def doc_of(p: int) -> int:  # index j with docs[j] <= p < docs[j + 1]
-        return bisect.bisect_right(docs, p) - 1
-
+    docs = sorted(set(documents if documents is not None else (0, n)))  # no empty documents
     cuts, a = [0], 0
     while a < n:
         limit = min(a + target, n)
-        best = None
-        j = bisect.bisect_right(docs, limit) - 1  # largest boundary <= limit
-        if docs[j] > a:
-            best = docs[j]
-        e = docs[doc_of(limit - 1)]
-        p = e + (limit - e) // period * period
-        if p > a and (best is None or p > best):
-            best = p
-        if best is None:  # nothing in (a, limit]: the next safe point
-            j = doc_of(a)
-            e, nxt = docs[j], docs[j + 1]
-            p = e + ((a - e) // period + 1) * period
-            best = min(p, nxt)
+        e = docs[bisect.bisect_right(docs, limit - 1) - 1]  # where the document of limit - 1 starts
+        # the last document boundary or multiple of the period from e in (a, limit]
+        best = max(docs[bisect.bisect_right(docs, limit) - 1], e + (limit - e) // period * period)
+        if best <= a:  # none: the next safe point
+            j = bisect.bisect_right(docs, a) - 1
+            best = min(docs[j] + ((a - docs[j]) // period + 1) * period, docs[j + 1])
         cuts.append(best)
         a = best
     return cuts
@@ -354,14 +310,10 @@ class SpanPlan:
     ) -> tuple[torch.Tensor, int, torch.Tensor, int]:
         """``(q_index, q_rows, kv_index, kv_rows)`` of span ``i``: int32 ``(slots, B, length,
         heads)`` part rows (``-1``: none) and each side's buffer rows (cached)."""
-        span = self.spans[i]
-
-        def build():
-            q_index, q_rows = _index_of(span, batch, self.heads, False, device)
-            kv_index, kv_rows = _index_of(span, batch, self.kv_heads, True, device)
-            return q_index, q_rows, kv_index, kv_rows
-
-        return _INDEX.get((self, i, batch, str(device)), build)
+        return _INDEX.get(
+            (self, i, batch, str(device)),
+            lambda: _index_of(self.spans[i], batch, self.heads, self.kv_heads, device),
+        )
 
     def lse_index(self, i: int, batch: int, device: torch.device) -> torch.Tensor:
         """Int64 flat index into ``(B, heads, n)`` of every query-side part row of span ``i``, so
@@ -370,17 +322,13 @@ class SpanPlan:
 
         def build():
             flat = []
+            lse = (batch, self.heads, self.n), (self.heads * self.n, self.n, 1)  # shape, stride
             for call in (span.calls[j] for j in span.part_order()):
-                size, stride, offset = call.lse_geometry(
-                    (batch, self.heads, self.n), (self.heads * self.n, self.n, 1)
-                )
-                base = torch.zeros((), dtype=torch.int64).expand(size)
-                for dim, (extent, step) in enumerate(zip(size, stride, strict=True)):
-                    shape = [1] * len(size)
-                    shape[dim] = extent
-                    base = base + torch.arange(extent, dtype=torch.int64).view(shape) * step
+                size, stride, offset = call.lse_geometry(*lse)
+                axes = (torch.arange(e) * s for e, s in zip(size, stride, strict=True))
+                index = sum(torch.meshgrid(*axes, indexing="ij")) + offset
                 pad = _padded(call.rows) - call.rows  # the parts' padding: any valid index
-                flat.append(torch.nn.functional.pad(base + offset, (0, pad)).reshape(-1))
+                flat.append(torch.nn.functional.pad(index, (0, pad)).reshape(-1))
             return torch.cat(flat).to(device) if flat else torch.zeros(0, dtype=torch.int64)
 
         return _LSE_INDEX.get((self, i, batch, str(device)), build)
@@ -402,41 +350,26 @@ def plan_spans(
     """The :class:`SpanPlan` of a problem (cached); ``head_range``: ``(head_start, total_heads,
     total_kv_heads)``, ``total_heads`` 0: every head."""
     key = (pattern, n, heads, kv_heads, span_rows, head_range)
-    return _PLANS.get(
-        key, lambda: SpanPlan(*key, spans=_plan(pattern, n, heads, kv_heads, span_rows, head_range))
-    )
+    return _PLANS.get(key, lambda: SpanPlan(*key, spans=_plan(*key)))
 
 
 def _plan(pattern: Pattern, n: int, heads: int, kv_heads: int, span_rows: int,
           head_range: tuple[int, int, int]):  # fmt: skip
-    start, all_heads, all_kv = head_range
-    hr = (
-        HeadRange(0, heads, heads, heads // kv_heads)
-        if all_heads == 0
-        else HeadRange(start, heads, all_heads, all_heads // all_kv)
-    )
-    # K/V slots: per branch, as many as its classes have head runs at most
-    slots, total = [], 0
+    start, all_heads, all_kv = head_range if head_range[1] else (0, heads, kv_heads)
+    hr = HeadRange(start, heads, all_heads, all_heads // all_kv)
+    slots = [0]  # K/V slots: per branch, as many as its classes have head runs at most
     for b in range(pattern.n_branches):
-        slots.append(total)
-        total += max((len(runs) for _, runs in _classes(pattern, b, hr)), default=0)
-    period = 1
-    for w in pattern.segment_lengths:
-        period = math.lcm(period, min(w, n + 1))
-    target = max(span_rows, -(-n // SPANS))
-    cuts = _cuts(n, pattern.documents, period, target)
+        slots.append(slots[-1] + max((len(r) for _, r in _classes(pattern, b, hr)), default=0))
+    period = math.lcm(*(min(w, n + 1) for w in pattern.segment_lengths))
+    cuts = _cuts(n, pattern.documents, period, max(span_rows, -(-n // SPANS)))
     docs = pattern.documents or (0, n)
     spans = []
     for a, b in itertools.pairwise(cuts):
         calls: list[Call] = []
-        # the document spans of [a, b)
-        j = max(bisect.bisect_right(docs, a) - 1, 0)
-        while j + 1 < len(docs) and docs[j] < b:
-            lo, hi = max(docs[j], a), min(docs[j + 1], b)
-            if hi > lo:
-                calls += _piece_calls(pattern, lo, hi - lo, hr, slots)
-            j += 1
-        spans.append(Span(a, b - a, tuple(calls), pattern.n_branches, total))
+        inner = docs[bisect.bisect_right(docs, a) : bisect.bisect_left(docs, b)]
+        for lo, hi in itertools.pairwise([a, *inner, b]):  # the documents' pieces of [a, b)
+            calls += _piece_calls(pattern, lo, hi - lo, hr, slots)
+        spans.append(Span(a, b - a, tuple(calls), pattern.n_branches, slots[-1]))
     return tuple(spans)
 
 
@@ -444,29 +377,27 @@ _PLANS: LRUCache[SpanPlan] = LRUCache(32, name="span plans")
 
 
 def _index_of(
-    span: Span, batch: int, width: int, kv: bool, device: torch.device
-) -> tuple[torch.Tensor, int]:
-    slots = span.kv_slots if kv else span.q_slots
-    index = torch.full((slots, batch, span.length, width), -1, dtype=torch.int32, device=device)
-    base = 0
+    span: Span, batch: int, heads: int, kv_heads: int, device: torch.device
+) -> tuple[torch.Tensor, int, torch.Tensor, int]:
+    """:meth:`SpanPlan.index` of ``span``."""
+    res: list = []
     bi = torch.arange(batch, device=device)[:, None, None, None]
-    for call in (span.calls[j] for j in span.part_order()):
-        count = call.part_rows(batch, kv)
-        pos = (call.positions() - span.start).to(device)[None]
-        head, heads, step = (
-            (call.kv_head, call.kv_heads, call.kv_head_stride)
-            if kv
-            else (call.q_head, call.q_heads, call.q_head_stride)
-        )
-        hs = (head + step * torch.arange(heads, device=device))[None, None, :, None]
-        rows = torch.arange(base, base + count, dtype=torch.int32, device=device)
-        rows = rows.view(batch, call.segments, heads, _padded(call.rows))[..., : call.rows]
-        slot = call.kv_slot if kv else call.branch
-        index[slot][bi, pos, hs] = rows
-        base += count
-    if base >= 2**31:
-        raise RuntimeError(f"span of {base} part rows: beyond int32 (smaller spans needed)")
-    return index, base
+    for kv, slots, width in ((False, span.q_slots, heads), (True, span.kv_slots, kv_heads)):
+        index = torch.full((slots, batch, span.length, width), -1, dtype=torch.int32, device=device)
+        base = 0
+        for call in (span.calls[j] for j in span.part_order()):
+            count = call.part_rows(batch, kv)
+            pos = (call.positions() - span.start).to(device)[None]
+            head, call_heads, step = call.side(kv)
+            hs = (head + step * torch.arange(call_heads, device=device))[None, None, :, None]
+            rows = torch.arange(base, base + count, dtype=torch.int32, device=device)
+            rows = rows.view(batch, call.segments, -1, _padded(call.rows))[..., : call.rows]
+            index[call.kv_slot if kv else call.branch][bi, pos, hs] = rows
+            base += count
+        if base >= 2**31:
+            raise RuntimeError(f"span of {base} part rows: beyond int32 (smaller spans needed)")
+        res += [index, base]
+    return tuple(res)  # type: ignore[return-value]
 
 
 _INDEX: LRUCache[tuple[torch.Tensor, int, torch.Tensor, int]] = LRUCache(
