@@ -34,6 +34,7 @@ from oracle import multiplicity, reference_attention
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ring_attention as ra
+from ring_attention.parallel.testing import run_distributed
 
 OPS = torch.ops.ring_attention
 F64 = torch.float64
@@ -365,3 +366,22 @@ class CountingBackend:
     def backward(self, *args) -> None:
         self.calls["backward"] += 1
         self.inner.backward(*args)
+
+
+def _run_cases(rank: int, world: int, run_case, cases: dict) -> dict:
+    return {name: run_case(rank, world, name, case) for name, case in cases.items()}
+
+
+class CaseRuns:
+    """Every case of ``cases`` run by ``run_case(rank, world, name, case)`` (a module-level
+    function) on real gloo ranks, once per world size: ``runs(world)`` is each rank's
+    ``{name: result}``."""
+
+    def __init__(self, run_case, cases: dict, timeout: float = 300) -> None:
+        self.run_case, self.cases, self.timeout, self.done = run_case, cases, timeout, {}
+
+    def __call__(self, world: int) -> list[dict]:
+        if world not in self.done:
+            self.done[world] = run_distributed(_run_cases, world, self.run_case, self.cases,
+                                               timeout=self.timeout)  # fmt: skip
+        return self.done[world]

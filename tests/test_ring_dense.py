@@ -20,7 +20,7 @@ import os
 
 import pytest
 import torch
-from op_helpers import CountingBackend, OpLog
+from op_helpers import CaseRuns, CountingBackend, OpLog
 from oracle import reference_attention
 
 from ring_attention.core import config
@@ -128,17 +128,7 @@ def _run_case(rank: int, world: int, name: str, c: dict) -> dict:
     return {"errors": errors, "calls": counter.calls}
 
 
-def _worker(rank: int, world: int) -> dict:
-    return {name: _run_case(rank, world, name, c) for name, c in CASES.items()}
-
-
-_RESULTS: dict[int, list[dict]] = {}
-
-
-def _results(world: int) -> list[dict]:
-    if world not in _RESULTS:
-        _RESULTS[world] = run_distributed(_worker, world, timeout=300)
-    return _RESULTS[world]
+_results = CaseRuns(_run_case, CASES)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -22,7 +22,7 @@ import os
 
 import pytest
 import torch
-from op_helpers import CountingBackend
+from op_helpers import CaseRuns, CountingBackend
 from oracle import reference_attention
 
 from ring_attention.core import config
@@ -34,7 +34,6 @@ from ring_attention.local.blocks import Blocks
 from ring_attention.local.rows import reached_rows
 from ring_attention.local.spans import Route
 from ring_attention.parallel.sharding import layout_pieces, shard_sequence
-from ring_attention.parallel.testing import run_distributed
 
 LONGNET = ([8, 16, 32], [1, 2, 4])
 
@@ -158,17 +157,7 @@ def _run_case(rank: int, world: int, name: str, c: dict) -> dict:
     return result
 
 
-def _worker(rank: int, world: int) -> dict:
-    return {name: _run_case(rank, world, name, c) for name, c in CASES.items()}
-
-
-_RESULTS: dict[int, list[dict]] = {}
-
-
-def _results(world: int) -> list[dict]:
-    if world not in _RESULTS:
-        _RESULTS[world] = run_distributed(_worker, world, timeout=300)
-    return _RESULTS[world]
+_results = CaseRuns(_run_case, CASES)
 
 
 @pytest.mark.parametrize("name", list(CASES))
