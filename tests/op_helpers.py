@@ -28,6 +28,7 @@ import itertools
 import random
 from dataclasses import dataclass
 
+import pytest
 import torch
 import torch.nn.functional as F
 from oracle import multiplicity, reference_attention
@@ -375,13 +376,22 @@ def _run_cases(rank: int, world: int, run_case, cases: dict) -> dict:
 class CaseRuns:
     """Every case of ``cases`` run by ``run_case(rank, world, name, case)`` (a module-level
     function) on real gloo ranks, once per world size: ``runs(world)`` is each rank's
-    ``{name: result}``."""
+    ``{name: result}``; ``@runs.each`` parametrizes a test by ``world`` and case ``name``."""
 
-    def __init__(self, run_case, cases: dict, timeout: float = 300) -> None:
+    def __init__(self, run_case, cases: dict, worlds=(2, 3), timeout: float = 300) -> None:
         self.run_case, self.cases, self.timeout, self.done = run_case, cases, timeout, {}
+        self.worlds = list(worlds)
+
+    def each(self, test):
+        by_world = pytest.mark.parametrize("world", self.worlds)
+        return by_world(pytest.mark.parametrize("name", list(self.cases))(test))
 
     def __call__(self, world: int) -> list[dict]:
         if world not in self.done:
             self.done[world] = run_distributed(_run_cases, world, self.run_case, self.cases,
                                                timeout=self.timeout)  # fmt: skip
         return self.done[world]
+
+    def of(self, world: int, name: str) -> list:
+        """Each rank's result of case ``name``."""
+        return [results[name] for results in self(world)]

@@ -131,14 +131,12 @@ def _run_case(rank: int, world: int, name: str, c: dict) -> dict:
 _results = CaseRuns(_run_case, CASES)
 
 
-@pytest.mark.parametrize("name", list(CASES))
-@pytest.mark.parametrize("world", [2, 3])
+@_results.each
 def test_ring_dense_blocks(world: int, name: str) -> None:
     c = CASES[name]
     tol = TOL[c.get("dtype", torch.float32)]
     fwd_dense, bwd_dense = c.get("dense", (True, True))
-    for rank, result in enumerate(_results(world)):
-        r = result[name]
+    for rank, r in enumerate(_results.of(world, name)):
         for label, err in r["errors"].items():
             assert err <= tol, f"rank {rank}: {label} off by {err}"
         layout = c.get("layout", "contiguous")

@@ -160,12 +160,11 @@ def _run_case(rank: int, world: int, name: str, c: dict) -> dict:
 _results = CaseRuns(_run_case, CASES)
 
 
-@pytest.mark.parametrize("name", list(CASES))
-@pytest.mark.parametrize("world", [2, 3])
+@_results.each
 def test_ring_dilated_dense_blocks(world: int, name: str) -> None:
     c = CASES[name]
     tol = TOL[c.get("dtype", torch.float32)]
-    results = [r[name] for r in _results(world)]
+    results = _results.of(world, name)
     for rank, r in enumerate(results):
         counts = r["counts"]
         where = f"rank {rank}: {counts}"
