@@ -18,12 +18,26 @@ ring at 131072 causal rows, 32 x 128, takes seconds a pass) and ``direct``
 diagonal causal, the others full; no exchange, no merge). Rank 0 prints each
 record as it is made; ``OUT/ring_dense_rank<r>.jsonl`` gets every record as
 it is made, and a table is printed at the end.
+
+Then (rank 0) ``dilated``: the ring's dilated blocks (segments crossing the
+pieces) of LongNet's pattern (the planner's ``longnet-paper``: segments 2048
+... 32768, dilations 1, 2, 4, 6, 12), causal and not, at ``--dilated-configs``
+(heads x head dim), global n 131072 over 8 virtual ranks (contiguous pieces of
+16384): the last rank's blocks (its own piece and every earlier piece some
+query reaches, the pieces the ring would send; no exchange) run by ``Blocks``
+with the dense route forced (``route_blocks``' backend) and with our block
+kernels forced. Out, lse and the q/k/v gradients are checked dense against
+kernel, then forward and forward+backward timed (median of 3, round-robin):
+one record a method and pass with the ratio dense / kernel and the dense calls
+a pass, the figure that decides whether ``auto`` takes these blocks
+(``dispatch.DILATED_AUTO``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -34,12 +48,16 @@ import torch
 import torch.distributed as dist
 
 from ring_attention.core import config
+from ring_attention.core.call import Call
+from ring_attention.core.dtypes import acc_dtype
 from ring_attention.core.pattern import Pattern
-from ring_attention.local import backends
-from ring_attention.local.block_calls import block_kind
+from ring_attention.local import backends, ops
+from ring_attention.local.block_calls import block_calls, block_kind
+from ring_attention.local.blocks import Blocks
 from ring_attention.local.dispatch import route_blocks
 from ring_attention.parallel.api import ring_dilated_attention
 from ring_attention.parallel.sharding import layout_pieces, shard_sequence
+from ring_attention.planner.presets import PATTERNS
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -177,6 +195,137 @@ def timing(shape, dtype, device, causal, layout, world, rank, repeats, kernel_ma
     ]
 
 
+# --------------------------------------------------------------------------- #
+# the ring's dilated blocks, one virtual rank's, dense route against our kernels
+# --------------------------------------------------------------------------- #
+DILATED_N, DILATED_P = 131072, 8  # global length, virtual ranks (contiguous pieces)
+DILATED_SCALE = 256  # the dry run's divisor of the lengths (n 512, segments 8 ... 128)
+DILATED_REPEATS = 3  # timed rounds (the check warms both methods up)
+
+
+class _Counting:
+    """A dense backend counting its calls."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.calls = inner, 0
+
+    def forward(self, *args) -> None:
+        self.calls += 1
+        self.inner.forward(*args)
+
+    def backward(self, *args) -> None:
+        self.calls += 1
+        self.inner.backward(*args)
+
+
+def _dilated_blocks(pattern: Pattern, n: int, world: int, heads: int) -> list[tuple[int, int]]:
+    """``(q_start, k_start)`` of the last virtual rank's blocks (pieces of ``n // world``): its
+    own and every earlier piece some query reaches (the pieces the ring sends it)."""
+    piece, q0 = n // world, n - n // world
+    return [(q0, r * piece) for r in range(world)
+            if block_calls(pattern, heads, heads, q0, piece, r * piece, piece) != ()]  # fmt: skip
+
+
+def _dilated_pass(fwd: Blocks, bwd: Blocks | None, blocks, q, ks, vs, go) -> list[torch.Tensor]:
+    """The rank's pass over ``blocks`` as the ring runs it: the forward's ``[out, lse]`` (the
+    accumulation dtype), with ``bwd`` also ``dq`` and each block's ``dk``, ``dv``."""
+    B, L, H, D = q.shape
+    acc = acc_dtype(q.dtype)
+    out = torch.zeros(B, L, H, D, dtype=acc, device=q.device)
+    lse = torch.full((B, H, L), -math.inf, dtype=acc, device=q.device)
+    for (q0, k0), k, v in zip(blocks, ks, vs, strict=True):
+        fwd.forward(q, k, v, out, lse, q0, k0)
+    if bwd is None:
+        return [out, lse]
+    o = out.to(q.dtype)
+    dq = torch.zeros_like(out)
+    dks = [torch.zeros(k.shape, dtype=acc, device=k.device) for k in ks]
+    dvs = [torch.zeros_like(d) for d in dks]
+    for (q0, k0), k, v, dk, dv in zip(blocks, ks, vs, dks, dvs, strict=True):
+        bwd.backward(go, None, q, k, v, o, lse, dq, dk, dv, q0, k0)
+    return [out, lse, dq, *dks, *dvs]
+
+
+def _rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``max |a - b| / max |b|`` (rows -inf on both sides equal)."""
+    a, b = a.double(), b.double()
+    both = torch.isneginf(a) & torch.isneginf(b)
+    diff = torch.where(both, 0.0, a - b).abs().max().item()
+    return diff / max(torch.where(both, 0.0, b).abs().max().item(), 1e-30)
+
+
+def dilated(config_: str, causal: bool, dtype, device, repeats: int, dry: bool) -> list[dict]:
+    """The last virtual rank's dilated blocks of LongNet's pattern, dense route against our
+    kernels: a ``dilated_check`` record, then a ``dilated`` record a method and pass."""
+    H, D = (int(x) for x in config_.split("x"))
+    scale = DILATED_SCALE if dry else 1
+    n, world = DILATED_N // scale, DILATED_P
+    segs, dils = PATTERNS["longnet-paper"][1](DILATED_N)
+    pattern = Pattern([w // scale for w in segs], dils, causal=causal)
+    piece = n // world
+    blocks = _dilated_blocks(pattern, n, world, H)
+    g = torch.Generator().manual_seed(4)
+    q, go = (torch.randn(1, piece, H, D, generator=g).to(device, dtype) for _ in range(2))
+    ks, vs = ([torch.randn(1, piece, H, D, generator=g).to(device, dtype) for _ in blocks]
+              for _ in range(2))  # fmt: skip
+    call = Call(pattern, D**-0.5)
+    args = ops.op_args(call, device)
+    bounds = tuple(range(0, n + 1, piece))
+    _modes("dense")  # the route the ring's passes take with the dense mode forced
+    routes = [route_blocks(p, q, ks[0], pattern, n, bounds, piece) for p in ("forward", "backward")]
+    where = {"config": config_, "causal": causal, "n": n, "p": world, "virtual_rank": world - 1,
+             "blocks": len(blocks), "segments": pattern.segment_lengths,
+             "dilations": pattern.dilation_rates}  # fmt: skip
+    if not all(r.dense for r in routes):
+        why = "; ".join(r.why for r in routes if not r.dense)
+        return [{"stage": "dilated_check", **where, "status": "FAIL", "why": why}]
+    dense = [Blocks(call, args, r) for r in routes]
+    counters = []
+    for b in dense:
+        b.each_block = False  # the ring's one K/V check a pass covers the blocks
+        b.backend = _Counting(b.backend)
+        counters.append(b.backend)
+    kernel = Blocks(call, args, None)
+    planned = sum(len(block_calls(pattern, H, H, q0, piece, k0, piece) or ())
+                  for q0, k0 in blocks)  # fmt: skip
+    got = _dilated_pass(dense[0], dense[1], blocks, q, ks, vs, go)
+    calls = {"forward": counters[0].calls, "backward": counters[1].calls}
+    want = _dilated_pass(kernel, kernel, blocks, q, ks, vs, go)
+    names = ["out", "lse", "dq"] + [f"{x}{i}" for x in ("dk", "dv") for i in range(len(blocks))]
+    err = {name: _rel_error(a, b) for name, a, b in zip(names, got, want, strict=True)}
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    # every planned call ran densely (a block falling back to our kernel calls none)
+    ok = all(e <= tol for e in err.values()) and calls == {"forward": planned,
+                                                           "backward": planned}  # fmt: skip
+    status = "ok" if ok else "FAIL"
+    backend = routes[0].backends[0][0]
+    records = [{"stage": "dilated_check", **where, "status": status, "tol": tol,
+                "planned_calls": planned, "dense_calls": calls, "backend": backend,
+                "max_rel_error": err}]  # fmt: skip
+    methods = {
+        "dense": (lambda: _dilated_pass(dense[0], None, blocks, q, ks, vs, go),
+                  lambda: _dilated_pass(dense[0], dense[1], blocks, q, ks, vs, go)),
+        "kernel": (lambda: _dilated_pass(kernel, None, blocks, q, ks, vs, go),
+                   lambda: _dilated_pass(kernel, kernel, blocks, q, ks, vs, go)),
+    }  # fmt: skip
+    samples = {(m, p): [] for m in methods for p in ("fwd", "fwdbwd")}
+    for _ in range(repeats):  # (the check warmed both up)
+        for m, fns in methods.items():
+            for p, fn in zip(("fwd", "fwdbwd"), fns, strict=True):
+                _sync(device)
+                t0 = time.perf_counter()
+                fn()
+                _sync(device)
+                samples[(m, p)].append(time.perf_counter() - t0)
+    ms = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
+    for (m, p), t in ms.items():
+        records.append({"stage": "dilated", "method": m, "pass": p, **where, "ms": t,
+                        "ratio": ms[("dense", p)] / ms[("kernel", p)], "status": status,
+                        "dense_calls": planned * (1 if p == "fwd" else 2),
+                        "backend": backend if m == "dense" else "kernel"})  # fmt: skip
+    return records
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
@@ -189,11 +338,17 @@ def main(argv=None) -> int:
     ap.add_argument("--layout", default="contiguous", choices=["contiguous", "zigzag"])
     ap.add_argument("--kernel-max-n", type=int, default=32768,
                     help="time our kernels' ring only up to this many rows")  # fmt: skip
+    ap.add_argument(
+        "--dilated-configs",
+        nargs="*",
+        default=["16x128", "12x64"],
+        help="heads x head dim of the dilated blocks' points (none: skipped)",
+    )
     ap.add_argument("--dry-run", action="store_true", help="the CPU, toy sizes (no GPU)")
     args = ap.parse_args(argv)
     if args.dry_run:
         args.device, args.dtype, args.check_n = "cpu", "fp32", 67
-        args.shapes, args.repeats = ["1x96x4x2x16"], 1
+        args.shapes, args.repeats, args.dilated_configs = ["1x96x4x2x16"], 1, ["2x16"]
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -228,6 +383,11 @@ def main(argv=None) -> int:
         for r in timing(shape, dtype, device, True, args.layout, world, rank, args.repeats,
                         args.kernel_max_n):  # fmt: skip
             emit({"causal": True, "shape": spec, **r})
+    if rank == 0:  # one process: no ring
+        for cfg in args.dilated_configs:
+            for causal in (True, False):
+                for r in dilated(cfg, causal, dtype, device, DILATED_REPEATS, args.dry_run):
+                    emit(r)
     if rank == 0:
         for r in rows:
             if r["stage"] == "check":
@@ -242,6 +402,16 @@ def main(argv=None) -> int:
                 ratio = f"{r['median_s'] / d:.2f}" if d else "-"
                 print(f"| {r['shape']} | {r['pass']} | {r['method']} | {r['backend']} | "
                       f"{r['median_s'] * 1e3:.2f} | {ratio} |")  # fmt: skip
+        print("| dilated | causal | pass | dense ms | kernel ms | dense / kernel | dense calls |")
+        print("|---|---|---|---|---|---|---|")
+        for r in rows:
+            if r["stage"] == "dilated_check" and r["status"] != "ok":
+                print(f"| {r['config']} | {r['causal']} | check FAIL: {r.get('why', r)} |")
+            if r["stage"] == "dilated" and r["method"] == "dense":
+                k_ms = r["ms"] / r["ratio"]
+                print(f"| {r['config']} n={r['n']} p={r['p']} | {r['causal']} | {r['pass']} | "
+                      f"{r['ms']:.2f} | {k_ms:.2f} | {r['ratio']:.2f} | {r['dense_calls']} "
+                      f"({r['backend']}) |")  # fmt: skip
     failed = any(r.get("status") == "FAIL" for r in rows)
     if world > 1:
         dist.destroy_process_group()

@@ -345,7 +345,10 @@ def test_route_blocks_tables(monkeypatch) -> None:
 @pytest.mark.parametrize("kernel_max_n", [32768, 64])
 def test_the_gpu_script_runs_on_the_cpu(tmp_path, monkeypatch, kernel_max_n) -> None:
     """benchmarks/ring_dense_check.py --dry-run: the checks pass, every record
-    reaches the file, and our kernels' ring is timed only up to --kernel-max-n."""
+    reaches the file, and our kernels' ring is timed only up to --kernel-max-n;
+    the dilated blocks (LongNet's pattern, scaled down) agree dense against our
+    kernels, causal and not, every planned dense call made, and are timed both
+    ways."""
     from benchmarks import ring_dense_check
 
     for env in (config.FORWARD, config.BACKWARD):  # the script sets them: restored after
@@ -358,6 +361,15 @@ def test_the_gpu_script_runs_on_the_cpu(tmp_path, monkeypatch, kernel_max_n) -> 
     timed = {(r["method"], r["pass"]) for r in recs if r["stage"] == "time"}
     methods = {"ring_dense", "direct"} | ({"ring_kernel"} if kernel_max_n >= 96 else set())
     assert timed == {(m, p) for m in methods for p in ("fwd", "fwdbwd")}
+    dilated = [r for r in recs if r["stage"] == "dilated_check"]
+    assert [(r["causal"], r["status"]) for r in dilated] == [(True, "ok"), (False, "ok")]
+    assert all(r["blocks"] == 2 and r["segments"] == [8, 16, 32, 64, 128] for r in dilated)
+    for r in dilated:  # every planned call made densely (none fell back to our kernel)
+        planned = r["planned_calls"]
+        assert planned > 0 and r["dense_calls"] == {"forward": planned, "backward": planned}
+    timed = {(r["causal"], r["method"], r["pass"]) for r in recs if r["stage"] == "dilated"}
+    assert timed == {(c, m, p) for c in (True, False) for m in ("dense", "kernel")
+                     for p in ("fwd", "fwdbwd")}  # fmt: skip
 
 
 def _modes_worker(rank: int, world: int) -> str:
