@@ -17,6 +17,10 @@ causal and not):
 * 2M tokens forward + backward on one 80 GB card with a peak <= 1.3x the
   bytes of q, k, v, out and their gradients.
 
+Besides the targets, one figure: the ring's dilated blocks (segments crossing
+the pieces), dense route over our kernels (``benchmarks/ring_dense_check.py``'s
+``dilated`` records), which decides whether ``auto`` takes them.
+
 What did not run is reported as unrun, never as a pass::
 
     python -m benchmarks.gpu_targets RESULTS...   # archives (*.tar.gz), folders of them
@@ -97,6 +101,7 @@ class Run:
         self.headers: list[dict[str, Any]] = []
         self.big: list[dict[str, Any]] = []
         self.ring: list[dict[str, Any]] = []
+        self.dilated: list[dict[str, Any]] = []
         for path in paths:
             for name, text in _files(path):
                 recs = _jsonl(text)
@@ -111,6 +116,9 @@ class Run:
                             self.big.append(r)
                 elif base.endswith(".jsonl") and base.startswith("ring_dense_rank0"):
                     self.ring += [r for r in recs if r.get("stage") == "time"]
+                    self.dilated += [
+                        r for r in recs if r.get("stage") in ("dilated", "dilated_check")
+                    ]
                 elif base in ("prev.jsonl", "torch.jsonl"):
                     self.headers += [r for r in recs if r.get("kind") == "run"]
 
@@ -227,6 +235,28 @@ def dense_ring(run: Run) -> str:
             f"{worst[2]}; backend {', '.join(backends)}; {len(rows)} points)")  # fmt: skip
 
 
+def dilated_ratio(run: Run) -> str:
+    """The ring's dilated blocks, dense over kernel (not a target: what decides ``auto``)."""
+    what = "dilated ring blocks, dense route / our kernels (decides auto; not a target):"
+    timed = [r for r in run.dilated if r["stage"] == "dilated" and r["method"] == "dense"]
+    failed = [r for r in run.dilated if r["stage"] == "dilated_check" and r["status"] != "ok"]
+    fail = f"; {len(failed)} points failed the check" if failed else ""
+    if not timed:
+        return f"{what} unrun{fail}"
+    parts = []
+    for p, name in (("fwd", "forward"), ("fwdbwd", "forward+backward")):
+        x = sorted(r["ratio"] for r in timed if r["pass"] == p)
+        if x:
+            parts.append(f"{name} {x[0]:.2f}-{x[-1]:.2f}x")
+    r = timed[0]
+    backends = ", ".join(sorted({str(t.get("backend")) for t in timed}))
+    configs = ", ".join(sorted({t["config"] for t in timed}))
+    causal = {bool(t["causal"]) for t in timed}
+    kinds = "causal and not" if len(causal) == 2 else ("causal" if causal.pop() else "not causal")
+    return (f"{what} {'; '.join(parts)} ({len(timed) // 2} points: {configs}, {kinds}, "
+            f"n={r['n']} over p={r['p']}, backend {backends}){fail}")  # fmt: skip
+
+
 def big(run: Run) -> str:
     what = f"2M tokens fwd+bwd on one 80 GB card, peak <= {PEAK}x q, k, v, out and their gradients"
     done = [r for r in run.big if r.get("status") == "ok" and r.get("n", 0) >= 2097152]
@@ -247,7 +277,7 @@ def report(paths: list[Path]) -> list[str]:
     lines = [f"## targets (H100; bf16) over {len(run.points)} points, "
              f"{len(run.ring)} ring-dense timings; measured on: {run.device()}"]  # fmt: skip
     lines += shares(run)
-    lines += [over_prev(run), over_baselines(run), dense_ring(run), big(run)]
+    lines += [over_prev(run), over_baselines(run), dense_ring(run), big(run), dilated_ratio(run)]
     counts = {v: sum(1 for x in lines[1:] if x.startswith(f"- {v}")) for v in
               ("PASS", "FAIL", "unrun")}  # fmt: skip
     lines.append(f"targets: {counts['PASS']} PASS, {counts['FAIL']} FAIL, {counts['unrun']} unrun")

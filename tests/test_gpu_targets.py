@@ -51,6 +51,23 @@ def test_targets_pass_fail_and_unrun(tmp_path: Path) -> None:
              "backend": "fa4", "median_s": s}
             for p, m, s in (("fwd", "ring_dense", 1.02), ("fwd", "direct", 1.0),
                             ("fwdbwd", "ring_dense", 3.3), ("fwdbwd", "direct", 3.0))]  # fmt: skip
+    unrun = "dilated ring blocks, dense route / our kernels (decides auto; not a target): unrun"
+    assert unrun in gpu_targets.report([tmp_path / "run"])  # (no records yet)
+    where = {"config": "16x128", "n": 131072, "p": 8}
+    ring += [{"stage": "dilated_check", "causal": c, "status": "ok", **where} for c in (1, 0)]
+    ring += [
+        {
+            "stage": "dilated",
+            "method": m,
+            "pass": p,
+            "causal": c,
+            "ratio": x,
+            "backend": "fa4" if m == "dense" else "kernel",
+            **where,
+        }
+        for m in ("dense", "kernel")
+        for p, c, x in (("fwd", 1, 0.8), ("fwd", 0, 0.6), ("fwdbwd", 1, 1.2), ("fwdbwd", 0, 0.9))
+    ]
     _stage(tmp_path, "ringdense", {"ring_dense_rank0.jsonl": ring}, pack=True)
     lines = gpu_targets.report([tmp_path / "run"])
     text = "\n".join(lines)
@@ -70,6 +87,9 @@ def test_targets_pass_fail_and_unrun(tmp_path: Path) -> None:
     assert "3 points without any baseline (unrun)" in text
     assert "- FAIL: dense causal ring of 1 within 5%" in text and "worst 1.100x" in text
     assert "- unrun: 2M tokens" in text
+    assert ("dilated ring blocks, dense route / our kernels (decides auto; not a target): "
+            "forward 0.60-0.80x; forward+backward 0.90-1.20x (2 points: 16x128, causal and not, "
+            "n=131072 over p=8, backend fa4)") in lines  # fmt: skip
     assert lines[-1] == "targets: 3 PASS, 4 FAIL, 3 unrun"
     assert gpu_targets.share_target("16x128", 1048576, "fwdbwd") == 0.60
     assert gpu_targets.share_target("12x64", 32768, "fwd") is None
