@@ -21,7 +21,8 @@
 #   call 2 (carry .fa4/b): info, fa4 (part b: flash-attn-4 installed), check (out, lse and
 #     gradients against the float64 oracle), views (the local op at 131K, 1M, 32K x 16x128,
 #     12x64 x causal or not x fwd, fwd+bwd: % of the matmul rate, phases), ringdense (dense
-#     causal ring of 1 against flash-attn-4 called directly), baselines (gather + SDPA,
+#     causal ring of 1 against flash-attn-4 called directly; the ring's dilated blocks,
+#     dense route against our kernels: the figure for auto), baselines (gather + SDPA,
 #     gather + flash-attn-4, FlexAttention at the same points), big (2M tokens fwd+bwd,
 #     peak memory), tests (only if time is left)
 # Stages run in priority order, each in its budget; a stage that does not fit in
@@ -85,10 +86,10 @@ BUDGET_LEFT=${GPU_BUDGET_LEFT_S:-900}
 # Stage budgets (planned seconds) and caps (the most a stage may take when the
 # stages before it left time). One table for the plan and for --stages.
 declare -A BUDGET=([info]=10 [fa4]=20 [build]=120 [tests]=45 [torch]=30 [prev]=30
-  [check]=45 [views]=90 [ringdense]=50 [baselines]=80 [big]=25 [ring]=120 [bench]=150
+  [check]=45 [views]=90 [ringdense]=60 [baselines]=80 [big]=25 [ring]=120 [bench]=150
   [kernels]=150 [profile]=120)
 declare -A CAP=([info]=30 [fa4]=60 [build]=240 [tests]=120 [torch]=30 [prev]=30
-  [check]=60 [views]=120 [ringdense]=70 [baselines]=100 [big]=40 [ring]=120 [bench]=300
+  [check]=60 [views]=120 [ringdense]=90 [baselines]=100 [big]=40 [ring]=120 [bench]=300
   [kernels]=300 [profile]=300)
 # The calls: stages in priority order (also the order they run in), carries,
 # command budgets. The device time: START_S for the machine's start (call 1),
@@ -198,7 +199,7 @@ stage_what() { # stage call: one line on what the stage does
     prev) echo "bench.py views --methods prev --prev .prev (the old default): the same points" ;;
     check) echo "bench.py views --stages check: out, lse, dq, dk, dv vs the float64 oracle, n = 10240" ;;
     views) echo "bench.py views --methods default: $VIEWS_N x 16x128, 12x64 x causal or not x fwd, fwd+bwd (phases: median of 3)" ;;
-    ringdense) echo "torchrun -m benchmarks.ring_dense_check: dense causal ring of 1 vs flash-attn-4 directly" ;;
+    ringdense) echo "torchrun -m benchmarks.ring_dense_check: dense causal ring of 1 vs flash-attn-4 directly; dilated blocks (LongNet, 131K over 8 ranks) dense vs our kernels" ;;
     baselines) echo "bench.py views --methods fa4,gather,flex: the same points, 131K first" ;;
     big) echo "bench.py views --stages big: 2M tokens, 16x128, fwd+bwd, peak memory" ;;
     *) echo "(by hand)" ;;
@@ -527,8 +528,8 @@ stage_ringdense() {
   local limit=$1 rc
   needs_gpu ringdense && return
   if ((DRY)); then
-    timeout "$limit" "$PY" -m benchmarks.ring_dense_check --dry-run --out "$OUT/ringdense" \
-      >"$OUT/ringdense/ringdense.log" 2>&1
+    RING_ATTENTION_DENSE_BACKEND=cpu timeout "$limit" "$PY" -m benchmarks.ring_dense_check \
+      --dry-run --out "$OUT/ringdense" >"$OUT/ringdense/ringdense.log" 2>&1
   else
     timeout --kill-after=10 "$limit" "$PY" -m torch.distributed.run --nproc-per-node=1 \
       -m benchmarks.ring_dense_check --device cuda --out "$OUT/ringdense" >"$OUT/ringdense/ringdense.log" 2>&1

@@ -111,7 +111,9 @@ def test_gpu_check_dry_run_runs_the_whole_plan(tmp_path: Path) -> None:
     """``--dry-run``: both calls on the CPU with stand-ins, every stage ok;
     each call leaves summary.txt and one archive per stage (at most 8 files),
     each archive with a header.json holding the command line and the
-    environment; the summary ends with the targets (unrun on a CPU)."""
+    environment; the summary ends with the targets (unrun on a CPU) and the
+    dilated blocks' ratio, whose records (checked ok) the ringdense archive
+    holds."""
     proc = _gpu_check(tmp_path, "--dry-run", timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert "dry run: PASS" in proc.stdout and "bash -n: ok" in proc.stdout
@@ -137,6 +139,14 @@ def test_gpu_check_dry_run_runs_the_whole_plan(tmp_path: Path) -> None:
     assert {r["causal"] for r in points} == {False, True}
     assert {r["pass"] for r in points} == {"fwd", "fwdbwd"}
     assert all(r["status"] == "ok" for r in points)
+    with tarfile.open(tmp_path / "out" / "call2" / "c2-04-ringdense.tar.gz") as tar:
+        text = tar.extractfile("ringdense/ring_dense_rank0.jsonl").read()
+    recs = [json.loads(x) for x in text.splitlines()]
+    dilated = [r for r in recs if r["stage"] in ("dilated", "dilated_check")]
+    assert len(dilated) == 10 and all(r["status"] == "ok" for r in dilated)
+    summary = (tmp_path / "out" / "call2" / "summary.txt").read_text()
+    assert re.search(r"dilated ring blocks, dense route / our kernels .*: forward [0-9.]+-[0-9.]+x",
+                     summary)  # fmt: skip
 
 
 def test_prev_tree_exports_an_earlier_commit(tmp_path: Path) -> None:
