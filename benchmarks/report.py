@@ -273,6 +273,12 @@ WANTED = (
         lambda r: _gpu(r) and r.get("stage") == "time" and "ring_dense" in r["_file"],
     ),
     Wanted(
+        "the ring's dilated blocks (segments crossing the pieces) on a GPU, the dense route "
+        "against our kernels: the figure that decides whether `auto` takes them "
+        "(`benchmarks.ring_dense_check`)",
+        lambda r: _gpu(r) and r.get("stage") == "dilated" and "ring_dense" in r["_file"],
+    ),
+    Wanted(
         "the ring across several GPUs over NCCL",
         lambda r: (
             _gpu(r)

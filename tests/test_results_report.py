@@ -168,6 +168,19 @@ MEASURES = {  # a start of each entry's text: the files of a run that measures i
             }
         ]
     },
+    "the ring's dilated blocks": {
+        "ring_dense_rank0.jsonl": [
+            {
+                "stage": "dilated",
+                "method": "dense",
+                "pass": "fwd",
+                "ms": 1.0,
+                "ratio": 0.5,
+                "device": "cuda:0",
+                "gpu": "NVIDIA H100 80GB HBM3",
+            }
+        ]
+    },
     "the ring across several GPUs": {
         "ring_run.json": [
             {
