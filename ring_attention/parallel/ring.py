@@ -136,8 +136,6 @@ class RingCall:
 
 def _split(t: Tensor, pieces: Sequence[Piece], dim: int = 1) -> list[Tensor]:
     """Contiguous per-piece tensors along ``dim``."""
-    if len(pieces) == 1 and pieces[0].length == t.shape[dim]:
-        return [t.contiguous()]
     return [t.narrow(dim, p.offset, p.length).contiguous() for p in pieces]
 
 
@@ -161,30 +159,30 @@ def schedule_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor,
 
     blocks, check = call.blocks("forward", q, ks, vs, each_block)
 
-    def attend(qi: int, k_j: Tensor, v_j: Tensor, k_start: int, rows: Tensor | None = None) -> None:
-        blocks.forward(qs[qi], k_j, v_j, outs[qi], lses[qi], pieces[qi].start, k_start, rows)
+    def attend(pairs, kp: list[Tensor], vp: list[Tensor], starts, maps=None) -> None:
+        """The blocks ``(query piece, key index)`` of ``pairs``, keys at ``starts`` (``maps``:
+        packed rows' maps)."""
+        for qi, kj in pairs:
+            rows = None if maps is None else maps[kj]
+            blocks.forward(
+                qs[qi], kp[kj], vp[kj], outs[qi], lses[qi], pieces[qi].start, starts[kj], rows
+            )
 
     ex = call.exchanger(q, "forward") if plan.steps else None
     steps = ex.steps if ex is not None else ()
     far = ex.post_far_kv("forward_kv", ks, vs) if ex is not None else None  # posted first
     pending = ex.post_kv("forward_kv", steps[0], 0, ks, vs) if steps else None
-    for qi, ki in plan.local_pairs:  # overlaps the first exchange
-        attend(qi, ks[ki], vs[ki], pieces[ki].start)
+    attend(plan.local_pairs, ks, vs, [p.start for p in pieces])  # overlaps the first exchange
     if far is not None:  # the far group's blocks, while the first ring step travels
         for step, packed in ex.far_received(far.wait()):
-            kp, vp, starts, maps = ex.unpack_kv(packed, step)
-            for qi, kj in step.pairs:
-                attend(qi, kp[kj], vp[kj], starts[kj], maps[kj])
+            attend(step.pairs, *ex.unpack_kv(packed, step))
 
     for i, step in enumerate(steps):
         packed = pending.wait()
         if i + 1 < len(steps):  # prefetch the next active step into the other buffers
             pending = ex.post_kv("forward_kv", steps[i + 1], (i + 1) % 2, ks, vs)
-        if packed is None:
-            continue
-        kp, vp, starts, maps = ex.unpack_kv(packed, step)
-        for qi, kj in step.pairs:
-            attend(qi, kp[kj], vp[kj], starts[kj], maps[kj])
+        if packed is not None:
+            attend(step.pairs, *ex.unpack_kv(packed, step))
 
     if check is not None and not check.finite():  # a non-finite K/V: each block checks its own
         return schedule_forward(call, q, k, v, each_block=True)
@@ -208,18 +206,21 @@ def schedule_backward(call: RingCall, grad_out: Tensor, grad_lse: Tensor | None,
 
     blocks, check = call.blocks("backward", q, ks, vs, each_block)
 
-    def attend(qi: int, k_j: Tensor, v_j: Tensor, dk_j: Tensor, dv_j: Tensor, k_start: int,
-               rows: Tensor | None = None) -> None:  # fmt: skip
-        blocks.backward(gos[qi], glses[qi], qs[qi], k_j, v_j, outs[qi], lses[qi], dqs[qi], dk_j,
-                        dv_j, pieces[qi].start, k_start, rows)  # fmt: skip
+    def attend(pairs, dkp: list[Tensor], dvp: list[Tensor], kp: list[Tensor], vp: list[Tensor],
+               starts, maps=None) -> None:  # fmt: skip
+        """The blocks of ``pairs``, as the forward's, adding dK/dV into ``dkp``, ``dvp``."""
+        for qi, kj in pairs:
+            rows = None if maps is None else maps[kj]
+            blocks.backward(gos[qi], glses[qi], qs[qi], kp[kj], vp[kj], outs[qi], lses[qi], dqs[qi],
+                            dkp[kj], dvp[kj], pieces[qi].start, starts[kj], rows)  # fmt: skip
 
     ex = call.exchanger(q, "backward") if plan.steps else None
     steps = ex.steps if ex is not None else ()
     far = ex.post_far_kv("backward_kv", ks, vs) if ex is not None else None  # posted first
     first = ex.step_for(1) if ex is not None else None
     kv_pending = ex.post_kv("backward_kv", first, 1, ks, vs) if first is not None else None
-    for qi, ki in plan.local_pairs:  # overlaps the first exchange
-        attend(qi, ks[ki], vs[ki], dks[ki], dvs[ki], pieces[ki].start)
+    # the local blocks overlap the first exchange
+    attend(plan.local_pairs, dks, dvs, ks, vs, [p.start for p in pieces])
     if after_local is not None:
         after_local()
     far_grad = None
@@ -227,10 +228,7 @@ def schedule_backward(call: RingCall, grad_out: Tensor, grad_lse: Tensor | None,
         packed = far.wait()
         views = {s.distance: (dkp, dvp) for s, dkp, dvp in ex.far_grad_views()}
         for step, rows in ex.far_received(packed):
-            kp, vp, starts, maps = ex.unpack_kv(rows, step)
-            dkp, dvp = views[step.distance]
-            for qi, kj in step.pairs:
-                attend(qi, kp[kj], vp[kj], dkp[kj], dvp[kj], starts[kj], maps[kj])
+            attend(step.pairs, *views[step.distance], *ex.unpack_kv(rows, step))
         far_grad = ex.post_far_grad()
 
     # Global order of posts: F, KV(1), FG, KV(2), G(1), KV(3), G(2), ... (F, FG: the
@@ -245,10 +243,9 @@ def schedule_backward(call: RingCall, grad_out: Tensor, grad_lse: Tensor | None,
         if step is not None:
             dkp = dvp = None
             if packed is not None:
-                kp, vp, starts, maps = ex.unpack_kv(packed, step)
+                kv = ex.unpack_kv(packed, step)
                 dkp, dvp = ex.grad_views(step, d % 2)
-                for qi, kj in step.pairs:
-                    attend(qi, kp[kj], vp[kj], dkp[kj], dvp[kj], starts[kj], maps[kj])
+                attend(step.pairs, dkp, dvp, *kv)
             g_now = (ex.post_grad(step, d % 2, dkp, dvp), step)
         if g_prev is not None:
             ex.finish_grad(*g_prev, dks, dvs)
@@ -273,10 +270,7 @@ def schedule_backward(call: RingCall, grad_out: Tensor, grad_lse: Tensor | None,
 
 def backward_by_groups(call: RingCall, *tensors: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`schedule_backward` (``tensors``: its) one group of :attr:`RingCall.group_heads`
-    heads at a time, one ring pass each: a group's fp32 accumulators and returned dK/dV live
-    until its gradients are written into the input-dtype ones, after the next group's local
-    blocks (behind which its far dK/dV return travels). Bit-equal to one group: heads are
-    independent, and a group's far transfers are the whole call's."""
+    heads at a time, bit-equal to one group (docs/design.md §4.4, by head groups)."""
     plan, per = call.plan, call.group_heads
     if not per:
         return schedule_backward(call, *tensors)
@@ -314,14 +308,7 @@ def backward_by_groups(call: RingCall, *tensors: Tensor | None) -> tuple[Tensor,
     return tuple(grads)
 
 
-_documents = PerBatch("ring documents")
-
-
-def _with_documents(key: str, base: Pattern, documents: Tensor | None) -> Pattern:
-    """The spec's pattern with ``documents``, read once per batch."""
-    if documents is None:
-        return base
-    return _documents.get(documents, key, lambda: base.with_documents(documents))
+_documents = PerBatch("ring documents")  # the spec's pattern with a batch's documents
 
 
 def _call_of(key: str, q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None, needs_grad: bool,
@@ -339,7 +326,9 @@ def _call_of(key: str, q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None
     message, pattern, error, far, layout, per = None, None, spec.error, 0, spec.layout, 0
     if error is None:
         try:
-            pattern = _with_documents(key, spec.pattern, documents)
+            pattern = spec.pattern
+            if documents is not None:  # (the lambda reads spec.pattern: called before the "=")
+                pattern = _documents.get(documents, key, lambda: pattern.with_documents(documents))
             layout = resolve_layout(spec.layout, pattern)
             heads = spec.head_range if spec.head_range[1] else None
             shape = check_qkv(q, k, v, head_range=heads)
@@ -357,20 +346,18 @@ def _call_of(key: str, q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None
                                        backward_heads=per)  # fmt: skip
         except Exception as exc:  # every rank must hear of it: reported in the handshake
             error = exc
-    if n is None:
-        if world > 1:
-            if isinstance(error, GroupError):  # which ring? the peers must hear of it
-                topo = report_grid_error("not a group", None, None, error, "ring")
-                if topo is not None:
-                    reject(topo.ring_group, "ring_dilated_attention", error, topo.ring_order)
-                raise error
-            if spec.ranks is None:  # (ranks: a call of the grid's, which checked it)
-                check_ring(group)
-            n = ring_handshake(group, world, message, pattern, layout, spec.fold, error, order)
-        else:
-            n = q.shape[1] if error is None else -1
+    if n is None and world > 1:
+        if isinstance(error, GroupError):  # which ring? the peers must hear of it
+            topo = report_grid_error("not a group", None, None, error, "ring")
+            if topo is not None:
+                reject(topo.ring_group, "ring_dilated_attention", error, topo.ring_order)
+            raise error
+        if spec.ranks is None:  # (ranks: a call of the grid's, which checked it)
+            check_ring(group)
+        n = ring_handshake(group, world, message, pattern, layout, spec.fold, error, order)
     if error is not None:
         raise error
+    n = q.shape[1] if n is None else n  # (one process: its own length)
     pattern.check_length(n)
     plan = get_plan(pattern, n, shape.heads, shape.kv_heads, world, rank, layout, spec.fold,
                     spec.head_range)  # fmt: skip
