@@ -13,9 +13,8 @@ __all__ = ["BlockCall", "block_calls", "block_kind"]
 
 
 def block_kind(causal: bool, q_start: int, lq: int, k_start: int, lk: int) -> str | None:
-    """``"full"``, ``"causal"`` or ``"skip"`` for one dense call of queries ``[q_start, q_start
-    + lq)`` against keys ``[k_start, k_start + lk)``, ``None`` where one dense call cannot run it
-    (a causal block cut across the diagonal)."""
+    """``"full"``, ``"causal"`` or ``"skip"`` for one dense call of queries ``[q_start, q_start +
+    lq)`` against keys ``[k_start, k_start + lk)``; ``None``: a causal diagonal cut across."""
     if lq == 0 or lk == 0:
         return "skip"
     if not causal or k_start + lk <= q_start + 1:

@@ -26,8 +26,7 @@ Tensor = torch.Tensor
 
 class Blocks:
     """The blocks of one ring pass of ``call``: by the dense route ``dense`` where a block allows
-    it, else by the block kernel with the operators' ``args``; ``each_block``: each dense block
-    checks its K/V (else the pass's K/V are known to be finite)."""
+    it, else by the block kernel (``args``); ``each_block``: each dense block checks its K/V."""
 
     def __init__(self, call: Call, args: ops.OpArgs, dense: Route | None) -> None:
         self.args = args
@@ -72,9 +71,8 @@ class Blocks:
 
     def _views(self, q: Tensor, k: Tensor, v: Tensor, q_start: int, k_start: int,
                k_rows: Tensor | None, *q_side: Tensor) -> list[tuple] | None:  # fmt: skip
-        """Each dense call of the block with its packed rows and its ``(B, segments, rows, heads,
-        D)`` views of ``q``, ``k``, ``v`` and ``q_side``; ``None``: our kernel's block (a causal
-        diagonal cut across, or views a CUDA backend would copy)."""
+        """Each dense call of the block, its packed rows and its views of ``q``, ``k``, ``v``,
+        ``q_side``; ``None``: our kernel's (a causal diagonal cut across, or views to copy)."""
         lk = k.shape[1] if k_rows is None else k_rows.shape[0]
         kv_heads = k.shape[2] if k_rows is None else k_rows.shape[1]
         calls = block_calls(self.pattern, q.shape[2], kv_heads, q_start, q.shape[1], k_start, lk)
@@ -140,9 +138,8 @@ class Blocks:
 
     def _run(self, k: Tensor, v: Tensor, work: list[tuple], compute: Callable,
              apply: Callable) -> bool:  # fmt: skip
-        """``compute`` each item of ``work`` (queuing its dense calls) and ``apply`` its part: at
-        once where the pass's check covers the block, else once the block's own K/V check reads
-        finite; ``False`` where it does not (nothing applied: the kernel's instead)."""
+        """``compute`` each item of ``work`` and ``apply`` its part: at once where the pass's check
+        covers the block, else once the block's own K/V check reads finite (``False``: not)."""
         finite = KvFinite(k, v) if self.each_block and work else True
         parts = []
         for item in work:
@@ -183,9 +180,8 @@ def _add_part(dq: Tensor, dk: Tensor, dv: Tensor, c: BlockCall, rows: Tensor | N
 
 def _part(c: SpanCall, q: Tensor, width: int | None, dtype: torch.dtype,
           kv: bool = False) -> Tensor:  # fmt: skip
-    """A fresh ``(B, segments, heads, rows[, width])`` part of the call's rows on ``q``'s
-    device, rows padded so that every view a backend gets is aligned
-    (:meth:`~.spans.Call.part_geometry`)."""
+    """A fresh ``(B, segments, heads, rows[, width])`` part of the call's rows on ``q``'s device,
+    rows padded so that every view a backend gets is aligned (``part_geometry``)."""
     rows = c.part_rows(q.shape[0], kv)
     buf = torch.empty(rows if width is None else (rows, width), dtype=dtype, device=q.device)
     return buf.as_strided(*c.part_geometry(0, q.shape[0], kv, width))
@@ -220,8 +216,7 @@ def ring_blocks(
     call: Call, pass_: str, q: Tensor, k: Tensor, n: int, bounds: tuple[int, ...], rows: int
 ) -> Blocks:
     """The blocks of one ring pass of ``call`` on this rank's shard: ``n`` the global length,
-    ``bounds`` where every rank's pieces start and end, ``rows`` a length every piece is a
-    multiple of."""
+    ``bounds`` where every rank's pieces start and end, ``rows`` a divisor of every piece."""
     r = route_blocks(pass_, q, k, call.pattern, n, bounds, rows) if call.every_head else None
     dense = r if r is not None and r.dense else None
     return Blocks(call, ops.op_args(call, q.device), dense)

@@ -1,7 +1,6 @@
-"""Which path the local op takes, and which dense backend each per-branch call takes: the path
-table :data:`PATHS` and the backend table :data:`BACKENDS`, each row citing its measurement
-(docs/design.md §5 lists when our kernels run instead). ``python -m ring_attention.info``
-prints the route of a shape and why."""
+"""Which path the local op takes (:data:`PATHS`) and which dense backend each per-branch call
+takes (:data:`BACKENDS`), each row citing its measurement (docs/design.md §5: when our kernels
+run instead); ``python -m ring_attention.info`` prints the route of a shape and why."""
 
 from __future__ import annotations
 
@@ -213,8 +212,7 @@ def route(
     if q.device.type == "cuda" and not all(aligned(t) for t in (q, k, v)):
         return Route(False, MISALIGNED)
     _, n, heads, d = q.shape
-    device = q.device
-    cc = _capability(device)
+    device, cc = q.device, _capability(q.device)
     key = (pass_, mode, named, rows, device, cc, q.dtype, n, heads, k.shape[2], d, pattern,
            head_range, unavailable())  # fmt: skip
     return _ROUTES.get(key, lambda: decide(*key))
@@ -300,9 +298,8 @@ def route_blocks(
     pass_: str, q: torch.Tensor, k: torch.Tensor, pattern: Pattern, n: int,
     boundaries: tuple[int, ...], rows: int,
 ) -> Route:  # fmt: skip
-    """The route of the ring's per-step blocks in ``pass_`` (``backends == ((name,),)`` where
-    each block's calls take that backend, ``()`` where each piece takes :func:`route`'s), and
-    why; ``rows``: a length every piece is a multiple of (the calls of dilated blocks: any)."""
+    """The route of the ring's per-step blocks in ``pass_``, and why (``backends``: ``((name,),)``
+    for every call, ``()``: each piece by :func:`route`); ``rows``: a divisor of every piece."""
     mode = config.forward_mode() if pass_ == "forward" else config.backward_mode()
     if mode == "kernel":
         return Route(False, f"{config.FORWARD if pass_ == 'forward' else config.BACKWARD}=kernel")
@@ -314,9 +311,8 @@ def route_blocks(
     if shape == "dilated" and mode == "auto":
         return Route(False, DILATED_AUTO)
     _, _, heads, d = q.shape
-    device = q.device
     rows = rows if shape == "dense" else 1
-    key = (pass_, mode, config.dense_backend(), device, _capability(device), q.dtype, n, heads,
+    key = (pass_, mode, config.dense_backend(), q.device, _capability(q.device), q.dtype, n, heads,
            k.shape[2], d, rows, unavailable())  # fmt: skip
     return _BLOCK_ROUTES.get(key, lambda: decide_blocks(*key))
 

@@ -63,8 +63,7 @@ def exchange_plan(seq_len: int, heads: int, segment_lengths: Sequence[int],
                   head_offsets: str = "modulo", window: tuple[int, int] | None = None,
                   group: dist.ProcessGroup | None = None,
                   layout: str = "contiguous") -> ExchangePlan:  # fmt: skip
-    """This rank's (cached) exchange plan for a global sequence of
-    ``seq_len``, without running anything."""
+    """This rank's (cached) exchange plan for a global sequence of ``seq_len``, without running."""
     pattern = Pattern(segment_lengths, dilation_rates, causal=causal, head_groups=head_groups,
                       head_offsets=head_offsets,
                       window=window).with_documents(cu_seqlens)  # fmt: skip
@@ -114,16 +113,13 @@ class RingCall:
 
     def blocks(self, pass_: str, q: Tensor, ks: list[Tensor], vs: list[Tensor],
                each_block: bool = False) -> tuple[Blocks, PassCheck | None]:  # fmt: skip
-        """The blocks of ``pass_`` (the block kernel, or a dense backend where the dispatch's
-        route is dense) and the pass's one K/V check (``None``: each dense block checks its own,
-        as where ``each_block``); ``ks``, ``vs``: this rank's pieces."""
-        plan, n = self.plan, self.plan.seq_len
-        every = [p for pieces in plan.all_pieces for p in pieces]
+        """The blocks of ``pass_`` and the pass's one K/V check (``None``: each dense block checks
+        its own, as where ``each_block``); ``ks``, ``vs``: this rank's pieces."""
+        every = [p for pieces in self.plan.all_pieces for p in pieces]
         rows = math.gcd(*(p.length for p in every))
         bounds = tuple(sorted({b for p in every for b in (p.start, p.start + p.length)}))
-        blocks = ring_blocks(self.call, pass_, q, ks[0], n, bounds, rows or 1)
-        own = blocks.dense is not None
-        check = None if each_block else pass_check(self, pass_, own, q, ks, vs, bounds)
+        blocks = ring_blocks(self.call, pass_, q, ks[0], self.plan.seq_len, bounds, rows or 1)
+        check = None if each_block else pass_check(self, pass_, blocks, q, ks, vs, bounds)
         blocks.each_block = check is None
         return blocks, check
 
@@ -160,8 +156,7 @@ def schedule_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor,
     blocks, check = call.blocks("forward", q, ks, vs, each_block)
 
     def attend(pairs, kp: list[Tensor], vp: list[Tensor], starts, maps=None) -> None:
-        """The blocks ``(query piece, key index)`` of ``pairs``, keys at ``starts`` (``maps``:
-        packed rows' maps)."""
+        """The blocks ``(query piece, key index)`` of ``pairs``, keys at ``starts`` (or packed)."""
         for qi, kj in pairs:
             rows = None if maps is None else maps[kj]
             blocks.forward(
@@ -193,10 +188,9 @@ def schedule_backward(call: RingCall, grad_out: Tensor, grad_lse: Tensor | None,
                       k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                       after_local: Callable[[], None] | None = None, defer: bool = False,
                       each_block: bool = False):  # fmt: skip
-    """``(dq, dk, dv)``; ``after_local`` runs once the local blocks are computed; ``defer``:
-    while the far dK/dV return travels, a function that finishes it and gives them instead (a
-    head group's: it travels behind the next group's local blocks); ``each_block``: each dense
-    block checks its own K/V (the pass's rerun where its one check found them non-finite)."""
+    """``(dq, dk, dv)``; ``after_local`` runs once the local blocks are computed; ``defer``: while
+    the far dK/dV return travels, a function that finishes it and gives them instead (a head
+    group's); ``each_block``: each dense block checks its own K/V (the pass's rerun)."""
     plan, pieces = call.plan, call.plan.pieces
     qs, ks, vs, outs, gos = (_split(t, pieces) for t in (q, k, v, out, grad_out.to(q.dtype)))
     lses = _split(lse, pieces, dim=2)
