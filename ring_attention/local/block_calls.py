@@ -1,7 +1,5 @@
-"""The dense calls of one ring block (docs/design.md §5, the ring's dense blocks): queries at
-positions ``[q_start, q_start + lq)`` against keys at ``[k_start, k_start + lk)``, per branch,
-offset class and K/V head run, as pairs of strided views (:class:`~.spans.Call`, one on the
-query piece and one on the keys) and the kind of each call, planned once per block shape."""
+"""The dense calls of one ring block, per branch, offset class and K/V head run: pairs of strided
+views, planned once per block shape (docs/design.md §5, the ring's per-step blocks)."""
 
 from __future__ import annotations
 
@@ -15,9 +13,8 @@ __all__ = ["BlockCall", "block_calls", "block_kind"]
 
 
 def block_kind(causal: bool, q_start: int, lq: int, k_start: int, lk: int) -> str | None:
-    """``"full"``, ``"causal"`` or ``"skip"`` for one dense call of queries ``[q_start, q_start
-    + lq)`` against keys ``[k_start, k_start + lk)``, ``None`` where one dense call cannot run it
-    (a causal block cut across the diagonal)."""
+    """``"full"``, ``"causal"`` or ``"skip"`` for one dense call of queries ``[q_start, q_start +
+    lq)`` against keys ``[k_start, k_start + lk)``; ``None``: a causal diagonal cut across."""
     if lq == 0 or lk == 0:
         return "skip"
     if not causal or k_start + lk <= q_start + 1:

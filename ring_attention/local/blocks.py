@@ -1,16 +1,12 @@
-"""A ring pass's blocks (docs/design.md §4.3, §4.4, and §5 on the ring's dense blocks): each
-block of queries against a run of keys (or packed K/V rows with their row map) merged into the
-pass's fp32 accumulators, or its gradients added, by our block kernel or by a dense backend
-where the pass's route is dense (``route_blocks``): the local op on a piece holding whole
-segments, else the block's dense calls (:mod:`.block_calls`) on strided views, packed K/V rows
-gathered through the row map (the rows the calls read) and their dK/dV added back through it.
-Non-finite K/V (checked per block, or once a pass by the ring), a gradient reaching ``lse``,
-CUDA views a backend would copy and a causal diagonal cut across take our kernel, for the
-whole block."""
+"""A ring pass's blocks merged into its fp32 accumulators (or their gradients added) by our block
+kernel or, where the pass's route is dense, by a dense backend: which blocks take which, and
+why, in docs/design.md §5 (the ring's per-step blocks) and §4.3-4.4."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -30,8 +26,7 @@ Tensor = torch.Tensor
 
 class Blocks:
     """The blocks of one ring pass of ``call``: by the dense route ``dense`` where a block allows
-    it, else by the block kernel with the operators' ``args``; ``each_block``: each dense block
-    checks its K/V (else the pass's K/V are known to be finite)."""
+    it, else by the block kernel (``args``); ``each_block``: each dense block checks its K/V."""
 
     def __init__(self, call: Call, args: ops.OpArgs, dense: Route | None) -> None:
         self.args = args
@@ -74,12 +69,27 @@ class Blocks:
         r = route(pass_, q, k, v, self.pattern, None)
         return r if r.dense else None
 
-    def _calls(self, q: Tensor, k: Tensor, q_start: int, k_start: int,
-               k_rows: Tensor | None) -> tuple[BlockCall, ...] | None:  # fmt: skip
-        """The block's dense calls (:func:`~.block_calls.block_calls`)."""
+    def _views(self, q: Tensor, k: Tensor, v: Tensor, q_start: int, k_start: int,
+               k_rows: Tensor | None, *q_side: Tensor) -> list[tuple] | None:  # fmt: skip
+        """Each dense call of the block, its packed rows and its views of ``q``, ``k``, ``v``,
+        ``q_side``; ``None``: our kernel's (a causal diagonal cut across, or views to copy)."""
         lk = k.shape[1] if k_rows is None else k_rows.shape[0]
         kv_heads = k.shape[2] if k_rows is None else k_rows.shape[1]
-        return block_calls(self.pattern, q.shape[2], kv_heads, q_start, q.shape[1], k_start, lk)
+        calls = block_calls(self.pattern, q.shape[2], kv_heads, q_start, q.shape[1], k_start, lk)
+        if calls is None:
+            return None
+        work = []
+        for c in calls:
+            if k_rows is None:
+                rows, kv = None, [c.k.view(t, kv=True) for t in (k, v)]
+            else:  # the rows the call reads, (segments, rows, K/V heads) flat, gathered
+                rows = c.k.view(k_rows[None, :, :, None], kv=True).reshape(-1).long()
+                shape = (q.shape[0], c.k.segments, c.k.rows, c.k.kv_heads, q.shape[3])
+                kv = [t.index_select(1, rows).view(shape) for t in (k, v)]
+            work.append((c, rows, c.q.view(q), *kv, *(c.q.view(t) for t in q_side)))
+        if q.device.type == "cuda" and not all(aligned(t) for w in work for t in w[2:]):
+            return None
+        return work
 
     def _dense_forward(
         self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_start: int,
@@ -88,35 +98,17 @@ class Blocks:
         """:meth:`forward` by the dense route; ``False``: the block kernel's (nothing merged)."""
         if self.backend is None:
             r = self._local("forward", q, k, v, q_start, k_start, k_rows)
-            if r is None:
-                return False
-            finite = self._finite(k, v)
-            res = dense_forward(q, k, v, self.pattern, self.scale, r)
-            if not finite:  # read with the dense calls queued: dropped, the kernel's instead
-                return False
-            merge_into(out, lse, *res)
-            return True
-        calls = self._calls(q, k, q_start, k_start, k_rows)
-        if calls is None:
-            return False
-        rows = [None if k_rows is None else _rows_of(c, k_rows) for c in calls]
-        views = [_operands(c, r, q, k, v) for c, r in zip(calls, rows, strict=True)]
-        if not _aligned(*(t for vs in views for t in vs)):
-            return False
-        finite = self._finite(k, v) if calls else True
-        parts = []
-        for c, vs in zip(calls, views, strict=True):
+            run = partial(dense_forward, q, k, v, self.pattern, self.scale)
+            return r is not None and self._run(k, v, [(r,)], run, partial(merge_into, out, lse))
+
+        def part(c: BlockCall, _rows, qv: Tensor, kv: Tensor, vv: Tensor) -> tuple:
             o, bl = _part(c.q, q, q.shape[3], q.dtype), _part(c.q, q, None, lse.dtype)
-            for qg, kg, vg, og, lg in _groups(*vs, o, bl):
+            for qg, kg, vg, og, lg in _groups(qv, kv, vv, o, bl):
                 self.backend.forward(qg, kg, vg, c.causal, self.scale, og, lg)
-            parts.append((c, o, bl))
-            if finite is True:  # the pass's check covers the block: merged at once
-                _merge_part(out, lse, *parts.pop())
-        if not finite:  # read with the dense calls queued: dropped, the kernel's instead
-            return False
-        for part in parts:
-            _merge_part(out, lse, *part)
-        return True
+            return c, o, bl
+
+        work = self._views(q, k, v, q_start, k_start, k_rows)
+        return work is not None and self._run(k, v, work, part, partial(_merge_part, out, lse))
 
     def _dense_backward(
         self, go: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -126,25 +118,12 @@ class Blocks:
         """:meth:`backward` by the dense route; ``False``: the block kernel's (nothing added)."""
         if self.backend is None:
             r = self._local("backward", q, k, v, q_start, k_start, k_rows)
-            if r is None:
-                return False
-            finite = self._finite(k, v)
-            grads = dense_backward(go, q, k, v, out, lse, self.pattern, self.scale, r)
-            if not finite:  # read with the dense calls queued: dropped, the kernel's instead
-                return False
-            for acc, g in zip((dq, dk, dv), grads, strict=True):
-                acc.add_(g)
-            return True
-        calls = self._calls(q, k, q_start, k_start, k_rows)
-        if calls is None:
-            return False
-        rows = [None if k_rows is None else _rows_of(c, k_rows) for c in calls]
-        views = [_operands(c, r, q, k, v, go, out) for c, r in zip(calls, rows, strict=True)]
-        if not _aligned(*(t for vs in views for t in vs)):
-            return False
-        finite = self._finite(k, v) if calls else True
-        D, parts = q.shape[3], []
-        for c, r, (qv, kv, vv, gov, ov) in zip(calls, rows, views, strict=True):
+            run = partial(dense_backward, go, q, k, v, out, lse, self.pattern, self.scale)
+            return r is not None and self._run(k, v, [(r,)], run, partial(_add, (dq, dk, dv)))
+        D = q.shape[3]
+
+        def part(c: BlockCall, r, qv: Tensor, kv: Tensor, vv: Tensor, gov: Tensor,
+                 ov: Tensor) -> tuple:  # fmt: skip
             lv = _final_lse(c, lse, q)
             gq = _part(c.q, q, D, q.dtype)
             gk, gv = _part(c.k, q, D, q.dtype, True), _part(c.k, q, D, q.dtype, True)
@@ -152,18 +131,32 @@ class Blocks:
                                                                   gk, gv):  # fmt: skip
                 self.backend.backward(gog, qg, kg, vg, og, lg, c.causal, self.scale, gqg, gkg,
                                       gvg)  # fmt: skip
-            parts.append((c, r, gq, gk, gv))
-            if finite is True:  # the pass's check covers the block: added at once
-                _add_part(dq, dk, dv, *parts.pop())
+            return c, r, gq, gk, gv
+
+        work = self._views(q, k, v, q_start, k_start, k_rows, go, out)
+        return work is not None and self._run(k, v, work, part, partial(_add_part, dq, dk, dv))
+
+    def _run(self, k: Tensor, v: Tensor, work: list[tuple], compute: Callable,
+             apply: Callable) -> bool:  # fmt: skip
+        """``compute`` each item of ``work`` and ``apply`` its part: at once where the pass's check
+        covers the block, else once the block's own K/V check reads finite (``False``: not)."""
+        finite = KvFinite(k, v) if self.each_block and work else True
+        parts = []
+        for item in work:
+            parts.append(compute(*item))
+            if finite is True:
+                apply(*parts.pop())
         if not finite:  # read with the dense calls queued: dropped, the kernel's instead
             return False
         for part in parts:
-            _add_part(dq, dk, dv, *part)
+            apply(*part)
         return True
 
-    def _finite(self, k: Tensor, v: Tensor) -> KvFinite | bool:
-        """This block's K/V check (``True``: the pass's one check covers it)."""
-        return KvFinite(k, v) if self.each_block else True
+
+def _add(accs: tuple[Tensor, ...], *grads: Tensor) -> None:
+    """Add each of ``grads`` into its accumulator."""
+    for acc, g in zip(accs, grads, strict=True):
+        acc.add_(g)
 
 
 def _merge_part(out: Tensor, lse: Tensor, c: BlockCall, o: Tensor, bl: Tensor) -> None:
@@ -185,29 +178,10 @@ def _add_part(dq: Tensor, dk: Tensor, dv: Tensor, c: BlockCall, rows: Tensor | N
             acc.index_add_(1, rows, g.reshape(g.shape[0], -1, g.shape[-1]).to(acc.dtype))
 
 
-def _rows_of(c: BlockCall, k_rows: Tensor) -> Tensor:
-    """The packed rows of the call's keys, ``(segments, rows, K/V heads)`` flat, through the row
-    map ``k_rows`` ``(span, H_kv)``."""
-    return c.k.view(k_rows[None, :, :, None], kv=True).reshape(-1).long()
-
-
-def _operands(c: BlockCall, rows: Tensor | None, q: Tensor, k: Tensor, v: Tensor,
-              *q_side: Tensor) -> list[Tensor]:  # fmt: skip
-    """The call's ``(B, segments, rows, heads, D)`` views of ``q``, ``k``, ``v`` and ``q_side``
-    (K/V packed: its ``rows`` (:func:`_rows_of`), gathered)."""
-    if rows is None:
-        kv = [c.k.view(t, kv=True) for t in (k, v)]
-    else:
-        shape = (q.shape[0], c.k.segments, c.k.rows, c.k.kv_heads, q.shape[3])
-        kv = [t.index_select(1, rows).view(shape) for t in (k, v)]
-    return [c.q.view(q), *kv, *(c.q.view(t) for t in q_side)]
-
-
 def _part(c: SpanCall, q: Tensor, width: int | None, dtype: torch.dtype,
           kv: bool = False) -> Tensor:  # fmt: skip
-    """A fresh ``(B, segments, heads, rows[, width])`` part of the call's rows on ``q``'s
-    device, rows padded so that every view a backend gets is aligned
-    (:meth:`~.spans.Call.part_geometry`)."""
+    """A fresh ``(B, segments, heads, rows[, width])`` part of the call's rows on ``q``'s device,
+    rows padded so that every view a backend gets is aligned (``part_geometry``)."""
     rows = c.part_rows(q.shape[0], kv)
     buf = torch.empty(rows if width is None else (rows, width), dtype=dtype, device=q.device)
     return buf.as_strided(*c.part_geometry(0, q.shape[0], kv, width))
@@ -227,11 +201,6 @@ def _groups(*views: Tensor) -> list[tuple[Tensor, ...]]:
             for grp in batch_groups(gs)]  # fmt: skip
 
 
-def _aligned(*tensors: Tensor) -> bool:
-    """Whether a block's tensors go to a CUDA backend without a copy."""
-    return not tensors or tensors[0].device.type != "cuda" or all(aligned(t) for t in tensors)
-
-
 def merge_into(out: Tensor, lse: Tensor, o: Tensor, bl: Tensor) -> None:
     """Merge one part ``(o, bl)`` into the accumulators ``out``, ``lse`` in place (they start at
     ``0`` and ``-inf``)."""
@@ -247,8 +216,7 @@ def ring_blocks(
     call: Call, pass_: str, q: Tensor, k: Tensor, n: int, bounds: tuple[int, ...], rows: int
 ) -> Blocks:
     """The blocks of one ring pass of ``call`` on this rank's shard: ``n`` the global length,
-    ``bounds`` where every rank's pieces start and end, ``rows`` a length every piece is a
-    multiple of."""
+    ``bounds`` where every rank's pieces start and end, ``rows`` a divisor of every piece."""
     r = route_blocks(pass_, q, k, call.pattern, n, bounds, rows) if call.every_head else None
     dense = r if r is not None and r.dense else None
     return Blocks(call, ops.op_args(call, q.device), dense)

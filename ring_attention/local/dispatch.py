@@ -1,7 +1,6 @@
-"""Which path the local op takes, and which dense backend each per-branch call takes: the path
-table :data:`PATHS` and the backend table :data:`BACKENDS`, each row citing its measurement
-(docs/design.md §5 lists when our kernels run instead). ``python -m ring_attention.info``
-prints the route of a shape and why."""
+"""Which path the local op takes (:data:`PATHS`) and which dense backend each per-branch call
+takes (:data:`BACKENDS`), each row citing its measurement (docs/design.md §5: when our kernels
+run instead); ``python -m ring_attention.info`` prints the route of a shape and why."""
 
 from __future__ import annotations
 
@@ -77,8 +76,8 @@ PATHS = (
 
 @dataclass(frozen=True)
 class BackendRow:
-    """A dense backend and the calls it takes (device, dtypes, head dims, capability, passes,
-    rows multiple, GQA); ``default``: taken by ``auto``."""
+    """A dense backend and the calls it takes, forward and backward (device, dtypes, head dims,
+    capability, rows multiple, GQA)."""
 
     backend: str
     device: str
@@ -87,23 +86,20 @@ class BackendRow:
     head_dim_multiple: int
     head_dim_max: int
     min_capability: tuple[int, int]
-    passes: tuple[str, ...]
     rows_multiple: int
     gqa: bool
-    default: bool
     source: str
 
 
-BOTH = ("forward", "backward")
 BACKENDS = (
     BackendRow(
-        "fa4", "cuda", (F16, BF16), (64, 96, 128), 8, 128, (9, 0), BOTH, 1, True, True,
+        "fa4", "cuda", (F16, BF16), (64, 96, 128), 8, 128, (9, 0), 1, True,
         "flash-attn-4 4.0.0b36 (CuTe DSL) on the strided views: checked against the float64 "
         "oracle and 1.6-1.9x faster than FlashAttention-2 per branch (H200 2026-11-27; "
         "journal/2026-11-27-gpu-h200-views.md)",
     ),
     BackendRow(
-        "cudnn", "cuda", (F16, BF16), None, 8, 128, (9, 0), BOTH, 128, False, True,
+        "cudnn", "cuda", (F16, BF16), None, 8, 128, (9, 0), 128, False,
         "cuDNN through ATen: the fastest gather forward at 16 x 128, 32K (H100, seventh); its "
         "forward on the views matched the float64 oracle (H200 2026-11-27, n = 10240); its "
         "backward per branch was 1.65-1.73x our kernel's speed against FlashAttention-2's "
@@ -113,12 +109,12 @@ BACKENDS = (
         "ATen's schema and source, checked on the CPU against an emulation)",
     ),
     BackendRow(
-        "flash", "cuda", (F16, BF16), None, 8, 256, (8, 0), BOTH, 1, True, True,
+        "flash", "cuda", (F16, BF16), None, 8, 256, (8, 0), 1, True,
         "PyTorch's FlashAttention-2: per branch on an H100 (2026-11-25/26), checked against "
         "the float64 oracle",
     ),
     BackendRow(
-        "cpu", "cpu", (F32, F64, F16, BF16), None, 1, 1 << 30, (0, 0), BOTH, 1, True, True,
+        "cpu", "cpu", (F32, F64, F16, BF16), None, 1, 1 << 30, (0, 0), 1, True,
         "PyTorch's CPU flash attention: the stand-in that runs the whole path on the CPU "
         "(tests); our CPU kernels are faster (benchmarks/RESULTS.md), so auto never takes it",
     ),
@@ -129,12 +125,10 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
 
 
-def _fits(row: BackendRow, pass_, device, dtype, d, cc, rows, gqa, missing) -> str | None:
+def _fits(row: BackendRow, device, dtype, d, cc, rows, gqa, missing) -> str | None:
     """Why ``row`` cannot run the call (None when it can)."""
     if row.device != device.type:
         return f"runs on {row.device}"
-    if pass_ not in row.passes:
-        return f"no {pass_}"
     if dtype not in row.dtypes:
         return f"no {dtype}"
     if (row.head_dims is not None and d not in row.head_dims) or (
@@ -170,15 +164,12 @@ def choose_backend(
     pass_: str, named: str, device, dtype, d: int, cc, rows: int, gqa: bool,
     missing: Unavailable | None = None,
 ) -> tuple[str | None, str]:  # fmt: skip
-    """The first backend of :data:`BACKENDS` (``named`` first) that runs a call of ``rows`` rows,
-    and why each one before it cannot."""
+    """The first backend of :data:`BACKENDS` (``named`` first) that runs a call of ``rows`` rows
+    (every one runs both passes ``pass_``), and why each one before it cannot."""
     missing = unavailable() if missing is None else missing
-    order = [r for r in BACKENDS if r.backend == named] + [
-        r for r in BACKENDS if r.default and r.backend != named
-    ]
     reasons = []
-    for r in order:
-        why_not = _fits(r, pass_, device, dtype, d, cc, rows, gqa, missing)
+    for r in sorted(BACKENDS, key=lambda r: r.backend != named):  # (stable: the table's order)
+        why_not = _fits(r, device, dtype, d, cc, rows, gqa, missing)
         if why_not is None:
             return r.backend, "; ".join(reasons)
         reasons.append(f"{r.backend}: {why_not}")
@@ -209,8 +200,7 @@ def route(
     named = config.dense_backend()
     rows = config.span_rows()
     if mode == "kernel":
-        env = config.FORWARD if pass_ == "forward" else config.BACKWARD
-        return Route(False, f"{env}=kernel")
+        return Route(False, f"{config.FORWARD if pass_ == 'forward' else config.BACKWARD}=kernel")
     if key_padding_mask is not None:
         return Route(False, "a key padding mask")
     if pattern.windowed:
@@ -222,8 +212,7 @@ def route(
     if q.device.type == "cuda" and not all(aligned(t) for t in (q, k, v)):
         return Route(False, MISALIGNED)
     _, n, heads, d = q.shape
-    device = q.device
-    cc = _capability(device)
+    device, cc = q.device, _capability(q.device)
     key = (pass_, mode, named, rows, device, cc, q.dtype, n, heads, k.shape[2], d, pattern,
            head_range, unavailable())  # fmt: skip
     return _ROUTES.get(key, lambda: decide(*key))
@@ -281,10 +270,8 @@ DILATED_AUTO = (
 
 
 def block_shape(pattern: Pattern, n: int, boundaries: tuple[int, ...]) -> tuple[str | None, str]:
-    """What the ring's blocks are: ``"dense"`` (plain dense attention), ``"local"`` (every
-    segment inside one piece), ``"dilated"`` (segments crossing the pieces: each block's
-    branches as strided views, ring_attention/local/block_calls.py) or ``None`` (our block
-    kernels), and why."""
+    """What the ring's blocks are, and why: ``"dense"`` (plain dense attention), ``"local"`` (every
+    segment inside one piece), ``"dilated"`` (segments crossing the pieces) or ``None`` (ours)."""
     if pattern.documents is not None:
         return None, "documents"
     if pattern.windowed:
@@ -298,10 +285,8 @@ def block_shape(pattern: Pattern, n: int, boundaries: tuple[int, ...]) -> tuple[
 
 
 def may_be_dense(pass_: str, dtype: torch.dtype, d: int, n: int, shape: str = "dense") -> bool:
-    """Whether the ring's blocks of ``pass_`` (of :func:`block_shape`'s ``shape``, ``"dense"`` or
-    ``"dilated"``) may take the dense path on some rank: from its mode (agreed in the
-    handshake), the dtype, ``d`` and ``n`` alone, whatever a rank's device or backends (what
-    every rank of a ring answers alike)."""
+    """Whether the ring's blocks of ``pass_`` (:func:`block_shape`'s ``shape``) may take the dense
+    path on some rank: from values every rank agrees on (the handshake's), whatever its device."""
     mode = config.forward_mode() if pass_ == "forward" else config.backward_mode()
     if mode != "auto":
         return mode == "dense"
@@ -313,9 +298,8 @@ def route_blocks(
     pass_: str, q: torch.Tensor, k: torch.Tensor, pattern: Pattern, n: int,
     boundaries: tuple[int, ...], rows: int,
 ) -> Route:  # fmt: skip
-    """The route of the ring's per-step blocks in ``pass_`` (``backends == ((name,),)`` where
-    each block's calls take that backend, ``()`` where each piece takes :func:`route`'s), and
-    why; ``rows``: a length every piece is a multiple of (the calls of dilated blocks: any)."""
+    """The route of the ring's per-step blocks in ``pass_``, and why (``backends``: ``((name,),)``
+    for every call, ``()``: each piece by :func:`route`); ``rows``: a divisor of every piece."""
     mode = config.forward_mode() if pass_ == "forward" else config.backward_mode()
     if mode == "kernel":
         return Route(False, f"{config.FORWARD if pass_ == 'forward' else config.BACKWARD}=kernel")
@@ -327,9 +311,8 @@ def route_blocks(
     if shape == "dilated" and mode == "auto":
         return Route(False, DILATED_AUTO)
     _, _, heads, d = q.shape
-    device = q.device
     rows = rows if shape == "dense" else 1
-    key = (pass_, mode, config.dense_backend(), device, _capability(device), q.dtype, n, heads,
+    key = (pass_, mode, config.dense_backend(), q.device, _capability(q.device), q.dtype, n, heads,
            k.shape[2], d, rows, unavailable())  # fmt: skip
     return _BLOCK_ROUTES.get(key, lambda: decide_blocks(*key))
 

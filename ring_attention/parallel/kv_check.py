@@ -1,10 +1,6 @@
-"""The ring's K/V finiteness check, once a pass (docs/design.md §5): dense kernels multiply
-masked keys' zero weights by their values, so non-finite K/V must take our kernels. The ring
-forwards only K/V that some rank owns, so each rank checks its own pieces once before the pass,
-the ranks' flags meet in one all-reduce posted without waiting, and the answer is read on the
-host once, at the pass's end (on CUDA from pinned memory, behind an event that follows the
-all-reduce alone). Where it says non-finite, the ring runs the pass again checking each block:
-our kernel's answer, bit for bit, wherever a block's K/V are not finite."""
+"""The ring's K/V finiteness check, once a pass: each rank's own pieces, the ranks' flags met in
+one all-reduce posted without waiting, read on the host at the pass's end (docs/design.md §5,
+the ring's per-step blocks: why, and the pass rerun where it says non-finite)."""
 
 from __future__ import annotations
 
@@ -23,9 +19,8 @@ _SIDE: dict[torch.device, torch.cuda.Stream] = {}  # per CUDA device: the flag's
 
 
 class PassCheck:
-    """The K/V check of one ring pass over this rank's pieces ``ks``, ``vs``, agreed over
-    ``group`` (``world`` ranks; ``world`` 1: this rank's alone). Queued on construction;
-    :meth:`finite` reads it."""
+    """The K/V check of one ring pass over this rank's pieces ``ks``, ``vs``, agreed over ``group``
+    (``world`` ranks; 1: this rank's alone); queued on construction, read by :meth:`finite`."""
 
     def __init__(self, ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor],
                  group: dist.ProcessGroup | None, world: int) -> None:  # fmt: skip
@@ -56,22 +51,18 @@ class PassCheck:
         return bool(self._host)
 
 
-def pass_check(ring, pass_: str, own_dense: bool, q: torch.Tensor, ks: Sequence[torch.Tensor],
+def pass_check(ring, pass_: str, blocks, q: torch.Tensor, ks: Sequence[torch.Tensor],
                vs: Sequence[torch.Tensor],
                bounds: tuple[int, ...]) -> PassCheck | None:  # fmt: skip
-    """The one check of a pass of the ring call ``ring`` (a ``RingCall``; ``own_dense``: whether
-    the rank's own pieces take a dense block; ``bounds``: where every rank's pieces start and
-    end), ``None`` where no block is dense. Where received blocks may be dense (plain dense
-    attention, dilated segments crossing the pieces) every rank checks, by values the ranks
-    agree on (the handshake's), whatever its own route."""
+    """The one check of a pass of the ``RingCall`` ``ring`` with ``Blocks`` ``blocks`` (``bounds``:
+    where every rank's pieces start and end), ``None`` where no block is dense; every rank checks
+    where received blocks may be dense."""
     plan, call = ring.plan, ring.call
     if not call.every_head:  # (no dense block)
         return None
     shape = block_shape(call.pattern, plan.seq_len, bounds)[0]
     if plan.world_size > 1 and shape in ("dense", "dilated"):
-        if may_be_dense(pass_, q.dtype, q.shape[3], plan.seq_len, shape):
-            return PassCheck(ks, vs, ring.group, plan.world_size)
-        return None
-    if not plan.steps and own_dense:  # this rank's own pieces alone
-        return PassCheck(ks, vs, None, 1)
-    return None
+        dense = may_be_dense(pass_, q.dtype, q.shape[3], plan.seq_len, shape)
+        return PassCheck(ks, vs, ring.group, plan.world_size) if dense else None
+    own = not plan.steps and blocks.dense is not None  # this rank's own pieces alone
+    return PassCheck(ks, vs, None, 1) if own else None

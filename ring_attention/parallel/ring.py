@@ -63,8 +63,7 @@ def exchange_plan(seq_len: int, heads: int, segment_lengths: Sequence[int],
                   head_offsets: str = "modulo", window: tuple[int, int] | None = None,
                   group: dist.ProcessGroup | None = None,
                   layout: str = "contiguous") -> ExchangePlan:  # fmt: skip
-    """This rank's (cached) exchange plan for a global sequence of
-    ``seq_len``, without running anything."""
+    """This rank's (cached) exchange plan for a global sequence of ``seq_len``, without running."""
     pattern = Pattern(segment_lengths, dilation_rates, causal=causal, head_groups=head_groups,
                       head_offsets=head_offsets,
                       window=window).with_documents(cu_seqlens)  # fmt: skip
@@ -114,16 +113,13 @@ class RingCall:
 
     def blocks(self, pass_: str, q: Tensor, ks: list[Tensor], vs: list[Tensor],
                each_block: bool = False) -> tuple[Blocks, PassCheck | None]:  # fmt: skip
-        """The blocks of ``pass_`` (the block kernel, or a dense backend where the dispatch's
-        route is dense) and the pass's one K/V check (``None``: each dense block checks its own,
-        as where ``each_block``); ``ks``, ``vs``: this rank's pieces."""
-        plan, n = self.plan, self.plan.seq_len
-        every = [p for pieces in plan.all_pieces for p in pieces]
+        """The blocks of ``pass_`` and the pass's one K/V check (``None``: each dense block checks
+        its own, as where ``each_block``); ``ks``, ``vs``: this rank's pieces."""
+        every = [p for pieces in self.plan.all_pieces for p in pieces]
         rows = math.gcd(*(p.length for p in every))
         bounds = tuple(sorted({b for p in every for b in (p.start, p.start + p.length)}))
-        blocks = ring_blocks(self.call, pass_, q, ks[0], n, bounds, rows or 1)
-        own = blocks.dense is not None
-        check = None if each_block else pass_check(self, pass_, own, q, ks, vs, bounds)
+        blocks = ring_blocks(self.call, pass_, q, ks[0], self.plan.seq_len, bounds, rows or 1)
+        check = None if each_block else pass_check(self, pass_, blocks, q, ks, vs, bounds)
         blocks.each_block = check is None
         return blocks, check
 
@@ -136,8 +132,6 @@ class RingCall:
 
 def _split(t: Tensor, pieces: Sequence[Piece], dim: int = 1) -> list[Tensor]:
     """Contiguous per-piece tensors along ``dim``."""
-    if len(pieces) == 1 and pieces[0].length == t.shape[dim]:
-        return [t.contiguous()]
     return [t.narrow(dim, p.offset, p.length).contiguous() for p in pieces]
 
 
@@ -161,30 +155,29 @@ def schedule_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor,
 
     blocks, check = call.blocks("forward", q, ks, vs, each_block)
 
-    def attend(qi: int, k_j: Tensor, v_j: Tensor, k_start: int, rows: Tensor | None = None) -> None:
-        blocks.forward(qs[qi], k_j, v_j, outs[qi], lses[qi], pieces[qi].start, k_start, rows)
+    def attend(pairs, kp: list[Tensor], vp: list[Tensor], starts, maps=None) -> None:
+        """The blocks ``(query piece, key index)`` of ``pairs``, keys at ``starts`` (or packed)."""
+        for qi, kj in pairs:
+            rows = None if maps is None else maps[kj]
+            blocks.forward(
+                qs[qi], kp[kj], vp[kj], outs[qi], lses[qi], pieces[qi].start, starts[kj], rows
+            )
 
     ex = call.exchanger(q, "forward") if plan.steps else None
     steps = ex.steps if ex is not None else ()
     far = ex.post_far_kv("forward_kv", ks, vs) if ex is not None else None  # posted first
     pending = ex.post_kv("forward_kv", steps[0], 0, ks, vs) if steps else None
-    for qi, ki in plan.local_pairs:  # overlaps the first exchange
-        attend(qi, ks[ki], vs[ki], pieces[ki].start)
+    attend(plan.local_pairs, ks, vs, [p.start for p in pieces])  # overlaps the first exchange
     if far is not None:  # the far group's blocks, while the first ring step travels
         for step, packed in ex.far_received(far.wait()):
-            kp, vp, starts, maps = ex.unpack_kv(packed, step)
-            for qi, kj in step.pairs:
-                attend(qi, kp[kj], vp[kj], starts[kj], maps[kj])
+            attend(step.pairs, *ex.unpack_kv(packed, step))
 
     for i, step in enumerate(steps):
         packed = pending.wait()
         if i + 1 < len(steps):  # prefetch the next active step into the other buffers
             pending = ex.post_kv("forward_kv", steps[i + 1], (i + 1) % 2, ks, vs)
-        if packed is None:
-            continue
-        kp, vp, starts, maps = ex.unpack_kv(packed, step)
-        for qi, kj in step.pairs:
-            attend(qi, kp[kj], vp[kj], starts[kj], maps[kj])
+        if packed is not None:
+            attend(step.pairs, *ex.unpack_kv(packed, step))
 
     if check is not None and not check.finite():  # a non-finite K/V: each block checks its own
         return schedule_forward(call, q, k, v, each_block=True)
@@ -195,10 +188,9 @@ def schedule_backward(call: RingCall, grad_out: Tensor, grad_lse: Tensor | None,
                       k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                       after_local: Callable[[], None] | None = None, defer: bool = False,
                       each_block: bool = False):  # fmt: skip
-    """``(dq, dk, dv)``; ``after_local`` runs once the local blocks are computed; ``defer``:
-    while the far dK/dV return travels, a function that finishes it and gives them instead (a
-    head group's: it travels behind the next group's local blocks); ``each_block``: each dense
-    block checks its own K/V (the pass's rerun where its one check found them non-finite)."""
+    """``(dq, dk, dv)``; ``after_local`` runs once the local blocks are computed; ``defer``: while
+    the far dK/dV return travels, a function that finishes it and gives them instead (a head
+    group's); ``each_block``: each dense block checks its own K/V (the pass's rerun)."""
     plan, pieces = call.plan, call.plan.pieces
     qs, ks, vs, outs, gos = (_split(t, pieces) for t in (q, k, v, out, grad_out.to(q.dtype)))
     lses = _split(lse, pieces, dim=2)
@@ -208,18 +200,21 @@ def schedule_backward(call: RingCall, grad_out: Tensor, grad_lse: Tensor | None,
 
     blocks, check = call.blocks("backward", q, ks, vs, each_block)
 
-    def attend(qi: int, k_j: Tensor, v_j: Tensor, dk_j: Tensor, dv_j: Tensor, k_start: int,
-               rows: Tensor | None = None) -> None:  # fmt: skip
-        blocks.backward(gos[qi], glses[qi], qs[qi], k_j, v_j, outs[qi], lses[qi], dqs[qi], dk_j,
-                        dv_j, pieces[qi].start, k_start, rows)  # fmt: skip
+    def attend(pairs, dkp: list[Tensor], dvp: list[Tensor], kp: list[Tensor], vp: list[Tensor],
+               starts, maps=None) -> None:  # fmt: skip
+        """The blocks of ``pairs``, as the forward's, adding dK/dV into ``dkp``, ``dvp``."""
+        for qi, kj in pairs:
+            rows = None if maps is None else maps[kj]
+            blocks.backward(gos[qi], glses[qi], qs[qi], kp[kj], vp[kj], outs[qi], lses[qi], dqs[qi],
+                            dkp[kj], dvp[kj], pieces[qi].start, starts[kj], rows)  # fmt: skip
 
     ex = call.exchanger(q, "backward") if plan.steps else None
     steps = ex.steps if ex is not None else ()
     far = ex.post_far_kv("backward_kv", ks, vs) if ex is not None else None  # posted first
     first = ex.step_for(1) if ex is not None else None
     kv_pending = ex.post_kv("backward_kv", first, 1, ks, vs) if first is not None else None
-    for qi, ki in plan.local_pairs:  # overlaps the first exchange
-        attend(qi, ks[ki], vs[ki], dks[ki], dvs[ki], pieces[ki].start)
+    # the local blocks overlap the first exchange
+    attend(plan.local_pairs, dks, dvs, ks, vs, [p.start for p in pieces])
     if after_local is not None:
         after_local()
     far_grad = None
@@ -227,10 +222,7 @@ def schedule_backward(call: RingCall, grad_out: Tensor, grad_lse: Tensor | None,
         packed = far.wait()
         views = {s.distance: (dkp, dvp) for s, dkp, dvp in ex.far_grad_views()}
         for step, rows in ex.far_received(packed):
-            kp, vp, starts, maps = ex.unpack_kv(rows, step)
-            dkp, dvp = views[step.distance]
-            for qi, kj in step.pairs:
-                attend(qi, kp[kj], vp[kj], dkp[kj], dvp[kj], starts[kj], maps[kj])
+            attend(step.pairs, *views[step.distance], *ex.unpack_kv(rows, step))
         far_grad = ex.post_far_grad()
 
     # Global order of posts: F, KV(1), FG, KV(2), G(1), KV(3), G(2), ... (F, FG: the
@@ -245,10 +237,9 @@ def schedule_backward(call: RingCall, grad_out: Tensor, grad_lse: Tensor | None,
         if step is not None:
             dkp = dvp = None
             if packed is not None:
-                kp, vp, starts, maps = ex.unpack_kv(packed, step)
+                kv = ex.unpack_kv(packed, step)
                 dkp, dvp = ex.grad_views(step, d % 2)
-                for qi, kj in step.pairs:
-                    attend(qi, kp[kj], vp[kj], dkp[kj], dvp[kj], starts[kj], maps[kj])
+                attend(step.pairs, dkp, dvp, *kv)
             g_now = (ex.post_grad(step, d % 2, dkp, dvp), step)
         if g_prev is not None:
             ex.finish_grad(*g_prev, dks, dvs)
@@ -273,10 +264,7 @@ def schedule_backward(call: RingCall, grad_out: Tensor, grad_lse: Tensor | None,
 
 def backward_by_groups(call: RingCall, *tensors: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`schedule_backward` (``tensors``: its) one group of :attr:`RingCall.group_heads`
-    heads at a time, one ring pass each: a group's fp32 accumulators and returned dK/dV live
-    until its gradients are written into the input-dtype ones, after the next group's local
-    blocks (behind which its far dK/dV return travels). Bit-equal to one group: heads are
-    independent, and a group's far transfers are the whole call's."""
+    heads at a time, bit-equal to one group (docs/design.md §4.4, by head groups)."""
     plan, per = call.plan, call.group_heads
     if not per:
         return schedule_backward(call, *tensors)
@@ -314,14 +302,7 @@ def backward_by_groups(call: RingCall, *tensors: Tensor | None) -> tuple[Tensor,
     return tuple(grads)
 
 
-_documents = PerBatch("ring documents")
-
-
-def _with_documents(key: str, base: Pattern, documents: Tensor | None) -> Pattern:
-    """The spec's pattern with ``documents``, read once per batch."""
-    if documents is None:
-        return base
-    return _documents.get(documents, key, lambda: base.with_documents(documents))
+_documents = PerBatch("ring documents")  # the spec's pattern with a batch's documents
 
 
 def _call_of(key: str, q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None, needs_grad: bool,
@@ -339,7 +320,9 @@ def _call_of(key: str, q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None
     message, pattern, error, far, layout, per = None, None, spec.error, 0, spec.layout, 0
     if error is None:
         try:
-            pattern = _with_documents(key, spec.pattern, documents)
+            pattern = spec.pattern
+            if documents is not None:  # (the lambda reads spec.pattern: called before the "=")
+                pattern = _documents.get(documents, key, lambda: pattern.with_documents(documents))
             layout = resolve_layout(spec.layout, pattern)
             heads = spec.head_range if spec.head_range[1] else None
             shape = check_qkv(q, k, v, head_range=heads)
@@ -357,20 +340,18 @@ def _call_of(key: str, q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None
                                        backward_heads=per)  # fmt: skip
         except Exception as exc:  # every rank must hear of it: reported in the handshake
             error = exc
-    if n is None:
-        if world > 1:
-            if isinstance(error, GroupError):  # which ring? the peers must hear of it
-                topo = report_grid_error("not a group", None, None, error, "ring")
-                if topo is not None:
-                    reject(topo.ring_group, "ring_dilated_attention", error, topo.ring_order)
-                raise error
-            if spec.ranks is None:  # (ranks: a call of the grid's, which checked it)
-                check_ring(group)
-            n = ring_handshake(group, world, message, pattern, layout, spec.fold, error, order)
-        else:
-            n = q.shape[1] if error is None else -1
+    if n is None and world > 1:
+        if isinstance(error, GroupError):  # which ring? the peers must hear of it
+            topo = report_grid_error("not a group", None, None, error, "ring")
+            if topo is not None:
+                reject(topo.ring_group, "ring_dilated_attention", error, topo.ring_order)
+            raise error
+        if spec.ranks is None:  # (ranks: a call of the grid's, which checked it)
+            check_ring(group)
+        n = ring_handshake(group, world, message, pattern, layout, spec.fold, error, order)
     if error is not None:
         raise error
+    n = q.shape[1] if n is None else n  # (one process: its own length)
     pattern.check_length(n)
     plan = get_plan(pattern, n, shape.heads, shape.kv_heads, world, rank, layout, spec.fold,
                     spec.head_range)  # fmt: skip
