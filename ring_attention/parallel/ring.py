@@ -320,9 +320,9 @@ def _call_of(key: str, q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None
     message, pattern, error, far, layout, per = None, None, spec.error, 0, spec.layout, 0
     if error is None:
         try:
-            pattern = spec.pattern
-            if documents is not None:  # (the lambda reads spec.pattern: called before the "=")
-                pattern = _documents.get(documents, key, lambda: pattern.with_documents(documents))
+            pattern = base = spec.pattern
+            if documents is not None:
+                pattern = _documents.get(documents, key, lambda: base.with_documents(documents))
             layout = resolve_layout(spec.layout, pattern)
             heads = spec.head_range if spec.head_range[1] else None
             shape = check_qkv(q, k, v, head_range=heads)
