@@ -46,7 +46,7 @@ from ring_attention.planner.capacity import (
     largest_length,
 )
 from ring_attention.planner.cli import main
-from ring_attention.planner.cli_args import parse_size
+from ring_attention.planner.cli_types import parse_size
 from ring_attention.planner.memory import layer_memories, transport_buffers
 from ring_attention.planner.presets import MODELS, longnet_pattern
 from ring_attention.planner.progressions import union_stats

@@ -17,11 +17,12 @@ from dataclasses import replace
 import pytest
 import torch
 
+from ring_attention.core.links import LINKS, Link
 from ring_attention.core.pattern import Pattern
 from ring_attention.planner.cli import main
 from ring_attention.planner.memory import transport_buffers
 from ring_attention.planner.throughput import Rates
-from ring_attention.planner.timing import LINKS, Link, layer_times
+from ring_attention.planner.timing import layer_times
 from ring_attention.planner.traffic import Traffic, predict_traffic
 
 # Units chosen so that every time is a small number of seconds: head_dim,

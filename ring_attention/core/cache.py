@@ -12,8 +12,6 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-__all__ = ["LRUCache", "PerBatch", "cache_info", "cached", "clear_caches", "register"]
-
 V = TypeVar("V")
 C = TypeVar("C")
 

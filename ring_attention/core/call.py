@@ -13,8 +13,6 @@ import torch
 from .checks import Shape, check_key_padding_mask, check_qkv, check_sinks, resolve_scale
 from .pattern import Pattern, as_flag, check_documents_tensor
 
-__all__ = ["Call", "prepare"]
-
 Tensor = torch.Tensor
 
 

@@ -9,18 +9,6 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = [
-    "Shape",
-    "check_int",
-    "check_key_padding_mask",
-    "check_qkv",
-    "check_sinks",
-    "check_sinks_meta",
-    "resolve_scale",
-    "sinks_meta",
-    "supported_dtypes",
-]
-
 _KERNEL_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 

@@ -9,27 +9,6 @@ from dataclasses import dataclass
 from .cache import cached
 from .links import LINKS
 
-__all__ = [
-    "BACKWARD",
-    "BACKWARD_HEADS",
-    "DENSE_BACKEND",
-    "DENSE_BACKENDS",
-    "EMULATOR_SANITIZE",
-    "FAR_BYTES",
-    "FORWARD",
-    "KNOBS",
-    "MODES",
-    "SPAN_ROWS",
-    "Knob",
-    "backward_heads",
-    "backward_mode",
-    "dense_backend",
-    "emulator_sanitize",
-    "far_bytes",
-    "forward_mode",
-    "span_rows",
-]
-
 FORWARD = "RING_ATTENTION_FORWARD"
 BACKWARD = "RING_ATTENTION_BACKWARD"
 BACKWARD_HEADS = "RING_ATTENTION_BACKWARD_HEADS"

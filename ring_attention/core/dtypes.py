@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["acc_dtype", "dtype_code", "dtype_name", "select_dtype"]
-
 
 def select_dtype(device: torch.device | str | int | None = None) -> torch.dtype:
     """The compute dtype on ``device``: bfloat16 on CUDA sm_80+, float16 on 7.x, else float32

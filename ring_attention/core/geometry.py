@@ -12,17 +12,6 @@ from typing import Any, TypeVar
 
 import torch
 
-__all__ = [
-    "INT64_SAFE",
-    "MAX_SEQ_LEN",
-    "active_before",
-    "head_groups",
-    "prefix_pairs",
-    "range_pairs",
-    "segment_active_positions",
-    "segment_around",
-]
-
 IntOrTensor = TypeVar("IntOrTensor", int, torch.Tensor)
 
 #: the longest sequence (and the largest position + 1) the package takes

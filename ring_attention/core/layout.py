@@ -16,23 +16,6 @@ from .cache import cached
 from .geometry import INT64_SAFE, prefix_pairs, range_pairs
 from .pattern import Pattern
 
-__all__ = [
-    "BALANCE_OFFSETS",
-    "LAYOUTS",
-    "Balanced",
-    "Layout",
-    "Piece",
-    "balanced_cuts",
-    "balanced_work_below",
-    "check_layout",
-    "layout_code",
-    "layout_digest",
-    "layout_pieces",
-    "layout_shard_lengths",
-    "resolve_layout",
-    "shard_bounds",
-]
-
 #: The sequence layouts ``shard_sequence``/``ring_dilated_attention`` accept.
 LAYOUTS: tuple[str, ...] = ("contiguous", "zigzag", "balanced")
 

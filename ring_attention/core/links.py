@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["INTRA_DEFAULTS", "LINKS", "Link"]
-
 
 @dataclass(frozen=True)
 class Link:

@@ -13,16 +13,6 @@ from .geometry import INT64_SAFE as _INT64_SAFE
 from .geometry import MAX_SEQ_LEN, prefix_pairs, range_pairs
 from .pattern import Pattern, as_flag
 
-__all__ = [
-    "BWD_FLOPS_PER_PAIR",
-    "FWD_FLOPS_PER_PAIR",
-    "check_planner_args",
-    "pattern_flops",
-    "range_pairs",
-    "ranks_pairs",
-    "reached_pairs",
-]
-
 #: FLOPs per reached pair and unit of head_dim: ``QK^T`` and ``PV`` forward
 #: (2 multiply-adds), ``S, dP, dV, dQ, dK`` backward (2.5x the forward).
 FWD_FLOPS_PER_PAIR = 4

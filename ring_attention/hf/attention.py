@@ -24,8 +24,6 @@ from .generation import generation_step, key_reach
 from .masks import Keys, batch_keys, chunk_shifts, filled_keys, layer_mask, sdpa_mask_of, shift_keys
 from .setting import ATTN_IMPLEMENTATION, sequence_parallel, set_sequence_parallel, spread_of
 
-__all__ = ["dilated_attention_forward", "dilated_attention_mask", "register_transformers"]
-
 _NAME = f"attn_implementation={ATTN_IMPLEMENTATION!r}"
 _SOFTCAP = f"{_NAME} does not support logit soft-capping (softcap)"
 

@@ -10,9 +10,6 @@ import torch
 from ..core.cache import cached
 from ..core.pattern import DENSE, Pattern, as_flag
 
-__all__ = ["CONFIG_KEY", "is_dense", "layer_chunk", "layer_pattern", "layer_window",
-           "pattern_from_config"]  # fmt: skip
-
 #: The config attribute holding the pattern.
 CONFIG_KEY = "dilated_attention"
 _FIELDS = ("segment_lengths", "dilation_rates", "head_groups", "head_offsets")

@@ -7,8 +7,6 @@ import torch
 from ..core.call import Call
 from ..local import engine
 
-__all__ = ["decode_attention"]
-
 
 def decode_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, call: Call

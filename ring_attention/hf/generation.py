@@ -19,8 +19,6 @@ from ..parallel.handshake import GENERATION, exchange_message
 from ..parallel.mesh import check_grid, check_ring, resolve_topology
 from .masks import chunk_shifts, shift_keys
 
-__all__ = ["Pieces", "generation_step", "key_reach", "record_pieces"]
-
 _NAME = "attn_implementation='ring_dilated'"
 
 

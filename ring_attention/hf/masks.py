@@ -12,11 +12,6 @@ import torch
 
 from ..core.cache import PerBatch
 
-__all__ = [
-    "Keys", "batch_keys", "chunk_shifts", "filled_keys", "layer_mask", "position_map",
-    "sdpa_mask_of", "shift_keys",
-]  # fmt: skip
-
 _NAME = "attn_implementation='ring_dilated'"
 
 

@@ -15,10 +15,6 @@ from ..parallel.handshake import control_device
 from ..parallel.mesh import check_group, resolve_topology, world_info
 from ..parallel.sharding import shard_sequence
 
-__all__ = ["ATTN_IMPLEMENTATION", "SequenceParallel", "SequenceParallelDataLoader",
-           "documents_from_position_ids", "sequence_parallel", "shard_causal_lm_batch",
-           "spread_of"]  # fmt: skip
-
 #: The name to pass as ``attn_implementation``.
 ATTN_IMPLEMENTATION = "ring_dilated"
 _IGNORE_INDEX = -100

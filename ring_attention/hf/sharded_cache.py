@@ -12,8 +12,6 @@ from ..core.layout import shard_bounds
 from .generation import Pieces, record_pieces
 from .setting import ATTN_IMPLEMENTATION, sequence_parallel
 
-__all__ = ["ShardedCache", "ShardedLayer"]
-
 _NAME = f"attn_implementation={ATTN_IMPLEMENTATION!r}"
 
 

@@ -8,8 +8,6 @@ from transformers import Trainer
 
 from .setting import SequenceParallelDataLoader
 
-__all__ = ["SequenceParallelMixin", "SequenceParallelTrainer"]
-
 
 class SequenceParallelMixin:
     """Puts a ``Trainer``'s (or a subclass's) loaders behind ``SequenceParallelDataLoader``."""

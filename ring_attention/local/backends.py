@@ -16,9 +16,6 @@ import torch
 
 from ..core.cache import cached
 
-__all__ = ["BACKENDS", "HostFlag", "KvFinite", "aligned", "backend", "cudnn_missing", "fa4_missing",
-           "kv_flag"]  # fmt: skip
-
 aten = torch.ops.aten
 
 

@@ -9,8 +9,6 @@ from ..core.cache import LRUCache
 from ..core.pattern import Pattern
 from .spans import Call, HeadRange, _classes
 
-__all__ = ["BlockCall", "block_calls", "block_kind"]
-
 
 def block_kind(causal: bool, q_start: int, lq: int, k_start: int, lk: int) -> str | None:
     """``"full"``, ``"causal"`` or ``"skip"`` for one dense call of queries ``[q_start, q_start +

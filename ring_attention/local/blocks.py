@@ -19,8 +19,6 @@ from .dispatch import route, route_blocks
 from .spans import Call as SpanCall
 from .spans import Route, batch_groups
 
-__all__ = ["Blocks", "merge_into", "ring_blocks"]
-
 Tensor = torch.Tensor
 
 

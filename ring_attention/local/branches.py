@@ -19,8 +19,6 @@ from . import ops
 from .backends import KvFinite, aligned, backend
 from .spans import Call, Geometry, Route, batch_groups
 
-__all__ = ["PerBranch", "PhaseTimes", "dense_backward", "dense_forward", "phase_times"]
-
 
 class PhaseTimes:
     """Seconds the dense path spends per phase (``calls``, ``merge``, ``finite``) while

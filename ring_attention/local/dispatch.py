@@ -14,22 +14,6 @@ from ..core.pattern import Pattern
 from .backends import aligned, cudnn_missing, fa4_missing
 from .spans import Route, plan_spans
 
-__all__ = [
-    "BACKENDS",
-    "MAX_CALLS",
-    "PATHS",
-    "BackendRow",
-    "PathRow",
-    "block_shape",
-    "choose_backend",
-    "decide",
-    "decide_blocks",
-    "may_be_dense",
-    "route",
-    "route_blocks",
-    "unavailable",
-]
-
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 
 #: More dense calls than this in one pass (documents: calls per document

@@ -11,8 +11,6 @@ from . import ops
 from .branches import PerBranch
 from .dispatch import route
 
-__all__ = ["attend", "differentiable", "fold_sinks", "ring"]
-
 Tensor = torch.Tensor
 
 

@@ -12,8 +12,6 @@ from ..core.call import prepare
 from ..core.pattern import Pattern
 from . import engine
 
-__all__ = ["attend", "dilated_attention"]
-
 
 def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pattern: Pattern, *,

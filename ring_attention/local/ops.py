@@ -12,23 +12,6 @@ import torch
 
 from .. import _C  # noqa: F401  (loads the extension: registers torch.ops.ring_attention)
 
-__all__ = [
-    "DOUBLE_BACKWARD_ERROR",
-    "Attention",
-    "OpArgs",
-    "RingFunction",
-    "block_backward",
-    "block_forward",
-    "exchange_rows",
-    "local_attention",
-    "local_attention_backward",
-    "merge_branches",
-    "op_args",
-    "ring_backward",
-    "ring_forward",
-    "sum_branches",
-]
-
 Tensor = torch.Tensor
 _OPS = torch.ops.ring_attention
 

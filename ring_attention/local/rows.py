@@ -12,8 +12,6 @@ from ..core.call import Call
 from ..core.pattern import Pattern
 from . import ops
 
-__all__ = ["reached_rows"]
-
 
 def reached_rows(
     q_starts: Sequence[int], q_lens: Sequence[int], k_start: int, k_len: int, heads: int,

@@ -17,18 +17,6 @@ import torch
 from ..core.cache import LRUCache
 from ..core.pattern import Pattern
 
-__all__ = [
-    "Call",
-    "Geometry",
-    "Route",
-    "Span",
-    "SpanPlan",
-    "batch_groups",
-    "batched",
-    "head_runs",
-    "plan_spans",
-]
-
 #: Spans hold at least this many rows (the calls stay large) and about
 #: 1/SPANS of the sequence (the part buffers stay small).
 SPANS = 16

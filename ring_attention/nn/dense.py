@@ -11,8 +11,6 @@ import torch.nn.functional as F
 from ..core.multiplicity import log_multiplicity
 from ..core.pattern import Pattern
 
-__all__ = ["dense_attention"]
-
 
 def dense_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, num_heads: int,

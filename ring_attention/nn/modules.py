@@ -17,8 +17,6 @@ from ..parallel.ring import sharded_ring
 from ..parallel.ring_spec import given_pattern
 from ..parallel.ulysses import sharded_attention
 
-__all__ = ["DilatedAttention", "RingDilatedAttention"]
-
 
 class _PatternModule(nn.Module):
     """Holds the pattern and the score scale of an attention module."""

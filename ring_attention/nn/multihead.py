@@ -31,8 +31,6 @@ from .multihead_checks import (
     fast_path_reason,
 )
 
-__all__ = ["MultiheadAttentionError", "MultiheadDilatedAttention"]
-
 
 def _keep_forward(module: nn.Module, args: tuple) -> None:
     """A no-op hook: ``nn.TransformerEncoderLayer`` then skips its fused kernel."""

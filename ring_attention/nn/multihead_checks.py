@@ -8,10 +8,6 @@ import warnings
 import torch
 from torch import nn
 
-__all__ = ["MultiheadAttentionError", "canonical_mask", "check_attn_mask_shape", "check_dims",
-           "check_key_padding_mask_shape", "check_key_value", "check_mask_dtype",
-           "fast_path_reason"]  # fmt: skip
-
 
 class MultiheadAttentionError(AssertionError, ValueError):
     """A bad argument that ``nn.MultiheadAttention`` reports with an

@@ -17,8 +17,6 @@ from ..planner.capacity import Setup
 from ..planner.modes import evaluate_mode
 from .mesh import world_info
 
-__all__ = ["MeshPlan", "Prediction", "choose_grid", "plan_mesh"]
-
 #: The longest sequence the planner's model plans (its int64 pair counts).
 _MAX_PLANNED = 1 << 48
 

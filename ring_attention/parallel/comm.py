@@ -8,8 +8,6 @@ import types
 import torch
 import torch.distributed as dist
 
-__all__ = ["comm_device", "global_ranks"]
-
 
 def _unpin_default_group() -> None:
     """Drop the default group that ``torch.distributed.nn.functional`` holds."""

@@ -15,10 +15,6 @@ from ..core.layout import LAYOUTS, Layout, layout_code, layout_digest, layout_sh
 from ..core.pattern import Pattern
 from .mesh import Topology, digest_of, report_grid_error, resolve_topology
 
-__all__ = ["GENERATION", "RING_FIELDS", "RING_WHAT", "WORDS", "control_device", "exchange_message",
-           "failure", "gather_handshake", "gather_objects", "grid_handshake", "named_values",
-           "reject", "reject_through", "ring_handshake", "ring_message", "topology_of"]  # fmt: skip
-
 #: The call name of a generation step over the sequence-parallel group.
 GENERATION = "generation over the group (use_cache, no cu_seq_lens_q)"
 #: Words (int64) of every control message.

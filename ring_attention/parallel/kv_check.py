@@ -13,8 +13,6 @@ from ..local.backends import HostFlag, kv_flag
 from ..local.dispatch import block_shape, may_be_dense
 from .comm import comm_device
 
-__all__ = ["PassCheck", "pass_check"]
-
 _SIDE: dict[torch.device, torch.cuda.Stream] = {}  # per CUDA device: the flag's copy stream
 
 

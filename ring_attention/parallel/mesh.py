@@ -17,9 +17,6 @@ import torch.distributed as dist
 
 from .comm import global_ranks
 
-__all__ = ["Topology", "check_grid", "check_group", "check_ring", "digest_of", "report_grid_error",
-           "resolve_topology", "world_info"]  # fmt: skip
-
 _DIM_NAMES = ("ring", "ulysses")
 
 

@@ -17,9 +17,6 @@ import torch.distributed as dist
 from ..core.cache import register
 from ..core.pattern import Pattern
 
-__all__ = ["GroupError", "RingSpec", "get_spec", "given_pattern", "pattern_of_call",
-           "ring_call_spec"]  # fmt: skip
-
 
 class GroupError(ValueError):
     """``group`` is not a process group (the ring cannot know its peers)."""

@@ -9,8 +9,6 @@ import torch
 
 from ..core.layout import Piece
 
-__all__ = ["Row", "from_stretch", "to_stretch"]
-
 Tensor = torch.Tensor
 
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["REASON", "ulysses_eagerly"]
-
 #: Why the call is not traced (Dynamo's message under ``fullgraph=True``).
 REASON = ("ring_attention: Ulysses and the ring x Ulysses hybrid (ulysses_group= or mesh=) run "
           "their all-to-alls eagerly, outside the compiled graph: compile with fullgraph=False "

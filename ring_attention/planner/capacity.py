@@ -21,9 +21,6 @@ from .throughput import Rates, assumed_rates, dtype_name, rates_from_records
 from .timing import RankTime, layer_times
 from .traffic import MAX_WORLD_SIZE, Traffic, predict_traffic
 
-__all__ = ["Evaluation", "Setup", "evaluate", "fewest_ranks", "floor_peak", "floor_ranks",
-           "largest_length"]  # fmt: skip
-
 
 @dataclass(frozen=True)
 class Setup:

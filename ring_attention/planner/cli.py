@@ -31,8 +31,6 @@ from .presets import MODELS, ModelShape
 from .throughput import load_records
 from .traffic import MAX_WORLD_SIZE
 
-__all__ = ["Impossible", "OptionError", "build_setup", "check_args", "main", "parse_args", "run"]
-
 
 class Impossible(Exception):
     """A request that cannot be met; the message says why (after the

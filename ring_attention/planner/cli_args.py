@@ -18,7 +18,6 @@ from .cli_types import (
     _checked,
     int_in,
     number_in,
-    parse_size,
     reserve,
     size_in,
 )
@@ -26,8 +25,6 @@ from .memory import DTYPE_BYTES
 from .presets import MODELS, PATTERNS
 from .throughput import dtype_name
 from .traffic import MAX_WORLD_SIZE
-
-__all__ = ["RANKS", "build_parser", "parse_size"]
 
 #: A rank count the planner models (:data:`.traffic.MAX_WORLD_SIZE`).
 RANKS = int_in(1, MAX_WORLD_SIZE)

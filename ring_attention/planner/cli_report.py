@@ -11,9 +11,6 @@ from ..core.pairs import pattern_flops
 from .model import activation_bytes_per_token
 from .presets import PATTERNS
 
-__all__ = ["ASSUMPTIONS", "MODEL_ASSUMPTIONS", "MODE_ASSUMPTIONS", "fmt_bytes", "fmt_time",
-           "fmt_tokens", "header", "layer_details", "mode_lines", "model_lines"]  # fmt: skip
-
 
 def fmt_bytes(x: float) -> str:
     for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):

@@ -8,9 +8,6 @@ import math
 import re
 from collections.abc import Callable
 
-__all__ = ["MAX_BYTES", "MICROSECONDS", "RATE", "int_in", "number_in", "parse_size", "reserve",
-           "size_in"]  # fmt: skip
-
 #: The most memory per rank the planner takes (256 TiB; inside int64).
 MAX_BYTES = 2**48
 

@@ -11,9 +11,6 @@ import torch
 from ..core.geometry import head_groups
 from .throughput import acc_bytes
 
-__all__ = ["DTYPE_BYTES", "KERNEL_WORKSPACE", "LayerMemory", "acc_bytes", "layer_memories",
-           "layer_memory", "own_memory", "transport_buffers"]  # fmt: skip
-
 #: The backward kernel's ``delta``: a host vector on the CPU, not a tensor.
 KERNEL_WORKSPACE = "kernel delta"
 

@@ -8,8 +8,6 @@ from typing import Any
 from .memory import LayerMemory, acc_bytes
 from .presets import ModelShape
 
-__all__ = ["activation_bytes_per_token", "model_memory", "model_step_seconds"]
-
 
 def activation_bytes_per_token(shape: ModelShape, itemsize: int) -> int:
     """Bytes one block stores per token for its backward (no checkpointing)."""

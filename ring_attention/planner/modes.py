@@ -14,9 +14,6 @@ from .memory import KERNEL_WORKSPACE, LayerMemory, acc_bytes, layer_memories
 from .timing import RankTime, layer_times
 from .traffic import Traffic, traffic_of
 
-__all__ = ["MODES", "ModeEvaluation", "ModeRank", "advice", "compare_modes", "evaluate_mode",
-           "grid_for", "stretch_traffic"]  # fmt: skip
-
 MODES = ("ring", "ulysses", "hybrid")
 _ZIGZAG = "piece copies (zigzag)"  # a memory item of .memory
 

@@ -8,8 +8,6 @@ from ..core.checks import check_int
 from ..core.geometry import MAX_SEQ_LEN
 from ..core.pattern import as_flag
 
-__all__ = ["MODELS", "PATTERNS", "ModelShape", "longnet_pattern"]
-
 
 def longnet_pattern(seq_len: int, base: int = 2048, factor: int = 4) -> tuple[list[int], list[int]]:
     """LongNet grown to ``seq_len``: segments ``base * factor**i`` and

@@ -11,8 +11,6 @@ import torch
 
 from ..core.cache import cached
 
-__all__ = ["Progression", "union_stats"]
-
 #: A set ``{u in [lo, hi) : u ≡ residue (mod rate)}``.
 Progression = tuple[int, int, int, int]  # (lo, hi, rate, residue)
 

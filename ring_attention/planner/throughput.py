@@ -9,8 +9,6 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Rates", "assumed_rates", "load_records", "rates_from_records"]
-
 _DTYPE_ALIASES = {
     alias: name
     for name, aliases in (("float32", "fp32 float"), ("float64", "fp64 double"),

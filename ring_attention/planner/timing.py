@@ -8,11 +8,9 @@ from typing import Any
 
 import torch
 
-from ..core.links import LINKS, Link
+from ..core.links import Link
 from ..core.pairs import BWD_FLOPS_PER_PAIR, FWD_FLOPS_PER_PAIR
 from .throughput import Rates, acc_bytes
-
-__all__ = ["LINKS", "Link", "RankTime", "layer_times"]
 
 
 @dataclass(frozen=True)

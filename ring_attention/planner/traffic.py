@@ -18,8 +18,6 @@ from ..core.pairs import check_planner_args, ranks_pairs
 from ..core.pattern import Pattern
 from .progressions import union_stats
 
-__all__ = ["SOURCES", "Traffic", "kv_classes", "predict_traffic"]
-
 #: Where the rows come from (``auto``: the plan when cheap and installed).
 SOURCES = ("auto", "plan", "analytic")
 
