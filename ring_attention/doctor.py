@@ -4,8 +4,6 @@ each rank's documents, labels and positions, each layer's attention against a fl
 the loss, gradients and an AdamW update, prints each rank's peak tensor bytes and bytes sent, and
 exits 1 naming the first failure and its likely cause. ``--inject`` plants faults (tests)."""
 
-from __future__ import annotations
-
 import argparse
 import os
 import sys

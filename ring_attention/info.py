@@ -10,8 +10,6 @@ branch's dense calls with their backends. Without options: the LongNet pattern a
 cuDNN assumed, without one). A bad option exits 2 with argparse's message naming it.
 """
 
-from __future__ import annotations
-
 import argparse
 import os
 import re

@@ -1,8 +1,6 @@
 """Every cache of the package in one registry (:func:`cache_info`, :func:`clear_caches`), and its
 two kinds: :class:`LRUCache` and :class:`PerBatch`."""
 
-from __future__ import annotations
-
 import functools
 import threading
 import weakref

@@ -2,8 +2,6 @@
 :func:`prepare` and passes the call down; head slices and row offsets are copies
 (:meth:`Call.with_heads`, :meth:`Call.with_rows`), never checked again."""
 
-from __future__ import annotations
-
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,20 +43,22 @@ class Call:
         """Queries and keys are one sequence from position 0."""
         return self.q_start == 0 and self.k_start == 0 and self.q_starts is None
 
-    def with_heads(self, head_start: int, total_heads: int, total_kv_heads: int) -> Call:
+    def with_heads(self, head_start: int, total_heads: int, total_kv_heads: int) -> "Call":
         """The same call on query heads ``[head_start, ...)`` of ``total_heads``."""
         return dataclasses.replace(
             self, head_start=head_start, total_heads=total_heads, total_kv_heads=total_kv_heads
         )
 
-    def with_rows(self, q_start: int = 0, k_start: int = 0, q_starts: Tensor | None = None) -> Call:
+    def with_rows(
+        self, q_start: int = 0, k_start: int = 0, q_starts: Tensor | None = None
+    ) -> "Call":
         """The same call on queries at ``q_start`` (or ``q_starts``), keys at ``k_start``."""
         return dataclasses.replace(self, q_start=q_start, k_start=k_start, q_starts=q_starts)
 
-    def with_pattern(self, pattern: Pattern) -> Call:
+    def with_pattern(self, pattern: Pattern) -> "Call":
         return dataclasses.replace(self, pattern=pattern)
 
-    def with_mask(self, key_padding_mask: Tensor | None) -> Call:
+    def with_mask(self, key_padding_mask: Tensor | None) -> "Call":
         return dataclasses.replace(self, key_padding_mask=key_padding_mask)
 
 

@@ -1,8 +1,6 @@
 """Argument checks of the public functions (docs/design.md §6): ``ValueError`` naming the
 argument, before any kernel runs or rank communicates."""
 
-from __future__ import annotations
-
 import math
 import operator
 from typing import NamedTuple

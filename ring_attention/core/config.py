@@ -1,8 +1,6 @@
 """Every ``RING_ATTENTION_*`` environment variable the Python side reads, parsed once per value and
 checked (``ValueError`` naming the variable); :data:`KNOBS` is the table docs/design.md lists."""
 
-from __future__ import annotations
-
 import os
 from dataclasses import dataclass
 

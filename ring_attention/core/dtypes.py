@@ -1,8 +1,6 @@
 """Dtype policy (docs/design.md §5): the compute dtype per device, the accumulation dtype, and the
 small integer codes that name a dtype in the ranks' control messages."""
 
-from __future__ import annotations
-
 import torch
 
 

@@ -2,8 +2,6 @@
 for the code that counts or materialises positions (ints or int64 tensors), and the reached
 pairs in closed form (§7) under ring_attention/core/pairs.py and the balanced layout."""
 
-from __future__ import annotations
-
 import bisect
 import functools
 import itertools

@@ -3,8 +3,6 @@
 ``"balanced"`` (cuts by the pattern's work, resolved into a :class:`Balanced`); ``fold=U``: a
 ring rank holds its Ulysses group's pieces."""
 
-from __future__ import annotations
-
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass

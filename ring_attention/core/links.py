@@ -2,8 +2,6 @@
 given: the planner's defaults, and what ``RING_ATTENTION_FAR_BYTES=auto``
 takes latency x bandwidth of (ring_attention/core/config.py)."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 
 

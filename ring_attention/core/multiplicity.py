@@ -1,8 +1,6 @@
 """Dense matrices of a pattern (docs/design.md §1): the multiplicity ``M[h, t, u]`` and its log,
 the score bias of the exact dense path of the MHA module (O(heads * seq**2))."""
 
-from __future__ import annotations
-
 import torch
 
 from .cache import LRUCache

@@ -2,8 +2,6 @@
 forms: ring_attention/core/geometry.py): full segments by multiplication, only the segments cut
 by a range's ends one by one; heads enter through their offsets only. No position is visited."""
 
-from __future__ import annotations
-
 from collections.abc import Sequence
 
 import torch

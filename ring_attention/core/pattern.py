@@ -2,8 +2,6 @@
 and passed down unchanged (it keys the caches, the ring handshake serialises it;
 ``csrc/pattern.h`` is the same definition in C++)."""
 
-from __future__ import annotations
-
 import operator
 import zlib
 from collections.abc import Sequence
@@ -169,14 +167,14 @@ class Pattern:
         """``((w_0, r_0), (w_1, r_1), ...)``."""
         return tuple(zip(self.segment_lengths, self.dilation_rates, strict=True))
 
-    def with_documents(self, cu_seqlens: Any) -> Pattern:
+    def with_documents(self, cu_seqlens: Any) -> "Pattern":
         """This pattern on a packed sequence with boundaries ``cu_seqlens`` (``None``: one
         document)."""
         if cu_seqlens is None:
             return self if self.documents is None else self._replace(documents=None)
         return self._replace(documents=_check_documents(cu_seqlens))
 
-    def _replace(self, **changes: Any) -> Pattern:
+    def _replace(self, **changes: Any) -> "Pattern":
         """A copy with checked ``changes``; the other values are not checked again."""
         return replace(self, **changes, _checked=True)
 

@@ -1,8 +1,6 @@
 """Hugging Face ``transformers`` integration (docs/transformers.md). Importing
 it does not import ``transformers``."""
 
-from __future__ import annotations
-
 from typing import Any
 
 from .attention import dilated_attention_forward, dilated_attention_mask, register_transformers

@@ -1,8 +1,6 @@
 """The ``"ring_dilated"`` entries of transformers' attention and mask
 interfaces and :func:`register_transformers` (docs/transformers.md)."""
 
-from __future__ import annotations
-
 import functools
 from collections.abc import Callable, Mapping
 from typing import Any

@@ -1,7 +1,5 @@
 """The pattern of a layer, read from its model config (``config.dilated_attention``)."""
 
-from __future__ import annotations
-
 from collections.abc import Mapping
 from typing import Any
 

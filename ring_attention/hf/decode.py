@@ -1,7 +1,5 @@
 """Queries continuing a static cache with a pattern, in fixed shapes."""
 
-from __future__ import annotations
-
 import torch
 
 from ..core.call import Call

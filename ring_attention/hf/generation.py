@@ -1,8 +1,6 @@
 """Generation over the sequence-parallel group (docs/transformers.md): each
 rank attends its piece of the cached keys, merged by log-sum-exp."""
 
-from __future__ import annotations
-
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple

@@ -2,8 +2,6 @@
 ``attention_mask`` (docs/transformers.md): ``None``, a 2-D key map, the
 ``"sdpa"`` 4-D mask or a position map; read once per batch."""
 
-from __future__ import annotations
-
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any

@@ -1,8 +1,6 @@
 """Sequence parallelism over transformers models (docs/transformers.md): the
 registered setting, a rank's batch and the DataLoader adapter of training."""
 
-from __future__ import annotations
-
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any

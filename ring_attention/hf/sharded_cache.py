@@ -1,8 +1,6 @@
 """A KV cache sharded by sequence over the sequence-parallel group, dynamic
 or preallocated (``max_cache_len``) (docs/transformers.md). Imports transformers."""
 
-from __future__ import annotations
-
 from typing import Any
 
 import torch

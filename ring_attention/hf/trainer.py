@@ -1,7 +1,5 @@
 """``transformers.Trainer`` with sequence parallelism (imports transformers)."""
 
-from __future__ import annotations
-
 from typing import Any
 
 from transformers import Trainer

@@ -8,8 +8,6 @@ through ATen) and ``fa4`` (flash-attn-4).
   given the *merged* ``out`` and ``lse``; writes ``dq`` like ``out``, ``dk``, ``dv``
   ``(N, hk, Lk, d)``."""
 
-from __future__ import annotations
-
 from typing import Any
 
 import torch

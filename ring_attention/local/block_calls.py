@@ -1,8 +1,6 @@
 """The dense calls of one ring block, per branch, offset class and K/V head run: pairs of strided
 views, planned once per block shape (docs/design.md §5, the ring's per-step blocks)."""
 
-from __future__ import annotations
-
 from typing import NamedTuple
 
 from ..core.cache import LRUCache

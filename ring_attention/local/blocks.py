@@ -2,8 +2,6 @@
 kernel or, where the pass's route is dense, by a dense backend: which blocks take which, and
 why, in docs/design.md §5 (the ring's per-step blocks) and §4.3-4.4."""
 
-from __future__ import annotations
-
 import math
 from collections.abc import Callable
 from functools import partial

@@ -3,8 +3,6 @@
 ``merge_branches`` combines them by log-sum-exp; the backward hands every call the merged
 ``out`` and ``lse`` and ``sum_branches`` adds the calls' gradients."""
 
-from __future__ import annotations
-
 import contextlib
 import time
 from collections import defaultdict

@@ -2,8 +2,6 @@
 takes (:data:`BACKENDS`), each row citing its measurement (docs/design.md §5: when our kernels
 run instead); ``python -m ring_attention.info`` prints the route of a shape and why."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 
 import torch

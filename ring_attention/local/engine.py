@@ -2,8 +2,6 @@
 :class:`~ring_attention.core.call.Call` run here (the C++ operator, or the per-branch dense
 path where the dispatch table takes it). Nothing is checked here."""
 
-from __future__ import annotations
-
 import torch
 
 from ..core.call import Call

@@ -2,8 +2,6 @@
 :class:`~ring_attention.core.call.Call`, then the one engine,
 :func:`ring_attention.local.engine.attend`)."""
 
-from __future__ import annotations
-
 from collections.abc import Sequence
 
 import torch

@@ -3,8 +3,6 @@ calls, their pattern arguments (:class:`OpArgs`), the local operator's registere
 :class:`Attention` (the per-branch path's autograd) and the ring's operators with
 :class:`RingFunction`. Nothing outside ring_attention/local/ imports it."""
 
-from __future__ import annotations
-
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 

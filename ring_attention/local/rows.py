@@ -2,8 +2,6 @@
 planner (ring_attention/parallel/exchange_plan.py) sends, asked of the
 operators, which define reaching (csrc/pattern.h)."""
 
-from __future__ import annotations
-
 from collections.abc import Sequence
 
 import torch

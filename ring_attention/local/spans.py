@@ -2,8 +2,6 @@
 whole segments and their dense calls (docs/design.md §5, "The local op through dense attention per
 branch": the views, the spans, the part buffers and the merge operators' slot maps)."""
 
-from __future__ import annotations
-
 import bisect
 import dataclasses
 import itertools
@@ -75,7 +73,7 @@ class Call:
             return self.kv_head, self.kv_heads, self.kv_head_stride
         return self.q_head, self.q_heads, self.q_head_stride
 
-    def geometry(self, shape: Sequence[int], stride: Sequence[int], kv: bool = False) -> Geometry:
+    def geometry(self, shape: Sequence[int], stride: Sequence[int], kv: bool = False) -> "Geometry":
         """:meth:`view`'s geometry on a tensor of this ``shape`` and ``stride``."""
         head, count, step = self.side(kv)
         sb, sn, sh, sd = stride
@@ -90,7 +88,7 @@ class Call:
         segments, rows, heads_of_call, d)`` view."""
         return _apply(t, self.geometry(t.shape, t.stride(), kv))
 
-    def lse_geometry(self, shape: Sequence[int], stride: Sequence[int]) -> Geometry:
+    def lse_geometry(self, shape: Sequence[int], stride: Sequence[int]) -> "Geometry":
         """:meth:`lse_view`'s geometry on an ``lse`` of this ``shape`` and ``stride``."""
         lb, lh, ln = stride
         return (
@@ -113,7 +111,7 @@ class Call:
         rows)``, ``rows`` padded to :data:`PART_ALIGN`."""
         return batch * self.segments * self.side(kv)[1] * _padded(self.rows)
 
-    def part_geometry(self, base: int, batch: int, kv: bool, width: int | None) -> Geometry:
+    def part_geometry(self, base: int, batch: int, kv: bool, width: int | None) -> "Geometry":
         """The call's rows ``[base, base + part_rows)`` of a contiguous part buffer (``(rows,
         width)``, or ``(rows,)`` with ``width`` None) as ``(B, segments, heads, rows[, width])``."""
         size = (batch, self.segments, self.side(kv)[1], self.rows)
@@ -183,7 +181,7 @@ def head_runs(kv: list[int]) -> list[tuple[int, int, int, int]]:
     return runs
 
 
-def _classes(pattern: Pattern, branch: int, heads: HeadRange):
+def _classes(pattern: Pattern, branch: int, heads: "HeadRange"):
     """``(offset, [(q_head, q_heads, q_stride, kv_head, kv_heads, kv_stride)])`` per offset class
     of the branch."""
     start, total, group = heads.start, heads.total, heads.group
@@ -201,7 +199,7 @@ def _classes(pattern: Pattern, branch: int, heads: HeadRange):
 
 
 def _piece_calls(
-    pattern: Pattern, start: int, length: int, heads: HeadRange, slots: list[int]
+    pattern: Pattern, start: int, length: int, heads: "HeadRange", slots: list[int]
 ) -> list[Call]:
     """Calls of positions ``[start, start + length)``, which begin a segment of every branch and
     end a document or a whole segment of every branch."""

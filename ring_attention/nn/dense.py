@@ -1,8 +1,6 @@
 """Exact attention with materialised scores: ``MultiheadDilatedAttention``'s
 path for what needs the weights or what the kernels do not take."""
 
-from __future__ import annotations
-
 import math
 
 import torch

@@ -1,8 +1,6 @@
 """``nn.Module`` front ends: :class:`DilatedAttention` (one process) and
 :class:`RingDilatedAttention` (sharded), each holding a checked ``Pattern``."""
 
-from __future__ import annotations
-
 from collections.abc import Sequence
 
 import torch

@@ -1,8 +1,6 @@
 """``MultiheadDilatedAttention``: ``torch.nn.MultiheadAttention`` with exact
 dilated attention and sequence sharding (docs/modules.md)."""
 
-from __future__ import annotations
-
 import copy
 from collections.abc import Sequence
 from dataclasses import replace
@@ -197,7 +195,7 @@ def _module_pattern(m: MultiheadDilatedAttention, causal: bool) -> Pattern:
     return pattern if causal == pattern.causal else replace(pattern, causal=causal)
 
 
-def _call_pattern(m: MultiheadDilatedAttention, call: Call, cu_seqlens) -> Pattern:
+def _call_pattern(m: MultiheadDilatedAttention, call: "Call", cu_seqlens) -> Pattern:
     """The pattern of one call: the module's, with the call's documents."""
     pattern = _module_pattern(m, call.causal)
     if cu_seqlens is not None and call.q.shape[1] != call.k.shape[1]:

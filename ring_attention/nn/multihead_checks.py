@@ -1,8 +1,6 @@
 """Argument checks of ``MultiheadDilatedAttention``'s own path in PyTorch's
 order and words (:class:`MultiheadAttentionError` where it asserts)."""
 
-from __future__ import annotations
-
 import warnings
 
 import torch

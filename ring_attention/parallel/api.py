@@ -2,8 +2,6 @@
 in one place (:func:`~ring_attention.parallel.ulysses.sharded_attention`, docs/design.md §2);
 the operators and rounds check calls."""
 
-from __future__ import annotations
-
 from collections.abc import Callable, Sequence
 
 import torch

@@ -1,8 +1,6 @@
 """The parallel mode chosen for you (docs/design.md §2): :func:`plan_mesh`, the
 planner's fastest grid of ``R`` rings x ``U`` Ulysses ranks within the memory."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 

@@ -1,8 +1,6 @@
 """Process-group helpers: a group's global ranks and the device a tensor
 travels on for its backend."""
 
-from __future__ import annotations
-
 import types
 
 import torch

@@ -1,8 +1,6 @@
 """The ring's point-to-point exchange (docs/design.md §4.3, §4.4, §2.4):
 :class:`Exchanger` and the :class:`ExchangeEvent` of every posted batch."""
 
-from __future__ import annotations
-
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace

@@ -1,8 +1,6 @@
 """The ring's exchange plan (docs/design.md §4.1, §4.2): per ring distance,
 the K/V rows a rank sends and receives; cached in :data:`PLAN_CACHE`."""
 
-from __future__ import annotations
-
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field

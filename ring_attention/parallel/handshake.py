@@ -1,8 +1,6 @@
 """Agreement between ranks before anything large moves (docs/design.md §6):
 fixed-size int64 control messages, all-gathered, so every rank raises."""
 
-from __future__ import annotations
-
 import struct
 from collections.abc import Callable, Sequence
 

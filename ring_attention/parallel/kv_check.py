@@ -2,8 +2,6 @@
 one all-reduce posted without waiting, read on the host at the pass's end (docs/design.md §5,
 the ring's per-step blocks: why, and the pass rerun where it says non-finite)."""
 
-from __future__ import annotations
-
 from collections.abc import Sequence
 
 import torch

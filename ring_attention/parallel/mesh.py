@@ -1,8 +1,6 @@
 """Which ranks attend together (docs/design.md §2, §6): :func:`world_info`,
 :class:`Topology` and :func:`check_grid`, once per configuration."""
 
-from __future__ import annotations
-
 import dataclasses
 import datetime
 import json

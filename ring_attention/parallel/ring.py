@@ -1,8 +1,6 @@
 """The ring (docs/design.md §4): the custom operators ``ring_forward`` /
 ``ring_backward``, taking the tensors and a :mod:`ring_spec` key."""
 
-from __future__ import annotations
-
 import dataclasses
 import math
 from collections.abc import Callable, Sequence

@@ -1,8 +1,6 @@
 """A ring call's configuration, named by a string (docs/design.md §8): a
 :class:`RingSpec` registered under a key of its contents."""
 
-from __future__ import annotations
-
 import operator
 import threading
 import weakref

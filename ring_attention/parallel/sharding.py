@@ -1,8 +1,6 @@
 """Sequence sharding across the ranks of a group or grid (docs/design.md
 §2.3, §3): :func:`shard_sequence` and its inverse :func:`gather_sequence`."""
 
-from __future__ import annotations
-
 from collections.abc import Callable, Sequence
 from functools import partial
 

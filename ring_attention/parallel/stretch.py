@@ -1,8 +1,6 @@
 """A Ulysses group's stretch of the sequence: its members' pieces in global
 order (:class:`Row`) and the moves between local rows and the stretch."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 
 import torch

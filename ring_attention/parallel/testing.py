@@ -1,8 +1,6 @@
 """Run code in real processes joined by a gloo process group (tests, benchmarks):
 :func:`run_distributed`; :func:`tensor_peak`."""
 
-from __future__ import annotations
-
 import datetime
 import multiprocessing as mp
 import os

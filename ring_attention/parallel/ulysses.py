@@ -1,8 +1,6 @@
 """Head-parallel (Ulysses) and ring x Ulysses hybrid attention: all-to-alls
 trading sequence for heads around the attention (docs/design.md §3.1)."""
 
-from __future__ import annotations
-
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field

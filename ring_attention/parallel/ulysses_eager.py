@@ -1,8 +1,6 @@
 """Ulysses and the hybrid under ``torch.compile``: run eagerly (one graph break;
 ``fullgraph=True`` raises :data:`REASON`). Imported only while compiling."""
 
-from __future__ import annotations
-
 import torch
 
 #: Why the call is not traced (Dynamo's message under ``fullgraph=True``).

@@ -1,8 +1,6 @@
 """A configuration's numbers at one sequence length, and the searches over
 lengths and rank counts."""
 
-from __future__ import annotations
-
 import bisect
 import math
 from collections.abc import Callable

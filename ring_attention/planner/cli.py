@@ -1,8 +1,6 @@
 """``python -m ring_attention.planner``: the capacity planner's command line, the
 rules between its options and the searches (examples: docs/performance.md)."""
 
-from __future__ import annotations
-
 import argparse
 import os
 import sys
@@ -204,7 +202,7 @@ class _Progress:
                 + ("--gpus/--processes" if self.unit == "ranks" else "--seq-len")
             )
 
-    def __enter__(self) -> _Progress:
+    def __enter__(self) -> "_Progress":
         return self
 
     def __exit__(self, *exc: object) -> None:

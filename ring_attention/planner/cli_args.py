@@ -1,8 +1,6 @@
 """The capacity planner's options: the parser, with the range of every
 option checked while parsing (:mod:`.cli_types`)."""
 
-from __future__ import annotations
-
 import argparse
 
 from ..core.config import backward_heads

@@ -1,8 +1,6 @@
 """The capacity planner's report as text, from a :class:`~.capacity.Setup` and an
 :class:`~.capacity.Evaluation` or :class:`~.modes.ModeEvaluation`."""
 
-from __future__ import annotations
-
 import argparse
 from typing import Any
 

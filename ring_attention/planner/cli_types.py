@@ -1,8 +1,6 @@
 """Checked option types of the command lines: a bad value is refused while
 parsing (exit 2); sizes take units (``80GB``, ``24GiB``, ``1e9``, ``64K``)."""
 
-from __future__ import annotations
-
 import argparse
 import math
 import re

@@ -1,8 +1,6 @@
 """Peak memory per rank of one ring attention layer, item by item, from a
 :class:`~.traffic.Traffic` (the items: docs/planner.md)."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass, field
 from typing import Any
 

@@ -1,8 +1,6 @@
 """Whole-model memory and time per rank for sequence-parallel training (the
 assumptions: docs/planner.md)."""
 
-from __future__ import annotations
-
 from typing import Any
 
 from .memory import LayerMemory, acc_bytes

@@ -1,8 +1,6 @@
 """The planner for the ring, Ulysses and the hybrid: bytes sent, peak memory and
 time per rank and layer, and which mode wins (docs/planner.md)."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any

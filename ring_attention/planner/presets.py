@@ -1,7 +1,5 @@
 """Named patterns and model shapes for the planner's command line."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 
 from ..core.checks import check_int

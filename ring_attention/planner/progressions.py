@@ -1,8 +1,6 @@
 """Unions of arithmetic progressions cut to intervals, counted without visiting
 their elements (:func:`union_stats`; docs/planner.md)."""
 
-from __future__ import annotations
-
 import itertools
 import math
 from collections.abc import Iterable

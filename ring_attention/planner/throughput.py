@@ -1,8 +1,6 @@
 """Kernel throughput: measured benchmark records (the nearest shape of
 ``ours``: the format in docs/planner.md), or labelled assumptions."""
 
-from __future__ import annotations
-
 import json
 import math
 import statistics

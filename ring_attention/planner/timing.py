@@ -1,8 +1,6 @@
 """Predicted time per attention layer of every rank, from the ring's schedule
 (the formulas: docs/planner.md)."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 from typing import Any
 

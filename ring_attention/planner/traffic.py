@@ -1,8 +1,6 @@
 """What every rank of a ring sends, receives and computes per layer
 (:func:`predict_traffic`), from the ring's plans or closed forms (docs/planner.md)."""
 
-from __future__ import annotations
-
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -72,7 +70,7 @@ class Traffic:
         far_r = (r > 0) & (r * row_bytes <= far_bytes)
         return torch.where(far_s, 0, s), torch.where(far_r, 0, r), far_s, far_r
 
-    def group(self, h0: int, h1: int, kv_heads: int) -> Traffic:
+    def group(self, h0: int, h1: int, kv_heads: int) -> "Traffic":
         """The rows of query heads ``[h0, h1)`` (``kv_heads`` K/V heads), a group of the
         ring's backward by heads: its own plans' (source ``plan``), else its share of these."""
         if self.source == "plan" and self.world_size > 1:
