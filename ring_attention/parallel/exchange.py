@@ -262,10 +262,14 @@ class Exchanger:
             off += n
         return out
 
-    def _post(self, phase: str, steps: Sequence, slot: int, far: str, ks=None, vs=None) -> Transfer:
-        """Post the transfers of ``steps`` (one ring step, or the far group: ``far`` ``"far_"``)
-        as one batch, an event each: K/V rows (packed here from ``ks``/``vs``), or the dK/dV
-        of the received rows back (``phase`` ``"backward_grad"``)."""
+    def post(self, phase: str, steps: Sequence, slot: int, ks=None, vs=None) -> Transfer | None:
+        """Post the transfers of ``steps`` (``(step,)``: one ring step; :attr:`far_steps`: the far
+        group, in buffers of its own; ``None`` where empty) as one batch, an event each: K/V rows
+        (packed here from ``ks``/``vs``), or the dK/dV of the received rows back (``phase``
+        ``"backward_grad"``, from :meth:`grad_views`) while receiving this rank's own."""
+        if not steps:
+            return None
+        far = "far_" if steps is self.far_steps else ""
         kind = "grad" if phase == "backward_grad" else "kv"
         (op, orows), (ip, irows) = ("send_to", "send_rows"), ("recv_from", "recv_rows")
         if kind == "grad":
@@ -295,67 +299,36 @@ class Exchanger:
         works = dist.batch_isend_irecv(ops) if ops else []
         return Transfer(works or [], keep, home, self.device)
 
-    def post_kv(self, phase: str, step, slot: int, ks, vs) -> Transfer:
-        """Send this rank's K/V rows ``step.send_to`` needs; receive the
-        sender's rows this rank needs."""
-        return self._post(phase, (step,), slot, "", ks, vs)
-
     def unpack_kv(self, packed: torch.Tensor,
                   step) -> tuple[list, list, list[int], list[torch.Tensor | None]]:  # fmt: skip
         """``(K views, V views, first positions, row maps)`` per sender piece of
         the received ``packed`` rows; nothing is copied."""
         return (*self._piece_views(packed, step), self._row_maps(step))
 
-    def _grad_views(self, steps: Sequence, slot: int, far: str) -> list[tuple]:
-        """``(step, dK views, dV views)`` of every step of ``steps`` that received rows: zeroed
-        fp32 views into the return buffer, where the kernels accumulate what goes back."""
+    def grad_views(self, steps: Sequence, slot: int) -> list[tuple]:
+        """``(step, dK views, dV views)`` (as :meth:`unpack_kv`'s) of every step of ``steps`` (as
+        :meth:`post`'s) that received rows: zeroed fp32 views into the return buffer of ``slot``,
+        where the kernels accumulate what goes back."""
         received = sum(s.recv_rows for s in steps)
         if not received:
             return []
+        far = "far_" if steps is self.far_steps else ""
         packed = self._packed(f"{far}send_grad", slot, received).zero_()
         slices = zip(steps, self._slices(steps, packed, "recv_rows"), strict=True)
         return [(s, *self._piece_views(p, s)[:2]) for s, p in slices if p is not None]
 
-    def grad_views(self, step, slot: int) -> tuple[list, list]:
-        """The dK/dV views (as :meth:`unpack_kv`'s) of ``step``'s return buffer of ``slot``."""
-        return self._grad_views((step,), slot, "")[0][1:]
-
-    def post_grad(self, step, slot: int, dkp, dvp) -> Transfer:
-        """Return the dK/dV of the rows received at ``step`` (``dkp``/``dvp``: the
-        :meth:`grad_views` filled, or ``None``: none received) and receive this rank's own."""
-        return self._post("backward_grad", (step,), slot, "")
-
-    def _finish(self, transfer: Transfer | None, steps: Sequence, dks, dvs) -> None:
-        """Wait for this rank's dK/dV rows returned for ``steps``; add them into ``dks``/``dvs``."""
+    def finish(self, transfer: Transfer | None, steps: Sequence, dks, dvs) -> None:
+        """Wait for this rank's dK/dV rows returned for ``steps`` (``transfer``: their
+        :meth:`post`); add them into ``dks``/``dvs``."""
         packed = None if transfer is None else transfer.wait()
         for step, p in zip(steps, self._slices(steps, packed, "send_rows"), strict=True):
             if p is not None:
                 self._move(p, self.idx[step.distance][0], dks, dvs, add=True)
 
-    def finish_grad(self, transfer: Transfer, step, dks, dvs) -> None:
-        """Wait for this rank's dK/dV returned at ``step``; add them into ``dks``/``dvs``."""
-        self._finish(transfer, (step,), dks, dvs)
-
-    def post_far_kv(self, phase: str, ks, vs) -> Transfer | None:
-        """Post every far K/V transfer as one batch (``None``: no far step)."""
-        return self._post(phase, self.far_steps, 0, "far_", ks, vs) if self.far_steps else None
-
     def far_received(self, packed: torch.Tensor | None) -> list[tuple]:
         """``(step, packed rows)`` of every far step that received rows."""
         slices = self._slices(self.far_steps, packed, "recv_rows")
         return [(s, p) for s, p in zip(self.far_steps, slices, strict=True) if p is not None]
-
-    def far_grad_views(self) -> list[tuple]:
-        """``(step, dK views, dV views)`` of every far step that received rows."""
-        return self._grad_views(self.far_steps, 0, "far_")
-
-    def post_far_grad(self) -> Transfer | None:
-        """Return the far steps' dK/dV and receive this rank's, as one batch."""
-        return self._post("backward_grad", self.far_steps, 0, "far_") if self.far_steps else None
-
-    def finish_far_grad(self, transfer: Transfer | None, dks, dvs) -> None:
-        """Wait for the far group's returned dK/dV; add them into ``dks``/``dvs``."""
-        self._finish(transfer, self.far_steps, dks, dvs)
 
 
 def _only(step, send: bool, recv: bool):

@@ -163,8 +163,8 @@ def schedule_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor,
 
     ex = call.exchanger(q, "forward") if plan.steps else None
     steps = ex.steps if ex is not None else ()
-    far = ex.post_far_kv("forward_kv", ks, vs) if ex is not None else None  # posted first
-    pending = ex.post_kv("forward_kv", steps[0], 0, ks, vs) if steps else None
+    far = ex.post("forward_kv", ex.far_steps, 0, ks, vs) if ex is not None else None  # first
+    pending = ex.post("forward_kv", (steps[0],), 0, ks, vs) if steps else None
     attend(plan.local_pairs, ks, vs, [p.start for p in pieces])  # overlaps the first exchange
     if far is not None:  # the far group's blocks, while the first ring step travels
         for step, packed in ex.far_received(far.wait()):
@@ -173,7 +173,7 @@ def schedule_forward(call: RingCall, q: Tensor, k: Tensor, v: Tensor,
     for i, step in enumerate(steps):
         packed = pending.wait()
         if i + 1 < len(steps):  # prefetch the next active step into the other buffers
-            pending = ex.post_kv("forward_kv", steps[i + 1], (i + 1) % 2, ks, vs)
+            pending = ex.post("forward_kv", (steps[i + 1],), (i + 1) % 2, ks, vs)
         if packed is not None:
             attend(step.pairs, *ex.unpack_kv(packed, step))
 
@@ -208,9 +208,9 @@ def schedule_backward(call: RingCall, grad_out: Tensor, grad_lse: Tensor | None,
 
     ex = call.exchanger(q, "backward") if plan.steps else None
     steps = ex.steps if ex is not None else ()
-    far = ex.post_far_kv("backward_kv", ks, vs) if ex is not None else None  # posted first
+    far = ex.post("backward_kv", ex.far_steps, 0, ks, vs) if ex is not None else None  # first
     first = ex.step_for(1) if ex is not None else None
-    kv_pending = ex.post_kv("backward_kv", first, 1, ks, vs) if first is not None else None
+    kv_pending = ex.post("backward_kv", (first,), 1, ks, vs) if first is not None else None
     # the local blocks overlap the first exchange
     attend(plan.local_pairs, dks, dvs, ks, vs, [p.start for p in pieces])
     if after_local is not None:
@@ -218,40 +218,39 @@ def schedule_backward(call: RingCall, grad_out: Tensor, grad_lse: Tensor | None,
     far_grad = None
     if far is not None:  # the far group's blocks; their dK/dV go back as one batch
         packed = far.wait()
-        views = {s.distance: (dkp, dvp) for s, dkp, dvp in ex.far_grad_views()}
+        views = {s.distance: (dkp, dvp) for s, dkp, dvp in ex.grad_views(ex.far_steps, 0)}
         for step, rows in ex.far_received(packed):
             attend(step.pairs, *views[step.distance], *ex.unpack_kv(rows, step))
-        far_grad = ex.post_far_grad()
+        far_grad = ex.post("backward_grad", ex.far_steps, 0)
 
     # Global order of posts: F, KV(1), FG, KV(2), G(1), KV(3), G(2), ... (F, FG: the
     # far group's); each rank posts its subsequence. Buffers alternate by distance.
-    g_prev = None  # (transfer, step) of the previous gradient return
+    g_prev = None  # (transfer, (step,)) of the previous gradient return
     for d in range(1, plan.world_size if steps else 1):
         step = ex.step_for(d)
         packed = kv_pending.wait() if step is not None else None
         nxt = ex.step_for(d + 1)
-        kv_pending = ex.post_kv("backward_kv", nxt, (d + 1) % 2, ks, vs) if nxt else None
+        kv_pending = ex.post("backward_kv", (nxt,), (d + 1) % 2, ks, vs) if nxt else None
         g_now = None
         if step is not None:
-            dkp = dvp = None
             if packed is not None:
                 kv = ex.unpack_kv(packed, step)
-                dkp, dvp = ex.grad_views(step, d % 2)
+                ((_, dkp, dvp),) = ex.grad_views((step,), d % 2)
                 attend(step.pairs, dkp, dvp, *kv)
-            g_now = (ex.post_grad(step, d % 2, dkp, dvp), step)
+            g_now = (ex.post("backward_grad", (step,), d % 2), (step,))
         if g_prev is not None:
-            ex.finish_grad(*g_prev, dks, dvs)
+            ex.finish(*g_prev, dks, dvs)
         g_prev = g_now
     if g_prev is not None:
-        ex.finish_grad(*g_prev, dks, dvs)
+        ex.finish(*g_prev, dks, dvs)
     if check is not None and not check.finite():  # a non-finite K/V: each block checks its own
         if far_grad is not None:  # (the far return completes first, on every rank)
-            ex.finish_far_grad(far_grad, dks, dvs)
+            ex.finish(far_grad, ex.far_steps, dks, dvs)
         return schedule_backward(call, grad_out, grad_lse, q, k, v, out, lse, None, defer, True)
 
     def finish() -> tuple[Tensor, Tensor, Tensor]:
         if far_grad is not None:
-            ex.finish_far_grad(far_grad, dks, dvs)
+            ex.finish(far_grad, ex.far_steps, dks, dvs)
         return tuple(_cat([t.to(q.dtype) for t in g], dim=1) for g in (dqs, dks, dvs))
 
     if defer and far_grad is not None:
