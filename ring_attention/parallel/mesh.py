@@ -95,7 +95,7 @@ def _group_name(group: dist.ProcessGroup | None) -> str | None:
     return None if group is None else str(getattr(group, "group_name", ""))
 
 
-def _order(group: dist.ProcessGroup | None, ranks: tuple[int, ...]) -> tuple[int, ...] | None:
+def group_order(group: dist.ProcessGroup | None, ranks: tuple[int, ...]) -> tuple[int, ...] | None:
     """The group rank of each of ``ranks``, ``None`` where it is the index."""
     if group is None or len(ranks) < 2:
         return None
@@ -169,8 +169,8 @@ def resolve_topology(group: dist.ProcessGroup | None = None,
     uly = ulysses_group if U > 1 else None
     return Topology(ring_group=ring, ulysses_group=uly, ring_size=R, ulysses_size=U, ring_index=i,
                     ulysses_index=j, ring_ranks=ring_ranks, ulysses_ranks=ulysses_ranks, mesh=key,
-                    ring_order=_order(ring, ring_ranks), ulysses_order=_order(uly, ulysses_ranks),
-                    mode="grid" if U > 1 else "ring")  # fmt: skip
+                    ring_order=group_order(ring, ring_ranks), mode="grid" if U > 1 else "ring",
+                    ulysses_order=group_order(uly, ulysses_ranks))  # fmt: skip
 
 
 # The one-time agreement check through the store (docs/design.md §6): per rank
@@ -199,9 +199,7 @@ _states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _state() -> _State:
     pg = dist.distributed_c10d._get_default_group()
     with _lock:
-        if pg not in _states:
-            _states[pg] = _State()
-        return _states[pg]
+        return _states.setdefault(pg, _State())
 
 
 def _key(topo: Topology) -> tuple:
@@ -341,7 +339,7 @@ def check_ring(group: dist.ProcessGroup | None) -> None:
     ranks, me = global_ranks(g, R), dist.get_rank()
     topo = Topology(ring_group=g, ulysses_group=None, ring_size=R, ulysses_size=1,
                     ring_index=ranks.index(me), ulysses_index=0, ring_ranks=ranks,
-                    ulysses_ranks=(me,), ring_order=_order(g, ranks), mode="ring")  # fmt: skip
+                    ulysses_ranks=(me,), ring_order=group_order(g, ranks), mode="ring")  # fmt: skip
     check_grid(topo)
     with _lock:
         st.rings[g] = _key(topo)

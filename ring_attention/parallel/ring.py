@@ -30,7 +30,7 @@ from .exchange import (
 from .exchange_plan import ExchangePlan, get_plan
 from .handshake import reject, ring_handshake, ring_message
 from .kv_check import PassCheck, pass_check
-from .mesh import check_ring, report_grid_error, world_info
+from .mesh import check_ring, group_order, report_grid_error, world_info
 from .ring_spec import GroupError, get_spec, pattern_of_call, ring_call_spec
 
 __all__ = ["ExchangeEvent", "ExchangeStats", "exchange_plan", "last_exchange_stats",
@@ -310,10 +310,8 @@ def _call_of(key: str, q: Tensor, k: Tensor, v: Tensor, documents: Tensor | None
     world, rank = world_info(group)
     order = None
     if spec.ranks is not None and world > 1:  # ring indices: a mesh's coordinates
-        order = tuple(dist.get_group_rank(group or dist.group.WORLD, r) for r in spec.ranks)
+        order = group_order(group or dist.group.WORLD, spec.ranks)
         rank = spec.ranks.index(dist.get_rank())
-        if order == tuple(range(world)):
-            order = None
     message, pattern, error, far, layout, per = None, None, spec.error, 0, spec.layout, 0
     if error is None:
         try:
