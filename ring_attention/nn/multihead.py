@@ -318,22 +318,18 @@ def _check_call(
 
 def _check_group_call(m, need_weights, attn_mask, key_padding_mask, L, S) -> None:
     where = "with group= (sequence-sharded MultiheadDilatedAttention)"
-    if need_weights:
-        raise ValueError(f"need_weights=True is not supported {where}; pass need_weights=False")
-    if attn_mask is not None:
-        raise ValueError(
-            f"attn_mask is not supported {where} (for causal attention pass is_causal=True "
-            "with any attn_mask as the hint)")  # fmt: skip
-    if key_padding_mask is not None:
-        raise ValueError(f"key_padding_mask is not supported {where}")
-    if m.training and m.dropout > 0:
-        raise ValueError(
-            f"dropout={m.dropout} in training is not supported {where}; use dropout=0 or eval()"
-        )
-    if L != S:
-        raise ValueError(
-            f"key must have the same local sequence length as query {where} (no "
-            f"cross-attention), got {L} and {S}")  # fmt: skip
+    for bad, message in (
+        (need_weights, f"need_weights=True is not supported {where}; pass need_weights=False"),
+        (attn_mask is not None, f"attn_mask is not supported {where} (for causal attention pass "
+                                "is_causal=True with any attn_mask as the hint)"),
+        (key_padding_mask is not None, f"key_padding_mask is not supported {where}"),
+        (m.training and m.dropout > 0, f"dropout={m.dropout} in training is not supported "
+                                       f"{where}; use dropout=0 or eval()"),
+        (L != S, f"key must have the same local sequence length as query {where} (no "
+                 f"cross-attention), got {L} and {S}"),
+    ):  # fmt: skip
+        if bad:
+            raise ValueError(message)
 
 
 def _project(m: MultiheadDilatedAttention, query, key, value):
