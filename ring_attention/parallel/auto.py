@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..core.checks import check_int
+from ..core.checks import check_int, supported_dtypes
 from ..core.layout import check_layout
 from ..core.links import INTRA_DEFAULTS, LINKS, Link
 from ..core.pattern import Pattern
@@ -111,8 +111,7 @@ def plan_mesh(seq_len: int, heads: int, kv_heads: int, head_dim: int, pattern: P
     batch = check_int(batch, "batch", 1, 1 << 31)
     if memory is not None:
         memory = check_int(memory, "memory", 1, 1 << 62)
-    if dtype is not None and dtype not in (torch.float64, torch.float32, torch.bfloat16,
-                                           torch.float16):  # fmt: skip
+    if dtype is not None and dtype not in supported_dtypes(torch.device("cpu")):
         raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
     pattern.check_heads(heads)
     check_layout(layout)

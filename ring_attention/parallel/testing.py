@@ -1,6 +1,7 @@
 """Run code in real processes joined by a gloo process group (tests, benchmarks):
 :func:`run_distributed`; :func:`tensor_peak`."""
 
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
@@ -37,10 +38,8 @@ def _entry(
         try:
             value = fn(rank, world_size, *args)
         finally:
-            try:
+            with contextlib.suppress(Exception):
                 dist.destroy_process_group()
-            except Exception:
-                pass
         results.put((rank, True, pickle.dumps(value)))
     except BaseException:  # report everything, including assertion errors
         results.put((rank, False, traceback.format_exc()))
