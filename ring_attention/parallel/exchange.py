@@ -93,9 +93,8 @@ class Transfer:
         for w in self.works:
             w.wait()
         self.works, self.keep = [], []
-        if self.recv is None or self.recv.device == self.device:
-            return self.recv
-        return self.recv.to(self.device)  # staged through host memory
+        # (a received buffer on another device: staged through host memory)
+        return None if self.recv is None else self.recv.to(self.device)
 
 
 class _Span(NamedTuple):

@@ -264,8 +264,7 @@ def grid_handshake(topo, call: str, fields: Sequence[str], message: Sequence[int
     U = topo.ulysses_size
     err: Exception | None = None
     row_lengths: list[int] = []
-    args_digest = 0
-    payload = None
+    args_digest, payload = 0, None
     if message is not None:
         payload = [*message, topo.ring_index, topo.ring_size, topo.digest("ulysses")]
     try:

@@ -1,6 +1,7 @@
 """Head-parallel (Ulysses) and ring x Ulysses hybrid attention: all-to-alls
 trading sequence for heads around the attention (docs/design.md §3.1)."""
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -121,9 +122,8 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, link: _Link, counts: tuple[int, ...], recv, phase: str, *sends: Tensor):  # type: ignore[override]
         nested = _nest(sends, counts)
         got = link.exchange(nested, recv, phase)
-        ctx.link, ctx.phase = link, phase
+        ctx.link, ctx.phase, ctx.recv = link, phase, recv
         ctx.back = [[(tuple(t.shape), t.dtype) for t in ts] for ts in nested]
-        ctx.recv = recv
         ctx.set_materialize_grads(False)
         return tuple(t for ts in got for t in ts)
 
@@ -146,11 +146,8 @@ def _all_to_all(link: _Link, sends: list[list[Tensor]], recv: list[list[tuple]],
 
 def _nest(flat, sizes) -> list[list]:
     """``flat`` cut into lists of ``sizes``."""
-    out, at = [], 0
-    for n in sizes:
-        out.append(list(flat[at : at + n]))
-        at += n
-    return out
+    parts = iter(flat)
+    return [list(itertools.islice(parts, n)) for n in sizes]
 
 
 def kv_head_range(head_start: int, count: int, heads: int, kv_heads: int) -> tuple[int, int]:
@@ -246,10 +243,8 @@ def _ulysses(link: _Link, topo: Topology, row: Row, q: Tensor, k: Tensor, v: Ten
              pattern: Pattern, scale: float, layout: Layout,
              ring: Callable) -> tuple[Tensor, Tensor]:  # fmt: skip
     B, L, H, D = q.shape
-    Hkv = k.shape[2]
-    me = link.me
-    h0, hl = row.heads[me]
-    kv0, kv1 = row.kv[me]
+    h0, hl = row.heads[link.me]
+    kv0, kv1 = row.kv[link.me]
     dt = q.dtype
     # sequence -> heads
     sends = [[q.narrow(2, s, c), k.narrow(2, a, b - a), v.narrow(2, a, b - a)]
@@ -268,7 +263,7 @@ def _ulysses(link: _Link, topo: Topology, row: Row, q: Tensor, k: Tensor, v: Ten
         out_s = qs * 0
         lse_s = torch.zeros(B, 0, S, dtype=lse_dt, device=q.device)
     else:
-        heads = (h0, H, Hkv)  # the global heads' offsets, groups and K/V heads
+        heads = (h0, H, k.shape[2])  # the global heads' offsets, groups and K/V heads
         if topo.ring_size == 1:
             out_s, lse_s = engine.attend(Call(pattern, scale).with_heads(*heads), qs, ks, vs)
         else:
