@@ -233,9 +233,8 @@ def _check_call(
 ) -> Call:  # fmt: skip
     """PyTorch's checks up to the attention, in its order, then this module's
     own checks and the choice of path."""
-    float_masks = (attn_mask is not None and torch.is_floating_point(attn_mask)) or (
-        key_padding_mask is not None and torch.is_floating_point(key_padding_mask)
-    )
+    masks = (attn_mask, key_padding_mask)
+    float_masks = any(t is not None and torch.is_floating_point(t) for t in masks)
     query.dim()  # read first, as PyTorch does (a non-tensor fails here, with its error)
     for name, mask in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
         if isinstance(mask, torch.Tensor) and mask.is_meta and not query.is_meta:
