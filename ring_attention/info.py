@@ -152,14 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = ap.parse_args(argv)
         assumed = args.device.type == "cuda" and not torch.cuda.is_available()
-        if args.capability is not None:
-            capability = args.capability
-        elif assumed:
-            capability = (9, 0)
-        elif args.device.type == "cuda":
-            capability = torch.cuda.get_device_capability(args.device)
-        else:
-            capability = (0, 0)
+        capability = args.capability or (0, 0)
+        if args.capability is None and args.device.type == "cuda":
+            capability = (9, 0) if assumed else torch.cuda.get_device_capability(args.device)
         heads, kv_heads = args.heads, args.kv_heads or args.heads  # --kv-heads: >= 1 or None
         if heads % kv_heads:
             ap.error(f"argument --kv-heads: must divide --heads {heads}, got {kv_heads}")

@@ -13,10 +13,7 @@ __all__ = ["PATTERN_CACHE", "log_multiplicity", "multiplicity"]
 #: (``PATTERN_CACHE.max_bytes``, default 256 MiB; a matrix larger than the
 #: bound is built for the call and not kept).
 PATTERN_CACHE: LRUCache[torch.Tensor] = LRUCache(
-    maxsize=32,
-    name="pattern matrices",
-    max_bytes=256 * 2**20,
-    size_of=lambda t: t.numel() * t.element_size(),
+    32, name="pattern matrices", max_bytes=256 * 2**20, size_of=lambda t: t.nbytes
 )
 
 
