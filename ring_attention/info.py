@@ -173,10 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     if assumed:  # what a CUDA build of PyTorch would find: its cuDNN
         missing = tuple((name, why) for name, why in missing if name != "cudnn")
     print(_defaults(ap, args, argv if argv is not None else sys.argv[1:], assumed))
-    print(
-        describe(pattern, args.seq_len, heads, kv_heads, args.head_dim, dtype, args.device,
-                 capability, missing)
-    )  # fmt: skip
+    shape = (args.seq_len, heads, kv_heads, args.head_dim, dtype, args.device, capability)
+    print(describe(pattern, *shape, missing))
     return 0
 
 

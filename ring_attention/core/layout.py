@@ -167,11 +167,9 @@ def balanced_cuts(layout: Balanced, n: int, shards: int) -> tuple[int, ...]:
 
 
 def _folded_pieces(n: int, world_size: int, rank: int, layout: Layout, fold: int) -> list[Piece]:
+    ranks = range(rank * fold, (rank + 1) * fold)
     parts = sorted(
-        p
-        for j in range(fold)
-        for p in layout_pieces(n, world_size * fold, rank * fold + j, layout)
-        if p.length
+        p for r in ranks for p in layout_pieces(n, world_size * fold, r, layout) if p.length
     )
     pieces: list[Piece] = []  # adjacent parts merged
     for start, length, _ in parts:

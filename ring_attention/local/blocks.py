@@ -39,9 +39,8 @@ class Blocks:
         """Merge the block into the accumulators ``out`` ``(B, Lq, H, D)`` and
         ``lse`` ``(B, H, Lq)`` (the accumulation dtype)."""
         args = (q, k, v, out, lse, q_start, k_start)
-        if self.dense is not None and self._dense_forward(*args, k_rows):
-            return
-        ops.block_forward(*args, self.args, k_rows)
+        if self.dense is None or not self._dense_forward(*args, k_rows):
+            ops.block_forward(*args, self.args, k_rows)
 
     def backward(
         self, go: Tensor, glse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
@@ -50,12 +49,11 @@ class Blocks:
     ) -> None:  # fmt: skip
         """Add the block's gradients into ``dq``, ``dk``, ``dv`` (the accumulation dtype), given
         the final ``out`` and ``lse``."""
-        if glse is None and self.dense is not None and self._dense_backward(
-            go, q, k, v, out, lse, dq, dk, dv, q_start, k_start, k_rows
+        grads = (dq, dk, dv, q_start, k_start)
+        if glse is not None or self.dense is None or not self._dense_backward(
+            go, q, k, v, out, lse, *grads, k_rows
         ):  # fmt: skip
-            return
-        ops.block_backward(go, glse, q, k, v, out, lse, dq, dk, dv, q_start, k_start, self.args,
-                           k_rows)  # fmt: skip
+            ops.block_backward(go, glse, q, k, v, out, lse, *grads, self.args, k_rows)
 
     def _local(self, pass_: str, q: Tensor, k: Tensor, v: Tensor, q_start: int, k_start: int,
                k_rows: Tensor | None) -> Route | None:  # fmt: skip
