@@ -74,11 +74,8 @@ def describe(
                 for p, r in routes.items():
                     if r.dense:
                         gqa = call.q_heads != call.kv_heads
-                        _, why = choose_backend(
-                            p, named, device, dtype, head_dim, capability, call.rows, gqa,
-                            missing,
-                        )  # fmt: skip
-                        took[p][(r.backends[i][j], why)] += 1
+                        fits = (device, dtype, head_dim, capability, call.rows, gqa, missing)
+                        took[p][(r.backends[i][j], choose_backend(p, named, *fits)[1])] += 1
         calls = sum(shapes.values())
         desc = "; ".join(
             f"{c} x ({s} segments x {rows_} rows, {hq}/{hk} heads)"

@@ -100,9 +100,8 @@ def layout_pieces(
         start, length = shard_bounds(n, world_size)[rank]
         return [Piece(start, length, 0)]
     chunks = shard_bounds(n, 2 * world_size)
-    first = chunks[rank]
-    second = chunks[2 * world_size - 1 - rank]
-    return [Piece(first[0], first[1], 0), Piece(second[0], second[1], first[1])]
+    (first, first_len), (second, second_len) = chunks[rank], chunks[2 * world_size - 1 - rank]
+    return [Piece(first, first_len, 0), Piece(second, second_len, first_len)]
 
 
 #: :func:`balanced_work_below` counts at most this many offsets of a branch.

@@ -25,12 +25,9 @@ class Blocks:
     it, else by the block kernel (``args``); ``each_block``: each dense block checks its K/V."""
 
     def __init__(self, call: Call, args: ops.OpArgs, dense: Route | None) -> None:
-        self.args = args
-        self.each_block = True
-        self.dense = dense
+        self.args, self.dense, self.each_block = args, dense, True
         self.backend = backend(dense.backends[0][0]) if dense and dense.backends else None
-        self.pattern = call.pattern
-        self.scale = call.scale
+        self.pattern, self.scale = call.pattern, call.scale
 
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_start: int,
