@@ -46,11 +46,9 @@ class Blocks:
     ) -> None:  # fmt: skip
         """Add the block's gradients into ``dq``, ``dk``, ``dv`` (the accumulation dtype), given
         the final ``out`` and ``lse``."""
-        grads = (dq, dk, dv, q_start, k_start)
-        if glse is not None or self.dense is None or not self._dense_backward(
-            go, q, k, v, out, lse, *grads, k_rows
-        ):  # fmt: skip
-            ops.block_backward(go, glse, q, k, v, out, lse, *grads, self.args, k_rows)
+        args = (q, k, v, out, lse, dq, dk, dv, q_start, k_start)
+        if glse is not None or self.dense is None or not self._dense_backward(go, *args, k_rows):
+            ops.block_backward(go, glse, *args, self.args, k_rows)
 
     def _local(self, pass_: str, q: Tensor, k: Tensor, v: Tensor, q_start: int, k_start: int,
                k_rows: Tensor | None) -> Route | None:  # fmt: skip
