@@ -74,11 +74,8 @@ def describe(
                 for p, r in routes.items():
                     if r.dense:
                         gqa = call.q_heads != call.kv_heads
-                        _, why = choose_backend(
-                            p, named, device, dtype, head_dim, capability, call.rows, gqa,
-                            missing,
-                        )  # fmt: skip
-                        took[p][(r.backends[i][j], why)] += 1
+                        fits = (device, dtype, head_dim, capability, call.rows, gqa, missing)
+                        took[p][(r.backends[i][j], choose_backend(p, named, *fits)[1])] += 1
         calls = sum(shapes.values())
         desc = "; ".join(
             f"{c} x ({s} segments x {rows_} rows, {hq}/{hk} heads)"
@@ -152,14 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = ap.parse_args(argv)
         assumed = args.device.type == "cuda" and not torch.cuda.is_available()
-        if args.capability is not None:
-            capability = args.capability
-        elif assumed:
-            capability = (9, 0)
-        elif args.device.type == "cuda":
-            capability = torch.cuda.get_device_capability(args.device)
-        else:
-            capability = (0, 0)
+        capability = args.capability or (0, 0)
+        if args.capability is None and args.device.type == "cuda":
+            capability = (9, 0) if assumed else torch.cuda.get_device_capability(args.device)
         heads, kv_heads = args.heads, args.kv_heads or args.heads  # --kv-heads: >= 1 or None
         if heads % kv_heads:
             ap.error(f"argument --kv-heads: must divide --heads {heads}, got {kv_heads}")
@@ -178,10 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     if assumed:  # what a CUDA build of PyTorch would find: its cuDNN
         missing = tuple((name, why) for name, why in missing if name != "cudnn")
     print(_defaults(ap, args, argv if argv is not None else sys.argv[1:], assumed))
-    print(
-        describe(pattern, args.seq_len, heads, kv_heads, args.head_dim, dtype, args.device,
-                 capability, missing)
-    )  # fmt: skip
+    shape = (args.seq_len, heads, kv_heads, args.head_dim, dtype, args.device, capability)
+    print(describe(pattern, *shape, missing))
     return 0
 
 

@@ -92,7 +92,6 @@ def prepare(
         )
     check_key_padding_mask(key_padding_mask, shape.batch, shape.seq_k, q.device)
     check_sinks(sinks, shape.heads, q.device)
-    start, total, total_kv = head_range or (0, 0, 0)
-    return Call(pattern, resolve_scale(scale, shape.head_dim), key_padding_mask, documents, start,
-                total, total_kv, q_start, k_start, q_starts, as_flag(return_lse, "return_lse"),
-                sinks), shape  # fmt: skip
+    return Call(pattern, resolve_scale(scale, shape.head_dim), key_padding_mask, documents,
+                *(head_range or (0, 0, 0)), q_start, k_start, q_starts,
+                as_flag(return_lse, "return_lse"), sinks), shape  # fmt: skip

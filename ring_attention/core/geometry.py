@@ -157,9 +157,7 @@ def prefix_pairs(
     if lengths.numel() == 0:
         return torch.zeros_like(x)
     distinct, inverse = torch.unique(lengths, return_inverse=True)
-    before = torch.cat(
-        [torch.zeros(1, dtype=torch.int64), below(distinct, distinct)[inverse].cumsum(0)]
-    )
+    before = torch.nn.functional.pad(below(distinct, distinct)[inverse].cumsum(0), (1, 0))
     k = (torch.searchsorted(cu, x, right=True) - 1).clamp(0, lengths.numel() - 1)
     return before[k] + below(lengths[k], x - cu[k])
 

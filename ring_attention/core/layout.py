@@ -100,9 +100,8 @@ def layout_pieces(
         start, length = shard_bounds(n, world_size)[rank]
         return [Piece(start, length, 0)]
     chunks = shard_bounds(n, 2 * world_size)
-    first = chunks[rank]
-    second = chunks[2 * world_size - 1 - rank]
-    return [Piece(first[0], first[1], 0), Piece(second[0], second[1], first[1])]
+    (first, first_len), (second, second_len) = chunks[rank], chunks[2 * world_size - 1 - rank]
+    return [Piece(first, first_len, 0), Piece(second, second_len, first_len)]
 
 
 #: :func:`balanced_work_below` counts at most this many offsets of a branch.
@@ -167,11 +166,9 @@ def balanced_cuts(layout: Balanced, n: int, shards: int) -> tuple[int, ...]:
 
 
 def _folded_pieces(n: int, world_size: int, rank: int, layout: Layout, fold: int) -> list[Piece]:
+    ranks = range(rank * fold, (rank + 1) * fold)
     parts = sorted(
-        p
-        for j in range(fold)
-        for p in layout_pieces(n, world_size * fold, rank * fold + j, layout)
-        if p.length
+        p for r in ranks for p in layout_pieces(n, world_size * fold, r, layout) if p.length
     )
     pieces: list[Piece] = []  # adjacent parts merged
     for start, length, _ in parts:

@@ -8,15 +8,11 @@ from .pattern import Pattern
 
 __all__ = ["PATTERN_CACHE", "log_multiplicity", "multiplicity"]
 
-#: Cache of the dense ``log(multiplicity)`` bias, keyed by ``(pattern,
-#: seq_len, heads, device, dtype)``. Bounded in entries and in bytes
-#: (``PATTERN_CACHE.max_bytes``, default 256 MiB; a matrix larger than the
-#: bound is built for the call and not kept).
+#: Cache of the dense ``log(multiplicity)`` bias, keyed by ``(pattern, seq_len, heads, device,
+#: dtype)``, bounded in entries and in bytes (``PATTERN_CACHE.max_bytes``, default 256 MiB; a
+#: matrix larger than the bound is built for the call and not kept).
 PATTERN_CACHE: LRUCache[torch.Tensor] = LRUCache(
-    maxsize=32,
-    name="pattern matrices",
-    max_bytes=256 * 2**20,
-    size_of=lambda t: t.numel() * t.element_size(),
+    32, name="pattern matrices", max_bytes=256 * 2**20, size_of=lambda t: t.nbytes
 )
 
 
@@ -60,8 +56,6 @@ def log_multiplicity(
             m = multiplicity(pattern, seq_len, heads, device=device, dtype=torch.float64)
             return torch.log(m).to(dtype)
 
-    if torch.compiler.is_compiling():
-        # Under torch.compile the matrix is built inside the graph (a lock-
-        # protected cache would be a graph break).
+    if torch.compiler.is_compiling():  # built inside the graph: the locked cache would break it
         return build()
     return PATTERN_CACHE.get((pattern, int(seq_len), int(heads), str(device), dtype), build)

@@ -241,10 +241,7 @@ class Pattern:
         """A short human-readable description (error messages)."""
         s = f"segment_lengths={list(self.segment_lengths)} "
         s += f"dilation_rates={list(self.dilation_rates)}"
-        if self.causal:
-            s += " causal"
-        if self.head_groups:
-            s += " head_groups"
+        s += " causal" * self.causal + " head_groups" * self.head_groups
         if self.head_offsets != "modulo":
             s += f" head_offsets={self.head_offsets}"
         if self.documents is not None:

@@ -36,8 +36,7 @@ def _packed_sequences(
         return _packed_sequences(_closure(fn).get("mask_function"), config, shifts)
     if name == "and_masks.<locals>.and_mask":  # a custom part fails below
         parts = _closure(fn).get("mask_functions", ())
-        found = [_packed_sequences(part, config, shifts) for part in parts]
-        found = [f for f in found if f is not None]
+        found = [f for f in (_packed_sequences(p, config, shifts) for p in parts) if f is not None]
         return found[0] if found else None
     if name == "sliding_window_overlay.<locals>.inner_mask":
         width = _closure(fn).get("sliding_window")

@@ -212,8 +212,7 @@ def _documents(
             raise ValueError(
                 f"cu_seq_lens_q must be the document boundaries [0, ..., {n}] (1-D, "
                 f"non-decreasing), got {cu.tolist()}")  # fmt: skip
-        lengths = cu.diff()
-        position_ids = torch.arange(n) - torch.repeat_interleave(cu[:-1], lengths)
+        position_ids = torch.arange(n) - torch.repeat_interleave(cu[:-1], cu.diff())
         position_ids = position_ids[None].to(device)
     else:
         position_ids = torch.arange(n, device=device)[None]

@@ -118,8 +118,7 @@ class AtenCudnn:
         res = aten._scaled_dot_product_cudnn_attention(
             _t(q), _t(k), _t(v), None, True, 0.0, causal, False, scale=scale
         )
-        out.copy_(res[0])
-        lse.copy_(res[1].reshape(lse.shape))
+        _copy((out, lse), (res[0], res[1].reshape(lse.shape)))
 
     @staticmethod
     def backward(do, q, k, v, out, lse, causal, scale, dq, dk, dv) -> None:

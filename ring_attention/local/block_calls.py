@@ -68,10 +68,9 @@ def _plan(pattern: Pattern, heads: int, kv_heads: int, q0: int, lq: int, k0: int
         # the segments meeting both ranges: the first and last (maybe cut), those between
         # lying inside both (one call for all of them)
         groups = [(lo, 1), (lo + 1, hi - lo - 1), (hi, 1)] if hi > lo else [(lo, 1)]
+        groups = [(s, segments) for s, segments in groups if segments > 0]
         for o, runs in _classes(pattern, b, hr):
             for s, segments in groups:
-                if segments < 1:
-                    continue
                 (qf, qn), (kf, kn) = (_run(s * w, w, r, o, *x) for x in ((q0, q1), (k0, k1)))
                 if not qn or not kn:
                     continue

@@ -25,12 +25,9 @@ class Blocks:
     it, else by the block kernel (``args``); ``each_block``: each dense block checks its K/V."""
 
     def __init__(self, call: Call, args: ops.OpArgs, dense: Route | None) -> None:
-        self.args = args
-        self.each_block = True
-        self.dense = dense
+        self.args, self.dense, self.each_block = args, dense, True
         self.backend = backend(dense.backends[0][0]) if dense and dense.backends else None
-        self.pattern = call.pattern
-        self.scale = call.scale
+        self.pattern, self.scale = call.pattern, call.scale
 
     def forward(
         self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, q_start: int,
@@ -39,9 +36,8 @@ class Blocks:
         """Merge the block into the accumulators ``out`` ``(B, Lq, H, D)`` and
         ``lse`` ``(B, H, Lq)`` (the accumulation dtype)."""
         args = (q, k, v, out, lse, q_start, k_start)
-        if self.dense is not None and self._dense_forward(*args, k_rows):
-            return
-        ops.block_forward(*args, self.args, k_rows)
+        if self.dense is None or not self._dense_forward(*args, k_rows):
+            ops.block_forward(*args, self.args, k_rows)
 
     def backward(
         self, go: Tensor, glse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
@@ -50,12 +46,9 @@ class Blocks:
     ) -> None:  # fmt: skip
         """Add the block's gradients into ``dq``, ``dk``, ``dv`` (the accumulation dtype), given
         the final ``out`` and ``lse``."""
-        if glse is None and self.dense is not None and self._dense_backward(
-            go, q, k, v, out, lse, dq, dk, dv, q_start, k_start, k_rows
-        ):  # fmt: skip
-            return
-        ops.block_backward(go, glse, q, k, v, out, lse, dq, dk, dv, q_start, k_start, self.args,
-                           k_rows)  # fmt: skip
+        args = (q, k, v, out, lse, dq, dk, dv, q_start, k_start)
+        if glse is not None or self.dense is None or not self._dense_backward(go, *args, k_rows):
+            ops.block_backward(go, glse, *args, self.args, k_rows)
 
     def _local(self, pass_: str, q: Tensor, k: Tensor, v: Tensor, q_start: int, k_start: int,
                k_rows: Tensor | None) -> Route | None:  # fmt: skip

@@ -102,7 +102,7 @@ def _build(pass_: str, r: Route, tensors: tuple[torch.Tensor, ...]) -> Program:
         size, stride, offset = call.geometry(t.shape, t.stride(), kv)
         return size, stride, offset + t.storage_offset()
 
-    spans, q_max, lse_max, kv_max = [], 0, 0, 0
+    spans = []
     for span, names in zip(r.spans.spans, r.backends, strict=True):
         calls = [(span.calls[j], names[j]) for j in span.part_order()]
         in_place = not backward and any(c.branch == 0 for c, _ in calls)
@@ -128,9 +128,7 @@ def _build(pass_: str, r: Route, tensors: tuple[torch.Tensor, ...]) -> Program:
             kv_base += call.part_rows(batch, True)
         parts_rows = parts_rows if in_place else q_base
         spans.append((parts_rows, q_base, kv_base, in_place, tuple(launches)))
-        q_max, lse_max = max(q_max, parts_rows), max(lse_max, q_base)
-        kv_max = max(kv_max, kv_base)
-    return Program(q_max, lse_max, kv_max, tuple(spans))
+    return Program(*(max((s[i] for s in spans), default=0) for i in range(3)), tuple(spans))
 
 
 _PROGRAMS: LRUCache[Program] = LRUCache(64, name="dense programs")

@@ -214,25 +214,19 @@ def decide(
     spans = plan_spans(pattern, n, heads, kv_heads, rows, head_range)
     if spans.calls > MAX_CALLS:
         return Route(False, f"{spans.calls} dense calls a pass (more than {MAX_CALLS})")
+    shapes = [[(c.rows, c.q_heads, c.kv_heads) for c in span.calls] for span in spans.spans]
     chosen: dict[tuple[int, int, int], str] = {}
-    per_span = []
-    for span in spans.spans:
-        names = []
-        for call in span.calls:
-            shape = (call.rows, call.q_heads, call.kv_heads)
-            if shape not in chosen:
-                gqa = call.q_heads != call.kv_heads
-                name, reasons = choose_backend(
-                    pass_, named, device, dtype, d, cc, call.rows, gqa, missing
-                )
-                if name is None:
-                    what = f"{call.rows} rows, {call.q_heads}/{call.kv_heads} heads"
-                    return Route(False, f"no dense backend for a call of {what} ({reasons})")
-                chosen[shape] = name
-            names.append(chosen[shape])
-        per_span.append(tuple(names))
+    for n_rows, hq, hk in dict.fromkeys(s for span in shapes for s in span):  # calls' order
+        name, reasons = choose_backend(
+            pass_, named, device, dtype, d, cc, n_rows, hq != hk, missing
+        )
+        if name is None:
+            what = f"{n_rows} rows, {hq}/{hk} heads"
+            return Route(False, f"no dense backend for a call of {what} ({reasons})")
+        chosen[n_rows, hq, hk] = name
+    per_span = tuple(tuple(chosen[s] for s in span) for span in shapes)
     used = sorted(set(chosen.values()))
-    return Route(True, f"{why}; backends {', '.join(used)}", spans, tuple(per_span))
+    return Route(True, f"{why}; backends {', '.join(used)}", spans, per_span)
 
 
 _ROUTES: LRUCache[Route] = LRUCache(64, name="dense routes")

@@ -199,11 +199,7 @@ class Attention(torch.autograd.Function):
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         grads = ctx.impl.backward(grad_out, grad_lse, q, k, v, out, lse)
-        if torch.is_grad_enabled():  # create_graph=True: the gradients are not differentiable
-            # The error node hangs off the inputs the gradients depend on, so
-            # differentiating a gradient with respect to any of them reaches it.
-            grads = _DoubleBackwardError.apply(len(grads), *grads, q, k, v, grad_out, grad_lse)
-        return (*grads, None)
+        return (*_DoubleBackwardError.guard(grads, q, k, v, grad_out, grad_lse), None)
 
 
 # The ring's operators (ring_attention/parallel/ring.py) and their autograd.
@@ -243,15 +239,19 @@ class RingFunction(torch.autograd.Function):
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         grads = ring_backward(grad_out, grad_lse, q, k, v, out, lse, documents, seq_len, ctx.spec)
-        if torch.is_grad_enabled():  # create_graph=True: the gradients are not differentiable
-            # The error node hangs off the inputs the gradients depend on, so
-            # differentiating a gradient with respect to any of them reaches it.
-            grads = _DoubleBackwardError.apply(len(grads), *grads, q, k, v, grad_out, grad_lse)
-        return (*grads, None, None, None)
+        return (*_DoubleBackwardError.guard(grads, q, k, v, grad_out, grad_lse), None, None, None)
 
 
 class _DoubleBackwardError(torch.autograd.Function):
     """Passes gradients through; differentiating them raises."""
+
+    @staticmethod
+    def guard(grads: tuple, *inputs: Tensor | None) -> tuple:
+        """``grads``, under ``create_graph=True`` through an error node hanging off the ``inputs``
+        they depend on, so differentiating a gradient with respect to any of them reaches it."""
+        if not torch.is_grad_enabled():
+            return grads
+        return _DoubleBackwardError.apply(len(grads), *grads, *inputs)
 
     @staticmethod
     def forward(ctx, n: int, *tensors: Tensor | None) -> tuple[Tensor, ...]:  # type: ignore[override]

@@ -77,11 +77,10 @@ class Call:
         """:meth:`view`'s geometry on a tensor of this ``shape`` and ``stride``."""
         head, count, step = self.side(kv)
         sb, sn, sh, sd = stride
-        return (
-            (shape[0], self.segments, self.rows, count, shape[3]),
-            (sb, self.seg_stride * sn, self.row_stride * sn, step * sh + self.head_shift * sn, sd),
-            self.start * sn + head * sh,
-        )
+        heads = step * sh + self.head_shift * sn
+        steps = (sb, self.seg_stride * sn, self.row_stride * sn, heads, sd)
+        size = (shape[0], self.segments, self.rows, count, shape[3])
+        return size, steps, self.start * sn + head * sh
 
     def view(self, t: torch.Tensor, kv: bool = False) -> torch.Tensor:
         """The call's rows of ``t`` ``(B, n, heads, d)`` (K/V-shaped with ``kv``) as a ``(B,
@@ -91,16 +90,10 @@ class Call:
     def lse_geometry(self, shape: Sequence[int], stride: Sequence[int]) -> "Geometry":
         """:meth:`lse_view`'s geometry on an ``lse`` of this ``shape`` and ``stride``."""
         lb, lh, ln = stride
-        return (
-            (shape[0], self.segments, self.q_heads, self.rows),
-            (
-                lb,
-                self.seg_stride * ln,
-                self.q_head_stride * lh + self.head_shift * ln,
-                self.row_stride * ln,
-            ),
-            self.start * ln + self.q_head * lh,
-        )
+        heads = self.q_head_stride * lh + self.head_shift * ln
+        steps = (lb, self.seg_stride * ln, heads, self.row_stride * ln)
+        size = (shape[0], self.segments, self.q_heads, self.rows)
+        return size, steps, self.start * ln + self.q_head * lh
 
     def lse_view(self, lse: torch.Tensor) -> torch.Tensor:
         """The call's rows of ``lse`` ``(B, H, n)`` as ``(B, segments, heads, rows)``."""
