@@ -70,11 +70,10 @@ def check_args(args: argparse.Namespace) -> None:
     """The rules between options, before any planning; raises
     :class:`OptionError` naming the option. Fills in a ``--model``'s shape."""
     ranks, device = _ranks(args), _device(args)
+    model = MODELS.get(args.model)
     for name, default in (("heads", 16), ("kv_heads", None), ("head_dim", 128)):
         if getattr(args, name) is None:  # a --model's, else the default (kv_heads: heads)
-            model = MODELS[args.model] if args.model else None
-            fallback = args.heads if default is None else default
-            setattr(args, name, getattr(model, name) if model else fallback)
+            setattr(args, name, getattr(model, name) if model else default or args.heads)
     memory, reserve = _memory(args, device, ranks or 1)
     own_model = [(o, g) for o, g in (("--ffn", args.ffn is not None), ("--gated", args.gated),
                                      ("--vocab", args.vocab != 0)) if g]  # fmt: skip
@@ -240,8 +239,8 @@ def _too_large(setup: Setup, seq_len: int, goal: str, limit: int) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Plan and print (``args`` from :func:`.cli_args.parse_args`, checked);
-    returns the exit status (2: impossible, explained)."""
+    """Plan and print (``args`` parsed and checked by :func:`main`); returns
+    the exit status (2: impossible, explained)."""
     ranks = _ranks(args)
     try:
         setup = build_setup(args, ranks or 1)
@@ -353,23 +352,16 @@ def _mode_report(args: argparse.Namespace, setup: Setup, seq_len: int) -> list[s
     return lines + MODE_ASSUMPTIONS
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse and check the planner's arguments: a bad option, or a bad
-    combination of them, exits 2 with argparse's message naming it."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        check_args(args)
-    except OptionError as exc:
-        parser.error(str(exc))
-    return args
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m ring_attention.planner``: the exit status
-    (0; 2 for a bad option or a request that cannot be met)."""
+    (0; 2 for a bad option, named as argparse does, or a request that cannot be met)."""
+    parser = build_parser()
     try:
-        args = parse_args(argv)
+        args = parser.parse_args(argv)
+        try:
+            check_args(args)
+        except OptionError as exc:
+            parser.error(str(exc))
     except SystemExit as exc:  # argparse: --help (0) or a bad option (2)
         return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
     return run(args)

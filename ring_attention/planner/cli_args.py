@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--memory", type=_MEMORY, help="with --device cpu: the host memory shared by "
                    "all processes (default: this machine's); on GPUs the same as "
                    "--gpu-memory")  # fmt: skip
-    g.add_argument("--reserve", type=reserve(MAX_BYTES), default=None, help="memory kept free "
+    g.add_argument("--reserve", type=reserve, default=None, help="memory kept free "
                    "per rank: bytes (8GB) or a share (10%%); default 10%% on GPUs (CUDA context, "
                    "allocator, NCCL), 400MB per CPU process (interpreter, torch, "
                    "gloo)")  # fmt: skip
