@@ -7,7 +7,6 @@ from typing import Any
 
 from ..core.layout import Piece, layout_pieces, layout_shard_lengths, resolve_layout, shard_bounds
 from ..core.links import Link
-from ..core.pattern import Pattern
 from .memory import KERNEL_WORKSPACE, LayerMemory, acc_bytes, layer_memories
 from .timing import RankTime, layer_times
 from .traffic import Traffic, traffic_of
@@ -16,27 +15,12 @@ MODES = ("ring", "ulysses", "hybrid")
 _ZIGZAG = "piece copies (zigzag)"  # a memory item of .memory
 
 
-def stretch_traffic(
-    pattern: Pattern, seq_len: int, heads: int, kv_heads: int, R: int, U: int, layout: str,
-    source: str = "auto",
-) -> Traffic:  # fmt: skip
-    """The :class:`~.traffic.Traffic` of a ring of ``R`` ranks each holding its
-    Ulysses group's stretch (``fold=U``)."""
-    pieces = [layout_pieces(seq_len, R, i, layout, U) for i in range(R)]
-    most = max(len(ps) for ps in pieces)  # (zigzag: the middle rank's runs are adjacent, merged)
-    for ps in pieces:
-        end = sum(p.length for p in ps)
-        ps += [Piece(ps[-1].start + ps[-1].length, 0, end)] * (most - len(ps))
-    return traffic_of(pattern, seq_len, heads, kv_heads, pieces, layout, source, U)
-
-
 @dataclass(frozen=True)
 class ModeRank:
     """One rank of one mode: bytes sent per layer (all-to-all, ring),
     peak memory items and time."""
 
     rank: int
-    local_len: int
     a2a_forward: int
     a2a_forward_backward: int
     ring_forward: int
@@ -118,10 +102,16 @@ def evaluate_mode(
     k = [(st + n - 1) // g + 1 - st // g if n > 0 else 0 for st, n in heads]
     rates = setup.rates(max(layout_shard_lengths(seq_len, R, layout, U)))
     keys = [(c[j], k[j] if c[j] % max(k[j], 1) == 0 else c[j]) for j in range(U)]
+    # the ring of R ranks, each holding its Ulysses group's stretch, as many pieces each
+    pieces = [layout_pieces(seq_len, R, i, layout, U) for i in range(R)]
+    runs = [len(ps) for ps in pieces]  # (zigzag: the middle rank's runs are adjacent, merged)
+    for ps in pieces:
+        end = sum(p.length for p in ps)
+        ps += [Piece(ps[-1].start + ps[-1].length, 0, end)] * (max(runs) - len(ps))
     slices: dict[tuple[int, int], tuple[Traffic, list[LayerMemory], list[RankTime]]] = {}
     for key in keys:
         if key[0] and key not in slices:
-            tr = stretch_traffic(pattern, seq_len, *key, R, U, layout, setup.source)
+            tr = traffic_of(pattern, seq_len, *key, pieces, layout, setup.source, U)
             mems = layer_memories(tr, B, D, s, device=setup.device)
             slices[key] = (tr, mems, layer_times(tr, B, D, s, rates, ring_link))
     out = []
@@ -138,7 +128,7 @@ def evaluate_mode(
             ring_f = int(2 * tr.rows_sent[i]) * B * D * s
             ring_fb = 2 * ring_f + int(2 * tr.rows_received[i]) * B * D * acc
             mem, time = mems[i], times[i]
-            if len(layout_pieces(seq_len, R, i, layout, U)) == 1:  # one run: no copies
+            if runs[i] == 1:  # one run: no copies
                 fwd, bwd = {**mem.forward, _ZIGZAG: 0}, {**mem.backward, _ZIGZAG: 0}
                 mem = LayerMemory(mem.inputs, fwd, bwd, mem.buffers)
         L = lengths[v]
@@ -152,7 +142,7 @@ def evaluate_mode(
         a2a_f = a2a_link.seconds(qkv) + a2a_link.seconds(o)
         a2a_b = a2a_link.seconds(og) + a2a_link.seconds(qg)
         out.append(ModeRank(
-            rank=v, local_len=L, a2a_forward=qkv + o, a2a_forward_backward=qkv + o + og + qg,
+            rank=v, a2a_forward=qkv + o, a2a_forward_backward=qkv + o + og + qg,
             ring_forward=ring_f, ring_forward_backward=ring_fb,
             forward_peak=sum(f_items.values()), training_peak=sum(t_items.values()),
             training_items=t_items, time=time,
