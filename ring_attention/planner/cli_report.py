@@ -155,8 +155,7 @@ def model_lines(ev: Any) -> list[str]:
 
 def _details(ev: Any, usable: int) -> list[str]:
     worst, b, t = ev.worst, fmt_bytes, fmt_time
-    j = max(range(len(ev.ranks)), key=lambda r: ev.ranks[r].training_peak)
-    m = ev.ranks[j]
+    m = max(ev.ranks, key=lambda r: r.training_peak)
     fits = "fits" if worst["training_peak"] <= usable else "does NOT fit"
     lines = [
         f"{ev.mode}: {ev.ring} ring(s) x {ev.ulysses} Ulysses rank(s)"
@@ -165,7 +164,7 @@ def _details(ev: Any, usable: int) -> list[str]:
         f"{b(worst['sent_forward_backward'])} (all-to-all {b(worst['a2a_forward_backward'])}, "
         f"ring {b(worst['ring_forward_backward'])})",
         f"  peak memory  {b(worst['training_peak'])} training, {b(worst['forward_peak'])} "
-        f"inference (rank {j}; {fits}, {b(usable)} usable):",
+        f"inference (rank {m.rank}; {fits}, {b(usable)} usable):",
     ]
     lines += [f"      {k:<28} {b(v):>12}" for k, v in m.training_items.items() if v]
     f = max(ev.ranks, key=lambda r: r.seconds[1])

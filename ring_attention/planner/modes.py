@@ -132,13 +132,12 @@ def evaluate_mode(
                 fwd, bwd = {**mem.forward, _ZIGZAG: 0}, {**mem.backward, _ZIGZAG: 0}
                 mem = LayerMemory(mem.inputs, fwd, bwd, mem.buffers)
         L = lengths[v]
-        local = {"q, k, v": L * (H + 2 * Hkv) * D * B * s}
         if U == 1:  # the ring itself: its own items
-            f_items = {**local, **(mem.forward if mem else {})}
-            t_items = {**local, "grad_out": L * H * D * B * s,
-                       **(_training(mem) if mem else {})}  # fmt: skip
+            f_own, t_own = (mem.forward, _training(mem)) if mem else ({}, {})
         else:
-            f_items, t_items = _grid_items(L, S, H, Hkv, c, k, j, D, B, s, acc, mem, (qkv, o, og))
+            f_own, t_own = _grid_items(L, S, H, c, k, j, D, B, s, acc, mem, (qkv, o, og))
+        local = {"q, k, v": L * (H + 2 * Hkv) * D * B * s}
+        f_items, t_items = {**local, **f_own}, {**local, "grad_out": L * H * D * B * s, **t_own}
         a2a_f = a2a_link.seconds(qkv) + a2a_link.seconds(o)
         a2a_b = a2a_link.seconds(og) + a2a_link.seconds(qg)
         out.append(ModeRank(
@@ -159,15 +158,14 @@ def _training(mem: LayerMemory) -> dict[str, int]:
     return {**extra, **(mem.backward if bwd >= fwd else mem.forward)}
 
 
-def _grid_items(L, S, H, Hkv, c, k, j, D, B, s, acc, mem, a2a):
-    """Peak memory items of one Ulysses rank: inference and training (``a2a``: the packed q, k,
-    v going out, out and lse going out, their gradients coming back, :func:`_a2a_bytes`)."""
+def _grid_items(L, S, H, c, k, j, D, B, s, acc, mem, a2a):
+    """Peak memory items of one Ulysses rank beyond its q, k, v and grad_out: inference and
+    training (``a2a``: the packed q, k, v and out, lse going out, their gradients coming back)."""
     send1, send2, back2 = a2a
     vec = D * B * s
     stretch = S * (c[j] + 2 * k[j]) * vec  # q, k, v of this rank's heads over the stretch
     o_s = S * c[j] * (vec + B * acc)  # out and lse over the stretch
     full = L * H * (vec + B * acc)  # out and lse of every head, own shard
-    local = {"q, k, v": L * (H + 2 * Hkv) * vec}
     attn_f = sum(mem.forward.values()) if mem else 0
     attn_b = sum(v for k_, v in mem.backward.items() if k_ != KERNEL_WORKSPACE) if mem else 0
     plan = mem.inputs.get("plan indices (cached)", 0) if mem else 0
@@ -178,7 +176,7 @@ def _grid_items(L, S, H, Hkv, c, k, j, D, B, s, acc, mem, a2a):
         "all-to-all out, lse": max(o_s + send2 + full, 2 * full),
     }
     top = max(fwd, key=fwd.get)
-    f_items = {**local, "plan indices (cached)": plan, top: fwd[top]}
+    f_items = {"plan indices (cached)": plan, top: fwd[top]}
     # backward: the saved stretch and output, then the same three in reverse
     saved = stretch + o_s
     bwd = {
@@ -188,8 +186,7 @@ def _grid_items(L, S, H, Hkv, c, k, j, D, B, s, acc, mem, a2a):
     }
     btop = max(bwd, key=bwd.get)
     phase, value = (btop, bwd[btop]) if bwd[btop] >= fwd[top] else (top, fwd[top])
-    t_items = {**local, "grad_out": L * H * vec, "plan indices (cached)": plan, phase: value}
-    return f_items, t_items
+    return f_items, {"plan indices (cached)": plan, phase: value}
 
 
 def grid_for(mode: str, ranks: int, gpus_per_node: int, ulysses: int | None = None):
