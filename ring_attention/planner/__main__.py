@@ -1,7 +1,5 @@
 """``python -m ring_attention.planner``."""
 
-import sys
-
 from .cli import main
 
-sys.exit(main())
+raise SystemExit(main())

@@ -295,10 +295,9 @@ def fewest_ranks(
         return ev
 
     one, two = at(1), at(2)
-    if peak(one) <= budget:
-        return one
-    if peak(two) <= budget:
-        return two
+    for ev in (one, two):
+        if peak(ev) <= budget:
+            return ev
     lo, hi, best = 2, None, None  # lo does not fit, hi fits
     last = (1, peak(one))
     p = min(max(-(-peak(one) // budget), 3), limit)

@@ -70,11 +70,10 @@ def check_args(args: argparse.Namespace) -> None:
     """The rules between options, before any planning; raises
     :class:`OptionError` naming the option. Fills in a ``--model``'s shape."""
     ranks, device = _ranks(args), _device(args)
+    model = MODELS.get(args.model)
     for name, default in (("heads", 16), ("kv_heads", None), ("head_dim", 128)):
         if getattr(args, name) is None:  # a --model's, else the default (kv_heads: heads)
-            model = MODELS[args.model] if args.model else None
-            fallback = args.heads if default is None else default
-            setattr(args, name, getattr(model, name) if model else fallback)
+            setattr(args, name, getattr(model, name) if model else default or args.heads)
     memory, reserve = _memory(args, device, ranks or 1)
     own_model = [(o, g) for o, g in (("--ffn", args.ffn is not None), ("--gated", args.gated),
                                      ("--vocab", args.vocab != 0)) if g]  # fmt: skip
@@ -129,14 +128,13 @@ def build_setup(args: argparse.Namespace, ranks: int) -> Setup:
     """The :class:`Setup` the arguments (checked by :func:`check_args`)
     describe, on ``ranks`` processes."""
     device = _device(args)
-    heads, kv_heads, head_dim = args.heads, args.kv_heads, args.head_dim
-    model = MODELS[args.model] if args.model else None
+    model = MODELS.get(args.model)
     if args.layers is not None:
-        if heads * head_dim != args.hidden:
-            print(f"note: heads x head_dim = {heads * head_dim} differs from --hidden "
+        if args.heads * args.head_dim != args.hidden:
+            print(f"note: heads x head_dim = {args.heads * args.head_dim} differs from --hidden "
                   f"{args.hidden} (the projections map between them)")  # fmt: skip
         model = ModelShape(
-            args.layers, args.hidden, heads, kv_heads, head_dim,
+            args.layers, args.hidden, args.heads, args.kv_heads, args.head_dim,
             4 * args.hidden if args.ffn is None else args.ffn, args.gated, args.vocab,
         )  # fmt: skip
     dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
@@ -147,18 +145,16 @@ def build_setup(args: argparse.Namespace, ranks: int) -> Setup:
                 d.message_us if args.message_us is None else args.message_us)  # fmt: skip
     records = tuple(load_records(args.bench_json)) if args.bench_json else None
     far = {"off": 0, "auto": link.far_bytes}.get(args.far_bytes, args.far_bytes)
+    as_given = ("heads", "kv_heads", "head_dim", "batch", "causal", "head_groups", "head_offsets",
+                "document_length", "layout", "tflops", "threads", "matmul_tflops", "source",
+                "backward_heads")  # fmt: skip
     return Setup(
-        ranks=ranks, device=device, memory=memory, reserve=reserve, heads=heads,
-        kv_heads=kv_heads, head_dim=head_dim, batch=args.batch, dtype=dtype,
+        ranks=ranks, device=device, memory=memory, reserve=reserve, dtype=dtype,
         pattern=None if args.segments else args.pattern,
         segments=tuple(args.segments) if args.segments else None,
-        dilations=tuple(args.dilations) if args.dilations else None, causal=args.causal,
-        head_groups=args.head_groups, head_offsets=args.head_offsets,
-        document_length=args.document_length, layout=args.layout, records=records,
-        tflops=args.tflops, threads=args.threads, link=link, far_bytes=far,
-        matmul_tflops=args.matmul_tflops, model=model, checkpointing=not args.no_checkpointing,
-        shard_params=not args.replicate_params, source=args.source,
-        backward_heads=args.backward_heads,
+        dilations=tuple(args.dilations) if args.dilations else None, records=records, link=link,
+        far_bytes=far, model=model, checkpointing=not args.no_checkpointing,
+        shard_params=not args.replicate_params, **{name: getattr(args, name) for name in as_given},
     )  # fmt: skip
 
 
@@ -189,11 +185,8 @@ class _Progress:
         (self.fits if fits else self.fails).append(value)
         elapsed = time.monotonic() - self.start
         text = f"planner: {self.what}: {self.state()}, {elapsed:.0f} s"
-        if self.tty:
-            sys.stderr.write(f"\r{text}\033[K")
-            sys.stderr.flush()
-        elif self.lines and elapsed >= _QUIET_SECONDS:
-            sys.stderr.write(text + "\n")
+        if self.tty or (self.lines and elapsed >= _QUIET_SECONDS):
+            sys.stderr.write(f"\r{text}\033[K" if self.tty else text + "\n")
             sys.stderr.flush()
         if elapsed > self.limit:
             raise Impossible(
@@ -240,8 +233,8 @@ def _too_large(setup: Setup, seq_len: int, goal: str, limit: int) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Plan and print (``args`` from :func:`.cli_args.parse_args`, checked);
-    returns the exit status (2: impossible, explained)."""
+    """Plan and print (``args`` parsed and checked by :func:`main`); returns
+    the exit status (2: impossible, explained)."""
     ranks = _ranks(args)
     try:
         setup = build_setup(args, ranks or 1)
@@ -353,23 +346,16 @@ def _mode_report(args: argparse.Namespace, setup: Setup, seq_len: int) -> list[s
     return lines + MODE_ASSUMPTIONS
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse and check the planner's arguments: a bad option, or a bad
-    combination of them, exits 2 with argparse's message naming it."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        check_args(args)
-    except OptionError as exc:
-        parser.error(str(exc))
-    return args
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m ring_attention.planner``: the exit status
-    (0; 2 for a bad option or a request that cannot be met)."""
+    (0; 2 for a bad option, named as argparse does, or a request that cannot be met)."""
+    parser = build_parser()
     try:
-        args = parse_args(argv)
+        args = parser.parse_args(argv)
+        try:
+            check_args(args)
+        except OptionError as exc:
+            parser.error(str(exc))
     except SystemExit as exc:  # argparse: --help (0) or a bad option (2)
         return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
     return run(args)

@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--memory", type=_MEMORY, help="with --device cpu: the host memory shared by "
                    "all processes (default: this machine's); on GPUs the same as "
                    "--gpu-memory")  # fmt: skip
-    g.add_argument("--reserve", type=reserve(MAX_BYTES), default=None, help="memory kept free "
+    g.add_argument("--reserve", type=reserve, default=None, help="memory kept free "
                    "per rank: bytes (8GB) or a share (10%%); default 10%% on GPUs (CUDA context, "
                    "allocator, NCCL), 400MB per CPU process (interpreter, torch, "
                    "gloo)")  # fmt: skip
@@ -161,11 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "RING_ATTENTION_FAR_BYTES: transfers of at most this many K/V bytes travel in "
                    "one far group per pass ('auto': latency x bandwidth; 'off': the ring alone, "
                    "the default); both schedules are printed")  # fmt: skip
-    heads_help = (
-        "the ring's RING_ATTENTION_BACKWARD_HEADS: its backward by groups of this many heads, "
-        "one ring pass each ('auto': the planner's advice, the fastest whose peak fits)"
-    )
-    g.add_argument("--backward-heads", type=_backward_heads, default="all", help=heads_help)
+    g.add_argument("--backward-heads", type=_backward_heads, default="all", help="the ring's "
+                   "RING_ATTENTION_BACKWARD_HEADS: its backward by groups of this many heads, one "
+                   "ring pass each ('auto': the planner's advice, the fastest whose peak "
+                   "fits)")  # fmt: skip
     g.add_argument("--source", default="auto", choices=["auto", "plan", "analytic"],
                    help="exchanged rows: the ring's plan (small sizes) or closed "
                    "forms")  # fmt: skip

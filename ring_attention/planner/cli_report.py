@@ -6,6 +6,7 @@ from typing import Any
 
 from ..core.links import LINKS
 from ..core.pairs import pattern_flops
+from .memory import acc_bytes
 from .model import activation_bytes_per_token
 from .presets import PATTERNS
 
@@ -88,7 +89,7 @@ def layer_details(ev: Any) -> list[str]:
         f"{fmt_time(t.exposed_forward_backward)}; rank {t_rank})",
     ]
     lines += _far_lines(ev)
-    row, acc = 2 * s.batch * s.head_dim, 8 if s.itemsize == 8 else 4
+    row, acc = 2 * s.batch * s.head_dim, acc_bytes(s.itemsize)
     sent, recv = tr.rows_sent, tr.rows_received
     fb_sent = int((2 * row * s.itemsize * sent + row * acc * recv).max())
     fb_recv = int((2 * row * s.itemsize * recv + row * acc * sent).max())
@@ -105,13 +106,10 @@ def layer_details(ev: Any) -> list[str]:
 
 def _far_lines(ev: Any) -> list[str]:
     """The ring alone and the far group side by side, and which is cheaper."""
-    s = ev.setup
-    far = s.far_bytes or s.link.far_bytes
+    far = ev.setup.far_bytes or ev.setup.link.far_bytes
     out = []
-    for name, times in (
-        ("ring alone", ev.times_with(0)),
-        (f"far group (transfers <= {fmt_bytes(far)})", ev.times_with(far)),
-    ):
+    for name, far_bytes in (("ring alone", 0), (f"far group (transfers <= {fmt_bytes(far)})", far)):
+        times = ev.times_with(far_bytes)
         f = max(times, key=lambda t: t.forward)
         fb = max(times, key=lambda t: t.forward_backward)
         msgs = max(t.far_messages for t in times)
@@ -157,8 +155,7 @@ def model_lines(ev: Any) -> list[str]:
 
 def _details(ev: Any, usable: int) -> list[str]:
     worst, b, t = ev.worst, fmt_bytes, fmt_time
-    j = max(range(len(ev.ranks)), key=lambda r: ev.ranks[r].training_peak)
-    m = ev.ranks[j]
+    m = max(ev.ranks, key=lambda r: r.training_peak)
     fits = "fits" if worst["training_peak"] <= usable else "does NOT fit"
     lines = [
         f"{ev.mode}: {ev.ring} ring(s) x {ev.ulysses} Ulysses rank(s)"
@@ -167,7 +164,7 @@ def _details(ev: Any, usable: int) -> list[str]:
         f"{b(worst['sent_forward_backward'])} (all-to-all {b(worst['a2a_forward_backward'])}, "
         f"ring {b(worst['ring_forward_backward'])})",
         f"  peak memory  {b(worst['training_peak'])} training, {b(worst['forward_peak'])} "
-        f"inference (rank {j}; {fits}, {b(usable)} usable):",
+        f"inference (rank {m.rank}; {fits}, {b(usable)} usable):",
     ]
     lines += [f"      {k:<28} {b(v):>12}" for k, v in m.training_items.items() if v]
     f = max(ev.ranks, key=lambda r: r.seconds[1])
@@ -196,9 +193,7 @@ def mode_lines(evals: list[Any], usable: int, advice: list[str]) -> list[str]:
         cells = (f"{(fmt_time if k.endswith('_s') else fmt_bytes)(ev.worst[k]):>{w}}"
                  for _, w, k in columns)  # fmt: skip
         lines.append(f"  {ev.mode:<8} {f'{ev.ring} x {ev.ulysses}':>9} " + " ".join(cells))
-    lines.append("")
-    lines += ["Advice: " + a if i == 0 else "        " + a for i, a in enumerate(advice)]
-    lines.append("")
+    lines += ["", *(("Advice: " if i == 0 else " " * 8) + a for i, a in enumerate(advice)), ""]
     for ev in evals:
         lines += _details(ev, usable)
     return lines

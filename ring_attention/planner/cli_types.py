@@ -62,27 +62,23 @@ def number_in(low: float, high: float, *, above: bool = False) -> Callable[[str]
     return _checked(expected, float, ok, lambda text, _: repr(text))
 
 
-def reserve(high: int) -> Callable[[str], tuple[str, float]]:
+def reserve(text: str) -> tuple[str, float]:
     """Memory kept free per rank: a share (``"10%"``, in ``[0, 100)``) as
-    ``("%", 10.0)``, or bytes (a size in ``[0, high]``) as ``("bytes", n)``."""
-
-    def parse(text: str) -> tuple[str, float]:
-        expected = f"expected bytes (8GB, at most {high:.4g}) or a share in [0%, 100%) (10%)"
-        text = str(text).strip()
-        try:
-            if text.endswith("%"):
-                share = float(text[:-1])
-                if math.isfinite(share) and 0 <= share < 100:
-                    return ("%", share)
-            else:
-                n = parse_size(text)
-                if n <= high:
-                    return ("bytes", n)
-        except (ValueError, argparse.ArgumentTypeError):
-            pass
-        raise argparse.ArgumentTypeError(f"{expected}, got {text!r}")
-
-    return parse
+    ``("%", 10.0)``, or bytes (a size in ``[0, MAX_BYTES]``) as ``("bytes", n)``."""
+    expected = f"expected bytes (8GB, at most {MAX_BYTES:.4g}) or a share in [0%, 100%) (10%)"
+    text = str(text).strip()
+    try:
+        if text.endswith("%"):
+            share = float(text[:-1])
+            if math.isfinite(share) and 0 <= share < 100:
+                return ("%", share)
+        else:
+            n = parse_size(text)
+            if n <= MAX_BYTES:
+                return ("bytes", n)
+    except (ValueError, argparse.ArgumentTypeError):
+        pass
+    raise argparse.ArgumentTypeError(f"{expected}, got {text!r}")
 
 
 #: A bandwidth (Gbit/s) or a rate (TFLOP/s): finite, from 10^-6.

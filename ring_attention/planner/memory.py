@@ -17,11 +17,8 @@ DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def _slots_used(index: torch.Tensor, posting: torch.Tensor) -> torch.Tensor:
-    """``(p,)``: distinct buffers of one packed kind each rank touches."""
-    n = posting.sum(1)
-    even = (posting & (index % 2 == 0)).any(1).long()
-    odd = (posting & (index % 2 == 1)).any(1).long()
-    return torch.where(n >= 2, even + odd, n.clamp(max=1))
+    """``(p,)``: the buffers of one packed kind each rank touches (slots by ``index`` parity)."""
+    return (posting & (index % 2 == 0)).any(1).long() + (posting & (index % 2 == 1)).any(1).long()
 
 
 def transport_buffers(

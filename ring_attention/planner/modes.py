@@ -7,7 +7,6 @@ from typing import Any
 
 from ..core.layout import Piece, layout_pieces, layout_shard_lengths, resolve_layout, shard_bounds
 from ..core.links import Link
-from ..core.pattern import Pattern
 from .memory import KERNEL_WORKSPACE, LayerMemory, acc_bytes, layer_memories
 from .timing import RankTime, layer_times
 from .traffic import Traffic, traffic_of
@@ -16,27 +15,12 @@ MODES = ("ring", "ulysses", "hybrid")
 _ZIGZAG = "piece copies (zigzag)"  # a memory item of .memory
 
 
-def stretch_traffic(
-    pattern: Pattern, seq_len: int, heads: int, kv_heads: int, R: int, U: int, layout: str,
-    source: str = "auto",
-) -> Traffic:  # fmt: skip
-    """The :class:`~.traffic.Traffic` of a ring of ``R`` ranks each holding its
-    Ulysses group's stretch (``fold=U``)."""
-    pieces = [layout_pieces(seq_len, R, i, layout, U) for i in range(R)]
-    most = max(len(ps) for ps in pieces)  # (zigzag: the middle rank's runs are adjacent, merged)
-    for ps in pieces:
-        end = sum(p.length for p in ps)
-        ps += [Piece(ps[-1].start + ps[-1].length, 0, end)] * (most - len(ps))
-    return traffic_of(pattern, seq_len, heads, kv_heads, pieces, layout, source, U)
-
-
 @dataclass(frozen=True)
 class ModeRank:
     """One rank of one mode: bytes sent per layer (all-to-all, ring),
     peak memory items and time."""
 
     rank: int
-    local_len: int
     a2a_forward: int
     a2a_forward_backward: int
     ring_forward: int
@@ -118,10 +102,16 @@ def evaluate_mode(
     k = [(st + n - 1) // g + 1 - st // g if n > 0 else 0 for st, n in heads]
     rates = setup.rates(max(layout_shard_lengths(seq_len, R, layout, U)))
     keys = [(c[j], k[j] if c[j] % max(k[j], 1) == 0 else c[j]) for j in range(U)]
+    # the ring of R ranks, each holding its Ulysses group's stretch, as many pieces each
+    pieces = [layout_pieces(seq_len, R, i, layout, U) for i in range(R)]
+    runs = [len(ps) for ps in pieces]  # (zigzag: the middle rank's runs are adjacent, merged)
+    for ps in pieces:
+        end = sum(p.length for p in ps)
+        ps += [Piece(ps[-1].start + ps[-1].length, 0, end)] * (max(runs) - len(ps))
     slices: dict[tuple[int, int], tuple[Traffic, list[LayerMemory], list[RankTime]]] = {}
     for key in keys:
         if key[0] and key not in slices:
-            tr = stretch_traffic(pattern, seq_len, *key, R, U, layout, setup.source)
+            tr = traffic_of(pattern, seq_len, *key, pieces, layout, setup.source, U)
             mems = layer_memories(tr, B, D, s, device=setup.device)
             slices[key] = (tr, mems, layer_times(tr, B, D, s, rates, ring_link))
     out = []
@@ -138,21 +128,20 @@ def evaluate_mode(
             ring_f = int(2 * tr.rows_sent[i]) * B * D * s
             ring_fb = 2 * ring_f + int(2 * tr.rows_received[i]) * B * D * acc
             mem, time = mems[i], times[i]
-            if len(layout_pieces(seq_len, R, i, layout, U)) == 1:  # one run: no copies
+            if runs[i] == 1:  # one run: no copies
                 fwd, bwd = {**mem.forward, _ZIGZAG: 0}, {**mem.backward, _ZIGZAG: 0}
                 mem = LayerMemory(mem.inputs, fwd, bwd, mem.buffers)
         L = lengths[v]
-        local = {"q, k, v": L * (H + 2 * Hkv) * D * B * s}
         if U == 1:  # the ring itself: its own items
-            f_items = {**local, **(mem.forward if mem else {})}
-            t_items = {**local, "grad_out": L * H * D * B * s,
-                       **(_training(mem) if mem else {})}  # fmt: skip
+            f_own, t_own = (mem.forward, _training(mem)) if mem else ({}, {})
         else:
-            f_items, t_items = _grid_items(L, S, H, Hkv, c, k, j, D, B, s, acc, mem, (qkv, o, og))
+            f_own, t_own = _grid_items(L, S, H, c, k, j, D, B, s, acc, mem, (qkv, o, og))
+        local = {"q, k, v": L * (H + 2 * Hkv) * D * B * s}
+        f_items, t_items = {**local, **f_own}, {**local, "grad_out": L * H * D * B * s, **t_own}
         a2a_f = a2a_link.seconds(qkv) + a2a_link.seconds(o)
         a2a_b = a2a_link.seconds(og) + a2a_link.seconds(qg)
         out.append(ModeRank(
-            rank=v, local_len=L, a2a_forward=qkv + o, a2a_forward_backward=qkv + o + og + qg,
+            rank=v, a2a_forward=qkv + o, a2a_forward_backward=qkv + o + og + qg,
             ring_forward=ring_f, ring_forward_backward=ring_fb,
             forward_peak=sum(f_items.values()), training_peak=sum(t_items.values()),
             training_items=t_items, time=time,
@@ -169,15 +158,14 @@ def _training(mem: LayerMemory) -> dict[str, int]:
     return {**extra, **(mem.backward if bwd >= fwd else mem.forward)}
 
 
-def _grid_items(L, S, H, Hkv, c, k, j, D, B, s, acc, mem, a2a):
-    """Peak memory items of one Ulysses rank: inference and training (``a2a``: the packed q, k,
-    v going out, out and lse going out, their gradients coming back, :func:`_a2a_bytes`)."""
+def _grid_items(L, S, H, c, k, j, D, B, s, acc, mem, a2a):
+    """Peak memory items of one Ulysses rank beyond its q, k, v and grad_out: inference and
+    training (``a2a``: the packed q, k, v and out, lse going out, their gradients coming back)."""
     send1, send2, back2 = a2a
     vec = D * B * s
     stretch = S * (c[j] + 2 * k[j]) * vec  # q, k, v of this rank's heads over the stretch
     o_s = S * c[j] * (vec + B * acc)  # out and lse over the stretch
     full = L * H * (vec + B * acc)  # out and lse of every head, own shard
-    local = {"q, k, v": L * (H + 2 * Hkv) * vec}
     attn_f = sum(mem.forward.values()) if mem else 0
     attn_b = sum(v for k_, v in mem.backward.items() if k_ != KERNEL_WORKSPACE) if mem else 0
     plan = mem.inputs.get("plan indices (cached)", 0) if mem else 0
@@ -188,7 +176,7 @@ def _grid_items(L, S, H, Hkv, c, k, j, D, B, s, acc, mem, a2a):
         "all-to-all out, lse": max(o_s + send2 + full, 2 * full),
     }
     top = max(fwd, key=fwd.get)
-    f_items = {**local, "plan indices (cached)": plan, top: fwd[top]}
+    f_items = {"plan indices (cached)": plan, top: fwd[top]}
     # backward: the saved stretch and output, then the same three in reverse
     saved = stretch + o_s
     bwd = {
@@ -198,8 +186,7 @@ def _grid_items(L, S, H, Hkv, c, k, j, D, B, s, acc, mem, a2a):
     }
     btop = max(bwd, key=bwd.get)
     phase, value = (btop, bwd[btop]) if bwd[btop] >= fwd[top] else (top, fwd[top])
-    t_items = {**local, "grad_out": L * H * vec, "plan indices (cached)": plan, phase: value}
-    return f_items, t_items
+    return f_items, {"plan indices (cached)": plan, phase: value}
 
 
 def grid_for(mode: str, ranks: int, gpus_per_node: int, ulysses: int | None = None):

@@ -78,11 +78,11 @@ def _inclusion_exclusion(x: int, y: int, classes: tuple[tuple[int, int], ...]) -
 @cached("planner periodic counts", 1 << 16)
 def _periodic_count(x: int, y: int, classes: tuple[tuple[int, int], ...]) -> int:
     """Members of ``[x, y)`` in the union of the residue classes."""
-    if len(classes) <= _FEW_CLASSES:
+    period = math.lcm(*(r for r, _ in classes))
+    if len(classes) <= _FEW_CLASSES or period > _MAX_PERIOD:
         count = _inclusion_exclusion(x, y, classes)
         if count is not None:
             return count
-    period = math.lcm(*(r for r, _ in classes))
     if period <= _MAX_PERIOD:
         total, pre = _period_table(classes, period)
 
@@ -91,9 +91,6 @@ def _periodic_count(x: int, y: int, classes: tuple[tuple[int, int], ...]) -> int
             return q * total + (int(pre[rem - 1]) if rem else 0)
 
         return upto(y) - upto(x)
-    count = _inclusion_exclusion(x, y, classes)
-    if count is not None:
-        return count
     if y - x > _MAX_ENUMERATED:
         raise ValueError(
             f"the exchange model cannot count a union of {len(classes)} residue classes with "

@@ -80,9 +80,8 @@ class Traffic:
             recv, span, shift = counts["recv"], counts["span"], counts["shift"]
         else:
             recv, span, shift = -(-self.recv_rows * kv_heads // self.kv_heads), self.span_rows, None
-        send = _sends(recv)
-        rows = dict(recv_rows=recv, send_rows=send, span_rows=span, shifted_rows=shift)
-        return replace(self, heads=h1 - h0, kv_heads=kv_heads, **rows)
+        return replace(self, heads=h1 - h0, kv_heads=kv_heads, recv_rows=recv,
+                       send_rows=_sends(recv), span_rows=span, shifted_rows=shift)  # fmt: skip
 
     @property
     def rows_sent(self) -> torch.Tensor:
